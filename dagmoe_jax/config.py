@@ -1,0 +1,277 @@
+"""Validated model configuration, exposed to gin.
+
+Every dataclass here is frozen and checks itself in ``__post_init__``: an invalid value or an
+invalid combination raises ``ValueError`` naming the field and the range it accepts. Defaults
+follow the DAG-MoE paper's small model (Table 3, Appendix B.1) unless a comment says otherwise.
+
+gin binds the same classes (``ModelConfig.d_model = 512``, ``ModelConfig.router =
+@RouterConfig()``); see ``configs/`` for the paper's models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import gin
+
+BLOCK_TYPES = ("dense", "moe", "coe")
+SCORE_FNS = ("sigmoid", "softmax")
+DISPATCH_MODES = ("capacity", "dropless", "dense")
+AGGREGATORS = ("sum", "dag", "mlp")
+EDGE_ACTIVATIONS = ("silu", "sigmoid")
+COE_RESIDUALS = ("inner", "outer", "init")
+REMAT_POLICIES = ("none", "full", "dots")
+ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn")
+DTYPES = ("float32", "bfloat16")
+
+
+def _check(ok: bool, cls: str, field: str, value, valid: str) -> None:
+    if not ok:
+        raise ValueError(f"{cls}.{field}={value!r} is invalid: expected {valid}")
+
+
+def _choice(cls: str, field: str, value, options) -> None:
+    _check(value in options, cls, field, value, "one of " + ", ".join(map(repr, options)))
+
+
+def _positive(cls: str, field: str, value) -> None:
+    _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, cls, field, value,
+           "an integer >= 1")
+
+
+def _nonnegative(cls: str, field: str, value) -> None:
+    _check(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
+           cls, field, value, "a number >= 0")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    """Token-choice router (DESIGN.md section 2).
+
+    score_fn: 'sigmoid' (DAG-MoE default) or 'softmax' (Switch, CoE reference code).
+    top_k: experts selected per token (K).
+    renormalize: divide the selected gates by their sum (off in DAG-MoE).
+    balance_coef: Switch balance-loss coefficient (paper: 0.01).
+    z_loss_coef: router z-loss coefficient (paper: 0.001).
+    """
+
+    score_fn: str = "sigmoid"
+    top_k: int = 4
+    renormalize: bool = False
+    balance_coef: float = 0.01
+    z_loss_coef: float = 0.001
+
+    def __post_init__(self):
+        _choice("RouterConfig", "score_fn", self.score_fn, SCORE_FNS)
+        _positive("RouterConfig", "top_k", self.top_k)
+        _nonnegative("RouterConfig", "balance_coef", self.balance_coef)
+        _nonnegative("RouterConfig", "z_loss_coef", self.z_loss_coef)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class ExpertConfig:
+    """Routed and shared experts and how tokens reach them (DESIGN.md section 3).
+
+    num_experts: routed experts N (paper s: 32, or 64 fine-grained).
+    expert_hidden: SwiGLU hidden size d_r of each routed expert (paper s: 256).
+    num_shared: shared experts applied to every token (0 = none; the paper's parity baseline uses 1).
+    shared_hidden: hidden size of each shared expert.
+    dispatch: 'capacity' (einsum over [N, C, d], overflow dropped; the CPU default),
+      'dropless' (sort + ragged_dot, exact) or 'dense' (every expert on every token; test oracle).
+    capacity_factor: C = ceil(capacity_factor * T * K / N) slots per expert for 'capacity'.
+    """
+
+    num_experts: int = 32
+    expert_hidden: int = 256
+    num_shared: int = 0
+    shared_hidden: int = 256
+    dispatch: str = "capacity"
+    capacity_factor: float = 1.25
+
+    def __post_init__(self):
+        _positive("ExpertConfig", "num_experts", self.num_experts)
+        _positive("ExpertConfig", "expert_hidden", self.expert_hidden)
+        _check(isinstance(self.num_shared, int) and self.num_shared >= 0, "ExpertConfig", "num_shared",
+               self.num_shared, "an integer >= 0")
+        _positive("ExpertConfig", "shared_hidden", self.shared_hidden)
+        _choice("ExpertConfig", "dispatch", self.dispatch, DISPATCH_MODES)
+        _check(isinstance(self.capacity_factor, (int, float)) and self.capacity_factor > 0,
+               "ExpertConfig", "capacity_factor", self.capacity_factor, "a number > 0")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class AggregationConfig:
+    """How the K expert outputs become the block output (DESIGN.md section 4).
+
+    kind: 'sum' (eq. 1), 'dag' (DAG-MoE eq. 6-12) or 'mlp' (the MLP-mixing ablation).
+    dag_dim: hidden size d_g of the DAG module (and of the MLP mixer).
+    dag_iters: DAG iterations L (depth of the learned DAG).
+    edge_act: sigma of eq. 10: 'silu' (the paper: the experts' activation) or 'sigmoid'.
+    """
+
+    kind: str = "sum"
+    dag_dim: int = 128
+    dag_iters: int = 2
+    edge_act: str = "silu"
+
+    def __post_init__(self):
+        _choice("AggregationConfig", "kind", self.kind, AGGREGATORS)
+        _positive("AggregationConfig", "dag_dim", self.dag_dim)
+        _positive("AggregationConfig", "dag_iters", self.dag_iters)
+        _choice("AggregationConfig", "edge_act", self.edge_act, EDGE_ACTIVATIONS)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class CoEConfig:
+    """Chain-of-Experts block (DESIGN.md section 5; CoE eq. 4-10).
+
+    iterations: communication steps C.
+    top_k_per_iter: experts per iteration K_t; None means router.top_k // iterations.
+    shared_router: reuse the first iteration's routing decision in every iteration (CoE eq. 8
+      ablation) instead of one router per iteration.
+    residual: 'inner' (eq. 5, default), 'outer' (eq. 9) or 'init' (eq. 10).
+    """
+
+    iterations: int = 2
+    top_k_per_iter: Optional[int] = None
+    shared_router: bool = False
+    residual: str = "inner"
+
+    def __post_init__(self):
+        _positive("CoEConfig", "iterations", self.iterations)
+        if self.top_k_per_iter is not None:
+            _positive("CoEConfig", "top_k_per_iter", self.top_k_per_iter)
+        _choice("CoEConfig", "residual", self.residual, COE_RESIDUALS)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Llama-3 style decoder (DAG-MoE Appendix B.1) with a choice of FFN block.
+
+    vocab_size: embedding and LM-head rows (256 = bytes; the paper used Llama-3's 128,256).
+    d_model, num_layers, num_heads, num_kv_heads: Table 3 (s: 512, 4, 32, 8).
+    head_dim: None means d_model // num_heads.
+    ffn_hidden: hidden size of the 'dense' block's SwiGLU; None means 8/3 d rounded up to 128.
+    block: 'dense', 'moe' (router + experts + aggregator) or 'coe' (Chain-of-Experts).
+    max_seq_len: longest sequence the model accepts (RoPE tables are built to this length).
+    rope_theta: RoPE base (Llama-3: 500000).
+    norm_eps: epsilon of RMSNorm and of the DAG module's LayerNorm.
+    init_std: standard deviation of the normal initialiser of every matrix.
+    remat: 'none', 'full' (recompute the layer in backward) or 'dots' (save matmul outputs only).
+    attention: 'auto' (blockwise causal on CPU, cuDNN where available), 'xla', 'blockwise' or 'cudnn'.
+    attention_block: query/key block size of the blockwise causal attention.
+    param_dtype, compute_dtype: 'float32' or 'bfloat16' (master weights stay float32 by default).
+    """
+
+    vocab_size: int = 256
+    d_model: int = 512
+    num_layers: int = 4
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: Optional[int] = None
+    ffn_hidden: Optional[int] = None
+    block: str = "moe"
+    max_seq_len: int = 2048
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    remat: str = "none"
+    attention: str = "auto"
+    attention_block: int = 128
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
+    experts: ExpertConfig = dataclasses.field(default_factory=ExpertConfig)
+    aggregation: AggregationConfig = dataclasses.field(default_factory=AggregationConfig)
+    coe: CoEConfig = dataclasses.field(default_factory=CoEConfig)
+
+    def __post_init__(self):
+        c = "ModelConfig"
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
+                     "max_seq_len", "attention_block"):
+            _positive(c, name, getattr(self, name))
+        if self.head_dim is not None:
+            _positive(c, "head_dim", self.head_dim)
+        else:
+            _check(self.d_model % self.num_heads == 0, c, "num_heads", self.num_heads,
+                   f"a divisor of d_model={self.d_model} (or set head_dim)")
+        _check(self.num_heads % self.num_kv_heads == 0, c, "num_kv_heads", self.num_kv_heads,
+               f"a divisor of num_heads={self.num_heads}")
+        _check(self.resolved_head_dim % 2 == 0, c, "head_dim", self.resolved_head_dim,
+               "an even number (RoPE rotates pairs)")
+        if self.ffn_hidden is not None:
+            _positive(c, "ffn_hidden", self.ffn_hidden)
+        _choice(c, "block", self.block, BLOCK_TYPES)
+        _check(self.rope_theta > 0, c, "rope_theta", self.rope_theta, "a number > 0")
+        _check(self.norm_eps > 0, c, "norm_eps", self.norm_eps, "a number > 0")
+        _check(self.init_std > 0, c, "init_std", self.init_std, "a number > 0")
+        _choice(c, "remat", self.remat, REMAT_POLICIES)
+        _choice(c, "attention", self.attention, ATTENTION_IMPLS)
+        _choice(c, "param_dtype", self.param_dtype, DTYPES)
+        _choice(c, "compute_dtype", self.compute_dtype, DTYPES)
+        for name, cls in (("router", RouterConfig), ("experts", ExpertConfig),
+                          ("aggregation", AggregationConfig), ("coe", CoEConfig)):
+            _check(isinstance(getattr(self, name), cls), c, name, getattr(self, name),
+                   f"a {cls.__name__}")
+        n = self.experts.num_experts
+        if self.block == "moe":
+            _check(self.router.top_k <= n, "RouterConfig", "top_k", self.router.top_k,
+                   f"an integer in [1, num_experts={n}]")
+        if self.block == "coe":
+            _check(self.aggregation.kind == "sum", "AggregationConfig", "kind",
+                   self.aggregation.kind, "'sum' when block='coe' (CoE sums each iteration)")
+            k_t = self.coe_top_k
+            _check(k_t >= 1, "CoEConfig", "top_k_per_iter", k_t,
+                   f"an integer >= 1 (router.top_k={self.router.top_k} // "
+                   f"iterations={self.coe.iterations} is 0; set top_k_per_iter)")
+            _check(k_t <= n, "CoEConfig", "top_k_per_iter", k_t,
+                   f"an integer in [1, num_experts={n}]")
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+    @property
+    def resolved_ffn_hidden(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        return int(math.ceil(8 * self.d_model / 3 / 128) * 128)
+
+    @property
+    def coe_top_k(self) -> int:
+        """Experts per CoE iteration (K_t; CoE eq. 7 uses K / C)."""
+        if self.coe.top_k_per_iter is not None:
+            return self.coe.top_k_per_iter
+        return self.router.top_k // self.coe.iterations
+
+    def replace(self, **changes) -> "ModelConfig":
+        """A copy with fields changed; nested configs accept dicts of their own fields."""
+        for name in ("router", "experts", "aggregation", "coe"):
+            if isinstance(changes.get(name), dict):
+                changes[name] = dataclasses.replace(getattr(self, name), **changes[name])
+        return dataclasses.replace(self, **changes)
+
+
+def dag_params_per_layer(d_model: int, dag_dim: int, dag_iters: int) -> int:
+    """Parameters the DAG module adds to one layer: L * (2 d d_g + 4 d_g^2 + 2 d).
+
+    W_down [d, d_g] and W_up [d_g, d] give 2 d d_g, W_edge and W_node [2 d_g, d_g] give 4 d_g^2,
+    and the LayerNorm of eq. 7 has a scale and a bias of d each.
+    """
+    return dag_iters * (2 * d_model * dag_dim + 4 * dag_dim * dag_dim + 2 * d_model)
+
+
+def matched_shared_hidden(d_model: int, dag_dim: int, dag_iters: int) -> int:
+    """The shared-expert hidden size whose 3 d d_r parameters best match the DAG module's.
+
+    This is the paper's parity baseline (DAG-MoE sec. 5.1): d 512, d_g 128, L 2 adds 395,264
+    parameters, matched by a shared expert of d_r 256 (393,216).
+    """
+    return max(1, round(dag_params_per_layer(d_model, dag_dim, dag_iters) / (3 * d_model)))

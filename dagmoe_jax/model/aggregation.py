@@ -1,0 +1,154 @@
+"""Aggregators: how the K selected expert outputs become the block output (DESIGN.md section 4).
+
+* ``sum``: the standard weighted sum (DAG-MoE eq. 1).
+* ``dag``: the DAG learning module (DAG-MoE eq. 6-12), L iterations scanned over stacked
+  per-iteration parameters ``w_down [L, d, d_g]``, ``w_edge [L, 2 d_g, d_g]``,
+  ``w_node [L, 2 d_g, d_g]``, ``w_up [L, d_g, d]`` and LayerNorm ``ln_scale, ln_bias [L, d]``.
+* ``mlp``: the structureless MLP-mixing ablation (DAG-MoE summary ablation table; our reading).
+
+Every aggregator is called as ``agg(x, gates, expert_out)`` with x [T, d], gates [T, K] and
+expert_out [T, K, d] in the router's rank order, and returns y [T, d].
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.model.layers import make_param, normal
+from dagmoe_jax.parallel import constrain
+
+EDGE_ACTIVATIONS = {"silu": jax.nn.silu, "sigmoid": jax.nn.sigmoid}
+
+
+def weighted_sum(gates: jax.Array, expert_out: jax.Array) -> jax.Array:
+    """DAG-MoE eq. 1: y = sum_k g_k E_k(x)."""
+    return jnp.einsum("tk,tkd->td", gates.astype(expert_out.dtype), expert_out)
+
+
+def dag_initial_nodes(x: jax.Array, gates: jax.Array, expert_out: jax.Array) -> jax.Array:
+    """DAG-MoE eq. 6: x_i^0 = g_i E_i(x) + x / K for the K selected experts in rank order."""
+    k = gates.shape[-1]
+    return gates[..., None].astype(expert_out.dtype) * expert_out + (x / k)[:, None, :]
+
+
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """DAG-MoE eq. 7: LayerNorm over the model dimension, statistics in float32."""
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + eps) * scale + bias
+    return y.astype(x.dtype)
+
+
+def dag_messages(u: jax.Array, w_edge: jax.Array, w_node: jax.Array, edge_act: str) -> jax.Array:
+    """DAG-MoE eq. 9-10 summed over j as eq. 11 needs: sum_j e_(i,j) * W_node [u_i; u_j].
+
+    ``u`` [T, K, d_g] are the down-projected nodes (eq. 8). The pair [u_i; u_j] of eq. 9 is never
+    built: W [u_i; u_j] = W_a u_i + W_b u_j with W_a, W_b the two halves of W, so each node is
+    projected once ([T, K, 4 d_g] in one matmul) and the K x K pairs are a broadcast add.
+    """
+    dg = u.shape[-1]
+    w_pair = jnp.concatenate([w_edge[:dg], w_node[:dg], w_edge[dg:], w_node[dg:]], axis=1)
+    e_i, n_i, e_j, n_j = jnp.split(u @ w_pair.astype(u.dtype), 4, axis=-1)
+    edge = EDGE_ACTIVATIONS[edge_act](e_i[:, :, None, :] + e_j[:, None, :, :])   # e_(i,j) [T,K,K,dg]
+    return jnp.sum(edge * (n_i[:, :, None, :] + n_j[:, None, :, :]), axis=2)
+
+
+def dag_iteration(nodes: jax.Array, ln_scale, ln_bias, w_down, w_edge, w_node, w_up,
+                  edge_act: str, eps: float) -> jax.Array:
+    """One DAG iteration l, DAG-MoE eq. 7-11: nodes x^{l-1} [T, K, d] -> x^l [T, K, d]."""
+    dtype = nodes.dtype
+    u = layer_norm(nodes, ln_scale, ln_bias, eps) @ w_down.astype(dtype)          # eq. 7-8
+    msg = dag_messages(u, w_edge, w_node, edge_act)                               # eq. 9-10
+    return msg @ w_up.astype(dtype) + nodes                                       # eq. 11
+
+
+def dag_readout(nodes: jax.Array) -> jax.Array:
+    """DAG-MoE eq. 12: y = sum_i x_i^L."""
+    return jnp.sum(nodes, axis=1)
+
+
+class DAGIteration(nnx.Module):
+    """The parameters of one DAG iteration; stacked L times by :class:`DAGAggregator`."""
+
+    def __init__(self, d: int, dg: int, std: float, edge_act: str, eps: float, *, rngs: nnx.Rngs):
+        self.edge_act, self.eps = edge_act, eps
+        self.ln_scale = make_param(rngs, nnx.initializers.ones, (d,), ("embed",))
+        self.ln_bias = make_param(rngs, nnx.initializers.zeros, (d,), ("embed",))
+        self.w_down = make_param(rngs, normal(std), (d, dg), ("embed", "dag"))
+        self.w_edge = make_param(rngs, normal(std), (2 * dg, dg), (None, "dag"))
+        self.w_node = make_param(rngs, normal(std), (2 * dg, dg), (None, "dag"))
+        self.w_up = make_param(rngs, nnx.initializers.zeros, (dg, d), ("dag", "embed"))  # zero init
+
+    def __call__(self, nodes: jax.Array) -> jax.Array:
+        nodes = dag_iteration(nodes, self.ln_scale[...], self.ln_bias[...], self.w_down[...],
+                              self.w_edge[...], self.w_node[...], self.w_up[...],
+                              self.edge_act, self.eps)
+        return constrain(nodes, ("batch", "nodes", "embed"))
+
+
+class DAGAggregator(nnx.Module):
+    """DAG-MoE eq. 6-12: initial nodes, L scanned iterations, sum readout."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        agg = cfg.aggregation
+
+        @nnx.split_rngs(splits=agg.dag_iters)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "dag_iters"})
+        def make(r):
+            return DAGIteration(cfg.d_model, agg.dag_dim, cfg.init_std, agg.edge_act,
+                                cfg.norm_eps, rngs=r)
+
+        self.iterations = make(rngs)
+
+    def __call__(self, x, gates, expert_out):
+        nodes = dag_initial_nodes(x, gates, expert_out)
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry,
+                  transform_metadata={nnx.PARTITION_NAME: "dag_iters"})
+        def step(nodes, iteration):
+            return iteration(nodes)
+
+        return dag_readout(step(nodes, self.iterations))
+
+
+def mlp_mix(s: jax.Array, w_1: jax.Array, w_2: jax.Array, w_3: jax.Array, eps: float) -> jax.Array:
+    """MLP mixing (our reading): y = s + W_3 (silu(W_1 LN(s)) * W_2 LN(s)), s = sum_k g_k E_k.
+
+    The LayerNorm has no affine parameters, so the mixer has exactly 3 d d_g parameters (98,304
+    at d 512, d_g 64, the ablation's "98K").
+    """
+    d = s.shape[-1]
+    h = layer_norm(s, jnp.ones((d,), jnp.float32), jnp.zeros((d,), jnp.float32), eps)
+    dt = s.dtype
+    return s + (jax.nn.silu(h @ w_1.astype(dt)) * (h @ w_2.astype(dt))) @ w_3.astype(dt)
+
+
+class MLPMixer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, dg = cfg.d_model, cfg.aggregation.dag_dim
+        self.eps = cfg.norm_eps
+        self.w_1 = make_param(rngs, normal(cfg.init_std), (d, dg), ("embed", "dag"))
+        self.w_2 = make_param(rngs, normal(cfg.init_std), (d, dg), ("embed", "dag"))
+        self.w_3 = make_param(rngs, nnx.initializers.zeros, (dg, d), ("dag", "embed"))
+
+    def __call__(self, x, gates, expert_out):
+        return mlp_mix(weighted_sum(gates, expert_out), self.w_1[...], self.w_2[...], self.w_3[...],
+                       self.eps)
+
+
+class SumAggregator(nnx.Module):
+    def __call__(self, x, gates, expert_out):
+        return weighted_sum(gates, expert_out)
+
+
+def make_aggregator(cfg: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Module:
+    kind = cfg.aggregation.kind
+    if kind == "dag":
+        return DAGAggregator(cfg, rngs=rngs)
+    if kind == "mlp":
+        return MLPMixer(cfg, rngs=rngs)
+    return SumAggregator()

@@ -1,0 +1,121 @@
+"""Grouped-query causal self-attention with RoPE (Llama-3; DAG-MoE Appendix B.1)."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.model.layers import dtype_of, make_param, normal
+from dagmoe_jax.parallel import constrain
+
+
+def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> Tuple[jax.Array, jax.Array]:
+    """RoPE sin and cos for integer ``positions`` [..., S]: shapes [..., S, head_dim / 2]."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.sin(angles), jnp.cos(angles)
+
+
+def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+    """Rotate halves of ``x`` [B, S, H, D] (the Llama / GPT-NeoX layout); sin, cos [B or 1, S, D/2]."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    sin, cos = sin[:, :, None, :], cos[:, :, None, :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _grouped(q: jax.Array, num_kv: int) -> jax.Array:
+    b, s, h, d = q.shape
+    return q.reshape(b, s, num_kv, h // num_kv, d)
+
+
+def causal_attention_reference(q, k, v):
+    """Full S x S causal attention for q [B,S,H,D], k, v [B,S,KV,D]: the oracle for tests."""
+    b, s, h, d = q.shape
+    qg = _grouped(q, k.shape[2]).astype(jnp.float32) / jnp.sqrt(d).astype(jnp.float32)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k.astype(jnp.float32))
+    mask = jnp.tril(jnp.ones((s, s), bool))
+    scores = jnp.where(mask, scores, -jnp.inf)
+    p = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", p, v.astype(jnp.float32))
+    return out.reshape(b, s, h, d).astype(q.dtype)
+
+
+def blockwise_causal_attention(q, k, v, block: int):
+    """Causal attention that skips the blocks above the diagonal.
+
+    Query block i attends to the key prefix [0, (i + 1) * block): one dense matmul per query
+    block, masking only its diagonal block, so about half of the S x S work of a full causal
+    attention is never done. Exact (softmax over the whole visible prefix), not an approximation.
+    """
+    b, s, h, d = q.shape
+    if s <= block:
+        return causal_attention_reference(q, k, v)
+    kv = k.shape[2]
+    scale = 1.0 / jnp.sqrt(jnp.float32(d))
+    qg = _grouped(q, kv)
+    outs = []
+    for start in range(0, s, block):
+        stop = min(start + block, s)
+        qb = qg[:, start:stop] * scale.astype(q.dtype)
+        kb, vb = k[:, :stop], v[:, :stop]
+        scores = jnp.einsum("bqkgd,bskd->bkgqs", qb, kb, preferred_element_type=jnp.float32)
+        q_pos = jnp.arange(start, stop)[:, None]
+        mask = jnp.arange(stop)[None, :] <= q_pos
+        scores = jnp.where(mask, scores, -jnp.inf)
+        p = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        outs.append(jnp.einsum("bkgqs,bskd->bqkgd", p, vb))
+    return jnp.concatenate(outs, axis=1).reshape(b, s, h, d)
+
+
+def resolve_attention_impl(name: str) -> str:
+    if name != "auto":
+        return name
+    return "cudnn" if jax.default_backend() == "gpu" else "blockwise" if jax.default_backend() == "cpu" else "xla"
+
+
+def causal_attention(q, k, v, impl: str, block: int):
+    """Dispatch to the configured causal attention kernel (GQA: H a multiple of KV heads)."""
+    impl = resolve_attention_impl(impl)
+    if impl == "blockwise":
+        return blockwise_causal_attention(q, k, v, block)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                        implementation="cudnn" if impl == "cudnn" else "xla")
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention: H query heads share KV heads in groups of H / KV."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, h, kv, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+        self.cfg = cfg
+        self.dtype = dtype_of(cfg.compute_dtype)
+        pd = dtype_of(cfg.param_dtype)
+        init = normal(cfg.init_std)
+        self.w_q = make_param(rngs, init, (d, h, hd), ("embed", "heads", "head_dim"), pd)
+        self.w_k = make_param(rngs, init, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd)
+        self.w_v = make_param(rngs, init, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd)
+        self.w_o = make_param(rngs, init, (h, hd, d), ("heads", "head_dim", "embed"), pd)
+
+    def project_qkv(self, x: jax.Array, sin: jax.Array, cos: jax.Array):
+        c = lambda w: w[...].astype(self.dtype)
+        x = x.astype(self.dtype)
+        q = jnp.einsum("bsd,dhk->bshk", x, c(self.w_q))
+        k = jnp.einsum("bsd,dhk->bshk", x, c(self.w_k))
+        v = jnp.einsum("bsd,dhk->bshk", x, c(self.w_v))
+        q = constrain(apply_rope(q, sin, cos), ("batch", "length", "heads", "head_dim"))
+        k = constrain(apply_rope(k, sin, cos), ("batch", "length", "kv_heads", "head_dim"))
+        v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+        return q, k, v
+
+    def project_out(self, o: jax.Array) -> jax.Array:
+        out = jnp.einsum("bshk,hkd->bsd", o, self.w_o[...].astype(self.dtype))
+        return constrain(out, ("batch", "length", "embed"))
+
+    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+        q, k, v = self.project_qkv(x, sin, cos)
+        o = causal_attention(q, k, v, self.cfg.attention, self.cfg.attention_block)
+        return self.project_out(o)

@@ -1,0 +1,97 @@
+"""Getting tokens to their experts and back (DESIGN.md section 3).
+
+Each strategy takes tokens ``x`` [T, d] and the router's expert ids [T, K] and returns the
+selected experts' outputs [T, K, d] in rank order, plus a keep mask [T, K] (False where capacity
+dropped the assignment; its output is zero). With no drops the three strategies agree exactly up
+to float rounding: ``dense`` is the oracle the tests compare against.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from dagmoe_jax.model.layers import swiglu
+from dagmoe_jax.parallel import constrain
+
+ExpertWeights = Tuple[jax.Array, jax.Array, jax.Array]  # w_gate, w_up [N,d,h]; w_down [N,h,d]
+
+
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """C = ceil(capacity_factor * T * K / N), at least 1 slot."""
+    return max(1, int(math.ceil(capacity_factor * num_tokens * top_k / num_experts)))
+
+
+def apply_experts(buffer: jax.Array, weights: ExpertWeights) -> jax.Array:
+    """Every expert's SwiGLU on its own rows: buffer [N, C, d] -> [N, C, d], a vmap over N."""
+    return jax.vmap(swiglu)(buffer, *weights)
+
+
+def capacity_slots(indices: jax.Array, num_experts: int, capacity: int):
+    """Slot of each assignment in its expert's buffer, GShard priority (rank-major).
+
+    All tokens' first choices claim slots before any second choice, tokens in order within a rank.
+    Returns (slot [T, K] = expert * C + position, keep [T, K] = position < C).
+    """
+    t, k = indices.shape
+    flat = indices.T.reshape(-1)                                   # [K*T], rank-major
+    onehot = jax.nn.one_hot(flat, num_experts, dtype=jnp.int32)
+    position = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1).reshape(k, t).T
+    keep = position < capacity
+    return indices * capacity + position, keep
+
+
+def capacity_dispatch(x: jax.Array, indices: jax.Array, weights: ExpertWeights,
+                      capacity_factor: float):
+    """Fixed-capacity dispatch: gather into [N, C, d], batched experts, gather back."""
+    t, d = x.shape
+    n, k = weights[0].shape[0], indices.shape[1]
+    cap = expert_capacity(t, k, n, capacity_factor)
+    slot, keep = capacity_slots(indices, n, cap)
+    slot = jnp.where(keep, slot, n * cap)                          # out of range: dropped
+    token = jnp.broadcast_to(jnp.arange(t)[:, None], (t, k))
+    slot_token = jnp.full((n * cap,), t, jnp.int32).at[slot.reshape(-1)].set(
+        token.reshape(-1), mode="drop")                            # empty slot -> row t (zero)
+    buffer = x.at[slot_token].get(mode="fill", fill_value=0).reshape(n, cap, d)
+    buffer = constrain(buffer, ("expert", "expert_slots", "embed"))
+    y = constrain(apply_experts(buffer, weights), ("expert", "expert_slots", "embed"))
+    out = y.reshape(n * cap, d).at[slot].get(mode="fill", fill_value=0)
+    return out, keep
+
+
+def dropless_dispatch(x: jax.Array, indices: jax.Array, weights: ExpertWeights):
+    """Exact dispatch: sort the T*K assignments by expert and run grouped matmuls (ragged_dot)."""
+    t, d = x.shape
+    n, k = weights[0].shape[0], indices.shape[1]
+    flat = indices.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    xs = x[order // k]
+    sizes = jnp.bincount(flat, length=n).astype(jnp.int32)
+    w_gate, w_up, w_down = weights
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes)) * jax.lax.ragged_dot(xs, w_up, sizes)
+    ys = jax.lax.ragged_dot(h, w_down, sizes)
+    out = jnp.zeros_like(ys).at[order].set(ys).reshape(t, k, d)
+    return out, jnp.ones((t, k), bool)
+
+
+def dense_dispatch(x: jax.Array, indices: jax.Array, weights: ExpertWeights):
+    """Every expert on every token, then pick the selected ones: the test oracle (N x the work)."""
+    y = apply_experts(jnp.broadcast_to(x, (weights[0].shape[0],) + x.shape), weights)  # [N,T,d]
+    out = y[indices, jnp.arange(x.shape[0])[:, None]]
+    return out, jnp.ones(indices.shape, bool)
+
+
+DISPATCH: dict[str, Callable] = {
+    "capacity": capacity_dispatch,
+    "dropless": lambda x, i, w, _cf: dropless_dispatch(x, i, w),
+    "dense": lambda x, i, w, _cf: dense_dispatch(x, i, w),
+}
+
+
+def dispatch(mode: str, x, indices, weights: ExpertWeights, capacity_factor: float):
+    if mode not in DISPATCH:
+        raise ValueError(f"dispatch={mode!r} is invalid: expected one of {sorted(DISPATCH)}")
+    return DISPATCH[mode](x, indices, weights, capacity_factor)

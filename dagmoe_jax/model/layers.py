@@ -1,0 +1,67 @@
+"""Shared building blocks: parameter creation with logical axes, RMSNorm, SwiGLU."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Shape = Tuple[int, ...]
+
+
+def dtype_of(name: str):
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+def make_param(rngs: nnx.Rngs, init: Callable, shape: Shape, names: Sequence[Optional[str]],
+               dtype=jnp.float32) -> nnx.Param:
+    """A parameter initialised with ``init`` whose metadata carries its logical axis ``names``."""
+    if len(names) != len(shape):
+        raise ValueError(f"make_param: axis names {tuple(names)} do not match shape {shape}")
+    return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=tuple(names),
+                     eager_sharding=False)
+
+
+def normal(std: float) -> Callable:
+    return nnx.initializers.normal(std)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm (Llama): ``x / sqrt(mean(x^2) + eps) * scale``, statistics in float32."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """SwiGLU FFN (Llama): ``(silu(x W_gate) * (x W_up)) W_down``."""
+    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs):
+        self.eps = eps
+        self.scale = make_param(rngs, nnx.initializers.ones, (dim,), ("embed",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.scale[...], self.eps)
+
+
+class SwiGLU(nnx.Module):
+    """A dense SwiGLU FFN: the 'dense' block and the shared experts.
+
+    ``num_shared`` shared experts of hidden ``h`` are one SwiGLU of hidden ``num_shared * h``:
+    the sum of the separate experts' outputs is exactly that FFN's output.
+    """
+
+    def __init__(self, d_model: int, hidden: int, std: float, dtype, *, rngs: nnx.Rngs):
+        self.dtype = dtype
+        self.w_gate = make_param(rngs, normal(std), (d_model, hidden), ("embed", "mlp"))
+        self.w_up = make_param(rngs, normal(std), (d_model, hidden), ("embed", "mlp"))
+        self.w_down = make_param(rngs, normal(std), (hidden, d_model), ("mlp", "embed"))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = lambda w: w[...].astype(self.dtype)
+        return swiglu(x.astype(self.dtype), c(self.w_gate), c(self.w_up), c(self.w_down))

@@ -1,0 +1,69 @@
+"""Logical axis names (DESIGN.md section 8) and activation sharding constraints.
+
+Every parameter carries a tuple of logical names in its ``out_sharding`` metadata and every major
+activation passes through :func:`constrain`. Outside a mesh with axis rules (the default on one
+device) ``constrain`` returns its input unchanged, so the model code is the same on a laptop and a
+pod; the rules below decide where each name lands on the mesh ``data, fsdp, expert, tensor``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import jax
+from flax.core import spmd
+from jax.sharding import PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+
+# Logical name -> mesh axis (or axes). Outside MoE blocks `expert` acts as data parallelism.
+DEFAULT_RULES: Tuple[Tuple[str, object], ...] = (
+    ("batch", ("data", "fsdp", "expert")),
+    ("length", None),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("expert", "expert"),
+    ("expert_mlp", "tensor"),
+    ("expert_slots", None),
+    ("dag", None),
+    ("nodes", None),
+    ("layers", None),
+    ("dag_iters", None),
+    ("coe_iters", None),
+)
+
+
+def logical_to_spec(names: Sequence[Optional[str]], rules=None) -> PartitionSpec:
+    """Map logical axis names to a ``PartitionSpec`` with ``rules`` (default: the active rules).
+
+    A mesh axis is used at most once per spec: a later name that maps to an axis already taken
+    stays replicated, as in ``flax.linen.logical_to_mesh_axes``.
+    """
+    rules = dict(rules if rules is not None else (spmd.get_logical_axis_rules() or DEFAULT_RULES))
+    used, out = set(), []
+    for name in names:
+        target = rules.get(name) if name is not None else None
+        axes = (target,) if isinstance(target, str) else tuple(target or ())
+        axes = tuple(a for a in axes if a not in used)
+        used.update(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*out)
+
+
+def constrain(x: jax.Array, names: Sequence[Optional[str]]) -> jax.Array:
+    """Constrain activation ``x`` to the sharding its logical ``names`` map to.
+
+    A no-op unless logical axis rules are active (``flax.core.spmd.logical_axis_rules``) and a
+    mesh is set (``jax.set_mesh``), so single-device code pays nothing.
+    """
+    if len(names) != x.ndim:
+        raise ValueError(f"constrain: {len(names)} axis names {tuple(names)} for a rank-{x.ndim} array")
+    rules = spmd.get_logical_axis_rules()
+    mesh = jax.sharding.get_abstract_mesh()
+    if not rules or mesh is None or mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(names, rules))

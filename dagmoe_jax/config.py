@@ -268,10 +268,13 @@ def dag_params_per_layer(d_model: int, dag_dim: int, dag_iters: int) -> int:
     return dag_iters * (2 * d_model * dag_dim + 4 * dag_dim * dag_dim + 2 * d_model)
 
 
-def matched_shared_hidden(d_model: int, dag_dim: int, dag_iters: int) -> int:
-    """The shared-expert hidden size whose 3 d d_r parameters best match the DAG module's.
+@gin.configurable
+def matched_shared_hidden(d_model: int, dag_dim: int, dag_iters: int, multiple: int = 8) -> int:
+    """The shared-expert hidden size d_r whose 3 d d_r parameters match the DAG module's.
 
-    This is the paper's parity baseline (DAG-MoE sec. 5.1): d 512, d_g 128, L 2 adds 395,264
-    parameters, matched by a shared expert of d_r 256 (393,216).
+    The nearest multiple of ``multiple`` (hardware-friendly shapes) to the exact match. This is
+    the paper's parity baseline (DAG-MoE sec. 5.1): d 512, d_g 128, L 2 adds 395,264 parameters,
+    matched by a shared expert of d_r 256 (393,216); d 1024, d_g 256, L 2 gives 512 (Appendix B.2).
     """
-    return max(1, round(dag_params_per_layer(d_model, dag_dim, dag_iters) / (3 * d_model)))
+    exact = dag_params_per_layer(d_model, dag_dim, dag_iters) / (3 * d_model)
+    return max(multiple, int(round(exact / multiple)) * multiple)

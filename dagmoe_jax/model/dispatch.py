@@ -30,6 +30,33 @@ def apply_experts(buffer: jax.Array, weights: ExpertWeights) -> jax.Array:
     return jax.vmap(swiglu)(buffer, *weights)
 
 
+@jax.custom_vjp
+def take_rows(src: jax.Array, idx: jax.Array, inverse: jax.Array) -> jax.Array:
+    """``src[idx]`` (rows; an out-of-range index gives a zero row) whose gradient is a gather too.
+
+    ``idx`` must map rows one-to-one (a partial permutation, as dispatch and combine are), and
+    ``inverse`` [src_rows, ...] lists for each source row the output rows that read it
+    (out of range where none). The backward pass is then ``sum(dout[inverse], axis=1..)``, a
+    gather, instead of the scatter-add autodiff would emit (slow on CPU, serialised on GPU).
+    """
+    return src.at[idx].get(mode="fill", fill_value=0)
+
+
+def _take_rows_fwd(src, idx, inverse):
+    return take_rows(src, idx, inverse), (idx, inverse)
+
+
+def _take_rows_bwd(res, dout):
+    idx, inverse = res
+    flat = dout.reshape(-1, dout.shape[-1])
+    dsrc = flat.at[inverse].get(mode="fill", fill_value=0)
+    dsrc = dsrc.reshape(inverse.shape[0], -1, flat.shape[-1]).sum(axis=1)
+    return dsrc, None, None
+
+
+take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
 def capacity_slots(indices: jax.Array, num_experts: int, capacity: int):
     """Slot of each assignment in its expert's buffer, GShard priority (rank-major).
 
@@ -52,13 +79,14 @@ def capacity_dispatch(x: jax.Array, indices: jax.Array, weights: ExpertWeights,
     cap = expert_capacity(t, k, n, capacity_factor)
     slot, keep = capacity_slots(indices, n, cap)
     slot = jnp.where(keep, slot, n * cap)                          # out of range: dropped
-    token = jnp.broadcast_to(jnp.arange(t)[:, None], (t, k))
-    slot_token = jnp.full((n * cap,), t, jnp.int32).at[slot.reshape(-1)].set(
-        token.reshape(-1), mode="drop")                            # empty slot -> row t (zero)
-    buffer = x.at[slot_token].get(mode="fill", fill_value=0).reshape(n, cap, d)
+    # assignment (t * K + k) held by each slot; t * K (out of range) where the slot is empty
+    holder = jnp.full((n * cap,), t * k, jnp.int32).at[slot.reshape(-1)].set(
+        jnp.arange(t * k, dtype=jnp.int32), mode="drop")
+    token = jnp.where(holder < t * k, holder // k, t)
+    buffer = take_rows(x, token, slot).reshape(n, cap, d)
     buffer = constrain(buffer, ("expert", "expert_slots", "embed"))
     y = constrain(apply_experts(buffer, weights), ("expert", "expert_slots", "embed"))
-    out = y.reshape(n * cap, d).at[slot].get(mode="fill", fill_value=0)
+    out = take_rows(y.reshape(n * cap, d), slot, holder)
     return out, keep
 
 
@@ -67,13 +95,14 @@ def dropless_dispatch(x: jax.Array, indices: jax.Array, weights: ExpertWeights):
     t, d = x.shape
     n, k = weights[0].shape[0], indices.shape[1]
     flat = indices.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    xs = x[order // k]
+    order = jnp.argsort(flat, stable=True)                         # sorted row -> assignment
+    rank = jnp.argsort(order)                                      # assignment -> sorted row
+    xs = take_rows(x, order // k, rank.reshape(t, k))
     sizes = jnp.bincount(flat, length=n).astype(jnp.int32)
     w_gate, w_up, w_down = weights
     h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes)) * jax.lax.ragged_dot(xs, w_up, sizes)
     ys = jax.lax.ragged_dot(h, w_down, sizes)
-    out = jnp.zeros_like(ys).at[order].set(ys).reshape(t, k, d)
+    out = take_rows(ys, rank.reshape(t, k), order)
     return out, jnp.ones((t, k), bool)
 
 

@@ -1,0 +1,149 @@
+"""Training-step throughput of the paper's s-size variants, side by side in one run.
+
+For each variant (MoE, MoE + shared expert, DAG-MoE L 1/2/3, MLP mixing, CoE) at each vocabulary
+size it times a full AdamW training step (forward + backward + update) and reports tokens/s,
+model FLOP/s from :mod:`dagmoe_jax.accounting` and their ratio to this machine's float32 matmul
+rate, measured in the same run. A second table times the DAG module against the experts it
+aggregates (forward + backward) to compare their achieved FLOP/s.
+
+    python benchmarks/step_throughput.py                       # full run (CPU: ~15 minutes)
+    python benchmarks/step_throughput.py --vocab 256 --steps 2 # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from dagmoe_jax.accounting import account  # noqa: E402
+from dagmoe_jax.gin_utils import load_model_config  # noqa: E402
+from dagmoe_jax.model import Transformer  # noqa: E402
+from dagmoe_jax.model.aggregation import DAGAggregator  # noqa: E402
+from dagmoe_jax.model.experts import Experts  # noqa: E402
+from dagmoe_jax.train.step import make_train_step  # noqa: E402
+
+VARIANTS = {
+    "moe": "variants/moe.gin",
+    "moe+shared(256)": "variants/moe_shared_g128_l2.gin",
+    "dag g128 L1": "variants/dag_g128_l1.gin",
+    "dag g128 L2": "variants/dag_g128_l2.gin",
+    "dag g128 L3": "variants/dag_g128_l3.gin",
+    "mlp g64": "variants/mlp_g64.gin",
+    "coe k4 c2": "variants/coe_k4_c2.gin",
+}
+BASELINE = "moe+shared(256)"
+
+
+def time_fn(fn, repeats: int) -> float:
+    """Median wall time of ``fn()`` (which must block) after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def matmul_rate(n: int = 2048, repeats: int = 5) -> float:
+    """Measured float32 FLOP/s of an n x n x n matmul on the default device."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    f = jax.jit(lambda x, y: x @ y)
+    return 2 * n ** 3 / time_fn(lambda: f(a, a).block_until_ready(), repeats)
+
+
+def step_time(cfg, batch: int, seq: int, steps: int) -> float:
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+    step = make_train_step()
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, seq + 1)), jnp.int32)
+    data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    return time_fn(lambda: jax.block_until_ready(step(model, optimizer, data)), steps)
+
+
+def component_rates(cfg, tokens: int, repeats: int):
+    """Achieved FLOP/s (forward + backward) of the experts (dispatch included) and of the DAG
+    module, on random inputs of ``tokens`` tokens."""
+    d, k, e, a = cfg.d_model, cfg.router.top_k, cfg.experts, cfg.aggregation
+    rngs = nnx.Rngs(0)
+    experts = Experts(e.num_experts, d, e.expert_hidden, cfg.init_std, jnp.float32, rngs=rngs)
+    dag = DAGAggregator(cfg, rngs=rngs)
+    for it in (dag.iterations,):  # random w_up so the backward pass is not trivially sparse
+        it.w_up[...] = 0.02 * jax.random.normal(jax.random.key(1), it.w_up.shape)
+    x = jax.random.normal(jax.random.key(2), (tokens, d))
+    idx = jnp.asarray(np.argsort(np.random.default_rng(0).random((tokens, e.num_experts)), 1)[:, :k])
+    gates = jax.random.uniform(jax.random.key(3), (tokens, k))
+    out = jax.random.normal(jax.random.key(4), (tokens, k, d))
+
+    @nnx.jit
+    def experts_step(m, x):
+        return nnx.grad(lambda m, x: jnp.sum(m(x, idx, e.dispatch, e.capacity_factor)[0] ** 2))(m, x)
+
+    @nnx.jit
+    def dag_step(m, x, g, o):
+        return nnx.grad(lambda m, x, g, o: jnp.sum(m(x, g, o) ** 2), argnums=(0, 2, 3))(m, x, g, o)
+
+    t_exp = time_fn(lambda: jax.block_until_ready(experts_step(experts, x)), repeats)
+    t_dag = time_fn(lambda: jax.block_until_ready(dag_step(dag, x, gates, out)), repeats)
+    acc = account(cfg)
+    per_tok = acc.flops
+    flops_exp = per_tok["experts"] / cfg.num_layers * tokens
+    flops_dag = (per_tok["aggregator"] + per_tok["dag_pairwise"]) / cfg.num_layers * tokens
+    return t_exp, flops_exp / t_exp, t_dag, flops_dag / t_dag
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="models/s.gin", help="model-size gin file")
+    p.add_argument("--vocab", type=int, nargs="+", default=[256, 128256])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per variant (median)")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    args = p.parse_args(argv)
+
+    peak = matmul_rate()
+    print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}  "
+          f"float32 2048^3 matmul: {peak / 1e9:.1f} GFLOP/s")
+    print(f"batch {args.batch} x {args.seq} tokens, {args.steps} timed steps per variant\n")
+    tokens = args.batch * args.seq
+    for vocab in args.vocab:
+        rows = []
+        for name in args.variants:
+            cfg = load_model_config([args.model, VARIANTS[name]],
+                                    [f"ModelConfig.vocab_size = {vocab}"])
+            acc = account(cfg, args.seq)
+            t = step_time(cfg, args.batch, args.seq, args.steps)
+            rows.append((name, acc.total_params, t, tokens / t, acc.train_flops_per_token * tokens / t))
+            print(f"  measured {name} @ vocab {vocab}: {t:.3f} s/step", flush=True)
+        base = {r[0]: r for r in rows}.get(BASELINE)
+        print(f"\nvocab {vocab}")
+        print(f"{'variant':<18}{'params':>14}{'s/step':>9}{'tokens/s':>10}{'GFLOP/s':>9}"
+              f"{'of matmul':>11}{'step vs ' + BASELINE:>26}")
+        for name, params, t, tps, fps in rows:
+            ratio = f"{t / base[2]:.3f}x" if base else "-"
+            print(f"{name:<18}{params:>14,}{t:>9.3f}{tps:>10,.0f}{fps / 1e9:>9.1f}"
+                  f"{fps / peak:>10.1%}{ratio:>26}")
+        print()
+
+    cfg = load_model_config([args.model, "variants/dag_g128_l2.gin"])
+    t_exp, r_exp, t_dag, r_dag = component_rates(cfg, tokens, max(args.steps, 3))
+    print(f"components (one layer, {tokens} tokens, forward + backward)")
+    print(f"{'component':<28}{'s':>9}{'GFLOP/s':>10}{'vs experts':>12}")
+    print(f"{'experts (capacity dispatch)':<28}{t_exp:>9.4f}{r_exp / 1e9:>10.1f}{1.0:>11.2f}x")
+    print(f"{'DAG module d_g 128 L 2':<28}{t_dag:>9.4f}{r_dag / 1e9:>10.1f}{r_dag / r_exp:>11.2f}x")
+
+
+if __name__ == "__main__":
+    main()

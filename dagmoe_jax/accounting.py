@@ -1,0 +1,121 @@
+"""Parameter and FLOP accounting for any :class:`ModelConfig`, by component.
+
+Conventions (stated so the numbers can be checked by hand):
+
+* A matmul of a token through a [m, n] weight costs 2 m n FLOPs forward; training costs 3x the
+  forward FLOPs (backward = 2x forward). Embedding lookups and norms count as 0.
+* Causal attention scores: QK^T and PV together cost 4 H hd c per token, with c the average
+  visible context (S + 1) / 2.
+* Routed experts count the K experts a token uses (C * K_t for CoE), not capacity padding.
+* The DAG module projects every node once (its pair tensor is never built): per token and
+  iteration K (4 d d_g + 8 d_g^2) matmul FLOPs, plus K^2 d_g pairwise elementwise work counted as
+  4 FLOPs per element (two broadcast adds, one product, one sum; the activation not counted),
+  reported separately as ``dag_pairwise``.
+* Active parameters per token count each distinct weight a token touches once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict
+
+from dagmoe_jax.config import ModelConfig, dag_params_per_layer
+
+COMPONENTS = ("embedding", "attention", "attention_scores", "norms", "dense_ffn", "router",
+              "experts", "shared_experts", "aggregator", "dag_pairwise", "lm_head")
+
+
+@dataclasses.dataclass(frozen=True)
+class Accounting:
+    params: Dict[str, int]          # total parameters by component
+    active_params: Dict[str, int]   # parameters a single token uses, by component
+    flops: Dict[str, float]         # training FLOPs per token, by component
+    seq_len: int
+
+    @property
+    def total_params(self) -> int:
+        return sum(self.params.values())
+
+    @property
+    def total_active_params(self) -> int:
+        return sum(self.active_params.values())
+
+    @property
+    def train_flops_per_token(self) -> float:
+        return sum(self.flops.values())
+
+    def table(self) -> str:
+        """A plain-text table of the three columns by component."""
+        rows = [f"{'component':<18}{'params':>14}{'active':>14}{'train MFLOP/tok':>17}"]
+        for c in COMPONENTS:
+            p, a, f = self.params.get(c, 0), self.active_params.get(c, 0), self.flops.get(c, 0.0)
+            if p or a or f:
+                rows.append(f"{c:<18}{p:>14,}{a:>14,}{f / 1e6:>17.3f}")
+        rows.append(f"{'total':<18}{self.total_params:>14,}{self.total_active_params:>14,}"
+                    f"{self.train_flops_per_token / 1e6:>17.3f}")
+        return "\n".join(rows)
+
+
+def aggregator_params(cfg: ModelConfig) -> int:
+    """Parameters of one layer's aggregator: the DAG module or the MLP mixer (0 for 'sum')."""
+    a = cfg.aggregation
+    if cfg.block != "moe" or a.kind == "sum":
+        return 0
+    if a.kind == "dag":
+        return dag_params_per_layer(cfg.d_model, a.dag_dim, a.dag_iters)
+    return 3 * cfg.d_model * a.dag_dim
+
+
+def aggregator_forward_flops(cfg: ModelConfig) -> tuple[float, float]:
+    """(matmul, pairwise) forward FLOPs per token of one layer's aggregator."""
+    a, d, k = cfg.aggregation, cfg.d_model, cfg.router.top_k
+    if cfg.block != "moe" or a.kind == "sum":
+        return 0.0, 0.0
+    if a.kind == "dag":
+        dg = a.dag_dim
+        return (a.dag_iters * k * (4 * d * dg + 8 * dg * dg),
+                a.dag_iters * 4 * k * k * dg)
+    return 6.0 * d * a.dag_dim, 0.0
+
+
+def account(cfg: ModelConfig, seq_len: int | None = None) -> Accounting:
+    """Parameters (total and active per token) and training FLOPs per token by component."""
+    s = seq_len or cfg.max_seq_len
+    d, v, n_layers = cfg.d_model, cfg.vocab_size, cfg.num_layers
+    h, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+    e = cfg.experts
+    expert_p = 3 * d * e.expert_hidden
+    shared_p = e.num_shared * 3 * d * e.shared_hidden
+    per_layer: Dict[str, int] = {"attention": 2 * d * h * hd + 2 * d * kv * hd, "norms": 2 * d}
+    active: Dict[str, int] = dict(per_layer)
+    fwd: Dict[str, float] = {"attention": 2.0 * per_layer["attention"],
+                             "attention_scores": 2.0 * h * hd * (s + 1)}
+    if cfg.block == "dense":
+        per_layer["dense_ffn"] = active["dense_ffn"] = 3 * d * cfg.resolved_ffn_hidden
+        fwd["dense_ffn"] = 2.0 * per_layer["dense_ffn"]
+    else:
+        if cfg.block == "coe":
+            steps, k = cfg.coe.iterations, cfg.coe_top_k
+            routers = 1 if cfg.coe.shared_router else steps
+            router_calls = routers
+        else:
+            steps, k, routers, router_calls = 1, cfg.router.top_k, 1, 1
+        per_layer["router"] = active["router"] = routers * d * e.num_experts
+        per_layer["experts"] = e.num_experts * expert_p
+        active["experts"] = min(e.num_experts, steps * k) * expert_p
+        per_layer["shared_experts"] = active["shared_experts"] = shared_p
+        per_layer["aggregator"] = active["aggregator"] = aggregator_params(cfg)
+        agg_mm, agg_pair = aggregator_forward_flops(cfg)
+        fwd.update(router=2.0 * d * e.num_experts * router_calls,
+                   experts=2.0 * expert_p * steps * k,
+                   shared_experts=2.0 * shared_p * steps,
+                   aggregator=agg_mm, dag_pairwise=agg_pair)
+    params = {c: n_layers * p for c, p in per_layer.items()}
+    active_params = {c: n_layers * p for c, p in active.items()}
+    params["norms"] += d
+    active_params["norms"] += d
+    params["embedding"], active_params["embedding"] = v * d, d
+    params["lm_head"] = active_params["lm_head"] = d * v
+    flops = {c: 3.0 * n_layers * f for c, f in fwd.items()}
+    flops["lm_head"] = 3.0 * 2.0 * d * v
+    return Accounting(params, active_params, flops, s)

@@ -1,0 +1,53 @@
+"""Loading a :class:`ModelConfig` from gin files and bindings (T5X style)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import gin
+
+from dagmoe_jax import config as _config  # noqa: F401  (registers the configurables)
+from dagmoe_jax.config import ModelConfig
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def resolve_gin_file(name: str) -> str:
+    """A gin file path as given, or relative to the repository's ``configs/`` directory."""
+    for candidate in (Path(name), CONFIG_DIR / name, CONFIG_DIR / f"{name}.gin"):
+        if candidate.is_file():
+            return str(candidate)
+    raise ValueError(f"gin file {name!r} not found (looked in the working directory and {CONFIG_DIR})")
+
+
+def parse_gin(files: Sequence[str] = (), bindings: Iterable[str] = ()) -> None:
+    """Clear gin and parse ``files`` then ``bindings``; a bad file or binding is a one-line
+    ``ValueError`` naming it."""
+    gin.clear_config()
+    gin.add_config_file_search_path(str(CONFIG_DIR))
+    paths = [resolve_gin_file(f) for f in files]
+    root = logging.getLogger()
+    root.addFilter(_quiet_include_probe)
+    try:
+        gin.parse_config_files_and_bindings(paths, list(bindings))
+    except (ValueError, KeyError, SyntaxError, IOError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"gin configuration error: {first}") from None
+    finally:
+        root.removeFilter(_quiet_include_probe)
+
+
+def _quiet_include_probe(record: logging.LogRecord) -> bool:
+    """gin logs an error for each search-path probe of an ``include``; the include still works."""
+    return not str(record.msg).startswith("Path not found")
+
+
+def load_model_config(files: Sequence[str] = (), bindings: Iterable[str] = ()) -> ModelConfig:
+    """The :class:`ModelConfig` that ``files`` and ``bindings`` describe, validated."""
+    parse_gin(files, bindings)
+    try:
+        return ModelConfig()
+    except ValueError as err:  # gin appends "In call to configurable ..." lines
+        raise ValueError(str(err).strip().splitlines()[0]) from None

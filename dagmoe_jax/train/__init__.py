@@ -1,0 +1,1 @@
+"""Training: losses and the jitted train step."""

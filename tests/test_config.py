@@ -1,0 +1,86 @@
+"""Config validation: every invalid value or combination raises ValueError naming its field."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import tiny_config
+from dagmoe_jax.config import (AggregationConfig, CoEConfig, ExpertConfig, ModelConfig,
+                               RouterConfig, dag_params_per_layer, matched_shared_hidden)
+
+INVALID = [
+    # (id, overrides for tiny_config, field name the message must contain)
+    ("top_k>num_experts", dict(router=dict(top_k=5)), "top_k"),
+    ("top_k=0", dict(router=dict(top_k=0)), "top_k"),
+    ("dag_dim=0", dict(aggregation=dict(dag_dim=0)), "dag_dim"),
+    ("dag_iters=0", dict(aggregation=dict(dag_iters=0)), "dag_iters"),
+    ("heads_not_dividing_d_model", dict(num_heads=5, num_kv_heads=1), "num_heads"),
+    ("kv_heads_not_dividing_heads", dict(num_kv_heads=3), "num_kv_heads"),
+    ("bad_block", dict(block="doe!"), "block"),
+    ("bad_score_fn", dict(router=dict(score_fn="relu")), "score_fn"),
+    ("bad_dispatch", dict(experts=dict(dispatch="ragged")), "dispatch"),
+    ("bad_kind", dict(aggregation=dict(kind="attention")), "kind"),
+    ("bad_edge_act", dict(aggregation=dict(edge_act="relu")), "edge_act"),
+    ("bad_residual", dict(block="coe", coe=dict(residual="both")), "residual"),
+    ("bad_remat", dict(remat="some"), "remat"),
+    ("capacity_factor=0", dict(experts=dict(capacity_factor=0.0)), "capacity_factor"),
+    ("capacity_factor<0", dict(experts=dict(capacity_factor=-1.0)), "capacity_factor"),
+    ("negative_balance_coef", dict(router=dict(balance_coef=-0.01)), "balance_coef"),
+    ("negative_z_loss_coef", dict(router=dict(z_loss_coef=-1e-3)), "z_loss_coef"),
+    ("coe_with_dag", dict(block="coe", aggregation=dict(kind="dag")), "kind"),
+    ("coe_per_iter_top_k_0", dict(block="coe", router=dict(top_k=1), coe=dict(iterations=2)),
+     "top_k_per_iter"),
+    ("coe_top_k_per_iter>num_experts", dict(block="coe", coe=dict(top_k_per_iter=5)),
+     "top_k_per_iter"),
+    ("odd_head_dim", dict(num_heads=4, head_dim=7), "head_dim"),
+    ("odd_head_dim_derived", dict(d_model=36, num_heads=4, num_kv_heads=2), "head_dim"),
+    ("num_experts=0", dict(experts=dict(num_experts=0)), "num_experts"),
+    ("negative_num_shared", dict(experts=dict(num_shared=-1)), "num_shared"),
+    ("bad_attention", dict(attention="flash"), "attention"),
+    ("bad_dtype", dict(compute_dtype="float16"), "compute_dtype"),
+]
+
+
+@pytest.mark.parametrize("overrides,field", [c[1:] for c in INVALID], ids=[c[0] for c in INVALID])
+def test_invalid_config_raises_naming_the_field(overrides, field):
+    with pytest.raises(ValueError, match=rf"\b{field}\b"):
+        tiny_config(**overrides)
+
+
+def test_valid_tiny_configs_build():
+    for block, kind in [("dense", "sum"), ("moe", "sum"), ("moe", "dag"), ("moe", "mlp"),
+                        ("coe", "sum")]:
+        cfg = tiny_config(block, kind)
+        assert cfg.block == block and cfg.aggregation.kind == kind
+    # CoE with an explicit per-iteration top-k is fine even where top_k // iterations is 0.
+    cfg = tiny_config("coe", router=dict(top_k=1), coe=dict(iterations=2, top_k_per_iter=1))
+    assert cfg.coe_top_k == 1
+    assert tiny_config("coe").coe_top_k == 1              # top_k 2 // 2 iterations
+
+
+def test_sub_config_errors_are_raised_directly():
+    with pytest.raises(ValueError, match="top_k"):
+        RouterConfig(top_k=0)
+    with pytest.raises(ValueError, match="capacity_factor"):
+        ExpertConfig(capacity_factor=0)
+    with pytest.raises(ValueError, match="edge_act"):
+        AggregationConfig(edge_act="tanh")
+    with pytest.raises(ValueError, match="iterations"):
+        CoEConfig(iterations=0)
+    with pytest.raises(ValueError, match="router"):
+        ModelConfig(router="not a config")
+
+
+def test_replace_keeps_unchanged_nested_fields():
+    cfg = tiny_config("moe", "dag")
+    new = cfg.replace(aggregation=dict(dag_iters=3))
+    assert new.aggregation.dag_iters == 3
+    assert new.aggregation.kind == "dag" and new.aggregation.dag_dim == cfg.aggregation.dag_dim
+    assert cfg.aggregation.dag_iters == 2                 # the original is untouched (frozen)
+
+
+def test_parity_helpers():
+    assert dag_params_per_layer(512, 128, 2) == 395264
+    assert dag_params_per_layer(512, 128, 2) == 2 * (2 * 512 * 128 + 4 * 128 * 128 + 2 * 512)
+    assert matched_shared_hidden(512, 128, 2) == 256
+    assert 3 * 512 * matched_shared_hidden(512, 128, 2) == 393216

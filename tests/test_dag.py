@@ -1,0 +1,311 @@
+"""The DAG learning module (DAG-MoE eq. 6-12) and the MLP mixer, against independent oracles.
+
+The oracles are written here from the paper, not from the library: a NumPy loop over tokens and
+node pairs that builds the concatenation [u_i; u_j] of eq. 9 explicitly (with the paper's weight
+layout, W [out, in] applied as W @ v), and a JAX version that materialises the full
+[T, K, K, 2 d_g] pair tensor the library avoids.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import tiny_config
+from dagmoe_jax.model.aggregation import (DAGAggregator, MLPMixer, dag_initial_nodes, dag_iteration,
+                                          dag_readout, mlp_mix, weighted_sum)
+
+D, DG, K, T = 32, 16, 3, 5
+EPS = 1e-5
+
+
+# ----------------------------------------------------------------------------- oracles
+
+def np_silu(v):
+    return v / (1.0 + np.exp(-v))
+
+
+def np_sigmoid(v):
+    return 1.0 / (1.0 + np.exp(-v))
+
+
+NP_ACT = {"silu": np_silu, "sigmoid": np_sigmoid}
+
+
+def np_layer_norm(v, scale, bias, eps):
+    mean = v.mean()
+    var = ((v - mean) ** 2).mean()
+    return (v - mean) / np.sqrt(var + eps) * scale + bias
+
+
+def np_dag_moe(x, gates, expert_out, paper_params, edge_act, eps=EPS):
+    """DAG-MoE eq. 6-12 transcribed literally, in float64.
+
+    ``paper_params`` is a list over iterations l of dicts with the paper's shapes:
+    W_down [d_g, d], W_edge [d_g, 2 d_g], W_node [d_g, 2 d_g], W_up [d, d_g], ln_scale/ln_bias [d].
+    """
+    x = np.asarray(x, np.float64)
+    gates = np.asarray(gates, np.float64)
+    expert_out = np.asarray(expert_out, np.float64)
+    t_count, k_count, _ = expert_out.shape
+    act = NP_ACT[edge_act]
+    y = np.zeros_like(x)
+    for t in range(t_count):
+        # eq. 6: x_i^0 = g_i E_i(x) + x / K
+        nodes = [gates[t, i] * expert_out[t, i] + x[t] / k_count for i in range(k_count)]
+        for p in paper_params:
+            w_down, w_edge, w_node, w_up = (np.asarray(p[n], np.float64)
+                                            for n in ("W_down", "W_edge", "W_node", "W_up"))
+            scale, bias = np.asarray(p["ln_scale"], np.float64), np.asarray(p["ln_bias"], np.float64)
+            # eq. 7-8
+            down = [w_down @ np_layer_norm(n, scale, bias, eps) for n in nodes]
+            new_nodes = []
+            for i in range(k_count):
+                acc = np.zeros(w_up.shape[1])
+                for j in range(k_count):
+                    pair = np.concatenate([down[i], down[j]])           # eq. 9
+                    edge = act(w_edge @ pair)                           # eq. 10
+                    acc += edge * (w_node @ pair)                       # eq. 10, summed as eq. 11
+                new_nodes.append(w_up @ acc + nodes[i])                 # eq. 11
+            nodes = new_nodes
+        y[t] = np.sum(nodes, axis=0)                                    # eq. 12
+    return y
+
+
+def naive_jax_dag(x, gates, expert_out, lib_params, edge_act, eps=EPS):
+    """The same equations in JAX, materialising the [T, K, K, 2 d_g] pair tensor of eq. 9.
+
+    ``lib_params`` uses the library's layout (v @ W): stacked over iterations.
+    """
+    act = {"silu": jax.nn.silu, "sigmoid": jax.nn.sigmoid}[edge_act]
+    k = gates.shape[1]
+    nodes = gates[..., None] * expert_out + x[:, None, :] / k
+    for l in range(lib_params["w_up"].shape[0]):
+        mean = nodes.mean(-1, keepdims=True)
+        var = ((nodes - mean) ** 2).mean(-1, keepdims=True)
+        normed = (nodes - mean) / jnp.sqrt(var + eps) * lib_params["ln_scale"][l] \
+            + lib_params["ln_bias"][l]
+        u = normed @ lib_params["w_down"][l]                                   # [T, K, dg]
+        ui = jnp.broadcast_to(u[:, :, None, :], u.shape[:2] + (k, u.shape[-1]))
+        uj = jnp.broadcast_to(u[:, None, :, :], ui.shape)
+        pair = jnp.concatenate([ui, uj], axis=-1)                              # [T, K, K, 2dg]
+        msg = act(pair @ lib_params["w_edge"][l]) * (pair @ lib_params["w_node"][l])
+        nodes = msg.sum(axis=2) @ lib_params["w_up"][l] + nodes
+    return nodes.sum(axis=1)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def random_inputs(rng, t=T, k=K, d=D):
+    x = rng.normal(size=(t, d)).astype(np.float32)
+    gates = rng.uniform(0.1, 1.0, size=(t, k)).astype(np.float32)
+    expert_out = rng.normal(size=(t, k, d)).astype(np.float32)
+    return x, gates, expert_out
+
+
+def random_lib_params(rng, iters, d=D, dg=DG):
+    """Random weights in the library's layout, scaled so every term of eq. 11 is O(1)."""
+    f32 = lambda a: np.asarray(a, np.float32)
+    return {
+        "ln_scale": f32(rng.uniform(0.5, 1.5, size=(iters, d))),
+        "ln_bias": f32(rng.normal(scale=0.3, size=(iters, d))),
+        "w_down": f32(rng.normal(scale=1 / np.sqrt(d), size=(iters, d, dg))),
+        "w_edge": f32(rng.normal(scale=1 / np.sqrt(2 * dg), size=(iters, 2 * dg, dg))),
+        "w_node": f32(rng.normal(scale=1 / np.sqrt(2 * dg), size=(iters, 2 * dg, dg))),
+        "w_up": f32(rng.normal(scale=1 / np.sqrt(dg), size=(iters, dg, d))),   # non-zero
+    }
+
+
+def to_paper_layout(lib_params):
+    """Library weights act as v @ W; the paper's act as W @ v, so W_paper = W_lib^T."""
+    return [{"W_down": lib_params["w_down"][l].T, "W_edge": lib_params["w_edge"][l].T,
+             "W_node": lib_params["w_node"][l].T, "W_up": lib_params["w_up"][l].T,
+             "ln_scale": lib_params["ln_scale"][l], "ln_bias": lib_params["ln_bias"][l]}
+            for l in range(lib_params["w_up"].shape[0])]
+
+
+def make_dag(iters, edge_act, lib_params=None):
+    cfg = tiny_config("moe", "dag", d_model=D, norm_eps=EPS,
+                      aggregation=dict(dag_dim=DG, dag_iters=iters, edge_act=edge_act))
+    module = DAGAggregator(cfg, rngs=nnx.Rngs(0))
+    if lib_params is not None:
+        for name, value in lib_params.items():
+            var = getattr(module.iterations, name)
+            assert var.shape == value.shape, (name, var.shape, value.shape)
+            var[...] = jnp.asarray(value)
+    return module
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+# ----------------------------------------------------------------------------- tests
+
+@pytest.mark.parametrize("edge_act", ["silu", "sigmoid"])
+@pytest.mark.parametrize("iters", [1, 2, 3])
+def test_dag_module_matches_numpy_paper_transcription(edge_act, iters):
+    rng = np.random.default_rng(10 * iters + (edge_act == "sigmoid"))
+    x, gates, expert_out = random_inputs(rng)
+    params = random_lib_params(rng, iters)
+    expected = np_dag_moe(x, gates, expert_out, to_paper_layout(params), edge_act)
+
+    module = make_dag(iters, edge_act, params)
+    got = module(jnp.asarray(x), jnp.asarray(gates), jnp.asarray(expert_out))
+    assert got.shape == (T, D) and got.dtype == jnp.float32
+    # The DAG really contributes something beyond the weighted sum + residual here, so the
+    # comparison exercises eq. 7-11 and not only eq. 6 and 12.
+    trivial = np.asarray(weighted_sum(jnp.asarray(gates), jnp.asarray(expert_out))) + x
+    assert rel_err(trivial, expected) > 0.1
+    assert rel_err(got, expected) < 1e-5
+
+
+@pytest.mark.parametrize("edge_act", ["silu", "sigmoid"])
+@pytest.mark.parametrize("iters", [1, 2, 3])
+def test_dag_iteration_function_matches_numpy_paper_transcription(edge_act, iters):
+    rng = np.random.default_rng(100 + 10 * iters + (edge_act == "sigmoid"))
+    x, gates, expert_out = random_inputs(rng)
+    params = random_lib_params(rng, iters)
+    expected = np_dag_moe(x, gates, expert_out, to_paper_layout(params), edge_act)
+
+    nodes = dag_initial_nodes(jnp.asarray(x), jnp.asarray(gates), jnp.asarray(expert_out))
+    for l in range(iters):
+        nodes = dag_iteration(nodes, *(jnp.asarray(params[n][l]) for n in
+                                       ("ln_scale", "ln_bias", "w_down", "w_edge", "w_node",
+                                        "w_up")),
+                              edge_act=edge_act, eps=EPS)
+        assert nodes.shape == (T, K, D)
+    assert rel_err(dag_readout(nodes), expected) < 1e-5
+
+
+@pytest.mark.parametrize("edge_act", ["silu", "sigmoid"])
+def test_dag_module_matches_naive_pair_tensor_jax(edge_act):
+    rng = np.random.default_rng(7)
+    x, gates, expert_out = random_inputs(rng, t=9, k=4)
+    params = random_lib_params(rng, 2)
+    naive = jax.jit(naive_jax_dag, static_argnums=(4,))(
+        jnp.asarray(x), jnp.asarray(gates), jnp.asarray(expert_out),
+        jax.tree.map(jnp.asarray, params), edge_act)
+    module = make_dag(2, edge_act, params)
+    got = module(jnp.asarray(x), jnp.asarray(gates), jnp.asarray(expert_out))
+    assert rel_err(got, naive) < 1e-5
+
+
+@pytest.mark.parametrize("iters", [1, 2])
+def test_zero_init_is_weighted_sum_plus_residual(iters):
+    rng = np.random.default_rng(3)
+    x, gates, expert_out = (jnp.asarray(a) for a in random_inputs(rng, k=4))
+    module = make_dag(iters, "silu")                         # fresh: w_up zero-initialised
+    assert np.all(np.asarray(module.iterations.w_up[...]) == 0)
+    got = np.asarray(module(x, gates, expert_out))
+    # With W_up = 0 every iteration adds an exact 0.0 to the nodes, so the module's output is
+    # bit-for-bit the readout of the initial nodes (eq. 6 then eq. 12).
+    np.testing.assert_array_equal(got, np.asarray(dag_readout(dag_initial_nodes(x, gates,
+                                                                                 expert_out))))
+    # sum_k (g_k E_k + x / K) against sum_k g_k E_k + x: the same terms summed in another order
+    # (x / 4 is exact in binary), so they differ by a few float32 ulps of the largest term
+    # (~1e-7 relative each); 1e-6 of the output's scale bounds that with room, while any real
+    # contribution of the DAG would be O(1) here.
+    expected = np.asarray(weighted_sum(gates, expert_out)) + np.asarray(x)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6 * np.abs(expected).max())
+
+
+def test_dag_is_permutation_invariant_but_not_a_function_of_the_sum():
+    """What node order does and does not change (our finding; see the report).
+
+    Eq. 11 updates node i from x_i and the *set* {u_j} (the sum over j is symmetric), and eq. 12
+    sums the nodes, so eq. 6-12 as written are invariant to the order of the K nodes: swapping
+    two selected experts (gate and output together) permutes the nodes and leaves y unchanged,
+    exactly as for the weighted sum. What the DAG adds over eq. 1 is pairwise interaction: two
+    node sets with the same weighted sum give different outputs.
+    """
+    rng = np.random.default_rng(11)
+    x, gates, expert_out = (jnp.asarray(a) for a in random_inputs(rng, k=4))
+    params = random_lib_params(rng, 2)
+    module = make_dag(2, "silu", params)
+    perm = np.array([1, 0, 2, 3])
+    y = np.asarray(module(x, gates, expert_out))
+    y_perm = np.asarray(module(x, gates[:, perm], expert_out[:, perm]))
+    s = np.asarray(weighted_sum(gates, expert_out))
+    s_perm = np.asarray(weighted_sum(gates[:, perm], expert_out[:, perm]))
+    np.testing.assert_allclose(s_perm, s, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(y_perm, y, rtol=1e-5, atol=1e-5 * np.abs(y).max())
+
+    # Node-level equivariance: one iteration permutes the nodes with the experts.
+    lp = {n: jnp.asarray(v[0]) for n, v in params.items()}
+    args = (lp["ln_scale"], lp["ln_bias"], lp["w_down"], lp["w_edge"], lp["w_node"], lp["w_up"])
+    n0 = dag_initial_nodes(x, gates, expert_out)
+    n1 = np.asarray(dag_iteration(n0, *args, edge_act="silu", eps=EPS))
+    n1_perm = np.asarray(dag_iteration(n0[:, perm], *args, edge_act="silu", eps=EPS))
+    np.testing.assert_allclose(n1_perm, n1[:, perm], rtol=1e-5, atol=1e-5 * np.abs(n1).max())
+
+    # Same weighted sum, different nodes: move mass between two experts' outputs.
+    delta = jnp.asarray(rng.normal(size=(T, D)).astype(np.float32))
+    shifted = expert_out.at[:, 0].add(delta / gates[:, 0:1]).at[:, 1].add(-delta / gates[:, 1:2])
+    np.testing.assert_allclose(np.asarray(weighted_sum(gates, shifted)), s, rtol=1e-5, atol=1e-5)
+    y_shift = np.asarray(module(x, gates, shifted))
+    assert rel_err(y_shift, y) > 1e-2
+
+
+def test_dag_parameter_shapes():
+    for iters in (1, 3):
+        module = make_dag(iters, "silu")
+        it = module.iterations
+        assert it.w_down.shape == (iters, D, DG)
+        assert it.w_edge.shape == (iters, 2 * DG, DG)
+        assert it.w_node.shape == (iters, 2 * DG, DG)
+        assert it.w_up.shape == (iters, DG, D)
+        assert it.ln_scale.shape == (iters, D)
+        assert it.ln_bias.shape == (iters, D)
+        np.testing.assert_array_equal(np.asarray(it.ln_scale[...]), 1.0)
+        np.testing.assert_array_equal(np.asarray(it.ln_bias[...]), 0.0)
+        # Each iteration has its own random weights (split rngs), not one copy stacked L times.
+        if iters > 1:
+            w = np.asarray(it.w_down[...])
+            assert not np.allclose(w[0], w[1])
+        n_params = sum(v.size for v in jax.tree.leaves(nnx.state(module, nnx.Param)))
+        assert n_params == iters * (2 * D * DG + 4 * DG * DG + 2 * D)
+
+
+def np_mlp_mix(s, w1, w2, w3, eps=EPS):
+    """y = s + W3(silu(W1 LN(s)) * W2 LN(s)), LN without affine parameters, in float64."""
+    s = np.asarray(s, np.float64)
+    out = np.empty_like(s)
+    for t in range(s.shape[0]):
+        h = np_layer_norm(s[t], 1.0, 0.0, eps)
+        out[t] = s[t] + (np_silu(h @ w1) * (h @ w2)) @ w3
+    return out
+
+
+def test_mlp_mixer_zero_init_is_weighted_sum():
+    rng = np.random.default_rng(5)
+    x, gates, expert_out = (jnp.asarray(a) for a in random_inputs(rng))
+    cfg = tiny_config("moe", "mlp", d_model=D, norm_eps=EPS, aggregation=dict(dag_dim=DG))
+    mixer = MLPMixer(cfg, rngs=nnx.Rngs(0))
+    assert mixer.w_1.shape == (D, DG) and mixer.w_2.shape == (D, DG) and mixer.w_3.shape == (DG, D)
+    assert np.all(np.asarray(mixer.w_3[...]) == 0)
+    # W3 = 0 adds an exact 0.0 to s: bit-for-bit the weighted sum.
+    np.testing.assert_array_equal(np.asarray(mixer(x, gates, expert_out)),
+                                  np.asarray(weighted_sum(gates, expert_out)))
+
+
+def test_mlp_mixer_matches_numpy():
+    rng = np.random.default_rng(6)
+    x, gates, expert_out = random_inputs(rng)
+    w1 = rng.normal(scale=1 / np.sqrt(D), size=(D, DG)).astype(np.float32)
+    w2 = rng.normal(scale=1 / np.sqrt(D), size=(D, DG)).astype(np.float32)
+    w3 = rng.normal(scale=1 / np.sqrt(DG), size=(DG, D)).astype(np.float32)
+    cfg = tiny_config("moe", "mlp", d_model=D, norm_eps=EPS, aggregation=dict(dag_dim=DG))
+    mixer = MLPMixer(cfg, rngs=nnx.Rngs(0))
+    mixer.w_1[...], mixer.w_2[...], mixer.w_3[...] = (jnp.asarray(w) for w in (w1, w2, w3))
+    s = np.einsum("tk,tkd->td", gates.astype(np.float64), expert_out.astype(np.float64))
+    expected = np_mlp_mix(s, w1, w2, w3)
+    got = mixer(jnp.asarray(x), jnp.asarray(gates), jnp.asarray(expert_out))
+    assert rel_err(s, expected) > 0.1                       # the mixer term is not negligible
+    assert rel_err(got, expected) < 1e-5
+    assert rel_err(mlp_mix(jnp.asarray(s, jnp.float32), *(jnp.asarray(w) for w in (w1, w2, w3)),
+                           EPS), expected) < 1e-5

@@ -1,0 +1,147 @@
+"""Router: scores, top-K order and ties, renormalisation, and the two router losses.
+
+The loss definitions are DESIGN.md section 2: balance = N * sum_i f_i P_i with f_i the share of
+the T*K routing slots that chose expert i and P_i the mean over tokens of the normalised score
+(softmax probability, or s_i / sum_j s_j for sigmoid); z-loss = mean_t (logsumexp_i z_ti)^2.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dagmoe_jax.model.router import (Router, balance_loss, expert_load, router_scores,
+                                     select_top_k, z_loss)
+
+# 4 tokens, 3 experts. Top-2 by hand (sigmoid and softmax are both monotonic in z):
+#   t0 [2, 1, 0] -> experts 0, 1     t1 [0, 3, 1] -> 1, 2
+#   t2 [1, 0, 2] -> 2, 0             t3 [3, 2, 1] -> 0, 1
+LOGITS = np.array([[2.0, 1.0, 0.0],
+                   [0.0, 3.0, 1.0],
+                   [1.0, 0.0, 2.0],
+                   [3.0, 2.0, 1.0]], np.float32)
+TOP2 = np.array([[0, 1], [1, 2], [2, 0], [0, 1]])
+# f_i by counting the 8 slots above: expert 0 three times, expert 1 three times, expert 2 twice.
+F = np.array([3, 3, 2]) / 8.0
+
+
+def hand_scores(score_fn):
+    z = LOGITS.astype(np.float64)
+    if score_fn == "softmax":
+        e = np.exp(z)
+        return e / e.sum(axis=1, keepdims=True)
+    return 1.0 / (1.0 + np.exp(-z))
+
+
+def hand_balance(score_fn):
+    s = hand_scores(score_fn)
+    p = s / s.sum(axis=1, keepdims=True)        # a no-op for softmax; s_i / sum_j s_j for sigmoid
+    return 3 * np.sum(F * p.mean(axis=0))
+
+
+def hand_z_loss():
+    lse = np.log(np.exp(LOGITS.astype(np.float64)).sum(axis=1))
+    return np.mean(lse ** 2)
+
+
+def test_hand_example_values():
+    # Spot-check the hand arithmetic itself on token 0 (logits 2, 1, 0).
+    e = np.exp([2.0, 1.0, 0.0])
+    np.testing.assert_allclose(hand_scores("softmax")[0], e / e.sum())
+    np.testing.assert_allclose(hand_z_loss(),
+                               np.mean([np.log(np.exp([2, 1, 0]).sum()) ** 2,
+                                        np.log(np.exp([0, 3, 1]).sum()) ** 2,
+                                        np.log(np.exp([1, 0, 2]).sum()) ** 2,
+                                        np.log(np.exp([3, 2, 1]).sum()) ** 2]))
+
+
+@pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
+def test_losses_against_hand_computation(score_fn):
+    scores = router_scores(jnp.asarray(LOGITS), score_fn)
+    np.testing.assert_allclose(np.asarray(scores), hand_scores(score_fn), rtol=1e-6)
+    gates, indices = select_top_k(scores, 2, renormalize=False)
+    np.testing.assert_array_equal(np.asarray(indices), TOP2)
+    np.testing.assert_allclose(np.asarray(gates),
+                               np.take_along_axis(hand_scores(score_fn), TOP2, axis=1), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(expert_load(indices, 3)), F, rtol=1e-7)
+    np.testing.assert_allclose(float(balance_loss(scores, indices, score_fn)),
+                               hand_balance(score_fn), rtol=1e-6)
+    np.testing.assert_allclose(float(z_loss(jnp.asarray(LOGITS))), hand_z_loss(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
+def test_router_module_end_to_end(score_fn):
+    # x = identity rows and w_router = LOGITS make the router's logits exactly LOGITS.
+    router = Router(4, 3, 0.02, rngs=nnx.Rngs(0))
+    router.w_router[...] = jnp.asarray(LOGITS)
+    routing = router(jnp.eye(4, dtype=jnp.float32), 2, score_fn, False)
+    np.testing.assert_allclose(np.asarray(routing.logits), LOGITS)
+    np.testing.assert_array_equal(np.asarray(routing.indices), TOP2)
+    losses = Router.losses(routing, score_fn)
+    np.testing.assert_allclose(float(losses["balance_loss"]), hand_balance(score_fn), rtol=1e-6)
+    np.testing.assert_allclose(float(losses["z_loss"]), hand_z_loss(), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(losses["expert_load"]), F, rtol=1e-7)
+
+
+def test_balance_loss_is_one_when_uniform():
+    # Equal logits: P_i = 1/N; a perfectly balanced assignment f_i = 1/N gives N * N * 1/N^2 = 1.
+    logits = jnp.zeros((4, 4), jnp.float32)
+    indices = jnp.asarray([[0, 1], [2, 3], [1, 0], [3, 2]])
+    for fn in ("softmax", "sigmoid"):
+        np.testing.assert_allclose(float(balance_loss(router_scores(logits, fn), indices, fn)),
+                                   1.0, rtol=1e-6)
+    # All slots on one expert with P uniform: N * 1 * 1/N = 1 too; concentrated P makes it N.
+    collapsed = jnp.zeros((4, 1), jnp.int32)
+    np.testing.assert_allclose(float(balance_loss(router_scores(logits, "softmax"), collapsed,
+                                                  "softmax")), 1.0, rtol=1e-6)
+    peaked = jnp.asarray(np.tile([50.0, 0, 0, 0], (4, 1)), jnp.float32)
+    np.testing.assert_allclose(float(balance_loss(router_scores(peaked, "softmax"), collapsed,
+                                                  "softmax")), 4.0, rtol=1e-5)
+
+
+def test_top_k_descending_and_ties_to_lower_index():
+    rng = np.random.default_rng(0)
+    scores = rng.uniform(size=(50, 8)).astype(np.float32)
+    gates, indices = select_top_k(jnp.asarray(scores), 3, renormalize=False)
+    gates, indices = np.asarray(gates), np.asarray(indices)
+    assert np.all(np.diff(gates, axis=1) <= 0)
+    np.testing.assert_array_equal(indices, np.argsort(-scores, axis=1, kind="stable")[:, :3])
+    np.testing.assert_array_equal(gates, np.take_along_axis(scores, indices, axis=1))
+
+    tied = jnp.asarray([[0.5, 0.7, 0.7, 0.1],
+                        [0.3, 0.3, 0.3, 0.3],
+                        [0.2, 0.9, 0.2, 0.9],
+                        [0.4, 0.1, 0.4, 0.4]], jnp.float32)
+    _, idx = select_top_k(tied, 3, renormalize=False)
+    np.testing.assert_array_equal(np.asarray(idx), [[1, 2, 0], [0, 1, 2], [1, 3, 0], [0, 2, 3]])
+
+
+@pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
+def test_renormalize_and_expert_load_sum_to_one(score_fn):
+    logits = jax.random.normal(jax.random.key(0), (32, 8)) * 2
+    scores = router_scores(logits, score_fn)
+    raw, idx = select_top_k(scores, 3, renormalize=False)
+    gates, idx2 = select_top_k(scores, 3, renormalize=True)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(idx2))
+    np.testing.assert_allclose(np.asarray(gates.sum(axis=1)), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(gates),
+                               np.asarray(raw / raw.sum(axis=1, keepdims=True)), rtol=1e-6)
+    if score_fn == "sigmoid":   # without renormalisation sigmoid gates do not sum to 1
+        assert not np.allclose(np.asarray(raw.sum(axis=1)), 1.0)
+    load = np.asarray(expert_load(idx, 8))
+    assert load.shape == (8,)
+    np.testing.assert_allclose(load.sum(), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(load, np.bincount(np.asarray(idx).ravel(), minlength=8) / (32 * 3))
+
+
+def test_router_logits_are_float32_for_bfloat16_inputs():
+    router = Router(8, 4, 0.5, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (6, 8)).astype(jnp.bfloat16)
+    routing = router(x, 2, "sigmoid", False)
+    assert routing.logits.dtype == jnp.float32
+    assert routing.gates.dtype == jnp.bfloat16          # gates follow the activations
+    expected = np.asarray(x, np.float32) @ np.asarray(router.w_router[...], np.float32)
+    np.testing.assert_allclose(np.asarray(routing.logits), expected, rtol=1e-5, atol=1e-6)

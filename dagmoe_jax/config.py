@@ -4,8 +4,10 @@ Every dataclass here is frozen and checks itself in ``__post_init__``: an invali
 invalid combination raises ``ValueError`` naming the field and the range it accepts. Defaults
 follow the DAG-MoE paper's small model (Table 3, Appendix B.1) unless a comment says otherwise.
 
-gin binds the same classes (``ModelConfig.d_model = 512``, ``ModelConfig.router =
-@RouterConfig()``); see ``configs/`` for the paper's models.
+gin binds these classes under the same names (``ModelConfig.d_model = 512``,
+``ModelConfig.router = @RouterConfig()``) through :mod:`dagmoe_jax.gin_utils`, which registers
+them as external configurables: gin bindings never change what plain Python construction gives.
+See ``configs/`` for the paper's models.
 """
 
 from __future__ import annotations
@@ -13,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import Optional
-
-import gin
 
 BLOCK_TYPES = ("dense", "moe", "coe")
 SCORE_FNS = ("sigmoid", "softmax")
@@ -46,7 +46,6 @@ def _nonnegative(cls: str, field: str, value) -> None:
            cls, field, value, "a number >= 0")
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class RouterConfig:
     """Token-choice router (DESIGN.md section 2).
@@ -71,7 +70,6 @@ class RouterConfig:
         _nonnegative("RouterConfig", "z_loss_coef", self.z_loss_coef)
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class ExpertConfig:
     """Routed and shared experts and how tokens reach them (DESIGN.md section 3).
@@ -103,7 +101,6 @@ class ExpertConfig:
                "ExpertConfig", "capacity_factor", self.capacity_factor, "a number > 0")
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class AggregationConfig:
     """How the K expert outputs become the block output (DESIGN.md section 4).
@@ -126,7 +123,6 @@ class AggregationConfig:
         _choice("AggregationConfig", "edge_act", self.edge_act, EDGE_ACTIVATIONS)
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class CoEConfig:
     """Chain-of-Experts block (DESIGN.md section 5; CoE eq. 4-10).
@@ -150,7 +146,6 @@ class CoEConfig:
         _choice("CoEConfig", "residual", self.residual, COE_RESIDUALS)
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Llama-3 style decoder (DAG-MoE Appendix B.1) with a choice of FFN block.
@@ -268,7 +263,6 @@ def dag_params_per_layer(d_model: int, dag_dim: int, dag_iters: int) -> int:
     return dag_iters * (2 * d_model * dag_dim + 4 * dag_dim * dag_dim + 2 * d_model)
 
 
-@gin.configurable
 def matched_shared_hidden(d_model: int, dag_dim: int, dag_iters: int, multiple: int = 8) -> int:
     """The shared-expert hidden size d_r whose 3 d d_r parameters match the DAG module's.
 

@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import gin
 
-from dagmoe_jax import config as _config  # noqa: F401  (registers the configurables)
+from dagmoe_jax import config as C
 from dagmoe_jax.config import ModelConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+# External registration: gin configures its own wrappers of these, so bindings never leak into
+# ``ModelConfig(...)`` built in plain Python (tests, notebooks) after a gin file was parsed.
+_GIN = {cls.__name__: gin.external_configurable(cls, name=cls.__name__)
+        for cls in (C.RouterConfig, C.ExpertConfig, C.AggregationConfig, C.CoEConfig, C.ModelConfig)}
+gin.external_configurable(C.matched_shared_hidden, name="matched_shared_hidden")
+
+
+def _plain(value):
+    """A gin-built config (an instance of gin's subclass) as the plain dataclass, recursively."""
+    for cls in (C.RouterConfig, C.ExpertConfig, C.AggregationConfig, C.CoEConfig, C.ModelConfig):
+        if isinstance(value, cls):
+            return cls(**{f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(cls)})
+    return value
 
 
 def resolve_gin_file(name: str) -> str:
@@ -48,6 +63,6 @@ def load_model_config(files: Sequence[str] = (), bindings: Iterable[str] = ()) -
     """The :class:`ModelConfig` that ``files`` and ``bindings`` describe, validated."""
     parse_gin(files, bindings)
     try:
-        return ModelConfig()
+        return _plain(_GIN["ModelConfig"]())
     except ValueError as err:  # gin appends "In call to configurable ..." lines
         raise ValueError(str(err).strip().splitlines()[0]) from None

@@ -1,0 +1,70 @@
+"""Parameter and FLOP accounting against hand counts and the paper's parity numbers."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from dagmoe_jax.accounting import account
+from dagmoe_jax.config import ModelConfig, dag_params_per_layer, matched_shared_hidden
+from dagmoe_jax.gin_utils import load_model_config
+from dagmoe_jax.model import Transformer
+
+
+def test_paper_parity_numbers():
+    # DAG-MoE sec. 5.1 / DESIGN.md section 4: d 512, d_g 128, L 2 adds 395,264 per layer,
+    # matched by a shared expert of d_r 256 (393,216 parameters).
+    assert dag_params_per_layer(512, 128, 2) == 395_264
+    assert matched_shared_hidden(512, 128, 2) == 256
+    assert 3 * 512 * matched_shared_hidden(512, 128, 2) == 393_216
+    # DAG-MoE-l fine-tuning pair (Appendix B.2): d_g 256, L 2 <-> shared expert d_r 512.
+    assert matched_shared_hidden(1024, 256, 2) == 512
+    # MLP mixing at d_g 64: 98,304 parameters (the summary's "98K").
+    cfg = ModelConfig().replace(aggregation=dict(kind="mlp", dag_dim=64))
+    assert account(cfg).params["aggregator"] == cfg.num_layers * 98_304
+
+
+def test_dag_config_adds_its_parameters_per_layer():
+    moe = load_model_config(["models/s.gin", "variants/moe.gin"])
+    dag = load_model_config(["models/s.gin", "variants/dag_g128_l2.gin"])
+    shared = load_model_config(["models/s.gin", "variants/moe_shared_g128_l2.gin"])
+    added_dag = account(dag).total_params - account(moe).total_params
+    added_shared = account(shared).total_params - account(moe).total_params
+    assert added_dag == 4 * 395_264
+    assert added_shared == 4 * 393_216
+
+
+@pytest.mark.parametrize("block,kind,shared", [("dense", "sum", 0), ("moe", "sum", 0), ("moe", "dag", 1),
+                                               ("moe", "mlp", 0), ("coe", "sum", 1)])
+def test_param_count_matches_the_built_model(block, kind, shared):
+    cfg = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                      block=block, max_seq_len=32).replace(
+        experts=dict(num_experts=4, expert_hidden=16, num_shared=shared, shared_hidden=8),
+        router=dict(top_k=2), aggregation=dict(kind=kind, dag_dim=8, dag_iters=2))
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    built = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert account(cfg).total_params == built
+
+
+def test_flops_by_hand_for_one_layer_moe():
+    d, v, s, n, dr, k = 64, 100, 16, 8, 32, 2
+    cfg = ModelConfig(vocab_size=v, d_model=d, num_layers=1, num_heads=4, num_kv_heads=2,
+                      max_seq_len=s).replace(experts=dict(num_experts=n, expert_hidden=dr),
+                                             router=dict(top_k=k))
+    hd = d // 4
+    fwd = (2 * (2 * d * d + 2 * d * 2 * hd)      # q, o and k, v projections
+           + 2 * 4 * hd * (s + 1)                # causal scores + PV
+           + 2 * d * n                           # router
+           + k * 2 * 3 * d * dr                  # K SwiGLU experts
+           + 2 * d * v)                          # LM head
+    assert account(cfg, s).train_flops_per_token == pytest.approx(3 * fwd)
+    assert account(cfg, s).active_params["experts"] == k * 3 * d * dr
+
+
+def test_dag_flops_follow_the_per_node_cost_model():
+    base = ModelConfig(num_layers=1).replace(aggregation=dict(kind="dag", dag_dim=128, dag_iters=2))
+    acc = account(base)
+    k, d, dg = 4, 512, 128
+    assert acc.flops["aggregator"] == pytest.approx(3 * 2 * k * (4 * d * dg + 8 * dg * dg))
+    assert acc.flops["dag_pairwise"] == pytest.approx(3 * 2 * 4 * k * k * dg)
+    assert "aggregator" in acc.table() and "total" in acc.table()

@@ -1,0 +1,69 @@
+"""The gin model configs: every shipped combination loads and validates; errors are one line."""
+
+import glob
+import os
+
+import pytest
+
+from dagmoe_jax.accounting import account
+from dagmoe_jax.gin_utils import CONFIG_DIR, load_model_config
+
+MODELS = sorted(os.path.relpath(p, CONFIG_DIR) for p in glob.glob(str(CONFIG_DIR / "models/*.gin")))
+VARIANTS = sorted(os.path.relpath(p, CONFIG_DIR) for p in glob.glob(str(CONFIG_DIR / "variants/*.gin")))
+
+
+def test_paper_models_are_shipped():
+    for name in ("models/s.gin", "models/s_fine.gin", "models/m.gin", "models/l.gin", "models/tiny.gin"):
+        assert name in MODELS
+    for g in (64, 128):
+        for L in (1, 2, 3):
+            assert f"variants/dag_g{g}_l{L}.gin" in VARIANTS
+            assert f"variants/moe_shared_g{g}_l{L}.gin" in VARIANTS
+    assert {"variants/moe.gin", "variants/mlp_g64.gin", "variants/coe_k4_c2.gin"} <= set(VARIANTS)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_every_variant_loads_and_shared_baselines_match_their_dag(model):
+    for variant in VARIANTS:
+        cfg = load_model_config([model, variant])
+        if "dag_" in variant:
+            twin = load_model_config([model, variant.replace("dag_", "moe_shared_")])
+            moe = load_model_config([model, "variants/moe.gin"])
+            added_dag = account(cfg).total_params - account(moe).total_params
+            added_shared = account(twin).total_params - account(moe).total_params
+            # the shared expert's d_r is rounded to a multiple of 8: within 3 d * 4 per layer
+            assert abs(added_dag - added_shared) <= cfg.num_layers * 3 * cfg.d_model * 4
+            assert cfg.aggregation.kind == "dag" and twin.experts.num_shared == 1
+
+
+def test_table3_shapes():
+    s = load_model_config(["models/s.gin", "variants/dag_g128_l2.gin"])
+    assert (s.d_model, s.num_layers, s.num_heads, s.num_kv_heads) == (512, 4, 32, 8)
+    assert (s.experts.num_experts, s.experts.expert_hidden, s.router.top_k) == (32, 256, 4)
+    assert (s.aggregation.dag_dim, s.aggregation.dag_iters, s.vocab_size) == (128, 2, 128256)
+    f = load_model_config(["models/s_fine.gin"])
+    assert (f.experts.num_experts, f.experts.expert_hidden, f.router.top_k) == (64, 128, 8)
+    m = load_model_config(["models/m.gin"])
+    assert m.num_layers == 6
+    big = load_model_config(["models/l.gin", "variants/moe_shared_g256_l2.gin"])
+    assert (big.d_model, big.num_layers, big.experts.expert_hidden, big.experts.shared_hidden) == (1024, 8, 512, 512)
+    coe = load_model_config(["models/s.gin", "variants/coe_k4_c2.gin"])
+    assert coe.block == "coe" and coe.coe_top_k == 4 and coe.coe.iterations == 2
+
+
+def test_bindings_override_files():
+    cfg = load_model_config(["models/s.gin"], ["AggregationConfig.dag_iters = 3", "ModelConfig.vocab_size = 256"])
+    assert cfg.aggregation.dag_iters == 3 and cfg.vocab_size == 256
+
+
+@pytest.mark.parametrize("files,bindings,needle", [
+    (["models/s.gin"], ["RouterConfig.topk = 3"], "topk"),
+    (["models/no_such_model.gin"], [], "no_such_model"),
+    (["models/s.gin"], ["RouterConfig.top_k = 64"], "top_k"),
+    (["models/s.gin"], ["AggregationConfig.dag_dim = 0"], "dag_dim"),
+])
+def test_errors_are_one_line_and_name_the_culprit(files, bindings, needle):
+    with pytest.raises(ValueError) as err:
+        load_model_config(files, bindings)
+    assert needle in str(err.value)
+    assert "\n" not in str(err.value)

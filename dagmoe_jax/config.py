@@ -179,7 +179,7 @@ class ModelConfig:
     init_std: float = 0.02
     remat: str = "none"
     attention: str = "auto"
-    attention_block: int = 128
+    attention_block: int = 64
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     router: RouterConfig = dataclasses.field(default_factory=RouterConfig)

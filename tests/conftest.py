@@ -2,19 +2,31 @@
 
 from __future__ import annotations
 
-import jax
-import numpy as np
-import pytest
+import os
 
-from dagmoe_jax.config import ModelConfig
+# Almost all of this suite's time is XLA compiling tiny programs; LLVM's optimisation passes are
+# about half of that on CPU. Level 0 halves the suite's wall time and changes no float semantics
+# (XLA CPU does not enable fast-math either way). It must be set before JAX starts its backend,
+# hence here, before any test runs. Set DAGMOE_TEST_XLA_OPT=1 (or put your own
+# --xla_backend_optimization_level in XLA_FLAGS) to test with the default optimisation.
+if (os.environ.get("DAGMOE_TEST_XLA_OPT", "0") != "1"
+        and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_backend_optimization_level=0").strip()
 
-# XLA on CPU may otherwise lower float32 matmuls to reduced-precision passes; the oracle
-# comparisons below (1e-5 relative) need true float32 products.
+import jax  # noqa: E402  (after XLA_FLAGS)
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from dagmoe_jax.config import ModelConfig  # noqa: E402
+
+# Some backends run float32 matmuls at reduced precision by default (TF32 / bf16 passes on GPU and
+# TPU); the oracle comparisons (1e-5 relative) need true float32 products wherever they run.
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def tiny_config(block: str = "moe", kind: str = "sum", **overrides) -> ModelConfig:
-    """A model small enough to compile and run in about a second on 2 CPU cores.
+    """A model small enough to compile in a few seconds and run in milliseconds on 2 CPU cores.
 
     d_model 32, 2 layers, 4 heads over 2 KV heads (GQA), vocab 64, 4 experts with top-2,
     DAG/MLP hidden 16 with 2 iterations. ``attention_block`` 8 is smaller than the test sequence
@@ -33,6 +45,12 @@ def tiny_config(block: str = "moe", kind: str = "sum", **overrides) -> ModelConf
         else:
             changes[name] = value
     return base.replace(**changes)
+
+
+@pytest.fixture
+def tiny():
+    """The :func:`tiny_config` helper as a fixture (for tests that prefer not to import it)."""
+    return tiny_config
 
 
 @pytest.fixture

@@ -50,25 +50,33 @@ def blockwise_causal_attention(q, k, v, block: int):
     Query block i attends to the key prefix [0, (i + 1) * block): one dense matmul per query
     block, masking only its diagonal block, so about half of the S x S work of a full causal
     attention is never done. Exact (softmax over the whole visible prefix), not an approximation.
+
+    Layout for CPU efficiency: heads-major [B, KV, S, G, D] so that the G query heads sharing a
+    KV head become extra rows of one matmul ([B, KV, block * G, D] x [B, KV, D, prefix]), and the
+    softmax normalisation is applied to the [.., D] output rather than the [.., prefix] weights.
     """
     b, s, h, d = q.shape
-    if s <= block:
-        return causal_attention_reference(q, k, v)
     kv = k.shape[2]
-    scale = 1.0 / jnp.sqrt(jnp.float32(d))
-    qg = _grouped(q, kv)
+    g = h // kv
+    qh = (q * (1.0 / float(d) ** 0.5)).reshape(b, s, kv, g, d).transpose(0, 2, 1, 3, 4)
+    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)        # [B, KV, S, D]
     outs = []
     for start in range(0, s, block):
         stop = min(start + block, s)
-        qb = qg[:, start:stop] * scale.astype(q.dtype)
-        kb, vb = k[:, :stop], v[:, :stop]
-        scores = jnp.einsum("bqkgd,bskd->bkgqs", qb, kb, preferred_element_type=jnp.float32)
-        q_pos = jnp.arange(start, stop)[:, None]
-        mask = jnp.arange(stop)[None, :] <= q_pos
-        scores = jnp.where(mask, scores, -jnp.inf)
-        p = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        outs.append(jnp.einsum("bkgqs,bskd->bqkgd", p, vb))
-    return jnp.concatenate(outs, axis=1).reshape(b, s, h, d)
+        rows = (stop - start) * g
+        qb = qh[:, :, start:stop].reshape(b, kv, rows, d)
+        scores = jnp.einsum("bkrd,bksd->bkrs", qb, kh[:, :, :stop],
+                            preferred_element_type=jnp.float32)
+        q_pos = start + jnp.arange(rows) // g
+        scores = jnp.where(jnp.arange(stop)[None, :] <= q_pos[:, None], scores, -jnp.inf)
+        m = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+        e = jnp.exp(scores - m)
+        o = jnp.einsum("bkrs,bksd->bkrd", e.astype(v.dtype), vh[:, :, :stop],
+                       preferred_element_type=jnp.float32)
+        o = o / jnp.sum(e, axis=-1, keepdims=True)
+        outs.append(o.astype(q.dtype).reshape(b, kv, stop - start, g, d))
+    out = jnp.concatenate(outs, axis=2)                              # [B, KV, S, G, D]
+    return out.transpose(0, 2, 1, 3, 4).reshape(b, s, h, d)
 
 
 def resolve_attention_impl(name: str) -> str:

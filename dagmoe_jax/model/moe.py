@@ -25,7 +25,8 @@ def make_shared(cfg: ModelConfig, *, rngs: nnx.Rngs) -> Optional[SwiGLU]:
 
 def block_stats(losses: dict, keep: jax.Array) -> dict:
     """The auxiliary outputs every routed block reports (losses unweighted)."""
-    return {**losses, "dropped_fraction": 1.0 - jnp.mean(keep.astype(jnp.float32))}
+    # mean of the dropped mask, not 1 - mean(keep): exactly 0 (never -3e-8) when nothing drops
+    return {**losses, "dropped_fraction": jnp.mean(jnp.logical_not(keep).astype(jnp.float32))}
 
 
 class MoEBlock(nnx.Module):

@@ -21,6 +21,7 @@ SCORE_FNS = ("sigmoid", "softmax")
 DISPATCH_MODES = ("capacity", "dropless", "dense")
 AGGREGATORS = ("sum", "dag", "mlp")
 EDGE_ACTIVATIONS = ("silu", "sigmoid")
+DAG_EDGES = ("all", "ranked")
 COE_RESIDUALS = ("inner", "outer", "init")
 REMAT_POLICIES = ("none", "full", "dots")
 ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn")
@@ -109,18 +110,25 @@ class AggregationConfig:
     dag_dim: hidden size d_g of the DAG module (and of the MLP mixer).
     dag_iters: DAG iterations L (depth of the learned DAG).
     edge_act: sigma of eq. 10: 'silu' (the paper: the experts' activation) or 'sigmoid'.
+    dag_edges: 'all' (eq. 9-11: node i aggregates from all K nodes of the previous depth) or
+      'ranked' (node i aggregates only from nodes the router ranked at or above it). With 'all'
+      the update of node i depends on x_i and the *set* of nodes, so the module's output does
+      not depend on the node order; 'ranked' makes the graph follow the router's ranking and
+      the output order-sensitive (our extension, not in the paper).
     """
 
     kind: str = "sum"
     dag_dim: int = 128
     dag_iters: int = 2
     edge_act: str = "silu"
+    dag_edges: str = "all"
 
     def __post_init__(self):
         _choice("AggregationConfig", "kind", self.kind, AGGREGATORS)
         _positive("AggregationConfig", "dag_dim", self.dag_dim)
         _positive("AggregationConfig", "dag_iters", self.dag_iters)
         _choice("AggregationConfig", "edge_act", self.edge_act, EDGE_ACTIVATIONS)
+        _choice("AggregationConfig", "dag_edges", self.dag_edges, DAG_EDGES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +167,9 @@ class ModelConfig:
     rope_theta: RoPE base (Llama-3: 500000).
     norm_eps: epsilon of RMSNorm and of the DAG module's LayerNorm.
     init_std: standard deviation of the normal initialiser of every matrix.
-    remat: 'none', 'full' (recompute the layer in backward) or 'dots' (save matmul outputs only).
+    remat: 'full' (recompute each layer in the backward pass; MaxText's default, and measured
+      faster than storing activations on CPU, where memory traffic bounds the step), 'dots'
+      (save matmul outputs only) or 'none'.
     attention: 'auto' (blockwise causal on CPU, cuDNN where available), 'xla', 'blockwise' or 'cudnn'.
     attention_block: query/key block size of the blockwise causal attention.
     param_dtype, compute_dtype: 'float32' or 'bfloat16' (master weights stay float32 by default).
@@ -177,9 +187,9 @@ class ModelConfig:
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
-    remat: str = "none"
+    remat: str = "full"
     attention: str = "auto"
-    attention_block: int = 64
+    attention_block: int = 32
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     router: RouterConfig = dataclasses.field(default_factory=RouterConfig)

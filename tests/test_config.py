@@ -21,6 +21,7 @@ INVALID = [
     ("bad_dispatch", dict(experts=dict(dispatch="ragged")), "dispatch"),
     ("bad_kind", dict(aggregation=dict(kind="attention")), "kind"),
     ("bad_edge_act", dict(aggregation=dict(edge_act="relu")), "edge_act"),
+    ("bad_dag_edges", dict(aggregation=dict(dag_edges="upper")), "dag_edges"),
     ("bad_residual", dict(block="coe", coe=dict(residual="both")), "residual"),
     ("bad_remat", dict(remat="some"), "remat"),
     ("capacity_factor=0", dict(experts=dict(capacity_factor=0.0)), "capacity_factor"),

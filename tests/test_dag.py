@@ -41,7 +41,7 @@ def np_layer_norm(v, scale, bias, eps):
     return (v - mean) / np.sqrt(var + eps) * scale + bias
 
 
-def np_dag_moe(x, gates, expert_out, paper_params, edge_act, eps=EPS):
+def np_dag_moe(x, gates, expert_out, paper_params, edge_act, eps=EPS, edges="all"):
     """DAG-MoE eq. 6-12 transcribed literally, in float64.
 
     ``paper_params`` is a list over iterations l of dicts with the paper's shapes:
@@ -65,7 +65,7 @@ def np_dag_moe(x, gates, expert_out, paper_params, edge_act, eps=EPS):
             new_nodes = []
             for i in range(k_count):
                 acc = np.zeros(w_up.shape[1])
-                for j in range(k_count):
+                for j in range(k_count if edges == "all" else i + 1):
                     pair = np.concatenate([down[i], down[j]])           # eq. 9
                     edge = act(w_edge @ pair)                           # eq. 10
                     acc += edge * (w_node @ pair)                       # eq. 10, summed as eq. 11
@@ -127,9 +127,10 @@ def to_paper_layout(lib_params):
             for l in range(lib_params["w_up"].shape[0])]
 
 
-def make_dag(iters, edge_act, lib_params=None):
+def make_dag(iters, edge_act, lib_params=None, edges="all"):
     cfg = tiny_config("moe", "dag", d_model=D, norm_eps=EPS,
-                      aggregation=dict(dag_dim=DG, dag_iters=iters, edge_act=edge_act))
+                      aggregation=dict(dag_dim=DG, dag_iters=iters, edge_act=edge_act,
+                                       dag_edges=edges))
     module = DAGAggregator(cfg, rngs=nnx.Rngs(0))
     if lib_params is not None:
         for name, value in lib_params.items():
@@ -309,3 +310,26 @@ def test_mlp_mixer_matches_numpy():
     assert rel_err(got, expected) < 1e-5
     assert rel_err(mlp_mix(jnp.asarray(s, jnp.float32), *(jnp.asarray(w) for w in (w1, w2, w3)),
                            EPS), expected) < 1e-5
+
+
+@pytest.mark.parametrize("iters", [1, 2])
+def test_ranked_edges_match_numpy_and_make_the_output_order_sensitive(iters):
+    """dag_edges='ranked' (our extension): node i aggregates only from nodes j <= i in the
+    router's rank order, so unlike eq. 9-11 as written the output depends on the node order:
+    swapping two selected experts changes the DAG output but not the weighted sum."""
+    rng = np.random.default_rng(21)
+    x, gates, expert_out = random_inputs(rng, k=4)
+    params = random_lib_params(rng, iters)
+    module = make_dag(iters, "silu", params, edges="ranked")
+    got = module(jnp.asarray(x), jnp.asarray(gates), jnp.asarray(expert_out))
+    want = np_dag_moe(x, gates, expert_out, to_paper_layout(params), "silu", edges="ranked")
+    assert rel_err(got, want) < 1e-5
+    assert rel_err(got, np_dag_moe(x, gates, expert_out, to_paper_layout(params), "silu")) > 1e-2
+
+    perm = np.array([1, 0, 2, 3])
+    y_perm = module(jnp.asarray(x), jnp.asarray(gates[:, perm]), jnp.asarray(expert_out[:, perm]))
+    np.testing.assert_allclose(np.asarray(weighted_sum(jnp.asarray(gates[:, perm]),
+                                                       jnp.asarray(expert_out[:, perm]))),
+                               np.asarray(weighted_sum(jnp.asarray(gates), jnp.asarray(expert_out))),
+                               rtol=1e-5, atol=1e-5)
+    assert rel_err(y_perm, got) > 1e-3

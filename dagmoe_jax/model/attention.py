@@ -109,18 +109,21 @@ class Attention(nnx.Module):
         self.w_o = make_param(rngs, init, (h, hd, d), ("heads", "head_dim", "embed"), pd)
 
     def project_qkv(self, x: jax.Array, sin: jax.Array, cos: jax.Array):
-        c = lambda w: w[...].astype(self.dtype)
-        x = x.astype(self.dtype)
-        q = jnp.einsum("bsd,dhk->bshk", x, c(self.w_q))
-        k = jnp.einsum("bsd,dhk->bshk", x, c(self.w_k))
-        v = jnp.einsum("bsd,dhk->bshk", x, c(self.w_v))
+        # 2-D matmuls over [B*S, d]: XLA on CPU runs the weight gradient of a rank-3 einsum
+        # (two contracted axes) several times slower.
+        b, s, d = x.shape
+        x2 = x.astype(self.dtype).reshape(b * s, d)
+        proj = lambda w: (x2 @ w[...].astype(self.dtype).reshape(d, -1)).reshape(b, s, *w.shape[1:])
+        q, k, v = proj(self.w_q), proj(self.w_k), proj(self.w_v)
         q = constrain(apply_rope(q, sin, cos), ("batch", "length", "heads", "head_dim"))
         k = constrain(apply_rope(k, sin, cos), ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         return q, k, v
 
     def project_out(self, o: jax.Array) -> jax.Array:
-        out = jnp.einsum("bshk,hkd->bsd", o, self.w_o[...].astype(self.dtype))
+        b, s, h, hd = o.shape
+        w_o = self.w_o[...].astype(self.dtype).reshape(h * hd, -1)
+        out = (o.reshape(b * s, h * hd) @ w_o).reshape(b, s, -1)
         return constrain(out, ("batch", "length", "embed"))
 
     def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:

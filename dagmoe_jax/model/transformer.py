@@ -105,8 +105,9 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None):
         h, stats = self.hidden_states(tokens, positions)
-        logits = jnp.einsum("bsd,dv->bsv", h, self.lm_head[...].astype(h.dtype),
-                            preferred_element_type=jnp.float32)
+        b, s, d = h.shape
+        logits = jnp.dot(h.reshape(b * s, d), self.lm_head[...].astype(h.dtype),
+                         preferred_element_type=jnp.float32).reshape(b, s, -1)
         logits = constrain(logits, ("batch", "length", "vocab"))
         return logits, summarize_stats(self.cfg, stats)
 

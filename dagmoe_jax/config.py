@@ -170,7 +170,8 @@ class ModelConfig:
     remat: 'full' (recompute each layer in the backward pass; MaxText's default, and measured
       faster than storing activations on CPU, where memory traffic bounds the step), 'dots'
       (save matmul outputs only) or 'none'.
-    attention: 'auto' (blockwise causal on CPU, cuDNN where available), 'xla', 'blockwise' or 'cudnn'.
+    attention: 'auto' (blockwise causal on CPU, cuDNN on GPU with bfloat16 compute, else XLA),
+      'xla', 'blockwise' or 'cudnn'.
     attention_block: query/key block size of the blockwise causal attention.
     param_dtype, compute_dtype: 'float32' or 'bfloat16' (master weights stay float32 by default).
     """

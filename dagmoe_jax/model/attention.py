@@ -79,15 +79,22 @@ def blockwise_causal_attention(q, k, v, block: int):
     return out.transpose(0, 2, 1, 3, 4).reshape(b, s, h, d)
 
 
-def resolve_attention_impl(name: str) -> str:
+def resolve_attention_impl(name: str, dtype=jnp.float32) -> str:
+    """'auto': blockwise on CPU; cuDNN on GPU for 16-bit inputs (its flash kernel takes no
+    float32); XLA otherwise."""
     if name != "auto":
         return name
-    return "cudnn" if jax.default_backend() == "gpu" else "blockwise" if jax.default_backend() == "cpu" else "xla"
+    backend = jax.default_backend()
+    if backend == "cpu":
+        return "blockwise"
+    if backend == "gpu" and jnp.dtype(dtype).itemsize == 2:
+        return "cudnn"
+    return "xla"
 
 
 def causal_attention(q, k, v, impl: str, block: int):
     """Dispatch to the configured causal attention kernel (GQA: H a multiple of KV heads)."""
-    impl = resolve_attention_impl(impl)
+    impl = resolve_attention_impl(impl, q.dtype)
     if impl == "blockwise":
         return blockwise_causal_attention(q, k, v, block)
     return jax.nn.dot_product_attention(q, k, v, is_causal=True,

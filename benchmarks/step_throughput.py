@@ -6,7 +6,7 @@ model FLOP/s from :mod:`dagmoe_jax.accounting` and their ratio to this machine's
 rate, measured in the same run. A second table times the DAG module against the experts it
 aggregates (forward + backward) to compare their achieved FLOP/s.
 
-    python benchmarks/step_throughput.py                       # full run (CPU: ~15 minutes)
+    python benchmarks/step_throughput.py                       # full run (CPU: ~20 minutes)
     python benchmarks/step_throughput.py --vocab 256 --steps 2 # quicker
 """
 
@@ -81,8 +81,8 @@ def component_rates(cfg, tokens: int, repeats: int):
     rngs = nnx.Rngs(0)
     experts = Experts(e.num_experts, d, e.expert_hidden, cfg.init_std, jnp.float32, rngs=rngs)
     dag = DAGAggregator(cfg, rngs=rngs)
-    for it in (dag.iterations,):  # random w_up so the backward pass is not trivially sparse
-        it.w_up[...] = 0.02 * jax.random.normal(jax.random.key(1), it.w_up.shape)
+    w_up = dag.iterations.w_up  # random, so the backward pass is not trivially zero
+    w_up[...] = 0.02 * jax.random.normal(jax.random.key(1), w_up.shape)
     x = jax.random.normal(jax.random.key(2), (tokens, d))
     idx = jnp.asarray(np.argsort(np.random.default_rng(0).random((tokens, e.num_experts)), 1)[:, :k])
     gates = jax.random.uniform(jax.random.key(3), (tokens, k))

@@ -404,3 +404,9 @@ def test_moe_block_matches_manual(kind, num_shared):
     expected = agg + np_shared(xt, block.shared)
     np.testing.assert_allclose(np.asarray(y).reshape(-1, 32), expected, rtol=1e-4,
                                atol=1e-5 * np.abs(expected).max())
+
+
+def test_too_long_sequence_is_a_clear_error():
+    cfg = tiny_config("moe", "sum", max_seq_len=16)
+    with pytest.raises(ValueError, match="max_seq_len=16"):
+        Transformer(cfg, rngs=nnx.Rngs(0))(jnp.zeros((1, 17), jnp.int32))

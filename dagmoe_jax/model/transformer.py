@@ -83,6 +83,9 @@ class Transformer(nnx.Module):
         """Final-norm hidden states [B, S, d] and the per-layer stats (stacked over layers)."""
         cfg = self.cfg
         b, s = tokens.shape
+        if s > cfg.max_seq_len:
+            raise ValueError(f"sequence length {s} exceeds ModelConfig.max_seq_len={cfg.max_seq_len}: "
+                             f"shorten the inputs or raise max_seq_len")
         if positions is None:
             positions = jnp.arange(s)[None, :]
         sin, cos = rope_angles(positions, cfg.resolved_head_dim, cfg.rope_theta)

@@ -96,17 +96,16 @@ def account(cfg: ModelConfig, seq_len: int | None = None) -> Accounting:
     else:
         if cfg.block == "coe":
             steps, k = cfg.coe.iterations, cfg.coe_top_k
-            routers = 1 if cfg.coe.shared_router else steps
-            router_calls = routers
+            routers = 1 if cfg.coe.shared_router else steps   # a shared router runs once
         else:
-            steps, k, routers, router_calls = 1, cfg.router.top_k, 1, 1
+            steps, k, routers = 1, cfg.router.top_k, 1
         per_layer["router"] = active["router"] = routers * d * e.num_experts
         per_layer["experts"] = e.num_experts * expert_p
         active["experts"] = min(e.num_experts, steps * k) * expert_p
         per_layer["shared_experts"] = active["shared_experts"] = shared_p
         per_layer["aggregator"] = active["aggregator"] = aggregator_params(cfg)
         agg_mm, agg_pair = aggregator_forward_flops(cfg)
-        fwd.update(router=2.0 * d * e.num_experts * router_calls,
+        fwd.update(router=2.0 * d * e.num_experts * routers,
                    experts=2.0 * expert_p * steps * k,
                    shared_experts=2.0 * shared_p * steps,
                    aggregator=agg_mm, dag_pairwise=agg_pair)

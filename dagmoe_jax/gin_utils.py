@@ -16,14 +16,14 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # External registration: gin configures its own wrappers of these, so bindings never leak into
 # ``ModelConfig(...)`` built in plain Python (tests, notebooks) after a gin file was parsed.
-_GIN = {cls.__name__: gin.external_configurable(cls, name=cls.__name__)
-        for cls in (C.RouterConfig, C.ExpertConfig, C.AggregationConfig, C.CoEConfig, C.ModelConfig)}
+_CONFIG_CLASSES = (C.RouterConfig, C.ExpertConfig, C.AggregationConfig, C.CoEConfig, C.ModelConfig)
+_GIN = {cls.__name__: gin.external_configurable(cls, name=cls.__name__) for cls in _CONFIG_CLASSES}
 gin.external_configurable(C.matched_shared_hidden, name="matched_shared_hidden")
 
 
 def _plain(value):
     """A gin-built config (an instance of gin's subclass) as the plain dataclass, recursively."""
-    for cls in (C.RouterConfig, C.ExpertConfig, C.AggregationConfig, C.CoEConfig, C.ModelConfig):
+    for cls in _CONFIG_CLASSES:
         if isinstance(value, cls):
             return cls(**{f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(cls)})
     return value

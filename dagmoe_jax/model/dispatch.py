@@ -43,11 +43,10 @@ def take_rows(src: jax.Array, idx: jax.Array, inverse: jax.Array) -> jax.Array:
 
 
 def _take_rows_fwd(src, idx, inverse):
-    return take_rows(src, idx, inverse), (idx, inverse)
+    return take_rows(src, idx, inverse), inverse
 
 
-def _take_rows_bwd(res, dout):
-    idx, inverse = res
+def _take_rows_bwd(inverse, dout):
     flat = dout.reshape(-1, dout.shape[-1])
     dsrc = flat.at[inverse].get(mode="fill", fill_value=0)
     dsrc = dsrc.reshape(inverse.shape[0], -1, flat.shape[-1]).sum(axis=1)

@@ -1,0 +1,23 @@
+"""Input pipeline: sources of text, tokenizers, and grain pipelines of packed batches.
+
+``DataConfig`` says where text comes from (synthetic DP tasks, text / jsonl / ArrayRecord
+files, or a prepared TFDS dataset), how it is tokenized and batched. ``train_dataset`` is the
+endless, checkpointable training stream; ``eval_batches`` the held-out data;
+``task_eval_batches`` + ``exact_match`` score answers on the synthetic tasks;
+``unigram_entropy`` is the baseline a model's held-out loss should beat.
+"""
+
+from dagmoe_jax.data.config import DataConfig, parse_source
+from dagmoe_jax.data.pipeline import (check_tokens, eval_batches, exact_match, per_task_accuracy,
+                                      task_eval_batches, task_names, train_dataset,
+                                      unigram_entropy)
+from dagmoe_jax.data.splits import eval_source, train_records, train_source
+from dagmoe_jax.data.tasks import TASKS, Example, generate
+from dagmoe_jax.data.tokenizers import (ByteTokenizer, HFTokenizer, SentencePieceTokenizer,
+                                        Tokenizer, make_tokenizer)
+
+__all__ = ["DataConfig", "parse_source", "make_tokenizer", "Tokenizer", "ByteTokenizer",
+           "SentencePieceTokenizer", "HFTokenizer", "train_dataset", "eval_batches",
+           "task_eval_batches", "task_names", "exact_match", "per_task_accuracy",
+           "check_tokens", "unigram_entropy", "train_records", "train_source", "eval_source",
+           "TASKS", "Example", "generate"]

@@ -1,0 +1,274 @@
+"""Batches for training and evaluation.
+
+Every batch is a dict of NumPy arrays: ``inputs`` and ``targets`` int32 [B, seq_len] (targets
+are the inputs shifted left by one within a window of seq_len + 1 tokens) and ``mask`` bool
+[B, seq_len] (False where the target is padding, or, for task batches, not an answer token).
+
+* :func:`train_dataset`: an endless, shuffled, packed ``grain.IterDataset``; its iterator is
+  checkpointable (``get_state`` / ``set_state``, or Orbax with ``grain.checkpoint``).
+* :func:`eval_batches`: the held-out / eval data, packed the same way, finite, in order.
+* :func:`task_eval_batches` + :func:`exact_match`: one synthetic task example per row, the mask
+  on its answer, to score greedy exact answers.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional, Sequence, Union
+
+import grain
+import numpy as np
+
+from dagmoe_jax.data.config import DataConfig, check_process, local_batch_size, parse_source
+from dagmoe_jax.data.sources import TASK_EVAL_STREAM
+from dagmoe_jax.data.splits import eval_source, train_records, train_source
+from dagmoe_jax.data.tasks import generate
+from dagmoe_jax.data.tokenizers import Tokenizer
+
+# Threads that read + tokenize records ahead of the packer, and how far ahead they go.
+READ_OPTIONS = dict(num_threads=2, prefetch_buffer_size=64)
+
+
+class _Encode:
+    """text -> {'tokens': ids + [eos]} (a picklable grain map function)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, text: str) -> dict:
+        ids = self.tokenizer.encode(text)
+        ids.append(self.tokenizer.eos_id)
+        return {"tokens": np.asarray(ids, np.int32)}
+
+
+def _shift(window: dict) -> dict:
+    tokens, segments = window["tokens"], window["tokens_segment_ids"]
+    return {"inputs": tokens[:-1], "targets": tokens[1:], "mask": segments[1:] != 0}
+
+
+def _absl_flags_parsed() -> None:
+    """grain's worker processes read absl flags; outside ``absl.app.run`` nothing parsed them
+    and the first batch fails with ``UnparsedFlagAccessError`` (grain issues #1355 / #1360).
+    Marking them parsed keeps every flag at its default."""
+    from absl import flags  # pylint: disable=import-outside-toplevel
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
+def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, process_index: int = 0,
+                  process_count: int = 1) -> grain.IterDataset:
+    """The endless training stream of this process: batches of ``batch_size // process_count``.
+
+    Records of this process (:func:`~dagmoe_jax.data.splits.train_records`) -> shuffled with
+    ``cfg.seed`` (a new order each epoch) and repeated forever -> tokenized with EOS appended
+    -> packed end to end (``ConcatThenSplitIterDataset``) into windows of seq_len + 1 -> inputs
+    w[:-1], targets w[1:] -> batched. ``iter(ds)`` is a grain ``DatasetIterator``: save its
+    ``get_state()`` (or use ``grain.checkpoint.CheckpointSave`` with Orbax) and ``set_state`` an
+    iterator of an identically built dataset to continue with exactly the same batches.
+
+    With ``cfg.worker_count`` W > 0, W grain processes each read and pack every W-th record of
+    this process and batches alternate between them: a different (equally valid) stream from
+    W = 0 or 1, so a saved state resumes only with the same ``worker_count``.
+    """
+    batch = local_batch_size(cfg, process_count)
+    ds = train_records(cfg, process_index=process_index, process_count=process_count)
+    if cfg.shuffle:
+        ds = ds.shuffle(seed=cfg.seed)
+    ds = ds.repeat().map(_Encode(tokenizer))
+    it = ds.to_iter_dataset(grain.ReadOptions(**READ_OPTIONS))
+    it = grain.experimental.ConcatThenSplitIterDataset(
+        it, length_struct={"tokens": cfg.seq_len + 1})
+    it = it.map(_shift).batch(batch, drop_remainder=True)
+    if cfg.worker_count:
+        _absl_flags_parsed()
+        it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count))
+    return it
+
+
+def _rows_to_batches(rows: list, cfg_batch: int, seq_len: int, pad_id: int,
+                     process_index: int, process_count: int) -> list:
+    """Group (tokens, n_valid) windows into global batches (the last padded with empty rows)
+    and keep this process's contiguous block of rows of each."""
+    local = cfg_batch // process_count
+    batches = []
+    for b in range(0, len(rows), cfg_batch):
+        window = np.full((cfg_batch, seq_len + 1), pad_id, np.int32)
+        valid = np.zeros((cfg_batch,), np.int64)
+        for r, (tokens, n) in enumerate(rows[b:b + cfg_batch]):
+            window[r, :n], valid[r] = tokens[:n], n
+        mask = np.arange(1, seq_len + 1)[None, :] < valid[:, None]
+        block = slice(process_index * local, (process_index + 1) * local)
+        batches.append({"inputs": window[block, :-1], "targets": window[block, 1:],
+                        "mask": mask[block]})
+    return batches
+
+
+def eval_batches(cfg: DataConfig, tokenizer: Tokenizer, *, max_batches: Optional[int] = None,
+                 process_index: int = 0, process_count: int = 1) -> list:
+    """The evaluation data (:func:`~dagmoe_jax.data.splits.eval_source`) as a list of batches.
+
+    Records in order, each tokenized with EOS appended, packed end to end into windows of
+    seq_len + 1 (the last window padded, its padding masked), grouped into global batches of
+    ``batch_size`` rows (the last filled with fully masked rows) of which this process keeps
+    rows ``[process_index * B, (process_index + 1) * B)``, B = batch_size // process_count.
+    Every process gets the same number of batches. ``max_batches`` stops after that many
+    global batches. Deterministic; no shuffle.
+    """
+    check_process(process_index, process_count)
+    local_batch_size(cfg, process_count)
+    records, width = eval_source(cfg), cfg.seq_len + 1
+    limit = None if max_batches is None else int(max_batches) * cfg.batch_size
+    rows, buf = [], []
+    for i in range(len(records)):
+        buf.extend(tokenizer.encode(records[i]))
+        buf.append(tokenizer.eos_id)
+        start = 0
+        while len(buf) - start >= width and (limit is None or len(rows) < limit):
+            rows.append((buf[start:start + width], width))
+            start += width
+        del buf[:start]
+        if limit is not None and len(rows) >= limit:
+            buf = []
+            break
+    if len(buf) > 1:
+        rows.append((buf, len(buf)))
+    return _rows_to_batches(rows, cfg.batch_size, cfg.seq_len, tokenizer.pad_id,
+                            process_index, process_count)
+
+
+def task_names(cfg: DataConfig) -> tuple:
+    """The synthetic tasks of ``cfg.source`` in order (``task_id`` indexes this tuple)."""
+    kind, args = parse_source(cfg.source)
+    if kind != "synthetic":
+        raise ValueError(f"DataConfig.source={cfg.source!r} has no synthetic tasks: pass tasks= "
+                         "to task_eval_batches or use a 'synthetic:' source")
+    return args
+
+
+def _answer_ids(tokenizer: Tokenizer, prompt: str, answer: str) -> tuple:
+    """(prompt ids, answer ids), the split of the joint tokenization when it has one."""
+    head, full = tokenizer.encode(prompt), tokenizer.encode(prompt + answer)
+    if full[:len(head)] == head and len(full) > len(head):
+        return head, full[len(head):]
+    return head, tokenizer.encode(answer)
+
+
+def task_eval_batches(cfg: DataConfig, tokenizer: Tokenizer, *, num_examples: int,
+                      size: Union[None, int, Sequence[int]] = None, batch_size: int,
+                      tasks: Optional[Sequence[str]] = None,
+                      seq_len: Optional[int] = None) -> list:
+    """Synthetic task examples, one per row, for exact-answer accuracy.
+
+    Example i is task ``tasks[i % len(tasks)]`` (default: the tasks of ``cfg.source``) with a
+    size uniform in ``size`` (None: ``[task_min_size, task_max_size]``; an int: that size; a
+    pair: that inclusive range), drawn from ``(synthetic_seed, TASK_EVAL_STREAM, lo, hi, i)``.
+    A row is EOS (as after the previous record in training), the prompt and the answer; it is
+    right-padded to ``seq_len`` (default ``cfg.seq_len``). ``mask`` is True exactly on the
+    targets that are answer tokens (the answer's digits and its '\\n'). Batches carry
+    ``task_id`` (int32 [B], index into ``tasks``) and ``size`` (int32 [B]); the last batch has
+    ``num_examples % batch_size`` rows when that is not 0.
+    """
+    tasks = tuple(tasks) if tasks is not None else task_names(cfg)
+    if size is None:
+        lo, hi = cfg.task_min_size, cfg.task_max_size
+    elif isinstance(size, numbers.Integral):
+        lo = hi = int(size)
+    else:
+        lo, hi = (int(s) for s in size)
+    if not 1 <= lo <= hi:
+        raise ValueError(f"size={size!r} is invalid: expected an int >= 1 or a pair 1 <= lo <= hi")
+    for name, value in (("num_examples", num_examples), ("batch_size", batch_size)):
+        if not (isinstance(value, numbers.Integral) and value >= 1):
+            raise ValueError(f"{name}={value!r} is invalid: expected an integer >= 1")
+    seq_len = cfg.seq_len if seq_len is None else int(seq_len)
+    rows = []
+    for i in range(int(num_examples)):
+        rng = np.random.default_rng([cfg.synthetic_seed, TASK_EVAL_STREAM, lo, hi, i])
+        task_id = i % len(tasks)
+        n = int(rng.integers(lo, hi + 1))
+        example = generate(tasks[task_id], rng, n)
+        head, answer = _answer_ids(tokenizer, example.prompt, example.answer)
+        ids = [tokenizer.eos_id] + head + answer
+        if len(ids) - 1 > seq_len:
+            raise ValueError(f"a {tasks[task_id]!r} example of size {n} needs {len(ids) - 1} "
+                             f"tokens > seq_len={seq_len}: raise DataConfig.seq_len (or pass a "
+                             "larger seq_len) or use smaller sizes")
+        rows.append((ids, len(head), task_id, n))
+    batches = []
+    for b in range(0, len(rows), batch_size):
+        chunk = rows[b:b + batch_size]
+        window = np.full((len(chunk), seq_len + 1), tokenizer.pad_id, np.int32)
+        mask = np.zeros((len(chunk), seq_len), bool)
+        for r, (ids, n_head, _, _) in enumerate(chunk):
+            window[r, :len(ids)] = ids
+            mask[r, n_head:len(ids) - 1] = True  # targets ids[1 + n_head:] are the answer
+        batches.append({"inputs": window[:, :-1], "targets": window[:, 1:], "mask": mask,
+                        "task_id": np.asarray([c[2] for c in chunk], np.int32),
+                        "size": np.asarray([c[3] for c in chunk], np.int32)})
+    return batches
+
+
+def exact_match(predictions: np.ndarray, targets: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Per row: every masked target equals the prediction (bool [B]).
+
+    ``predictions`` are ids [B, S] or logits [B, S, V] (argmax taken). On task batches this is
+    greedy decoding's exact answer: with teacher forcing, each answer token is predicted from
+    the correct prefix, and the row is right iff all of them are.
+    """
+    predictions, targets, mask = map(np.asarray, (predictions, targets, mask))
+    if predictions.ndim == targets.ndim + 1:
+        predictions = predictions.argmax(-1)
+    return np.all((predictions == targets) | ~mask.astype(bool), axis=-1)
+
+
+def per_task_accuracy(correct: np.ndarray, task_id: np.ndarray, tasks: Sequence[str]) -> dict:
+    """``{task: accuracy}`` plus ``'all'``, from concatenated :func:`exact_match` results and
+    ``task_id`` of the batches; tasks without examples are left out."""
+    correct, task_id = np.asarray(correct, bool), np.asarray(task_id)
+    result = {"all": float(correct.mean()) if correct.size else float("nan")}
+    for k, name in enumerate(tasks):
+        rows = task_id == k
+        if rows.any():
+            result[name] = float(correct[rows].mean())
+    return result
+
+
+def check_tokens(batch: dict, vocab_size: int) -> None:
+    """One-line ``ValueError`` if a token id of ``batch`` is outside [0, vocab_size)."""
+    for key in ("inputs", "targets"):
+        ids = np.asarray(batch[key])
+        if ids.size and (ids.max() >= vocab_size or ids.min() < 0):
+            bad = int(ids.max()) if ids.max() >= vocab_size else int(ids.min())
+            raise ValueError(f"batch[{key!r}] has token id {bad} (max {int(ids.max())}) outside "
+                             f"[0, vocab_size={vocab_size}): set ModelConfig.vocab_size >= "
+                             "tokenizer.vocab_size")
+
+
+def unigram_entropy(cfg: DataConfig, tokenizer: Tokenizer, max_tokens: int = 1_000_000) -> float:
+    """The unigram baseline in nats/token: cross-entropy of the eval targets (up to
+    ``max_tokens``, those :func:`eval_batches` masks in) under add-one-smoothed unigram
+    frequencies counted on up to ``max_tokens`` tokens of training records (with EOS), read in
+    an order shuffled by ``cfg.seed``. A model's held-out loss should be well below it."""
+    vocab = tokenizer.vocab_size
+    counts, total = np.zeros(vocab, np.int64), 0
+    records = grain.MapDataset.source(train_source(cfg)).shuffle(seed=cfg.seed)
+    for i in range(len(records)):
+        ids = np.asarray(tokenizer.encode(records[i]) + [tokenizer.eos_id], np.int64)
+        check_tokens({"inputs": ids, "targets": ids}, vocab)
+        counts += np.bincount(ids, minlength=vocab)
+        total += ids.size
+        if total >= max_tokens:
+            break
+    log_p = np.log(counts + 1.0) - math.log(total + vocab)
+    per_batch = cfg.batch_size * cfg.seq_len
+    nll, n = 0.0, 0
+    for batch in eval_batches(cfg, tokenizer, max_batches=max(1, -(-max_tokens // per_batch))):
+        targets = batch["targets"][batch["mask"]]
+        check_tokens({"inputs": targets, "targets": targets}, vocab)
+        nll -= float(log_p[targets].sum())
+        n += targets.size
+    if n == 0:
+        raise ValueError("the evaluation data has no target tokens: check DataConfig.eval_source")
+    return nll / n

@@ -1,0 +1,111 @@
+"""Which records train and which evaluate, and which process reads which training record.
+
+Held-out records are evenly spaced: of n records, m = max(1, round(heldout_fraction * n)) are
+held out, the j-th being record ``(j * n) // m``. They depend only on n and the fraction (not on
+any seed), and both views are index arithmetic, so nothing of size n is built.
+"""
+
+from __future__ import annotations
+
+import grain
+
+from dagmoe_jax.data.config import DataConfig, check_process, parse_source
+from dagmoe_jax.data.sources import HELDOUT_STREAM, TRAIN_STREAM, open_source
+
+
+def heldout_count(num_records: int, fraction: float) -> int:
+    """Records held out of ``num_records``: ``max(1, round(fraction * num_records))``."""
+    return max(1, int(round(fraction * num_records)))
+
+
+class HeldOutView:
+    """The held-out records of ``source``: record j is ``source[(j * n) // m]``."""
+
+    def __init__(self, source, num_heldout: int):
+        self.source, self.n, self.m = source, len(source), int(num_heldout)
+
+    def __len__(self) -> int:
+        return self.m
+
+    def index(self, j: int) -> int:
+        """The ``source`` index of held-out record ``j``."""
+        return (int(j) % self.m) * self.n // self.m
+
+    def __getitem__(self, j: int):
+        return self.source[self.index(j)]
+
+
+class TrainView(HeldOutView):
+    """The records of ``source`` that :class:`HeldOutView` does not hold out, in order."""
+
+    def __len__(self) -> int:
+        return self.n - self.m
+
+    def _held_below(self, x: int) -> int:
+        # #{j < m : (j * n) // m < x} = #{j : j < x m / n}
+        return min(self.m, (x * self.m + self.n - 1) // self.n)
+
+    def index(self, p: int) -> int:
+        """The ``source`` index of training record ``p``: the smallest i with p + 1 training
+        records in [0, i]."""
+        p = int(p) % len(self)
+        lo, hi = p, p + self.m
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if mid + 1 - self._held_below(mid + 1) >= p + 1:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+
+def _holds_out(cfg: DataConfig) -> bool:
+    """Whether evaluation uses held-out records of ``source`` (rather than other data)."""
+    return not cfg.eval_source and not cfg.eval_split and parse_source(cfg.source)[0] != "synthetic"
+
+
+def _split_views(cfg: DataConfig):
+    source = open_source(cfg, "source", stream=TRAIN_STREAM)
+    n, m = len(source), heldout_count(len(source), cfg.heldout_fraction)
+    if m >= n:
+        raise ValueError(f"DataConfig.source={cfg.source!r} has only {n} record(s), too few to "
+                         f"hold out DataConfig.heldout_fraction={cfg.heldout_fraction} and "
+                         "train on the rest: add data or set DataConfig.eval_source")
+    return TrainView(source, m), HeldOutView(source, m)
+
+
+def train_source(cfg: DataConfig):
+    """All training records (every process's): ``source`` minus the held-out records when
+    evaluation holds records out, else all of ``source`` (split ``cfg.split`` for TFDS)."""
+    if _holds_out(cfg):
+        return _split_views(cfg)[0]
+    return open_source(cfg, "source", stream=TRAIN_STREAM)
+
+
+def eval_source(cfg: DataConfig):
+    """The evaluation records: ``eval_source`` if set (TFDS split ``eval_split or split``),
+    else split ``eval_split`` of a TFDS ``source``, else the synthetic held-out stream, else
+    the held-out records of ``source``."""
+    if cfg.eval_source:
+        return open_source(cfg, "eval_source", split=cfg.eval_split or cfg.split,
+                           stream=HELDOUT_STREAM)
+    if cfg.eval_split:
+        return open_source(cfg, "source", split=cfg.eval_split)
+    if parse_source(cfg.source)[0] == "synthetic":
+        return open_source(cfg, "source", stream=HELDOUT_STREAM)
+    return _split_views(cfg)[1]
+
+
+def train_records(cfg: DataConfig, *, process_index: int = 0,
+                  process_count: int = 1) -> grain.MapDataset:
+    """This process's training records (text) as a ``grain.MapDataset``, unshuffled.
+
+    Process k of P reads records k, k + P, k + 2P, ... of :func:`train_source`: the processes'
+    records are disjoint and together cover all training records.
+    """
+    check_process(process_index, process_count)
+    ds = grain.MapDataset.source(train_source(cfg))[process_index::process_count]
+    if len(ds) == 0:
+        raise ValueError(f"DataConfig.source={cfg.source!r} has fewer training records than the "
+                         f"{process_count} processes: add data")
+    return ds

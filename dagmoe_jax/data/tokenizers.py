@@ -1,0 +1,173 @@
+"""Tokenizers: utf-8 bytes, SentencePiece, or a HuggingFace ``tokenizers`` tokenizer.json.
+
+All three share the small :class:`Tokenizer` interface the pipeline needs. Nothing is
+downloaded: SentencePiece and HF tokenizers are read from local files. They pickle by path (the
+file is read again on unpickling), so grain worker processes can use them.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from typing import Sequence
+
+from dagmoe_jax.data.config import DataConfig
+
+HF_EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<eos>")
+HF_PAD_CANDIDATES = ("<pad>", "[PAD]", "<|pad|>")
+
+
+class Tokenizer(abc.ABC):
+    """Text <-> token ids. ``eos_id`` ends every record; ``pad_id`` fills padding (masked)."""
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Number of ids; every id is in [0, vocab_size)."""
+
+    @property
+    @abc.abstractmethod
+    def eos_id(self) -> int:
+        """End-of-sequence id appended to each record."""
+
+    @property
+    @abc.abstractmethod
+    def pad_id(self) -> int:
+        """Id written at padding positions (never a target: the mask is False there)."""
+
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Ids of ``text`` (no EOS / BOS added)."""
+
+    @abc.abstractmethod
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``."""
+
+
+class ByteTokenizer(Tokenizer):
+    """utf-8 bytes as ids: vocabulary 256, EOS = pad = 0 (NUL, which text never contains)."""
+
+    vocab_size = 256
+    eos_id = 0
+    pad_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """utf-8 decode with errors='replace'; ids outside [0, 256) (a model's vocabulary may be
+        larger) also decode to U+FFFD. EOS decodes to '\x00'."""
+        data = bytes(int(i) if 0 <= int(i) < 256 else 0xFF for i in ids)  # 0xFF: never utf-8
+        return data.decode("utf-8", errors="replace")
+
+
+def _require_file(path: str, field: str = "tokenizer_path") -> str:
+    if not path or not os.path.isfile(os.path.expanduser(path)):
+        raise FileNotFoundError(f"DataConfig.{field}={path!r} is not a file: point it at a "
+                                "local tokenizer model")
+    return os.path.expanduser(path)
+
+
+class _FromFile(Tokenizer):
+    """A tokenizer loaded from a file; pickles as its path and EOS token."""
+
+    def __init__(self, path: str, eos_token: str = ""):
+        self._path = _require_file(path)
+        self._eos_token = eos_token
+        self._load()
+
+    @abc.abstractmethod
+    def _load(self) -> None:
+        """Read ``self._path`` and set the ids."""
+
+    def __getstate__(self):
+        return {"path": self._path, "eos_token": self._eos_token}
+
+    def __setstate__(self, state):
+        self.__init__(state["path"], state["eos_token"])
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos_id
+
+    @property
+    def pad_id(self) -> int:
+        return self._pad_id
+
+
+class SentencePieceTokenizer(_FromFile):
+    """A SentencePiece model file. EOS: ``eos_token`` if given, else the model's EOS.
+
+    Pad is the model's pad id, or EOS when the model has none. Note that SentencePiece's
+    default normalisation may not round-trip every string (e.g. newlines, repeated spaces);
+    train with ``normalization_rule_name='identity'`` and ``remove_extra_whitespaces=False``
+    (and '\\n' as a user-defined symbol) for exact round trips.
+    """
+
+    def _load(self) -> None:
+        import sentencepiece  # pylint: disable=import-outside-toplevel
+
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=self._path)
+        self._vocab_size = int(self._sp.get_piece_size())
+        if self._eos_token:
+            eos = int(self._sp.piece_to_id(self._eos_token))
+            if eos == self._sp.unk_id() and self._eos_token != self._sp.id_to_piece(eos):
+                raise ValueError(f"DataConfig.eos_token={self._eos_token!r} is not in the "
+                                 f"SentencePiece model {self._path}")
+        else:
+            eos = int(self._sp.eos_id())
+            if eos < 0:
+                raise ValueError(f"the SentencePiece model {self._path} has no EOS piece: set "
+                                 "DataConfig.eos_token to one of its pieces")
+        self._eos_id = eos
+        pad = int(self._sp.pad_id())
+        self._pad_id = pad if pad >= 0 else eos
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._sp.encode(text, out_type=int))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+
+class HFTokenizer(_FromFile):
+    """A HuggingFace ``tokenizers`` tokenizer.json.
+
+    EOS: ``eos_token`` if given, else the first of ``HF_EOS_CANDIDATES`` in the vocabulary.
+    Pad: the first of ``HF_PAD_CANDIDATES`` in the vocabulary, else EOS. ``encode`` adds no
+    special tokens (the pipeline appends EOS itself).
+    """
+
+    def _load(self) -> None:
+        import tokenizers  # pylint: disable=import-outside-toplevel
+
+        self._tok = tokenizers.Tokenizer.from_file(self._path)
+        self._vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        names = (self._eos_token,) if self._eos_token else HF_EOS_CANDIDATES
+        eos = next((vocab[n] for n in names if n in vocab), None)
+        if eos is None:
+            raise ValueError(f"the tokenizer {self._path} has no EOS token among "
+                             f"{', '.join(map(repr, names))}: set DataConfig.eos_token to one "
+                             "of its tokens")
+        self._eos_id = int(eos)
+        self._pad_id = int(next((vocab[n] for n in HF_PAD_CANDIDATES if n in vocab), eos))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def make_tokenizer(cfg: DataConfig) -> Tokenizer:
+    """The tokenizer ``cfg.tokenizer`` names, read from ``cfg.tokenizer_path`` if it needs one."""
+    if cfg.tokenizer == "byte":
+        return ByteTokenizer()
+    if cfg.tokenizer == "sentencepiece":
+        return SentencePieceTokenizer(cfg.tokenizer_path, cfg.eos_token)
+    return HFTokenizer(cfg.tokenizer_path, cfg.eos_token)

@@ -1,0 +1,190 @@
+"""AdamW with a learning-rate schedule, global-norm clipping and a weight-decay mask.
+
+``make_optimizer(OptimConfig(), total_steps)`` returns one ``optax.GradientTransformation`` for
+``nnx.Optimizer(model, tx, wrt=nnx.Param)``. Build it once per run: the transformation is
+static data of the optimizer's graph, so a new one (new closures) means a new trace of the
+jitted train step.
+
+Schedules (all warm up linearly from 0 to the peak over ``warmup_steps``; the step is the
+optimizer's update count, so the first update uses the rate of step 0, which is 0 when
+``warmup_steps`` > 0):
+
+* ``'wsd'`` (warmup-stable-decay, the DAG-MoE paper's schedule): warm-up, then the peak until
+  the last ``round(decay_fraction * total_steps)`` steps, then linear decay to
+  ``min_lr_ratio * peak`` at ``total_steps``;
+* ``'cosine'``: warm-up, then cosine decay to ``min_lr_ratio * peak`` at ``total_steps``;
+* ``'constant'``: warm-up, then the peak.
+
+Past ``total_steps`` every schedule stays at its final value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import optax
+
+SCHEDULES = ("wsd", "cosine", "constant")
+
+# Leaf names (or substrings of any path component) that mark a parameter as a norm scale or a
+# bias: these are not weight-decayed. See ``decay_mask``.
+_NO_DECAY_NAME_PARTS = ("scale", "bias")
+_NO_DECAY_PATH_PARTS = ("norm",)
+
+
+def _fail(field: str, value, valid: str) -> None:
+    raise ValueError(f"OptimConfig.{field}={value!r} is invalid: expected {valid}")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW and its learning-rate schedule.
+
+    learning_rate: peak learning rate (default 3e-3).
+    schedule: 'wsd' (default; warmup-stable-decay, the DAG-MoE paper's schedule), 'cosine' or
+      'constant'. Every schedule warms up linearly from 0.
+    warmup_steps: linear warm-up length in optimizer steps (default 100; 0 = start at the peak).
+    decay_fraction: 'wsd' only: the last ``round(decay_fraction * total_steps)`` steps decay
+      linearly from the peak to ``min_lr_ratio * learning_rate`` (default 0.2; 0 = no decay).
+    min_lr_ratio: floor of 'wsd' and 'cosine' as a fraction of the peak (default 0.0).
+    weight_decay: decoupled AdamW weight decay (default 0.1), applied to weight matrices only
+      (see ``decay_mask``); as in optax and PyTorch it is multiplied by the current learning rate.
+    b1, b2, eps: Adam moments' decay rates and denominator epsilon (defaults 0.9, 0.95, 1e-8).
+    grad_clip: clip gradients to this global L2 norm before AdamW (default 1.0; 0 disables).
+    """
+
+    learning_rate: float = 3e-3
+    schedule: str = "wsd"
+    warmup_steps: int = 100
+    decay_fraction: float = 0.2
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+    def __post_init__(self):
+        if not (_is_number(self.learning_rate) and self.learning_rate > 0):
+            _fail("learning_rate", self.learning_rate, "a number > 0")
+        if self.schedule not in SCHEDULES:
+            _fail("schedule", self.schedule, "one of " + ", ".join(map(repr, SCHEDULES)))
+        if not (isinstance(self.warmup_steps, int) and not isinstance(self.warmup_steps, bool)
+                and self.warmup_steps >= 0):
+            _fail("warmup_steps", self.warmup_steps, "an integer >= 0")
+        if not (_is_number(self.decay_fraction) and 0 <= self.decay_fraction <= 1):
+            _fail("decay_fraction", self.decay_fraction, "a number in [0, 1]")
+        if not (_is_number(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1):
+            _fail("min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
+        if not (_is_number(self.weight_decay) and self.weight_decay >= 0):
+            _fail("weight_decay", self.weight_decay, "a number >= 0")
+        if not (_is_number(self.b1) and 0 <= self.b1 < 1):
+            _fail("b1", self.b1, "a number in [0, 1)")
+        if not (_is_number(self.b2) and 0 < self.b2 < 1):
+            _fail("b2", self.b2, "a number in (0, 1)")
+        if not (_is_number(self.eps) and self.eps > 0):
+            _fail("eps", self.eps, "a number > 0")
+        if not (_is_number(self.grad_clip) and self.grad_clip >= 0):
+            _fail("grad_clip", self.grad_clip, "a number >= 0 (0 disables clipping)")
+
+    def decay_steps(self, total_steps: int) -> int:
+        """Length of the final linear decay of 'wsd' (0 for the other schedules)."""
+        if self.schedule != "wsd":
+            return 0
+        return int(round(self.decay_fraction * total_steps))
+
+
+def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    """The learning rate as a function of the optimizer step (see the module docstring)."""
+    if not (isinstance(total_steps, int) and not isinstance(total_steps, bool)
+            and total_steps >= 1):
+        raise ValueError(f"total_steps={total_steps!r} is invalid: expected an integer >= 1")
+    peak = float(cfg.learning_rate)
+    floor = cfg.min_lr_ratio * peak
+    warmup = cfg.warmup_steps
+
+    if cfg.schedule == "cosine":
+        if warmup >= total_steps:
+            raise ValueError(
+                f"OptimConfig.warmup_steps={warmup} leaves no steps for the cosine decay of "
+                f"total_steps={total_steps}: lower warmup_steps or train for more steps")
+        return optax.warmup_cosine_decay_schedule(
+            init_value=0.0, peak_value=peak, warmup_steps=warmup, decay_steps=total_steps,
+            end_value=floor)
+
+    decay = cfg.decay_steps(total_steps)
+    if warmup + decay > total_steps:
+        what = "warmup_steps" if cfg.schedule == "constant" else "warmup_steps or decay_fraction"
+        raise ValueError(
+            f"OptimConfig.warmup_steps={warmup} + decay steps={decay} (decay_fraction="
+            f"{cfg.decay_fraction} of {total_steps}) exceed total_steps={total_steps}: lower "
+            f"{what} or train for more steps")
+    pieces, boundaries = [], []
+    if warmup > 0:
+        pieces.append(optax.linear_schedule(0.0, peak, warmup))
+        boundaries.append(warmup)
+    pieces.append(optax.constant_schedule(peak))
+    if decay > 0:
+        boundaries.append(total_steps - decay)
+        pieces.append(optax.linear_schedule(peak, floor, decay))
+    if len(pieces) == 1:
+        return pieces[0]
+    return optax.join_schedules(pieces, boundaries)
+
+
+def _key_name(key) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def param_names(path) -> tuple:
+    """A pytree path as a tuple of names, without the trailing ``value`` of an nnx Variable."""
+    names = tuple(_key_name(k) for k in path)
+    if len(names) > 1 and names[-1] == "value" and type(path[-1]).__name__ == "GetAttrKey":
+        names = names[:-1]
+    return names
+
+
+def is_decayed(names: tuple) -> bool:
+    """Whether the parameter at path ``names`` is weight-decayed (see ``decay_mask``)."""
+    if not names:
+        return True
+    leaf = names[-1].lower()
+    if any(part in leaf for part in _NO_DECAY_NAME_PARTS):
+        return False
+    return not any(part in str(n).lower() for n in names for part in _NO_DECAY_PATH_PARTS)
+
+
+def decay_mask(params: Any) -> Any:
+    """A pytree of bools with the structure of ``params``: True where weight decay applies.
+
+    Decided by parameter name, not by rank (``nnx.scan`` stacks every per-layer parameter with a
+    leading layer axis, so a norm scale is 2-D): a parameter whose own name contains 'scale' or
+    'bias' (``scale``, ``ln_scale``, ``ln_bias``), or any of whose path components contains
+    'norm' (``final_norm``, ``layers/attn_norm``), is not decayed; every other parameter (the
+    weight matrices, the embedding and the LM head) is. Works on ``nnx.state(model, nnx.Param)``
+    (Variables) and on its pure-array form alike, which is what optax passes it at init and
+    at update.
+    """
+    return jax.tree_util.tree_map_with_path(lambda path, _: is_decayed(param_names(path)), params)
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+    """``clip_by_global_norm(grad_clip)`` (``identity`` when 0), then AdamW with
+    ``make_schedule`` and weight decay masked by ``decay_mask``. Create it once per run.
+
+    The chain has the same state structure whatever the hyperparameters, so a run can be
+    resumed with another learning rate, schedule or clipping threshold.
+    """
+    adamw = optax.adamw(make_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                        weight_decay=cfg.weight_decay, mask=decay_mask)
+    clip = optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity()
+    return optax.chain(clip, adamw)

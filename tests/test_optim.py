@@ -1,0 +1,192 @@
+"""The optimizer: schedules, the weight-decay mask on a real model, decay and clipping, and
+config errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from dagmoe_jax.model import Transformer
+from dagmoe_jax.train.optim import OptimConfig, decay_mask, make_optimizer, make_schedule
+
+
+def lr_at(schedule, *steps):
+    return [float(schedule(jnp.asarray(t))) for t in steps]
+
+
+# ----------------------------------------------------------------------------- schedules
+
+def test_wsd_schedule_key_steps():
+    cfg = OptimConfig(learning_rate=1e-3, schedule="wsd", warmup_steps=100, decay_fraction=0.2,
+                      min_lr_ratio=0.1)
+    s = make_schedule(cfg, 1000)            # warm-up 0..100, stable 100..800, decay 800..1000
+    start, half_warm, warm_end, stable, decay_start, half_decay, end, after = lr_at(
+        s, 0, 50, 100, 400, 800, 900, 1000, 5000)
+    assert start == 0.0
+    np.testing.assert_allclose([half_warm, warm_end, stable, decay_start],
+                               [5e-4, 1e-3, 1e-3, 1e-3], rtol=1e-6)
+    assert lr_at(s, 799) == pytest.approx([1e-3], rel=1e-6)
+    np.testing.assert_allclose([half_decay, end, after], [5.5e-4, 1e-4, 1e-4], rtol=1e-5)
+    assert lr_at(s, 801)[0] < 1e-3
+
+
+def test_wsd_without_decay_or_warmup():
+    s = make_schedule(OptimConfig(learning_rate=2e-3, warmup_steps=0, decay_fraction=0.0), 10)
+    np.testing.assert_allclose(lr_at(s, 0, 5, 10, 20), [2e-3] * 4, rtol=1e-6)
+    # warm-up and decay may fill the whole run (no stable phase)
+    s = make_schedule(OptimConfig(learning_rate=1.0, warmup_steps=5, decay_fraction=0.5), 10)
+    np.testing.assert_allclose(lr_at(s, 0, 5, 10), [0.0, 1.0, 0.0], atol=1e-6)
+
+
+def test_cosine_schedule_key_steps():
+    cfg = OptimConfig(learning_rate=1e-3, schedule="cosine", warmup_steps=100, min_lr_ratio=0.1)
+    s = make_schedule(cfg, 1100)            # cosine over 100..1100, midpoint 600
+    start, warm_end, mid, end, after = lr_at(s, 0, 100, 600, 1100, 3000)
+    assert start == 0.0
+    np.testing.assert_allclose([warm_end, mid, end, after], [1e-3, 5.5e-4, 1e-4, 1e-4], rtol=1e-5)
+
+
+def test_constant_schedule_key_steps():
+    s = make_schedule(OptimConfig(learning_rate=1e-3, schedule="constant", warmup_steps=10), 100)
+    np.testing.assert_allclose(lr_at(s, 0, 5, 10, 50, 100, 1000),
+                               [0.0, 5e-4, 1e-3, 1e-3, 1e-3, 1e-3], rtol=1e-6)
+
+
+def test_schedule_steps_that_do_not_fit():
+    with pytest.raises(ValueError, match=r"exceed total_steps=100: lower warmup_steps or "
+                                         r"decay_fraction") as err:
+        make_schedule(OptimConfig(warmup_steps=90, decay_fraction=0.2), 100)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="no steps for the cosine decay"):
+        make_schedule(OptimConfig(schedule="cosine", warmup_steps=100), 100)
+    with pytest.raises(ValueError, match="lower warmup_steps or train"):
+        make_schedule(OptimConfig(schedule="constant", warmup_steps=101), 100)
+    with pytest.raises(ValueError, match="total_steps=0 is invalid"):
+        make_schedule(OptimConfig(), 0)
+
+
+# ----------------------------------------------------------------------------- mask on a model
+
+NO_DECAY = {
+    "final_norm/scale",
+    "layers/attn_norm/scale",
+    "layers/block_norm/scale",
+    "layers/block/aggregator/iterations/ln_scale",
+    "layers/block/aggregator/iterations/ln_bias",
+}
+
+
+def leaf_paths(tree):
+    out = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        names = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path]
+        if names[-1] == "value":
+            names = names[:-1]
+        out["/".join(map(str, names))] = leaf
+    return out
+
+
+def test_decay_mask_excludes_exactly_norms_and_biases(tiny):
+    model = Transformer(tiny(block="moe", kind="dag", experts=dict(num_shared=1)), rngs=nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    mask = leaf_paths(decay_mask(params))
+    assert set(mask) == set(leaf_paths(params))
+    assert {p for p, m in mask.items() if not m} == NO_DECAY
+    # the shared expert and the DAG matrices are decayed
+    for p in ("layers/block/shared/w_up", "layers/block/aggregator/iterations/w_edge",
+              "layers/block/experts/w_gate", "embed", "lm_head"):
+        assert mask[p] is True
+    # the pure-array form gives the same answer
+    assert leaf_paths(decay_mask(nnx.to_pure_dict(params))) == mask
+
+
+def test_weight_decay_skips_norms_with_zero_grads(tiny):
+    """One update with zero gradients: Adam's step is 0, so only decoupled decay moves params."""
+    model = Transformer(tiny(block="moe", kind="dag", experts=dict(num_shared=1)), rngs=nnx.Rngs(0))
+    lr, wd = 0.1, 0.1
+    tx = make_optimizer(OptimConfig(learning_rate=lr, schedule="constant", warmup_steps=0,
+                                    weight_decay=wd), total_steps=10)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    before = leaf_paths(jax.tree.map(np.asarray, nnx.state(model, nnx.Param)))
+    zeros = jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param))
+    optimizer.update(model, zeros)
+    after = leaf_paths(nnx.state(model, nnx.Param))
+    for path, old in before.items():
+        new = np.asarray(after[path])
+        if path in NO_DECAY:
+            np.testing.assert_array_equal(new, old, err_msg=path)
+        else:
+            np.testing.assert_allclose(new, (1 - lr * wd) * old, rtol=1e-6, atol=1e-12,
+                                       err_msg=path)
+            assert np.abs(old).max() == 0 or np.abs(new).sum() < np.abs(old).sum(), path
+
+
+# ----------------------------------------------------------------------------- clipping
+
+def test_clipping_bounds_the_update():
+    params = {"w": jnp.ones((4, 4)), "b": jnp.ones((4,))}
+    grads = {"w": jnp.full((4, 4), 300.0), "b": jnp.full((4,), -400.0)}
+    norm = float(jnp.sqrt(16 * 300.0 ** 2 + 4 * 400.0 ** 2))
+    # eps = 1 makes Adam's step depend on the gradient's scale, so clipping is visible in it.
+    base = dict(learning_rate=0.1, schedule="constant", warmup_steps=0, weight_decay=0.0, eps=1.0)
+
+    def first_update(cfg, g):
+        tx = make_optimizer(cfg, total_steps=10)
+        updates, _ = tx.update(g, tx.init(params), params)
+        return updates
+
+    clipped = first_update(OptimConfig(grad_clip=1.0, **base), grads)
+    by_hand = first_update(OptimConfig(grad_clip=0.0, **base),
+                           jax.tree.map(lambda g: g / norm, grads))
+    unclipped = first_update(OptimConfig(grad_clip=0.0, **base), grads)
+    for k in params:
+        np.testing.assert_allclose(clipped[k], by_hand[k], rtol=1e-5)
+    # Adam's bias-corrected first step is lr * g / (|g| + eps), so its norm is <= lr * |g| = lr
+    assert float(optax.tree.norm(clipped)) <= 0.1 * 1.0 + 1e-6
+    assert float(optax.tree.norm(unclipped)) > 3 * float(optax.tree.norm(clipped))
+
+
+# ----------------------------------------------------------------------------- config errors
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("learning_rate", -1e-3, "a number > 0"),
+    ("learning_rate", 0.0, "a number > 0"),
+    ("schedule", "linear", "one of 'wsd', 'cosine', 'constant'"),
+    ("warmup_steps", -1, "an integer >= 0"),
+    ("warmup_steps", 1.5, "an integer >= 0"),
+    ("decay_fraction", 1.5, r"a number in \[0, 1\]"),
+    ("decay_fraction", -0.1, r"a number in \[0, 1\]"),
+    ("min_lr_ratio", 2.0, r"a number in \[0, 1\]"),
+    ("weight_decay", -0.1, "a number >= 0"),
+    ("b1", 1.0, r"a number in \[0, 1\)"),
+    ("b2", 1.0, r"a number in \(0, 1\)"),
+    ("b2", 0.0, r"a number in \(0, 1\)"),
+    ("eps", 0.0, "a number > 0"),
+    ("grad_clip", -1.0, "a number >= 0"),
+])
+def test_config_errors(field, value, expected):
+    with pytest.raises(ValueError, match=rf"OptimConfig\.{field}={value!r} is invalid: expected "
+                                         rf"{expected}") as err:
+        OptimConfig(**{field: value})
+    assert "\n" not in str(err.value)
+
+
+def test_defaults_are_valid():
+    cfg = OptimConfig()
+    assert (cfg.learning_rate, cfg.schedule, cfg.warmup_steps, cfg.decay_fraction) == (
+        3e-3, "wsd", 100, 0.2)
+    assert (cfg.b1, cfg.b2, cfg.grad_clip, cfg.weight_decay) == (0.9, 0.95, 1.0, 0.1)
+    make_optimizer(cfg, 1000)
+
+
+def test_optimizer_state_structure_does_not_depend_on_hyperparameters():
+    """A run resumed with another clip / schedule / lr must find the same state tree."""
+    params = {"w": jnp.ones((3, 2)), "norm": {"scale": jnp.ones((2,))}}
+    structures = {jax.tree_util.tree_structure(make_optimizer(cfg, 1000).init(params))
+                  for cfg in (OptimConfig(), OptimConfig(grad_clip=0.0),
+                              OptimConfig(schedule="cosine", learning_rate=1.0))}
+    assert len(structures) == 1

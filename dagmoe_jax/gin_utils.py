@@ -1,22 +1,30 @@
-"""Loading a :class:`ModelConfig` from gin files and bindings (T5X style)."""
+"""Loading configs from gin files and bindings (T5X style).
+
+``load_model_config`` gives the :class:`ModelConfig` alone (notebooks, benchmarks);
+``load_configs`` gives all four configs of a training run (model, data, optimiser, loop).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Sequence, Tuple
 
 import gin
 
 from dagmoe_jax import config as C
 from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.data.config import DataConfig
+from dagmoe_jax.train.config import TrainConfig
+from dagmoe_jax.train.optim import OptimConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # External registration: gin configures its own wrappers of these, so bindings never leak into
 # ``ModelConfig(...)`` built in plain Python (tests, notebooks) after a gin file was parsed.
-_CONFIG_CLASSES = (C.RouterConfig, C.ExpertConfig, C.AggregationConfig, C.CoEConfig, C.ModelConfig)
+_CONFIG_CLASSES = (C.RouterConfig, C.ExpertConfig, C.AggregationConfig, C.CoEConfig, C.ModelConfig,
+                   DataConfig, OptimConfig, TrainConfig)
 _GIN = {cls.__name__: gin.external_configurable(cls, name=cls.__name__) for cls in _CONFIG_CLASSES}
 gin.external_configurable(C.matched_shared_hidden, name="matched_shared_hidden")
 
@@ -59,10 +67,25 @@ def _quiet_include_probe(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("Path not found")
 
 
+def _build(name: str):
+    try:
+        return _plain(_GIN[name]())
+    except (ValueError, TypeError) as err:  # gin appends "In call to configurable ..." lines
+        raise ValueError(str(err).strip().splitlines()[0]) from None
+
+
 def load_model_config(files: Sequence[str] = (), bindings: Iterable[str] = ()) -> ModelConfig:
     """The :class:`ModelConfig` that ``files`` and ``bindings`` describe, validated."""
     parse_gin(files, bindings)
-    try:
-        return _plain(_GIN["ModelConfig"]())
-    except ValueError as err:  # gin appends "In call to configurable ..." lines
-        raise ValueError(str(err).strip().splitlines()[0]) from None
+    return _build("ModelConfig")
+
+
+def load_configs(files: Sequence[str] = (), bindings: Iterable[str] = ()
+                 ) -> Tuple[ModelConfig, DataConfig, OptimConfig, TrainConfig]:
+    """(ModelConfig, DataConfig, OptimConfig, TrainConfig) for a training run, validated.
+
+    gin's operative config (``gin.operative_config_str()``) afterwards lists every binding used.
+    """
+    parse_gin(files, bindings)
+    return tuple(_build(name) for name in ("ModelConfig", "DataConfig", "OptimConfig",
+                                           "TrainConfig"))

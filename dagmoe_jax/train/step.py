@@ -1,7 +1,8 @@
-"""The language-modelling loss and a jitted training step.
+"""The language-modelling loss, the jitted training step and the jitted evaluation step.
 
 loss = cross-entropy on non-padding tokens + aux_loss (balance + z-loss, weighted by the
-router config's coefficients). Each term is returned separately for logging.
+router config's coefficients; every block's auxiliary loss is in it). Each term is returned
+separately for logging.
 """
 
 from __future__ import annotations
@@ -36,14 +37,54 @@ def lm_loss(model: Transformer, batch: Dict[str, jax.Array]) -> Tuple[jax.Array,
     return total, metrics
 
 
-def make_train_step(loss_fn: Callable = lm_loss) -> Callable:
-    """A jitted ``step(model, optimizer, batch) -> metrics`` updating both in place."""
+def _split_micro(batch: Dict[str, jax.Array], grad_accum: int) -> Dict[str, jax.Array]:
+    """[B, ...] -> [grad_accum, B / grad_accum, ...] for every entry of ``batch``."""
+    def split(x):
+        if x.shape[0] % grad_accum:
+            raise ValueError(f"batch of {x.shape[0]} rows does not split into grad_accum="
+                             f"{grad_accum} micro-batches: make DataConfig.batch_size a multiple")
+        return x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:])
+    return {k: split(v) for k, v in batch.items()}
+
+
+def make_train_step(loss_fn: Callable = lm_loss, grad_accum: int = 1) -> Callable:
+    """A jitted ``step(model, optimizer, batch) -> metrics`` updating both in place.
+
+    With ``grad_accum`` > 1 the batch is cut into that many micro-batches whose gradients a
+    ``lax.scan`` sums (one micro-batch's activations live at a time); the optimiser sees their
+    mean, and the metrics are micro-batch means.
+    """
 
     @nnx.jit
     def step(model: Transformer, optimizer: nnx.Optimizer, batch):
-        (_, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
+        if grad_accum == 1:
+            (_, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
+        else:
+            graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+            def micro_step(summed, micro_batch):
+                def loss_of(p):
+                    return loss_fn(nnx.merge(graphdef, p, rest), micro_batch)
+                (_, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+                return jax.tree.map(jnp.add, summed, grads), metrics
+
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            grads, metrics = jax.lax.scan(micro_step, zeros, _split_micro(batch, grad_accum))
+            grads = jax.tree.map(lambda g: g / grad_accum, grads)
+            metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
         optimizer.update(model, grads)
-        metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["grad_norm"] = optax.tree.norm(grads)
         return metrics
 
     return step
+
+
+@nnx.jit
+def eval_step(model: Transformer, batch: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
+    """Summed cross-entropy and token count over ``batch['mask']``, and the argmax predictions
+    (for exact-answer scoring)."""
+    logits, _ = model(batch["inputs"])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    mask = batch["mask"].astype(jnp.float32)
+    return {"ce_sum": jnp.sum(losses * mask), "tokens": jnp.sum(mask),
+            "predictions": jnp.argmax(logits, axis=-1).astype(jnp.int32)}

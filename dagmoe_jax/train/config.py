@@ -1,0 +1,61 @@
+"""Validated configuration of a training run (the loop itself; the model, data and optimiser
+have their own dataclasses: ``ModelConfig``, ``DataConfig``, ``OptimConfig``).
+
+All four are exposed to gin under their class names, so a run is described by gin files plus
+``--gin.TrainConfig.steps=2000``-style bindings (see ``train.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dagmoe_jax.config import _check, _positive
+
+
+def _nonneg_int(field: str, value) -> None:
+    _check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, "TrainConfig",
+           field, value, "an integer >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """How long to train, and how often to log, evaluate and checkpoint.
+
+    steps: optimiser steps in the whole run (the schedule's length; a resumed run continues
+        up to it).
+    grad_accum: micro-batches per optimiser step; ``DataConfig.batch_size`` is split into this
+        many equal parts whose gradients are averaged (a ``lax.scan`` inside the jitted step).
+    seed: seed of the parameter initialisation (the data order has ``DataConfig.seed``).
+    run_dir: where the operative config, ``metrics.jsonl``, TensorBoard events and checkpoints
+        go; a run started again in the same directory resumes from its newest checkpoint.
+    log_every: steps between metric records (JSONL + TensorBoard) and progress-bar updates.
+    eval_every: steps between held-out evaluations (0 = only at the end).
+    eval_batches: held-out batches per evaluation (0 = the whole held-out split).
+    task_eval_examples: problems scored exactly (greedy answer == reference) per evaluation
+        when the data source is a synthetic task; 0 turns that off.
+    save_every: steps between checkpoints (the last step and an interrupt always save).
+    keep_checkpoints: newest checkpoints kept on disk.
+    async_checkpoint: write checkpoints in a background thread while training goes on.
+    tensorboard: write TensorBoard event files beside ``metrics.jsonl``.
+    """
+
+    steps: int = 1500
+    grad_accum: int = 1
+    seed: int = 0
+    run_dir: str = "runs/default"
+    log_every: int = 10
+    eval_every: int = 500
+    eval_batches: int = 16
+    task_eval_examples: int = 256
+    save_every: int = 500
+    keep_checkpoints: int = 3
+    async_checkpoint: bool = True
+    tensorboard: bool = True
+
+    def __post_init__(self):
+        for name in ("steps", "grad_accum", "log_every", "save_every", "keep_checkpoints"):
+            _positive("TrainConfig", name, getattr(self, name))
+        for name in ("seed", "eval_every", "eval_batches", "task_eval_examples"):
+            _nonneg_int(name, getattr(self, name))
+        _check(isinstance(self.run_dir, str) and self.run_dir.strip() != "", "TrainConfig",
+               "run_dir", self.run_dir, "a non-empty directory path")

@@ -1,0 +1,337 @@
+"""The training loop: data -> jitted step -> metrics, evaluation and checkpoints, resumable.
+
+``train(...)`` runs (or resumes) a run in ``TrainConfig.run_dir`` and reports progress on a
+tqdm bar; ``evaluate_checkpoint(...)`` scores a run's newest checkpoint on a dataset. Both are
+what ``train.py`` calls, and both work from a notebook.
+
+Nothing is lost on interruption: SIGTERM or Ctrl-C finishes the current step, saves a
+checkpoint (with the data iterator's position) and returns; a run started again in the same
+directory continues exactly where it stopped, to the bit on CPU. A non-finite loss stops the run
+without saving, so the newest checkpoint on disk is the last good one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dagmoe_jax.config import (AggregationConfig, CoEConfig, ExpertConfig, ModelConfig,
+                               RouterConfig)
+from dagmoe_jax.data import (DataConfig, check_tokens, eval_batches, exact_match, make_tokenizer,
+                             task_eval_batches, task_names, train_dataset, unigram_entropy)
+from dagmoe_jax.model import Transformer
+from dagmoe_jax.train.checkpoint import Checkpointer
+from dagmoe_jax.train.config import TrainConfig
+from dagmoe_jax.train.metrics import MetricsWriter, summarise_load
+from dagmoe_jax.train.optim import OptimConfig, make_optimizer, make_schedule
+from dagmoe_jax.train.step import eval_step, make_train_step
+
+CONFIG_FILE = "config.json"
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or infinite; the newest checkpoint on disk is the last good one."""
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What ``train`` did: the last step reached, the final evaluation, and why it stopped."""
+
+    run_dir: str
+    step: int
+    resumed_from: Optional[int]
+    interrupted: bool
+    eval: Dict[str, float]
+    losses: Dict[int, float]
+
+
+def check_compatible(model_cfg: ModelConfig, data_cfg: DataConfig, tokenizer) -> None:
+    """One-line errors for a data setup the model cannot take."""
+    if data_cfg.seq_len > model_cfg.max_seq_len:
+        raise ValueError(f"DataConfig.seq_len={data_cfg.seq_len} exceeds ModelConfig.max_seq_len="
+                         f"{model_cfg.max_seq_len}: shorten the sequences or raise max_seq_len")
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise ValueError(f"the {data_cfg.tokenizer!r} tokenizer has {tokenizer.vocab_size} tokens "
+                         f"but ModelConfig.vocab_size={model_cfg.vocab_size}: set vocab_size >= "
+                         f"{tokenizer.vocab_size}")
+
+
+def configs_to_json(model_cfg, data_cfg, optim_cfg, train_cfg) -> dict:
+    return {"model": dataclasses.asdict(model_cfg), "data": dataclasses.asdict(data_cfg),
+            "optim": dataclasses.asdict(optim_cfg), "train": dataclasses.asdict(train_cfg)}
+
+
+def configs_from_json(blob: dict):
+    """(ModelConfig, DataConfig, OptimConfig, TrainConfig) from ``configs_to_json``'s output."""
+    model = dict(blob["model"])
+    for name, cls in (("router", RouterConfig), ("experts", ExpertConfig),
+                      ("aggregation", AggregationConfig), ("coe", CoEConfig)):
+        model[name] = cls(**model[name])
+    return (ModelConfig(**model), DataConfig(**blob["data"]), OptimConfig(**blob["optim"]),
+            TrainConfig(**blob["train"]))
+
+
+def build(model_cfg: ModelConfig, optim_cfg: OptimConfig, train_cfg: TrainConfig):
+    """(model, optimizer, schedule) for a run: parameters initialised from ``train_cfg.seed``."""
+    model = Transformer(model_cfg, rngs=nnx.Rngs(train_cfg.seed))
+    tx = make_optimizer(optim_cfg, train_cfg.steps)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    return model, optimizer, make_schedule(optim_cfg, train_cfg.steps)
+
+
+def _train_state(model, optimizer):
+    return {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def _device_batch(batch: Dict[str, np.ndarray]) -> Dict[str, jax.Array]:
+    return {k: jnp.asarray(v) for k, v in batch.items() if k in ("inputs", "targets", "mask")}
+
+
+def evaluate(model: Transformer, batches: Iterable[Dict[str, np.ndarray]]) -> Dict[str, float]:
+    """Token-weighted held-out cross-entropy (nats/token) and perplexity over ``batches``."""
+    ce_sum, tokens = 0.0, 0.0
+    for batch in batches:
+        out = eval_step(model, _device_batch(batch))
+        ce_sum += float(out["ce_sum"])
+        tokens += float(out["tokens"])
+    if tokens == 0:
+        raise ValueError("the evaluation data has no tokens: check DataConfig.eval_source / "
+                         "heldout_fraction")
+    loss = ce_sum / tokens
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens}
+
+
+def task_accuracy(model: Transformer, batches: Iterable[Dict[str, np.ndarray]],
+                  names: List[str]) -> Dict[str, float]:
+    """Exact-answer accuracy (greedy answer == reference) overall and per synthetic task."""
+    right, total = np.zeros(len(names)), np.zeros(len(names))
+    for batch in batches:
+        predictions = np.asarray(eval_step(model, _device_batch(batch))["predictions"])
+        correct = exact_match(predictions, batch["targets"], batch["mask"])
+        np.add.at(right, batch["task_id"], correct)
+        np.add.at(total, batch["task_id"], 1)
+    result = {"exact_match": float(right.sum() / max(total.sum(), 1))}
+    for name, r, t in zip(names, right, total):
+        if t:
+            result[f"exact_match/{name}"] = float(r / t)
+    return result
+
+
+@contextlib.contextmanager
+def _stop_on_signals(flag: dict):
+    """SIGTERM / SIGINT set ``flag['signal']`` instead of killing the process (main thread)."""
+    def handler(signum, frame):
+        flag["signal"] = signal.Signals(signum).name
+    previous = {}
+    try:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, handler)
+    except ValueError:  # not the main thread (e.g. some notebook runners): no handlers
+        pass
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+class _Evaluator:
+    """Held-out perplexity (+ exact-answer accuracy on synthetic tasks), data built once."""
+
+    def __init__(self, data_cfg: DataConfig, train_cfg: TrainConfig, tokenizer, process: tuple):
+        index, count = process
+        self.batches = eval_batches(data_cfg, tokenizer, max_batches=train_cfg.eval_batches or None,
+                                    process_index=index, process_count=count)
+        self.task_batches, self.task_names = [], []
+        kind = data_cfg.source.split(":", 1)[0]
+        if train_cfg.task_eval_examples and kind == "synthetic" and not data_cfg.eval_source:
+            self.task_names = list(task_names(data_cfg))
+            self.task_batches = task_eval_batches(data_cfg, tokenizer,
+                                                  num_examples=train_cfg.task_eval_examples,
+                                                  batch_size=max(data_cfg.batch_size // count, 1))
+
+    def __call__(self, model) -> Dict[str, float]:
+        result = evaluate(model, self.batches)
+        if self.task_batches:
+            result.update(task_accuracy(model, self.task_batches, self.task_names))
+        return result
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    from tqdm.auto import tqdm
+    return tqdm(total=total, initial=initial, disable=not enabled, unit="step",
+                dynamic_ncols=True, mininterval=1.0, smoothing=0.1)
+
+
+def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
+          train_cfg: TrainConfig, *, progress: bool = True,
+          log: Callable[[str], None] = print, operative_gin: str = "") -> RunResult:
+    """Train (or resume) the run in ``train_cfg.run_dir``; returns a :class:`RunResult`.
+
+    ``log`` receives one-line reports (resume, evaluations, stop reasons); the progress bar
+    shows step, loss, tokens/s and ETA. Raises :class:`NonFiniteLossError` on a NaN/inf loss.
+    """
+    process = (jax.process_index(), jax.process_count())
+    is_main = process[0] == 0
+    say = log if is_main else (lambda _msg: None)
+    run_dir = Path(train_cfg.run_dir)
+    tokenizer = make_tokenizer(data_cfg)
+    check_compatible(model_cfg, data_cfg, tokenizer)
+    if data_cfg.batch_size % (train_cfg.grad_accum * process[1]):
+        raise ValueError(f"DataConfig.batch_size={data_cfg.batch_size} must be a multiple of "
+                         f"TrainConfig.grad_accum={train_cfg.grad_accum} x {process[1]} processes")
+
+    dataset = train_dataset(data_cfg, tokenizer, process_index=process[0], process_count=process[1])
+    evaluator = _Evaluator(data_cfg, train_cfg, tokenizer, process)
+    model, optimizer, schedule = build(model_cfg, optim_cfg, train_cfg)
+    data_iter = iter(dataset)
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"model_config": dataclasses.asdict(model_cfg)}
+    checkpointer = Checkpointer(run_dir / "checkpoints", save_every=train_cfg.save_every,
+                                keep=train_cfg.keep_checkpoints,
+                                async_save=train_cfg.async_checkpoint)
+    restored = checkpointer.restore(_abstract(_train_state(model, optimizer)),
+                                    data_iterator=data_iter, expected_meta=meta)
+    start = 0
+    if restored is not None:
+        for message in restored.skipped:
+            say(f"warning: {message}")
+        nnx.update(model, restored.state["model"])
+        nnx.update(optimizer, restored.state["optimizer"])
+        start = restored.step
+        say(f"resumed from step {start} in {run_dir}")
+    if is_main:
+        (run_dir / CONFIG_FILE).write_text(
+            json.dumps(configs_to_json(model_cfg, data_cfg, optim_cfg, train_cfg), indent=2) + "\n")
+        if operative_gin:
+            (run_dir / "operative_config.gin").write_text(operative_gin)
+
+    writer = MetricsWriter(run_dir, enabled=is_main, tensorboard=train_cfg.tensorboard,
+                           resume_step=start)
+    step_fn = make_train_step(grad_accum=train_cfg.grad_accum)
+    tokens_per_step = data_cfg.batch_size * data_cfg.seq_len
+    losses: Dict[int, float] = {}
+    stop = {}
+    step = start
+    final_eval: Dict[str, float] = {}
+    bar = _progress(train_cfg.steps, start, progress and is_main)
+    try:
+        with _stop_on_signals(stop):
+            window_start, window_steps = time.perf_counter(), 0
+            for step in range(start + 1, train_cfg.steps + 1):
+                batch = next(data_iter)
+                check_tokens(batch, model_cfg.vocab_size)
+                metrics = step_fn(model, optimizer, _device_batch(batch))
+                loss = float(metrics["loss"])
+                if not math.isfinite(loss):
+                    raise NonFiniteLossError(
+                        f"loss is {loss} at step {step}: stopped without saving; the newest "
+                        f"checkpoint in {run_dir / 'checkpoints'} is the last good one (lower "
+                        f"OptimConfig.learning_rate or raise grad clipping)")
+                losses[step] = loss
+                window_steps += 1
+                if step % train_cfg.log_every == 0 or step == train_cfg.steps:
+                    elapsed = time.perf_counter() - window_start
+                    host = jax.device_get(metrics)
+                    host["learning_rate"] = float(schedule(step - 1))
+                    host["tokens_per_sec"] = tokens_per_step * window_steps / max(elapsed, 1e-9)
+                    writer.write(step, host)
+                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{host['tokens_per_sec']:.0f}",
+                                    **{k: f"{v:.2f}" for k, v in
+                                       summarise_load(host.get("expert_load")).items()},
+                                    refresh=False)
+                    window_start, window_steps = time.perf_counter(), 0
+                bar.update(1)
+                if train_cfg.eval_every and step % train_cfg.eval_every == 0 and step < train_cfg.steps:
+                    result = evaluator(model)
+                    writer.write(step, result, prefix="eval/")
+                    bar.write(f"step {step}: " + _format_eval(result))
+                    window_start, window_steps = time.perf_counter(), 0
+                checkpointer.save(step, _train_state(model, optimizer), data_iterator=data_iter,
+                                  meta=meta, force=bool(stop) or step == train_cfg.steps)
+                if stop:
+                    break
+        bar.close()
+        if stop:
+            say(f"{stop['signal']} received: saved a checkpoint at step {step} in "
+                f"{run_dir / 'checkpoints'}; run the same command again to resume")
+        else:
+            final_eval = evaluator(model)
+            writer.write(step, final_eval, prefix="eval/")
+            baseline = unigram_entropy(data_cfg, tokenizer)
+            final_eval["unigram_baseline"] = baseline
+            say(f"final eval at step {step}: " + _format_eval(final_eval))
+    finally:
+        bar.close()
+        checkpointer.wait()
+        checkpointer.close()
+        writer.close()
+    return RunResult(run_dir=str(run_dir), step=step, resumed_from=start or None,
+                     interrupted=bool(stop), eval=final_eval, losses=losses)
+
+
+def _format_eval(result: Dict[str, float]) -> str:
+    text = f"held-out loss {result['loss']:.4f} (perplexity {result['perplexity']:.3f})"
+    if "unigram_baseline" in result:
+        text += f" vs unigram baseline {result['unigram_baseline']:.4f} nats/token"
+    if "exact_match" in result:
+        per_task = ", ".join(f"{k.split('/', 1)[1]} {100 * v:.1f}%" for k, v in result.items()
+                             if k.startswith("exact_match/"))
+        text += f"; exact answers {100 * result['exact_match']:.1f}% ({per_task})"
+    return text
+
+
+def load_run_configs(run_dir: str | Path):
+    """The four configs a run was started with (from its ``config.json``)."""
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.exists():
+        raise ValueError(f"{path} does not exist: is {run_dir} a run directory written by train.py?")
+    return configs_from_json(json.loads(path.read_text()))
+
+
+def evaluate_checkpoint(run_dir: str | Path, *, eval_source: str = "", eval_split: str = "",
+                        eval_batches_limit: int = 0, log: Callable[[str], None] = print
+                        ) -> Dict[str, float]:
+    """Load the newest checkpoint of ``run_dir`` and report held-out loss / perplexity on
+    ``eval_source`` (a DataConfig source spec; empty = the run's own held-out split)."""
+    model_cfg, data_cfg, optim_cfg, train_cfg = load_run_configs(run_dir)
+    changes = {}
+    if eval_source:
+        changes["eval_source"] = eval_source
+    if eval_split:
+        changes["eval_split"] = eval_split
+    data_cfg = dataclasses.replace(data_cfg, **changes)
+    train_cfg = dataclasses.replace(train_cfg, eval_batches=eval_batches_limit)
+    tokenizer = make_tokenizer(data_cfg)
+    check_compatible(model_cfg, data_cfg, tokenizer)
+    model, optimizer, _ = build(model_cfg, optim_cfg, train_cfg)
+    with Checkpointer(Path(run_dir) / "checkpoints", save_every=train_cfg.save_every,
+                      keep=train_cfg.keep_checkpoints, async_save=False) as checkpointer:
+        restored = checkpointer.restore(_abstract(_train_state(model, optimizer)),
+                                        expected_meta={"model_config": dataclasses.asdict(model_cfg)})
+    if restored is None:
+        raise ValueError(f"no checkpoint in {Path(run_dir) / 'checkpoints'}: train first")
+    for message in restored.skipped:
+        log(f"warning: {message}")
+    nnx.update(model, restored.state["model"])
+    result = _Evaluator(data_cfg, train_cfg, tokenizer, (jax.process_index(), jax.process_count()))(model)
+    result["step"] = restored.step
+    log(f"eval of {run_dir} at step {restored.step} on "
+        f"{data_cfg.eval_source or data_cfg.source + ' (held-out)'}: " + _format_eval(result))
+    return result

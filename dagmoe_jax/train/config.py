@@ -39,12 +39,12 @@ class TrainConfig:
     tensorboard: write TensorBoard event files beside ``metrics.jsonl``.
     """
 
-    steps: int = 1500
+    steps: int = 1000
     grad_accum: int = 1
     seed: int = 0
     run_dir: str = "runs/default"
     log_every: int = 10
-    eval_every: int = 500
+    eval_every: int = 250
     eval_batches: int = 16
     task_eval_examples: int = 256
     save_every: int = 500

@@ -38,8 +38,10 @@ def _plain(value):
 
 
 def resolve_gin_file(name: str) -> str:
-    """A gin file path as given, or relative to the repository's ``configs/`` directory."""
-    for candidate in (Path(name), CONFIG_DIR / name, CONFIG_DIR / f"{name}.gin"):
+    """A gin file path as given, relative to the repository's ``configs/`` directory, or
+    relative to the repository (``configs/x.gin`` works from any working directory)."""
+    for candidate in (Path(name), CONFIG_DIR / name, CONFIG_DIR / f"{name}.gin",
+                      CONFIG_DIR.parent / name):
         if candidate.is_file():
             return str(candidate)
     raise ValueError(f"gin file {name!r} not found (looked in the working directory and {CONFIG_DIR})")

@@ -67,3 +67,16 @@ def test_errors_are_one_line_and_name_the_culprit(files, bindings, needle):
         load_model_config(files, bindings)
     assert needle in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_training_configs_load_from_any_working_directory(tmp_path, monkeypatch):
+    from dagmoe_jax.gin_utils import load_configs
+    monkeypatch.chdir(tmp_path)
+    model, data, optim, train = load_configs(["configs/dagmoe_s.gin", "configs/cpu_small.gin"])
+    # dagmoe_s: the paper's s model and recipe; cpu_small shrinks the trunk and the run.
+    assert (model.d_model, model.aggregation.kind, model.aggregation.dag_dim) == (512, "dag", 128)
+    assert (model.num_layers, model.vocab_size, data.seq_len, train.steps) == (2, 256, 256, 200)
+    assert (optim.b2, optim.weight_decay, optim.schedule) == (0.999, 0.1, "wsd")
+    model, data, optim, train = load_configs(["dagmoe_s"])
+    assert (model.num_layers, data.seq_len, data.batch_size, optim.learning_rate,
+            optim.warmup_steps, train.steps) == (4, 2048, 256, 5e-4, 2000, 23842)

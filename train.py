@@ -16,6 +16,10 @@ Flags:
   --eval_split=NAME     (eval, tfds) the split to score
   --eval_batches=N      (eval) batches to score (default: all)
   --no_progress         no progress bar (one line per evaluation still)
+  --coordinator_address=HOST:PORT --num_processes=N --process_id=I
+                        join a multi-process run (also from JAX_COORDINATOR_ADDRESS /
+                        JAX_NUM_PROCESSES / JAX_PROCESS_ID; SLURM, Open MPI and TPU pod slices
+                        are detected without flags). Only process 0 prints and logs.
 
 Exit status: 0 done or interrupted and saved (SIGTERM / Ctrl-C), 1 non-finite loss,
 2 invalid configuration or data (a one-line message says what to fix).
@@ -40,6 +44,9 @@ def parse_args(argv):
     parser.add_argument("--eval_split", default="")
     parser.add_argument("--eval_batches", type=int, default=0)
     parser.add_argument("--no_progress", action="store_true")
+    parser.add_argument("--coordinator_address", default="")
+    parser.add_argument("--num_processes", type=int, default=None)
+    parser.add_argument("--process_id", type=int, default=None)
     args, rest = parser.parse_known_args(argv)
     bindings = list(args.gin_bindings)
     for item in rest:
@@ -66,11 +73,14 @@ def main(argv=None) -> int:
 
     # Imported after argument parsing so that --help and argument errors are instant.
     import gin
+    import jax
     from dagmoe_jax.accounting import account
     from dagmoe_jax.gin_utils import load_configs
+    from dagmoe_jax.parallel.multihost import initialize
     from dagmoe_jax.train.loop import NonFiniteLossError, evaluate_checkpoint, train
 
     try:
+        initialize(args.coordinator_address, args.num_processes, args.process_id)
         if args.mode == "eval":
             if not args.run_dir:
                 raise ValueError("--mode=eval needs --run_dir=DIR (a run written by train.py)")
@@ -80,11 +90,13 @@ def main(argv=None) -> int:
         files = args.gin_file or [DEFAULT_GIN]
         model_cfg, data_cfg, optim_cfg, train_cfg = load_configs(files, args.bindings)
         acc = account(model_cfg, data_cfg.seq_len)
-        print(f"config: {' + '.join(files)}{' + bindings' if args.bindings else ''}; "
-              f"block={model_cfg.block} aggregation={model_cfg.aggregation.kind}; "
-              f"{acc.total_params / 1e6:.2f}M params ({acc.total_active_params / 1e6:.2f}M active); "
-              f"{train_cfg.steps} steps of {data_cfg.batch_size}x{data_cfg.seq_len} tokens "
-              f"from {data_cfg.source}; run dir {train_cfg.run_dir}", flush=True)
+        if jax.process_index() == 0:
+            print(f"config: {' + '.join(files)}{' + bindings' if args.bindings else ''}; "
+                  f"block={model_cfg.block} aggregation={model_cfg.aggregation.kind}; "
+                  f"{acc.total_params / 1e6:.2f}M params ({acc.total_active_params / 1e6:.2f}M "
+                  f"active); {train_cfg.steps} steps of {data_cfg.batch_size}x{data_cfg.seq_len} "
+                  f"tokens from {data_cfg.source}; {jax.device_count()} devices in "
+                  f"{jax.process_count()} processes; run dir {train_cfg.run_dir}", flush=True)
         train(model_cfg, data_cfg, optim_cfg, train_cfg, progress=not args.no_progress,
               operative_gin=gin.operative_config_str())
     except NonFiniteLossError as err:

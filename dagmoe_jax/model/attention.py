@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -101,6 +101,54 @@ def causal_attention(q, k, v, impl: str, block: int):
                                         implementation="cudnn" if impl == "cudnn" else "xla")
 
 
+class KVCache(NamedTuple):
+    """Keys (after RoPE) and values of past positions, for autoregressive decoding.
+
+    k, v: [layers, B, T, KV, D] for the whole model (stacked along the scanned layer axis, like
+    the parameters), [B, T, KV, D] for one layer inside the scan. Slot p of row b holds that
+    row's position p: each row's tokens start at slot 0 (prompts are right-padded), so rows of
+    different lengths simply fill different numbers of slots. Slots a row has not written yet
+    hold anything (zeros or a padded prompt's keys); :func:`cached_attention` never looks past
+    the querying position, and decoding overwrites them before they become visible.
+    """
+
+    k: jax.Array
+    v: jax.Array
+
+
+def write_cache(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """Write ``new`` [B, S, KV, D] into ``cache`` [B, T, KV, D] at slots ``start_b + [0, S)``.
+
+    Writes past the end of the cache are dropped.
+    """
+    b, s = new.shape[:2]
+    slots = start[:, None] + jnp.arange(s)
+    return cache.at[jnp.arange(b)[:, None], slots].set(new.astype(cache.dtype), mode="drop")
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array) -> jax.Array:
+    """Attention of new queries over a KV cache (the decoding counterpart of causal attention).
+
+    q [B, S, H, D] holds row b's positions ``start_b + [0, S)``; k, v [B, T, KV, D] are the
+    cache, already holding those positions' own keys. Query i of row b sees slots
+    ``j <= start_b + i``: exactly the keys causal attention over the row's full sequence gives
+    it, so the result equals :func:`causal_attention` at those positions up to float rounding.
+    Scores and the softmax are float32, normalised after the value product as in
+    :func:`blockwise_causal_attention`.
+    """
+    b, s, h, d = q.shape
+    t, kv = k.shape[1], k.shape[2]
+    qg = (q * (1.0 / float(d) ** 0.5)).reshape(b, s, kv, h // kv, d)
+    scores = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=jnp.float32)
+    q_pos = start[:, None] + jnp.arange(s)                              # [B, S]
+    visible = jnp.arange(t)[None, None, :] <= q_pos[:, :, None]         # [B, S, T]
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+    o = jnp.einsum("bkgst,btkd->bkgsd", e.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    o = o / jnp.sum(e, axis=-1, keepdims=True)
+    return o.astype(q.dtype).transpose(0, 3, 1, 2, 4).reshape(b, s, h, d)
+
+
 class Attention(nnx.Module):
     """Grouped-query attention: H query heads share KV heads in groups of H / KV."""
 
@@ -137,3 +185,26 @@ class Attention(nnx.Module):
         q, k, v = self.project_qkv(x, sin, cos)
         o = causal_attention(q, k, v, self.cfg.attention, self.cfg.attention_block)
         return self.project_out(o)
+
+    def prefill(self, x: jax.Array, sin: jax.Array, cos: jax.Array):
+        """``__call__`` on a whole (right-padded) prompt that also returns its keys and values.
+
+        Returns (out [B, S, d], k, v [B, S, KV, D]): the same computation as ``__call__``.
+        """
+        q, k, v = self.project_qkv(x, sin, cos)
+        o = causal_attention(q, k, v, self.cfg.attention, self.cfg.attention_block)
+        return self.project_out(o), k, v
+
+    def decode(self, x: jax.Array, sin: jax.Array, cos: jax.Array, cache_k: jax.Array,
+               cache_v: jax.Array, start: jax.Array):
+        """Attention for new tokens x [B, S, d] at positions ``start_b + [0, S)`` (sin, cos of
+        those positions) over one layer's cache [B, T, KV, D].
+
+        Their keys and values are written into the cache first; returns (out [B, S, d],
+        cache_k, cache_v).
+        """
+        q, k, v = self.project_qkv(x, sin, cos)
+        cache_k = write_cache(cache_k, k, start)
+        cache_v = write_cache(cache_v, v, start)
+        o = cached_attention(q, cache_k, cache_v, start)
+        return self.project_out(o), cache_k, cache_v

@@ -8,6 +8,11 @@
 * ``dropped_fraction`` [layers]: share of assignments that capacity dispatch dropped.
 
 A 'dense' model reports zeros for all of them.
+
+For autoregressive decoding (``dagmoe_jax.generate``), ``Transformer.prefill`` runs a prompt
+and returns its :class:`~dagmoe_jax.model.attention.KVCache` ([layers, B, T, KV, D], carried
+through the same layer scan as the parameters), and ``Transformer.decode`` runs new tokens
+against it. Neither changes the training forward pass (``__call__``).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dagmoe_jax.config import ModelConfig
-from dagmoe_jax.model.attention import Attention, rope_angles
+from dagmoe_jax.model.attention import Attention, KVCache, rope_angles
 from dagmoe_jax.model.coe import CoEBlock
 from dagmoe_jax.model.layers import RMSNorm, SwiGLU, dtype_of, make_param, normal
 from dagmoe_jax.model.moe import MoEBlock
@@ -60,6 +65,24 @@ class DecoderLayer(nnx.Module):
         out, stats = out if isinstance(out, tuple) else (out, empty_stats(self.cfg))
         h = constrain(h + out.astype(h.dtype), ("batch", "length", "embed"))
         return h, stats
+
+    def _ffn(self, h: jax.Array) -> jax.Array:
+        """The second residual half of ``__call__`` (block output only; stats dropped)."""
+        out = self.block(self.block_norm(h))
+        out = out[0] if isinstance(out, tuple) else out
+        return constrain(h + out.astype(h.dtype), ("batch", "length", "embed"))
+
+    def prefill(self, h: jax.Array, sin: jax.Array, cos: jax.Array):
+        """``__call__`` that also returns this layer's keys and values: (h, (k, v))."""
+        a, k, v = self.attn.prefill(self.attn_norm(h), sin, cos)
+        return self._ffn(h + a), (k, v)
+
+    def decode(self, h: jax.Array, sin: jax.Array, cos: jax.Array, cache: KVCache,
+               start: jax.Array):
+        """New tokens h [B, S, d] at positions ``start_b + [0, S)`` against this layer's cache
+        ([B, T, KV, D] each): (h, updated cache)."""
+        a, k, v = self.attn.decode(self.attn_norm(h), sin, cos, cache.k, cache.v, start)
+        return self._ffn(h + a), KVCache(k, v)
 
 
 class Transformer(nnx.Module):
@@ -113,6 +136,86 @@ class Transformer(nnx.Module):
                          preferred_element_type=jnp.float32).reshape(b, s, -1)
         logits = constrain(logits, ("batch", "length", "vocab"))
         return logits, summarize_stats(self.cfg, stats)
+
+    # ---------------------------------------------------------------- autoregressive decoding
+
+    def init_cache(self, batch: int, length: int) -> KVCache:
+        """An empty (zero) cache of ``length`` slots: k, v [layers, batch, length, KV, D]."""
+        cfg = self.cfg
+        shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.resolved_head_dim)
+        zeros = jnp.zeros(shape, dtype_of(cfg.compute_dtype))
+        return KVCache(zeros, zeros)
+
+    def project_logits(self, h: jax.Array) -> jax.Array:
+        """Final-norm hidden states [B, S, d] -> float32 logits [B, S, V] (as ``__call__``)."""
+        b, s, d = h.shape
+        logits = jnp.dot(h.reshape(b * s, d), self.lm_head[...].astype(h.dtype),
+                         preferred_element_type=jnp.float32).reshape(b, s, -1)
+        return constrain(logits, ("batch", "length", "vocab"))
+
+    def prefill(self, tokens: jax.Array, cache_len: int | None = None,
+                logit_positions: jax.Array | None = None):
+        """Run prompts ``tokens`` [B, S] at positions 0..S-1 and build the cache for decoding.
+
+        Prompts of different lengths are right-padded (any pad id): causal attention never lets
+        a real token see the padding after it, and the padding's cache slots are overwritten by
+        :meth:`decode` before any query can see them. Layers run exactly as in ``__call__``
+        (same attention kernel and dispatch) without rematerialisation.
+
+        cache_len: slots of the returned cache (>= S; default S), zero past S.
+        logit_positions: [B] one position per row (e.g. ``length - 1``) to return logits
+          [B, V] for; None returns all of them, [B, S, V].
+        Returns (logits, KVCache with k, v [layers, B, cache_len, KV, D]).
+        """
+        cfg = self.cfg
+        b, s = tokens.shape
+        cache_len = s if cache_len is None else cache_len
+        if s > cfg.max_seq_len:
+            raise ValueError(f"sequence length {s} exceeds ModelConfig.max_seq_len="
+                             f"{cfg.max_seq_len}: shorten the inputs or raise max_seq_len")
+        if cache_len < s:
+            raise ValueError(f"cache_len={cache_len} is shorter than the prompts ({s} tokens)")
+        sin, cos = rope_angles(jnp.arange(s)[None, :], cfg.resolved_head_dim, cfg.rope_theta)
+        h = self.embed[...].astype(dtype_of(cfg.compute_dtype))[tokens]
+        h = constrain(h, ("batch", "length", "embed"))
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0),
+                  transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def run(h, layer):
+            return layer.prefill(h, sin, cos)
+
+        h, (k, v) = run(h, self.layers)
+        pad = ((0, 0), (0, 0), (0, cache_len - s), (0, 0), (0, 0))
+        cache = KVCache(jnp.pad(k, pad), jnp.pad(v, pad))
+        h = self.final_norm(h)
+        if logit_positions is None:
+            return self.project_logits(h), cache
+        h = h[jnp.arange(b), logit_positions][:, None]
+        return self.project_logits(h)[:, 0], cache
+
+    def decode(self, tokens: jax.Array, start: jax.Array, cache: KVCache):
+        """Run new tokens [B, S] (usually S = 1) at positions ``start_b + [0, S)`` per row
+        against ``cache``, writing their keys and values into it.
+
+        The cache must hold each row's positions ``< start_b`` (from :meth:`prefill` and earlier
+        calls). Returns (logits [B, S, V] float32, updated cache). Equal, up to float rounding,
+        to ``__call__``'s logits at those positions on the rows' full sequences when routing
+        drops nothing (see ``dagmoe_jax.generate`` on the dispatch used for decoding).
+        """
+        cfg = self.cfg
+        start = jnp.asarray(start, jnp.int32)
+        positions = start[:, None] + jnp.arange(tokens.shape[1])
+        sin, cos = rope_angles(positions, cfg.resolved_head_dim, cfg.rope_theta)
+        h = self.embed[...].astype(dtype_of(cfg.compute_dtype))[tokens]
+        h = constrain(h, ("batch", "length", "embed"))
+
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0),
+                  transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def run(h, layer, layer_cache):
+            return layer.decode(h, sin, cos, layer_cache, start)
+
+        h, cache = run(h, self.layers, cache)
+        return self.project_logits(self.final_norm(h)), cache
 
 
 def summarize_stats(cfg: ModelConfig, stats: dict) -> dict:

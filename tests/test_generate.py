@@ -1,0 +1,275 @@
+"""Cached autoregressive generation: equality with the full forward pass for every block type,
+batching of prompts of different lengths, sampling filters, stop tokens and the sample CLI.
+
+Compilation dominates on CPU, so each configuration's model is built once, and the tests share
+shapes (batch 2 or 3, padded prompt length, max_new_tokens) so that ``generate``'s jitted
+program and the reference forward are compiled as few times as possible.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import tiny_config
+from dagmoe_jax.generate import Generation, decoding_model, generate, sample_logits
+from dagmoe_jax.model import Transformer
+
+ROOT = Path(__file__).resolve().parents[1]
+SEQ = 16
+# capacity_factor = num_experts: the full forward's capacity dispatch never drops a token, so it
+# is comparable with generation's dropless dispatch (see dagmoe_jax/generate.py).
+NO_DROP = dict(capacity_factor=4.0)
+# init_std 0.2 gives peaked logits (the default 0.02 leaves them almost uniform, so a greedy
+# comparison would hinge on float-rounding ties).
+CONFIGS = {
+    "dense": tiny_config("dense", init_std=0.2),
+    "moe-sum": tiny_config("moe", "sum", experts=NO_DROP, init_std=0.2),
+    "moe-dag": tiny_config("moe", "dag", experts=dict(num_shared=1, **NO_DROP), init_std=0.2),
+    "moe-mlp": tiny_config("moe", "mlp", experts=NO_DROP, init_std=0.2),
+    "coe": tiny_config("coe", experts=NO_DROP, init_std=0.2),
+}
+PROMPTS = [[5, 17, 3, 44, 9], [60, 2]]        # different lengths: the second is right-padded
+
+
+@functools.lru_cache(maxsize=None)
+def model_for(name: str) -> Transformer:
+    """A model whose zero-initialised aggregator outputs (DAG W_up, MLP W_3) are randomised, so
+    the DAG / MLP modules really contribute to the logits being compared."""
+    model = Transformer(CONFIGS[name], rngs=nnx.Rngs(0))
+    key = jax.random.key(1)
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Param) and "aggregator" in path and path[-1] in ("w_up", "w_3"):
+            key, sub = jax.random.split(key)
+            node[...] = 0.1 * jax.random.normal(sub, node.shape, node.dtype)
+    return model
+
+
+@nnx.jit
+def forward(model, tokens):
+    return model(tokens)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "prompt_len"))
+def teacher_forced(graphdef, state, tokens, lengths, *, prompt_len):
+    """Prefill right-padded prompts (junk after each row's length), then feed the rest of
+    ``tokens`` one decode step at a time: (prefill logits [B, P, V], step logits [B, steps, V])."""
+    model = nnx.merge(graphdef, state)
+    b, s = tokens.shape
+    junk = (tokens[:, :prompt_len] * 7 + 3) % model.cfg.vocab_size
+    prompt = jnp.where(jnp.arange(prompt_len)[None, :] < lengths[:, None], tokens[:, :prompt_len],
+                       junk)
+    pre, cache = model.prefill(prompt, s)
+
+    def step(carry, i):
+        params, cache = carry
+        pos = lengths + i
+        tok = jnp.take_along_axis(tokens, pos[:, None], axis=1)
+        logits, cache = nnx.merge(graphdef, params).decode(tok, pos, cache)
+        return (params, cache), logits[:, 0]
+
+    _, steps = jax.lax.scan(step, (state, cache), jnp.arange(s - prompt_len))
+    return pre, steps.transpose(1, 0, 2)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_cached_decoding_matches_forward(name):
+    """Prefill + one-token decode steps give the full forward pass's logits at every position."""
+    model = model_for(name)
+    tokens = jax.random.randint(jax.random.key(2), (2, SEQ), 0, 64)
+    lengths = jnp.array([7, 4])
+    full = np.asarray(forward(model, tokens))
+    graphdef, state = nnx.split(decoding_model(model))
+    pre, steps = map(np.asarray, teacher_forced(graphdef, state, tokens, lengths, prompt_len=7))
+    assert np.abs(full).max() > 1.0                                 # not a vacuous comparison
+    for b, n in enumerate(np.asarray(lengths)):
+        np.testing.assert_allclose(pre[b, :n], full[b, :n], atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(steps[b], full[b, n:n + steps.shape[1]], atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_decode_from_an_empty_cache():
+    """``decode`` also takes several tokens per row, starting from ``init_cache``."""
+    model = decoding_model(model_for("moe-dag"))
+    tokens = jax.random.randint(jax.random.key(3), (2, SEQ), 0, 64)
+
+    @nnx.jit
+    def chunks(model, tokens):
+        cache = model.init_cache(2, SEQ)
+        first, cache = model.decode(tokens[:, :6], jnp.zeros((2,), jnp.int32), cache)
+        rest, _ = model.decode(tokens[:, 6:], jnp.full((2,), 6), cache)
+        return jnp.concatenate([first, rest], axis=1)
+
+    np.testing.assert_allclose(np.asarray(chunks(model, tokens)),
+                               np.asarray(forward(model_for("moe-dag"), tokens)),
+                               atol=1e-5, rtol=1e-5)
+
+
+def greedy_reference(model, prompts, max_new_tokens):
+    """Greedy decoding by full forward passes over a fixed-width buffer (causal, so the buffer's
+    tail does not matter; one compilation)."""
+    buffer = np.zeros((len(prompts), SEQ), np.int32)
+    for b, p in enumerate(prompts):
+        buffer[b, :len(p)] = p
+    lengths = np.array([len(p) for p in prompts])
+    for i in range(max_new_tokens):
+        logits = np.asarray(forward(model, jnp.asarray(buffer)))
+        pos = lengths + i
+        buffer[np.arange(len(prompts)), pos] = logits[np.arange(len(prompts)), pos - 1].argmax(-1)
+    return [buffer[b, n:n + max_new_tokens].tolist() for b, n in enumerate(lengths)]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_matches_repeated_forward(name):
+    model = model_for(name)
+    assert generate(model, PROMPTS, max_new_tokens=8) == greedy_reference(model, PROMPTS, 8)
+
+
+def test_batched_rows_equal_rows_alone():
+    model = model_for("moe-dag")
+    batched = generate(model, PROMPTS, max_new_tokens=8)
+    assert batched == [generate(model, [p], max_new_tokens=8)[0] for p in PROMPTS]
+    # an array of right-padded prompts with lengths is the same batch (padding past the longest
+    # prompt is cut off)
+    array = np.full((2, 7), 63)
+    for b, p in enumerate(PROMPTS):
+        array[b, :len(p)] = p
+    out = generate(model, array, [len(p) for p in PROMPTS], max_new_tokens=8)
+    assert isinstance(out, Generation) and out.as_lists() == batched
+    assert out.tokens.shape == (2, 8) and not out.finished.any()
+
+
+def test_filters_at_their_limit_equal_greedy():
+    model = model_for("moe-dag")
+    greedy = generate(model, PROMPTS, max_new_tokens=8)
+    assert generate(model, PROMPTS, max_new_tokens=8, temperature=1.5, top_k=1, seed=3) == greedy
+    assert generate(model, PROMPTS, max_new_tokens=8, temperature=1.5, top_p=1e-6, seed=4) == greedy
+
+
+def test_sampling_is_seeded():
+    model = model_for("moe-dag")
+    sample = functools.partial(generate, model, PROMPTS, max_new_tokens=8, temperature=1.0)
+    assert sample(seed=0) == sample(seed=0)
+    assert sample(seed=0) != sample(seed=1)
+    assert sample(seed=0, top_k=5, top_p=0.9) == sample(seed=0, top_k=5, top_p=0.9)
+
+
+def test_sample_logits_filters():
+    """top-k and top-p keep exactly the tokens they should (2,000 draws of one row)."""
+    logits = jnp.log(jnp.array([[0.05, 0.4, 0.3, 0.2, 0.05]] * 2000))
+    draw = lambda **kw: np.asarray(sample_logits(logits, jax.random.key(0), **kw))
+    assert set(draw(temperature=1.0, top_k=2, top_p=1.0)) == {1, 2}
+    assert set(draw(temperature=1.0, top_k=0, top_p=0.75)) == {1, 2, 3}   # 0.4 + 0.3 < 0.75
+    assert set(draw(temperature=1.0, top_k=0, top_p=0.7)) == {1, 2}
+    assert set(draw(temperature=1.0, top_k=0, top_p=1.0)) == {0, 1, 2, 3, 4}
+
+
+def test_stop_tokens_finish_rows():
+    model = model_for("moe-dag")
+    greedy = generate(model, PROMPTS, max_new_tokens=8)
+    stop = greedy[0][3]
+    cut = greedy[0].index(stop) + 1
+    out = generate(model, np.array([PROMPTS[0], PROMPTS[1] + [0, 0, 0]]), [5, 2],
+                   max_new_tokens=8, stop_tokens=[stop], pad_id=63)
+    assert out.tokens[0, :cut].tolist() == greedy[0][:cut]
+    assert (out.tokens[0, cut:] == 63).all() and out.lengths[0] == cut and out.finished[0]
+    expected_1 = greedy[1][:greedy[1].index(stop) + 1] if stop in greedy[1] else greedy[1]
+    assert out.as_lists()[1] == expected_1
+    # every row stops at its first token: the decode loop ends early, the rest is padding
+    first = generate(model, PROMPTS, max_new_tokens=8, stop_tokens=[g[0] for g in greedy])
+    assert first == [g[:1] for g in greedy]
+
+
+def test_invalid_requests_are_one_line_errors():
+    model = model_for("dense")
+    for kwargs, match in [
+            (dict(prompts=[list(range(60)) + [1] * 5]), "longer than the model's max_seq_len=64"),
+            (dict(prompts=[[1] * 60], max_new_tokens=6), "at most 5 new tokens fit"),
+            (dict(prompts=[[1], []]), "prompt 1 is empty"),
+            (dict(prompts=[[1, 64]]), "token id 64 outside"),
+            (dict(prompts=[[1]], top_p=0.0), "top_p=0.0 is invalid"),
+            (dict(prompts=[[1]], max_new_tokens=0), "max_new_tokens=0 is invalid")]:
+        kwargs.setdefault("max_new_tokens", 4)
+        with pytest.raises(ValueError, match=match) as err:
+            generate(model, **kwargs)
+        assert "\n" not in str(err.value)
+
+
+# ------------------------------------------------------------------------------ the CLI
+
+
+def subprocess_env() -> dict:
+    """This process's environment without conftest's simulated devices (one CPU device, as a
+    user's run would have; the XLA optimisation level stays as the suite set it)."""
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(flags)
+    return env
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """A 2-step train.py run of the smoke config (the tiny DAG-MoE, byte tokenizer)."""
+    run_dir = tmp_path_factory.mktemp("run") / "smoke"
+    cmd = [sys.executable, "train.py", "--gin_file=train/smoke.gin", f"--run_dir={run_dir}",
+           "--no_progress", "--gin.TrainConfig.steps=2", "--gin.OptimConfig.warmup_steps=0",
+           "--gin.TrainConfig.task_eval_examples=0", "--gin.TrainConfig.eval_batches=1",
+           "--gin.TrainConfig.tensorboard=False"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=subprocess_env(),
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return run_dir
+
+
+def test_cli_samples_from_a_checkpoint(smoke_run):
+    prompt = "lis 3 1 4 1 5 ="
+    cmd = [sys.executable, "-m", "dagmoe_jax.sample", f"--run_dir={smoke_run}",
+           f"--prompt={prompt}",
+           "--max_new_tokens", "12", "--temperature", "0.8", "--top_k", "20", "--top_p", "0.9",
+           "--num_samples", "3", "--seed", "0"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=subprocess_env(),
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    blocks = proc.stdout.split("--- sample ")[1:]
+    assert [b.split(" ---\n", 1)[0] for b in blocks] == ["0", "1", "2"]
+    assert all(b.split(" ---\n", 1)[1].startswith(prompt) for b in blocks)
+    assert "at step 2" in proc.stderr
+
+
+def test_cli_greedy_equals_library(smoke_run, capsys):
+    from dagmoe_jax.generate import load_run
+    from dagmoe_jax.sample import main
+
+    assert main([f"--run_dir={smoke_run}", "--prompt=edit ab =", "--max_new_tokens=6"]) == 0
+    printed = capsys.readouterr().out.split(" ---\n", 1)[1].rstrip("\n")
+    run = load_run(smoke_run)
+    tok = run.tokenizer
+    new = generate(run.model, [[tok.eos_id] + tok.encode("edit ab =")], max_new_tokens=6,
+                   stop_tokens=[tok.eos_id])[0]
+    new = new[:-1] if new and new[-1] == tok.eos_id else new
+    assert printed == ("edit ab =" + tok.decode(new)).rstrip("\n")
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--run_dir=/nonexistent/run", "--prompt=x"], "does not exist"),
+    (["--prompt=" + "a" * 200], "max_seq_len is 128"),
+    (["--prompt=x", "--top_k=-1"], "top_k=-1 is invalid"),
+    (["--prompt=x", "--bogus"], "unrecognized arguments"),
+])
+def test_cli_errors_are_one_line(smoke_run, capsys, argv, match):
+    from dagmoe_jax.sample import main
+
+    if not any(a.startswith("--run_dir") for a in argv):
+        argv = [f"--run_dir={smoke_run}"] + argv
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert match in err and err.startswith("error: ") and "\n" not in err

@@ -13,6 +13,11 @@ if (os.environ.get("DAGMOE_TEST_XLA_OPT", "0") != "1"
         and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_backend_optimization_level=0").strip()
+# Eight simulated CPU devices for the sharding tests (tests/test_parallel.py): every other test
+# runs on the first device as before (JAX's default device), unaffected by the other seven.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import numpy as np  # noqa: E402

@@ -4,6 +4,10 @@ Each strategy takes tokens ``x`` [T, d] and the router's expert ids [T, K] and r
 selected experts' outputs [T, K, d] in rank order, plus a keep mask [T, K] (False where capacity
 dropped the assignment; its output is zero). With no drops the three strategies agree exactly up
 to float rounding: ``dense`` is the oracle the tests compare against.
+
+These are the single-device (global-view) strategies; :mod:`dagmoe_jax.parallel.expert` runs
+'capacity' and 'dropless' across a device mesh with the same building blocks
+(:func:`capacity_gather`, :func:`capacity_combine`, :func:`grouped_ffn`).
 """
 
 from __future__ import annotations
@@ -70,12 +74,16 @@ def capacity_slots(indices: jax.Array, num_experts: int, capacity: int):
     return indices * capacity + position, keep
 
 
-def capacity_dispatch(x: jax.Array, indices: jax.Array, weights: ExpertWeights,
-                      capacity_factor: float):
-    """Fixed-capacity dispatch: gather into [N, C, d], batched experts, gather back."""
+def capacity_gather(x: jax.Array, indices: jax.Array, num_experts: int, capacity: int):
+    """Tokens ``x`` [T, d] into their experts' slots: buffer [N, C, d] (empty slots zero).
+
+    Returns (buffer, slot, holder, keep): ``slot`` [T, K] each assignment's row of the flattened
+    buffer (out of range where dropped), ``holder`` [N * C] the assignment each slot holds (out
+    of range where empty), both for :func:`capacity_combine`; ``keep`` [T, K] as
+    :func:`capacity_slots`.
+    """
     t, d = x.shape
-    n, k = weights[0].shape[0], indices.shape[1]
-    cap = expert_capacity(t, k, n, capacity_factor)
+    n, cap, k = num_experts, capacity, indices.shape[1]
     slot, keep = capacity_slots(indices, n, cap)
     slot = jnp.where(keep, slot, n * cap)                          # out of range: dropped
     # assignment (t * K + k) held by each slot; t * K (out of range) where the slot is empty
@@ -83,10 +91,32 @@ def capacity_dispatch(x: jax.Array, indices: jax.Array, weights: ExpertWeights,
         jnp.arange(t * k, dtype=jnp.int32), mode="drop")
     token = jnp.where(holder < t * k, holder // k, t)
     buffer = take_rows(x, token, slot).reshape(n, cap, d)
+    return buffer, slot, holder, keep
+
+
+def capacity_combine(y: jax.Array, slot: jax.Array, holder: jax.Array) -> jax.Array:
+    """Expert outputs y [N, C, d] back to the assignments: [T, K, d], zero where dropped."""
+    n, cap, d = y.shape
+    return take_rows(y.reshape(n * cap, d), slot, holder)
+
+
+def capacity_dispatch(x: jax.Array, indices: jax.Array, weights: ExpertWeights,
+                      capacity_factor: float):
+    """Fixed-capacity dispatch: gather into [N, C, d], batched experts, gather back."""
+    n, k = weights[0].shape[0], indices.shape[1]
+    cap = expert_capacity(x.shape[0], k, n, capacity_factor)
+    buffer, slot, holder, keep = capacity_gather(x, indices, n, cap)
     buffer = constrain(buffer, ("expert", "expert_slots", "embed"))
     y = constrain(apply_experts(buffer, weights), ("expert", "expert_slots", "embed"))
-    out = take_rows(y.reshape(n * cap, d), slot, holder)
-    return out, keep
+    return capacity_combine(y, slot, holder), keep
+
+
+def grouped_ffn(xs: jax.Array, weights: ExpertWeights, sizes: jax.Array) -> jax.Array:
+    """SwiGLU of rows ``xs`` [M, d] sorted by expert, ``sizes`` [N] rows per expert (ragged_dot);
+    rows past ``sum(sizes)`` give zeros."""
+    w_gate, w_up, w_down = weights
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes)) * jax.lax.ragged_dot(xs, w_up, sizes)
+    return jax.lax.ragged_dot(h, w_down, sizes)
 
 
 def dropless_dispatch(x: jax.Array, indices: jax.Array, weights: ExpertWeights):
@@ -98,9 +128,7 @@ def dropless_dispatch(x: jax.Array, indices: jax.Array, weights: ExpertWeights):
     rank = jnp.argsort(order)                                      # assignment -> sorted row
     xs = take_rows(x, order // k, rank.reshape(t, k))
     sizes = jnp.bincount(flat, length=n).astype(jnp.int32)
-    w_gate, w_up, w_down = weights
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes)) * jax.lax.ragged_dot(xs, w_up, sizes)
-    ys = jax.lax.ragged_dot(h, w_down, sizes)
+    ys = grouped_ffn(xs, weights, sizes)
     out = take_rows(ys, rank.reshape(t, k), order)
     return out, jnp.ones((t, k), bool)
 

@@ -1,4 +1,9 @@
-"""The routed experts: N SwiGLU FFNs stored stacked and applied as one vmapped FFN."""
+"""The routed experts: N SwiGLU FFNs stored stacked and applied as one vmapped FFN.
+
+On one device the tokens reach them by :func:`dagmoe_jax.model.dispatch.dispatch`; inside
+:func:`dagmoe_jax.parallel.activate` with a multi-device mesh, 'capacity' and 'dropless' dispatch
+run across devices (:mod:`dagmoe_jax.parallel.expert`: all-to-all over the ``expert`` axis).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ from flax import nnx
 
 from dagmoe_jax.model.dispatch import dispatch
 from dagmoe_jax.model.layers import make_param, normal
+from dagmoe_jax.parallel import expert as expert_parallel  # a module: import cycles stay harmless
+from dagmoe_jax.parallel.mesh import parallel_active
 
 
 class Experts(nnx.Module):
@@ -28,4 +35,7 @@ class Experts(nnx.Module):
         """Outputs [T, K, d] of the experts ``indices`` [T, K] on tokens ``x`` [T, d], and the
         keep mask [T, K] (False where capacity dropped the assignment)."""
         weights = tuple(w[...].astype(self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
+        if mode != "dense" and parallel_active():
+            return expert_parallel.sharded_dispatch(mode, x.astype(self.dtype), indices, weights,
+                                                    capacity_factor)
         return dispatch(mode, x.astype(self.dtype), indices, weights, capacity_factor)

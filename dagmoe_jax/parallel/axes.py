@@ -17,6 +17,8 @@ from jax.sharding import PartitionSpec
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 # Logical name -> mesh axis (or axes). Outside MoE blocks `expert` acts as data parallelism.
+# The expert-parallel dispatch (parallel/expert.py) needs the `expert` axes among the `batch`
+# axes (each expert shard holds different tokens) and `expert_mlp` not among them.
 DEFAULT_RULES: Tuple[Tuple[str, object], ...] = (
     ("batch", ("data", "fsdp", "expert")),
     ("length", None),

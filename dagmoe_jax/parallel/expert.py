@@ -1,0 +1,166 @@
+"""Expert parallelism: MoE token dispatch across devices inside ``jax.shard_map``.
+
+:class:`~dagmoe_jax.model.experts.Experts` calls :func:`sharded_dispatch` whenever
+:func:`~dagmoe_jax.parallel.mesh.parallel_active` (inside :func:`~dagmoe_jax.parallel.activate`
+with a mesh of more than one device); otherwise the single-device dispatch of
+:mod:`dagmoe_jax.model.dispatch` runs unchanged. Only the dispatch is manual: routing, the router
+losses (balance loss from the global f_i and P_i, z-loss over all tokens) and the aggregators
+(sum, DAG, MLP) stay in the global view, where XLA computes them on the sharded tokens exactly
+as on one device.
+
+Layout inside the ``shard_map`` (mesh axes from the rules: ``batch`` -> the token axes, by
+default ``data, fsdp, expert``; ``expert`` -> ``expert``; ``expert_mlp`` -> ``tensor``; axes of
+size 1 ignored): each device holds T_loc = T / (data * fsdp * expert) tokens and the experts
+[N / E, d, d_r / tensor] of its shard (E = the ``expert`` size; the ``fsdp`` shards of ``embed``
+are all-gathered by the ``shard_map`` input resharding, their gradients reduce-scattered back).
+With E = 1 (pure data parallelism) no tokens move: each device dispatches its own.
+
+* ``capacity`` (GShard / MaxText): every device is its own token group. It fills local buffers
+  [N, C_loc, d] with C_loc = ceil(capacity_factor * T_loc * K / N) (GShard priority within the
+  device); an ``all_to_all`` over ``expert`` turns them into [N / E, E * C_loc, d] for its local
+  experts; the vmapped SwiGLU runs (hidden units split over ``tensor``, partial outputs summed
+  with ``psum``); a second ``all_to_all`` brings [N, C_loc, d] back for the combine. Which
+  assignments drop therefore depends on the per-device groups: with no drops the result equals
+  the single-device one, with drops it can differ (as in every grouped dispatch); ``keep`` (and
+  so ``dropped_fraction``) reports this layout's drops exactly.
+* ``dropless``: ``jax.lax.ragged_all_to_all`` is not implemented by XLA:CPU ("HLO opcode
+  ragged-all-to-all is not supported by XLA:CPU"), so this is a fallback, used on every
+  backend: all-gather the tokens and their expert ids over ``expert`` ([E * T_loc, d]), run the
+  assignments of the local experts through ``ragged_dot`` (the others masked to zero rows),
+  ``psum_scatter`` the [E * T_loc, K, d] outputs back to their devices (and ``psum`` over
+  ``tensor``). Exact (nothing drops), but each device sorts E * T_loc * K rows and receives E x
+  its tokens: fine for a few expert shards, wasteful for many.
+* ``dense`` (the test oracle) is not sharded by hand: it runs the global-view code.
+* A token count the token axes do not divide (e.g. sampling one sequence) also runs the
+  global-view code, which XLA partitions through the sharding constraints (correct, slower).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+from flax.core import spmd
+from jax.sharding import PartitionSpec as P
+
+from dagmoe_jax.model.dispatch import (ExpertWeights, apply_experts, capacity_combine,
+                                       capacity_gather, dispatch, expert_capacity, grouped_ffn,
+                                       take_rows)
+
+AxisNames = Tuple[str, ...]
+
+
+def rule_axes(rules, name: str) -> AxisNames:
+    """The mesh axes a logical ``name`` maps to under ``rules`` (a tuple, maybe empty)."""
+    target = dict(rules).get(name)
+    return (target,) if isinstance(target, str) else tuple(target or ())
+
+
+def _axis(names: AxisNames):
+    """A collective's ``axis_name``: None for no axes, the name for one, else the tuple."""
+    return None if not names else names[0] if len(names) == 1 else names
+
+
+def _size(mesh, names: AxisNames) -> int:
+    out = 1
+    for name in names:
+        out *= mesh.shape[name]
+    return out
+
+
+def dispatch_axes(rules, mesh) -> Tuple[AxisNames, AxisNames, AxisNames]:
+    """(token axes, expert axes, hidden axes) of the sharded dispatch, mesh axes of size 1
+    dropped; a one-line ``ValueError`` for rules it cannot serve."""
+    live = lambda axes: tuple(a for a in axes if mesh.shape[a] > 1)
+    tokens = live(rule_axes(rules, "batch"))
+    experts = live(rule_axes(rules, "expert"))
+    hidden = tuple(a for a in live(rule_axes(rules, "expert_mlp")) if a not in experts)
+    if not set(experts) <= set(tokens):
+        raise ValueError(f"expert-parallel dispatch: the 'expert' rule's mesh axes {experts} must "
+                         f"also shard the 'batch' rule's token axes {tokens}")
+    if set(hidden) & set(tokens):
+        raise ValueError(f"expert-parallel dispatch: the 'expert_mlp' rule's mesh axes {hidden} "
+                         f"must not shard the tokens ('batch' -> {tokens})")
+    return tokens, experts, hidden
+
+
+def _capacity_shard(x, indices, weights, *, num_experts: int, capacity_factor: float,
+                    experts: Optional[object], hidden: Optional[object]):
+    """One device's capacity dispatch: local buffers, all-to-all to the local experts, back."""
+    cap = expert_capacity(x.shape[0], indices.shape[1], num_experts, capacity_factor)
+    buffer, slot, holder, keep = capacity_gather(x, indices, num_experts, cap)     # [N, C, d]
+    if experts is not None:
+        buffer = jax.lax.all_to_all(buffer, experts, 0, 1, tiled=True)           # [N/E, E*C, d]
+    y = apply_experts(buffer, weights)
+    if hidden is not None:
+        y = jax.lax.psum(y, hidden)
+    if experts is not None:
+        y = jax.lax.all_to_all(y, experts, 1, 0, tiled=True)                     # [N, C, d]
+    return capacity_combine(y, slot, holder), keep
+
+
+def _dropless_shard(x, indices, weights, *, experts: Optional[object], hidden: Optional[object]):
+    """One device's dropless dispatch (all-gather fallback): every token of the expert group,
+    only the assignments of this device's experts, outputs reduce-scattered home."""
+    k, n_local = indices.shape[1], weights[0].shape[0]
+    first = 0
+    if experts is not None:
+        x = jax.lax.all_gather(x, experts, axis=0, tiled=True)                   # [E*T, d]
+        indices = jax.lax.all_gather(indices, experts, axis=0, tiled=True)
+        first = jax.lax.axis_index(experts) * n_local
+    t = x.shape[0]
+    local_id = indices.reshape(-1) - first
+    local = (local_id >= 0) & (local_id < n_local)
+    key = jnp.where(local, local_id, n_local)                # other shards' experts sort last
+    order = jnp.argsort(key, stable=True)                    # sorted row -> assignment
+    rank = jnp.argsort(order)                                # assignment -> sorted row
+    m = t * k
+    row_of = jnp.where(local, rank, m).reshape(t, k)         # out of range: not local
+    held_by = jnp.where(local[order], order, m)
+    xs = take_rows(x, jnp.where(local[order], order // k, t), row_of)
+    sizes = jnp.bincount(key, length=n_local + 1)[:n_local].astype(jnp.int32)
+    out = take_rows(grouped_ffn(xs, weights, sizes), row_of, held_by)           # [E*T, K, d]
+    if experts is not None:
+        out = jax.lax.psum_scatter(out, experts, scatter_dimension=0, tiled=True)  # [T, K, d]
+    if hidden is not None:
+        out = jax.lax.psum(out, hidden)
+    return out, jnp.ones(out.shape[:2], bool)
+
+
+def sharded_dispatch(mode: str, x: jax.Array, indices: jax.Array, weights: ExpertWeights,
+                     capacity_factor: float):
+    """:func:`dagmoe_jax.model.dispatch.dispatch` across the active mesh (module docstring).
+
+    Same inputs and outputs as the single-device dispatch (global view): tokens ``x`` [T, d],
+    expert ids [T, K], stacked expert weights; returns outputs [T, K, d] and the keep mask.
+    N must divide over the expert axes and d_r over the hidden axes (else a one-line
+    ``ValueError``). A token count T the token axes do not divide (sampling a single sequence,
+    an odd evaluation batch) falls back to the global-view single-device dispatch, which XLA
+    partitions through the sharding constraints: correct, but not expert-parallel.
+    """
+    rules, mesh = spmd.get_logical_axis_rules(), jax.sharding.get_abstract_mesh()
+    tokens, experts, hidden = dispatch_axes(rules, mesh)
+    n, d_r = weights[0].shape[0], weights[0].shape[-1]
+    if x.shape[0] % _size(mesh, tokens):
+        # e.g. sampling one sequence on a mesh: the global-view dispatch, which XLA partitions
+        # by the sharding constraints alone (correct, single-device capacity semantics, slower)
+        return dispatch(mode, x, indices, weights, capacity_factor)
+    for what, size, axes in (("experts N", n, experts), ("expert hidden d_r", d_r, hidden)):
+        if size % _size(mesh, axes):
+            raise ValueError(f"expert-parallel dispatch: {what}={size} is not divisible by the "
+                             f"{_size(mesh, axes)} devices of mesh axes {axes}")
+    if mode == "capacity":
+        body = partial(_capacity_shard, num_experts=n, capacity_factor=capacity_factor,
+                       experts=_axis(experts), hidden=_axis(hidden))
+    elif mode == "dropless":
+        body = partial(_dropless_shard, experts=_axis(experts), hidden=_axis(hidden))
+    else:
+        raise ValueError(f"dispatch={mode!r} is invalid for expert parallelism: expected "
+                         f"'capacity' or 'dropless'")
+    tok, exp, hid = _axis(tokens), _axis(experts), _axis(hidden)
+    w_in, w_out = P(exp, None, hid), P(exp, hid, None)
+    fn = jax.shard_map(body, in_specs=(P(tok, None), P(tok, None), (w_in, w_in, w_out)),
+                       out_specs=(P(tok, None, None), P(tok, None)))
+    return fn(x, indices, tuple(weights))

@@ -16,6 +16,7 @@ import gin
 from dagmoe_jax import config as C
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.data.config import DataConfig
+from dagmoe_jax.parallel.mesh import MeshConfig
 from dagmoe_jax.train.config import TrainConfig
 from dagmoe_jax.train.optim import OptimConfig
 
@@ -24,7 +25,7 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 # External registration: gin configures its own wrappers of these, so bindings never leak into
 # ``ModelConfig(...)`` built in plain Python (tests, notebooks) after a gin file was parsed.
 _CONFIG_CLASSES = (C.RouterConfig, C.ExpertConfig, C.AggregationConfig, C.CoEConfig, C.ModelConfig,
-                   DataConfig, OptimConfig, TrainConfig)
+                   DataConfig, OptimConfig, TrainConfig, MeshConfig)
 _GIN = {cls.__name__: gin.external_configurable(cls, name=cls.__name__) for cls in _CONFIG_CLASSES}
 gin.external_configurable(C.matched_shared_hidden, name="matched_shared_hidden")
 
@@ -86,8 +87,13 @@ def load_configs(files: Sequence[str] = (), bindings: Iterable[str] = ()
                  ) -> Tuple[ModelConfig, DataConfig, OptimConfig, TrainConfig]:
     """(ModelConfig, DataConfig, OptimConfig, TrainConfig) for a training run, validated.
 
+    ``MeshConfig`` bindings land in ``TrainConfig.mesh``.
+
     gin's operative config (``gin.operative_config_str()``) afterwards lists every binding used.
     """
     parse_gin(files, bindings)
-    return tuple(_build(name) for name in ("ModelConfig", "DataConfig", "OptimConfig",
-                                           "TrainConfig"))
+    model, data, optim, train = (_build(name) for name in ("ModelConfig", "DataConfig",
+                                                           "OptimConfig", "TrainConfig"))
+    if train.mesh == MeshConfig():        # `MeshConfig.expert = 4` without `TrainConfig.mesh = ...`
+        train = dataclasses.replace(train, mesh=_build("MeshConfig"))
+    return model, data, optim, train

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from dagmoe_jax.config import _check, _positive
+from dagmoe_jax.parallel.mesh import MeshConfig
 
 
 def _nonneg_int(field: str, value) -> None:
@@ -37,6 +38,8 @@ class TrainConfig:
     keep_checkpoints: newest checkpoints kept on disk.
     async_checkpoint: write checkpoints in a background thread while training goes on.
     tensorboard: write TensorBoard event files beside ``metrics.jsonl``.
+    mesh: the device mesh (``MeshConfig``: data / fsdp / expert / tensor sizes; default all
+        devices data-parallel). Bind it in gin as ``MeshConfig.expert = 4``.
     """
 
     steps: int = 1000
@@ -51,11 +54,14 @@ class TrainConfig:
     keep_checkpoints: int = 3
     async_checkpoint: bool = True
     tensorboard: bool = True
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     def __post_init__(self):
         for name in ("steps", "grad_accum", "log_every", "save_every", "keep_checkpoints"):
             _positive("TrainConfig", name, getattr(self, name))
         for name in ("seed", "eval_every", "eval_batches", "task_eval_examples"):
             _nonneg_int(name, getattr(self, name))
+        _check(isinstance(self.mesh, MeshConfig), "TrainConfig", "mesh", self.mesh,
+               "a MeshConfig")
         _check(isinstance(self.run_dir, str) and self.run_dir.strip() != "", "TrainConfig",
                "run_dir", self.run_dir, "a non-empty directory path")

@@ -31,6 +31,7 @@ from dagmoe_jax.config import (AggregationConfig, CoEConfig, ExpertConfig, Model
 from dagmoe_jax.data import (DataConfig, check_tokens, eval_batches, exact_match, make_tokenizer,
                              task_eval_batches, task_names, train_dataset, unigram_entropy)
 from dagmoe_jax.model import Transformer
+from dagmoe_jax.parallel import MeshConfig, activate, create_train_state, make_mesh, shard_batch
 from dagmoe_jax.train.checkpoint import Checkpointer
 from dagmoe_jax.train.config import TrainConfig
 from dagmoe_jax.train.metrics import MetricsWriter, summarise_load
@@ -78,15 +79,23 @@ def configs_from_json(blob: dict):
     for name, cls in (("router", RouterConfig), ("experts", ExpertConfig),
                       ("aggregation", AggregationConfig), ("coe", CoEConfig)):
         model[name] = cls(**model[name])
+    train = dict(blob["train"])
+    train["mesh"] = MeshConfig(**train.get("mesh", {}))
     return (ModelConfig(**model), DataConfig(**blob["data"]), OptimConfig(**blob["optim"]),
-            TrainConfig(**blob["train"]))
+            TrainConfig(**train))
 
 
-def build(model_cfg: ModelConfig, optim_cfg: OptimConfig, train_cfg: TrainConfig):
-    """(model, optimizer, schedule) for a run: parameters initialised from ``train_cfg.seed``."""
-    model = Transformer(model_cfg, rngs=nnx.Rngs(train_cfg.seed))
+def build(model_cfg: ModelConfig, optim_cfg: OptimConfig, train_cfg: TrainConfig, mesh=None):
+    """(model, optimizer, schedule) for a run: parameters initialised from ``train_cfg.seed``,
+    created directly sharded over ``mesh`` when one is given (optimizer state too)."""
     tx = make_optimizer(optim_cfg, train_cfg.steps)
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    def new_model():
+        return Transformer(model_cfg, rngs=nnx.Rngs(train_cfg.seed))
+    if mesh is None:
+        model = new_model()
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    else:
+        model, optimizer = create_train_state(new_model, tx, mesh)
     return model, optimizer, make_schedule(optim_cfg, train_cfg.steps)
 
 
@@ -98,15 +107,34 @@ def _abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
-def _device_batch(batch: Dict[str, np.ndarray]) -> Dict[str, jax.Array]:
-    return {k: jnp.asarray(v) for k, v in batch.items() if k in ("inputs", "targets", "mask")}
+_MODEL_INPUTS = ("inputs", "targets", "mask")
+
+
+def _device_batch(batch: Dict[str, np.ndarray], mesh=None) -> Dict[str, jax.Array]:
+    """The model's inputs of a host batch on the device(s): this process's rows of the global
+    batch sharded over ``mesh``'s batch axes, or (no mesh) on the default device."""
+    batch = {k: v for k, v in batch.items() if k in _MODEL_INPUTS}
+    if mesh is None:
+        return {k: jnp.asarray(v) for k, v in batch.items()}
+    return shard_batch(batch, mesh)
+
+
+def _replicated_batch(batch: Dict[str, np.ndarray]) -> Dict[str, jax.Array]:
+    """An evaluation batch (the same whole batch on every process) replicated on every device
+    of the active mesh, so its outputs are readable on every host and any row count works."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or jax.process_count() == 1:
+        return {k: jnp.asarray(v) for k, v in batch.items() if k in _MODEL_INPUTS}
+    sharding = jax.sharding.NamedSharding(jax.sharding.get_mesh(), jax.sharding.PartitionSpec())
+    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v), np.shape(v))
+            for k, v in batch.items() if k in _MODEL_INPUTS}
 
 
 def evaluate(model: Transformer, batches: Iterable[Dict[str, np.ndarray]]) -> Dict[str, float]:
     """Token-weighted held-out cross-entropy (nats/token) and perplexity over ``batches``."""
     ce_sum, tokens = 0.0, 0.0
     for batch in batches:
-        out = eval_step(model, _device_batch(batch))
+        out = eval_step(model, _replicated_batch(batch))
         ce_sum += float(out["ce_sum"])
         tokens += float(out["tokens"])
     if tokens == 0:
@@ -121,7 +149,7 @@ def task_accuracy(model: Transformer, batches: Iterable[Dict[str, np.ndarray]],
     """Exact-answer accuracy (greedy answer == reference) overall and per synthetic task."""
     right, total = np.zeros(len(names)), np.zeros(len(names))
     for batch in batches:
-        predictions = np.asarray(eval_step(model, _device_batch(batch))["predictions"])
+        predictions = np.asarray(eval_step(model, _replicated_batch(batch))["predictions"])
         correct = exact_match(predictions, batch["targets"], batch["mask"])
         np.add.at(right, batch["task_id"], correct)
         np.add.at(total, batch["task_id"], 1)
@@ -153,17 +181,16 @@ def _stop_on_signals(flag: dict):
 class _Evaluator:
     """Held-out perplexity (+ exact-answer accuracy on synthetic tasks), data built once."""
 
-    def __init__(self, data_cfg: DataConfig, train_cfg: TrainConfig, tokenizer, process: tuple):
-        index, count = process
-        self.batches = eval_batches(data_cfg, tokenizer, max_batches=train_cfg.eval_batches or None,
-                                    process_index=index, process_count=count)
+    def __init__(self, data_cfg: DataConfig, train_cfg: TrainConfig, tokenizer):
+        # Every process evaluates the whole (small) held-out set, replicated on its devices.
+        self.batches = eval_batches(data_cfg, tokenizer, max_batches=train_cfg.eval_batches or None)
         self.task_batches, self.task_names = [], []
         kind = data_cfg.source.split(":", 1)[0]
         if train_cfg.task_eval_examples and kind == "synthetic" and not data_cfg.eval_source:
             self.task_names = list(task_names(data_cfg))
             self.task_batches = task_eval_batches(data_cfg, tokenizer,
                                                   num_examples=train_cfg.task_eval_examples,
-                                                  batch_size=max(data_cfg.batch_size // count, 1))
+                                                  batch_size=data_cfg.batch_size)
 
     def __call__(self, model) -> Dict[str, float]:
         result = evaluate(model, self.batches)
@@ -197,8 +224,9 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
                          f"TrainConfig.grad_accum={train_cfg.grad_accum} x {process[1]} processes")
 
     dataset = train_dataset(data_cfg, tokenizer, process_index=process[0], process_count=process[1])
-    evaluator = _Evaluator(data_cfg, train_cfg, tokenizer, process)
-    model, optimizer, schedule = build(model_cfg, optim_cfg, train_cfg)
+    evaluator = _Evaluator(data_cfg, train_cfg, tokenizer)
+    mesh = make_mesh(train_cfg.mesh)
+    model, optimizer, schedule = build(model_cfg, optim_cfg, train_cfg, mesh)
     data_iter = iter(dataset)
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -206,8 +234,9 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
     checkpointer = Checkpointer(run_dir / "checkpoints", save_every=train_cfg.save_every,
                                 keep=train_cfg.keep_checkpoints,
                                 async_save=train_cfg.async_checkpoint)
-    restored = checkpointer.restore(_abstract(_train_state(model, optimizer)),
-                                    data_iterator=data_iter, expected_meta=meta)
+    with activate(mesh):
+        restored = checkpointer.restore(_abstract(_train_state(model, optimizer)),
+                                        data_iterator=data_iter, expected_meta=meta)
     start = 0
     if restored is not None:
         for message in restored.skipped:
@@ -232,12 +261,12 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
     final_eval: Dict[str, float] = {}
     bar = _progress(train_cfg.steps, start, progress and is_main)
     try:
-        with _stop_on_signals(stop):
+        with _stop_on_signals(stop), activate(mesh):
             window_start, window_steps = time.perf_counter(), 0
             for step in range(start + 1, train_cfg.steps + 1):
                 batch = next(data_iter)
                 check_tokens(batch, model_cfg.vocab_size)
-                metrics = step_fn(model, optimizer, _device_batch(batch))
+                metrics = step_fn(model, optimizer, _device_batch(batch, mesh))
                 loss = float(metrics["loss"])
                 if not math.isfinite(loss):
                     raise NonFiniteLossError(
@@ -272,7 +301,8 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
             say(f"{stop['signal']} received: saved a checkpoint at step {step} in "
                 f"{run_dir / 'checkpoints'}; run the same command again to resume")
         else:
-            final_eval = evaluator(model)
+            with activate(mesh):
+                final_eval = evaluator(model)
             writer.write(step, final_eval, prefix="eval/")
             baseline = unigram_entropy(data_cfg, tokenizer)
             final_eval["unigram_baseline"] = baseline
@@ -320,9 +350,13 @@ def evaluate_checkpoint(run_dir: str | Path, *, eval_source: str = "", eval_spli
     train_cfg = dataclasses.replace(train_cfg, eval_batches=eval_batches_limit)
     tokenizer = make_tokenizer(data_cfg)
     check_compatible(model_cfg, data_cfg, tokenizer)
-    model, optimizer, _ = build(model_cfg, optim_cfg, train_cfg)
+    # The devices here need not be the ones the run trained on: the checkpoint is restored
+    # into this process's default mesh (all devices data-parallel).
+    mesh = make_mesh(MeshConfig())
+    model, optimizer, _ = build(model_cfg, optim_cfg, train_cfg, mesh)
     with Checkpointer(Path(run_dir) / "checkpoints", save_every=train_cfg.save_every,
-                      keep=train_cfg.keep_checkpoints, async_save=False) as checkpointer:
+                      keep=train_cfg.keep_checkpoints, async_save=False) as checkpointer, \
+            activate(mesh):
         restored = checkpointer.restore(_abstract(_train_state(model, optimizer)),
                                         expected_meta={"model_config": dataclasses.asdict(model_cfg)})
     if restored is None:
@@ -330,7 +364,8 @@ def evaluate_checkpoint(run_dir: str | Path, *, eval_source: str = "", eval_spli
     for message in restored.skipped:
         log(f"warning: {message}")
     nnx.update(model, restored.state["model"])
-    result = _Evaluator(data_cfg, train_cfg, tokenizer, (jax.process_index(), jax.process_count()))(model)
+    with activate(mesh):
+        result = _Evaluator(data_cfg, train_cfg, tokenizer)(model)
     result["step"] = restored.step
     log(f"eval of {run_dir} at step {restored.step} on "
         f"{data_cfg.eval_source or data_cfg.source + ' (held-out)'}: " + _format_eval(result))

@@ -15,6 +15,7 @@ import optax
 from flax import nnx
 
 from dagmoe_jax.model import Transformer
+from dagmoe_jax.parallel import constrain
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
@@ -74,7 +75,7 @@ def make_train_step(loss_fn: Callable = lm_loss, grad_accum: int = 1) -> Callabl
             metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
         optimizer.update(model, grads)
         metrics["grad_norm"] = optax.tree.norm(grads)
-        return metrics
+        return _replicated(metrics)
 
     return step
 
@@ -86,5 +87,11 @@ def eval_step(model: Transformer, batch: Dict[str, jax.Array]) -> Dict[str, jax.
     logits, _ = model(batch["inputs"])
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     mask = batch["mask"].astype(jnp.float32)
-    return {"ce_sum": jnp.sum(losses * mask), "tokens": jnp.sum(mask),
-            "predictions": jnp.argmax(logits, axis=-1).astype(jnp.int32)}
+    return _replicated({"ce_sum": jnp.sum(losses * mask), "tokens": jnp.sum(mask),
+                        "predictions": jnp.argmax(logits, axis=-1).astype(jnp.int32)})
+
+
+def _replicated(tree):
+    """Outputs replicated on every device of an active mesh (a no-op without one), so every
+    process can read them on the host."""
+    return jax.tree.map(lambda x: constrain(x, (None,) * x.ndim), tree)

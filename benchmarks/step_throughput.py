@@ -8,6 +8,9 @@ aggregates (forward + backward) to compare their achieved FLOP/s.
 
     python benchmarks/step_throughput.py                       # full run (CPU: ~20 minutes)
     python benchmarks/step_throughput.py --vocab 256 --steps 2 # quicker
+    # the GPU measurement of the l model (bf16, cuDNN attention; MFU vs the bf16 matmul rate)
+    python benchmarks/step_throughput.py --model models/l.gin --gin gpu.gin --dag_dim 256 \
+        --vocab 128256 --batch 16 --seq 2048 --variants moe moe+shared "dag L2"
 """
 
 from __future__ import annotations
@@ -34,14 +37,14 @@ from dagmoe_jax.train.step import make_train_step  # noqa: E402
 
 VARIANTS = {
     "moe": "variants/moe.gin",
-    "moe+shared(256)": "variants/moe_shared_g128_l2.gin",
-    "dag g128 L1": "variants/dag_g128_l1.gin",
-    "dag g128 L2": "variants/dag_g128_l2.gin",
-    "dag g128 L3": "variants/dag_g128_l3.gin",
+    "moe+shared": "variants/moe_shared_g{g}_l2.gin",
+    "dag L1": "variants/dag_g{g}_l1.gin",
+    "dag L2": "variants/dag_g{g}_l2.gin",
+    "dag L3": "variants/dag_g{g}_l3.gin",
     "mlp g64": "variants/mlp_g64.gin",
     "coe k4 c2": "variants/coe_k4_c2.gin",
 }
-BASELINE = "moe+shared(256)"
+BASELINE = "moe+shared"
 
 
 def time_fn(fn, repeats: int) -> float:
@@ -57,9 +60,9 @@ def time_fn(fn, repeats: int) -> float:
     return float(np.min(times))
 
 
-def matmul_rate(n: int = 2048, repeats: int = 5) -> float:
-    """Measured float32 FLOP/s of an n x n x n matmul on the default device."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+def matmul_rate(n: int = 2048, repeats: int = 5, dtype=jnp.float32) -> float:
+    """Measured FLOP/s of an n x n x n matmul in ``dtype`` on the default device."""
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
     f = jax.jit(lambda x, y: x @ y)
     return 2 * n ** 3 / time_fn(lambda: f(a, a).block_until_ready(), repeats)
 
@@ -108,6 +111,11 @@ def component_rates(cfg, tokens: int, repeats: int):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="models/s.gin", help="model-size gin file")
+    p.add_argument("--gin", action="append", default=[],
+                   help="extra gin files after model + variant (e.g. gpu.gin), repeatable")
+    p.add_argument("--dag_dim", type=int, default=128, choices=(64, 128, 256),
+                   help="d_g of the DAG variants; the shared expert is matched to d_g, L 2 "
+                        "(the paper: 128 for s and m, 256 for l)")
     p.add_argument("--vocab", type=int, nargs="+", default=[256, 128256])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=512)
@@ -118,24 +126,28 @@ def main(argv=None):
     if args.components_only:
         args.vocab = []
 
-    peak = matmul_rate()
+    probe = load_model_config([args.model, *args.gin])
+    dtype = jnp.dtype(probe.compute_dtype)
+    n = 2048 if jax.devices()[0].platform == "cpu" else 8192
+    rate = lambda: matmul_rate(n, dtype=dtype)  # noqa: E731
+    peak = rate()
     print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}  "
-          f"float32 2048^3 matmul: {peak / 1e9:.1f} GFLOP/s")
+          f"{dtype.name} {n}^3 matmul: {peak / 1e9:.1f} GFLOP/s")
     print(f"batch {args.batch} x {args.seq} tokens, best of {args.steps} timed steps per variant\n")
     tokens = args.batch * args.seq
     tables = {}
     for vocab in args.vocab:
         rows = tables[vocab] = []
         for name in args.variants:
-            cfg = load_model_config([args.model, VARIANTS[name]],
+            cfg = load_model_config([args.model, VARIANTS[name].format(g=args.dag_dim), *args.gin],
                                     [f"ModelConfig.vocab_size = {vocab}"])
             acc = account(cfg, args.seq)
             t = step_time(cfg, args.batch, args.seq, args.steps)
-            peak = max(peak, matmul_rate())  # the machine's speed drifts: keep the best rate seen
+            peak = max(peak, rate())  # the machine's speed drifts: keep the best rate seen
             rows.append((name, acc.total_params, t, tokens / t, acc.train_flops_per_token * tokens / t))
             print(f"  measured {name} @ vocab {vocab}: {t:.3f} s/step", flush=True)
-    print(f"\nhighest float32 matmul rate seen in this run: {peak / 1e9:.1f} GFLOP/s "
-          f"('of matmul' divides by it)")
+    print(f"\nhighest {dtype.name} matmul rate seen in this run: {peak / 1e9:.1f} GFLOP/s "
+          f"('of matmul', i.e. MFU against the measured rate, divides by it)")
     for vocab, rows in tables.items():
         base = {r[0]: r for r in rows}.get(BASELINE)
         print(f"\nvocab {vocab}")
@@ -147,12 +159,12 @@ def main(argv=None):
                   f"{fps / peak:>10.1%}{ratio:>26}")
     print()
 
-    cfg = load_model_config([args.model, "variants/dag_g128_l2.gin"])
+    cfg = load_model_config([args.model, f"variants/dag_g{args.dag_dim}_l2.gin", *args.gin])
     t_exp, r_exp, t_dag, r_dag = component_rates(cfg, tokens, max(args.steps, 3))
     print(f"components (one layer, {tokens} tokens, forward + backward)")
     print(f"{'component':<28}{'s':>9}{'GFLOP/s':>10}{'vs experts':>12}")
     print(f"{'experts (capacity dispatch)':<28}{t_exp:>9.4f}{r_exp / 1e9:>10.1f}{1.0:>11.2f}x")
-    print(f"{'DAG module d_g 128 L 2':<28}{t_dag:>9.4f}{r_dag / 1e9:>10.1f}{r_dag / r_exp:>11.2f}x")
+    print(f"{f'DAG module d_g {args.dag_dim} L 2':<28}{t_dag:>9.4f}{r_dag / 1e9:>10.1f}{r_dag / r_exp:>11.2f}x")
 
 
 if __name__ == "__main__":

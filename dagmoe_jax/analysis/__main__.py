@@ -1,0 +1,62 @@
+"""Write the analysis plots of a trained run.
+
+    python -m dagmoe_jax.analysis --run_dir=runs/default --out=runs/default/plots
+    python -m dagmoe_jax.analysis --run_dir=DIR --out=DIR --data="text:notes/*.txt" --batches 8
+
+Flags:
+  --run_dir=DIR   a run directory written by train.py (config.json, checkpoints, metrics.jsonl)
+  --out=DIR       where the PNGs go (created)
+  --data=SPEC     a DataConfig source spec to trace (default: the run's own held-out data)
+  --batches=N     batches of the run's batch_size x seq_len to trace (default 4)
+
+Writes, where they apply: expert_load.png (layers x experts), coactivation.png (CoE runs:
+expert pairs across iterations, as CoE Figure 8), edge_gates.png and edge_gate_hist.png
+(DAG-MoE runs: mean and spread over tokens of each node pair's gate, per layer and iteration),
+dropped_fraction.png (from metrics.jsonl). One line per plot: the file written, or why not.
+Exit status: 0 done, 2 invalid arguments, run directory or data (a one-line message).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one-line errors instead of argparse's usage block
+        raise ValueError(message)
+
+
+def main(argv=None) -> int:
+    parser = _Parser(add_help=False)
+    parser.add_argument("-h", "--help", action="store_true")
+    parser.add_argument("--run_dir", default="")
+    parser.add_argument("--out", default="")
+    parser.add_argument("--data", default="")
+    parser.add_argument("--batches", type=int, default=4)
+    try:
+        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+        if args.help:
+            print(__doc__)
+            return 0
+        if not args.run_dir or not args.out:
+            raise ValueError("--run_dir=DIR and --out=DIR are required (see --help)")
+        if args.batches < 1:
+            raise ValueError(f"--batches={args.batches} is invalid: expected an integer >= 1")
+        from dagmoe_jax.analysis.report import analyze_run  # pylint: disable=import-outside-toplevel
+
+        results = analyze_run(args.run_dir, args.out, data=args.data, max_batches=args.batches)
+    except (ValueError, FileNotFoundError) as err:
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+    for result in results:
+        if result.path is not None:
+            print(f"wrote {result.path}")
+        else:
+            print(f"skipped {result.name}: {result.reason}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""PNG plots of routing and DAG statistics (matplotlib, Agg backend: no display needed).
+
+Each function draws one figure from NumPy arrays, writes it to ``path`` and returns the path;
+none of them reads a model or prints. The arrays come from
+:func:`dagmoe_jax.analysis.trace.collect` and from ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (after selecting the backend)
+import numpy as np  # noqa: E402
+
+
+def _save(fig, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def plot_expert_load(load: np.ndarray, path, title: str = "") -> Path:
+    """Heatmap of expert load, layers x experts: each cell is the share of the layer's routing
+    slots that went to the expert (uniform = 1 / N, marked on the colour bar)."""
+    load = np.asarray(load, np.float64)
+    layers, n = load.shape
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.35 * n + 2), max(2.0, 0.45 * layers + 1.2)))
+    image = ax.imshow(load, aspect="auto", cmap="viridis", vmin=0.0)
+    bar = fig.colorbar(image, ax=ax, label="share of routing slots")
+    bar.ax.axhline(1.0 / n, color="white", linewidth=1.5)
+    ax.set_xlabel("expert")
+    ax.set_ylabel("layer")
+    ax.set_xticks(range(n))
+    ax.set_yticks(range(layers))
+    ax.set_title(title or f"expert load (uniform = {1.0 / n:.3f}, white line)")
+    return _save(fig, path)
+
+
+def plot_coactivation(counts: np.ndarray, path, title: str = "") -> Path:
+    """CoE expert co-activation between consecutive iterations (CoE Figure 8): one N x N
+    panel per layer (and iteration pair); cell (a, b) counts tokens that used expert a in
+    iteration t and expert b in iteration t + 1."""
+    counts = np.asarray(counts, np.float64)
+    layers, pairs, n, _ = counts.shape
+    fig, axes = plt.subplots(pairs, layers, figsize=(3.2 * layers + 0.6, 3.0 * pairs + 0.4),
+                             squeeze=False, layout="constrained")
+    for l in range(layers):
+        for t in range(pairs):
+            ax = axes[t][l]
+            image = ax.imshow(counts[l, t], cmap="magma", vmin=0.0)
+            ax.set_title(f"layer {l}: iteration {t} -> {t + 1}", fontsize=9)
+            ax.set_xlabel(f"expert in iteration {t + 1}", fontsize=8)
+            ax.set_ylabel(f"expert in iteration {t}", fontsize=8)
+            fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04).ax.tick_params(labelsize=7)
+    fig.suptitle(title or "CoE expert co-activation (token counts)", fontsize=10)
+    return _save(fig, path)
+
+
+def plot_edge_gates(mean: np.ndarray, std: np.ndarray, path, title: str = "") -> Path:
+    """DAG edge gates per layer (rows) and iteration: the K x K mean over tokens of the gate
+    magnitude mean_d |e_(i,j)| (left panel of each pair) and its standard deviation across
+    tokens (right). Row i is the receiving node, column j the sending node, in router rank
+    order (rank 1 = highest score). Each panel has its own colour scale."""
+    mean, std = np.asarray(mean, np.float64), np.asarray(std, np.float64)
+    layers, iters, k, _ = mean.shape
+    fig, axes = plt.subplots(layers, 2 * iters, figsize=(2.6 * 2 * iters + 0.5, 2.4 * layers + 0.6),
+                             squeeze=False, layout="constrained")
+    ticks = range(k)
+    labels = [str(i + 1) for i in ticks]
+    for l in range(layers):
+        for it in range(iters):
+            for col, (data, name, cmap) in enumerate(((mean, "mean", "viridis"),
+                                                      (std, "std over tokens", "cividis"))):
+                ax = axes[l][2 * it + col]
+                image = ax.imshow(data[l, it], cmap=cmap)
+                ax.set_title(f"layer {l}, iter {it + 1}: {name}", fontsize=8)
+                ax.set_xticks(ticks, labels, fontsize=7)
+                ax.set_yticks(ticks, labels, fontsize=7)
+                ax.set_xlabel("from node j (rank)", fontsize=7)
+                ax.set_ylabel("to node i (rank)", fontsize=7)
+                fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04).ax.tick_params(labelsize=6)
+    fig.suptitle(title or "DAG edge-gate magnitude mean_d |e_(i,j)|", fontsize=10)
+    return _save(fig, path)
+
+
+def plot_edge_gate_histograms(samples: np.ndarray, path, title: str = "") -> Path:
+    """How the gates vary across tokens: per layer and iteration, the histogram over tokens of
+    each node pair's gate magnitude, one line per receiving node i (pairs pooled over j) and
+    the pooled histogram of all pairs."""
+    samples = np.asarray(samples, np.float64)                 # [layers, L, M, K, K]
+    layers, iters, _, k, _ = samples.shape
+    fig, axes = plt.subplots(layers, iters, figsize=(3.4 * iters + 0.5, 2.6 * layers + 0.6),
+                             squeeze=False, layout="constrained")
+    for l in range(layers):
+        for it in range(iters):
+            ax = axes[l][it]
+            values = samples[l, it]
+            bins = np.linspace(0.0, max(float(values.max()), 1e-6), 31)
+            ax.hist(values.reshape(-1), bins=bins, color="0.8", label="all pairs")
+            for i in range(k):
+                counts, edges = np.histogram(values[:, i, :].reshape(-1), bins=bins)
+                ax.plot(0.5 * (edges[1:] + edges[:-1]), counts, linewidth=1.0,
+                        label=f"to node {i + 1}")
+            ax.set_title(f"layer {l}, iter {it + 1}", fontsize=8)
+            ax.set_xlabel("gate magnitude", fontsize=7)
+            ax.set_ylabel("token-pairs", fontsize=7)
+            ax.tick_params(labelsize=7)
+    axes[0][0].legend(fontsize=6)
+    fig.suptitle(title or "DAG edge-gate magnitude across tokens", fontsize=10)
+    return _save(fig, path)
+
+
+def plot_dropped_fraction(steps: Sequence[int], fractions: np.ndarray, path, title: str = "") -> Path:
+    """Share of routing assignments dropped by capacity dispatch over training, one line per
+    layer (``fractions`` [records, layers])."""
+    fractions = np.asarray(fractions, np.float64)
+    fig, ax = plt.subplots(figsize=(6.0, 3.2))
+    for l in range(fractions.shape[1]):
+        ax.plot(steps, 100.0 * fractions[:, l], label=f"layer {l}", linewidth=1.2)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("dropped assignments (%)")
+    ax.set_ylim(bottom=0.0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title or "tokens dropped by expert capacity during training")
+    return _save(fig, path)

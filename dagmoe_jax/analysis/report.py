@@ -1,0 +1,112 @@
+"""Every plot that applies to one run directory: which ones, from what, and why one is skipped.
+
+:func:`analyze_run` loads a run's newest checkpoint, traces it over a dataset
+(:func:`dagmoe_jax.analysis.trace.collect`) and writes the PNGs of
+:mod:`dagmoe_jax.analysis.plots` that apply to its block type; it returns one
+:class:`PlotResult` per plot, written or skipped with a one-line reason. The command line is
+``python -m dagmoe_jax.analysis``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import List, Optional
+
+import numpy as np
+
+from dagmoe_jax.analysis import plots
+from dagmoe_jax.analysis.trace import Collected, collect
+
+PLOTS = ("expert_load", "coactivation", "edge_gates", "edge_gate_hist", "dropped_fraction")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlotResult:
+    """name: one of :data:`PLOTS`; path: the PNG written, or None if skipped (then ``reason``)."""
+
+    name: str
+    path: Optional[Path]
+    reason: str = ""
+
+
+def analysis_batches(data_cfg, tokenizer, data: str = "", max_batches: int = 4) -> list:
+    """The batches to trace: the run's own held-out data, or ``data`` (a ``DataConfig``
+    source spec such as ``text:notes/*.txt``, ``synthetic:lcs`` or ``tfds:name``, read with
+    the run's tokenizer; a TFDS spec uses the run's ``eval_split`` or ``split``) instead."""
+    from dagmoe_jax.data import eval_batches, parse_source  # pylint: disable=import-outside-toplevel
+
+    if data:
+        tfds = parse_source(data, "eval_source")[0] == "tfds"
+        data_cfg = data_cfg.replace(eval_source=data,
+                                    eval_split=data_cfg.eval_split if tfds else "")
+    return eval_batches(data_cfg, tokenizer, max_batches=max_batches)
+
+
+def dropped_series(records: List[dict]):
+    """(steps, fractions [records, layers]) of the training records that log
+    ``dropped_fraction``; (None, None) when there are none."""
+    rows = [(r["step"], r["dropped_fraction"]) for r in records
+            if "dropped_fraction" in r and isinstance(r["dropped_fraction"], list)]
+    if not rows:
+        return None, None
+    rows.sort(key=lambda row: row[0])
+    return [s for s, _ in rows], np.asarray([f for _, f in rows], np.float64)
+
+
+def write_plots(stats: Collected, records: List[dict], out_dir, label: str = "") -> List[PlotResult]:
+    """The PNGs that apply to ``stats`` (from :func:`collect`) and the run's metric
+    ``records``, written to ``out_dir``; a skip reason for the others."""
+    out = Path(out_dir)
+    prefix = f"{label}: " if label else ""
+    results = []
+    if stats.expert_load is not None:
+        results.append(PlotResult("expert_load", plots.plot_expert_load(
+            stats.expert_load, out / "expert_load.png",
+            f"{prefix}expert load over {stats.tokens:,} tokens (uniform = "
+            f"{1 / stats.expert_load.shape[1]:.3f}, white line)")))
+    else:
+        results.append(PlotResult("expert_load", None, f"a '{stats.block}' model has no router"))
+    if stats.coactivation is not None:
+        results.append(PlotResult("coactivation", plots.plot_coactivation(
+            stats.coactivation, out / "coactivation.png",
+            f"{prefix}CoE expert co-activation over {stats.tokens:,} tokens")))
+    else:
+        results.append(PlotResult("coactivation", None,
+                                  "co-activation between iterations is for CoE runs "
+                                  f"(block='coe' with >= 2 iterations); this is '{stats.block}'"))
+    if stats.gate_mean is not None:
+        results.append(PlotResult("edge_gates", plots.plot_edge_gates(
+            stats.gate_mean, stats.gate_std, out / "edge_gates.png",
+            f"{prefix}DAG edge-gate magnitude mean_d |e_(i,j)| over {stats.tokens:,} tokens")))
+        results.append(PlotResult("edge_gate_hist", plots.plot_edge_gate_histograms(
+            stats.gate_samples, out / "edge_gate_hist.png",
+            f"{prefix}DAG edge-gate magnitude across tokens")))
+    else:
+        reason = (f"edge gates are for DAG-MoE runs (aggregation 'dag'); this is "
+                  f"'{stats.block}' / '{stats.aggregation}'")
+        results += [PlotResult("edge_gates", None, reason),
+                    PlotResult("edge_gate_hist", None, reason)]
+    steps, fractions = dropped_series(records)
+    if steps is not None:
+        results.append(PlotResult("dropped_fraction", plots.plot_dropped_fraction(
+            steps, fractions, out / "dropped_fraction.png",
+            f"{prefix}assignments dropped by expert capacity during training")))
+    else:
+        results.append(PlotResult("dropped_fraction", None,
+                                  "metrics.jsonl has no training records with dropped_fraction"))
+    return results
+
+
+def analyze_run(run_dir, out_dir, *, data: str = "", max_batches: int = 4) -> List[PlotResult]:
+    """Load ``run_dir``'s newest checkpoint, trace it over ``max_batches`` batches of its
+    held-out data (or ``data``), and write every plot that applies into ``out_dir``."""
+    from dagmoe_jax.generate import load_run  # pylint: disable=import-outside-toplevel
+    from dagmoe_jax.train.metrics import read_metrics  # pylint: disable=import-outside-toplevel
+
+    loaded = load_run(run_dir)
+    batches = analysis_batches(loaded.data_cfg, loaded.tokenizer, data, max_batches)
+    stats = collect(loaded.model, batches)
+    path = Path(run_dir).resolve()
+    label = f"{path.parent.name}/{path.name} @ step {loaded.step}"
+    return write_plots(stats, read_metrics(run_dir), out_dir, label)

@@ -1,0 +1,111 @@
+"""The benchmark variants, built from one base model at equal parameters.
+
+Every benchmark here compares the same seven designs on one trunk (the base ``ModelConfig``):
+
+=============  ==============================================================================
+``moe``        weighted sum of the top-K experts (DAG-MoE eq. 1), no shared expert: the
+               paper's "MoE without shared expert" reference (fewer parameters than the rest)
+``moe_shared`` MoE + one shared expert whose 3 d d_r parameters match the DAG module's
+``dag_l1``     DAG-MoE (eq. 6-12), L = 1, d_g chosen so the module has the budget's parameters
+``dag_l2``     DAG-MoE, L = 2, d_g = ``dag_dim`` (this defines the budget, as in the paper's
+               "393K" parity: d 512, d_g 128, L 2)
+``dag_l3``     DAG-MoE, L = 3, d_g chosen to match the budget
+``mlp``        the MLP-mixing ablation, d_g chosen so its 3 d d_g parameters match the budget
+``coe``        Chain-of-Experts: 2 iterations of K / 2 experts (the same K expert calls per
+               token as the others), one router per iteration, plus a shared expert of the
+               matched size (our reading of the summary's "CoE, 393K, equal params")
+=============  ==============================================================================
+
+"Equal parameters" therefore means: the parameters each variant adds to ``moe`` per layer are
+the DAG-MoE L 2 module's ``L (2 d d_g + 4 d_g^2 + 2 d)``, to the nearest integer hidden size
+(within a fraction of a percent; the benchmarks print the exact counts from
+:func:`dagmoe_jax.accounting.account`). CoE also has one more router (d N per layer).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+from dagmoe_jax.config import ModelConfig, dag_params_per_layer
+
+VARIANTS: Tuple[str, ...] = ("moe", "moe_shared", "dag_l1", "dag_l2", "dag_l3", "mlp", "coe")
+
+LABELS: Dict[str, str] = {
+    "moe": "MoE",
+    "moe_shared": "MoE + shared expert",
+    "dag_l1": "DAG-MoE L 1",
+    "dag_l2": "DAG-MoE L 2",
+    "dag_l3": "DAG-MoE L 3",
+    "mlp": "MLP mixing",
+    "coe": "CoE (2 iterations)",
+}
+
+# Every variant other than 'moe' adds the same parameters per layer; 'moe' is the reference.
+REFERENCE = "moe"
+
+
+def budget_params(d_model: int, dag_dim: int) -> int:
+    """Parameters per layer every non-reference variant adds: a DAG module of d_g, L 2."""
+    return dag_params_per_layer(d_model, dag_dim, 2)
+
+
+def matched_dag_dim(d_model: int, budget: int, dag_iters: int) -> int:
+    """The d_g >= 1 whose DAG module of ``dag_iters`` iterations is closest to ``budget``."""
+    best, best_gap = 1, None
+    for dg in range(1, 4 * d_model + 1):
+        gap = abs(dag_params_per_layer(d_model, dg, dag_iters) - budget)
+        if best_gap is None or gap < best_gap:
+            best, best_gap = dg, gap
+        if dag_params_per_layer(d_model, dg, dag_iters) > budget:
+            break
+    return best
+
+
+def matched_hidden(d_model: int, budget: int) -> int:
+    """The hidden size h >= 1 of a 3 d h block (SwiGLU expert, MLP mixer) closest to ``budget``."""
+    return max(1, round(budget / (3 * d_model)))
+
+
+def variant_config(base: ModelConfig, name: str, dag_dim: int) -> ModelConfig:
+    """``base`` turned into variant ``name`` (see the module docstring) with budget ``dag_dim``.
+
+    ``base`` supplies the trunk, the experts and the router (top-K); its aggregation, shared
+    experts and block type are replaced. An unknown name is a one-line ``ValueError``.
+    """
+    if name not in VARIANTS:
+        raise ValueError(f"variant {name!r} is invalid: expected one of {', '.join(VARIANTS)}")
+    d, k = base.d_model, base.router.top_k
+    budget = budget_params(d, dag_dim)
+    plain = base.replace(block="moe", aggregation=dict(kind="sum"),
+                         experts=dict(num_shared=0))
+    if name == "moe":
+        return plain
+    if name == "moe_shared":
+        return plain.replace(experts=dict(num_shared=1, shared_hidden=matched_hidden(d, budget)))
+    if name.startswith("dag_l"):
+        iters = int(name[len("dag_l"):])
+        return plain.replace(aggregation=dict(kind="dag", dag_iters=iters,
+                                              dag_dim=matched_dag_dim(d, budget, iters)))
+    if name == "mlp":
+        return plain.replace(aggregation=dict(kind="mlp", dag_dim=matched_hidden(d, budget)))
+    if k < 2:
+        raise ValueError(f"variant 'coe' needs RouterConfig.top_k >= 2 (it is {k}): two CoE "
+                         "iterations of top_k // 2 experts each")
+    return plain.replace(block="coe", coe=dict(iterations=2, top_k_per_iter=k // 2,
+                                               shared_router=False, residual="inner"),
+                         experts=dict(num_shared=1, shared_hidden=matched_hidden(d, budget)))
+
+
+def describe(cfg: ModelConfig) -> str:
+    """A short description of a variant's block: 'dag d_g 50 L 1', 'sum + shared 87', ..."""
+    if cfg.block == "coe":
+        text = f"coe {cfg.coe.iterations} x {cfg.coe_top_k}"
+    elif cfg.aggregation.kind == "dag":
+        text = f"dag d_g {cfg.aggregation.dag_dim} L {cfg.aggregation.dag_iters}"
+    elif cfg.aggregation.kind == "mlp":
+        text = f"mlp d_g {cfg.aggregation.dag_dim}"
+    else:
+        text = f"sum top-{cfg.router.top_k}"
+    if cfg.experts.num_shared:
+        text += f" + shared d_r {cfg.experts.shared_hidden}"
+    return text

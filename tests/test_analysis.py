@@ -1,0 +1,184 @@
+"""Looking inside: the layer-by-layer trace equals the model, the edge gates equal a NumPy
+transcription of DAG-MoE eq. 7-11 that builds the node pairs, and the plot command writes every
+PNG that applies to a real (tiny) checkpoint of a DAG-MoE and a CoE run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import tiny_config
+from dagmoe_jax.analysis.trace import collect, trace_tokens
+from dagmoe_jax.model import Transformer
+
+REPO = Path(__file__).resolve().parent.parent
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def single_device_env() -> dict:
+    """This environment for a subprocess, minus the simulated devices tests/conftest.py adds
+    (the benchmarks and train.py run on one CPU device, as on a user's machine)."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags)}
+
+
+def randomized(cfg, seed=0, scale=0.3):
+    """A model whose every parameter is random (W_up too, so the DAG changes the output)."""
+    model = Transformer(cfg, rngs=nnx.Rngs(seed))
+    rng = np.random.default_rng(seed)
+    noisy = jax.tree.map(lambda x: x + scale * rng.standard_normal(x.shape).astype(x.dtype),
+                         nnx.state(model, nnx.Param))
+    nnx.update(model, noisy)
+    return model
+
+
+@pytest.mark.parametrize("block,kind", [("moe", "dag"), ("coe", "sum")])
+def test_trace_reproduces_the_model(block, kind):
+    cfg = tiny_config(block, kind, experts=dict(capacity_factor=8.0))
+    model = randomized(cfg)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 16))
+    logits, _ = model(jnp.asarray(tokens))
+    trace = trace_tokens(model, tokens)
+    np.testing.assert_allclose(np.asarray(trace["logits"]), np.asarray(logits), rtol=1e-5, atol=1e-5)
+    assert len(trace["layers"]) == cfg.num_layers
+
+
+def _layer_norm(x, scale, bias, eps):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * scale + bias
+
+
+def _silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def test_edge_gates_match_numpy_on_one_layer():
+    cfg = tiny_config("moe", "dag", experts=dict(capacity_factor=8.0))
+    model = randomized(cfg, seed=1)
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 12))
+    layer = 1
+    record = trace_tokens(model, tokens)["layers"][layer]
+    gates = np.asarray(record["edge_gates"], np.float64)          # [L, T, K, K, dg]
+    inputs = np.asarray(record["dag_inputs"], np.float64)         # [L, T, K, d]
+    # The layer's parameters read straight from the model state (layer axis indexed here).
+    agg = nnx.state(model)["layers"]["block"]["aggregator"]["iterations"]
+    p = {k: np.asarray(agg[k][...], np.float64)[layer] for k in
+         ("ln_scale", "ln_bias", "w_down", "w_edge", "w_node", "w_up")}
+    nodes = inputs[0]
+    t, k, _ = nodes.shape
+    for it in range(cfg.aggregation.dag_iters):
+        u = _layer_norm(nodes, p["ln_scale"][it], p["ln_bias"][it], cfg.norm_eps) @ p["w_down"][it]
+        pairs = np.concatenate([np.repeat(u[:, :, None], k, axis=2),       # [u_i ; u_j]
+                                np.repeat(u[:, None, :], k, axis=1)], axis=-1)
+        edge = _silu(pairs @ p["w_edge"][it])                                # eq. 10
+        np.testing.assert_allclose(gates[it], edge, rtol=1e-4, atol=1e-5)
+        messages = (edge * (pairs @ p["w_node"][it])).sum(axis=2)          # eq. 10-11
+        nodes = messages @ p["w_up"][it] + nodes                           # eq. 11
+        if it + 1 < cfg.aggregation.dag_iters:
+            np.testing.assert_allclose(inputs[it + 1], nodes, rtol=1e-4, atol=1e-4)
+    assert np.abs(gates).mean() > 1e-3     # not a trivially zero comparison
+
+
+def test_collect_statistics_are_consistent():
+    cfg = tiny_config("coe", "sum")
+    model = randomized(cfg, seed=2)
+    tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 16))
+    mask = np.ones((2, 16), bool)
+    mask[1, 10:] = False                                            # padding is left out
+    stats = collect(model, [{"inputs": tokens, "mask": mask}])
+    assert stats.tokens == 26
+    np.testing.assert_allclose(stats.expert_load.sum(axis=1), 1.0)
+    k_t = cfg.coe_top_k
+    # every kept token adds k_t x k_t expert pairs between consecutive iterations
+    np.testing.assert_allclose(stats.coactivation.sum(axis=(2, 3)), 26 * k_t * k_t)
+    assert stats.gate_mean is None
+
+    dag = collect(randomized(tiny_config("moe", "dag"), seed=3), [{"inputs": tokens, "mask": mask}])
+    trace = trace_tokens(randomized(tiny_config("moe", "dag"), seed=3), tokens)
+    gates = np.asarray(trace["layers"][0]["edge_gates"])[:, mask.reshape(-1)]
+    magnitude = np.abs(gates).mean(-1)                              # [L, T', K, K]
+    np.testing.assert_allclose(dag.gate_mean[0], magnitude.mean(axis=1), rtol=1e-5)
+    np.testing.assert_allclose(dag.gate_std[0], magnitude.std(axis=1), rtol=1e-3, atol=1e-6)
+    assert dag.gate_samples.shape[2] == 26 and dag.coactivation is None
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two 4-step smoke runs trained side by side: the smoke DAG-MoE and a CoE variant."""
+    root = tmp_path_factory.mktemp("analysis")
+    specs = {"dag": [], "coe": ["--gin_file=variants/coe_k4_c2.gin"]}
+    procs = {}
+    for name, extra in specs.items():
+        procs[name] = subprocess.Popen(
+            [sys.executable, str(REPO / "train.py"), "--gin_file=train/smoke.gin", *extra,
+             f"--run_dir={root / name}", "--no_progress", "--gin.TrainConfig.steps=4",
+             "--gin.OptimConfig.warmup_steps=1", "--gin.TrainConfig.task_eval_examples=0",
+             "--gin.TrainConfig.tensorboard=False"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=single_device_env(),
+            cwd=root)
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+    return {name: root / name for name in specs}
+
+
+def analyze(run_dir: Path, out: Path, *args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "dagmoe_jax.analysis", f"--run_dir={run_dir}",
+                             f"--out={out}", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=single_device_env(), cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def analyzed(runs, tmp_path_factory):
+    """The plot command on both runs, side by side: (returncode, stdout, stderr, out dir)."""
+    root = tmp_path_factory.mktemp("plots")
+    procs = {"dag": analyze(runs["dag"], root / "dag", "--batches=2"),
+             "coe": analyze(runs["coe"], root / "coe", "--batches=1", "--data=synthetic:lcs")}
+    results = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        results[name] = (proc.returncode, out, err, root / name)
+    return results
+
+
+def assert_pngs(out: Path, names):
+    for name in names:
+        data = (out / f"{name}.png").read_bytes()
+        assert data.startswith(PNG) and len(data) > 2000, name
+
+
+def test_plot_command_on_a_dag_run(analyzed):
+    code, stdout, stderr, out = analyzed["dag"]
+    assert code == 0, stderr
+    assert_pngs(out, ("expert_load", "edge_gates", "edge_gate_hist", "dropped_fraction"))
+    assert "skipped coactivation: co-activation between iterations is for CoE runs" in stdout
+    assert not (out / "coactivation.png").exists()
+
+
+def test_plot_command_on_a_coe_run_with_other_data(analyzed):
+    code, stdout, stderr, out = analyzed["coe"]
+    assert code == 0, stderr
+    assert_pngs(out, ("expert_load", "coactivation", "dropped_fraction"))
+    assert "skipped edge_gates: edge gates are for DAG-MoE runs" in stdout
+    assert not (out / "edge_gates.png").exists()
+
+
+def test_plot_command_errors_are_one_line(tmp_path, capsys):
+    from dagmoe_jax.analysis.__main__ import main
+
+    for argv in ([f"--run_dir={tmp_path / 'nowhere'}", f"--out={tmp_path}"], ["--out=x"],
+                 ["--run_dir=x", "--out=y", "--batches=0"], ["--bogus"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    assert main(["--help"]) == 0 and "--run_dir" in capsys.readouterr().out

@@ -1,0 +1,92 @@
+"""The reasoning and quality benchmarks run end to end on their --micro budgets (two variants
+each, to keep the suite short; the variants' configs are checked in test_eval_scoring.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+def single_device_env() -> dict:
+    """This environment for a subprocess, minus the simulated devices tests/conftest.py adds
+    (the benchmarks and train.py run on one CPU device, as on a user's machine)."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags)}
+
+
+
+def start(script: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(REPO / "benchmarks" / script), "--micro", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=single_device_env(), cwd=REPO)
+
+
+def finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    out, err = proc.communicate(timeout=400)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.fixture(scope="module")
+def started(tmp_path_factory):
+    """Both micro benchmarks, started side by side (each is mostly single-threaded compiling)."""
+    root = tmp_path_factory.mktemp("bench")
+    procs = {"reasoning": start("reasoning.py", "--variants=moe,dag_l1",
+                                f"--out={root / 'reasoning'}"),
+             "quality": start("quality.py", "--variants=moe,coe", f"--out={root / 'quality'}")}
+    yield root, procs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def test_reasoning_micro_end_to_end(started):
+    root, procs = started
+    out = root / "reasoning"
+    result = finish(procs["reasoning"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    results = json.loads((out / "reasoning.json").read_text())
+    assert results["budget"]["tasks"] == ["lis"] and results["budget"]["sizes"] == [4, 8, 14]
+    assert {(r["variant"], r["seed"]) for r in results["runs"]} == {("moe", 0), ("dag_l1", 0)}
+    for run in results["runs"]:
+        assert run["step"] == 20 and (Path(run["run_dir"]) / "checkpoints").is_dir()
+        assert sorted(run["accuracy"]) == ["14", "4", "8"]
+        assert all(0.0 <= a <= 1.0 for a in run["accuracy"].values())
+    cells = results["summary"]["lis"]["dag_l1"]
+    assert set(cells) == {"4", "8", "14"} and all(len(c) == 2 for c in cells.values())
+    assert results["variants"]["dag_l1"]["added_params"] > 0
+    assert results["variants"]["moe"]["added_params"] == 0
+    # the table: one row per variant, sizes as columns, the longer-than-trained one starred
+    assert "14*" in result.stdout and "DAG-MoE L 1" in result.stdout
+    assert "(majority answer)" in result.stdout and "L(dp) = LIS + 1" in result.stdout
+    bad = finish(start("reasoning.py", "--variants=dag", f"--out={out}"))
+    assert bad.returncode == 2 and "variant 'dag' is invalid" in bad.stderr
+
+
+def test_quality_micro_end_to_end(started):
+    root, procs = started
+    out = root / "quality"
+    result = finish(procs["quality"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    results = json.loads((out / "quality.json").read_text())
+    corpus = results["corpus"]
+    assert corpus["train_bytes"] > 500_000 and corpus["heldout_bytes"] > 10_000
+    train_text = Path(corpus["train_path"]).read_text()
+    held_text = Path(corpus["heldout_path"]).read_text()
+    held_docs = [d for d in held_text.split("\n\n") if len(d) > 200][:50]
+    assert held_docs and not any(d in train_text for d in held_docs)   # split by file
+    summary = results["summary"]
+    assert summary["moe"]["ppl_improvement"] == 0.0
+    coe = summary["coe"]
+    assert coe["relative_improvement"] == (summary["moe"]["perplexity"][0]
+                                           - coe["perplexity"][0]) / summary["moe"]["perplexity"][0]
+    assert coe["paper_ppl_improvement"] == 0.480
+    assert "paper Δppl" in result.stdout and "Ablation Study table" in result.stdout
+    for run in results["runs"]:
+        assert run["step"] == 10 and 1.0 < run["perplexity"] < 256.0

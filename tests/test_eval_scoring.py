@@ -1,0 +1,194 @@
+"""Exact-answer scoring, DP depths and the benchmark variants, without training anything.
+
+Scoring is checked with crafted predictions (a causal rule standing in for a model), including
+that teacher-forced scoring gives exactly the verdict of greedy decoding with the same rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dagmoe_jax.config import ModelConfig, dag_params_per_layer
+from dagmoe_jax.data import ByteTokenizer, DataConfig, task_eval_batches
+from dagmoe_jax.data.tasks import TASKS, generate, get_task, parse, parse_answer
+from dagmoe_jax.eval.dp_depth import dp_depth, dp_depth_closed_form
+from dagmoe_jax.eval.scoring import (accuracy_by_size, eval_seq_len, majority_baseline,
+                                     max_example_tokens, mean_std, score_batches,
+                                     seed_statistics)
+from dagmoe_jax.eval.variants import (VARIANTS, budget_params, matched_dag_dim,
+                                      variant_config)
+
+TOK = ByteTokenizer()
+CFG = DataConfig(source="synthetic:lis,edit_distance,lcs", seq_len=64)
+
+
+def batches_for(task, sizes=(3, 5), n=12, batch_size=5, seq_len=48):
+    return task_eval_batches(CFG, TOK, num_examples=n, size=sizes, batch_size=batch_size,
+                             tasks=[task], seq_len=seq_len)
+
+
+def reference_answer(row_targets, row_mask) -> str:
+    return TOK.decode([int(t) for t in row_targets[row_mask]])
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_masked_targets_are_the_dp_answer(task):
+    for batch in batches_for(task):
+        for inputs, targets, mask in zip(batch["inputs"], batch["targets"], batch["mask"]):
+            answer = reference_answer(targets, mask)
+            line = TOK.decode([int(t) for t in inputs[1:]]).split("\n")[0]  # after the EOS
+            name, parsed, _ = parse(line)
+            assert name == task
+            assert parse_answer(answer) == get_task(task).solve(parsed)
+            assert answer.endswith("\n")
+
+
+def test_scoring_crafted_predictions_is_exact():
+    batches = batches_for("lis", sizes=(3, 6), n=14, batch_size=4)
+    perfect = score_batches(lambda b: b["targets"], batches)
+    assert perfect["correct"].all() and len(perfect["correct"]) == 14
+    assert set(accuracy_by_size(perfect["correct"], perfect["size"]).values()) == {1.0}
+
+    # Wrong on one answer token of every row whose global index is even; a change outside the
+    # answer (mask False) never matters.
+    counter = {"row": 0}
+
+    def predict(batch):
+        pred = batch["targets"].copy()
+        for r in range(len(pred)):
+            answer_cols = np.flatnonzero(batch["mask"][r])
+            prompt_cols = np.flatnonzero(~batch["mask"][r])
+            pred[r, prompt_cols] = (pred[r, prompt_cols] + 1) % 256
+            if (counter["row"] + r) % 2 == 0:
+                col = answer_cols[len(answer_cols) // 2]
+                pred[r, col] = (pred[r, col] + 7) % 256
+        counter["row"] += len(pred)
+        return pred
+
+    scored = score_batches(predict, batches)
+    expected = np.arange(14) % 2 == 1
+    np.testing.assert_array_equal(scored["correct"], expected)
+    by_size = accuracy_by_size(scored["correct"], scored["size"])
+    for n, acc in by_size.items():
+        rows = scored["size"] == n
+        assert acc == pytest.approx(expected[rows].mean())
+    assert sorted(by_size) == sorted(set(scored["size"].tolist()))
+
+    # Logits instead of ids: argmax is taken.
+    logits = lambda b: np.eye(256, dtype=np.float32)[b["targets"]]
+    assert score_batches(logits, batches)["correct"].all()
+
+
+def _rule(prefix: str, faulty: bool) -> str:
+    """A causal stand-in for a model: after '=', write the DP answer (the last digit wrong
+    when ``faulty``), then keep writing 'z'. Before '=', echo 'q' (never scored)."""
+    head, eq, tail = prefix.partition("=")
+    if not eq:
+        return "q"
+    answer = f" {get_task(parse(head + '=')[0]).solve(parse(head + '=')[1])}\n"
+    if faulty:
+        answer = answer[:-2] + ("0" if answer[-2] != "0" else "1") + "\n"
+    return answer[len(tail)] if len(tail) < len(answer) else "z"
+
+
+def test_teacher_forced_verdict_equals_greedy_decoding():
+    batches = batches_for("edit_distance", sizes=(2, 5), n=10, batch_size=10)
+    faulty = {i: i % 3 == 0 for i in range(10)}
+
+    def predict(batch):
+        out = np.zeros_like(batch["targets"])
+        for r, row in enumerate(batch["inputs"]):
+            text = TOK.decode([int(t) for t in row[1:]])   # row[0] is EOS
+            for p in range(row.shape[0]):
+                prefix = text[:p]                           # tokens 1..p -> predict p + 1
+                out[r, p] = ord(_rule(prefix, faulty[r])) if p >= 1 else ord("q")
+        return out
+
+    verdicts = score_batches(predict, batches)["correct"]
+    batch = batches[0]
+    for r in range(10):
+        prompt = TOK.decode([int(t) for t in batch["inputs"][r][1:]]).split("=")[0] + "="
+        generated = ""
+        while not generated.endswith("\n") and len(generated) < 8:   # greedy decoding
+            generated += _rule(prompt + generated, faulty[r])
+        reference = reference_answer(batch["targets"][r], batch["mask"][r])
+        assert bool(verdicts[r]) == (generated == reference) == (not faulty[r])
+
+
+def test_majority_baseline_and_seed_statistics():
+    batches = batches_for("lis", sizes=(2, 2), n=40, batch_size=16)
+    answers = [reference_answer(t, m) for b in batches for t, m in zip(b["targets"], b["mask"])]
+    top = max(answers.count(a) for a in set(answers))
+    assert majority_baseline(batches) == pytest.approx(top / 40)
+    assert mean_std([0.5, 0.7, 0.9]) == pytest.approx((0.7, 0.2))
+    assert mean_std([0.25]) == (0.25, 0.0)
+    stats = seed_statistics([{4: 0.5, 8: 0.1}, {4: 0.7, 8: 0.3}])
+    assert stats[4] == pytest.approx((0.6, np.sqrt(0.02)))
+    assert stats[8] == pytest.approx((0.2, np.sqrt(0.02)))
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_eval_seq_len_bounds_every_example(task):
+    rng = np.random.default_rng(0)
+    for size in (1, 4, 13, 24):
+        bound = max_example_tokens(task, size)
+        for _ in range(200):
+            assert 1 + len(generate(task, rng, size).text) <= bound
+    assert eval_seq_len([task], [4, 24]) >= max_example_tokens(task, 24) - 1
+    assert eval_seq_len([task], [4, 24]) % 16 == 0
+    # the bound is what task_eval_batches needs: no error at that length
+    task_eval_batches(CFG, TOK, num_examples=20, size=24, batch_size=20, tasks=[task],
+                      seq_len=eval_seq_len([task], [24]))
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_dp_depth_closed_forms(task):
+    rng = np.random.default_rng(1)
+    for size in range(1, 9):
+        for _ in range(10):
+            inputs = get_task(task).draw(rng, size)
+            assert dp_depth(task, inputs) == dp_depth_closed_form(task, inputs)
+    if task == "lis":   # DAG-MoE Fig. 5: [3, 1, 2, 4] has LIS 3 (1, 2, 4), one more level for y
+        assert dp_depth("lis", ((3, 1, 2, 4),)) == 4
+    else:
+        assert dp_depth(task, ("ab", "abc")) == 5
+
+
+def test_variants_add_equal_parameters():
+    from dagmoe_jax.accounting import account
+
+    base = ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                       max_seq_len=64).replace(experts=dict(num_experts=16, expert_hidden=32),
+                                               router=dict(top_k=4))
+    budget = budget_params(64, 32)
+    assert budget == dag_params_per_layer(64, 32, 2)
+    reference = account(variant_config(base, "moe", 32)).total_params
+    for name in VARIANTS[1:]:
+        cfg = variant_config(base, name, 32)
+        added = (account(cfg).total_params - reference) / base.num_layers
+        extra_router = 64 * 16 if name == "coe" else 0          # CoE's second router
+        assert abs(added - extra_router - budget) <= 0.01 * budget, (name, added, budget)
+    assert variant_config(base, "dag_l1", 32).aggregation.dag_dim == matched_dag_dim(64, budget, 1)
+    assert variant_config(base, "coe", 32).coe_top_k == 2
+    assert variant_config(base, "moe", 32).aggregation.kind == "sum"
+    with pytest.raises(ValueError, match="variant 'dag' is invalid"):
+        variant_config(base, "dag", 32)
+
+
+def test_model_predictor_padding_and_dispatch():
+    from flax import nnx
+
+    from conftest import tiny_config
+    from dagmoe_jax.eval.scoring import model_predictor
+    from dagmoe_jax.model import Transformer
+
+    model = Transformer(tiny_config("moe", "dag", vocab_size=256, max_seq_len=64),
+                        rngs=nnx.Rngs(0))
+    batches = task_eval_batches(CFG, TOK, num_examples=5, size=4, batch_size=3, tasks=["lis"],
+                                seq_len=32)
+    padded = model_predictor(model, rows=4, dispatch="dense")
+    plain = model_predictor(model, dispatch="dense")
+    for batch in batches:                      # rows 3 and 2, both padded to 4
+        got = padded(batch)
+        assert got.shape == batch["targets"].shape
+        np.testing.assert_array_equal(got, plain(batch))

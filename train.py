@@ -48,13 +48,11 @@ def parse_args(argv):
     parser.add_argument("--num_processes", type=int, default=None)
     parser.add_argument("--process_id", type=int, default=None)
     args, rest = parser.parse_known_args(argv)
-    bindings = list(args.gin_bindings)
-    for item in rest:
-        if item.startswith("--gin.") and "=" in item:
-            name, value = item[len("--gin."):].split("=", 1)
-            bindings.append(f"{name} = {value}")
-        else:
-            raise ValueError(f"unknown argument {item!r} (see python train.py --help)")
+    from dagmoe_jax.cli import gin_flag_bindings
+    flags, unknown = gin_flag_bindings(rest)
+    if unknown:
+        raise ValueError(f"unknown argument {unknown[0]!r} (see python train.py --help)")
+    bindings = list(args.gin_bindings) + flags
     if args.run_dir:
         bindings.append(f"TrainConfig.run_dir = {args.run_dir!r}")
     args.bindings = bindings

@@ -44,6 +44,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from dagmoe_jax.cli import gin_flag_bindings  # noqa: E402
+
 DEFAULTS = dict(variants="moe,moe_shared,dag_l1,dag_l2,dag_l3,mlp,coe", seeds="1", steps=400,
                 batch=16, seq_len=128, eval_batches=32, dag_dim=32, out="runs/bench_quality")
 MICRO = dict(steps=10, batch=4, seq_len=64, eval_batches=2, out="runs/bench_quality_micro")
@@ -66,13 +68,9 @@ def parse_args(argv):
         parser.add_argument(f"--{name}", type=type(value), default=None)
     parser.add_argument("--json", default=None)
     args, rest = parser.parse_known_args(argv)
-    args.bindings = []
-    for item in rest:
-        if item.startswith("--gin.") and "=" in item:
-            name, value = item[len("--gin."):].split("=", 1)
-            args.bindings.append(f"{name} = {value}")
-        else:
-            parser.error(f"unknown argument {item!r}")
+    args.bindings, unknown = gin_flag_bindings(rest)
+    if unknown:
+        parser.error(f"unknown argument {unknown[0]!r}")
     for name, value in DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, MICRO.get(name, value) if args.micro else value)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from dagmoe_jax import config
+
 from dagmoe_jax.data.tasks import TASKS
 
 SOURCE_KINDS = ("synthetic", "text", "jsonl", "array_record", "tfds")
@@ -19,8 +21,7 @@ _SOURCE_HELP = ("'synthetic:<task>[,<task>...]', 'text:<glob>[,<glob>...]', "
 
 
 def _check(ok: bool, field: str, value, valid: str) -> None:
-    if not ok:
-        raise ValueError(f"DataConfig.{field}={value!r} is invalid: expected {valid}")
+    config._check(ok, "DataConfig", field, value, valid)
 
 
 def _int(field: str, value, low: int, high: int | None = None) -> None:

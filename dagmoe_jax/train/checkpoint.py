@@ -282,6 +282,10 @@ class Checkpointer:
             items[DATA_ITEM] = grain.checkpoint.CheckpointSave(_IteratorSnapshot(data_iterator))
         return bool(self._manager.save(step, args=ocp.args.Composite(**items), force=force))
 
+    def should_save(self, step: int) -> bool:
+        """Whether ``save(step, ...)`` without ``force`` would write (the interval policy)."""
+        return bool(self._manager.should_save(step))
+
     def wait(self) -> None:
         """Block until pending asynchronous saves are written (re-raises their errors)."""
         self._manager.wait_until_finished()

@@ -292,8 +292,10 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
                     writer.write(step, result, prefix="eval/")
                     bar.write(f"step {step}: " + _format_eval(result))
                     window_start, window_steps = time.perf_counter(), 0
-                checkpointer.save(step, _train_state(model, optimizer), data_iterator=data_iter,
-                                  meta=meta, force=bool(stop) or step == train_cfg.steps)
+                force = bool(stop) or step == train_cfg.steps
+                if force or checkpointer.should_save(step):   # gather the state only then
+                    checkpointer.save(step, _train_state(model, optimizer),
+                                      data_iterator=data_iter, meta=meta, force=force)
                 if stop:
                     break
         bar.close()

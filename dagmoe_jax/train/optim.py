@@ -26,6 +26,8 @@ from typing import Any
 import jax
 import optax
 
+from dagmoe_jax.config import _check
+
 SCHEDULES = ("wsd", "cosine", "constant")
 
 # Leaf names (or substrings of any path component) that mark a parameter as a norm scale or a
@@ -35,7 +37,7 @@ _NO_DECAY_PATH_PARTS = ("norm",)
 
 
 def _fail(field: str, value, valid: str) -> None:
-    raise ValueError(f"OptimConfig.{field}={value!r} is invalid: expected {valid}")
+    _check(False, "OptimConfig", field, value, valid)
 
 
 def _is_number(value) -> bool:

@@ -122,4 +122,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from dagmoe_jax.launch import reexec_with_tcmalloc
+    reexec_with_tcmalloc()  # a faster allocator on CPU when installed (dagmoe_jax/launch.py)
     sys.exit(main())

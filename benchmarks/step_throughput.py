@@ -30,6 +30,7 @@ from flax import nnx  # noqa: E402
 
 from dagmoe_jax.accounting import account  # noqa: E402
 from dagmoe_jax.gin_utils import load_model_config  # noqa: E402
+from dagmoe_jax.launch import allocator  # noqa: E402
 from dagmoe_jax.model import Transformer  # noqa: E402
 from dagmoe_jax.model.aggregation import DAGAggregator  # noqa: E402
 from dagmoe_jax.model.experts import Experts  # noqa: E402
@@ -132,7 +133,7 @@ def main(argv=None):
     rate = lambda: matmul_rate(n, dtype=dtype)  # noqa: E731
     peak = rate()
     print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}  "
-          f"{dtype.name} {n}^3 matmul: {peak / 1e9:.1f} GFLOP/s")
+          f"{dtype.name} {n}^3 matmul: {peak / 1e9:.1f} GFLOP/s  allocator: {allocator()}")
     print(f"batch {args.batch} x {args.seq} tokens, best of {args.steps} timed steps per variant\n")
     tokens = args.batch * args.seq
     tables = {}
@@ -168,4 +169,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    from dagmoe_jax.launch import reexec_with_tcmalloc
+    reexec_with_tcmalloc()  # a faster allocator on CPU when installed (dagmoe_jax/launch.py)
     main()

@@ -24,6 +24,7 @@ INVALID = [
     ("bad_dag_edges", dict(aggregation=dict(dag_edges="upper")), "dag_edges"),
     ("bad_residual", dict(block="coe", coe=dict(residual="both")), "residual"),
     ("bad_remat", dict(remat="some"), "remat"),
+    ("negative_scan_unroll", dict(scan_unroll=-1), "scan_unroll"),
     ("capacity_factor=0", dict(experts=dict(capacity_factor=0.0)), "capacity_factor"),
     ("capacity_factor<0", dict(experts=dict(capacity_factor=-1.0)), "capacity_factor"),
     ("negative_balance_coef", dict(router=dict(balance_coef=-0.01)), "balance_coef"),

@@ -23,6 +23,7 @@ from dagmoe_jax.model import Transformer
 from dagmoe_jax.model.attention import blockwise_causal_attention, causal_attention_reference
 from dagmoe_jax.model.coe import CoEBlock
 from dagmoe_jax.model.moe import MoEBlock
+from dagmoe_jax.model.transformer import resolve_remat, resolve_scan_unroll
 
 BATCH, SEQ = 2, 16
 
@@ -291,20 +292,37 @@ def test_blockwise_attention_matches_references(seq, block):
 
 # ----------------------------------------------------------------------------- remat
 
-def test_remat_policies_match():
+# The moe-dag harness runs the defaults: remat 'auto' and scan_unroll 0, on CPU no recomputation
+# and the layer loop unrolled. The rolled scan (one compiled layer body, the accelerator default)
+# and each remat policy must give the same loss and gradients.
+LAYER_LOOPS = {
+    "none-scan": dict(remat="none", scan_unroll=1),
+    "full-scan": dict(remat="full", scan_unroll=1),
+    "dots": dict(remat="dots"),
+}
+
+
+def test_auto_remat_and_unroll_resolve_per_backend():
+    assert jax.default_backend() == "cpu"
+    assert resolve_remat("auto") == "none" and resolve_scan_unroll(0, 4) == 4
+    for name in ("none", "full", "dots"):
+        assert resolve_remat(name) == name
+    assert resolve_scan_unroll(1, 4) == 1 and resolve_scan_unroll(2, 4) == 2
+
+
+def test_remat_policies_and_layer_loops_match():
     results = {}
     tokens = random_tokens(8)
-    for remat in ("none", "full", "dots"):
-        # 'none' is the moe-dag harness of the tests above (same config, already compiled).
-        h = get_harness("moe-dag" if remat == "none" else f"moe-dag-remat-{remat}",
-                        CONFIGS["moe-dag"].replace(remat=remat))
+    for name, changes in {"auto": {}, **LAYER_LOOPS}.items():
+        h = get_harness("moe-dag" if name == "auto" else f"moe-dag-{name}",
+                        CONFIGS["moe-dag"].replace(**changes))
         model = h.model()                                   # same seed: same parameters
         randomize_zero_inits(model)
         loss, grads = h.train_step(model, h.optimizer(model), tokens)   # pre-update values
-        results[remat] = (float(loss), jax.tree.map(np.asarray, nnx.to_pure_dict(grads)))
-    loss0, grads0 = results["none"]
-    for remat in ("full", "dots"):
-        loss, grads = results[remat]
+        results[name] = (float(loss), jax.tree.map(np.asarray, nnx.to_pure_dict(grads)))
+    loss0, grads0 = results["auto"]
+    for name in LAYER_LOOPS:
+        loss, grads = results[name]
         np.testing.assert_allclose(loss, loss0, rtol=1e-6)
         flat0 = jax.tree_util.tree_leaves_with_path(grads0)
         flat = jax.tree_util.tree_leaves_with_path(grads)
@@ -313,7 +331,7 @@ def test_remat_policies_match():
             scale = np.abs(g0).max()
             assert scale > 0, path
             np.testing.assert_allclose(g, g0, rtol=1e-5, atol=1e-5 * scale,
-                                       err_msg=f"{remat} {jax.tree_util.keystr(path)}")
+                                       err_msg=f"{name} {jax.tree_util.keystr(path)}")
 
 
 # ----------------------------------------------------------------------------- block semantics

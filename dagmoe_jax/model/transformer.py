@@ -34,6 +34,27 @@ REMAT_POLICIES = {
 }
 
 
+def resolve_remat(name: str) -> str:
+    """'auto': 'none' on CPU, 'full' on accelerators.
+
+    On CPU host memory is plentiful and the step is bound by memory traffic: storing the
+    activations, with the layers unrolled (:func:`resolve_scan_unroll`), measured about 15%
+    faster than recomputing them for the s model (README, step throughput)."""
+    if name != "auto":
+        return name
+    return "none" if jax.default_backend() == "cpu" else "full"
+
+
+def resolve_scan_unroll(unroll: int, num_layers: int) -> int:
+    """0 (auto): all ``num_layers`` unrolled on CPU, 1 (one compiled layer body) elsewhere.
+
+    Unrolled, XLA:CPU slices each layer's weights and stored activations statically instead of
+    zero-filling stacked [layers, ...] buffers and updating them inside a loop."""
+    if unroll:
+        return unroll
+    return num_layers if jax.default_backend() == "cpu" else 1
+
+
 def make_block(cfg: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Module:
     if cfg.block == "moe":
         return MoEBlock(cfg, rngs=rngs)
@@ -118,10 +139,12 @@ class Transformer(nnx.Module):
         def body(h, layer):
             return layer(h, sin, cos)
 
-        if cfg.remat != "none":
-            body = nnx.remat(body, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
+        remat = resolve_remat(cfg.remat)
+        if remat != "none":
+            body = nnx.remat(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
 
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0),
+                  unroll=resolve_scan_unroll(cfg.scan_unroll, cfg.num_layers),
                   transform_metadata={nnx.PARTITION_NAME: "layers"})
         def run(h, layer):
             return body(h, layer)

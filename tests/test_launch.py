@@ -1,0 +1,95 @@
+"""dagmoe_jax.launch: when the entry points re-execute themselves with TCMalloc preloaded."""
+
+from __future__ import annotations
+
+import ctypes.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dagmoe_jax.launch import SWITCH, allocator, find_tcmalloc, tcmalloc_environment
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def libdir(tmp_path):
+    (tmp_path / "libtcmalloc_minimal.so.4").write_bytes(b"")
+    return str(tmp_path)
+
+
+def test_find_tcmalloc_searches_the_given_dirs(tmp_path, libdir):
+    assert find_tcmalloc([str(tmp_path / "missing"), libdir]) == os.path.join(
+        libdir, "libtcmalloc_minimal.so.4")
+    assert find_tcmalloc([str(tmp_path / "missing")]) is None
+
+
+def test_environment_prepends_the_library_to_ld_preload(libdir):
+    lib = os.path.join(libdir, "libtcmalloc_minimal.so.4")
+    env = tcmalloc_environment({"PATH": "/bin"}, "linux", [libdir])
+    assert env == {"PATH": "/bin", "LD_PRELOAD": lib}
+    env = tcmalloc_environment({"LD_PRELOAD": "/x/libfoo.so"}, "linux", [libdir])
+    assert env["LD_PRELOAD"] == f"{lib} /x/libfoo.so"
+
+
+def test_environment_leaves_the_process_alone(tmp_path, libdir):
+    lib = os.path.join(libdir, "libtcmalloc_minimal.so.4")
+    assert tcmalloc_environment({}, "darwin", [libdir]) is None             # not Linux
+    assert tcmalloc_environment({SWITCH: "0"}, "linux", [libdir]) is None   # switched off
+    assert tcmalloc_environment({}, "linux", [str(tmp_path / "none")]) is None  # not installed
+    assert tcmalloc_environment({"LD_PRELOAD": f"/a.so:{lib}"}, "linux", [libdir]) is None
+    assert tcmalloc_environment({SWITCH: str(tmp_path / "nope.so")}, "linux", [libdir]) is None
+
+
+def test_switch_names_the_library(tmp_path):
+    other = tmp_path / "libother.so"
+    other.write_bytes(b"")
+    env = tcmalloc_environment({SWITCH: str(other)}, "linux", [])
+    assert env["LD_PRELOAD"] == str(other)
+
+
+def test_allocator_names_what_is_preloaded(monkeypatch):
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libtcmalloc_minimal.so.4")
+    assert allocator().startswith("tcmalloc")
+    monkeypatch.delenv("LD_PRELOAD")
+    assert allocator() == "system malloc"
+
+
+SCRIPT = """
+import os, sys
+sys.path.insert(0, {root!r})
+print("start", os.getpid(), os.environ.get("LD_PRELOAD", ""), flush=True)
+from dagmoe_jax.launch import reexec_with_tcmalloc
+reexec_with_tcmalloc()
+print("after", os.getpid(), sys.argv[1:], flush=True)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD is Linux-only")
+def test_reexec_restarts_once_with_the_same_pid_and_arguments(tmp_path):
+    # Any loadable shared library stands in for TCMalloc: the C math library is everywhere.
+    libm = ctypes.util.find_library("m")
+    path = next((os.path.join(d, libm) for d in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu",
+                                                   "/lib/aarch64-linux-gnu", "/lib64", "/usr/lib64")
+                 if libm and os.path.isfile(os.path.join(d, libm))), None)
+    assert path, "no libm to preload"
+    script = tmp_path / "entry.py"
+    script.write_text(SCRIPT.format(root=str(ROOT)))
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env[SWITCH] = path
+    out = subprocess.run([sys.executable, str(script), "--flag", "x"], env=env, text=True,
+                         capture_output=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["start", "start", "after"], lines
+    pids = {line.split()[1] for line in lines}
+    assert len(pids) == 1                                # exec, not a child process
+    assert lines[0].split()[2:] == [] and lines[1].split()[2] == path
+    assert lines[2].endswith("['--flag', 'x']")
+    env[SWITCH] = "0"
+    out = subprocess.run([sys.executable, str(script)], env=env, text=True, capture_output=True,
+                         timeout=60)
+    assert [line.split()[0] for line in out.stdout.splitlines()] == ["start", "after"]

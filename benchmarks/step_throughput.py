@@ -8,6 +8,10 @@ aggregates (forward + backward) to compare their achieved FLOP/s.
 
     python benchmarks/step_throughput.py                       # full run (CPU: ~20 minutes)
     python benchmarks/step_throughput.py --vocab 256 --steps 2 # quicker
+    # the CPU defaults' ablation: the previous defaults, each process timed on its own
+    DAGMOE_TCMALLOC=0 python benchmarks/step_throughput.py --vocab 256 --variants moe \
+        --binding "ModelConfig.remat = 'full'" --binding "ModelConfig.scan_unroll = 1" \
+        --binding "ModelConfig.attention_block = 32"
     # the GPU measurement of the l model (bf16, cuDNN attention; MFU vs the bf16 matmul rate)
     python benchmarks/step_throughput.py --model models/l.gin --gin gpu.gin --dag_dim 256 \
         --vocab 128256 --batch 16 --seq 2048 --variants moe moe+shared "dag L2"
@@ -117,6 +121,9 @@ def main(argv=None):
     p.add_argument("--dag_dim", type=int, default=128, choices=(64, 128, 256),
                    help="d_g of the DAG variants; the shared expert is matched to d_g, L 2 "
                         "(the paper: 128 for s and m, 256 for l)")
+    p.add_argument("--binding", action="append", default=[],
+                   help="extra gin binding for every variant, repeatable (e.g. "
+                        "\"ModelConfig.remat = 'full'\")")
     p.add_argument("--vocab", type=int, nargs="+", default=[256, 128256])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=512)
@@ -141,7 +148,7 @@ def main(argv=None):
         rows = tables[vocab] = []
         for name in args.variants:
             cfg = load_model_config([args.model, VARIANTS[name].format(g=args.dag_dim), *args.gin],
-                                    [f"ModelConfig.vocab_size = {vocab}"])
+                                    [*args.binding, f"ModelConfig.vocab_size = {vocab}"])
             acc = account(cfg, args.seq)
             t = step_time(cfg, args.batch, args.seq, args.steps)
             peak = max(peak, rate())  # the machine's speed drifts: keep the best rate seen
@@ -160,7 +167,8 @@ def main(argv=None):
                   f"{fps / peak:>10.1%}{ratio:>26}")
     print()
 
-    cfg = load_model_config([args.model, f"variants/dag_g{args.dag_dim}_l2.gin", *args.gin])
+    cfg = load_model_config([args.model, f"variants/dag_g{args.dag_dim}_l2.gin", *args.gin],
+                            args.binding)
     t_exp, r_exp, t_dag, r_dag = component_rates(cfg, tokens, max(args.steps, 3))
     print(f"components (one layer, {tokens} tokens, forward + backward)")
     print(f"{'component':<28}{'s':>9}{'GFLOP/s':>10}{'vs experts':>12}")

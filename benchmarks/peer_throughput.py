@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 
 from dagmoe_jax.accounting import account  # noqa: E402
 from dagmoe_jax.gin_utils import load_model_config  # noqa: E402
-from dagmoe_jax.launch import allocator  # noqa: E402
+from dagmoe_jax.launch import allocator, release_memory  # noqa: E402
 from dagmoe_jax.model.transformer import resolve_remat  # noqa: E402
 
 MODEL_GIN = ("models/s.gin", "variants/moe.gin")
@@ -117,6 +117,7 @@ def measure(bench, peer, cfg, args) -> dict:
     ours, theirs = math.inf, math.inf
     for _ in range(args.rounds):
         ours = min(ours, bench.step_time(cfg, args.batch, args.seq, args.steps))
+        release_memory()
         model, step = build_olmoe(peer, cfg, args.batch, args.seq)
         theirs = min(theirs, bench.time_fn(step, args.steps))
         print(f"  vocab {cfg.vocab_size}: ours {ours:.3f} s/step, OLMoE {theirs:.3f} s/step", flush=True)

@@ -34,7 +34,7 @@ from flax import nnx  # noqa: E402
 
 from dagmoe_jax.accounting import account  # noqa: E402
 from dagmoe_jax.gin_utils import load_model_config  # noqa: E402
-from dagmoe_jax.launch import allocator  # noqa: E402
+from dagmoe_jax.launch import allocator, release_memory  # noqa: E402
 from dagmoe_jax.model import Transformer  # noqa: E402
 from dagmoe_jax.model.aggregation import DAGAggregator  # noqa: E402
 from dagmoe_jax.model.experts import Experts  # noqa: E402
@@ -151,6 +151,7 @@ def main(argv=None):
                                     [*args.binding, f"ModelConfig.vocab_size = {vocab}"])
             acc = account(cfg, args.seq)
             t = step_time(cfg, args.batch, args.seq, args.steps)
+            release_memory()
             peak = max(peak, rate())  # the machine's speed drifts: keep the best rate seen
             rows.append((name, acc.total_params, t, tokens / t, acc.train_flops_per_token * tokens / t))
             print(f"  measured {name} @ vocab {vocab}: {t:.3f} s/step", flush=True)

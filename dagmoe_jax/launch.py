@@ -63,6 +63,27 @@ def allocator() -> str:
     return "tcmalloc (LD_PRELOAD)" if "tcmalloc" in preload else "system malloc"
 
 
+def release_memory() -> None:
+    """Free what one benchmark variant left behind before the next one is built.
+
+    Drops JAX's compilation caches and unreferenced arrays, then asks TCMalloc (when preloaded)
+    to hand its free pages back to the kernel: it keeps them for reuse, and variants of other
+    sizes do not fit them, so a process timing many models would otherwise grow until the
+    kernel kills it.
+    """
+    import ctypes
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+    if "tcmalloc" in os.environ.get("LD_PRELOAD", ""):
+        release = getattr(ctypes.CDLL(None), "MallocExtension_ReleaseFreeMemory", None)
+        if release is not None:
+            release()
+
+
 def reexec_with_tcmalloc() -> None:
     """Replace this process by itself with TCMalloc preloaded (see the module docstring).
 

@@ -44,6 +44,11 @@ def test_environment_leaves_the_process_alone(tmp_path, libdir):
     assert tcmalloc_environment({SWITCH: str(tmp_path / "nope.so")}, "linux", [libdir]) is None
 
 
+def test_switch_1_searches_like_unset(libdir):
+    env = tcmalloc_environment({SWITCH: "1"}, "linux", [libdir])
+    assert env["LD_PRELOAD"] == os.path.join(libdir, "libtcmalloc_minimal.so.4")
+
+
 def test_switch_names_the_library(tmp_path):
     other = tmp_path / "libother.so"
     other.write_bytes(b"")

@@ -25,7 +25,6 @@ torch and transformers are optional dependencies of this benchmark only:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -33,6 +32,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmarks
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -41,6 +41,7 @@ from dagmoe_jax.accounting import account  # noqa: E402
 from dagmoe_jax.gin_utils import load_model_config  # noqa: E402
 from dagmoe_jax.launch import allocator, release_memory  # noqa: E402
 from dagmoe_jax.model.transformer import resolve_remat  # noqa: E402
+import step_throughput as bench  # noqa: E402
 
 MODEL_GIN = ("models/s.gin", "variants/moe.gin")
 FULL = dict(batch=8, seq=512, steps=3, rounds=2)
@@ -58,13 +59,6 @@ INSTALL_HINT = ("benchmarks/peer_throughput.py needs torch and transformers (opt
                 "--extra-index-url https://download.pytorch.org/whl/cpu)")
 
 
-def _load_sibling(name: str):
-    """A module of this directory by path (benchmarks/ is not a package)."""
-    path = Path(__file__).with_name(f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", path)
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def import_peer():
@@ -186,7 +180,6 @@ def main(argv=None):
         return 0
     torch, transformers = peer
     torch.set_num_threads(args.torch_threads or os.cpu_count())
-    bench = _load_sibling("step_throughput")
     bindings = [*(TINY_BINDINGS if args.tiny else ()), *args.gin_binding]
     versions = {"jax": jax.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
     print(f"ours: {jax.devices()[0].device_kind} ({jax.default_backend()}); OLMoE: torch CPU, "

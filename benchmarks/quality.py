@@ -44,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dagmoe_jax.cli import gin_flag_bindings  # noqa: E402
+from dagmoe_jax.cli import add_budget_flags, fill_budget_defaults, gin_flag_bindings  # noqa: E402
 
 DEFAULTS = dict(variants="moe,moe_shared,dag_l1,dag_l2,dag_l3,mlp,coe", seeds="1", steps=400,
                 batch=16, seq_len=128, eval_batches=32, dag_dim=32, out="runs/bench_quality")
@@ -64,16 +64,13 @@ def parse_args(argv):
     parser.add_argument("--data", default="",
                         help="DataConfig source spec (default: stdlib docstrings)")
     parser.add_argument("--eval_data", default="", help="held-out source spec")
-    for name, value in DEFAULTS.items():
-        parser.add_argument(f"--{name}", type=type(value), default=None)
+    add_budget_flags(parser, DEFAULTS)
     parser.add_argument("--json", default=None)
     args, rest = parser.parse_known_args(argv)
     args.bindings, unknown = gin_flag_bindings(rest)
     if unknown:
         parser.error(f"unknown argument {unknown[0]!r}")
-    for name, value in DEFAULTS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, MICRO.get(name, value) if args.micro else value)
+    fill_budget_defaults(args, DEFAULTS, MICRO)
     return args
 
 

@@ -45,6 +45,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from dagmoe_jax.cli import add_budget_flags, fill_budget_defaults  # noqa: E402
+
 DEFAULTS = dict(tasks="lis,edit_distance,lcs", variants="moe,moe_shared,dag_l1,dag_l2,dag_l3,mlp,coe",
                 seeds="2", steps=800, batch=16, seq_len=64, sizes="4,8,12,16,20",
                 eval_examples=128, dag_dim=32, out="runs/bench_reasoning")
@@ -66,13 +68,10 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--micro", action="store_true", help="a 1-2 minute end-to-end budget")
-    for name, value in DEFAULTS.items():
-        parser.add_argument(f"--{name}", type=type(value), default=None)
+    add_budget_flags(parser, DEFAULTS)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    for name, value in DEFAULTS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, MICRO.get(name, value) if args.micro else value)
+    fill_budget_defaults(args, DEFAULTS, MICRO)
     return args
 
 

@@ -44,7 +44,6 @@ import collections  # noqa: E402
 import dataclasses  # noqa: E402
 import glob  # noqa: E402
 import gzip  # noqa: E402
-import importlib.util  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
@@ -54,6 +53,7 @@ from pathlib import Path  # noqa: E402
 from typing import Callable, Dict, List, Optional, Sequence, Tuple  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmarks
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -62,18 +62,10 @@ from dagmoe_jax.gin_utils import load_configs  # noqa: E402
 from dagmoe_jax.parallel import MeshConfig, activate, make_mesh  # noqa: E402
 from dagmoe_jax.train.loop import _device_batch, build  # noqa: E402
 from dagmoe_jax.train.step import make_train_step  # noqa: E402
+from step_throughput import time_fn  # noqa: E402  (best of N blocking calls after a warm-up)
 
 
-def _load_sibling(name: str):
-    """A module of this directory by path (benchmarks/ is not a package; sys.path untouched)."""
-    path = Path(__file__).with_name(f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", path)
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
-
-time_fn = _load_sibling("step_throughput").time_fn   # best of N blocking calls after a warm-up
 
 COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
 PROFILED_STEPS = 2

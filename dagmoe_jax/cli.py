@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Iterable, List, Tuple
+import argparse
+from typing import Any, Dict, Iterable, List, Tuple
 
 
 def gin_flag_bindings(args: Iterable[str]) -> Tuple[List[str], List[str]]:
@@ -18,3 +19,19 @@ def gin_flag_bindings(args: Iterable[str]) -> Tuple[List[str], List[str]]:
         else:
             unknown.append(item)
     return bindings, unknown
+
+
+def add_budget_flags(parser: argparse.ArgumentParser, defaults: Dict[str, Any]) -> None:
+    """One ``--NAME`` flag per entry of ``defaults``, typed like its default value; unset flags
+    stay None for :func:`fill_budget_defaults`."""
+    for name, value in defaults.items():
+        parser.add_argument(f"--{name}", type=type(value), default=None)
+
+
+def fill_budget_defaults(args: argparse.Namespace, defaults: Dict[str, Any],
+                         micro: Dict[str, Any]) -> None:
+    """Give each flag the user left unset its default: from ``micro`` when ``args.micro`` is set
+    (a quick end-to-end budget), else from ``defaults``."""
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, micro.get(name, value) if args.micro else value)

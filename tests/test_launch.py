@@ -98,3 +98,16 @@ def test_reexec_restarts_once_with_the_same_pid_and_arguments(tmp_path):
     out = subprocess.run([sys.executable, str(script)], env=env, text=True, capture_output=True,
                          timeout=60)
     assert [line.split()[0] for line in out.stdout.splitlines()] == ["start", "after"]
+
+
+def test_alloc_bandwidth_benchmark_prints_its_table():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env[SWITCH] = "0"
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "alloc_bandwidth.py"),
+                          "--mb", "1", "2", "--repeats", "1"], env=env, text=True,
+                         capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "allocator: system malloc" in out.stdout
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "MB |" in line]
+    assert [r.split("|")[1].strip() for r in rows] == ["1 MB", "2 MB"]
+    assert all(float(r.split("|")[2]) > 0 and float(r.split("|")[3]) > 0 for r in rows)

@@ -1,0 +1,52 @@
+"""How fast XLA:CPU writes fresh output buffers under this process's allocator.
+
+Every call of a jitted function gets new output and temporary buffers. glibc's malloc serves
+large ones with ``mmap`` and returns them on free, so each call page-faults them in again;
+TCMalloc keeps freed memory for reuse. This prints the bandwidth of an elementwise write
+(``x * 2 + 1``) and of a reduction (reads only) at a few buffer sizes. Compare
+
+    python benchmarks/alloc_bandwidth.py                      # TCMalloc when installed
+    DAGMOE_TCMALLOC=0 python benchmarks/alloc_bandwidth.py    # the system allocator
+
+(this is what ``dagmoe_jax/launch.py`` and README's CPU notes rest on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmarks
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from dagmoe_jax.launch import allocator  # noqa: E402
+from step_throughput import time_fn  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mb", type=int, nargs="+", default=[16, 128, 256], help="buffer sizes in MB")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls, best of")
+    args = p.parse_args(argv)
+    write = jax.jit(lambda x: x * 2 + 1)
+    read = jax.jit(jnp.max)
+    print(f"allocator: {allocator()}\n")
+    print("| buffer | write GB/s (x * 2 + 1) | read GB/s (max) |")
+    print("|---:|---:|---:|")
+    for mb in args.mb:
+        x = jnp.ones((mb << 18,), jnp.float32)           # mb MiB of float32
+        t_write = time_fn(lambda: write(x).block_until_ready(), args.repeats)
+        t_read = time_fn(lambda: read(x).block_until_ready(), args.repeats)
+        nbytes = x.size * 4
+        print(f"| {mb} MB | {2 * nbytes / t_write / 1e9:.1f} | {nbytes / t_read / 1e9:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    from dagmoe_jax.launch import reexec_with_tcmalloc
+    reexec_with_tcmalloc()  # a faster allocator on CPU when installed (dagmoe_jax/launch.py)
+    sys.exit(main())

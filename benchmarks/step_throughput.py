@@ -37,6 +37,7 @@ from dagmoe_jax.gin_utils import load_model_config  # noqa: E402
 from dagmoe_jax.launch import allocator, release_memory  # noqa: E402
 from dagmoe_jax.model import Transformer  # noqa: E402
 from dagmoe_jax.model.aggregation import DAGAggregator  # noqa: E402
+from dagmoe_jax.model.attention import attention_in_use  # noqa: E402
 from dagmoe_jax.model.experts import Experts  # noqa: E402
 from dagmoe_jax.train.step import make_train_step  # noqa: E402
 
@@ -140,7 +141,8 @@ def main(argv=None):
     rate = lambda: matmul_rate(n, dtype=dtype)  # noqa: E731
     peak = rate()
     print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}  "
-          f"{dtype.name} {n}^3 matmul: {peak / 1e9:.1f} GFLOP/s  allocator: {allocator()}")
+          f"{dtype.name} {n}^3 matmul: {peak / 1e9:.1f} GFLOP/s  allocator: {allocator()}  "
+          f"attention: {attention_in_use(probe)}")
     print(f"batch {args.batch} x {args.seq} tokens, best of {args.steps} timed steps per variant\n")
     tokens = args.batch * args.seq
     tables = {}

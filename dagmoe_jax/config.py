@@ -24,7 +24,7 @@ EDGE_ACTIVATIONS = ("silu", "sigmoid")
 DAG_EDGES = ("all", "ranked")
 COE_RESIDUALS = ("inner", "outer", "init")
 REMAT_POLICIES = ("auto", "none", "full", "dots")
-ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn")
+ATTENTION_IMPLS = ("auto", "xla", "blockwise", "fused", "cudnn")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -173,8 +173,9 @@ class ModelConfig:
     scan_unroll: layers per iteration of the scanned layer loop (``jax.lax.scan``'s unroll);
       0 (default) means auto: the whole stack unrolled on CPU, 1 (one compiled layer body)
       elsewhere. The parameters stay stacked [layers, ...] either way.
-    attention: 'auto' (blockwise causal on CPU, cuDNN on GPU with bfloat16 compute, else XLA),
-      'xla', 'blockwise' or 'cudnn'.
+    attention: 'auto' (on CPU: the fused C++ kernel for float32 off-mesh when a C++ compiler
+      is available, else blockwise; cuDNN on GPU with bfloat16 compute; else XLA), 'xla',
+      'blockwise', 'fused' (dagmoe_jax.kernels; CPU, float32, single device) or 'cudnn'.
     attention_block: query/key block size of the blockwise causal attention (64 measured
       fastest for the s model on the 2-core CPU: 32 and 128 were 5-10% slower).
     param_dtype, compute_dtype: 'float32' or 'bfloat16' (master weights stay float32 by default).

@@ -34,8 +34,10 @@ def tiny_config(block: str = "moe", kind: str = "sum", **overrides) -> ModelConf
     """A model small enough to compile in a few seconds and run in milliseconds on 2 CPU cores.
 
     d_model 32, 2 layers, 4 heads over 2 KV heads (GQA), vocab 64, 4 experts with top-2,
-    DAG/MLP hidden 16 with 2 iterations. ``attention_block`` 8 is smaller than the test sequence
-    lengths (16-32), so the blockwise causal attention really runs block by block. Nested
+    DAG/MLP hidden 16 with 2 iterations. Attention 'auto' is the fused C++ kernel here (CPU,
+    float32, single device) and blockwise under a mesh; ``attention_block`` 8 is smaller than
+    the test sequence lengths (16-32), so the blockwise attention really runs block by block
+    (test_kernels.py compares the two on the whole model). Nested
     configs in ``overrides`` may be dicts of their fields (``router=dict(top_k=1)``).
     """
     base = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -1,0 +1,108 @@
+"""Fused causal grouped-query attention for XLA:CPU (C++ source: ``causal_attention.cc``).
+
+Exact softmax attention, the same function as
+:func:`dagmoe_jax.model.attention.causal_attention_reference`, computed one query row at a
+time so that no S x S score matrix is ever materialised: the forward pass saves only each
+row's log-sum-exp, and the backward pass recomputes the probabilities from it
+(FlashAttention's recipe, Dao et al. 2022, Algorithm 2, with a row instead of a tile). On the
+2-core CPU this is what lets the MoE-s training step beat XLA's blockwise attention, whose
+time at head_dim 16 goes to memory passes over its score blocks.
+
+float32 only, head_dim in :data:`SUPPORTED_HEAD_DIMS`, CPU only; the kernel is compiled on
+first use (:mod:`dagmoe_jax.kernels.build`), and :func:`fused_attention_unavailable` says why
+it cannot be used where it cannot.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from dagmoe_jax.kernels.build import KernelBuildError, build
+
+SOURCE = Path(__file__).with_name("causal_attention.cc")
+SUPPORTED_HEAD_DIMS = (8, 16, 32, 64, 128, 256)
+_FWD = "dagmoe_causal_attention_fwd"
+_BWD = "dagmoe_causal_attention_bwd"
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> Optional[str]:
+    """Build and register the kernel once per process; None on success, else the reason."""
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(build(SOURCE)))
+    except (KernelBuildError, OSError) as err:
+        return str(err)
+    jax.ffi.register_ffi_target(_FWD, jax.ffi.pycapsule(lib.DagmoeCausalAttentionFwd),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(_BWD, jax.ffi.pycapsule(lib.DagmoeCausalAttentionBwd),
+                                platform="cpu")
+    return None
+
+
+def fused_attention_unavailable(q_shape=None, dtype=jnp.float32,
+                                backend: Optional[str] = None) -> Optional[str]:
+    """Why the fused kernel cannot run these inputs (None when it can).
+
+    ``q_shape`` [B, S, H, D] (only D is checked), ``dtype`` the compute dtype, ``backend`` the
+    JAX backend (default: the default backend). Compiles the kernel on the first call.
+    """
+    backend = backend or jax.default_backend()
+    if backend != "cpu":
+        return f"the fused attention kernel runs on CPU only (backend is {backend})"
+    if jnp.dtype(dtype) != jnp.float32:
+        return f"the fused attention kernel takes float32 only (got {jnp.dtype(dtype).name})"
+    if q_shape is not None and q_shape[-1] not in SUPPORTED_HEAD_DIMS:
+        return (f"the fused attention kernel supports head_dim in {SUPPORTED_HEAD_DIMS} "
+                f"(got {q_shape[-1]})")
+    return _load()
+
+
+def _forward(q, k, v):
+    b, s, h, _ = q.shape
+    return jax.ffi.ffi_call(
+        _FWD, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+               jax.ShapeDtypeStruct((b, h, s), jnp.float32)),
+        vmap_method="sequential")(q, k, v)
+
+
+@jax.custom_vjp
+def fused_causal_attention(q, k, v):
+    """Causal softmax attention, q [B, S, H, D], k and v [B, S, KV, D] float32 -> [B, S, H, D].
+
+    H must be a multiple of KV (grouped-query attention); scores are scaled by 1 / sqrt(D).
+    Raises ValueError with the reason when the kernel cannot run (see
+    :func:`fused_attention_unavailable`).
+    """
+    return _forward(*_checked(q, k, v))[0]
+
+
+def _checked(q, k, v):
+    reason = fused_attention_unavailable(q.shape, q.dtype)
+    if reason is None and not (k.dtype == v.dtype == jnp.float32):
+        reason = "the fused attention kernel takes float32 only (k or v is not)"
+    if reason is not None:
+        raise ValueError(f"{reason}; use ModelConfig.attention='blockwise' instead")
+    return q, k, v
+
+
+def _fwd(q, k, v):
+    out, lse = _forward(*_checked(q, k, v))
+    return out, (q, k, v, out, lse)
+
+
+def _bwd(res, dout):
+    q, k, v, out, lse = res
+    return tuple(jax.ffi.ffi_call(
+        _BWD, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+               jax.ShapeDtypeStruct(k.shape, jnp.float32),
+               jax.ShapeDtypeStruct(v.shape, jnp.float32)),
+        vmap_method="sequential")(q, k, v, out, lse, dout.astype(jnp.float32)))
+
+
+fused_causal_attention.defvjp(_fwd, _bwd)

@@ -1,0 +1,475 @@
+// Fused causal grouped-query attention for XLA:CPU: forward and backward as XLA FFI handlers.
+//
+// Layouts (row-major, float32): q, out, dout, dq [B, S, H, D]; k, v, dk, dv [B, S, KV, D];
+// lse [B, H, S] (the log-sum-exp of each query row's scaled scores, saved by the forward pass
+// for the backward pass, as in FlashAttention). H is a multiple of KV (grouped-query
+// attention: query head h reads key/value head h / (H / KV)).
+//
+// One work item is one (batch row, key/value head) pair. It copies its keys and values once
+// into tiles of 16 keys ([S / 16, D, 16]) and contiguous rows, then walks the query rows: each
+// row's visible scores [0, i] are computed 16 keys per vector, softmaxed and reduced against
+// the values without an S x S matrix ever being written to memory. That is what makes this
+// faster than XLA:CPU's blockwise attention, which at head_dim 16 is bound by the passes over
+// its score blocks. The backward pass recomputes each row's probabilities from the saved
+// log-sum-exp and accumulates the key and value gradients of the G query heads that share a
+// KV head in one read-modify-write per tile. Work items are spread over XLA's intra-op thread
+// pool; the calling thread takes part.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// One vector of 16 floats: a zmm register with AVX-512, two ymm with AVX2 (GCC/Clang vector
+// extensions, so the same source builds for whatever -march=native finds).
+typedef float V __attribute__((vector_size(64)));
+typedef float VUnaligned __attribute__((vector_size(64), aligned(4)));
+typedef int32_t VI __attribute__((vector_size(64)));
+constexpr int64_t kChunk = 16;  // keys per vector
+
+inline int64_t RoundUp(int64_t n) { return (n + kChunk - 1) / kChunk * kChunk; }
+inline V Load(const float* p) { return *reinterpret_cast<const VUnaligned*>(p); }
+inline void Store(float* p, V x) { *reinterpret_cast<VUnaligned*>(p) = x; }
+inline V Splat(float x) { return V{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+inline V Iota() { return V{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
+
+inline float HSum(V x) {
+  float s = 0.0f;
+  for (int i = 0; i < 16; ++i) s += x[i];
+  return s;
+}
+
+inline float HMax(V x) {
+  float m = x[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+// exp(x), lane-wise, for the x <= ~0 this file needs (Cephes expf: range reduction by ln 2 and
+// a degree-6 polynomial, relative error about 1e-7; inputs below -87 give exp(-87)).
+inline V ExpV(V x) {
+  const V lo = Splat(-87.0f), magic = Splat(12582912.0f);  // 1.5 * 2^23: rounds to integers
+  x = x < lo ? lo : x;
+  const V t = x * 1.44269504088896341f + magic;
+  const V n = t - magic;
+  const V r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  const V z = r * r;
+  const V y = (((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r +
+                 4.1665795894e-2f) * r + 1.6666665459e-1f) * r + 5.0000001201e-1f) * z +
+              r + 1.0f;
+  const VI bits = ((VI)t - (VI)magic + 127) << 23;  // 2^n
+  return y * (V)bits;
+}
+
+// Lanes of the chunk starting at key j0 that are visible to a query row seeing keys [0, n).
+inline V Visible(V x, int64_t j0, int64_t n, float hidden) {
+  return (Iota() + static_cast<float>(j0)) < static_cast<float>(n) ? x : Splat(hidden);
+}
+
+// Runs f(0) ... f(n - 1) on the calling thread and up to num_threads - 1 pool threads. A pool
+// task that starts after all items are taken returns without touching f.
+template <typename F>
+void ParallelFor(ffi::ThreadPool& pool, int64_t n, const F& f) {
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  auto state = std::make_shared<State>();
+  const F* body = &f;
+  auto run = [state, n, body]() {
+    for (int64_t i = state->next.fetch_add(1); i < n; i = state->next.fetch_add(1)) {
+      (*body)(i);
+      if (state->done.fetch_add(1) + 1 == n) {
+        std::lock_guard<std::mutex> lock(state->mu);
+        state->cv.notify_all();
+      }
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
+  for (int64_t t = 0; t < helpers; ++t) {
+    auto task = run;
+    pool.Schedule(std::move(task));
+  }
+  run();
+  std::unique_lock<std::mutex> lock(state->mu);
+  state->cv.wait(lock, [&] { return state->done.load() == n; });
+}
+
+struct Shape {
+  int64_t b, s, h, kv, g, sp;
+  float scale;
+};
+
+// Keys and values live in scratch as tiles [SP / 16, D, 16]: the tile of keys j0 .. j0 + 15
+// starts at xt + j0 * D and holds their d-th components at offset d * 16, so every vector a
+// loop needs is at a constant offset from one pointer. Tiled(j, d) is that element's index.
+template <int D>
+inline int64_t Tiled(int64_t j, int d) {
+  return (j / kChunk) * (D * kChunk) + d * kChunk + j % kChunk;
+}
+
+// Copies key/value head `kvh` of batch row `b` from [B, S, KV, D] into tiles (keys >= S
+// zeroed).
+template <int D>
+void GatherTiles(const float* x, const Shape& sh, int64_t b, int64_t kvh, float* xt) {
+  for (int64_t j = 0; j < sh.s; ++j) {
+    const float* row = x + ((b * sh.s + j) * sh.kv + kvh) * D;
+    for (int d = 0; d < D; ++d) xt[Tiled<D>(j, d)] = row[d];
+  }
+  for (int64_t j = sh.s; j < sh.sp; ++j)
+    for (int d = 0; d < D; ++d) xt[Tiled<D>(j, d)] = 0.0f;
+}
+
+// Copies key/value head `kvh` of batch row `b` into contiguous rows [SP, D] (a strided read in
+// place would use only a few cache sets).
+template <int D>
+void GatherRows(const float* x, const Shape& sh, int64_t b, int64_t kvh, float* xr) {
+  for (int64_t j = 0; j < sh.s; ++j)
+    std::memcpy(xr + j * D, x + ((b * sh.s + j) * sh.kv + kvh) * D, D * sizeof(float));
+}
+
+template <int D>
+void ScatterTiles(const float* xt, const Shape& sh, int64_t b, int64_t kvh, float* x) {
+  for (int64_t j = 0; j < sh.s; ++j) {
+    float* row = x + ((b * sh.s + j) * sh.kv + kvh) * D;
+    for (int d = 0; d < D; ++d) row[d] = xt[Tiled<D>(j, d)];
+  }
+}
+
+// out[j] = sum_d w[d] * x_j[d] for j in [0, np) (np a multiple of kChunk; x tiled): a row of
+// scores q . k_j (or dout . v_j). Four tiles at a time, so that four independent accumulator
+// chains hide the FMA latency.
+template <int D>
+inline void RowScores(const float* w, const float* xt, int64_t np, float* out) {
+  constexpr int64_t kTile = D * kChunk;
+  int64_t j0 = 0;
+  for (; j0 + 4 * kChunk <= np; j0 += 4 * kChunk) {
+    V a0{}, a1{}, a2{}, a3{};
+    const float* tile = xt + j0 * D;
+#pragma GCC unroll 16
+    for (int d = 0; d < D; ++d) {
+      const float* row = tile + d * kChunk;
+      const V c = Splat(w[d]);
+      a0 += c * Load(row);
+      a1 += c * Load(row + kTile);
+      a2 += c * Load(row + 2 * kTile);
+      a3 += c * Load(row + 3 * kTile);
+    }
+    Store(out + j0, a0);
+    Store(out + j0 + kChunk, a1);
+    Store(out + j0 + 2 * kChunk, a2);
+    Store(out + j0 + 3 * kChunk, a3);
+  }
+  for (; j0 < np; j0 += kChunk) {
+    V a{};
+#pragma GCC unroll 16
+    for (int d = 0; d < D; ++d) a += Splat(w[d]) * Load(xt + j0 * D + d * kChunk);
+    Store(out + j0, a);
+  }
+}
+
+// out[d] = sum_j p[j] * x_j[d] for j in [0, np) (x tiled): the row's weighted sum of value (or
+// key) vectors, one vector accumulator per d (16 d at a time) so the chains are independent.
+template <int D>
+inline void RowDots(const float* p, const float* xt, int64_t np, float* out) {
+  constexpr int kBlock = D < 16 ? D : 16;
+  for (int d0 = 0; d0 < D; d0 += kBlock) {
+    V acc[kBlock];
+#pragma GCC unroll 16
+    for (int d = 0; d < kBlock; ++d) acc[d] = V{};
+    for (int64_t j0 = 0; j0 < np; j0 += kChunk) {
+      const V pc = Load(p + j0);
+      const float* tile = xt + j0 * D + d0 * kChunk;
+#pragma GCC unroll 16
+      for (int d = 0; d < kBlock; ++d) acc[d] += pc * Load(tile + d * kChunk);
+    }
+#pragma GCC unroll 16
+    for (int d = 0; d < kBlock; ++d) out[d0 + d] = HSum(acc[d]);
+  }
+}
+
+// out[d] = sum_{j < n} p[j] * x_j[d] with x_j = rows + j * D (D a multiple of 16): one
+// broadcast FMA per key and vector of x_j, four keys in flight so the accumulator chains are
+// independent, and no horizontal sums.
+template <int D>
+inline void RowDotsRows(const float* p, const float* rows, int64_t n, float* out) {
+  constexpr int kVecs = D / kChunk;
+  constexpr int kUnroll = kVecs >= 4 ? 1 : 4 / kVecs;
+  V acc[kUnroll][kVecs] = {};
+  int64_t j = 0;
+  for (; j + kUnroll <= n; j += kUnroll) {
+#pragma GCC unroll 4
+    for (int u = 0; u < kUnroll; ++u) {
+      const V pj = Splat(p[j + u]);
+      const float* x = rows + (j + u) * D;
+#pragma GCC unroll 16
+      for (int c = 0; c < kVecs; ++c) acc[u][c] += pj * Load(x + c * kChunk);
+    }
+  }
+  for (; j < n; ++j) {
+    const V pj = Splat(p[j]);
+#pragma GCC unroll 16
+    for (int c = 0; c < kVecs; ++c) acc[0][c] += pj * Load(rows + j * D + c * kChunk);
+  }
+#pragma GCC unroll 16
+  for (int c = 0; c < kVecs; ++c) {
+    V s = acc[0][c];
+#pragma GCC unroll 4
+    for (int u = 1; u < kUnroll; ++u) s += acc[u][c];
+    Store(out + c * kChunk, s);
+  }
+}
+
+// sum_j p[j] * x_j over the keys a row sees: from the rows for D a multiple of 16, from the
+// tiles otherwise.
+template <int D>
+inline void WeightedSum(const float* p, const float* xt, const float* rows, int64_t n,
+                        float* out) {
+  if constexpr (D % kChunk == 0) {
+    RowDotsRows<D>(p, rows, n, out);
+  } else {
+    RowDots<D>(p, xt, RoundUp(n), out);
+  }
+}
+
+template <int D>
+void ForwardItem(const float* q, const float* k, const float* v, float* out, float* lse,
+                 const Shape& sh, int64_t item, std::vector<float>& scratch) {
+  const int64_t b = item / sh.kv, kvh = item % sh.kv, sp = sh.sp;
+  scratch.resize(3 * D * sp + sp);
+  float* kt = scratch.data();
+  float* vt = kt + D * sp;
+  float* vr = vt + D * sp;  // [SP, D]: the values, contiguous
+  float* p = vr + D * sp;
+  GatherTiles<D>(k, sh, b, kvh, kt);
+  GatherTiles<D>(v, sh, b, kvh, vt);
+  GatherRows<D>(v, sh, b, kvh, vr);
+  for (int64_t i = 0; i < sh.s; ++i) {
+    const int64_t n = i + 1, np = RoundUp(n);
+    for (int64_t g = 0; g < sh.g; ++g) {
+      const int64_t h = kvh * sh.g + g;
+      const float* qi = q + ((b * sh.s + i) * sh.h + h) * D;
+      float qs[D];
+      for (int d = 0; d < D; ++d) qs[d] = qi[d] * sh.scale;
+      RowScores<D>(qs, kt, np, p);
+      V mv = Splat(-INFINITY);
+      for (int64_t j0 = 0; j0 < np; j0 += kChunk) {
+        const V x = Visible(Load(p + j0), j0, n, -INFINITY);
+        mv = mv > x ? mv : x;
+      }
+      const V m = Splat(HMax(mv));
+      V sv{};
+      for (int64_t j0 = 0; j0 < np; j0 += kChunk) {
+        const V e = Visible(ExpV(Load(p + j0) - m), j0, n, 0.0f);
+        Store(p + j0, e);
+        sv += e;
+      }
+      const float sum = HSum(sv);
+      float o[D];
+      WeightedSum<D>(p, vt, vr, n, o);
+      const float inv = 1.0f / sum;
+      float* oi = out + ((b * sh.s + i) * sh.h + h) * D;
+      for (int d = 0; d < D; ++d) oi[d] = o[d] * inv;
+      lse[(b * sh.h + h) * sh.s + i] = m[0] + std::log(sum);
+    }
+  }
+}
+
+// tile[d, :] += sum_g w[g * D + d] * x[g * stride + :] for one tile of 16 keys: D / 16 blocks
+// of 16 independent accumulator vectors, so the FMA chains do not wait on each other.
+template <int D>
+inline void AccumulateTile(float* tile, const float* x, const float* w, int64_t stride,
+                           int64_t g_n) {
+  constexpr int kBlock = D < 16 ? D : 16;
+  for (int d0 = 0; d0 < D; d0 += kBlock) {
+    V acc[kBlock];
+#pragma GCC unroll 16
+    for (int d = 0; d < kBlock; ++d) acc[d] = Load(tile + (d0 + d) * kChunk);
+    for (int64_t g = 0; g < g_n; ++g) {
+      const V xg = Load(x + g * stride);
+      const float* wg = w + g * D + d0;
+#pragma GCC unroll 16
+      for (int d = 0; d < kBlock; ++d) acc[d] += Splat(wg[d]) * xg;
+    }
+#pragma GCC unroll 16
+    for (int d = 0; d < kBlock; ++d) Store(tile + (d0 + d) * kChunk, acc[d]);
+  }
+}
+
+template <int D>
+void BackwardItem(const float* q, const float* k, const float* v, const float* out,
+                  const float* lse, const float* dout, float* dq, float* dk, float* dv,
+                  const Shape& sh, int64_t item, std::vector<float>& scratch) {
+  const int64_t b = item / sh.kv, kvh = item % sh.kv, sp = sh.sp, g_n = sh.g;
+  // Regions are kChunk floats apart beyond their size, so that the accumulators of one tile
+  // are not a multiple of 4 KiB apart (x86 falsely orders loads after such stores).
+  const int64_t region = D * sp + kChunk;
+  scratch.assign(5 * region + (2 * g_n + 1) * sp + 2 * g_n * D, 0.0f);
+  float* kt = scratch.data();
+  float* vt = kt + region;
+  float* dkt = vt + region;  // tiles accumulating scale * sum_i ds_ij q_i
+  float* dvt = dkt + region;  // tiles accumulating sum_i p_ij dout_i
+  float* kr = dvt + region;   // [SP, D]: the keys, contiguous
+  float* p = kr + region;     // [G, SP]: probabilities of the G query heads of this row
+  float* ds = p + g_n * sp;   // [G, SP]: their score gradients
+  float* dp = ds + g_n * sp;  // [SP]
+  float* qs = dp + sp;        // [G, D]: scaled queries
+  float* dd = qs + g_n * D;   // [G, D]: output gradients
+  GatherTiles<D>(k, sh, b, kvh, kt);
+  GatherTiles<D>(v, sh, b, kvh, vt);
+  GatherRows<D>(k, sh, b, kvh, kr);
+  for (int64_t i = 0; i < sh.s; ++i) {
+    const int64_t n = i + 1, np = RoundUp(n);
+    for (int64_t g = 0; g < g_n; ++g) {
+      const int64_t h = kvh * g_n + g;
+      const int64_t row = (b * sh.s + i) * sh.h + h;
+      const float* qi = q + row * D;
+      const float* doi = dout + row * D;
+      const float* oi = out + row * D;
+      float* qg = qs + g * D;
+      float* dg = dd + g * D;
+      float* pg = p + g * sp;
+      float* dsg = ds + g * sp;
+      const V l = Splat(lse[(b * sh.h + h) * sh.s + i]);
+      float delta_s = 0.0f;  // sum_d dout_i[d] out_i[d] = sum_j p_ij (dout_i . v_j)
+      for (int d = 0; d < D; ++d) {
+        qg[d] = qi[d] * sh.scale;
+        dg[d] = doi[d];
+        delta_s += dg[d] * oi[d];
+      }
+      const V delta = Splat(delta_s);
+      RowScores<D>(qg, kt, np, pg);
+      RowScores<D>(dg, vt, np, dp);
+      for (int64_t j0 = 0; j0 < np; j0 += kChunk) {
+        const V pj = Visible(ExpV(Load(pg + j0) - l), j0, n, 0.0f);
+        Store(pg + j0, pj);
+        Store(dsg + j0, pj * (Load(dp + j0) - delta));
+      }
+      float dqi[D];
+      WeightedSum<D>(dsg, kt, kr, n, dqi);
+      float* dqo = dq + row * D;
+      for (int d = 0; d < D; ++d) dqo[d] = dqi[d] * sh.scale;
+    }
+    // dk_j += sum_g ds_gj q_g and dv_j += sum_g p_gj dout_g: each accumulator tile is read and
+    // written once per row for all G heads.
+    for (int64_t j0 = 0; j0 < np; j0 += kChunk) {
+      AccumulateTile<D>(dkt + j0 * D, ds + j0, qs, sp, g_n);
+      AccumulateTile<D>(dvt + j0 * D, p + j0, dd, sp, g_n);
+    }
+  }
+  ScatterTiles<D>(dkt, sh, b, kvh, dk);
+  ScatterTiles<D>(dvt, sh, b, kvh, dv);
+}
+
+ffi::Error CheckShapes(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k,
+                       ffi::Buffer<ffi::F32>& v, Shape* sh, int64_t* d) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4)
+    return ffi::Error::InvalidArgument("causal attention: q, k, v must be [B, S, heads, D]");
+  for (int a = 0; a < 4; ++a)
+    if (kd[a] != vd[a] || (a != 2 && kd[a] != qd[a]))
+      return ffi::Error::InvalidArgument("causal attention: q, k, v shapes disagree");
+  if (kd[2] <= 0 || qd[2] % kd[2] != 0)
+    return ffi::Error::InvalidArgument("causal attention: heads must be a multiple of kv heads");
+  sh->b = qd[0];
+  sh->s = qd[1];
+  sh->h = qd[2];
+  sh->kv = kd[2];
+  sh->g = qd[2] / kd[2];
+  sh->sp = RoundUp(qd[1]);
+  *d = qd[3];
+  sh->scale = 1.0f / std::sqrt(static_cast<float>(qd[3]));
+  return ffi::Error::Success();
+}
+
+// Runs body(std::integral_constant<int, D>()) with D = d, for the supported head dims.
+template <typename F>
+ffi::Error WithHeadDim(int64_t d, const F& body) {
+  switch (d) {
+    case 8: body(std::integral_constant<int, 8>()); break;
+    case 16: body(std::integral_constant<int, 16>()); break;
+    case 32: body(std::integral_constant<int, 32>()); break;
+    case 64: body(std::integral_constant<int, 64>()); break;
+    case 128: body(std::integral_constant<int, 128>()); break;
+    case 256: body(std::integral_constant<int, 256>()); break;
+    default:
+      return ffi::Error::InvalidArgument("causal attention: head_dim " + std::to_string(d) +
+                                         " is not one of 8, 16, 32, 64, 128, 256");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                   ffi::Buffer<ffi::F32> v, ffi::ResultBuffer<ffi::F32> out,
+                   ffi::ResultBuffer<ffi::F32> lse) {
+  Shape sh;
+  int64_t d;
+  if (ffi::Error e = CheckShapes(q, k, v, &sh, &d); e.failure()) return e;
+  return WithHeadDim(d, [&](auto dim) {
+    constexpr int D = decltype(dim)::value;
+    ParallelFor(pool, sh.b * sh.kv, [&](int64_t item) {
+      std::vector<float> scratch;
+      ForwardItem<D>(q.typed_data(), k.typed_data(), v.typed_data(), out->typed_data(),
+                     lse->typed_data(), sh, item, scratch);
+    });
+  });
+}
+
+ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                    ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> out,
+                    ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout,
+                    ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
+                    ffi::ResultBuffer<ffi::F32> dv) {
+  Shape sh;
+  int64_t d;
+  if (ffi::Error e = CheckShapes(q, k, v, &sh, &d); e.failure()) return e;
+  return WithHeadDim(d, [&](auto dim) {
+    constexpr int D = decltype(dim)::value;
+    ParallelFor(pool, sh.b * sh.kv, [&](int64_t item) {
+      std::vector<float> scratch;
+      BackwardItem<D>(q.typed_data(), k.typed_data(), v.typed_data(), out.typed_data(),
+                      lse.typed_data(), dout.typed_data(), dq->typed_data(), dk->typed_data(),
+                      dv->typed_data(), sh, item, scratch);
+    });
+  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DagmoeCausalAttentionFwd, Forward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DagmoeCausalAttentionBwd, Backward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

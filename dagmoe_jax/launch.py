@@ -57,10 +57,14 @@ def tcmalloc_environment(environ: Mapping[str, str], platform: str = sys.platfor
     return env
 
 
+def tcmalloc_preloaded() -> bool:
+    """Whether this process runs with TCMalloc preloaded."""
+    return "tcmalloc" in os.environ.get("LD_PRELOAD", "")
+
+
 def allocator() -> str:
     """'tcmalloc (LD_PRELOAD)' when this process preloads TCMalloc, else 'system malloc'."""
-    preload = os.environ.get("LD_PRELOAD", "")
-    return "tcmalloc (LD_PRELOAD)" if "tcmalloc" in preload else "system malloc"
+    return "tcmalloc (LD_PRELOAD)" if tcmalloc_preloaded() else "system malloc"
 
 
 def release_memory() -> None:
@@ -78,7 +82,7 @@ def release_memory() -> None:
 
     jax.clear_caches()
     gc.collect()
-    if "tcmalloc" in os.environ.get("LD_PRELOAD", ""):
+    if tcmalloc_preloaded():
         release = getattr(ctypes.CDLL(None), "MallocExtension_ReleaseFreeMemory", None)
         if release is not None:
             release()

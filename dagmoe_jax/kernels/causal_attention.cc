@@ -236,30 +236,35 @@ inline void RowDotsRows(const float* p, const float* rows, int64_t n, float* out
   }
 }
 
-// sum_j p[j] * x_j over the keys a row sees: from the rows for D a multiple of 16, from the
-// tiles otherwise.
+// WeightedSum reads contiguous rows when D is a multiple of 16 (no horizontal sums), tiles
+// otherwise.
 template <int D>
-inline void WeightedSum(const float* p, const float* xt, const float* rows, int64_t n,
-                        float* out) {
-  if constexpr (D % kChunk == 0) {
-    RowDotsRows<D>(p, rows, n, out);
+constexpr bool kSumsRows = D % kChunk == 0;
+
+// sum_j p[j] * x_j over the keys [0, n) a row sees, x in WeightedSum's layout (kSumsRows).
+template <int D>
+inline void WeightedSum(const float* p, const float* x, int64_t n, float* out) {
+  if constexpr (kSumsRows<D>) {
+    RowDotsRows<D>(p, x, n, out);
   } else {
-    RowDots<D>(p, xt, RoundUp(n), out);
+    RowDots<D>(p, x, RoundUp(n), out);
   }
 }
 
 template <int D>
 void ForwardItem(const float* q, const float* k, const float* v, float* out, float* lse,
-                 const Shape& sh, int64_t item, std::vector<float>& scratch) {
+                 const Shape& sh, int64_t item) {
   const int64_t b = item / sh.kv, kvh = item % sh.kv, sp = sh.sp;
-  scratch.resize(3 * D * sp + sp);
+  std::vector<float> scratch(2 * D * sp + sp);
   float* kt = scratch.data();
-  float* vt = kt + D * sp;
-  float* vr = vt + D * sp;  // [SP, D]: the values, contiguous
-  float* p = vr + D * sp;
+  float* vs = kt + D * sp;  // the values in WeightedSum's layout
+  float* p = vs + D * sp;
   GatherTiles<D>(k, sh, b, kvh, kt);
-  GatherTiles<D>(v, sh, b, kvh, vt);
-  GatherRows<D>(v, sh, b, kvh, vr);
+  if constexpr (kSumsRows<D>) {
+    GatherRows<D>(v, sh, b, kvh, vs);
+  } else {
+    GatherTiles<D>(v, sh, b, kvh, vs);
+  }
   for (int64_t i = 0; i < sh.s; ++i) {
     const int64_t n = i + 1, np = RoundUp(n);
     for (int64_t g = 0; g < sh.g; ++g) {
@@ -282,7 +287,7 @@ void ForwardItem(const float* q, const float* k, const float* v, float* out, flo
       }
       const float sum = HSum(sv);
       float o[D];
-      WeightedSum<D>(p, vt, vr, n, o);
+      WeightedSum<D>(p, vs, n, o);
       const float inv = 1.0f / sum;
       float* oi = out + ((b * sh.s + i) * sh.h + h) * D;
       for (int d = 0; d < D; ++d) oi[d] = o[d] * inv;
@@ -315,17 +320,17 @@ inline void AccumulateTile(float* tile, const float* x, const float* w, int64_t 
 template <int D>
 void BackwardItem(const float* q, const float* k, const float* v, const float* out,
                   const float* lse, const float* dout, float* dq, float* dk, float* dv,
-                  const Shape& sh, int64_t item, std::vector<float>& scratch) {
+                  const Shape& sh, int64_t item) {
   const int64_t b = item / sh.kv, kvh = item % sh.kv, sp = sh.sp, g_n = sh.g;
   // Regions are kChunk floats apart beyond their size, so that the accumulators of one tile
   // are not a multiple of 4 KiB apart (x86 falsely orders loads after such stores).
   const int64_t region = D * sp + kChunk;
-  scratch.assign(5 * region + (2 * g_n + 1) * sp + 2 * g_n * D, 0.0f);
+  std::vector<float> scratch(5 * region + (2 * g_n + 1) * sp + 2 * g_n * D);
   float* kt = scratch.data();
   float* vt = kt + region;
   float* dkt = vt + region;  // tiles accumulating scale * sum_i ds_ij q_i
   float* dvt = dkt + region;  // tiles accumulating sum_i p_ij dout_i
-  float* kr = dvt + region;   // [SP, D]: the keys, contiguous
+  float* kr = dvt + region;   // [SP, D]: the keys as rows, when WeightedSum reads rows
   float* p = kr + region;     // [G, SP]: probabilities of the G query heads of this row
   float* ds = p + g_n * sp;   // [G, SP]: their score gradients
   float* dp = ds + g_n * sp;  // [SP]
@@ -333,7 +338,11 @@ void BackwardItem(const float* q, const float* k, const float* v, const float* o
   float* dd = qs + g_n * D;   // [G, D]: output gradients
   GatherTiles<D>(k, sh, b, kvh, kt);
   GatherTiles<D>(v, sh, b, kvh, vt);
-  GatherRows<D>(k, sh, b, kvh, kr);
+  const float* ks = kt;  // the keys in WeightedSum's layout
+  if constexpr (kSumsRows<D>) {
+    GatherRows<D>(k, sh, b, kvh, kr);
+    ks = kr;
+  }
   for (int64_t i = 0; i < sh.s; ++i) {
     const int64_t n = i + 1, np = RoundUp(n);
     for (int64_t g = 0; g < g_n; ++g) {
@@ -362,7 +371,7 @@ void BackwardItem(const float* q, const float* k, const float* v, const float* o
         Store(dsg + j0, pj * (Load(dp + j0) - delta));
       }
       float dqi[D];
-      WeightedSum<D>(dsg, kt, kr, n, dqi);
+      WeightedSum<D>(dsg, ks, n, dqi);
       float* dqo = dq + row * D;
       for (int d = 0; d < D; ++d) dqo[d] = dqi[d] * sh.scale;
     }
@@ -415,19 +424,25 @@ ffi::Error WithHeadDim(int64_t d, const F& body) {
   return ffi::Error::Success();
 }
 
-ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                   ffi::Buffer<ffi::F32> v, ffi::ResultBuffer<ffi::F32> out,
-                   ffi::ResultBuffer<ffi::F32> lse) {
+// Checks the shapes, then runs item(std::integral_constant<int, D>(), shape, index) for every
+// (batch row, KV head) on the thread pool.
+template <typename Item>
+ffi::Error ForEachItem(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q,
+                       ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::F32>& v, const Item& item) {
   Shape sh;
   int64_t d;
   if (ffi::Error e = CheckShapes(q, k, v, &sh, &d); e.failure()) return e;
   return WithHeadDim(d, [&](auto dim) {
-    constexpr int D = decltype(dim)::value;
-    ParallelFor(pool, sh.b * sh.kv, [&](int64_t item) {
-      std::vector<float> scratch;
-      ForwardItem<D>(q.typed_data(), k.typed_data(), v.typed_data(), out->typed_data(),
-                     lse->typed_data(), sh, item, scratch);
-    });
+    ParallelFor(pool, sh.b * sh.kv, [&](int64_t index) { item(dim, sh, index); });
+  });
+}
+
+ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                   ffi::Buffer<ffi::F32> v, ffi::ResultBuffer<ffi::F32> out,
+                   ffi::ResultBuffer<ffi::F32> lse) {
+  return ForEachItem(pool, q, k, v, [&](auto dim, const Shape& sh, int64_t index) {
+    ForwardItem<decltype(dim)::value>(q.typed_data(), k.typed_data(), v.typed_data(),
+                                      out->typed_data(), lse->typed_data(), sh, index);
   });
 }
 
@@ -436,17 +451,11 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
                     ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout,
                     ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
                     ffi::ResultBuffer<ffi::F32> dv) {
-  Shape sh;
-  int64_t d;
-  if (ffi::Error e = CheckShapes(q, k, v, &sh, &d); e.failure()) return e;
-  return WithHeadDim(d, [&](auto dim) {
-    constexpr int D = decltype(dim)::value;
-    ParallelFor(pool, sh.b * sh.kv, [&](int64_t item) {
-      std::vector<float> scratch;
-      BackwardItem<D>(q.typed_data(), k.typed_data(), v.typed_data(), out.typed_data(),
-                      lse.typed_data(), dout.typed_data(), dq->typed_data(), dk->typed_data(),
-                      dv->typed_data(), sh, item, scratch);
-    });
+  return ForEachItem(pool, q, k, v, [&](auto dim, const Shape& sh, int64_t index) {
+    BackwardItem<decltype(dim)::value>(q.typed_data(), k.typed_data(), v.typed_data(),
+                                       out.typed_data(), lse.typed_data(), dout.typed_data(),
+                                       dq->typed_data(), dk->typed_data(), dv->typed_data(),
+                                       sh, index);
   });
 }
 

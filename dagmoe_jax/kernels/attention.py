@@ -64,6 +64,9 @@ def fused_attention_unavailable(q_shape=None, dtype=jnp.float32,
 
 
 def _forward(q, k, v):
+    """The forward custom call (output and log-sum-exp), after :func:`_check` (which also
+    builds and registers the kernel on first use)."""
+    _check(q, k, v)
     b, s, h, _ = q.shape
     return jax.ffi.ffi_call(
         _FWD, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
@@ -79,20 +82,19 @@ def fused_causal_attention(q, k, v):
     Raises ValueError with the reason when the kernel cannot run (see
     :func:`fused_attention_unavailable`).
     """
-    return _forward(*_checked(q, k, v))[0]
+    return _forward(q, k, v)[0]
 
 
-def _checked(q, k, v):
+def _check(q, k, v):
     reason = fused_attention_unavailable(q.shape, q.dtype)
     if reason is None and not (k.dtype == v.dtype == jnp.float32):
         reason = "the fused attention kernel takes float32 only (k or v is not)"
     if reason is not None:
         raise ValueError(f"{reason}; use ModelConfig.attention='blockwise' instead")
-    return q, k, v
 
 
 def _fwd(q, k, v):
-    out, lse = _forward(*_checked(q, k, v))
+    out, lse = _forward(q, k, v)
     return out, (q, k, v, out, lse)
 
 

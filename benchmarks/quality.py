@@ -62,7 +62,10 @@ def parse_args(argv):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--micro", action="store_true", help="a quick end-to-end budget")
     parser.add_argument("--data", default="",
-                        help="DataConfig source spec (default: stdlib docstrings)")
+                        help="DataConfig source spec (default: the --corpus)")
+    parser.add_argument("--corpus", default="stdlib", choices=("stdlib", "manpages"),
+                        help="the offline corpus used without --data: the standard library's "
+                             "docstrings, or the installed English manual pages")
     parser.add_argument("--eval_data", default="", help="held-out source spec")
     add_budget_flags(parser, DEFAULTS)
     parser.add_argument("--json", default=None)
@@ -79,7 +82,7 @@ def main(argv=None) -> int:
     # Imported after argument parsing so that --help and argument errors are instant.
     import jax
 
-    from dagmoe_jax.eval.corpus import build_stdlib_corpus, corpus_sources
+    from dagmoe_jax.eval.corpus import build_manpage_corpus, build_stdlib_corpus, corpus_sources
     from dagmoe_jax.eval.quality import QualityBudget, format_report, run_benchmark
 
     out = Path(args.out)
@@ -87,13 +90,19 @@ def main(argv=None) -> int:
     corpus = None
     source, eval_source = args.data, args.eval_data
     if not source:
-        corpus = build_stdlib_corpus(out / "corpus")
+        try:
+            corpus = (build_stdlib_corpus(out / "corpus") if args.corpus == "stdlib"
+                      else build_manpage_corpus(out / "corpus"))
+        except FileNotFoundError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
         source, default_eval = corpus_sources(corpus)
         eval_source = eval_source or default_eval
-        print(f"corpus: docstrings of the Python {corpus.python} standard library "
-              f"({corpus.files} files, {corpus.docstrings:,} docstrings): {corpus.train_bytes:,} "
-              f"bytes for training, {corpus.heldout_bytes:,} held out ({corpus.heldout_files} "
-              f"files)", flush=True)
+        what = (f"docstrings of the Python {corpus.python} standard library ({corpus.files} "
+                f"files, {corpus.docstrings:,} docstrings)" if args.corpus == "stdlib" else
+                f"English manual pages, sections 1, 5, 7, 8 ({corpus.files:,} pages)")
+        print(f"corpus: {what}: {corpus.train_bytes:,} bytes for training, "
+              f"{corpus.heldout_bytes:,} held out ({corpus.heldout_files} files)", flush=True)
     try:
         budget = QualityBudget(source=source, eval_source=eval_source,
                                variants=tuple(v for v in args.variants.split(",") if v),

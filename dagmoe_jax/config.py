@@ -22,7 +22,11 @@ DISPATCH_MODES = ("capacity", "dropless", "dense")
 AGGREGATORS = ("sum", "dag", "mlp")
 EDGE_ACTIVATIONS = ("silu", "sigmoid")
 DAG_EDGES = ("all", "ranked")
+DAG_READINGS = ("once", "literal")
 COE_RESIDUALS = ("inner", "outer", "init")
+COE_READINGS = ("once", "literal", "reference")
+BALANCE_LOADS = ("tokens", "slots")
+BALANCE_PROBS = ("softmax", "score_share")
 REMAT_POLICIES = ("auto", "none", "full", "dots")
 ATTENTION_IMPLS = ("auto", "xla", "blockwise", "fused", "cudnn")
 DTYPES = ("float32", "bfloat16")
@@ -55,6 +59,15 @@ class RouterConfig:
     top_k: experts selected per token (K).
     renormalize: divide the selected gates by their sum (off in DAG-MoE).
     balance_coef: Switch balance-loss coefficient (paper: 0.01).
+    balance_load: f_i of the balance loss ``N sum_i f_i P_i``. 'tokens' (default; the paper's
+      training stack, Hugging Face's ``load_balancing_loss_func``): the share of tokens that
+      chose expert i, so f sums to K and the loss is K at balance. 'slots': the share of the
+      T * K routing slots, f sums to 1 and the loss is 1 at balance (K times less pressure at
+      the same coefficient; this library's convention before it followed the paper's stack).
+    balance_prob: P_i of the balance loss. 'softmax' (default; Hugging Face's function takes the
+      softmax of the router logits whatever the score function): mean over tokens of
+      softmax(z)_i. 'score_share': mean of s_i / sum_j s_j (equal to 'softmax' for softmax
+      scores; for sigmoid scores the share of each expert in the token's summed scores).
     z_loss_coef: router z-loss coefficient (paper: 0.001).
     """
 
@@ -62,10 +75,14 @@ class RouterConfig:
     top_k: int = 4
     renormalize: bool = False
     balance_coef: float = 0.01
+    balance_load: str = "tokens"
+    balance_prob: str = "softmax"
     z_loss_coef: float = 0.001
 
     def __post_init__(self):
         _choice("RouterConfig", "score_fn", self.score_fn, SCORE_FNS)
+        _choice("RouterConfig", "balance_load", self.balance_load, BALANCE_LOADS)
+        _choice("RouterConfig", "balance_prob", self.balance_prob, BALANCE_PROBS)
         _positive("RouterConfig", "top_k", self.top_k)
         _nonnegative("RouterConfig", "balance_coef", self.balance_coef)
         _nonnegative("RouterConfig", "z_loss_coef", self.z_loss_coef)
@@ -115,6 +132,16 @@ class AggregationConfig:
       the update of node i depends on x_i and the *set* of nodes, so the module's output does
       not depend on the node order; 'ranked' makes the graph follow the router's ranking and
       the output order-sensitive (our extension, not in the paper).
+    dag_residual: how the residual ``x / K`` of eq. 6 meets the decoder's own residual stream
+      (x = RMSNorm(h) is the block input, the layer computes h + block output):
+      'once' (default): x is counted once. The block returns sum_i x_i^L - x, the nodes'
+        updates without the residual that eq. 12 sums back in, so the layer is
+        h + sum_i (x_i^L - x / K); with W_up = 0 (its initialisation) this is exactly the MoE
+        layer h + sum_k g_k E_k(x). The nodes themselves, and so every equation's inputs, are
+        as written.
+      'literal': the block returns eq. 12's sum_i x_i^L, so the layer is h + x + ...: every DAG
+        layer adds a whole RMSNorm(h) (norm ~sqrt(d)) to the stream, which no other block
+        does. Kept for comparison; it trains worse (README, quality benchmark).
     """
 
     kind: str = "sum"
@@ -122,6 +149,7 @@ class AggregationConfig:
     dag_iters: int = 2
     edge_act: str = "silu"
     dag_edges: str = "all"
+    dag_residual: str = "once"
 
     def __post_init__(self):
         _choice("AggregationConfig", "kind", self.kind, AGGREGATORS)
@@ -129,6 +157,7 @@ class AggregationConfig:
         _positive("AggregationConfig", "dag_iters", self.dag_iters)
         _choice("AggregationConfig", "edge_act", self.edge_act, EDGE_ACTIVATIONS)
         _choice("AggregationConfig", "dag_edges", self.dag_edges, DAG_EDGES)
+        _choice("AggregationConfig", "dag_residual", self.dag_residual, DAG_READINGS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,18 +169,28 @@ class CoEConfig:
     shared_router: reuse the first iteration's routing decision in every iteration (CoE eq. 8
       ablation) instead of one router per iteration.
     residual: 'inner' (eq. 5, default), 'outer' (eq. 9) or 'init' (eq. 10).
+    stream: how the chain's own residual (its output contains x^(0) = x = RMSNorm(h) in every
+      residual mode) meets the decoder's residual stream h:
+      'once' (default): the block returns its output minus x^(0), the experts' updates only, so
+        the layer is h + updates and equals the standard layer when the experts output zero.
+      'literal': the block returns the chain's output, so the layer is h + x + updates (x
+        counted twice, as in this library before the fix).
+      'reference': the CoE authors' code: the layer's output *is* the chain's output,
+        RMSNorm(h) + updates, replacing the stream h instead of adding to it.
     """
 
     iterations: int = 2
     top_k_per_iter: Optional[int] = None
     shared_router: bool = False
     residual: str = "inner"
+    stream: str = "once"
 
     def __post_init__(self):
         _positive("CoEConfig", "iterations", self.iterations)
         if self.top_k_per_iter is not None:
             _positive("CoEConfig", "top_k_per_iter", self.top_k_per_iter)
         _choice("CoEConfig", "residual", self.residual, COE_RESIDUALS)
+        _choice("CoEConfig", "stream", self.stream, COE_READINGS)
 
 
 @dataclasses.dataclass(frozen=True)

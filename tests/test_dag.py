@@ -41,11 +41,15 @@ def np_layer_norm(v, scale, bias, eps):
     return (v - mean) / np.sqrt(var + eps) * scale + bias
 
 
-def np_dag_moe(x, gates, expert_out, paper_params, edge_act, eps=EPS, edges="all"):
+def np_dag_moe(x, gates, expert_out, paper_params, edge_act, eps=EPS, edges="all",
+               reading="once"):
     """DAG-MoE eq. 6-12 transcribed literally, in float64.
 
     ``paper_params`` is a list over iterations l of dicts with the paper's shapes:
     W_down [d_g, d], W_edge [d_g, 2 d_g], W_node [d_g, 2 d_g], W_up [d, d_g], ln_scale/ln_bias [d].
+    ``reading='literal'`` returns eq. 12's y; 'once' (the block's default,
+    ``AggregationConfig.dag_residual``) returns y - x, the residual x counted once by the
+    decoder's own h + block output.
     """
     x = np.asarray(x, np.float64)
     gates = np.asarray(gates, np.float64)
@@ -72,11 +76,12 @@ def np_dag_moe(x, gates, expert_out, paper_params, edge_act, eps=EPS, edges="all
                 new_nodes.append(w_up @ acc + nodes[i])                 # eq. 11
             nodes = new_nodes
         y[t] = np.sum(nodes, axis=0)                                    # eq. 12
-    return y
+    return y - x if reading == "once" else y
 
 
 def naive_jax_dag(x, gates, expert_out, lib_params, edge_act, eps=EPS):
-    """The same equations in JAX, materialising the [T, K, K, 2 d_g] pair tensor of eq. 9.
+    """The same equations in JAX, materialising the [T, K, K, 2 d_g] pair tensor of eq. 9;
+    the 'once' reading (y - x).
 
     ``lib_params`` uses the library's layout (v @ W): stacked over iterations.
     """
@@ -94,7 +99,7 @@ def naive_jax_dag(x, gates, expert_out, lib_params, edge_act, eps=EPS):
         pair = jnp.concatenate([ui, uj], axis=-1)                              # [T, K, K, 2dg]
         msg = act(pair @ lib_params["w_edge"][l]) * (pair @ lib_params["w_node"][l])
         nodes = msg.sum(axis=2) @ lib_params["w_up"][l] + nodes
-    return nodes.sum(axis=1)
+    return nodes.sum(axis=1) - x
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -127,10 +132,10 @@ def to_paper_layout(lib_params):
             for l in range(lib_params["w_up"].shape[0])]
 
 
-def make_dag(iters, edge_act, lib_params=None, edges="all"):
+def make_dag(iters, edge_act, lib_params=None, edges="all", reading="once"):
     cfg = tiny_config("moe", "dag", d_model=D, norm_eps=EPS,
                       aggregation=dict(dag_dim=DG, dag_iters=iters, edge_act=edge_act,
-                                       dag_edges=edges))
+                                       dag_edges=edges, dag_residual=reading))
     module = DAGAggregator(cfg, rngs=nnx.Rngs(0))
     if lib_params is not None:
         for name, value in lib_params.items():
@@ -148,19 +153,21 @@ def rel_err(a, b):
 # ----------------------------------------------------------------------------- tests
 
 @pytest.mark.parametrize("edge_act", ["silu", "sigmoid"])
-@pytest.mark.parametrize("iters", [1, 2, 3])
-def test_dag_module_matches_numpy_paper_transcription(edge_act, iters):
+@pytest.mark.parametrize("iters,reading", [(1, "once"), (2, "literal"), (3, "once")])
+def test_dag_module_matches_numpy_paper_transcription(edge_act, iters, reading):
     rng = np.random.default_rng(10 * iters + (edge_act == "sigmoid"))
     x, gates, expert_out = random_inputs(rng)
     params = random_lib_params(rng, iters)
-    expected = np_dag_moe(x, gates, expert_out, to_paper_layout(params), edge_act)
+    expected = np_dag_moe(x, gates, expert_out, to_paper_layout(params), edge_act,
+                          reading=reading)
 
-    module = make_dag(iters, edge_act, params)
+    module = make_dag(iters, edge_act, params, reading=reading)
     got = module(jnp.asarray(x), jnp.asarray(gates), jnp.asarray(expert_out))
     assert got.shape == (T, D) and got.dtype == jnp.float32
-    # The DAG really contributes something beyond the weighted sum + residual here, so the
+    # The DAG really contributes something beyond the weighted sum (+ residual) here, so the
     # comparison exercises eq. 7-11 and not only eq. 6 and 12.
-    trivial = np.asarray(weighted_sum(jnp.asarray(gates), jnp.asarray(expert_out))) + x
+    trivial = np.asarray(weighted_sum(jnp.asarray(gates), jnp.asarray(expert_out)))
+    trivial = trivial + x if reading == "literal" else trivial
     assert rel_err(trivial, expected) > 0.1
     assert rel_err(got, expected) < 1e-5
 
@@ -171,9 +178,12 @@ def test_dag_iteration_function_matches_numpy_paper_transcription(edge_act, iter
     rng = np.random.default_rng(100 + 10 * iters + (edge_act == "sigmoid"))
     x, gates, expert_out = random_inputs(rng)
     params = random_lib_params(rng, iters)
-    expected = np_dag_moe(x, gates, expert_out, to_paper_layout(params), edge_act)
+    expected = np_dag_moe(x, gates, expert_out, to_paper_layout(params), edge_act,
+                          reading="literal")
 
-    nodes = dag_initial_nodes(jnp.asarray(x), jnp.asarray(gates), jnp.asarray(expert_out))
+    updates, residual = dag_initial_nodes(jnp.asarray(x), jnp.asarray(gates),
+                                          jnp.asarray(expert_out))
+    nodes = updates + residual                                       # eq. 6's two terms
     for l in range(iters):
         nodes = dag_iteration(nodes, *(jnp.asarray(params[n][l]) for n in
                                        ("ln_scale", "ln_bias", "w_down", "w_edge", "w_node",
@@ -197,22 +207,24 @@ def test_dag_module_matches_naive_pair_tensor_jax(edge_act):
 
 
 @pytest.mark.parametrize("iters", [1, 2])
-def test_zero_init_is_weighted_sum_plus_residual(iters):
+def test_zero_init_is_weighted_sum_under_each_reading(iters):
+    """W_up = 0 (its initialisation): the 'once' block is exactly the weighted sum of eq. 1,
+    so a DAG-MoE layer starts as the MoE layer; 'literal' adds x on top (eq. 6 + eq. 12)."""
     rng = np.random.default_rng(3)
     x, gates, expert_out = (jnp.asarray(a) for a in random_inputs(rng, k=4))
-    module = make_dag(iters, "silu")                         # fresh: w_up zero-initialised
-    assert np.all(np.asarray(module.iterations.w_up[...]) == 0)
-    got = np.asarray(module(x, gates, expert_out))
-    # With W_up = 0 every iteration adds an exact 0.0 to the nodes, so the module's output is
-    # bit-for-bit the readout of the initial nodes (eq. 6 then eq. 12).
-    np.testing.assert_array_equal(got, np.asarray(dag_readout(dag_initial_nodes(x, gates,
-                                                                                 expert_out))))
-    # sum_k (g_k E_k + x / K) against sum_k g_k E_k + x: the same terms summed in another order
-    # (x / 4 is exact in binary), so they differ by a few float32 ulps of the largest term
-    # (~1e-7 relative each); 1e-6 of the output's scale bounds that with room, while any real
-    # contribution of the DAG would be O(1) here.
-    expected = np.asarray(weighted_sum(gates, expert_out)) + np.asarray(x)
-    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6 * np.abs(expected).max())
+    s = np.asarray(weighted_sum(gates, expert_out))
+    once = make_dag(iters, "silu")                           # fresh: w_up zero-initialised
+    assert np.all(np.asarray(once.iterations.w_up[...]) == 0)
+    got = np.asarray(once(x, gates, expert_out))
+    # With W_up = 0 every iteration adds an exact 0.0 to the carried updates g_k E_k, so the
+    # output is sum_k g_k E_k summed by jnp.sum instead of einsum: a few ulps at most.
+    np.testing.assert_allclose(got, s, rtol=0, atol=1e-6 * np.abs(s).max())
+    literal = np.asarray(make_dag(iters, "silu", reading="literal")(x, gates, expert_out))
+    expected = s + np.asarray(x)
+    np.testing.assert_allclose(literal, expected, rtol=0, atol=1e-6 * np.abs(expected).max())
+    updates, residual = dag_initial_nodes(x, gates, expert_out)
+    np.testing.assert_allclose(literal, np.asarray(dag_readout(updates + residual)), rtol=0,
+                               atol=1e-6 * np.abs(expected).max())
 
 
 def test_dag_is_permutation_invariant_but_not_a_function_of_the_sum():
@@ -239,7 +251,7 @@ def test_dag_is_permutation_invariant_but_not_a_function_of_the_sum():
     # Node-level equivariance: one iteration permutes the nodes with the experts.
     lp = {n: jnp.asarray(v[0]) for n, v in params.items()}
     args = (lp["ln_scale"], lp["ln_bias"], lp["w_down"], lp["w_edge"], lp["w_node"], lp["w_up"])
-    n0 = dag_initial_nodes(x, gates, expert_out)
+    n0 = sum(dag_initial_nodes(x, gates, expert_out))
     n1 = np.asarray(dag_iteration(n0, *args, edge_act="silu", eps=EPS))
     n1_perm = np.asarray(dag_iteration(n0[:, perm], *args, edge_act="silu", eps=EPS))
     np.testing.assert_allclose(n1_perm, n1[:, perm], rtol=1e-5, atol=1e-5 * np.abs(n1).max())

@@ -1,8 +1,10 @@
 """Router: scores, top-K order and ties, renormalisation, and the two router losses.
 
-The loss definitions are DESIGN.md section 2: balance = N * sum_i f_i P_i with f_i the share of
-the T*K routing slots that chose expert i and P_i the mean over tokens of the normalised score
-(softmax probability, or s_i / sum_j s_j for sigmoid); z-loss = mean_t (logsumexp_i z_ti)^2.
+The loss definitions: balance = N * sum_i f_i P_i, in two conventions for f_i: 'tokens' (the
+share of tokens that chose expert i, summing to K: Hugging Face's ``load_balancing_loss_func``,
+the DAG-MoE paper's training stack, the default) and 'slots' (the share of the T*K routing
+slots, summing to 1); P_i the mean over tokens of softmax(z)_i ('softmax', the default) or of
+s_i / sum_j s_j ('score_share'); z-loss = mean_t (logsumexp_i z_ti)^2.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dagmoe_jax.model.router import (Router, balance_loss, expert_load, router_scores,
-                                     select_top_k, z_loss)
+from dagmoe_jax.model.router import (Router, balance_fraction, balance_loss, balance_probs,
+                                     expert_load, router_scores, select_top_k, z_loss)
 
 # 4 tokens, 3 experts. Top-2 by hand (sigmoid and softmax are both monotonic in z):
 #   t0 [2, 1, 0] -> experts 0, 1     t1 [0, 3, 1] -> 1, 2
@@ -26,6 +28,9 @@ LOGITS = np.array([[2.0, 1.0, 0.0],
 TOP2 = np.array([[0, 1], [1, 2], [2, 0], [0, 1]])
 # f_i by counting the 8 slots above: expert 0 three times, expert 1 three times, expert 2 twice.
 F = np.array([3, 3, 2]) / 8.0
+# ... and by counting tokens: expert 0 is chosen by t0, t2, t3; expert 1 by t0, t1, t3; expert 2
+# by t1, t2: 3, 3 and 2 of the 4 tokens (sums to K = 2).
+F_TOKENS = np.array([3, 3, 2]) / 4.0
 
 
 def hand_scores(score_fn):
@@ -36,10 +41,14 @@ def hand_scores(score_fn):
     return 1.0 / (1.0 + np.exp(-z))
 
 
-def hand_balance(score_fn):
-    s = hand_scores(score_fn)
-    p = s / s.sum(axis=1, keepdims=True)        # a no-op for softmax; s_i / sum_j s_j for sigmoid
-    return 3 * np.sum(F * p.mean(axis=0))
+def hand_balance(score_fn, load="tokens", prob="softmax"):
+    if prob == "softmax":                       # softmax of the logits whatever score_fn is
+        p = hand_scores("softmax")
+    else:
+        s = hand_scores(score_fn)
+        p = s / s.sum(axis=1, keepdims=True)    # a no-op for softmax; s_i / sum_j s_j for sigmoid
+    f = F_TOKENS if load == "tokens" else F
+    return 3 * np.sum(f * p.mean(axis=0))
 
 
 def hand_z_loss():
@@ -58,6 +67,17 @@ def test_hand_example_values():
                                         np.log(np.exp([3, 2, 1]).sum()) ** 2]))
 
 
+def test_hand_balance_conventions_differ_by_k():
+    # The same routing in the two conventions: f over tokens is K = 2 times f over slots.
+    np.testing.assert_allclose(F_TOKENS, 2 * F)
+    np.testing.assert_allclose(hand_balance("sigmoid", "tokens", "score_share"),
+                               2 * hand_balance("sigmoid", "slots", "score_share"))
+    # Spot-check one number: softmax P, tokens f, written out term by term.
+    p = hand_scores("softmax").mean(axis=0)
+    np.testing.assert_allclose(hand_balance("sigmoid"),
+                               3 * (0.75 * p[0] + 0.75 * p[1] + 0.5 * p[2]))
+
+
 @pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
 def test_losses_against_hand_computation(score_fn):
     scores = router_scores(jnp.asarray(LOGITS), score_fn)
@@ -67,8 +87,15 @@ def test_losses_against_hand_computation(score_fn):
     np.testing.assert_allclose(np.asarray(gates),
                                np.take_along_axis(hand_scores(score_fn), TOP2, axis=1), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(expert_load(indices, 3)), F, rtol=1e-7)
-    np.testing.assert_allclose(float(balance_loss(scores, indices, score_fn)),
-                               hand_balance(score_fn), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(balance_fraction(indices, 3, "tokens")), F_TOKENS,
+                               rtol=1e-7)
+    np.testing.assert_allclose(np.asarray(balance_fraction(indices, 3, "slots")), F, rtol=1e-7)
+    for load in ("tokens", "slots"):
+        for prob in ("softmax", "score_share"):
+            probs = balance_probs(jnp.asarray(LOGITS), scores, prob)
+            np.testing.assert_allclose(float(balance_loss(probs, indices, load)),
+                                       hand_balance(score_fn, load, prob), rtol=1e-6,
+                                       err_msg=f"{load} {prob}")
     np.testing.assert_allclose(float(z_loss(jnp.asarray(LOGITS))), hand_z_loss(), rtol=1e-6)
 
 
@@ -80,26 +107,36 @@ def test_router_module_end_to_end(score_fn):
     routing = router(jnp.eye(4, dtype=jnp.float32), 2, score_fn, False)
     np.testing.assert_allclose(np.asarray(routing.logits), LOGITS)
     np.testing.assert_array_equal(np.asarray(routing.indices), TOP2)
-    losses = Router.losses(routing, score_fn)
+    losses = Router.losses(routing)                      # the defaults: tokens, softmax
     np.testing.assert_allclose(float(losses["balance_loss"]), hand_balance(score_fn), rtol=1e-6)
+    slots = Router.losses(routing, "slots", "score_share")
+    np.testing.assert_allclose(float(slots["balance_loss"]),
+                               hand_balance(score_fn, "slots", "score_share"), rtol=1e-6)
     np.testing.assert_allclose(float(losses["z_loss"]), hand_z_loss(), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(losses["expert_load"]), F, rtol=1e-7)
 
 
-def test_balance_loss_is_one_when_uniform():
-    # Equal logits: P_i = 1/N; a perfectly balanced assignment f_i = 1/N gives N * N * 1/N^2 = 1.
+def test_balance_loss_is_k_when_uniform_over_tokens_and_one_over_slots():
+    # Equal logits: P_i = 1/N; a perfectly balanced assignment gives f_i = K/N over tokens
+    # (N * N * K/N * 1/N = K = 2) and f_i = 1/N over slots (1).
     logits = jnp.zeros((4, 4), jnp.float32)
     indices = jnp.asarray([[0, 1], [2, 3], [1, 0], [3, 2]])
     for fn in ("softmax", "sigmoid"):
-        np.testing.assert_allclose(float(balance_loss(router_scores(logits, fn), indices, fn)),
-                                   1.0, rtol=1e-6)
+        for prob in ("softmax", "score_share"):
+            probs = balance_probs(logits, router_scores(logits, fn), prob)
+            np.testing.assert_allclose(float(balance_loss(probs, indices, "tokens")), 2.0,
+                                       rtol=1e-6)
+            np.testing.assert_allclose(float(balance_loss(probs, indices, "slots")), 1.0,
+                                       rtol=1e-6)
     # All slots on one expert with P uniform: N * 1 * 1/N = 1 too; concentrated P makes it N.
     collapsed = jnp.zeros((4, 1), jnp.int32)
-    np.testing.assert_allclose(float(balance_loss(router_scores(logits, "softmax"), collapsed,
-                                                  "softmax")), 1.0, rtol=1e-6)
+    uniform = balance_probs(logits, router_scores(logits, "softmax"), "softmax")
+    np.testing.assert_allclose(float(balance_loss(uniform, collapsed, "slots")), 1.0, rtol=1e-6)
     peaked = jnp.asarray(np.tile([50.0, 0, 0, 0], (4, 1)), jnp.float32)
-    np.testing.assert_allclose(float(balance_loss(router_scores(peaked, "softmax"), collapsed,
-                                                  "softmax")), 4.0, rtol=1e-5)
+    peaked_p = balance_probs(peaked, router_scores(peaked, "softmax"), "softmax")
+    np.testing.assert_allclose(float(balance_loss(peaked_p, collapsed, "slots")), 4.0, rtol=1e-5)
+    # With K = 1 the two conventions coincide.
+    np.testing.assert_allclose(float(balance_loss(peaked_p, collapsed, "tokens")), 4.0, rtol=1e-5)
 
 
 def test_top_k_descending_and_ties_to_lower_index():

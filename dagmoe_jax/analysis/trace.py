@@ -26,10 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dagmoe_jax.model.aggregation import (EDGE_ACTIVATIONS, dag_initial_nodes, dag_iteration,
-                                          dag_readout, layer_norm, weighted_sum)
+from dagmoe_jax.model.aggregation import (EDGE_ACTIVATIONS, dag_block_output, dag_initial_nodes,
+                                          dag_node_update, layer_norm, weighted_sum)
 from dagmoe_jax.model.attention import rope_angles
-from dagmoe_jax.model.coe import coe_residual
+from dagmoe_jax.model.coe import coe_block_output, coe_step
 from dagmoe_jax.model.layers import dtype_of
 
 DAG_PARAMS = ("ln_scale", "ln_bias", "w_down", "w_edge", "w_node", "w_up")
@@ -65,19 +65,21 @@ def _dag_trace(aggregator, cfg, x, gates, expert_out):
     gates and input nodes."""
     agg = cfg.aggregation
     stacked = {name: getattr(aggregator.iterations, name)[...] for name in DAG_PARAMS}
-    nodes = dag_initial_nodes(x, gates, expert_out)                              # eq. 6
+    updates, residual = dag_initial_nodes(x, gates, expert_out)                  # eq. 6
     edge, inputs = [], []
     for it in range(agg.dag_iters):
         p = {name: value[it] for name, value in stacked.items()}
+        nodes = updates + residual
         t, k, d = nodes.shape
         u = layer_norm(nodes.reshape(t * k, d), p["ln_scale"], p["ln_bias"], cfg.norm_eps)
         u = (u @ p["w_down"].astype(nodes.dtype)).reshape(t, k, -1)                # eq. 7-8
         edge.append(edge_gates(u, p["w_edge"], agg.edge_act, agg.dag_edges))      # eq. 9-10
         inputs.append(nodes)
-        nodes = dag_iteration(nodes, p["ln_scale"], p["ln_bias"], p["w_down"], p["w_edge"],
-                              p["w_node"], p["w_up"], agg.edge_act, cfg.norm_eps,
-                              agg.dag_edges)                                      # eq. 7-11
-    return dag_readout(nodes), jnp.stack(edge), jnp.stack(inputs)                # eq. 12
+        updates = updates + dag_node_update(nodes, p["ln_scale"], p["ln_bias"], p["w_down"],
+                                            p["w_edge"], p["w_node"], p["w_up"], agg.edge_act,
+                                            cfg.norm_eps, agg.dag_edges)         # eq. 7-11
+    y = dag_block_output(updates, x.astype(expert_out.dtype), agg.dag_residual)  # eq. 12
+    return y, jnp.stack(edge), jnp.stack(inputs)
 
 
 def _moe_trace(block, cfg, x):
@@ -97,7 +99,7 @@ def _moe_trace(block, cfg, x):
 
 def _coe_trace(block, cfg, x0):
     r, e, c = cfg.router, cfg.experts, cfg.coe
-    h, indices, routing = x0, [], None
+    h, delta, indices, routing = x0, jnp.zeros_like(x0), [], None
     for t in range(c.iterations):
         if t == 0 or not c.shared_router:
             routing = block.routers[t](h, cfg.coe_top_k, r.score_fn, r.renormalize)
@@ -105,9 +107,9 @@ def _coe_trace(block, cfg, x0):
         update = weighted_sum(routing.gates, out)
         if block.shared is not None:
             update = update + block.shared(h)
-        h = coe_residual(update.astype(x0.dtype), h, x0, c.residual)
+        delta, h = coe_step(update.astype(x0.dtype), delta, x0, c.residual)
         indices.append(routing.indices)
-    y = h + x0 if c.residual == "outer" else h
+    y = coe_block_output(delta, x0, c.stream)
     return y, {"indices": jnp.stack(indices)}                                     # [C, T, K]
 
 
@@ -125,7 +127,7 @@ def _layer_step(layer, h, sin, cos):
         y, record = _coe_trace(layer.block, cfg, xt)
     else:
         y, record = layer.block(x).reshape(b * s, d), {}
-    return h + y.reshape(b, s, d).astype(h.dtype), record
+    return layer.add_block_output(h, y.reshape(b, s, d)), record
 
 
 def trace_tokens(model, tokens) -> Dict[str, object]:

@@ -142,6 +142,25 @@ def mean_std(values: Sequence[float]) -> Tuple[float, float]:
     return float(array.mean()), float(array.std(ddof=1)) if array.size > 1 else 0.0
 
 
+# Two-sided 5% critical values of Student's t by degrees of freedom (1-9); normal beyond.
+_T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262)
+
+
+def paired_difference(a: Mapping[int, float], b: Mapping[int, float]) -> Dict[str, float]:
+    """The seed-paired difference a - b over the seeds both have: mean, sample std, count, and
+    whether the mean is beyond the seed spread (a paired t-test at 5%, two-sided: |mean| >
+    t * std / sqrt(n); never with fewer than 2 seeds)."""
+    seeds = sorted(set(a) & set(b))
+    diffs = [a[s] - b[s] for s in seeds]
+    mean, std = mean_std(diffs)
+    n = len(diffs)
+    beyond = False
+    if n >= 2:
+        t = _T_975[n - 2] if n - 2 < len(_T_975) else 1.96
+        beyond = bool(abs(mean) > t * std / math.sqrt(n))
+    return {"mean": mean, "std": std, "seeds": n, "beyond_spread": beyond}
+
+
 def seed_statistics(per_seed: Sequence[Mapping[int, float]]) -> Dict[int, Tuple[float, float]]:
     """``{size: (mean, std)}`` across seeds of per-seed ``{size: accuracy}`` dicts."""
     sizes: List[int] = sorted({n for acc in per_seed for n in acc})

@@ -11,12 +11,15 @@ Every benchmark here compares the same seven designs on one trunk (the base ``Mo
                "393K" parity: d 512, d_g 128, L 2)
 ``dag_l3``     DAG-MoE, L = 3, d_g chosen to match the budget
 ``mlp``        the MLP-mixing ablation, d_g chosen so its 3 d d_g parameters match the budget
+``mlp_small``  the MLP-mixing ablation at its own size in the DAG-MoE summary: d_g = dag_dim / 2
+               (the summary's 98K, d_g 64, beside a 393K DAG of d_g 128), a quarter-ish of the
+               budget; the paper's MLP-mixing number belongs to this one
 ``coe``        Chain-of-Experts: 2 iterations of K / 2 experts (the same K expert calls per
                token as the others), one router per iteration, plus a shared expert of the
                matched size (our reading of the summary's "CoE, 393K, equal params")
 =============  ==============================================================================
 
-"Equal parameters" therefore means: the parameters each variant adds to ``moe`` per layer are
+"Equal parameters" therefore means (``mlp_small`` aside): the parameters each variant adds to ``moe`` per layer are
 the DAG-MoE L 2 module's ``L (2 d d_g + 4 d_g^2 + 2 d)``, to the nearest integer hidden size
 (within a fraction of a percent; the benchmarks print the exact counts from
 :func:`dagmoe_jax.accounting.account`). CoE also has one more router (d N per layer).
@@ -28,7 +31,8 @@ from typing import Dict, Tuple
 
 from dagmoe_jax.config import ModelConfig, dag_params_per_layer
 
-VARIANTS: Tuple[str, ...] = ("moe", "moe_shared", "dag_l1", "dag_l2", "dag_l3", "mlp", "coe")
+VARIANTS: Tuple[str, ...] = ("moe", "moe_shared", "dag_l1", "dag_l2", "dag_l3", "mlp",
+                             "mlp_small", "coe")
 
 LABELS: Dict[str, str] = {
     "moe": "MoE",
@@ -37,6 +41,7 @@ LABELS: Dict[str, str] = {
     "dag_l2": "DAG-MoE L 2",
     "dag_l3": "DAG-MoE L 3",
     "mlp": "MLP mixing",
+    "mlp_small": "MLP mixing, d_g/2",
     "coe": "CoE (2 iterations)",
 }
 
@@ -88,6 +93,8 @@ def variant_config(base: ModelConfig, name: str, dag_dim: int) -> ModelConfig:
                                               dag_dim=matched_dag_dim(d, budget, iters)))
     if name == "mlp":
         return plain.replace(aggregation=dict(kind="mlp", dag_dim=matched_hidden(d, budget)))
+    if name == "mlp_small":
+        return plain.replace(aggregation=dict(kind="mlp", dag_dim=max(1, dag_dim // 2)))
     if k < 2:
         raise ValueError(f"variant 'coe' needs RouterConfig.top_k >= 2 (it is {k}): two CoE "
                          "iterations of top_k // 2 experts each")

@@ -28,10 +28,15 @@ def weighted_sum(gates: jax.Array, expert_out: jax.Array) -> jax.Array:
     return jnp.einsum("tk,tkd->td", gates.astype(expert_out.dtype), expert_out)
 
 
-def dag_initial_nodes(x: jax.Array, gates: jax.Array, expert_out: jax.Array) -> jax.Array:
-    """DAG-MoE eq. 6: x_i^0 = g_i E_i(x) + x / K for the K selected experts in rank order."""
+def dag_initial_nodes(x: jax.Array, gates: jax.Array, expert_out: jax.Array):
+    """DAG-MoE eq. 6: x_i^0 = g_i E_i(x) + x / K for the K selected experts in rank order.
+
+    Returned as its two terms, (g_i E_i(x) [T, K, d], x / K [T, 1, d]), whose sum is x^0: the
+    module carries the nodes' updates apart from the residual (see :class:`DAGAggregator`).
+    """
     k = gates.shape[-1]
-    return gates[..., None].astype(expert_out.dtype) * expert_out + (x / k)[:, None, :]
+    updates = gates[..., None].astype(expert_out.dtype) * expert_out
+    return updates, (x / k).astype(expert_out.dtype)[:, None, :]
 
 
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
@@ -62,9 +67,10 @@ def dag_messages(u: jax.Array, w_edge: jax.Array, w_node: jax.Array, edge_act: s
     return jnp.sum(edge * (n_i[:, :, None, :] + n_j[:, None, :, :]), axis=2)
 
 
-def dag_iteration(nodes: jax.Array, ln_scale, ln_bias, w_down, w_edge, w_node, w_up,
-                  edge_act: str, eps: float, edges: str = "all") -> jax.Array:
-    """One DAG iteration l, DAG-MoE eq. 7-11: nodes x^{l-1} [T, K, d] -> x^l [T, K, d].
+def dag_node_update(nodes: jax.Array, ln_scale, ln_bias, w_down, w_edge, w_node, w_up,
+                    edge_act: str, eps: float, edges: str = "all") -> jax.Array:
+    """DAG-MoE eq. 7-11 without eq. 11's residual term: W_up^l sum_j m_(i,j) for nodes
+    x^{l-1} [T, K, d], so that x_i^l = x_i^{l-1} + this.
 
     Matmuls run on [T*K, .] matrices: a rank-3 operand would make the weight gradient a
     contraction over two axes, which XLA on CPU runs at a third of the 2-D rate.
@@ -74,12 +80,32 @@ def dag_iteration(nodes: jax.Array, ln_scale, ln_bias, w_down, w_edge, w_node, w
     flat = nodes.reshape(t * k, d)
     u = layer_norm(flat, ln_scale, ln_bias, eps) @ w_down.astype(dtype)           # eq. 7-8
     msg = dag_messages(u.reshape(t, k, -1), w_edge, w_node, edge_act, edges)      # eq. 9-10
-    return (msg.reshape(t * k, -1) @ w_up.astype(dtype) + flat).reshape(t, k, d)  # eq. 11
+    return (msg.reshape(t * k, -1) @ w_up.astype(dtype)).reshape(t, k, d)         # eq. 11
+
+
+def dag_iteration(nodes: jax.Array, ln_scale, ln_bias, w_down, w_edge, w_node, w_up,
+                  edge_act: str, eps: float, edges: str = "all") -> jax.Array:
+    """One DAG iteration l, DAG-MoE eq. 7-11: nodes x^{l-1} [T, K, d] -> x^l [T, K, d]."""
+    return nodes + dag_node_update(nodes, ln_scale, ln_bias, w_down, w_edge, w_node, w_up,
+                                   edge_act, eps, edges)
 
 
 def dag_readout(nodes: jax.Array) -> jax.Array:
     """DAG-MoE eq. 12: y = sum_i x_i^L."""
     return jnp.sum(nodes, axis=1)
+
+
+def dag_block_output(updates: jax.Array, x: jax.Array, reading: str) -> jax.Array:
+    """The DAG block's output from the nodes' updates r_i^L = x_i^L - x / K [T, K, d].
+
+    Eq. 12's y = sum_i x_i^L equals sum_i r_i^L + x. ``reading='literal'`` returns that;
+    'once' (``AggregationConfig.dag_residual``) returns sum_i r_i^L = y - x, because the
+    decoder adds its own residual h around the block and x = RMSNorm(h) would otherwise be
+    added to the stream a second time. Computed from the updates, not as y - x, so that with
+    W_up = 0 it is the weighted sum of eq. 1 with no cancellation error in any dtype.
+    """
+    y = jnp.sum(updates, axis=1)
+    return y + x if reading == "literal" else y
 
 
 class DAGIteration(nnx.Module):
@@ -96,17 +122,25 @@ class DAGIteration(nnx.Module):
         self.w_up = make_param(rngs, nnx.initializers.zeros, (dg, d), ("dag", "embed"))  # zero init
 
     def __call__(self, nodes: jax.Array) -> jax.Array:
-        nodes = dag_iteration(nodes, self.ln_scale[...], self.ln_bias[...], self.w_down[...],
-                              self.w_edge[...], self.w_node[...], self.w_up[...],
-                              self.edge_act, self.eps, self.edges)
-        return constrain(nodes, ("batch", "nodes", "embed"))
+        """Eq. 7-11's update W_up sum_j m_(i,j) of nodes [T, K, d] (the caller adds x_i^{l-1})."""
+        update = dag_node_update(nodes, self.ln_scale[...], self.ln_bias[...], self.w_down[...],
+                                 self.w_edge[...], self.w_node[...], self.w_up[...],
+                                 self.edge_act, self.eps, self.edges)
+        return constrain(update, ("batch", "nodes", "embed"))
 
 
 class DAGAggregator(nnx.Module):
-    """DAG-MoE eq. 6-12: initial nodes, L scanned iterations, sum readout."""
+    """DAG-MoE eq. 6-12: initial nodes, L scanned iterations, sum readout.
+
+    The nodes are carried as x_i^l = r_i^l + x / K: the scan's carry is the updates r_i^l
+    (r_i^0 = g_i E_i(x), eq. 6's expert term) and each iteration sees the whole node, so every
+    equation runs on exactly the nodes the paper defines; :func:`dag_block_output` then counts
+    the residual once or twice (``AggregationConfig.dag_residual``).
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         agg = cfg.aggregation
+        self.reading = agg.dag_residual
 
         @nnx.split_rngs(splits=agg.dag_iters)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "dag_iters"})
@@ -117,14 +151,15 @@ class DAGAggregator(nnx.Module):
         self.iterations = make(rngs)
 
     def __call__(self, x, gates, expert_out):
-        nodes = dag_initial_nodes(x, gates, expert_out)
+        updates, residual = dag_initial_nodes(x, gates, expert_out)              # eq. 6
 
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, unroll=True,
                   transform_metadata={nnx.PARTITION_NAME: "dag_iters"})
-        def step(nodes, iteration):
-            return iteration(nodes)
+        def step(updates, iteration):
+            return updates + iteration(updates + residual)                       # eq. 7-11
 
-        return dag_readout(step(nodes, self.iterations))
+        return dag_block_output(step(updates, self.iterations), x.astype(expert_out.dtype),
+                                self.reading)
 
 
 def mlp_mix(s: jax.Array, w_1: jax.Array, w_2: jax.Array, w_3: jax.Array, eps: float) -> jax.Array:

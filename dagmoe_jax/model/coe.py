@@ -9,6 +9,11 @@ own router to K_t experts (default K / C) and adds their gated outputs (plus sha
 
 ``shared_router`` is the eq. 8 ablation: the first iteration's routing (gates and experts) is
 reused by every iteration instead of re-routing each refined state.
+
+In every residual mode the chain's output is x + delta, with delta what the experts added
+(:func:`coe_step`). x = RMSNorm(h) is the block input and the decoder adds h around the block,
+so ``CoEConfig.stream`` decides how often x reaches the stream (:func:`coe_block_output`):
+'once' (default) returns delta, 'literal' x + delta, 'reference' x + delta in place of h.
 """
 
 from __future__ import annotations
@@ -25,13 +30,24 @@ from dagmoe_jax.model.moe import block_stats, make_shared
 from dagmoe_jax.model.router import Router
 
 
-def coe_residual(update: jax.Array, prev: jax.Array, x0: jax.Array, mode: str) -> jax.Array:
-    """One CoE step's residual: eq. 5 ('inner'), eq. 9 ('outer') or eq. 10 ('init')."""
-    if mode == "inner":
-        return update + prev
-    if mode == "init":
-        return update + x0
-    return update
+def coe_step(update: jax.Array, delta: jax.Array, x0: jax.Array, mode: str):
+    """One CoE iteration's residual, eq. 5 ('inner'), eq. 10 ('init') or eq. 9 ('outer').
+
+    The state is written x^(t) = x^(0) + delta_t ('inner', 'init') or x^(t) = delta_t
+    ('outer'), with ``update`` = sum_i g_t,i E_i(x^(t-1)) (+ shared experts):
+    'inner' x^(t) = update + x^(t-1), so delta_t = delta_(t-1) + update;
+    'init'  x^(t) = update + x^(0),   so delta_t = update;
+    'outer' x^(t) = update,           so delta_t = update (eq. 9's output adds x^(0) once).
+    Returns (delta_t, x^(t)): either way the chain's output is x^(0) + delta_C.
+    """
+    delta = delta + update if mode == "inner" else update
+    return delta, (delta if mode == "outer" else x0 + delta)
+
+
+def coe_block_output(delta: jax.Array, x0: jax.Array, stream: str) -> jax.Array:
+    """The block output for ``CoEConfig.stream``: the chain's output x^(0) + delta ('literal',
+    'reference'), or only the experts' delta ('once', so the layer h + delta counts x once)."""
+    return delta if stream == "once" else x0 + delta
 
 
 class CoEBlock(nnx.Module):
@@ -49,7 +65,7 @@ class CoEBlock(nnx.Module):
         cfg, r, c = self.cfg, self.cfg.router, self.cfg.coe
         b, s, d = x.shape
         x0 = x.reshape(b * s, d)
-        h, stats, routing = x0, [], None
+        h, delta, stats, routing = x0, jnp.zeros_like(x0), [], None
         for t in range(c.iterations):
             if t == 0 or not c.shared_router:
                 routing = self.routers[t](h, cfg.coe_top_k, r.score_fn, r.renormalize)
@@ -58,8 +74,9 @@ class CoEBlock(nnx.Module):
             update = weighted_sum(routing.gates, out)
             if self.shared is not None:
                 update = update + self.shared(h)
-            h = coe_residual(update.astype(x.dtype), h, x0, c.residual)
-            stats.append(block_stats(Router.losses(routing, r.score_fn), keep))
-        y = h + x0 if c.residual == "outer" else h
+            delta, h = coe_step(update.astype(x.dtype), delta, x0, c.residual)
+            stats.append(block_stats(Router.losses(routing, r.balance_load, r.balance_prob),
+                                     keep))
+        y = coe_block_output(delta, x0, c.stream)
         mean_stats = jax.tree.map(lambda *v: jnp.mean(jnp.stack(v), axis=0), *stats)
         return y.reshape(b, s, d), mean_stats

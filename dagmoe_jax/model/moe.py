@@ -51,4 +51,5 @@ class MoEBlock(nnx.Module):
         y = self.aggregator(xt, routing.gates, expert_out)
         if self.shared is not None:
             y = y + self.shared(xt)
-        return y.reshape(b, s, d).astype(x.dtype), block_stats(Router.losses(routing, r.score_fn), keep)
+        losses = Router.losses(routing, r.balance_load, r.balance_prob)
+        return y.reshape(b, s, d).astype(x.dtype), block_stats(losses, keep)

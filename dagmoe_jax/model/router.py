@@ -52,20 +52,45 @@ def select_top_k(scores: jax.Array, k: int, renormalize: bool):
 
 
 def expert_load(indices: jax.Array, num_experts: int) -> jax.Array:
-    """f_i: share of the T * K routing slots that went to expert i ([N], sums to 1)."""
+    """Share of the T * K routing slots that went to each expert ([N], sums to 1)."""
     counts = jnp.zeros((num_experts,), jnp.float32).at[indices.reshape(-1)].add(1.0)
     return counts / indices.size
 
 
-def balance_loss(scores: jax.Array, indices: jax.Array, score_fn: str) -> jax.Array:
-    """Switch balance loss ``N * sum_i f_i * P_i`` (DESIGN.md section 2).
+def balance_fraction(indices: jax.Array, num_experts: int, load: str) -> jax.Array:
+    """f_i of the balance loss ([N]) for indices [T, K].
 
-    f_i is :func:`expert_load`; P_i the mean over tokens of the normalised score (the softmax
-    probability, or s_i / sum_j s_j for sigmoid scores, our reading). Equals 1 when uniform.
+    'tokens': share of the T tokens that chose expert i (sums to K; Hugging Face's
+    ``load_balancing_loss_func``, the paper's training stack). 'slots': share of the T * K
+    routing slots (sums to 1; :func:`expert_load`).
     """
-    n = scores.shape[-1]
-    probs = scores if score_fn == "softmax" else scores / jnp.sum(scores, axis=-1, keepdims=True)
-    return n * jnp.sum(expert_load(indices, n) * jnp.mean(probs.astype(jnp.float32), axis=0))
+    f = expert_load(indices, num_experts)
+    return f * indices.shape[-1] if load == "tokens" else f
+
+
+def balance_probs(logits: jax.Array, scores: jax.Array, prob: str) -> jax.Array:
+    """P of the balance loss per token ([T, N], float32).
+
+    'softmax': softmax of the router logits, whatever the score function (Hugging Face's
+    ``load_balancing_loss_func``). 'score_share': s_i / sum_j s_j, the expert's share of the
+    token's scores (the softmax itself for softmax scores).
+    """
+    if prob == "softmax":
+        return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    s = scores.astype(jnp.float32)
+    return s / jnp.sum(s, axis=-1, keepdims=True)
+
+
+def balance_loss(probs: jax.Array, indices: jax.Array, load: str = "tokens") -> jax.Array:
+    """Switch balance loss ``N * sum_i f_i * P_i`` (Switch Transformer eq. 4; DAG-MoE sec. 5.1
+    "standard balance loss").
+
+    ``probs`` [T, N] from :func:`balance_probs`; f_i is :func:`balance_fraction` and P_i the
+    mean of ``probs`` over tokens. At balance (f and P uniform) the loss is K with
+    ``load='tokens'`` and 1 with ``load='slots'``.
+    """
+    n = probs.shape[-1]
+    return n * jnp.sum(balance_fraction(indices, n, load) * jnp.mean(probs, axis=0))
 
 
 def z_loss(logits: jax.Array) -> jax.Array:
@@ -86,10 +111,13 @@ class Router(nnx.Module):
         return Routing(gates.astype(x.dtype), indices, logits, scores)
 
     @staticmethod
-    def losses(routing: Routing, score_fn: str) -> dict:
+    def losses(routing: Routing, load: str = "tokens", prob: str = "softmax") -> dict:
+        """The unweighted router losses and the slot load of one routing decision; ``load`` and
+        ``prob`` are ``RouterConfig.balance_load`` and ``balance_prob``."""
         n = routing.scores.shape[-1]
+        probs = balance_probs(routing.logits, routing.scores, prob)
         return {
-            "balance_loss": balance_loss(routing.scores, routing.indices, score_fn),
+            "balance_loss": balance_loss(probs, routing.indices, load),
             "z_loss": z_loss(routing.logits),
             "expert_load": expert_load(routing.indices, n),
         }

@@ -71,10 +71,15 @@ def empty_stats(cfg: ModelConfig) -> dict:
 
 
 class DecoderLayer(nnx.Module):
-    """h = h + Attn(RMSNorm(h)); h = h + Block(RMSNorm(h))."""
+    """h = h + Attn(RMSNorm(h)); h = h + Block(RMSNorm(h)).
+
+    The one exception is the CoE authors' reading (``CoEConfig.stream='reference'``), where
+    the block's output, RMSNorm(h) + the experts' updates, replaces h instead of adding to it.
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
+        self.block_replaces_stream = cfg.block == "coe" and cfg.coe.stream == "reference"
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         self.attn = Attention(cfg, rngs=rngs)
         self.block_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
@@ -84,14 +89,18 @@ class DecoderLayer(nnx.Module):
         h = h + self.attn(self.attn_norm(h), sin, cos)
         out = self.block(self.block_norm(h))
         out, stats = out if isinstance(out, tuple) else (out, empty_stats(self.cfg))
-        h = constrain(h + out.astype(h.dtype), ("batch", "length", "embed"))
-        return h, stats
+        return self.add_block_output(h, out), stats
+
+    def add_block_output(self, h: jax.Array, out: jax.Array) -> jax.Array:
+        """The layer's second residual: h + out, or out alone for the CoE 'reference' reading."""
+        out = out.astype(h.dtype)
+        return constrain(out if self.block_replaces_stream else h + out,
+                         ("batch", "length", "embed"))
 
     def _ffn(self, h: jax.Array) -> jax.Array:
         """The second residual half of ``__call__`` (block output only; stats dropped)."""
         out = self.block(self.block_norm(h))
-        out = out[0] if isinstance(out, tuple) else out
-        return constrain(h + out.astype(h.dtype), ("batch", "length", "embed"))
+        return self.add_block_output(h, out[0] if isinstance(out, tuple) else out)
 
     def prefill(self, h: jax.Array, sin: jax.Array, cos: jax.Array):
         """``__call__`` that also returns this layer's keys and values: (h, (k, v))."""

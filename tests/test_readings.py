@@ -1,0 +1,148 @@
+"""Residual readings: a block that generalises the MoE layer equals it at initialisation.
+
+The DAG-MoE block's eq. 6 puts x / K into each node and eq. 12 sums the nodes, so the block's
+output already holds x = RMSNorm(h); the CoE chain's output holds x^(0) = x in every residual
+mode. The decoder adds its own residual h around every block. These tests pin the default
+readings (``AggregationConfig.dag_residual='once'``, ``CoEConfig.stream='once'``), under which
+x reaches the stream once, against the plain MoE model with the same weights, and check that
+the residual stream keeps the size MoE gives it. The literal readings are kept as options and
+shown to do what the finding said: add a whole RMSNorm(h) per layer.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import tiny_config
+from dagmoe_jax.model import Transformer
+from dagmoe_jax.model.attention import rope_angles
+
+NO_DROP = dict(capacity_factor=4.0)   # C = T * K: nothing is dropped, so routing is per token
+B, S = 2, 12
+
+
+def tokens(seed=0):
+    return jax.random.randint(jax.random.key(seed), (B, S), 0, 64)
+
+
+def variables(model):
+    return {path: node for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Variable)}
+
+
+def copy_shared_weights(src, dst) -> int:
+    """Give ``dst`` every parameter of ``src`` it has under the same path; returns how many."""
+    dst_vars = variables(dst)
+    copied = 0
+    for path, var in variables(src).items():
+        if path in dst_vars:
+            assert dst_vars[path].shape == var.shape, path
+            dst_vars[path][...] = var[...]
+            copied += 1
+    return copied
+
+
+def logits(model, toks):
+    return np.asarray(nnx.jit(lambda m, t: m(t)[0])(model, toks))
+
+
+def stream_norms(model, toks):
+    """Mean ||h|| over tokens after the embedding and after each layer (at init)."""
+    cfg = model.cfg
+    sin, cos = rope_angles(jnp.arange(toks.shape[1])[None, :], cfg.resolved_head_dim,
+                           cfg.rope_theta)
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0),
+              transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def run(h, layer):              # the model's own layer loop, keeping ||h|| per layer
+        h, _ = layer(h, sin, cos)
+        return h, jnp.mean(jnp.linalg.norm(h, axis=-1))
+
+    _, norms = nnx.jit(lambda m, t: run(m.embed[...][t], m.layers))(model, toks)
+    return np.asarray(norms)
+
+
+def test_dag_moe_with_zero_w_up_equals_moe_logits():
+    moe_cfg = tiny_config("moe", "sum", experts=NO_DROP)
+    moe = Transformer(moe_cfg, rngs=nnx.Rngs(0))
+    dag = Transformer(tiny_config("moe", "dag", experts=NO_DROP), rngs=nnx.Rngs(1))
+    assert copy_shared_weights(moe, dag) == len(variables(moe))        # every MoE weight
+    assert np.all(np.asarray(dag.layers.block.aggregator.iterations.w_up[...]) == 0)
+    toks = tokens()
+    want = logits(moe, toks)
+    got = logits(dag, toks)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+    # The literal reading (x counted twice) is a different model from the first step on.
+    literal = Transformer(tiny_config("moe", "dag", experts=NO_DROP,
+                                      aggregation=dict(dag_residual="literal")),
+                          rngs=nnx.Rngs(1))
+    copy_shared_weights(moe, literal)
+    assert np.abs(logits(literal, toks) - want).max() > 100 * np.abs(got - want).max() + 1e-3
+
+    # With W_up non-zero the DAG really changes the output (the equality is not vacuous).
+    w_up = dag.layers.block.aggregator.iterations.w_up
+    w_up[...] = 0.5 * jax.random.normal(jax.random.key(2), w_up.shape)
+    assert np.abs(logits(dag, toks) - want).max() > 1e-3
+
+
+@pytest.mark.parametrize("residual", ["inner", "outer", "init"])
+def test_coe_with_zero_experts_equals_the_standard_layer(residual):
+    """Experts outputting zero: the CoE layer ('once') is the layer h + 0, as MoE's is."""
+    moe = Transformer(tiny_config("moe", "sum", experts=NO_DROP), rngs=nnx.Rngs(0))
+    coe = Transformer(tiny_config("coe", experts=NO_DROP, coe=dict(residual=residual)),
+                      rngs=nnx.Rngs(1))
+    literal = Transformer(tiny_config("coe", experts=NO_DROP,
+                                      coe=dict(residual=residual, stream="literal")),
+                          rngs=nnx.Rngs(1))
+    for model in (moe, coe, literal):
+        model.layers.block.experts.w_down[...] = jnp.zeros_like(model.layers.block.experts.w_down[...])
+    copy_shared_weights(moe, coe)
+    copy_shared_weights(moe, literal)
+    toks = tokens(3)
+    want = logits(moe, toks)
+    got = logits(coe, toks)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert np.abs(logits(literal, toks) - want).max() > 1e-3
+
+
+def test_coe_reference_reading_replaces_the_stream():
+    """The CoE authors' decoder: h <- RMSNorm(h) + updates. With zero experts, each layer's
+    output is the block norm of its input (after attention), a unit-RMS stream."""
+    cfg = tiny_config("coe", experts=NO_DROP, coe=dict(stream="reference"))
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    model.layers.block.experts.w_down[...] = jnp.zeros_like(model.layers.block.experts.w_down[...])
+    norms = stream_norms(model, tokens(4))
+    # RMSNorm with unit scale: ||h|| = sqrt(d) after every layer, up to its eps (1e-5 against
+    # a mean square of ~4e-4 for the first layer's input, the embedding: about 1%).
+    np.testing.assert_allclose(norms, np.sqrt(cfg.d_model), rtol=0.03)
+
+
+BLOCKS = {
+    "dense": tiny_config("dense"),
+    "moe + shared": tiny_config("moe", "sum", experts=dict(num_shared=1, **NO_DROP)),
+    "dag": tiny_config("moe", "dag", experts=NO_DROP),
+    "dag + shared": tiny_config("moe", "dag", experts=dict(num_shared=1, **NO_DROP)),
+    "mlp": tiny_config("moe", "mlp", experts=NO_DROP),
+    "coe inner": tiny_config("coe", experts=NO_DROP),
+    "coe outer": tiny_config("coe", experts=NO_DROP, coe=dict(residual="outer")),
+    "coe init": tiny_config("coe", experts=NO_DROP, coe=dict(residual="init")),
+}
+
+
+def test_residual_stream_keeps_moe_size_at_init_for_every_block():
+    """Finding 1 of the fidelity review: with x counted twice, each DAG layer added a whole
+    RMSNorm(h) (norm sqrt(d)) to a stream whose other updates are ~0.1; this would catch it."""
+    toks = tokens(5)
+    moe = stream_norms(Transformer(tiny_config("moe", "sum", experts=NO_DROP),
+                                   rngs=nnx.Rngs(0)), toks)
+    for name, cfg in BLOCKS.items():
+        norms = stream_norms(Transformer(cfg, rngs=nnx.Rngs(0)), toks)
+        ratio = norms / moe
+        assert np.all((ratio > 1 / 3) & (ratio < 3)), (name, norms, moe)
+    literal = tiny_config("moe", "dag", experts=NO_DROP, aggregation=dict(dag_residual="literal"))
+    norms = stream_norms(Transformer(literal, rngs=nnx.Rngs(0)), toks)
+    assert np.all(norms / moe > 10), (norms, moe)

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dagmoe_jax.cli import add_budget_flags, fill_budget_defaults, gin_flag_bindings  # noqa: E402
 
-DEFAULTS = dict(variants="moe,moe_shared,dag_l1,dag_l2,dag_l3,mlp,coe", seeds="1", steps=400,
+DEFAULTS = dict(variants="moe,moe_shared,dag_l1,dag_l2,dag_l3,mlp,mlp_small,coe", seeds="1", steps=400,
                 batch=16, seq_len=128, eval_batches=32, dag_dim=32, out="runs/bench_quality")
 MICRO = dict(steps=10, batch=4, seq_len=64, eval_batches=2, out="runs/bench_quality_micro")
 

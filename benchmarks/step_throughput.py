@@ -50,7 +50,7 @@ VARIANTS = {
     "dag L2": "variants/dag_g{g}_l2.gin",
     "dag L3": "variants/dag_g{g}_l3.gin",
     "mlp g64": "variants/mlp_g64.gin",
-    "coe k4 c2": "variants/coe_k4_c2.gin",
+    "coe c2 g128": "variants/coe_g128_l2.gin",
 }
 BASELINE = "moe+shared"
 

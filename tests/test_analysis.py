@@ -116,7 +116,7 @@ def test_collect_statistics_are_consistent():
 def runs(tmp_path_factory):
     """Two 4-step smoke runs trained side by side: the smoke DAG-MoE and a CoE variant."""
     root = tmp_path_factory.mktemp("analysis")
-    specs = {"dag": [], "coe": ["--gin_file=variants/coe_k4_c2.gin"]}
+    specs = {"dag": [], "coe": ["--gin_file=variants/coe_g128_l2.gin"]}
     procs = {}
     for name, extra in specs.items():
         procs[name] = subprocess.Popen(

@@ -122,6 +122,23 @@ def test_majority_baseline_and_seed_statistics():
     assert majority_baseline(batches) == pytest.approx(top / 40)
     assert mean_std([0.5, 0.7, 0.9]) == pytest.approx((0.7, 0.2))
     assert mean_std([0.25]) == (0.25, 0.0)
+
+
+def test_paired_difference_against_a_hand_t_test():
+    from dagmoe_jax.eval.scoring import paired_difference
+    a = {0: 7.0, 1: 7.1, 2: 7.05, 5: 9.0}          # seed 5 has no partner: left out
+    b = {0: 6.8, 1: 6.95, 2: 6.9}
+    got = paired_difference(a, b)
+    diffs = np.array([0.2, 0.15, 0.15])
+    assert got["seeds"] == 3
+    assert got["mean"] == pytest.approx(diffs.mean())
+    assert got["std"] == pytest.approx(diffs.std(ddof=1))
+    # t = mean / (std / sqrt 3) = 0.1667 / 0.0167 = 10 > 4.303 (t_0.975, 2 dof)
+    assert got["beyond_spread"] is True
+    noisy = paired_difference({0: 7.0, 1: 7.1, 2: 6.9}, {0: 6.9, 1: 7.2, 2: 6.85})
+    # diffs 0.1, -0.1, 0.05: mean 0.0167, std 0.104, t = 0.28 < 4.303
+    assert noisy["beyond_spread"] is False
+    assert paired_difference({0: 1.0}, {0: 0.0})["beyond_spread"] is False   # one seed: never
     stats = seed_statistics([{4: 0.5, 8: 0.1}, {4: 0.7, 8: 0.3}])
     assert stats[4] == pytest.approx((0.6, np.sqrt(0.02)))
     assert stats[8] == pytest.approx((0.2, np.sqrt(0.02)))
@@ -166,6 +183,9 @@ def test_variants_add_equal_parameters():
     for name in VARIANTS[1:]:
         cfg = variant_config(base, name, 32)
         added = (account(cfg).total_params - reference) / base.num_layers
+        if name == "mlp_small":   # the ablation's own size: 3 d (d_g / 2), not the budget
+            assert added == 3 * 64 * 16
+            continue
         extra_router = 64 * 16 if name == "coe" else 0          # CoE's second router
         assert abs(added - extra_router - budget) <= 0.01 * budget, (name, added, budget)
     assert variant_config(base, "dag_l1", 32).aggregation.dag_dim == matched_dag_dim(64, budget, 1)

@@ -19,7 +19,7 @@ def test_paper_models_are_shipped():
         for L in (1, 2, 3):
             assert f"variants/dag_g{g}_l{L}.gin" in VARIANTS
             assert f"variants/moe_shared_g{g}_l{L}.gin" in VARIANTS
-    assert {"variants/moe.gin", "variants/mlp_g64.gin", "variants/coe_k4_c2.gin"} <= set(VARIANTS)
+    assert {"variants/moe.gin", "variants/mlp_g64.gin", "variants/coe_g128_l2.gin"} <= set(VARIANTS)
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -47,8 +47,25 @@ def test_table3_shapes():
     assert m.num_layers == 6
     big = load_model_config(["models/l.gin", "variants/moe_shared_g256_l2.gin"])
     assert (big.d_model, big.num_layers, big.experts.expert_hidden, big.experts.shared_hidden) == (1024, 8, 512, 512)
-    coe = load_model_config(["models/s.gin", "variants/coe_k4_c2.gin"])
-    assert coe.block == "coe" and coe.coe_top_k == 4 and coe.coe.iterations == 2
+    coe = load_model_config(["models/s.gin", "variants/coe_g128_l2.gin"])
+    assert coe.block == "coe" and coe.coe_top_k == 2 and coe.coe.iterations == 2
+    assert (coe.experts.num_shared, coe.experts.shared_hidden) == (1, 256)
+
+
+def test_coe_preset_is_the_equal_parameter_ablation():
+    """The CoE preset adds what the DAG-MoE L 2 preset adds (the summary's "393K, equal params")
+    plus its second router, and makes the same top_k expert calls per token as MoE."""
+    from dagmoe_jax.accounting import account
+    total = {name: account(load_model_config(["models/s.gin", f"variants/{name}.gin"]),
+                           128).total_params
+             for name in ("moe", "dag_g128_l2", "coe_g128_l2")}
+    layers, d, n = 4, 512, 32
+    dag_added = (total["dag_g128_l2"] - total["moe"]) / layers
+    coe_added = (total["coe_g128_l2"] - total["moe"]) / layers
+    assert dag_added == 395_264
+    assert abs(coe_added - d * n - dag_added) < 0.01 * dag_added
+    coe = load_model_config(["models/s.gin", "variants/coe_g128_l2.gin"])
+    assert coe.coe_top_k * coe.coe.iterations == coe.router.top_k
 
 
 def test_bindings_override_files():

@@ -43,7 +43,8 @@ def select_top_k(scores: jax.Array, k: int, renormalize: bool):
     """Top-K gating, DAG-MoE eq. 1 / CoE eq. 7: g_i = s_i for the K best experts, else 0.
 
     Returns gates and indices [T, K] in descending score order; ties go to the lower expert id,
-    so the node order is deterministic. ``renormalize`` divides the gates by their sum.
+    so the node order is deterministic (the DAG's output depends on it only with
+    ``dag_edges='ranked'``). ``renormalize`` divides the gates by their sum.
     """
     gates, indices = jax.lax.top_k(scores, k)
     if renormalize:

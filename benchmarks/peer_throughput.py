@@ -40,8 +40,8 @@ import numpy as np  # noqa: E402
 from dagmoe_jax.accounting import account  # noqa: E402
 from dagmoe_jax.gin_utils import load_model_config  # noqa: E402
 from dagmoe_jax.launch import allocator, release_memory  # noqa: E402
-from dagmoe_jax.model.attention import attention_in_use  # noqa: E402
-from dagmoe_jax.model.transformer import resolve_remat  # noqa: E402
+from dagmoe_jax.settle import describe as describe_settled  # noqa: E402
+from dagmoe_jax.settle import settle  # noqa: E402
 import step_throughput as bench  # noqa: E402
 
 MODEL_GIN = ("models/s.gin", "variants/moe.gin")
@@ -149,8 +149,8 @@ def notes(cfg, rows) -> str:
               "  OLMoE: RMSNorm on q and k, softmax router, load-balancing loss only, dropless experts, "
               "no activation recomputation (PyTorch eager)",
               f"  ours: no q/k norm, {cfg.router.score_fn} router, balance + z-loss, {dispatch}, "
-              f"remat '{cfg.remat}' (here: {REMAT_MEANING[resolve_remat(cfg.remat)]}), "
-              f"attention '{cfg.attention}' (here: {attention_in_use(cfg)})"]
+              f"remat '{cfg.remat}' (here: {REMAT_MEANING[settle(cfg).remat]}), "
+              f"attention '{cfg.attention}' (here: {describe_settled(settle(cfg), cfg)})"]
     return "\n".join(lines)
 
 

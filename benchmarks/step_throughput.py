@@ -39,7 +39,8 @@ from dagmoe_jax.gin_utils import load_model_config  # noqa: E402
 from dagmoe_jax.launch import allocator, release_memory  # noqa: E402
 from dagmoe_jax.model import Transformer  # noqa: E402
 from dagmoe_jax.model.aggregation import DAGAggregator  # noqa: E402
-from dagmoe_jax.model.attention import attention_in_use  # noqa: E402
+from dagmoe_jax.settle import describe as describe_settled  # noqa: E402
+from dagmoe_jax.settle import settle  # noqa: E402
 from dagmoe_jax.model.experts import Experts  # noqa: E402
 from dagmoe_jax.train.step import make_train_step  # noqa: E402
 
@@ -76,7 +77,7 @@ def matmul_rate(n: int = 2048, repeats: int = 5, dtype=jnp.float32) -> float:
 
 
 def step_time(cfg, batch: int, seq: int, steps: int) -> float:
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    model = Transformer(settle(cfg), rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
     step = make_train_step()
     rng = np.random.default_rng(0)
@@ -90,7 +91,8 @@ def component_rates(cfg, tokens: int, repeats: int):
     module, on random inputs of ``tokens`` tokens."""
     d, k, e, a = cfg.d_model, cfg.router.top_k, cfg.experts, cfg.aggregation
     rngs = nnx.Rngs(0)
-    experts = Experts(e.num_experts, d, e.expert_hidden, cfg.init_std, jnp.float32, rngs=rngs)
+    experts = Experts(e.num_experts, d, e.expert_hidden, cfg.init_std, jnp.float32,
+                      mode=e.dispatch, capacity_factor=e.capacity_factor, rngs=rngs)
     dag = DAGAggregator(cfg, rngs=rngs)
     w_up = dag.iterations.w_up  # random, so the backward pass is not trivially zero
     w_up[...] = 0.02 * jax.random.normal(jax.random.key(1), w_up.shape)
@@ -101,7 +103,7 @@ def component_rates(cfg, tokens: int, repeats: int):
 
     @nnx.jit
     def experts_step(m, x):
-        return nnx.grad(lambda m, x: jnp.sum(m(x, idx, e.dispatch, e.capacity_factor)[0] ** 2))(m, x)
+        return nnx.grad(lambda m, x: jnp.sum(m(x, idx)[0] ** 2))(m, x)
 
     @nnx.jit
     def dag_step(m, x, g, o):
@@ -147,7 +149,7 @@ def main(argv=None):
     peak = rate()
     print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}  "
           f"{dtype.name} {n}^3 matmul: {peak / 1e9:.1f} GFLOP/s  allocator: {allocator()}  "
-          f"attention: {attention_in_use(probe)}")
+          f"model: {describe_settled(settle(probe, log=print), probe)}")
     print(f"batch {args.batch} x {args.seq} tokens, best of {args.steps} timed steps per variant"
           f"{f' and of {args.rounds} rounds' if args.rounds > 1 else ''}\n")
     tokens = args.batch * args.seq

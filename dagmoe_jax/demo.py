@@ -20,6 +20,7 @@ from flax import nnx
 from dagmoe_jax.accounting import account
 from dagmoe_jax.gin_utils import load_model_config
 from dagmoe_jax.model import Transformer
+from dagmoe_jax.settle import settle
 from dagmoe_jax.train.step import make_train_step
 
 SEP = 0
@@ -47,6 +48,7 @@ def main(argv=None):
     cfg = load_model_config([args.model, args.variant])
     print(f"model {args.model} + {args.variant}: block={cfg.block} aggregation={cfg.aggregation.kind}")
     print(account(cfg, 2 * args.half).table())
+    cfg = settle(cfg, log=print)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adamw(3e-3, weight_decay=0.0), wrt=nnx.Param)
     step = make_train_step()

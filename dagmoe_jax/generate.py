@@ -47,6 +47,7 @@ from flax import nnx
 
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.model import Transformer
+from dagmoe_jax.settle import settle
 
 DEFAULT_DISPATCH = "dropless"
 
@@ -309,8 +310,10 @@ def load_run(run_dir: Union[str, Path]) -> LoadedRun:
     model_cfg, data_cfg, optim_cfg, train_cfg = load_run_configs(run_dir)
     tokenizer = make_tokenizer(data_cfg)
 
+    settled = settle(model_cfg)
+
     def make():
-        model = Transformer(model_cfg, rngs=nnx.Rngs(train_cfg.seed))
+        model = Transformer(settled, rngs=nnx.Rngs(train_cfg.seed))
         optimizer = nnx.Optimizer(model, make_optimizer(optim_cfg, train_cfg.steps), wrt=nnx.Param)
         return model, optimizer
 
@@ -323,5 +326,5 @@ def load_run(run_dir: Union[str, Path]) -> LoadedRun:
     if restored is None:
         raise ValueError(f"no checkpoint in {run_dir / 'checkpoints'}: train first")
     nnx.update(model, restored.state["model"])
-    return LoadedRun(model=model, step=restored.step, model_cfg=model_cfg, data_cfg=data_cfg,
+    return LoadedRun(model=model, step=restored.step, model_cfg=settled, data_cfg=data_cfg,
                      tokenizer=tokenizer, warnings=list(restored.skipped))

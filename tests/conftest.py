@@ -24,13 +24,15 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from dagmoe_jax.config import ModelConfig  # noqa: E402
+from dagmoe_jax.settle import settle  # noqa: E402
 
 # Some backends run float32 matmuls at reduced precision by default (TF32 / bf16 passes on GPU and
 # TPU); the oracle comparisons (1e-5 relative) need true float32 products wherever they run.
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
-def tiny_config(block: str = "moe", kind: str = "sum", **overrides) -> ModelConfig:
+def tiny_config(block: str = "moe", kind: str = "sum", *, settled: bool = True,
+                **overrides) -> ModelConfig:
     """A model small enough to compile in a few seconds and run in milliseconds on 2 CPU cores.
 
     d_model 32, 2 layers, 4 heads over 2 KV heads (GQA), vocab 64, 4 experts with top-2,
@@ -39,6 +41,8 @@ def tiny_config(block: str = "moe", kind: str = "sum", **overrides) -> ModelConf
     the test sequence lengths (16-32), so the blockwise attention really runs block by block
     (test_kernels.py compares the two on the whole model). Nested
     configs in ``overrides`` may be dicts of their fields (``router=dict(top_k=1)``).
+    ``settled`` (default) settles the 'auto' fields for one device of this backend
+    (:func:`dagmoe_jax.settle.settle`), as a run does before building the model.
     """
     base = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                        ffn_hidden=64, max_seq_len=64, attention_block=8)
@@ -51,7 +55,8 @@ def tiny_config(block: str = "moe", kind: str = "sum", **overrides) -> ModelConf
             changes[name] = {**changes[name], **value}
         else:
             changes[name] = value
-    return base.replace(**changes)
+    cfg = base.replace(**changes)
+    return settle(cfg) if settled else cfg
 
 
 @pytest.fixture

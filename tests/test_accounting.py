@@ -9,10 +9,11 @@ from dagmoe_jax.accounting import account
 from dagmoe_jax.config import ModelConfig, dag_params_per_layer, matched_shared_hidden
 from dagmoe_jax.gin_utils import load_model_config
 from dagmoe_jax.model import Transformer
+from dagmoe_jax.settle import settle
 
 
 def test_paper_parity_numbers():
-    # DAG-MoE sec. 5.1 / DESIGN.md section 4: d 512, d_g 128, L 2 adds 395,264 per layer,
+    # DAG-MoE sec. 5.1 / docs/design.md section 4: d 512, d_g 128, L 2 adds 395,264 per layer,
     # matched by a shared expert of d_r 256 (393,216 parameters).
     assert dag_params_per_layer(512, 128, 2) == 395_264
     assert matched_shared_hidden(512, 128, 2) == 256
@@ -41,7 +42,7 @@ def test_param_count_matches_the_built_model(block, kind, shared):
                       block=block, max_seq_len=32).replace(
         experts=dict(num_experts=4, expert_hidden=16, num_shared=shared, shared_hidden=8),
         router=dict(top_k=2), aggregation=dict(kind=kind, dag_dim=8, dag_iters=2))
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    model = Transformer(settle(cfg), rngs=nnx.Rngs(0))
     built = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert account(cfg).total_params == built
 

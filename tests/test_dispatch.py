@@ -223,7 +223,7 @@ def test_moe_block_dropped_fraction(capacity_factor):
     block.router.w_router[...] = block.router.w_router[...].at[:, 0].add(0.3)
     x = jax.random.normal(jax.random.key(3), (2, 16, 32), jnp.float32) + 1.0
     y, stats = block(x)
-    routing = block.router(x.reshape(-1, 32), 2, cfg.router.score_fn, cfg.router.renormalize)
+    routing = block.router(x.reshape(-1, 32))
     indices = np.asarray(routing.indices)
     cap = expert_capacity(32, 2, N, capacity_factor)
     keep = np_rank_major_keep(indices, N, cap)
@@ -240,13 +240,13 @@ def test_moe_block_dropped_fraction(capacity_factor):
 
 
 def test_experts_module_shapes_and_dtype():
-    experts = Experts(N, D, H, 0.02, jnp.float32, rngs=nnx.Rngs(0))
+    experts = Experts(N, D, H, 0.02, jnp.float32, mode="dense", rngs=nnx.Rngs(0))
     assert experts.w_gate.shape == (N, D, H)
     assert experts.w_up.shape == (N, D, H)
     assert experts.w_down.shape == (N, H, D)
     x = jax.random.normal(jax.random.key(0), (5, D))
     idx = jnp.asarray([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2]], jnp.int32)
-    out, keep = experts(x, idx, "dense", 1.0)
+    out, keep = experts(x, idx)
     assert out.shape == (5, 2, D) and keep.shape == (5, 2) and out.dtype == jnp.float32
     oracle = np_expert_outputs(x, np.asarray(idx),
                                (experts.w_gate[...], experts.w_up[...], experts.w_down[...]))

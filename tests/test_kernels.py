@@ -22,10 +22,12 @@ from dagmoe_jax.kernels import build as kbuild
 from dagmoe_jax.kernels import attention as kattn
 from dagmoe_jax.kernels import fused_attention_unavailable, fused_causal_attention
 from dagmoe_jax.model import Transformer
-from dagmoe_jax.model.attention import (attention_in_use, blockwise_causal_attention,
-                                        causal_attention, causal_attention_reference,
-                                        resolve_attention_impl)
+from dagmoe_jax.model.attention import (blockwise_causal_attention, causal_attention,
+                                        causal_attention_reference)
 from dagmoe_jax.parallel import MeshConfig, activate, make_mesh
+from dagmoe_jax.parallel.axes import MeshLayout
+from dagmoe_jax.settle import describe as describe_settled
+from dagmoe_jax.settle import settle, settle_attention
 
 pytestmark = pytest.mark.skipif(kbuild.compiler() is None,
                                 reason="no C++ compiler: the fused kernel cannot be built")
@@ -137,27 +139,32 @@ def test_fused_under_vmap_and_on_sharded_inputs():
 
 
 def test_auto_picks_fused_off_mesh_and_blockwise_on_a_mesh():
-    assert resolve_attention_impl("auto", jnp.float32, 16) == "fused"
-    assert resolve_attention_impl("auto", jnp.bfloat16, 16) == "blockwise"
-    assert resolve_attention_impl("auto", jnp.float32, 12) == "blockwise"
-    assert resolve_attention_impl("blockwise", jnp.float32, 16) == "blockwise"
-    assert attention_in_use(tiny_config()) == "fused"
-    assert attention_in_use(tiny_config(attention="xla")) == "xla"
-    assert attention_in_use(tiny_config(compute_dtype="bfloat16")) == (
-        "blockwise (the fused attention kernel takes float32 only (got bfloat16))")
-    mesh = make_mesh(MeshConfig(data=2), jax.devices()[:2])
-    q, k, v = random_qkv(1, 2, 8, 2, 1, 8)
-    with activate(mesh):
-        assert resolve_attention_impl("auto", jnp.float32, 16) == "blockwise"
-        with pytest.raises(ValueError, match="single device only"):
-            causal_attention(q, k, v, "fused", 8)
+    f32, bf16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
+    assert settle_attention("auto", "cpu", f32, 16, None) == ("fused", "")
+    assert settle_attention("auto", "cpu", bf16, 16, None)[0] == "blockwise"
+    assert settle_attention("auto", "cpu", f32, 12, None)[0] == "blockwise"
+    assert settle_attention("blockwise", "cpu", f32, 16, None) == ("blockwise", "")
+    assert settle_attention("auto", "gpu", bf16, 16, None) == ("cudnn", "")
+    assert settle_attention("auto", "gpu", f32, 16, None) == ("xla", "")
+    assert settle_attention("auto", "tpu", bf16, 16, None) == ("xla", "")
+    assert tiny_config().attention == "fused"
+    assert tiny_config(attention="xla").attention == "xla"
+    unsettled = tiny_config(compute_dtype="bfloat16", settled=False)
+    assert describe_settled(settle(unsettled), unsettled).startswith(
+        "attention blockwise (the fused attention kernel takes float32 only (got bfloat16))")
+    layout = MeshLayout.of(make_mesh(MeshConfig(data=2), jax.devices()[:2]))
+    assert settle(tiny_config(settled=False), layout=layout).attention == "blockwise"
+    with pytest.raises(ValueError, match="single device only"):
+        settle(tiny_config(attention="fused", settled=False), layout=layout)
 
 
 def test_auto_falls_back_when_the_kernel_cannot_build(monkeypatch):
     monkeypatch.setattr(kattn, "_load", lambda: "no C++ compiler found (install g++ or set CXX)")
-    assert resolve_attention_impl("auto", jnp.float32, 16) == "blockwise"
-    assert attention_in_use(tiny_config()) == (
-        "blockwise (no C++ compiler found (install g++ or set CXX))")
+    assert settle_attention("auto", "cpu", jnp.dtype(jnp.float32), 16, None) == (
+        "blockwise", "no C++ compiler found (install g++ or set CXX)")
+    unsettled = tiny_config(settled=False)
+    assert describe_settled(settle(unsettled), unsettled).startswith(
+        "attention blockwise (no C++ compiler found (install g++ or set CXX))")
     q, k, v = random_qkv(2, 1, 8, 2, 1, 8)
     with pytest.raises(ValueError, match="no C\\+\\+ compiler.*use ModelConfig.attention="
                                          "'blockwise'"):

@@ -23,7 +23,7 @@ from dagmoe_jax.model import Transformer
 from dagmoe_jax.model.attention import blockwise_causal_attention, causal_attention_reference
 from dagmoe_jax.model.coe import CoEBlock
 from dagmoe_jax.model.moe import MoEBlock
-from dagmoe_jax.model.transformer import resolve_remat, resolve_scan_unroll
+from dagmoe_jax.settle import settle_remat, settle_scan_unroll
 
 BATCH, SEQ = 2, 16
 
@@ -303,12 +303,12 @@ LAYER_LOOPS = {
 }
 
 
-def test_auto_remat_and_unroll_resolve_per_backend():
-    assert jax.default_backend() == "cpu"
-    assert resolve_remat("auto") == "none" and resolve_scan_unroll(0, 4) == 4
+def test_auto_remat_and_unroll_settle_per_backend():
+    assert settle_remat("auto", "cpu") == "none" and settle_scan_unroll(0, 4, "cpu") == 4
+    assert settle_remat("auto", "gpu") == "full" and settle_scan_unroll(0, 4, "tpu") == 1
     for name in ("none", "full", "dots"):
-        assert resolve_remat(name) == name
-    assert resolve_scan_unroll(1, 4) == 1 and resolve_scan_unroll(2, 4) == 2
+        assert settle_remat(name, "cpu") == settle_remat(name, "gpu") == name
+    assert settle_scan_unroll(1, 4, "cpu") == 1 and settle_scan_unroll(2, 4, "gpu") == 2
 
 
 def test_remat_policies_and_layer_loops_match():

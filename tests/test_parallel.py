@@ -1,4 +1,4 @@
-"""Sharded training on 8 simulated CPU devices equals training on one (DESIGN.md section 8).
+"""Sharded training on 8 simulated CPU devices equals training on one (docs/design.md section 8).
 
 conftest.py starts JAX with ``--xla_force_host_platform_device_count=8``. For each mesh (dp 8,
 ep 8, dp 2 x ep 4, fsdp 2 x ep 2 x tp 2) and block (MoE with capacity and with dropless dispatch,
@@ -37,6 +37,8 @@ from dagmoe_jax.model.experts import Experts
 from dagmoe_jax.model.moe import MoEBlock
 from dagmoe_jax.parallel import (MeshConfig, activate, create_sharded, create_train_state,
                                  make_mesh, parallel_active, place_on_mesh, shard_batch)
+from dagmoe_jax.parallel.axes import MeshLayout
+from dagmoe_jax.settle import settle
 from dagmoe_jax.train.step import make_train_step
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
@@ -48,14 +50,15 @@ MESHES = {
     "dp2_ep4": MeshConfig(data=2, expert=4),
     "fsdp2_ep2_tp2": MeshConfig(data=1, fsdp=2, expert=2, tensor=2),
 }
-VARIANTS = {
-    "moe_capacity": lambda: tiny_config("moe", "sum",
+VARIANTS = {   # unsettled: each test settles them for its layout, as a run does
+    "moe_capacity": lambda: tiny_config("moe", "sum", settled=False,
                                         experts=dict(num_experts=N, capacity_factor=N)),
-    "moe_dropless": lambda: tiny_config("moe", "sum",
+    "moe_dropless": lambda: tiny_config("moe", "sum", settled=False,
                                         experts=dict(num_experts=N, dispatch="dropless")),
-    "dag": lambda: tiny_config("moe", "dag", experts=dict(num_experts=N, num_shared=1,
-                                                          capacity_factor=N)),
-    "coe": lambda: tiny_config("coe", "sum", experts=dict(num_experts=N, dispatch="dropless")),
+    "dag": lambda: tiny_config("moe", "dag", settled=False,
+                               experts=dict(num_experts=N, num_shared=1, capacity_factor=N)),
+    "coe": lambda: tiny_config("coe", "sum", settled=False,
+                               experts=dict(num_experts=N, dispatch="dropless")),
 }
 TX = optax.sgd(1.0, momentum=0.5)   # first step: new params = params - grads; momentum = grads
 
@@ -72,8 +75,11 @@ def host(tree):
     return jax.tree.map(np.asarray, jax.device_get(tree))
 
 
-def make_model(variant: str) -> Transformer:
-    model = Transformer(VARIANTS[variant](), rngs=nnx.Rngs(0))
+def make_model(variant: str, mesh=None) -> Transformer:
+    """The variant's model, built for ``mesh`` (None: one device) as a run builds it."""
+    layout = MeshLayout.of(mesh)
+    model = Transformer(settle(VARIANTS[variant](), layout=layout), rngs=nnx.Rngs(0),
+                        layout=layout)
     if variant == "dag":   # w_up starts at zero, which would leave the DAG without gradients
         w_up = model.layers.block.aggregator.iterations.w_up
         w_up[...] = 0.05 * jax.random.normal(jax.random.key(7), w_up.shape)
@@ -147,7 +153,7 @@ def meshes():
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 def test_sharded_step_matches_single_device(meshes, mesh_name, variant):
     mesh, ref = meshes[mesh_name], reference(variant)
-    model = make_model(variant)                 # the reference's starting point
+    model = make_model(variant, mesh)           # the reference's starting point
     optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
     place_on_mesh((model, optimizer), mesh)     # (create_train_state: test_sharded_init_...)
     with activate(mesh):
@@ -169,9 +175,10 @@ def test_sharded_step_matches_single_device(meshes, mesh_name, variant):
 def test_sharded_init_is_sharded_and_matches_eager(meshes):
     """create_train_state: parameters and Adam moments born sharded, values as eager init."""
     mesh = meshes["fsdp2_ep2_tp2"]
-    cfg = VARIANTS["dag"]()
-    model, optimizer = create_train_state(lambda: Transformer(cfg, rngs=nnx.Rngs(0)),
-                                          optax.adamw(1e-3), mesh)
+    layout = MeshLayout.of(mesh)
+    cfg = settle(VARIANTS["dag"](), layout=layout)
+    model, optimizer = create_train_state(
+        lambda: Transformer(cfg, rngs=nnx.Rngs(0), layout=layout), optax.adamw(1e-3), mesh)
     params = nnx.state(model, nnx.Param)
     adam = optimizer.opt_state[0]
     check_shardings(mesh, params, adam.mu, adam.nu)
@@ -184,17 +191,21 @@ def test_sharded_init_is_sharded_and_matches_eager(meshes):
 
 
 def test_expert_parallel_dispatch_uses_collectives(meshes):
-    """On an expert mesh the dispatch really crosses devices (shard_map + all-to-all), and
-    outside ``activate`` the single-device code runs."""
+    """Experts built with a mesh layout dispatch across devices (shard_map + all-to-all);
+    without one the single-device code runs, mesh or not."""
     x = jnp.ones((16, 32))
     idx = jnp.tile(jnp.arange(2, dtype=jnp.int32), (16, 1))
+    mesh = meshes["fsdp2_ep2_tp2"]
     texts = {}
     for mode in ("capacity", "dropless"):
-        experts = Experts(N, 32, 16, 0.02, jnp.float32, rngs=nnx.Rngs(0))
-        with activate(meshes["fsdp2_ep2_tp2"]):
+        sharded = Experts(N, 32, 16, 0.02, jnp.float32, mode=mode, capacity_factor=2.0,
+                          layout=MeshLayout.of(mesh), rngs=nnx.Rngs(0))
+        local = Experts(N, 32, 16, 0.02, jnp.float32, mode=mode, capacity_factor=2.0,
+                        rngs=nnx.Rngs(0))
+        with activate(mesh):
             assert parallel_active()
-            texts[mode] = str(jax.make_jaxpr(lambda x: experts(x, idx, mode, 2.0))(x))
-        assert "shard_map" not in str(jax.make_jaxpr(lambda x: experts(x, idx, mode, 2.0))(x))
+            texts[mode] = str(jax.make_jaxpr(lambda x: sharded(x, idx))(x))
+            assert "shard_map" not in str(jax.make_jaxpr(lambda x: local(x, idx))(x))
     assert not parallel_active()
     assert "all_to_all" in texts["capacity"] and "psum" in texts["capacity"]
     assert "all_gather" in texts["dropless"] and "reduce_scatter" in texts["dropless"]
@@ -206,14 +217,16 @@ def test_capacity_drops_per_device_group(meshes, mesh_name):
     device's tokens (its group) separately, and the dropped fraction counts those drops."""
     mesh = meshes[mesh_name]
     cfg = tiny_config("moe", "sum", experts=dict(num_experts=N, capacity_factor=0.5),
-                      router=dict(score_fn="softmax"))
-    block = create_sharded(lambda: MoEBlock(cfg, rngs=nnx.Rngs(1)), mesh)
+                      router=dict(score_fn="softmax"), settled=False)
+    cfg = settle(cfg, layout=MeshLayout.of(mesh))
+    layout = MeshLayout.of(mesh)
+    block = create_sharded(lambda: MoEBlock(cfg, layout, rngs=nnx.Rngs(1)), mesh)
     x = jax.random.normal(jax.random.key(0), (8, 16, 32)) * 3.0
 
     @nnx.jit
     def run(block, x):
         y, stats = block(x)
-        routing = block.router(x.reshape(-1, 32), 2, "softmax", False)
+        routing = block.router(x.reshape(-1, 32))
         return y, stats, routing.indices, routing.gates
 
     with activate(mesh):
@@ -271,17 +284,21 @@ def test_token_count_the_mesh_does_not_divide_falls_back(meshes, mode):
     partitioned by XLA, and gives the single-device result."""
     x = jax.random.normal(jax.random.key(1), (6, 32))
     idx = jnp.stack([jnp.arange(6) % N, (jnp.arange(6) + 3) % N], axis=1).astype(jnp.int32)
-    experts = Experts(N, 32, 16, 0.2, jnp.float32, rngs=nnx.Rngs(0))
-    expected = np.asarray(experts(x, idx, mode, 2.0)[0])
     mesh = meshes["fsdp2_ep2_tp2"]
+    local = Experts(N, 32, 16, 0.2, jnp.float32, mode=mode, capacity_factor=2.0,
+                    rngs=nnx.Rngs(0))
+    expected = np.asarray(local(x, idx)[0])
+    experts = Experts(N, 32, 16, 0.2, jnp.float32, mode=mode, capacity_factor=2.0,
+                      layout=MeshLayout.of(mesh), rngs=nnx.Rngs(0))       # the same weights
     place_on_mesh(experts, mesh)
     with activate(mesh):
-        out = nnx.jit(lambda e, x: e(x, idx, mode, 2.0)[0])(experts, x)
+        out = nnx.jit(lambda e, x: e(x, idx)[0])(experts, x)
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_indivisible_experts_are_a_clear_error(meshes):
-    experts = Experts(4, 32, 16, 0.02, jnp.float32, rngs=nnx.Rngs(0))   # 4 experts on 8 shards
+    experts = Experts(4, 32, 16, 0.02, jnp.float32, mode="capacity", capacity_factor=1.0,
+                      layout=MeshLayout.of(meshes["ep8"]), rngs=nnx.Rngs(0))   # 4 on 8 shards
     idx = jnp.zeros((16, 2), jnp.int32)
     with activate(meshes["ep8"]), pytest.raises(ValueError, match="experts N=4 is not divisible"):
-        jax.eval_shape(lambda x: experts(x, idx, "capacity", 1.0), jnp.ones((16, 32)))
+        jax.eval_shape(lambda x: experts(x, idx), jnp.ones((16, 32)))

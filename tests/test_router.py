@@ -102,14 +102,16 @@ def test_losses_against_hand_computation(score_fn):
 @pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
 def test_router_module_end_to_end(score_fn):
     # x = identity rows and w_router = LOGITS make the router's logits exactly LOGITS.
-    router = Router(4, 3, 0.02, rngs=nnx.Rngs(0))
+    router = Router(4, 3, 0.02, top_k=2, score_fn=score_fn, rngs=nnx.Rngs(0))
     router.w_router[...] = jnp.asarray(LOGITS)
-    routing = router(jnp.eye(4, dtype=jnp.float32), 2, score_fn, False)
+    routing = router(jnp.eye(4, dtype=jnp.float32))
     np.testing.assert_allclose(np.asarray(routing.logits), LOGITS)
     np.testing.assert_array_equal(np.asarray(routing.indices), TOP2)
-    losses = Router.losses(routing)                      # the defaults: tokens, softmax
+    losses = router.losses(routing)                      # the defaults: tokens, softmax
     np.testing.assert_allclose(float(losses["balance_loss"]), hand_balance(score_fn), rtol=1e-6)
-    slots = Router.losses(routing, "slots", "score_share")
+    other = Router(4, 3, 0.02, top_k=2, score_fn=score_fn, balance_load="slots",
+                   balance_prob="score_share", rngs=nnx.Rngs(0))
+    slots = other.losses(routing)
     np.testing.assert_allclose(float(slots["balance_loss"]),
                                hand_balance(score_fn, "slots", "score_share"), rtol=1e-6)
     np.testing.assert_allclose(float(losses["z_loss"]), hand_z_loss(), rtol=1e-6)
@@ -175,9 +177,9 @@ def test_renormalize_and_expert_load_sum_to_one(score_fn):
 
 
 def test_router_logits_are_float32_for_bfloat16_inputs():
-    router = Router(8, 4, 0.5, rngs=nnx.Rngs(0))
+    router = Router(8, 4, 0.5, top_k=2, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (6, 8)).astype(jnp.bfloat16)
-    routing = router(x, 2, "sigmoid", False)
+    routing = router(x)
     assert routing.logits.dtype == jnp.float32
     assert routing.gates.dtype == jnp.bfloat16          # gates follow the activations
     expected = np.asarray(x, np.float32) @ np.asarray(router.w_router[...], np.float32)

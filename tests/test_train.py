@@ -191,12 +191,13 @@ def test_empty_dataset_is_a_one_line_error(tmp_path):
 def test_gin_overrides_reach_the_model():
     from flax import nnx
     from dagmoe_jax.model import Transformer
+    from dagmoe_jax.settle import settle
     model_cfg, data_cfg, optim_cfg, train_cfg = load_configs(
         ["train/smoke.gin"], ["AggregationConfig.dag_iters = 3", "DataConfig.seq_len = 32",
                               "OptimConfig.learning_rate = 0.5", "TrainConfig.steps = 7"])
     assert (model_cfg.aggregation.dag_iters, data_cfg.seq_len, optim_cfg.learning_rate,
             train_cfg.steps) == (3, 32, 0.5, 7)
-    model = Transformer(model_cfg, rngs=nnx.Rngs(0))
+    model = Transformer(settle(model_cfg), rngs=nnx.Rngs(0))
     w_down = model.layers.block.aggregator.iterations.w_down
     assert w_down.shape[:2] == (2, 3)                              # [layers, L, d, d_g]
 

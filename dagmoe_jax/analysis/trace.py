@@ -83,9 +83,8 @@ def _dag_trace(aggregator, cfg, x, gates, expert_out):
 
 
 def _moe_trace(block, cfg, x):
-    r, e = cfg.router, cfg.experts
-    routing = block.router(x, r.top_k, r.score_fn, r.renormalize)
-    expert_out, _ = block.experts(x, routing.indices, e.dispatch, e.capacity_factor)
+    routing = block.router(x)
+    expert_out, _ = block.experts(x, routing.indices)
     record = {"indices": routing.indices[None]}                                  # [1, T, K]
     if cfg.aggregation.kind == "dag":
         y, record["edge_gates"], record["dag_inputs"] = _dag_trace(
@@ -98,12 +97,12 @@ def _moe_trace(block, cfg, x):
 
 
 def _coe_trace(block, cfg, x0):
-    r, e, c = cfg.router, cfg.experts, cfg.coe
+    c = cfg.coe
     h, delta, indices, routing = x0, jnp.zeros_like(x0), [], None
     for t in range(c.iterations):
         if t == 0 or not c.shared_router:
-            routing = block.routers[t](h, cfg.coe_top_k, r.score_fn, r.renormalize)
-        out, _ = block.experts(h, routing.indices, e.dispatch, e.capacity_factor)
+            routing = block.routers[t](h)
+        out, _ = block.experts(h, routing.indices)
         update = weighted_sum(routing.gates, out)
         if block.shared is not None:
             update = update + block.shared(h)

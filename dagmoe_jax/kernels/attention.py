@@ -23,7 +23,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from dagmoe_jax.kernels.build import KernelBuildError, build
+from dagmoe_jax.kernels.build import KernelBuildError, build, compiler, is_built
 
 SOURCE = Path(__file__).with_name("causal_attention.cc")
 SUPPORTED_HEAD_DIMS = (8, 16, 32, 64, 128, 256)
@@ -43,6 +43,12 @@ def _load() -> Optional[str]:
     jax.ffi.register_ffi_target(_BWD, jax.ffi.pycapsule(lib.DagmoeCausalAttentionBwd),
                                 platform="cpu")
     return None
+
+
+def kernel_needs_build() -> bool:
+    """Whether using the kernel would compile it first (a compiler is there and the on-disk
+    cache has no library for this source, compiler, jaxlib and CPU)."""
+    return compiler() is not None and not is_built(SOURCE)
 
 
 def fused_attention_unavailable(q_shape=None, dtype=jnp.float32,

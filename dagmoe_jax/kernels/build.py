@@ -56,22 +56,35 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def build(source: Path) -> Path:
-    """Return the path of ``source`` compiled into a shared library, compiling it if needed."""
-    import jax
+def target_path(source: Path, cxx: str) -> Path:
+    """Where ``source`` compiled by ``cxx`` is cached: the name carries a hash of the source,
+    flags, compiler, jaxlib version and CPU."""
     import jaxlib
 
-    cxx = compiler()
-    if cxx is None:
-        raise KernelBuildError("no C++ compiler found (install g++ or set CXX)")
-    include = jax.ffi.include_dir()
     key = hashlib.sha256()
     for part in (source.read_bytes(), " ".join(FLAGS).encode(), cxx.encode(),
                  jaxlib.__version__.encode(), platform.machine().encode(),
                  _cpu_flags().encode()):
         key.update(part)
         key.update(b"\0")
-    target = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    return cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
+
+
+def is_built(source: Path) -> bool:
+    """Whether ``source`` is already compiled in the cache (no compiler: False)."""
+    cxx = compiler()
+    return cxx is not None and target_path(source, cxx).exists()
+
+
+def build(source: Path) -> Path:
+    """Return the path of ``source`` compiled into a shared library, compiling it if needed."""
+    import jax
+
+    cxx = compiler()
+    if cxx is None:
+        raise KernelBuildError("no C++ compiler found (install g++ or set CXX)")
+    include = jax.ffi.include_dir()
+    target = target_path(source, cxx)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Aggregators: how the K selected expert outputs become the block output (DESIGN.md section 4).
+"""Aggregators: how the K selected expert outputs become the block output (docs/design.md section 4).
 
 * ``sum``: the standard weighted sum (DAG-MoE eq. 1).
 * ``dag``: the DAG learning module (DAG-MoE eq. 6-12), L iterations scanned over stacked

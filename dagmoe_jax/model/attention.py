@@ -10,8 +10,8 @@ from flax import nnx
 
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.model.layers import dtype_of, make_param, normal
-from dagmoe_jax.kernels.attention import fused_attention_unavailable, fused_causal_attention
-from dagmoe_jax.parallel import constrain, parallel_active
+from dagmoe_jax.kernels.attention import fused_causal_attention
+from dagmoe_jax.parallel import constrain
 
 
 def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> Tuple[jax.Array, jax.Array]:
@@ -80,43 +80,16 @@ def blockwise_causal_attention(q, k, v, block: int):
     return out.transpose(0, 2, 1, 3, 4).reshape(b, s, h, d)
 
 
-def resolve_attention_impl(name: str, dtype=jnp.float32, head_dim: Optional[int] = None) -> str:
-    """'auto': on CPU the fused kernel (float32, off-mesh, when it builds) else blockwise; cuDNN
-    on GPU for 16-bit inputs (its flash kernel takes no float32); XLA otherwise."""
-    if name != "auto":
-        return name
-    backend = jax.default_backend()
-    if backend == "cpu":
-        shape = None if head_dim is None else (head_dim,)
-        if not parallel_active() and fused_attention_unavailable(shape, dtype) is None:
-            return "fused"
-        return "blockwise"
-    if backend == "gpu" and jnp.dtype(dtype).itemsize == 2:
-        return "cudnn"
-    return "xla"
-
-
-def attention_in_use(cfg: ModelConfig) -> str:
-    """What ``cfg.attention`` resolves to off-mesh on this backend, for logs and benchmark
-    headers; when 'auto' falls back to blockwise on CPU, the reason is appended."""
-    dtype = jnp.dtype(cfg.compute_dtype)
-    impl = resolve_attention_impl(cfg.attention, dtype, cfg.resolved_head_dim)
-    if cfg.attention == "auto" and impl == "blockwise":
-        reason = fused_attention_unavailable((cfg.resolved_head_dim,), dtype)
-        return f"blockwise ({reason})" if reason else impl
-    return impl
-
-
 def causal_attention(q, k, v, impl: str, block: int):
-    """Dispatch to the configured causal attention kernel (GQA: H a multiple of KV heads)."""
-    impl = resolve_attention_impl(impl, q.dtype, q.shape[-1])
+    """The causal attention kernel ``impl`` (a settled ``ModelConfig.attention``: 'blockwise',
+    'fused', 'xla' or 'cudnn'; GQA: H a multiple of KV heads)."""
     if impl == "blockwise":
         return blockwise_causal_attention(q, k, v, block)
     if impl == "fused":
-        if parallel_active():
-            raise ValueError("ModelConfig.attention='fused' runs on a single device only; use "
-                             "'auto' or 'blockwise' under a device mesh")
         return fused_causal_attention(q, k, v)
+    if impl == "auto":
+        raise ValueError("ModelConfig.attention='auto' reached the model unsettled: build the "
+                         "model from dagmoe_jax.settle.settle(cfg)")
     return jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                         implementation="cudnn" if impl == "cudnn" else "xla")
 

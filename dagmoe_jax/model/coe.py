@@ -1,4 +1,4 @@
-"""Chain-of-Experts block (CoE eq. 4-10; DESIGN.md section 5).
+"""Chain-of-Experts block (CoE eq. 4-10; docs/design.md section 5).
 
 C iterations over one shared expert pool. Iteration t routes the previous state x^(t-1) with its
 own router to K_t experts (default K / C) and adds their gated outputs (plus shared experts):
@@ -18,16 +18,17 @@ so ``CoEConfig.stream`` decides how often x reaches the stream (:func:`coe_block
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.model.aggregation import weighted_sum
-from dagmoe_jax.model.experts import Experts
-from dagmoe_jax.model.layers import dtype_of
-from dagmoe_jax.model.moe import block_stats, make_shared
+from dagmoe_jax.model.moe import block_stats, make_experts, make_shared
 from dagmoe_jax.model.router import Router
+from dagmoe_jax.parallel.axes import MeshLayout
 
 
 def coe_step(update: jax.Array, delta: jax.Array, x0: jax.Array, mode: str):
@@ -51,32 +52,32 @@ def coe_block_output(delta: jax.Array, x0: jax.Array, stream: str) -> jax.Array:
 
 
 class CoEBlock(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.cfg = cfg
-        e, c = cfg.experts, cfg.coe
-        num_routers = 1 if c.shared_router else c.iterations
-        self.routers = nnx.List([Router(cfg.d_model, e.num_experts, cfg.init_std, rngs=rngs)
-                                 for _ in range(num_routers)])
-        self.experts = Experts(e.num_experts, cfg.d_model, e.expert_hidden, cfg.init_std,
-                               dtype_of(cfg.compute_dtype), rngs=rngs)
+    def __init__(self, cfg: ModelConfig, layout: Optional[MeshLayout] = None, *,
+                 rngs: nnx.Rngs):
+        c = cfg.coe
+        self.iterations, self.residual, self.stream = c.iterations, c.residual, c.stream
+        self.shared_router = c.shared_router
+        self.routers = nnx.List([
+            Router.from_config(cfg.d_model, cfg.experts.num_experts, cfg.init_std, cfg.router,
+                               top_k=cfg.coe_top_k, rngs=rngs)
+            for _ in range(1 if c.shared_router else c.iterations)])
+        self.experts = make_experts(cfg, layout, rngs=rngs)
         self.shared = make_shared(cfg, rngs=rngs)
 
     def __call__(self, x: jax.Array):
-        cfg, r, c = self.cfg, self.cfg.router, self.cfg.coe
         b, s, d = x.shape
         x0 = x.reshape(b * s, d)
         h, delta, stats, routing = x0, jnp.zeros_like(x0), [], None
-        for t in range(c.iterations):
-            if t == 0 or not c.shared_router:
-                routing = self.routers[t](h, cfg.coe_top_k, r.score_fn, r.renormalize)
-            out, keep = self.experts(h, routing.indices, cfg.experts.dispatch,
-                                     cfg.experts.capacity_factor)
+        for t in range(self.iterations):
+            router = self.routers[0 if self.shared_router else t]
+            if t == 0 or not self.shared_router:
+                routing = router(h)
+            out, keep = self.experts(h, routing.indices)
             update = weighted_sum(routing.gates, out)
             if self.shared is not None:
                 update = update + self.shared(h)
-            delta, h = coe_step(update.astype(x.dtype), delta, x0, c.residual)
-            stats.append(block_stats(Router.losses(routing, r.balance_load, r.balance_prob),
-                                     keep))
-        y = coe_block_output(delta, x0, c.stream)
+            delta, h = coe_step(update.astype(x.dtype), delta, x0, self.residual)
+            stats.append(block_stats(router.losses(routing), keep))
+        y = coe_block_output(delta, x0, self.stream)
         mean_stats = jax.tree.map(lambda *v: jnp.mean(jnp.stack(v), axis=0), *stats)
         return y.reshape(b, s, d), mean_stats

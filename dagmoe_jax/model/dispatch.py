@@ -1,4 +1,4 @@
-"""Getting tokens to their experts and back (DESIGN.md section 3).
+"""Getting tokens to their experts and back (docs/design.md section 3).
 
 Each strategy takes tokens ``x`` [T, d] and the router's expert ids [T, K] and returns the
 selected experts' outputs [T, K, d] in rank order, plus a keep mask [T, K] (False where capacity
@@ -29,9 +29,10 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
     return max(1, int(math.ceil(capacity_factor * num_tokens * top_k / num_experts)))
 
 
-def apply_experts(buffer: jax.Array, weights: ExpertWeights) -> jax.Array:
-    """Every expert's SwiGLU on its own rows: buffer [N, C, d] -> [N, C, d], a vmap over N."""
-    return jax.vmap(swiglu)(buffer, *weights)
+def apply_experts(buffer: jax.Array, weights: ExpertWeights, fused: bool = True) -> jax.Array:
+    """Every expert's SwiGLU on its own rows: buffer [N, C, d] -> [N, C, d], a vmap over N;
+    ``fused``: gate and up projections as one matmul (:func:`~dagmoe_jax.model.layers.swiglu`)."""
+    return jax.vmap(lambda b, *w: swiglu(b, *w, fused=fused))(buffer, *weights)
 
 
 @jax.custom_vjp
@@ -101,13 +102,13 @@ def capacity_combine(y: jax.Array, slot: jax.Array, holder: jax.Array) -> jax.Ar
 
 
 def capacity_dispatch(x: jax.Array, indices: jax.Array, weights: ExpertWeights,
-                      capacity_factor: float):
+                      capacity_factor: float, fused: bool = True):
     """Fixed-capacity dispatch: gather into [N, C, d], batched experts, gather back."""
     n, k = weights[0].shape[0], indices.shape[1]
     cap = expert_capacity(x.shape[0], k, n, capacity_factor)
     buffer, slot, holder, keep = capacity_gather(x, indices, n, cap)
     buffer = constrain(buffer, ("expert", "expert_slots", "embed"))
-    y = constrain(apply_experts(buffer, weights), ("expert", "expert_slots", "embed"))
+    y = constrain(apply_experts(buffer, weights, fused), ("expert", "expert_slots", "embed"))
     return capacity_combine(y, slot, holder), keep
 
 
@@ -133,21 +134,26 @@ def dropless_dispatch(x: jax.Array, indices: jax.Array, weights: ExpertWeights):
     return out, jnp.ones((t, k), bool)
 
 
-def dense_dispatch(x: jax.Array, indices: jax.Array, weights: ExpertWeights):
+def dense_dispatch(x: jax.Array, indices: jax.Array, weights: ExpertWeights,
+                   fused: bool = True):
     """Every expert on every token, then pick the selected ones: the test oracle (N x the work)."""
-    y = apply_experts(jnp.broadcast_to(x, (weights[0].shape[0],) + x.shape), weights)  # [N,T,d]
+    y = apply_experts(jnp.broadcast_to(x, (weights[0].shape[0],) + x.shape), weights,
+                      fused)                                                          # [N,T,d]
     out = y[indices, jnp.arange(x.shape[0])[:, None]]
     return out, jnp.ones(indices.shape, bool)
 
 
 DISPATCH: dict[str, Callable] = {
     "capacity": capacity_dispatch,
-    "dropless": lambda x, i, w, _cf: dropless_dispatch(x, i, w),
-    "dense": lambda x, i, w, _cf: dense_dispatch(x, i, w),
+    "dropless": lambda x, i, w, _cf, _fused: dropless_dispatch(x, i, w),
+    "dense": lambda x, i, w, _cf, fused: dense_dispatch(x, i, w, fused),
 }
 
 
-def dispatch(mode: str, x, indices, weights: ExpertWeights, capacity_factor: float):
+def dispatch(mode: str, x, indices, weights: ExpertWeights, capacity_factor: float,
+             fused: bool = True):
+    """Outputs [T, K, d] and keep mask [T, K] of the experts ``indices`` on tokens ``x`` [T, d]
+    with one device's dispatch ``mode``; ``fused`` as :func:`apply_experts`."""
     if mode not in DISPATCH:
         raise ValueError(f"dispatch={mode!r} is invalid: expected one of {sorted(DISPATCH)}")
-    return DISPATCH[mode](x, indices, weights, capacity_factor)
+    return DISPATCH[mode](x, indices, weights, capacity_factor, fused)

@@ -1,28 +1,40 @@
 """The routed experts: N SwiGLU FFNs stored stacked and applied as one vmapped FFN.
 
-On one device the tokens reach them by :func:`dagmoe_jax.model.dispatch.dispatch`; inside
-:func:`dagmoe_jax.parallel.activate` with a multi-device mesh, 'capacity' and 'dropless' dispatch
-run across devices (:mod:`dagmoe_jax.parallel.expert`: all-to-all over the ``expert`` axis).
+On one device the tokens reach them by :func:`dagmoe_jax.model.dispatch.dispatch`; when the
+model is built with a multi-device :class:`~dagmoe_jax.parallel.axes.MeshLayout`, 'capacity'
+and 'dropless' dispatch run across devices (:mod:`dagmoe_jax.model.expert_parallel`:
+all-to-all over the ``expert`` axis).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import jax
 from flax import nnx
 
 from dagmoe_jax.model.dispatch import dispatch
+from dagmoe_jax.model.expert_parallel import sharded_dispatch
 from dagmoe_jax.model.layers import make_param, normal
-from dagmoe_jax.parallel import expert as expert_parallel  # a module: import cycles stay harmless
-from dagmoe_jax.parallel.mesh import parallel_active
+from dagmoe_jax.parallel.axes import MeshLayout
 
 
 class Experts(nnx.Module):
     """w_gate, w_up [N, d, d_r] and w_down [N, d_r, d], the expert axis leading (sharded over
-    the mesh's ``expert`` axis)."""
+    the mesh's ``expert`` axis).
+
+    mode: 'capacity', 'dropless' or 'dense' (``ExpertConfig.dispatch``); capacity_factor: C =
+    ceil(capacity_factor * T * K / N) for 'capacity'; fuse_gate_up: as
+    :func:`~dagmoe_jax.model.layers.swiglu`; layout: the mesh to dispatch across (None: one
+    device).
+    """
 
     def __init__(self, num_experts: int, d_model: int, hidden: int, std: float, dtype, *,
+                 mode: str = "capacity", capacity_factor: float = 1.25,
+                 fuse_gate_up: bool = True, layout: Optional[MeshLayout] = None,
                  rngs: nnx.Rngs):
-        self.dtype = dtype
+        self.dtype, self.mode, self.capacity_factor = dtype, mode, capacity_factor
+        self.fuse_gate_up, self.layout = fuse_gate_up, layout
         init = normal(std)
         self.w_gate = make_param(rngs, init, (num_experts, d_model, hidden),
                                  ("expert", "embed", "expert_mlp"))
@@ -31,11 +43,12 @@ class Experts(nnx.Module):
         self.w_down = make_param(rngs, init, (num_experts, hidden, d_model),
                                  ("expert", "expert_mlp", "embed"))
 
-    def __call__(self, x: jax.Array, indices: jax.Array, mode: str, capacity_factor: float):
+    def __call__(self, x: jax.Array, indices: jax.Array):
         """Outputs [T, K, d] of the experts ``indices`` [T, K] on tokens ``x`` [T, d], and the
         keep mask [T, K] (False where capacity dropped the assignment)."""
         weights = tuple(w[...].astype(self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
-        if mode != "dense" and parallel_active():
-            return expert_parallel.sharded_dispatch(mode, x.astype(self.dtype), indices, weights,
-                                                    capacity_factor)
-        return dispatch(mode, x.astype(self.dtype), indices, weights, capacity_factor)
+        if self.mode != "dense" and self.layout is not None:
+            return sharded_dispatch(self.mode, x.astype(self.dtype), indices, weights,
+                                    self.capacity_factor, self.layout)
+        return dispatch(self.mode, x.astype(self.dtype), indices, weights, self.capacity_factor,
+                        self.fuse_gate_up)

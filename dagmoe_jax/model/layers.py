@@ -8,8 +8,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dagmoe_jax.parallel.mesh import parallel_active
-
 Shape = Tuple[int, ...]
 
 
@@ -37,17 +35,19 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
+           fused: bool = True) -> jax.Array:
     """SwiGLU FFN (Llama): ``(silu(x W_gate) * (x W_up)) W_down``.
 
-    ``x W_gate`` and ``x W_up`` are computed as one matmul against ``[W_gate | W_up]`` (the
-    same products, column by column): one pass over x and, in the backward pass, one input
-    gradient of twice the depth instead of two and an add. Measured 3% faster for the whole
-    training step of the s model on the 2-core CPU, concatenation included. Under a
-    multi-device mesh the two matmuls stay separate: concatenating weights sharded along their
-    hidden axis (tensor parallelism) would move them between devices.
+    ``fused``: ``x W_gate`` and ``x W_up`` are computed as one matmul against
+    ``[W_gate | W_up]`` (the same products, column by column): one pass over x and, in the
+    backward pass, one input gradient of twice the depth instead of two and an add. Measured 3%
+    faster for the whole training step of the s model on the 2-core CPU, concatenation
+    included. Under a multi-device mesh (``ModelConfig.fuse_gate_up`` settles to False there)
+    the two matmuls stay separate: concatenating weights sharded along their hidden axis
+    (tensor parallelism) would move them between devices.
     """
-    if parallel_active():
+    if not fused:
         return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
     h = w_gate.shape[-1]
     gate_up = x @ jnp.concatenate([w_gate, w_up], axis=-1)
@@ -70,12 +70,14 @@ class SwiGLU(nnx.Module):
     the sum of the separate experts' outputs is exactly that FFN's output.
     """
 
-    def __init__(self, d_model: int, hidden: int, std: float, dtype, *, rngs: nnx.Rngs):
-        self.dtype = dtype
+    def __init__(self, d_model: int, hidden: int, std: float, dtype, *, fuse_gate_up: bool = True,
+                 rngs: nnx.Rngs):
+        self.dtype, self.fuse_gate_up = dtype, fuse_gate_up
         self.w_gate = make_param(rngs, normal(std), (d_model, hidden), ("embed", "mlp"))
         self.w_up = make_param(rngs, normal(std), (d_model, hidden), ("embed", "mlp"))
         self.w_down = make_param(rngs, normal(std), (hidden, d_model), ("mlp", "embed"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         c = lambda w: w[...].astype(self.dtype)
-        return swiglu(x.astype(self.dtype), c(self.w_gate), c(self.w_up), c(self.w_down))
+        return swiglu(x.astype(self.dtype), c(self.w_gate), c(self.w_up), c(self.w_down),
+                      fused=self.fuse_gate_up)

@@ -13,6 +13,7 @@ from dagmoe_jax.model.aggregation import make_aggregator
 from dagmoe_jax.model.experts import Experts
 from dagmoe_jax.model.layers import SwiGLU, dtype_of
 from dagmoe_jax.model.router import Router
+from dagmoe_jax.parallel.axes import MeshLayout
 
 
 def make_shared(cfg: ModelConfig, *, rngs: nnx.Rngs) -> Optional[SwiGLU]:
@@ -20,7 +21,16 @@ def make_shared(cfg: ModelConfig, *, rngs: nnx.Rngs) -> Optional[SwiGLU]:
     if e.num_shared == 0:
         return None
     return SwiGLU(cfg.d_model, e.num_shared * e.shared_hidden, cfg.init_std,
-                  dtype_of(cfg.compute_dtype), rngs=rngs)
+                  dtype_of(cfg.compute_dtype), fuse_gate_up=cfg.fuse_gate_up, rngs=rngs)
+
+
+def make_experts(cfg: ModelConfig, layout: Optional[MeshLayout], *, rngs: nnx.Rngs) -> Experts:
+    """The routed experts of ``cfg`` (a settled config), dispatched across ``layout``."""
+    e = cfg.experts
+    return Experts(e.num_experts, cfg.d_model, e.expert_hidden, cfg.init_std,
+                   dtype_of(cfg.compute_dtype), mode=e.dispatch,
+                   capacity_factor=e.capacity_factor, fuse_gate_up=cfg.fuse_gate_up,
+                   layout=layout, rngs=rngs)
 
 
 def block_stats(losses: dict, keep: jax.Array) -> dict:
@@ -32,24 +42,20 @@ def block_stats(losses: dict, keep: jax.Array) -> dict:
 class MoEBlock(nnx.Module):
     """y = Aggregate(x, g, E(x)) + sum of shared experts(x), for x [B, S, d]."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.cfg = cfg
-        e = cfg.experts
-        self.router = Router(cfg.d_model, e.num_experts, cfg.init_std, rngs=rngs)
-        self.experts = Experts(e.num_experts, cfg.d_model, e.expert_hidden, cfg.init_std,
-                               dtype_of(cfg.compute_dtype), rngs=rngs)
+    def __init__(self, cfg: ModelConfig, layout: Optional[MeshLayout] = None, *,
+                 rngs: nnx.Rngs):
+        self.router = Router.from_config(cfg.d_model, cfg.experts.num_experts, cfg.init_std,
+                                         cfg.router, top_k=cfg.router.top_k, rngs=rngs)
+        self.experts = make_experts(cfg, layout, rngs=rngs)
         self.aggregator = make_aggregator(cfg, rngs=rngs)
         self.shared = make_shared(cfg, rngs=rngs)
 
     def __call__(self, x: jax.Array):
-        cfg, r = self.cfg, self.cfg.router
         b, s, d = x.shape
         xt = x.reshape(b * s, d)
-        routing = self.router(xt, r.top_k, r.score_fn, r.renormalize)
-        expert_out, keep = self.experts(xt, routing.indices, cfg.experts.dispatch,
-                                        cfg.experts.capacity_factor)
+        routing = self.router(xt)
+        expert_out, keep = self.experts(xt, routing.indices)
         y = self.aggregator(xt, routing.gates, expert_out)
         if self.shared is not None:
             y = y + self.shared(xt)
-        losses = Router.losses(routing, r.balance_load, r.balance_prob)
-        return y.reshape(b, s, d).astype(x.dtype), block_stats(losses, keep)
+        return y.reshape(b, s, d).astype(x.dtype), block_stats(self.router.losses(routing), keep)

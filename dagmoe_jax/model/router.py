@@ -1,4 +1,4 @@
-"""Token-choice router: scores, top-K gates and the two router losses (DESIGN.md section 2)."""
+"""Token-choice router: scores, top-K gates and the two router losses (docs/design.md section 2)."""
 
 from __future__ import annotations
 
@@ -100,25 +100,40 @@ def z_loss(logits: jax.Array) -> jax.Array:
 
 
 class Router(nnx.Module):
-    """Router keys e_i as a [d, N] matrix; returns a :class:`Routing` for tokens [T, d]."""
+    """Router keys e_i as a [d, N] matrix; returns a :class:`Routing` for tokens [T, d].
 
-    def __init__(self, d_model: int, num_experts: int, std: float, *, rngs: nnx.Rngs):
+    top_k, score_fn, renormalize: ``RouterConfig``'s (K, sigmoid or softmax scores, gates
+    divided by their sum); balance_load, balance_prob: the balance loss's conventions
+    (:func:`balance_fraction`, :func:`balance_probs`).
+    """
+
+    def __init__(self, d_model: int, num_experts: int, std: float, *, top_k: int,
+                 score_fn: str = "sigmoid", renormalize: bool = False,
+                 balance_load: str = "tokens", balance_prob: str = "softmax", rngs: nnx.Rngs):
+        self.top_k, self.score_fn, self.renormalize = top_k, score_fn, renormalize
+        self.balance_load, self.balance_prob = balance_load, balance_prob
         self.w_router = make_param(rngs, normal(std), (d_model, num_experts), ("embed", None))
 
-    def __call__(self, x: jax.Array, top_k: int, score_fn: str, renormalize: bool) -> Routing:
+    @classmethod
+    def from_config(cls, d_model: int, num_experts: int, std: float, cfg, *, top_k: int,
+                    rngs: nnx.Rngs) -> "Router":
+        """A router with ``cfg`` (a ``RouterConfig``)'s settings and ``top_k`` experts."""
+        return cls(d_model, num_experts, std, top_k=top_k, score_fn=cfg.score_fn,
+                   renormalize=cfg.renormalize, balance_load=cfg.balance_load,
+                   balance_prob=cfg.balance_prob, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> Routing:
         logits = router_logits(x, self.w_router[...])
-        scores = router_scores(logits, score_fn)
-        gates, indices = select_top_k(scores, top_k, renormalize)
+        scores = router_scores(logits, self.score_fn)
+        gates, indices = select_top_k(scores, self.top_k, self.renormalize)
         return Routing(gates.astype(x.dtype), indices, logits, scores)
 
-    @staticmethod
-    def losses(routing: Routing, load: str = "tokens", prob: str = "softmax") -> dict:
-        """The unweighted router losses and the slot load of one routing decision; ``load`` and
-        ``prob`` are ``RouterConfig.balance_load`` and ``balance_prob``."""
+    def losses(self, routing: Routing) -> dict:
+        """The unweighted router losses and the slot load of one routing decision."""
         n = routing.scores.shape[-1]
-        probs = balance_probs(routing.logits, routing.scores, prob)
+        probs = balance_probs(routing.logits, routing.scores, self.balance_prob)
         return {
-            "balance_loss": balance_loss(probs, routing.indices, load),
+            "balance_loss": balance_loss(probs, routing.indices, self.balance_load),
             "z_loss": z_loss(routing.logits),
             "expert_load": expert_load(routing.indices, n),
         }

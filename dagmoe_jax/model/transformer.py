@@ -17,6 +17,8 @@ against it. Neither changes the training forward pass (``__call__``).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -27,6 +29,7 @@ from dagmoe_jax.model.coe import CoEBlock
 from dagmoe_jax.model.layers import RMSNorm, SwiGLU, dtype_of, make_param, normal
 from dagmoe_jax.model.moe import MoEBlock
 from dagmoe_jax.parallel import constrain
+from dagmoe_jax.parallel.axes import MeshLayout
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -34,34 +37,14 @@ REMAT_POLICIES = {
 }
 
 
-def resolve_remat(name: str) -> str:
-    """'auto': 'none' on CPU, 'full' on accelerators.
-
-    On CPU host memory is plentiful and the step is bound by memory traffic: storing the
-    activations, with the layers unrolled (:func:`resolve_scan_unroll`), measured about 15%
-    faster than recomputing them for the s model (README, step throughput)."""
-    if name != "auto":
-        return name
-    return "none" if jax.default_backend() == "cpu" else "full"
-
-
-def resolve_scan_unroll(unroll: int, num_layers: int) -> int:
-    """0 (auto): all ``num_layers`` unrolled on CPU, 1 (one compiled layer body) elsewhere.
-
-    Unrolled, XLA:CPU slices each layer's weights and stored activations statically instead of
-    zero-filling stacked [layers, ...] buffers and updating them inside a loop."""
-    if unroll:
-        return unroll
-    return num_layers if jax.default_backend() == "cpu" else 1
-
-
-def make_block(cfg: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Module:
+def make_block(cfg: ModelConfig, layout: Optional[MeshLayout] = None, *,
+               rngs: nnx.Rngs) -> nnx.Module:
     if cfg.block == "moe":
-        return MoEBlock(cfg, rngs=rngs)
+        return MoEBlock(cfg, layout, rngs=rngs)
     if cfg.block == "coe":
-        return CoEBlock(cfg, rngs=rngs)
+        return CoEBlock(cfg, layout, rngs=rngs)
     return SwiGLU(cfg.d_model, cfg.resolved_ffn_hidden, cfg.init_std, dtype_of(cfg.compute_dtype),
-                  rngs=rngs)
+                  fuse_gate_up=cfg.fuse_gate_up, rngs=rngs)
 
 
 def empty_stats(cfg: ModelConfig) -> dict:
@@ -77,13 +60,14 @@ class DecoderLayer(nnx.Module):
     the block's output, RMSNorm(h) + the experts' updates, replaces h instead of adding to it.
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, layout: Optional[MeshLayout] = None, *,
+                 rngs: nnx.Rngs):
         self.cfg = cfg
         self.block_replaces_stream = cfg.block == "coe" and cfg.coe.stream == "reference"
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         self.attn = Attention(cfg, rngs=rngs)
         self.block_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
-        self.block = make_block(cfg, rngs=rngs)
+        self.block = make_block(cfg, layout, rngs=rngs)
 
     def __call__(self, h: jax.Array, sin: jax.Array, cos: jax.Array):
         h = h + self.attn(self.attn_norm(h), sin, cos)
@@ -116,7 +100,13 @@ class DecoderLayer(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    """The decoder for a settled ``cfg`` (:func:`dagmoe_jax.settle.settle`: no 'auto' left),
+    its MoE dispatch placed on ``layout`` (None: one device)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layout: Optional[MeshLayout] = None):
+        if cfg.unsettled:
+            raise ValueError(f"ModelConfig fields {', '.join(cfg.unsettled)} are still 'auto': "
+                             f"build the model from dagmoe_jax.settle.settle(cfg)")
         self.cfg = cfg
         pd = dtype_of(cfg.param_dtype)
         self.embed = make_param(rngs, normal(cfg.init_std), (cfg.vocab_size, cfg.d_model),
@@ -125,7 +115,7 @@ class Transformer(nnx.Module):
         @nnx.split_rngs(splits=cfg.num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_layers(r):
-            return DecoderLayer(cfg, rngs=r)
+            return DecoderLayer(cfg, layout, rngs=r)
 
         self.layers = make_layers(rngs)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
@@ -148,12 +138,10 @@ class Transformer(nnx.Module):
         def body(h, layer):
             return layer(h, sin, cos)
 
-        remat = resolve_remat(cfg.remat)
-        if remat != "none":
-            body = nnx.remat(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+        if cfg.remat != "none":
+            body = nnx.remat(body, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
 
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0),
-                  unroll=resolve_scan_unroll(cfg.scan_unroll, cfg.num_layers),
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), unroll=cfg.scan_unroll,
                   transform_metadata={nnx.PARTITION_NAME: "layers"})
         def run(h, layer):
             return body(h, layer)

@@ -1,4 +1,4 @@
-"""Running the model on a device mesh (DESIGN.md section 8).
+"""Running the model on a device mesh (docs/design.md section 8).
 
 * :mod:`~dagmoe_jax.parallel.axes`: logical axis names, the rules mapping them onto the mesh
   ``data, fsdp, expert, tensor`` (:data:`DEFAULT_RULES`) and activation constraints.

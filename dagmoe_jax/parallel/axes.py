@@ -1,4 +1,4 @@
-"""Logical axis names (DESIGN.md section 8) and activation sharding constraints.
+"""Logical axis names (docs/design.md section 8) and activation sharding constraints.
 
 Every parameter carries a tuple of logical names in its ``out_sharding`` metadata and every major
 activation passes through :func:`constrain`. Outside a mesh with axis rules (the default on one
@@ -8,16 +8,17 @@ pod; the rules below decide where each name lands on the mesh ``data, fsdp, expe
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence, Tuple
 
 import jax
 from flax.core import spmd
-from jax.sharding import PartitionSpec
+from jax.sharding import AbstractMesh, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 # Logical name -> mesh axis (or axes). Outside MoE blocks `expert` acts as data parallelism.
-# The expert-parallel dispatch (parallel/expert.py) needs the `expert` axes among the `batch`
+# The expert-parallel dispatch (model/expert_parallel.py) needs the `expert` axes among the `batch`
 # axes (each expert shard holds different tokens) and `expert_mlp` not among them.
 DEFAULT_RULES: Tuple[Tuple[str, object], ...] = (
     ("batch", ("data", "fsdp", "expert")),
@@ -69,3 +70,37 @@ def constrain(x: jax.Array, names: Sequence[Optional[str]]) -> jax.Array:
     if not rules or mesh is None or mesh.empty:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names, rules))
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshLayout:
+    """A device mesh (abstract: axis names, sizes and device kind) with the logical-axis rules
+    in force.
+
+    What the model needs to place expert-parallel dispatch (``jax.shard_map``) without reading
+    the active mesh while tracing: the run builds it once from its mesh (:meth:`of`) and hands it
+    to the model. ``None`` stands for one device.
+    """
+
+    mesh: AbstractMesh
+    rules: Tuple[Tuple[str, object], ...] = DEFAULT_RULES
+
+    @classmethod
+    def of(cls, mesh, rules=DEFAULT_RULES) -> Optional["MeshLayout"]:
+        """The layout of ``mesh`` (a ``Mesh`` or ``AbstractMesh``), or None for a mesh of one
+        device (or none), where nothing is sharded."""
+        if mesh is None or mesh.empty or mesh.size == 1:
+            return None
+        abstract = mesh if isinstance(mesh, AbstractMesh) else mesh.abstract_mesh
+        return cls(abstract, tuple(rules))
+
+    @property
+    def axis_sizes(self) -> Tuple[Tuple[str, int], ...]:
+        return tuple((name, int(self.mesh.shape[name])) for name in self.mesh.axis_names)
+
+    def size(self, names: Sequence[str]) -> int:
+        """The number of devices along the mesh axes ``names``."""
+        out = 1
+        for name in names:
+            out *= int(self.mesh.shape[name])
+        return out

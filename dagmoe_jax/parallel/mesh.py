@@ -1,4 +1,4 @@
-"""The device mesh ``data, fsdp, expert, tensor`` (DESIGN.md section 8) and activating it.
+"""The device mesh ``data, fsdp, expert, tensor`` (docs/design.md section 8) and activating it.
 
 ``make_mesh(MeshConfig(expert=4))`` lays the devices out on the four named axes (the remaining
 devices go to ``data``); ``activate(mesh)`` sets that mesh (``jax.set_mesh``) and the logical axis

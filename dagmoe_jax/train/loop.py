@@ -32,6 +32,9 @@ from dagmoe_jax.data import (DataConfig, check_tokens, eval_batches, exact_match
                              task_eval_batches, task_names, train_dataset, unigram_entropy)
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.parallel import MeshConfig, activate, create_train_state, make_mesh, shard_batch
+from dagmoe_jax.parallel.axes import MeshLayout
+from dagmoe_jax.settle import describe as describe_settled
+from dagmoe_jax.settle import settle
 from dagmoe_jax.train.checkpoint import Checkpointer
 from dagmoe_jax.train.config import TrainConfig
 from dagmoe_jax.train.metrics import MetricsWriter, summarise_load
@@ -85,12 +88,19 @@ def configs_from_json(blob: dict):
             TrainConfig(**train))
 
 
-def build(model_cfg: ModelConfig, optim_cfg: OptimConfig, train_cfg: TrainConfig, mesh=None):
+def build(model_cfg: ModelConfig, optim_cfg: OptimConfig, train_cfg: TrainConfig, mesh=None,
+          log: Callable[[str], None] = lambda _message: None):
     """(model, optimizer, schedule) for a run: parameters initialised from ``train_cfg.seed``,
-    created directly sharded over ``mesh`` when one is given (optimizer state too)."""
+    created directly sharded over ``mesh`` when one is given (optimizer state too).
+
+    The model is built from ``model_cfg`` settled for this machine and mesh
+    (:func:`dagmoe_jax.settle.settle`; ``model.cfg`` is the settled config)."""
     tx = make_optimizer(optim_cfg, train_cfg.steps)
+    layout = MeshLayout.of(mesh)
+    settled = settle(model_cfg, layout=layout, log=log)
+
     def new_model():
-        return Transformer(model_cfg, rngs=nnx.Rngs(train_cfg.seed))
+        return Transformer(settled, rngs=nnx.Rngs(train_cfg.seed), layout=layout)
     if mesh is None:
         model = new_model()
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
@@ -226,7 +236,9 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
     dataset = train_dataset(data_cfg, tokenizer, process_index=process[0], process_count=process[1])
     evaluator = _Evaluator(data_cfg, train_cfg, tokenizer)
     mesh = make_mesh(train_cfg.mesh)
-    model, optimizer, schedule = build(model_cfg, optim_cfg, train_cfg, mesh)
+    model, optimizer, schedule = build(model_cfg, optim_cfg, train_cfg, mesh, log=say)
+    say(f"model settled for {jax.default_backend()}: "
+        f"{describe_settled(model.cfg, model_cfg, layout=MeshLayout.of(mesh))}")
     data_iter = iter(dataset)
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -246,8 +258,9 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
         start = restored.step
         say(f"resumed from step {start} in {run_dir}")
     if is_main:
-        (run_dir / CONFIG_FILE).write_text(
-            json.dumps(configs_to_json(model_cfg, data_cfg, optim_cfg, train_cfg), indent=2) + "\n")
+        blob = {**configs_to_json(model_cfg, data_cfg, optim_cfg, train_cfg),
+                "settled_model": dataclasses.asdict(model.cfg)}
+        (run_dir / CONFIG_FILE).write_text(json.dumps(blob, indent=2) + "\n")
         if operative_gin:
             (run_dir / "operative_config.gin").write_text(operative_gin)
 

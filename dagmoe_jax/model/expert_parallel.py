@@ -1,8 +1,8 @@
 """Expert parallelism: MoE token dispatch across devices inside ``jax.shard_map``.
 
-:class:`~dagmoe_jax.model.experts.Experts` calls :func:`sharded_dispatch` whenever
-:func:`~dagmoe_jax.parallel.mesh.parallel_active` (inside :func:`~dagmoe_jax.parallel.activate`
-with a mesh of more than one device); otherwise the single-device dispatch of
+:class:`~dagmoe_jax.model.experts.Experts` calls :func:`sharded_dispatch` when the model was
+built with a :class:`~dagmoe_jax.parallel.axes.MeshLayout` (a mesh of more than one device,
+handed over by the run, never read from the context); otherwise the single-device dispatch of
 :mod:`dagmoe_jax.model.dispatch` runs unchanged. Only the dispatch is manual: routing, the router
 losses (balance loss from the global f_i and P_i, z-loss over all tokens) and the aggregators
 (sum, DAG, MLP) stay in the global view, where XLA computes them on the sharded tokens exactly
@@ -42,12 +42,12 @@ from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
-from flax.core import spmd
 from jax.sharding import PartitionSpec as P
 
 from dagmoe_jax.model.dispatch import (ExpertWeights, apply_experts, capacity_combine,
                                        capacity_gather, dispatch, expert_capacity, grouped_ffn,
                                        take_rows)
+from dagmoe_jax.parallel.axes import MeshLayout
 
 AxisNames = Tuple[str, ...]
 
@@ -63,17 +63,11 @@ def _axis(names: AxisNames):
     return None if not names else names[0] if len(names) == 1 else names
 
 
-def _size(mesh, names: AxisNames) -> int:
-    out = 1
-    for name in names:
-        out *= mesh.shape[name]
-    return out
-
-
-def dispatch_axes(rules, mesh) -> Tuple[AxisNames, AxisNames, AxisNames]:
+def dispatch_axes(layout: MeshLayout) -> Tuple[AxisNames, AxisNames, AxisNames]:
     """(token axes, expert axes, hidden axes) of the sharded dispatch, mesh axes of size 1
     dropped; a one-line ``ValueError`` for rules it cannot serve."""
-    live = lambda axes: tuple(a for a in axes if mesh.shape[a] > 1)
+    rules, sizes = layout.rules, dict(layout.axis_sizes)
+    live = lambda axes: tuple(a for a in axes if sizes.get(a, 1) > 1)
     tokens = live(rule_axes(rules, "batch"))
     experts = live(rule_axes(rules, "expert"))
     hidden = tuple(a for a in live(rule_axes(rules, "expert_mlp")) if a not in experts)
@@ -130,8 +124,8 @@ def _dropless_shard(x, indices, weights, *, experts: Optional[object], hidden: O
 
 
 def sharded_dispatch(mode: str, x: jax.Array, indices: jax.Array, weights: ExpertWeights,
-                     capacity_factor: float):
-    """:func:`dagmoe_jax.model.dispatch.dispatch` across the active mesh (module docstring).
+                     capacity_factor: float, layout: MeshLayout):
+    """:func:`dagmoe_jax.model.dispatch.dispatch` across ``layout``'s mesh (module docstring).
 
     Same inputs and outputs as the single-device dispatch (global view): tokens ``x`` [T, d],
     expert ids [T, K], stacked expert weights; returns outputs [T, K, d] and the keep mask.
@@ -140,17 +134,16 @@ def sharded_dispatch(mode: str, x: jax.Array, indices: jax.Array, weights: Exper
     an odd evaluation batch) falls back to the global-view single-device dispatch, which XLA
     partitions through the sharding constraints: correct, but not expert-parallel.
     """
-    rules, mesh = spmd.get_logical_axis_rules(), jax.sharding.get_abstract_mesh()
-    tokens, experts, hidden = dispatch_axes(rules, mesh)
+    tokens, experts, hidden = dispatch_axes(layout)
     n, d_r = weights[0].shape[0], weights[0].shape[-1]
-    if x.shape[0] % _size(mesh, tokens):
+    if x.shape[0] % layout.size(tokens):
         # e.g. sampling one sequence on a mesh: the global-view dispatch, which XLA partitions
         # by the sharding constraints alone (correct, single-device capacity semantics, slower)
         return dispatch(mode, x, indices, weights, capacity_factor)
     for what, size, axes in (("experts N", n, experts), ("expert hidden d_r", d_r, hidden)):
-        if size % _size(mesh, axes):
+        if size % layout.size(axes):
             raise ValueError(f"expert-parallel dispatch: {what}={size} is not divisible by the "
-                             f"{_size(mesh, axes)} devices of mesh axes {axes}")
+                             f"{layout.size(axes)} devices of mesh axes {axes}")
     if mode == "capacity":
         body = partial(_capacity_shard, num_experts=n, capacity_factor=capacity_factor,
                        experts=_axis(experts), hidden=_axis(hidden))
@@ -161,6 +154,7 @@ def sharded_dispatch(mode: str, x: jax.Array, indices: jax.Array, weights: Exper
                          f"'capacity' or 'dropless'")
     tok, exp, hid = _axis(tokens), _axis(experts), _axis(hidden)
     w_in, w_out = P(exp, None, hid), P(exp, hid, None)
-    fn = jax.shard_map(body, in_specs=(P(tok, None), P(tok, None), (w_in, w_in, w_out)),
+    fn = jax.shard_map(body, mesh=layout.mesh,
+                       in_specs=(P(tok, None), P(tok, None), (w_in, w_in, w_out)),
                        out_specs=(P(tok, None, None), P(tok, None)))
     return fn(x, indices, tuple(weights))

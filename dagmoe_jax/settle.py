@@ -1,0 +1,104 @@
+"""Settle every 'auto' of a model config once, when the run is built.
+
+The model code (``dagmoe_jax/model``) never asks what machine it runs on: no backend query,
+no look at the active mesh. Every choice that depends on the machine is a field of
+``ModelConfig`` left 'auto' by the user and decided here, from (config, backend, mesh layout),
+into a concrete config that the run prints and saves:
+
+=================  =====================================================================
+``remat``          'none' on CPU (memory is plentiful, recomputing costs ~15%), 'full' on
+                   GPU / TPU (MaxText's default)
+``scan_unroll``    all layers unrolled on CPU (XLA:CPU slices each layer's weights statically
+                   instead of updating stacked buffers in a loop), 1 elsewhere
+``attention``      CPU: the fused C++ kernel (float32, one device, a working compiler: it is
+                   compiled here, about 10 s the first time), else blockwise; GPU with 16-bit
+                   compute: cuDNN; otherwise XLA's
+``fuse_gate_up``   one [W_gate | W_up] matmul on one device; two under a mesh (the
+                   concatenation would move tensor-sharded weights)
+=================  =====================================================================
+
+The mesh enters as a :class:`~dagmoe_jax.parallel.axes.MeshLayout` (None for one device),
+which the model also receives for its expert-parallel dispatch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.kernels.attention import fused_attention_unavailable, kernel_needs_build
+from dagmoe_jax.parallel.axes import MeshLayout
+
+
+def settle_remat(name: str, backend: str) -> str:
+    """'auto': 'none' on CPU, 'full' on accelerators (see the module docstring)."""
+    if name != "auto":
+        return name
+    return "none" if backend == "cpu" else "full"
+
+
+def settle_scan_unroll(unroll: int, num_layers: int, backend: str) -> int:
+    """0 (auto): all ``num_layers`` unrolled on CPU, 1 (one compiled layer body) elsewhere."""
+    if unroll:
+        return unroll
+    return num_layers if backend == "cpu" else 1
+
+
+def settle_attention(name: str, backend: str, dtype, head_dim: int,
+                     layout: Optional[MeshLayout]) -> tuple:
+    """(implementation, why) for ``ModelConfig.attention``: 'auto' becomes 'fused' on CPU for
+    float32 on one device when the kernel builds, else 'blockwise' (``why`` says why not
+    fused); 'cudnn' on GPU for 16-bit compute (its flash kernel takes no float32); else 'xla'.
+    An explicit 'fused' under a multi-device mesh is a one-line ``ValueError``."""
+    if name == "fused" and layout is not None:
+        raise ValueError("ModelConfig.attention='fused' runs on a single device only; use "
+                         "'auto' or 'blockwise' under a device mesh")
+    if name != "auto":
+        return name, ""
+    if backend == "cpu":
+        if layout is not None:
+            return "blockwise", "the fused kernel runs on one device only"
+        reason = fused_attention_unavailable((head_dim,), dtype, backend)
+        return ("fused", "") if reason is None else ("blockwise", reason)
+    if backend == "gpu" and jnp.dtype(dtype).itemsize == 2:
+        return "cudnn", ""
+    return "xla", ""
+
+
+def settle(cfg: ModelConfig, *, backend: Optional[str] = None,
+           layout: Optional[MeshLayout] = None,
+           log: Callable[[str], None] = lambda _message: None) -> ModelConfig:
+    """``cfg`` with every 'auto' decided for ``backend`` (default: JAX's default backend) and
+    ``layout`` (None: one device). Fields already concrete are kept (an impossible one, such as
+    'fused' attention under a mesh, is a one-line ``ValueError``). ``log`` hears about slow
+    work done here (compiling the CPU attention kernel)."""
+    backend = backend or jax.default_backend()
+    dtype = jnp.dtype(cfg.compute_dtype)
+    if (cfg.attention in ("auto", "fused") and backend == "cpu" and layout is None
+            and dtype == jnp.float32 and kernel_needs_build()):
+        log("compiling the fused CPU attention kernel (about 10 s, once per machine)")
+    attention, _ = settle_attention(cfg.attention, backend, dtype, cfg.resolved_head_dim, layout)
+    return cfg.replace(
+        remat=settle_remat(cfg.remat, backend),
+        scan_unroll=settle_scan_unroll(cfg.scan_unroll, cfg.num_layers, backend),
+        attention=attention,
+        fuse_gate_up=(layout is None) if cfg.fuse_gate_up is None else cfg.fuse_gate_up)
+
+
+def describe(settled: ModelConfig, original: Optional[ModelConfig] = None,
+             backend: Optional[str] = None, layout: Optional[MeshLayout] = None) -> str:
+    """One line for logs: what the machine-dependent fields are, and why attention fell back
+    to blockwise when 'auto' could not use the fused kernel."""
+    backend = backend or jax.default_backend()
+    attention = settled.attention
+    if original is not None and original.attention == "auto" and attention == "blockwise":
+        _, why = settle_attention("auto", backend, jnp.dtype(settled.compute_dtype),
+                                  settled.resolved_head_dim, layout)
+        attention += f" ({why})" if why else ""
+    return (f"attention {attention}, remat {settled.remat}, layers unrolled "
+            f"{settled.scan_unroll}/{settled.num_layers}, gate/up "
+            f"{'fused' if settled.fuse_gate_up else 'separate'}"
+            f"{', expert-parallel over ' + str(dict(layout.axis_sizes)) if layout else ''}")

@@ -1,0 +1,78 @@
+"""Every machine-dependent choice is settled once, before the model is built (dagmoe_jax.settle),
+and the model code never asks what machine it runs on."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from conftest import tiny_config
+from dagmoe_jax.model import Transformer
+from dagmoe_jax.parallel import MeshConfig, make_mesh
+from dagmoe_jax.parallel.axes import MeshLayout
+from dagmoe_jax.settle import describe, settle
+
+PACKAGE = Path(__file__).resolve().parent.parent / "dagmoe_jax"
+
+
+def test_settle_decides_every_auto_field_per_backend_and_layout():
+    cfg = tiny_config(settled=False)
+    assert set(cfg.unsettled) == {"remat", "scan_unroll", "attention", "fuse_gate_up"}
+    cpu = settle(cfg, backend="cpu")
+    assert cpu.unsettled == ()
+    assert (cpu.remat, cpu.scan_unroll, cpu.attention, cpu.fuse_gate_up) == (
+        "none", cfg.num_layers, "fused", True)
+    gpu = settle(cfg.replace(compute_dtype="bfloat16"), backend="gpu")
+    assert (gpu.remat, gpu.scan_unroll, gpu.attention) == ("full", 1, "cudnn")
+    assert settle(cfg, backend="tpu").attention == "xla"
+    layout = MeshLayout.of(make_mesh(MeshConfig(data=2), jax.devices()[:2]))
+    meshed = settle(cfg, backend="cpu", layout=layout)
+    assert (meshed.attention, meshed.fuse_gate_up) == ("blockwise", False)
+    assert "expert-parallel over {'data': 2" in describe(meshed, cfg, "cpu", layout)
+    # what the user set explicitly is kept
+    explicit = cfg.replace(remat="dots", scan_unroll=2, attention="xla", fuse_gate_up=False)
+    assert settle(explicit, backend="cpu") == explicit
+    assert settle(cpu, backend="cpu") == cpu                  # idempotent
+    assert MeshLayout.of(make_mesh(MeshConfig(data=1), jax.devices()[:1])) is None
+
+
+def test_an_unsettled_config_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"^ModelConfig fields remat, scan_unroll, attention, "
+                                         r"fuse_gate_up are still 'auto': build the model from "
+                                         r"dagmoe_jax.settle.settle\(cfg\)$"):
+        Transformer(tiny_config(settled=False), rngs=nnx.Rngs(0))
+
+
+def test_gate_up_fusion_is_the_same_function():
+    tokens = jax.random.randint(jax.random.key(0), (2, 8), 0, 64)
+    fused = Transformer(tiny_config("moe", "sum", experts=dict(num_shared=1)), rngs=nnx.Rngs(0))
+    plain = Transformer(tiny_config("moe", "sum", experts=dict(num_shared=1), fuse_gate_up=False),
+                        rngs=nnx.Rngs(0))
+    assert fused.cfg.fuse_gate_up and not plain.cfg.fuse_gate_up
+    a, b = fused(tokens)[0], plain(tokens)[0]
+    assert float(jnp.max(jnp.abs(a - b))) < 1e-5 * float(jnp.max(jnp.abs(a)))
+
+
+def _sources(folder: str):
+    for path in sorted((PACKAGE / folder).rglob("*.py")):
+        yield path, path.read_text()
+
+
+def test_model_code_never_asks_what_machine_it_runs_on():
+    for path, text in _sources("model"):
+        for needle in ("default_backend", "get_abstract_mesh", "parallel_active", "get_mesh",
+                       "jax.devices"):
+            assert needle not in text, f"{path.name} uses {needle}"
+
+
+def test_parallel_imports_nothing_from_model():
+    for path, text in _sources("parallel"):
+        for node in ast.walk(ast.parse(text)):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            assert not any(n.startswith("dagmoe_jax.model") for n in names), path.name

@@ -107,7 +107,7 @@ def component_rates(cfg, tokens: int, repeats: int):
 
     @nnx.jit
     def dag_step(m, x, g, o):
-        return nnx.grad(lambda m, x, g, o: jnp.sum(m(x, g, o) ** 2), argnums=(0, 2, 3))(m, x, g, o)
+        return nnx.grad(lambda m, x, g, o: jnp.sum(m(x, g, o)[0] ** 2), argnums=(0, 2, 3))(m, x, g, o)
 
     t_exp = time_fn(lambda: jax.block_until_ready(experts_step(experts, x)), repeats)
     t_dag = time_fn(lambda: jax.block_until_ready(dag_step(dag, x, gates, out)), repeats)

@@ -111,7 +111,9 @@ def _generate(graphdef, state, tokens, lengths, key, temperature, top_k, top_p, 
     model = nnx.merge(graphdef, state)
     b, p = tokens.shape
     n = max_new_tokens
-    logits, cache = model.prefill(tokens, p + n - 1, logit_positions=lengths - 1)
+    logits, aux = model(tokens, cache=model.init_cache(b, p + n - 1),
+                        logit_positions=lengths - 1)
+    cache = aux["cache"]
     sample = functools.partial(_next_tokens, key=key, greedy=greedy, temperature=temperature,
                                top_k=top_k, top_p=top_p)
 
@@ -134,7 +136,9 @@ def _generate(graphdef, state, tokens, lengths, key, temperature, top_k, top_p, 
     def body(carry):
         # the parameters ride in the carry: nnx needs them traced at the loop's level
         step, params, tok, cache, out, count, finished = carry
-        logits, cache = nnx.merge(graphdef, params).decode(tok[:, None], lengths + step - 1, cache)
+        logits, aux = nnx.merge(graphdef, params)(tok[:, None], cache=cache,
+                                                  start=lengths + step - 1)
+        cache = aux["cache"]
         tok, out, count, finished = record(step, sample(logits[:, 0], step=step), out, count,
                                            finished)
         return step + 1, params, tok, cache, out, count, finished

@@ -1,6 +1,7 @@
-"""Looking inside: the layer-by-layer trace equals the model, the edge gates equal a NumPy
-transcription of DAG-MoE eq. 7-11 that builds the node pairs, and the plot command writes every
-PNG that applies to a real (tiny) checkpoint of a DAG-MoE and a CoE run."""
+"""Looking inside: recording intermediates changes nothing the model computes and agrees with its
+own statistics, the recorded edge gates equal a NumPy transcription of DAG-MoE eq. 7-11 that
+builds the node pairs, and the plot command writes every PNG that applies to a real (tiny)
+checkpoint of a DAG-MoE and a CoE run."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from flax import nnx
 
 from conftest import tiny_config
-from dagmoe_jax.analysis.trace import collect, trace_tokens
+from dagmoe_jax.analysis.collect import collect, record
 from dagmoe_jax.model import Transformer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,14 +43,28 @@ def randomized(cfg, seed=0, scale=0.3):
 
 
 @pytest.mark.parametrize("block,kind", [("moe", "dag"), ("coe", "sum")])
-def test_trace_reproduces_the_model(block, kind):
+def test_recording_changes_nothing_and_matches_the_model_statistics(block, kind):
     cfg = tiny_config(block, kind, experts=dict(capacity_factor=8.0))
     model = randomized(cfg)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 16))
-    logits, _ = model(jnp.asarray(tokens))
-    trace = trace_tokens(model, tokens)
-    np.testing.assert_allclose(np.asarray(trace["logits"]), np.asarray(logits), rtol=1e-5, atol=1e-5)
-    assert len(trace["layers"]) == cfg.num_layers
+    logits, aux = model(jnp.asarray(tokens))
+    assert "intermediates" not in aux                       # off unless asked for
+    kept = record(model, tokens)
+    # the same computation (jitted here, eager above; the DAG also returns its edge tensor)
+    np.testing.assert_allclose(np.asarray(kept["logits"]), np.asarray(logits), rtol=1e-5,
+                               atol=1e-5)
+    ids = np.asarray(kept["indices"])
+    c = cfg.coe.iterations if block == "coe" else 1
+    k = cfg.coe_top_k if block == "coe" else cfg.router.top_k
+    assert ids.shape == (cfg.num_layers, c, 32, k)
+    n = cfg.experts.num_experts
+    load = np.stack([np.bincount(ids[l].reshape(-1), minlength=n) / ids[l].size
+                     for l in range(cfg.num_layers)])
+    np.testing.assert_allclose(load, np.asarray(aux["expert_load"]), rtol=1e-6)
+    if kind == "dag":
+        assert kept["edge_gates"].shape == (cfg.num_layers, cfg.aggregation.dag_iters, 32, k, k,
+                                            cfg.aggregation.dag_dim)
+    assert "intermediates" not in model(jnp.asarray(tokens))[1]     # switched off again
 
 
 def _layer_norm(x, scale, bias, eps):
@@ -67,9 +82,9 @@ def test_edge_gates_match_numpy_on_one_layer():
     model = randomized(cfg, seed=1)
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 12))
     layer = 1
-    record = trace_tokens(model, tokens)["layers"][layer]
-    gates = np.asarray(record["edge_gates"], np.float64)          # [L, T, K, K, dg]
-    inputs = np.asarray(record["dag_inputs"], np.float64)         # [L, T, K, d]
+    kept = record(model, tokens)
+    gates = np.asarray(kept["edge_gates"], np.float64)[layer]      # [L, T, K, K, dg]
+    inputs = np.asarray(kept["dag_inputs"], np.float64)[layer]     # [L, T, K, d]
     # The layer's parameters read straight from the model state (layer axis indexed here).
     agg = nnx.state(model)["layers"]["block"]["aggregator"]["iterations"]
     p = {k: np.asarray(agg[k][...], np.float64)[layer] for k in
@@ -104,8 +119,8 @@ def test_collect_statistics_are_consistent():
     assert stats.gate_mean is None
 
     dag = collect(randomized(tiny_config("moe", "dag"), seed=3), [{"inputs": tokens, "mask": mask}])
-    trace = trace_tokens(randomized(tiny_config("moe", "dag"), seed=3), tokens)
-    gates = np.asarray(trace["layers"][0]["edge_gates"])[:, mask.reshape(-1)]
+    kept = record(randomized(tiny_config("moe", "dag"), seed=3), tokens)
+    gates = np.asarray(kept["edge_gates"])[0][:, mask.reshape(-1)]
     magnitude = np.abs(gates).mean(-1)                              # [L, T', K, K]
     np.testing.assert_allclose(dag.gate_mean[0], magnitude.mean(axis=1), rtol=1e-5)
     np.testing.assert_allclose(dag.gate_std[0], magnitude.std(axis=1), rtol=1e-3, atol=1e-6)

@@ -162,7 +162,7 @@ def test_dag_module_matches_numpy_paper_transcription(edge_act, iters, reading):
                           reading=reading)
 
     module = make_dag(iters, edge_act, params, reading=reading)
-    got = module(jnp.asarray(x), jnp.asarray(gates), jnp.asarray(expert_out))
+    got = module(jnp.asarray(x), jnp.asarray(gates), jnp.asarray(expert_out))[0]
     assert got.shape == (T, D) and got.dtype == jnp.float32
     # The DAG really contributes something beyond the weighted sum (+ residual) here, so the
     # comparison exercises eq. 7-11 and not only eq. 6 and 12.
@@ -202,7 +202,7 @@ def test_dag_module_matches_naive_pair_tensor_jax(edge_act):
         jnp.asarray(x), jnp.asarray(gates), jnp.asarray(expert_out),
         jax.tree.map(jnp.asarray, params), edge_act)
     module = make_dag(2, edge_act, params)
-    got = module(jnp.asarray(x), jnp.asarray(gates), jnp.asarray(expert_out))
+    got = module(jnp.asarray(x), jnp.asarray(gates), jnp.asarray(expert_out))[0]
     assert rel_err(got, naive) < 1e-5
 
 
@@ -215,11 +215,11 @@ def test_zero_init_is_weighted_sum_under_each_reading(iters):
     s = np.asarray(weighted_sum(gates, expert_out))
     once = make_dag(iters, "silu")                           # fresh: w_up zero-initialised
     assert np.all(np.asarray(once.iterations.w_up[...]) == 0)
-    got = np.asarray(once(x, gates, expert_out))
+    got = np.asarray(once(x, gates, expert_out)[0])
     # With W_up = 0 every iteration adds an exact 0.0 to the carried updates g_k E_k, so the
     # output is sum_k g_k E_k summed by jnp.sum instead of einsum: a few ulps at most.
     np.testing.assert_allclose(got, s, rtol=0, atol=1e-6 * np.abs(s).max())
-    literal = np.asarray(make_dag(iters, "silu", reading="literal")(x, gates, expert_out))
+    literal = np.asarray(make_dag(iters, "silu", reading="literal")(x, gates, expert_out)[0])
     expected = s + np.asarray(x)
     np.testing.assert_allclose(literal, expected, rtol=0, atol=1e-6 * np.abs(expected).max())
     updates, residual = dag_initial_nodes(x, gates, expert_out)
@@ -241,8 +241,8 @@ def test_dag_is_permutation_invariant_but_not_a_function_of_the_sum():
     params = random_lib_params(rng, 2)
     module = make_dag(2, "silu", params)
     perm = np.array([1, 0, 2, 3])
-    y = np.asarray(module(x, gates, expert_out))
-    y_perm = np.asarray(module(x, gates[:, perm], expert_out[:, perm]))
+    y = np.asarray(module(x, gates, expert_out)[0])
+    y_perm = np.asarray(module(x, gates[:, perm], expert_out[:, perm])[0])
     s = np.asarray(weighted_sum(gates, expert_out))
     s_perm = np.asarray(weighted_sum(gates[:, perm], expert_out[:, perm]))
     np.testing.assert_allclose(s_perm, s, rtol=1e-6, atol=1e-6)
@@ -260,7 +260,7 @@ def test_dag_is_permutation_invariant_but_not_a_function_of_the_sum():
     delta = jnp.asarray(rng.normal(size=(T, D)).astype(np.float32))
     shifted = expert_out.at[:, 0].add(delta / gates[:, 0:1]).at[:, 1].add(-delta / gates[:, 1:2])
     np.testing.assert_allclose(np.asarray(weighted_sum(gates, shifted)), s, rtol=1e-5, atol=1e-5)
-    y_shift = np.asarray(module(x, gates, shifted))
+    y_shift = np.asarray(module(x, gates, shifted)[0])
     assert rel_err(y_shift, y) > 1e-2
 
 
@@ -302,7 +302,7 @@ def test_mlp_mixer_zero_init_is_weighted_sum():
     assert mixer.w_1.shape == (D, DG) and mixer.w_2.shape == (D, DG) and mixer.w_3.shape == (DG, D)
     assert np.all(np.asarray(mixer.w_3[...]) == 0)
     # W3 = 0 adds an exact 0.0 to s: bit-for-bit the weighted sum.
-    np.testing.assert_array_equal(np.asarray(mixer(x, gates, expert_out)),
+    np.testing.assert_array_equal(np.asarray(mixer(x, gates, expert_out)[0]),
                                   np.asarray(weighted_sum(gates, expert_out)))
 
 
@@ -317,7 +317,7 @@ def test_mlp_mixer_matches_numpy():
     mixer.w_1[...], mixer.w_2[...], mixer.w_3[...] = (jnp.asarray(w) for w in (w1, w2, w3))
     s = np.einsum("tk,tkd->td", gates.astype(np.float64), expert_out.astype(np.float64))
     expected = np_mlp_mix(s, w1, w2, w3)
-    got = mixer(jnp.asarray(x), jnp.asarray(gates), jnp.asarray(expert_out))
+    got = mixer(jnp.asarray(x), jnp.asarray(gates), jnp.asarray(expert_out))[0]
     assert rel_err(s, expected) > 0.1                       # the mixer term is not negligible
     assert rel_err(got, expected) < 1e-5
     assert rel_err(mlp_mix(jnp.asarray(s, jnp.float32), *(jnp.asarray(w) for w in (w1, w2, w3)),
@@ -333,13 +333,13 @@ def test_ranked_edges_match_numpy_and_make_the_output_order_sensitive(iters):
     x, gates, expert_out = random_inputs(rng, k=4)
     params = random_lib_params(rng, iters)
     module = make_dag(iters, "silu", params, edges="ranked")
-    got = module(jnp.asarray(x), jnp.asarray(gates), jnp.asarray(expert_out))
+    got = module(jnp.asarray(x), jnp.asarray(gates), jnp.asarray(expert_out))[0]
     want = np_dag_moe(x, gates, expert_out, to_paper_layout(params), "silu", edges="ranked")
     assert rel_err(got, want) < 1e-5
     assert rel_err(got, np_dag_moe(x, gates, expert_out, to_paper_layout(params), "silu")) > 1e-2
 
     perm = np.array([1, 0, 2, 3])
-    y_perm = module(jnp.asarray(x), jnp.asarray(gates[:, perm]), jnp.asarray(expert_out[:, perm]))
+    y_perm = module(jnp.asarray(x), jnp.asarray(gates[:, perm]), jnp.asarray(expert_out[:, perm]))[0]
     np.testing.assert_allclose(np.asarray(weighted_sum(jnp.asarray(gates[:, perm]),
                                                        jnp.asarray(expert_out[:, perm]))),
                                np.asarray(weighted_sum(jnp.asarray(gates), jnp.asarray(expert_out))),

@@ -68,14 +68,15 @@ def teacher_forced(graphdef, state, tokens, lengths, *, prompt_len):
     junk = (tokens[:, :prompt_len] * 7 + 3) % model.cfg.vocab_size
     prompt = jnp.where(jnp.arange(prompt_len)[None, :] < lengths[:, None], tokens[:, :prompt_len],
                        junk)
-    pre, cache = model.prefill(prompt, s)
+    pre, aux = model(prompt, cache=model.init_cache(b, s))
+    cache = aux["cache"]
 
     def step(carry, i):
         params, cache = carry
         pos = lengths + i
         tok = jnp.take_along_axis(tokens, pos[:, None], axis=1)
-        logits, cache = nnx.merge(graphdef, params).decode(tok, pos, cache)
-        return (params, cache), logits[:, 0]
+        logits, aux = nnx.merge(graphdef, params)(tok, cache=cache, start=pos)
+        return (params, aux["cache"]), logits[:, 0]
 
     _, steps = jax.lax.scan(step, (state, cache), jnp.arange(s - prompt_len))
     return pre, steps.transpose(1, 0, 2)
@@ -97,15 +98,15 @@ def test_cached_decoding_matches_forward(name):
 
 
 def test_chunked_decode_from_an_empty_cache():
-    """``decode`` also takes several tokens per row, starting from ``init_cache``."""
+    """Decoding also takes several tokens per row, starting from ``init_cache``."""
     model = decoding_model(model_for("moe-dag"))
     tokens = jax.random.randint(jax.random.key(3), (2, SEQ), 0, 64)
 
     @nnx.jit
     def chunks(model, tokens):
         cache = model.init_cache(2, SEQ)
-        first, cache = model.decode(tokens[:, :6], jnp.zeros((2,), jnp.int32), cache)
-        rest, _ = model.decode(tokens[:, 6:], jnp.full((2,), 6), cache)
+        first, aux = model(tokens[:, :6], cache=cache, start=jnp.zeros((2,), jnp.int32))
+        rest, _ = model(tokens[:, 6:], cache=aux["cache"], start=jnp.full((2,), 6))
         return jnp.concatenate([first, rest], axis=1)
 
     np.testing.assert_allclose(np.asarray(chunks(model, tokens)),

@@ -58,7 +58,7 @@ def stream_norms(model, toks):
     @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0),
               transform_metadata={nnx.PARTITION_NAME: "layers"})
     def run(h, layer):              # the model's own layer loop, keeping ||h|| per layer
-        h, _ = layer(h, sin, cos)
+        h, _, _ = layer(h, sin, cos)
         return h, jnp.mean(jnp.linalg.norm(h, axis=-1))
 
     _, norms = nnx.jit(lambda m, t: run(m.embed[...][t], m.layers))(model, toks)

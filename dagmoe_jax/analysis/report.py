@@ -1,7 +1,7 @@
 """Every plot that applies to one run directory: which ones, from what, and why one is skipped.
 
 :func:`analyze_run` loads a run's newest checkpoint, traces it over a dataset
-(:func:`dagmoe_jax.analysis.trace.collect`) and writes the PNGs of
+(:func:`dagmoe_jax.analysis.collect.collect`) and writes the PNGs of
 :mod:`dagmoe_jax.analysis.plots` that apply to its block type; it returns one
 :class:`PlotResult` per plot, written or skipped with a one-line reason. The command line is
 ``python -m dagmoe_jax.analysis``.
@@ -16,7 +16,7 @@ from typing import List, Optional
 import numpy as np
 
 from dagmoe_jax.analysis import plots
-from dagmoe_jax.analysis.trace import Collected, collect
+from dagmoe_jax.analysis.collect import Collected, collect
 
 PLOTS = ("expert_load", "coactivation", "edge_gates", "edge_gate_hist", "dropped_fraction")
 

@@ -7,7 +7,9 @@
 * ``mlp``: the structureless MLP-mixing ablation (DAG-MoE summary ablation table; our reading).
 
 Every aggregator is called as ``agg(x, gates, expert_out)`` with x [T, d], gates [T, K] and
-expert_out [T, K, d] in the router's rank order, and returns y [T, d].
+expert_out [T, K, d] in the router's rank order, and returns (y [T, d], record): ``record`` is
+empty unless the DAG module's ``record_intermediates`` flag is on (for analysis), when it holds
+each iteration's edge gates e_(i,j) [L, T, K, K, d_g] and input nodes [L, T, K, d].
 """
 
 from __future__ import annotations
@@ -49,13 +51,15 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> j
 
 
 def dag_messages(u: jax.Array, w_edge: jax.Array, w_node: jax.Array, edge_act: str,
-                 edges: str = "all") -> jax.Array:
+                 edges: str = "all", with_edges: bool = False):
     """DAG-MoE eq. 9-10 summed over j as eq. 11 needs: sum_j e_(i,j) * W_node [u_i; u_j].
 
     ``u`` [T, K, d_g] are the down-projected nodes (eq. 8). The pair [u_i; u_j] of eq. 9 is never
     built: W [u_i; u_j] = W_a u_i + W_b u_j with W_a, W_b the two halves of W, so each node is
     projected once ([T*K, 4 d_g] in one matmul) and the K x K pairs are a broadcast add.
     ``edges='ranked'`` keeps only the pairs j <= i (node i hears the nodes ranked above it).
+    ``with_edges`` also returns the edge gates e_(i,j) [T, K, K, d_g] (entry (t, i, j) gates the
+    message node j sends to node i).
     """
     t, k, dg = u.shape
     w_pair = jnp.concatenate([w_edge[:dg], w_node[:dg], w_edge[dg:], w_node[dg:]], axis=1)
@@ -64,13 +68,14 @@ def dag_messages(u: jax.Array, w_edge: jax.Array, w_node: jax.Array, edge_act: s
     edge = EDGE_ACTIVATIONS[edge_act](e_i[:, :, None, :] + e_j[:, None, :, :])   # e_(i,j) [T,K,K,dg]
     if edges == "ranked":
         edge = edge * jnp.tril(jnp.ones((k, k), edge.dtype))[None, :, :, None]
-    return jnp.sum(edge * (n_i[:, :, None, :] + n_j[:, None, :, :]), axis=2)
+    msg = jnp.sum(edge * (n_i[:, :, None, :] + n_j[:, None, :, :]), axis=2)
+    return (msg, edge) if with_edges else msg
 
 
 def dag_node_update(nodes: jax.Array, ln_scale, ln_bias, w_down, w_edge, w_node, w_up,
-                    edge_act: str, eps: float, edges: str = "all") -> jax.Array:
+                    edge_act: str, eps: float, edges: str = "all", with_edges: bool = False):
     """DAG-MoE eq. 7-11 without eq. 11's residual term: W_up^l sum_j m_(i,j) for nodes
-    x^{l-1} [T, K, d], so that x_i^l = x_i^{l-1} + this.
+    x^{l-1} [T, K, d], so that x_i^l = x_i^{l-1} + this (and the edge gates, ``with_edges``).
 
     Matmuls run on [T*K, .] matrices: a rank-3 operand would make the weight gradient a
     contraction over two axes, which XLA on CPU runs at a third of the 2-D rate.
@@ -79,8 +84,11 @@ def dag_node_update(nodes: jax.Array, ln_scale, ln_bias, w_down, w_edge, w_node,
     dtype = nodes.dtype
     flat = nodes.reshape(t * k, d)
     u = layer_norm(flat, ln_scale, ln_bias, eps) @ w_down.astype(dtype)           # eq. 7-8
-    msg = dag_messages(u.reshape(t, k, -1), w_edge, w_node, edge_act, edges)      # eq. 9-10
-    return (msg.reshape(t * k, -1) @ w_up.astype(dtype)).reshape(t, k, d)         # eq. 11
+    msg = dag_messages(u.reshape(t, k, -1), w_edge, w_node, edge_act, edges,
+                       with_edges)                                                 # eq. 9-10
+    msg, edge = msg if with_edges else (msg, None)
+    update = (msg.reshape(t * k, -1) @ w_up.astype(dtype)).reshape(t, k, d)       # eq. 11
+    return (update, edge) if with_edges else update
 
 
 def dag_iteration(nodes: jax.Array, ln_scale, ln_bias, w_down, w_edge, w_node, w_up,
@@ -121,12 +129,15 @@ class DAGIteration(nnx.Module):
         self.w_node = make_param(rngs, normal(std), (2 * dg, dg), (None, "dag"))
         self.w_up = make_param(rngs, nnx.initializers.zeros, (dg, d), ("dag", "embed"))  # zero init
 
-    def __call__(self, nodes: jax.Array) -> jax.Array:
-        """Eq. 7-11's update W_up sum_j m_(i,j) of nodes [T, K, d] (the caller adds x_i^{l-1})."""
-        update = dag_node_update(nodes, self.ln_scale[...], self.ln_bias[...], self.w_down[...],
-                                 self.w_edge[...], self.w_node[...], self.w_up[...],
-                                 self.edge_act, self.eps, self.edges)
-        return constrain(update, ("batch", "nodes", "embed"))
+    def __call__(self, nodes: jax.Array, record: bool = False):
+        """Eq. 7-11's update W_up sum_j m_(i,j) of nodes [T, K, d] (the caller adds x_i^{l-1}),
+        and ``record``: the edge gates and input nodes, or nothing."""
+        out = dag_node_update(nodes, self.ln_scale[...], self.ln_bias[...], self.w_down[...],
+                              self.w_edge[...], self.w_node[...], self.w_up[...],
+                              self.edge_act, self.eps, self.edges, with_edges=record)
+        update, edge = out if record else (out, None)
+        kept = {"edge_gates": edge, "dag_inputs": nodes} if record else {}
+        return constrain(update, ("batch", "nodes", "embed")), kept
 
 
 class DAGAggregator(nnx.Module):
@@ -141,6 +152,7 @@ class DAGAggregator(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         agg = cfg.aggregation
         self.reading = agg.dag_residual
+        self.record_intermediates = False     # analysis switches it on (Module.set_attributes)
 
         @nnx.split_rngs(splits=agg.dag_iters)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "dag_iters"})
@@ -153,13 +165,16 @@ class DAGAggregator(nnx.Module):
     def __call__(self, x, gates, expert_out):
         updates, residual = dag_initial_nodes(x, gates, expert_out)              # eq. 6
 
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, unroll=True,
+        record = self.record_intermediates
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), unroll=True,
                   transform_metadata={nnx.PARTITION_NAME: "dag_iters"})
         def step(updates, iteration):
-            return updates + iteration(updates + residual)                       # eq. 7-11
+            update, kept = iteration(updates + residual, record)                 # eq. 7-11
+            return updates + update, kept
 
-        return dag_block_output(step(updates, self.iterations), x.astype(expert_out.dtype),
-                                self.reading)
+        updates, kept = step(updates, self.iterations)
+        return dag_block_output(updates, x.astype(expert_out.dtype), self.reading), kept
 
 
 def mlp_mix(s: jax.Array, w_1: jax.Array, w_2: jax.Array, w_3: jax.Array, eps: float) -> jax.Array:
@@ -184,12 +199,12 @@ class MLPMixer(nnx.Module):
 
     def __call__(self, x, gates, expert_out):
         return mlp_mix(weighted_sum(gates, expert_out), self.w_1[...], self.w_2[...], self.w_3[...],
-                       self.eps)
+                       self.eps), {}
 
 
 class SumAggregator(nnx.Module):
     def __call__(self, x, gates, expert_out):
-        return weighted_sum(gates, expert_out)
+        return weighted_sum(gates, expert_out), {}
 
 
 def make_aggregator(cfg: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Module:

@@ -174,30 +174,25 @@ class Attention(nnx.Module):
         out = (o.reshape(b * s, h * hd) @ w_o).reshape(b, s, -1)
         return constrain(out, ("batch", "length", "embed"))
 
-    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
-        q, k, v = self.project_qkv(x, sin, cos)
-        o = causal_attention(q, k, v, self.cfg.attention, self.cfg.attention_block)
-        return self.project_out(o)
+    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array,
+                 cache: Optional[KVCache] = None, start: Optional[jax.Array] = None):
+        """Attention of x [B, S, d] (sin, cos: RoPE of its positions); returns (out [B, S, d],
+        cache).
 
-    def prefill(self, x: jax.Array, sin: jax.Array, cos: jax.Array):
-        """``__call__`` on a whole (right-padded) prompt that also returns its keys and values.
-
-        Returns (out [B, S, d], k, v [B, S, KV, D]): the same computation as ``__call__``.
+        * ``cache`` None: causal self-attention over x (training, scoring); the cache is None.
+        * ``cache`` given, ``start`` None (prefill): x holds positions 0..S-1; causal
+          self-attention as above, and x's keys and values are written into cache slots
+          [0, S) (the cache [B, T, KV, D] needs T >= S).
+        * ``cache`` and ``start`` [B] given (decode): x holds row b's positions
+          ``start_b + [0, S)``; its keys and values are written there first, then every query
+          attends over the cache slots up to its own position (:func:`cached_attention`).
         """
         q, k, v = self.project_qkv(x, sin, cos)
-        o = causal_attention(q, k, v, self.cfg.attention, self.cfg.attention_block)
-        return self.project_out(o), k, v
-
-    def decode(self, x: jax.Array, sin: jax.Array, cos: jax.Array, cache_k: jax.Array,
-               cache_v: jax.Array, start: jax.Array):
-        """Attention for new tokens x [B, S, d] at positions ``start_b + [0, S)`` (sin, cos of
-        those positions) over one layer's cache [B, T, KV, D].
-
-        Their keys and values are written into the cache first; returns (out [B, S, d],
-        cache_k, cache_v).
-        """
-        q, k, v = self.project_qkv(x, sin, cos)
-        cache_k = write_cache(cache_k, k, start)
-        cache_v = write_cache(cache_v, v, start)
-        o = cached_attention(q, cache_k, cache_v, start)
-        return self.project_out(o), cache_k, cache_v
+        if cache is not None:
+            first = jnp.zeros((x.shape[0],), jnp.int32) if start is None else start
+            cache = KVCache(write_cache(cache.k, k, first), write_cache(cache.v, v, first))
+        if cache is None or start is None:
+            o = causal_attention(q, k, v, self.cfg.attention, self.cfg.attention_block)
+        else:
+            o = cached_attention(q, cache.k, cache.v, start)
+        return self.project_out(o), cache

@@ -63,11 +63,12 @@ class CoEBlock(nnx.Module):
             for _ in range(1 if c.shared_router else c.iterations)])
         self.experts = make_experts(cfg, layout, rngs=rngs)
         self.shared = make_shared(cfg, rngs=rngs)
+        self.record_intermediates = False     # analysis switches it on (Module.set_attributes)
 
     def __call__(self, x: jax.Array):
         b, s, d = x.shape
         x0 = x.reshape(b * s, d)
-        h, delta, stats, routing = x0, jnp.zeros_like(x0), [], None
+        h, delta, stats, indices, routing = x0, jnp.zeros_like(x0), [], [], None
         for t in range(self.iterations):
             router = self.routers[0 if self.shared_router else t]
             if t == 0 or not self.shared_router:
@@ -78,6 +79,9 @@ class CoEBlock(nnx.Module):
                 update = update + self.shared(h)
             delta, h = coe_step(update.astype(x.dtype), delta, x0, self.residual)
             stats.append(block_stats(router.losses(routing), keep))
+            indices.append(routing.indices)
         y = coe_block_output(delta, x0, self.stream)
         mean_stats = jax.tree.map(lambda *v: jnp.mean(jnp.stack(v), axis=0), *stats)
+        if self.record_intermediates:       # the expert ids of every iteration, [C, T, K]
+            mean_stats["record"] = {"indices": jnp.stack(indices)}
         return y.reshape(b, s, d), mean_stats

@@ -40,7 +40,11 @@ def block_stats(losses: dict, keep: jax.Array) -> dict:
 
 
 class MoEBlock(nnx.Module):
-    """y = Aggregate(x, g, E(x)) + sum of shared experts(x), for x [B, S, d]."""
+    """y = Aggregate(x, g, E(x)) + sum of shared experts(x), for x [B, S, d].
+
+    With ``record_intermediates`` on, the stats also hold ``record``: the routed expert ids
+    ``indices`` [1, T, K] (rank order) and the aggregator's own record (the DAG's edge gates).
+    """
 
     def __init__(self, cfg: ModelConfig, layout: Optional[MeshLayout] = None, *,
                  rngs: nnx.Rngs):
@@ -49,13 +53,17 @@ class MoEBlock(nnx.Module):
         self.experts = make_experts(cfg, layout, rngs=rngs)
         self.aggregator = make_aggregator(cfg, rngs=rngs)
         self.shared = make_shared(cfg, rngs=rngs)
+        self.record_intermediates = False     # analysis switches it on (Module.set_attributes)
 
     def __call__(self, x: jax.Array):
         b, s, d = x.shape
         xt = x.reshape(b * s, d)
         routing = self.router(xt)
         expert_out, keep = self.experts(xt, routing.indices)
-        y = self.aggregator(xt, routing.gates, expert_out)
+        y, kept = self.aggregator(xt, routing.gates, expert_out)
         if self.shared is not None:
             y = y + self.shared(xt)
-        return y.reshape(b, s, d).astype(x.dtype), block_stats(self.router.losses(routing), keep)
+        stats = block_stats(self.router.losses(routing), keep)
+        if self.record_intermediates:
+            stats["record"] = {"indices": routing.indices[None], **kept}
+        return y.reshape(b, s, d).astype(x.dtype), stats

@@ -7,12 +7,17 @@
 * ``expert_load`` [layers, N]: share of routing slots per expert;
 * ``dropped_fraction`` [layers]: share of assignments that capacity dispatch dropped.
 
-A 'dense' model reports zeros for all of them.
+A 'dense' model reports zeros for all of them. With the routed blocks' ``record_intermediates``
+flag on (``model.set_attributes(record_intermediates=True, raise_if_not_found=False)``), the
+dict also holds ``intermediates``, stacked over layers: ``indices`` [layers, C, T, K] (the
+routed expert ids in rank order; C = 1 except for CoE, one row per iteration) and, for the DAG,
+``edge_gates`` [layers, L, T, K, K, d_g] and ``dag_inputs`` [layers, L, T, K, d]
+(``dagmoe_jax.analysis.collect`` reads them).
 
-For autoregressive decoding (``dagmoe_jax.generate``), ``Transformer.prefill`` runs a prompt
-and returns its :class:`~dagmoe_jax.model.attention.KVCache` ([layers, B, T, KV, D], carried
-through the same layer scan as the parameters), and ``Transformer.decode`` runs new tokens
-against it. Neither changes the training forward pass (``__call__``).
+For autoregressive decoding (``dagmoe_jax.generate``) the same ``__call__`` takes a
+:class:`~dagmoe_jax.model.attention.KVCache` ([layers, B, T, KV, D], carried through the same
+layer scan as the parameters): a prompt fills it, new tokens at given positions read and extend
+it, and the updated cache comes back in the auxiliary dict (``aux['cache']``).
 """
 
 from __future__ import annotations
@@ -69,34 +74,20 @@ class DecoderLayer(nnx.Module):
         self.block_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         self.block = make_block(cfg, layout, rngs=rngs)
 
-    def __call__(self, h: jax.Array, sin: jax.Array, cos: jax.Array):
-        h = h + self.attn(self.attn_norm(h), sin, cos)
+    def __call__(self, h: jax.Array, sin: jax.Array, cos: jax.Array,
+                 cache: Optional[KVCache] = None, start: Optional[jax.Array] = None):
+        """(h, stats, cache) after this layer; ``cache`` and ``start`` as :class:`Attention`."""
+        a, cache = self.attn(self.attn_norm(h), sin, cos, cache, start)
+        h = h + a
         out = self.block(self.block_norm(h))
         out, stats = out if isinstance(out, tuple) else (out, empty_stats(self.cfg))
-        return self.add_block_output(h, out), stats
+        return self.add_block_output(h, out), stats, cache
 
     def add_block_output(self, h: jax.Array, out: jax.Array) -> jax.Array:
         """The layer's second residual: h + out, or out alone for the CoE 'reference' reading."""
         out = out.astype(h.dtype)
         return constrain(out if self.block_replaces_stream else h + out,
                          ("batch", "length", "embed"))
-
-    def _ffn(self, h: jax.Array) -> jax.Array:
-        """The second residual half of ``__call__`` (block output only; stats dropped)."""
-        out = self.block(self.block_norm(h))
-        return self.add_block_output(h, out[0] if isinstance(out, tuple) else out)
-
-    def prefill(self, h: jax.Array, sin: jax.Array, cos: jax.Array):
-        """``__call__`` that also returns this layer's keys and values: (h, (k, v))."""
-        a, k, v = self.attn.prefill(self.attn_norm(h), sin, cos)
-        return self._ffn(h + a), (k, v)
-
-    def decode(self, h: jax.Array, sin: jax.Array, cos: jax.Array, cache: KVCache,
-               start: jax.Array):
-        """New tokens h [B, S, d] at positions ``start_b + [0, S)`` against this layer's cache
-        ([B, T, KV, D] each): (h, updated cache)."""
-        a, k, v = self.attn.decode(self.attn_norm(h), sin, cos, cache.k, cache.v, start)
-        return self._ffn(h + a), KVCache(k, v)
 
 
 class Transformer(nnx.Module):
@@ -122,42 +113,55 @@ class Transformer(nnx.Module):
         self.lm_head = make_param(rngs, normal(cfg.init_std), (cfg.d_model, cfg.vocab_size),
                                   ("embed", "vocab"), pd)
 
-    def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None):
-        """Final-norm hidden states [B, S, d] and the per-layer stats (stacked over layers)."""
+    def __call__(self, tokens: jax.Array, *, cache: Optional[KVCache] = None,
+                 start: Optional[jax.Array] = None, logit_positions: Optional[jax.Array] = None):
+        """The one forward pass: tokens [B, S] -> (float32 logits, aux).
+
+        Training and scoring call ``model(tokens)``: positions 0..S-1, causal attention.
+        Autoregressive decoding passes a ``cache`` (:meth:`init_cache`, [layers, B, T, KV, D]):
+        without ``start`` the tokens are a prompt at positions 0..S-1 (right-padded rows: causal
+        attention never lets a real token see the padding after it) whose keys and values fill
+        slots [0, S); with ``start`` [B] they are row b's positions ``start_b + [0, S)``
+        attending over the cache. The updated cache is returned as ``aux['cache']``.
+        ``logit_positions`` [B] projects only those positions' logits ([B, V] instead of
+        [B, S, V]; the LM head is the costliest matmul at a large vocabulary).
+        """
         cfg = self.cfg
         b, s = tokens.shape
         if s > cfg.max_seq_len:
             raise ValueError(f"sequence length {s} exceeds ModelConfig.max_seq_len={cfg.max_seq_len}: "
                              f"shorten the inputs or raise max_seq_len")
-        if positions is None:
-            positions = jnp.arange(s)[None, :]
+        offset = jnp.zeros((b,), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
+        positions = offset[:, None] + jnp.arange(s)
         sin, cos = rope_angles(positions, cfg.resolved_head_dim, cfg.rope_theta)
         h = self.embed[...].astype(dtype_of(cfg.compute_dtype))[tokens]
         h = constrain(h, ("batch", "length", "embed"))
 
-        def body(h, layer):
-            return layer(h, sin, cos)
+        def body(h, layer, layer_cache):
+            h, stats, layer_cache = layer(h, sin, cos, layer_cache, start)
+            return h, (stats, layer_cache)
 
         if cfg.remat != "none":
             body = nnx.remat(body, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
 
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), unroll=cfg.scan_unroll,
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0), unroll=cfg.scan_unroll,
                   transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def run(h, layer):
-            return body(h, layer)
+        def run(h, layer, layer_cache):
+            return body(h, layer, layer_cache)
 
-        h, stats = run(h, self.layers)
-        return self.final_norm(h), stats
-
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None):
-        h, stats = self.hidden_states(tokens, positions)
-        b, s, d = h.shape
-        logits = jnp.dot(h.reshape(b * s, d), self.lm_head[...].astype(h.dtype),
-                         preferred_element_type=jnp.float32).reshape(b, s, -1)
+        h, (stats, cache) = run(h, self.layers, cache)
+        h = self.final_norm(h)
+        if logit_positions is not None:
+            h = h[jnp.arange(b), logit_positions][:, None]
+        logits = jnp.dot(h.reshape(-1, cfg.d_model), self.lm_head[...].astype(h.dtype),
+                         preferred_element_type=jnp.float32).reshape(h.shape[:2] + (-1,))
         logits = constrain(logits, ("batch", "length", "vocab"))
-        return logits, summarize_stats(self.cfg, stats)
-
-    # ---------------------------------------------------------------- autoregressive decoding
+        aux = summarize_stats(cfg, stats)
+        if "record" in stats:
+            aux["intermediates"] = stats["record"]
+        if cache is not None:
+            aux["cache"] = cache
+        return (logits[:, 0] if logit_positions is not None else logits), aux
 
     def init_cache(self, batch: int, length: int) -> KVCache:
         """An empty (zero) cache of ``length`` slots: k, v [layers, batch, length, KV, D]."""
@@ -165,77 +169,6 @@ class Transformer(nnx.Module):
         shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.resolved_head_dim)
         zeros = jnp.zeros(shape, dtype_of(cfg.compute_dtype))
         return KVCache(zeros, zeros)
-
-    def project_logits(self, h: jax.Array) -> jax.Array:
-        """Final-norm hidden states [B, S, d] -> float32 logits [B, S, V] (as ``__call__``)."""
-        b, s, d = h.shape
-        logits = jnp.dot(h.reshape(b * s, d), self.lm_head[...].astype(h.dtype),
-                         preferred_element_type=jnp.float32).reshape(b, s, -1)
-        return constrain(logits, ("batch", "length", "vocab"))
-
-    def prefill(self, tokens: jax.Array, cache_len: int | None = None,
-                logit_positions: jax.Array | None = None):
-        """Run prompts ``tokens`` [B, S] at positions 0..S-1 and build the cache for decoding.
-
-        Prompts of different lengths are right-padded (any pad id): causal attention never lets
-        a real token see the padding after it, and the padding's cache slots are overwritten by
-        :meth:`decode` before any query can see them. Layers run exactly as in ``__call__``
-        (same attention kernel and dispatch) without rematerialisation.
-
-        cache_len: slots of the returned cache (>= S; default S), zero past S.
-        logit_positions: [B] one position per row (e.g. ``length - 1``) to return logits
-          [B, V] for; None returns all of them, [B, S, V].
-        Returns (logits, KVCache with k, v [layers, B, cache_len, KV, D]).
-        """
-        cfg = self.cfg
-        b, s = tokens.shape
-        cache_len = s if cache_len is None else cache_len
-        if s > cfg.max_seq_len:
-            raise ValueError(f"sequence length {s} exceeds ModelConfig.max_seq_len="
-                             f"{cfg.max_seq_len}: shorten the inputs or raise max_seq_len")
-        if cache_len < s:
-            raise ValueError(f"cache_len={cache_len} is shorter than the prompts ({s} tokens)")
-        sin, cos = rope_angles(jnp.arange(s)[None, :], cfg.resolved_head_dim, cfg.rope_theta)
-        h = self.embed[...].astype(dtype_of(cfg.compute_dtype))[tokens]
-        h = constrain(h, ("batch", "length", "embed"))
-
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0),
-                  transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def run(h, layer):
-            return layer.prefill(h, sin, cos)
-
-        h, (k, v) = run(h, self.layers)
-        pad = ((0, 0), (0, 0), (0, cache_len - s), (0, 0), (0, 0))
-        cache = KVCache(jnp.pad(k, pad), jnp.pad(v, pad))
-        h = self.final_norm(h)
-        if logit_positions is None:
-            return self.project_logits(h), cache
-        h = h[jnp.arange(b), logit_positions][:, None]
-        return self.project_logits(h)[:, 0], cache
-
-    def decode(self, tokens: jax.Array, start: jax.Array, cache: KVCache):
-        """Run new tokens [B, S] (usually S = 1) at positions ``start_b + [0, S)`` per row
-        against ``cache``, writing their keys and values into it.
-
-        The cache must hold each row's positions ``< start_b`` (from :meth:`prefill` and earlier
-        calls). Returns (logits [B, S, V] float32, updated cache). Equal, up to float rounding,
-        to ``__call__``'s logits at those positions on the rows' full sequences when routing
-        drops nothing (see ``dagmoe_jax.generate`` on the dispatch used for decoding).
-        """
-        cfg = self.cfg
-        start = jnp.asarray(start, jnp.int32)
-        positions = start[:, None] + jnp.arange(tokens.shape[1])
-        sin, cos = rope_angles(positions, cfg.resolved_head_dim, cfg.rope_theta)
-        h = self.embed[...].astype(dtype_of(cfg.compute_dtype))[tokens]
-        h = constrain(h, ("batch", "length", "embed"))
-
-        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0),
-                  transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def run(h, layer, layer_cache):
-            return layer.decode(h, sin, cos, layer_cache, start)
-
-        h, cache = run(h, self.layers, cache)
-        return self.project_logits(self.final_norm(h)), cache
 
 
 def summarize_stats(cfg: ModelConfig, stats: dict) -> dict:

@@ -1,0 +1,117 @@
+"""What the model records while it runs, over a dataset, reduced to the plots' statistics.
+
+The routed blocks record their intermediates themselves when their ``record_intermediates``
+flag is on (``dagmoe_jax.model.transformer`` documents ``aux['intermediates']``): the expert ids
+of every routing decision (rank order; one set per CoE iteration) and, for the DAG module, the
+edge gates e_(i,j) of DAG-MoE eq. 10 and each iteration's input nodes. :func:`record` switches
+the flag on for one forward pass of the model's own code (so the numbers are the model's, with
+the same dispatch and the same drops) and :func:`collect` reduces them over batches to NumPy
+statistics over the non-padding tokens. Nothing here re-implements a forward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Iterable, List, Optional
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+@nnx.jit
+def _forward(model, tokens):
+    logits, aux = model(tokens)
+    return logits, aux.get("intermediates", {})
+
+
+def record(model, tokens) -> Dict[str, object]:
+    """Logits [B, S, V] and the intermediates the model records for ``tokens`` [B, S]:
+    ``indices`` [layers, C, T, K] and, for a DAG model, ``edge_gates`` [layers, L, T, K, K, d_g]
+    and ``dag_inputs`` [layers, L, T, K, d], with T = B * S row-major. The model's recording
+    flag is switched on for this call only."""
+    model.set_attributes(record_intermediates=True, raise_if_not_found=False)
+    try:
+        logits, kept = _forward(model, jnp.asarray(tokens, jnp.int32))
+    finally:
+        model.set_attributes(record_intermediates=False, raise_if_not_found=False)
+    return {"logits": logits, **kept}
+
+
+@dataclasses.dataclass
+class Collected:
+    """Statistics of a model's routing and DAG gates over the non-padding tokens of a dataset.
+
+    tokens: tokens analysed. block, aggregation: the model's block type and aggregator kind.
+    expert_load [layers, N]: share of routing slots per expert (all iterations, for CoE).
+    coactivation [layers, C - 1, N, N] or None: CoE only; entry (l, t, a, b) counts tokens that
+    used expert a in iteration t and expert b in iteration t + 1 (CoE Figure 8).
+    gate_mean, gate_std [layers, L, K, K] or None: DAG only; per token the gate magnitude of a
+    node pair is the mean over d_g of |e_(i,j)|; these are its mean and standard deviation over
+    tokens (row i: receiving node, column j: sending node, rank order).
+    gate_samples [layers, L, M, K, K] or None: the per-token magnitudes of up to M tokens (for
+    histograms).
+    """
+
+    tokens: int
+    block: str
+    aggregation: str
+    expert_load: Optional[np.ndarray]
+    coactivation: Optional[np.ndarray]
+    gate_mean: Optional[np.ndarray]
+    gate_std: Optional[np.ndarray]
+    gate_samples: Optional[np.ndarray]
+
+
+def collect(model, batches: Iterable[Dict[str, np.ndarray]], max_samples: int = 4096) -> Collected:
+    """Run ``model`` over ``batches`` (dicts with ``inputs`` and ``mask`` [B, S]) recording its
+    intermediates (:func:`record`) and reduce them.
+
+    Padding positions (``mask`` False) are left out of every statistic.
+    """
+    cfg = model.cfg
+    n = cfg.experts.num_experts
+    routed = cfg.block in ("moe", "coe")
+    layers = cfg.num_layers
+    load = np.zeros((layers, n)) if routed else None
+    coact = None
+    if cfg.block == "coe" and cfg.coe.iterations > 1:
+        coact = np.zeros((layers, cfg.coe.iterations - 1, n, n))
+    is_dag = cfg.block == "moe" and cfg.aggregation.kind == "dag"
+    g_sum = g_sq = None
+    samples: List[np.ndarray] = []
+    count = 0
+    for batch in batches:
+        keep = np.asarray(batch["mask"], bool).reshape(-1)
+        if not keep.any():
+            continue
+        kept = record(model, batch["inputs"])
+        count += int(keep.sum())
+        if not routed:
+            continue
+        ids = np.asarray(kept["indices"])[:, :, keep]                        # [layers, C, T', K]
+        for l in range(layers):
+            load[l] += np.bincount(ids[l].reshape(-1), minlength=n)
+            if coact is not None:
+                onehot = (ids[l][..., None] == np.arange(n)).any(axis=2).astype(np.float64)
+                for t in range(ids.shape[1] - 1):
+                    coact[l, t] += onehot[t].T @ onehot[t + 1]
+        if is_dag:
+            gates = np.asarray(kept["edge_gates"])[:, :, keep]               # [layers, L, T', K, K, dg]
+            mag = np.abs(gates).mean(axis=-1)                                 # [layers, L, T', K, K]
+            g_sum = mag.sum(axis=2) if g_sum is None else g_sum + mag.sum(axis=2)
+            g_sq = (mag ** 2).sum(axis=2) if g_sq is None else g_sq + (mag ** 2).sum(axis=2)
+            if sum(s.shape[2] for s in samples) < max_samples:
+                samples.append(mag)
+    if count == 0:
+        raise ValueError("the data has no (non-padding) tokens to analyse")
+    if load is not None:
+        load = load / np.maximum(load.sum(axis=1, keepdims=True), 1)
+    gate_mean = gate_std = gate_samples = None
+    if is_dag:
+        gate_mean = g_sum / count
+        gate_std = np.sqrt(np.maximum(g_sq / count - gate_mean ** 2, 0.0))
+        gate_samples = np.concatenate(samples, axis=2)[:, :, :max_samples]
+    return Collected(tokens=count, block=cfg.block, aggregation=cfg.aggregation.kind,
+                     expert_load=load, coactivation=coact, gate_mean=gate_mean,
+                     gate_std=gate_std, gate_samples=gate_samples)

@@ -73,6 +73,7 @@ def main(argv=None) -> int:
     import gin
     import jax
     from dagmoe_jax.accounting import account
+    from dagmoe_jax.cli import report_error
     from dagmoe_jax.gin_utils import load_configs
     from dagmoe_jax.parallel.multihost import initialize
     from dagmoe_jax.train.loop import NonFiniteLossError, evaluate_checkpoint, train
@@ -101,9 +102,7 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except (ValueError, FileNotFoundError) as err:
-        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        print(f"error: {message}", file=sys.stderr)
-        return 2
+        return report_error(err)
     return 0
 
 

@@ -37,14 +37,13 @@ MLP mixing +3.5%, DAG-MoE L 3 +1.2%, L 1 -1.4%, L 2 -2.4%, CoE -4.1%: at 0.8M to
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dagmoe_jax.cli import add_budget_flags, fill_budget_defaults, gin_flag_bindings  # noqa: E402
+from dagmoe_jax.cli import (add_budget_flags, fill_budget_defaults, gin_flag_bindings,  # noqa: E402
+                            report_error, run_and_report)
 
 DEFAULTS = dict(variants="moe,moe_shared,dag_l1,dag_l2,dag_l3,mlp,mlp_small,coe", seeds="1", steps=400,
                 batch=16, seq_len=128, eval_batches=32, dag_dim=32, out="runs/bench_quality")
@@ -80,8 +79,6 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     # Imported after argument parsing so that --help and argument errors are instant.
-    import jax
-
     from dagmoe_jax.eval.corpus import build_manpage_corpus, build_stdlib_corpus, corpus_sources
     from dagmoe_jax.eval.quality import QualityBudget, format_report, run_benchmark
 
@@ -94,8 +91,7 @@ def main(argv=None) -> int:
             corpus = (build_stdlib_corpus(out / "corpus") if args.corpus == "stdlib"
                       else build_manpage_corpus(out / "corpus"))
         except FileNotFoundError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
+            return report_error(err)
         source, default_eval = corpus_sources(corpus)
         eval_source = eval_source or default_eval
         what = (f"docstrings of the Python {corpus.python} standard library ({corpus.files} "
@@ -111,34 +107,13 @@ def main(argv=None) -> int:
                                eval_batches=args.eval_batches, dag_dim=args.dag_dim,
                                bindings=tuple(args.bindings))
     except (ValueError, IndexError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    # Runs of one variant (other seeds) compile to the same programs.
-    jax.config.update("jax_compilation_cache_dir", str(out / "jax_cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        return report_error(err)
     print(f"quality benchmark: {len(budget.variants)} variants x seeds {budget.seeds}, "
           f"{budget.steps} steps of {budget.batch_size} x {budget.seq_len} tokens each; runs in "
           f"{out / 'runs'}", flush=True)
-    start = time.perf_counter()
-    try:
-        results = run_benchmark(budget, out, log=lambda line: print(line, flush=True))
-    except KeyboardInterrupt as err:
-        print(f"stopped: {err}", file=sys.stderr)
-        return 130
-    except (ValueError, FileNotFoundError) as err:
-        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        print(f"error: {message}", file=sys.stderr)
-        return 2
-    results["corpus"] = None if corpus is None else corpus.__dict__
-    results["environment"] = {"jax": jax.__version__, "backend": jax.default_backend(),
-                              "devices": len(jax.devices())}
-    path = Path(args.json) if args.json else out / "quality.json"
-    path.write_text(json.dumps(results, indent=1) + "\n")
-    print()
-    print(format_report(results))
-    print(f"\nwrote {path} ({time.perf_counter() - start:.0f} s)")
-    return 0
-
+    return run_and_report(out, args.json, "quality.json",
+                          lambda: run_benchmark(budget, out, log=lambda line: print(line, flush=True)),
+                          format_report, extra={"corpus": None if corpus is None else corpus.__dict__})
 
 if __name__ == "__main__":
     from dagmoe_jax.launch import reexec_with_tcmalloc

@@ -38,14 +38,13 @@ majority-answer floor, edit distance and LCS barely; longer-than-trained sizes f
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dagmoe_jax.cli import add_budget_flags, fill_budget_defaults  # noqa: E402
+from dagmoe_jax.cli import (add_budget_flags, fill_budget_defaults, report_error,  # noqa: E402
+                            run_and_report)
 
 DEFAULTS = dict(tasks="lis,edit_distance,lcs", variants="moe,moe_shared,dag_l1,dag_l2,dag_l3,mlp,coe",
                 seeds="2", steps=800, batch=16, seq_len=64, sizes="4,8,12,16,20",
@@ -77,8 +76,6 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    import jax
-
     # Imported after argument parsing so that --help and argument errors are instant.
     from dagmoe_jax.eval.reasoning import ReasoningBudget, format_report, run_suite
 
@@ -90,34 +87,15 @@ def main(argv=None) -> int:
             batch_size=args.batch, seq_len=args.seq_len, sizes=int_list(args.sizes),
             eval_examples=args.eval_examples, dag_dim=args.dag_dim)
     except (ValueError, IndexError) as err:
-        print(f"error: {err or 'invalid budget'}", file=sys.stderr)
-        return 2
+        return report_error(err)
     out.mkdir(parents=True, exist_ok=True)
-    # Runs of one variant (other tasks, other seeds) compile to the same programs.
-    jax.config.update("jax_compilation_cache_dir", str(out / "jax_cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     runs = len(budget.tasks) * len(budget.variants) * len(budget.seeds)
     print(f"reasoning suite: {runs} runs ({', '.join(budget.tasks)} x {len(budget.variants)} "
           f"variants x seeds {budget.seeds}), {budget.steps} steps each; runs in {out / 'runs'}",
           flush=True)
-    start = time.perf_counter()
-    try:
-        results = run_suite(budget, out, log=lambda line: print(line, flush=True))
-    except KeyboardInterrupt as err:
-        print(f"stopped: {err}", file=sys.stderr)
-        return 130
-    except (ValueError, FileNotFoundError) as err:
-        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        print(f"error: {message}", file=sys.stderr)
-        return 2
-    results["environment"] = {"jax": jax.__version__, "backend": jax.default_backend(),
-                              "devices": len(jax.devices())}
-    path = Path(args.json) if args.json else out / "reasoning.json"
-    path.write_text(json.dumps(results, indent=1) + "\n")
-    print()
-    print(format_report(results))
-    print(f"\nwrote {path} ({time.perf_counter() - start:.0f} s)")
-    return 0
+    return run_and_report(out, args.json, "reasoning.json",
+                          lambda: run_suite(budget, out, log=lambda line: print(line, flush=True)),
+                          format_report)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,29 @@
-"""Command-line helpers shared by ``train.py`` and the benchmarks (import-light: no JAX)."""
+"""Command-line helpers shared by ``train.py``, the ``python -m`` tools and the benchmarks
+(import-light: JAX only inside :func:`run_and_report`)."""
 
 from __future__ import annotations
 
 import argparse
-from typing import Any, Dict, Iterable, List, Tuple
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+# What a command-line tool reports as a one-line error (exit 2) instead of a traceback.
+USER_ERRORS = (ValueError, FileNotFoundError)
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of ``err``'s message (its type name when the message is empty)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def report_error(err: BaseException, code: int = 2) -> int:
+    """Print ``error: <first line>`` to stderr and return the exit code (2: bad input)."""
+    print(f"error: {first_line(err)}", file=sys.stderr)
+    return code
 
 
 def gin_flag_bindings(args: Iterable[str]) -> Tuple[List[str], List[str]]:
@@ -35,3 +55,33 @@ def fill_budget_defaults(args: argparse.Namespace, defaults: Dict[str, Any],
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, micro.get(name, value) if args.micro else value)
+
+
+def run_and_report(out: Path, json_path: Optional[str], default_name: str,
+                   run: Callable[[], dict], format_report: Callable[[dict], str],
+                   extra: Optional[dict] = None) -> int:
+    """The tail every benchmark's ``main`` shares: a persistent compilation cache in ``out``
+    (runs of one variant compile to the same programs), ``run()``, the environment added to its
+    results, JSON written to ``json_path`` (default ``out/default_name``) and the report printed.
+    Returns the exit code: 0, 2 for bad input (one line), 130 when interrupted."""
+    import jax  # pylint: disable=import-outside-toplevel
+
+    jax.config.update("jax_compilation_cache_dir", str(out / "jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    start = time.perf_counter()
+    try:
+        results = run()
+    except KeyboardInterrupt as err:
+        print(f"stopped: {err}", file=sys.stderr)
+        return 130
+    except USER_ERRORS as err:
+        return report_error(err)
+    results.update(extra or {})
+    results["environment"] = {"jax": jax.__version__, "backend": jax.default_backend(),
+                              "devices": len(jax.devices())}
+    path = Path(json_path) if json_path else out / default_name
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    print()
+    print(format_report(results))
+    print(f"\nwrote {path} ({time.perf_counter() - start:.0f} s)")
+    return 0

@@ -16,6 +16,11 @@ import dataclasses
 import math
 from typing import Optional
 
+from dagmoe_jax.validate import check as _check
+from dagmoe_jax.validate import choice as _choice
+from dagmoe_jax.validate import nonnegative as _nonnegative
+from dagmoe_jax.validate import positive as _positive
+
 BLOCK_TYPES = ("dense", "moe", "coe")
 SCORE_FNS = ("sigmoid", "softmax")
 DISPATCH_MODES = ("capacity", "dropless", "dense")
@@ -30,25 +35,6 @@ BALANCE_PROBS = ("softmax", "score_share")
 REMAT_POLICIES = ("auto", "none", "full", "dots")
 ATTENTION_IMPLS = ("auto", "xla", "blockwise", "fused", "cudnn")
 DTYPES = ("float32", "bfloat16")
-
-
-def _check(ok: bool, cls: str, field: str, value, valid: str) -> None:
-    if not ok:
-        raise ValueError(f"{cls}.{field}={value!r} is invalid: expected {valid}")
-
-
-def _choice(cls: str, field: str, value, options) -> None:
-    _check(value in options, cls, field, value, "one of " + ", ".join(map(repr, options)))
-
-
-def _positive(cls: str, field: str, value) -> None:
-    _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, cls, field, value,
-           "an integer >= 1")
-
-
-def _nonnegative(cls: str, field: str, value) -> None:
-    _check(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
-           cls, field, value, "a number >= 0")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Batched autoregressive generation with a KV cache, for every block type.
 
-``generate(model, prompts, max_new_tokens=...)`` continues a batch of prompts; ``load_run``
-loads a run directory's newest checkpoint for it; ``python -m dagmoe_jax.sample`` is the command
-line. Design:
+``generate(model, prompts, max_new_tokens=...)`` continues a batch of prompts
+(``dagmoe_jax.runs.load_run`` loads a run directory's newest checkpoint for it);
+``python -m dagmoe_jax.sample`` is the command line. Design:
 
 * **Prompts of different lengths are right-padded.** Row b's token p sits at position p and at
   cache slot p, so every row's positions start at 0 exactly as in training and the prefill is the
@@ -35,9 +35,7 @@ line. Design:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from pathlib import Path
 from typing import List, NamedTuple, Optional, Sequence, Union
 
 import jax
@@ -47,7 +45,6 @@ from flax import nnx
 
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.model import Transformer
-from dagmoe_jax.settle import settle
 
 DEFAULT_DISPATCH = "dropless"
 
@@ -273,62 +270,3 @@ def generate(model: Transformer, prompts: Union[Sequence[Sequence[int]], np.ndar
         jnp.int32(pad_id), max_new_tokens=int(max_new_tokens), greedy=temperature == 0)
     result = Generation(np.asarray(out), np.asarray(count), np.asarray(finished))
     return result.as_lists() if as_list else result
-
-
-# ------------------------------------------------------------------------------ loading a run
-
-
-@dataclasses.dataclass
-class LoadedRun:
-    """A trained model from a run directory, with what is needed to talk to it.
-
-    model: the Transformer with the checkpoint's parameters; step: the checkpoint's step;
-    model_cfg, data_cfg: the run's configs; tokenizer: from ``data_cfg``; warnings: messages
-    about unreadable newer checkpoints that were skipped.
-    """
-
-    model: Transformer
-    step: int
-    model_cfg: ModelConfig
-    data_cfg: object
-    tokenizer: object
-    warnings: List[str]
-
-
-def load_run(run_dir: Union[str, Path]) -> LoadedRun:
-    """Load the newest checkpoint of a ``train.py`` run directory (as ``evaluate_checkpoint``).
-
-    Only abstract shapes are built for the model and optimizer (no initialisation); the
-    optimizer's state is read with the model's, since checkpoints hold both. One-line
-    ValueErrors for a missing run directory or config, and for a run without checkpoints.
-    """
-    from dagmoe_jax.data import make_tokenizer  # pylint: disable=import-outside-toplevel
-    from dagmoe_jax.train.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
-    from dagmoe_jax.train.loop import load_run_configs  # pylint: disable=import-outside-toplevel
-    from dagmoe_jax.train.optim import make_optimizer  # pylint: disable=import-outside-toplevel
-
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise ValueError(f"run directory {run_dir} does not exist: pass the --run_dir of a "
-                         f"train.py run")
-    model_cfg, data_cfg, optim_cfg, train_cfg = load_run_configs(run_dir)
-    tokenizer = make_tokenizer(data_cfg)
-
-    settled = settle(model_cfg)
-
-    def make():
-        model = Transformer(settled, rngs=nnx.Rngs(train_cfg.seed))
-        optimizer = nnx.Optimizer(model, make_optimizer(optim_cfg, train_cfg.steps), wrt=nnx.Param)
-        return model, optimizer
-
-    model, optimizer = nnx.eval_shape(make)
-    abstract = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
-    with Checkpointer(run_dir / "checkpoints", save_every=train_cfg.save_every,
-                      keep=train_cfg.keep_checkpoints, async_save=False) as checkpointer:
-        restored = checkpointer.restore(
-            abstract, expected_meta={"model_config": dataclasses.asdict(model_cfg)})
-    if restored is None:
-        raise ValueError(f"no checkpoint in {run_dir / 'checkpoints'}: train first")
-    nnx.update(model, restored.state["model"])
-    return LoadedRun(model=model, step=restored.step, model_cfg=settled, data_cfg=data_cfg,
-                     tokenizer=tokenizer, warnings=list(restored.skipped))

@@ -14,6 +14,7 @@ from typing import Iterable, Sequence, Tuple
 import gin
 
 from dagmoe_jax import config as C
+from dagmoe_jax.cli import first_line
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.data.config import DataConfig
 from dagmoe_jax.parallel.mesh import MeshConfig
@@ -59,8 +60,7 @@ def parse_gin(files: Sequence[str] = (), bindings: Iterable[str] = ()) -> None:
     try:
         gin.parse_config_files_and_bindings(paths, list(bindings))
     except (ValueError, KeyError, SyntaxError, IOError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"gin configuration error: {first}") from None
+        raise ValueError(f"gin configuration error: {first_line(err)}") from None
     finally:
         root.removeFilter(_quiet_include_probe)
 
@@ -74,7 +74,7 @@ def _build(name: str):
     try:
         return _plain(_GIN[name]())
     except (ValueError, TypeError) as err:  # gin appends "In call to configurable ..." lines
-        raise ValueError(str(err).strip().splitlines()[0]) from None
+        raise ValueError(first_line(err)) from None
 
 
 def load_model_config(files: Sequence[str] = (), bindings: Iterable[str] = ()) -> ModelConfig:

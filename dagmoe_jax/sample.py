@@ -26,6 +26,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dagmoe_jax.cli import report_error
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one-line errors instead of argparse's usage block
@@ -68,7 +70,8 @@ def main(argv=None) -> int:
         return 0
 
     # Imported after argument parsing so that --help and argument errors are instant.
-    from dagmoe_jax.generate import check_settings, generate, load_run
+    from dagmoe_jax.generate import check_settings, generate
+    from dagmoe_jax.runs import load_run
 
     try:
         check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
@@ -91,9 +94,7 @@ def main(argv=None) -> int:
                            stop_tokens=() if args.ignore_eos else (tok.eos_id,), seed=args.seed,
                            pad_id=tok.pad_id)
     except (ValueError, FileNotFoundError) as err:
-        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        print(f"error: {message}", file=sys.stderr)
-        return 2
+        return report_error(err)
     for i, (prompt, new) in enumerate(zip(prompts, outputs)):
         if not args.ignore_eos and new and new[-1] == tok.eos_id:
             new = new[:-1]

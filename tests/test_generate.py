@@ -247,7 +247,7 @@ def test_cli_samples_from_a_checkpoint(smoke_run):
 
 
 def test_cli_greedy_equals_library(smoke_run, capsys):
-    from dagmoe_jax.generate import load_run
+    from dagmoe_jax.runs import load_run
     from dagmoe_jax.sample import main
 
     assert main([f"--run_dir={smoke_run}", "--prompt=edit ab =", "--max_new_tokens=6"]) == 0

@@ -22,9 +22,8 @@ from dagmoe_jax.kernels import build as kbuild
 from dagmoe_jax.kernels import attention as kattn
 from dagmoe_jax.kernels import fused_attention_unavailable, fused_causal_attention
 from dagmoe_jax.model import Transformer
-from dagmoe_jax.model.attention import (blockwise_causal_attention, causal_attention,
-                                        causal_attention_reference)
-from dagmoe_jax.parallel import MeshConfig, activate, make_mesh
+from dagmoe_jax.model.attention import blockwise_causal_attention, causal_attention_reference
+from dagmoe_jax.parallel import MeshConfig, make_mesh
 from dagmoe_jax.parallel.axes import MeshLayout
 from dagmoe_jax.settle import describe as describe_settled
 from dagmoe_jax.settle import settle, settle_attention

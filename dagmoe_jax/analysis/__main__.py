@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dagmoe_jax.cli import report_error
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one-line errors instead of argparse's usage block
@@ -47,9 +49,7 @@ def main(argv=None) -> int:
 
         results = analyze_run(args.run_dir, args.out, data=args.data, max_batches=args.batches)
     except (ValueError, FileNotFoundError) as err:
-        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        print(f"error: {message}", file=sys.stderr)
-        return 2
+        return report_error(err)
     for result in results:
         if result.path is not None:
             print(f"wrote {result.path}")

@@ -101,7 +101,7 @@ def write_plots(stats: Collected, records: List[dict], out_dir, label: str = "")
 def analyze_run(run_dir, out_dir, *, data: str = "", max_batches: int = 4) -> List[PlotResult]:
     """Load ``run_dir``'s newest checkpoint, trace it over ``max_batches`` batches of its
     held-out data (or ``data``), and write every plot that applies into ``out_dir``."""
-    from dagmoe_jax.generate import load_run  # pylint: disable=import-outside-toplevel
+    from dagmoe_jax.runs import load_run  # pylint: disable=import-outside-toplevel
     from dagmoe_jax.train.metrics import read_metrics  # pylint: disable=import-outside-toplevel
 
     loaded = load_run(run_dir)

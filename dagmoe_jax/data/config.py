@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dagmoe_jax import config
+from dagmoe_jax.validate import check
 
 from dagmoe_jax.data.tasks import TASKS
 
@@ -21,7 +21,7 @@ _SOURCE_HELP = ("'synthetic:<task>[,<task>...]', 'text:<glob>[,<glob>...]', "
 
 
 def _check(ok: bool, field: str, value, valid: str) -> None:
-    config._check(ok, "DataConfig", field, value, valid)
+    check(ok, "DataConfig", field, value, valid)
 
 
 def _int(field: str, value, low: int, high: int | None = None) -> None:

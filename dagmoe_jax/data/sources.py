@@ -22,6 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
+from dagmoe_jax.cli import first_line
 from dagmoe_jax.data.config import DataConfig, parse_source
 from dagmoe_jax.data.tasks import generate
 
@@ -31,11 +32,6 @@ _MAGIC = set("*?[")
 
 def _where(field: str, spec: str) -> str:
     return f"DataConfig.{field}={spec!r}"
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def expand_globs(patterns: Sequence[str], field: str, spec: str) -> list[str]:
@@ -161,7 +157,7 @@ class JsonlSource(_Indexed):
         try:
             obj = json.loads(line)
         except ValueError as err:
-            raise ValueError(f"{where}: {place} is not valid JSON ({_first_line(err)})") from None
+            raise ValueError(f"{where}: {place} is not valid JSON ({first_line(err)})") from None
         if not isinstance(obj, dict) or not isinstance(obj.get(self.text_key), str):
             raise ValueError(f"{where}: {place} has no string under DataConfig.text_key="
                              f"{self.text_key!r}: fix the file or set text_key")
@@ -199,7 +195,7 @@ class ArrayRecordSource:
             self._source = grain.sources.ArrayRecordDataSource(list(files))
         except Exception as err:  # pylint: disable=broad-except  (any reader failure)
             raise ValueError(f"{where} could not be read as ArrayRecord files: "
-                             f"{_first_line(err)}") from None
+                             f"{first_line(err)}") from None
 
     def __len__(self) -> int:
         return len(self._source)
@@ -241,7 +237,7 @@ class TfdsSource:
                              f"access: prepare it again with file_format='array_record'") from None
         except Exception as err:  # pylint: disable=broad-except  (unknown split, ...)
             raise ValueError(f"{where} split {split!r} cannot be read: "
-                             f"{_first_line(err)}") from None
+                             f"{first_line(err)}") from None
 
     def __len__(self) -> int:
         return len(self._source)

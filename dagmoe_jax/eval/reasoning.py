@@ -146,7 +146,7 @@ def train_and_score(budget: ReasoningBudget, task: str, variant: str, seed: int,
                     run_dir: Path, log: Callable[[str], None]) -> dict:
     """Train (or reuse) one run and score it at every size; a JSON-able record."""
     from dagmoe_jax.data import make_tokenizer  # pylint: disable=import-outside-toplevel
-    from dagmoe_jax.generate import load_run  # pylint: disable=import-outside-toplevel
+    from dagmoe_jax.runs import load_run  # pylint: disable=import-outside-toplevel
     from dagmoe_jax.train.loop import train  # pylint: disable=import-outside-toplevel
 
     model_cfg, data_cfg, optim_cfg, train_cfg = run_configs(budget, task, variant, seed, run_dir)

@@ -17,7 +17,7 @@ import jax
 from flax.core import spmd
 from jax.sharding import AxisType, Mesh
 
-from dagmoe_jax.config import _check
+from dagmoe_jax.validate import check as _check
 from dagmoe_jax.parallel.axes import DEFAULT_RULES, MESH_AXES
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from dagmoe_jax.config import _check, _positive
+from dagmoe_jax.validate import check as _check
+from dagmoe_jax.validate import positive as _positive
 from dagmoe_jax.parallel.mesh import MeshConfig
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import signal
 import time
@@ -26,10 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dagmoe_jax.config import (AggregationConfig, CoEConfig, ExpertConfig, ModelConfig,
-                               RouterConfig)
+from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.data import (DataConfig, check_tokens, eval_batches, exact_match, make_tokenizer,
                              task_eval_batches, task_names, train_dataset, unigram_entropy)
+from dagmoe_jax import runs
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.parallel import MeshConfig, activate, create_train_state, make_mesh, shard_batch
 from dagmoe_jax.parallel.axes import MeshLayout
@@ -41,7 +40,6 @@ from dagmoe_jax.train.metrics import MetricsWriter, summarise_load
 from dagmoe_jax.train.optim import OptimConfig, make_optimizer, make_schedule
 from dagmoe_jax.train.step import eval_step, make_train_step
 
-CONFIG_FILE = "config.json"
 
 
 class NonFiniteLossError(RuntimeError):
@@ -69,23 +67,6 @@ def check_compatible(model_cfg: ModelConfig, data_cfg: DataConfig, tokenizer) ->
         raise ValueError(f"the {data_cfg.tokenizer!r} tokenizer has {tokenizer.vocab_size} tokens "
                          f"but ModelConfig.vocab_size={model_cfg.vocab_size}: set vocab_size >= "
                          f"{tokenizer.vocab_size}")
-
-
-def configs_to_json(model_cfg, data_cfg, optim_cfg, train_cfg) -> dict:
-    return {"model": dataclasses.asdict(model_cfg), "data": dataclasses.asdict(data_cfg),
-            "optim": dataclasses.asdict(optim_cfg), "train": dataclasses.asdict(train_cfg)}
-
-
-def configs_from_json(blob: dict):
-    """(ModelConfig, DataConfig, OptimConfig, TrainConfig) from ``configs_to_json``'s output."""
-    model = dict(blob["model"])
-    for name, cls in (("router", RouterConfig), ("experts", ExpertConfig),
-                      ("aggregation", AggregationConfig), ("coe", CoEConfig)):
-        model[name] = cls(**model[name])
-    train = dict(blob["train"])
-    train["mesh"] = MeshConfig(**train.get("mesh", {}))
-    return (ModelConfig(**model), DataConfig(**blob["data"]), OptimConfig(**blob["optim"]),
-            TrainConfig(**train))
 
 
 def build(model_cfg: ModelConfig, optim_cfg: OptimConfig, train_cfg: TrainConfig, mesh=None,
@@ -242,8 +223,8 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
     data_iter = iter(dataset)
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"model_config": dataclasses.asdict(model_cfg)}
-    checkpointer = Checkpointer(run_dir / "checkpoints", save_every=train_cfg.save_every,
+    meta = runs.model_meta(model_cfg)
+    checkpointer = Checkpointer(run_dir / runs.CHECKPOINT_DIR, save_every=train_cfg.save_every,
                                 keep=train_cfg.keep_checkpoints,
                                 async_save=train_cfg.async_checkpoint)
     with activate(mesh):
@@ -258,9 +239,7 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
         start = restored.step
         say(f"resumed from step {start} in {run_dir}")
     if is_main:
-        blob = {**configs_to_json(model_cfg, data_cfg, optim_cfg, train_cfg),
-                "settled_model": dataclasses.asdict(model.cfg)}
-        (run_dir / CONFIG_FILE).write_text(json.dumps(blob, indent=2) + "\n")
+        runs.save_configs(run_dir, model_cfg, data_cfg, optim_cfg, train_cfg, settled=model.cfg)
         if operative_gin:
             (run_dir / "operative_config.gin").write_text(operative_gin)
 
@@ -342,46 +321,29 @@ def _format_eval(result: Dict[str, float]) -> str:
     return text
 
 
-def load_run_configs(run_dir: str | Path):
-    """The four configs a run was started with (from its ``config.json``)."""
-    path = Path(run_dir) / CONFIG_FILE
-    if not path.exists():
-        raise ValueError(f"{path} does not exist: is {run_dir} a run directory written by train.py?")
-    return configs_from_json(json.loads(path.read_text()))
-
-
 def evaluate_checkpoint(run_dir: str | Path, *, eval_source: str = "", eval_split: str = "",
                         eval_batches_limit: int = 0, log: Callable[[str], None] = print
                         ) -> Dict[str, float]:
     """Load the newest checkpoint of ``run_dir`` and report held-out loss / perplexity on
     ``eval_source`` (a DataConfig source spec; empty = the run's own held-out split)."""
-    model_cfg, data_cfg, optim_cfg, train_cfg = load_run_configs(run_dir)
+    _, data_cfg, _, _ = runs.load_configs(run_dir)
     changes = {}
     if eval_source:
         changes["eval_source"] = eval_source
     if eval_split:
         changes["eval_split"] = eval_split
     data_cfg = dataclasses.replace(data_cfg, **changes)
-    train_cfg = dataclasses.replace(train_cfg, eval_batches=eval_batches_limit)
-    tokenizer = make_tokenizer(data_cfg)
-    check_compatible(model_cfg, data_cfg, tokenizer)
     # The devices here need not be the ones the run trained on: the checkpoint is restored
     # into this process's default mesh (all devices data-parallel).
     mesh = make_mesh(MeshConfig())
-    model, optimizer, _ = build(model_cfg, optim_cfg, train_cfg, mesh)
-    with Checkpointer(Path(run_dir) / "checkpoints", save_every=train_cfg.save_every,
-                      keep=train_cfg.keep_checkpoints, async_save=False) as checkpointer, \
-            activate(mesh):
-        restored = checkpointer.restore(_abstract(_train_state(model, optimizer)),
-                                        expected_meta={"model_config": dataclasses.asdict(model_cfg)})
-    if restored is None:
-        raise ValueError(f"no checkpoint in {Path(run_dir) / 'checkpoints'}: train first")
-    for message in restored.skipped:
+    loaded = runs.load_run(run_dir, mesh=mesh, data_cfg=data_cfg)
+    check_compatible(loaded.model_cfg, data_cfg, loaded.tokenizer)
+    for message in loaded.warnings:
         log(f"warning: {message}")
-    nnx.update(model, restored.state["model"])
+    train_cfg = dataclasses.replace(loaded.train_cfg, eval_batches=eval_batches_limit)
     with activate(mesh):
-        result = _Evaluator(data_cfg, train_cfg, tokenizer)(model)
-    result["step"] = restored.step
-    log(f"eval of {run_dir} at step {restored.step} on "
+        result = _Evaluator(data_cfg, train_cfg, loaded.tokenizer)(loaded.model)
+    result["step"] = loaded.step
+    log(f"eval of {run_dir} at step {loaded.step} on "
         f"{data_cfg.eval_source or data_cfg.source + ' (held-out)'}: " + _format_eval(result))
     return result

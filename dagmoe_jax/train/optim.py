@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import optax
 
-from dagmoe_jax.config import _check
+from dagmoe_jax.validate import check as _check
 
 SCHEDULES = ("wsd", "cosine", "constant")
 

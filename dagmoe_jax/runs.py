@@ -1,0 +1,148 @@
+"""A run directory, read and written in one place.
+
+A run written by ``train.py`` (:func:`dagmoe_jax.train.loop.train`) holds ``config.json`` (the
+four configs the run was started with, and the model config as settled on the machine that
+wrote it), ``checkpoints/`` (Orbax, model and optimizer state with the data iterator's
+position), ``metrics.jsonl`` and, when gin was used, ``operative_config.gin``. Training,
+evaluation, sampling, analysis and the benchmarks all go through the functions here:
+
+* :func:`save_configs` / :func:`load_configs`: ``config.json``;
+* :func:`load_run`: the newest readable checkpoint as a :class:`LoadedRun` (model, step,
+  configs, tokenizer), on one device or sharded over a mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import List, Optional, Union
+
+import jax
+from flax import nnx
+
+from dagmoe_jax.config import AggregationConfig, CoEConfig, ExpertConfig, ModelConfig, RouterConfig
+from dagmoe_jax.data import DataConfig
+from dagmoe_jax.parallel import MeshConfig
+from dagmoe_jax.train.config import TrainConfig
+from dagmoe_jax.train.optim import OptimConfig
+
+CONFIG_FILE = "config.json"
+CHECKPOINT_DIR = "checkpoints"
+PathLike = Union[str, Path]
+
+
+def configs_to_json(model_cfg, data_cfg, optim_cfg, train_cfg,
+                    settled: Optional[ModelConfig] = None) -> dict:
+    """The JSON of ``config.json``: the four configs, plus the settled model config."""
+    blob = {"model": dataclasses.asdict(model_cfg), "data": dataclasses.asdict(data_cfg),
+            "optim": dataclasses.asdict(optim_cfg), "train": dataclasses.asdict(train_cfg)}
+    if settled is not None:
+        blob["settled_model"] = dataclasses.asdict(settled)
+    return blob
+
+
+def configs_from_json(blob: dict):
+    """(ModelConfig, DataConfig, OptimConfig, TrainConfig) from :func:`configs_to_json`'s
+    output (the settled model config, a record of one machine, is not read back)."""
+    model = dict(blob["model"])
+    for name, cls in (("router", RouterConfig), ("experts", ExpertConfig),
+                      ("aggregation", AggregationConfig), ("coe", CoEConfig)):
+        model[name] = cls(**model[name])
+    train = dict(blob["train"])
+    train["mesh"] = MeshConfig(**train.get("mesh", {}))
+    return (ModelConfig(**model), DataConfig(**blob["data"]), OptimConfig(**blob["optim"]),
+            TrainConfig(**train))
+
+
+def save_configs(run_dir: PathLike, model_cfg, data_cfg, optim_cfg, train_cfg,
+                 settled: Optional[ModelConfig] = None) -> Path:
+    """Write ``run_dir/config.json``; returns its path."""
+    path = Path(run_dir) / CONFIG_FILE
+    blob = configs_to_json(model_cfg, data_cfg, optim_cfg, train_cfg, settled)
+    path.write_text(json.dumps(blob, indent=2) + "\n")
+    return path
+
+
+def load_configs(run_dir: PathLike):
+    """The four configs a run was started with (from its ``config.json``)."""
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.exists():
+        raise ValueError(f"{path} does not exist: is {run_dir} a run directory written by train.py?")
+    return configs_from_json(json.loads(path.read_text()))
+
+
+def model_meta(model_cfg: ModelConfig) -> dict:
+    """The metadata a checkpoint is saved with and checked against on restore."""
+    return {"model_config": dataclasses.asdict(model_cfg)}
+
+
+@dataclasses.dataclass
+class LoadedRun:
+    """A trained model from a run directory, with what is needed to talk to it.
+
+    model: the Transformer with the checkpoint's parameters (built from the settled config);
+    step: the checkpoint's step; model_cfg: the settled model config (``model.cfg``);
+    data_cfg, optim_cfg, train_cfg: the run's other configs; tokenizer: from ``data_cfg``;
+    warnings: messages about unreadable newer checkpoints that were skipped.
+    """
+
+    model: nnx.Module
+    step: int
+    model_cfg: ModelConfig
+    data_cfg: DataConfig
+    optim_cfg: OptimConfig
+    train_cfg: TrainConfig
+    tokenizer: object
+    warnings: List[str]
+
+
+def load_run(run_dir: PathLike, mesh=None, data_cfg: Optional[DataConfig] = None) -> LoadedRun:
+    """Load the newest readable checkpoint of a ``train.py`` run directory.
+
+    mesh: None builds only abstract shapes (no initialisation) on one device; a mesh builds the
+    model and optimizer sharded over it (parameters restored into that layout, whatever mesh
+    the run trained on). The optimizer's state is read with the model's, since checkpoints
+    hold both. data_cfg: the data config to attach (default: the run's own), e.g. with another
+    evaluation source. One-line ValueErrors for a missing run directory or config, and for a
+    run without checkpoints.
+    """
+    # Imported here: the training loop imports this module.
+    from dagmoe_jax.data import make_tokenizer  # pylint: disable=import-outside-toplevel
+    from dagmoe_jax.parallel import activate  # pylint: disable=import-outside-toplevel
+    from dagmoe_jax.train.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+    from dagmoe_jax.train.loop import build  # pylint: disable=import-outside-toplevel
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ValueError(f"run directory {run_dir} does not exist: pass the --run_dir of a "
+                         f"train.py run")
+    model_cfg, run_data_cfg, optim_cfg, train_cfg = load_configs(run_dir)
+    data_cfg = data_cfg or run_data_cfg
+    tokenizer = make_tokenizer(data_cfg)
+
+    def make():
+        model, optimizer, _ = build(model_cfg, optim_cfg, train_cfg, mesh)
+        return model, optimizer
+
+    if mesh is None:
+        model, optimizer = nnx.eval_shape(make)
+        abstract = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
+    else:
+        model, optimizer = make()
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+            {"model": nnx.state(model), "optimizer": nnx.state(optimizer)})
+    with Checkpointer(run_dir / CHECKPOINT_DIR, save_every=train_cfg.save_every,
+                      keep=train_cfg.keep_checkpoints, async_save=False) as checkpointer:
+        if mesh is None:
+            restored = checkpointer.restore(abstract, expected_meta=model_meta(model_cfg))
+        else:
+            with activate(mesh):
+                restored = checkpointer.restore(abstract, expected_meta=model_meta(model_cfg))
+    if restored is None:
+        raise ValueError(f"no checkpoint in {run_dir / CHECKPOINT_DIR}: train first")
+    nnx.update(model, restored.state["model"])
+    return LoadedRun(model=model, step=restored.step, model_cfg=model.cfg, data_cfg=data_cfg,
+                     optim_cfg=optim_cfg, train_cfg=train_cfg, tokenizer=tokenizer,
+                     warnings=list(restored.skipped))

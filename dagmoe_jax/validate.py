@@ -1,0 +1,34 @@
+"""Field checks for the configuration dataclasses: one message shape for every invalid value.
+
+``check(ok, "RouterConfig", "top_k", 0, "an integer >= 1")`` raises
+``ValueError("RouterConfig.top_k=0 is invalid: expected an integer >= 1")``: the field, the value
+and what it accepts, in one line (the command-line tools print only the first line of an error).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+
+def check(ok: bool, cls: str, field: str, value, valid: str) -> None:
+    """Raise the one-line ``ValueError`` for ``cls.field=value`` unless ``ok``."""
+    if not ok:
+        raise ValueError(f"{cls}.{field}={value!r} is invalid: expected {valid}")
+
+
+def choice(cls: str, field: str, value, options: Iterable) -> None:
+    """``value`` must be one of ``options``."""
+    options = tuple(options)
+    check(value in options, cls, field, value, "one of " + ", ".join(map(repr, options)))
+
+
+def positive(cls: str, field: str, value) -> None:
+    """``value`` must be an integer >= 1 (booleans are not integers here)."""
+    check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, cls, field,
+          value, "an integer >= 1")
+
+
+def nonnegative(cls: str, field: str, value) -> None:
+    """``value`` must be a number >= 0."""
+    check(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
+          cls, field, value, "a number >= 0")

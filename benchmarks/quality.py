@@ -37,6 +37,7 @@ MLP mixing +3.5%, DAG-MoE L 3 +1.2%, L 1 -1.4%, L 2 -2.4%, CoE -4.1%: at 0.8M to
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -68,6 +69,8 @@ def parse_args(argv):
     parser.add_argument("--eval_data", default="", help="held-out source spec")
     add_budget_flags(parser, DEFAULTS)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--report", default=None, metavar="QUALITY_JSON",
+                        help="print the table of an earlier run's quality.json (trains nothing)")
     args, rest = parser.parse_known_args(argv)
     args.bindings, unknown = gin_flag_bindings(rest)
     if unknown:
@@ -76,8 +79,22 @@ def parse_args(argv):
     return args
 
 
+def reprint(path: str) -> int:
+    """The table of a written quality.json, its summary recomputed from the runs."""
+    from dagmoe_jax.eval.quality import format_report, summarize
+    try:
+        results = json.loads(Path(path).read_text())
+        results["summary"] = summarize(results["runs"])
+    except (OSError, ValueError, KeyError) as err:
+        return report_error(ValueError(f"cannot read {path}: {err}"))
+    print(format_report(results))
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.report:
+        return reprint(args.report)
     # Imported after argument parsing so that --help and argument errors are instant.
     from dagmoe_jax.eval.corpus import build_manpage_corpus, build_stdlib_corpus, corpus_sources
     from dagmoe_jax.eval.quality import QualityBudget, format_report, run_benchmark

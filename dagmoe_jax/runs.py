@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import List, Optional, Union
+from typing import Callable, List, Optional, Union
 
 import jax
 from flax import nnx
@@ -97,14 +97,16 @@ class LoadedRun:
     warnings: List[str]
 
 
-def load_run(run_dir: PathLike, mesh=None, data_cfg: Optional[DataConfig] = None) -> LoadedRun:
+def load_run(run_dir: PathLike, mesh=None, data_cfg: Optional[DataConfig] = None,
+             log: Callable[[str], None] = lambda _message: None) -> LoadedRun:
     """Load the newest readable checkpoint of a ``train.py`` run directory.
 
     mesh: None builds only abstract shapes (no initialisation) on one device; a mesh builds the
     model and optimizer sharded over it (parameters restored into that layout, whatever mesh
     the run trained on). The optimizer's state is read with the model's, since checkpoints
     hold both. data_cfg: the data config to attach (default: the run's own), e.g. with another
-    evaluation source. One-line ValueErrors for a missing run directory or config, and for a
+    evaluation source. log: hears about slow work while the model is settled (compiling the CPU
+    attention kernel). One-line ValueErrors for a missing run directory or config, and for a
     run without checkpoints.
     """
     # Imported here: the training loop imports this module.
@@ -122,7 +124,7 @@ def load_run(run_dir: PathLike, mesh=None, data_cfg: Optional[DataConfig] = None
     tokenizer = make_tokenizer(data_cfg)
 
     def make():
-        model, optimizer, _ = build(model_cfg, optim_cfg, train_cfg, mesh)
+        model, optimizer, _ = build(model_cfg, optim_cfg, train_cfg, mesh, log=log)
         return model, optimizer
 
     if mesh is None:

@@ -75,7 +75,8 @@ def main(argv=None) -> int:
 
     try:
         check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
-        run = load_run(args.run_dir)
+        run = load_run(args.run_dir, log=lambda message: print(message, file=sys.stderr,
+                                                               flush=True))
         for message in run.warnings:
             print(f"warning: {message}", file=sys.stderr)
         tok = run.tokenizer

@@ -90,3 +90,10 @@ def test_quality_micro_end_to_end(started):
     assert "paper Δppl" in result.stdout and "Ablation Study table" in result.stdout
     for run in results["runs"]:
         assert run["step"] == 10 and 1.0 < run["perplexity"] < 256.0
+    # --report re-prints the same table from the JSON without training
+    again = subprocess.run([sys.executable, str(REPO / "benchmarks" / "quality.py"),
+                            f"--report={out / 'quality.json'}"], capture_output=True, text=True,
+                           env=single_device_env(), cwd=REPO, timeout=120)
+    assert again.returncode == 0, again.stderr[-2000:]
+    table = [line for line in again.stdout.splitlines() if line.startswith(("MoE", "CoE"))]
+    assert len(table) == 2 and all(line in result.stdout for line in table)

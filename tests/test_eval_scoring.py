@@ -212,3 +212,23 @@ def test_model_predictor_padding_and_dispatch():
         got = padded(batch)
         assert got.shape == batch["targets"].shape
         np.testing.assert_array_equal(got, plain(batch))
+
+
+def test_quality_summary_pairs_seeds_against_moe_and_the_shared_expert():
+    from dagmoe_jax.eval.quality import format_report, summarize
+    ppl = {"moe": [7.0, 7.2, 7.1], "moe_shared": [6.8, 7.0, 6.9], "dag_l2": [6.7, 6.9, 6.8]}
+    runs = [{"variant": v, "seed": s, "loss": float(np.log(p)), "perplexity": p,
+             "params": 100 + 10 * (v != "moe"), "description": v}
+            for v, values in ppl.items() for s, p in enumerate(values)]
+    summary = summarize(runs)
+    dag = summary["dag_l2"]
+    assert dag["paired_improvement"]["mean"] == pytest.approx(0.3)     # 7.1 - 6.8 per seed
+    assert dag["paired_improvement"]["std"] == pytest.approx(0.0, abs=1e-12)
+    assert dag["paired_vs_shared"]["mean"] == pytest.approx(0.1)
+    assert "paired_vs_shared" not in summary["moe_shared"] and "paired_vs_shared" not in summary["moe"]
+    assert dag["added_params"] == 10 and dag["paper_ppl_improvement"] == 0.587
+    budget = {"variants": list(ppl), "seeds": [0, 1, 2], "eval_source": "", "source": "text:x",
+              "steps": 1, "batch_size": 1, "seq_len": 1}
+    text = format_report({"budget": budget, "summary": summary, "tokens_per_run": 1,
+                          "paper_source": "p"})
+    assert "+0.100 ± 0.000" in text and "vs shared" in text

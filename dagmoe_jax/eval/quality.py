@@ -23,14 +23,18 @@ from dagmoe_jax.accounting import account
 from dagmoe_jax.eval.scoring import mean_std, paired_difference
 from dagmoe_jax.eval.variants import LABELS, REFERENCE, VARIANTS, describe, variant_config
 
+# The paper's parity baseline: every variant but MoE adds its parameters.
+EQUAL_PARAMS_REFERENCE = "moe_shared"
+
 BASE_GIN = "bench/quality.gin"
 
-# DAG-MoE summary (seeds/001_f14a919b48a95ba0.txt), "Ablation Study" table: DAG-MoE-s (4 layers,
+# The DAG-MoE summary's "Ablation Study" table (docs/design.md section 4): DAG-MoE-s (4 layers,
 # d 512, 32 experts of d_r 256, top-4) pre-trained on 12B Pile tokens, Llama-3 tokenizer;
 # improvement in held-out perplexity over standard MoE (whose eval loss is 2.7168, i.e.
 # perplexity e^2.7168 = 15.13), every variant adding 393K parameters per layer except MLP
-# mixing (98K, d_g 64: our 'mlp_small'; 'mlp' at the full budget has no paper number). The summary does not list L 1 or L 3 at equal parameters; the paper's
-# sec. 5.2 says L 1 at d_g 64 gains "about 0.5" (Fig. 4) with fewer parameters.
+# mixing (98K, d_g 64: our 'mlp_small'; 'mlp' at the full budget has no paper number). The
+# summary does not list L 1 or L 3 at equal parameters; the paper's sec. 5.2 says L 1 at d_g 64
+# gains "about 0.5" (Fig. 4) with fewer parameters.
 PAPER_MOE_EVAL_LOSS = 2.7168
 PAPER_S_ABLATION: Dict[str, float] = {
     "moe": 0.0,
@@ -39,7 +43,7 @@ PAPER_S_ABLATION: Dict[str, float] = {
     "dag_l2": 0.587,
     "mlp_small": -0.0838,
 }
-PAPER_SOURCE = ("DAG-MoE summary (seeds/001), Ablation Study table: DAG-MoE-s on 12B Pile "
+PAPER_SOURCE = ("DAG-MoE summary, Ablation Study table: DAG-MoE-s on 12B Pile "
                 "tokens, MoE eval loss 2.7168 (perplexity 15.13)")
 
 
@@ -143,7 +147,9 @@ def train_and_evaluate(budget: QualityBudget, variant: str, seed: int, run_dir: 
 def summarize(runs: Sequence[dict]) -> Dict[str, dict]:
     """Per variant: params, mean +- std over seeds of loss and perplexity, and the improvement
     over the reference (MoE without shared expert), absolute and relative, from mean
-    perplexities; the paper's numbers beside them."""
+    perplexities; the same improvement paired by seed over MoE and over MoE + shared expert
+    (the equal-parameter baseline), with whether it is beyond the seed spread; the paper's
+    numbers beside them."""
     by_variant: Dict[str, List[dict]] = {}
     for run in runs:
         by_variant.setdefault(run["variant"], []).append(run)
@@ -164,6 +170,11 @@ def summarize(runs: Sequence[dict]) -> Dict[str, dict]:
             if variant != REFERENCE:
                 row["paired_improvement"] = paired_difference(
                     ref_ppl, {r["seed"]: r["perplexity"] for r in by_variant[variant]})
+        if EQUAL_PARAMS_REFERENCE in by_variant and variant not in (REFERENCE,
+                                                                     EQUAL_PARAMS_REFERENCE):
+            row["paired_vs_shared"] = paired_difference(
+                {r["seed"]: r["perplexity"] for r in by_variant[EQUAL_PARAMS_REFERENCE]},
+                {r["seed"]: r["perplexity"] for r in by_variant[variant]})
         row["paper_ppl_improvement"] = PAPER_S_ABLATION.get(variant)
         row["paper_relative_improvement"] = paper_relative(variant)
     return summary
@@ -180,6 +191,13 @@ def run_benchmark(budget: QualityBudget, out_dir: str | Path, *,
     return {"budget": dataclasses.asdict(budget), "tokens_per_run": budget.tokens_per_run,
             "runs": runs, "summary": summarize(runs), "paper_source": PAPER_SOURCE,
             "seconds": round(time.perf_counter() - start, 1)}
+
+
+def _paired(p: Optional[dict]) -> Tuple[str, str]:
+    """(mean ± std, yes/no) of a :func:`paired_difference` over at least 2 seeds, else dashes."""
+    if not p or p["seeds"] < 2:
+        return "-", "-"
+    return f"{p['mean']:+.3f} ± {p['std']:.3f}", "yes" if p["beyond_spread"] else "no"
 
 
 def _signed(value: Optional[float], fmt: str, scale: float = 1.0, unit: str = "") -> str:
@@ -199,29 +217,29 @@ def format_report(results: dict) -> str:
              f"{'mean +- std over seeds ' + str(seeds) if len(seeds) > 1 else f'seed {seeds[0]}'}",
              "",
              f"{'variant':<22}{'params':>11}{'added':>10}{'loss':>9}{'perplexity':>18}"
-             f"{'Δppl':>9}{'rel.':>8}{'paired Δ':>17}{'beyond':>8}   |{'paper Δppl':>11}"
-             f"{'paper rel.':>11}"]
+             f"{'Δppl':>9}{'rel.':>8}{'paired Δ':>17}{'beyond':>8}{'vs shared':>17}{'beyond':>8}"
+             f"   |{'paper Δppl':>11}{'paper rel.':>11}"]
     for variant in budget["variants"]:
         row = summary.get(variant)
         if row is None:
             continue
         ppl_mean, ppl_std = row["perplexity"]
         ppl = f"{ppl_mean:.3f}" + (f" ± {ppl_std:.3f}" if row["seeds"] > 1 else "")
-        paired, beyond = "-", "-"
-        if row.get("paired_improvement") and row["paired_improvement"]["seeds"] > 1:
-            p = row["paired_improvement"]
-            paired = f"{p['mean']:+.3f} ± {p['std']:.3f}"
-            beyond = "yes" if p["beyond_spread"] else "no"
+        paired, beyond = _paired(row.get("paired_improvement"))
+        shared, shared_beyond = _paired(row.get("paired_vs_shared"))
         lines.append(
             f"{LABELS[variant]:<22}{row['params']:>11,}{_signed(row.get('added_params'), '+,'):>10}"
             f"{row['loss'][0]:>9.4f}{ppl:>18}{_signed(row.get('ppl_improvement'), '+.3f'):>9}"
-            f"{_signed(row.get('relative_improvement'), '+.2f', 100, '%'):>8}{paired:>17}{beyond:>8}   |"
+            f"{_signed(row.get('relative_improvement'), '+.2f', 100, '%'):>8}{paired:>17}{beyond:>8}"
+            f"{shared:>17}{shared_beyond:>8}   |"
             f"{_signed(row['paper_ppl_improvement'], '+.3f'):>11}"
             f"{_signed(row['paper_relative_improvement'], '+.2f', 100, '%'):>11}")
     lines += ["", "Δppl, rel.: perplexity improvement over MoE without shared expert (positive = "
               "better), absolute and relative to MoE's perplexity.",
               "paired Δ: the same improvement per seed (same data order and initial seed), "
               "mean ± std; beyond: whether it is beyond the seed spread (paired t-test, 5%).",
+              "vs shared: the paired improvement over MoE + shared expert, the equal-parameter "
+              "baseline (positive = better than it).",
               f"paper: {results['paper_source']}; L 1 / L 3 at equal parameters are not in it.",
               "variants: " + "; ".join(f"{LABELS[v]} = {summary[v]['description']}"
                                        for v in budget["variants"] if v in summary)]

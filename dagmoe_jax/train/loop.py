@@ -336,7 +336,7 @@ def evaluate_checkpoint(run_dir: str | Path, *, eval_source: str = "", eval_spli
     # The devices here need not be the ones the run trained on: the checkpoint is restored
     # into this process's default mesh (all devices data-parallel).
     mesh = make_mesh(MeshConfig())
-    loaded = runs.load_run(run_dir, mesh=mesh, data_cfg=data_cfg)
+    loaded = runs.load_run(run_dir, mesh=mesh, data_cfg=data_cfg, log=log)
     check_compatible(loaded.model_cfg, data_cfg, loaded.tokenizer)
     for message in loaded.warnings:
         log(f"warning: {message}")

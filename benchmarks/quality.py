@@ -1,13 +1,17 @@
 """Quality benchmark: held-out perplexity of each variant at equal parameters and training tokens.
 
-Trains MoE, MoE + shared expert, DAG-MoE L 1/2/3, MLP mixing and CoE (equal added parameters;
-see dagmoe_jax/eval/variants.py) on the same text for the same tokens, and prints held-out
-perplexity per variant in the paper's framing: the improvement over MoE without a shared
-expert, absolute and relative, with the paper's DAG-MoE-s numbers beside ours (the DAG-MoE
-summary's ablation table). Writes OUT/quality.json.
+Trains MoE, MoE + shared expert, DAG-MoE L 1/2/3, MLP mixing (at the budget and at the
+ablation's own size) and CoE (equal added parameters; see dagmoe_jax/eval/variants.py) on the
+same text for the same tokens, and prints held-out perplexity per variant in the paper's
+framing: the improvement over MoE without a shared expert, absolute and relative, paired by
+seed against MoE and against MoE + shared expert (whether each is beyond the seed spread), with
+the paper's DAG-MoE-s numbers beside ours (the DAG-MoE summary's ablation table). Writes
+OUT/quality.json; --report re-prints one, --compare pairs a second run's variants with it.
 
-    python benchmarks/quality.py                                  # offline default corpus, CPU
+    python benchmarks/quality.py --seeds 3                        # offline default corpus, CPU
+    python benchmarks/quality.py --seeds 3 --corpus manpages      # the installed manual pages
     python benchmarks/quality.py --micro                          # a quick end-to-end check
+    python benchmarks/quality.py --report runs/bench_quality/quality.json [--compare OTHER.json]
     python benchmarks/quality.py --data "text:/data/books/*.txt" --steps 2000
     python benchmarks/quality.py --data "jsonl:/data/pile/*.jsonl" --gin.DataConfig.tokenizer="'hf'" \
         --gin.DataConfig.tokenizer_path="'/models/llama3/tokenizer.json'" --gin.ModelConfig.vocab_size=128256
@@ -16,22 +20,21 @@ summary's ablation table). Writes OUT/quality.json.
 
 Data: --data is any DataConfig source spec (text:<globs>, jsonl:<globs>, array_record:<globs>,
 tfds:<name>); --eval_data the held-out spec (default: DataConfig.heldout_fraction of --data's
-records). Without --data the default corpus is the docstrings of this Python's standard library
-(about 1.5 MB of English programming documentation, read with `ast`, nothing downloaded),
-split by source file into training and held-out text (dagmoe_jax/eval/corpus.py): small and
-narrow, so perplexities are comparable between variants here, not with the paper's Pile numbers.
+records). Without --data, --corpus picks an offline corpus (dagmoe_jax/eval/corpus.py, nothing
+downloaded): 'stdlib' (default), the docstrings of this Python's standard library (about 1.4 MB
+of English programming documentation, read with `ast`), or 'manpages', the installed English
+manual pages (sections 1, 5, 7, 8; tens of MB on a Debian machine), each split by file into
+training and held-out text: perplexities are comparable between variants here, not with the
+paper's Pile numbers.
 
-Budget flags (defaults; --micro's in brackets): --variants (all 7), --seeds 1 (a count, or a
+Budget flags (defaults; --micro's in brackets): --variants (all 8), --seeds 1 (a count, or a
 list 0,3), --steps 400 [10], --batch 16 [4], --seq_len 128 [64], --eval_batches 32 [2],
 --dag_dim 32, --out runs/bench_quality [runs/bench_quality_micro], --json OUT/quality.json,
 --gin.CLASS.FIELD=VALUE (extra gin bindings, repeatable).
 
-Runtime on this project's 2-core CPU, measured while other jobs shared it (load average ~4):
-the default 18 minutes (7 runs of 400 steps x 2,048 tokens: MoE 99 s ... DAG-MoE L 2 246 s);
---micro 1 minute 40 s. What the default found (one seed, so its seed-to-seed spread is not
-measured; use --seeds 3 for that): MoE + shared expert best (6.7% lower perplexity than MoE),
-MLP mixing +3.5%, DAG-MoE L 3 +1.2%, L 1 -1.4%, L 2 -2.4%, CoE -4.1%: at 0.8M tokens of a
-1M-parameter byte-level model, not the paper's ordering.
+Runtime on this project's 2-core CPU: about 15-18 minutes a seed at the default budget (MoE
+about 60 s a run ... DAG-MoE L 3 about 150 s); --micro about 1 minute 40 s. The latest results
+(3 seeds, both corpora, the residual readings) are in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -71,6 +74,9 @@ def parse_args(argv):
     parser.add_argument("--json", default=None)
     parser.add_argument("--report", default=None, metavar="QUALITY_JSON",
                         help="print the table of an earlier run's quality.json (trains nothing)")
+    parser.add_argument("--compare", default=None, metavar="QUALITY_JSON",
+                        help="with --report: compare this run's variants with the report's, "
+                             "paired by seed (e.g. two residual readings)")
     args, rest = parser.parse_known_args(argv)
     args.bindings, unknown = gin_flag_bindings(rest)
     if unknown:
@@ -79,22 +85,28 @@ def parse_args(argv):
     return args
 
 
-def reprint(path: str) -> int:
-    """The table of a written quality.json, its summary recomputed from the runs."""
-    from dagmoe_jax.eval.quality import format_report, summarize
-    try:
-        results = json.loads(Path(path).read_text())
-        results["summary"] = summarize(results["runs"])
-    except (OSError, ValueError, KeyError) as err:
-        return report_error(ValueError(f"cannot read {path}: {err}"))
-    print(format_report(results))
+def reprint(path: str, compare: str = "") -> int:
+    """The table of a written quality.json, its summary recomputed from the runs; with
+    ``compare``, a second run's variants against it, paired by seed."""
+    from dagmoe_jax.eval.quality import compare_runs, format_report, summarize
+    loaded = {}
+    for name in filter(None, (path, compare)):
+        try:
+            loaded[name] = json.loads(Path(name).read_text())
+            loaded[name]["summary"] = summarize(loaded[name]["runs"])
+        except (OSError, ValueError, KeyError) as err:
+            return report_error(ValueError(f"cannot read {name}: {err}"))
+    print(format_report(loaded[path]))
+    if compare:
+        print(f"\nA = {path}, B = {compare}\n")
+        print(compare_runs(loaded[path]["runs"], loaded[compare]["runs"]))
     return 0
 
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.report:
-        return reprint(args.report)
+        return reprint(args.report, args.compare or "")
     # Imported after argument parsing so that --help and argument errors are instant.
     from dagmoe_jax.eval.corpus import build_manpage_corpus, build_stdlib_corpus, corpus_sources
     from dagmoe_jax.eval.quality import QualityBudget, format_report, run_benchmark

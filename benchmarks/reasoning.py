@@ -23,6 +23,7 @@ Budget flags (defaults in brackets; --micro changes the defaults to the brackete
   --out DIR           runs/bench_reasoning (run dirs OUT/runs/TASK/VARIANT/seedK; reused if
                       present, so an interrupted suite resumes)   [runs/bench_reasoning_micro]
   --json PATH         OUT/reasoning.json
+  --report PATH       print the tables of a written reasoning.json (trains nothing)
 
 Runtime on this project's 2-core CPU, measured while other jobs shared it (load average 2-5):
 the default took 40 minutes (42 runs of 800 steps, training + scoring: MoE 40 s a run on
@@ -30,14 +31,15 @@ average, DAG-MoE L 2 70 s, L 3 82 s); --micro 1 minute 50 s. Compiled programs a
 OUT/jax_cache, so runs of a variant after its first (other tasks and seeds) skip most of the
 compilation.
 
-What it found at the default budget (2 seeds; OUT/reasoning.json has every run): no variant
-separated from MoE beyond the seed spread; in distribution LIS is learned above the
-majority-answer floor, edit distance and LCS barely; longer-than-trained sizes fall below it.
+The report ends with each variant's accuracy minus MoE's, paired by seed, in and out of
+distribution, and whether that is beyond the seed spread; --report OUT/reasoning.json re-prints
+the tables of a finished run. The latest results are in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -69,6 +71,8 @@ def parse_args(argv):
     parser.add_argument("--micro", action="store_true", help="a 1-2 minute end-to-end budget")
     add_budget_flags(parser, DEFAULTS)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--report", default=None, metavar="REASONING_JSON",
+                        help="print the tables of an earlier run's reasoning.json (trains nothing)")
     args = parser.parse_args(argv)
     fill_budget_defaults(args, DEFAULTS, MICRO)
     return args
@@ -76,6 +80,14 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.report:
+        from dagmoe_jax.eval.reasoning import format_report
+        try:
+            results = json.loads(Path(args.report).read_text())
+            print(format_report(results))
+        except (OSError, ValueError, KeyError) as err:
+            return report_error(ValueError(f"cannot read {args.report}: {err}"))
+        return 0
     # Imported after argument parsing so that --help and argument errors are instant.
     from dagmoe_jax.eval.reasoning import ReasoningBudget, format_report, run_suite
 

@@ -232,3 +232,25 @@ def test_quality_summary_pairs_seeds_against_moe_and_the_shared_expert():
     text = format_report({"budget": budget, "summary": summary, "tokens_per_run": 1,
                           "paper_source": "p"})
     assert "+0.100 ± 0.000" in text and "vs shared" in text
+
+
+def test_reasoning_pairs_seeds_against_moe_in_and_out_of_distribution():
+    from dagmoe_jax.eval.reasoning import format_report, paired_vs_reference
+    budget = {"tasks": ["lis"], "variants": ["moe", "dag_l2"], "seeds": [0, 1, 2], "steps": 1,
+              "batch_size": 1, "seq_len": 1, "train_sizes": [4, 12], "sizes": [4, 8, 16],
+              "eval_examples": 1}
+    acc = {"moe": [(0.5, 0.6, 0.1), (0.6, 0.6, 0.2), (0.4, 0.5, 0.1)],
+           "dag_l2": [(0.6, 0.7, 0.1), (0.7, 0.7, 0.3), (0.5, 0.6, 0.2)]}
+    runs = [{"task": "lis", "variant": v, "seed": s, "accuracy": dict(zip(("4", "8", "16"), a))}
+            for v, rows in acc.items() for s, a in enumerate(rows)]
+    paired = paired_vs_reference({"budget": budget, "runs": runs})
+    cells = paired[("lis", "dag_l2")]
+    assert cells["in_distribution"]["mean"] == pytest.approx(0.1)     # +0.1 at 4 and 8, each seed
+    assert cells["in_distribution"]["beyond_spread"] is True
+    assert cells["longer"]["mean"] == pytest.approx(0.2 / 3)           # 0, +0.1, +0.1
+    assert cells["longer"]["beyond_spread"] is False
+    results = {"budget": budget, "runs": runs, "tokens_per_run": 1,
+               "dp_depth": {"lis": "L"}, "majority_baseline": {},
+               "variants": {v: {"params": 1, "added_params": 0, "description": v} for v in acc},
+               "summary": {"lis": {}}}
+    assert "+10.0 ±  0.0*" in format_report(results)

@@ -180,6 +180,25 @@ def summarize(runs: Sequence[dict]) -> Dict[str, dict]:
     return summary
 
 
+def compare_runs(runs_a: Sequence[dict], runs_b: Sequence[dict], name_a: str = "A",
+                 name_b: str = "B") -> str:
+    """A table comparing two benchmark runs variant by variant (e.g. two residual readings):
+    mean perplexity of each and their seed-paired difference B - A, beyond the seed spread or
+    not (paired t-test, 5%). Variants missing from either side are left out."""
+    def by_seed(runs, variant):
+        return {r["seed"]: r["perplexity"] for r in runs if r["variant"] == variant}
+    lines = [f"{'variant':<22}{name_a:>12}{name_b:>12}{'B - A (paired)':>20}{'beyond':>8}"]
+    for variant in VARIANTS:
+        a, b = by_seed(runs_a, variant), by_seed(runs_b, variant)
+        if not a or not b:
+            continue
+        p = paired_difference(b, a)
+        paired, beyond = _paired(p)
+        lines.append(f"{LABELS[variant]:<22}{mean_std(list(a.values()))[0]:>12.3f}"
+                     f"{mean_std(list(b.values()))[0]:>12.3f}{paired:>20}{beyond:>8}")
+    return "\n".join(lines)
+
+
 def run_benchmark(budget: QualityBudget, out_dir: str | Path, *,
                   log: Callable[[str], None] = lambda _message: None) -> dict:
     """Train and score every variant and seed; returns the results dict."""

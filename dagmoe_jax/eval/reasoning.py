@@ -26,9 +26,9 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 from dagmoe_jax.accounting import account
 from dagmoe_jax.eval.dp_depth import DP_DEPTH_NOTES
-from dagmoe_jax.eval.scoring import (baseline_by_size, eval_seq_len, model_predictor, score_by_size,
-                                     seed_statistics)
-from dagmoe_jax.eval.variants import LABELS, VARIANTS, describe, variant_config
+from dagmoe_jax.eval.scoring import (baseline_by_size, eval_seq_len, model_predictor,
+                                     paired_difference, score_by_size, seed_statistics)
+from dagmoe_jax.eval.variants import LABELS, REFERENCE, VARIANTS, describe, variant_config
 
 BASE_GIN = "bench/reasoning.gin"
 TASKS = ("lis", "edit_distance", "lcs")
@@ -222,6 +222,37 @@ def run_suite(budget: ReasoningBudget, out_dir: str | Path, *,
             "seconds": round(time.perf_counter() - start, 1)}
 
 
+def paired_vs_reference(results: dict) -> dict:
+    """Per (task, variant other than the reference): the seed-paired difference of mean exact
+    accuracy from the reference variant's (MoE), over the in-distribution sizes and over the
+    longer ones (:func:`~dagmoe_jax.eval.scoring.paired_difference`). Empty without the
+    reference or with one seed."""
+    budget = results["budget"]
+    hi = budget["train_sizes"][1]
+    sizes = [int(n) for n in budget["sizes"]]
+    groups = {"in_distribution": [n for n in sizes if n <= hi],
+              "longer": [n for n in sizes if n > hi]}
+    per_run: Dict[tuple, Dict[int, Dict[str, float]]] = {}
+    for run in results["runs"]:
+        acc = run["accuracy"]
+        per_run.setdefault((run["task"], run["variant"]), {})[run["seed"]] = {
+            g: (sum(acc[str(n)] for n in ns) / len(ns) if ns else float("nan"))
+            for g, ns in groups.items()}
+    out = {}
+    for task in budget["tasks"]:
+        ref = per_run.get((task, REFERENCE))
+        if not ref or len(ref) < 2:
+            continue
+        for variant in budget["variants"]:
+            if variant == REFERENCE or (task, variant) not in per_run:
+                continue
+            mine = per_run[(task, variant)]
+            out[(task, variant)] = {g: paired_difference({s: v[g] for s, v in mine.items()},
+                                                         {s: v[g] for s, v in ref.items()})
+                                    for g in groups}
+    return out
+
+
 def format_report(results: dict) -> str:
     """Plain-text tables: one per task, variant x size, mean accuracy (%) +- std over seeds."""
     budget = results["budget"]
@@ -248,6 +279,15 @@ def format_report(results: dict) -> str:
         if floor:
             lines.append(f"{'(majority answer)':<41}" + "".join(
                 f"{100 * floor[str(n)]:>8.1f}      " for n in sizes))
+    paired = paired_vs_reference(results)
+    if paired:
+        lines += ["", f"accuracy minus {LABELS[REFERENCE]}'s, paired by seed (points, mean +- std); "
+                  "* beyond the seed spread (paired t-test, 5%)",
+                  f"{'task':<15}{'variant':<22}{'in distribution':>18}{'longer':>18}"]
+        for (task, variant), cells in paired.items():
+            text = [f"{100 * c['mean']:+8.1f} ±{100 * c['std']:>5.1f}{'*' if c['beyond_spread'] else ' '}"
+                    for c in (cells["in_distribution"], cells["longer"])]
+            lines.append(f"{task:<15}{LABELS[variant]:<22}{text[0]:>18}{text[1]:>18}")
     lines += ["", "(majority answer): always giving the most common answer of that size's problems "
               "(the accuracy of a model that learned the answer distribution but no computation)",
               "variants: " + "; ".join(f"{LABELS[v]} = {variants[v]['description']}"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Callable, List, Optional, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import jax
 from flax import nnx
@@ -72,6 +72,58 @@ def load_configs(run_dir: PathLike):
     return configs_from_json(json.loads(path.read_text()))
 
 
+# ModelConfig fields that change how the model runs, not what it computes: a run may resume
+# with them changed (e.g. on another machine). Every other field is the architecture.
+EXECUTION_FIELDS = ("remat", "scan_unroll", "attention", "attention_block", "fuse_gate_up")
+
+
+# DataConfig fields that only change evaluation, not the training stream.
+EVALUATION_DATA_FIELDS = tuple(f"DataConfig.{name}" for name in
+                               ("eval_source", "eval_split", "num_synthetic_eval", "worker_count"))
+
+
+def config_changes(old, new, prefix: str) -> List[str]:
+    """``'Prefix.field old -> new'`` for each field (nested ones dotted) that differs between two
+    configs of one dataclass type."""
+    def flat(value, key=""):
+        if dataclasses.is_dataclass(value):
+            value = dataclasses.asdict(value)
+        if isinstance(value, dict):
+            out = {}
+            for k, v in value.items():
+                out.update(flat(v, f"{key}.{k}" if key else k))
+            return out
+        return {key: value}
+    a, b = flat(old), flat(new)
+    return [f"{prefix}.{k} {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k)]
+
+
+def resume_changes(run_dir: PathLike, model_cfg: ModelConfig, data_cfg: DataConfig,
+                   meta_diffs: List[str]) -> Tuple[List[str], List[str]]:
+    """What differs between a run's checkpoint and the configs it is being resumed with:
+    (architecture changes of the ModelConfig, from the checkpoint's metadata ``meta_diffs``;
+    DataConfig changes since the run's ``config.json`` was written). Execution-only model fields
+    (:data:`EXECUTION_FIELDS`) are not changes."""
+    model = []
+    for diff in meta_diffs:
+        key = diff.split(" ", 1)[0]
+        if not key.startswith("model_config."):
+            continue
+        field = key[len("model_config."):]
+        if field.split(".")[0] not in EXECUTION_FIELDS:
+            model.append("ModelConfig." + diff[len("model_config."):])
+    data = []
+    if (Path(run_dir) / CONFIG_FILE).exists():
+        try:
+            _, old_data, _, _ = load_configs(run_dir)
+            data = [c for c in config_changes(old_data, data_cfg, "DataConfig")
+                    if c.split(" ", 1)[0] not in EVALUATION_DATA_FIELDS]
+        except (ValueError, TypeError, KeyError):     # another library version's config.json
+            data = ["config.json is not readable by this version"]
+    return model, data
+
+
 def model_meta(model_cfg: ModelConfig) -> dict:
     """The metadata a checkpoint is saved with and checked against on restore."""
     return {"model_config": dataclasses.asdict(model_cfg)}
@@ -99,7 +151,8 @@ class LoadedRun:
 
 def load_run(run_dir: PathLike, mesh=None, data_cfg: Optional[DataConfig] = None,
              log: Callable[[str], None] = lambda _message: None) -> LoadedRun:
-    """Load the newest readable checkpoint of a ``train.py`` run directory.
+    """Load the newest readable checkpoint of a ``train.py`` run directory, read-only: nothing
+    in the directory is changed, so a run may be evaluated or sampled while it trains.
 
     mesh: None builds only abstract shapes (no initialisation) on one device; a mesh builds the
     model and optimizer sharded over it (parameters restored into that layout, whatever mesh
@@ -136,7 +189,8 @@ def load_run(run_dir: PathLike, mesh=None, data_cfg: Optional[DataConfig] = None
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
             {"model": nnx.state(model), "optimizer": nnx.state(optimizer)})
     with Checkpointer(run_dir / CHECKPOINT_DIR, save_every=train_cfg.save_every,
-                      keep=train_cfg.keep_checkpoints, async_save=False) as checkpointer:
+                      keep=train_cfg.keep_checkpoints, async_save=False,
+                      read_only=True) as checkpointer:
         if mesh is None:
             restored = checkpointer.restore(abstract, expected_meta=model_meta(model_cfg))
         else:

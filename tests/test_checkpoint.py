@@ -230,6 +230,33 @@ def test_truncated_newest_step_falls_back_and_is_moved_aside(tmp_path, tiny):
 
 
 @orbax_failed_reads
+def test_read_only_reader_changes_nothing_in_a_live_run(tmp_path):
+    """Evaluating or sampling a run while it trains (issue: the reader deleted the save in
+    flight): a read-only Checkpointer leaves a save's tmp directory and an unreadable step
+    exactly where they are, falls back all the same, and refuses to save."""
+    with Checkpointer(tmp_path, save_every=1, async_save=False) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, small_state(step), meta={"step": step})
+    truncate_biggest_file(tmp_path / "2")
+    in_flight = tmp_path / "3.orbax-checkpoint-tmp-1234567890" / "state"
+    os.makedirs(in_flight)
+    (in_flight / "_METADATA").write_text("{}")
+    before = sorted(os.listdir(tmp_path))
+    with Checkpointer(tmp_path, save_every=1, read_only=True) as reader:
+        restored = reader.restore(abstract_of(small_state()))
+        assert restored.step == 1 and "falling back to step 1" in restored.skipped[0]
+        with pytest.raises(ValueError, match="opened read-only"):
+            reader.save(4, small_state(), meta={})
+    time.sleep(0.5)                        # Orbax cleans tmp directories in a background thread
+    assert sorted(os.listdir(tmp_path)) == before and (in_flight / "_METADATA").exists()
+    # a writer does clean up (what used to kill the training run when a reader did it)
+    with Checkpointer(tmp_path, save_every=1) as writer:
+        writer.restore(abstract_of(small_state()))
+    time.sleep(0.5)
+    assert not (tmp_path / "3.orbax-checkpoint-tmp-1234567890").exists()
+
+
+@orbax_failed_reads
 def test_all_steps_corrupt_is_a_one_line_error(tmp_path):
     with Checkpointer(tmp_path, save_every=1, async_save=False) as ckpt:
         for step in (1, 2):

@@ -211,9 +211,14 @@ class Checkpointer:
     keep: number of newest checkpoints kept; older ones are deleted after each save.
     async_save: write in a background thread (``save`` returns once the arrays are copied
       off the device). ``wait``/``close`` block until the writes are finished.
+    read_only: for tools that only read a run (evaluation, sampling, analysis), possibly while
+      it trains: nothing in the directory is created, deleted or renamed (the tmp directory of
+      a save in flight is left alone, an unreadable step is skipped but not moved aside), and
+      ``save`` is an error.
     """
 
-    def __init__(self, directory, *, save_every: int, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory, *, save_every: int, keep: int = 3, async_save: bool = True,
+                 read_only: bool = False):
         for name, value in (("save_every", save_every), ("keep", keep)):
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise ValueError(f"Checkpointer.{name}={value!r} is invalid: "
@@ -222,6 +227,7 @@ class Checkpointer:
         self.save_every = save_every
         self.keep = keep
         self.async_save = bool(async_save)
+        self.read_only = bool(read_only)
         policies = ocp.checkpoint_managers
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=save_every,
@@ -231,9 +237,12 @@ class Checkpointer:
                 policies.FixedIntervalPolicy(save_every),
                 policies.PreemptionCheckpointingPolicy()]),
             max_to_keep=keep,
-            enable_async_checkpointing=self.async_save,
-            cleanup_tmp_directories=True,
-            create=True,
+            enable_async_checkpointing=self.async_save and not self.read_only,
+            # A read-only reader (evaluation, sampling, analysis of a live run) must not delete
+            # the tmp directory of a save in flight, nor create or rename anything.
+            cleanup_tmp_directories=not self.read_only,
+            create=not self.read_only,
+            read_only=self.read_only,
         )
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         registry.add(STATE_ITEM, ocp.args.StandardSave)
@@ -255,6 +264,8 @@ class Checkpointer:
         ``save_every`` (unless ``force``) or is already saved (e.g. a forced end-of-run save
         right after the periodic one). A previous asynchronous save is awaited first.
         """
+        if self.read_only:
+            raise ValueError(f"Checkpointer.save: {self.directory} was opened read-only")
         try:
             step = operator.index(step)           # int, numpy or jax integer scalars
         except TypeError:
@@ -372,7 +383,7 @@ class Checkpointer:
             messages.append(f"checkpoint step {step} in {self.directory} is unreadable ({error}); "
                             f"falling back to step {fallback}")
             logger.warning("%s", messages[-1])
-            if jax.process_index() == 0:
+            if jax.process_index() == 0 and not self.read_only:
                 source = os.path.join(self.directory, str(step))
                 target = source + CORRUPT_SUFFIX
                 n = 1
@@ -381,7 +392,7 @@ class Checkpointer:
                     target = f"{source}{CORRUPT_SUFFIX}.{n}"
                 os.rename(source, target)
                 logger.warning("moved unreadable checkpoint %s to %s", source, target)
-        if failures:
+        if failures and not self.read_only:
             self._manager.reload()
         return messages
 

@@ -41,6 +41,10 @@ class TrainConfig:
     tensorboard: write TensorBoard event files beside ``metrics.jsonl``.
     mesh: the device mesh (``MeshConfig``: data / fsdp / expert / tensor sizes; default all
         devices data-parallel). Bind it in gin as ``MeshConfig.expert = 4``.
+    allow_model_change: resume a run whose checkpoint was written with a different ModelConfig
+        (array shapes must still match; fields such as ``top_k`` or ``score_fn`` keep them).
+        Off by default: such a resume is a one-line error naming the fields, since it silently
+        trains another model. How the model runs (remat, attention, ...) may always change.
     """
 
     steps: int = 1000
@@ -56,6 +60,7 @@ class TrainConfig:
     async_checkpoint: bool = True
     tensorboard: bool = True
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    allow_model_change: bool = False
 
     def __post_init__(self):
         for name in ("steps", "grad_accum", "log_every", "save_every", "keep_checkpoints"):
@@ -64,5 +69,7 @@ class TrainConfig:
             _nonneg_int(name, getattr(self, name))
         _check(isinstance(self.mesh, MeshConfig), "TrainConfig", "mesh", self.mesh,
                "a MeshConfig")
+        _check(isinstance(self.allow_model_change, bool), "TrainConfig", "allow_model_change",
+               self.allow_model_change, "True or False")
         _check(isinstance(self.run_dir, str) and self.run_dir.strip() != "", "TrainConfig",
                "run_dir", self.run_dir, "a non-empty directory path")

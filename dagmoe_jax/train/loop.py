@@ -234,10 +234,26 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
     if restored is not None:
         for message in restored.skipped:
             say(f"warning: {message}")
+        model_changes, data_changes = runs.resume_changes(run_dir, model_cfg, data_cfg,
+                                                          restored.meta_diffs)
+        if model_changes and not train_cfg.allow_model_change:
+            checkpointer.close()
+            raise ValueError(f"the model config differs from the checkpoint's in {run_dir}: "
+                             f"{'; '.join(model_changes)}: resume with the run's own config, "
+                             f"start a new --run_dir, or bind TrainConfig.allow_model_change=True "
+                             f"to resume with the change")
+        for change in model_changes:
+            say(f"warning: resuming with a changed model (allow_model_change): {change}")
+        for change in data_changes:
+            say(f"warning: {change} since the run last started: the data position restored "
+                f"comes from the earlier pipeline")
         nnx.update(model, restored.state["model"])
         nnx.update(optimizer, restored.state["optimizer"])
         start = restored.step
         say(f"resumed from step {start} in {run_dir}")
+        if start >= train_cfg.steps:
+            say(f"warning: the checkpoint is at step {start} and TrainConfig.steps="
+                f"{train_cfg.steps}: nothing left to train (raise steps to continue)")
     if is_main:
         runs.save_configs(run_dir, model_cfg, data_cfg, optim_cfg, train_cfg, settled=model.cfg)
         if operative_gin:

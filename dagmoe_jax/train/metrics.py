@@ -26,13 +26,35 @@ def _jsonable(value):
     return array.tolist()
 
 
+def _records(path: Path) -> list[dict]:
+    """The records of a metrics file. A torn last line (what a crash or a full disk leaves
+    mid-write) is dropped; an unreadable line anywhere else is a one-line ``ValueError`` naming
+    the file and line."""
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as err:
+            if number == len(lines):        # torn by a crash: the rest of it was never written
+                break
+            raise ValueError(f"{path} line {number} is not a metrics record ({err}): fix or "
+                             f"remove that line") from None
+        records.append(record)
+    return records
+
+
 def truncate_jsonl(path: Path, last_step: int) -> None:
-    """Drop records of steps after ``last_step`` (a resumed run re-does them)."""
+    """Drop records of steps after ``last_step`` (a resumed run re-does them), and a torn last
+    line."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= last_step]
-    path.write_text("".join(line + "\n" for line in kept))
+    kept = [r for r in _records(path) if r.get("step", 0) <= last_step]
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
 
 class MetricsWriter:
@@ -93,7 +115,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return _records(path)
 
 
 def summarise_load(expert_load: Optional[np.ndarray]) -> dict:

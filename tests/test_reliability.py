@@ -1,0 +1,78 @@
+"""Nothing a user does to a live or finished run may lose or silently corrupt it: readers leave
+a run alone (test_checkpoint.py), a torn metrics line does not block a resume, and a resume
+with another model refuses (or, asked to, says so) while data changes are reported."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dagmoe_jax.train.metrics import METRICS_FILE, MetricsWriter, read_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = [sys.executable, str(REPO / "train.py"), "--gin_file=train/smoke.gin", "--no_progress",
+         "--gin.TrainConfig.tensorboard=False", "--gin.TrainConfig.task_eval_examples=0"]
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
+def run(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*TRAIN, f"--run_dir={run_dir}", *args], capture_output=True,
+                          text=True, timeout=300, env=ENV, cwd=run_dir.parent)
+
+
+def test_a_torn_last_metrics_line_is_dropped_and_others_are_named(tmp_path):
+    path = tmp_path / METRICS_FILE
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    writer = MetricsWriter(tmp_path, tensorboard=False, resume_step=2)   # what a resume does
+    writer.write(3, {"loss": 1.25})
+    writer.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    path.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=rf"^{path} line 2 is not a metrics record .*: fix or "
+                                         r"remove that line$"):
+        read_metrics(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("reliability") / "run"
+    result = run(run_dir, "--gin.TrainConfig.steps=10")
+    assert result.returncode == 0, result.stderr
+    return run_dir
+
+
+def test_resume_refuses_a_model_change_that_keeps_the_shapes(short_run):
+    before = (short_run / "config.json").read_text()
+    # a torn metrics line (a crash mid-write) must not block the resume either
+    with open(short_run / METRICS_FILE, "a") as f:
+        f.write('{"step": 11, "lo')
+    result = run(short_run, "--gin.TrainConfig.steps=12", "--gin.RouterConfig.top_k=1")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: the model config differs from the "
+                                                   "checkpoint's in ")
+    assert "ModelConfig.router.top_k 2 -> 1" in lines[0] and "allow_model_change=True" in lines[0]
+    assert (short_run / "config.json").read_text() == before            # nothing overwritten
+
+    allowed = run(short_run, "--gin.TrainConfig.steps=12", "--gin.RouterConfig.top_k=1",
+                  "--gin.TrainConfig.allow_model_change=True", "--gin.DataConfig.seed=3")
+    assert allowed.returncode == 0, allowed.stderr
+    assert ("warning: resuming with a changed model (allow_model_change): "
+            "ModelConfig.router.top_k 2 -> 1") in allowed.stdout
+    assert ("warning: DataConfig.seed 0 -> 3 since the run last started: the data position "
+            "restored comes from the earlier pipeline") in allowed.stdout
+    assert "resumed from step 10" in allowed.stdout
+    assert json.loads((short_run / "config.json").read_text())["model"]["router"]["top_k"] == 1
+    assert max(r["step"] for r in read_metrics(short_run)) == 12
+
+    done = run(short_run, "--gin.TrainConfig.steps=8", "--gin.RouterConfig.top_k=1",
+               "--gin.DataConfig.seed=3")
+    assert done.returncode == 0, done.stderr
+    assert ("warning: the checkpoint is at step 12 and TrainConfig.steps=8: nothing left to "
+            "train") in done.stdout

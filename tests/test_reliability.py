@@ -76,3 +76,26 @@ def test_resume_refuses_a_model_change_that_keeps_the_shapes(short_run):
     assert done.returncode == 0, done.stderr
     assert ("warning: the checkpoint is at step 12 and TrainConfig.steps=8: nothing left to "
             "train") in done.stdout
+
+
+def test_diverged_parameters_are_never_saved_as_the_last_good_checkpoint(tmp_path):
+    """A huge learning rate: the loss of the step that blows the parameters up is still finite
+    (it is computed before the update), so the state after it must be checked before saving."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dagmoe_jax.runs import load_run
+
+    run_dir = tmp_path / "run"
+    result = run(run_dir, "--gin.OptimConfig.learning_rate=30.0", "--gin.OptimConfig.warmup_steps=0",
+                 "--gin.TrainConfig.save_every=1", "--gin.TrainConfig.keep_checkpoints=100",
+                 "--gin.TrainConfig.eval_every=0")
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: the parameters after step ")
+    bad_step = int(lines[0].split("after step ")[1].split()[0])
+    loaded = load_run(run_dir)
+    assert 1 <= loaded.step < bad_step
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 32)), jnp.int32)
+    logits, _ = loaded.model(tokens)
+    assert bool(jnp.all(jnp.isfinite(logits)))

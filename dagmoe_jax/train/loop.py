@@ -274,7 +274,8 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
             for step in range(start + 1, train_cfg.steps + 1):
                 batch = next(data_iter)
                 check_tokens(batch, model_cfg.vocab_size)
-                metrics = step_fn(model, optimizer, _device_batch(batch, mesh))
+                device_batch = _device_batch(batch, mesh)
+                metrics = step_fn(model, optimizer, device_batch)
                 loss = float(metrics["loss"])
                 if not math.isfinite(loss):
                     raise NonFiniteLossError(
@@ -302,6 +303,7 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
                     window_start, window_steps = time.perf_counter(), 0
                 force = bool(stop) or step == train_cfg.steps
                 if force or checkpointer.should_save(step):   # gather the state only then
+                    _check_saveable(model, device_batch, step, run_dir)
                     checkpointer.save(step, _train_state(model, optimizer),
                                       data_iterator=data_iter, meta=meta, force=force)
                 if stop:
@@ -324,6 +326,21 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
         writer.close()
     return RunResult(run_dir=str(run_dir), step=step, resumed_from=start or None,
                      interrupted=bool(stop), eval=final_eval, losses=losses)
+
+
+def _check_saveable(model, device_batch, step: int, run_dir: Path) -> None:
+    """Refuse to checkpoint parameters that have diverged. The loss of step k is computed
+    before its update, so a finite loss says nothing about the parameters the update produced
+    (a huge learning rate gave a finite loss at one step, parameters of 1e5 after it and NaN at
+    the next). Their loss on the step's own batch must be finite before they are saved as
+    "the last good" state."""
+    out = eval_step(model, device_batch)
+    loss = float(out["ce_sum"]) / max(float(out["tokens"]), 1.0)
+    if not math.isfinite(loss):
+        raise NonFiniteLossError(
+            f"the parameters after step {step} give a loss of {loss}: stopped without saving "
+            f"them; the newest checkpoint in {run_dir / 'checkpoints'} is the last good one "
+            f"(lower OptimConfig.learning_rate or raise grad clipping)")
 
 
 def _format_eval(result: Dict[str, float]) -> str:

@@ -99,3 +99,34 @@ def test_diverged_parameters_are_never_saved_as_the_last_good_checkpoint(tmp_pat
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 32)), jnp.int32)
     logits, _ = loaded.model(tokens)
     assert bool(jnp.all(jnp.isfinite(logits)))
+
+
+def test_repeated_signals_wait_for_the_save_they_asked_for(tmp_path):
+    """SIGTERM, then SIGTERM and Ctrl-C while the stop's checkpoint is being written: one clean
+    stop, the checkpoint it reports is complete on disk, and the run resumes from it."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([*TRAIN, f"--run_dir={run_dir}"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
+    deadline = time.monotonic() + 240
+    while not (run_dir / METRICS_FILE).exists() or not read_metrics(run_dir):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    # more signals over the next second, while the stop's checkpoint is saved and committed
+    for extra in (signal.SIGTERM, signal.SIGINT, signal.SIGTERM, signal.SIGINT, signal.SIGTERM):
+        time.sleep(0.2)
+        if proc.poll() is None:
+            proc.send_signal(extra)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    line = next(line for line in out.splitlines() if "received: saved a checkpoint" in line)
+    assert line.startswith("SIGTERM received")
+    stopped = int(line.split("at step ")[1].split()[0])
+    names = os.listdir(run_dir / "checkpoints")
+    assert str(stopped) in names and not any("tmp" in name for name in names)
+    again = run(run_dir, f"--gin.TrainConfig.steps={max(stopped + 2, 10)}")
+    assert again.returncode == 0 and f"resumed from step {stopped}" in again.stdout

@@ -153,9 +153,10 @@ def task_accuracy(model: Transformer, batches: Iterable[Dict[str, np.ndarray]],
 
 @contextlib.contextmanager
 def _stop_on_signals(flag: dict):
-    """SIGTERM / SIGINT set ``flag['signal']`` instead of killing the process (main thread)."""
+    """SIGTERM / SIGINT set ``flag['signal']`` (the first one's name) instead of killing the
+    process (main thread); further signals change nothing until the block is left."""
     def handler(signum, frame):
-        flag["signal"] = signal.Signals(signum).name
+        flag.setdefault("signal", signal.Signals(signum).name)
     previous = {}
     try:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -268,62 +269,69 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
     step = start
     final_eval: Dict[str, float] = {}
     bar = _progress(train_cfg.steps, start, progress and is_main)
-    try:
-        with _stop_on_signals(stop), activate(mesh):
-            window_start, window_steps = time.perf_counter(), 0
-            for step in range(start + 1, train_cfg.steps + 1):
-                batch = next(data_iter)
-                check_tokens(batch, model_cfg.vocab_size)
-                device_batch = _device_batch(batch, mesh)
-                metrics = step_fn(model, optimizer, device_batch)
-                loss = float(metrics["loss"])
-                if not math.isfinite(loss):
-                    raise NonFiniteLossError(
-                        f"loss is {loss} at step {step}: stopped without saving; the newest "
-                        f"checkpoint in {run_dir / 'checkpoints'} is the last good one (lower "
-                        f"OptimConfig.learning_rate or raise grad clipping)")
-                losses[step] = loss
-                window_steps += 1
-                if step % train_cfg.log_every == 0 or step == train_cfg.steps:
-                    elapsed = time.perf_counter() - window_start
-                    host = jax.device_get(metrics)
-                    host["learning_rate"] = float(schedule(step - 1))
-                    host["tokens_per_sec"] = tokens_per_step * window_steps / max(elapsed, 1e-9)
-                    writer.write(step, host)
-                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{host['tokens_per_sec']:.0f}",
-                                    **{k: f"{v:.2f}" for k, v in
-                                       summarise_load(host.get("expert_load")).items()},
-                                    refresh=False)
-                    window_start, window_steps = time.perf_counter(), 0
-                bar.update(1)
-                if train_cfg.eval_every and step % train_cfg.eval_every == 0 and step < train_cfg.steps:
-                    result = evaluator(model)
-                    writer.write(step, result, prefix="eval/")
-                    bar.write(f"step {step}: " + _format_eval(result))
-                    window_start, window_steps = time.perf_counter(), 0
-                force = bool(stop) or step == train_cfg.steps
-                if force or checkpointer.should_save(step):   # gather the state only then
-                    _check_saveable(model, device_batch, step, run_dir)
-                    checkpointer.save(step, _train_state(model, optimizer),
-                                      data_iterator=data_iter, meta=meta, force=force)
-                if stop:
-                    break
-        bar.close()
-        if stop:
-            say(f"{stop['signal']} received: saved a checkpoint at step {step} in "
-                f"{run_dir / 'checkpoints'}; run the same command again to resume")
-        else:
+    # SIGTERM / SIGINT only set ``stop`` from here until the last checkpoint has committed and
+    # the final evaluation is done, so a second signal cannot kill a save in flight, and
+    # "saved" is said only once the save is on disk.
+    with _stop_on_signals(stop):
+        try:
             with activate(mesh):
-                final_eval = evaluator(model)
-            writer.write(step, final_eval, prefix="eval/")
-            baseline = unigram_entropy(data_cfg, tokenizer)
-            final_eval["unigram_baseline"] = baseline
-            say(f"final eval at step {step}: " + _format_eval(final_eval))
-    finally:
-        bar.close()
-        checkpointer.wait()
-        checkpointer.close()
-        writer.close()
+                window_start, window_steps = time.perf_counter(), 0
+                for step in range(start + 1, train_cfg.steps + 1):
+                    batch = next(data_iter)
+                    check_tokens(batch, model_cfg.vocab_size)
+                    device_batch = _device_batch(batch, mesh)
+                    metrics = step_fn(model, optimizer, device_batch)
+                    loss = float(metrics["loss"])
+                    if not math.isfinite(loss):
+                        raise NonFiniteLossError(
+                            f"loss is {loss} at step {step}: stopped without saving; the newest "
+                            f"checkpoint in {run_dir / 'checkpoints'} is the last good one (lower "
+                            f"OptimConfig.learning_rate or raise grad clipping)")
+                    losses[step] = loss
+                    window_steps += 1
+                    if step % train_cfg.log_every == 0 or step == train_cfg.steps:
+                        elapsed = time.perf_counter() - window_start
+                        host = jax.device_get(metrics)
+                        host["learning_rate"] = float(schedule(step - 1))
+                        host["tokens_per_sec"] = tokens_per_step * window_steps / max(elapsed,
+                                                                                      1e-9)
+                        writer.write(step, host)
+                        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{host['tokens_per_sec']:.0f}",
+                                        **{k: f"{v:.2f}" for k, v in
+                                           summarise_load(host.get("expert_load")).items()},
+                                        refresh=False)
+                        window_start, window_steps = time.perf_counter(), 0
+                    bar.update(1)
+                    if (train_cfg.eval_every and step % train_cfg.eval_every == 0
+                            and step < train_cfg.steps):
+                        result = evaluator(model)
+                        writer.write(step, result, prefix="eval/")
+                        bar.write(f"step {step}: " + _format_eval(result))
+                        window_start, window_steps = time.perf_counter(), 0
+                    force = bool(stop) or step == train_cfg.steps
+                    if force or checkpointer.should_save(step):   # gather the state only then
+                        _check_saveable(model, device_batch, step, run_dir)
+                        checkpointer.save(step, _train_state(model, optimizer),
+                                          data_iterator=data_iter, meta=meta, force=force)
+                    if stop:
+                        break
+            bar.close()
+            checkpointer.wait()                  # committed before anything says it is saved
+            if stop:
+                say(f"{stop['signal']} received: saved a checkpoint at step {step} in "
+                    f"{run_dir / 'checkpoints'}; run the same command again to resume")
+            else:
+                with activate(mesh):
+                    final_eval = evaluator(model)
+                writer.write(step, final_eval, prefix="eval/")
+                baseline = unigram_entropy(data_cfg, tokenizer)
+                final_eval["unigram_baseline"] = baseline
+                say(f"final eval at step {step}: " + _format_eval(final_eval))
+        finally:
+            bar.close()
+            checkpointer.wait()
+            checkpointer.close()
+            writer.close()
     return RunResult(run_dir=str(run_dir), step=step, resumed_from=start or None,
                      interrupted=bool(stop), eval=final_eval, losses=losses)
 

@@ -321,3 +321,25 @@ def test_empty_directory_restores_nothing(tmp_path):
     with Checkpointer(tmp_path / "new_run", save_every=10) as ckpt:
         assert ckpt.restore(abstract_of(small_state())) is None
         assert ckpt.latest_step() is None
+
+
+@orbax_failed_reads
+def test_a_flipped_byte_is_caught_by_the_checksums_and_falls_back(tmp_path):
+    """Silent corruption (one byte of a data file flipped) loaded without error before the
+    checksum manifest; now the step is unreadable like any other damage."""
+    from dagmoe_jax.train.checkpoint import CHECKSUM_FILE
+    with Checkpointer(tmp_path, save_every=1) as ckpt:          # asynchronous saves
+        for step in (1, 2):
+            ckpt.save(step, {"w": jnp.arange(4096, dtype=jnp.float32) + step}, meta={})
+    for step in (1, 2):
+        assert (tmp_path / str(step) / CHECKSUM_FILE).exists()
+    files = [p for p in (tmp_path / "2" / "state").rglob("*") if p.is_file()]
+    biggest = max(files, key=lambda p: p.stat().st_size)
+    data = bytearray(biggest.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    biggest.write_bytes(bytes(data))
+    with Checkpointer(tmp_path, save_every=1) as ckpt:
+        restored = ckpt.restore({"w": jax.ShapeDtypeStruct((4096,), jnp.float32)})
+    assert restored.step == 1 and "checksum mismatch" in restored.skipped[0]
+    np.testing.assert_array_equal(np.asarray(restored.state["w"]), np.arange(4096) + 1)
+    assert (tmp_path / "2.corrupt").is_dir()

@@ -53,6 +53,7 @@ closed"): noise, not a second failure.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import operator
@@ -69,6 +70,7 @@ STATE_ITEM = "state"
 DATA_ITEM = "data"
 META_ITEM = "meta"
 CORRUPT_SUFFIX = ".corrupt"
+CHECKSUM_FILE = "dagmoe_checksums.json"
 _MAX_ERROR_CHARS = 200
 _MAX_LISTED_DIFFS = 6
 
@@ -94,6 +96,48 @@ class Restored:
     meta: dict
     skipped: List[str] = dataclasses.field(default_factory=list)
     meta_diffs: List[str] = dataclasses.field(default_factory=list)
+
+
+def _file_digests(step_dir: str) -> Dict[str, str]:
+    """sha256 of every file under a step directory (but the manifest), by relative path."""
+    digests = {}
+    for root, _, names in os.walk(step_dir):
+        for name in names:
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, step_dir)
+            if rel.startswith(CHECKSUM_FILE):      # the manifest and its temp file
+                continue
+            sha = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    sha.update(block)
+            digests[rel] = sha.hexdigest()
+    return digests
+
+
+def write_checksums(step_dir: str) -> None:
+    """Record the digests of a committed step's files (written to a temp name, then renamed,
+    so a manifest is whole or absent)."""
+    tmp = os.path.join(step_dir, CHECKSUM_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(_file_digests(step_dir), f)
+    os.replace(tmp, os.path.join(step_dir, CHECKSUM_FILE))
+
+
+def verify_checksums(step_dir: str) -> None:
+    """Raise ``ValueError`` naming the first file whose content no longer matches the step's
+    manifest (a flipped byte, a truncated or missing file). A step without a manifest (saved by
+    an older version, or cut off between commit and manifest) is not checked."""
+    path = os.path.join(step_dir, CHECKSUM_FILE)
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        expected = json.load(f)
+    actual = _file_digests(step_dir)
+    for rel, digest in sorted(expected.items()):
+        if actual.get(rel) != digest:
+            what = "missing" if rel not in actual else "changed since it was saved"
+            raise ValueError(f"checksum mismatch: {rel} is {what}")
 
 
 class _IteratorSnapshot:
@@ -291,15 +335,35 @@ class Checkpointer:
         items = {STATE_ITEM: ocp.args.StandardSave(state), META_ITEM: ocp.args.JsonSave(meta)}
         if data_iterator is not None:
             items[DATA_ITEM] = grain.checkpoint.CheckpointSave(_IteratorSnapshot(data_iterator))
-        return bool(self._manager.save(step, args=ocp.args.Composite(**items), force=force))
+        self._manager.wait_until_finished()          # the previous save has committed:
+        self._record_checksums()                     # its manifest first
+        started = bool(self._manager.save(step, args=ocp.args.Composite(**items), force=force))
+        if not self.async_save:
+            self._record_checksums()
+        return started
 
     def should_save(self, step: int) -> bool:
         """Whether ``save(step, ...)`` without ``force`` would write (the interval policy)."""
         return bool(self._manager.should_save(step))
 
     def wait(self) -> None:
-        """Block until pending asynchronous saves are written (re-raises their errors)."""
+        """Block until pending asynchronous saves are written (re-raises their errors), and
+        record the checksums of the steps committed since."""
         self._manager.wait_until_finished()
+        self._record_checksums()
+
+    def _record_checksums(self) -> None:
+        """Write the manifest of every committed step that lacks one (process 0 only)."""
+        if self.read_only or jax.process_index() != 0:
+            return
+        for step in self._manager.all_steps():
+            step_dir = os.path.join(self.directory, str(step))
+            if os.path.isdir(step_dir) and not os.path.exists(os.path.join(step_dir,
+                                                                           CHECKSUM_FILE)):
+                try:
+                    write_checksums(step_dir)
+                except OSError as err:     # e.g. deleted meanwhile by the keep-N policy
+                    logger.warning("no checksums for %s: %s", step_dir, _first_line(err))
 
     def latest_step(self) -> Optional[int]:
         """The newest step saved or being saved, or None."""
@@ -309,7 +373,8 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def close(self) -> None:
-        """Finish pending saves and release Orbax's resources."""
+        """Finish pending saves (recording their checksums) and release Orbax's resources."""
+        self.wait()
         self._manager.close()
 
     def __enter__(self) -> "Checkpointer":
@@ -355,6 +420,11 @@ class Checkpointer:
                 failures.append((step, _first_line(err)))
                 continue
             self._check_architecture(step, tree_metadata, abstract_state, meta, expected_meta)
+            try:
+                verify_checksums(os.path.join(self.directory, str(step)))
+            except (ValueError, OSError) as err:
+                failures.append((step, _first_line(err)))
+                continue
             items = {STATE_ITEM: ocp.args.StandardRestore(abstract_state)}
             if data_iterator is not None:
                 items[DATA_ITEM] = grain.checkpoint.CheckpointRestore(data_iterator)

@@ -8,6 +8,7 @@ attention they would compare against is still tested in test_model.py.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from functools import partial
 
@@ -215,8 +216,37 @@ def test_build_cache_is_reused_and_keyed_on_the_source(tmp_path, monkeypatch):
     second = kbuild.build(src)
     assert second != first
     assert ctypes.cdll.LoadLibrary(str(second)).dagmoe_answer() == 43
-    # No temporary files left behind.
-    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".cc", ".so", ".so"]
+    # No temporary files left behind: each library and the digest recorded beside it.
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".cc", ".sha256", ".sha256", ".so",
+                                                            ".so"]
+
+
+def test_the_cache_loads_only_what_this_user_built(tmp_path, monkeypatch):
+    """A library planted under the expected name (no digest, or a wrong one) is rebuilt over,
+    never returned; a cache others can write to is refused in one line."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("DAGMOE_KERNEL_CACHE", str(cache))
+    src = tmp_path / "tiny_kernel.cc"
+    src.write_text('extern "C" int dagmoe_answer() { return 42; }\n')
+    target = kbuild.target_path(src, kbuild.compiler())
+    cache.mkdir(mode=0o700)
+    target.write_bytes(b"planted: not the library this user built")
+    built = kbuild.build(src)
+    assert built == target and b"planted" not in built.read_bytes()
+    import ctypes
+    assert ctypes.cdll.LoadLibrary(str(built)).dagmoe_answer() == 42
+    # a library swapped after the build (digest no longer matches) is rebuilt too
+    stamp = built.stat().st_mtime_ns
+    built.write_bytes(built.read_bytes() + b"\0")
+    assert kbuild.build(src) == target and target.stat().st_mtime_ns != stamp
+    assert (target.with_name(target.name + ".sha256").read_text().strip()
+            == hashlib.sha256(target.read_bytes()).hexdigest())
+    os.chmod(cache, 0o777)
+    with pytest.raises(kbuild.KernelBuildError, match=r"is writable by other users: run "
+                                                      r"'chmod go-w .*'") as err:
+        kbuild.build(src)
+    assert "\n" not in str(err.value)
+    os.chmod(cache, 0o700)
 
 
 def test_build_errors_are_one_line(tmp_path, monkeypatch):

@@ -5,6 +5,11 @@ the source, the flags, the compiler, the jaxlib version (its FFI headers) and th
 feature flags. Builds write to a temporary file and rename it into place, so concurrent
 processes (pytest workers, hosts sharing a home directory) never load a half-written library.
 
+A cached library is loaded only if it is the one this user built: the cache directory must be
+the user's and writable by no one else (else a one-line ``KernelBuildError``), and the library's
+sha256 must match the one recorded beside it (``<name>.so.sha256``) when it was built; a library
+that does not match (planted, or damaged) is rebuilt over, never loaded.
+
 Environment:
   DAGMOE_KERNEL_CACHE: cache directory (default ``~/.cache/dagmoe_jax/kernels``).
   CXX: the C++ compiler (default: the first of g++, c++, clang++ on PATH).
@@ -70,10 +75,44 @@ def target_path(source: Path, cxx: str) -> Path:
     return cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
 
 
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _digest_path(target: Path) -> Path:
+    return target.with_name(target.name + ".sha256")
+
+
+def check_private(path: Path) -> None:
+    """``path`` (the cache directory or a file in it) must belong to this user and be writable
+    by no one else; a one-line ``KernelBuildError`` says how to fix it otherwise."""
+    st = path.stat()
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        raise KernelBuildError(f"the kernel cache {path} belongs to another user: set "
+                               f"DAGMOE_KERNEL_CACHE to a directory of your own")
+    if st.st_mode & 0o022:
+        raise KernelBuildError(f"the kernel cache {path} is writable by other users: run "
+                               f"'chmod go-w {path}' or set DAGMOE_KERNEL_CACHE to a private "
+                               f"directory")
+
+
+def _trusted(target: Path) -> bool:
+    """Whether the cached ``target`` is the library this user built (its recorded digest)."""
+    digest = _digest_path(target)
+    if not (target.exists() and digest.exists()):
+        return False
+    check_private(target)
+    check_private(digest)
+    return digest.read_text().strip() == _sha256(target)
+
+
 def is_built(source: Path) -> bool:
     """Whether ``source`` is already compiled in the cache (no compiler: False)."""
     cxx = compiler()
-    return cxx is not None and target_path(source, cxx).exists()
+    if cxx is None:
+        return False
+    target = target_path(source, cxx)
+    return target.exists() and _digest_path(target).exists()
 
 
 def build(source: Path) -> Path:
@@ -85,10 +124,13 @@ def build(source: Path) -> Path:
         raise KernelBuildError("no C++ compiler found (install g++ or set CXX)")
     include = jax.ffi.include_dir()
     target = target_path(source, cxx)
-    if target.exists():
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_private(target.parent)
+    if _trusted(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    fd, tmp_digest = tempfile.mkstemp(suffix=".sha256", dir=target.parent)
     os.close(fd)
     try:
         proc = subprocess.run([cxx, *FLAGS, "-isystem", include, str(source), "-o", tmp],
@@ -96,8 +138,13 @@ def build(source: Path) -> Path:
         if proc.returncode != 0:
             first = " | ".join(proc.stderr.strip().splitlines()[:3])
             raise KernelBuildError(f"{cxx} failed on {source.name}: {first}")
+        os.chmod(tmp, 0o755)
+        Path(tmp_digest).write_text(_sha256(Path(tmp)) + "\n")
+        os.chmod(tmp_digest, 0o644)
         os.replace(tmp, target)
+        os.replace(tmp_digest, _digest_path(target))
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for path in (tmp, tmp_digest):
+            if os.path.exists(path):
+                os.unlink(path)
     return target

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple, Union
 
@@ -30,6 +31,30 @@ from dagmoe_jax.train.optim import OptimConfig
 CONFIG_FILE = "config.json"
 CHECKPOINT_DIR = "checkpoints"
 PathLike = Union[str, Path]
+
+
+def prepare_run_dir(run_dir: PathLike) -> Path:
+    """Create ``run_dir`` (and its parents) for a training run, or say in one line why it
+    cannot be: it is a file, it lies under a file, or the filesystem refuses (read-only,
+    permissions, full)."""
+    path = Path(run_dir)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--run_dir={run_dir} is a file, not a directory: choose another path")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"--run_dir={run_dir} lies under {parent}, which is a file: "
+                                 f"choose another path")
+            break
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write_test.{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"cannot write the run directory {run_dir} ({err.strerror or err}): "
+                         f"choose a writable path") from None
+    return path
 
 
 def configs_to_json(model_cfg, data_cfg, optim_cfg, train_cfg,
@@ -69,7 +94,12 @@ def load_configs(run_dir: PathLike):
     path = Path(run_dir) / CONFIG_FILE
     if not path.exists():
         raise ValueError(f"{path} does not exist: is {run_dir} a run directory written by train.py?")
-    return configs_from_json(json.loads(path.read_text()))
+    try:
+        return configs_from_json(json.loads(path.read_text()))
+    except (TypeError, KeyError, json.JSONDecodeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{path} is not a config this version of dagmoe_jax can read ({first}): "
+                         f"use the version that wrote the run, or fix the file") from None
 
 
 # ModelConfig fields that change how the model runs, not what it computes: a run may resume

@@ -130,3 +130,42 @@ def test_repeated_signals_wait_for_the_save_they_asked_for(tmp_path):
     assert str(stopped) in names and not any("tmp" in name for name in names)
     again = run(run_dir, f"--gin.TrainConfig.steps={max(stopped + 2, 10)}")
     assert again.returncode == 0 and f"resumed from step {stopped}" in again.stdout
+
+
+def test_bad_paths_and_files_are_one_line_errors(tmp_path, short_run):
+    """Each of these printed a traceback: a run dir under a file or equal to one, a tokenizer
+    path that is not a tokenizer, a config.json from another version, a run with no
+    checkpoint (sampling and evaluating)."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a model\n")
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    no_ckpt = tmp_path / "no_ckpt"
+    no_ckpt.mkdir()
+    (no_ckpt / "config.json").write_text((short_run / "config.json").read_text())
+    newer = tmp_path / "newer"
+    newer.mkdir()
+    blob = json.loads((short_run / "config.json").read_text())
+    blob["model"]["a_field_from_the_future"] = 1
+    (newer / "config.json").write_text(json.dumps(blob))
+    cases = [
+        (TRAIN + [f"--run_dir={a_file}/run"], "lies under"),
+        (TRAIN + [f"--run_dir={a_file}"], "is a file, not a directory"),
+        (TRAIN + [f"--run_dir={runs}/sp", "--gin.DataConfig.tokenizer='sentencepiece'",
+                  f"--gin.DataConfig.tokenizer_path='{a_file}'"], "is not a SentencePiece model"),
+        (TRAIN + [f"--run_dir={runs}/hf", "--gin.DataConfig.tokenizer='hf'",
+                  f"--gin.DataConfig.tokenizer_path='{a_file}'"],
+         "is not a Hugging Face tokenizer.json"),
+        ([sys.executable, "-m", "dagmoe_jax.sample", f"--run_dir={no_ckpt}", "--prompt=a"],
+         "no checkpoint in"),
+        ([sys.executable, str(REPO / "train.py"), "--mode=eval", f"--run_dir={newer}"],
+         "is not a config this version of dagmoe_jax can read"),
+    ]
+    for argv, needle in cases:
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=ENV,
+                                cwd=REPO)
+        assert result.returncode == 2, (argv, result.stderr[-2000:])
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], \
+            (argv, result.stderr[-2000:])
+    assert a_file.read_text() == "not a model\n"

@@ -71,10 +71,19 @@ def _require_file(path: str, field: str = "tokenizer_path") -> str:
 class _FromFile(Tokenizer):
     """A tokenizer loaded from a file; pickles as its path and EOS token."""
 
+    KIND = "tokenizer"
+
     def __init__(self, path: str, eos_token: str = ""):
         self._path = _require_file(path)
         self._eos_token = eos_token
-        self._load()
+        try:
+            self._load()
+        except ValueError:
+            raise
+        except Exception as err:  # noqa: BLE001 -- the libraries raise RuntimeError, Exception
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(f"DataConfig.tokenizer_path={path!r} is not a {self.KIND} "
+                             f"({first}): point it at one") from None
 
     @abc.abstractmethod
     def _load(self) -> None:
@@ -107,6 +116,8 @@ class SentencePieceTokenizer(_FromFile):
     train with ``normalization_rule_name='identity'`` and ``remove_extra_whitespaces=False``
     (and '\\n' as a user-defined symbol) for exact round trips.
     """
+
+    KIND = "SentencePiece model"
 
     def _load(self) -> None:
         import sentencepiece  # pylint: disable=import-outside-toplevel
@@ -141,6 +152,8 @@ class HFTokenizer(_FromFile):
     Pad: the first of ``HF_PAD_CANDIDATES`` in the vocabulary, else EOS. ``encode`` adds no
     special tokens (the pipeline appends EOS itself).
     """
+
+    KIND = "Hugging Face tokenizer.json"
 
     def _load(self) -> None:
         import tokenizers  # pylint: disable=import-outside-toplevel

@@ -272,22 +272,6 @@ class Checkpointer:
         self.keep = keep
         self.async_save = bool(async_save)
         self.read_only = bool(read_only)
-        policies = ocp.checkpoint_managers
-        options = ocp.CheckpointManagerOptions(
-            save_interval_steps=save_every,
-            # FixedInterval + preemption, without Orbax's InitialSavePolicy (save_interval_steps
-            # alone would also save whatever step comes first).
-            save_decision_policy=policies.AnySavePolicy([
-                policies.FixedIntervalPolicy(save_every),
-                policies.PreemptionCheckpointingPolicy()]),
-            max_to_keep=keep,
-            enable_async_checkpointing=self.async_save and not self.read_only,
-            # A read-only reader (evaluation, sampling, analysis of a live run) must not delete
-            # the tmp directory of a save in flight, nor create or rename anything.
-            cleanup_tmp_directories=not self.read_only,
-            create=not self.read_only,
-            read_only=self.read_only,
-        )
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         registry.add(STATE_ITEM, ocp.args.StandardSave)
         registry.add(STATE_ITEM, ocp.args.StandardRestore)
@@ -295,8 +279,35 @@ class Checkpointer:
         registry.add(META_ITEM, ocp.args.JsonRestore)
         registry.add(DATA_ITEM, grain.checkpoint.CheckpointSave)
         registry.add(DATA_ITEM, grain.checkpoint.CheckpointRestore)
-        self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                              handler_registry=registry)
+        # Orbax warns of each option a read-only manager turns off, and that the directory is
+        # read-only: noise to a user who asked for exactly that.
+        quiet = logging.getLogger("absl")
+        level = quiet.level
+        if self.read_only:
+            quiet.setLevel(logging.ERROR)
+        try:
+            self._manager = ocp.CheckpointManager(self.directory, options=self._options(),
+                                                  handler_registry=registry)
+        finally:
+            quiet.setLevel(level)
+
+    def _options(self):
+        policies = ocp.checkpoint_managers
+        return ocp.CheckpointManagerOptions(
+            save_interval_steps=self.save_every,
+            # FixedInterval + preemption, without Orbax's InitialSavePolicy (save_interval_steps
+            # alone would also save whatever step comes first).
+            save_decision_policy=policies.AnySavePolicy([
+                policies.FixedIntervalPolicy(self.save_every),
+                policies.PreemptionCheckpointingPolicy()]),
+            max_to_keep=None if self.read_only else self.keep,
+            enable_async_checkpointing=self.async_save and not self.read_only,
+            # A read-only reader (evaluation, sampling, analysis of a live run) must not delete
+            # the tmp directory of a save in flight, nor create or rename anything.
+            cleanup_tmp_directories=not self.read_only,
+            create=not self.read_only,
+            read_only=self.read_only,
+        )
 
     # ------------------------------------------------------------------------------ saving
 

@@ -208,7 +208,7 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
     process = (jax.process_index(), jax.process_count())
     is_main = process[0] == 0
     say = log if is_main else (lambda _msg: None)
-    run_dir = Path(train_cfg.run_dir)
+    run_dir = runs.prepare_run_dir(train_cfg.run_dir)
     tokenizer = make_tokenizer(data_cfg)
     check_compatible(model_cfg, data_cfg, tokenizer)
     if data_cfg.batch_size % (train_cfg.grad_accum * process[1]):
@@ -223,7 +223,6 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
         f"{describe_settled(model.cfg, model_cfg, layout=MeshLayout.of(mesh))}")
     data_iter = iter(dataset)
 
-    run_dir.mkdir(parents=True, exist_ok=True)
     meta = runs.model_meta(model_cfg)
     checkpointer = Checkpointer(run_dir / runs.CHECKPOINT_DIR, save_every=train_cfg.save_every,
                                 keep=train_cfg.keep_checkpoints,

@@ -38,7 +38,8 @@ class _Encode:
 
     def __call__(self, text: str) -> dict:
         ids = self.tokenizer.encode(text)
-        ids.append(self.tokenizer.eos_id)
+        if not getattr(text, "continues", False):   # a long document's pieces: EOS at its end
+            ids.append(self.tokenizer.eos_id)
         return {"tokens": np.asarray(ids, np.int32)}
 
 

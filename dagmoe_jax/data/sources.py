@@ -112,26 +112,100 @@ class _Indexed:
             return f.read(int(self._end[index] - self._start[index]))
 
 
+class Piece(str):
+    """The text of a record that is not a document's end: a long document is read as pieces
+    of at most ``TextSource.MAX_PIECE_BYTES`` (memory stays flat in document length), and the
+    tokenized stream appends EOS only after a document's last piece."""
+
+    continues = True
+
+    def __reduce__(self):
+        return Piece, (str(self),)
+
+
 class TextSource(_Indexed):
     """Plain text files; a document is a maximal run of non-blank lines (its final newline
-    dropped). Blank (whitespace-only) lines separate documents and are not part of any."""
+    dropped). Blank (whitespace-only) lines separate documents and are not part of any.
+
+    A document longer than :data:`MAX_PIECE_BYTES` is several records: consecutive pieces cut
+    after a whitespace (or, failing one, at a UTF-8 character boundary), every piece but the
+    last a :class:`Piece`. Files are scanned in blocks, so neither indexing nor reading ever
+    holds more than a block or a piece of one document, however long its lines.
+    """
+
+    MAX_PIECE_BYTES = 1 << 16
+    _BLOCK = 1 << 20
+
+    def __init__(self, files: Sequence[str]):
+        self._last = []          # per record: whether it ends its document
+        super().__init__(files)
+        self._last = np.asarray(self._last, bool)
 
     def _ranges(self, path: str):
+        for start, end in self._documents(path):
+            while end - start > self.MAX_PIECE_BYTES:
+                cut = self._cut(path, start, start + self.MAX_PIECE_BYTES)
+                self._last.append(False)
+                yield start, cut
+                start = cut
+            self._last.append(True)
+            yield start, end
+
+    def _documents(self, path: str):
+        """(start, end) byte ranges of the documents of ``path``, read block by block (lines
+        are found with ``bytes.find``, so a line of any length costs one block of memory)."""
         pos, start, end = 0, None, 0
+        line_start, line_blank, last = 0, True, b""
         with open(path, "rb") as f:
-            for line in f:
-                if line.strip():
-                    start = pos if start is None else start
-                    end = pos + len(line.rstrip(b"\r\n"))
-                elif start is not None:
-                    yield start, end
-                    start = None
-                pos += len(line)
+            while True:
+                block = f.read(self._BLOCK)
+                if not block:
+                    break
+                offset = 0
+                while True:
+                    newline = block.find(b"\n", offset)
+                    segment = block[offset:newline if newline >= 0 else len(block)]
+                    if line_blank and segment.strip():
+                        line_blank = False
+                    if segment:
+                        last = segment[-1:]
+                    if newline < 0:
+                        break
+                    if not line_blank:
+                        start = line_start if start is None else start
+                        at = pos + newline
+                        end = at - 1 if last == b"\r" and at > line_start else at
+                    elif start is not None:
+                        yield start, end
+                        start = None
+                    line_start, line_blank, last = pos + newline + 1, True, b""
+                    offset = newline + 1
+                pos += len(block)
+        if not line_blank:                                             # no final newline
+            start = line_start if start is None else start
+            end = pos - 1 if last == b"\r" else pos
         if start is not None:
             yield start, end
 
+    @staticmethod
+    def _cut(path: str, start: int, limit: int) -> int:
+        """Where to end a piece at or before ``limit`` (> ``start``): after the last whitespace
+        of its final 4 KiB, else at the last UTF-8 character boundary."""
+        lo = max(start + 1, limit - 4096)
+        with open(path, "rb") as f:
+            f.seek(lo)
+            tail = f.read(limit - lo + 1)        # + the byte at ``limit`` (a boundary test)
+        for i in range(len(tail) - 2, -1, -1):
+            if tail[i] in b" \t\n":
+                return lo + i + 1
+        for i in range(len(tail) - 1, 0, -1):
+            if tail[i] & 0xC0 != 0x80:             # not a continuation byte: a boundary
+                return lo + i
+        return limit
+
     def __getitem__(self, index: int) -> str:
-        return self._read(index).decode("utf-8", errors="replace")
+        text = self._read(index).decode("utf-8", errors="replace")
+        return text if self._last[int(index) % len(self)] else Piece(text)
 
 
 class JsonlSource(_Indexed):

@@ -226,3 +226,19 @@ def test_memory_stays_flat_in_document_length(tmp_path):
         assert out.returncode == 0, out.stderr[-2000:]
         peaks[mb] = int(out.stdout.strip().splitlines()[-1]) / 1024          # MiB
     assert peaks[32] - peaks[2] < 16, peaks        # whole-document reading: +60 MiB here
+
+
+def test_process_flags_without_a_coordinator_are_refused(monkeypatch):
+    """`--num_processes=2 --process_id=5` without a coordinator ran as one process, exit 0."""
+    from dagmoe_jax.parallel.multihost import initialize
+
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_NTASKS",
+                 "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match=r"--process_id=5 is invalid: expected 0 <= process_id "
+                                         r"< num_processes=2"):
+        initialize("", 2, 5)
+    with pytest.raises(ValueError, match=r"--num_processes=2 --process_id=1 without a "
+                                         r"coordinator: pass --coordinator_address"):
+        initialize("", 2, 1)
+    assert initialize("", 1, 0) == "single" and initialize() == "single"

@@ -58,7 +58,15 @@ def initialize(coordinator_address: str = "", num_processes: Optional[int] = Non
         raise ValueError(f"a coordinator address ({coordinator_address}) needs the number of "
                          f"processes and this process's id: pass --num_processes and --process_id "
                          f"(or set {_ENV[1]} and {_ENV[2]})")
+    if num_processes is not None and process_id is not None and not 0 <= process_id < num_processes:
+        raise ValueError(f"--process_id={process_id} is invalid: expected 0 <= process_id < "
+                         f"num_processes={num_processes}")
     cluster = detected_cluster() if how is None else None
+    if how is None and cluster is None and (num_processes not in (None, 1)
+                                            or process_id not in (None, 0)):
+        raise ValueError(f"--num_processes={num_processes} --process_id={process_id} without a "
+                         f"coordinator: pass --coordinator_address=HOST:PORT (or set "
+                         f"{_ENV[0]}), or drop them to run as one process")
     if how is None and cluster is None:
         return "single"
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -198,6 +198,13 @@ def test_a_huge_document_is_read_in_pieces(tmp_path):
     encode = _Encode(tok)
     eos = [int(np.sum(encode(p)["tokens"] == tok.eos_id)) for p in pieces]
     assert eos == [0] * (len(pieces) - 1) + [1]
+    # evaluation packs the same way: one EOS per document, not per piece
+    from dagmoe_jax.data import DataConfig
+    from dagmoe_jax.data.pipeline import eval_batches
+    cfg = DataConfig(source=f"text:{path}", eval_source=f"text:{path}", seq_len=256,
+                     batch_size=8)
+    batches = eval_batches(cfg, tok, max_batches=None)
+    assert sum(int(((b["targets"] == tok.eos_id) & b["mask"]).sum()) for b in batches) == 3
 
 
 def test_memory_stays_flat_in_document_length(tmp_path):

@@ -30,17 +30,23 @@ from dagmoe_jax.data.tokenizers import Tokenizer
 READ_OPTIONS = dict(num_threads=2, prefetch_buffer_size=64)
 
 
+def encode_record(tokenizer: Tokenizer, text: str) -> list:
+    """A record's token ids, EOS appended unless the record is a piece of a longer document
+    that continues in the next record (:class:`~dagmoe_jax.data.sources.Piece`)."""
+    ids = tokenizer.encode(text)
+    if not getattr(text, "continues", False):
+        ids.append(tokenizer.eos_id)
+    return ids
+
+
 class _Encode:
-    """text -> {'tokens': ids + [eos]} (a picklable grain map function)."""
+    """text -> {'tokens': ids (+ [eos])} (a picklable grain map function)."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
 
     def __call__(self, text: str) -> dict:
-        ids = self.tokenizer.encode(text)
-        if not getattr(text, "continues", False):   # a long document's pieces: EOS at its end
-            ids.append(self.tokenizer.eos_id)
-        return {"tokens": np.asarray(ids, np.int32)}
+        return {"tokens": np.asarray(encode_record(self.tokenizer, text), np.int32)}
 
 
 def _shift(window: dict) -> dict:
@@ -110,7 +116,8 @@ def eval_batches(cfg: DataConfig, tokenizer: Tokenizer, *, max_batches: Optional
                  process_index: int = 0, process_count: int = 1) -> list:
     """The evaluation data (:func:`~dagmoe_jax.data.splits.eval_source`) as a list of batches.
 
-    Records in order, each tokenized with EOS appended, packed end to end into windows of
+    Records in order, each tokenized with EOS appended (after a long document's last piece),
+    packed end to end into windows of
     seq_len + 1 (the last window padded, its padding masked), grouped into global batches of
     ``batch_size`` rows (the last filled with fully masked rows) of which this process keeps
     rows ``[process_index * B, (process_index + 1) * B)``, B = batch_size // process_count.
@@ -123,8 +130,7 @@ def eval_batches(cfg: DataConfig, tokenizer: Tokenizer, *, max_batches: Optional
     limit = None if max_batches is None else int(max_batches) * cfg.batch_size
     rows, buf = [], []
     for i in range(len(records)):
-        buf.extend(tokenizer.encode(records[i]))
-        buf.append(tokenizer.eos_id)
+        buf.extend(encode_record(tokenizer, records[i]))
         start = 0
         while len(buf) - start >= width and (limit is None or len(rows) < limit):
             rows.append((buf[start:start + width], width))
@@ -256,7 +262,7 @@ def unigram_entropy(cfg: DataConfig, tokenizer: Tokenizer, max_tokens: int = 1_0
     counts, total = np.zeros(vocab, np.int64), 0
     records = grain.MapDataset.source(train_source(cfg)).shuffle(seed=cfg.seed)
     for i in range(len(records)):
-        ids = np.asarray(tokenizer.encode(records[i]) + [tokenizer.eos_id], np.int64)
+        ids = np.asarray(encode_record(tokenizer, records[i]), np.int64)
         check_tokens({"inputs": ids, "targets": ids}, vocab)
         counts += np.bincount(ids, minlength=vocab)
         total += ids.size

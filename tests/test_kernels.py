@@ -235,9 +235,13 @@ def test_the_cache_loads_only_what_this_user_built(tmp_path, monkeypatch):
     assert built == target and b"planted" not in built.read_bytes()
     import ctypes
     assert ctypes.cdll.LoadLibrary(str(built)).dagmoe_answer() == 42
-    # a library swapped after the build (digest no longer matches) is rebuilt too
+    # a library swapped after the build (digest no longer matches) is rebuilt too; swapped by
+    # a rename, as an attacker would: writing into the file this process has mapped would
+    # crash it
     stamp = built.stat().st_mtime_ns
-    built.write_bytes(built.read_bytes() + b"\0")
+    swapped = built.with_name("swapped.tmp")
+    swapped.write_bytes(built.read_bytes() + b"\0")
+    os.replace(swapped, built)
     assert kbuild.build(src) == target and target.stat().st_mtime_ns != stamp
     assert (target.with_name(target.name + ".sha256").read_text().strip()
             == hashlib.sha256(target.read_bytes()).hexdigest())

@@ -138,6 +138,7 @@ def notes(cfg, rows) -> str:
     e, kv_dim = cfg.experts, cfg.num_kv_heads * cfg.resolved_head_dim
     qk_norms = cfg.num_layers * (cfg.d_model + kv_dim)
     lines = ["parameters (ours = dagmoe_jax.accounting; OLMoE = sum of p.numel()):"]
+    settled = settle(cfg)
     for r in rows:
         diff = r["olmoe_params"] - r["ours_params"]
         verdict = "= its q/k RMSNorm scales" if diff == qk_norms else "UNEXPECTED, not only q/k norms"
@@ -149,8 +150,8 @@ def notes(cfg, rows) -> str:
               "  OLMoE: RMSNorm on q and k, softmax router, load-balancing loss only, dropless experts, "
               "no activation recomputation (PyTorch eager)",
               f"  ours: no q/k norm, {cfg.router.score_fn} router, balance + z-loss, {dispatch}, "
-              f"remat '{cfg.remat}' (here: {REMAT_MEANING[settle(cfg).remat]}), "
-              f"attention '{cfg.attention}' (here: {describe_settled(settle(cfg), cfg)})"]
+              f"remat '{cfg.remat}' (here: {REMAT_MEANING[settled.remat]}), "
+              f"attention '{cfg.attention}' (here: {describe_settled(settled, cfg)})"]
     return "\n".join(lines)
 
 

@@ -32,9 +32,10 @@ list 0,3), --steps 400 [10], --batch 16 [4], --seq_len 128 [64], --eval_batches 
 --dag_dim 32, --out runs/bench_quality [runs/bench_quality_micro], --json OUT/quality.json,
 --gin.CLASS.FIELD=VALUE (extra gin bindings, repeatable).
 
-Runtime on this project's 2-core CPU: about 15-18 minutes a seed at the default budget (MoE
-about 60 s a run ... DAG-MoE L 3 about 150 s); --micro about 1 minute 40 s. The latest results
-(3 seeds, both corpora, the residual readings) are in benchmarks/RESULTS.md.
+Runtime on this project's 2-core CPU, measured while another benchmark shared it: 44 minutes
+for `--seeds 3` at the default budget (a run: MoE 58-86 s ... DAG-MoE L 3 163-210 s; each run's
+time is in OUT/quality.json); --micro about 1 minute 40 s. The latest results (3 seeds, both
+corpora, the residual readings) are in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations

@@ -13,18 +13,20 @@ evaluation, sampling, analysis and the benchmarks all go through the functions h
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple, Union
 
-import jax
 from flax import nnx
 
+from dagmoe_jax.cli import first_line
 from dagmoe_jax.config import AggregationConfig, CoEConfig, ExpertConfig, ModelConfig, RouterConfig
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.parallel import MeshConfig
+from dagmoe_jax.train.checkpoint import Checkpointer, json_diffs
 from dagmoe_jax.train.config import TrainConfig
 from dagmoe_jax.train.optim import OptimConfig
 
@@ -97,9 +99,9 @@ def load_configs(run_dir: PathLike):
     try:
         return configs_from_json(json.loads(path.read_text()))
     except (TypeError, KeyError, json.JSONDecodeError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"{path} is not a config this version of dagmoe_jax can read ({first}): "
-                         f"use the version that wrote the run, or fix the file") from None
+        raise ValueError(f"{path} is not a config this version of dagmoe_jax can read "
+                         f"({first_line(err)}): use the version that wrote the run, or fix the "
+                         f"file") from None
 
 
 # ModelConfig fields that change how the model runs, not what it computes: a run may resume
@@ -110,23 +112,6 @@ EXECUTION_FIELDS = ("remat", "scan_unroll", "attention", "attention_block", "fus
 # DataConfig fields that only change evaluation, not the training stream.
 EVALUATION_DATA_FIELDS = tuple(f"DataConfig.{name}" for name in
                                ("eval_source", "eval_split", "num_synthetic_eval", "worker_count"))
-
-
-def config_changes(old, new, prefix: str) -> List[str]:
-    """``'Prefix.field old -> new'`` for each field (nested ones dotted) that differs between two
-    configs of one dataclass type."""
-    def flat(value, key=""):
-        if dataclasses.is_dataclass(value):
-            value = dataclasses.asdict(value)
-        if isinstance(value, dict):
-            out = {}
-            for k, v in value.items():
-                out.update(flat(v, f"{key}.{k}" if key else k))
-            return out
-        return {key: value}
-    a, b = flat(old), flat(new)
-    return [f"{prefix}.{k} {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
-            if a.get(k) != b.get(k)]
 
 
 def resume_changes(run_dir: PathLike, model_cfg: ModelConfig, data_cfg: DataConfig,
@@ -147,9 +132,10 @@ def resume_changes(run_dir: PathLike, model_cfg: ModelConfig, data_cfg: DataConf
     if (Path(run_dir) / CONFIG_FILE).exists():
         try:
             _, old_data, _, _ = load_configs(run_dir)
-            data = [c for c in config_changes(old_data, data_cfg, "DataConfig")
+            data = [c for c in json_diffs(dataclasses.asdict(old_data),
+                                          dataclasses.asdict(data_cfg), "DataConfig")
                     if c.split(" ", 1)[0] not in EVALUATION_DATA_FIELDS]
-        except (ValueError, TypeError, KeyError):     # another library version's config.json
+        except ValueError:                           # another library version's config.json
             data = ["config.json is not readable by this version"]
     return model, data
 
@@ -195,7 +181,6 @@ def load_run(run_dir: PathLike, mesh=None, data_cfg: Optional[DataConfig] = None
     # Imported here: the training loop imports this module.
     from dagmoe_jax.data import make_tokenizer  # pylint: disable=import-outside-toplevel
     from dagmoe_jax.parallel import activate  # pylint: disable=import-outside-toplevel
-    from dagmoe_jax.train.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
     from dagmoe_jax.train.loop import build  # pylint: disable=import-outside-toplevel
 
     run_dir = Path(run_dir)
@@ -210,22 +195,15 @@ def load_run(run_dir: PathLike, mesh=None, data_cfg: Optional[DataConfig] = None
         model, optimizer, _ = build(model_cfg, optim_cfg, train_cfg, mesh, log=log)
         return model, optimizer
 
-    if mesh is None:
-        model, optimizer = nnx.eval_shape(make)
-        abstract = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
-    else:
-        model, optimizer = make()
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-            {"model": nnx.state(model), "optimizer": nnx.state(optimizer)})
+    # On one device only the shapes are built; on a mesh the sharded arrays themselves, whose
+    # shapes and shardings ``restore`` reads.
+    model, optimizer = nnx.eval_shape(make) if mesh is None else make()
+    abstract = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
     with Checkpointer(run_dir / CHECKPOINT_DIR, save_every=train_cfg.save_every,
                       keep=train_cfg.keep_checkpoints, async_save=False,
-                      read_only=True) as checkpointer:
-        if mesh is None:
-            restored = checkpointer.restore(abstract, expected_meta=model_meta(model_cfg))
-        else:
-            with activate(mesh):
-                restored = checkpointer.restore(abstract, expected_meta=model_meta(model_cfg))
+                      read_only=True) as checkpointer, \
+            (contextlib.nullcontext() if mesh is None else activate(mesh)):
+        restored = checkpointer.restore(abstract, expected_meta=model_meta(model_cfg))
     if restored is None:
         raise ValueError(f"no checkpoint in {run_dir / CHECKPOINT_DIR}: train first")
     nnx.update(model, restored.state["model"])

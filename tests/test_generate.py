@@ -274,3 +274,11 @@ def test_cli_errors_are_one_line(smoke_run, capsys, argv, match):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert match in err and err.startswith("error: ") and "\n" not in err
+
+
+def test_a_prefill_cache_shorter_than_the_prompt_is_a_clear_error():
+    model = model_for("moe-dag")
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    with pytest.raises(ValueError, match=r"the cache has 4 slots, fewer than the prompts' 8 "
+                                         r"tokens: make it with init_cache"):
+        model(tokens, cache=model.init_cache(2, 4))

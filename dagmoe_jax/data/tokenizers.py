@@ -11,6 +11,7 @@ import abc
 import os
 from typing import Sequence
 
+from dagmoe_jax.cli import first_line
 from dagmoe_jax.data.config import DataConfig
 
 HF_EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<eos>")
@@ -81,9 +82,8 @@ class _FromFile(Tokenizer):
         except ValueError:
             raise
         except Exception as err:  # noqa: BLE001 -- the libraries raise RuntimeError, Exception
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ValueError(f"DataConfig.tokenizer_path={path!r} is not a {self.KIND} "
-                             f"({first}): point it at one") from None
+                             f"({first_line(err)}): point it at one") from None
 
     @abc.abstractmethod
     def _load(self) -> None:

@@ -144,6 +144,10 @@ def train_and_evaluate(budget: QualityBudget, variant: str, seed: int, run_dir: 
     return record
 
 
+def _ppl_by_seed(runs) -> Dict[int, float]:
+    return {r["seed"]: r["perplexity"] for r in runs}
+
+
 def summarize(runs: Sequence[dict]) -> Dict[str, dict]:
     """Per variant: params, mean +- std over seeds of loss and perplexity, and the improvement
     over the reference (MoE without shared expert), absolute and relative, from mean
@@ -160,7 +164,7 @@ def summarize(runs: Sequence[dict]) -> Dict[str, dict]:
         summary[variant] = {"params": group[0]["params"], "description": group[0]["description"],
                             "seeds": len(group), "loss": list(loss), "perplexity": list(ppl)}
     reference = summary.get(REFERENCE)
-    ref_ppl = {r["seed"]: r["perplexity"] for r in by_variant.get(REFERENCE, [])}
+    ppl = {v: _ppl_by_seed(group) for v, group in by_variant.items()}
     for variant, row in summary.items():
         if reference is not None:
             delta = reference["perplexity"][0] - row["perplexity"][0]
@@ -168,13 +172,10 @@ def summarize(runs: Sequence[dict]) -> Dict[str, dict]:
             row["relative_improvement"] = delta / reference["perplexity"][0]
             row["added_params"] = row["params"] - reference["params"]
             if variant != REFERENCE:
-                row["paired_improvement"] = paired_difference(
-                    ref_ppl, {r["seed"]: r["perplexity"] for r in by_variant[variant]})
+                row["paired_improvement"] = paired_difference(ppl[REFERENCE], ppl[variant])
         if EQUAL_PARAMS_REFERENCE in by_variant and variant not in (REFERENCE,
                                                                      EQUAL_PARAMS_REFERENCE):
-            row["paired_vs_shared"] = paired_difference(
-                {r["seed"]: r["perplexity"] for r in by_variant[EQUAL_PARAMS_REFERENCE]},
-                {r["seed"]: r["perplexity"] for r in by_variant[variant]})
+            row["paired_vs_shared"] = paired_difference(ppl[EQUAL_PARAMS_REFERENCE], ppl[variant])
         row["paper_ppl_improvement"] = PAPER_S_ABLATION.get(variant)
         row["paper_relative_improvement"] = paper_relative(variant)
     return summary
@@ -186,7 +187,7 @@ def compare_runs(runs_a: Sequence[dict], runs_b: Sequence[dict], name_a: str = "
     mean perplexity of each and their seed-paired difference B - A, beyond the seed spread or
     not (paired t-test, 5%). Variants missing from either side are left out."""
     def by_seed(runs, variant):
-        return {r["seed"]: r["perplexity"] for r in runs if r["variant"] == variant}
+        return _ppl_by_seed(r for r in runs if r["variant"] == variant)
     lines = [f"{'variant':<22}{name_a:>12}{name_b:>12}{'B - A (paired)':>20}{'beyond':>8}"]
     for variant in VARIANTS:
         a, b = by_seed(runs_a, variant), by_seed(runs_b, variant)

@@ -112,7 +112,7 @@ def dag_block_output(updates: jax.Array, x: jax.Array, reading: str) -> jax.Arra
     added to the stream a second time. Computed from the updates, not as y - x, so that with
     W_up = 0 it is the weighted sum of eq. 1 with no cancellation error in any dtype.
     """
-    y = jnp.sum(updates, axis=1)
+    y = dag_readout(updates)
     return y + x if reading == "literal" else y
 
 

@@ -81,13 +81,13 @@ def dispatch_axes(layout: MeshLayout) -> Tuple[AxisNames, AxisNames, AxisNames]:
 
 
 def _capacity_shard(x, indices, weights, *, num_experts: int, capacity_factor: float,
-                    experts: Optional[object], hidden: Optional[object]):
+                    experts: Optional[object], hidden: Optional[object], fused: bool):
     """One device's capacity dispatch: local buffers, all-to-all to the local experts, back."""
     cap = expert_capacity(x.shape[0], indices.shape[1], num_experts, capacity_factor)
     buffer, slot, holder, keep = capacity_gather(x, indices, num_experts, cap)     # [N, C, d]
     if experts is not None:
         buffer = jax.lax.all_to_all(buffer, experts, 0, 1, tiled=True)           # [N/E, E*C, d]
-    y = apply_experts(buffer, weights)
+    y = apply_experts(buffer, weights, fused)
     if hidden is not None:
         y = jax.lax.psum(y, hidden)
     if experts is not None:
@@ -124,7 +124,7 @@ def _dropless_shard(x, indices, weights, *, experts: Optional[object], hidden: O
 
 
 def sharded_dispatch(mode: str, x: jax.Array, indices: jax.Array, weights: ExpertWeights,
-                     capacity_factor: float, layout: MeshLayout):
+                     capacity_factor: float, layout: MeshLayout, fused: bool = False):
     """:func:`dagmoe_jax.model.dispatch.dispatch` across ``layout``'s mesh (module docstring).
 
     Same inputs and outputs as the single-device dispatch (global view): tokens ``x`` [T, d],
@@ -132,21 +132,23 @@ def sharded_dispatch(mode: str, x: jax.Array, indices: jax.Array, weights: Exper
     N must divide over the expert axes and d_r over the hidden axes (else a one-line
     ``ValueError``). A token count T the token axes do not divide (sampling a single sequence,
     an odd evaluation batch) falls back to the global-view single-device dispatch, which XLA
-    partitions through the sharding constraints: correct, but not expert-parallel.
+    partitions through the sharding constraints: correct, but not expert-parallel. ``fused``:
+    gate and up projections as one matmul (``ModelConfig.fuse_gate_up``, settled to False on a
+    mesh, where concatenating tensor-sharded weights would move them).
     """
     tokens, experts, hidden = dispatch_axes(layout)
     n, d_r = weights[0].shape[0], weights[0].shape[-1]
     if x.shape[0] % layout.size(tokens):
         # e.g. sampling one sequence on a mesh: the global-view dispatch, which XLA partitions
         # by the sharding constraints alone (correct, single-device capacity semantics, slower)
-        return dispatch(mode, x, indices, weights, capacity_factor)
+        return dispatch(mode, x, indices, weights, capacity_factor, fused)
     for what, size, axes in (("experts N", n, experts), ("expert hidden d_r", d_r, hidden)):
         if size % layout.size(axes):
             raise ValueError(f"expert-parallel dispatch: {what}={size} is not divisible by the "
                              f"{layout.size(axes)} devices of mesh axes {axes}")
     if mode == "capacity":
         body = partial(_capacity_shard, num_experts=n, capacity_factor=capacity_factor,
-                       experts=_axis(experts), hidden=_axis(hidden))
+                       experts=_axis(experts), hidden=_axis(hidden), fused=fused)
     elif mode == "dropless":
         body = partial(_dropless_shard, experts=_axis(experts), hidden=_axis(hidden))
     else:

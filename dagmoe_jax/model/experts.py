@@ -49,6 +49,6 @@ class Experts(nnx.Module):
         weights = tuple(w[...].astype(self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
         if self.mode != "dense" and self.layout is not None:
             return sharded_dispatch(self.mode, x.astype(self.dtype), indices, weights,
-                                    self.capacity_factor, self.layout)
+                                    self.capacity_factor, self.layout, self.fuse_gate_up)
         return dispatch(self.mode, x.astype(self.dtype), indices, weights, self.capacity_factor,
                         self.fuse_gate_up)

@@ -131,8 +131,11 @@ class Transformer(nnx.Module):
         if s > cfg.max_seq_len:
             raise ValueError(f"sequence length {s} exceeds ModelConfig.max_seq_len={cfg.max_seq_len}: "
                              f"shorten the inputs or raise max_seq_len")
-        offset = jnp.zeros((b,), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
-        positions = offset[:, None] + jnp.arange(s)
+        if cache is not None and start is None and cache.k.shape[2] < s:
+            raise ValueError(f"the cache has {cache.k.shape[2]} slots, fewer than the prompts' "
+                             f"{s} tokens: make it with init_cache(batch, length >= {s})")
+        positions = (jnp.arange(s)[None, :] if start is None         # one row serves the batch
+                     else jnp.asarray(start, jnp.int32)[:, None] + jnp.arange(s))
         sin, cos = rope_angles(positions, cfg.resolved_head_dim, cfg.rope_theta)
         h = self.embed[...].astype(dtype_of(cfg.compute_dtype))[tokens]
         h = constrain(h, ("batch", "length", "embed"))

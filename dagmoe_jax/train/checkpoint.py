@@ -222,7 +222,7 @@ def _flatten_json(value, prefix: str = "") -> Dict[str, Any]:
     return {prefix: value}
 
 
-def _json_diffs(saved: Any, expected: Any, prefix: str) -> List[str]:
+def json_diffs(saved: Any, expected: Any, prefix: str) -> List[str]:
     """``'prefix.key saved -> expected'`` for keys of ``expected`` that differ in ``saved``."""
     have = _flatten_json(saved, prefix)
     want = _flatten_json(expected, prefix)
@@ -448,7 +448,7 @@ class Checkpointer:
             skipped = self._move_aside(failures, fallback=step)
             diffs = []
             if expected_meta:
-                diffs = _json_diffs({k: meta.get(k) for k in expected_meta if k in meta},
+                diffs = json_diffs({k: meta.get(k) for k in expected_meta if k in meta},
                                     expected_meta, "")
             return Restored(step=step, state=state, meta=meta, skipped=skipped, meta_diffs=diffs)
         listed = ", ".join(f"step {s} ({e})" for s, e in failures)
@@ -504,7 +504,7 @@ class Checkpointer:
         if len(problems) > 1:
             message += f" (and {len(problems) - 1} more arrays differ)"
         if expected_meta and "model_config" in expected_meta and isinstance(meta, dict):
-            diffs = _json_diffs(meta.get("model_config"), expected_meta["model_config"],
+            diffs = json_diffs(meta.get("model_config"), expected_meta["model_config"],
                                 "model_config")
             if diffs:
                 shown = ", ".join(diffs[:_MAX_LISTED_DIFFS])

@@ -328,8 +328,7 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
                 say(f"final eval at step {step}: " + _format_eval(final_eval))
         finally:
             bar.close()
-            checkpointer.wait()
-            checkpointer.close()
+            checkpointer.close()                 # waits for (and checksums) a pending save
             writer.close()
     return RunResult(run_dir=str(run_dir), step=step, resumed_from=start or None,
                      interrupted=bool(stop), eval=final_eval, losses=losses)

@@ -73,11 +73,12 @@ def main(argv=None) -> int:
     import gin
     import jax
     from dagmoe_jax.accounting import account
-    from dagmoe_jax.cli import report_error
+    from dagmoe_jax.cli import quiet_background_errors, report_error
     from dagmoe_jax.gin_utils import load_configs
     from dagmoe_jax.parallel.multihost import initialize
     from dagmoe_jax.train.loop import NonFiniteLossError, evaluate_checkpoint, train
 
+    quiet_background_errors()
     try:
         initialize(args.coordinator_address, args.num_processes, args.process_id)
         if args.mode == "eval":

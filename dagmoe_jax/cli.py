@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -24,6 +26,45 @@ def report_error(err: BaseException, code: int = 2) -> int:
     """Print ``error: <first line>`` to stderr and return the exit code (2: bad input)."""
     print(f"error: {first_line(err)}", file=sys.stderr)
     return code
+
+
+class _BackgroundNoise(logging.Filter):
+    """Drops what asyncio and Orbax's threads log about a read or write that failed: the caller
+    that waits on it reports the failure once (one line), and these repeat it with tracebacks,
+    once per array (hundreds of lines after one corrupt checkpoint or a full disk)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "asyncio":
+            return "exception was never retrieved" not in str(record.msg)
+        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+
+
+def _drop_closed_loop_errors(hook):
+    def unraisablehook(unraisable):
+        # TensorStore callbacks of an abandoned Orbax read or write, arriving after its event
+        # loop closed, report "RuntimeError: Event loop is closed" as unraisable.
+        value = unraisable.exc_value
+        if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+            return
+        hook(unraisable)
+    unraisablehook.quiets_closed_loops = True
+    return unraisablehook
+
+
+def quiet_background_errors() -> None:
+    """Silence the echoes of a failed checkpoint read or write (asyncio's "exception was never
+    retrieved", Orbax's thread errors, "Event loop is closed", "coroutine ... was never
+    awaited"). For command lines only, whose callers report the failure itself in one line;
+    the library leaves logging alone. Idempotent."""
+    noise = _BackgroundNoise()
+    for name in ("asyncio", "absl"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _BackgroundNoise) for f in logger.filters):
+            logger.addFilter(noise)
+    if not getattr(sys.unraisablehook, "quiets_closed_loops", False):
+        sys.unraisablehook = _drop_closed_loop_errors(sys.unraisablehook)
+    warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited",
+                            category=RuntimeWarning)
 
 
 def gin_flag_bindings(args: Iterable[str]) -> Tuple[List[str], List[str]]:

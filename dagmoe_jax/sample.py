@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dagmoe_jax.cli import report_error
+from dagmoe_jax.cli import quiet_background_errors, report_error
 
 
 class _Parser(argparse.ArgumentParser):
@@ -73,6 +73,7 @@ def main(argv=None) -> int:
     from dagmoe_jax.generate import check_settings, generate
     from dagmoe_jax.runs import load_run
 
+    quiet_background_errors()
     try:
         check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
         run = load_run(args.run_dir, log=lambda message: print(message, file=sys.stderr,

@@ -343,3 +343,59 @@ def test_a_flipped_byte_is_caught_by_the_checksums_and_falls_back(tmp_path):
     assert restored.step == 1 and "checksum mismatch" in restored.skipped[0]
     np.testing.assert_array_equal(np.asarray(restored.state["w"]), np.arange(4096) + 1)
     assert (tmp_path / "2.corrupt").is_dir()
+
+
+@pytest.fixture
+def file_size_limit():
+    """Writes past ``limit`` bytes fail (EFBIG) while the fixture is active, as on a full disk
+    (Python ignores SIGXFSZ, so the write returns the error instead of killing the process)."""
+    import resource
+
+    saved = resource.getrlimit(resource.RLIMIT_FSIZE)
+
+    def limit(size: int) -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size, saved[1]))
+
+    yield limit
+    resource.setrlimit(resource.RLIMIT_FSIZE, saved)
+
+
+def test_a_failed_background_save_is_one_error_and_never_a_step(tmp_path, file_size_limit):
+    """A full disk during an asynchronous save: ``check_for_errors`` raises it (one line, the
+    step, the OS's reason, where a rerun resumes) without waiting for another save, ``close``
+    does not raise it twice, and the failed save never becomes a step."""
+    from dagmoe_jax.cli import quiet_background_errors
+    from dagmoe_jax.train.checkpoint import CheckpointSaveError
+
+    quiet_background_errors()
+    ckpt = Checkpointer(tmp_path, save_every=1)
+    big = {"w": jax.random.normal(jax.random.key(0), (256, 256))}   # 256 KiB, incompressible
+    ckpt.save(1, big, meta={})
+    ckpt.wait()
+    file_size_limit(64 * 1024)
+    ckpt.save(2, {"w": big["w"] + 1}, meta={})
+    deadline = time.monotonic() + 30
+    with pytest.raises(CheckpointSaveError) as failed:
+        while time.monotonic() < deadline:
+            ckpt.check_for_errors()
+            time.sleep(0.01)
+    message = str(failed.value)
+    assert "\n" not in message
+    assert message.startswith(f"saving checkpoint step 2 in {tmp_path} failed ([Errno 27] ")
+    assert message.endswith("run the same command again to resume from step 1")
+    ckpt.close()                                     # reported once: no second error
+    assert ckpt.all_steps() == [1]
+    restored = Checkpointer(tmp_path, save_every=1, read_only=True).restore(abstract_of(big))
+    assert restored.step == 1
+
+
+def test_a_failed_synchronous_save_raises_at_once(tmp_path, file_size_limit):
+    from dagmoe_jax.train.checkpoint import CheckpointSaveError
+
+    file_size_limit(64 * 1024)
+    ckpt = Checkpointer(tmp_path, save_every=1, async_save=False)
+    with pytest.raises(CheckpointSaveError, match=r"step 3 .* then run the same command again "
+                                                  r"to start over$"):
+        ckpt.save(3, {"w": jax.random.normal(jax.random.key(1), (256, 256))}, meta={})
+    ckpt.close()
+    assert ckpt.all_steps() == []

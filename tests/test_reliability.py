@@ -171,6 +171,29 @@ def test_bad_paths_and_files_are_one_line_errors(tmp_path, short_run):
     assert a_file.read_text() == "not a model\n"
 
 
+def test_a_full_disk_stops_the_run_at_the_failed_save_in_one_line(tmp_path):
+    """ENOSPC during a save printed 420 lines and trained 5 more steps past it. A file-size
+    limit (writes fail with EFBIG, as on a full disk) lets the configs and metrics through but
+    not the checkpoint's arrays: one line naming the step and the OS's reason, exit 2, no step
+    trained after the failed save, and no checkpoint step left behind."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+
+    run_dir = tmp_path / "run"
+    result = subprocess.run([*TRAIN, f"--run_dir={run_dir}",
+                             "--gin.TrainConfig.async_checkpoint=False"], capture_output=True,
+                            text=True, timeout=300, env=ENV, cwd=tmp_path, preexec_fn=limit)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip() == (
+        f"error: saving checkpoint step 10 in {run_dir / 'checkpoints'} failed ([Errno 27] File "
+        f"too large): free space or fix the file system, then run the same command again to "
+        f"start over")
+    assert max(r["step"] for r in read_metrics(run_dir)) == 10
+    assert not [n for n in os.listdir(run_dir / "checkpoints") if n.isdigit()]
+
+
 def test_a_huge_document_is_read_in_pieces(tmp_path):
     """One enormous line (a 4 MB line took 1.76 GB and 312 s for 10 steps): the text source
     reads it as pieces of at most 64 KiB that put the document back together exactly, EOS
@@ -249,3 +272,44 @@ def test_process_flags_without_a_coordinator_are_refused(monkeypatch):
                                          r"coordinator: pass --coordinator_address"):
         initialize("", 2, 1)
     assert initialize("", 1, 0) == "single" and initialize() == "single"
+
+
+def test_echoes_of_a_failed_checkpoint_read_are_silenced_on_the_command_line(monkeypatch):
+    """After a corrupt checkpoint, asyncio, Orbax's threads and TensorStore's callbacks repeated
+    the one failure 300-1,600 times on stderr. The command lines drop those echoes, and only
+    those: other errors still print."""
+    import asyncio
+    import logging
+    import types
+
+    from dagmoe_jax.cli import quiet_background_errors
+
+    printed = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: printed.append(str(u.exc_value)))
+    for name in ("asyncio", "absl"):
+        monkeypatch.setattr(logging.getLogger(name), "filters", [])
+    quiet_background_errors()
+    quiet_background_errors()                        # idempotent: one filter, one hook
+    assert len(logging.getLogger("asyncio").filters) == 1
+    try:
+        raise ValueError("OUT_OF_RANGE: Error reading")
+    except ValueError:
+        err = sys.exc_info()
+
+    def record(name, msg, pathname, exc_info=None):
+        return logging.LogRecord(name, logging.ERROR, pathname, 1, msg, None, exc_info)
+
+    asyncio_logger, absl_logger = logging.getLogger("asyncio"), logging.getLogger("absl")
+    assert not asyncio_logger.filter(record("asyncio", "Task exception was never retrieved",
+                                            asyncio.__file__, err))
+    assert not absl_logger.filter(record("absl", "Failed to run 4 Handler Commit operations",
+                                         "/site-packages/orbax/checkpoint/x.py", err))
+    assert asyncio_logger.filter(record("asyncio", "Exception in callback", asyncio.__file__))
+    assert absl_logger.filter(record("absl", "a real error", "/site-packages/flax/x.py"))
+    unraisable = types.SimpleNamespace(exc_type=RuntimeError, err_msg=None, object=None,
+                                       exc_value=RuntimeError("Event loop is closed"),
+                                       exc_traceback=None)
+    sys.unraisablehook(unraisable)
+    unraisable.exc_value = RuntimeError("something else")
+    sys.unraisablehook(unraisable)
+    assert printed == ["something else"]

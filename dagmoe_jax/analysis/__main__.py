@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dagmoe_jax.cli import report_error
+from dagmoe_jax.cli import quiet_background_errors, report_error
 
 
 class _Parser(argparse.ArgumentParser):
@@ -45,6 +45,7 @@ def main(argv=None) -> int:
             raise ValueError("--run_dir=DIR and --out=DIR are required (see --help)")
         if args.batches < 1:
             raise ValueError(f"--batches={args.batches} is invalid: expected an integer >= 1")
+        quiet_background_errors()
         from dagmoe_jax.analysis.report import analyze_run  # pylint: disable=import-outside-toplevel
 
         results = analyze_run(args.run_dir, args.out, data=args.data, max_batches=args.batches)

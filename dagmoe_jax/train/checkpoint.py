@@ -43,21 +43,31 @@ Robustness:
   naming the first differing array and, given ``expected_meta['model_config']``, the differing
   config fields). That is not corruption: nothing is moved and no older step is tried.
 
+* A save that fails (a full disk, a quota, a read-only file system) raises
+  ``CheckpointSaveError`` (one line, naming the step, the cause and the step a rerun resumes
+  from) from the call that first learns of it: ``save``, ``wait``, ``close`` or
+  ``check_for_errors``, which a loop calls after every step so that it stops at the failed save
+  rather than at the next one. The failed save stays an Orbax tmp directory, never a step; the
+  previous checkpoints are untouched.
+
 Caveats: ``<step>.corrupt`` directories are not counted by ``keep`` and never deleted (remove
 them by hand once inspected). Single-controller use is assumed for moving directories aside
-(only process 0 renames). When an array read fails, Orbax abandons its other pending reads;
-Python later reports them on stderr ("Exception ignored in: <coroutine ...>", "Event loop is
-closed"): noise, not a second failure.
+(only process 0 renames). When an array read or write fails, Orbax abandons its other pending
+reads or writes, and asyncio, absl and Python report each of them on stderr ("Task exception
+was never retrieved", "Event loop is closed"): noise, not a second failure, which the command
+lines silence with :func:`dagmoe_jax.cli.quiet_background_errors`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import operator
 import os
+import re
 from typing import Any, Dict, List, Optional, Tuple
 
 import grain
@@ -183,6 +193,23 @@ def _first_line(err: BaseException) -> str:
     return line
 
 
+def _os_cause(err: BaseException) -> str:
+    """The operating system's reason for a failed write ("[Errno 28] No space left on
+    device"), which TensorStore puts at the end of a long message as ``os_error_code='28'``;
+    else the error's first line."""
+    seen, inner = set(), err
+    while inner is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        if isinstance(inner, OSError) and inner.errno:
+            return f"[Errno {inner.errno}] {os.strerror(inner.errno)}"
+        found = re.search(r"os_error_code='?(\d+)", str(inner))
+        if found:
+            code = int(found.group(1))
+            return f"[Errno {code}] {os.strerror(code)}"
+        inner = inner.__cause__ or inner.__context__
+    return _first_line(err)
+
+
 def _key_name(key) -> str:
     for attr in ("key", "name", "idx"):
         if hasattr(key, attr):
@@ -240,6 +267,10 @@ def json_diffs(saved: Any, expected: Any, prefix: str) -> List[str]:
     return out
 
 
+class CheckpointSaveError(ValueError):
+    """A checkpoint could not be written (one line: the step, the cause, what to do)."""
+
+
 def _abstractify(leaf):
     if isinstance(leaf, jax.ShapeDtypeStruct) or not hasattr(leaf, "shape"):
         return leaf
@@ -272,6 +303,8 @@ class Checkpointer:
         self.keep = keep
         self.async_save = bool(async_save)
         self.read_only = bool(read_only)
+        self._pending: Optional[int] = None    # the step of the save in flight
+        self._failed = False                   # a save failed and was reported
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         registry.add(STATE_ITEM, ocp.args.StandardSave)
         registry.add(STATE_ITEM, ocp.args.StandardRestore)
@@ -346,11 +379,13 @@ class Checkpointer:
         items = {STATE_ITEM: ocp.args.StandardSave(state), META_ITEM: ocp.args.JsonSave(meta)}
         if data_iterator is not None:
             items[DATA_ITEM] = grain.checkpoint.CheckpointSave(_IteratorSnapshot(data_iterator))
-        self._manager.wait_until_finished()          # the previous save has committed:
-        self._record_checksums()                     # its manifest first
-        started = bool(self._manager.save(step, args=ocp.args.Composite(**items), force=force))
+        self.wait()                                  # the previous save has committed,
+        self._pending = step                         # with its manifest
+        with self._save_errors():
+            started = bool(self._manager.save(step, args=ocp.args.Composite(**items),
+                                              force=force))
         if not self.async_save:
-            self._record_checksums()
+            self.wait()
         return started
 
     def should_save(self, step: int) -> bool:
@@ -358,10 +393,43 @@ class Checkpointer:
         return bool(self._manager.should_save(step))
 
     def wait(self) -> None:
-        """Block until pending asynchronous saves are written (re-raises their errors), and
-        record the checksums of the steps committed since."""
-        self._manager.wait_until_finished()
+        """Block until pending asynchronous saves are written, and record the checksums of the
+        steps committed since. A failed save raises :class:`CheckpointSaveError`."""
+        with self._save_errors():
+            self._manager.wait_until_finished()
+        self._pending = None
         self._record_checksums()
+
+    def check_for_errors(self) -> None:
+        """Raise :class:`CheckpointSaveError` now if the background save has failed. Cheap: it
+        never waits for a save in flight; once that save has ended (committed or failed) it
+        collects the outcome. With several processes it does nothing (one process might learn
+        of a failure a step before another and leave it waiting in a collective): the next
+        ``save`` or ``wait``, which every process reaches at the same step, reports it."""
+        if (self._pending is not None and jax.process_count() == 1
+                and not self._manager.is_saving_in_progress()):
+            self.wait()
+
+    @contextlib.contextmanager
+    def _save_errors(self):
+        """Turn any failure of Orbax's writing into one :class:`CheckpointSaveError`, once: the
+        calls after it (``close`` in a ``finally``) do not repeat it over the first report."""
+        try:
+            yield
+        except CheckpointSaveError:
+            raise
+        except Exception as err:  # noqa: BLE001 -- OSError, tensorstore's ValueError, ...
+            if self._failed:
+                return
+            self._failed = True
+            step = self._pending
+            done = [s for s in self._manager.all_steps() if step is None or s < step]
+            resume = (f"run the same command again to resume from step {max(done)}" if done
+                      else "run the same command again to start over")
+            raise CheckpointSaveError(
+                f"saving checkpoint {'' if step is None else f'step {step} '}in "
+                f"{self.directory} failed ({_os_cause(err)}): free space or fix the file "
+                f"system, then {resume}") from None
 
     def _record_checksums(self) -> None:
         """Write the manifest of every committed step that lacks one (process 0 only)."""
@@ -385,8 +453,11 @@ class Checkpointer:
 
     def close(self) -> None:
         """Finish pending saves (recording their checksums) and release Orbax's resources."""
-        self.wait()
-        self._manager.close()
+        try:
+            self.wait()
+        finally:
+            with self._save_errors():
+                self._manager.close()
 
     def __enter__(self) -> "Checkpointer":
         return self

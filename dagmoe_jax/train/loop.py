@@ -307,6 +307,7 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
                         writer.write(step, result, prefix="eval/")
                         bar.write(f"step {step}: " + _format_eval(result))
                         window_start, window_steps = time.perf_counter(), 0
+                    checkpointer.check_for_errors()      # stop at a failed save, not later
                     force = bool(stop) or step == train_cfg.steps
                     if force or checkpointer.should_save(step):   # gather the state only then
                         _check_saveable(model, device_batch, step, run_dir)

@@ -178,3 +178,31 @@ def test_tfds_pipeline_with_eval_split(tfds_dir):
     assert batch["inputs"].shape == (2, 8)
     held = DataConfig(source="tfds:dagmoe_tiny_text", tfds_data_dir=tfds_dir, seq_len=8)
     assert len(train_source(held)) == 11  # 5% of 12 rounds to 0: at least one held out
+
+
+def test_binary_or_latin1_text_is_trained_on_with_a_warning(tmp_path, monkeypatch, caplog):
+    """Latin-1 text and binary files were trained on without a word (as U+FFFD characters and
+    NULs). Each now logs one warning naming the file, the offset and the fix; UTF-8 text whose
+    multi-byte characters straddle the scan's blocks does not."""
+    import logging
+
+    from dagmoe_jax.data.sources import TextSource
+
+    monkeypatch.setattr(TextSource, "_BLOCK", 7)        # characters cut across blocks
+    good = tmp_path / "good.txt"
+    good.write_text("café crème brûlée\n\nnaïve – “quoted” 日本語\n", encoding="utf-8")
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("plain words, then café\n".encode("latin-1"))
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(b"GGUF\x00\x01\x02\x03 weights\n")
+    with caplog.at_level(logging.WARNING, logger="dagmoe_jax.data.sources"):
+        assert TextSource([str(good)])[1] == "naïve – “quoted” 日本語"
+        assert not caplog.records
+        TextSource([str(latin), str(binary)])
+        TextSource([str(latin)])                          # once per file
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{latin} is not UTF-8 text (byte 0xe9 at offset 21 is not valid UTF-8; Latin-1?): its "
+        f"undecodable bytes train as U+FFFD replacement characters; convert it (iconv -f latin1 "
+        f"-t utf-8) or leave it out",
+        f"{binary} looks binary (a NUL byte at offset 4), not text: leave it out of "
+        f"DataConfig.source"]

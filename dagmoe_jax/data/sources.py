@@ -15,8 +15,10 @@ Every problem found while opening a source is a one-line ``ValueError`` naming t
 
 from __future__ import annotations
 
+import codecs
 import glob
 import json
+import logging
 import os
 from typing import Sequence
 
@@ -25,6 +27,8 @@ import numpy as np
 from dagmoe_jax.cli import first_line
 from dagmoe_jax.data.config import DataConfig, parse_source
 from dagmoe_jax.data.tasks import generate
+
+logger = logging.getLogger(__name__)
 
 TRAIN_STREAM, HELDOUT_STREAM, TASK_EVAL_STREAM = 0, 1, 2
 _MAGIC = set("*?[")
@@ -123,6 +127,43 @@ class Piece(str):
         return Piece, (str(self),)
 
 
+class _TextCheck:
+    """Finds the first sign that a text file is not UTF-8 text: a NUL byte (a binary file) or
+    an invalid UTF-8 sequence (Latin-1 or another 8-bit encoding). Such bytes would train as
+    U+FFFD replacement characters (or NULs) without a word, so the first one found in a file
+    is logged as a warning, once per file and process."""
+
+    warned: set = set()
+
+    def __init__(self, path: str):
+        self.path = path
+        self._decoder = codecs.getincrementaldecoder("utf-8")("strict")
+
+    def feed(self, block: bytes, pos: int) -> None:
+        """Check ``block`` (the file's bytes from offset ``pos``; empty at the end)."""
+        if self._decoder is None:
+            return
+        problem = None
+        nul = block.find(b"\0")
+        try:
+            self._decoder.decode(block[:nul] if nul >= 0 else block, final=not block)
+        except UnicodeDecodeError as err:
+            offset = pos + err.start
+            problem = (f"is not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset "
+                       f"{offset} is not valid UTF-8; Latin-1?): its undecodable bytes train as "
+                       f"U+FFFD replacement characters; convert it (iconv -f latin1 -t utf-8) "
+                       f"or leave it out") if err.start < len(err.object) else (
+                       "ends inside a UTF-8 character (truncated?)")
+        if problem is None and nul >= 0:
+            problem = (f"looks binary (a NUL byte at offset {pos + nul}), not text: leave it "
+                       f"out of DataConfig.source")
+        if problem is not None:
+            self._decoder = None
+            if self.path not in self.warned:
+                self.warned.add(self.path)
+                logger.warning("%s %s", self.path, problem)
+
+
 class TextSource(_Indexed):
     """Plain text files; a document is a maximal run of non-blank lines (its final newline
     dropped). Blank (whitespace-only) lines separate documents and are not part of any.
@@ -153,12 +194,15 @@ class TextSource(_Indexed):
 
     def _documents(self, path: str):
         """(start, end) byte ranges of the documents of ``path``, read block by block (lines
-        are found with ``bytes.find``, so a line of any length costs one block of memory)."""
+        are found with ``bytes.find``, so a line of any length costs one block of memory).
+        The blocks are checked for UTF-8 on the way (:class:`_TextCheck`)."""
         pos, start, end = 0, None, 0
         line_start, line_blank, last = 0, True, b""
+        check = _TextCheck(path)
         with open(path, "rb") as f:
             while True:
                 block = f.read(self._BLOCK)
+                check.feed(block, pos)
                 if not block:
                     break
                 offset = 0

@@ -313,3 +313,54 @@ def test_echoes_of_a_failed_checkpoint_read_are_silenced_on_the_command_line(mon
     unraisable.exc_value = RuntimeError("something else")
     sys.unraisablehook(unraisable)
     assert printed == ["something else"]
+
+
+def _children(pid: int) -> list:
+    kids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except (OSError, ValueError):
+            continue
+        if entry.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            kids.append(int(entry))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process parents from /proc")
+def test_grain_workers_exit_when_the_training_process_is_killed(tmp_path):
+    """With DataConfig.worker_count=2, a SIGKILL of the training process left its grain worker
+    processes running, orphaned. They now exit within a second or two of their parent."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([*TRAIN, f"--run_dir={run_dir}", "--gin.DataConfig.worker_count=2",
+                             "--gin.TrainConfig.steps=100000"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=ENV, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 240
+        while not (run_dir / METRICS_FILE).exists() or not read_metrics(run_dir):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        workers = _children(proc.pid)
+        assert len(workers) >= 2, workers             # 2 grain workers (+ a resource tracker)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 20
+    while any(map(_alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in workers if _alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left

@@ -13,8 +13,12 @@ are the inputs shifted left by one within a window of seq_len + 1 tokens) and ``
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+import os
+import threading
+import time
 from typing import Optional, Sequence, Union
 
 import grain
@@ -54,6 +58,22 @@ def _shift(window: dict) -> dict:
     return {"inputs": tokens[:-1], "targets": tokens[1:], "mask": segments[1:] != 0}
 
 
+def _exit_with_parent(parent: int, worker: int, workers: int) -> None:
+    """Run in each grain worker process: exit as soon as the process that started it is gone.
+    A training process killed with SIGKILL cannot stop its workers, which otherwise live on,
+    orphaned, holding memory and shared-memory buffers. (A watcher thread rather than
+    ``PR_SET_PDEATHSIG``, which fires when the *thread* that started the worker ends, and grain
+    starts workers from a thread pool.)"""
+    del worker, workers
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def _absl_flags_parsed() -> None:
     """grain's worker processes read absl flags; outside ``absl.app.run`` nothing parsed them
     and the first batch fails with ``UnparsedFlagAccessError`` (grain issues #1355 / #1360).
@@ -90,7 +110,8 @@ def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, process_index: int =
     it = it.map(_shift).batch(batch, drop_remainder=True)
     if cfg.worker_count:
         _absl_flags_parsed()
-        it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count))
+        it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count),
+                            worker_init_fn=functools.partial(_exit_with_parent, os.getpid()))
     return it
 
 

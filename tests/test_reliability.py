@@ -364,3 +364,44 @@ def test_grain_workers_exit_when_the_training_process_is_killed(tmp_path):
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory on a read-only file system: a read-only bind mount of a temporary directory
+    (root ignores permission bits, so a chmod would not do)."""
+    source, mount = tmp_path / "source", tmp_path / "readonly"
+    (source / "old_run").mkdir(parents=True)
+    mount.mkdir()
+    done = subprocess.run(["mount", "--bind", str(source), str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip("needs a read-only bind mount (root with CAP_SYS_ADMIN); "
+                    "test_a_refused_run_directory_is_one_line covers the logic")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(mount)], check=True)
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_run_directory_on_a_read_only_file_system_is_one_line(read_only_dir):
+    for run_dir in (read_only_dir / "new_run", read_only_dir / "old_run"):
+        result = subprocess.run([*TRAIN, f"--run_dir={run_dir}"], capture_output=True, text=True,
+                                timeout=300, env=ENV, cwd=REPO)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert result.stderr.strip() == (f"error: cannot write the run directory {run_dir} "
+                                          f"(Read-only file system): choose a writable path")
+
+
+def test_a_refused_run_directory_is_one_line(tmp_path, monkeypatch):
+    import errno
+
+    from dagmoe_jax import runs
+
+    def refuse(self, *args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    with pytest.raises(ValueError, match=rf"^cannot write the run directory {tmp_path}/run "
+                                         r"\(Read-only file system\): choose a writable path$"):
+        runs.prepare_run_dir(tmp_path / "run")

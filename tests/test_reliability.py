@@ -176,15 +176,12 @@ def test_a_full_disk_stops_the_run_at_the_failed_save_in_one_line(tmp_path):
     limit (writes fail with EFBIG, as on a full disk) lets the configs and metrics through but
     not the checkpoint's arrays: one line naming the step and the OS's reason, exit 2, no step
     trained after the failed save, and no checkpoint step left behind."""
-    import resource
-
-    def limit():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
-
     run_dir = tmp_path / "run"
-    result = subprocess.run([*TRAIN, f"--run_dir={run_dir}",
+    limited = [sys.executable, "-c", "import os, resource, sys; resource.setrlimit("
+               "resource.RLIMIT_FSIZE, (200_000, 200_000)); os.execv(sys.argv[1], sys.argv[1:])"]
+    result = subprocess.run([*limited, *TRAIN, f"--run_dir={run_dir}",
                              "--gin.TrainConfig.async_checkpoint=False"], capture_output=True,
-                            text=True, timeout=300, env=ENV, cwd=tmp_path, preexec_fn=limit)
+                            text=True, timeout=300, env=ENV, cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.strip() == (
         f"error: saving checkpoint step 10 in {run_dir / 'checkpoints'} failed ([Errno 27] File "

@@ -21,7 +21,18 @@ from dagmoe_jax.parallel.mesh import MeshConfig
 from dagmoe_jax.train.config import TrainConfig
 from dagmoe_jax.train.optim import OptimConfig
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def _config_dir() -> Path:
+    """The gin files: ``dagmoe_jax/configs`` in an installed package (``pyproject.toml`` ships
+    the repository's top-level ``configs/`` there), else ``configs/`` beside the package (a
+    checkout, or an editable install of one)."""
+    package = Path(__file__).resolve().parent
+    installed = package / "configs"
+    return installed if installed.is_dir() else package.parent / "configs"
+
+
+CONFIG_DIR = _config_dir()
 
 # External registration: gin configures its own wrappers of these, so bindings never leak into
 # ``ModelConfig(...)`` built in plain Python (tests, notebooks) after a gin file was parsed.
@@ -40,10 +51,14 @@ def _plain(value):
 
 
 def resolve_gin_file(name: str) -> str:
-    """A gin file path as given, relative to the repository's ``configs/`` directory, or
-    relative to the repository (``configs/x.gin`` works from any working directory)."""
-    for candidate in (Path(name), CONFIG_DIR / name, CONFIG_DIR / f"{name}.gin",
-                      CONFIG_DIR.parent / name):
+    """A gin file path as given, relative to the ``configs/`` directory (:data:`CONFIG_DIR`),
+    or, written ``configs/x.gin``, relative to the repository: both work from any working
+    directory, in a checkout and after ``pip install``."""
+    candidates = [Path(name), CONFIG_DIR / name, CONFIG_DIR / f"{name}.gin"]
+    parts = Path(name).parts
+    if len(parts) > 1 and parts[0] == "configs":
+        candidates.append(CONFIG_DIR.joinpath(*parts[1:]))
+    for candidate in candidates:
         if candidate.is_file():
             return str(candidate)
     raise ValueError(f"gin file {name!r} not found (looked in the working directory and {CONFIG_DIR})")

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import logging
 from pathlib import Path
@@ -75,9 +76,31 @@ def parse_gin(files: Sequence[str] = (), bindings: Iterable[str] = ()) -> None:
     try:
         gin.parse_config_files_and_bindings(paths, list(bindings))
     except (ValueError, KeyError, SyntaxError, IOError) as err:
+        unquoted = _unquoted_string(bindings) if "malformed node" in str(err) else None
+        if unquoted:
+            name, value = unquoted
+            raise ValueError(f"gin binding {name} = {value}: a string needs quotes in gin: write "
+                             f"--gin.{name}=\"'{value}'\"") from None
         raise ValueError(f"gin configuration error: {first_line(err)}") from None
     finally:
         root.removeFilter(_quiet_include_probe)
+
+
+def _unquoted_string(bindings: Iterable[str]):
+    """(name, value) of the first binding whose value looks like an unquoted string (gin
+    reads ``tokenizer = hf`` as a Python name and fails with "malformed node or string"), or
+    None. References (``@f``), macros (``%X``) and containers are left to gin."""
+    for binding in bindings:
+        if "=" not in binding:
+            continue
+        name, value = (part.strip() for part in binding.split("=", 1))
+        if not value or value[0] in "@%[({'\"":
+            continue
+        try:
+            ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            return name, value
+    return None
 
 
 def _quiet_include_probe(record: logging.LogRecord) -> bool:

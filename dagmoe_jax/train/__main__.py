@@ -11,11 +11,15 @@ Flags:
   --gin.NAME.PARAM=VAL  a gin binding (repeatable; also --gin_bindings="NAME.PARAM = VAL").
                         Strings need gin quotes: --gin.DataConfig.tokenizer="'hf'".
   --run_dir=DIR         shorthand for --gin.TrainConfig.run_dir; an existing run resumes.
-  --mode=train|eval     eval: load DIR's newest checkpoint and report held-out perplexity.
+  --mode=train|eval     eval: load DIR's newest checkpoint and report held-out perplexity;
+                        DataConfig bindings of what is scored and how it is read apply
+                        (e.g. --gin.DataConfig.text_key="'body'"; the list: EVAL_DATA_FIELDS
+                        in dagmoe_jax/train/loop.py), any other binding is an error.
   --eval_source=SPEC    (eval) a DataConfig source spec, e.g. tfds:wikitext or text:notes/*.txt
   --eval_split=NAME     (eval, tfds) the split to score
   --eval_batches=N      (eval) batches to score (default: all)
-  --no_progress         no progress bar (one line per evaluation still)
+  --no_progress         no progress bar: a plain line every TrainConfig.log_every steps
+                        instead (for cluster logs)
   --coordinator_address=HOST:PORT --num_processes=N --process_id=I
                         join a multi-process run (also from JAX_COORDINATOR_ADDRESS /
                         JAX_NUM_PROCESSES / JAX_PROCESS_ID; SLURM, Open MPI and TPU pod slices
@@ -52,7 +56,8 @@ def parse_args(argv):
     flags, unknown = gin_flag_bindings(rest)
     if unknown:
         raise ValueError(f"unknown argument {unknown[0]!r} (see python train.py --help)")
-    bindings = list(args.gin_bindings) + flags
+    args.user_bindings = list(args.gin_bindings) + flags
+    bindings = list(args.user_bindings)
     if args.run_dir:
         bindings.append(f"TrainConfig.run_dir = {args.run_dir!r}")
     args.bindings = bindings
@@ -76,15 +81,21 @@ def main(argv=None) -> int:
     from dagmoe_jax.cli import report_error
     from dagmoe_jax.gin_utils import load_configs
     from dagmoe_jax.parallel.multihost import initialize
-    from dagmoe_jax.train.loop import NonFiniteLossError, evaluate_checkpoint, train
+    from dagmoe_jax.train.loop import (NonFiniteLossError, eval_data_overrides,
+                                       evaluate_checkpoint, train)
 
     try:
         initialize(args.coordinator_address, args.num_processes, args.process_id)
         if args.mode == "eval":
             if not args.run_dir:
                 raise ValueError("--mode=eval needs --run_dir=DIR (a run written by train.py)")
+            if args.gin_file:
+                raise ValueError("--mode=eval reads the run's own config.json: drop --gin_file "
+                                 "(data bindings such as --gin.DataConfig.text_key still apply)")
+            overrides = eval_data_overrides(args.user_bindings)
             evaluate_checkpoint(args.run_dir, eval_source=args.eval_source,
-                                eval_split=args.eval_split, eval_batches_limit=args.eval_batches)
+                                eval_split=args.eval_split, eval_batches_limit=args.eval_batches,
+                                data_overrides=overrides)
             return 0
         files = args.gin_file or [DEFAULT_GIN]
         model_cfg, data_cfg, optim_cfg, train_cfg = load_configs(files, args.bindings)

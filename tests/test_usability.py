@@ -205,6 +205,16 @@ def test_run_dir_io_goes_through_epath_to_cloud_storage(fake_gcs):
         ckpt.verify_checksums(f"{uri}/checkpoints/5")
 
 
+def test_tensorboard_in_a_bucket_without_its_client_stops_before_writing(fake_gcs, monkeypatch):
+    from dagmoe_jax.train.loop import train
+    monkeypatch.setitem(sys.modules, "google.cloud.storage", None)
+    configs = load_configs(["train/smoke.gin"], ["TrainConfig.run_dir = 'gs://bucket/run'"])
+    with pytest.raises(ValueError, match=r"^TensorBoard logging to gs://bucket/run needs the "
+                                         r"google-cloud-storage package: pip install "):
+        train(*configs, progress=False, log=lambda _: None)
+    assert list(fake_gcs.iterdir()) == []
+
+
 def test_file_uri_and_unknown_schemes(tmp_path):
     from dagmoe_jax.paths import as_path
     path = runs.prepare_run_dir(f"file://{tmp_path}/r")

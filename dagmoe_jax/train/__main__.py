@@ -1,13 +1,16 @@
 """Train or evaluate a DAG-MoE (or MoE / MLP-mixing / CoE) language model.
 
+From a checkout ``python train.py``; after ``pip install`` also ``dagmoe-train`` or
+``python -m dagmoe_jax.train`` (the same flags):
+
     python train.py                                   # the embedded default, < 10 min on a laptop CPU
     python train.py --gin_file=configs/dagmoe_s.gin --gin_file=configs/cpu_small.gin
     python train.py --gin_file=F.gin --gin.TrainConfig.steps=2000 --gin.DataConfig.source="'text:data/*.txt'"
     python train.py --mode=eval --run_dir=runs/default [--eval_source=tfds:NAME --eval_split=test]
 
 Flags:
-  --gin_file=FILE       gin file (repeatable; a path, or a name under configs/). With no
-                        --gin_file, configs/train/default.gin is used.
+  --gin_file=FILE       gin file (repeatable; a path, or a name under configs/, which ships
+                        with the package). With no --gin_file, configs/train/default.gin.
   --gin.NAME.PARAM=VAL  a gin binding (repeatable; also --gin_bindings="NAME.PARAM = VAL").
                         Strings need gin quotes: --gin.DataConfig.tokenizer="'hf'".
   --run_dir=DIR         shorthand for --gin.TrainConfig.run_dir; an existing run resumes.

@@ -29,6 +29,7 @@ from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.data import (DataConfig, check_tokens, eval_batches, exact_match, make_tokenizer,
                              task_eval_batches, task_names, train_dataset, unigram_entropy)
 from dagmoe_jax import runs
+from dagmoe_jax.paths import run_path
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.parallel import MeshConfig, activate, create_train_state, make_mesh, shard_batch
 from dagmoe_jax.parallel.axes import MeshLayout
@@ -36,7 +37,8 @@ from dagmoe_jax.settle import describe as describe_settled
 from dagmoe_jax.settle import settle
 from dagmoe_jax.train.checkpoint import Checkpointer
 from dagmoe_jax.train.config import TrainConfig
-from dagmoe_jax.train.metrics import MetricsWriter, read_metrics, require_wandb, summarise_load
+from dagmoe_jax.train.metrics import (MetricsWriter, check_tensorboard_target, read_metrics,
+                                      require_wandb, summarise_load)
 from dagmoe_jax.train.optim import OptimConfig, make_optimizer, make_schedule, schedule_note
 from dagmoe_jax.train.step import eval_step, make_train_step
 
@@ -208,8 +210,12 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
     process = (jax.process_index(), jax.process_count())
     is_main = process[0] == 0
     say = log if is_main else (lambda _msg: None)
-    if train_cfg.wandb_project and is_main:
-        require_wandb()                          # before anything is written
+    run_path(train_cfg.run_dir)                  # its filesystem is reachable (else one line)
+    if is_main:                                  # sinks that cannot work: before anything is written
+        if train_cfg.wandb_project:
+            require_wandb()
+        if train_cfg.tensorboard:
+            check_tensorboard_target(train_cfg.run_dir)
     run_dir = runs.prepare_run_dir(train_cfg.run_dir)
     tokenizer = make_tokenizer(data_cfg)
     check_compatible(model_cfg, data_cfg, tokenizer)

@@ -28,7 +28,7 @@ from typing import Dict, List, Mapping, Optional, Protocol, runtime_checkable
 
 import numpy as np
 
-from dagmoe_jax.paths import as_path, is_remote
+from dagmoe_jax.paths import as_path, is_remote, scheme
 
 METRICS_FILE = "metrics.jsonl"
 WANDB_ID_FILE = "wandb_run_id"
@@ -128,6 +128,31 @@ class JsonlWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+# The client tensorboardX needs to write event files to each cloud scheme (it has none for az).
+TENSORBOARD_CLIENTS = {"gs": ("google.cloud.storage", "google-cloud-storage"),
+                       "s3": ("boto3", "boto3")}
+
+
+def check_tensorboard_target(run_dir) -> None:
+    """A one-line ``ValueError`` when TensorBoard files cannot be written to ``run_dir`` (a
+    cloud URI whose tensorboardX client is not installed), so a run fails before it writes."""
+    import importlib.util  # pylint: disable=import-outside-toplevel
+
+    kind = scheme(run_dir)
+    if kind in ("", "file"):
+        return
+    module, package = TENSORBOARD_CLIENTS.get(kind, (None, None))
+    try:
+        found = module is not None and importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):        # a parent package missing, or blocked
+        found = False
+    if not found:
+        need = (f"needs the {package} package: pip install {package}" if package else
+                "is not supported by tensorboardX")
+        raise ValueError(f"TensorBoard logging to {os.fspath(run_dir)} {need}, or bind "
+                         f"TrainConfig.tensorboard=False")
 
 
 class TensorBoardWriter:

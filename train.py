@@ -1,113 +1,12 @@
-"""Train or evaluate a DAG-MoE (or MoE / MLP-mixing / CoE) language model.
+"""Train or evaluate a model from a checkout: ``python train.py --help``.
 
-    python train.py                                   # the embedded default, < 10 min on a laptop CPU
-    python train.py --gin_file=configs/dagmoe_s.gin --gin_file=configs/cpu_small.gin
-    python train.py --gin_file=F.gin --gin.TrainConfig.steps=2000 --gin.DataConfig.source="'text:data/*.txt'"
-    python train.py --mode=eval --run_dir=runs/default [--eval_source=tfds:NAME --eval_split=test]
-
-Flags:
-  --gin_file=FILE       gin file (repeatable; a path, or a name under configs/). With no
-                        --gin_file, configs/train/default.gin is used.
-  --gin.NAME.PARAM=VAL  a gin binding (repeatable; also --gin_bindings="NAME.PARAM = VAL").
-                        Strings need gin quotes: --gin.DataConfig.tokenizer="'hf'".
-  --run_dir=DIR         shorthand for --gin.TrainConfig.run_dir; an existing run resumes.
-  --mode=train|eval     eval: load DIR's newest checkpoint and report held-out perplexity.
-  --eval_source=SPEC    (eval) a DataConfig source spec, e.g. tfds:wikitext or text:notes/*.txt
-  --eval_split=NAME     (eval, tfds) the split to score
-  --eval_batches=N      (eval) batches to score (default: all)
-  --no_progress         no progress bar (one line per evaluation still)
-  --coordinator_address=HOST:PORT --num_processes=N --process_id=I
-                        join a multi-process run (also from JAX_COORDINATOR_ADDRESS /
-                        JAX_NUM_PROCESSES / JAX_PROCESS_ID; SLURM, Open MPI and TPU pod slices
-                        are detected without flags). Only process 0 prints and logs.
-
-Exit status: 0 done or interrupted and saved (SIGTERM / Ctrl-C), 1 non-finite loss,
-2 invalid configuration or data (a one-line message says what to fix).
+The command line lives in :mod:`dagmoe_jax.train.__main__`; after ``pip install`` the same
+command is ``dagmoe-train`` (or ``python -m dagmoe_jax.train``).
 """
 
-from __future__ import annotations
-
-import argparse
 import sys
 
-DEFAULT_GIN = "train/default.gin"
-
-
-def parse_args(argv):
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("-h", "--help", action="store_true")
-    parser.add_argument("--gin_file", action="append", default=[])
-    parser.add_argument("--gin_bindings", action="append", default=[])
-    parser.add_argument("--run_dir", default="")
-    parser.add_argument("--mode", default="train", choices=("train", "eval"))
-    parser.add_argument("--eval_source", default="")
-    parser.add_argument("--eval_split", default="")
-    parser.add_argument("--eval_batches", type=int, default=0)
-    parser.add_argument("--no_progress", action="store_true")
-    parser.add_argument("--coordinator_address", default="")
-    parser.add_argument("--num_processes", type=int, default=None)
-    parser.add_argument("--process_id", type=int, default=None)
-    args, rest = parser.parse_known_args(argv)
-    from dagmoe_jax.cli import gin_flag_bindings
-    flags, unknown = gin_flag_bindings(rest)
-    if unknown:
-        raise ValueError(f"unknown argument {unknown[0]!r} (see python train.py --help)")
-    bindings = list(args.gin_bindings) + flags
-    if args.run_dir:
-        bindings.append(f"TrainConfig.run_dir = {args.run_dir!r}")
-    args.bindings = bindings
-    return args
-
-
-def main(argv=None) -> int:
-    try:
-        args = parse_args(sys.argv[1:] if argv is None else argv)
-    except (ValueError, SystemExit) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if args.help:
-        print(__doc__)
-        return 0
-
-    # Imported after argument parsing so that --help and argument errors are instant.
-    import gin
-    import jax
-    from dagmoe_jax.accounting import account
-    from dagmoe_jax.cli import quiet_background_errors, report_error
-    from dagmoe_jax.gin_utils import load_configs
-    from dagmoe_jax.parallel.multihost import initialize
-    from dagmoe_jax.train.loop import NonFiniteLossError, evaluate_checkpoint, train
-
-    quiet_background_errors()
-    try:
-        initialize(args.coordinator_address, args.num_processes, args.process_id)
-        if args.mode == "eval":
-            if not args.run_dir:
-                raise ValueError("--mode=eval needs --run_dir=DIR (a run written by train.py)")
-            evaluate_checkpoint(args.run_dir, eval_source=args.eval_source,
-                                eval_split=args.eval_split, eval_batches_limit=args.eval_batches)
-            return 0
-        files = args.gin_file or [DEFAULT_GIN]
-        model_cfg, data_cfg, optim_cfg, train_cfg = load_configs(files, args.bindings)
-        acc = account(model_cfg, data_cfg.seq_len)
-        if jax.process_index() == 0:
-            print(f"config: {' + '.join(files)}{' + bindings' if args.bindings else ''}; "
-                  f"block={model_cfg.block} aggregation={model_cfg.aggregation.kind}; "
-                  f"{acc.total_params / 1e6:.2f}M params ({acc.total_active_params / 1e6:.2f}M "
-                  f"active); {train_cfg.steps} steps of {data_cfg.batch_size}x{data_cfg.seq_len} "
-                  f"tokens from {data_cfg.source}; {jax.device_count()} devices in "
-                  f"{jax.process_count()} processes; run dir {train_cfg.run_dir}", flush=True)
-        train(model_cfg, data_cfg, optim_cfg, train_cfg, progress=not args.no_progress,
-              operative_gin=gin.operative_config_str())
-    except NonFiniteLossError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    except (ValueError, FileNotFoundError) as err:
-        return report_error(err)
-    return 0
-
+from dagmoe_jax.train.__main__ import entry
 
 if __name__ == "__main__":
-    from dagmoe_jax.launch import reexec_with_tcmalloc
-    reexec_with_tcmalloc()  # a faster allocator on CPU when installed (dagmoe_jax/launch.py)
-    sys.exit(main())
+    sys.exit(entry())

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import logging
 from pathlib import Path
@@ -21,7 +22,18 @@ from dagmoe_jax.parallel.mesh import MeshConfig
 from dagmoe_jax.train.config import TrainConfig
 from dagmoe_jax.train.optim import OptimConfig
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def _config_dir() -> Path:
+    """The gin files: ``dagmoe_jax/configs`` in an installed package (``pyproject.toml`` ships
+    the repository's top-level ``configs/`` there), else ``configs/`` beside the package (a
+    checkout, or an editable install of one)."""
+    package = Path(__file__).resolve().parent
+    installed = package / "configs"
+    return installed if installed.is_dir() else package.parent / "configs"
+
+
+CONFIG_DIR = _config_dir()
 
 # External registration: gin configures its own wrappers of these, so bindings never leak into
 # ``ModelConfig(...)`` built in plain Python (tests, notebooks) after a gin file was parsed.
@@ -40,10 +52,14 @@ def _plain(value):
 
 
 def resolve_gin_file(name: str) -> str:
-    """A gin file path as given, relative to the repository's ``configs/`` directory, or
-    relative to the repository (``configs/x.gin`` works from any working directory)."""
-    for candidate in (Path(name), CONFIG_DIR / name, CONFIG_DIR / f"{name}.gin",
-                      CONFIG_DIR.parent / name):
+    """A gin file path as given, relative to the ``configs/`` directory (:data:`CONFIG_DIR`),
+    or, written ``configs/x.gin``, relative to the repository: both work from any working
+    directory, in a checkout and after ``pip install``."""
+    candidates = [Path(name), CONFIG_DIR / name, CONFIG_DIR / f"{name}.gin"]
+    parts = Path(name).parts
+    if len(parts) > 1 and parts[0] == "configs":
+        candidates.append(CONFIG_DIR.joinpath(*parts[1:]))
+    for candidate in candidates:
         if candidate.is_file():
             return str(candidate)
     raise ValueError(f"gin file {name!r} not found (looked in the working directory and {CONFIG_DIR})")
@@ -60,9 +76,31 @@ def parse_gin(files: Sequence[str] = (), bindings: Iterable[str] = ()) -> None:
     try:
         gin.parse_config_files_and_bindings(paths, list(bindings))
     except (ValueError, KeyError, SyntaxError, IOError) as err:
+        unquoted = _unquoted_string(bindings) if "malformed node" in str(err) else None
+        if unquoted:
+            name, value = unquoted
+            raise ValueError(f"gin binding {name} = {value}: a string needs quotes in gin: write "
+                             f"--gin.{name}=\"'{value}'\"") from None
         raise ValueError(f"gin configuration error: {first_line(err)}") from None
     finally:
         root.removeFilter(_quiet_include_probe)
+
+
+def _unquoted_string(bindings: Iterable[str]):
+    """(name, value) of the first binding whose value looks like an unquoted string (gin
+    reads ``tokenizer = hf`` as a Python name and fails with "malformed node or string"), or
+    None. References (``@f``), macros (``%X``) and containers are left to gin."""
+    for binding in bindings:
+        if "=" not in binding:
+            continue
+        name, value = (part.strip() for part in binding.split("=", 1))
+        if not value or value[0] in "@%[({'\"":
+            continue
+        try:
+            ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            return name, value
+    return None
 
 
 def _quiet_include_probe(record: logging.LogRecord) -> bool:

@@ -20,12 +20,14 @@ import os
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple, Union
 
+from etils import epath
 from flax import nnx
 
 from dagmoe_jax.cli import first_line
 from dagmoe_jax.config import AggregationConfig, CoEConfig, ExpertConfig, ModelConfig, RouterConfig
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.parallel import MeshConfig
+from dagmoe_jax.paths import as_path, is_remote, run_path
 from dagmoe_jax.train.checkpoint import Checkpointer, json_diffs
 from dagmoe_jax.train.config import TrainConfig
 from dagmoe_jax.train.optim import OptimConfig
@@ -35,19 +37,22 @@ CHECKPOINT_DIR = "checkpoints"
 PathLike = Union[str, Path]
 
 
-def prepare_run_dir(run_dir: PathLike) -> Path:
+def prepare_run_dir(run_dir: PathLike) -> epath.Path:
     """Create ``run_dir`` (and its parents) for a training run, or say in one line why it
-    cannot be: it is a file, it lies under a file, or the filesystem refuses (read-only,
-    permissions, full)."""
-    path = Path(run_dir)
+    cannot be: a cloud URI whose filesystem package is missing (:func:`dagmoe_jax.paths.run_path`;
+    then nothing is written anywhere), it is a file, it lies under a file, or the filesystem
+    refuses (read-only, permissions, full). Local paths, ``file://`` and cloud URIs
+    (``gs://bucket/run``) all go through ``etils.epath``."""
+    path = run_path(run_dir)
     if path.exists() and not path.is_dir():
         raise ValueError(f"--run_dir={run_dir} is a file, not a directory: choose another path")
-    for parent in path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ValueError(f"--run_dir={run_dir} lies under {parent}, which is a file: "
-                                 f"choose another path")
-            break
+    if not is_remote(path):                   # object stores have no files above a "directory"
+        for parent in path.parents:
+            if parent.exists():
+                if not parent.is_dir():
+                    raise ValueError(f"--run_dir={run_dir} lies under {parent}, which is a file: "
+                                     f"choose another path")
+                break
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".write_test.{os.getpid()}"
@@ -83,9 +88,9 @@ def configs_from_json(blob: dict):
 
 
 def save_configs(run_dir: PathLike, model_cfg, data_cfg, optim_cfg, train_cfg,
-                 settled: Optional[ModelConfig] = None) -> Path:
+                 settled: Optional[ModelConfig] = None) -> epath.Path:
     """Write ``run_dir/config.json``; returns its path."""
-    path = Path(run_dir) / CONFIG_FILE
+    path = as_path(run_dir) / CONFIG_FILE
     blob = configs_to_json(model_cfg, data_cfg, optim_cfg, train_cfg, settled)
     path.write_text(json.dumps(blob, indent=2) + "\n")
     return path
@@ -93,7 +98,7 @@ def save_configs(run_dir: PathLike, model_cfg, data_cfg, optim_cfg, train_cfg,
 
 def load_configs(run_dir: PathLike):
     """The four configs a run was started with (from its ``config.json``)."""
-    path = Path(run_dir) / CONFIG_FILE
+    path = run_path(run_dir) / CONFIG_FILE
     if not path.exists():
         raise ValueError(f"{path} does not exist: is {run_dir} a run directory written by train.py?")
     try:
@@ -129,7 +134,7 @@ def resume_changes(run_dir: PathLike, model_cfg: ModelConfig, data_cfg: DataConf
         if field.split(".")[0] not in EXECUTION_FIELDS:
             model.append("ModelConfig." + diff[len("model_config."):])
     data = []
-    if (Path(run_dir) / CONFIG_FILE).exists():
+    if (as_path(run_dir) / CONFIG_FILE).exists():
         try:
             _, old_data, _, _ = load_configs(run_dir)
             data = [c for c in json_diffs(dataclasses.asdict(old_data),
@@ -183,7 +188,7 @@ def load_run(run_dir: PathLike, mesh=None, data_cfg: Optional[DataConfig] = None
     from dagmoe_jax.parallel import activate  # pylint: disable=import-outside-toplevel
     from dagmoe_jax.train.loop import build  # pylint: disable=import-outside-toplevel
 
-    run_dir = Path(run_dir)
+    run_dir = run_path(run_dir)
     if not run_dir.is_dir():
         raise ValueError(f"run directory {run_dir} does not exist: pass the --run_dir of a "
                          f"train.py run")

@@ -29,6 +29,13 @@ import sys
 from dagmoe_jax.cli import quiet_background_errors, report_error
 
 
+def sample_text(tokenizer, prompt_ids, new_ids) -> str:
+    """The prompt and its continuation as one text, decoded together: a SentencePiece
+    continuation that starts a word begins with the word-boundary piece, which decodes to a
+    space only inside a text (decoded on its own, the space would be dropped)."""
+    return tokenizer.decode(list(prompt_ids) + list(new_ids))
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one-line errors instead of argparse's usage block
         raise ValueError(message)
@@ -100,7 +107,7 @@ def main(argv=None) -> int:
     for i, (prompt, new) in enumerate(zip(prompts, outputs)):
         if not args.ignore_eos and new and new[-1] == tok.eos_id:
             new = new[:-1]
-        text = tok.decode(prompt[len(prefix):]) + tok.decode(new)
+        text = sample_text(tok, prompt[len(prefix):], new)
         print(f"--- sample {i} ---\n{text.rstrip(chr(10))}", flush=True)
     return 0
 

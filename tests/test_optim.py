@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 from dagmoe_jax.model import Transformer
-from dagmoe_jax.train.optim import OptimConfig, decay_mask, make_optimizer, make_schedule
+from dagmoe_jax.train.optim import (OptimConfig, decay_mask, fitted_warmup, make_optimizer,
+                                   make_schedule, schedule_note)
 
 
 def lr_at(schedule, *steps):
@@ -56,15 +57,32 @@ def test_constant_schedule_key_steps():
                                [0.0, 5e-4, 1e-3, 1e-3, 1e-3, 1e-3], rtol=1e-6)
 
 
+def test_a_run_shorter_than_its_warmup_warms_up_over_a_tenth_of_it():
+    """The paper's 2,000 warm-up steps in a 40-step run: a 4-step warm-up, then the WSD
+    plateau and the decay over the last 20% (8 steps), as a config written for 40 steps;
+    schedule_note says so. A warm-up that fits is left alone (no note)."""
+    paper = OptimConfig(learning_rate=1e-3, warmup_steps=2000, decay_fraction=0.2)
+    assert fitted_warmup(paper, 40) == 4
+    fitted = OptimConfig(learning_rate=1e-3, warmup_steps=4, decay_fraction=0.2)
+    steps = list(range(45))
+    np.testing.assert_allclose(lr_at(make_schedule(paper, 40), *steps),
+                               lr_at(make_schedule(fitted, 40), *steps), rtol=1e-6)
+    note = schedule_note(paper, 40)
+    assert "warmup_steps=2000" in note and "over 4 steps" in note and "\n" not in note
+    assert schedule_note(fitted, 40) == "" and fitted_warmup(fitted, 40) == 4
+    # cosine: a warm-up as long as the run; constant: longer than the run
+    assert fitted_warmup(OptimConfig(schedule="cosine", warmup_steps=100), 100) == 10
+    assert fitted_warmup(OptimConfig(schedule="constant", warmup_steps=101), 100) == 10
+    assert fitted_warmup(OptimConfig(schedule="constant", warmup_steps=100), 100) == 100
+    # 6 steps: no warm-up at all (a tenth of 6 is 0): the first update is at the peak
+    assert lr_at(make_schedule(paper, 6), 0)[0] == pytest.approx(1e-3)
+
+
 def test_schedule_steps_that_do_not_fit():
-    with pytest.raises(ValueError, match=r"exceed total_steps=100: lower warmup_steps or "
-                                         r"decay_fraction") as err:
-        make_schedule(OptimConfig(warmup_steps=90, decay_fraction=0.2), 100)
+    with pytest.raises(ValueError, match=r"exceed total_steps=100: bind "
+                                         r"--gin.OptimConfig.decay_fraction=") as err:
+        make_schedule(OptimConfig(warmup_steps=90, decay_fraction=0.95), 100)
     assert "\n" not in str(err.value)
-    with pytest.raises(ValueError, match="no steps for the cosine decay"):
-        make_schedule(OptimConfig(schedule="cosine", warmup_steps=100), 100)
-    with pytest.raises(ValueError, match="lower warmup_steps or train"):
-        make_schedule(OptimConfig(schedule="constant", warmup_steps=101), 100)
     with pytest.raises(ValueError, match="total_steps=0 is invalid"):
         make_schedule(OptimConfig(), 0)
 

@@ -12,7 +12,8 @@ Flags:
 Writes, where they apply: expert_load.png (layers x experts), coactivation.png (CoE runs:
 expert pairs across iterations, as CoE Figure 8), edge_gates.png and edge_gate_hist.png
 (DAG-MoE runs: mean and spread over tokens of each node pair's gate, per layer and iteration),
-dropped_fraction.png (from metrics.jsonl). One line per plot: the file written, or why not.
+dropped_fraction.png (capacity drops) and training_curves.png (loss and learning rate), both
+from metrics.jsonl. One line per plot: the file written, or why not.
 Exit status: 0 done, 2 invalid arguments, run directory or data (a one-line message).
 """
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Sequence
 
 import matplotlib
+import matplotlib.colors
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after selecting the backend)
@@ -62,31 +63,60 @@ def plot_coactivation(counts: np.ndarray, path, title: str = "") -> Path:
     return _save(fig, path)
 
 
+EDGE_GATES_TITLE = ("How much each routed expert's output feeds each other one: DAG edge-gate "
+                     "magnitude mean_d |e_(i,j)| (row i receives from column j)")
+
+# Up to this many nodes (K x K cells) every cell of edge_gates.png is labelled with its value.
+_LABEL_CELLS_UP_TO = 4
+
+
+def edge_gates_figure(mean: np.ndarray, std: np.ndarray, title: str = ""):
+    """The figure of :func:`plot_edge_gates` (not saved; tests read its images)."""
+    mean, std = np.asarray(mean, np.float64), np.asarray(std, np.float64)
+    layers, iters, k, _ = mean.shape
+    fig, axes = plt.subplots(layers, 2 * iters, figsize=(2.6 * 2 * iters + 1.2, 2.4 * layers + 0.8),
+                             squeeze=False, layout="constrained")
+    ticks = range(k)
+    labels = [str(i + 1) for i in ticks]
+    kinds = ((mean, "mean over tokens", "viridis"), (std, "std over tokens", "cividis"))
+    # One colour scale per kind for the whole figure, from 0: equal colours are equal gates
+    # in every panel, and gates that differ by 2% look alike.
+    norms = [matplotlib.colors.Normalize(0.0, max(float(data.max()), 1e-12)) for data, _, _ in kinds]
+    images = [[], []]
+    for l in range(layers):
+        for it in range(iters):
+            for col, ((data, name, cmap), norm) in enumerate(zip(kinds, norms)):
+                ax = axes[l][2 * it + col]
+                images[col].append(ax.imshow(data[l, it], cmap=cmap, norm=norm))
+                ax.set_title(f"layer {l}, iteration {it + 1}: {name}", fontsize=8)
+                ax.set_xticks(ticks, labels, fontsize=7)
+                ax.set_yticks(ticks, labels, fontsize=7)
+                ax.set_xlabel("from node j (router rank)", fontsize=7)
+                ax.set_ylabel("to node i (router rank)", fontsize=7)
+                if k <= _LABEL_CELLS_UP_TO:
+                    for i in range(k):
+                        for j in range(k):
+                            value = data[l, it, i, j]
+                            light = norm(value) < 0.5
+                            ax.text(j, i, f"{value:.3g}", ha="center", va="center", fontsize=7,
+                                    color="white" if light else "black")
+    for col, (_, name, _) in enumerate(kinds):
+        bar = fig.colorbar(images[col][0], ax=axes.ravel().tolist(), location="right",
+                           fraction=0.03, pad=0.02, shrink=0.9)
+        bar.set_label(f"gate magnitude, {name}", fontsize=7)
+        bar.ax.tick_params(labelsize=6)
+    fig.suptitle(title or EDGE_GATES_TITLE, fontsize=10)
+    return fig
+
+
 def plot_edge_gates(mean: np.ndarray, std: np.ndarray, path, title: str = "") -> Path:
     """DAG edge gates per layer (rows) and iteration: the K x K mean over tokens of the gate
     magnitude mean_d |e_(i,j)| (left panel of each pair) and its standard deviation across
     tokens (right). Row i is the receiving node, column j the sending node, in router rank
-    order (rank 1 = highest score). Each panel has its own colour scale."""
-    mean, std = np.asarray(mean, np.float64), np.asarray(std, np.float64)
-    layers, iters, k, _ = mean.shape
-    fig, axes = plt.subplots(layers, 2 * iters, figsize=(2.6 * 2 * iters + 0.5, 2.4 * layers + 0.6),
-                             squeeze=False, layout="constrained")
-    ticks = range(k)
-    labels = [str(i + 1) for i in ticks]
-    for l in range(layers):
-        for it in range(iters):
-            for col, (data, name, cmap) in enumerate(((mean, "mean", "viridis"),
-                                                      (std, "std over tokens", "cividis"))):
-                ax = axes[l][2 * it + col]
-                image = ax.imshow(data[l, it], cmap=cmap)
-                ax.set_title(f"layer {l}, iter {it + 1}: {name}", fontsize=8)
-                ax.set_xticks(ticks, labels, fontsize=7)
-                ax.set_yticks(ticks, labels, fontsize=7)
-                ax.set_xlabel("from node j (rank)", fontsize=7)
-                ax.set_ylabel("to node i (rank)", fontsize=7)
-                fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04).ax.tick_params(labelsize=6)
-    fig.suptitle(title or "DAG edge-gate magnitude mean_d |e_(i,j)|", fontsize=10)
-    return _save(fig, path)
+    order (rank 1 = highest score). All mean panels share one colour scale from 0, and all
+    standard-deviation panels another, each with one colour bar; for K <= 4 every cell also
+    shows its value."""
+    return _save(edge_gates_figure(mean, std, title), path)
 
 
 def plot_edge_gate_histograms(samples: np.ndarray, path, title: str = "") -> Path:
@@ -129,4 +159,26 @@ def plot_dropped_fraction(steps: Sequence[int], fractions: np.ndarray, path, tit
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title or "tokens dropped by expert capacity during training")
+    return _save(fig, path)
+
+
+def plot_training_curves(steps: Sequence[int], loss: np.ndarray, learning_rate: np.ndarray,
+                         eval_steps: Sequence[int], eval_loss: np.ndarray, path,
+                         title: str = "") -> Path:
+    """The training loss (and the held-out loss at each evaluation, as points) over training
+    steps, above the learning rate on the same step axis (two panels)."""
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(6.4, 4.8), sharex=True,
+                                      height_ratios=(2.0, 1.0), layout="constrained")
+    top.plot(steps, loss, linewidth=1.2, label="training loss")
+    if len(eval_steps):
+        top.plot(eval_steps, eval_loss, "o", markersize=4, label="held-out loss")
+    top.set_ylabel("loss (nats/token)")
+    top.grid(alpha=0.3)
+    top.legend(fontsize=8)
+    bottom.plot(steps, learning_rate, color="tab:orange", linewidth=1.2)
+    bottom.set_ylabel("learning rate")
+    bottom.set_xlabel("training step")
+    bottom.set_ylim(bottom=0.0)
+    bottom.grid(alpha=0.3)
+    fig.suptitle(title or "training loss and learning rate", fontsize=10)
     return _save(fig, path)

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import List, Optional
 
@@ -17,8 +18,10 @@ import numpy as np
 
 from dagmoe_jax.analysis import plots
 from dagmoe_jax.analysis.collect import Collected, collect
+from dagmoe_jax.paths import as_path, is_remote
 
-PLOTS = ("expert_load", "coactivation", "edge_gates", "edge_gate_hist", "dropped_fraction")
+PLOTS = ("expert_load", "coactivation", "edge_gates", "edge_gate_hist", "dropped_fraction",
+         "training_curves")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +57,22 @@ def dropped_series(records: List[dict]):
     return [s for s, _ in rows], np.asarray([f for _, f in rows], np.float64)
 
 
+def curve_series(records: List[dict]):
+    """(steps, loss, learning_rate, eval_steps, eval_loss) of a run's metric records, each
+    sorted by step (the training records that log a loss and a learning rate; the evaluation
+    records); None when no training record has both."""
+    train = sorted((r["step"], r["loss"], r["learning_rate"]) for r in records
+                   if isinstance(r.get("loss"), (int, float))
+                   and isinstance(r.get("learning_rate"), (int, float)))
+    if not train:
+        return None
+    evals = sorted((r["step"], r["eval/loss"]) for r in records
+                   if isinstance(r.get("eval/loss"), (int, float)))
+    steps, loss, lr = (list(column) for column in zip(*train))
+    eval_steps = [s for s, _ in evals]
+    return steps, np.asarray(loss), np.asarray(lr), eval_steps, np.asarray([v for _, v in evals])
+
+
 def write_plots(stats: Collected, records: List[dict], out_dir, label: str = "") -> List[PlotResult]:
     """The PNGs that apply to ``stats`` (from :func:`collect`) and the run's metric
     ``records``, written to ``out_dir``; a skip reason for the others."""
@@ -78,7 +97,7 @@ def write_plots(stats: Collected, records: List[dict], out_dir, label: str = "")
     if stats.gate_mean is not None:
         results.append(PlotResult("edge_gates", plots.plot_edge_gates(
             stats.gate_mean, stats.gate_std, out / "edge_gates.png",
-            f"{prefix}DAG edge-gate magnitude mean_d |e_(i,j)| over {stats.tokens:,} tokens")))
+            f"{prefix}{plots.EDGE_GATES_TITLE}, over {stats.tokens:,} tokens")))
         results.append(PlotResult("edge_gate_hist", plots.plot_edge_gate_histograms(
             stats.gate_samples, out / "edge_gate_hist.png",
             f"{prefix}DAG edge-gate magnitude across tokens")))
@@ -95,6 +114,14 @@ def write_plots(stats: Collected, records: List[dict], out_dir, label: str = "")
     else:
         results.append(PlotResult("dropped_fraction", None,
                                   "metrics.jsonl has no training records with dropped_fraction"))
+    curves = curve_series(records)
+    if curves is not None:
+        results.append(PlotResult("training_curves", plots.plot_training_curves(
+            *curves, out / "training_curves.png",
+            f"{prefix}training loss and learning rate")))
+    else:
+        results.append(PlotResult("training_curves", None,
+                                  "metrics.jsonl has no training records with a loss"))
     return results
 
 
@@ -107,6 +134,7 @@ def analyze_run(run_dir, out_dir, *, data: str = "", max_batches: int = 4) -> Li
     loaded = load_run(run_dir)
     batches = analysis_batches(loaded.data_cfg, loaded.tokenizer, data, max_batches)
     stats = collect(loaded.model, batches)
-    path = Path(run_dir).resolve()
+    path = as_path(run_dir)
+    path = path if is_remote(path) else Path(os.path.abspath(path))
     label = f"{path.parent.name}/{path.name} @ step {loaded.step}"
     return write_plots(stats, read_metrics(run_dir), out_dir, label)

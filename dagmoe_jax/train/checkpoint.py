@@ -73,6 +73,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import grain
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
+
+from dagmoe_jax.paths import as_path, is_remote
 
 logger = logging.getLogger(__name__)
 
@@ -108,41 +111,48 @@ class Restored:
     meta_diffs: List[str] = dataclasses.field(default_factory=list)
 
 
-def _file_digests(step_dir: str) -> Dict[str, str]:
+def _files(directory: epath.Path, prefix: str = ""):
+    """(relative path, path) of every file under ``directory``, through ``epath`` (local or
+    cloud storage alike: fsspec's own ``walk`` drops a cloud path's scheme)."""
+    for child in sorted(directory.iterdir(), key=lambda p: p.name):
+        rel = f"{prefix}{child.name}"
+        if child.is_dir():
+            yield from _files(child, rel + "/")
+        else:
+            yield rel, child
+
+
+def _file_digests(step_dir) -> Dict[str, str]:
     """sha256 of every file under a step directory (but the manifest), by relative path."""
     digests = {}
-    for root, _, names in os.walk(step_dir):
-        for name in names:
-            path = os.path.join(root, name)
-            rel = os.path.relpath(path, step_dir)
-            if rel.startswith(CHECKSUM_FILE):      # the manifest and its temp file
-                continue
-            sha = hashlib.sha256()
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    sha.update(block)
-            digests[rel] = sha.hexdigest()
+    for rel, path in _files(as_path(step_dir)):
+        if rel.startswith(CHECKSUM_FILE):          # the manifest and its temp file
+            continue
+        sha = hashlib.sha256()
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                sha.update(block)
+        digests[rel] = sha.hexdigest()
     return digests
 
 
-def write_checksums(step_dir: str) -> None:
+def write_checksums(step_dir) -> None:
     """Record the digests of a committed step's files (written to a temp name, then renamed,
     so a manifest is whole or absent)."""
-    tmp = os.path.join(step_dir, CHECKSUM_FILE + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(_file_digests(step_dir), f)
-    os.replace(tmp, os.path.join(step_dir, CHECKSUM_FILE))
+    step_dir = as_path(step_dir)
+    tmp = step_dir / (CHECKSUM_FILE + ".tmp")
+    tmp.write_text(json.dumps(_file_digests(step_dir)))
+    tmp.replace(step_dir / CHECKSUM_FILE)
 
 
 def verify_checksums(step_dir: str) -> None:
     """Raise ``ValueError`` naming the first file whose content no longer matches the step's
     manifest (a flipped byte, a truncated or missing file). A step without a manifest (saved by
     an older version, or cut off between commit and manifest) is not checked."""
-    path = os.path.join(step_dir, CHECKSUM_FILE)
-    if not os.path.exists(path):
+    path = as_path(step_dir) / CHECKSUM_FILE
+    if not path.exists():
         return
-    with open(path) as f:
-        expected = json.load(f)
+    expected = json.loads(path.read_text())
     actual = _file_digests(step_dir)
     for rel, digest in sorted(expected.items()):
         if actual.get(rel) != digest:
@@ -298,7 +308,8 @@ class Checkpointer:
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise ValueError(f"Checkpointer.{name}={value!r} is invalid: "
                                  f"expected an integer >= 1")
-        self.directory = os.path.abspath(os.fspath(directory))
+        path = as_path(directory)
+        self.directory = os.fspath(path if is_remote(path) else os.path.abspath(path))
         self.save_every = save_every
         self.keep = keep
         self.async_save = bool(async_save)
@@ -436,9 +447,8 @@ class Checkpointer:
         if self.read_only or jax.process_index() != 0:
             return
         for step in self._manager.all_steps():
-            step_dir = os.path.join(self.directory, str(step))
-            if os.path.isdir(step_dir) and not os.path.exists(os.path.join(step_dir,
-                                                                           CHECKSUM_FILE)):
+            step_dir = as_path(self.directory) / str(step)
+            if step_dir.is_dir() and not (step_dir / CHECKSUM_FILE).exists():
                 try:
                     write_checksums(step_dir)
                 except OSError as err:     # e.g. deleted meanwhile by the keep-N policy
@@ -503,7 +513,7 @@ class Checkpointer:
                 continue
             self._check_architecture(step, tree_metadata, abstract_state, meta, expected_meta)
             try:
-                verify_checksums(os.path.join(self.directory, str(step)))
+                verify_checksums(as_path(self.directory) / str(step))
             except (ValueError, OSError) as err:
                 failures.append((step, _first_line(err)))
                 continue
@@ -536,13 +546,13 @@ class Checkpointer:
                             f"falling back to step {fallback}")
             logger.warning("%s", messages[-1])
             if jax.process_index() == 0 and not self.read_only:
-                source = os.path.join(self.directory, str(step))
-                target = source + CORRUPT_SUFFIX
+                source = as_path(self.directory) / str(step)
+                target = source.with_name(source.name + CORRUPT_SUFFIX)
                 n = 1
-                while os.path.exists(target):
+                while target.exists():
                     n += 1
-                    target = f"{source}{CORRUPT_SUFFIX}.{n}"
-                os.rename(source, target)
+                    target = source.with_name(f"{source.name}{CORRUPT_SUFFIX}.{n}")
+                source.rename(target)
                 logger.warning("moved unreadable checkpoint %s to %s", source, target)
         if failures and not self.read_only:
             self._manager.reload()

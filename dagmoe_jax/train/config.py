@@ -39,6 +39,9 @@ class TrainConfig:
     keep_checkpoints: newest checkpoints kept on disk.
     async_checkpoint: write checkpoints in a background thread while training goes on.
     tensorboard: write TensorBoard event files beside ``metrics.jsonl``.
+    wandb_project: also log to Weights & Biases in this project ('' = off, the default; needs
+        ``pip install 'dagmoe-jax[wandb]'``). See ``dagmoe_jax/train/metrics.py``.
+    wandb_mode: 'online' (default) or 'offline' (no network; ``wandb sync`` uploads later).
     mesh: the device mesh (``MeshConfig``: data / fsdp / expert / tensor sizes; default all
         devices data-parallel). Bind it in gin as ``MeshConfig.expert = 4``.
     allow_model_change: resume a run whose checkpoint was written with a different ModelConfig
@@ -59,6 +62,8 @@ class TrainConfig:
     keep_checkpoints: int = 3
     async_checkpoint: bool = True
     tensorboard: bool = True
+    wandb_project: str = ""
+    wandb_mode: str = "online"
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     allow_model_change: bool = False
 
@@ -71,5 +76,9 @@ class TrainConfig:
                "a MeshConfig")
         _check(isinstance(self.allow_model_change, bool), "TrainConfig", "allow_model_change",
                self.allow_model_change, "True or False")
+        _check(isinstance(self.wandb_project, str), "TrainConfig", "wandb_project",
+               self.wandb_project, "a W&B project name ('' = no W&B logging)")
+        _check(self.wandb_mode in ("online", "offline"), "TrainConfig", "wandb_mode",
+               self.wandb_mode, "'online' or 'offline'")
         _check(isinstance(self.run_dir, str) and self.run_dir.strip() != "", "TrainConfig",
                "run_dir", self.run_dir, "a non-empty directory path")

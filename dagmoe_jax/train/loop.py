@@ -29,6 +29,7 @@ from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.data import (DataConfig, check_tokens, eval_batches, exact_match, make_tokenizer,
                              task_eval_batches, task_names, train_dataset, unigram_entropy)
 from dagmoe_jax import runs
+from dagmoe_jax.paths import run_path
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.parallel import MeshConfig, activate, create_train_state, make_mesh, shard_batch
 from dagmoe_jax.parallel.axes import MeshLayout
@@ -36,8 +37,9 @@ from dagmoe_jax.settle import describe as describe_settled
 from dagmoe_jax.settle import settle
 from dagmoe_jax.train.checkpoint import Checkpointer
 from dagmoe_jax.train.config import TrainConfig
-from dagmoe_jax.train.metrics import MetricsWriter, summarise_load
-from dagmoe_jax.train.optim import OptimConfig, make_optimizer, make_schedule
+from dagmoe_jax.train.metrics import (MetricsWriter, check_tensorboard_target, read_metrics,
+                                      require_wandb, summarise_load)
+from dagmoe_jax.train.optim import OptimConfig, make_optimizer, make_schedule, schedule_note
 from dagmoe_jax.train.step import eval_step, make_train_step
 
 
@@ -208,6 +210,12 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
     process = (jax.process_index(), jax.process_count())
     is_main = process[0] == 0
     say = log if is_main else (lambda _msg: None)
+    run_path(train_cfg.run_dir)                  # its filesystem is reachable (else one line)
+    if is_main:                                  # sinks that cannot work: before anything is written
+        if train_cfg.wandb_project:
+            require_wandb()
+        if train_cfg.tensorboard:
+            check_tensorboard_target(train_cfg.run_dir)
     run_dir = runs.prepare_run_dir(train_cfg.run_dir)
     tokenizer = make_tokenizer(data_cfg)
     check_compatible(model_cfg, data_cfg, tokenizer)
@@ -218,6 +226,9 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
     dataset = train_dataset(data_cfg, tokenizer, process_index=process[0], process_count=process[1])
     evaluator = _Evaluator(data_cfg, train_cfg, tokenizer)
     mesh = make_mesh(train_cfg.mesh)
+    note = schedule_note(optim_cfg, train_cfg.steps)
+    if note:
+        say(note)
     model, optimizer, schedule = build(model_cfg, optim_cfg, train_cfg, mesh, log=say)
     say(f"model settled for {jax.default_backend()}: "
         f"{describe_settled(model.cfg, model_cfg, layout=MeshLayout.of(mesh))}")
@@ -260,14 +271,20 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
             (run_dir / "operative_config.gin").write_text(operative_gin)
 
     writer = MetricsWriter(run_dir, enabled=is_main, tensorboard=train_cfg.tensorboard,
-                           resume_step=start)
+                           resume_step=start, wandb_project=train_cfg.wandb_project,
+                           wandb_mode=train_cfg.wandb_mode,
+                           config=runs.configs_to_json(model_cfg, data_cfg, optim_cfg, train_cfg))
     step_fn = make_train_step(grad_accum=train_cfg.grad_accum)
     tokens_per_step = data_cfg.batch_size * data_cfg.seq_len
     losses: Dict[int, float] = {}
     stop = {}
     step = start
     final_eval: Dict[str, float] = {}
-    bar = _progress(train_cfg.steps, start, progress and is_main)
+    # The bar starts once the first step has compiled, so its rate and ETA leave compilation
+    # out; so does tokens/s (the window restarts then). Without the bar (``progress=False``,
+    # cluster logs), a plain line every ``log_every`` steps says the same.
+    bar = _progress(train_cfg.steps, start, False)
+    clock = _Clock(train_cfg.steps)
     # SIGTERM / SIGINT only set ``stop`` from here until the last checkpoint has committed and
     # the final evaluation is done, so a second signal cannot kill a save in flight, and
     # "saved" is said only once the save is on disk.
@@ -279,6 +296,9 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
                     batch = next(data_iter)
                     check_tokens(batch, model_cfg.vocab_size)
                     device_batch = _device_batch(batch, mesh)
+                    if not clock.compiled:
+                        say(f"step {step}: compiling the training step...")
+                        clock.begin()
                     metrics = step_fn(model, optimizer, device_batch)
                     loss = float(metrics["loss"])
                     if not math.isfinite(loss):
@@ -287,25 +307,41 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
                             f"checkpoint in {run_dir / 'checkpoints'} is the last good one (lower "
                             f"OptimConfig.learning_rate or raise grad clipping)")
                     losses[step] = loss
-                    window_steps += 1
+                    if not clock.compiled:
+                        say(f"step {step}: compiled the training step in "
+                            f"{clock.mark_compiled(step):.1f} s")
+                        bar = _progress(train_cfg.steps, step, progress and is_main)
+                        window_start, window_steps = time.perf_counter(), 0
+                    else:
+                        window_steps += 1
+                        bar.update(1)
                     if step % train_cfg.log_every == 0 or step == train_cfg.steps:
                         elapsed = time.perf_counter() - window_start
                         host = jax.device_get(metrics)
                         host["learning_rate"] = float(schedule(step - 1))
-                        host["tokens_per_sec"] = tokens_per_step * window_steps / max(elapsed,
-                                                                                      1e-9)
+                        if window_steps:                 # not the compiling step alone
+                            host["tokens_per_sec"] = (tokens_per_step * window_steps
+                                                      / max(elapsed, 1e-9))
                         writer.write(step, host)
-                        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{host['tokens_per_sec']:.0f}",
-                                        **{k: f"{v:.2f}" for k, v in
-                                           summarise_load(host.get("expert_load")).items()},
-                                        refresh=False)
+                        shown = {k: f"{v:.2f}" for k, v in
+                                 summarise_load(host.get("expert_load")).items()}
+                        if "tokens_per_sec" in host:
+                            shown["tok_s"] = f"{host['tokens_per_sec']:.0f}"
+                        bar.set_postfix(loss=f"{loss:.3f}", **shown, refresh=False)
+                        if not (progress and is_main):
+                            say(f"step {step}/{train_cfg.steps}: loss {loss:.4f}, lr "
+                                f"{host['learning_rate']:.3g}" + "".join(
+                                    f", {k} {v}" for k, v in shown.items())
+                                + clock.eta(step))
                         window_start, window_steps = time.perf_counter(), 0
-                    bar.update(1)
                     if (train_cfg.eval_every and step % train_cfg.eval_every == 0
                             and step < train_cfg.steps):
                         result = evaluator(model)
                         writer.write(step, result, prefix="eval/")
-                        bar.write(f"step {step}: " + _format_eval(result))
+                        if progress and is_main:
+                            bar.write(f"step {step}: " + _format_eval(result))
+                        else:
+                            say(f"step {step}: " + _format_eval(result))
                         window_start, window_steps = time.perf_counter(), 0
                     checkpointer.check_for_errors()      # stop at a failed save, not later
                     force = bool(stop) or step == train_cfg.steps
@@ -323,7 +359,8 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
             else:
                 with activate(mesh):
                     final_eval = evaluator(model)
-                writer.write(step, final_eval, prefix="eval/")
+                if step > start or not _has_eval_record(run_dir, step):
+                    writer.write(step, final_eval, prefix="eval/")   # not again on re-evaluation
                 baseline = unigram_entropy(data_cfg, tokenizer)
                 final_eval["unigram_baseline"] = baseline
                 say(f"final eval at step {step}: " + _format_eval(final_eval))
@@ -333,6 +370,41 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
             writer.close()
     return RunResult(run_dir=str(run_dir), step=step, resumed_from=start or None,
                      interrupted=bool(stop), eval=final_eval, losses=losses)
+
+
+class _Clock:
+    """Training time without the first step's compilation, for the ETA of plain log lines."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.compiled = False
+        self._start = time.perf_counter()
+        self._step = 0
+
+    def begin(self) -> None:
+        """The first step starts (compiling first)."""
+        self._start = time.perf_counter()
+
+    def mark_compiled(self, step: int) -> float:
+        """The first step (compile + run) is done; returns its seconds."""
+        now = time.perf_counter()
+        seconds = now - self._start
+        self.compiled, self._start, self._step = True, now, step
+        return seconds
+
+    def eta(self, step: int) -> str:
+        """', ETA 1m05s' from the rate since compilation ('' before two steps have run)."""
+        done = step - self._step
+        if not self.compiled or done <= 0 or step >= self.total:
+            return ""
+        left = int(round((time.perf_counter() - self._start) / done * (self.total - step)))
+        return f", ETA {left // 60}m{left % 60:02d}s"
+
+
+def _has_eval_record(run_dir, step: int) -> bool:
+    """Whether ``metrics.jsonl`` already holds the evaluation of ``step`` (a finished run
+    started again only re-evaluates: its record is not written twice)."""
+    return any(r.get("step") == step and "eval/loss" in r for r in read_metrics(run_dir))
 
 
 def _check_saveable(model, device_batch, step: int, run_dir: Path) -> None:
@@ -361,13 +433,45 @@ def _format_eval(result: Dict[str, float]) -> str:
     return text
 
 
+# DataConfig fields an evaluation of a finished run may change: what is scored and how it is
+# read, not what the model was trained on or how text becomes tokens.
+EVAL_DATA_FIELDS = ("eval_source", "eval_split", "text_key", "tfds_data_dir", "tokenizer_path",
+                    "seq_len", "batch_size", "num_synthetic_eval", "task_min_size",
+                    "task_max_size", "worker_count")
+
+
+def eval_data_overrides(bindings: Iterable[str]) -> Dict[str, object]:
+    """The DataConfig changes that ``--gin.DataConfig.field=value`` bindings ask of an
+    evaluation (``--mode=eval``), as {field: value}. A binding of a field outside
+    :data:`EVAL_DATA_FIELDS` or of another class, and a value that is not a literal (an
+    unquoted string), are one-line ``ValueError``s."""
+    import ast  # pylint: disable=import-outside-toplevel
+
+    changes: Dict[str, object] = {}
+    for binding in bindings:
+        name, _, value = (part.strip() for part in binding.partition("="))
+        cls, _, field = name.rpartition(".")
+        if cls != "DataConfig" or field not in EVAL_DATA_FIELDS:
+            raise ValueError(
+                f"--mode=eval takes the run's own config; of the bindings only DataConfig."
+                f"{{{','.join(EVAL_DATA_FIELDS)}}} apply at evaluation, not {name}")
+        try:
+            changes[field] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"gin binding {name} = {value}: a string needs quotes in gin: "
+                             f"write --gin.{name}=\"'{value}'\"") from None
+    return changes
+
+
 def evaluate_checkpoint(run_dir: str | Path, *, eval_source: str = "", eval_split: str = "",
-                        eval_batches_limit: int = 0, log: Callable[[str], None] = print
-                        ) -> Dict[str, float]:
+                        eval_batches_limit: int = 0, data_overrides: Optional[dict] = None,
+                        log: Callable[[str], None] = print) -> Dict[str, float]:
     """Load the newest checkpoint of ``run_dir`` and report held-out loss / perplexity on
-    ``eval_source`` (a DataConfig source spec; empty = the run's own held-out split)."""
+    ``eval_source`` (a DataConfig source spec; empty = the run's own held-out split).
+    ``data_overrides``: other DataConfig changes for the evaluation (from
+    :func:`eval_data_overrides`), applied before ``eval_source`` / ``eval_split``."""
     _, data_cfg, _, _ = runs.load_configs(run_dir)
-    changes = {}
+    changes = dict(data_overrides or {})
     if eval_source:
         changes["eval_source"] = eval_source
     if eval_split:

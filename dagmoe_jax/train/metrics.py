@@ -1,21 +1,47 @@
-"""Metric records: one JSON object per line in ``metrics.jsonl`` and TensorBoard event files.
+"""Metric records through one small writer interface, :class:`MetricWriter`.
 
-Scalars go to both. Per-layer arrays (``expert_load`` [layers, N], ``dropped_fraction``
-[layers]) are written whole to the JSONL log; TensorBoard gets one scalar per layer for the
-dropped fraction and the load imbalance (max over mean expert load), plus a histogram of each
-layer's load. Only process 0 writes (multi-host runs log once).
+A training run's records go to every sink that is switched on, each a :class:`MetricWriter`:
+
+* :class:`JsonlWriter`: one JSON object per line in ``metrics.jsonl`` (always; what plots,
+  tests and notebooks read back with :func:`read_metrics`). Per-layer arrays (``expert_load``
+  [layers, N], ``dropped_fraction`` [layers]) are written whole;
+* :class:`TensorBoardWriter` (``TrainConfig.tensorboard``): TensorBoard event files; each
+  per-layer array becomes one scalar per layer (the load imbalance, max over mean expert load,
+  for ``expert_load``, plus a histogram of each layer's load);
+* :class:`WandbWriter` (``TrainConfig.wandb_project``): Weights & Biases, online or offline
+  (``TrainConfig.wandb_mode``; offline needs no network and ``wandb sync`` uploads later),
+  with the same per-layer flattening as TensorBoard. ``wandb`` is optional:
+  ``pip install 'dagmoe-jax[wandb]'``.
+
+:class:`MetricsWriter` fans one ``write`` out to the writers of a run directory. Only process 0
+writes (multi-host runs log once). The run directory may be local or in cloud storage (all file
+I/O goes through ``etils.epath``).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
-from typing import Mapping, Optional
+import os
+import uuid
+from typing import Dict, List, Mapping, Optional, Protocol, runtime_checkable
 
 import numpy as np
 
+from dagmoe_jax.paths import as_path, is_remote, scheme
+
 METRICS_FILE = "metrics.jsonl"
+WANDB_ID_FILE = "wandb_run_id"
+
+
+@runtime_checkable
+class MetricWriter(Protocol):
+    """A metrics sink: ``write`` records ``metrics`` (scalars or arrays) at ``step`` with each
+    key under ``prefix`` (e.g. 'eval/'); ``close`` flushes and releases it."""
+
+    def write(self, step: int, metrics: Mapping[str, object], prefix: str = "") -> None: ...
+
+    def close(self) -> None: ...
 
 
 def _jsonable(value):
@@ -26,11 +52,11 @@ def _jsonable(value):
     return array.tolist()
 
 
-def _records(path: Path) -> list[dict]:
+def _records(path) -> list[dict]:
     """The records of a metrics file. A torn last line (what a crash or a full disk leaves
     mid-write) is dropped; an unreadable line anywhere else is a one-line ``ValueError`` naming
     the file and line."""
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    lines = as_path(path).read_bytes().decode("utf-8", errors="replace").splitlines()
     records = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -48,71 +74,204 @@ def _records(path: Path) -> list[dict]:
     return records
 
 
-def truncate_jsonl(path: Path, last_step: int) -> None:
+def truncate_jsonl(path, last_step: int) -> List[dict]:
     """Drop records of steps after ``last_step`` (a resumed run re-does them), and a torn last
-    line."""
+    line; returns the records kept."""
+    path = as_path(path)
     if not path.exists():
-        return
+        return []
     kept = [r for r in _records(path) if r.get("step", 0) <= last_step]
     path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return kept
 
 
-class MetricsWriter:
-    """Writes metric records for a run directory (a no-op writer when ``enabled`` is false)."""
+def _per_layer_scalars(key: str, value, prefix: str):
+    """(name, float) pairs of one metric for scalar-only sinks (TensorBoard, W&B): a scalar as
+    itself; ``expert_load`` [layers, N] as each layer's load imbalance (max over mean); any
+    other 1-D array as one scalar per layer. Other shapes are not shown there."""
+    array = np.asarray(value, dtype=np.float64)
+    if array.ndim == 0:
+        return [(prefix + key, float(array))]
+    if key == "expert_load" and array.ndim == 2:
+        return [(f"{prefix}load_imbalance/layer_{layer}",
+                 float(load.max() / max(load.mean(), 1e-9))) for layer, load in enumerate(array)]
+    if array.ndim == 1:
+        return [(f"{prefix}{key}/layer_{i}", float(item)) for i, item in enumerate(array)]
+    return []
 
-    def __init__(self, run_dir: str | Path, *, enabled: bool = True, tensorboard: bool = True,
-                 resume_step: int = 0):
-        self.enabled = enabled
-        self._tb = None
-        self._file = None
-        if not enabled:
-            return
-        run_dir = Path(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        path = run_dir / METRICS_FILE
-        truncate_jsonl(path, resume_step)
-        self._file = open(path, "a", encoding="utf-8")
-        if tensorboard:
-            from tensorboardX import SummaryWriter  # imported lazily: optional at library use
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1)
+
+class JsonlWriter:
+    """``metrics.jsonl`` of a run directory: one JSON object per line, ``{"step": ..., key:
+    value}``. A resumed run first drops the records after ``resume_step`` (it re-does those
+    steps). Locally the file is appended to and flushed per record; in cloud storage, whose
+    objects cannot be appended to, it is rewritten whole at each write (the file is small)."""
+
+    def __init__(self, run_dir, *, resume_step: int = 0):
+        self.path = as_path(run_dir) / METRICS_FILE
+        self._remote = is_remote(self.path)
+        kept = truncate_jsonl(self.path, resume_step)
+        self._lines = [json.dumps(r) + "\n" for r in kept] if self._remote else []
+        self._file = None if self._remote else open(os.fspath(self.path), "a", encoding="utf-8")
 
     def write(self, step: int, metrics: Mapping[str, object], prefix: str = "") -> None:
-        """Record ``metrics`` (scalars or arrays) at ``step`` under ``prefix`` (e.g. 'eval/')."""
-        if not self.enabled:
-            return
         record = {"step": int(step)}
         record.update({prefix + k: _jsonable(v) for k, v in metrics.items()})
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-        if self._tb is not None:
-            self._write_tensorboard(step, metrics, prefix)
-
-    def _write_tensorboard(self, step: int, metrics: Mapping[str, object], prefix: str) -> None:
-        for key, value in metrics.items():
-            array = np.asarray(value, dtype=np.float64)
-            if array.ndim == 0:
-                self._tb.add_scalar(prefix + key, float(array), step)
-            elif key == "expert_load" and array.ndim == 2:
-                for layer, load in enumerate(array):
-                    self._tb.add_scalar(f"{prefix}load_imbalance/layer_{layer}",
-                                        float(load.max() / max(load.mean(), 1e-9)), step)
-                    self._tb.add_histogram(f"{prefix}expert_load/layer_{layer}", load, step)
-            elif array.ndim == 1:
-                for i, item in enumerate(array):
-                    self._tb.add_scalar(f"{prefix}{key}/layer_{i}", float(item), step)
+        line = json.dumps(record) + "\n"
+        if self._file is not None:
+            self._file.write(line)
+            self._file.flush()
+        else:
+            self._lines.append(line)
+            self.path.write_text("".join(self._lines))
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
 
 
-def read_metrics(run_dir: str | Path) -> list[dict]:
+# The client tensorboardX needs to write event files to each cloud scheme (it has none for az).
+TENSORBOARD_CLIENTS = {"gs": ("google.cloud.storage", "google-cloud-storage"),
+                       "s3": ("boto3", "boto3")}
+
+
+def check_tensorboard_target(run_dir) -> None:
+    """A one-line ``ValueError`` when TensorBoard files cannot be written to ``run_dir`` (a
+    cloud URI whose tensorboardX client is not installed), so a run fails before it writes."""
+    import importlib.util  # pylint: disable=import-outside-toplevel
+
+    kind = scheme(run_dir)
+    if kind in ("", "file"):
+        return
+    module, package = TENSORBOARD_CLIENTS.get(kind, (None, None))
+    try:
+        found = module is not None and importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):        # a parent package missing, or blocked
+        found = False
+    if not found:
+        need = (f"needs the {package} package: pip install {package}" if package else
+                "is not supported by tensorboardX")
+        raise ValueError(f"TensorBoard logging to {os.fspath(run_dir)} {need}, or bind "
+                         f"TrainConfig.tensorboard=False")
+
+
+class TensorBoardWriter:
+    """TensorBoard event files in ``run_dir/tensorboard`` (tensorboardX; a cloud URI needs
+    tensorboardX's own client, ``google-cloud-storage`` for ``gs://``, ``boto3`` for
+    ``s3://``). A resumed run purges the events after ``resume_step``."""
+
+    def __init__(self, run_dir, *, resume_step: int = 0):
+        from tensorboardX import SummaryWriter  # imported lazily: optional at library use
+        logdir = os.fspath(as_path(run_dir) / "tensorboard")
+        try:
+            self._tb = SummaryWriter(logdir, purge_step=resume_step + 1)
+        except ImportError as err:
+            raise ValueError(f"TensorBoard logging to {logdir} needs {err}: install it, or bind "
+                             f"TrainConfig.tensorboard=False") from None
+
+    def write(self, step: int, metrics: Mapping[str, object], prefix: str = "") -> None:
+        for key, value in metrics.items():
+            for name, number in _per_layer_scalars(key, value, prefix):
+                self._tb.add_scalar(name, number, step)
+            array = np.asarray(value, dtype=np.float64)
+            if key == "expert_load" and array.ndim == 2:
+                for layer, load in enumerate(array):
+                    self._tb.add_histogram(f"{prefix}expert_load/layer_{layer}", load, step)
+
+    def close(self) -> None:
+        self._tb.close()
+
+
+def require_wandb():
+    """The ``wandb`` module, or a one-line ``ValueError`` saying how to install it."""
+    try:
+        import wandb  # pylint: disable=import-outside-toplevel
+    except ImportError:
+        raise ValueError("TrainConfig.wandb_project is set but wandb is not installed: "
+                         "pip install 'dagmoe-jax[wandb]' (or pip install wandb), or leave "
+                         "wandb_project empty") from None
+    return wandb
+
+
+class WandbWriter:
+    """A Weights & Biases run (``wandb.init``) in ``project``, named after the run directory.
+
+    mode: 'online' or 'offline' (written under ``run_dir/wandb``, or the working directory's
+    ``wandb/`` for a cloud run directory, without network; ``wandb sync`` uploads it later).
+    The W&B run id is kept in ``run_dir/wandb_run_id``, so a resumed training run continues
+    the same W&B run (``resume='allow'``). ``config``: the run's configs, shown by W&B.
+    Scalars are logged as they are; per-layer arrays as one scalar per layer (like
+    TensorBoard) and each layer's expert load as a ``wandb.Histogram``."""
+
+    def __init__(self, run_dir, *, project: str, mode: str = "online",
+                 config: Optional[dict] = None):
+        wandb = require_wandb()
+        self._wandb = wandb
+        path = as_path(run_dir)
+        id_file = path / WANDB_ID_FILE
+        run_id = id_file.read_text().strip() if id_file.exists() else ""
+        if not run_id:
+            run_id = uuid.uuid4().hex[:12]
+            id_file.write_text(run_id + "\n")
+        local = None
+        if not is_remote(path):
+            local = os.fspath(path)
+        self._run = wandb.init(project=project, name=path.name, id=run_id, resume="allow",
+                               mode=mode, dir=local, config=config or {})
+
+    def write(self, step: int, metrics: Mapping[str, object], prefix: str = "") -> None:
+        data: Dict[str, object] = {}
+        for key, value in metrics.items():
+            data.update(_per_layer_scalars(key, value, prefix))
+            array = np.asarray(value, dtype=np.float64)
+            if key == "expert_load" and array.ndim == 2:
+                for layer, load in enumerate(array):
+                    data[f"{prefix}expert_load/layer_{layer}"] = self._wandb.Histogram(load)
+        self._run.log(data, step=int(step))
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class MetricsWriter:
+    """The metric sinks of a run directory behind one ``write`` (a no-op when ``enabled`` is
+    false, e.g. on processes other than 0): ``metrics.jsonl`` always, TensorBoard when
+    ``tensorboard``, W&B when ``wandb_project`` is set; ``writers`` adds others (any
+    :class:`MetricWriter`)."""
+
+    def __init__(self, run_dir, *, enabled: bool = True, tensorboard: bool = True,
+                 resume_step: int = 0, wandb_project: str = "", wandb_mode: str = "online",
+                 config: Optional[dict] = None, writers: tuple = ()):
+        self.enabled = enabled
+        self.writers: List[MetricWriter] = []
+        if not enabled:
+            return
+        as_path(run_dir).mkdir(parents=True, exist_ok=True)
+        self.writers.append(JsonlWriter(run_dir, resume_step=resume_step))
+        try:
+            if tensorboard:
+                self.writers.append(TensorBoardWriter(run_dir, resume_step=resume_step))
+            if wandb_project:
+                self.writers.append(WandbWriter(run_dir, project=wandb_project, mode=wandb_mode,
+                                                config=config))
+        except BaseException:
+            self.close()
+            raise
+        self.writers.extend(writers)
+
+    def write(self, step: int, metrics: Mapping[str, object], prefix: str = "") -> None:
+        """Record ``metrics`` (scalars or arrays) at ``step`` under ``prefix`` (e.g. 'eval/')."""
+        for writer in self.writers:
+            writer.write(step, metrics, prefix)
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
+        self.writers = []
+
+def read_metrics(run_dir) -> list[dict]:
     """The records of a run's ``metrics.jsonl`` (for plots, tests and notebooks)."""
-    path = Path(run_dir) / METRICS_FILE
+    path = as_path(run_dir) / METRICS_FILE
     if not path.exists():
         return []
     return _records(path)

@@ -16,6 +16,11 @@ optimizer's update count, so the first update uses the rate of step 0, which is 
 * ``'constant'``: warm-up, then the peak.
 
 Past ``total_steps`` every schedule stays at its final value.
+
+A run shorter than its warm-up plus decay (a 6-step try of a config that warms up over 2,000
+steps) warms up over a tenth of the run instead (:func:`fitted_warmup`); the training loop
+prints a note saying so. A decay that leaves no room even then is a one-line error naming the
+binding to change.
 """
 
 from __future__ import annotations
@@ -102,6 +107,29 @@ class OptimConfig:
         return int(round(self.decay_fraction * total_steps))
 
 
+def fitted_warmup(cfg: OptimConfig, total_steps: int) -> int:
+    """The warm-up length a run of ``total_steps`` uses: ``cfg.warmup_steps`` when the warm-up
+    and the decay fit in the run ('cosine': the warm-up is shorter than the run), otherwise a
+    tenth of the run (``total_steps // 10``)."""
+    warmup = cfg.warmup_steps
+    if cfg.schedule == "cosine":
+        fits = warmup < total_steps
+    else:
+        fits = warmup + cfg.decay_steps(total_steps) <= total_steps
+    return warmup if fits else min(warmup, total_steps // 10)
+
+
+def schedule_note(cfg: OptimConfig, total_steps: int) -> str:
+    """What a short run changes of the schedule ('' when nothing): for the training loop to
+    print."""
+    warmup = fitted_warmup(cfg, total_steps)
+    if warmup == cfg.warmup_steps:
+        return ""
+    return (f"note: OptimConfig.warmup_steps={cfg.warmup_steps} does not fit in this "
+            f"{total_steps}-step run: warming up over {warmup} steps (a tenth of the run) "
+            f"instead; bind --gin.OptimConfig.warmup_steps=N to choose")
+
+
 def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     """The learning rate as a function of the optimizer step (see the module docstring)."""
     if not (isinstance(total_steps, int) and not isinstance(total_steps, bool)
@@ -109,24 +137,20 @@ def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
         raise ValueError(f"total_steps={total_steps!r} is invalid: expected an integer >= 1")
     peak = float(cfg.learning_rate)
     floor = cfg.min_lr_ratio * peak
-    warmup = cfg.warmup_steps
+    warmup = fitted_warmup(cfg, total_steps)
 
-    if cfg.schedule == "cosine":
-        if warmup >= total_steps:
-            raise ValueError(
-                f"OptimConfig.warmup_steps={warmup} leaves no steps for the cosine decay of "
-                f"total_steps={total_steps}: lower warmup_steps or train for more steps")
+    if cfg.schedule == "cosine":                 # fitted_warmup < total_steps
         return optax.warmup_cosine_decay_schedule(
             init_value=0.0, peak_value=peak, warmup_steps=warmup, decay_steps=total_steps,
             end_value=floor)
 
     decay = cfg.decay_steps(total_steps)
     if warmup + decay > total_steps:
-        what = "warmup_steps" if cfg.schedule == "constant" else "warmup_steps or decay_fraction"
+        what = "decay_fraction"
         raise ValueError(
             f"OptimConfig.warmup_steps={warmup} + decay steps={decay} (decay_fraction="
-            f"{cfg.decay_fraction} of {total_steps}) exceed total_steps={total_steps}: lower "
-            f"{what} or train for more steps")
+            f"{cfg.decay_fraction} of {total_steps}) exceed total_steps={total_steps}: bind "
+            f"--gin.OptimConfig.{what}=<smaller> or train for more steps")
     pieces, boundaries = [], []
     if warmup > 0:
         pieces.append(optax.linear_schedule(0.0, peak, warmup))

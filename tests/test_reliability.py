@@ -398,7 +398,7 @@ def test_a_refused_run_directory_is_one_line(tmp_path, monkeypatch):
     def refuse(self, *args, **kwargs):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
 
-    monkeypatch.setattr(Path, "mkdir", refuse)
+    monkeypatch.setattr(type(runs.run_path(tmp_path)), "mkdir", refuse)
     with pytest.raises(ValueError, match=rf"^cannot write the run directory {tmp_path}/run "
                                          r"\(Read-only file system\): choose a writable path$"):
         runs.prepare_run_dir(tmp_path / "run")

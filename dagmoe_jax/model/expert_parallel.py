@@ -95,7 +95,8 @@ def _capacity_shard(x, indices, weights, *, num_experts: int, capacity_factor: f
     return capacity_combine(y, slot, holder), keep
 
 
-def _dropless_shard(x, indices, weights, *, experts: Optional[object], hidden: Optional[object]):
+def _dropless_shard(x, indices, weights, *, experts: Optional[object], hidden: Optional[object],
+                    grouped_matmul: str):
     """One device's dropless dispatch (all-gather fallback): every token of the expert group,
     only the assignments of this device's experts, outputs reduce-scattered home."""
     k, n_local = indices.shape[1], weights[0].shape[0]
@@ -115,7 +116,7 @@ def _dropless_shard(x, indices, weights, *, experts: Optional[object], hidden: O
     held_by = jnp.where(local[order], order, m)
     xs = take_rows(x, jnp.where(local[order], order // k, t), row_of)
     sizes = jnp.bincount(key, length=n_local + 1)[:n_local].astype(jnp.int32)
-    out = take_rows(grouped_ffn(xs, weights, sizes), row_of, held_by)           # [E*T, K, d]
+    out = take_rows(grouped_ffn(xs, weights, sizes, grouped_matmul), row_of, held_by)           # [E*T, K, d]
     if experts is not None:
         out = jax.lax.psum_scatter(out, experts, scatter_dimension=0, tiled=True)  # [T, K, d]
     if hidden is not None:
@@ -124,7 +125,8 @@ def _dropless_shard(x, indices, weights, *, experts: Optional[object], hidden: O
 
 
 def sharded_dispatch(mode: str, x: jax.Array, indices: jax.Array, weights: ExpertWeights,
-                     capacity_factor: float, layout: MeshLayout, fused: bool = False):
+                     capacity_factor: float, layout: MeshLayout, fused: bool = False,
+                     grouped_matmul: str = "ragged_dot"):
     """:func:`dagmoe_jax.model.dispatch.dispatch` across ``layout``'s mesh (module docstring).
 
     Same inputs and outputs as the single-device dispatch (global view): tokens ``x`` [T, d],
@@ -134,14 +136,15 @@ def sharded_dispatch(mode: str, x: jax.Array, indices: jax.Array, weights: Exper
     an odd evaluation batch) falls back to the global-view single-device dispatch, which XLA
     partitions through the sharding constraints: correct, but not expert-parallel. ``fused``:
     gate and up projections as one matmul (``ModelConfig.fuse_gate_up``, settled to False on a
-    mesh, where concatenating tensor-sharded weights would move them).
+    mesh, where concatenating tensor-sharded weights would move them); ``grouped_matmul``: as
+    :func:`~dagmoe_jax.model.dispatch.grouped_ffn` (dropless).
     """
     tokens, experts, hidden = dispatch_axes(layout)
     n, d_r = weights[0].shape[0], weights[0].shape[-1]
     if x.shape[0] % layout.size(tokens):
         # e.g. sampling one sequence on a mesh: the global-view dispatch, which XLA partitions
         # by the sharding constraints alone (correct, single-device capacity semantics, slower)
-        return dispatch(mode, x, indices, weights, capacity_factor, fused)
+        return dispatch(mode, x, indices, weights, capacity_factor, fused, grouped_matmul)
     for what, size, axes in (("experts N", n, experts), ("expert hidden d_r", d_r, hidden)):
         if size % layout.size(axes):
             raise ValueError(f"expert-parallel dispatch: {what}={size} is not divisible by the "
@@ -150,13 +153,17 @@ def sharded_dispatch(mode: str, x: jax.Array, indices: jax.Array, weights: Exper
         body = partial(_capacity_shard, num_experts=n, capacity_factor=capacity_factor,
                        experts=_axis(experts), hidden=_axis(hidden), fused=fused)
     elif mode == "dropless":
-        body = partial(_dropless_shard, experts=_axis(experts), hidden=_axis(hidden))
+        body = partial(_dropless_shard, experts=_axis(experts), hidden=_axis(hidden),
+                       grouped_matmul=grouped_matmul)
     else:
         raise ValueError(f"dispatch={mode!r} is invalid for expert parallelism: expected "
                          f"'capacity' or 'dropless'")
     tok, exp, hid = _axis(tokens), _axis(experts), _axis(hidden)
     w_in, w_out = P(exp, None, hid), P(exp, hid, None)
+    # megablox gmm's pallas_call declares outputs without varying-across-mesh types, which
+    # shard_map's type check refuses: it runs unchecked (the collectives are the same)
     fn = jax.shard_map(body, mesh=layout.mesh,
                        in_specs=(P(tok, None), P(tok, None), (w_in, w_in, w_out)),
-                       out_specs=(P(tok, None, None), P(tok, None)))
+                       out_specs=(P(tok, None, None), P(tok, None)),
+                       check_vma=not (mode == "dropless" and grouped_matmul == "gmm"))
     return fn(x, indices, tuple(weights))

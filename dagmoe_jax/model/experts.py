@@ -26,14 +26,16 @@ class Experts(nnx.Module):
     mode: 'capacity', 'dropless' or 'dense' (``ExpertConfig.dispatch``); capacity_factor: C =
     ceil(capacity_factor * T * K / N) for 'capacity'; fuse_gate_up: as
     :func:`~dagmoe_jax.model.layers.swiglu`; layout: the mesh to dispatch across (None: one
-    device).
+    device); grouped_matmul: the grouped matmul of 'dropless' (``ModelConfig.grouped_matmul``,
+    settled: 'ragged_dot' or 'gmm').
     """
 
     def __init__(self, num_experts: int, d_model: int, hidden: int, std: float, dtype, *,
                  mode: str = "capacity", capacity_factor: float = 1.25,
                  fuse_gate_up: bool = True, layout: Optional[MeshLayout] = None,
-                 rngs: nnx.Rngs):
+                 grouped_matmul: str = "ragged_dot", rngs: nnx.Rngs):
         self.dtype, self.mode, self.capacity_factor = dtype, mode, capacity_factor
+        self.grouped_matmul = grouped_matmul
         self.fuse_gate_up, self.layout = fuse_gate_up, layout
         init = normal(std)
         self.w_gate = make_param(rngs, init, (num_experts, d_model, hidden),
@@ -49,6 +51,7 @@ class Experts(nnx.Module):
         weights = tuple(w[...].astype(self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
         if self.mode != "dense" and self.layout is not None:
             return sharded_dispatch(self.mode, x.astype(self.dtype), indices, weights,
-                                    self.capacity_factor, self.layout, self.fuse_gate_up)
+                                    self.capacity_factor, self.layout, self.fuse_gate_up,
+                                    self.grouped_matmul)
         return dispatch(self.mode, x.astype(self.dtype), indices, weights, self.capacity_factor,
-                        self.fuse_gate_up)
+                        self.fuse_gate_up, self.grouped_matmul)

@@ -70,7 +70,7 @@ class DecoderLayer(nnx.Module):
         self.cfg = cfg
         self.block_replaces_stream = cfg.block == "coe" and cfg.coe.stream == "reference"
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = Attention(cfg, layout, rngs=rngs)
         self.block_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         self.block = make_block(cfg, layout, rngs=rngs)
 

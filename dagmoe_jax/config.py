@@ -35,6 +35,7 @@ BALANCE_PROBS = ("softmax", "score_share")
 REMAT_POLICIES = ("auto", "none", "full", "dots")
 ATTENTION_IMPLS = ("auto", "xla", "blockwise", "fused", "cudnn", "splash")
 GROUPED_MATMULS = ("auto", "ragged_dot", "gmm")
+EXPERT_EXCHANGES = ("auto", "all_gather", "ragged_all_to_all")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -208,6 +209,11 @@ class ModelConfig:
       when d_model and the expert hidden size are multiples of 128, else 'ragged_dot'),
       'ragged_dot' (jax.lax.ragged_dot; on GPU fast with the cuDNN fusion of
       scripts/gpu_env.sh) or 'gmm' (megablox, Pallas TPU).
+    expert_exchange: how expert-parallel 'dropless' dispatch moves tokens between the expert
+      shards of a mesh: 'auto' (default: 'ragged_all_to_all' on GPU / TPU, 'all_gather' on
+      CPU, whose XLA does not implement the ragged collective), 'ragged_all_to_all' (each
+      assignment sent to its expert's device only) or 'all_gather' (every token to every
+      expert shard, outputs reduce-scattered back).
     fuse_gate_up: compute SwiGLU's x W_gate and x W_up as one matmul against [W_gate | W_up]
       (3% faster on CPU); None (default) settles to True on one device and False under a
       multi-device mesh, where the concatenation would move tensor-sharded weights.
@@ -232,6 +238,7 @@ class ModelConfig:
     scan_unroll: int = 0
     attention: str = "auto"
     grouped_matmul: str = "auto"
+    expert_exchange: str = "auto"
     fuse_gate_up: Optional[bool] = None
     attention_block: int = 64
     param_dtype: str = "float32"
@@ -266,6 +273,7 @@ class ModelConfig:
                self.scan_unroll, "an integer >= 0 (0 = auto)")
         _choice(c, "attention", self.attention, ATTENTION_IMPLS)
         _choice(c, "grouped_matmul", self.grouped_matmul, GROUPED_MATMULS)
+        _choice(c, "expert_exchange", self.expert_exchange, EXPERT_EXCHANGES)
         _choice(c, "param_dtype", self.param_dtype, DTYPES)
         _choice(c, "compute_dtype", self.compute_dtype, DTYPES)
         for name, cls in (("router", RouterConfig), ("experts", ExpertConfig),
@@ -309,6 +317,7 @@ class ModelConfig:
         auto = (("remat", self.remat == "auto"), ("scan_unroll", self.scan_unroll == 0),
                 ("attention", self.attention == "auto"),
                 ("grouped_matmul", self.grouped_matmul == "auto"),
+                ("expert_exchange", self.expert_exchange == "auto"),
                 ("fuse_gate_up", self.fuse_gate_up is None))
         return tuple(name for name, is_auto in auto if is_auto)
 

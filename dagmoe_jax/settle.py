@@ -18,6 +18,8 @@ into a concrete config that the run prints and saves:
                    d_model and the expert hidden size are multiples of its 128 tile, else
                    ``jax.lax.ragged_dot`` (on GPU, XLA lowers it to cuDNN's grouped GEMM with
                    the flag in scripts/gpu_env.sh)
+``expert_exchange`` expert-parallel dropless dispatch: ``jax.lax.ragged_all_to_all`` on GPU and
+                   TPU; the all-gather fallback on CPU (XLA:CPU has no ragged all-to-all)
 ``fuse_gate_up``   one [W_gate | W_up] matmul on one device; two under a mesh (the
                    concatenation would move tensor-sharded weights)
 =================  =====================================================================
@@ -90,6 +92,13 @@ def settle_grouped_matmul(name: str, backend: str, d_model: int, hidden: int) ->
     return "gmm" if backend == "tpu" and gmm_supported(d_model, hidden) else "ragged_dot"
 
 
+def settle_expert_exchange(name: str, backend: str) -> str:
+    """'auto': 'ragged_all_to_all' on GPU / TPU, 'all_gather' on CPU (module docstring)."""
+    if name != "auto":
+        return name
+    return "all_gather" if backend == "cpu" else "ragged_all_to_all"
+
+
 def settle(cfg: ModelConfig, *, backend: Optional[str] = None,
            layout: Optional[MeshLayout] = None,
            log: Callable[[str], None] = lambda _message: None) -> ModelConfig:
@@ -109,6 +118,7 @@ def settle(cfg: ModelConfig, *, backend: Optional[str] = None,
         attention=attention,
         grouped_matmul=settle_grouped_matmul(cfg.grouped_matmul, backend, cfg.d_model,
                                              cfg.experts.expert_hidden),
+        expert_exchange=settle_expert_exchange(cfg.expert_exchange, backend),
         fuse_gate_up=(layout is None) if cfg.fuse_gate_up is None else cfg.fuse_gate_up)
 
 
@@ -129,4 +139,5 @@ def describe(settled: ModelConfig, original: Optional[ModelConfig] = None,
             f"{settled.scan_unroll}/{settled.num_layers}, gate/up "
             f"{'fused' if settled.fuse_gate_up else 'separate'}"
             f"{', grouped matmul ' + settled.grouped_matmul if dropless else ''}"
-            f"{', expert-parallel over ' + str(dict(layout.axis_sizes)) if layout else ''}")
+            f"{', expert-parallel over ' + str(dict(layout.axis_sizes)) if layout else ''}"
+            f"{' by ' + settled.expert_exchange if layout and dropless else ''}")

@@ -5,7 +5,8 @@ The config is settled for the target backend as a run there would be (bfloat16 c
 'full', one scanned layer body, dropless dispatch, the DAG aggregator, the tiled loss): on TPU
 the Pallas splash attention and megablox gmm, which must appear in the lowered module as Mosaic
 custom calls; on CUDA ``ragged_dot``. Under a data x expert mesh of 4 of the simulated CPU
-devices the expert-parallel dispatch and the splash kernel's ``shard_map`` lower too.
+devices the expert-parallel dispatch (``ragged_all_to_all``, which XLA:CPU could not run) and
+the splash kernel's ``shard_map`` lower too.
 
 One substitution: on CUDA, attention is lowered as 'xla' rather than the settled 'cudnn',
 because JAX's cuDNN attention checks the installed cuDNN library's version while lowering
@@ -58,10 +59,14 @@ def lower_train_step(platform: str, mesh_cfg=None) -> tuple:
     rows = NamedSharding(mesh, P(("data", "expert"))) if mesh else None
     tokens = jax.ShapeDtypeStruct((4, 128), jnp.int32, sharding=rows)
     batch = {"inputs": tokens, "targets": tokens}
+    # ragged_all_to_all lowers to a custom call that jax.export does not promise to keep
+    # compatible across versions; this test checks that it lowers, not that it serialises
+    lower = export.export(pure_step, platforms=(platform,), disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("ragged_all_to_all")])
     if mesh is None:
-        return cfg, export.export(pure_step, platforms=(platform,))(state, batch).mlir_module()
+        return cfg, lower(state, batch).mlir_module()
     with activate(mesh):
-        return cfg, export.export(pure_step, platforms=(platform,))(state, batch).mlir_module()
+        return cfg, lower(state, batch).mlir_module()
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
@@ -78,4 +83,6 @@ def test_train_step_lowers_for_accelerators(platform, mesh):
         assert (cfg.attention, cfg.grouped_matmul) == ("xla", "ragged_dot")
         assert "ragged_dot" in module and "tpu_custom_call" not in module
     if mesh is not None:
-        assert "all_gather" in module or "all-gather" in module      # the dropless fallback
+        # expert-parallel dropless dispatch by the ragged collective (CPU has the all-gather)
+        assert cfg.expert_exchange == "ragged_all_to_all"
+        assert module.count("ragged_all_to_all") >= 4              # forward 2, backward 2

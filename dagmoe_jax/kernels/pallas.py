@@ -44,7 +44,7 @@ def _splash_kernel(num_heads: int, seq_len: int, interpret: bool):
     cached across traces, since arrays made in one trace would enter the next as captured
     constants (which ``jax.export`` refuses)."""
     mask = splash.MultiHeadMask([splash.CausalMask((seq_len, seq_len))] * num_heads)
-    b = min(SPLASH_BLOCK, seq_len)
+    b = SPLASH_BLOCK
     blocks = splash.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b,
                                block_kv_dkv=b, block_kv_dkv_compute=b, block_q_dq=b,
                                block_kv_dq=b)

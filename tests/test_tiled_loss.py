@@ -82,3 +82,26 @@ def test_training_loss_matches_logits_path():
         np.testing.assert_allclose(g[...], ref_flat[path][...], rtol=1e-4, atol=1e-6,
                                    err_msg=str(path))
     assert float(jnp.max(jnp.abs(dict(flat)[("lm_head",)][...]))) > 0
+
+
+def test_bfloat16_inputs_accumulate_in_float32(rng):
+    """bfloat16 hidden states and head (the accelerator default): the loss and gradients match
+    the plain loss over float32-accumulated logits of the same bfloat16 inputs."""
+    b, s, d, v = 2, 16, 32, 300
+    h = jnp.asarray(rng.normal(size=(b, s, d)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(d, v)) * 0.2, jnp.bfloat16)
+    targets = jnp.asarray(rng.integers(0, v, (b, s)), jnp.int32)
+    mask = jnp.ones((b, s), bool)
+
+    def plain(h, w):
+        logits = jnp.einsum("bsd,dv->bsv", h, w, preferred_element_type=jnp.float32)
+        return cross_entropy(logits, targets, mask)
+
+    tiled = lambda h, w: tiled_cross_entropy(h, w, targets, mask, 8)  # noqa: E731
+    (loss, grads), (ref, ref_grads) = (jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(h, w)
+                                       for f in (tiled, plain))
+    assert loss.dtype == jnp.float32 and grads[0].dtype == jnp.bfloat16
+    np.testing.assert_allclose(loss, ref, rtol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                   rtol=2e-2, atol=2e-3)

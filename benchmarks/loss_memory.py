@@ -53,8 +53,8 @@ def run_one(args) -> None:
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
     step = make_train_step(plain_loss if args.one == "plain" else lm_loss)
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, args.vocab, (args.batch, args.seq + 1)),
-                         jnp.int32)
+    rows = np.random.default_rng(0).integers(0, args.vocab, (args.batch, args.seq + 1))
+    tokens = jnp.asarray(rows, jnp.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     t = time.perf_counter()
     first = jax.block_until_ready(step(model, optimizer, batch))

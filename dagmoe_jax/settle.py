@@ -75,9 +75,11 @@ def settle_attention(name: str, backend: str, dtype, head_dim: int,
         return ("fused", "") if reason is None else ("blockwise", reason)
     if backend == "gpu":
         if jnp.dtype(dtype).itemsize != 2:
-            return "xla", f"cuDNN's flash attention takes 16-bit inputs (got {jnp.dtype(dtype).name})"
+            return "xla", (f"cuDNN's flash attention takes 16-bit inputs "
+                           f"(got {jnp.dtype(dtype).name})")
         if head_dim % 8 or head_dim > 128:
-            return "xla", f"cuDNN's flash attention takes head_dim <= 128, a multiple of 8 (got {head_dim})"
+            return "xla", (f"cuDNN's flash attention takes head_dim <= 128, a multiple of 8 "
+                           f"(got {head_dim})")
         return "cudnn", ""
     if backend == "tpu":
         return "splash", ""

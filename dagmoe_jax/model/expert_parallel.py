@@ -132,7 +132,8 @@ def _dropless_shard(x, indices, weights, *, experts: Optional[object], hidden: O
     held_by = jnp.where(local[order], order, m)
     xs = take_rows(x, jnp.where(local[order], order // k, t), row_of)
     sizes = jnp.bincount(key, length=n_local + 1)[:n_local].astype(jnp.int32)
-    out = take_rows(grouped_ffn(xs, weights, sizes, grouped_matmul), row_of, held_by)           # [E*T, K, d]
+    out = take_rows(grouped_ffn(xs, weights, sizes, grouped_matmul), row_of,
+                    held_by)                                                     # [E*T, K, d]
     if experts is not None:
         out = jax.lax.psum_scatter(out, experts, scatter_dimension=0, tiled=True)  # [T, K, d]
     if hidden is not None:

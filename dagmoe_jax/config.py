@@ -33,7 +33,9 @@ COE_READINGS = ("once", "literal", "reference")
 BALANCE_LOADS = ("tokens", "slots")
 BALANCE_PROBS = ("softmax", "score_share")
 REMAT_POLICIES = ("auto", "none", "full", "dots")
-ATTENTION_IMPLS = ("auto", "xla", "blockwise", "fused", "cudnn")
+ATTENTION_IMPLS = ("auto", "xla", "blockwise", "fused", "cudnn", "splash")
+GROUPED_MATMULS = ("auto", "ragged_dot", "gmm")
+EXPERT_EXCHANGES = ("auto", "all_gather", "ragged_all_to_all")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -199,8 +201,19 @@ class ModelConfig:
       0 (default) means auto: the whole stack unrolled on CPU, 1 (one compiled layer body)
       elsewhere. The parameters stay stacked [layers, ...] either way.
     attention: 'auto' (on CPU: the fused C++ kernel for float32 off-mesh when a C++ compiler
-      is available, else blockwise; cuDNN on GPU with bfloat16 compute; else XLA), 'xla',
-      'blockwise', 'fused' (dagmoe_jax.kernels; CPU, float32, single device) or 'cudnn'.
+      is available, else blockwise; on GPU cuDNN for bfloat16 compute and head dims cuDNN takes,
+      else XLA; on TPU splash), 'xla', 'blockwise', 'fused' (dagmoe_jax.kernels; CPU, float32,
+      single device), 'cudnn' or 'splash' (Pallas TPU kernel; sequences that are not a
+      multiple of 128 use XLA's attention).
+    grouped_matmul: the grouped matmul of 'dropless' dispatch: 'auto' (default: 'gmm' on TPU
+      when d_model and the expert hidden size are multiples of 128, else 'ragged_dot'),
+      'ragged_dot' (jax.lax.ragged_dot; on GPU fast with the cuDNN fusion of
+      scripts/gpu_env.sh) or 'gmm' (megablox, Pallas TPU).
+    expert_exchange: how expert-parallel 'dropless' dispatch moves tokens between the expert
+      shards of a mesh: 'auto' (default: 'ragged_all_to_all' on GPU / TPU, 'all_gather' on
+      CPU, whose XLA does not implement the ragged collective), 'ragged_all_to_all' (each
+      assignment sent to its expert's device only) or 'all_gather' (every token to every
+      expert shard, outputs reduce-scattered back).
     fuse_gate_up: compute SwiGLU's x W_gate and x W_up as one matmul against [W_gate | W_up]
       (3% faster on CPU); None (default) settles to True on one device and False under a
       multi-device mesh, where the concatenation would move tensor-sharded weights.
@@ -224,6 +237,8 @@ class ModelConfig:
     remat: str = "auto"
     scan_unroll: int = 0
     attention: str = "auto"
+    grouped_matmul: str = "auto"
+    expert_exchange: str = "auto"
     fuse_gate_up: Optional[bool] = None
     attention_block: int = 64
     param_dtype: str = "float32"
@@ -257,6 +272,8 @@ class ModelConfig:
         _check(isinstance(self.scan_unroll, int) and self.scan_unroll >= 0, c, "scan_unroll",
                self.scan_unroll, "an integer >= 0 (0 = auto)")
         _choice(c, "attention", self.attention, ATTENTION_IMPLS)
+        _choice(c, "grouped_matmul", self.grouped_matmul, GROUPED_MATMULS)
+        _choice(c, "expert_exchange", self.expert_exchange, EXPERT_EXCHANGES)
         _choice(c, "param_dtype", self.param_dtype, DTYPES)
         _choice(c, "compute_dtype", self.compute_dtype, DTYPES)
         for name, cls in (("router", RouterConfig), ("experts", ExpertConfig),
@@ -299,6 +316,8 @@ class ModelConfig:
         """The fields still 'auto' (settled by :func:`dagmoe_jax.settle.settle`)."""
         auto = (("remat", self.remat == "auto"), ("scan_unroll", self.scan_unroll == 0),
                 ("attention", self.attention == "auto"),
+                ("grouped_matmul", self.grouped_matmul == "auto"),
+                ("expert_exchange", self.expert_exchange == "auto"),
                 ("fuse_gate_up", self.fuse_gate_up is None))
         return tuple(name for name, is_auto in auto if is_auto)
 

@@ -111,7 +111,8 @@ def load_configs(run_dir: PathLike):
 
 # ModelConfig fields that change how the model runs, not what it computes: a run may resume
 # with them changed (e.g. on another machine). Every other field is the architecture.
-EXECUTION_FIELDS = ("remat", "scan_unroll", "attention", "attention_block", "fuse_gate_up")
+EXECUTION_FIELDS = ("remat", "scan_unroll", "attention", "attention_block", "fuse_gate_up",
+                    "grouped_matmul", "expert_exchange")
 
 
 # DataConfig fields that only change evaluation, not the training stream.

@@ -11,8 +11,15 @@ into a concrete config that the run prints and saves:
 ``scan_unroll``    all layers unrolled on CPU (XLA:CPU slices each layer's weights statically
                    instead of updating stacked buffers in a loop), 1 elsewhere
 ``attention``      CPU: the fused C++ kernel (float32, one device, a working compiler: it is
-                   compiled here, about 10 s the first time), else blockwise; GPU with 16-bit
-                   compute: cuDNN; otherwise XLA's
+                   compiled here, about 10 s the first time), else blockwise; GPU: cuDNN for
+                   16-bit compute and a head dim cuDNN's flash kernel takes (a multiple of 8,
+                   at most 128), else XLA's; TPU: the Pallas splash kernel
+``grouped_matmul`` dropless dispatch's grouped matmul: megablox ``gmm`` (Pallas) on TPU when
+                   d_model and the expert hidden size are multiples of its 128 tile, else
+                   ``jax.lax.ragged_dot`` (on GPU, XLA lowers it to cuDNN's grouped GEMM with
+                   the flag in scripts/gpu_env.sh)
+``expert_exchange`` expert-parallel dropless dispatch: ``jax.lax.ragged_all_to_all`` on GPU and
+                   TPU; the all-gather fallback on CPU (XLA:CPU has no ragged all-to-all)
 ``fuse_gate_up``   one [W_gate | W_up] matmul on one device; two under a mesh (the
                    concatenation would move tensor-sharded weights)
 =================  =====================================================================
@@ -30,6 +37,7 @@ import jax.numpy as jnp
 
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.kernels.attention import fused_attention_unavailable, kernel_needs_build
+from dagmoe_jax.kernels.pallas import gmm_supported
 from dagmoe_jax.parallel.axes import MeshLayout
 
 
@@ -51,8 +59,10 @@ def settle_attention(name: str, backend: str, dtype, head_dim: int,
                      layout: Optional[MeshLayout]) -> tuple:
     """(implementation, why) for ``ModelConfig.attention``: 'auto' becomes 'fused' on CPU for
     float32 on one device when the kernel builds, else 'blockwise' (``why`` says why not
-    fused); 'cudnn' on GPU for 16-bit compute (its flash kernel takes no float32); else 'xla'.
-    An explicit 'fused' under a multi-device mesh is a one-line ``ValueError``."""
+    fused); on GPU 'cudnn' for 16-bit compute and a head dim that is a multiple of 8 and at
+    most 128 (the shapes cuDNN's flash kernel takes on every GPU generation), else 'xla'
+    (``why`` says why); 'splash' on TPU; else 'xla'. An explicit 'fused' under a multi-device
+    mesh is a one-line ``ValueError``."""
     if name == "fused" and layout is not None:
         raise ValueError("ModelConfig.attention='fused' runs on a single device only; use "
                          "'auto' or 'blockwise' under a device mesh")
@@ -63,9 +73,32 @@ def settle_attention(name: str, backend: str, dtype, head_dim: int,
             return "blockwise", "the fused kernel runs on one device only"
         reason = fused_attention_unavailable((head_dim,), dtype, backend)
         return ("fused", "") if reason is None else ("blockwise", reason)
-    if backend == "gpu" and jnp.dtype(dtype).itemsize == 2:
+    if backend == "gpu":
+        if jnp.dtype(dtype).itemsize != 2:
+            return "xla", (f"cuDNN's flash attention takes 16-bit inputs "
+                           f"(got {jnp.dtype(dtype).name})")
+        if head_dim % 8 or head_dim > 128:
+            return "xla", (f"cuDNN's flash attention takes head_dim <= 128, a multiple of 8 "
+                           f"(got {head_dim})")
         return "cudnn", ""
+    if backend == "tpu":
+        return "splash", ""
     return "xla", ""
+
+
+def settle_grouped_matmul(name: str, backend: str, d_model: int, hidden: int) -> str:
+    """'auto': megablox 'gmm' on TPU when both expert dims are multiples of its 128 tile,
+    'ragged_dot' otherwise (see the module docstring)."""
+    if name != "auto":
+        return name
+    return "gmm" if backend == "tpu" and gmm_supported(d_model, hidden) else "ragged_dot"
+
+
+def settle_expert_exchange(name: str, backend: str) -> str:
+    """'auto': 'ragged_all_to_all' on GPU / TPU, 'all_gather' on CPU (module docstring)."""
+    if name != "auto":
+        return name
+    return "all_gather" if backend == "cpu" else "ragged_all_to_all"
 
 
 def settle(cfg: ModelConfig, *, backend: Optional[str] = None,
@@ -85,20 +118,28 @@ def settle(cfg: ModelConfig, *, backend: Optional[str] = None,
         remat=settle_remat(cfg.remat, backend),
         scan_unroll=settle_scan_unroll(cfg.scan_unroll, cfg.num_layers, backend),
         attention=attention,
+        grouped_matmul=settle_grouped_matmul(cfg.grouped_matmul, backend, cfg.d_model,
+                                             cfg.experts.expert_hidden),
+        expert_exchange=settle_expert_exchange(cfg.expert_exchange, backend),
         fuse_gate_up=(layout is None) if cfg.fuse_gate_up is None else cfg.fuse_gate_up)
 
 
 def describe(settled: ModelConfig, original: Optional[ModelConfig] = None,
              backend: Optional[str] = None, layout: Optional[MeshLayout] = None) -> str:
-    """One line for logs: what the machine-dependent fields are, and why attention fell back
-    to blockwise when 'auto' could not use the fused kernel."""
+    """One line for logs: what the machine-dependent fields are, why 'auto' attention fell back
+    (to blockwise from the fused CPU kernel, to XLA from cuDNN), and the grouped matmul of
+    dropless dispatch."""
     backend = backend or jax.default_backend()
     attention = settled.attention
-    if original is not None and original.attention == "auto" and attention == "blockwise":
+    if original is not None and original.attention == "auto" and attention in ("blockwise",
+                                                                                "xla"):
         _, why = settle_attention("auto", backend, jnp.dtype(settled.compute_dtype),
                                   settled.resolved_head_dim, layout)
         attention += f" ({why})" if why else ""
+    dropless = settled.block != "dense" and settled.experts.dispatch == "dropless"
     return (f"attention {attention}, remat {settled.remat}, layers unrolled "
             f"{settled.scan_unroll}/{settled.num_layers}, gate/up "
             f"{'fused' if settled.fuse_gate_up else 'separate'}"
-            f"{', expert-parallel over ' + str(dict(layout.axis_sizes)) if layout else ''}")
+            f"{', grouped matmul ' + settled.grouped_matmul if dropless else ''}"
+            f"{', expert-parallel over ' + str(dict(layout.axis_sizes)) if layout else ''}"
+            f"{' by ' + settled.expert_exchange if layout and dropless else ''}")

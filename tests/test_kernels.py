@@ -145,8 +145,8 @@ def test_auto_picks_fused_off_mesh_and_blockwise_on_a_mesh():
     assert settle_attention("auto", "cpu", f32, 12, None)[0] == "blockwise"
     assert settle_attention("blockwise", "cpu", f32, 16, None) == ("blockwise", "")
     assert settle_attention("auto", "gpu", bf16, 16, None) == ("cudnn", "")
-    assert settle_attention("auto", "gpu", f32, 16, None) == ("xla", "")
-    assert settle_attention("auto", "tpu", bf16, 16, None) == ("xla", "")
+    assert settle_attention("auto", "gpu", f32, 16, None)[0] == "xla"
+    assert settle_attention("auto", "tpu", bf16, 16, None) == ("splash", "")
     assert tiny_config().attention == "fused"
     assert tiny_config(attention="xla").attention == "xla"
     unsettled = tiny_config(compute_dtype="bfloat16", settled=False)

@@ -22,20 +22,22 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dagmoe_jax"
 
 def test_settle_decides_every_auto_field_per_backend_and_layout():
     cfg = tiny_config(settled=False)
-    assert set(cfg.unsettled) == {"remat", "scan_unroll", "attention", "fuse_gate_up"}
+    assert set(cfg.unsettled) == {"remat", "scan_unroll", "attention", "grouped_matmul",
+                                  "expert_exchange", "fuse_gate_up"}
     cpu = settle(cfg, backend="cpu")
     assert cpu.unsettled == ()
     assert (cpu.remat, cpu.scan_unroll, cpu.attention, cpu.fuse_gate_up) == (
         "none", cfg.num_layers, "fused", True)
     gpu = settle(cfg.replace(compute_dtype="bfloat16"), backend="gpu")
     assert (gpu.remat, gpu.scan_unroll, gpu.attention) == ("full", 1, "cudnn")
-    assert settle(cfg, backend="tpu").attention == "xla"
+    assert settle(cfg, backend="tpu").attention == "splash"
     layout = MeshLayout.of(make_mesh(MeshConfig(data=2), jax.devices()[:2]))
     meshed = settle(cfg, backend="cpu", layout=layout)
     assert (meshed.attention, meshed.fuse_gate_up) == ("blockwise", False)
     assert "expert-parallel over {'data': 2" in describe(meshed, cfg, "cpu", layout)
     # what the user set explicitly is kept
-    explicit = cfg.replace(remat="dots", scan_unroll=2, attention="xla", fuse_gate_up=False)
+    explicit = cfg.replace(remat="dots", scan_unroll=2, attention="xla", fuse_gate_up=False,
+                           grouped_matmul="gmm", expert_exchange="ragged_all_to_all")
     assert settle(explicit, backend="cpu") == explicit
     assert settle(cpu, backend="cpu") == cpu                  # idempotent
     assert MeshLayout.of(make_mesh(MeshConfig(data=1), jax.devices()[:1])) is None
@@ -43,7 +45,8 @@ def test_settle_decides_every_auto_field_per_backend_and_layout():
 
 def test_an_unsettled_config_is_a_clear_error():
     with pytest.raises(ValueError, match=r"^ModelConfig fields remat, scan_unroll, attention, "
-                                         r"fuse_gate_up are still 'auto': build the model from "
+                                         r"grouped_matmul, expert_exchange, fuse_gate_up are "
+                                         r"still 'auto': build the model from "
                                          r"dagmoe_jax.settle.settle\(cfg\)$"):
         Transformer(tiny_config(settled=False), rngs=nnx.Rngs(0))
 

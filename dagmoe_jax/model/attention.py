@@ -11,7 +11,9 @@ from flax import nnx
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.model.layers import dtype_of, make_param, normal
 from dagmoe_jax.kernels.attention import fused_causal_attention
+from dagmoe_jax.kernels.pallas import splash_causal_attention, splash_supported
 from dagmoe_jax.parallel import constrain
+from dagmoe_jax.parallel.axes import MeshLayout, logical_to_spec
 
 
 def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> Tuple[jax.Array, jax.Array]:
@@ -80,13 +82,43 @@ def blockwise_causal_attention(q, k, v, block: int):
     return out.transpose(0, 2, 1, 3, 4).reshape(b, s, h, d)
 
 
-def causal_attention(q, k, v, impl: str, block: int):
+def sharded_splash_attention(q, k, v, layout: MeshLayout):
+    """The splash kernel on each device's shard (a Mosaic kernel cannot be partitioned by XLA):
+    a ``shard_map`` over the mesh axes of the ``batch`` rows and of the ``heads`` / ``kv_heads``
+    (the query heads of a KV head stay on its device when both split evenly)."""
+    q_spec = logical_to_spec(("batch", "length", "heads", "head_dim"), layout.rules)
+    kv_spec = logical_to_spec(("batch", "length", "kv_heads", "head_dim"), layout.rules)
+    return jax.shard_map(splash_causal_attention, mesh=layout.mesh,
+                         in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+                         check_vma=False)(q, k, v)
+
+
+def splash_shardable(q, k, layout: MeshLayout) -> bool:
+    """Whether ``layout``'s mesh splits the batch rows and both head counts of q [B, S, H, D],
+    k [B, S, KV, D] evenly (else :func:`causal_attention` runs XLA's attention)."""
+    q_spec = logical_to_spec(("batch", "length", "heads", "head_dim"), layout.rules)
+    kv_spec = logical_to_spec(("batch", "length", "kv_heads", "head_dim"), layout.rules)
+    size = lambda entry: layout.size(() if entry is None  # noqa: E731
+                                     else (entry,) if isinstance(entry, str) else entry)
+    return (q.shape[0] % size(q_spec[0]) == 0 and q.shape[2] % size(q_spec[2]) == 0
+            and k.shape[2] % size(kv_spec[2]) == 0)
+
+
+def causal_attention(q, k, v, impl: str, block: int, layout: Optional[MeshLayout] = None):
     """The causal attention kernel ``impl`` (a settled ``ModelConfig.attention``: 'blockwise',
-    'fused', 'xla' or 'cudnn'; GQA: H a multiple of KV heads)."""
+    'fused', 'xla', 'cudnn' or 'splash'; GQA: H a multiple of KV heads). 'splash' takes
+    sequences that are a multiple of its 128 block (training) and, on a mesh (``layout``),
+    batch and head counts its axes divide; other shapes (sampling prompts) run XLA's
+    attention."""
     if impl == "blockwise":
         return blockwise_causal_attention(q, k, v, block)
     if impl == "fused":
         return fused_causal_attention(q, k, v)
+    if impl == "splash" and splash_supported(q.shape[1]):
+        if layout is None:
+            return splash_causal_attention(q, k, v)
+        if splash_shardable(q, k, layout):
+            return sharded_splash_attention(q, k, v, layout)
     if impl == "auto":
         raise ValueError("ModelConfig.attention='auto' reached the model unsettled: build the "
                          "model from dagmoe_jax.settle.settle(cfg)")
@@ -143,11 +175,13 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array)
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention: H query heads share KV heads in groups of H / KV."""
+    """Grouped-query attention: H query heads share KV heads in groups of H / KV; ``layout``:
+    the mesh a Pallas kernel ('splash') runs on shard by shard (None: one device)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, layout: Optional[MeshLayout] = None, *,
+                 rngs: nnx.Rngs):
         d, h, kv, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
-        self.cfg = cfg
+        self.cfg, self.layout = cfg, layout
         self.dtype = dtype_of(cfg.compute_dtype)
         pd = dtype_of(cfg.param_dtype)
         init = normal(cfg.init_std)
@@ -192,7 +226,8 @@ class Attention(nnx.Module):
             first = jnp.zeros((x.shape[0],), jnp.int32) if start is None else start
             cache = KVCache(write_cache(cache.k, k, first), write_cache(cache.v, v, first))
         if cache is None or start is None:
-            o = causal_attention(q, k, v, self.cfg.attention, self.cfg.attention_block)
+            o = causal_attention(q, k, v, self.cfg.attention, self.cfg.attention_block,
+                                 self.layout)
         else:
             o = cached_attention(q, cache.k, cache.v, start)
         return self.project_out(o), cache

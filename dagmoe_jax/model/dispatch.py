@@ -18,6 +18,7 @@ from typing import Callable, Tuple
 import jax
 import jax.numpy as jnp
 
+from dagmoe_jax.kernels.pallas import gmm_grouped_matmul
 from dagmoe_jax.model.layers import swiglu
 from dagmoe_jax.parallel import constrain
 
@@ -112,16 +113,31 @@ def capacity_dispatch(x: jax.Array, indices: jax.Array, weights: ExpertWeights,
     return capacity_combine(y, slot, holder), keep
 
 
-def grouped_ffn(xs: jax.Array, weights: ExpertWeights, sizes: jax.Array) -> jax.Array:
-    """SwiGLU of rows ``xs`` [M, d] sorted by expert, ``sizes`` [N] rows per expert (ragged_dot);
-    rows past ``sum(sizes)`` give zeros."""
+GROUPED_MATMUL: dict[str, Callable] = {
+    "ragged_dot": jax.lax.ragged_dot,
+    "gmm": gmm_grouped_matmul,
+}
+"""The settled ``ModelConfig.grouped_matmul`` -> ``f(lhs [M, k], rhs [N, k, n], sizes [N])``."""
+
+
+def grouped_ffn(xs: jax.Array, weights: ExpertWeights, sizes: jax.Array,
+                grouped_matmul: str = "ragged_dot") -> jax.Array:
+    """SwiGLU of rows ``xs`` [M, d] sorted by expert, ``sizes`` [N] rows per expert, by the
+    grouped matmul ``grouped_matmul`` (:data:`GROUPED_MATMUL`); rows past ``sum(sizes)`` give
+    zeros."""
+    if grouped_matmul not in GROUPED_MATMUL:
+        raise ValueError(f"grouped_matmul={grouped_matmul!r} is invalid: expected one of "
+                         f"{sorted(GROUPED_MATMUL)} (settle the config first)")
+    mm = GROUPED_MATMUL[grouped_matmul]
     w_gate, w_up, w_down = weights
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes)) * jax.lax.ragged_dot(xs, w_up, sizes)
-    return jax.lax.ragged_dot(h, w_down, sizes)
+    h = jax.nn.silu(mm(xs, w_gate, sizes)) * mm(xs, w_up, sizes)
+    return mm(h, w_down, sizes)
 
 
-def dropless_dispatch(x: jax.Array, indices: jax.Array, weights: ExpertWeights):
-    """Exact dispatch: sort the T*K assignments by expert and run grouped matmuls (ragged_dot)."""
+def dropless_dispatch(x: jax.Array, indices: jax.Array, weights: ExpertWeights,
+                      grouped_matmul: str = "ragged_dot"):
+    """Exact dispatch: sort the T*K assignments by expert and run grouped matmuls
+    (:func:`grouped_ffn`)."""
     t, d = x.shape
     n, k = weights[0].shape[0], indices.shape[1]
     flat = indices.reshape(-1)
@@ -129,7 +145,7 @@ def dropless_dispatch(x: jax.Array, indices: jax.Array, weights: ExpertWeights):
     rank = jnp.argsort(order)                                      # assignment -> sorted row
     xs = take_rows(x, order // k, rank.reshape(t, k))
     sizes = jnp.bincount(flat, length=n).astype(jnp.int32)
-    ys = grouped_ffn(xs, weights, sizes)
+    ys = grouped_ffn(xs, weights, sizes, grouped_matmul)
     out = take_rows(ys, rank.reshape(t, k), order)
     return out, jnp.ones((t, k), bool)
 
@@ -144,16 +160,17 @@ def dense_dispatch(x: jax.Array, indices: jax.Array, weights: ExpertWeights,
 
 
 DISPATCH: dict[str, Callable] = {
-    "capacity": capacity_dispatch,
-    "dropless": lambda x, i, w, _cf, _fused: dropless_dispatch(x, i, w),
-    "dense": lambda x, i, w, _cf, fused: dense_dispatch(x, i, w, fused),
+    "capacity": lambda x, i, w, cf, fused, _gm: capacity_dispatch(x, i, w, cf, fused),
+    "dropless": lambda x, i, w, _cf, _fused, gm: dropless_dispatch(x, i, w, gm),
+    "dense": lambda x, i, w, _cf, fused, _gm: dense_dispatch(x, i, w, fused),
 }
 
 
 def dispatch(mode: str, x, indices, weights: ExpertWeights, capacity_factor: float,
-             fused: bool = True):
+             fused: bool = True, grouped_matmul: str = "ragged_dot"):
     """Outputs [T, K, d] and keep mask [T, K] of the experts ``indices`` on tokens ``x`` [T, d]
-    with one device's dispatch ``mode``; ``fused`` as :func:`apply_experts`."""
+    with one device's dispatch ``mode``; ``fused`` as :func:`apply_experts`; ``grouped_matmul``
+    (dropless only) as :func:`grouped_ffn`."""
     if mode not in DISPATCH:
         raise ValueError(f"dispatch={mode!r} is invalid: expected one of {sorted(DISPATCH)}")
-    return DISPATCH[mode](x, indices, weights, capacity_factor, fused)
+    return DISPATCH[mode](x, indices, weights, capacity_factor, fused, grouped_matmul)

@@ -23,13 +23,28 @@ With E = 1 (pure data parallelism) no tokens move: each device dispatches its ow
   assignments drop therefore depends on the per-device groups: with no drops the result equals
   the single-device one, with drops it can differ (as in every grouped dispatch); ``keep`` (and
   so ``dropped_fraction``) reports this layout's drops exactly.
-* ``dropless``: ``jax.lax.ragged_all_to_all`` is not implemented by XLA:CPU ("HLO opcode
-  ragged-all-to-all is not supported by XLA:CPU"), so this is a fallback, used on every
-  backend: all-gather the tokens and their expert ids over ``expert`` ([E * T_loc, d]), run the
-  assignments of the local experts through ``ragged_dot`` (the others masked to zero rows),
-  ``psum_scatter`` the [E * T_loc, K, d] outputs back to their devices (and ``psum`` over
-  ``tensor``). Exact (nothing drops), but each device sorts E * T_loc * K rows and receives E x
-  its tokens: fine for a few expert shards, wasteful for many.
+* ``dropless`` moves tokens one of two ways (``ModelConfig.expert_exchange``, settled per
+  backend); both are exact (nothing drops):
+
+  - ``ragged_all_to_all`` (GPU, TPU): each device sorts its T_loc * K assignments by expert, so
+    the rows for each expert shard are one contiguous slice, and sends each slice to its
+    shard alone (``jax.lax.ragged_all_to_all``; slice sizes and offsets come from an
+    ``all_to_all`` of the per-expert counts and an ``all_gather`` of the slice sizes). The
+    receiver sorts what arrived by local expert, runs the grouped matmul, unsorts, and a
+    second ragged all-to-all returns every row to the slot it left from. Its receive buffer
+    holds E * T_loc * K rows (every assignment of the group could choose one shard's experts),
+    but only the assignments themselves cross the network.
+  - ``all_gather`` (CPU: XLA:CPU does not implement the ragged collective, "HLO opcode
+    ragged-all-to-all is not supported"): all-gather the tokens and their expert ids over
+    ``expert`` ([E * T_loc, d]), run the assignments of the local experts through the grouped
+    matmul (the others masked to zero rows), ``psum_scatter`` the [E * T_loc, K, d] outputs
+    back to their devices. Each device sorts E * T_loc * K rows and receives E x its tokens:
+    fine for a few expert shards, wasteful for many.
+
+  Either way the partial outputs of the ``tensor``-split hidden units are summed with
+  ``psum``. The CPU suite checks the ragged exchange's bookkeeping against the single-device
+  dispatch with an all-gather emulation of the collective (tests/test_parallel.py), and that
+  it lowers for TPU and CUDA (tests/test_lowering.py).
 * ``dense`` (the test oracle) is not sharded by hand: it runs the global-view code.
 * A token count the token axes do not divide (e.g. sampling one sequence) also runs the
   global-view code, which XLA partitions through the sharding constraints (correct, slower).
@@ -42,6 +57,7 @@ from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+from jax.lax import ragged_all_to_all
 from jax.sharding import PartitionSpec as P
 
 from dagmoe_jax.model.dispatch import (ExpertWeights, apply_experts, capacity_combine,
@@ -95,7 +111,8 @@ def _capacity_shard(x, indices, weights, *, num_experts: int, capacity_factor: f
     return capacity_combine(y, slot, holder), keep
 
 
-def _dropless_shard(x, indices, weights, *, experts: Optional[object], hidden: Optional[object]):
+def _dropless_shard(x, indices, weights, *, experts: Optional[object], hidden: Optional[object],
+                    grouped_matmul: str):
     """One device's dropless dispatch (all-gather fallback): every token of the expert group,
     only the assignments of this device's experts, outputs reduce-scattered home."""
     k, n_local = indices.shape[1], weights[0].shape[0]
@@ -115,7 +132,8 @@ def _dropless_shard(x, indices, weights, *, experts: Optional[object], hidden: O
     held_by = jnp.where(local[order], order, m)
     xs = take_rows(x, jnp.where(local[order], order // k, t), row_of)
     sizes = jnp.bincount(key, length=n_local + 1)[:n_local].astype(jnp.int32)
-    out = take_rows(grouped_ffn(xs, weights, sizes), row_of, held_by)           # [E*T, K, d]
+    out = take_rows(grouped_ffn(xs, weights, sizes, grouped_matmul), row_of,
+                    held_by)                                                     # [E*T, K, d]
     if experts is not None:
         out = jax.lax.psum_scatter(out, experts, scatter_dimension=0, tiled=True)  # [T, K, d]
     if hidden is not None:
@@ -123,8 +141,52 @@ def _dropless_shard(x, indices, weights, *, experts: Optional[object], hidden: O
     return out, jnp.ones(out.shape[:2], bool)
 
 
+def _ragged_exchange_shard(x, indices, weights, *, experts, hidden, grouped_matmul: str):
+    """One device's dropless dispatch with ``ragged_all_to_all`` over the expert axes (module
+    docstring): each assignment goes to its expert's shard and back, nothing else moves."""
+    t, k = indices.shape
+    n_local = weights[0].shape[0]
+    e = jax.lax.axis_size(experts)
+    m = t * k
+    flat = indices.reshape(-1)
+    order = jnp.argsort(flat, stable=True)                   # sorted row -> assignment
+    rank = jnp.argsort(order)                                # assignment -> sorted row
+    xs = take_rows(x, order // k, rank.reshape(t, k))        # [M, d], by global expert
+    counts = jnp.bincount(flat, length=e * n_local).astype(jnp.int32).reshape(e, n_local)
+    send_sizes = jnp.sum(counts, axis=1)                     # rows for each expert shard
+    input_offsets = jnp.cumsum(send_sizes) - send_sizes
+    # recv[s, j]: rows shard s sends here for local expert j; sent[s, d]: s's slice for d
+    recv = jax.lax.all_to_all(counts, experts, 0, 0, tiled=True)
+    recv_sizes = jnp.sum(recv, axis=1)
+    sent = jax.lax.all_gather(send_sizes, experts, axis=0, tiled=False)      # [E, E]
+    me = jax.lax.axis_index(experts)
+    output_offsets = (jnp.cumsum(sent, axis=0) - sent)[me]   # my slice's place on each shard
+    buffer = jnp.zeros((e * m, x.shape[1]), x.dtype)
+    got = ragged_all_to_all(xs, buffer, input_offsets, send_sizes, output_offsets, recv_sizes,
+                            axis_name=experts)               # by source shard, then expert
+    # local expert of each received row (sources in order, each sorted by expert); the unused
+    # tail of the buffer sorts last
+    expert_of = jnp.repeat(jnp.tile(jnp.arange(n_local, dtype=jnp.int32), e), recv.reshape(-1),
+                           total_repeat_length=e * m)
+    key = jnp.where(jnp.arange(e * m) < jnp.sum(recv), expert_of, n_local)
+    by_expert = jnp.argsort(key, stable=True)
+    back = jnp.argsort(by_expert)
+    ys = grouped_ffn(take_rows(got, by_expert, back), weights, jnp.sum(recv, axis=0),
+                     grouped_matmul)
+    ys = take_rows(ys, back, by_expert)                      # received order again
+    recv_offsets = jnp.cumsum(recv_sizes) - recv_sizes
+    home = jax.lax.all_to_all(input_offsets, experts, 0, 0, tiled=True)  # where rows came from
+    returned = ragged_all_to_all(ys, jnp.zeros_like(xs), recv_offsets, recv_sizes, home,
+                                 send_sizes, axis_name=experts)          # [M, d], sorted
+    out = take_rows(returned, rank.reshape(t, k), order)                # [T, K, d]
+    if hidden is not None:
+        out = jax.lax.psum(out, hidden)
+    return out, jnp.ones((t, k), bool)
+
+
 def sharded_dispatch(mode: str, x: jax.Array, indices: jax.Array, weights: ExpertWeights,
-                     capacity_factor: float, layout: MeshLayout, fused: bool = False):
+                     capacity_factor: float, layout: MeshLayout, fused: bool = False,
+                     grouped_matmul: str = "ragged_dot", expert_exchange: str = "all_gather"):
     """:func:`dagmoe_jax.model.dispatch.dispatch` across ``layout``'s mesh (module docstring).
 
     Same inputs and outputs as the single-device dispatch (global view): tokens ``x`` [T, d],
@@ -134,14 +196,17 @@ def sharded_dispatch(mode: str, x: jax.Array, indices: jax.Array, weights: Exper
     an odd evaluation batch) falls back to the global-view single-device dispatch, which XLA
     partitions through the sharding constraints: correct, but not expert-parallel. ``fused``:
     gate and up projections as one matmul (``ModelConfig.fuse_gate_up``, settled to False on a
-    mesh, where concatenating tensor-sharded weights would move them).
+    mesh, where concatenating tensor-sharded weights would move them); ``grouped_matmul``: as
+    :func:`~dagmoe_jax.model.dispatch.grouped_ffn` (dropless); ``expert_exchange``: how
+    dropless moves tokens between expert shards, 'all_gather' or 'ragged_all_to_all' (module
+    docstring; with no expert axis nothing moves and this is unused).
     """
     tokens, experts, hidden = dispatch_axes(layout)
     n, d_r = weights[0].shape[0], weights[0].shape[-1]
     if x.shape[0] % layout.size(tokens):
         # e.g. sampling one sequence on a mesh: the global-view dispatch, which XLA partitions
         # by the sharding constraints alone (correct, single-device capacity semantics, slower)
-        return dispatch(mode, x, indices, weights, capacity_factor, fused)
+        return dispatch(mode, x, indices, weights, capacity_factor, fused, grouped_matmul)
     for what, size, axes in (("experts N", n, experts), ("expert hidden d_r", d_r, hidden)):
         if size % layout.size(axes):
             raise ValueError(f"expert-parallel dispatch: {what}={size} is not divisible by the "
@@ -150,13 +215,19 @@ def sharded_dispatch(mode: str, x: jax.Array, indices: jax.Array, weights: Exper
         body = partial(_capacity_shard, num_experts=n, capacity_factor=capacity_factor,
                        experts=_axis(experts), hidden=_axis(hidden), fused=fused)
     elif mode == "dropless":
-        body = partial(_dropless_shard, experts=_axis(experts), hidden=_axis(hidden))
+        exchange = (_ragged_exchange_shard if expert_exchange == "ragged_all_to_all" and experts
+                    else _dropless_shard)
+        body = partial(exchange, experts=_axis(experts), hidden=_axis(hidden),
+                       grouped_matmul=grouped_matmul)
     else:
         raise ValueError(f"dispatch={mode!r} is invalid for expert parallelism: expected "
                          f"'capacity' or 'dropless'")
     tok, exp, hid = _axis(tokens), _axis(experts), _axis(hidden)
     w_in, w_out = P(exp, None, hid), P(exp, hid, None)
+    # megablox gmm's pallas_call declares outputs without varying-across-mesh types, which
+    # shard_map's type check refuses: it runs unchecked (the collectives are the same)
     fn = jax.shard_map(body, mesh=layout.mesh,
                        in_specs=(P(tok, None), P(tok, None), (w_in, w_in, w_out)),
-                       out_specs=(P(tok, None, None), P(tok, None)))
+                       out_specs=(P(tok, None, None), P(tok, None)),
+                       check_vma=not (mode == "dropless" and grouped_matmul == "gmm"))
     return fn(x, indices, tuple(weights))

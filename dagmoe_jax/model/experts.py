@@ -26,14 +26,18 @@ class Experts(nnx.Module):
     mode: 'capacity', 'dropless' or 'dense' (``ExpertConfig.dispatch``); capacity_factor: C =
     ceil(capacity_factor * T * K / N) for 'capacity'; fuse_gate_up: as
     :func:`~dagmoe_jax.model.layers.swiglu`; layout: the mesh to dispatch across (None: one
-    device).
+    device); grouped_matmul: the grouped matmul of 'dropless' (``ModelConfig.grouped_matmul``,
+    settled: 'ragged_dot' or 'gmm'); expert_exchange: how expert-parallel 'dropless' moves
+    tokens (``ModelConfig.expert_exchange``, settled: 'all_gather' or 'ragged_all_to_all').
     """
 
     def __init__(self, num_experts: int, d_model: int, hidden: int, std: float, dtype, *,
                  mode: str = "capacity", capacity_factor: float = 1.25,
                  fuse_gate_up: bool = True, layout: Optional[MeshLayout] = None,
+                 grouped_matmul: str = "ragged_dot", expert_exchange: str = "all_gather",
                  rngs: nnx.Rngs):
         self.dtype, self.mode, self.capacity_factor = dtype, mode, capacity_factor
+        self.grouped_matmul, self.expert_exchange = grouped_matmul, expert_exchange
         self.fuse_gate_up, self.layout = fuse_gate_up, layout
         init = normal(std)
         self.w_gate = make_param(rngs, init, (num_experts, d_model, hidden),
@@ -49,6 +53,7 @@ class Experts(nnx.Module):
         weights = tuple(w[...].astype(self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
         if self.mode != "dense" and self.layout is not None:
             return sharded_dispatch(self.mode, x.astype(self.dtype), indices, weights,
-                                    self.capacity_factor, self.layout, self.fuse_gate_up)
+                                    self.capacity_factor, self.layout, self.fuse_gate_up,
+                                    self.grouped_matmul, self.expert_exchange)
         return dispatch(self.mode, x.astype(self.dtype), indices, weights, self.capacity_factor,
-                        self.fuse_gate_up)
+                        self.fuse_gate_up, self.grouped_matmul)

@@ -30,7 +30,8 @@ def make_experts(cfg: ModelConfig, layout: Optional[MeshLayout], *, rngs: nnx.Rn
     return Experts(e.num_experts, cfg.d_model, e.expert_hidden, cfg.init_std,
                    dtype_of(cfg.compute_dtype), mode=e.dispatch,
                    capacity_factor=e.capacity_factor, fuse_gate_up=cfg.fuse_gate_up,
-                   layout=layout, rngs=rngs)
+                   layout=layout, grouped_matmul=cfg.grouped_matmul,
+                   expert_exchange=cfg.expert_exchange, rngs=rngs)
 
 
 def block_stats(losses: dict, keep: jax.Array) -> dict:

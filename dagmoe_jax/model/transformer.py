@@ -70,7 +70,7 @@ class DecoderLayer(nnx.Module):
         self.cfg = cfg
         self.block_replaces_stream = cfg.block == "coe" and cfg.coe.stream == "reference"
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = Attention(cfg, layout, rngs=rngs)
         self.block_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         self.block = make_block(cfg, layout, rngs=rngs)
 
@@ -114,7 +114,8 @@ class Transformer(nnx.Module):
                                   ("embed", "vocab"), pd)
 
     def __call__(self, tokens: jax.Array, *, cache: Optional[KVCache] = None,
-                 start: Optional[jax.Array] = None, logit_positions: Optional[jax.Array] = None):
+                 start: Optional[jax.Array] = None, logit_positions: Optional[jax.Array] = None,
+                 head: bool = True):
         """The one forward pass: tokens [B, S] -> (float32 logits, aux).
 
         Training and scoring call ``model(tokens)``: positions 0..S-1, causal attention.
@@ -125,6 +126,10 @@ class Transformer(nnx.Module):
         attending over the cache. The updated cache is returned as ``aux['cache']``.
         ``logit_positions`` [B] projects only those positions' logits ([B, V] instead of
         [B, S, V]; the LM head is the costliest matmul at a large vocabulary).
+        ``head=False`` stops before the LM head and returns the final-normed hidden states
+        [B, S, d] (compute dtype) in place of the logits: the training loss applies the head
+        itself, a chunk at a time (:func:`dagmoe_jax.train.tiled_loss.tiled_cross_entropy`
+        with ``self.lm_head``), so the [B, S, V] logits never exist.
         """
         cfg = self.cfg
         b, s = tokens.shape
@@ -154,16 +159,18 @@ class Transformer(nnx.Module):
 
         h, (stats, cache) = run(h, self.layers, cache)
         h = self.final_norm(h)
-        if logit_positions is not None:
-            h = h[jnp.arange(b), logit_positions][:, None]
-        logits = jnp.dot(h.reshape(-1, cfg.d_model), self.lm_head[...].astype(h.dtype),
-                         preferred_element_type=jnp.float32).reshape(h.shape[:2] + (-1,))
-        logits = constrain(logits, ("batch", "length", "vocab"))
         aux = summarize_stats(cfg, stats)
         if "record" in stats:
             aux["intermediates"] = stats["record"]
         if cache is not None:
             aux["cache"] = cache
+        if not head:
+            return h, aux
+        if logit_positions is not None:
+            h = h[jnp.arange(b), logit_positions][:, None]
+        logits = jnp.dot(h.reshape(-1, cfg.d_model), self.lm_head[...].astype(h.dtype),
+                         preferred_element_type=jnp.float32).reshape(h.shape[:2] + (-1,))
+        logits = constrain(logits, ("batch", "length", "vocab"))
         return (logits[:, 0] if logit_positions is not None else logits), aux
 
     def init_cache(self, batch: int, length: int) -> KVCache:

@@ -2,7 +2,9 @@
 
 loss = cross-entropy on non-padding tokens + aux_loss (balance + z-loss, weighted by the
 router config's coefficients; every block's auxiliary loss is in it). Each term is returned
-separately for logging.
+separately for logging. The training loss's cross-entropy is vocabulary-tiled
+(:mod:`dagmoe_jax.train.tiled_loss`): the model stops at its hidden states and the LM head runs
+a chunk of positions at a time, never holding the [B, S, V] logits.
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ from flax import nnx
 
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.parallel import constrain
+from dagmoe_jax.train.tiled_loss import tiled_cross_entropy
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
-    """Mean token cross-entropy over positions where ``mask`` is true (float32)."""
+    """Mean token cross-entropy over positions where ``mask`` is true (float32), from whole
+    logits: the plain version of :func:`~dagmoe_jax.train.tiled_loss.tiled_cross_entropy`
+    (its test oracle and the memory benchmark's baseline)."""
     losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
     mask = mask.astype(jnp.float32)
     return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
@@ -28,9 +33,9 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax
 def lm_loss(model: Transformer, batch: Dict[str, jax.Array]) -> Tuple[jax.Array, dict]:
     """Next-token loss of ``batch['inputs']`` -> ``batch['targets']`` (``batch['mask']``
     optional, default all ones). Returns (total loss, metrics)."""
-    logits, aux = model(batch["inputs"])
+    h, aux = model(batch["inputs"], head=False)
     mask = batch.get("mask", jnp.ones_like(batch["targets"], dtype=bool))
-    ce = cross_entropy(logits, batch["targets"], mask)
+    ce = tiled_cross_entropy(h, model.lm_head[...].astype(h.dtype), batch["targets"], mask)
     total = ce + aux["aux_loss"]
     metrics = {"loss": total, "ce_loss": ce, "balance_loss": aux["balance_loss"],
                "z_loss": aux["z_loss"], "expert_load": aux["expert_load"],

@@ -120,3 +120,28 @@ def test_bad_merges_are_one_line_errors():
     with pytest.raises(ValueError, match="ffn_hidden=48 but model 0 has 64") as err:
         moerge.moerge(dense_models((0,)) + [other], merged_config(1))
     assert "\n" not in str(err.value)
+
+
+def test_router_only_training_moves_only_the_routers():
+    import optax
+    from dagmoe_jax.train.config import TrainConfig
+    from dagmoe_jax.train.step import TRAINABLE, check_trainable, make_train_step
+
+    moe = moerge.moerge(dense_models(), merged_config(2))
+    before = moerge.flat_params(moe)
+    optimizer = nnx.Optimizer(moe, optax.adam(1e-2), wrt=TRAINABLE["router"])
+    step = make_train_step(wrt=TRAINABLE["router"])
+    toks = np.asarray(tokens(4, (2, 17)))
+    batch = {"inputs": jnp.asarray(toks[:, :-1]), "targets": jnp.asarray(toks[:, 1:])}
+    metrics = step(moe, optimizer, batch)
+    assert float(metrics["grad_norm"]) > 0
+    after = moerge.flat_params(moe)
+    for path, value in before.items():
+        moved = not np.array_equal(value, after[path])
+        assert moved == ("router" in path), path
+    with pytest.raises(ValueError, match="top_k=1 and renormalize=True"):
+        check_trainable(merged_config(1), "router")
+    with pytest.raises(ValueError, match="dense model"):
+        check_trainable(tiny_config("dense"), "router")
+    with pytest.raises(ValueError, match="TrainConfig.trainable='some'"):
+        TrainConfig(trainable="some")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from dagmoe_jax.validate import check as _check
+from dagmoe_jax.validate import choice as _choice
 from dagmoe_jax.validate import positive as _positive
 from dagmoe_jax.parallel.mesh import MeshConfig
 
@@ -17,6 +18,9 @@ from dagmoe_jax.parallel.mesh import MeshConfig
 def _nonneg_int(field: str, value) -> None:
     _check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, "TrainConfig",
            field, value, "an integer >= 0")
+
+
+TRAINABLE_SETS = ("all", "router")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +49,9 @@ class TrainConfig:
         (array shapes must still match; fields such as ``top_k`` or ``score_fn`` keep them).
         Off by default: such a resume is a one-line error naming the fields, since it silently
         trains another model. How the model runs (remat, attention, ...) may always change.
+    trainable: which parameters the optimiser updates: 'all' (default) or 'router' (only the
+        routers' weights and biases, everything else frozen: DUME+ and BTX, DUME sec. 3.1;
+        :data:`dagmoe_jax.train.step.TRAINABLE`). The optimiser holds state for those only.
     """
 
     steps: int = 1000
@@ -61,6 +68,7 @@ class TrainConfig:
     tensorboard: bool = True
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     allow_model_change: bool = False
+    trainable: str = "all"
 
     def __post_init__(self):
         for name in ("steps", "grad_accum", "log_every", "save_every", "keep_checkpoints"):
@@ -71,5 +79,6 @@ class TrainConfig:
                "a MeshConfig")
         _check(isinstance(self.allow_model_change, bool), "TrainConfig", "allow_model_change",
                self.allow_model_change, "True or False")
+        _choice("TrainConfig", "trainable", self.trainable, TRAINABLE_SETS)
         _check(isinstance(self.run_dir, str) and self.run_dir.strip() != "", "TrainConfig",
                "run_dir", self.run_dir, "a non-empty directory path")

@@ -38,7 +38,7 @@ from dagmoe_jax.train.checkpoint import Checkpointer
 from dagmoe_jax.train.config import TrainConfig
 from dagmoe_jax.train.metrics import MetricsWriter, summarise_load
 from dagmoe_jax.train.optim import OptimConfig, make_optimizer, make_schedule
-from dagmoe_jax.train.step import eval_step, make_train_step
+from dagmoe_jax.train.step import TRAINABLE, check_trainable, eval_step, make_train_step
 
 
 
@@ -77,6 +77,8 @@ def build(model_cfg: ModelConfig, optim_cfg: OptimConfig, train_cfg: TrainConfig
     The model is built from ``model_cfg`` settled for this machine and mesh
     (:func:`dagmoe_jax.settle.settle`; ``model.cfg`` is the settled config)."""
     tx = make_optimizer(optim_cfg, train_cfg.steps)
+    check_trainable(model_cfg, train_cfg.trainable)
+    wrt = TRAINABLE[train_cfg.trainable]
     layout = MeshLayout.of(mesh)
     settled = settle(model_cfg, layout=layout, log=log)
 
@@ -84,9 +86,9 @@ def build(model_cfg: ModelConfig, optim_cfg: OptimConfig, train_cfg: TrainConfig
         return Transformer(settled, rngs=nnx.Rngs(train_cfg.seed), layout=layout)
     if mesh is None:
         model = new_model()
-        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        optimizer = nnx.Optimizer(model, tx, wrt=wrt)
     else:
-        model, optimizer = create_train_state(new_model, tx, mesh)
+        model, optimizer = create_train_state(new_model, tx, mesh, wrt=wrt)
     return model, optimizer, make_schedule(optim_cfg, train_cfg.steps)
 
 
@@ -261,7 +263,8 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
 
     writer = MetricsWriter(run_dir, enabled=is_main, tensorboard=train_cfg.tensorboard,
                            resume_step=start)
-    step_fn = make_train_step(grad_accum=train_cfg.grad_accum)
+    step_fn = make_train_step(grad_accum=train_cfg.grad_accum,
+                              wrt=TRAINABLE[train_cfg.trainable])
     tokens_per_step = data_cfg.batch_size * data_cfg.seq_len
     losses: Dict[int, float] = {}
     stop = {}

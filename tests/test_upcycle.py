@@ -145,3 +145,26 @@ def test_router_only_training_moves_only_the_routers():
         check_trainable(tiny_config("dense"), "router")
     with pytest.raises(ValueError, match="TrainConfig.trainable='some'"):
         TrainConfig(trainable="some")
+
+
+def test_adding_a_domain_keeps_the_old_statistics_and_equals_a_fresh_solve():
+    models = dense_models((0, 1, 2, 3))
+    moe = moerge.moerge(models[:N], merged_config(1))
+    batches = [[{"inputs": np.asarray(tokens(20 + j))}] for j in range(N + 1)]
+    old = [dume.collect_statistics(moe, batches[j], j) for j in range(N)]
+    grown = dume.add_expert(moe, models[N])
+    assert grown.cfg.experts.num_experts == N + 1
+    new = dume.collect_statistics(grown, batches[N], N)
+    dume.dume(grown, old + [new])
+    fresh = [dume.collect_statistics(grown, batches[j], j) for j in range(N + 1)]
+    for a, b in zip(old, fresh):                   # the old domains' passes are unchanged
+        np.testing.assert_allclose(a.gram, b.gram, rtol=1e-6, atol=1e-6)
+    w, b = ridge.solve_routers(fresh)
+    np.testing.assert_allclose(np.asarray(grown.layers.block.router.w_router[...]), w,
+                               rtol=1e-4, atol=1e-5)
+    # the new expert is dense model N's MLP
+    got = np.asarray(dume.forced_forward(grown, tokens(5), jnp.int32(N))[0])
+    shared, _ = moerge.merged_params([moerge.flat_params(m) for m in models[:N]])
+    reference = nnx.clone(models[N])
+    moerge.set_params(reference, shared)
+    np.testing.assert_allclose(got, np.asarray(reference(tokens(5))[0]), rtol=1e-5, atol=1e-5)

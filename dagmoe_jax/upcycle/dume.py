@@ -109,6 +109,31 @@ def dume(model: nnx.Module, stats: Sequence[DomainStatistics],
     return model
 
 
+def add_expert(moe: nnx.Module, dense: nnx.Module, *, seed: int = 0) -> nnx.Module:
+    """``moe`` with one more expert: dense model ``dense``'s MLPs appended as expert N in every
+    layer. The shared (averaged) weights stay those of ``moe``, not re-averaged, so the forced
+    passes of the old domains, and with them their statistics, are unchanged: solving with the
+    old domains' saved statistics plus the new domain's equals solving from scratch on the new
+    model (DUME sec. 2.3, "experts can be added dynamically"). The routers are random until
+    :func:`dume` sets them."""
+    from dagmoe_jax.model import Transformer  # pylint: disable=import-outside-toplevel
+    from dagmoe_jax.upcycle.moerge import EXPERT_PREFIX, MLP_PREFIX, check_same_architecture
+
+    check_dume_config(moe.cfg)
+    as_dense = moe.cfg.replace(block="dense", ffn_hidden=moe.cfg.experts.expert_hidden)
+    check_same_architecture([as_dense, dense.cfg], ["the merged model", "the new model"])
+    n = moe.cfg.experts.num_experts
+    cfg = moe.cfg.replace(experts=dict(num_experts=n + 1))
+    grown = Transformer(cfg, rngs=nnx.Rngs(seed))
+    params = {p: v for p, v in flat_params(moe).items() if "router" not in p}
+    new = flat_params(dense)
+    for name in ("w_gate", "w_up", "w_down"):
+        path = EXPERT_PREFIX + (name,)
+        params[path] = np.concatenate([params[path], new[MLP_PREFIX + (name,)][:, None]], axis=1)
+    set_params(grown, params)
+    return grown
+
+
 def upcycle_to_dag(moe: nnx.Module, *, dag_dim: int = 128, dag_iters: int = 2,
                    seed: int = 0, **aggregation) -> nnx.Module:
     """A DAG-MoE (``AggregationConfig(kind='dag')``) holding every parameter of the merged MoE

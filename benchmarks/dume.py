@@ -52,6 +52,10 @@ MICRO = dict(seeds=1, seed_steps=10, expert_steps=10, router_steps=5, batch=4, s
 PAPER_AVERAGE = {"expert": "72.7-81.2", "averaging": "83.4", "random": "82.4", "btx": "91.9",
                  "dume_k1": "92.8", "dume_plus": "93.9", "oracle": "94.8"}
 TOKENS_PER_SEQUENCE = (2, 16, None)
+# Paired by seed: (method, baseline) whose domain-mean cross-entropy difference is printed.
+PAIRS = (("dume_k1", "averaging"), ("dume_k1", "random"), ("dume_k2", "averaging"),
+         ("oracle", "dume_k1"), ("dume_plus", "btx"), ("dume_plus", "dume_k2"),
+         ("dag_upcycled_finetuned", "dume_k2_finetuned"))
 
 
 def parse_args(argv):
@@ -286,6 +290,14 @@ def format_report(results):
     lines.append("DUME k 2 average score by statistics tokens per row: " + ", ".join(
         f"{t}: {v:.1f} ± {s['tokens_per_sequence_std'][t]:.1f}"
         for t, v in s["tokens_per_sequence"].items()))
+    lines.append("paired by seed: domain-mean held-out cross-entropy, method - baseline "
+                 "(nats/byte; negative = method better), mean ± std over seeds:")
+    for m, b in PAIRS:
+        diff = np.array([np.mean(p["ce"][m]) - np.mean(p["ce"][b])
+                         for p in results["per_seed"]])
+        verdict = ("better in every seed" if np.all(diff < 0) else
+                   "worse in every seed" if np.all(diff > 0) else "mixed: within the spread")
+        lines.append(f"  {m} - {b}: {diff.mean():+.5f} ± {diff.std():.5f} ({verdict})")
     ad = s["add_domain"]
     lines.append(f"adding {names[-1]} to the merge of the others (k 2): old domains' scores "
                  + ", ".join(f"{n} {b:.1f} -> {a:.1f}"

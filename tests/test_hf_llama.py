@@ -224,3 +224,17 @@ def test_bad_checkpoints_are_one_line_errors(tmp_path):
         hf_llama.load_hf_llama(tmp_path / "sharded")
     with pytest.raises(ValueError, match="config.json does not exist"):
         hf_llama.load_hf_llama(tmp_path / "nowhere")
+
+
+def test_upcycle_command_reads_hugging_face_directories(tmp_path, capsys):
+    from dagmoe_jax.upcycle import __main__ as cli
+    from dagmoe_jax.upcycle.command import load_dense
+
+    write_checkpoint(tmp_path / "hf", HF, random_checkpoint(HF))
+    dense = load_dense(str(tmp_path / "hf"))
+    assert dense.cfg.block == "dense" and dense.data_cfg is None
+    # without a tokenizer.json the command stops with one line naming it
+    code = cli.main([f"--run_dir={tmp_path / 'out'}", f"--dense={tmp_path / 'hf'}",
+                     "--source=text:x.txt"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "tokenizer.json does not exist" in err[-1]

@@ -43,7 +43,7 @@ def ce(model, batches):
     return total / count
 
 
-def test_upcycle_command_end_to_end(tmp_path):
+def test_upcycle_command_end_to_end(tmp_path, capsys):
     cfg = tiny_config("dense", vocab_size=256)
     base = DataConfig(source="text:x", seq_len=32, batch_size=8, tokenizer="byte")
     sources = []
@@ -86,10 +86,15 @@ def test_upcycle_command_end_to_end(tmp_path):
         assert np.all(accuracy > 0.9), (j, accuracy)
 
     # bad input: one line each, exit status 2
-    assert cli.main([f"--run_dir={tmp_path / 'x'}", f"--dense={dense_dirs[0]}"]) == 2
-    assert cli.main([f"--run_dir={out}", f"--dense={dense_dirs[0]}",
-                     f"--source={sources[0]}"]) == 2                  # already has checkpoints
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    assert cli.main([f"--run_dir={tmp_path / 'y'}", f"--dense={dense_dirs[0]}",
-                     f"--source=text:{empty}"]) == 2
+    for argv, message in (
+            ([f"--run_dir={tmp_path / 'x'}", f"--dense={dense_dirs[0]}"], "--source"),
+            ([f"--run_dir={out}", f"--dense={dense_dirs[0]}", f"--source={sources[0]}"],
+             "already holds checkpoints"),
+            ([f"--run_dir={tmp_path / 'y'}", f"--dense={dense_dirs[0]}",
+              f"--source=text:{empty}"], "empty.txt")):
+        capsys.readouterr()
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("error:") and message in err[-1], err

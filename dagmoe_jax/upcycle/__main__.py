@@ -75,6 +75,8 @@ def _check_args(args) -> None:
     if len(args.source) != len(args.dense):
         raise ValueError(f"{len(args.dense)} --dense models but {len(args.source)} --source "
                          f"specs: give one --source per --dense, in the same order")
+    if (Path(args.run_dir) / "checkpoints").exists():
+        raise ValueError(f"{args.run_dir} already holds checkpoints: choose a new --run_dir")
     if args.stats_batches < 1:
         raise ValueError(f"--stats_batches={args.stats_batches} is invalid: expected >= 1")
     if args.steps < 1:

@@ -14,7 +14,7 @@ training loop from the DUME or random-router model (docs/design.md section 7).
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +37,10 @@ def forced_forward(model: nnx.Module, tokens: jax.Array, expert: jax.Array):
     model's own; only the routing is replaced, so with shared (averaged) non-MLP weights this is
     dense model ``expert`` run with those weights (the paper's Oracle)."""
     cfg = model.cfg
+    if cfg.block != "moe" or cfg.aggregation.kind != "sum":
+        raise ValueError(f"forced routing needs a merged MoE with aggregation 'sum' (this is "
+                         f"block={cfg.block!r}, aggregation={cfg.aggregation.kind!r}): collect "
+                         f"statistics before upcycling into a DAG")
     b, s = tokens.shape
     sin, cos = rope_angles(jnp.arange(s)[None, :], cfg.resolved_head_dim, cfg.rope_theta,
                            cfg.rope_scaling)

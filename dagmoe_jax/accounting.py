@@ -99,7 +99,8 @@ def account(cfg: ModelConfig, seq_len: int | None = None) -> Accounting:
             routers = 1 if cfg.coe.shared_router else steps   # a shared router runs once
         else:
             steps, k, routers = 1, cfg.router.top_k, 1
-        per_layer["router"] = active["router"] = routers * d * e.num_experts
+        per_layer["router"] = active["router"] = (routers * (d + int(cfg.router.bias))
+                                                  * e.num_experts)
         per_layer["experts"] = e.num_experts * expert_p
         active["experts"] = min(e.num_experts, steps * k) * expert_p
         per_layer["shared_experts"] = active["shared_experts"] = shared_p

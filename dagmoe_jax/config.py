@@ -37,6 +37,7 @@ ATTENTION_IMPLS = ("auto", "xla", "blockwise", "fused", "cudnn", "splash")
 GROUPED_MATMULS = ("auto", "ragged_dot", "gmm")
 EXPERT_EXCHANGES = ("auto", "all_gather", "ragged_all_to_all")
 DTYPES = ("float32", "bfloat16")
+ROPE_SCALINGS = ("none", "llama3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,10 @@ class RouterConfig:
       softmax(z)_i. 'score_share': mean of s_i / sum_j s_j (equal to 'softmax' for softmax
       scores; for sigmoid scores the share of each expert in the token's summed scores).
     z_loss_coef: router z-loss coefficient (paper: 0.001).
+    bias: give the router a learned bias, logits ``x W + b`` (DUME sec. 2.2, where the ridge
+      solution's last row is the bias; off by default: DAG-MoE's router has none).
+    temperature: T of ``logits / T`` before the score function (DUME sec. 2.2; 1 = none).
+      DUME's gate softmax(top-k(logits / T)) is score_fn='softmax' with renormalize=True.
     """
 
     score_fn: str = "sigmoid"
@@ -66,6 +71,8 @@ class RouterConfig:
     balance_load: str = "tokens"
     balance_prob: str = "softmax"
     z_loss_coef: float = 0.001
+    bias: bool = False
+    temperature: float = 1.0
 
     def __post_init__(self):
         _choice("RouterConfig", "score_fn", self.score_fn, SCORE_FNS)
@@ -74,6 +81,38 @@ class RouterConfig:
         _positive("RouterConfig", "top_k", self.top_k)
         _nonnegative("RouterConfig", "balance_coef", self.balance_coef)
         _nonnegative("RouterConfig", "z_loss_coef", self.z_loss_coef)
+        _check(isinstance(self.bias, bool), "RouterConfig", "bias", self.bias, "True or False")
+        _check(isinstance(self.temperature, (int, float)) and self.temperature > 0,
+               "RouterConfig", "temperature", self.temperature, "a number > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScalingConfig:
+    """RoPE frequency scaling for long contexts (Hugging Face ``rope_scaling``).
+
+    kind: 'none' (default: plain RoPE, theta^(-2i/D)) or 'llama3' (Llama 3.1/3.2: wavelengths
+      longer than original_max_position / low_freq_factor are divided by ``factor``, shorter than
+      original_max_position / high_freq_factor kept, the band between interpolated smoothly;
+      :func:`dagmoe_jax.model.attention.llama3_inv_freq`).
+    factor, low_freq_factor, high_freq_factor, original_max_position: the 'llama3' parameters
+      (defaults: Llama 3.1's 8, 1, 4, 8192); ignored for 'none'.
+    """
+
+    kind: str = "none"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self):
+        c = "RopeScalingConfig"
+        _choice(c, "kind", self.kind, ROPE_SCALINGS)
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            _check(isinstance(getattr(self, name), (int, float)) and getattr(self, name) > 0, c,
+                   name, getattr(self, name), "a number > 0")
+        _check(self.high_freq_factor > self.low_freq_factor, c, "high_freq_factor",
+               self.high_freq_factor, f"a number > low_freq_factor={self.low_freq_factor}")
+        _positive(c, "original_max_position", self.original_max_position)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +231,7 @@ class ModelConfig:
     block: 'dense', 'moe' (router + experts + aggregator) or 'coe' (Chain-of-Experts).
     max_seq_len: longest sequence the model accepts (RoPE tables are built to this length).
     rope_theta: RoPE base (Llama-3: 500000).
+    rope_scaling: RoPE frequency scaling (``RopeScalingConfig``; default none, as DAG-MoE).
     norm_eps: epsilon of RMSNorm and of the DAG module's LayerNorm.
     init_std: standard deviation of the normal initialiser of every matrix.
     remat: 'auto' (default: 'none' on CPU, 'full' on GPU / TPU), 'full' (recompute each layer
@@ -247,6 +287,7 @@ class ModelConfig:
     experts: ExpertConfig = dataclasses.field(default_factory=ExpertConfig)
     aggregation: AggregationConfig = dataclasses.field(default_factory=AggregationConfig)
     coe: CoEConfig = dataclasses.field(default_factory=CoEConfig)
+    rope_scaling: RopeScalingConfig = dataclasses.field(default_factory=RopeScalingConfig)
 
     def __post_init__(self):
         c = "ModelConfig"
@@ -277,7 +318,8 @@ class ModelConfig:
         _choice(c, "param_dtype", self.param_dtype, DTYPES)
         _choice(c, "compute_dtype", self.compute_dtype, DTYPES)
         for name, cls in (("router", RouterConfig), ("experts", ExpertConfig),
-                          ("aggregation", AggregationConfig), ("coe", CoEConfig)):
+                          ("aggregation", AggregationConfig), ("coe", CoEConfig),
+                          ("rope_scaling", RopeScalingConfig)):
             _check(isinstance(getattr(self, name), cls), c, name, getattr(self, name),
                    f"a {cls.__name__}")
         n = self.experts.num_experts
@@ -323,7 +365,7 @@ class ModelConfig:
 
     def replace(self, **changes) -> "ModelConfig":
         """A copy with fields changed; nested configs accept dicts of their own fields."""
-        for name in ("router", "experts", "aggregation", "coe"):
+        for name in ("router", "experts", "aggregation", "coe", "rope_scaling"):
             if isinstance(changes.get(name), dict):
                 changes[name] = dataclasses.replace(getattr(self, name), **changes[name])
         return dataclasses.replace(self, **changes)

@@ -24,7 +24,8 @@ from etils import epath
 from flax import nnx
 
 from dagmoe_jax.cli import first_line
-from dagmoe_jax.config import AggregationConfig, CoEConfig, ExpertConfig, ModelConfig, RouterConfig
+from dagmoe_jax.config import (AggregationConfig, CoEConfig, ExpertConfig, ModelConfig,
+                               RopeScalingConfig, RouterConfig)
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.parallel import MeshConfig
 from dagmoe_jax.paths import as_path, is_remote, run_path
@@ -79,8 +80,9 @@ def configs_from_json(blob: dict):
     output (the settled model config, a record of one machine, is not read back)."""
     model = dict(blob["model"])
     for name, cls in (("router", RouterConfig), ("experts", ExpertConfig),
-                      ("aggregation", AggregationConfig), ("coe", CoEConfig)):
-        model[name] = cls(**model[name])
+                      ("aggregation", AggregationConfig), ("coe", CoEConfig),
+                      ("rope_scaling", RopeScalingConfig)):
+        model[name] = cls(**model.get(name, {}))
     train = dict(blob["train"])
     train["mesh"] = MeshConfig(**train.get("mesh", {}))
     return (ModelConfig(**model), DataConfig(**blob["data"]), OptimConfig(**blob["optim"]),

@@ -35,13 +35,17 @@ def test_dag_config_adds_its_parameters_per_layer():
     assert added_shared == 4 * 393_216
 
 
-@pytest.mark.parametrize("block,kind,shared", [("dense", "sum", 0), ("moe", "sum", 0), ("moe", "dag", 1),
-                                               ("moe", "mlp", 0), ("coe", "sum", 1)])
-def test_param_count_matches_the_built_model(block, kind, shared):
+@pytest.mark.parametrize("block,kind,shared,bias", [("dense", "sum", 0, False),
+                                                    ("moe", "sum", 0, False),
+                                                    ("moe", "sum", 0, True),   # DUME's router
+                                                    ("moe", "dag", 1, False),
+                                                    ("moe", "mlp", 0, False),
+                                                    ("coe", "sum", 1, False)])
+def test_param_count_matches_the_built_model(block, kind, shared, bias):
     cfg = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                       block=block, max_seq_len=32).replace(
         experts=dict(num_experts=4, expert_hidden=16, num_shared=shared, shared_hidden=8),
-        router=dict(top_k=2), aggregation=dict(kind=kind, dag_dim=8, dag_iters=2))
+        router=dict(top_k=2, bias=bias), aggregation=dict(kind=kind, dag_dim=8, dag_iters=2))
     model = Transformer(settle(cfg), rngs=nnx.Rngs(0))
     built = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert account(cfg).total_params == built

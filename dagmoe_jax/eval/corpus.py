@@ -225,6 +225,31 @@ def build_manpage_corpus(out_dir, *, heldout_every: int = 20, min_chars: int = 4
                          lambda path: manpage_paragraphs(path, min_chars), heldout_every)
 
 
+def header_paragraphs(path: Path, min_chars: int) -> List[str]:
+    """A C header's blank-line separated blocks of at least ``min_chars`` characters."""
+    text = path.read_bytes().decode("utf-8", errors="replace")
+    return [b.strip() for b in text.split("\n\n") if len(b.strip()) >= min_chars]
+
+
+def build_c_header_corpus(out_dir, *, heldout_every: int = 20, min_chars: int = 40,
+                          root: Path | None = None) -> CorpusInfo:
+    """Write ``c_headers.train.txt`` / ``.heldout.txt`` from the C headers under ``root``
+    (default /usr/include, recursively; symlinks skipped) into ``out_dir`` and describe them;
+    reused while the set of headers is the same. One record per blank-line separated block."""
+    out = Path(out_dir)
+    root = Path(root) if root is not None else Path("/usr/include")
+    files = sorted(p for p in root.rglob("*.h") if p.is_file() and not p.is_symlink())
+    if not files:
+        raise FileNotFoundError(f"no C headers under {root}: install some (apt-get install "
+                                "libc6-dev) or pass --data")
+    origin = f"c_headers:{len(files)}"
+    cached = _cached(out, "c_headers", origin)
+    if cached is not None:
+        return cached
+    return _write_corpus(out, "c_headers", origin, files,
+                         lambda path: header_paragraphs(path, min_chars), heldout_every)
+
+
 def corpus_sources(info: CorpusInfo) -> Tuple[str, str]:
     """(source, eval_source) ``DataConfig`` specs of a built corpus."""
     return f"text:{info.train_path}", f"text:{info.heldout_path}"

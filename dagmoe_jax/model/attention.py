@@ -6,6 +6,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dagmoe_jax.config import ModelConfig
@@ -16,9 +17,42 @@ from dagmoe_jax.parallel import constrain
 from dagmoe_jax.parallel.axes import MeshLayout, logical_to_spec
 
 
-def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> Tuple[jax.Array, jax.Array]:
-    """RoPE sin and cos for integer ``positions`` [..., S]: shapes [..., S, head_dim / 2]."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+def llama3_inv_freq(inv_freq: np.ndarray, scaling) -> np.ndarray:
+    """Llama 3.1 RoPE scaling of the frequencies ``inv_freq`` (Hugging Face
+    ``_compute_llama3_parameters``; ``scaling`` a ``RopeScalingConfig``).
+
+    With wavelength w = 2 pi / f, L = original_max_position, low = L / low_freq_factor and
+    high = L / high_freq_factor: f / factor where w > low, f where w < high, and in between
+    (1 - s) f / factor + s f with s = (L / w - low_freq_factor) / (high_freq_factor -
+    low_freq_factor).
+    """
+    inv_freq = np.asarray(inv_freq, np.float64)
+    old = float(scaling.original_max_position)
+    low_wavelen = old / scaling.low_freq_factor
+    high_wavelen = old / scaling.high_freq_factor
+    wavelen = 2 * np.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor
+                                                          - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling=None) -> np.ndarray:
+    """RoPE frequencies theta^(-2i/D), i < D/2 ([D/2] float32), scaled by ``scaling`` (a
+    ``RopeScalingConfig``; None or kind 'none': unscaled)."""
+    inv_freq = 1.0 / (float(theta) ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling is not None and scaling.kind == "llama3":
+        inv_freq = llama3_inv_freq(inv_freq, scaling)
+    return inv_freq.astype(np.float32)
+
+
+def rope_angles(positions: jax.Array, head_dim: int, theta: float,
+                scaling=None) -> Tuple[jax.Array, jax.Array]:
+    """RoPE sin and cos for integer ``positions`` [..., S]: shapes [..., S, head_dim / 2];
+    ``scaling``: a ``RopeScalingConfig`` (:func:`rope_inv_freq`)."""
+    inv_freq = jnp.asarray(rope_inv_freq(head_dim, theta, scaling))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
     return jnp.sin(angles), jnp.cos(angles)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -25,9 +25,14 @@ class Routing(NamedTuple):
     scores: jax.Array
 
 
-def router_logits(x: jax.Array, w_router: jax.Array) -> jax.Array:
-    """z_i = x . e_i, computed in float32 (DAG-MoE sec. 2; Switch router)."""
-    return jnp.einsum("td,dn->tn", x.astype(jnp.float32), w_router.astype(jnp.float32))
+def router_logits(x: jax.Array, w_router: jax.Array, b_router: Optional[jax.Array] = None,
+                  temperature: float = 1.0) -> jax.Array:
+    """z_i = x . e_i (DAG-MoE sec. 2; Switch router), or DUME's (x W + b) / T (DUME sec. 2.2,
+    the router of eq. 4 with the ridge solution's bias row b and temperature T); float32."""
+    z = jnp.einsum("td,dn->tn", x.astype(jnp.float32), w_router.astype(jnp.float32))
+    if b_router is not None:
+        z = z + b_router.astype(jnp.float32)
+    return z if temperature == 1.0 else z / temperature
 
 
 def router_scores(logits: jax.Array, score_fn: str) -> jax.Array:
@@ -104,15 +109,20 @@ class Router(nnx.Module):
 
     top_k, score_fn, renormalize: ``RouterConfig``'s (K, sigmoid or softmax scores, gates
     divided by their sum); balance_load, balance_prob: the balance loss's conventions
-    (:func:`balance_fraction`, :func:`balance_probs`).
+    (:func:`balance_fraction`, :func:`balance_probs`); bias: a learned bias ``b_router`` [N]
+    (zero-initialised); temperature: logits divided by T (:func:`router_logits`).
     """
 
     def __init__(self, d_model: int, num_experts: int, std: float, *, top_k: int,
                  score_fn: str = "sigmoid", renormalize: bool = False,
-                 balance_load: str = "tokens", balance_prob: str = "softmax", rngs: nnx.Rngs):
+                 balance_load: str = "tokens", balance_prob: str = "softmax",
+                 bias: bool = False, temperature: float = 1.0, rngs: nnx.Rngs):
         self.top_k, self.score_fn, self.renormalize = top_k, score_fn, renormalize
         self.balance_load, self.balance_prob = balance_load, balance_prob
+        self.temperature = float(temperature)
         self.w_router = make_param(rngs, normal(std), (d_model, num_experts), ("embed", None))
+        self.b_router = (make_param(rngs, nnx.initializers.zeros, (num_experts,), (None,))
+                         if bias else None)
 
     @classmethod
     def from_config(cls, d_model: int, num_experts: int, std: float, cfg, *, top_k: int,
@@ -120,10 +130,12 @@ class Router(nnx.Module):
         """A router with ``cfg`` (a ``RouterConfig``)'s settings and ``top_k`` experts."""
         return cls(d_model, num_experts, std, top_k=top_k, score_fn=cfg.score_fn,
                    renormalize=cfg.renormalize, balance_load=cfg.balance_load,
-                   balance_prob=cfg.balance_prob, rngs=rngs)
+                   balance_prob=cfg.balance_prob, bias=cfg.bias,
+                   temperature=cfg.temperature, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> Routing:
-        logits = router_logits(x, self.w_router[...])
+        bias = None if self.b_router is None else self.b_router[...]
+        logits = router_logits(x, self.w_router[...], bias, self.temperature)
         scores = router_scores(logits, self.score_fn)
         gates, indices = select_top_k(scores, self.top_k, self.renormalize)
         return Routing(gates.astype(x.dtype), indices, logits, scores)

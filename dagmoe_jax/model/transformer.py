@@ -141,7 +141,8 @@ class Transformer(nnx.Module):
                              f"{s} tokens: make it with init_cache(batch, length >= {s})")
         positions = (jnp.arange(s)[None, :] if start is None         # one row serves the batch
                      else jnp.asarray(start, jnp.int32)[:, None] + jnp.arange(s))
-        sin, cos = rope_angles(positions, cfg.resolved_head_dim, cfg.rope_theta)
+        sin, cos = rope_angles(positions, cfg.resolved_head_dim, cfg.rope_theta,
+                               cfg.rope_scaling)
         h = self.embed[...].astype(dtype_of(cfg.compute_dtype))[tokens]
         h = constrain(h, ("batch", "length", "embed"))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from dagmoe_jax.validate import check as _check
+from dagmoe_jax.validate import choice as _choice
 from dagmoe_jax.validate import positive as _positive
 from dagmoe_jax.parallel.mesh import MeshConfig
 
@@ -17,6 +18,9 @@ from dagmoe_jax.parallel.mesh import MeshConfig
 def _nonneg_int(field: str, value) -> None:
     _check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, "TrainConfig",
            field, value, "an integer >= 0")
+
+
+TRAINABLE_SETS = ("all", "router")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +52,9 @@ class TrainConfig:
         (array shapes must still match; fields such as ``top_k`` or ``score_fn`` keep them).
         Off by default: such a resume is a one-line error naming the fields, since it silently
         trains another model. How the model runs (remat, attention, ...) may always change.
+    trainable: which parameters the optimiser updates: 'all' (default) or 'router' (only the
+        routers' weights and biases, everything else frozen: DUME+ and BTX, DUME sec. 3.1;
+        :data:`dagmoe_jax.train.step.TRAINABLE`). The optimiser holds state for those only.
     """
 
     steps: int = 1000
@@ -66,6 +73,7 @@ class TrainConfig:
     wandb_mode: str = "online"
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     allow_model_change: bool = False
+    trainable: str = "all"
 
     def __post_init__(self):
         for name in ("steps", "grad_accum", "log_every", "save_every", "keep_checkpoints"):
@@ -80,5 +88,6 @@ class TrainConfig:
                self.wandb_project, "a W&B project name ('' = no W&B logging)")
         _check(self.wandb_mode in ("online", "offline"), "TrainConfig", "wandb_mode",
                self.wandb_mode, "'online' or 'offline'")
+        _choice("TrainConfig", "trainable", self.trainable, TRAINABLE_SETS)
         _check(isinstance(self.run_dir, str) and self.run_dir.strip() != "", "TrainConfig",
                "run_dir", self.run_dir, "a non-empty directory path")

@@ -40,7 +40,7 @@ from dagmoe_jax.train.config import TrainConfig
 from dagmoe_jax.train.metrics import (MetricsWriter, check_tensorboard_target, read_metrics,
                                       require_wandb, summarise_load)
 from dagmoe_jax.train.optim import OptimConfig, make_optimizer, make_schedule, schedule_note
-from dagmoe_jax.train.step import eval_step, make_train_step
+from dagmoe_jax.train.step import TRAINABLE, check_trainable, eval_step, make_train_step
 
 
 
@@ -79,6 +79,8 @@ def build(model_cfg: ModelConfig, optim_cfg: OptimConfig, train_cfg: TrainConfig
     The model is built from ``model_cfg`` settled for this machine and mesh
     (:func:`dagmoe_jax.settle.settle`; ``model.cfg`` is the settled config)."""
     tx = make_optimizer(optim_cfg, train_cfg.steps)
+    check_trainable(model_cfg, train_cfg.trainable)
+    wrt = TRAINABLE[train_cfg.trainable]
     layout = MeshLayout.of(mesh)
     settled = settle(model_cfg, layout=layout, log=log)
 
@@ -86,9 +88,9 @@ def build(model_cfg: ModelConfig, optim_cfg: OptimConfig, train_cfg: TrainConfig
         return Transformer(settled, rngs=nnx.Rngs(train_cfg.seed), layout=layout)
     if mesh is None:
         model = new_model()
-        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        optimizer = nnx.Optimizer(model, tx, wrt=wrt)
     else:
-        model, optimizer = create_train_state(new_model, tx, mesh)
+        model, optimizer = create_train_state(new_model, tx, mesh, wrt=wrt)
     return model, optimizer, make_schedule(optim_cfg, train_cfg.steps)
 
 
@@ -274,7 +276,8 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
                            resume_step=start, wandb_project=train_cfg.wandb_project,
                            wandb_mode=train_cfg.wandb_mode,
                            config=runs.configs_to_json(model_cfg, data_cfg, optim_cfg, train_cfg))
-    step_fn = make_train_step(grad_accum=train_cfg.grad_accum)
+    step_fn = make_train_step(grad_accum=train_cfg.grad_accum,
+                              wrt=TRAINABLE[train_cfg.trainable])
     tokens_per_step = data_cfg.batch_size * data_cfg.seq_len
     losses: Dict[int, float] = {}
     stop = {}

@@ -21,6 +21,29 @@ from dagmoe_jax.parallel import constrain
 from dagmoe_jax.train.tiled_loss import tiled_cross_entropy
 
 
+# TrainConfig.trainable -> the parameters the optimiser updates and gradients are taken of.
+TRAINABLE = {
+    "all": nnx.Param,
+    "router": nnx.All(nnx.Param, nnx.PathContains("router")),
+}
+
+
+def check_trainable(model_cfg, trainable: str) -> None:
+    """One-line error when ``trainable`` leaves nothing to learn in ``model_cfg``: 'router' on
+    a model without routers, or on softmax gates renormalised over top_k = 1 (the gate is
+    always 1, so the router gets no gradient; DUME+ needs top_k >= 2)."""
+    if trainable != "router":
+        return
+    if model_cfg.block == "dense":
+        raise ValueError("TrainConfig.trainable='router' on a dense model: it has no router "
+                         "(use 'all')")
+    r = model_cfg.router
+    if r.top_k == 1 and r.renormalize:
+        raise ValueError("TrainConfig.trainable='router' with RouterConfig.top_k=1 and "
+                         "renormalize=True: the gate is always 1, so the router gets no "
+                         "gradient; use top_k >= 2 (DUME+)")
+
+
 def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
     """Mean token cross-entropy over positions where ``mask`` is true (float32), from whole
     logits: the plain version of :func:`~dagmoe_jax.train.tiled_loss.tiled_cross_entropy`
@@ -53,8 +76,12 @@ def _split_micro(batch: Dict[str, jax.Array], grad_accum: int) -> Dict[str, jax.
     return {k: split(v) for k, v in batch.items()}
 
 
-def make_train_step(loss_fn: Callable = lm_loss, grad_accum: int = 1) -> Callable:
+def make_train_step(loss_fn: Callable = lm_loss, grad_accum: int = 1,
+                    wrt=nnx.Param) -> Callable:
     """A jitted ``step(model, optimizer, batch) -> metrics`` updating both in place.
+
+    ``wrt``: the parameters gradients are taken of (the optimizer's own ``wrt``; a
+    :data:`TRAINABLE` filter), the others held fixed.
 
     With ``grad_accum`` > 1 the batch is cut into that many micro-batches whose gradients a
     ``lax.scan`` sums (one micro-batch's activations live at a time); the optimiser sees their
@@ -64,9 +91,10 @@ def make_train_step(loss_fn: Callable = lm_loss, grad_accum: int = 1) -> Callabl
     @nnx.jit
     def step(model: Transformer, optimizer: nnx.Optimizer, batch):
         if grad_accum == 1:
-            (_, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
+            (_, metrics), grads = nnx.value_and_grad(
+                loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True)(model, batch)
         else:
-            graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+            graphdef, params, rest = nnx.split(model, wrt, ...)
 
             def micro_step(summed, micro_batch):
                 def loss_of(p):

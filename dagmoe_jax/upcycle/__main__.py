@@ -1,0 +1,158 @@
+"""Merge dense expert models into one DUME MoE (seed 004) and write a run directory.
+
+    python -m dagmoe_jax.upcycle --run_dir=runs/dume \\
+        --dense=runs/code --source='text:corpus/code/*.txt' \\
+        --dense=runs/math --source='text:corpus/math/*.txt' \\
+        --dense=runs/law  --source='text:corpus/law/*.txt' [--top_k=2] [--stats_batches=32]
+
+Flags:
+  --dense=DIR            a dense model: a train.py run directory or a Hugging Face Llama
+                         directory (config.json + safetensors). Repeatable, one per domain.
+  --source=SPEC          that domain's data (a DataConfig source spec), in --dense order
+  --run_dir=DIR          the new run directory (must not hold checkpoints yet)
+  --router=dume|random   dume (default): closed-form ridge routers (DUME eqs. 2-7);
+                         random: a random router (the random-routing baseline; BTX's start)
+  --top_k=K              experts per token (default 1, the dense models' cost)
+  --temperature=T        softmax temperature of the gate (default 1)
+  --lam=L                ridge lambda (default 1e-2, absolute)
+  --stats_batches=N      batches per domain for the statistics (default 16)
+  --tokens_per_sequence=N  only the first N tokens of each row count (default: all)
+  --dispatch=dropless|dense  (capacity is refused: it drops a one-domain batch's tokens)
+  --dag_dim=G --dag_iters=L  also upcycle into a DAG-MoE (G > 0) that starts equal to DUME
+  --steps=N              steps the written run trains for when continued (default 1000): DUME+
+                         (router-only) for top_k >= 2, else every parameter
+  --tokenizer_path=FILE  tokenizer.json for Hugging Face models (default: DIR/tokenizer.json
+                         of the first --dense)
+  --seq_len=N --batch_size=N  rows of the statistics pass and of later training (default: the
+                         first dense run's; 256 and 16 for Hugging Face models)
+
+Then: python train.py --mode=eval --run_dir=DIR; python -m dagmoe_jax.sample --run_dir=DIR;
+python train.py --gin_file=DIR/resume.gin (DUME+). Exit status 2 for invalid input (one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one-line errors instead of argparse's usage block
+        raise ValueError(message)
+
+
+def parse_args(argv):
+    p = _Parser(add_help=False)
+    p.add_argument("-h", "--help", action="store_true")
+    p.add_argument("--dense", action="append", default=[])
+    p.add_argument("--source", action="append", default=[])
+    p.add_argument("--run_dir", default="")
+    p.add_argument("--router", default="dume", choices=("dume", "random"))
+    p.add_argument("--top_k", type=int, default=1)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--lam", type=float, default=1e-2)
+    p.add_argument("--stats_batches", type=int, default=16)
+    p.add_argument("--tokens_per_sequence", type=int, default=None)
+    p.add_argument("--dispatch", default="dropless")
+    p.add_argument("--dag_dim", type=int, default=0)
+    p.add_argument("--dag_iters", type=int, default=2)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--tokenizer_path", default="")
+    p.add_argument("--seq_len", type=int, default=0)
+    p.add_argument("--batch_size", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def _check_args(args) -> None:
+    if not args.run_dir:
+        raise ValueError("--run_dir is required: the run directory to write")
+    if len(args.dense) < 1:
+        raise ValueError("give at least one --dense model directory (one per domain)")
+    if len(args.source) != len(args.dense):
+        raise ValueError(f"{len(args.dense)} --dense models but {len(args.source)} --source "
+                         f"specs: give one --source per --dense, in the same order")
+    if (Path(args.run_dir) / "checkpoints").exists():
+        raise ValueError(f"{args.run_dir} already holds checkpoints: choose a new --run_dir")
+    if args.stats_batches < 1:
+        raise ValueError(f"--stats_batches={args.stats_batches} is invalid: expected >= 1")
+    if args.steps < 1:
+        raise ValueError(f"--steps={args.steps} is invalid: expected >= 1")
+
+
+def _base_data(args, first):
+    from dagmoe_jax.data import DataConfig  # pylint: disable=import-outside-toplevel
+
+    base = first.data_cfg
+    if base is None:                                # a Hugging Face model: its tokenizer.json
+        path = args.tokenizer_path or str(Path(args.dense[0]) / "tokenizer.json")
+        if not Path(path).is_file():
+            raise ValueError(f"{path} does not exist: pass --tokenizer_path=tokenizer.json of "
+                             f"the Hugging Face models")
+        base = DataConfig(tokenizer="hf", tokenizer_path=path)
+    changes = {k: v for k, v in (("seq_len", args.seq_len), ("batch_size", args.batch_size)) if v}
+    return dataclasses.replace(base, **changes)
+
+
+def run(args) -> Path:
+    from dagmoe_jax.upcycle import command, dume  # pylint: disable=import-outside-toplevel
+
+    _check_args(args)
+    start = time.perf_counter()
+    dense = []
+    for path in args.dense:
+        print(f"loading {path}", file=sys.stderr, flush=True)
+        dense.append(command.load_dense(path))
+    base = _base_data(args, dense[0])
+    domains = [command.domain_data(base, s) for s in args.source]
+
+    def progress(j, b, t):
+        print(f"\rstatistics: domain {j + 1}/{len(domains)} ({args.source[j]}): batch "
+              f"{b}/{args.stats_batches}, {t} tokens, {time.perf_counter() - start:.0f} s",
+              end="" if b < args.stats_batches else "\n", file=sys.stderr, flush=True)
+
+    batches = [lambda d=d: command.domain_batches(d, args.stats_batches) for d in domains]
+    moe, cfg, stats = command.build_dume(
+        dense, batches, top_k=args.top_k, temperature=args.temperature, lam=args.lam,
+        dispatch=args.dispatch, tokens_per_sequence=args.tokens_per_sequence,
+        router=args.router, seed=args.seed, progress=progress)
+    if args.dag_dim > 0:
+        moe = dume.upcycle_to_dag(moe, dag_dim=args.dag_dim, dag_iters=args.dag_iters,
+                                  seed=args.seed)
+        cfg = cfg.replace(aggregation=dataclasses.asdict(moe.cfg.aggregation))
+    summary = {"dense": args.dense, "sources": args.source, "router": args.router,
+               "top_k": args.top_k, "temperature": args.temperature, "lambda": args.lam,
+               "tokens_per_domain": [s.tokens for s in stats],
+               "tokens_per_sequence": args.tokens_per_sequence, "dag_dim": args.dag_dim}
+    out = command.write_run(args.run_dir, moe, cfg, command.mixed_data(base, args.source),
+                            steps=args.steps, stats=stats, summary=summary)
+    print(f"wrote {out} ({time.perf_counter() - start:.0f} s): evaluate with python train.py "
+          f"--mode=eval --run_dir={out}; continue training with python train.py "
+          f"--gin_file={out / command.RESUME_GIN}", flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    from dagmoe_jax.cli import (USER_ERRORS, quiet_background_errors,  # pylint: disable=import-outside-toplevel
+                                report_error)
+
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+    except ValueError as err:
+        return report_error(err)
+    if args.help:
+        print(__doc__)
+        return 0
+    quiet_background_errors()
+    try:
+        run(args)
+    except USER_ERRORS as err:
+        return report_error(err)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

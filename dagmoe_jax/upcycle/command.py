@@ -1,0 +1,193 @@
+"""The work behind ``python -m dagmoe_jax.upcycle``: dense checkpoints -> a DUME run directory.
+
+:func:`load_dense` reads a dense model from a ``train.py`` run directory or a Hugging Face
+Llama directory; :func:`build_dume` merges N of them and solves the routers from one data
+source per domain; :func:`write_run` writes a run directory that ``train.py --mode=eval``,
+``python -m dagmoe_jax.sample`` and the analysis accept, and that ``train.py`` continues
+(DUME+ router training, or DAG training after ``--dag_dim``) from its ``resume.gin``.
+Library code: progress goes to the ``progress`` callbacks, nothing is printed here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from pathlib import Path
+from typing import Callable, List, Optional, Sequence, Tuple
+
+from flax import nnx
+
+from dagmoe_jax import runs
+from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.data import DataConfig, make_tokenizer
+from dagmoe_jax.data.config import parse_source
+from dagmoe_jax.data.pipeline import train_dataset
+from dagmoe_jax.settle import settle
+from dagmoe_jax.train.checkpoint import Checkpointer
+from dagmoe_jax.train.config import TrainConfig
+from dagmoe_jax.train.optim import OptimConfig
+from dagmoe_jax.upcycle import dume as dume_lib
+from dagmoe_jax.upcycle import hf_llama, moerge
+from dagmoe_jax.upcycle.ridge import DEFAULT_LAMBDA, DomainStatistics
+
+STATS_DIR = "dume_stats"
+SUMMARY_FILE = "dume.json"
+RESUME_GIN = "resume.gin"
+
+# DUME+ / BTX router training (the authors' clm_moerging_strategies_eval.py: --lr 1e-4,
+# --num_steps 1000, 10 warm-up steps, cosine annealing); no weight decay on the routers (ours).
+ROUTER_OPTIM = OptimConfig(learning_rate=1e-4, schedule="cosine", warmup_steps=10,
+                           weight_decay=0.0)
+
+
+@dataclasses.dataclass
+class DenseSource:
+    """A dense model read by :func:`load_dense`: the model, its (unsettled) config, and the
+    DataConfig it was trained with (None for a Hugging Face directory)."""
+
+    model: nnx.Module
+    cfg: ModelConfig
+    data_cfg: Optional[DataConfig]
+
+
+def load_dense(path: str) -> DenseSource:
+    """A dense model from a ``train.py`` run directory (its newest checkpoint) or a Hugging
+    Face Llama directory (``config.json`` with ``model_type``); a one-line error otherwise."""
+    directory = Path(path)
+    config = directory / "config.json"
+    if not config.is_file():
+        raise ValueError(f"{config} does not exist: pass a train.py run directory or a Hugging "
+                         f"Face Llama directory")
+    try:
+        blob = json.loads(config.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config} is not valid JSON ({err.msg})") from None
+    if "model_type" in blob:
+        model, cfg = hf_llama.load_hf_llama(directory)
+        return DenseSource(model, cfg, None)
+    loaded = runs.load_run(directory)
+    model_cfg = runs.load_configs(directory)[0]
+    if model_cfg.block != "dense":
+        raise ValueError(f"{path} holds a block={model_cfg.block!r} model: DUME merges dense "
+                         f"models (block='dense')")
+    return DenseSource(loaded.model, model_cfg, loaded.data_cfg)
+
+
+def domain_data(base: DataConfig, source: str) -> DataConfig:
+    """``base`` reading ``source`` (one domain), for the statistics pass."""
+    return dataclasses.replace(base, source=source, eval_source="", shuffle=True)
+
+
+def mixed_data(base: DataConfig, sources: Sequence[str]) -> DataConfig:
+    """``base`` reading every domain's source (the mixed stream DUME+ trains on). The sources
+    must be of one kind taking comma-separated arguments (``synthetic:`` tasks, ``text:``,
+    ``jsonl:`` or ``array_record:`` globs), or all the same spec."""
+    kinds = {parse_source(s, "source")[0] for s in sources}
+    if len(set(sources)) == 1:
+        return dataclasses.replace(base, source=sources[0], eval_source="")
+    if len(kinds) != 1 or "tfds" in kinds:
+        raise ValueError(f"domain sources {list(sources)} cannot be mixed into one stream: give "
+                         f"sources of one kind among synthetic:, text:, jsonl:, array_record:")
+    kind = kinds.pop()
+    globs = [",".join(parse_source(s, "source")[1]) for s in sources]
+    return dataclasses.replace(base, source=f"{kind}:{','.join(globs)}", eval_source="")
+
+
+def domain_batches(data_cfg: DataConfig, num_batches: int):
+    """The first ``num_batches`` training batches of ``data_cfg`` (a one-line error for a
+    source with no data)."""
+    tokenizer = make_tokenizer(data_cfg)
+    batches = list(itertools.islice(iter(train_dataset(data_cfg, tokenizer)), num_batches))
+    if not batches:
+        raise ValueError(f"DataConfig.source={data_cfg.source!r} gave no batches: a domain "
+                         f"needs data for its statistics")
+    return batches
+
+
+def build_dume(dense: Sequence[DenseSource], batches_per_domain: Sequence[Callable[[], list]], *,
+               top_k: int = 1, temperature: float = 1.0, lam: float = DEFAULT_LAMBDA,
+               dispatch: str = "dropless", tokens_per_sequence: Optional[int] = None,
+               router: str = "dume", seed: int = 0,
+               progress: Callable[[int, int, int], None] = lambda _d, _b, _t: None
+               ) -> Tuple[nnx.Module, ModelConfig, List[DomainStatistics]]:
+    """The merged MoE of ``dense`` with DUME routers (``router='dume'``) or random ones
+    ('random': the random-routing baseline and BTX's start). ``batches_per_domain[j]()`` gives
+    domain j's statistics batches; ``progress(domain, batches, tokens)`` hears after each.
+    Returns (model, unsettled MoE config, per-domain statistics; empty for 'random')."""
+    if router not in ("dume", "random"):
+        raise ValueError(f"router={router!r} is invalid: expected 'dume' or 'random'")
+    if len(batches_per_domain) != len(dense):
+        raise ValueError(f"{len(dense)} dense models but {len(batches_per_domain)} data "
+                         f"sources: give one source per model")
+    moerge.check_same_architecture([d.cfg for d in dense])
+    cfg = moerge.dume_config(dense[0].cfg, len(dense), top_k=top_k, temperature=temperature,
+                             dispatch=dispatch)
+    moe = moerge.moerge([d.model for d in dense], settle(cfg), seed=seed)
+    stats: List[DomainStatistics] = []
+    if router == "dume":
+        for j, batches in enumerate(batches_per_domain):
+            stats.append(dume_lib.collect_statistics(
+                moe, batches(), j, tokens_per_sequence=tokens_per_sequence,
+                progress=lambda b, t, j=j: progress(j, b, t)))
+        dume_lib.dume(moe, stats, lam)
+    return moe, cfg, stats
+
+
+def configs_to_gin(model_cfg, data_cfg, optim_cfg, train_cfg) -> str:
+    """gin bindings reproducing the four configs (for ``train.py --gin_file``)."""
+    lines = []
+
+    def bind(obj, name):
+        for field in dataclasses.fields(obj):
+            value = getattr(obj, field.name)
+            if dataclasses.is_dataclass(value):
+                sub = type(value).__name__
+                lines.append(f"{name}.{field.name} = @{sub}()")
+                bind(value, sub)
+            else:
+                lines.append(f"{name}.{field.name} = {value!r}")
+
+    for obj in (model_cfg, data_cfg, optim_cfg, train_cfg):
+        bind(obj, type(obj).__name__)
+    return "\n".join(lines) + "\n"
+
+
+def write_run(run_dir: str, model: nnx.Module, model_cfg: ModelConfig, data_cfg: DataConfig,
+              *, steps: int = 1000, trainable: Optional[str] = None,
+              optim_cfg: OptimConfig = ROUTER_OPTIM, stats: Sequence[DomainStatistics] = (),
+              summary: Optional[dict] = None) -> Path:
+    """A run directory holding ``model`` as step 0 (with its optimizer state and the mixed
+    data stream's position), ``config.json``, the per-domain statistics, ``dume.json`` and
+    ``resume.gin`` (``train.py --gin_file=RUN/resume.gin`` trains it for ``steps`` steps).
+    ``trainable`` (``TrainConfig.trainable``): default 'router' (DUME+) for a DUME model with
+    top_k >= 2, 'all' otherwise (at top_k = 1 the router gets no gradient; a DAG trains its
+    aggregator)."""
+    from dagmoe_jax.train.loop import build  # pylint: disable=import-outside-toplevel
+
+    if trainable is None:
+        trainable = ("router" if model_cfg.router.top_k >= 2
+                     and model_cfg.aggregation.kind == "sum" else "all")
+    if optim_cfg.warmup_steps >= steps:       # a short continuation: warm up within it
+        optim_cfg = dataclasses.replace(optim_cfg, warmup_steps=steps - 1)
+    path = runs.prepare_run_dir(run_dir)
+    if (path / runs.CHECKPOINT_DIR).exists():
+        raise ValueError(f"{path} already holds checkpoints: choose a new --run_dir")
+    train_cfg = TrainConfig(run_dir=str(path), steps=steps, trainable=trainable,
+                            save_every=max(1, steps))
+    built, optimizer, _ = build(model_cfg, optim_cfg, train_cfg)
+    moerge.set_params(built, moerge.flat_params(model))
+    tokenizer = make_tokenizer(data_cfg)
+    iterator = iter(train_dataset(data_cfg, tokenizer))
+    with Checkpointer(path / runs.CHECKPOINT_DIR, save_every=train_cfg.save_every,
+                      keep=train_cfg.keep_checkpoints, async_save=False) as checkpointer:
+        checkpointer.save(0, {"model": nnx.state(built), "optimizer": nnx.state(optimizer)},
+                          data_iterator=iterator, meta=runs.model_meta(model_cfg), force=True)
+    runs.save_configs(path, model_cfg, data_cfg, optim_cfg, train_cfg, settled=built.cfg)
+    (path / RESUME_GIN).write_text(configs_to_gin(model_cfg, data_cfg, optim_cfg, train_cfg))
+    if stats:
+        (path / STATS_DIR).mkdir(exist_ok=True)
+        for j, s in enumerate(stats):
+            s.save(path / STATS_DIR / f"domain_{j}.npz")
+    (path / SUMMARY_FILE).write_text(json.dumps(summary or {}, indent=1) + "\n")
+    return path

@@ -1,0 +1,181 @@
+"""DUME (seed 004): the statistics pass, the closed-form routers, oracle routing, DAG upcycling.
+
+* :func:`forced_forward`: the merged MoE with every layer's routing replaced by one expert (the
+  domain's); returns the logits (the paper's Oracle baseline) and each layer's MLP input.
+* :func:`collect_statistics`: DUME eq. 7's pass: each domain's text through the model forced to
+  that domain's expert, accumulating its :class:`~dagmoe_jax.upcycle.ridge.DomainStatistics`.
+* :func:`set_routers` / :func:`dume`: the solved routers written into the MoE.
+* :func:`upcycle_to_dag`: the DUME model with a DAG aggregator (DAG-MoE eqs. 6-12) whose zero
+  ``W_up`` makes it start exactly equal to DUME (the default ``dag_residual='once'`` reading).
+
+DUME+ and BTX (router-only training) are ``TrainConfig(trainable='router')`` runs of the
+training loop from the DUME or random-router model (docs/design.md section 7).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Iterable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dagmoe_jax.model.attention import rope_angles
+from dagmoe_jax.model.layers import dtype_of, swiglu
+from dagmoe_jax.upcycle.moerge import check_dume_config, flat_params, set_params
+from dagmoe_jax.upcycle.ridge import DEFAULT_LAMBDA, DomainStatistics, solve_routers
+
+Batch = Dict[str, np.ndarray]
+
+
+@nnx.jit
+def forced_forward(model: nnx.Module, tokens: jax.Array, expert: jax.Array):
+    """Logits [B, S, V] of the MoE ``model`` with every token of every layer sent to expert
+    ``expert`` (an int32 scalar; gate 1), and the MLP inputs x = RMSNorm(h) of every layer
+    [layers, B, S, d] (DUME eq. 7's X^(l)_j). The attention, norms and embedding are the
+    model's own; only the routing is replaced, so with shared (averaged) non-MLP weights this is
+    dense model ``expert`` run with those weights (the paper's Oracle)."""
+    cfg = model.cfg
+    if cfg.block != "moe" or cfg.aggregation.kind != "sum":
+        raise ValueError(f"forced routing needs a merged MoE with aggregation 'sum' (this is "
+                         f"block={cfg.block!r}, aggregation={cfg.aggregation.kind!r}): collect "
+                         f"statistics before upcycling into a DAG")
+    b, s = tokens.shape
+    sin, cos = rope_angles(jnp.arange(s)[None, :], cfg.resolved_head_dim, cfg.rope_theta,
+                           cfg.rope_scaling)
+    dt = dtype_of(cfg.compute_dtype)
+    h = model.embed[...].astype(dt)[tokens]
+    graphdef, stacked = nnx.split(model.layers)
+    inputs = []
+    for layer_index in range(cfg.num_layers):
+        layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[layer_index], stacked))
+        a, _ = layer.attn(layer.attn_norm(h), sin, cos)
+        h = h + a
+        x = layer.block_norm(h)
+        inputs.append(x)
+        e = layer.block.experts
+        w = [getattr(e, n)[...][expert].astype(dt) for n in ("w_gate", "w_up", "w_down")]
+        y = swiglu(x.reshape(b * s, -1).astype(dt), *w, fused=cfg.fuse_gate_up)
+        if layer.block.shared is not None:
+            y = y + layer.block.shared(x.reshape(b * s, -1))
+        h = layer.add_block_output(h, y.reshape(b, s, -1))
+    h = model.final_norm(h)
+    logits = jnp.dot(h, model.lm_head[...].astype(h.dtype), preferred_element_type=jnp.float32)
+    return logits, jnp.stack(inputs)
+
+
+def token_mask(batch: Batch, tokens_per_sequence: Optional[int] = None) -> np.ndarray:
+    """Which input tokens of ``batch`` count in the statistics [B, S]: the non-padding ones
+    (``batch['mask']``, all when absent) among the first ``tokens_per_sequence`` of each row
+    (the authors' ``--num_dume_tokens``; None: all)."""
+    mask = np.asarray(batch.get("mask", np.ones_like(batch["inputs"], bool)), bool)
+    if tokens_per_sequence is not None:
+        mask = mask & (np.arange(mask.shape[1])[None, :] < tokens_per_sequence)
+    return mask
+
+
+def collect_statistics(model: nnx.Module, batches: Iterable[Batch], expert: int, *,
+                       tokens_per_sequence: Optional[int] = None,
+                       stats: Optional[DomainStatistics] = None,
+                       progress: Callable[[int, int], None] = lambda _batches, _tokens: None
+                       ) -> DomainStatistics:
+    """One domain's ridge statistics (DUME eq. 7): ``batches`` (dicts with 'inputs' [B, S] and
+    optionally 'mask') through ``model`` forced to ``expert``, every layer's MLP inputs
+    accumulated in float64 on the host. ``stats``: statistics to add to (a domain seen in
+    several passes); ``progress(batches, tokens)`` hears after every batch."""
+    check_dume_config(model.cfg)
+    cfg = model.cfg
+    stats = stats or DomainStatistics.zeros(cfg.num_layers, cfg.d_model)
+    for i, batch in enumerate(batches):
+        _, x = forced_forward(model, jnp.asarray(batch["inputs"]), jnp.int32(expert))
+        x = np.asarray(x, np.float64).reshape(cfg.num_layers, -1, cfg.d_model)
+        stats.update(x, token_mask(batch, tokens_per_sequence).reshape(-1))
+        progress(i + 1, stats.tokens)
+    return stats
+
+
+def set_routers(model: nnx.Module, w: np.ndarray, b: np.ndarray) -> None:
+    """Write router weights W [layers, d, N] and biases b [layers, N] into the MoE ``model``."""
+    check_dume_config(model.cfg)
+    set_params(model, {("layers", "block", "router", "w_router"): w,
+                       ("layers", "block", "router", "b_router"): b})
+
+
+def dume(model: nnx.Module, stats: Sequence[DomainStatistics],
+         lam: float = DEFAULT_LAMBDA) -> nnx.Module:
+    """The MoE ``model`` with its routers set to DUME's closed-form solution (eqs. 6-7,
+    normalised columns) for the per-domain ``stats`` in expert order; returns ``model``."""
+    if len(stats) != model.cfg.experts.num_experts:
+        raise ValueError(f"{len(stats)} domains of statistics for "
+                         f"{model.cfg.experts.num_experts} experts: one domain per expert")
+    set_routers(model, *solve_routers(stats, lam))
+    return model
+
+
+def add_expert(moe: nnx.Module, dense: nnx.Module, *, seed: int = 0) -> nnx.Module:
+    """``moe`` with one more expert: dense model ``dense``'s MLPs appended as expert N in every
+    layer. The shared (averaged) weights stay those of ``moe``, not re-averaged, so the forced
+    passes of the old domains, and with them their statistics, are unchanged: solving with the
+    old domains' saved statistics plus the new domain's equals solving from scratch on the new
+    model (DUME sec. 2.3, "experts can be added dynamically"). The routers are random until
+    :func:`dume` sets them."""
+    from dagmoe_jax.model import Transformer  # pylint: disable=import-outside-toplevel
+    from dagmoe_jax.upcycle.moerge import EXPERT_PREFIX, MLP_PREFIX, check_same_architecture
+
+    check_dume_config(moe.cfg)
+    as_dense = moe.cfg.replace(block="dense", ffn_hidden=moe.cfg.experts.expert_hidden)
+    check_same_architecture([as_dense, dense.cfg], ["the merged model", "the new model"])
+    n = moe.cfg.experts.num_experts
+    cfg = moe.cfg.replace(experts=dict(num_experts=n + 1))
+    grown = Transformer(cfg, rngs=nnx.Rngs(seed))
+    params = {p: v for p, v in flat_params(moe).items() if "router" not in p}
+    new = flat_params(dense)
+    for name in ("w_gate", "w_up", "w_down"):
+        path = EXPERT_PREFIX + (name,)
+        params[path] = np.concatenate([params[path], new[MLP_PREFIX + (name,)][:, None]], axis=1)
+    set_params(grown, params)
+    return grown
+
+
+def upcycle_to_dag(moe: nnx.Module, *, dag_dim: int = 128, dag_iters: int = 2,
+                   seed: int = 0, **aggregation) -> nnx.Module:
+    """A DAG-MoE (``AggregationConfig(kind='dag')``) holding every parameter of the merged MoE
+    ``moe``; the DAG module's own parameters are freshly initialised, ``W_up`` at zero, so with
+    the default ``dag_residual='once'`` the model computes exactly what ``moe`` does until
+    training moves ``W_up`` (tests/test_upcycle.py)."""
+    from dagmoe_jax.model import Transformer  # pylint: disable=import-outside-toplevel
+
+    cfg = moe.cfg.replace(aggregation=dict(kind="dag", dag_dim=dag_dim, dag_iters=dag_iters,
+                                           **aggregation))
+    if cfg.aggregation.dag_residual != "once":
+        raise ValueError("AggregationConfig.dag_residual='literal' adds RMSNorm(h) to the "
+                         "stream, so the upcycled model would not start equal to DUME: use "
+                         "'once'")
+    dag = Transformer(cfg, rngs=nnx.Rngs(seed))
+    set_params(dag, flat_params(moe))
+    return dag
+
+
+def routing_accuracy(model: nnx.Module, batches: Iterable[Batch], expert: int) -> np.ndarray:
+    """Per layer, the share of a domain's (non-padding) tokens whose top-1 expert is the
+    domain's own ``expert`` when ``model`` routes by itself (its router inputs are those of its
+    own routing, not the forced pass) [layers]."""
+    model.set_attributes(record_intermediates=True, raise_if_not_found=False)
+    try:
+        hits, count = 0.0, 0.0
+        for batch in batches:
+            _, aux = _routed(model, jnp.asarray(batch["inputs"]))
+            top1 = np.asarray(aux[:, 0, :, 0])                            # [layers, T]
+            mask = token_mask(batch).reshape(-1)
+            hits = hits + ((top1 == expert) & mask[None]).sum(axis=1)
+            count += mask.sum()
+    finally:
+        model.set_attributes(record_intermediates=False, raise_if_not_found=False)
+    return np.asarray(hits, np.float64) / max(count, 1.0)
+
+
+@nnx.jit
+def _routed(model, tokens):
+    logits, aux = model(tokens)
+    return logits, aux["intermediates"]["indices"]

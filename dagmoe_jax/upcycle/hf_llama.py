@@ -1,0 +1,355 @@
+"""Hugging Face Llama checkpoints in and out of the library's dense Transformer, without torch.
+
+A Hugging Face Llama directory holds ``config.json`` and either ``model.safetensors`` or shards
+listed by ``model.safetensors.index.json``. :func:`load_hf_llama` reads the tensors lazily with
+the ``safetensors`` NumPy API (one tensor in host memory at a time; bfloat16 through
+``ml_dtypes``) into a ``block='dense'`` :class:`~dagmoe_jax.model.Transformer`;
+:func:`export_hf_llama` writes one back. The mapping (docs/design.md section 7):
+
+* ``nn.Linear`` weights are stored [out, in] and the library's matrices [in, out]: every
+  projection is transposed; q/k/v go to [d, heads, head_dim] (rows of ``q_proj`` are
+  head-major) and ``o_proj`` to [heads, head_dim, d].
+* RoPE: Hugging Face's ``rotate_half`` is the half-split layout of
+  :func:`~dagmoe_jax.model.attention.apply_rope`, so no permutation is needed.
+* ``tie_word_embeddings``: the LM head is ``embed_tokens`` transposed; export ties them again
+  when the two are equal.
+* ``rope_theta``, ``rms_norm_eps``, ``head_dim``, ``intermediate_size`` and the Llama 3.1/3.2
+  ``rope_scaling`` (``rope_type='llama3'``) carry over to ``ModelConfig``.
+
+What the library's Llama cannot express (attention or MLP biases, a sliding window, another
+architecture, another activation or RoPE scaling, quantised weights) is a one-line
+``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy before safetensors reads one)
+import numpy as np
+from flax import nnx
+
+from dagmoe_jax.config import ModelConfig, RopeScalingConfig
+
+PathLike = Union[str, Path]
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+
+# Tensors a Llama checkpoint may carry that hold no parameter (older exports store RoPE's
+# inverse frequencies, which config.json determines).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def read_hf_config(path: PathLike) -> dict:
+    """``config.json`` of a Hugging Face model directory, or a one-line error."""
+    file = Path(path) / CONFIG_FILE
+    if not file.is_file():
+        raise ValueError(f"{file} does not exist: pass a Hugging Face model directory "
+                         f"(config.json + model.safetensors)")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file} is not valid JSON ({err.msg}, line {err.lineno})") from None
+
+
+def _unsupported(field: str, value, why: str) -> ValueError:
+    return ValueError(f"Hugging Face config {field}={json.dumps(value)} is not supported: {why}")
+
+
+def rope_scaling_from_hf(rope_scaling: Optional[dict]) -> RopeScalingConfig:
+    """``RopeScalingConfig`` of a Hugging Face ``rope_scaling`` entry (None, 'default' or
+    'llama3'; anything else is an error naming it)."""
+    if rope_scaling is None:
+        return RopeScalingConfig()
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if kind == "default":
+        return RopeScalingConfig()
+    if kind != "llama3":
+        raise _unsupported("rope_scaling.rope_type", kind, "only 'llama3' RoPE scaling (or none)")
+    try:
+        return RopeScalingConfig(kind="llama3", factor=float(rope_scaling["factor"]),
+                                 low_freq_factor=float(rope_scaling["low_freq_factor"]),
+                                 high_freq_factor=float(rope_scaling["high_freq_factor"]),
+                                 original_max_position=int(
+                                     rope_scaling["original_max_position_embeddings"]))
+    except KeyError as err:
+        raise ValueError(f"Hugging Face config rope_scaling lacks {err.args[0]!r}, which "
+                         f"rope_type 'llama3' needs") from None
+
+
+def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
+    """The dense ``ModelConfig`` of a Hugging Face Llama ``config.json`` (``overrides``: other
+    ModelConfig fields, e.g. ``param_dtype``). Unsupported fields are one-line errors."""
+    model_type = hf.get("model_type")
+    if model_type != "llama":
+        raise _unsupported("model_type", model_type, "only 'llama' checkpoints can be imported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise _unsupported("hidden_act", hf["hidden_act"], "Llama's MLP is SwiGLU ('silu')")
+    for field in ("attention_bias", "mlp_bias"):
+        if hf.get(field):
+            raise _unsupported(field, hf[field], "the library's Llama has no linear biases")
+    if hf.get("sliding_window") is not None:
+        raise _unsupported("sliding_window", hf["sliding_window"],
+                           "the library's attention is full causal")
+    if hf.get("quantization_config") is not None:
+        raise _unsupported("quantization_config", hf["quantization_config"].get("quant_method"),
+                           "import an unquantised (float32/bfloat16/float16) checkpoint")
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads"):
+        if not isinstance(hf.get(field), int):
+            raise ValueError(f"Hugging Face config {field} is missing or not an integer: is "
+                             f"this a Llama config.json?")
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    fields = dict(
+        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"], num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim,
+        ffn_hidden=hf["intermediate_size"], block="dense",
+        max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+        rope_theta=float(hf.get("rope_theta", 10000.0)),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_scaling=rope_scaling_from_hf(hf.get("rope_scaling")))
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def hf_config_from_model(cfg: ModelConfig, *, tie_word_embeddings: bool,
+                         dtype: str = "float32") -> dict:
+    """The Hugging Face ``config.json`` of a dense ``cfg`` (:func:`export_hf_llama`)."""
+    if cfg.block != "dense":
+        raise ValueError(f"ModelConfig.block={cfg.block!r} cannot be exported as a Hugging Face "
+                         f"Llama: only block='dense' models can")
+    hf = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.resolved_ffn_hidden, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.resolved_head_dim, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": tie_word_embeddings, "torch_dtype": dtype,
+        "rope_scaling": None,
+    }
+    rs = cfg.rope_scaling
+    if rs.kind == "llama3":
+        hf["rope_scaling"] = {"rope_type": "llama3", "factor": rs.factor,
+                              "low_freq_factor": rs.low_freq_factor,
+                              "high_freq_factor": rs.high_freq_factor,
+                              "original_max_position_embeddings": rs.original_max_position}
+    return hf
+
+
+class SafetensorsReader:
+    """Lazy access to the tensors of a Hugging Face model directory (single file or shards).
+
+    ``reader[name]`` opens the shard holding ``name`` and reads that tensor only; a shard named
+    by the index but absent from the directory is a one-line error when the reader is made.
+    """
+
+    def __init__(self, path: PathLike):
+        from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+        self._open = safe_open
+        path = Path(path)
+        index, single = path / INDEX_FILE, path / SINGLE_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError):
+                raise ValueError(f"{index} has no 'weight_map': is it a safetensors "
+                                 f"index?") from None
+            self.files = {name: path / shard for name, shard in weight_map.items()}
+            missing = sorted({str(f.name) for f in self.files.values() if not f.is_file()})
+            if missing:
+                raise ValueError(f"shard {missing[0]} listed in {index} is missing from {path}"
+                                 f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}"
+                                 f": download every shard")
+        elif single.is_file():
+            with safe_open(str(single), framework="numpy") as f:
+                self.files = {name: single for name in f.keys()}
+        else:
+            raise ValueError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}: only "
+                             f"safetensors checkpoints can be imported")
+
+    def keys(self) -> List[str]:
+        return list(self.files)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self.files:
+            raise ValueError(f"tensor {name} is missing from the checkpoint: is it a Llama "
+                             f"checkpoint of this config.json?")
+        with self._open(str(self.files[name]), framework="numpy") as f:
+            return f.get_tensor(name)
+
+
+def _layer_names(i: int) -> Dict[str, str]:
+    p = f"model.layers.{i}."
+    return {"attn_norm": p + "input_layernorm.weight", "q": p + "self_attn.q_proj.weight",
+            "k": p + "self_attn.k_proj.weight", "v": p + "self_attn.v_proj.weight",
+            "o": p + "self_attn.o_proj.weight", "block_norm": p + "post_attention_layernorm.weight",
+            "gate": p + "mlp.gate_proj.weight", "up": p + "mlp.up_proj.weight",
+            "down": p + "mlp.down_proj.weight"}
+
+
+def _check_names(reader: SafetensorsReader, cfg: ModelConfig, tied: bool) -> None:
+    """Refuse checkpoints with tensors this mapping would silently drop (biases, extra heads)."""
+    known = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not tied:
+        known.add("lm_head.weight")
+    for i in range(cfg.num_layers):
+        known.update(_layer_names(i).values())
+    extra = sorted(n for n in reader.keys()
+                   if n not in known and not n.endswith(_IGNORED_SUFFIXES))
+    if extra:
+        raise ValueError(f"checkpoint tensor {extra[0]} has no place in a Llama of this "
+                         f"config.json{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}"
+                         f": biases and other architectures are not supported")
+
+
+def _expect(name: str, array: np.ndarray, shape: Tuple[int, ...]) -> np.ndarray:
+    if tuple(array.shape) != tuple(shape):
+        raise ValueError(f"checkpoint tensor {name} has shape {tuple(array.shape)}, but "
+                         f"config.json implies {tuple(shape)}")
+    return array
+
+
+def hf_tensors_to_params(cfg: ModelConfig, get: Callable[[str], np.ndarray],
+                         tied: bool) -> Iterator[Tuple[Tuple[str, ...], np.ndarray]]:
+    """(library parameter path, float32 array) of a Llama checkpoint, one parameter at a time
+    (layer parameters stacked [layers, ...]); ``get(name)`` reads one Hugging Face tensor."""
+    d, h, kv, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+    f, v = cfg.resolved_ffn_hidden, cfg.vocab_size
+
+    def read(name, shape):
+        return _expect(name, get(name), shape).astype(np.float32)
+
+    embed = read("model.embed_tokens.weight", (v, d))
+    yield ("embed",), embed
+    yield ("lm_head",), (embed if tied else read("lm_head.weight", (v, d))).T
+    yield ("final_norm", "scale"), read("model.norm.weight", (d,))
+    per_layer = {
+        ("attn_norm", "scale"): ("attn_norm", (d,), lambda w: w),
+        ("attn", "w_q"): ("q", (h * hd, d), lambda w: w.T.reshape(d, h, hd)),
+        ("attn", "w_k"): ("k", (kv * hd, d), lambda w: w.T.reshape(d, kv, hd)),
+        ("attn", "w_v"): ("v", (kv * hd, d), lambda w: w.T.reshape(d, kv, hd)),
+        ("attn", "w_o"): ("o", (d, h * hd), lambda w: w.T.reshape(h, hd, d)),
+        ("block_norm", "scale"): ("block_norm", (d,), lambda w: w),
+        ("block", "w_gate"): ("gate", (f, d), lambda w: w.T),
+        ("block", "w_up"): ("up", (f, d), lambda w: w.T),
+        ("block", "w_down"): ("down", (d, f), lambda w: w.T),
+    }
+    for path, (key, shape, to_ours) in per_layer.items():
+        yield ("layers",) + path, np.stack(
+            [to_ours(read(_layer_names(i)[key], shape)) for i in range(cfg.num_layers)])
+
+
+def _variable(model: nnx.Module, path: Tuple[str, ...]):
+    node = model
+    for part in path:
+        node = getattr(node, part)
+    return node
+
+
+def assign_params(model: nnx.Module, params) -> None:
+    """Write (path, array) pairs into ``model``'s parameters, cast to each parameter's dtype;
+    a shape mismatch is a one-line error naming the parameter."""
+    for path, value in params:
+        var = _variable(model, path)
+        if tuple(var.shape) != tuple(value.shape):
+            raise ValueError(f"parameter {'.'.join(path)} has shape {tuple(var.shape)}, the "
+                             f"checkpoint gives {tuple(value.shape)}")
+        var[...] = np.asarray(value).astype(var[...].dtype)
+
+
+def load_hf_llama(path: PathLike, *, rngs: Optional[nnx.Rngs] = None, settle_fn=None,
+                  **overrides):
+    """A dense :class:`~dagmoe_jax.model.Transformer` holding a Hugging Face Llama checkpoint.
+
+    ``overrides``: ModelConfig fields to change (``param_dtype='bfloat16'``, ``max_seq_len``,
+    ``attention``...). ``settle_fn``: settles the config for this machine (default
+    :func:`dagmoe_jax.settle.settle`). Returns (model, ModelConfig before settling).
+    """
+    from dagmoe_jax.model import Transformer  # pylint: disable=import-outside-toplevel
+    from dagmoe_jax.settle import settle  # pylint: disable=import-outside-toplevel
+
+    hf = read_hf_config(path)
+    cfg = model_config_from_hf(hf, **overrides)
+    reader = SafetensorsReader(path)
+    tied = bool(hf.get("tie_word_embeddings", False)) and "lm_head.weight" not in reader
+    _check_names(reader, cfg, tied)
+    settled = (settle_fn or settle)(cfg)
+    model = Transformer(settled, rngs=rngs or nnx.Rngs(0))
+    assign_params(model, hf_tensors_to_params(cfg, reader.__getitem__, tied))
+    return model, cfg
+
+
+def params_to_hf_tensors(model: nnx.Module, tied: bool) -> Iterator[Tuple[str, np.ndarray]]:
+    """(Hugging Face tensor name, float32 array) of a dense Transformer, the inverse of
+    :func:`hf_tensors_to_params`."""
+    cfg = model.cfg
+    d = cfg.d_model
+    arr = lambda path: np.asarray(_variable(model, path)[...], dtype=np.float32)
+    yield "model.embed_tokens.weight", arr(("embed",))
+    if not tied:
+        yield "lm_head.weight", arr(("lm_head",)).T
+    yield "model.norm.weight", arr(("final_norm", "scale"))
+    stacked = {key: arr(("layers",) + path) for key, path in (
+        ("attn_norm", ("attn_norm", "scale")), ("q", ("attn", "w_q")), ("k", ("attn", "w_k")),
+        ("v", ("attn", "w_v")), ("o", ("attn", "w_o")), ("block_norm", ("block_norm", "scale")),
+        ("gate", ("block", "w_gate")), ("up", ("block", "w_up")), ("down", ("block", "w_down")))}
+    to_hf = {"attn_norm": lambda w: w, "block_norm": lambda w: w,
+             "q": lambda w: w.reshape(d, -1).T, "k": lambda w: w.reshape(d, -1).T,
+             "v": lambda w: w.reshape(d, -1).T, "o": lambda w: w.reshape(-1, d).T,
+             "gate": lambda w: w.T, "up": lambda w: w.T, "down": lambda w: w.T}
+    for i in range(cfg.num_layers):
+        for key, name in _layer_names(i).items():
+            yield name, np.ascontiguousarray(to_hf[key](stacked[key][i]))
+
+
+def export_hf_llama(model: nnx.Module, path: PathLike, *, dtype: str = "float32",
+                    max_shard_bytes: Optional[int] = None) -> Path:
+    """Write a dense Transformer as a Hugging Face Llama directory (``config.json`` and
+    ``model.safetensors``, or shards of at most ``max_shard_bytes`` with
+    ``model.safetensors.index.json``) in ``dtype`` ('float32' or 'bfloat16'). The LM head is
+    tied to the embedding when the two are equal. Returns the directory."""
+    from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype={dtype!r} is invalid: expected one of "
+                         f"{sorted(EXPORT_DTYPES)}")
+    cfg = model.cfg
+    embed = np.asarray(model.embed[...])
+    tied = bool(np.array_equal(embed.T, np.asarray(model.lm_head[...])))
+    hf = hf_config_from_model(cfg, tie_word_embeddings=tied, dtype=dtype)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    shards: List[Dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, value in params_to_hf_tensors(model, tied):
+        value = np.ascontiguousarray(value, dtype=EXPORT_DTYPES[dtype])
+        if max_shard_bytes is not None and shards[-1] and size + value.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += value.nbytes
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(out / SINGLE_FILE), metadata=meta)
+    else:
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / file), metadata=meta)
+            weight_map.update({name: file for name in shard})
+            total += sum(v.nbytes for v in shard.values())
+        (out / INDEX_FILE).write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    (out / CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
+    return out

@@ -1,0 +1,145 @@
+"""MoErging (DUME sec. 2.2): N dense models of one architecture become one MoE.
+
+Every non-MLP tensor (embedding, attention, norms, LM head) is the average of the N models';
+each layer's N MLPs become that layer's N routed experts, expert j being dense model j's MLP;
+each layer gets a new router ``logits = x W + b`` and the gate ``softmax(top-k(logits / T))``
+(DUME eq. 4; ``RouterConfig(score_fn='softmax', renormalize=True, bias=True, temperature=T)``).
+The router starts random (BTX, random routing); DUME then solves it in closed form
+(:mod:`dagmoe_jax.upcycle.ridge`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence, Tuple
+
+import numpy as np
+from flax import nnx
+
+from dagmoe_jax.config import AggregationConfig, ModelConfig, RouterConfig
+from dagmoe_jax.runs import EXECUTION_FIELDS
+
+MLP_PREFIX = ("layers", "block")          # the dense block's w_gate / w_up / w_down
+EXPERT_PREFIX = ("layers", "block", "experts")
+
+
+def dume_config(dense: ModelConfig, num_experts: int, *, top_k: int = 1,
+                temperature: float = 1.0, dispatch: str = "dropless") -> ModelConfig:
+    """The MoE config of ``num_experts`` merged copies of the dense config ``dense``.
+
+    top_k: experts per token (DUME's default 1: the dense models' forward cost; the authors'
+    ``--k``). temperature: T of the gate (the authors' ``--temp``, default 1). dispatch:
+    'dropless' or 'dense'. 'capacity' is refused: a batch of one domain sends nearly every
+    token to one expert, and fixed capacity would drop most of them. No balance or z-loss
+    (the paper found load balancing had no effect on DUME+ / BTX and trains without it).
+    """
+    if dense.block != "dense":
+        raise ValueError(f"ModelConfig.block={dense.block!r}: DUME merges dense models "
+                         f"(block='dense')")
+    if num_experts < 1:
+        raise ValueError(f"DUME needs at least one dense model (got {num_experts})")
+    if dispatch == "capacity":
+        raise ValueError("ExpertConfig.dispatch='capacity' is invalid for a DUME model: a "
+                         "batch of one domain sends most tokens to one expert and capacity "
+                         "would drop them; use 'dropless' or 'dense'")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"DUME top_k={top_k} is invalid: expected an integer in "
+                         f"[1, {num_experts}] (the number of dense models)")
+    return dense.replace(
+        block="moe",
+        router=RouterConfig(score_fn="softmax", top_k=top_k, renormalize=True, bias=True,
+                            temperature=temperature, balance_coef=0.0, z_loss_coef=0.0),
+        experts=dict(num_experts=num_experts, expert_hidden=dense.resolved_ffn_hidden,
+                     num_shared=0, dispatch=dispatch),
+        aggregation=AggregationConfig(kind="sum"))
+
+
+def check_dume_config(cfg: ModelConfig) -> None:
+    """Refuse an MoE config DUME's routers and dispatch cannot run (one-line errors)."""
+    if cfg.block != "moe":
+        raise ValueError(f"ModelConfig.block={cfg.block!r}: a DUME model is block='moe'")
+    if cfg.experts.dispatch == "capacity":
+        raise ValueError("ExpertConfig.dispatch='capacity' is invalid for a DUME model: use "
+                         "'dropless' or 'dense' (capacity drops a one-domain batch's tokens)")
+    if not cfg.router.bias:
+        raise ValueError("RouterConfig.bias=False: a DUME router has a bias (the ridge "
+                         "solution's last row); set bias=True")
+
+
+def architecture_fields(cfg: ModelConfig) -> dict:
+    """The fields of a dense config that decide its parameters' meaning (not how it runs)."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+            if f.name not in EXECUTION_FIELDS + ("param_dtype", "compute_dtype", "init_std",
+                                                 "router", "experts", "aggregation", "coe",
+                                                 "max_seq_len")}
+
+
+def check_same_architecture(cfgs: Sequence[ModelConfig], names: Sequence[str] = ()) -> None:
+    """One-line error naming the first field in which the dense models differ."""
+    names = list(names) or [f"model {i}" for i in range(len(cfgs))]
+    first = architecture_fields(cfgs[0])
+    for cfg, name in zip(cfgs[1:], names[1:]):
+        if cfg.block != "dense":
+            raise ValueError(f"{name} is block={cfg.block!r}: DUME merges dense models")
+        for field, value in architecture_fields(cfg).items():
+            if value != first[field]:
+                raise ValueError(f"{name} has ModelConfig.{field}={value!r} but {names[0]} has "
+                                 f"{first[field]!r}: DUME merges models of one architecture")
+
+
+def flat_params(model: nnx.Module) -> dict:
+    """{path tuple: float32 NumPy array} of every parameter of ``model``."""
+    return {tuple(path): np.asarray(v[...], np.float32)
+            for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def set_params(model: nnx.Module, params: dict) -> None:
+    """Write {path: array} into ``model``'s parameters (cast to their dtypes), checking shapes."""
+    for path, value in params.items():
+        node = model
+        for part in path:
+            node = getattr(node, part)
+        if tuple(node.shape) != tuple(np.shape(value)):
+            raise ValueError(f"parameter {'.'.join(path)} has shape {tuple(node.shape)}, the "
+                             f"merge gives {tuple(np.shape(value))}")
+        node[...] = np.asarray(value).astype(node[...].dtype)
+
+
+def merged_params(dense: Sequence[dict]) -> Tuple[dict, dict]:
+    """(averaged non-MLP parameters, experts) of N dense models' :func:`flat_params`: the MLP
+    weights [L, ...] of model j become expert j of ``experts`` [L, N, ...] (DUME sec. 2.2)."""
+    shared, experts = {}, {}
+    for path in dense[0]:
+        stack = np.stack([p[path] for p in dense])
+        if path[:-1] == MLP_PREFIX:
+            experts[EXPERT_PREFIX + path[-1:]] = np.moveaxis(stack, 0, 1)
+        else:
+            shared[path] = stack.astype(np.float64).mean(axis=0).astype(np.float32)
+    return shared, experts
+
+
+def moerge(models: Sequence[nnx.Module], cfg: ModelConfig, *, seed: int = 0) -> nnx.Module:
+    """The MoE ``cfg`` (a settled :func:`dume_config` of the models' config) holding N dense
+    ``models`` merged (DUME sec. 2.2), its routers initialised at random from ``seed``."""
+    from dagmoe_jax.model import Transformer  # pylint: disable=import-outside-toplevel
+
+    check_same_architecture([m.cfg for m in models])
+    check_dume_config(cfg)
+    if cfg.experts.num_experts != len(models):
+        raise ValueError(f"ExpertConfig.num_experts={cfg.experts.num_experts} but "
+                         f"{len(models)} dense models were given: one expert per model")
+    moe = Transformer(cfg, rngs=nnx.Rngs(seed))
+    shared, experts = merged_params([flat_params(m) for m in models])
+    set_params(moe, {**shared, **experts})
+    return moe
+
+
+def average_models(models: Sequence[nnx.Module]) -> nnx.Module:
+    """Parameter averaging (the DUME paper's "model averaging" baseline): a dense model whose
+    every parameter is the mean of the ``models``' (the first model is copied, then set)."""
+    check_same_architecture([m.cfg for m in models])
+    params = [flat_params(m) for m in models]
+    avg = nnx.clone(models[0])
+    set_params(avg, {p: np.stack([q[p] for q in params]).astype(np.float64).mean(0)
+                     for p in params[0]})
+    return avg

@@ -1,0 +1,240 @@
+"""Hugging Face Llama import/export (dagmoe_jax/upcycle/hf_llama.py) against a NumPy Llama.
+
+The reference forward pass below is written from the Llama equations as Hugging Face's
+``modeling_llama`` computes them (RMSNorm, rotate-half RoPE, repeat_kv grouped-query attention,
+SwiGLU MLP, [out, in] linear weights), on the raw checkpoint tensors: it shares no code with the
+library's model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from dagmoe_jax.model.attention import rope_inv_freq
+from dagmoe_jax.config import RopeScalingConfig
+from dagmoe_jax.upcycle import hf_llama
+
+HF = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=32,
+          intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+          num_key_value_heads=2, head_dim=12, hidden_act="silu", max_position_embeddings=64,
+          rms_norm_eps=1e-5, rope_theta=10000.0, attention_bias=False, mlp_bias=False,
+          tie_word_embeddings=False)
+LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=16)
+
+
+def random_checkpoint(hf: dict, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    d, f, v = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
+    h, kv, hd = hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
+    w = lambda *shape: (0.2 * rng.standard_normal(shape)).astype(np.float32)
+    t = {"model.embed_tokens.weight": w(v, d), "model.norm.weight": 1 + w(d)}
+    if not hf["tie_word_embeddings"]:
+        t["lm_head.weight"] = w(v, d)
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t.update({p + "input_layernorm.weight": 1 + w(d),
+                  p + "post_attention_layernorm.weight": 1 + w(d),
+                  p + "self_attn.q_proj.weight": w(h * hd, d),
+                  p + "self_attn.k_proj.weight": w(kv * hd, d),
+                  p + "self_attn.v_proj.weight": w(kv * hd, d),
+                  p + "self_attn.o_proj.weight": w(d, h * hd),
+                  p + "mlp.gate_proj.weight": w(f, d), p + "mlp.up_proj.weight": w(f, d),
+                  p + "mlp.down_proj.weight": w(d, f)})
+    return t
+
+
+def write_checkpoint(path, hf: dict, tensors: dict, dtype=np.float32):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(hf))
+    save_file({k: v.astype(dtype) for k, v in tensors.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def llama3_inv_freq_reference(inv_freq, factor, low, high, old):
+    """The llama3 RoPE scaling, element by element (Llama 3.1's reference code)."""
+    out = []
+    for f in inv_freq:
+        wavelen = 2 * math.pi / f
+        if wavelen < old / high:
+            out.append(f)
+        elif wavelen > old / low:
+            out.append(f / factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append((1 - smooth) * f / factor + smooth * f)
+    return np.array(out)
+
+
+def numpy_llama(t: dict, hf: dict, tokens: np.ndarray) -> np.ndarray:
+    """Llama's forward pass in float64 NumPy from the checkpoint tensors: logits [B, S, V]."""
+    t = {k: np.asarray(v, np.float64) for k, v in t.items()}
+    eps, hd = hf["rms_norm_eps"], hf["head_dim"]
+    h_, kv = hf["num_attention_heads"], hf["num_key_value_heads"]
+    b, s = tokens.shape
+    inv_freq = 1.0 / hf["rope_theta"] ** (np.arange(0, hd, 2) / hd)
+    rs = hf.get("rope_scaling")
+    if rs:
+        inv_freq = llama3_inv_freq_reference(inv_freq, rs["factor"], rs["low_freq_factor"],
+                                             rs["high_freq_factor"],
+                                             rs["original_max_position_embeddings"])
+    freqs = np.arange(s)[:, None] * inv_freq[None]
+    emb = np.concatenate([freqs, freqs], axis=-1)                       # [S, hd]
+    cos, sin = np.cos(emb)[None, :, None], np.sin(emb)[None, :, None]
+
+    def rms(x, w):
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+    def rotate_half(x):
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+        return np.concatenate([-x2, x1], axis=-1)
+
+    x = t["model.embed_tokens.weight"][tokens]
+    mask = np.tril(np.ones((s, s), bool))
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        y = rms(x, t[p + "input_layernorm.weight"])
+        q = (y @ t[p + "self_attn.q_proj.weight"].T).reshape(b, s, h_, hd)
+        k = (y @ t[p + "self_attn.k_proj.weight"].T).reshape(b, s, kv, hd)
+        v = (y @ t[p + "self_attn.v_proj.weight"].T).reshape(b, s, kv, hd)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k, v = np.repeat(k, h_ // kv, axis=2), np.repeat(v, h_ // kv, axis=2)   # repeat_kv
+        scores = np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
+        scores = np.where(mask, scores, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        o = np.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, h_ * hd)
+        x = x + o @ t[p + "self_attn.o_proj.weight"].T
+        y = rms(x, t[p + "post_attention_layernorm.weight"])
+        g = y @ t[p + "mlp.gate_proj.weight"].T
+        x = x + ((g / (1 + np.exp(-g))) * (y @ t[p + "mlp.up_proj.weight"].T)) \
+            @ t[p + "mlp.down_proj.weight"].T
+    x = rms(x, t["model.norm.weight"])
+    head = t["model.embed_tokens.weight"] if hf["tie_word_embeddings"] else t["lm_head.weight"]
+    return x @ head.T
+
+
+@pytest.mark.parametrize("dtype,tied,scaling", [("float32", False, True),
+                                                ("bfloat16", True, False)])
+def test_imported_logits_equal_numpy_llama(tmp_path, dtype, tied, scaling):
+    hf = dict(HF, tie_word_embeddings=tied, rope_scaling=LLAMA3 if scaling else None)
+    tensors = random_checkpoint(hf)
+    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[dtype]
+    write_checkpoint(tmp_path / "ckpt", hf, tensors, np_dtype)
+    model, cfg = hf_llama.load_hf_llama(tmp_path / "ckpt")
+    assert cfg.head_dim == 12 and cfg.ffn_hidden == 48 and cfg.norm_eps == 1e-5
+    assert cfg.rope_scaling.kind == ("llama3" if scaling else "none")
+    tokens = np.random.default_rng(1).integers(0, 64, (2, 24))   # longer than the 16 original
+    got = np.asarray(model(tokens)[0])
+    # the reference reads the same (rounded, for bfloat16) values the file holds
+    stored = {k: v.astype(np_dtype).astype(np.float32) for k, v in tensors.items()}
+    want = numpy_llama(stored, hf, tokens)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+    # and with plain RoPE the scaled checkpoint would differ: the scaling is really applied
+    if scaling:
+        plain = numpy_llama(stored, dict(hf, rope_scaling=None), tokens)
+        assert np.max(np.abs(plain - want)) > 1e-3
+
+
+def test_export_round_trip_sharded_and_bfloat16(tmp_path):
+    hf = dict(HF, rope_scaling=LLAMA3)
+    tensors = random_checkpoint(hf, seed=3)
+    write_checkpoint(tmp_path / "in", hf, tensors)
+    model, _ = hf_llama.load_hf_llama(tmp_path / "in")
+    out = hf_llama.export_hf_llama(model, tmp_path / "out", max_shard_bytes=20_000)
+    index = json.loads((out / hf_llama.INDEX_FILE).read_text())
+    assert len(set(index["weight_map"].values())) > 1                 # really sharded
+    reader = hf_llama.SafetensorsReader(out)
+    assert sorted(reader.keys()) == sorted(tensors)
+    for name, value in tensors.items():
+        np.testing.assert_array_equal(reader[name], value)
+    back = json.loads((out / "config.json").read_text())
+    for key in ("hidden_size", "intermediate_size", "head_dim", "rope_theta", "rms_norm_eps",
+                "num_key_value_heads", "tie_word_embeddings", "rope_scaling"):
+        assert back[key] == hf[key], key
+    # a bfloat16 export holds the bfloat16 rounding of every tensor, tied heads stay tied
+    tied_hf = dict(HF, tie_word_embeddings=True)
+    write_checkpoint(tmp_path / "tied", tied_hf, random_checkpoint(tied_hf, seed=4))
+    tied, _ = hf_llama.load_hf_llama(tmp_path / "tied")
+    out16 = hf_llama.export_hf_llama(tied, tmp_path / "out16", dtype="bfloat16")
+    r16 = hf_llama.SafetensorsReader(out16)
+    assert "lm_head.weight" not in r16
+    assert json.loads((out16 / "config.json").read_text())["tie_word_embeddings"] is True
+    emb = r16["model.embed_tokens.weight"]
+    assert emb.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(
+        emb, np.asarray(tied.embed[...]).astype(ml_dtypes.bfloat16))
+
+
+def test_llama3_rope_scaling_equals_its_formula():
+    inv = 1.0 / 500000.0 ** (np.arange(0, 128, 2) / 128)
+    scaling = RopeScalingConfig(kind="llama3", factor=8.0, low_freq_factor=1.0,
+                                high_freq_factor=4.0, original_max_position=8192)
+    got = rope_inv_freq(128, 500000.0, scaling)
+    want = llama3_inv_freq_reference(inv, 8.0, 1.0, 4.0, 8192)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    wavelen = 2 * np.pi / inv
+    # all three regimes occur: kept, divided by the factor, interpolated in between
+    assert np.any(wavelen < 2048) and np.any(wavelen > 8192)
+    assert np.any((wavelen > 2048) & (wavelen < 8192))
+    np.testing.assert_allclose(got[wavelen < 2048], inv[wavelen < 2048], rtol=1e-6)
+    np.testing.assert_allclose(got[wavelen > 8192], inv[wavelen > 8192] / 8, rtol=1e-6)
+    np.testing.assert_allclose(rope_inv_freq(128, 500000.0), inv, rtol=1e-6)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(model_type="mistral"), "model_type"),
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(mlp_bias=True), "mlp_bias"),
+    (dict(sliding_window=4096), "sliding_window"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling.rope_type"),
+])
+def test_unsupported_configs_name_the_field(change, message):
+    with pytest.raises(ValueError, match=message) as err:
+        hf_llama.model_config_from_hf(dict(HF, **change))
+    assert "\n" not in str(err.value)
+
+
+def test_bad_checkpoints_are_one_line_errors(tmp_path):
+    tensors = random_checkpoint(HF)
+    # a bias tensor the config did not announce
+    write_checkpoint(tmp_path / "bias", HF,
+                     dict(tensors, **{"model.layers.0.self_attn.q_proj.bias": np.zeros(48)}))
+    with pytest.raises(ValueError, match="q_proj.bias"):
+        hf_llama.load_hf_llama(tmp_path / "bias")
+    # a tensor of the wrong shape
+    write_checkpoint(tmp_path / "shape", HF,
+                     dict(tensors, **{"model.norm.weight": np.ones(31, np.float32)}))
+    with pytest.raises(ValueError, match="model.norm.weight has shape"):
+        hf_llama.load_hf_llama(tmp_path / "shape")
+    # a shard listed by the index but absent
+    (tmp_path / "sharded").mkdir()
+    (tmp_path / "sharded" / "config.json").write_text(json.dumps(HF))
+    (tmp_path / "sharded" / hf_llama.INDEX_FILE).write_text(json.dumps(
+        {"weight_map": {name: "model-00002-of-00002.safetensors" for name in tensors}}))
+    with pytest.raises(ValueError, match="model-00002-of-00002.safetensors .*missing"):
+        hf_llama.load_hf_llama(tmp_path / "sharded")
+    with pytest.raises(ValueError, match="config.json does not exist"):
+        hf_llama.load_hf_llama(tmp_path / "nowhere")
+
+
+def test_upcycle_command_reads_hugging_face_directories(tmp_path, capsys):
+    from dagmoe_jax.upcycle import __main__ as cli
+    from dagmoe_jax.upcycle.command import load_dense
+
+    write_checkpoint(tmp_path / "hf", HF, random_checkpoint(HF))
+    dense = load_dense(str(tmp_path / "hf"))
+    assert dense.cfg.block == "dense" and dense.data_cfg is None
+    # without a tokenizer.json the command stops with one line naming it
+    code = cli.main([f"--run_dir={tmp_path / 'out'}", f"--dense={tmp_path / 'hf'}",
+                     "--source=text:x.txt"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "tokenizer.json does not exist" in err[-1]

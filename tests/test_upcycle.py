@@ -1,0 +1,170 @@
+"""MoErging, oracle routing, the statistics pass and DAG upcycling (dagmoe_jax/upcycle)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import tiny_config
+from dagmoe_jax.model import Transformer
+from dagmoe_jax.settle import settle
+from dagmoe_jax.upcycle import dume, moerge, ridge
+
+N = 3
+
+
+def dense_models(seeds=(0, 1, 2)):
+    cfg = tiny_config("dense")
+    return [Transformer(cfg, rngs=nnx.Rngs(s)) for s in seeds]
+
+
+def merged_config(top_k=1, **kw):
+    return settle(moerge.dume_config(tiny_config("dense", settled=False), N, top_k=top_k, **kw))
+
+
+def tokens(seed=0, shape=(2, 16)):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, 64, shape))
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_identical_dense_models_merge_into_an_equal_moe(top_k):
+    model = dense_models((5,))[0]
+    moe = moerge.moerge([model] * N, merged_config(top_k), seed=top_k)
+    # any router: softmax gates over identical experts sum to one
+    w = moe.layers.block.router.w_router
+    w[...] = jax.random.normal(jax.random.key(top_k), w.shape)
+    toks = tokens()
+    np.testing.assert_allclose(np.asarray(moe(toks)[0]), np.asarray(model(toks)[0]),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_oracle_routing_equals_each_dense_model_with_the_shared_weights():
+    models = dense_models()
+    moe = moerge.moerge(models, merged_config(2))
+    shared, _ = moerge.merged_params([moerge.flat_params(m) for m in models])
+    toks = tokens(1)
+    for j, model in enumerate(models):
+        reference = nnx.clone(model)
+        moerge.set_params(reference, shared)             # dense model j, non-MLP averaged
+        got, inputs = dume.forced_forward(moe, toks, jnp.int32(j))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(reference(toks)[0]),
+                                   rtol=1e-5, atol=1e-5)
+        assert inputs.shape == (2, 2, 16, 32)
+    # the experts differ, so the oracle's choice matters (the equality is not vacuous)
+    a = np.asarray(dume.forced_forward(moe, toks, jnp.int32(0))[0])
+    assert np.max(np.abs(a - np.asarray(dume.forced_forward(moe, toks, jnp.int32(1))[0]))) > 1e-3
+
+
+def test_statistics_pass_matches_the_forced_inputs_and_masks_padding():
+    models = dense_models()
+    moe = moerge.moerge(models, merged_config(1))
+    toks = np.asarray(tokens(2, (2, 16)))
+    mask = np.ones((2, 16), bool)
+    mask[1, 10:] = False
+    seen = []
+    stats = dume.collect_statistics(moe, [{"inputs": toks, "mask": mask}], 1,
+                                    tokens_per_sequence=12,
+                                    progress=lambda b, t: seen.append((b, t)))
+    _, x = dume.forced_forward(moe, jnp.asarray(toks), jnp.int32(1))
+    keep = mask & (np.arange(16) < 12)
+    x = np.asarray(x, np.float64)[:, keep]                             # [layers, T, d]
+    xt = np.concatenate([x, np.ones(x.shape[:2] + (1,))], axis=-1)
+    np.testing.assert_allclose(stats.gram, np.einsum("ltd,lte->lde", xt, xt), rtol=1e-12)
+    np.testing.assert_allclose(stats.total, xt.sum(1), rtol=1e-12)
+    assert stats.tokens == keep.sum() == 22 and seen == [(1, 22)]
+
+
+def test_dume_routers_are_the_normalised_ridge_solution():
+    models = dense_models()
+    moe = moerge.moerge(models, merged_config(1))
+    stats = [dume.collect_statistics(moe, [{"inputs": np.asarray(tokens(10 + j))}], j)
+             for j in range(N)]
+    dume.dume(moe, stats)
+    w, b = ridge.solve_routers(stats)
+    np.testing.assert_allclose(np.asarray(moe.layers.block.router.w_router[...]), w,
+                               rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(moe.layers.block.router.b_router[...]), b,
+                               rtol=1e-6, atol=1e-7)
+
+
+def test_upcycled_dag_starts_equal_to_dume():
+    models = dense_models()
+    moe = moerge.moerge(models, merged_config(2))
+    for name in ("w_router", "b_router"):
+        v = getattr(moe.layers.block.router, name)
+        v[...] = jax.random.normal(jax.random.key(7), v.shape)
+    dag = dume.upcycle_to_dag(moe, dag_dim=16, dag_iters=2)
+    assert dag.cfg.aggregation.kind == "dag"
+    toks = tokens(3)
+    want = np.asarray(moe(toks)[0])
+    np.testing.assert_allclose(np.asarray(dag(toks)[0]), want, rtol=1e-5, atol=1e-5)
+    w_up = dag.layers.block.aggregator.iterations.w_up
+    w_up[...] = 0.5 * jax.random.normal(jax.random.key(2), w_up.shape)
+    assert np.max(np.abs(np.asarray(dag(toks)[0]) - want)) > 1e-3
+    with pytest.raises(ValueError, match="dag_residual='literal'"):
+        dume.upcycle_to_dag(moe, dag_dim=16, dag_residual="literal")
+
+
+def test_bad_merges_are_one_line_errors():
+    dense = tiny_config("dense", settled=False)
+    with pytest.raises(ValueError, match="dispatch='capacity' is invalid"):
+        moerge.dume_config(dense, N, dispatch="capacity")
+    with pytest.raises(ValueError, match="top_k=4"):
+        moerge.dume_config(dense, N, top_k=4)
+    with pytest.raises(ValueError, match="DUME merges dense models"):
+        moerge.dume_config(tiny_config("moe", settled=False), N)
+    other = Transformer(tiny_config("dense", ffn_hidden=48), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="ffn_hidden=48 but model 0 has 64") as err:
+        moerge.moerge(dense_models((0,)) + [other], merged_config(1))
+    assert "\n" not in str(err.value)
+
+
+def test_router_only_training_moves_only_the_routers():
+    import optax
+    from dagmoe_jax.train.config import TrainConfig
+    from dagmoe_jax.train.step import TRAINABLE, check_trainable, make_train_step
+
+    moe = moerge.moerge(dense_models(), merged_config(2))
+    before = moerge.flat_params(moe)
+    optimizer = nnx.Optimizer(moe, optax.adam(1e-2), wrt=TRAINABLE["router"])
+    step = make_train_step(wrt=TRAINABLE["router"])
+    toks = np.asarray(tokens(4, (2, 17)))
+    batch = {"inputs": jnp.asarray(toks[:, :-1]), "targets": jnp.asarray(toks[:, 1:])}
+    metrics = step(moe, optimizer, batch)
+    assert float(metrics["grad_norm"]) > 0
+    after = moerge.flat_params(moe)
+    for path, value in before.items():
+        moved = not np.array_equal(value, after[path])
+        assert moved == ("router" in path), path
+    with pytest.raises(ValueError, match="top_k=1 and renormalize=True"):
+        check_trainable(merged_config(1), "router")
+    with pytest.raises(ValueError, match="dense model"):
+        check_trainable(tiny_config("dense"), "router")
+    with pytest.raises(ValueError, match="TrainConfig.trainable='some'"):
+        TrainConfig(trainable="some")
+
+
+def test_adding_a_domain_keeps_the_old_statistics_and_equals_a_fresh_solve():
+    models = dense_models((0, 1, 2, 3))
+    moe = moerge.moerge(models[:N], merged_config(1))
+    batches = [[{"inputs": np.asarray(tokens(20 + j))}] for j in range(N + 1)]
+    old = [dume.collect_statistics(moe, batches[j], j) for j in range(N)]
+    grown = dume.add_expert(moe, models[N])
+    assert grown.cfg.experts.num_experts == N + 1
+    new = dume.collect_statistics(grown, batches[N], N)
+    dume.dume(grown, old + [new])
+    fresh = [dume.collect_statistics(grown, batches[j], j) for j in range(N + 1)]
+    for a, b in zip(old, fresh):                   # the old domains' passes are unchanged
+        np.testing.assert_allclose(a.gram, b.gram, rtol=1e-6, atol=1e-6)
+    w, b = ridge.solve_routers(fresh)
+    np.testing.assert_allclose(np.asarray(grown.layers.block.router.w_router[...]), w,
+                               rtol=1e-4, atol=1e-5)
+    # the new expert is dense model N's MLP
+    got = np.asarray(dume.forced_forward(grown, tokens(5), jnp.int32(N))[0])
+    shared, _ = moerge.merged_params([moerge.flat_params(m) for m in models[:N]])
+    reference = nnx.clone(models[N])
+    moerge.set_params(reference, shared)
+    np.testing.assert_allclose(got, np.asarray(reference(tokens(5))[0]), rtol=1e-5, atol=1e-5)

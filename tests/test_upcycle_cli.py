@@ -1,0 +1,100 @@
+"""End to end: three dense experts on distinguishable domains -> ``python -m dagmoe_jax.upcycle``
+-> a run directory that loads, routes each domain to its expert and beats averaging."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from conftest import tiny_config
+from dagmoe_jax import runs
+from dagmoe_jax.data import DataConfig, make_tokenizer
+from dagmoe_jax.data.pipeline import eval_batches, train_dataset
+from dagmoe_jax.model import Transformer
+from dagmoe_jax.train.step import eval_step, make_train_step
+from dagmoe_jax.upcycle import __main__ as cli
+from dagmoe_jax.upcycle import command, dume, moerge
+
+# Three domains with disjoint byte alphabets and their own regularities.
+ALPHABETS = ("abcdefgh", "01234567", "#$%&*+=@")
+
+
+def write_domain(path, alphabet, seed):
+    rng = np.random.default_rng(seed)
+    step = 1 + seed                                   # each domain its own cycle
+    docs = []
+    for _ in range(60):
+        start = rng.integers(len(alphabet))
+        docs.append("".join(alphabet[(start + step * i) % len(alphabet)] for i in range(60)))
+    path.write_text("\n\n".join(docs) + "\n")
+
+
+def ce(model, batches):
+    total, count = 0.0, 0.0
+    for b in batches:
+        out = eval_step(model, {k: jnp.asarray(v) for k, v in b.items()
+                                if k in ("inputs", "targets", "mask")})
+        total += float(out["ce_sum"])
+        count += float(out["tokens"])
+    return total / count
+
+
+def test_upcycle_command_end_to_end(tmp_path, capsys):
+    cfg = tiny_config("dense", vocab_size=256)
+    base = DataConfig(source="text:x", seq_len=32, batch_size=8, tokenizer="byte")
+    sources = []
+    for j, alphabet in enumerate(ALPHABETS):
+        write_domain(tmp_path / f"d{j}.txt", alphabet, j)
+        sources.append(f"text:{tmp_path / f'd{j}.txt'}")
+    tok = make_tokenizer(base)
+    step = make_train_step()
+    dense_dirs, evals = [], []
+    for j, source in enumerate(sources):          # branch three experts from one seed model
+        data = dataclasses.replace(base, source=source)
+        model = Transformer(cfg, rngs=nnx.Rngs(0))
+        opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        it = iter(train_dataset(data, tok))
+        for _ in range(60):
+            b = next(it)
+            step(model, opt, {k: jnp.asarray(b[k]) for k in ("inputs", "targets", "mask")})
+        dense_dirs.append(str(command.write_run(str(tmp_path / f"dense{j}"), model, cfg, data,
+                                                steps=1, trainable="all")))
+        evals.append(list(eval_batches(data, tok, max_batches=2)))
+
+    out = tmp_path / "dume"
+    argv = [f"--run_dir={out}", "--stats_batches=3", "--steps=5"]
+    for d, s in zip(dense_dirs, sources):
+        argv += [f"--dense={d}", f"--source={s}"]
+    assert cli.main(argv) == 0
+    merged = runs.load_run(out)
+    assert merged.model_cfg.block == "moe" and merged.model_cfg.router.bias
+    assert (out / "resume.gin").is_file() and (out / "dume_stats" / "domain_2.npz").is_file()
+
+    experts = [runs.load_run(d).model for d in dense_dirs]
+    averaged = moerge.average_models(experts)
+    dume_ce = [ce(merged.model, e) for e in evals]
+    avg_ce = [ce(averaged, e) for e in evals]
+    own_ce = [ce(m, e) for m, e in zip(experts, evals)]
+    assert np.mean(dume_ce) < np.mean(avg_ce), (dume_ce, avg_ce)
+    assert all(own < ce(experts[(j + 1) % 3], evals[j]) for j, own in enumerate(own_ce))
+    for j, e in enumerate(evals):
+        accuracy = dume.routing_accuracy(merged.model, e, j)
+        assert np.all(accuracy > 0.9), (j, accuracy)
+
+    # bad input: one line each, exit status 2
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    for argv, message in (
+            ([f"--run_dir={tmp_path / 'x'}", f"--dense={dense_dirs[0]}"], "--source"),
+            ([f"--run_dir={out}", f"--dense={dense_dirs[0]}", f"--source={sources[0]}"],
+             "already holds checkpoints"),
+            ([f"--run_dir={tmp_path / 'y'}", f"--dense={dense_dirs[0]}",
+              f"--source=text:{empty}"], "empty.txt")):
+        capsys.readouterr()
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("error:") and message in err[-1], err

@@ -29,7 +29,7 @@ from dagmoe_jax.config import (AggregationConfig, CoEConfig, ExpertConfig, Model
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.parallel import MeshConfig
 from dagmoe_jax.paths import as_path, is_remote, run_path
-from dagmoe_jax.train.checkpoint import Checkpointer, json_diffs
+from dagmoe_jax.train.checkpoint import Checkpointer, flatten_json, json_diffs
 from dagmoe_jax.train.config import TrainConfig
 from dagmoe_jax.train.optim import OptimConfig
 
@@ -127,12 +127,18 @@ def resume_changes(run_dir: PathLike, model_cfg: ModelConfig, data_cfg: DataConf
     """What differs between a run's checkpoint and the configs it is being resumed with:
     (architecture changes of the ModelConfig, from the checkpoint's metadata ``meta_diffs``;
     DataConfig changes since the run's ``config.json`` was written). Execution-only model fields
-    (:data:`EXECUTION_FIELDS`) are not changes."""
+    (:data:`EXECUTION_FIELDS`) are not changes, nor is a field the checkpoint lacks (it was
+    written by an earlier version) given its default, which every new field keeps equal to the
+    behaviour before it existed."""
     model = []
+    defaults = flatten_json(dataclasses.asdict(ModelConfig()), "model_config")
     for diff in meta_diffs:
         key = diff.split(" ", 1)[0]
         if not key.startswith("model_config."):
             continue
+        added = diff.split(" (absent) -> ", 1)
+        if len(added) == 2 and key in defaults and json.dumps(defaults[key]) == added[1]:
+            continue        # a field newer than the checkpoint, at the default that it implies
         field = key[len("model_config."):]
         if field.split(".")[0] not in EXECUTION_FIELDS:
             model.append("ModelConfig." + diff[len("model_config."):])

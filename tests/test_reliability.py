@@ -402,3 +402,27 @@ def test_a_refused_run_directory_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=rf"^cannot write the run directory {tmp_path}/run "
                                          r"\(Read-only file system\): choose a writable path$"):
         runs.prepare_run_dir(tmp_path / "run")
+
+
+def test_fields_newer_than_a_checkpoint_are_no_change_at_their_defaults():
+    """A checkpoint written before a ModelConfig field existed (router bias, RoPE scaling, ...)
+    resumes without allow_model_change when the field has its default, which keeps the old
+    behaviour; any other value of it is a change."""
+    import dataclasses
+
+    from dagmoe_jax import runs
+    from dagmoe_jax.config import ModelConfig
+    from dagmoe_jax.train.checkpoint import json_diffs
+
+    cfg = ModelConfig()
+    new = runs.model_meta(cfg)
+    old = json.loads(json.dumps(new))
+    del old["model_config"]["rope_scaling"], old["model_config"]["router"]["bias"]
+    diffs = json_diffs(old, new, "")
+    assert len(diffs) == 1 + len(dataclasses.asdict(cfg.rope_scaling))
+    assert runs.resume_changes("/nonexistent", cfg, None, [d.lstrip(".") for d in diffs]) == (
+        [], [])
+    biased = cfg.replace(router=dict(bias=True))
+    diffs = json_diffs(old, runs.model_meta(biased), "")
+    assert runs.resume_changes("/nonexistent", biased, None, [d.lstrip(".") for d in diffs]) == (
+        ["ModelConfig.router.bias (absent) -> true"], [])

@@ -250,19 +250,19 @@ def _strip_values(paths) -> set:
     return {tuple(p for p in path if p != "value") for path in paths}
 
 
-def _flatten_json(value, prefix: str = "") -> Dict[str, Any]:
+def flatten_json(value, prefix: str = "") -> Dict[str, Any]:
     if isinstance(value, dict) and value:
         out = {}
         for k, v in value.items():
-            out.update(_flatten_json(v, f"{prefix}.{k}" if prefix else str(k)))
+            out.update(flatten_json(v, f"{prefix}.{k}" if prefix else str(k)))
         return out
     return {prefix: value}
 
 
 def json_diffs(saved: Any, expected: Any, prefix: str) -> List[str]:
     """``'prefix.key saved -> expected'`` for keys of ``expected`` that differ in ``saved``."""
-    have = _flatten_json(saved, prefix)
-    want = _flatten_json(expected, prefix)
+    have = flatten_json(saved, prefix)
+    want = flatten_json(expected, prefix)
     missing = object()
     out = []
     for key, value in want.items():

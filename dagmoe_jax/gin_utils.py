@@ -25,7 +25,8 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # External registration: gin configures its own wrappers of these, so bindings never leak into
 # ``ModelConfig(...)`` built in plain Python (tests, notebooks) after a gin file was parsed.
-_CONFIG_CLASSES = (C.RouterConfig, C.ExpertConfig, C.AggregationConfig, C.CoEConfig, C.ModelConfig,
+_CONFIG_CLASSES = (C.RouterConfig, C.ExpertConfig, C.AggregationConfig, C.CoEConfig, C.DoEConfig,
+                   C.ModelConfig,
                    DataConfig, OptimConfig, TrainConfig, MeshConfig)
 _GIN = {cls.__name__: gin.external_configurable(cls, name=cls.__name__) for cls in _CONFIG_CLASSES}
 gin.external_configurable(C.matched_shared_hidden, name="matched_shared_hidden")

@@ -23,7 +23,8 @@ from typing import Callable, List, Optional, Tuple, Union
 from flax import nnx
 
 from dagmoe_jax.cli import first_line
-from dagmoe_jax.config import AggregationConfig, CoEConfig, ExpertConfig, ModelConfig, RouterConfig
+from dagmoe_jax.config import (AggregationConfig, CoEConfig, DoEConfig, ExpertConfig, ModelConfig,
+                               RouterConfig)
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.parallel import MeshConfig
 from dagmoe_jax.train.checkpoint import Checkpointer, json_diffs
@@ -74,8 +75,10 @@ def configs_from_json(blob: dict):
     output (the settled model config, a record of one machine, is not read back)."""
     model = dict(blob["model"])
     for name, cls in (("router", RouterConfig), ("experts", ExpertConfig),
-                      ("aggregation", AggregationConfig), ("coe", CoEConfig)):
-        model[name] = cls(**model[name])
+                      ("aggregation", AggregationConfig), ("coe", CoEConfig),
+                      ("doe", DoEConfig)):
+        if name in model:       # runs saved before the DoE block have no "doe" entry
+            model[name] = cls(**model[name])
     train = dict(blob["train"])
     train["mesh"] = MeshConfig(**train.get("mesh", {}))
     return (ModelConfig(**model), DataConfig(**blob["data"]), OptimConfig(**blob["optim"]),

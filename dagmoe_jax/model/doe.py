@@ -122,13 +122,14 @@ def compose_expert(gates: jax.Array, z: jax.Array) -> jax.Array:
 
 def expert_loss(logits: jax.Array, labels: jax.Array, null_id: int) -> jax.Array:
     """DoE eq. 9, our reading: ``L_expert = CE(softmax(r), y_expert)`` with r the router's
-    pre-ReLU logits [..., K], averaged over tokens whose label is not ``null_id`` (0 if none).
+    pre-ReLU logits [..., K], averaged over tokens whose label is in [0, K) (``null_id`` = K and
+    the padding's -1 are masked; 0 if none is left).
 
     The paper writes CE(G, y); with G = ReLU(r), G / sum G is undefined where the label's gate
     is 0 and ReLU passes no gradient that could raise it, so the logits stand in for G (for a
     one-hot y this CE equals the paper's D_KL(y || G)).
     """
-    valid = labels != null_id
+    valid = (labels >= 0) & (labels != null_id)
     ce = optax.softmax_cross_entropy_with_integer_labels(
         logits.astype(jnp.float32), jnp.where(valid, labels, 0))
     w = valid.astype(jnp.float32)

@@ -12,6 +12,7 @@ from flax import nnx
 from conftest import tiny_config
 from dagmoe_jax.config import DoEConfig
 from dagmoe_jax.data.tokenizers import ByteTokenizer
+from dagmoe_jax.generate import generate
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.model import doe as D
 from dagmoe_jax.topics import TopicConfig, fit_topics, piece_table, token_topics
@@ -166,18 +167,16 @@ def test_causal_end_to_end_and_kv_cache_decoding(lda):
     np.testing.assert_allclose(logits[0, :t], logits[1, :t], rtol=1e-5, atol=1e-5)
     assert not np.allclose(logits[0, t:], logits[1, t:], atol=1e-4)
 
-    # Prefill the first 20 tokens, then decode the rest one at a time with their topic ids.
-    p = 20
-    prefill = nnx.jit(lambda m, tok, top, c: m(tok, topics=top, cache=c)[1]["cache"])
-    decode = nnx.jit(lambda m, tok, top, c, i: m(tok, topics=top, cache=c, start=i))
-    cache, steps = prefill(model, tokens[:1, :p], topics[:1, :p],
-                           model.init_cache(1, tokens.shape[1])), []
-    for i in range(p, p + 4):
-        out, aux = decode(model, tokens[:1, i:i + 1], topics[:1, i:i + 1], cache,
-                          jnp.asarray([i]))
-        cache = aux["cache"]
-        steps.append(out[0, 0])
-    np.testing.assert_allclose(np.stack(steps), logits[0, p:p + 4], rtol=1e-4, atol=1e-4)
+    # Greedy KV-cache generation with incremental topic tracking continues row 0's prompt with
+    # exactly the tokens the full forward pass ranks first (teacher-forced on them).
+    p = 24
+    gen = generate(model, [rows[0][:p], rows[1][:p]], max_new_tokens=tokens.shape[1] - p,
+                   topics=lda, pieces=pieces)
+    full = [rows[r][:p] + gen[r] for r in range(2)]
+    full_topics = jnp.asarray(np.stack([token_topics(lda, f, pieces)[0] for f in full]))
+    ranked = np.asarray(forward(model, jnp.asarray(full), full_topics)).argmax(-1)
+    for r in range(2):
+        np.testing.assert_array_equal(ranked[r, p - 1:-1], gen[r])
 
 
 def batch_of(lda, cfg):
@@ -213,3 +212,37 @@ def test_alpha_zero_gives_plain_next_token_gradients(lda):
     assert float(metrics["expert_loss"]) > 0
     np.testing.assert_allclose(total, metrics["ce_loss"], rtol=1e-6)     # alpha = 0
 
+
+
+@pytest.mark.parametrize("doe", [{}, {"signal": "q", "vae_sharing": "per_layer"}])
+def test_accounting_counts_every_doe_parameter(doe):
+    from dagmoe_jax.accounting import account
+
+    cfg = doe_config(layers=4, **doe)
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    acc = account(cfg)
+    assert acc.total_params == count
+    assert acc.total_active_params == count - (cfg.vocab_size - 1) * cfg.d_model  # one embedding row
+    assert acc.flops["doe_ffn"] == 3 * 4 * 2 * 5 * cfg.d_model * cfg.resolved_ffn_hidden
+
+
+def test_gate_profile_groups_gates_by_label(tmp_path, rng):
+    from dagmoe_jax.analysis.doe import _gates, gate_profile, plot_gate_profile, specialisation
+
+    cfg = doe_config(layers=2)
+    model = Transformer(cfg, rngs=nnx.Rngs(4))
+    batch = {"inputs": rng.integers(0, 256, (2, 12)), "topics": rng.integers(0, K + 1, (2, 12)),
+             "topic_labels": rng.integers(-1, K + 1, (2, 12))}
+    profile = gate_profile(model, [batch], K)
+    gates = np.asarray(_gates(model, jnp.asarray(batch["inputs"]), jnp.asarray(batch["topics"])))
+    assert gates.shape == (2, 2, 12, K) and (gates == 0).any() and (gates > 0).any()
+    label = batch["topic_labels"]
+    for g in range(K):
+        sel = label == g
+        if sel.any():
+            np.testing.assert_allclose(profile[:, g], gates[:, sel].mean(1), rtol=1e-5, atol=1e-7)
+        else:
+            assert np.isnan(profile[:, g]).all()
+    assert specialisation(profile).shape == (2,)
+    assert plot_gate_profile(profile, tmp_path / "gates.png").stat().st_size > 0

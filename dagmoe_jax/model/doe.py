@@ -180,6 +180,15 @@ def signal_dim(cfg: ModelConfig) -> int:
     return heads * cfg.resolved_head_dim
 
 
+def shared_param_counts(cfg: ModelConfig) -> tuple:
+    """(VAE bank, topic embedding + W_in + W_t) parameter counts of :class:`DoEShared`."""
+    c, d = cfg.doe, cfg.d_model
+    vh, dz = c.vae_hidden, c.latent_dim
+    one_vae = d * vh + signal_dim(cfg) * vh + vh + 2 * (vh * dz + dz) + dz * d + d
+    embedding = (c.num_topics + 1) * c.topic_dim + (d + c.topic_dim) * d + c.topic_dim * vh
+    return vae_count(cfg) * one_vae, embedding
+
+
 # ------------------------------------------------------------------------------ modules
 
 

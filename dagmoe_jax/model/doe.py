@@ -205,7 +205,7 @@ class DoEShared(nnx.Module):
         init, zeros = normal(cfg.init_std), nnx.initializers.zeros
         eye = lambda key, shape, dtype: jnp.concatenate(
             [jnp.eye(d, dtype=dtype), jnp.zeros((dk, d), dtype)])
-        self.topic_embed = make_param(rngs, normal(1.0), (c.num_topics + 1, dk), (None, None), pd)
+        self.topic_embed = make_param(rngs, init, (c.num_topics + 1, dk), (None, None), pd)
         self.w_in = make_param(rngs, eye, (d + dk, d), (None, "embed"), pd)
         self.w_t = make_param(rngs, init, (dk, vh), (None, None), pd)
         shapes = {"w_h": (d, vh), "w_s": (signal_dim(cfg), vh), "b_e": (vh,), "w_mu": (vh, dz),

@@ -188,7 +188,8 @@ class DoEConfig:
 
     num_topics: K, the LDA topics = knowledge fields = rows of the knowledge state Z (paper:
       128). Topic id K is the null id (tokens before any complete word; its own embedding).
-    topic_dim: d_k of the topic embedding E_know [K + 1, d_k] of Algorithm 1 (paper: not given).
+    topic_dim: d_k of the topic embedding E_know [K + 1, d_k] of Algorithm 1 (paper: not given);
+      E_know is initialised like the token embedding (normal, init_std).
     vae_hidden: hidden width of the VAE encoder (mu_phi, sigma_phi of eq. 5 share one SiLU
       hidden layer; paper: "neural networks", no size given).
     latent_dim: size of the VAE latent z (eq. 5-6; paper: not given).

@@ -19,12 +19,19 @@ import dataclasses
 import json
 import os
 import re
+import warnings
 from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from dagmoe_jax.validate import check as _check
 from dagmoe_jax.validate import positive as _positive
+
+# scikit-learn's E-step (``transform``) runs through its joblib wrapper; called from the data
+# pipeline's reader threads it warns, once per process, that its configuration cannot follow the
+# thread. Nothing here depends on that configuration, so this one message is silenced.
+warnings.filterwarnings("ignore", message=r".*sklearn\.utils\.parallel\.delayed.*",
+                        category=UserWarning)
 
 WORD_PATTERN = re.compile(rb"\b[A-Za-z][A-Za-z0-9_]+\b")
 ARTIFACT_ARRAYS = "topics.npz"

@@ -1,7 +1,8 @@
 """DoE benchmark: held-out perplexity of DoE and its ablations beside dense and MoE, and the
 forgetting probe, at equal total parameters on a mixed offline corpus, over several seeds.
 
-    python benchmarks/doe.py                       # the default CPU budget (about 15-20 min)
+    python benchmarks/doe.py                       # the default budget: 854 s of runs on the
+                                                   # shared 2-core CPU (3 seeds), plus the corpus
     python benchmarks/doe.py --micro               # a quick end-to-end check
     python benchmarks/doe.py --variants dense,moe,doe_relu --seeds 2 --steps 400
     python benchmarks/doe.py --report runs/bench_doe/doe.json
@@ -24,7 +25,7 @@ Forgetting probe (Table 14, scaled down): each --forget variant's trained model 
 fresh, constant learning rate); the held-out loss on both domains is measured before and after.
 Forgetting = the increase of the manual pages' loss.
 
-Budget flags (defaults; --micro's in brackets): --variants (all), --seeds 3 [1], --steps 200 [10],
+Budget flags (defaults; --micro's in brackets): --variants (all), --seeds 3 [1], --steps 150 [10],
 --batch 8 [4], --seq_len 128 [64], --eval_batches 16 [2], --topics 32 [8], --lda_documents 3000
 [300], --forget moe,doe_relu [doe_relu], --forget_steps 100 [5], --out runs/bench_doe
 [runs/bench_doe_micro]. Writes OUT/doe.json; prints the table with the paper's numbers beside.
@@ -45,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 VARIANTS = ("dense", "moe", "doe_softmax", "doe_relu", "doe_a0", "doe_a0.01", "doe_a0.1",
             "doe_no_lda", "doe_k", "doe_q")
-DEFAULTS = dict(variants=",".join(VARIANTS), seeds=3, steps=200, batch=8, seq_len=128,
+DEFAULTS = dict(variants=",".join(VARIANTS), seeds=3, steps=150, batch=8, seq_len=128,
                 eval_batches=16, topics=32, lda_documents=3000, forget="moe,doe_relu",
                 forget_steps=100, out="runs/bench_doe")
 MICRO = dict(seeds=1, steps=10, batch=4, seq_len=64, eval_batches=2, topics=8,
@@ -200,27 +201,34 @@ def spread(values):
     return (statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
+def _paired(rs, ref) -> str:
+    """Mean and sd over seeds of the per-seed perplexity ratio to ``ref`` (a seed -> ppl map)."""
+    pairs = [100 * (r["perplexity"] / ref[r["seed"]] - 1) for r in rs if r["seed"] in ref]
+    if not pairs:
+        return ""
+    return f"{statistics.mean(pairs):+.2f}%" + (f" sd {statistics.stdev(pairs):.2f}"
+                                               if len(pairs) > 1 else "")
+
+
 def format_report(result: dict) -> str:
     runs_, lines = result["runs"], []
     by = {}
     for r in runs_:
         by.setdefault(r["variant"], []).append(r)
-    ref = {r["seed"]: r["perplexity"] for r in by.get("moe", [])}
-    lines.append(f"{'variant':<12}{'params':>9}{'active':>9}{'ppl mean':>10}{'sd':>8}"
-                 f"{'vs MoE (paired)':>18}{'paper ppl':>11}{'paper vs MoE':>14}")
+    seeds = lambda v: {r["seed"]: r["perplexity"] for r in by.get(v, [])}
+    lines.append(f"{'variant':<12}{'params':>9}{'active':>9}{'ppl mean':>10}{'sd':>7}"
+                 f"{'vs MoE, paired':>18}{'vs DoE-ReLU':>17}{'paper ppl':>11}{'paper vs MoE':>14}")
     for variant in [v for v in VARIANTS if v in by]:
         rs = by[variant]
         mean, sd = spread([r["perplexity"] for r in rs])
-        pairs = [r["perplexity"] / ref[r["seed"]] - 1 for r in rs if r["seed"] in ref]
-        rel = "" if not pairs or variant == "moe" else (
-            f"{100 * statistics.mean(pairs):+.2f}%" + (f" +-{100 * statistics.stdev(pairs):.2f}"
-                                                       if len(pairs) > 1 else ""))
+        vs_moe = "" if variant == "moe" else _paired(rs, seeds("moe"))
+        vs_relu = "" if variant == "doe_relu" else _paired(rs, seeds("doe_relu"))
         paper = PAPER.get(variant)
         paper_rel = (f"{100 * (paper / PAPER['moe'] - 1):+.2f}%"
                      if paper and variant != "moe" else "")
         lines.append(f"{variant:<12}{rs[0]['params']:>9,}{rs[0]['active_params']:>9,}"
-                     f"{mean:>10.3f}{sd:>8.3f}{rel:>18}{(f'{paper:.2f}' if paper else '-'):>11}"
-                     f"{paper_rel:>14}")
+                     f"{mean:>10.3f}{sd:>7.3f}{vs_moe:>18}{vs_relu:>17}"
+                     f"{(f'{paper:.2f}' if paper else '-'):>11}{paper_rel:>14}")
     if result.get("forgetting"):
         lines.append("")
         lines.append("forgetting probe: held-out loss (nats/token) before -> after continued "

@@ -18,7 +18,8 @@ import numpy as np
 from dagmoe_jax.analysis import plots
 from dagmoe_jax.analysis.collect import Collected, collect
 
-PLOTS = ("expert_load", "coactivation", "edge_gates", "edge_gate_hist", "dropped_fraction")
+PLOTS = ("expert_load", "coactivation", "edge_gates", "edge_gate_hist", "dropped_fraction",
+         "doe_gates")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +31,8 @@ class PlotResult:
     reason: str = ""
 
 
-def analysis_batches(data_cfg, tokenizer, data: str = "", max_batches: int = 4) -> list:
+def analysis_batches(data_cfg, tokenizer, data: str = "", max_batches: int = 4,
+                     topics=None) -> list:
     """The batches to trace: the run's own held-out data, or ``data`` (a ``DataConfig``
     source spec such as ``text:notes/*.txt``, ``synthetic:lcs`` or ``tfds:name``, read with
     the run's tokenizer; a TFDS spec uses the run's ``eval_split`` or ``split``) instead."""
@@ -40,7 +42,7 @@ def analysis_batches(data_cfg, tokenizer, data: str = "", max_batches: int = 4) 
         tfds = parse_source(data, "eval_source")[0] == "tfds"
         data_cfg = data_cfg.replace(eval_source=data,
                                     eval_split=data_cfg.eval_split if tfds else "")
-    return eval_batches(data_cfg, tokenizer, max_batches=max_batches)
+    return eval_batches(data_cfg, tokenizer, max_batches=max_batches, topics=topics)
 
 
 def dropped_series(records: List[dict]):
@@ -105,8 +107,28 @@ def analyze_run(run_dir, out_dir, *, data: str = "", max_batches: int = 4) -> Li
     from dagmoe_jax.train.metrics import read_metrics  # pylint: disable=import-outside-toplevel
 
     loaded = load_run(run_dir)
-    batches = analysis_batches(loaded.data_cfg, loaded.tokenizer, data, max_batches)
-    stats = collect(loaded.model, batches)
     path = Path(run_dir).resolve()
     label = f"{path.parent.name}/{path.name} @ step {loaded.step}"
+    if loaded.model_cfg.block == "doe":
+        return analyze_doe(loaded, run_dir, out_dir, data, max_batches, label)
+    batches = analysis_batches(loaded.data_cfg, loaded.tokenizer, data, max_batches)
+    stats = collect(loaded.model, batches)
     return write_plots(stats, read_metrics(run_dir), out_dir, label)
+
+
+def analyze_doe(loaded, run_dir, out_dir, data: str, max_batches: int, label: str
+                ) -> List[PlotResult]:
+    """A DoE run: the mean gate per LDA topic and layer (``doe_gates.png``,
+    :mod:`dagmoe_jax.analysis.doe`); the routed blocks' plots do not apply."""
+    from dagmoe_jax.analysis.doe import gate_profile, plot_gate_profile  # pylint: disable=import-outside-toplevel
+    from dagmoe_jax.topics.stage import run_topics  # pylint: disable=import-outside-toplevel
+
+    skipped = [PlotResult(n, None, "not a routed (MoE / CoE) block") for n in PLOTS[:5]]
+    topics = run_topics(loaded.model_cfg, loaded.data_cfg, run_dir, save=False)
+    if topics is None:
+        return skipped + [PlotResult("doe_gates", None, "a no-LDA DoE run has no topic labels")]
+    batches = analysis_batches(loaded.data_cfg, loaded.tokenizer, data, max_batches, topics)
+    profile = gate_profile(loaded.model, batches, topics.num_topics)
+    path = plot_gate_profile(profile, Path(out_dir) / "doe_gates.png",
+                             title=f"mean gate per LDA topic (rows) and layer, {label}")
+    return skipped + [PlotResult("doe_gates", path)]

@@ -44,6 +44,19 @@ def test_knowledge_attention_eq2_matches_numpy(rng):
                                rtol=1e-5, atol=1e-6)
 
 
+def test_dual_input_embedding_is_the_token_embedding_at_initialisation(rng):
+    cfg = doe_config()
+    shared = D.DoEShared(cfg, rngs=nnx.Rngs(0))
+    tok = jnp.asarray(rng.normal(size=(2, 5, cfg.d_model)), jnp.float32)
+    topic = shared.topic_embed[...][jnp.asarray(rng.integers(0, K + 1, (2, 5)))]
+    assert float(jnp.abs(topic).max()) > 0
+    np.testing.assert_array_equal(D.dual_input_embedding(tok, topic, shared.w_in[...]), tok)
+    w = np.asarray(rng.normal(size=shared.w_in.shape), np.float32)      # Algorithm 1, any W_in
+    want = np.concatenate([np.asarray(tok), np.asarray(topic)], -1) @ w
+    np.testing.assert_allclose(D.dual_input_embedding(tok, topic, jnp.asarray(w)), want,
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_kl_matches_the_gaussian_closed_form(rng):
     mu = rng.normal(size=(3, 6))
     logvar = rng.normal(size=(3, 6))

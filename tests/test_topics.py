@@ -106,3 +106,10 @@ def test_artifact_round_trip(planted, tmp_path):
         TopicModel.load(str(tmp_path / "nothing"))
     with pytest.raises(ValueError, match="no words"):
         fit_topics(["12 34", "56"], 4)
+
+
+def test_topic_config_validation():
+    with pytest.raises(ValueError, match="TopicConfig.learning_decay"):
+        TopicConfig(learning_decay=0.3)
+    with pytest.raises(ValueError, match="TopicConfig.vocab_size"):
+        TopicConfig(vocab_size=0)

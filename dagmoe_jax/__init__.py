@@ -1,9 +1,9 @@
 """dagmoe_jax: DAG-MoE and related Mixture-of-Experts language models in JAX / Flax NNX."""
 
-from dagmoe_jax.config import (AggregationConfig, CoEConfig, ExpertConfig, ModelConfig,
-                               RouterConfig)
+from dagmoe_jax.config import (AggregationConfig, CoEConfig, DoEConfig, ExpertConfig,
+                               ModelConfig, RouterConfig)
 
 __version__ = "0.1.0"
 
-__all__ = ["AggregationConfig", "CoEConfig", "ExpertConfig", "ModelConfig", "RouterConfig",
+__all__ = ["AggregationConfig", "CoEConfig", "DoEConfig", "ExpertConfig", "ModelConfig", "RouterConfig",
            "__version__"]

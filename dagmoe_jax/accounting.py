@@ -12,6 +12,12 @@ Conventions (stated so the numbers can be checked by hand):
   4 FLOPs per element (two broadcast adds, one product, one sum; the activation not counted),
   reported separately as ``dag_pairwise``.
 * Active parameters per token count each distinct weight a token touches once.
+* DoE (docs/design.md section 6): every weight is active (the gates compose all K knowledge
+  blocks; no top-k). ``doe_knowledge``: W_Q and Z per layer (eq. 1-3: 2 d^2 + 4 K d FLOPs) and
+  the composition G^T Z (2 K d); ``doe_router``: the VAE bank (counted once per entry, however
+  many layers share it) and each layer's gate W_g, b; ``doe_ffn``: FFN([H_enr ; e_context])
+  (input 2d: 5 d hidden weights); ``doe_embedding``: E_know, W_in and the first layer's topic
+  weight. The VAE decoder runs only with a reconstruction loss (``recon_coef > 0``).
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from typing import Dict
 from dagmoe_jax.config import ModelConfig, dag_params_per_layer
 
 COMPONENTS = ("embedding", "attention", "attention_scores", "norms", "dense_ffn", "router",
-              "experts", "shared_experts", "aggregator", "dag_pairwise", "lm_head")
+              "experts", "shared_experts", "aggregator", "dag_pairwise", "doe_embedding",
+              "doe_knowledge", "doe_router", "doe_ffn", "lm_head")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +100,19 @@ def account(cfg: ModelConfig, seq_len: int | None = None) -> Accounting:
     if cfg.block == "dense":
         per_layer["dense_ffn"] = active["dense_ffn"] = 3 * d * cfg.resolved_ffn_hidden
         fwd["dense_ffn"] = 2.0 * per_layer["dense_ffn"]
+    elif cfg.block == "doe":
+        c = cfg.doe
+        k, hid = c.num_topics, c.ffn_hidden or cfg.resolved_ffn_hidden
+        per_layer["doe_knowledge"] = active["doe_knowledge"] = d * d + k * d
+        per_layer["doe_router"] = active["doe_router"] = c.latent_dim * k + k
+        per_layer["doe_ffn"] = active["doe_ffn"] = 5 * d * hid
+        sig = (h if c.signal == "q" else kv) * hd
+        vae_fwd = 2.0 * (d * c.vae_hidden + sig * c.vae_hidden + 2 * c.vae_hidden * c.latent_dim)
+        if c.recon_coef > 0:
+            vae_fwd += 2.0 * c.latent_dim * d
+        fwd.update(doe_knowledge=2.0 * d * d + 6.0 * k * d,
+                   doe_router=vae_fwd + 2.0 * c.latent_dim * k,
+                   doe_ffn=2.0 * per_layer["doe_ffn"])
     else:
         if cfg.block == "coe":
             steps, k = cfg.coe.iterations, cfg.coe_top_k
@@ -118,4 +138,12 @@ def account(cfg: ModelConfig, seq_len: int | None = None) -> Accounting:
     params["lm_head"] = active_params["lm_head"] = d * v
     flops = {c: 3.0 * n_layers * f for c, f in fwd.items()}
     flops["lm_head"] = 3.0 * 2.0 * d * v
+    if cfg.block == "doe":
+        from dagmoe_jax.model.doe import shared_param_counts  # pylint: disable=import-outside-toplevel
+        bank, embedding = shared_param_counts(cfg)
+        params["doe_router"] += bank
+        active_params["doe_router"] += bank
+        params["doe_embedding"] = active_params["doe_embedding"] = embedding
+        c = cfg.doe
+        flops["doe_embedding"] = 3.0 * 2.0 * ((d + c.topic_dim) * d + c.topic_dim * c.vae_hidden)
     return Accounting(params, active_params, flops, s)

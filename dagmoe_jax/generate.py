@@ -31,6 +31,11 @@
   Ties rank the lower token id first, so ``top_k=1`` or a tiny ``top_p`` is exactly greedy.
 * **Stop tokens**: a row that emits one is finished; the stop token is kept as its last token
   and the rest of its row is ``pad_id``.
+* **DoE models** (``block='doe'``) also need each token's causal topic id, which depends on the
+  text so far: ``generate(..., topics=TopicModel, pieces=tokenizer.piece_bytes())``. The prompt's
+  ids come from :func:`dagmoe_jax.topics.token_topics`, every new token's from a per-row
+  :class:`~dagmoe_jax.topics.TopicTracker` on the host, so the decode steps run as a host loop
+  of one jitted step each (the same prefill, cache and sampling as above).
 """
 
 from __future__ import annotations
@@ -145,6 +150,71 @@ def _generate(graphdef, state, tokens, lengths, key, temperature, top_k, top_p, 
     return out, count, finished
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "slots", "greedy"))
+def _doe_prefill(graphdef, state, tokens, topics, lengths, key, temperature, top_k, top_p,
+                 *, slots: int, greedy: bool):
+    model = nnx.merge(graphdef, state)
+    cache = model.init_cache(tokens.shape[0], slots)
+    logits, aux = model(tokens, topics=topics, cache=cache, logit_positions=lengths - 1)
+    return _next_tokens(logits, key, 0, greedy, temperature, top_k, top_p), aux["cache"]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "greedy"))
+def _doe_step(graphdef, state, tok, topic, cache, start, step, key, temperature, top_k, top_p,
+              *, greedy: bool):
+    logits, aux = nnx.merge(graphdef, state)(tok[:, None], topics=topic[:, None], cache=cache,
+                                             start=start)
+    return _next_tokens(logits[:, 0], key, step, greedy, temperature, top_k, top_p), aux["cache"]
+
+
+def _generate_doe(graphdef, state, tokens, lens, topics, pieces, cfg, *, key, temperature, top_k,
+                  top_p, stop_tokens, pad_id, max_new_tokens, greedy):
+    """The DoE decoding loop: host-side topic tracking between jitted one-token steps."""
+    from dagmoe_jax.topics import TopicTracker, token_topics  # pylint: disable=import-outside-toplevel
+
+    b, p = tokens.shape
+    n = max_new_tokens
+    null = cfg.doe.num_topics
+    prompt_topics = np.full((b, p), null, np.int32)
+    trackers = None
+    if cfg.doe.use_topics:
+        if topics is None or pieces is None:
+            raise ValueError("generate: a DoE model needs topics= (its TopicModel, e.g. "
+                             "TopicModel.load(run_dir + '/topics')) and pieces= "
+                             "(tokenizer.piece_bytes())")
+        trackers = [TopicTracker(topics, pieces) for _ in range(b)]
+        for r in range(b):
+            row = tokens[r, :lens[r]].tolist()
+            prompt_topics[r, :lens[r]] = token_topics(topics, row, pieces)[0]
+            for t in row:
+                trackers[r].push(t)
+    settings = (jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
+    tok, cache = _doe_prefill(graphdef, state, jnp.asarray(tokens, jnp.int32),
+                              jnp.asarray(prompt_topics), jnp.asarray(lens, jnp.int32), key,
+                              *settings, slots=p + n - 1, greedy=greedy)
+    out = np.full((b, n), pad_id, np.int32)
+    count = np.zeros((b,), np.int32)
+    finished = np.zeros((b,), bool)
+    stops = set(stop_tokens)
+    for step in range(n):
+        tok = np.asarray(tok)
+        tok = np.where(finished, pad_id, tok)
+        out[:, step] = tok
+        count = np.where(finished, count, step + 1)
+        finished = finished | np.isin(tok, list(stops))
+        if step == n - 1 or finished.all():
+            break
+        topic = np.full((b,), null, np.int32)
+        for r in range(b):
+            if trackers is not None:
+                topic[r] = trackers[r].next_id()
+                trackers[r].push(int(tok[r]))
+        tok, cache = _doe_step(graphdef, state, jnp.asarray(tok, jnp.int32), jnp.asarray(topic),
+                               cache, jnp.asarray(lens + step, jnp.int32), step + 1, key,
+                               *settings, greedy=greedy)
+    return out, count, finished
+
+
 def _padded_ids(ids: Sequence[int]) -> jax.Array:
     """``ids`` padded with -1 (never a token) to a power-of-two length >= 8, so that the number
     of stop tokens rarely changes the compiled program's shapes."""
@@ -223,7 +293,7 @@ def generate(model: Transformer, prompts: Union[Sequence[Sequence[int]], np.ndar
              lengths: Optional[Sequence[int]] = None, *, max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              stop_tokens: Sequence[int] = (), seed: int = 0, pad_id: int = 0,
-             dispatch: str = DEFAULT_DISPATCH):
+             dispatch: str = DEFAULT_DISPATCH, topics=None, pieces: Optional[Sequence[bytes]] = None):
     """Continue each prompt by up to ``max_new_tokens`` tokens (module docstring: the design).
 
     prompts: a list of token-id lists (any lengths), or an integer array [B, S] with ``lengths``
@@ -232,6 +302,8 @@ def generate(model: Transformer, prompts: Union[Sequence[Sequence[int]], np.ndar
     stop_tokens: ids that finish a row (kept as its last token). seed: the PRNG seed.
     pad_id: written after a row's stop token and used to pad the prompts.
     dispatch: the MoE / CoE dispatch used while generating ('dropless': exact, the default).
+    topics, pieces: a DoE model's topic model and the tokenizer's ``piece_bytes()`` (required for
+      ``block='doe'`` unless its ``use_topics`` is off).
 
     Returns, for a list of prompts, a list of generated-token lists (each cut after its stop
     token); for an array, a :class:`Generation` (tokens [B, max_new_tokens], lengths, finished).
@@ -263,6 +335,14 @@ def generate(model: Transformer, prompts: Union[Sequence[Sequence[int]], np.ndar
                          f"[0, {cfg.vocab_size}) (padding is fed to the model)")
 
     graphdef, state = nnx.split(decoding_model(model, dispatch))
+    if cfg.block == "doe":
+        out, count, finished = _generate_doe(
+            graphdef, state, np.where(valid, tokens, pad_id), lens, topics, pieces, cfg,
+            key=jax.random.key(seed), temperature=max(temperature, 1e-6), top_k=top_k,
+            top_p=top_p, stop_tokens=stop_tokens, pad_id=pad_id, max_new_tokens=max_new_tokens,
+            greedy=temperature == 0)
+        result = Generation(out, count, finished)
+        return result.as_lists() if as_list else result
     out, count, finished = _generate(
         graphdef, state, jnp.asarray(np.where(valid, tokens, pad_id), jnp.int32),
         jnp.asarray(lens, jnp.int32), jax.random.key(seed), jnp.float32(max(temperature, 1e-6)),

@@ -37,7 +37,7 @@ CONFIG_DIR = _config_dir()
 
 # External registration: gin configures its own wrappers of these, so bindings never leak into
 # ``ModelConfig(...)`` built in plain Python (tests, notebooks) after a gin file was parsed.
-_CONFIG_CLASSES = (C.RouterConfig, C.ExpertConfig, C.AggregationConfig, C.CoEConfig,
+_CONFIG_CLASSES = (C.RouterConfig, C.ExpertConfig, C.AggregationConfig, C.CoEConfig, C.DoEConfig,
                    C.RopeScalingConfig, C.ModelConfig,
                    DataConfig, OptimConfig, TrainConfig, MeshConfig)
 _GIN = {cls.__name__: gin.external_configurable(cls, name=cls.__name__) for cls in _CONFIG_CLASSES}

@@ -24,7 +24,7 @@ from etils import epath
 from flax import nnx
 
 from dagmoe_jax.cli import first_line
-from dagmoe_jax.config import (AggregationConfig, CoEConfig, ExpertConfig, ModelConfig,
+from dagmoe_jax.config import (AggregationConfig, CoEConfig, DoEConfig, ExpertConfig, ModelConfig,
                                RopeScalingConfig, RouterConfig)
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.parallel import MeshConfig
@@ -81,8 +81,8 @@ def configs_from_json(blob: dict):
     model = dict(blob["model"])
     for name, cls in (("router", RouterConfig), ("experts", ExpertConfig),
                       ("aggregation", AggregationConfig), ("coe", CoEConfig),
-                      ("rope_scaling", RopeScalingConfig)):
-        model[name] = cls(**model.get(name, {}))
+                      ("rope_scaling", RopeScalingConfig), ("doe", DoEConfig)):
+        model[name] = cls(**model.get(name, {}))   # a run saved before the field: its default
     train = dict(blob["train"])
     train["mesh"] = MeshConfig(**train.get("mesh", {}))
     return (ModelConfig(**model), DataConfig(**blob["data"]), OptimConfig(**blob["optim"]),

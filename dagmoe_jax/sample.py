@@ -98,10 +98,13 @@ def main(argv=None) -> int:
         print(f"run {args.run_dir} at step {run.step}: block={run.model_cfg.block} "
               f"aggregation={run.model_cfg.aggregation.kind}, {run.data_cfg.tokenizer} tokenizer",
               file=sys.stderr, flush=True)
+        from dagmoe_jax.topics.stage import run_topics  # DoE runs: the run's own topics
+        topics = run_topics(run.model_cfg, run.data_cfg, args.run_dir, save=False)
+        doe = {} if topics is None else {"topics": topics, "pieces": tok.piece_bytes()}
         outputs = generate(run.model, prompts, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                            stop_tokens=() if args.ignore_eos else (tok.eos_id,), seed=args.seed,
-                           pad_id=tok.pad_id)
+                           pad_id=tok.pad_id, **doe)
     except (ValueError, FileNotFoundError) as err:
         return report_error(err)
     for i, (prompt, new) in enumerate(zip(prompts, outputs)):

@@ -21,7 +21,7 @@ from dagmoe_jax.analysis.collect import Collected, collect
 from dagmoe_jax.paths import as_path, is_remote
 
 PLOTS = ("expert_load", "coactivation", "edge_gates", "edge_gate_hist", "dropped_fraction",
-         "training_curves")
+         "training_curves", "doe_gates")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +33,8 @@ class PlotResult:
     reason: str = ""
 
 
-def analysis_batches(data_cfg, tokenizer, data: str = "", max_batches: int = 4) -> list:
+def analysis_batches(data_cfg, tokenizer, data: str = "", max_batches: int = 4,
+                     topics=None) -> list:
     """The batches to trace: the run's own held-out data, or ``data`` (a ``DataConfig``
     source spec such as ``text:notes/*.txt``, ``synthetic:lcs`` or ``tfds:name``, read with
     the run's tokenizer; a TFDS spec uses the run's ``eval_split`` or ``split``) instead."""
@@ -43,7 +44,7 @@ def analysis_batches(data_cfg, tokenizer, data: str = "", max_batches: int = 4) 
         tfds = parse_source(data, "eval_source")[0] == "tfds"
         data_cfg = data_cfg.replace(eval_source=data,
                                     eval_split=data_cfg.eval_split if tfds else "")
-    return eval_batches(data_cfg, tokenizer, max_batches=max_batches)
+    return eval_batches(data_cfg, tokenizer, max_batches=max_batches, topics=topics)
 
 
 def dropped_series(records: List[dict]):
@@ -114,15 +115,20 @@ def write_plots(stats: Collected, records: List[dict], out_dir, label: str = "")
     else:
         results.append(PlotResult("dropped_fraction", None,
                                   "metrics.jsonl has no training records with dropped_fraction"))
-    curves = curve_series(records)
-    if curves is not None:
-        results.append(PlotResult("training_curves", plots.plot_training_curves(
-            *curves, out / "training_curves.png",
-            f"{prefix}training loss and learning rate")))
-    else:
-        results.append(PlotResult("training_curves", None,
-                                  "metrics.jsonl has no training records with a loss"))
+    results.append(training_curves(records, out, prefix))
+    results.append(PlotResult("doe_gates", None, "the gate profile is for DoE runs "
+                                                 f"(block='doe'); this is '{stats.block}'"))
     return results
+
+
+def training_curves(records: List[dict], out: Path, prefix: str = "") -> PlotResult:
+    """``training_curves.png``: the training loss and learning rate of ``records``."""
+    curves = curve_series(records)
+    if curves is None:
+        return PlotResult("training_curves", None,
+                          "metrics.jsonl has no training records with a loss")
+    return PlotResult("training_curves", plots.plot_training_curves(
+        *curves, out / "training_curves.png", f"{prefix}training loss and learning rate"))
 
 
 def analyze_run(run_dir, out_dir, *, data: str = "", max_batches: int = 4) -> List[PlotResult]:
@@ -132,9 +138,32 @@ def analyze_run(run_dir, out_dir, *, data: str = "", max_batches: int = 4) -> Li
     from dagmoe_jax.train.metrics import read_metrics  # pylint: disable=import-outside-toplevel
 
     loaded = load_run(run_dir)
-    batches = analysis_batches(loaded.data_cfg, loaded.tokenizer, data, max_batches)
-    stats = collect(loaded.model, batches)
     path = as_path(run_dir)
     path = path if is_remote(path) else Path(os.path.abspath(path))
     label = f"{path.parent.name}/{path.name} @ step {loaded.step}"
+    if loaded.model_cfg.block == "doe":
+        return analyze_doe(loaded, run_dir, out_dir, data, max_batches, label)
+    batches = analysis_batches(loaded.data_cfg, loaded.tokenizer, data, max_batches)
+    stats = collect(loaded.model, batches)
     return write_plots(stats, read_metrics(run_dir), out_dir, label)
+
+
+def analyze_doe(loaded, run_dir, out_dir, data: str, max_batches: int, label: str
+                ) -> List[PlotResult]:
+    """A DoE run: the mean gate per LDA topic and layer (``doe_gates.png``,
+    :mod:`dagmoe_jax.analysis.doe`); the routed blocks' plots do not apply."""
+    from dagmoe_jax.analysis.doe import gate_profile, plot_gate_profile  # pylint: disable=import-outside-toplevel
+    from dagmoe_jax.topics.stage import run_topics  # pylint: disable=import-outside-toplevel
+
+    from dagmoe_jax.train.metrics import read_metrics  # pylint: disable=import-outside-toplevel
+
+    skipped = [PlotResult(n, None, "not a routed (MoE / CoE) block") for n in PLOTS[:5]]
+    skipped.append(training_curves(read_metrics(run_dir), Path(out_dir), f"{label}: "))
+    topics = run_topics(loaded.model_cfg, loaded.data_cfg, run_dir, save=False)
+    if topics is None:
+        return skipped + [PlotResult("doe_gates", None, "a no-LDA DoE run has no topic labels")]
+    batches = analysis_batches(loaded.data_cfg, loaded.tokenizer, data, max_batches, topics)
+    profile = gate_profile(loaded.model, batches, topics.num_topics)
+    path = plot_gate_profile(profile, Path(out_dir) / "doe_gates.png",
+                             title=f"mean gate per LDA topic (rows) and layer, {label}")
+    return skipped + [PlotResult("doe_gates", path)]

@@ -100,6 +100,9 @@ class DataConfig:
     task_min_size, task_max_size: synthetic problem sizes are uniform in this range (default
       4..12), for training and for evaluation.
     worker_count: grain worker processes for the training pipeline (default 0: in-process).
+    topics_dir: DoE only: a saved topic model (:mod:`dagmoe_jax.topics`) to label the data
+      with; '' (default) fits online LDA on the training documents when the run starts. Either
+      way the run keeps its copy in ``<run_dir>/topics`` and a resume uses that.
     """
 
     source: str = "synthetic:lis,edit_distance"
@@ -122,6 +125,7 @@ class DataConfig:
     task_min_size: int = 4
     task_max_size: int = 12
     worker_count: int = 0
+    topics_dir: str = ""
 
     def __post_init__(self):
         kind, _ = parse_source(self.source, "source")
@@ -153,6 +157,7 @@ class DataConfig:
         _int("task_min_size", self.task_min_size, 1)
         _int("task_max_size", self.task_max_size, self.task_min_size)
         _int("worker_count", self.worker_count, 0)
+        _str("topics_dir", self.topics_dir, nonempty=False)
 
     def replace(self, **changes) -> "DataConfig":
         """A copy with fields changed (validated again)."""

@@ -3,6 +3,10 @@
 Every batch is a dict of NumPy arrays: ``inputs`` and ``targets`` int32 [B, seq_len] (targets
 are the inputs shifted left by one within a window of seq_len + 1 tokens) and ``mask`` bool
 [B, seq_len] (False where the target is padding, or, for task batches, not an answer token).
+With a DoE topic model (``topics=``, :class:`dagmoe_jax.topics.TopicModel`) batches also carry
+``topics`` (the inputs' causal topic ids) and ``topic_labels`` (their LDA expert labels; null
+K or -1 on padding, both masked), int32 [B, seq_len], computed per record and packed, shuffled
+and checkpointed together with the tokens.
 
 * :func:`train_dataset`: an endless, shuffled, packed ``grain.IterDataset``; its iterator is
   checkpointable (``get_state`` / ``set_state``, or Orbax with ``grain.checkpoint``).
@@ -44,18 +48,37 @@ def encode_record(tokenizer: Tokenizer, text: str) -> list:
 
 
 class _Encode:
-    """text -> {'tokens': ids (+ [eos])} (a picklable grain map function)."""
+    """text -> {'tokens': ids (+ [eos])}, plus 'topics' and 'topic_labels' with a topic model
+    (a picklable grain map function)."""
 
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, topics=None):
+        self.tokenizer, self.topics = tokenizer, topics
+        self.pieces = None if topics is None else tokenizer.piece_bytes()
 
     def __call__(self, text: str) -> dict:
-        return {"tokens": np.asarray(encode_record(self.tokenizer, text), np.int32)}
+        ids = encode_record(self.tokenizer, text)
+        out = {"tokens": np.asarray(ids, np.int32)}
+        if self.topics is not None:
+            from dagmoe_jax.topics import token_topics  # pylint: disable=import-outside-toplevel
+            out["topics"], out["topic_labels"] = token_topics(self.topics, ids, self.pieces)
+        return out
+
+
+TOPIC_KEYS = ("topics", "topic_labels")
 
 
 def _shift(window: dict) -> dict:
     tokens, segments = window["tokens"], window["tokens_segment_ids"]
-    return {"inputs": tokens[:-1], "targets": tokens[1:], "mask": segments[1:] != 0}
+    out = {"inputs": tokens[:-1], "targets": tokens[1:], "mask": segments[1:] != 0}
+    if "topics" in window:
+        out["topics"] = window["topics"][:-1]
+        out["topic_labels"] = np.where(segments[:-1] != 0, window["topic_labels"][:-1], -1)
+    return out
+
+
+def _length_struct(width: int, topics) -> dict:
+    keys = ("tokens",) + (TOPIC_KEYS if topics is not None else ())
+    return {k: width for k in keys}
 
 
 def _exit_with_parent(parent: int, worker: int, workers: int) -> None:
@@ -85,7 +108,7 @@ def _absl_flags_parsed() -> None:
 
 
 def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, process_index: int = 0,
-                  process_count: int = 1) -> grain.IterDataset:
+                  process_count: int = 1, topics=None) -> grain.IterDataset:
     """The endless training stream of this process: batches of ``batch_size // process_count``.
 
     Records of this process (:func:`~dagmoe_jax.data.splits.train_records`) -> shuffled with
@@ -103,10 +126,10 @@ def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, process_index: int =
     ds = train_records(cfg, process_index=process_index, process_count=process_count)
     if cfg.shuffle:
         ds = ds.shuffle(seed=cfg.seed)
-    ds = ds.repeat().map(_Encode(tokenizer))
+    ds = ds.repeat().map(_Encode(tokenizer, topics))
     it = ds.to_iter_dataset(grain.ReadOptions(**READ_OPTIONS))
     it = grain.experimental.ConcatThenSplitIterDataset(
-        it, length_struct={"tokens": cfg.seq_len + 1})
+        it, length_struct=_length_struct(cfg.seq_len + 1, topics))
     it = it.map(_shift).batch(batch, drop_remainder=True)
     if cfg.worker_count:
         _absl_flags_parsed()
@@ -116,25 +139,30 @@ def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, process_index: int =
 
 
 def _rows_to_batches(rows: list, cfg_batch: int, seq_len: int, pad_id: int,
-                     process_index: int, process_count: int) -> list:
-    """Group (tokens, n_valid) windows into global batches (the last padded with empty rows)
-    and keep this process's contiguous block of rows of each."""
+                     process_index: int, process_count: int, null_topic: int = -1) -> list:
+    """Group (tokens, n_valid[, topics, labels]) windows into global batches (the last padded
+    with empty rows) and keep this process's contiguous block of rows of each."""
     local = cfg_batch // process_count
     batches = []
     for b in range(0, len(rows), cfg_batch):
         window = np.full((cfg_batch, seq_len + 1), pad_id, np.int32)
         valid = np.zeros((cfg_batch,), np.int64)
-        for r, (tokens, n) in enumerate(rows[b:b + cfg_batch]):
+        extra = {k: np.full((cfg_batch, seq_len + 1), null_topic if k == "topics" else -1,
+                            np.int32) for k in TOPIC_KEYS} if null_topic >= 0 else {}
+        for r, (tokens, n, *more) in enumerate(rows[b:b + cfg_batch]):
             window[r, :n], valid[r] = tokens[:n], n
+            for k, values in zip(TOPIC_KEYS, more):
+                extra[k][r, :n] = values[:n]
         mask = np.arange(1, seq_len + 1)[None, :] < valid[:, None]
         block = slice(process_index * local, (process_index + 1) * local)
-        batches.append({"inputs": window[block, :-1], "targets": window[block, 1:],
-                        "mask": mask[block]})
+        batch = {"inputs": window[block, :-1], "targets": window[block, 1:], "mask": mask[block]}
+        batch.update({k: v[block, :-1] for k, v in extra.items()})
+        batches.append(batch)
     return batches
 
 
 def eval_batches(cfg: DataConfig, tokenizer: Tokenizer, *, max_batches: Optional[int] = None,
-                 process_index: int = 0, process_count: int = 1) -> list:
+                 process_index: int = 0, process_count: int = 1, topics=None) -> list:
     """The evaluation data (:func:`~dagmoe_jax.data.splits.eval_source`) as a list of batches.
 
     Records in order, each tokenized with EOS appended (after a long document's last piece),
@@ -149,21 +177,27 @@ def eval_batches(cfg: DataConfig, tokenizer: Tokenizer, *, max_batches: Optional
     local_batch_size(cfg, process_count)
     records, width = eval_source(cfg), cfg.seq_len + 1
     limit = None if max_batches is None else int(max_batches) * cfg.batch_size
-    rows, buf = [], []
+    encode = _Encode(tokenizer, topics)
+    keys = ("tokens",) + (TOPIC_KEYS if topics is not None else ())
+    rows, buf = [], {k: [] for k in keys}
     for i in range(len(records)):
-        buf.extend(encode_record(tokenizer, records[i]))
+        for k, v in encode(records[i]).items():
+            buf[k].extend(np.asarray(v).tolist())
         start = 0
-        while len(buf) - start >= width and (limit is None or len(rows) < limit):
-            rows.append((buf[start:start + width], width))
+        while len(buf["tokens"]) - start >= width and (limit is None or len(rows) < limit):
+            rows.append((buf["tokens"][start:start + width], width,
+                         *[buf[k][start:start + width] for k in keys[1:]]))
             start += width
-        del buf[:start]
+        for k in keys:
+            del buf[k][:start]
         if limit is not None and len(rows) >= limit:
-            buf = []
+            buf = {k: [] for k in keys}
             break
-    if len(buf) > 1:
-        rows.append((buf, len(buf)))
+    if len(buf["tokens"]) > 1:
+        rows.append((buf["tokens"], len(buf["tokens"]), *[buf[k] for k in keys[1:]]))
     return _rows_to_batches(rows, cfg.batch_size, cfg.seq_len, tokenizer.pad_id,
-                            process_index, process_count)
+                            process_index, process_count,
+                            topics.null_id if topics is not None else -1)
 
 
 def task_names(cfg: DataConfig) -> tuple:

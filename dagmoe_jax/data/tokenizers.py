@@ -44,6 +44,11 @@ class Tokenizer(abc.ABC):
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``."""
 
+    def piece_bytes(self) -> list[bytes]:
+        """Each id's text as utf-8 bytes, decoded alone: DoE aligns tokens with words through
+        these (:mod:`dagmoe_jax.topics.assign`)."""
+        return [self.decode([i]).encode("utf-8") for i in range(self.vocab_size)]
+
 
 class ByteTokenizer(Tokenizer):
     """utf-8 bytes as ids: vocabulary 256, EOS = pad = 0 (NUL, which text never contains)."""
@@ -60,6 +65,9 @@ class ByteTokenizer(Tokenizer):
         larger) also decode to U+FFFD. EOS decodes to '\x00'."""
         data = bytes(int(i) if 0 <= int(i) < 256 else 0xFF for i in ids)  # 0xFF: never utf-8
         return data.decode("utf-8", errors="replace")
+
+    def piece_bytes(self) -> list[bytes]:
+        return [bytes([i]) for i in range(256)]
 
 
 def _require_file(path: str, field: str = "tokenizer_path") -> str:
@@ -143,6 +151,20 @@ class SentencePieceTokenizer(_FromFile):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
+
+    def piece_bytes(self) -> list[bytes]:
+        """Pieces with their word-boundary mark as a space (decoding one piece alone drops a
+        leading space); byte-fallback pieces ``<0xNN>`` as that byte; control pieces empty."""
+        out = []
+        for i in range(self.vocab_size):
+            piece = self._sp.id_to_piece(i)
+            if self._sp.is_byte(i):
+                out.append(bytes([int(piece[3:5], 16)]))
+            elif self._sp.is_control(i) or self._sp.is_unknown(i):
+                out.append(b"")
+            else:
+                out.append(piece.replace("\u2581", " ").encode("utf-8"))
+        return out
 
 
 class HFTokenizer(_FromFile):

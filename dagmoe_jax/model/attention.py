@@ -255,6 +255,13 @@ class Attention(nnx.Module):
           ``start_b + [0, S)``; its keys and values are written there first, then every query
           attends over the cache slots up to its own position (:func:`cached_attention`).
         """
+        out, cache, _ = self.attend(x, sin, cos, cache, start)
+        return out, cache
+
+    def attend(self, x: jax.Array, sin: jax.Array, cos: jax.Array,
+               cache: Optional[KVCache] = None, start: Optional[jax.Array] = None):
+        """As :meth:`__call__`, also returning this call's (q, k, v) (after RoPE), which the DoE
+        block's routing signal reads."""
         q, k, v = self.project_qkv(x, sin, cos)
         if cache is not None:
             first = jnp.zeros((x.shape[0],), jnp.int32) if start is None else start
@@ -264,4 +271,4 @@ class Attention(nnx.Module):
                                  self.layout)
         else:
             o = cached_attention(q, cache.k, cache.v, start)
-        return self.project_out(o), cache
+        return self.project_out(o), cache, (q, k, v)

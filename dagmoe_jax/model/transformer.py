@@ -31,6 +31,8 @@ from flax import nnx
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.model.attention import Attention, KVCache, rope_angles
 from dagmoe_jax.model.coe import CoEBlock
+from dagmoe_jax.model.doe import (DoEBlock, DoEShared, dual_input_embedding, routing_signal,
+                                  vae_index)
 from dagmoe_jax.model.layers import RMSNorm, SwiGLU, dtype_of, make_param, normal
 from dagmoe_jax.model.moe import MoEBlock
 from dagmoe_jax.parallel import constrain
@@ -48,6 +50,8 @@ def make_block(cfg: ModelConfig, layout: Optional[MeshLayout] = None, *,
         return MoEBlock(cfg, layout, rngs=rngs)
     if cfg.block == "coe":
         return CoEBlock(cfg, layout, rngs=rngs)
+    if cfg.block == "doe":
+        return DoEBlock(cfg, rngs=rngs)
     return SwiGLU(cfg.d_model, cfg.resolved_ffn_hidden, cfg.init_std, dtype_of(cfg.compute_dtype),
                   fuse_gate_up=cfg.fuse_gate_up, rngs=rngs)
 
@@ -75,8 +79,16 @@ class DecoderLayer(nnx.Module):
         self.block = make_block(cfg, layout, rngs=rngs)
 
     def __call__(self, h: jax.Array, sin: jax.Array, cos: jax.Array,
-                 cache: Optional[KVCache] = None, start: Optional[jax.Array] = None):
-        """(h, stats, cache) after this layer; ``cache`` and ``start`` as :class:`Attention`."""
+                 cache: Optional[KVCache] = None, start: Optional[jax.Array] = None,
+                 doe: Optional[dict] = None):
+        """(h, stats, cache) after this layer; ``cache`` and ``start`` as :class:`Attention`;
+        ``doe``: the DoE block's inputs for this layer (:class:`~dagmoe_jax.model.doe.DoEBlock`)."""
+        if doe is not None:
+            a, cache, (q, k, v) = self.attn.attend(self.attn_norm(h), sin, cos, cache, start)
+            h = h + a
+            signal = routing_signal(self.cfg, q, k, v, cache, start)
+            out, stats = self.block(self.block_norm(h), signal, doe)
+            return self.add_block_output(h, out), stats, cache
         a, cache = self.attn(self.attn_norm(h), sin, cos, cache, start)
         h = h + a
         out = self.block(self.block_norm(h))
@@ -112,10 +124,13 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         self.lm_head = make_param(rngs, normal(cfg.init_std), (cfg.d_model, cfg.vocab_size),
                                   ("embed", "vocab"), pd)
+        if cfg.block == "doe":
+            self.doe = DoEShared(cfg, rngs=rngs)
 
     def __call__(self, tokens: jax.Array, *, cache: Optional[KVCache] = None,
                  start: Optional[jax.Array] = None, logit_positions: Optional[jax.Array] = None,
-                 head: bool = True):
+                 head: bool = True, topics: Optional[jax.Array] = None,
+                 noise: Optional[jax.Array] = None):
         """The one forward pass: tokens [B, S] -> (float32 logits, aux).
 
         Training and scoring call ``model(tokens)``: positions 0..S-1, causal attention.
@@ -130,6 +145,12 @@ class Transformer(nnx.Module):
         [B, S, d] (compute dtype) in place of the logits: the training loss applies the head
         itself, a chunk at a time (:func:`dagmoe_jax.train.tiled_loss.tiled_cross_entropy`
         with ``self.lm_head``), so the [B, S, V] logits never exist.
+
+        A DoE model (``block='doe'``) also takes ``topics`` [B, S], the causal input topic ids
+        of the tokens (:func:`dagmoe_jax.topics.token_topics`; K = null), and ``noise``, a key
+        for the VAE router's sampling (training); without it the router uses z = mu. Its aux
+        dict holds ``doe``: per layer ``router_logits`` [layers, B, S, K], ``kl``, ``recon``,
+        ``gate_mean`` [layers, K] and ``active_fraction``.
         """
         cfg = self.cfg
         b, s = tokens.shape
@@ -144,25 +165,31 @@ class Transformer(nnx.Module):
         sin, cos = rope_angles(positions, cfg.resolved_head_dim, cfg.rope_theta,
                                cfg.rope_scaling)
         h = self.embed[...].astype(dtype_of(cfg.compute_dtype))[tokens]
+        doe_layers = doe_shared = None
+        if cfg.block == "doe":
+            h, doe_layers, doe_shared = self.doe_inputs(tokens, h, topics, noise, cache)
         h = constrain(h, ("batch", "length", "embed"))
 
-        def body(h, layer, layer_cache):
-            h, stats, layer_cache = layer(h, sin, cos, layer_cache, start)
+        def body(h, layer, layer_cache, layer_doe, shared_doe):
+            ctx = None if layer_doe is None else {**shared_doe, **layer_doe}
+            h, stats, layer_cache = layer(h, sin, cos, layer_cache, start, ctx)
             return h, (stats, layer_cache)
 
         if cfg.remat != "none":
             body = nnx.remat(body, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
 
-        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0), unroll=cfg.scan_unroll,
-                  transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def run(h, layer, layer_cache):
-            return body(h, layer, layer_cache)
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, None), out_axes=(nnx.Carry, 0),
+                  unroll=cfg.scan_unroll, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def run(h, layer, layer_cache, layer_doe, shared_doe):
+            return body(h, layer, layer_cache, layer_doe, shared_doe)
 
-        h, (stats, cache) = run(h, self.layers, cache)
+        h, (stats, cache) = run(h, self.layers, cache, doe_layers, doe_shared)
         h = self.final_norm(h)
         aux = summarize_stats(cfg, stats)
         if "record" in stats:
             aux["intermediates"] = stats["record"]
+        if "doe" in stats:
+            aux["doe"] = stats["doe"]
         if cache is not None:
             aux["cache"] = cache
         if not head:
@@ -173,6 +200,31 @@ class Transformer(nnx.Module):
                          preferred_element_type=jnp.float32).reshape(h.shape[:2] + (-1,))
         logits = constrain(logits, ("batch", "length", "vocab"))
         return (logits[:, 0] if logit_positions is not None else logits), aux
+
+    def doe_inputs(self, tokens, h, topics, noise, cache):
+        """DoE: the dual-input embedding (Algorithm 1) and the per-layer / shared block inputs."""
+        cfg, c = self.cfg, self.cfg.doe
+        dt = dtype_of(cfg.compute_dtype)
+        if not c.use_topics:
+            topics = jnp.full(tokens.shape, c.num_topics, jnp.int32)
+        elif topics is None:
+            raise ValueError("a DoE model (block='doe') needs topics= [B, S], the input topic "
+                             "ids of the tokens (dagmoe_jax.topics.token_topics; batches carry "
+                             "them as 'topics')")
+        elif tuple(topics.shape) != tuple(tokens.shape):
+            raise ValueError(f"topics has shape {tuple(topics.shape)}, the tokens "
+                             f"{tuple(tokens.shape)}: pass one topic id per token")
+        t_emb = self.doe.topic_embed[...].astype(dt)[topics]
+        h = dual_input_embedding(h, t_emb, self.doe.w_in[...].astype(dt))
+        n = cfg.num_layers
+        layers = {"index": vae_index(cfg), "is_last": jnp.arange(n) == n - 1}
+        if noise is not None:
+            layers["key"] = jax.random.split(noise, n)
+        shared = {"vae": self.doe.bank(), "topic_term": t_emb @ self.doe.w_t[...].astype(dt)}
+        if c.recon_coef > 0 and cache is None:     # the last layer's VAE target: next token
+            nxt = self.embed[...].astype(dt)[tokens[:, 1:]]
+            shared["recon_target"] = jnp.concatenate([nxt, jnp.zeros_like(nxt[:, :1])], axis=1)
+        return h, layers, shared
 
     def init_cache(self, batch: int, length: int) -> KVCache:
         """An empty (zero) cache of ``length`` slots: k, v [layers, batch, length, KV, D]."""

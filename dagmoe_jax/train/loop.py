@@ -33,6 +33,7 @@ from dagmoe_jax.paths import run_path
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.parallel import MeshConfig, activate, create_train_state, make_mesh, shard_batch
 from dagmoe_jax.parallel.axes import MeshLayout
+from dagmoe_jax.topics.stage import run_topics
 from dagmoe_jax.settle import describe as describe_settled
 from dagmoe_jax.settle import settle
 from dagmoe_jax.train.checkpoint import Checkpointer
@@ -102,7 +103,7 @@ def _abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
-_MODEL_INPUTS = ("inputs", "targets", "mask")
+_MODEL_INPUTS = ("inputs", "targets", "mask", "topics", "topic_labels")
 
 
 def _device_batch(batch: Dict[str, np.ndarray], mesh=None) -> Dict[str, jax.Array]:
@@ -177,9 +178,10 @@ def _stop_on_signals(flag: dict):
 class _Evaluator:
     """Held-out perplexity (+ exact-answer accuracy on synthetic tasks), data built once."""
 
-    def __init__(self, data_cfg: DataConfig, train_cfg: TrainConfig, tokenizer):
+    def __init__(self, data_cfg: DataConfig, train_cfg: TrainConfig, tokenizer, topics=None):
         # Every process evaluates the whole (small) held-out set, replicated on its devices.
-        self.batches = eval_batches(data_cfg, tokenizer, max_batches=train_cfg.eval_batches or None)
+        self.batches = eval_batches(data_cfg, tokenizer, max_batches=train_cfg.eval_batches or None,
+                                    topics=topics)
         self.task_batches, self.task_names = [], []
         kind = data_cfg.source.split(":", 1)[0]
         if train_cfg.task_eval_examples and kind == "synthetic" and not data_cfg.eval_source:
@@ -225,8 +227,10 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
         raise ValueError(f"DataConfig.batch_size={data_cfg.batch_size} must be a multiple of "
                          f"TrainConfig.grad_accum={train_cfg.grad_accum} x {process[1]} processes")
 
-    dataset = train_dataset(data_cfg, tokenizer, process_index=process[0], process_count=process[1])
-    evaluator = _Evaluator(data_cfg, train_cfg, tokenizer)
+    topics = run_topics(model_cfg, data_cfg, run_dir, log=say, save=is_main)   # DoE's Stage 1
+    dataset = train_dataset(data_cfg, tokenizer, process_index=process[0], process_count=process[1],
+                            topics=topics)
+    evaluator = _Evaluator(data_cfg, train_cfg, tokenizer, topics)
     mesh = make_mesh(train_cfg.mesh)
     note = schedule_note(optim_cfg, train_cfg.steps)
     if note:
@@ -489,7 +493,8 @@ def evaluate_checkpoint(run_dir: str | Path, *, eval_source: str = "", eval_spli
         log(f"warning: {message}")
     train_cfg = dataclasses.replace(loaded.train_cfg, eval_batches=eval_batches_limit)
     with activate(mesh):
-        result = _Evaluator(data_cfg, train_cfg, loaded.tokenizer)(loaded.model)
+        topics = run_topics(loaded.model_cfg, data_cfg, run_dir, save=False)
+        result = _Evaluator(data_cfg, train_cfg, loaded.tokenizer, topics)(loaded.model)
     result["step"] = loaded.step
     log(f"eval of {run_dir} at step {loaded.step} on "
         f"{data_cfg.eval_source or data_cfg.source + ' (held-out)'}: " + _format_eval(result))

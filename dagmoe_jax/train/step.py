@@ -4,7 +4,10 @@ loss = cross-entropy on non-padding tokens + aux_loss (balance + z-loss, weighte
 router config's coefficients; every block's auxiliary loss is in it). Each term is returned
 separately for logging. The training loss's cross-entropy is vocabulary-tiled
 (:mod:`dagmoe_jax.train.tiled_loss`): the model stops at its hidden states and the LM head runs
-a chunk of positions at a time, never holding the [B, S, V] logits.
+a chunk of positions at a time, never holding the [B, S, V] logits. A DoE model's loss is DoE
+eq. 4 instead, (1 - alpha) cross-entropy + alpha L_expert (+ the optional VAE terms):
+:func:`dagmoe_jax.model.doe.doe_objective`, its terms logged as ``expert_loss``, ``kl_loss``,
+``recon_loss``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import optax
 from flax import nnx
 
 from dagmoe_jax.model import Transformer
+from dagmoe_jax.model.doe import doe_objective, model_inputs
 from dagmoe_jax.parallel import constrain
 from dagmoe_jax.train.tiled_loss import tiled_cross_entropy
 
@@ -56,13 +60,16 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax
 def lm_loss(model: Transformer, batch: Dict[str, jax.Array]) -> Tuple[jax.Array, dict]:
     """Next-token loss of ``batch['inputs']`` -> ``batch['targets']`` (``batch['mask']``
     optional, default all ones). Returns (total loss, metrics)."""
-    h, aux = model(batch["inputs"], head=False)
+    h, aux = model(batch["inputs"], head=False, **model_inputs(model.cfg, batch, train=True))
     mask = batch.get("mask", jnp.ones_like(batch["targets"], dtype=bool))
     ce = tiled_cross_entropy(h, model.lm_head[...].astype(h.dtype), batch["targets"], mask)
     total = ce + aux["aux_loss"]
     metrics = {"loss": total, "ce_loss": ce, "balance_loss": aux["balance_loss"],
                "z_loss": aux["z_loss"], "expert_load": aux["expert_load"],
                "dropped_fraction": aux["dropped_fraction"]}
+    if "doe" in aux:
+        total, doe_metrics = doe_objective(model.cfg, ce, aux, batch)
+        metrics.update(doe_metrics, loss=total)
     return total, metrics
 
 
@@ -117,7 +124,7 @@ def make_train_step(loss_fn: Callable = lm_loss, grad_accum: int = 1,
 def eval_step(model: Transformer, batch: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
     """Summed cross-entropy and token count over ``batch['mask']``, and the argmax predictions
     (for exact-answer scoring)."""
-    logits, _ = model(batch["inputs"])
+    logits, _ = model(batch["inputs"], **model_inputs(model.cfg, batch, train=False))
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     mask = batch["mask"].astype(jnp.float32)
     return _replicated({"ce_sum": jnp.sum(losses * mask), "tokens": jnp.sum(mask),

@@ -1,0 +1,299 @@
+"""DoE benchmark: held-out perplexity of DoE and its ablations beside dense and MoE, and the
+forgetting probe, at equal total parameters on a mixed offline corpus, over several seeds.
+
+    python benchmarks/doe.py                       # the default budget: 854 s of runs on the
+                                                   # shared 2-core CPU (3 seeds), plus the corpus
+    python benchmarks/doe.py --micro               # a quick end-to-end check
+    python benchmarks/doe.py --variants dense,moe,doe_relu --seeds 2 --steps 400
+    python benchmarks/doe.py --report runs/bench_doe/doe.json
+
+Corpus (nothing downloaded; dagmoe_jax/eval/corpus.py): the docstrings of this Python's standard
+library (programming documentation, many short records) mixed with the installed English manual
+pages of sections 5 and 7 (file formats and overviews, one record per page), each split by file
+into training and held-out text. Stage 1 (online LDA, --topics topics, on the first
+--lda_documents training records in order) is fitted once and shared by every DoE run
+(DataConfig.topics_dir), as the paper's one-time offline stage.
+
+Variants (all at the dense model's total parameters, matched by each block's FFN / expert width
+with dagmoe_jax/accounting.py): dense; moe (softmax gate + balance loss, top-2 of 8: Table 3 A);
+doe_softmax (Table 3 B); doe_relu (Table 3 C, the paper's DoE, alpha 0.001); doe_a0, doe_a0.01,
+doe_a0.1 (Table 2's alpha sweep); doe_no_lda (Appendix E: no topics, no expert loss); doe_k,
+doe_q (Table 10: the router's signal from the keys or the queries instead of the values).
+
+Forgetting probe (Table 14, scaled down): each --forget variant's trained model continues
+--forget_steps steps on the standard-library text alone (the "code" domain, optimiser state
+fresh, constant learning rate); the held-out loss on both domains is measured before and after.
+Forgetting = the increase of the manual pages' loss.
+
+Budget flags (defaults; --micro's in brackets): --variants (all), --seeds 3 [1], --steps 150 [10],
+--batch 8 [4], --seq_len 128 [64], --eval_batches 16 [2], --topics 32 [8], --lda_documents 3000
+[300], --forget moe,doe_relu [doe_relu], --forget_steps 100 [5], --out runs/bench_doe
+[runs/bench_doe_micro]. Writes OUT/doe.json; prints the table with the paper's numbers beside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+VARIANTS = ("dense", "moe", "doe_softmax", "doe_relu", "doe_a0", "doe_a0.01", "doe_a0.1",
+            "doe_no_lda", "doe_k", "doe_q")
+DEFAULTS = dict(variants=",".join(VARIANTS), seeds=3, steps=150, batch=8, seq_len=128,
+                eval_batches=16, topics=32, lda_documents=3000, forget="moe,doe_relu",
+                forget_steps=100, out="runs/bench_doe")
+MICRO = dict(seeds=1, steps=10, batch=4, seq_len=64, eval_batches=2, topics=8,
+             lda_documents=300, forget="doe_relu", forget_steps=5, out="runs/bench_doe_micro")
+D_MODEL, LAYERS, DENSE_HIDDEN = 64, 2, 256
+
+# The paper's validation perplexities (DoE-5B / 7B ablations; seed 003 Tables 2, 3, 8, 10) and
+# Table 14's seesaw probe. Directions are what can be compared, not values.
+PAPER = {"moe": 30.89, "doe_softmax": 30.48, "doe_relu": 30.25, "doe_a0": 30.51,
+         "doe_a0.01": 30.65, "doe_a0.1": 30.33, "doe_no_lda": 30.82, "doe_k": 30.55,
+         "doe_q": 30.98}
+PAPER_FORGET = {"moe": "History 68.2 -> 62.1 (-6.1)", "doe_relu": "History 90.1 -> 89.9 (-0.2)"}
+
+
+def model_config(variant: str, topics: int, seq_len: int):
+    """The variant's ModelConfig, its FFN / expert width set for the dense model's total."""
+    from dagmoe_jax.accounting import account
+    from dagmoe_jax.config import ModelConfig
+
+    base = ModelConfig(vocab_size=256, d_model=D_MODEL, num_layers=LAYERS, num_heads=4,
+                       num_kv_heads=2, ffn_hidden=DENSE_HIDDEN, max_seq_len=max(seq_len, 64),
+                       block="dense")
+    target = account(base).total_params
+    if variant == "dense":
+        return base
+    if variant == "moe":
+        make = lambda h: base.replace(block="moe", router=dict(score_fn="softmax", top_k=2,
+                                                               balance_coef=0.01),
+                                      experts=dict(num_experts=8, expert_hidden=h,
+                                                   dispatch="capacity", capacity_factor=2.0))
+    else:
+        doe = dict(num_topics=topics, topic_dim=16, vae_hidden=32, latent_dim=16)
+        doe.update({"doe_softmax": dict(gate="softmax"), "doe_a0": dict(alpha=0.0),
+                    "doe_a0.01": dict(alpha=0.01), "doe_a0.1": dict(alpha=0.1),
+                    "doe_no_lda": dict(use_topics=False, alpha=0.0), "doe_k": dict(signal="k"),
+                    "doe_q": dict(signal="q")}.get(variant, {}))
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown variant {variant!r}: expected one of {', '.join(VARIANTS)}")
+        make = lambda h: base.replace(block="doe", doe=dict(doe, ffn_hidden=h))
+    best = min(range(8, 4 * DENSE_HIDDEN + 1, 8),
+               key=lambda h: abs(account(make(h)).total_params - target))
+    return make(best)
+
+
+def corpus(out: Path, log):
+    from dagmoe_jax.eval.corpus import build_manpage_corpus, build_stdlib_corpus
+
+    stdlib = build_stdlib_corpus(out / "corpus")
+    man = build_manpage_corpus(out / "corpus", sections=("5", "7"))
+    log(f"corpus: stdlib docstrings {stdlib.train_bytes:,} + manual pages (5, 7) "
+        f"{man.train_bytes:,} training bytes; {stdlib.heldout_bytes:,} + {man.heldout_bytes:,} "
+        "held out")
+    return stdlib, man
+
+
+def data_config(args, source: str, eval_source: str, seed: int, topics_dir: str = ""):
+    from dagmoe_jax.data import DataConfig
+
+    return DataConfig(source=source, eval_source=eval_source, seq_len=args.seq_len,
+                      batch_size=args.batch, seed=seed, topics_dir=topics_dir)
+
+
+def fit_stage1(args, out: Path, source: str, log) -> str:
+    from dagmoe_jax.topics import TopicConfig, fit_topics
+    from dagmoe_jax.topics.stage import training_documents
+
+    path = out / f"topics_k{args.topics}_d{args.lda_documents}"
+    if not (path / "topics.npz").is_file():
+        start = time.perf_counter()
+        docs = training_documents(data_config(args, source, "", 0), args.lda_documents)
+        model = fit_topics(docs, args.topics, TopicConfig(max_iter=5, vocab_size=5000))
+        model.save(str(path))
+        log(f"stage 1: online LDA, {args.topics} topics on {len(docs)} records, "
+            f"{time.perf_counter() - start:.0f} s; e.g. " + "; ".join(
+                " ".join(w[:4]) for w in model.top_words(4)[:3]))
+    return str(path)
+
+
+_BASELINES = {}
+
+
+def _cached_unigram_baseline():
+    """The loop's unigram baseline (1M tokens read and counted at every run's end: tens of
+    seconds here) computed once per corpus and reused by every run of the benchmark."""
+    from dagmoe_jax.train import loop
+
+    compute = loop.unigram_entropy
+
+    def cached(data_cfg, tokenizer, *a, **k):
+        key = (data_cfg.source, data_cfg.eval_source, data_cfg.seq_len, data_cfg.batch_size)
+        if key not in _BASELINES:
+            _BASELINES[key] = compute(data_cfg, tokenizer, *a, **k)
+        return _BASELINES[key]
+
+    loop.unigram_entropy = cached
+
+
+def run_one(args, variant, seed, data_cfg, out: Path):
+    from dagmoe_jax.accounting import account
+    from dagmoe_jax.train.config import TrainConfig
+    from dagmoe_jax.train.loop import train
+    from dagmoe_jax.train.optim import OptimConfig
+
+    model_cfg = model_config(variant, args.topics, args.seq_len)
+    run_dir = out / "runs" / f"{variant}_s{seed}"
+    train_cfg = TrainConfig(steps=args.steps, seed=seed, run_dir=str(run_dir),
+                            log_every=max(1, args.steps // 4), eval_every=0,
+                            eval_batches=args.eval_batches, task_eval_examples=0,
+                            save_every=args.steps, tensorboard=False, async_checkpoint=False)
+    optim = OptimConfig(learning_rate=3e-3, warmup_steps=max(1, min(50, args.steps // 5)))
+    start = time.perf_counter()
+    result = train(model_cfg, data_cfg, optim, train_cfg, progress=False, log=lambda _m: None)
+    acc = account(model_cfg, args.seq_len)
+    return {"variant": variant, "seed": seed, "loss": result.eval["loss"],
+            "perplexity": result.eval["perplexity"], "params": acc.total_params,
+            "active_params": acc.total_active_params, "run_dir": str(run_dir),
+            "seconds": round(time.perf_counter() - start, 1)}
+
+
+def forgetting(args, record, code_cfg, evals, log) -> dict:
+    """Continue ``record``'s model on the code domain; held-out losses before and after."""
+    import jax
+    import optax
+    from flax import nnx
+
+    from dagmoe_jax import runs
+    from dagmoe_jax.data import eval_batches, make_tokenizer, train_dataset
+    from dagmoe_jax.topics.stage import run_topics
+    from dagmoe_jax.train.loop import evaluate
+    from dagmoe_jax.train.step import make_train_step
+
+    loaded = runs.load_run(record["run_dir"], data_cfg=code_cfg, log=lambda _m: None)
+    model, tokenizer = loaded.model, make_tokenizer(code_cfg)
+    topics = run_topics(loaded.model_cfg, code_cfg, record["run_dir"], save=False)
+    held = {name: eval_batches(dataclasses.replace(code_cfg, eval_source=spec), tokenizer,
+                               max_batches=args.eval_batches, topics=topics)
+            for name, spec in evals.items()}
+    before = {name: evaluate(model, b)["loss"] for name, b in held.items()}
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-3, weight_decay=0.1), wrt=nnx.Param)
+    step = make_train_step()
+    it = iter(train_dataset(code_cfg, tokenizer, topics=topics))
+    for _ in range(args.forget_steps):
+        step(model, optimizer, {k: jax.numpy.asarray(v) for k, v in next(it).items()})
+    after = {name: evaluate(model, b)["loss"] for name, b in held.items()}
+    log(f"  forgetting {record['variant']} seed {record['seed']}: " + ", ".join(
+        f"{n} {before[n]:.4f} -> {after[n]:.4f}" for n in held))
+    return {"variant": record["variant"], "seed": record["seed"], "before": before,
+            "after": after}
+
+
+def spread(values):
+    return (statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def _paired(rs, ref) -> str:
+    """Mean and sd over seeds of the per-seed perplexity ratio to ``ref`` (a seed -> ppl map)."""
+    pairs = [100 * (r["perplexity"] / ref[r["seed"]] - 1) for r in rs if r["seed"] in ref]
+    if not pairs:
+        return ""
+    return f"{statistics.mean(pairs):+.2f}%" + (f" sd {statistics.stdev(pairs):.2f}"
+                                               if len(pairs) > 1 else "")
+
+
+def format_report(result: dict) -> str:
+    runs_, lines = result["runs"], []
+    by = {}
+    for r in runs_:
+        by.setdefault(r["variant"], []).append(r)
+    seeds = lambda v: {r["seed"]: r["perplexity"] for r in by.get(v, [])}
+    lines.append(f"{'variant':<12}{'params':>9}{'active':>9}{'ppl mean':>10}{'sd':>7}"
+                 f"{'vs MoE, paired':>18}{'vs DoE-ReLU':>17}{'paper ppl':>11}{'paper vs MoE':>14}")
+    for variant in [v for v in VARIANTS if v in by]:
+        rs = by[variant]
+        mean, sd = spread([r["perplexity"] for r in rs])
+        vs_moe = "" if variant == "moe" else _paired(rs, seeds("moe"))
+        vs_relu = "" if variant == "doe_relu" else _paired(rs, seeds("doe_relu"))
+        paper = PAPER.get(variant)
+        paper_rel = (f"{100 * (paper / PAPER['moe'] - 1):+.2f}%"
+                     if paper and variant != "moe" else "")
+        lines.append(f"{variant:<12}{rs[0]['params']:>9,}{rs[0]['active_params']:>9,}"
+                     f"{mean:>10.3f}{sd:>7.3f}{vs_moe:>18}{vs_relu:>17}"
+                     f"{(f'{paper:.2f}' if paper else '-'):>11}{paper_rel:>14}")
+    if result.get("forgetting"):
+        lines.append("")
+        lines.append("forgetting probe: held-out loss (nats/token) before -> after continued "
+                     "training on the code domain")
+        fby = {}
+        for f in result["forgetting"]:
+            fby.setdefault(f["variant"], []).append(f)
+        for variant, fs in fby.items():
+            parts = []
+            for name in fs[0]["before"]:
+                deltas = [f["after"][name] - f["before"][name] for f in fs]
+                m, s = spread(deltas)
+                parts.append(f"{name} {m:+.4f} (sd {s:.4f})")
+            lines.append(f"  {variant:<10}" + ", ".join(parts)
+                         + (f"   paper: {PAPER_FORGET[variant]}" if variant in PAPER_FORGET else ""))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--micro", action="store_true")
+    parser.add_argument("--report", default=None)
+    for name, value in DEFAULTS.items():
+        parser.add_argument(f"--{name}", type=type(value), default=None)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.report:
+        print(format_report(json.loads(Path(args.report).read_text())))
+        return 0
+    for name, value in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, MICRO.get(name, value) if args.micro else value)
+    log = lambda line: print(line, flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stdlib, man = corpus(out, log)
+    source = f"text:{stdlib.train_path},{man.train_path}"
+    eval_source = f"text:{stdlib.heldout_path},{man.heldout_path}"
+    variants = [v for v in args.variants.split(",") if v]
+    for v in variants:
+        model_config(v, args.topics, args.seq_len)          # unknown names fail before training
+    topics_dir = fit_stage1(args, out, source, log)
+    _cached_unigram_baseline()
+    result = {"args": vars(args), "runs": [], "forgetting": []}
+    start = time.perf_counter()
+    for seed in range(args.seeds):
+        for variant in variants:
+            record = run_one(args, variant, seed,
+                             data_config(args, source, eval_source, seed, topics_dir), out)
+            result["runs"].append(record)
+            log(f"{variant:<12}seed {seed}: held-out ppl {record['perplexity']:.3f} "
+                f"({record['seconds']:.0f} s)")
+            (out / "doe.json").write_text(json.dumps(result, indent=1))
+    code_cfg = data_config(args, f"text:{stdlib.train_path}", eval_source, 0, topics_dir)
+    evals = {"code (stdlib)": f"text:{stdlib.heldout_path}",
+             "manpages": f"text:{man.heldout_path}"}
+    for record in result["runs"]:
+        if record["variant"] in args.forget.split(","):
+            result["forgetting"].append(forgetting(args, record, code_cfg, evals, log))
+            (out / "doe.json").write_text(json.dumps(result, indent=1))
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    (out / "doe.json").write_text(json.dumps(result, indent=1))
+    print(format_report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""DoE specialisation: the mean gate of every knowledge block per topic (or domain) and layer.
+
+The paper's Figure 2 shows, per layer, each expert's activation for each domain: layers where
+the rows differ are "domain dispatchers", layers where they agree "converge on general
+functions". :func:`gate_profile` measures it on batches carrying ``topics`` (inputs) and a
+grouping of tokens (by default their LDA ``topic_labels``; a batch's ``domain`` [B] ids give the
+paper's per-domain reading), :func:`specialisation` summarises each layer in one number and
+:func:`plot_gate_profile` draws it.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, Optional
+
+import jax
+import numpy as np
+from flax import nnx
+
+from dagmoe_jax.analysis.plots import _save, plt
+
+
+@nnx.jit
+def _gates(model, inputs, topics):
+    model.set_attributes(record_intermediates=True, raise_if_not_found=False)
+    _, aux = model(inputs, topics=topics)
+    return aux["intermediates"]["gates"]            # [layers, B, S, K], z = mu
+
+
+def gate_profile(model, batches: Iterable[Dict[str, np.ndarray]], num_groups: int,
+                 group_key: str = "topic_labels") -> np.ndarray:
+    """Mean gate G [layers, groups, K] of a DoE model over ``batches``.
+
+    ``group_key``: 'topic_labels' groups tokens by their LDA label (tokens with a null or
+    padding label are left out) ; 'domain' groups every unmasked token of row b by
+    ``batch['domain'][b]``. Groups without tokens are NaN rows.
+    """
+    sums, counts = None, np.zeros(num_groups)
+    for batch in batches:
+        gates = np.asarray(_gates(model, jax.numpy.asarray(batch["inputs"]),
+                                  jax.numpy.asarray(batch["topics"])), np.float64)
+        layers, b, s, k = gates.shape
+        if group_key == "domain":
+            groups = np.broadcast_to(np.asarray(batch["domain"])[:, None], (b, s))
+            keep = np.asarray(batch.get("mask", np.ones((b, s), bool)), bool)
+        else:
+            groups = np.asarray(batch[group_key])
+            keep = (groups >= 0) & (groups < num_groups)
+        if sums is None:
+            sums = np.zeros((layers, num_groups, k))
+        g, flat = groups[keep], gates[:, keep]                  # [n], [layers, n, K]
+        for layer in range(layers):
+            np.add.at(sums[layer], g, flat[layer])
+        counts += np.bincount(g, minlength=num_groups)
+    with np.errstate(invalid="ignore"):
+        return sums / counts[None, :, None]
+
+
+def specialisation(profile: np.ndarray) -> np.ndarray:
+    """Per layer [layers]: the mean over knowledge blocks of the across-group standard deviation
+    of the mean gate, divided by the layer's mean gate (0: every group gates alike; larger: the
+    layer dispatches groups to different blocks). NaN groups are ignored."""
+    std = np.nanstd(profile, axis=1).mean(-1)
+    mean = np.nanmean(profile, axis=(1, 2))
+    return std / np.maximum(mean, 1e-12)
+
+
+def plot_gate_profile(profile: np.ndarray, path, title: str = "",
+                      group_names: Optional[list] = None):
+    """One heatmap per layer: groups (rows) x knowledge blocks (columns), the mean gate."""
+    layers, groups, k = profile.shape
+    fig, axes = plt.subplots(1, layers, figsize=(max(6.0, 2.2 * layers + 1), 0.3 * groups + 2),
+                             squeeze=False)
+    vmax = float(np.nanmax(profile)) if np.isfinite(profile).any() else 1.0
+    score = specialisation(profile)
+    for layer, ax in enumerate(axes[0]):
+        image = ax.imshow(profile[layer], aspect="auto", cmap="magma", vmin=0.0, vmax=vmax)
+        ax.set_title(f"layer {layer}\nspec. {score[layer]:.2f}", fontsize=9)
+        ax.set_xlabel("knowledge block")
+        if layer == 0:
+            ax.set_ylabel("group")
+            if group_names:
+                ax.set_yticks(range(groups))
+                ax.set_yticklabels(group_names, fontsize=7)
+    fig.colorbar(image, ax=axes[0].tolist(), label="mean gate")
+    if title:
+        fig.suptitle(title)
+    return _save(fig, path)

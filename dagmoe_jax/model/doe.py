@@ -1,0 +1,328 @@
+"""Decoupling of Experts (DoE, seed 003): knowledge state, Attention Gating Control, VAE router.
+
+Our reading of the paper, choice by choice, is docs/design.md section 6. Per layer, with
+``x = RMSNorm(h)`` the block input (the paper's H_mha) and the layer computing ``h + out``:
+
+* Attention Gating Control (eq. 1-3): ``Q = x W_Q``, ``A = softmax(Q Z^T / sqrt(d)) Z``,
+  ``H_enr = x + A`` with the layer's knowledge state ``Z`` [K, d].
+* Routing signal (Appendix B.1, H.1): the causal running mean of the layer's attention values
+  ``v_agg,t = mean_{j <= t} v_j`` (keys or queries as the Table 10 ablation).
+* VAE router (eq. 5-6): ``mu, log sigma^2 = enc([H_enr ; v_agg (; topic embedding in the first
+  layer)])``, ``z = mu + sigma * eps`` when a noise key is given (training), ``z = mu`` without
+  (evaluation, generation). Which VAE a layer uses: the first layer's, one shared by every middle
+  layer, the last layer's (``DoEConfig.vae_sharing``); the VAEs live once, outside the scanned
+  layer stack (:class:`DoEShared`), and each layer reads its entry of the stacked bank.
+* Gates (sec. 3.4, Appendix B.2): router logits ``r = W_g z + b`` over all K topics,
+  ``G = ReLU(r)`` (or softmax, the VAE-softmax ablation): no top-k, no balance loss.
+* Composed expert (Appendix A.1): ``e_context = G^T Z``; block output (Appendix H.2)
+  ``FFN([H_enr ; e_context])``.
+* Losses (eq. 4, 7, 9): :func:`expert_loss` (cross-entropy of softmax(r) against the LDA labels),
+  :func:`kl_standard_normal`, and :func:`doe_objective` assembling eq. 4 in the training step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.model.layers import dtype_of, make_param, normal, swiglu
+
+VAE_NAMES = ("w_h", "w_s", "b_e", "w_mu", "b_mu", "w_lv", "b_lv", "w_dec", "b_dec")
+LOGVAR_CLIP = 10.0
+
+
+# ------------------------------------------------------------------------------ equations
+
+
+def dual_input_embedding(token_emb: jax.Array, topic_emb: jax.Array, w_in: jax.Array) -> jax.Array:
+    """DoE Algorithm 1, lines 1-3: ``Concat(H_tok, H_know) W_in``, the dual-input embedding
+    [B, S, d + d_k] projected back to d (our projection: the paper feeds the concatenation to
+    MHA, whose width is d)."""
+    return jnp.concatenate([token_emb, topic_emb.astype(token_emb.dtype)], axis=-1) @ w_in
+
+
+def knowledge_queries(h: jax.Array, w_q: jax.Array) -> jax.Array:
+    """DoE eq. 1: ``Q_know = H_mha W_Q``."""
+    return h @ w_q
+
+
+def knowledge_attention(q: jax.Array, z: jax.Array) -> jax.Array:
+    """DoE eq. 2: ``softmax(Q_know Z^T / sqrt(d_k)) Z`` (d_k = d, the width of Q and Z; scores
+    and softmax in float32)."""
+    scores = jnp.einsum("...d,kd->...k", q.astype(jnp.float32), z.astype(jnp.float32))
+    p = jax.nn.softmax(scores / math.sqrt(z.shape[-1]), axis=-1)
+    return (p @ z.astype(jnp.float32)).astype(q.dtype)
+
+
+def enrich(h: jax.Array, attention_know: jax.Array) -> jax.Array:
+    """DoE eq. 3: ``H_enriched = H_mha + Attention_know``."""
+    return h + attention_know
+
+
+def causal_running_mean(x: jax.Array) -> jax.Array:
+    """``mean_{j <= t} x_j`` along axis 1 of x [B, S, F] (float32): the aggregated attention
+    signal of DoE Appendix B.1, made causal (a whole-sequence mean would leak the future)."""
+    total = jnp.cumsum(x.astype(jnp.float32), axis=1)
+    return total / jnp.arange(1, x.shape[1] + 1, dtype=jnp.float32)[None, :, None]
+
+
+def cached_running_mean(cache: jax.Array, start: jax.Array, s: int) -> jax.Array:
+    """:func:`causal_running_mean` at positions ``start_b + [0, s)`` from a cache [B, T, KV, D]
+    holding every position up to them (decoding): float32 [B, s, KV * D]."""
+    b, t = cache.shape[:2]
+    flat = cache.reshape(b, t, -1).astype(jnp.float32)
+    pos = start[:, None] + jnp.arange(s)                                # [B, s]
+    visible = (jnp.arange(t)[None, None, :] <= pos[:, :, None]).astype(jnp.float32)
+    return jnp.einsum("bst,btf->bsf", visible, flat) / (pos[..., None] + 1.0)
+
+
+def vae_encode(pre: jax.Array, w_mu, b_mu, w_lv, b_lv):
+    """DoE eq. 5: ``q_phi(z | h) = N(mu_phi(h), diag sigma_phi^2(h))``: mu and log sigma^2 from
+    the encoder's hidden pre-activation ``pre`` (one SiLU layer shared by both heads). log
+    sigma^2 is clipped to [-10, 10] (our safeguard: exp of an unbounded log-variance overflows)."""
+    e = jax.nn.silu(pre)
+    logvar = jnp.clip(e @ w_lv + b_lv, -LOGVAR_CLIP, LOGVAR_CLIP)
+    return e @ w_mu + b_mu, logvar
+
+
+def reparameterize(mu: jax.Array, logvar: jax.Array, key: Optional[jax.Array]) -> jax.Array:
+    """DoE eq. 6: ``z = mu + sigma * eps``, eps ~ N(0, I) drawn from ``key``; ``z = mu`` when
+    ``key`` is None (evaluation and generation use the mean)."""
+    if key is None:
+        return mu
+    eps = jax.random.normal(key, mu.shape, jnp.float32).astype(mu.dtype)
+    return mu + jnp.exp(0.5 * logvar) * eps
+
+
+def kl_standard_normal(mu: jax.Array, logvar: jax.Array) -> jax.Array:
+    """The KL term of DoE eq. 7, ``KL(N(mu, sigma^2) || N(0, I))`` summed over the latent:
+    ``0.5 * sum(sigma^2 + mu^2 - 1 - log sigma^2)`` per token ([...] float32)."""
+    mu, logvar = mu.astype(jnp.float32), logvar.astype(jnp.float32)
+    return 0.5 * jnp.sum(jnp.exp(logvar) + mu * mu - 1.0 - logvar, axis=-1)
+
+
+def gate_values(logits: jax.Array, kind: str) -> jax.Array:
+    """DoE sec. 3.4 / Appendix B.2: ``G = ReLU(r)`` ('relu', the paper) or ``softmax(r)``
+    ('softmax', Table 3's VAE-softmax ablation) over all K knowledge blocks."""
+    if kind == "relu":
+        return jax.nn.relu(logits)
+    return jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(logits.dtype)
+
+
+def compose_expert(gates: jax.Array, z: jax.Array) -> jax.Array:
+    """DoE Appendix A.1: the composed expert ``e_context = G^T Z`` ([..., K] x [K, d])."""
+    return gates @ z.astype(gates.dtype)
+
+
+def expert_loss(logits: jax.Array, labels: jax.Array, null_id: int) -> jax.Array:
+    """DoE eq. 9, our reading: ``L_expert = CE(softmax(r), y_expert)`` with r the router's
+    pre-ReLU logits [..., K], averaged over tokens whose label is in [0, K) (``null_id`` = K and
+    the padding's -1 are masked; 0 if none is left).
+
+    The paper writes CE(G, y); with G = ReLU(r), G / sum G is undefined where the label's gate
+    is 0 and ReLU passes no gradient that could raise it, so the logits stand in for G (for a
+    one-hot y this CE equals the paper's D_KL(y || G)).
+    """
+    valid = (labels >= 0) & (labels != null_id)
+    ce = optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), jnp.where(valid, labels, 0))
+    w = valid.astype(jnp.float32)
+    return jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+def composite_loss(ntp: jax.Array, expert: jax.Array, alpha: float) -> jax.Array:
+    """DoE eq. 4: ``L_total = (1 - alpha) L_ntp + alpha L_expert``."""
+    return (1.0 - alpha) * ntp + alpha * expert
+
+
+def routing_signal(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, cache,
+                   start: Optional[jax.Array]) -> jax.Array:
+    """The router's attention signal [B, S, F] (``DoEConfig.signal``): the causal running mean
+    of this call's values (keys, queries), or, when decoding over a KV cache, of the cached
+    values (keys) up to each position."""
+    src = cfg.doe.signal
+    if cache is None or start is None:
+        x = {"q": q, "k": k, "v": v}[src]
+        return causal_running_mean(x.reshape(x.shape[0], x.shape[1], -1))
+    if src == "q":
+        raise ValueError("DoEConfig.signal='q' cannot be decoded from a KV cache (it holds no "
+                         "queries): generate with a 'v' or 'k' model, or score whole sequences")
+    return cached_running_mean(cache.k if src == "k" else cache.v, start, q.shape[1])
+
+
+# ------------------------------------------------------------------------------ which VAE
+
+
+def vae_count(cfg: ModelConfig) -> int:
+    """Entries of the VAE bank: one per layer ('per_layer'), else first / shared middle / last
+    (fewer for 1 or 2 layers: one, or first and last)."""
+    n = cfg.num_layers
+    return n if cfg.doe.vae_sharing == "per_layer" else min(n, 3)
+
+
+def vae_index(cfg: ModelConfig) -> jax.Array:
+    """The bank entry of each layer [layers] (hierarchical: 0, 1, ..., 1, last)."""
+    n = cfg.num_layers
+    if cfg.doe.vae_sharing == "per_layer":
+        return jnp.arange(n, dtype=jnp.int32)
+    idx = [0] + [1] * max(n - 2, 0) + ([min(n, 3) - 1] if n > 1 else [])
+    return jnp.asarray(idx, jnp.int32)
+
+
+def signal_dim(cfg: ModelConfig) -> int:
+    heads = cfg.num_heads if cfg.doe.signal == "q" else cfg.num_kv_heads
+    return heads * cfg.resolved_head_dim
+
+
+def shared_param_counts(cfg: ModelConfig) -> tuple:
+    """(VAE bank, topic embedding + W_in + W_t) parameter counts of :class:`DoEShared`."""
+    c, d = cfg.doe, cfg.d_model
+    vh, dz = c.vae_hidden, c.latent_dim
+    one_vae = d * vh + signal_dim(cfg) * vh + vh + 2 * (vh * dz + dz) + dz * d + d
+    embedding = (c.num_topics + 1) * c.topic_dim + (d + c.topic_dim) * d + c.topic_dim * vh
+    return vae_count(cfg) * one_vae, embedding
+
+
+# ------------------------------------------------------------------------------ modules
+
+
+class DoEShared(nnx.Module):
+    """The DoE parameters outside the layer stack: the topic embedding E_know [K + 1, d_k] (row
+    K: null), the dual-input projection W_in [d + d_k, d] (initialised to [I ; 0], so at
+    initialisation the embedding is the token embedding), the bank of VAEs (each parameter
+    stacked [vae_count, ...]) and the first layer's topic input weight W_t [d_k, vae_hidden]."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        c = cfg.doe
+        d, dk, vh, dz, n = cfg.d_model, c.topic_dim, c.vae_hidden, c.latent_dim, vae_count(cfg)
+        pd = dtype_of(cfg.param_dtype)
+        init, zeros = normal(cfg.init_std), nnx.initializers.zeros
+        eye = lambda key, shape, dtype: jnp.concatenate(
+            [jnp.eye(d, dtype=dtype), jnp.zeros((dk, d), dtype)])
+        self.topic_embed = make_param(rngs, init, (c.num_topics + 1, dk), (None, None), pd)
+        self.w_in = make_param(rngs, eye, (d + dk, d), (None, "embed"), pd)
+        self.w_t = make_param(rngs, init, (dk, vh), (None, None), pd)
+        shapes = {"w_h": (d, vh), "w_s": (signal_dim(cfg), vh), "b_e": (vh,), "w_mu": (vh, dz),
+                  "b_mu": (dz,), "w_lv": (vh, dz), "b_lv": (dz,), "w_dec": (dz, d), "b_dec": (d,)}
+        for name in VAE_NAMES:
+            shape = shapes[name]
+            self.__setattr__(f"vae_{name}", make_param(
+                rngs, zeros if name.startswith("b_") else init, (n,) + shape,
+                (None,) * (len(shape) + 1), pd))
+
+    def bank(self) -> Dict[str, jax.Array]:
+        return {name: getattr(self, f"vae_{name}")[...] for name in VAE_NAMES}
+
+
+class DoEBlock(nnx.Module):
+    """One layer's DoE block: W_Q of eq. 1, the knowledge state Z [K, d], the gate W_g [d_z, K]
+    and b, and the output SwiGLU over [H_enr ; e_context] (input 2d)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        c = cfg.doe
+        d, k = cfg.d_model, c.num_topics
+        hidden = c.ffn_hidden or cfg.resolved_ffn_hidden
+        pd = dtype_of(cfg.param_dtype)
+        init = normal(cfg.init_std)
+        self.cfg, self.dtype = cfg, dtype_of(cfg.compute_dtype)
+        self.w_q = make_param(rngs, init, (d, d), ("embed", None), pd)
+        self.knowledge = make_param(rngs, init, (k, d), (None, "embed"), pd)
+        self.w_g = make_param(rngs, init, (c.latent_dim, k), (None, None), pd)
+        self.b_g = make_param(rngs, nnx.initializers.zeros, (k,), (None,), pd)
+        self.w_gate = make_param(rngs, init, (2 * d, hidden), (None, "mlp"), pd)
+        self.w_up = make_param(rngs, init, (2 * d, hidden), (None, "mlp"), pd)
+        self.w_down = make_param(rngs, init, (hidden, d), ("mlp", "embed"), pd)
+        self.record_intermediates = False     # analysis switches it on (Module.set_attributes)
+
+    def __call__(self, x: jax.Array, signal: jax.Array, ctx: dict):
+        """x = RMSNorm(h) [B, S, d]; signal [B, S, F] the running-mean attention signal; ctx the
+        layer's share of the DoE inputs (``vae`` bank, ``index``, ``topic_term``, ``key``,
+        ``recon_target``). Returns (out [B, S, d], stats)."""
+        cfg, dt = self.cfg, self.dtype
+        c = lambda w: w[...].astype(dt)
+        x = x.astype(dt)
+        z_know = c(self.knowledge)
+        h_enr = enrich(x, knowledge_attention(knowledge_queries(x, c(self.w_q)), z_know))
+        vae = {k: v[ctx["index"]].astype(dt) for k, v in ctx["vae"].items()}
+        pre = h_enr @ vae["w_h"] + signal.astype(dt) @ vae["w_s"] + vae["b_e"]
+        if ctx.get("topic_term") is not None:       # the first layer's VAE sees the topics
+            pre = pre + jnp.where(ctx["index"] == 0, 1.0, 0.0).astype(dt) * ctx["topic_term"]
+        mu, logvar = vae_encode(pre, vae["w_mu"], vae["b_mu"], vae["w_lv"], vae["b_lv"])
+        z = reparameterize(mu, logvar, ctx.get("key"))
+        logits = z @ c(self.w_g) + c(self.b_g)
+        gates = gate_values(logits, cfg.doe.gate)
+        e_context = compose_expert(gates, z_know)
+        out = swiglu(jnp.concatenate([h_enr, e_context], axis=-1), c(self.w_gate), c(self.w_up),
+                     c(self.w_down), fused=cfg.fuse_gate_up)
+        g32 = gates.astype(jnp.float32)
+        share = g32 / jnp.maximum(jnp.sum(g32, axis=-1, keepdims=True), 1e-9)
+        zero = jnp.zeros((), jnp.float32)
+        recon = zero
+        if cfg.doe.recon_coef > 0 and ctx.get("recon_target") is not None:
+            target = jax.lax.stop_gradient(jnp.where(ctx["is_last"], ctx["recon_target"], h_enr))
+            pred = z @ vae["w_dec"] + vae["b_dec"]
+            recon = jnp.mean(jnp.sum((pred.astype(jnp.float32) - target.astype(jnp.float32)) ** 2,
+                                     axis=-1))
+        doe = {"router_logits": logits.astype(jnp.float32),
+               "kl": jnp.mean(kl_standard_normal(mu, logvar)), "recon": recon,
+               "gate_mean": jnp.mean(g32, axis=(0, 1)),
+               "active_fraction": jnp.mean((g32 > 0).astype(jnp.float32))}
+        stats = {"balance_loss": zero, "z_loss": zero, "dropped_fraction": zero,
+                 "expert_load": jnp.mean(share, axis=(0, 1)), "doe": doe}
+        if self.record_intermediates:
+            stats["record"] = {"gates": g32}
+        return out, stats
+
+
+# ------------------------------------------------------------------------------ loss
+
+
+def noise_key(inputs: jax.Array, seed: int = 0) -> jax.Array:
+    """The key of the VAE's training noise (eq. 6) for a batch: folded from the batch's tokens.
+
+    Stateless (no RNG in the model or the training state), so a resumed run draws exactly the
+    noise the uninterrupted run drew, and every batch draws its own.
+    """
+    weights = (jnp.arange(inputs.size, dtype=jnp.uint32) * jnp.uint32(2654435761)
+               + jnp.uint32(1)).reshape(inputs.shape)
+    digest = jnp.sum(inputs.astype(jnp.uint32) * weights, dtype=jnp.uint32)
+    return jax.random.fold_in(jax.random.key(seed), digest)
+
+
+def model_inputs(cfg: ModelConfig, batch: dict, *, train: bool) -> dict:
+    """Keyword inputs of ``Transformer.__call__`` for ``batch``: ``topics`` for a DoE model
+    (and the training ``noise`` key when ``train``), nothing for other blocks."""
+    if cfg.block != "doe":
+        return {}
+    extra = {"topics": batch.get("topics")}
+    if train:
+        extra["noise"] = noise_key(batch["inputs"])
+    return extra
+
+
+def doe_objective(cfg: ModelConfig, ntp: jax.Array, aux: dict, batch: dict):
+    """The DoE training loss and its logged terms: (total, metrics).
+
+    total = (1 - alpha) L_ntp + alpha L_expert (eq. 4) + kl_coef KL + recon_coef recon (eq. 7,
+    optional) + the auxiliary router losses every block reports (zero for DoE). L_expert is the
+    mean over layers of :func:`expert_loss` against ``batch['topic_labels']``.
+    """
+    c, doe = cfg.doe, aux["doe"]
+    kl, recon = jnp.mean(doe["kl"]), jnp.mean(doe["recon"])
+    if c.use_topics and "topic_labels" in batch:
+        labels = batch["topic_labels"]
+        expert = jnp.mean(jax.vmap(lambda r: expert_loss(r, labels, c.num_topics))(
+            doe["router_logits"]))
+    else:
+        expert = jnp.zeros((), jnp.float32)
+    total = composite_loss(ntp, expert, c.alpha) + c.kl_coef * kl + c.recon_coef * recon
+    total = total + aux["aux_loss"]
+    metrics = {"expert_loss": expert, "kl_loss": kl, "recon_loss": recon,
+               "gate_active_fraction": jnp.mean(doe["active_fraction"])}
+    return total, metrics

@@ -83,17 +83,31 @@ def block_numpy(block, shared, x, signal, topic_term, index):
 
 @pytest.mark.parametrize("index", [0, 1])
 def test_block_matches_numpy_and_evaluation_uses_the_mean(rng, index):
-    cfg = doe_config()
+    cfg = doe_config(recon_coef=0.5)
     rngs = nnx.Rngs(0)
     block, shared = D.DoEBlock(cfg, rngs=rngs), D.DoEShared(cfg, rngs=rngs)
     x = rng.normal(size=(2, 6, cfg.d_model)).astype(np.float32)
     signal = rng.normal(size=(2, 6, D.signal_dim(cfg))).astype(np.float32)
     topic_term = rng.normal(size=(2, 6, 16)).astype(np.float32)
-    ctx = {"vae": shared.bank(), "index": jnp.int32(index), "topic_term": jnp.asarray(topic_term)}
+    next_embed = rng.normal(size=(2, 6, cfg.d_model)).astype(np.float32)
+    is_last = index == 1                    # the last layer's VAE decodes the next token's embedding
+    ctx = {"vae": shared.bank(), "index": jnp.int32(index), "topic_term": jnp.asarray(topic_term),
+           "recon_target": jnp.asarray(next_embed), "is_last": jnp.asarray(is_last)}
     out, stats = block(jnp.asarray(x), jnp.asarray(signal), ctx)
     want, logits = block_numpy(block, shared, x.astype(np.float64), signal, topic_term, index)
     np.testing.assert_allclose(out, want, rtol=2e-4, atol=1e-6)
     np.testing.assert_allclose(stats["doe"]["router_logits"], logits, rtol=2e-4, atol=1e-6)
+    # Reconstruction (eq. 7's likelihood term, squared error): from z = mu, of the next token's
+    # embedding in the last layer, of H_enr elsewhere.
+    p = lambda a: np.asarray(a[...], np.float64)
+    zk = p(block.knowledge)
+    h_enr = x + softmax((x @ p(block.w_q)) @ zk.T / np.sqrt(zk.shape[1])) @ zk
+    v = {n: p(getattr(shared, f"vae_{n}"))[index] for n in D.VAE_NAMES}
+    pre = h_enr @ v["w_h"] + signal @ v["w_s"] + v["b_e"] + (topic_term if index == 0 else 0)
+    mu = silu(pre) @ v["w_mu"] + v["b_mu"]
+    target = next_embed if is_last else h_enr
+    want_recon = np.mean(np.sum((mu @ v["w_dec"] + v["b_dec"] - target) ** 2, -1))
+    np.testing.assert_allclose(stats["doe"]["recon"], want_recon, rtol=1e-4)
     noisy, noisy_stats = block(jnp.asarray(x), jnp.asarray(signal),
                                {**ctx, "key": jax.random.key(3)})
     assert not np.allclose(noisy_stats["doe"]["router_logits"], logits, atol=1e-6)

@@ -33,9 +33,9 @@ from dagmoe_jax.paths import run_path
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.parallel import MeshConfig, activate, create_train_state, make_mesh, shard_batch
 from dagmoe_jax.parallel.axes import MeshLayout
-from dagmoe_jax.topics.stage import run_topics
 from dagmoe_jax.settle import describe as describe_settled
 from dagmoe_jax.settle import settle
+from dagmoe_jax.topics.stage import run_topics
 from dagmoe_jax.train.checkpoint import Checkpointer
 from dagmoe_jax.train.config import TrainConfig
 from dagmoe_jax.train.metrics import (MetricsWriter, check_tensorboard_target, read_metrics,

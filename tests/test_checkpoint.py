@@ -18,6 +18,7 @@ from flax import nnx
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.train.checkpoint import CheckpointMismatchError, Checkpointer, Restored
 from dagmoe_jax.train.optim import OptimConfig, make_optimizer
+from dagmoe_jax.train.step import make_train_step
 
 # One transformation for every optimizer of this module (a new one would mean a new graph).
 TX = make_optimizer(OptimConfig(learning_rate=1e-2, schedule="constant", warmup_steps=0), 100)
@@ -80,11 +81,18 @@ def test_round_trip_of_model_and_optimizer_is_bit_exact(tmp_path, tiny):
     model, optimizer = make_train_state(cfg, updates=3)
     saved = host_copy(nnx.state((model, optimizer)))
     meta = {"model_config": dataclasses.asdict(cfg), "step": 3}
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    step = make_train_step()             # donates the state it updates, as the loop's does
+    params_at_save = host_copy(nnx.state(model, nnx.Param))
     with Checkpointer(tmp_path, save_every=1) as ckpt:
         assert ckpt.save(np.int64(3), nnx.state((model, optimizer)), meta=meta)
-        # the loop keeps training while the save is written
-        optimizer.update(model, jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param)))
-    assert int(optimizer.step[...]) == 4
+        # the loop keeps training while the save is written, over the donated arrays
+        for _ in range(2):
+            step(model, optimizer, batch)
+    assert int(optimizer.step[...]) == 5
+    assert any(not np.array_equal(np.asarray(now), then) for now, then in
+               zip(jax.tree.leaves(nnx.state(model, nnx.Param)), params_at_save))
 
     # restore puts every array into the sharding its abstract leaf asks for
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))

@@ -105,3 +105,38 @@ def test_bfloat16_inputs_accumulate_in_float32(rng):
     for g, r in zip(grads, ref_grads):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
                                    rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("seq", [16, 13])                 # 13: positions padded to the chunk
+def test_tiled_scores_equal_the_whole_logits(rng, seq):
+    """Evaluation's per-position loss and argmax, a chunk at a time, equal optax's loss and
+    the argmax of the whole logits (a tied pair of logits included: the lower id wins)."""
+    from dagmoe_jax.train.tiled_loss import tiled_scores
+
+    b, d, v = 3, 8, 50
+    h = jnp.asarray(rng.standard_normal((b, seq, d)), jnp.float32)
+    w = np.asarray(rng.standard_normal((d, v)), np.float32)
+    w[:, 7] = w[:, 3]                                      # ids 3 and 7 always tie
+    w = jnp.asarray(w)
+    targets = jnp.asarray(rng.integers(0, v, (b, seq)), jnp.int32)
+    losses, predictions = jax.jit(tiled_scores, static_argnums=3)(h, w, targets, 8)
+    logits = np.asarray(h) @ np.asarray(w)
+    want = optax.softmax_cross_entropy_with_integer_labels(jnp.asarray(logits), targets)
+    np.testing.assert_allclose(losses, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(predictions, np.argmax(logits, axis=-1))
+    assert predictions.dtype == jnp.int32 and not np.any(np.asarray(predictions) == 7)
+
+
+def test_eval_step_matches_the_model_logits():
+    from dagmoe_jax.train.step import eval_step
+
+    cfg = tiny_config("moe", "dag")
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 17)), jnp.int32)
+    mask = jnp.arange(16)[None, :] < jnp.array([[16], [9]])
+    out = eval_step(model, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask})
+    logits, _ = model(tokens[:, :-1])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    np.testing.assert_allclose(out["ce_sum"], jnp.sum(losses * mask), rtol=1e-5)
+    assert float(out["tokens"]) == 25
+    np.testing.assert_array_equal(out["predictions"], jnp.argmax(logits, axis=-1))

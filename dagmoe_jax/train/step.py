@@ -22,7 +22,7 @@ from flax import nnx
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.model.doe import doe_objective, model_inputs
 from dagmoe_jax.parallel import constrain
-from dagmoe_jax.train.tiled_loss import tiled_cross_entropy
+from dagmoe_jax.train.tiled_loss import tiled_cross_entropy, tiled_scores
 
 
 # TrainConfig.trainable -> the parameters the optimiser updates and gradients are taken of.
@@ -130,12 +130,13 @@ def make_train_step(loss_fn: Callable = lm_loss, grad_accum: int = 1,
 @nnx.jit
 def eval_step(model: Transformer, batch: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
     """Summed cross-entropy and token count over ``batch['mask']``, and the argmax predictions
-    (for exact-answer scoring)."""
-    logits, _ = model(batch["inputs"], **model_inputs(model.cfg, batch, train=False))
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    (for exact-answer scoring), from the LM head applied a chunk of positions at a time
+    (:func:`~dagmoe_jax.train.tiled_loss.tiled_scores`: no [B, S, V] logits)."""
+    h, _ = model(batch["inputs"], head=False, **model_inputs(model.cfg, batch, train=False))
+    losses, predictions = tiled_scores(h, model.lm_head[...].astype(h.dtype), batch["targets"])
     mask = batch["mask"].astype(jnp.float32)
     return _replicated({"ce_sum": jnp.sum(losses * mask), "tokens": jnp.sum(mask),
-                        "predictions": jnp.argmax(logits, axis=-1).astype(jnp.int32)})
+                        "predictions": predictions})
 
 
 def _replicated(tree):

@@ -117,3 +117,33 @@ def tiled_cross_entropy(h: jax.Array, w: jax.Array, targets: jax.Array, mask: ja
         targets = jnp.pad(targets, ((0, 0), (0, pad)))
         weights = jnp.pad(weights, ((0, 0), (0, pad)))
     return _tiled(h, w, targets.astype(jnp.int32), jax.lax.stop_gradient(weights), c)
+
+
+def tiled_scores(h: jax.Array, w: jax.Array, targets: jax.Array,
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple:
+    """Per-position cross-entropy [B, S] (float32) and argmax prediction [B, S] (int32) of the
+    logits ``h @ w``, a chunk of positions at a time: what evaluation needs, without the
+    [B, S, V] logits (at a 128K vocabulary a batch of 8 x 512 holds 2.1 GB of them, more than
+    the tiled training step's own transient memory). Equal to
+    ``optax.softmax_cross_entropy_with_integer_labels(h @ w, targets)`` and
+    ``argmax(h @ w, -1)`` (ties to the lowest id, as ``jnp.argmax``)."""
+    b, s, d = h.shape
+    v = w.shape[1]
+    c = min(chunk_positions(b, chunk_tokens), s)
+    pad = -s % c
+    if pad:
+        h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, pad)))
+
+    def chunk(xs):
+        hc, tc = xs                                                   # [B, c, d], [B, c]
+        logits = jnp.dot(hc.reshape(-1, d), w, preferred_element_type=jnp.float32)
+        logits = constrain(logits.reshape(*tc.shape, v), ("batch", "length", "vocab"))
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
+        return lse - picked, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    losses, predictions = jax.lax.map(chunk, (_chunks(h, c), _chunks(targets.astype(jnp.int32),
+                                                                        c)))
+    unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, s + pad)[:, :s]  # noqa: E731
+    return unchunk(losses), unchunk(predictions)

@@ -122,33 +122,34 @@ EVALUATION_DATA_FIELDS = tuple(f"DataConfig.{name}" for name in
                                ("eval_source", "eval_split", "num_synthetic_eval", "worker_count"))
 
 
+def _diff_key(diff: str) -> str:
+    """The dotted key a :func:`json_diffs` line is about."""
+    return diff.split(" ", 1)[0]
+
+
 def resume_changes(run_dir: PathLike, model_cfg: ModelConfig, data_cfg: DataConfig,
-                   meta_diffs: List[str]) -> Tuple[List[str], List[str]]:
+                   saved_meta: dict) -> Tuple[List[str], List[str]]:
     """What differs between a run's checkpoint and the configs it is being resumed with:
-    (architecture changes of the ModelConfig, from the checkpoint's metadata ``meta_diffs``;
-    DataConfig changes since the run's ``config.json`` was written). Execution-only model fields
-    (:data:`EXECUTION_FIELDS`) are not changes, nor is a field the checkpoint lacks (it was
-    written by an earlier version) given its default, which every new field keeps equal to the
-    behaviour before it existed."""
-    model = []
-    defaults = flatten_json(dataclasses.asdict(ModelConfig()), "model_config")
-    for diff in meta_diffs:
-        key = diff.split(" ", 1)[0]
-        if not key.startswith("model_config."):
-            continue
-        added = diff.split(" (absent) -> ", 1)
-        if len(added) == 2 and key in defaults and json.dumps(defaults[key]) == added[1]:
-            continue        # a field newer than the checkpoint, at the default that it implies
-        field = key[len("model_config."):]
-        if field.split(".")[0] not in EXECUTION_FIELDS:
-            model.append("ModelConfig." + diff[len("model_config."):])
+    (architecture changes of the ModelConfig against the checkpoint's metadata ``saved_meta``
+    (:func:`model_meta`); DataConfig changes since the run's ``config.json`` was written).
+    Execution-only model fields (:data:`EXECUTION_FIELDS`) are not changes. A field the
+    checkpoint lacks (written by an earlier version) is read at its default, which every new
+    field keeps equal to the behaviour before it existed."""
+    saved = saved_meta.get("model_config") or {}
+    expected = dataclasses.asdict(model_cfg)
+    with_defaults = {**flatten_json(dataclasses.asdict(ModelConfig())), **flatten_json(saved)}
+    changed = {_diff_key(d) for d in json_diffs(with_defaults, expected, "model_config")}
+    model = ["ModelConfig." + d[len("model_config."):]
+             for d in json_diffs(saved, expected, "model_config")      # worded from the file
+             if _diff_key(d) in changed
+             and _diff_key(d)[len("model_config."):].split(".")[0] not in EXECUTION_FIELDS]
     data = []
     if (as_path(run_dir) / CONFIG_FILE).exists():
         try:
             _, old_data, _, _ = load_configs(run_dir)
             data = [c for c in json_diffs(dataclasses.asdict(old_data),
                                           dataclasses.asdict(data_cfg), "DataConfig")
-                    if c.split(" ", 1)[0] not in EVALUATION_DATA_FIELDS]
+                    if _diff_key(c) not in EVALUATION_DATA_FIELDS]
         except ValueError:                           # another library version's config.json
             data = ["config.json is not readable by this version"]
     return model, data

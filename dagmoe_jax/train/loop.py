@@ -252,7 +252,7 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
         for message in restored.skipped:
             say(f"warning: {message}")
         model_changes, data_changes = runs.resume_changes(run_dir, model_cfg, data_cfg,
-                                                          restored.meta_diffs)
+                                                          restored.meta)
         if model_changes and not train_cfg.allow_model_change:
             checkpointer.close()
             raise ValueError(f"the model config differs from the checkpoint's in {run_dir}: "

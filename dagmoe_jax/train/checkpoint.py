@@ -186,13 +186,7 @@ def _first_line(err: BaseException) -> str:
     """The first line of the innermost cause of ``err`` (TensorStore's own error names the
     array and the problem; Orbax's wrapper only names the slice), shortened for one-line
     messages."""
-    seen = {id(err)}
-    while True:
-        inner = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
-        if inner is None or id(inner) in seen:
-            break
-        err = inner
-        seen.add(id(err))
+    err = list(_causes(err))[-1]
     text = str(err).strip()
     line = text.splitlines()[0].strip() if text else ""
     for cut in (" [tensorstore_spec", " See full TensorStore details"):
@@ -203,20 +197,25 @@ def _first_line(err: BaseException) -> str:
     return line
 
 
+def _causes(err: BaseException):
+    """``err``, then what it was raised from (or during), innermost last."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
+
+
 def _os_cause(err: BaseException) -> str:
     """The operating system's reason for a failed write ("[Errno 28] No space left on
     device"), which TensorStore puts at the end of a long message as ``os_error_code='28'``;
     else the error's first line."""
-    seen, inner = set(), err
-    while inner is not None and id(inner) not in seen:
-        seen.add(id(inner))
-        if isinstance(inner, OSError) and inner.errno:
-            return f"[Errno {inner.errno}] {os.strerror(inner.errno)}"
+    for inner in _causes(err):
         found = re.search(r"os_error_code='?(\d+)", str(inner))
-        if found:
-            code = int(found.group(1))
+        code = inner.errno if isinstance(inner, OSError) and inner.errno else (
+            int(found.group(1)) if found else None)
+        if code:
             return f"[Errno {code}] {os.strerror(code)}"
-        inner = inner.__cause__ or inner.__context__
     return _first_line(err)
 
 

@@ -100,6 +100,15 @@ def _per_layer_scalars(key: str, value, prefix: str):
     return []
 
 
+def _load_histograms(key: str, value, prefix: str):
+    """(name, loads) per layer of an ``expert_load`` [layers, N] metric, for the histograms of
+    TensorBoard and W&B; nothing for any other metric."""
+    array = np.asarray(value, dtype=np.float64)
+    if key != "expert_load" or array.ndim != 2:
+        return []
+    return [(f"{prefix}expert_load/layer_{layer}", load) for layer, load in enumerate(array)]
+
+
 class JsonlWriter:
     """``metrics.jsonl`` of a run directory: one JSON object per line, ``{"step": ..., key:
     value}``. A resumed run first drops the records after ``resume_step`` (it re-does those
@@ -173,10 +182,8 @@ class TensorBoardWriter:
         for key, value in metrics.items():
             for name, number in _per_layer_scalars(key, value, prefix):
                 self._tb.add_scalar(name, number, step)
-            array = np.asarray(value, dtype=np.float64)
-            if key == "expert_load" and array.ndim == 2:
-                for layer, load in enumerate(array):
-                    self._tb.add_histogram(f"{prefix}expert_load/layer_{layer}", load, step)
+            for name, loads in _load_histograms(key, value, prefix):
+                self._tb.add_histogram(name, loads, step)
 
     def close(self) -> None:
         self._tb.close()
@@ -213,20 +220,16 @@ class WandbWriter:
         if not run_id:
             run_id = uuid.uuid4().hex[:12]
             id_file.write_text(run_id + "\n")
-        local = None
-        if not is_remote(path):
-            local = os.fspath(path)
         self._run = wandb.init(project=project, name=path.name, id=run_id, resume="allow",
-                               mode=mode, dir=local, config=config or {})
+                               mode=mode, dir=None if is_remote(path) else os.fspath(path),
+                               config=config or {})
 
     def write(self, step: int, metrics: Mapping[str, object], prefix: str = "") -> None:
         data: Dict[str, object] = {}
         for key, value in metrics.items():
             data.update(_per_layer_scalars(key, value, prefix))
-            array = np.asarray(value, dtype=np.float64)
-            if key == "expert_load" and array.ndim == 2:
-                for layer, load in enumerate(array):
-                    data[f"{prefix}expert_load/layer_{layer}"] = self._wandb.Histogram(load)
+            data.update((name, self._wandb.Histogram(loads))
+                        for name, loads in _load_histograms(key, value, prefix))
         self._run.log(data, step=int(step))
 
     def close(self) -> None:
@@ -268,6 +271,7 @@ class MetricsWriter:
         for writer in self.writers:
             writer.close()
         self.writers = []
+
 
 def read_metrics(run_dir) -> list[dict]:
     """The records of a run's ``metrics.jsonl`` (for plots, tests and notebooks)."""

@@ -125,25 +125,6 @@ def fit_stage1(args, out: Path, source: str, log) -> str:
     return str(path)
 
 
-_BASELINES = {}
-
-
-def _cached_unigram_baseline():
-    """The loop's unigram baseline (1M tokens read and counted at every run's end: tens of
-    seconds here) computed once per corpus and reused by every run of the benchmark."""
-    from dagmoe_jax.train import loop
-
-    compute = loop.unigram_entropy
-
-    def cached(data_cfg, tokenizer, *a, **k):
-        key = (data_cfg.source, data_cfg.eval_source, data_cfg.seq_len, data_cfg.batch_size)
-        if key not in _BASELINES:
-            _BASELINES[key] = compute(data_cfg, tokenizer, *a, **k)
-        return _BASELINES[key]
-
-    loop.unigram_entropy = cached
-
-
 def run_one(args, variant, seed, data_cfg, out: Path):
     from dagmoe_jax.accounting import account
     from dagmoe_jax.train.config import TrainConfig
@@ -271,7 +252,6 @@ def main(argv=None) -> int:
     for v in variants:
         model_config(v, args.topics, args.seq_len)          # unknown names fail before training
     topics_dir = fit_stage1(args, out, source, log)
-    _cached_unigram_baseline()
     result = {"args": vars(args), "runs": [], "forgetting": []}
     start = time.perf_counter()
     for seed in range(args.seeds):

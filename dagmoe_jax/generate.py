@@ -170,7 +170,7 @@ def _doe_step(graphdef, state, tok, topic, cache, start, step, key, temperature,
 def _generate_doe(graphdef, state, tokens, lens, topics, pieces, cfg, *, key, temperature, top_k,
                   top_p, stop_tokens, pad_id, max_new_tokens, greedy):
     """The DoE decoding loop: host-side topic tracking between jitted one-token steps."""
-    from dagmoe_jax.topics import TopicTracker, token_topics  # pylint: disable=import-outside-toplevel
+    from dagmoe_jax.topics import TopicTracker  # pylint: disable=import-outside-toplevel
 
     b, p = tokens.shape
     n = max_new_tokens
@@ -183,10 +183,9 @@ def _generate_doe(graphdef, state, tokens, lens, topics, pieces, cfg, *, key, te
                              "TopicModel.load(run_dir + '/topics')) and pieces= "
                              "(tokenizer.piece_bytes())")
         trackers = [TopicTracker(topics, pieces) for _ in range(b)]
-        for r in range(b):
-            row = tokens[r, :lens[r]].tolist()
-            prompt_topics[r, :lens[r]] = token_topics(topics, row, pieces)[0]
-            for t in row:
+        for r in range(b):              # the prompt's ids, as token_topics gives them
+            for i, t in enumerate(tokens[r, :lens[r]].tolist()):
+                prompt_topics[r, i] = trackers[r].next_id()
                 trackers[r].push(t)
     settings = (jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
     tok, cache = _doe_prefill(graphdef, state, jnp.asarray(tokens, jnp.int32),
@@ -205,10 +204,9 @@ def _generate_doe(graphdef, state, tokens, lens, topics, pieces, cfg, *, key, te
         if step == n - 1 or finished.all():
             break
         topic = np.full((b,), null, np.int32)
-        for r in range(b):
-            if trackers is not None:
-                topic[r] = trackers[r].next_id()
-                trackers[r].push(int(tok[r]))
+        for r, tracker in enumerate(trackers or ()):
+            topic[r] = tracker.next_id()
+            tracker.push(int(tok[r]))
         tok, cache = _doe_step(graphdef, state, jnp.asarray(tok, jnp.int32), jnp.asarray(topic),
                                cache, jnp.asarray(lens + step, jnp.int32), step + 1, key,
                                *settings, greedy=greedy)

@@ -70,7 +70,7 @@ def token_topics(model: TopicModel, ids: Sequence[int],
     beta = model.beta
 
     # Labels: y = argmax_k theta_(d,k) beta_(k,w), theta from the whole record.
-    theta = model.theta([data])[0]
+    theta = model.theta_of_words(w_idx[known])                     # the words found above
     word_label = np.full(len(spans), null, np.int32)
     word_label[known] = np.argmax(theta[None, :] * beta[:, w_idx[known]].T, axis=1)
     j = np.searchsorted(w_start, ends, side="left") - 1          # last word starting before end_t

@@ -25,6 +25,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from dagmoe_jax.validate import check as _check
+from dagmoe_jax.validate import nonnegative as _nonnegative
 from dagmoe_jax.validate import positive as _positive
 
 # scikit-learn's E-step (``transform``) runs through its joblib wrapper; called from the data
@@ -46,8 +47,8 @@ class TopicConfig:
     vocab_size: words kept (the most frequent; scikit-learn ``max_features``).
     min_df: a word must occur in at least this many documents.
     stop_words: drop scikit-learn's English stop words (they carry no topic).
-    max_documents: fit on at most this many training documents (the first ones of the
-      seed-shuffled training order; 0 = all). The fitted model labels every document.
+    max_documents: fit on at most this many training documents (the first ones in source
+      order; 0 = all). The fitted model labels every document.
     max_iter: passes over the documents (``LatentDirichletAllocation.max_iter``).
     batch_size: documents per online update (``batch_size``; scikit-learn's default 128).
     learning_decay, learning_offset: the online learning rate ``(offset + t)^-decay``
@@ -80,7 +81,7 @@ class TopicConfig:
         _check(self.learning_offset > 1.0, c, "learning_offset", self.learning_offset,
                "a number > 1")
         for name in ("doc_topic_prior", "topic_word_prior"):
-            _check(getattr(self, name) >= 0, c, name, getattr(self, name), "a number >= 0")
+            _nonnegative(c, name, getattr(self, name))
 
 
 def _as_bytes(text: Union[str, bytes]) -> bytes:
@@ -183,6 +184,16 @@ class TopicModel:
     def theta(self, documents: Sequence[Union[str, bytes]]) -> np.ndarray:
         """Document-topic distributions theta_d [D, K] (scikit-learn's E-step, normalised)."""
         return self._estimator().transform(self.counts(documents))
+
+    def theta_of_words(self, indices: Sequence[int]) -> np.ndarray:
+        """theta [K] of one document given as the vocabulary indices of its words (repeats
+        count): ``theta([document])[0]`` for a caller that has already found the words."""
+        from scipy.sparse import csr_matrix  # pylint: disable=import-outside-toplevel
+
+        cols = np.asarray(indices, np.int64)
+        row = csr_matrix((np.ones(len(cols)), (np.zeros(len(cols), np.int64), cols)),
+                         shape=(1, len(self.vocabulary)))
+        return self._estimator().transform(row)[0]
 
     def top_words(self, n: int = 10) -> List[List[str]]:
         """The ``n`` most probable words of each topic."""

@@ -168,7 +168,7 @@ def statistics(bench, moe, domain_ids, tps_values):
         stats = {t: DomainStatistics.zeros(cfg.num_layers, cfg.d_model) for t in tps_values}
         data = dataclasses.replace(bench.base, source=bench.domains[d][1], seed=99)
         for b in bench.batches(data, n=bench.args.stats_batches):
-            _, x = forced_forward(moe, jnp.asarray(b["inputs"]), jnp.int32(d))
+            _, x = forced_forward(moe, jnp.asarray(b["inputs"]), jnp.int32(d), head=False)
             x = np.asarray(x, np.float64).reshape(cfg.num_layers, -1, cfg.d_model)
             for t in tps_values:
                 stats[t].update(x, token_mask(b, t).reshape(-1))

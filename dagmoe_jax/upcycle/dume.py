@@ -14,6 +14,8 @@ training loop from the DUME or random-router model (docs/design.md section 7).
 
 from __future__ import annotations
 
+import functools
+
 from typing import Callable, Dict, Iterable, Optional, Sequence
 
 import jax
@@ -21,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dagmoe_jax.analysis.collect import record
 from dagmoe_jax.model.attention import rope_angles
 from dagmoe_jax.model.layers import dtype_of, swiglu
 from dagmoe_jax.upcycle.moerge import check_dume_config, flat_params, set_params
@@ -29,13 +32,14 @@ from dagmoe_jax.upcycle.ridge import DEFAULT_LAMBDA, DomainStatistics, solve_rou
 Batch = Dict[str, np.ndarray]
 
 
-@nnx.jit
-def forced_forward(model: nnx.Module, tokens: jax.Array, expert: jax.Array):
+@functools.partial(nnx.jit, static_argnames="head")
+def forced_forward(model: nnx.Module, tokens: jax.Array, expert: jax.Array, head: bool = True):
     """Logits [B, S, V] of the MoE ``model`` with every token of every layer sent to expert
     ``expert`` (an int32 scalar; gate 1), and the MLP inputs x = RMSNorm(h) of every layer
     [layers, B, S, d] (DUME eq. 7's X^(l)_j). The attention, norms and embedding are the
     model's own; only the routing is replaced, so with shared (averaged) non-MLP weights this is
-    dense model ``expert`` run with those weights (the paper's Oracle)."""
+    dense model ``expert`` run with those weights (the paper's Oracle). ``head=False`` (the
+    statistics pass) returns None for the logits and skips the LM head."""
     cfg = model.cfg
     if cfg.block != "moe" or cfg.aggregation.kind != "sum":
         raise ValueError(f"forced routing needs a merged MoE with aggregation 'sum' (this is "
@@ -60,6 +64,8 @@ def forced_forward(model: nnx.Module, tokens: jax.Array, expert: jax.Array):
         if layer.block.shared is not None:
             y = y + layer.block.shared(x.reshape(b * s, -1))
         h = layer.add_block_output(h, y.reshape(b, s, -1))
+    if not head:
+        return None, jnp.stack(inputs)
     h = model.final_norm(h)
     logits = jnp.dot(h, model.lm_head[...].astype(h.dtype), preferred_element_type=jnp.float32)
     return logits, jnp.stack(inputs)
@@ -88,7 +94,8 @@ def collect_statistics(model: nnx.Module, batches: Iterable[Batch], expert: int,
     cfg = model.cfg
     stats = stats or DomainStatistics.zeros(cfg.num_layers, cfg.d_model)
     for i, batch in enumerate(batches):
-        _, x = forced_forward(model, jnp.asarray(batch["inputs"]), jnp.int32(expert))
+        _, x = forced_forward(model, jnp.asarray(batch["inputs"]), jnp.int32(expert),
+                              head=False)
         x = np.asarray(x, np.float64).reshape(cfg.num_layers, -1, cfg.d_model)
         stats.update(x, token_mask(batch, tokens_per_sequence).reshape(-1))
         progress(i + 1, stats.tokens)
@@ -161,21 +168,10 @@ def routing_accuracy(model: nnx.Module, batches: Iterable[Batch], expert: int) -
     """Per layer, the share of a domain's (non-padding) tokens whose top-1 expert is the
     domain's own ``expert`` when ``model`` routes by itself (its router inputs are those of its
     own routing, not the forced pass) [layers]."""
-    model.set_attributes(record_intermediates=True, raise_if_not_found=False)
-    try:
-        hits, count = 0.0, 0.0
-        for batch in batches:
-            _, aux = _routed(model, jnp.asarray(batch["inputs"]))
-            top1 = np.asarray(aux[:, 0, :, 0])                            # [layers, T]
-            mask = token_mask(batch).reshape(-1)
-            hits = hits + ((top1 == expert) & mask[None]).sum(axis=1)
-            count += mask.sum()
-    finally:
-        model.set_attributes(record_intermediates=False, raise_if_not_found=False)
+    hits, count = 0.0, 0.0
+    for batch in batches:
+        top1 = np.asarray(record(model, batch["inputs"])["indices"][:, 0, :, 0])  # [layers, T]
+        mask = token_mask(batch).reshape(-1)
+        hits = hits + ((top1 == expert) & mask[None]).sum(axis=1)
+        count += mask.sum()
     return np.asarray(hits, np.float64) / max(count, 1.0)
-
-
-@nnx.jit
-def _routed(model, tokens):
-    logits, aux = model(tokens)
-    return logits, aux["intermediates"]["indices"]

@@ -53,7 +53,7 @@ class DomainStatistics:
             x = x[:, np.asarray(mask, bool).reshape(-1)]
         ones = np.ones(x.shape[:2] + (1,), np.float64)
         xt = np.concatenate([x, ones], axis=-1)                          # X~ = [X, 1]
-        self.gram += np.einsum("ltd,lte->lde", xt, xt)
+        self.gram += np.matmul(xt.transpose(0, 2, 1), xt)              # BLAS, per layer
         self.total += xt.sum(axis=1)
         self.tokens += int(x.shape[1])
 

@@ -255,14 +255,15 @@ def test_accounting_counts_every_doe_parameter(doe):
 
 
 def test_gate_profile_groups_gates_by_label(tmp_path, rng):
-    from dagmoe_jax.analysis.doe import _gates, gate_profile, plot_gate_profile, specialisation
+    from dagmoe_jax.analysis.collect import record
+    from dagmoe_jax.analysis.doe import gate_profile, plot_gate_profile, specialisation
 
     cfg = doe_config(layers=2)
     model = Transformer(cfg, rngs=nnx.Rngs(4))
     batch = {"inputs": rng.integers(0, 256, (2, 12)), "topics": rng.integers(0, K + 1, (2, 12)),
              "topic_labels": rng.integers(-1, K + 1, (2, 12))}
     profile = gate_profile(model, [batch], K)
-    gates = np.asarray(_gates(model, jnp.asarray(batch["inputs"]), jnp.asarray(batch["topics"])))
+    gates = np.asarray(record(model, batch["inputs"], topics=jnp.asarray(batch["topics"]))["gates"])
     assert gates.shape == (2, 2, 12, K) and (gates == 0).any() and (gates > 0).any()
     label = batch["topic_labels"]
     for g in range(K):

@@ -20,19 +20,20 @@ from flax import nnx
 
 
 @nnx.jit
-def _forward(model, tokens):
-    logits, aux = model(tokens)
+def _forward(model, tokens, inputs):
+    logits, aux = model(tokens, **inputs)
     return logits, aux.get("intermediates", {})
 
 
-def record(model, tokens) -> Dict[str, object]:
+def record(model, tokens, **inputs) -> Dict[str, object]:
     """Logits [B, S, V] and the intermediates the model records for ``tokens`` [B, S]:
     ``indices`` [layers, C, T, K] and, for a DAG model, ``edge_gates`` [layers, L, T, K, K, d_g]
-    and ``dag_inputs`` [layers, L, T, K, d], with T = B * S row-major. The model's recording
-    flag is switched on for this call only."""
+    and ``dag_inputs`` [layers, L, T, K, d], with T = B * S row-major; for a DoE model
+    ``gates`` [layers, B, S, K]. ``inputs``: the model's other inputs (a DoE model's
+    ``topics=``). The model's recording flag is switched on for this call only."""
     model.set_attributes(record_intermediates=True, raise_if_not_found=False)
     try:
-        logits, kept = _forward(model, jnp.asarray(tokens, jnp.int32))
+        logits, kept = _forward(model, jnp.asarray(tokens, jnp.int32), inputs)
     finally:
         model.set_attributes(record_intermediates=False, raise_if_not_found=False)
     return {"logits": logits, **kept}

@@ -14,16 +14,9 @@ from typing import Dict, Iterable, Optional
 
 import jax
 import numpy as np
-from flax import nnx
 
+from dagmoe_jax.analysis.collect import record
 from dagmoe_jax.analysis.plots import _save, plt
-
-
-@nnx.jit
-def _gates(model, inputs, topics):
-    model.set_attributes(record_intermediates=True, raise_if_not_found=False)
-    _, aux = model(inputs, topics=topics)
-    return aux["intermediates"]["gates"]            # [layers, B, S, K], z = mu
 
 
 def gate_profile(model, batches: Iterable[Dict[str, np.ndarray]], num_groups: int,
@@ -36,8 +29,8 @@ def gate_profile(model, batches: Iterable[Dict[str, np.ndarray]], num_groups: in
     """
     sums, counts = None, np.zeros(num_groups)
     for batch in batches:
-        gates = np.asarray(_gates(model, jax.numpy.asarray(batch["inputs"]),
-                                  jax.numpy.asarray(batch["topics"])), np.float64)
+        gates = np.asarray(record(model, batch["inputs"],                # [layers, B, S, K]
+                                  topics=jax.numpy.asarray(batch["topics"]))["gates"], np.float64)
         layers, b, s, k = gates.shape
         if group_key == "domain":
             groups = np.broadcast_to(np.asarray(batch["domain"])[:, None], (b, s))

@@ -15,6 +15,8 @@ because JAX's cuDNN attention checks the installed cuDNN library's version while
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -79,6 +81,11 @@ def test_train_step_lowers_for_accelerators(platform, mesh):
         assert (cfg.attention, cfg.grouped_matmul) == ("splash", "gmm")
         # the two Pallas kernels, forward and backward, lowered for Mosaic
         assert module.count("tpu_custom_call") >= 4
+        # splash attention's own kernels (gmm alone makes more than 4 custom calls, so a
+        # silent fallback to XLA attention would pass the count)
+        kernels = set(re.findall(r'kernel_name\s*=\s*"([^"]+)"', module))
+        for part in ("fwd", "dq", "dkv"):
+            assert any(k.startswith(f"splash_mha_{part}") for k in kernels), (part, kernels)
     else:
         assert (cfg.attention, cfg.grouped_matmul) == ("xla", "ragged_dot")
         assert "ragged_dot" in module and "tpu_custom_call" not in module

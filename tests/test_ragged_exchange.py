@@ -24,16 +24,16 @@ N = 8
 def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
                                recv_sizes, *, axis_name):
     """``jax.lax.ragged_all_to_all``'s documented semantics (one slice per device): slice i of
-    every device's ``operand`` lands on device i at that sender's ``output_offsets[i]``."""
-    del recv_sizes                                        # implied by the senders' sizes
+    every device's ``operand`` lands on device i at that sender's ``output_offsets[i]``; the
+    receiver takes ``recv_sizes[src]`` rows from sender src (what it must agree on)."""
     size = jax.lax.axis_size(axis_name)
     me = jax.lax.axis_index(axis_name)
     gather = lambda a: jax.lax.all_gather(a, axis_name, axis=0, tiled=False)  # noqa: E731
-    operands, starts, sizes, places = map(gather, (operand, input_offsets, send_sizes,
-                                                   output_offsets))
+    del send_sizes                                        # the receiver's count is used
+    operands, starts, places = map(gather, (operand, input_offsets, output_offsets))
     rows = jnp.arange(operand.shape[0])
     for src in range(size):
-        start, n, place = starts[src, me], sizes[src, me], places[src, me]
+        start, n, place = starts[src, me], recv_sizes[src], places[src, me]
         dest = jnp.where((rows >= start) & (rows < start + n), place + rows - start,
                          output.shape[0])
         output = output.at[dest].set(operands[src], mode="drop")

@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from dagmoe_jax.config import ModelConfig, RopeScalingConfig
+from dagmoe_jax.upcycle.moerge import set_params, variable
 
 PathLike = Union[str, Path]
 CONFIG_FILE = "config.json"
@@ -250,24 +251,6 @@ def hf_tensors_to_params(cfg: ModelConfig, get: Callable[[str], np.ndarray],
             [to_ours(read(_layer_names(i)[key], shape)) for i in range(cfg.num_layers)])
 
 
-def _variable(model: nnx.Module, path: Tuple[str, ...]):
-    node = model
-    for part in path:
-        node = getattr(node, part)
-    return node
-
-
-def assign_params(model: nnx.Module, params) -> None:
-    """Write (path, array) pairs into ``model``'s parameters, cast to each parameter's dtype;
-    a shape mismatch is a one-line error naming the parameter."""
-    for path, value in params:
-        var = _variable(model, path)
-        if tuple(var.shape) != tuple(value.shape):
-            raise ValueError(f"parameter {'.'.join(path)} has shape {tuple(var.shape)}, the "
-                             f"checkpoint gives {tuple(value.shape)}")
-        var[...] = np.asarray(value).astype(var[...].dtype)
-
-
 def load_hf_llama(path: PathLike, *, rngs: Optional[nnx.Rngs] = None, settle_fn=None,
                   **overrides):
     """A dense :class:`~dagmoe_jax.model.Transformer` holding a Hugging Face Llama checkpoint.
@@ -286,7 +269,8 @@ def load_hf_llama(path: PathLike, *, rngs: Optional[nnx.Rngs] = None, settle_fn=
     _check_names(reader, cfg, tied)
     settled = (settle_fn or settle)(cfg)
     model = Transformer(settled, rngs=rngs or nnx.Rngs(0))
-    assign_params(model, hf_tensors_to_params(cfg, reader.__getitem__, tied))
+    set_params(model, hf_tensors_to_params(cfg, reader.__getitem__, tied),
+               source="the checkpoint")
     return model, cfg
 
 
@@ -295,7 +279,7 @@ def params_to_hf_tensors(model: nnx.Module, tied: bool) -> Iterator[Tuple[str, n
     :func:`hf_tensors_to_params`."""
     cfg = model.cfg
     d = cfg.d_model
-    arr = lambda path: np.asarray(_variable(model, path)[...], dtype=np.float32)
+    arr = lambda path: np.asarray(variable(model, path)[...], dtype=np.float32)
     yield "model.embed_tokens.weight", arr(("embed",))
     if not tied:
         yield "lm_head.weight", arr(("lm_head",)).T

@@ -93,15 +93,23 @@ def flat_params(model: nnx.Module) -> dict:
             for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
-def set_params(model: nnx.Module, params: dict) -> None:
-    """Write {path: array} into ``model``'s parameters (cast to their dtypes), checking shapes."""
-    for path, value in params.items():
-        node = model
-        for part in path:
-            node = getattr(node, part)
+def variable(model: nnx.Module, path: Sequence[str]):
+    """The parameter of ``model`` at attribute ``path`` (e.g. ``('layers', 'attn', 'w_q')``)."""
+    node = model
+    for part in path:
+        node = getattr(node, part)
+    return node
+
+
+def set_params(model: nnx.Module, params, source: str = "the merge") -> None:
+    """Write {path: array} (or (path, array) pairs, read one at a time) into ``model``'s
+    parameters, cast to their dtypes; a shape mismatch is a one-line error naming the
+    parameter and what gave the array (``source``)."""
+    for path, value in (params.items() if isinstance(params, dict) else params):
+        node = variable(model, path)
         if tuple(node.shape) != tuple(np.shape(value)):
-            raise ValueError(f"parameter {'.'.join(path)} has shape {tuple(node.shape)}, the "
-                             f"merge gives {tuple(np.shape(value))}")
+            raise ValueError(f"parameter {'.'.join(path)} has shape {tuple(node.shape)}, "
+                             f"{source} gives {tuple(np.shape(value))}")
         node[...] = np.asarray(value).astype(node[...].dtype)
 
 

@@ -5,7 +5,7 @@ The plain loss projects every position to the vocabulary at once ([B, S, V] floa
 then ``optax.softmax_cross_entropy_with_integer_labels``: the loss of the code before
 ``dagmoe_jax/train/tiled_loss.py``); the tiled loss applies the LM head a chunk of positions at
 a time. ``plain`` and ``tiled`` keep the old parameters and moments alive until the step's new
-ones are written (the code before); ``tiled_donated`` (the training default,
+ones are written (the code before); ``tiled_donated`` (the training loop's,
 ``make_train_step(donate=True)``) lets XLA write them in place. Each variant runs in its own process under ``/usr/bin/time -v``
 (the peak resident set size of a process cannot be reset), one after the other, and the table
 compares them side by side: peak RSS, the best wall time of a step and the best CPU time of a

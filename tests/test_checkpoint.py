@@ -83,7 +83,7 @@ def test_round_trip_of_model_and_optimizer_is_bit_exact(tmp_path, tiny):
     meta = {"model_config": dataclasses.asdict(cfg), "step": 3}
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    step = make_train_step()             # donates the state it updates, as the loop's does
+    step = make_train_step(donate=True)  # donates the state it updates, as the loop's does
     params_at_save = host_copy(nnx.state(model, nnx.Param))
     with Checkpointer(tmp_path, save_every=1) as ckpt:
         assert ckpt.save(np.int64(3), nnx.state((model, optimizer)), meta=meta)

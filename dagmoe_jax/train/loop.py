@@ -281,7 +281,7 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
                            wandb_mode=train_cfg.wandb_mode,
                            config=runs.configs_to_json(model_cfg, data_cfg, optim_cfg, train_cfg))
     step_fn = make_train_step(grad_accum=train_cfg.grad_accum,
-                              wrt=TRAINABLE[train_cfg.trainable])
+                              wrt=TRAINABLE[train_cfg.trainable], donate=True)
     tokens_per_step = data_cfg.batch_size * data_cfg.seq_len
     losses: Dict[int, float] = {}
     stop = {}

@@ -84,15 +84,16 @@ def _split_micro(batch: Dict[str, jax.Array], grad_accum: int) -> Dict[str, jax.
 
 
 def make_train_step(loss_fn: Callable = lm_loss, grad_accum: int = 1,
-                    wrt=nnx.Param, donate: bool = True) -> Callable:
+                    wrt=nnx.Param, donate: bool = False) -> Callable:
     """A jitted ``step(model, optimizer, batch) -> metrics`` updating both in place.
 
-    ``donate`` (default): the model's and optimizer's arrays are donated to the step, so XLA
-    writes the new parameters and moments over the old ones instead of holding both (at the
-    s model, 2.2 GB of float32 parameters and AdamW moments). The old arrays are gone after
-    the call: keep none of them across a step. A checkpoint save is safe: Orbax copies the
-    state to the host before ``save`` returns, and a buffer a host view still reads is not
-    reused (tests/test_train.py checks a save's bytes after the next steps).
+    ``donate``: the model's and optimizer's arrays are donated to the step, so XLA writes the
+    new parameters and moments over the old ones instead of holding both (at the s model,
+    2.2 GB of float32 parameters and AdamW moments). The old arrays are gone after the call, and
+    with them any other model sharing them (``nnx.clone`` shares arrays), so it is off by
+    default and on in the training loop, which owns its model. A checkpoint save is safe:
+    Orbax copies the state to the host before ``save`` returns, and a buffer a host view still
+    reads is not reused (tests/test_checkpoint.py checks a save's bytes after the next steps).
 
     ``wrt``: the parameters gradients are taken of (the optimizer's own ``wrt``; a
     :data:`TRAINABLE` filter), the others held fixed.

@@ -37,12 +37,13 @@ import argparse
 import dataclasses
 import json
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dagmoe_jax.eval.scoring import mean_std, paired_difference  # noqa: E402
 
 VARIANTS = ("dense", "moe", "doe_softmax", "doe_relu", "doe_a0", "doe_a0.01", "doe_a0.1",
             "doe_no_lda", "doe_k", "doe_q")
@@ -178,17 +179,16 @@ def forgetting(args, record, code_cfg, evals, log) -> dict:
             "after": after}
 
 
-def spread(values):
-    return (statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0)
-
-
 def _paired(rs, ref) -> str:
-    """Mean and sd over seeds of the per-seed perplexity ratio to ``ref`` (a seed -> ppl map)."""
-    pairs = [100 * (r["perplexity"] / ref[r["seed"]] - 1) for r in rs if r["seed"] in ref]
-    if not pairs:
+    """Mean and sd over seeds of the per-seed perplexity ratio to ``ref`` (a seed -> ppl map),
+    in percent (``scoring.paired_difference`` of the ratios against 0)."""
+    ratios = {r["seed"]: 100 * (r["perplexity"] / ref[r["seed"]] - 1) for r in rs
+              if r["seed"] in ref}
+    if not ratios:
         return ""
-    return f"{statistics.mean(pairs):+.2f}%" + (f" sd {statistics.stdev(pairs):.2f}"
-                                               if len(pairs) > 1 else "")
+    paired = paired_difference(ratios, dict.fromkeys(ratios, 0.0))
+    return f"{paired['mean']:+.2f}%" + (f" sd {paired['std']:.2f}" if paired["seeds"] > 1
+                                        else "")
 
 
 def format_report(result: dict) -> str:
@@ -201,7 +201,7 @@ def format_report(result: dict) -> str:
                  f"{'vs MoE, paired':>18}{'vs DoE-ReLU':>17}{'paper ppl':>11}{'paper vs MoE':>14}")
     for variant in [v for v in VARIANTS if v in by]:
         rs = by[variant]
-        mean, sd = spread([r["perplexity"] for r in rs])
+        mean, sd = mean_std([r["perplexity"] for r in rs])
         vs_moe = "" if variant == "moe" else _paired(rs, seeds("moe"))
         vs_relu = "" if variant == "doe_relu" else _paired(rs, seeds("doe_relu"))
         paper = PAPER.get(variant)
@@ -221,7 +221,7 @@ def format_report(result: dict) -> str:
             parts = []
             for name in fs[0]["before"]:
                 deltas = [f["after"][name] - f["before"][name] for f in fs]
-                m, s = spread(deltas)
+                m, s = mean_std(deltas)
                 parts.append(f"{name} {m:+.4f} (sd {s:.4f})")
             lines.append(f"  {variant:<10}" + ", ".join(parts)
                          + (f"   paper: {PAPER_FORGET[variant]}" if variant in PAPER_FORGET else ""))

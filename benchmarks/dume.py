@@ -41,7 +41,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dagmoe_jax.cli import report_error, run_and_report  # noqa: E402
+from dagmoe_jax.cli import (add_budget_flags, fill_budget_defaults, report_error,  # noqa: E402
+                            run_and_report)
 
 DEFAULTS = dict(seeds=3, seed_steps=200, expert_steps=150, router_steps=80, batch=16,
                 seq_len=128, eval_batches=6, stats_batches=8, d_model=128, layers=4,
@@ -63,12 +64,9 @@ def parse_args(argv):
     p.add_argument("--micro", action="store_true")
     p.add_argument("--report", default="")
     p.add_argument("--json", default="")
-    for key, value in DEFAULTS.items():
-        p.add_argument(f"--{key}", type=type(value), default=None)
+    add_budget_flags(p, DEFAULTS)
     args = p.parse_args(argv)
-    for key, value in DEFAULTS.items():
-        if getattr(args, key) is None:
-            setattr(args, key, (MICRO if args.micro else {}).get(key, value))
+    fill_budget_defaults(args, DEFAULTS, MICRO)
     return args
 
 
@@ -133,22 +131,18 @@ class Bench:
         every layer to that expert)."""
         import jax.numpy as jnp
         import optax
-        from dagmoe_jax.train.step import eval_step
+        from dagmoe_jax.train.loop import evaluate
         from dagmoe_jax.upcycle.dume import forced_forward
 
+        if oracle is None:
+            return evaluate(model, self.heldout[domain])["loss"]
         total, count = 0.0, 0.0
         for b in self.heldout[domain]:
             batch = {k: jnp.asarray(b[k]) for k in ("inputs", "targets", "mask")}
-            if oracle is None:
-                out = eval_step(model, batch)
-                total += float(out["ce_sum"])
-                count += float(out["tokens"])
-            else:
-                logits, _ = forced_forward(model, batch["inputs"], jnp.int32(oracle))
-                losses = optax.softmax_cross_entropy_with_integer_labels(logits,
-                                                                         batch["targets"])
-                total += float(jnp.sum(losses * batch["mask"]))
-                count += float(jnp.sum(batch["mask"]))
+            logits, _ = forced_forward(model, batch["inputs"], jnp.int32(oracle))
+            losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+            total += float(jnp.sum(losses * batch["mask"]))
+            count += float(jnp.sum(batch["mask"]))
         return total / count
 
     def ces(self, model, oracle=False):

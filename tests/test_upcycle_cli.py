@@ -15,7 +15,8 @@ from dagmoe_jax import runs
 from dagmoe_jax.data import DataConfig, make_tokenizer
 from dagmoe_jax.data.pipeline import eval_batches, train_dataset
 from dagmoe_jax.model import Transformer
-from dagmoe_jax.train.step import eval_step, make_train_step
+from dagmoe_jax.train.loop import evaluate
+from dagmoe_jax.train.step import make_train_step
 from dagmoe_jax.upcycle import __main__ as cli
 from dagmoe_jax.upcycle import command, dume, moerge
 
@@ -34,13 +35,7 @@ def write_domain(path, alphabet, seed):
 
 
 def ce(model, batches):
-    total, count = 0.0, 0.0
-    for b in batches:
-        out = eval_step(model, {k: jnp.asarray(v) for k, v in b.items()
-                                if k in ("inputs", "targets", "mask")})
-        total += float(out["ce_sum"])
-        count += float(out["tokens"])
-    return total / count
+    return evaluate(model, batches)["loss"]
 
 
 def test_upcycle_command_end_to_end(tmp_path, capsys):

@@ -28,6 +28,15 @@ def report_error(err: BaseException, code: int = 2) -> int:
     return code
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors raise ``ValueError(message)`` instead of printing
+    argparse's usage block and exiting: the command line reports it as one line
+    (:func:`report_error`, exit 2). ``--help`` behaves as argparse's own."""
+
+    def error(self, message):
+        raise ValueError(message)
+
+
 class _BackgroundNoise(logging.Filter):
     """Drops what asyncio and Orbax's threads log about a read or write that failed: the caller
     that waits on it reports the failure once (one line), and these repeat it with tracebacks,

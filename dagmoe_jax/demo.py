@@ -9,6 +9,7 @@ downloaded, and prints the loss as it falls. ``train.py`` is the full training j
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import jax
@@ -18,6 +19,7 @@ import optax
 from flax import nnx
 
 from dagmoe_jax.accounting import account
+from dagmoe_jax.cli import USER_ERRORS, OneLineParser, report_error
 from dagmoe_jax.gin_utils import load_model_config
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.settle import settle
@@ -36,16 +38,22 @@ def reversal_batch(rng: np.random.Generator, batch: int, half: int):
             "mask": jnp.asarray(mask)}
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    """``python -m dagmoe_jax.demo``: exit status 0 done, 2 invalid arguments or gin files (a
+    one-line message)."""
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="models/tiny.gin")
     p.add_argument("--variant", default="variants/dag_g64_l2.gin")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--half", type=int, default=12, help="length of the string to reverse")
-    args = p.parse_args(argv)
-
-    cfg = load_model_config([args.model, args.variant])
+    try:
+        args = p.parse_args(argv)
+        if args.steps < 1:
+            raise ValueError(f"--steps={args.steps} is invalid: expected an integer >= 1")
+        cfg = load_model_config([args.model, args.variant])
+    except USER_ERRORS as err:
+        return report_error(err)
     print(f"model {args.model} + {args.variant}: block={cfg.block} aggregation={cfg.aggregation.kind}")
     print(account(cfg, 2 * args.half).table())
     cfg = settle(cfg, log=print)
@@ -62,7 +70,8 @@ def main(argv=None):
                   f"dropped {float(jnp.mean(metrics['dropped_fraction'])):.3f}  "
                   f"{time.perf_counter() - start:6.1f}s", flush=True)
     print(f"uniform-guess loss would be {np.log(255):.3f}; devices: {jax.devices()}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -23,10 +23,9 @@ Exit status: 0 done, 2 invalid arguments, run directory or prompt (a one-line me
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from dagmoe_jax.cli import quiet_background_errors, report_error
+from dagmoe_jax.cli import OneLineParser, quiet_background_errors, report_error
 
 
 def sample_text(tokenizer, prompt_ids, new_ids) -> str:
@@ -36,13 +35,8 @@ def sample_text(tokenizer, prompt_ids, new_ids) -> str:
     return tokenizer.decode(list(prompt_ids) + list(new_ids))
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one-line errors instead of argparse's usage block
-        raise ValueError(message)
-
-
 def parse_args(argv):
-    parser = _Parser(add_help=False)
+    parser = OneLineParser(add_help=False)
     parser.add_argument("-h", "--help", action="store_true")
     parser.add_argument("--run_dir", default="")
     parser.add_argument("--prompt", action="append", default=[])

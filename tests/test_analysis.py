@@ -172,6 +172,7 @@ def assert_pngs(out: Path, names):
         assert data.startswith(PNG) and len(data) > 2000, name
 
 
+@pytest.mark.slow
 def test_plot_command_on_a_dag_run(analyzed):
     code, stdout, stderr, out = analyzed["dag"]
     assert code == 0, stderr
@@ -180,6 +181,7 @@ def test_plot_command_on_a_dag_run(analyzed):
     assert not (out / "coactivation.png").exists()
 
 
+@pytest.mark.slow
 def test_plot_command_on_a_coe_run_with_other_data(analyzed):
     code, stdout, stderr, out = analyzed["coe"]
     assert code == 0, stderr

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow          # subprocesses of benchmarks/peer_throughput.py
+
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "peer_throughput.py"
 
 

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow          # a subprocess of benchmarks/step_throughput.py
+
 ROOT = Path(__file__).resolve().parent.parent
 MICRO = ["ModelConfig.num_layers = 1", "ModelConfig.d_model = 64", "ModelConfig.num_heads = 4",
          "ModelConfig.num_kv_heads = 2", "ExpertConfig.num_experts = 4",

@@ -69,6 +69,7 @@ def test_pipeline_carries_topics_aligned_with_tokens(configs):
         np.testing.assert_array_equal(value, following[key])
 
 
+@pytest.mark.slow          # three training runs in this process; about 20 s
 def test_doe_run_logs_its_terms_and_resumes_bit_for_bit(configs):
     root, model_cfg, data_cfg, optim_cfg, train_cfg = configs
     ref = root / "ref"

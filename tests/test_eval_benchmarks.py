@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow          # subprocesses of the benchmark drivers
+
 REPO = Path(__file__).resolve().parent.parent
 def single_device_env() -> dict:
     """This environment for a subprocess, minus the simulated devices tests/conftest.py adds

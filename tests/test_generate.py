@@ -231,6 +231,7 @@ def smoke_run(tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.slow
 def test_cli_samples_from_a_checkpoint(smoke_run):
     prompt = "lis 3 1 4 1 5 ="
     cmd = [sys.executable, "-m", "dagmoe_jax.sample", f"--run_dir={smoke_run}",
@@ -246,6 +247,7 @@ def test_cli_samples_from_a_checkpoint(smoke_run):
     assert "at step 2" in proc.stderr
 
 
+@pytest.mark.slow
 def test_cli_greedy_equals_library(smoke_run, capsys):
     from dagmoe_jax.runs import load_run
     from dagmoe_jax.sample import main
@@ -260,6 +262,7 @@ def test_cli_greedy_equals_library(smoke_run, capsys):
     assert printed == ("edit ab =" + tok.decode(new)).rstrip("\n")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, match", [
     (["--run_dir=/nonexistent/run", "--prompt=x"], "does not exist"),
     (["--prompt=" + "a" * 200], "max_seq_len is 128"),

@@ -266,6 +266,7 @@ def test_build_errors_are_one_line(tmp_path, monkeypatch):
         kbuild.build(bad)
 
 
+@pytest.mark.slow
 def test_attention_benchmark_prints_its_table():
     import subprocess
     import sys

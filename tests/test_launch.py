@@ -100,6 +100,7 @@ def test_reexec_restarts_once_with_the_same_pid_and_arguments(tmp_path):
     assert [line.split()[0] for line in out.stdout.splitlines()] == ["start", "after"]
 
 
+@pytest.mark.slow
 def test_alloc_bandwidth_benchmark_prints_its_table():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env[SWITCH] = "0"

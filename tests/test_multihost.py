@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from dagmoe_jax.data import train_records
 from dagmoe_jax.gin_utils import load_configs
 from dagmoe_jax.train.metrics import read_metrics
@@ -43,6 +45,7 @@ def _run_pair(run_dir: Path, steps: int) -> list:
     return outputs
 
 
+@pytest.mark.slow
 def test_two_processes_train_save_and_resume(tmp_path):
     run_dir = tmp_path / "run"
     first = _run_pair(run_dir, steps=10)

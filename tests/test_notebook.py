@@ -14,6 +14,7 @@ nbclient = pytest.importorskip("nbclient")
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "quickstart.ipynb"
 
 
+@pytest.mark.slow          # a Jupyter kernel subprocess; about 20 s
 def test_quickstart_notebook_executes(monkeypatch):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     # The kernel inherits this environment: one CPU device, as on a user's machine (without the

@@ -76,6 +76,7 @@ def _run_installed(installed: Path, cwd: Path, code: str, *args: str):
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_gin_files_ship_as_package_data(installed, tmp_path):
     shipped = sorted(p.relative_to(installed / "dagmoe_jax/configs").as_posix()
                      for p in (installed / "dagmoe_jax/configs").rglob("*.gin"))
@@ -95,6 +96,7 @@ def test_gin_files_ship_as_package_data(installed, tmp_path):
     assert numbers.split() == [str(model.d_model), str(train.steps)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(PYPROJECT["project"]["scripts"]))
 def test_console_scripts_from_another_directory(installed, tmp_path, script):
     """What the console-script wrapper pip writes does: import the target, exit with it."""

@@ -17,6 +17,7 @@ from dagmoe_jax.train.metrics import METRICS_FILE, MetricsWriter, read_metrics
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = [sys.executable, str(REPO / "train.py"), "--gin_file=train/smoke.gin", "--no_progress",
          "--gin.TrainConfig.tensorboard=False", "--gin.TrainConfig.task_eval_examples=0"]
+TRAIN_BINDINGS = ["TrainConfig.tensorboard = False", "TrainConfig.task_eval_examples = 0"]
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 
@@ -47,6 +48,7 @@ def short_run(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_model_change_that_keeps_the_shapes(short_run):
     before = (short_run / "config.json").read_text()
     # a torn metrics line (a crash mid-write) must not block the resume either
@@ -78,6 +80,7 @@ def test_resume_refuses_a_model_change_that_keeps_the_shapes(short_run):
             "train") in done.stdout
 
 
+@pytest.mark.slow
 def test_diverged_parameters_are_never_saved_as_the_last_good_checkpoint(tmp_path):
     """A huge learning rate: the loss of the step that blows the parameters up is still finite
     (it is computed before the update), so the state after it must be checked before saving."""
@@ -101,6 +104,7 @@ def test_diverged_parameters_are_never_saved_as_the_last_good_checkpoint(tmp_pat
     assert bool(jnp.all(jnp.isfinite(logits)))
 
 
+@pytest.mark.slow
 def test_repeated_signals_wait_for_the_save_they_asked_for(tmp_path):
     """SIGTERM, then SIGTERM and Ctrl-C while the stop's checkpoint is being written: one clean
     stop, the checkpoint it reports is complete on disk, and the run resumes from it."""
@@ -132,45 +136,67 @@ def test_repeated_signals_wait_for_the_save_they_asked_for(tmp_path):
     assert again.returncode == 0 and f"resumed from step {stopped}" in again.stdout
 
 
-def test_bad_paths_and_files_are_one_line_errors(tmp_path, short_run):
+def test_bad_paths_and_files_are_one_line_errors(tmp_path, capsys):
     """Each of these printed a traceback: a run dir under a file or equal to one, a tokenizer
     path that is not a tokenizer, a config.json from another version, a run with no
-    checkpoint (sampling and evaluating)."""
+    checkpoint (sampling and evaluating). The commands' ``main`` run in this process (what
+    their console scripts call); test_a_bad_path_through_the_command_line_is_one_line runs one
+    through ``python train.py``."""
+    from dagmoe_jax import runs
+    from dagmoe_jax.gin_utils import load_configs
+    from dagmoe_jax.sample import main as sample_main
+    from dagmoe_jax.train.__main__ import main as train_main
+
     a_file = tmp_path / "a_file"
     a_file.write_text("not a model\n")
-    runs = tmp_path / "runs"
-    runs.mkdir()
+    run_dirs = tmp_path / "runs"
+    run_dirs.mkdir()
     no_ckpt = tmp_path / "no_ckpt"
     no_ckpt.mkdir()
-    (no_ckpt / "config.json").write_text((short_run / "config.json").read_text())
+    runs.save_configs(no_ckpt, *load_configs(["train/smoke.gin"], TRAIN_BINDINGS))
     newer = tmp_path / "newer"
     newer.mkdir()
-    blob = json.loads((short_run / "config.json").read_text())
+    blob = json.loads((no_ckpt / "config.json").read_text())
     blob["model"]["a_field_from_the_future"] = 1
     (newer / "config.json").write_text(json.dumps(blob))
+    train = TRAIN[2:]
     cases = [
-        (TRAIN + [f"--run_dir={a_file}/run"], "lies under"),
-        (TRAIN + [f"--run_dir={a_file}"], "is a file, not a directory"),
-        (TRAIN + [f"--run_dir={runs}/sp", "--gin.DataConfig.tokenizer='sentencepiece'",
-                  f"--gin.DataConfig.tokenizer_path='{a_file}'"], "is not a SentencePiece model"),
-        (TRAIN + [f"--run_dir={runs}/hf", "--gin.DataConfig.tokenizer='hf'",
-                  f"--gin.DataConfig.tokenizer_path='{a_file}'"],
+        (train_main, train + [f"--run_dir={a_file}/run"], "lies under"),
+        (train_main, train + [f"--run_dir={a_file}"], "is a file, not a directory"),
+        (train_main, train + [f"--run_dir={run_dirs}/sp",
+                              "--gin.DataConfig.tokenizer='sentencepiece'",
+                              f"--gin.DataConfig.tokenizer_path='{a_file}'"],
+         "is not a SentencePiece model"),
+        (train_main, train + [f"--run_dir={run_dirs}/hf", "--gin.DataConfig.tokenizer='hf'",
+                              f"--gin.DataConfig.tokenizer_path='{a_file}'"],
          "is not a Hugging Face tokenizer.json"),
-        ([sys.executable, "-m", "dagmoe_jax.sample", f"--run_dir={no_ckpt}", "--prompt=a"],
-         "no checkpoint in"),
-        ([sys.executable, str(REPO / "train.py"), "--mode=eval", f"--run_dir={newer}"],
+        (sample_main, [f"--run_dir={no_ckpt}", "--prompt=a"], "no checkpoint in"),
+        (train_main, ["--mode=eval", f"--run_dir={newer}"],
          "is not a config this version of dagmoe_jax can read"),
     ]
-    for argv, needle in cases:
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=ENV,
-                                cwd=REPO)
-        assert result.returncode == 2, (argv, result.stderr[-2000:])
-        lines = result.stderr.strip().splitlines()
+    for main, argv, needle in cases:
+        code = main(argv)
+        err = capsys.readouterr().err
+        assert code == 2, (argv, err[-2000:])
+        lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], \
-            (argv, result.stderr[-2000:])
+            (argv, err[-2000:])
     assert a_file.read_text() == "not a model\n"
 
 
+@pytest.mark.slow
+def test_a_bad_path_through_the_command_line_is_one_line(tmp_path):
+    """One of the above through ``python -m dagmoe_jax.sample`` itself (the entry point)."""
+    result = subprocess.run([sys.executable, "-m", "dagmoe_jax.sample",
+                             f"--run_dir={tmp_path / 'nowhere'}", "--prompt=a"],
+                            capture_output=True, text=True, timeout=300, env=ENV, cwd=REPO)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "does not exist" in lines[0], \
+        result.stderr[-2000:]
+
+
+@pytest.mark.slow
 def test_a_full_disk_stops_the_run_at_the_failed_save_in_one_line(tmp_path):
     """ENOSPC during a save printed 420 lines and trained 5 more steps past it. A file-size
     limit (writes fail with EFBIG, as on a full disk) lets the configs and metrics through but
@@ -227,6 +253,7 @@ def test_a_huge_document_is_read_in_pieces(tmp_path):
     assert sum(int(((b["targets"] == tok.eos_id) & b["mask"]).sum()) for b in batches) == 3
 
 
+@pytest.mark.slow
 def test_memory_stays_flat_in_document_length(tmp_path):
     """Peak memory of 20 training batches from a corpus of one 2 MB and one 32 MB line differ
     by far less than the longer document's size would cost if held and tokenized whole."""
@@ -333,6 +360,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process parents from /proc")
 def test_grain_workers_exit_when_the_training_process_is_killed(tmp_path):
     """With DataConfig.worker_count=2, a SIGKILL of the training process left its grain worker
@@ -381,6 +409,7 @@ def read_only_dir(tmp_path):
         subprocess.run(["umount", str(mount)], check=True)
 
 
+@pytest.mark.slow
 def test_a_run_directory_on_a_read_only_file_system_is_one_line(read_only_dir):
     for run_dir in (read_only_dir / "new_run", read_only_dir / "old_run"):
         result = subprocess.run([*TRAIN, f"--run_dir={run_dir}"], capture_output=True, text=True,

@@ -63,6 +63,7 @@ def reference(tmp_path_factory) -> tuple:
     return run_dir, result
 
 
+@pytest.mark.slow
 def test_train_end_to_end(reference):
     run_dir, result = reference
     assert "final eval at step 40: held-out loss" in result.stdout
@@ -86,6 +87,7 @@ def test_train_end_to_end(reference):
     assert "ModelConfig.d_model = %D_MODEL" in operative and "TrainConfig.steps = 40" in operative
 
 
+@pytest.mark.slow
 def test_eval_mode_scores_the_checkpoint(reference, tmp_path):
     run_dir, _ = reference
     result = subprocess.run([sys.executable, str(REPO / "train.py"), "--mode=eval",
@@ -102,6 +104,7 @@ def test_eval_mode_scores_the_checkpoint(reference, tmp_path):
     assert f"on text:{text}" in result.stdout
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_reproduces_the_run_bit_for_bit(reference, tmp_path):
     ref_dir, _ = reference
     run_dir = tmp_path / "run"
@@ -119,6 +122,7 @@ def test_sigkill_then_resume_reproduces_the_run_bit_for_bit(reference, tmp_path)
     assert final == ref_final
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_cleanly_then_resumes(reference, tmp_path):
     run_dir = tmp_path / "run"
     proc = start(run_dir)
@@ -134,6 +138,7 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes(reference, tmp_path):
     assert losses(run_dir) == losses(reference[0])
 
 
+@pytest.mark.slow
 def test_truncated_latest_checkpoint_falls_back_to_the_previous(reference, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(reference[0], run_dir)
@@ -148,6 +153,7 @@ def test_truncated_latest_checkpoint_falls_back_to_the_previous(reference, tmp_p
     assert 40 in checkpoint_steps(run_dir)                        # re-written, good this time
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(reference, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(reference[0], run_dir)
@@ -160,10 +166,16 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(reference, tmp
     assert checkpoint_steps(run_dir)[-1] == 40
 
 
-def _one_line_error(result, *fragments):
-    assert result.returncode == 2, (result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+def _one_line_error(capsys, run_dir: Path, args, *fragments):
+    """train.py's ``main`` in this process (what the console script calls): exit status 2 and
+    one line on stderr holding each fragment."""
+    from dagmoe_jax.train.__main__ import main
+
+    code = main([*TRAIN[2:], f"--run_dir={run_dir}", *args])
+    captured = capsys.readouterr()
+    assert code == 2, (captured.out, captured.err)
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
 
@@ -177,15 +189,25 @@ def _one_line_error(result, *fragments):
     (["--gin.DataConfig.source='text:/no/such/dir/*.txt'"], ["matched no file"]),
     (["--bogus"], ["--bogus"]),
 ])
-def test_bad_input_is_a_one_line_error(tmp_path, args, fragments):
-    _one_line_error(run(tmp_path / "run", *args, timeout=120), *fragments)
+def test_bad_input_is_a_one_line_error(tmp_path, capsys, args, fragments):
+    _one_line_error(capsys, tmp_path / "run", args, *fragments)
 
 
-def test_empty_dataset_is_a_one_line_error(tmp_path):
+def test_empty_dataset_is_a_one_line_error(tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")
-    _one_line_error(run(tmp_path / "run", f"--gin.DataConfig.source='text:{empty}'", timeout=120),
+    _one_line_error(capsys, tmp_path / "run", [f"--gin.DataConfig.source='text:{empty}'"],
                     "empty")
+
+
+@pytest.mark.slow
+def test_bad_input_through_the_command_line_is_a_one_line_error(tmp_path):
+    """The same check through ``python train.py`` itself (its entry point and exit status)."""
+    result = run(tmp_path / "run", "--gin.TrainConfig.stepz=3", timeout=120)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "stepz" in lines[0], \
+        result.stderr
 
 
 def test_gin_overrides_reach_the_model():

@@ -54,6 +54,7 @@ def short_run(tmp_path_factory):
     return run_dir, first.stdout, done[0], done[1]
 
 
+@pytest.mark.slow
 def test_a_short_run_fits_its_warmup_and_says_so(short_run):
     _, out, _, _ = short_run
     assert ("note: OptimConfig.warmup_steps=2000 does not fit in this 6-step run: warming up "
@@ -62,6 +63,7 @@ def test_a_short_run_fits_its_warmup_and_says_so(short_run):
     assert records and all(r["learning_rate"] == pytest.approx(3e-3) for r in records)
 
 
+@pytest.mark.slow
 def test_progress_lines_and_compile_time_left_out(short_run):
     run_dir, out, _, _ = short_run
     lines = out.splitlines()
@@ -79,6 +81,7 @@ def test_progress_lines_and_compile_time_left_out(short_run):
     assert record["tokens_per_sec"] > 3 * with_compile, (record["tokens_per_sec"], seconds)
 
 
+@pytest.mark.slow
 def test_a_finished_run_started_again_does_not_log_its_eval_twice(short_run):
     run_dir, _, again, _ = short_run
     assert "nothing left to train" in again and "final eval at step 6" in again
@@ -86,6 +89,7 @@ def test_a_finished_run_started_again_does_not_log_its_eval_twice(short_run):
     assert [r["step"] for r in evals] == [6]
 
 
+@pytest.mark.slow
 def test_eval_mode_honours_data_bindings(short_run):
     run_dir, first, _, evaluated = short_run
     own = float(re.search(r"final eval at step 6: held-out loss ([\d.]+)", first).group(1))

@@ -19,19 +19,13 @@ Exit status: 0 done, 2 invalid arguments, run directory or data (a one-line mess
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from dagmoe_jax.cli import quiet_background_errors, report_error
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one-line errors instead of argparse's usage block
-        raise ValueError(message)
+from dagmoe_jax.cli import OneLineParser, quiet_background_errors, report_error
 
 
 def main(argv=None) -> int:
-    parser = _Parser(add_help=False)
+    parser = OneLineParser(add_help=False)
     parser.add_argument("-h", "--help", action="store_true")
     parser.add_argument("--run_dir", default="")
     parser.add_argument("--out", default="")

@@ -1,7 +1,16 @@
-"""Hand-written XLA:CPU kernels (C++ XLA FFI), compiled on first use and cached on disk.
+"""Kernels beyond what XLA emits on its own, one module per machine they are written for.
 
-The only one so far is a fused causal grouped-query attention (:mod:`.attention`), which
-``ModelConfig.attention='auto'`` picks on CPU for float32 when a C++ compiler is available.
+* CPU, :mod:`.attention`: a fused causal grouped-query attention in C++ (an XLA FFI custom
+  call, compiled on first use and cached on disk by :mod:`.build`): what attention 'auto'
+  settles to on CPU for float32 when a C++ compiler is available ('fused').
+* TPU, :mod:`.pallas`: JAX's Pallas TPU kernels wrapped for this model's layouts, the splash
+  attention (``attention='splash'``) and megablox's grouped matmul for dropless dispatch
+  (``grouped_matmul='gmm'``); they run anywhere in the Pallas interpreter, which is how the CPU
+  tests check them.
+
+GPUs need no kernel of ours: there :mod:`dagmoe_jax.settle` picks cuDNN's attention
+('cudnn', for 16-bit compute and the head sizes cuDNN takes; XLA's otherwise) and
+``jax.lax.ragged_dot`` for the grouped matmul (cuDNN's grouped GEMM with scripts/gpu_env.sh).
 """
 
 from dagmoe_jax.kernels.attention import (SUPPORTED_HEAD_DIMS, fused_attention_unavailable,

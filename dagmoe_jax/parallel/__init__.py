@@ -6,8 +6,12 @@
 * :mod:`~dagmoe_jax.parallel.state`: parameters and optimizer state created sharded
   (:func:`create_sharded`, :func:`create_train_state`), moved onto the mesh
   (:func:`place_on_mesh`), and global batches (:func:`shard_batch`).
-* :mod:`~dagmoe_jax.parallel.expert`: expert-parallel token dispatch (``shard_map`` +
-  all-to-all), used by the MoE layers automatically under :func:`activate`.
+* :mod:`~dagmoe_jax.parallel.multihost`: multi-process start-up (:func:`initialize` of
+  ``jax.distributed`` from flags, the environment or the cluster).
+
+Expert-parallel token dispatch (``shard_map`` + all-to-all) is the model's own,
+:mod:`dagmoe_jax.model.expert_parallel`: the experts run it when the model was built with a
+mesh layout (:class:`~dagmoe_jax.parallel.axes.MeshLayout`).
 """
 
 from dagmoe_jax.parallel.axes import DEFAULT_RULES, MESH_AXES, constrain, logical_to_spec

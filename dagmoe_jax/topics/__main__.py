@@ -15,20 +15,23 @@ import argparse
 import dataclasses
 import sys
 
-from dagmoe_jax.cli import USER_ERRORS, gin_flag_bindings, report_error
+from dagmoe_jax.cli import USER_ERRORS, OneLineParser, gin_flag_bindings, report_error
 
 
 def main(argv=None) -> int:
     from dagmoe_jax.topics.lda import TopicConfig  # pylint: disable=import-outside-toplevel
 
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gin_file", action="append", default=[])
     parser.add_argument("--out", required=True, help="directory to save the topic model in")
     for field in dataclasses.fields(TopicConfig):
         if field.name in ("vocab_size", "min_df", "max_documents", "max_iter", "batch_size", "seed"):
             parser.add_argument(f"--{field.name}", type=int, default=field.default)
-    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    try:
+        args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    except ValueError as err:
+        return report_error(err)
     bindings, unknown = gin_flag_bindings(rest)
     if unknown:
         return report_error(ValueError(f"unknown argument {unknown[0]!r}"))

@@ -34,14 +34,15 @@ Exit status: 0 done or interrupted and saved (SIGTERM / Ctrl-C), 1 non-finite lo
 
 from __future__ import annotations
 
-import argparse
 import sys
+
+from dagmoe_jax.cli import OneLineParser, gin_flag_bindings, quiet_background_errors, report_error
 
 DEFAULT_GIN = "train/default.gin"
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = OneLineParser(add_help=False)
     parser.add_argument("-h", "--help", action="store_true")
     parser.add_argument("--gin_file", action="append", default=[])
     parser.add_argument("--gin_bindings", action="append", default=[])
@@ -55,7 +56,6 @@ def parse_args(argv):
     parser.add_argument("--num_processes", type=int, default=None)
     parser.add_argument("--process_id", type=int, default=None)
     args, rest = parser.parse_known_args(argv)
-    from dagmoe_jax.cli import gin_flag_bindings
     flags, unknown = gin_flag_bindings(rest)
     if unknown:
         raise ValueError(f"unknown argument {unknown[0]!r} (see python train.py --help)")
@@ -70,9 +70,8 @@ def parse_args(argv):
 def main(argv=None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
-    except (ValueError, SystemExit) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except ValueError as err:
+        return report_error(err)
     if args.help:
         print(__doc__)
         return 0
@@ -81,7 +80,6 @@ def main(argv=None) -> int:
     import gin
     import jax
     from dagmoe_jax.accounting import account
-    from dagmoe_jax.cli import quiet_background_errors, report_error
     from dagmoe_jax.gin_utils import load_configs
     from dagmoe_jax.parallel.multihost import initialize
     from dagmoe_jax.train.loop import (NonFiniteLossError, eval_data_overrides,

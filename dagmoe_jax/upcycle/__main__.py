@@ -32,20 +32,16 @@ python train.py --gin_file=DIR/resume.gin (DUME+). Exit status 2 for invalid inp
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import time
 from pathlib import Path
 
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one-line errors instead of argparse's usage block
-        raise ValueError(message)
+from dagmoe_jax.cli import USER_ERRORS, OneLineParser, quiet_background_errors, report_error
 
 
 def parse_args(argv):
-    p = _Parser(add_help=False)
+    p = OneLineParser(add_help=False)
     p.add_argument("-h", "--help", action="store_true")
     p.add_argument("--dense", action="append", default=[])
     p.add_argument("--source", action="append", default=[])
@@ -136,9 +132,6 @@ def run(args) -> Path:
 
 
 def main(argv=None) -> int:
-    from dagmoe_jax.cli import (USER_ERRORS, quiet_background_errors,  # pylint: disable=import-outside-toplevel
-                                report_error)
-
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
     except ValueError as err:

@@ -2,8 +2,8 @@
 layer's attention core (no projections), in one run, with ratios against the fused kernel.
 
 Default shape: the s model's (batch 8 x 512 tokens, 32 query heads over 8 KV heads, head_dim
-16). The implementations are ``ModelConfig.attention``'s: 'fused' (the C++ kernel of
-``dagmoe_jax/kernels``, CPU only), 'blockwise' (XLA, ``ModelConfig.attention_block`` keys per
+16). The implementations are ``ExecutionConfig.attention``'s: 'fused' (the C++ kernel of
+``dagmoe_jax/kernels``, CPU only), 'blockwise' (XLA, ``ExecutionConfig.attention_block`` keys per
 block) and 'xla' (``jax.nn.dot_product_attention``). Rounds alternate between them and each
 keeps its best time, so machine drift hits all alike.
 

@@ -150,8 +150,8 @@ def notes(cfg, rows) -> str:
               "  OLMoE: RMSNorm on q and k, softmax router, load-balancing loss only, dropless experts, "
               "no activation recomputation (PyTorch eager)",
               f"  ours: no q/k norm, {cfg.router.score_fn} router, balance + z-loss, {dispatch}, "
-              f"remat '{cfg.remat}' (here: {REMAT_MEANING[settled.remat]}), "
-              f"attention '{cfg.attention}' (here: {describe_settled(settled, cfg)})"]
+              f"remat '{cfg.execution.remat}' (here: {REMAT_MEANING[settled.execution.remat]}), "
+              f"attention '{cfg.execution.attention}' (here: {describe_settled(settled, cfg)})"]
     return "\n".join(lines)
 
 

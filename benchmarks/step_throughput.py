@@ -12,8 +12,8 @@ aggregates (forward + backward) to compare their achieved FLOP/s.
     python benchmarks/step_throughput.py --vocab 128256 --variants moe+shared "dag L2" --rounds 2
     # the CPU defaults' ablation: the previous defaults, each process timed on its own
     DAGMOE_TCMALLOC=0 python benchmarks/step_throughput.py --vocab 256 --variants moe \
-        --binding "ModelConfig.remat = 'full'" --binding "ModelConfig.scan_unroll = 1" \
-        --binding "ModelConfig.attention_block = 32"
+        --binding "ExecutionConfig.remat = 'full'" --binding "ExecutionConfig.scan_unroll = 1" \
+        --binding "ExecutionConfig.attention_block = 32"
     # the GPU measurement of the l model (bf16, cuDNN attention; MFU vs the bf16 matmul rate)
     python benchmarks/step_throughput.py --model models/l.gin --gin gpu.gin --dag_dim 256 \
         --vocab 128256 --batch 16 --seq 2048 --variants moe moe+shared "dag L2"
@@ -128,7 +128,7 @@ def main(argv=None):
                         "(the paper: 128 for s and m, 256 for l)")
     p.add_argument("--binding", action="append", default=[],
                    help="extra gin binding for every variant, repeatable (e.g. "
-                        "\"ModelConfig.remat = 'full'\")")
+                        "\"ExecutionConfig.remat = 'full'\")")
     p.add_argument("--vocab", type=int, nargs="+", default=[256, 128256])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=512)

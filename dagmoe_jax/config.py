@@ -285,20 +285,13 @@ class DoEConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Llama-3 style decoder (DAG-MoE Appendix B.1) with a choice of FFN block.
+class ExecutionConfig:
+    """How the model runs on a machine, not what it computes (``ModelConfig.execution``).
 
-    vocab_size: embedding and LM-head rows (256 = bytes; the paper used Llama-3's 128,256).
-    d_model, num_layers, num_heads, num_kv_heads: Table 3 (s: 512, 4, 32, 8).
-    head_dim: None means d_model // num_heads.
-    ffn_hidden: hidden size of the 'dense' block's SwiGLU; None means 8/3 d rounded up to 128.
-    block: 'dense', 'moe' (router + experts + aggregator), 'coe' (Chain-of-Experts) or 'doe'
-      (Decoupling of Experts: knowledge state, Attention Gating Control, VAE router; ``doe``).
-    max_seq_len: longest sequence the model accepts (RoPE tables are built to this length).
-    rope_theta: RoPE base (Llama-3: 500000).
-    rope_scaling: RoPE frequency scaling (``RopeScalingConfig``; default none, as DAG-MoE).
-    norm_eps: epsilon of RMSNorm and of the DAG module's LayerNorm.
-    init_std: standard deviation of the normal initialiser of every matrix.
+    Changing any of these changes neither the parameters nor, beyond floating-point rounding,
+    the outputs, so a run may resume with them changed (on another machine, say). Each 'auto'
+    is settled once, when the run is built (:func:`dagmoe_jax.settle.settle`), and printed.
+
     remat: 'auto' (default: 'none' on CPU, 'full' on GPU / TPU), 'full' (recompute each layer
       in the backward pass; MaxText's default, for accelerator memory), 'dots' (save matmul
       outputs only) or 'none' (store every activation).
@@ -324,6 +317,56 @@ class ModelConfig:
       multi-device mesh, where the concatenation would move tensor-sharded weights.
     attention_block: query/key block size of the blockwise causal attention (64 measured
       fastest for the s model on the 2-core CPU: 32 and 128 were 5-10% slower).
+    """
+
+    remat: str = "auto"
+    scan_unroll: int = 0
+    attention: str = "auto"
+    grouped_matmul: str = "auto"
+    expert_exchange: str = "auto"
+    fuse_gate_up: Optional[bool] = None
+    attention_block: int = 64
+
+    def __post_init__(self):
+        c = "ExecutionConfig"
+        _choice(c, "remat", self.remat, REMAT_POLICIES)
+        _check(isinstance(self.scan_unroll, int) and self.scan_unroll >= 0, c, "scan_unroll",
+               self.scan_unroll, "an integer >= 0 (0 = auto)")
+        _choice(c, "attention", self.attention, ATTENTION_IMPLS)
+        _choice(c, "grouped_matmul", self.grouped_matmul, GROUPED_MATMULS)
+        _choice(c, "expert_exchange", self.expert_exchange, EXPERT_EXCHANGES)
+        _check(self.fuse_gate_up in (None, True, False), c, "fuse_gate_up", self.fuse_gate_up,
+               "True, False or None (auto)")
+        _positive(c, "attention_block", self.attention_block)
+
+    @property
+    def unsettled(self) -> tuple:
+        """The fields still 'auto' (settled by :func:`dagmoe_jax.settle.settle`)."""
+        auto = (("remat", self.remat == "auto"), ("scan_unroll", self.scan_unroll == 0),
+                ("attention", self.attention == "auto"),
+                ("grouped_matmul", self.grouped_matmul == "auto"),
+                ("expert_exchange", self.expert_exchange == "auto"),
+                ("fuse_gate_up", self.fuse_gate_up is None))
+        return tuple(name for name, is_auto in auto if is_auto)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Llama-3 style decoder (DAG-MoE Appendix B.1) with a choice of FFN block.
+
+    vocab_size: embedding and LM-head rows (256 = bytes; the paper used Llama-3's 128,256).
+    d_model, num_layers, num_heads, num_kv_heads: Table 3 (s: 512, 4, 32, 8).
+    head_dim: None means d_model // num_heads.
+    ffn_hidden: hidden size of the 'dense' block's SwiGLU; None means 8/3 d rounded up to 128.
+    block: 'dense', 'moe' (router + experts + aggregator), 'coe' (Chain-of-Experts) or 'doe'
+      (Decoupling of Experts: knowledge state, Attention Gating Control, VAE router; ``doe``).
+    max_seq_len: longest sequence the model accepts (RoPE tables are built to this length).
+    rope_theta: RoPE base (Llama-3: 500000).
+    rope_scaling: RoPE frequency scaling (``RopeScalingConfig``; default none, as DAG-MoE).
+    norm_eps: epsilon of RMSNorm and of the DAG module's LayerNorm.
+    init_std: standard deviation of the normal initialiser of every matrix.
+    execution: how the model runs on a machine, not what it computes (``ExecutionConfig``;
+      every 'auto' there is settled by :func:`dagmoe_jax.settle.settle` when the run is built).
     param_dtype, compute_dtype: 'float32' or 'bfloat16' (master weights stay float32 by default).
     """
 
@@ -339,13 +382,6 @@ class ModelConfig:
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
-    remat: str = "auto"
-    scan_unroll: int = 0
-    attention: str = "auto"
-    grouped_matmul: str = "auto"
-    expert_exchange: str = "auto"
-    fuse_gate_up: Optional[bool] = None
-    attention_block: int = 64
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
@@ -354,11 +390,13 @@ class ModelConfig:
     coe: CoEConfig = dataclasses.field(default_factory=CoEConfig)
     rope_scaling: RopeScalingConfig = dataclasses.field(default_factory=RopeScalingConfig)
     doe: DoEConfig = dataclasses.field(default_factory=DoEConfig)
+    execution: ExecutionConfig = dataclasses.field(default_factory=ExecutionConfig,
+                                                   metadata={"execution": True})
 
     def __post_init__(self):
         c = "ModelConfig"
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
-                     "max_seq_len", "attention_block"):
+                     "max_seq_len"):
             _positive(c, name, getattr(self, name))
         if self.head_dim is not None:
             _positive(c, "head_dim", self.head_dim)
@@ -375,17 +413,9 @@ class ModelConfig:
         _check(self.rope_theta > 0, c, "rope_theta", self.rope_theta, "a number > 0")
         _check(self.norm_eps > 0, c, "norm_eps", self.norm_eps, "a number > 0")
         _check(self.init_std > 0, c, "init_std", self.init_std, "a number > 0")
-        _choice(c, "remat", self.remat, REMAT_POLICIES)
-        _check(isinstance(self.scan_unroll, int) and self.scan_unroll >= 0, c, "scan_unroll",
-               self.scan_unroll, "an integer >= 0 (0 = auto)")
-        _choice(c, "attention", self.attention, ATTENTION_IMPLS)
-        _choice(c, "grouped_matmul", self.grouped_matmul, GROUPED_MATMULS)
-        _choice(c, "expert_exchange", self.expert_exchange, EXPERT_EXCHANGES)
         _choice(c, "param_dtype", self.param_dtype, DTYPES)
         _choice(c, "compute_dtype", self.compute_dtype, DTYPES)
-        for name, cls in (("router", RouterConfig), ("experts", ExpertConfig),
-                          ("aggregation", AggregationConfig), ("coe", CoEConfig),
-                          ("rope_scaling", RopeScalingConfig), ("doe", DoEConfig)):
+        for name, cls in nested_configs(ModelConfig).items():
             _check(isinstance(getattr(self, name), cls), c, name, getattr(self, name),
                    f"a {cls.__name__}")
         n = self.experts.num_experts
@@ -421,20 +451,44 @@ class ModelConfig:
 
     @property
     def unsettled(self) -> tuple:
-        """The fields still 'auto' (settled by :func:`dagmoe_jax.settle.settle`)."""
-        auto = (("remat", self.remat == "auto"), ("scan_unroll", self.scan_unroll == 0),
-                ("attention", self.attention == "auto"),
-                ("grouped_matmul", self.grouped_matmul == "auto"),
-                ("expert_exchange", self.expert_exchange == "auto"),
-                ("fuse_gate_up", self.fuse_gate_up is None))
-        return tuple(name for name, is_auto in auto if is_auto)
+        """The execution fields still 'auto' (settled by :func:`dagmoe_jax.settle.settle`)."""
+        return self.execution.unsettled
 
     def replace(self, **changes) -> "ModelConfig":
         """A copy with fields changed; nested configs accept dicts of their own fields."""
-        for name in ("router", "experts", "aggregation", "coe", "rope_scaling", "doe"):
+        for name in nested_configs(ModelConfig):
             if isinstance(changes.get(name), dict):
                 changes[name] = dataclasses.replace(getattr(self, name), **changes[name])
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, blob: dict) -> "ModelConfig":
+        """The config of a JSON dict (``dataclasses.asdict`` of one, as ``config.json`` and the
+        checkpoints' metadata hold it): nested configs as dicts, absent fields at their
+        defaults (a run saved before the field existed), and the execution fields that runs
+        written before :class:`ExecutionConfig` existed kept at the top level moved into it.
+        A key that is no field raises ``TypeError``, as the constructor does."""
+        blob = dict(blob)
+        legacy = {f.name: blob.pop(f.name) for f in dataclasses.fields(ExecutionConfig)
+                  if f.name in blob}
+        blob["execution"] = {**legacy, **(blob.get("execution") or {})}
+        for name, nested in nested_configs(cls).items():
+            blob[name] = nested(**(blob.get(name) or {}))
+        return cls(**blob)
+
+
+def nested_configs(cls) -> dict:
+    """{field name: config class} of a config dataclass's nested configs (found by walking
+    ``dataclasses.fields``: each is a field whose default is built by its class)."""
+    return {f.name: f.default_factory for f in dataclasses.fields(cls)
+            if isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory)}
+
+
+def execution_fields(cls=None) -> tuple:
+    """The names of ``cls``'s (default ModelConfig's) fields that hold execution choices
+    (field metadata ``{"execution": True}``): a run may resume with them changed."""
+    return tuple(f.name for f in dataclasses.fields(cls or ModelConfig)
+                 if f.metadata.get("execution"))
 
 
 def dag_params_per_layer(d_model: int, dag_dim: int, dag_iters: int) -> int:

@@ -37,8 +37,7 @@ CONFIG_DIR = _config_dir()
 
 # External registration: gin configures its own wrappers of these, so bindings never leak into
 # ``ModelConfig(...)`` built in plain Python (tests, notebooks) after a gin file was parsed.
-_CONFIG_CLASSES = (C.RouterConfig, C.ExpertConfig, C.AggregationConfig, C.CoEConfig, C.DoEConfig,
-                   C.RopeScalingConfig, C.ModelConfig,
+_CONFIG_CLASSES = (*C.nested_configs(ModelConfig).values(), ModelConfig,
                    DataConfig, OptimConfig, TrainConfig, MeshConfig)
 _GIN = {cls.__name__: gin.external_configurable(cls, name=cls.__name__) for cls in _CONFIG_CLASSES}
 gin.external_configurable(C.matched_shared_hidden, name="matched_shared_hidden")
@@ -116,10 +115,24 @@ def _build(name: str):
         raise ValueError(first_line(err)) from None
 
 
+def _build_model() -> ModelConfig:
+    """The gin-built ModelConfig; a nested config left at its default (``ModelConfig.execution``
+    not bound to ``@ExecutionConfig()``, say) is built from its own bindings
+    (``ExecutionConfig.remat = 'full'`` works with or without configs/base.gin's wiring)."""
+    model = _build("ModelConfig")
+    defaults = ModelConfig()
+    changes = {name: _build(cls.__name__) for name, cls in C.nested_configs(ModelConfig).items()
+               if getattr(model, name) == getattr(defaults, name)}
+    try:
+        return model.replace(**changes)
+    except (ValueError, TypeError) as err:
+        raise ValueError(first_line(err)) from None
+
+
 def load_model_config(files: Sequence[str] = (), bindings: Iterable[str] = ()) -> ModelConfig:
     """The :class:`ModelConfig` that ``files`` and ``bindings`` describe, validated."""
     parse_gin(files, bindings)
-    return _build("ModelConfig")
+    return _build_model()
 
 
 def load_configs(files: Sequence[str] = (), bindings: Iterable[str] = ()
@@ -131,8 +144,8 @@ def load_configs(files: Sequence[str] = (), bindings: Iterable[str] = ()
     gin's operative config (``gin.operative_config_str()``) afterwards lists every binding used.
     """
     parse_gin(files, bindings)
-    model, data, optim, train = (_build(name) for name in ("ModelConfig", "DataConfig",
-                                                           "OptimConfig", "TrainConfig"))
+    model = _build_model()
+    data, optim, train = (_build(name) for name in ("DataConfig", "OptimConfig", "TrainConfig"))
     if train.mesh == MeshConfig():        # `MeshConfig.expert = 4` without `TrainConfig.mesh = ...`
         train = dataclasses.replace(train, mesh=_build("MeshConfig"))
     return model, data, optim, train

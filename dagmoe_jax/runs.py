@@ -24,8 +24,7 @@ from etils import epath
 from flax import nnx
 
 from dagmoe_jax.cli import first_line
-from dagmoe_jax.config import (AggregationConfig, CoEConfig, DoEConfig, ExpertConfig, ModelConfig,
-                               RopeScalingConfig, RouterConfig)
+from dagmoe_jax.config import ExecutionConfig, ModelConfig, execution_fields
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.parallel import MeshConfig
 from dagmoe_jax.paths import as_path, is_remote, run_path
@@ -78,14 +77,9 @@ def configs_to_json(model_cfg, data_cfg, optim_cfg, train_cfg,
 def configs_from_json(blob: dict):
     """(ModelConfig, DataConfig, OptimConfig, TrainConfig) from :func:`configs_to_json`'s
     output (the settled model config, a record of one machine, is not read back)."""
-    model = dict(blob["model"])
-    for name, cls in (("router", RouterConfig), ("experts", ExpertConfig),
-                      ("aggregation", AggregationConfig), ("coe", CoEConfig),
-                      ("rope_scaling", RopeScalingConfig), ("doe", DoEConfig)):
-        model[name] = cls(**model.get(name, {}))   # a run saved before the field: its default
     train = dict(blob["train"])
     train["mesh"] = MeshConfig(**train.get("mesh", {}))
-    return (ModelConfig(**model), DataConfig(**blob["data"]), OptimConfig(**blob["optim"]),
+    return (ModelConfig.from_dict(blob["model"]), DataConfig(**blob["data"]), OptimConfig(**blob["optim"]),
             TrainConfig(**train))
 
 
@@ -111,10 +105,13 @@ def load_configs(run_dir: PathLike):
                          f"file") from None
 
 
-# ModelConfig fields that change how the model runs, not what it computes: a run may resume
-# with them changed (e.g. on another machine). Every other field is the architecture.
-EXECUTION_FIELDS = ("remat", "scan_unroll", "attention", "attention_block", "fuse_gate_up",
-                    "grouped_matmul", "expert_exchange")
+def architecture(blob: dict) -> dict:
+    """A model config's JSON (``dataclasses.asdict``) without its execution fields: those of
+    :func:`~dagmoe_jax.config.execution_fields` and, in configs saved before
+    :class:`~dagmoe_jax.config.ExecutionConfig` existed, its fields at the top level. They
+    change how the model runs, not what it computes: a run may resume with them changed."""
+    skip = set(execution_fields()) | {f.name for f in dataclasses.fields(ExecutionConfig)}
+    return {k: v for k, v in blob.items() if k not in skip}
 
 
 # DataConfig fields that only change evaluation, not the training stream.
@@ -132,17 +129,17 @@ def resume_changes(run_dir: PathLike, model_cfg: ModelConfig, data_cfg: DataConf
     """What differs between a run's checkpoint and the configs it is being resumed with:
     (architecture changes of the ModelConfig against the checkpoint's metadata ``saved_meta``
     (:func:`model_meta`); DataConfig changes since the run's ``config.json`` was written).
-    Execution-only model fields (:data:`EXECUTION_FIELDS`) are not changes. A field the
+    Execution fields (:func:`architecture` drops them) are not changes. A field the
     checkpoint lacks (written by an earlier version) is read at its default, which every new
     field keeps equal to the behaviour before it existed."""
-    saved = saved_meta.get("model_config") or {}
-    expected = dataclasses.asdict(model_cfg)
-    with_defaults = {**flatten_json(dataclasses.asdict(ModelConfig())), **flatten_json(saved)}
+    saved = architecture(saved_meta.get("model_config") or {})
+    expected = architecture(dataclasses.asdict(model_cfg))
+    with_defaults = {**flatten_json(architecture(dataclasses.asdict(ModelConfig()))),
+                     **flatten_json(saved)}
     changed = {_diff_key(d) for d in json_diffs(with_defaults, expected, "model_config")}
     model = ["ModelConfig." + d[len("model_config."):]
              for d in json_diffs(saved, expected, "model_config")      # worded from the file
-             if _diff_key(d) in changed
-             and _diff_key(d)[len("model_config."):].split(".")[0] not in EXECUTION_FIELDS]
+             if _diff_key(d) in changed]
     data = []
     if (as_path(run_dir) / CONFIG_FILE).exists():
         try:

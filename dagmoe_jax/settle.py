@@ -2,8 +2,9 @@
 
 The model code (``dagmoe_jax/model``) never asks what machine it runs on: no backend query,
 no look at the active mesh. Every choice that depends on the machine is a field of
-``ModelConfig`` left 'auto' by the user and decided here, from (config, backend, mesh layout),
-into a concrete config that the run prints and saves:
+``ModelConfig.execution`` (:class:`~dagmoe_jax.config.ExecutionConfig`) left 'auto' by the user
+and decided here, from (config, backend, mesh layout), into a concrete config that the run
+prints and saves:
 
 =================  =====================================================================
 ``remat``          'none' on CPU (memory is plentiful, recomputing costs ~15%), 'full' on
@@ -57,14 +58,14 @@ def settle_scan_unroll(unroll: int, num_layers: int, backend: str) -> int:
 
 def settle_attention(name: str, backend: str, dtype, head_dim: int,
                      layout: Optional[MeshLayout]) -> tuple:
-    """(implementation, why) for ``ModelConfig.attention``: 'auto' becomes 'fused' on CPU for
+    """(implementation, why) for ``ExecutionConfig.attention``: 'auto' becomes 'fused' on CPU for
     float32 on one device when the kernel builds, else 'blockwise' (``why`` says why not
     fused); on GPU 'cudnn' for 16-bit compute and a head dim that is a multiple of 8 and at
     most 128 (the shapes cuDNN's flash kernel takes on every GPU generation), else 'xla'
     (``why`` says why); 'splash' on TPU; else 'xla'. An explicit 'fused' under a multi-device
     mesh is a one-line ``ValueError``."""
     if name == "fused" and layout is not None:
-        raise ValueError("ModelConfig.attention='fused' runs on a single device only; use "
+        raise ValueError("ExecutionConfig.attention='fused' runs on a single device only; use "
                          "'auto' or 'blockwise' under a device mesh")
     if name != "auto":
         return name, ""
@@ -110,18 +111,19 @@ def settle(cfg: ModelConfig, *, backend: Optional[str] = None,
     work done here (compiling the CPU attention kernel)."""
     backend = backend or jax.default_backend()
     dtype = jnp.dtype(cfg.compute_dtype)
-    if (cfg.attention in ("auto", "fused") and backend == "cpu" and layout is None
+    ex = cfg.execution
+    if (ex.attention in ("auto", "fused") and backend == "cpu" and layout is None
             and dtype == jnp.float32 and kernel_needs_build()):
         log("compiling the fused CPU attention kernel (about 10 s, once per machine)")
-    attention, _ = settle_attention(cfg.attention, backend, dtype, cfg.resolved_head_dim, layout)
-    return cfg.replace(
-        remat=settle_remat(cfg.remat, backend),
-        scan_unroll=settle_scan_unroll(cfg.scan_unroll, cfg.num_layers, backend),
+    attention, _ = settle_attention(ex.attention, backend, dtype, cfg.resolved_head_dim, layout)
+    return cfg.replace(execution=dict(
+        remat=settle_remat(ex.remat, backend),
+        scan_unroll=settle_scan_unroll(ex.scan_unroll, cfg.num_layers, backend),
         attention=attention,
-        grouped_matmul=settle_grouped_matmul(cfg.grouped_matmul, backend, cfg.d_model,
+        grouped_matmul=settle_grouped_matmul(ex.grouped_matmul, backend, cfg.d_model,
                                              cfg.experts.expert_hidden),
-        expert_exchange=settle_expert_exchange(cfg.expert_exchange, backend),
-        fuse_gate_up=(layout is None) if cfg.fuse_gate_up is None else cfg.fuse_gate_up)
+        expert_exchange=settle_expert_exchange(ex.expert_exchange, backend),
+        fuse_gate_up=(layout is None) if ex.fuse_gate_up is None else ex.fuse_gate_up))
 
 
 def describe(settled: ModelConfig, original: Optional[ModelConfig] = None,
@@ -130,16 +132,17 @@ def describe(settled: ModelConfig, original: Optional[ModelConfig] = None,
     (to blockwise from the fused CPU kernel, to XLA from cuDNN), and the grouped matmul of
     dropless dispatch."""
     backend = backend or jax.default_backend()
-    attention = settled.attention
-    if original is not None and original.attention == "auto" and attention in ("blockwise",
-                                                                                "xla"):
+    ex = settled.execution
+    attention = ex.attention
+    if (original is not None and original.execution.attention == "auto"
+            and attention in ("blockwise", "xla")):
         _, why = settle_attention("auto", backend, jnp.dtype(settled.compute_dtype),
                                   settled.resolved_head_dim, layout)
         attention += f" ({why})" if why else ""
     dropless = settled.block != "dense" and settled.experts.dispatch == "dropless"
-    return (f"attention {attention}, remat {settled.remat}, layers unrolled "
-            f"{settled.scan_unroll}/{settled.num_layers}, gate/up "
-            f"{'fused' if settled.fuse_gate_up else 'separate'}"
-            f"{', grouped matmul ' + settled.grouped_matmul if dropless else ''}"
+    return (f"attention {attention}, remat {ex.remat}, layers unrolled "
+            f"{ex.scan_unroll}/{settled.num_layers}, gate/up "
+            f"{'fused' if ex.fuse_gate_up else 'separate'}"
+            f"{', grouped matmul ' + ex.grouped_matmul if dropless else ''}"
             f"{', expert-parallel over ' + str(dict(layout.axis_sizes)) if layout else ''}"
-            f"{' by ' + settled.expert_exchange if layout and dropless else ''}")
+            f"{' by ' + ex.expert_exchange if layout and dropless else ''}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 # Almost all of this suite's time is XLA compiling tiny programs; LLVM's optimisation passes are
@@ -23,7 +24,7 @@ import jax  # noqa: E402  (after XLA_FLAGS)
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from dagmoe_jax.config import ModelConfig  # noqa: E402
+from dagmoe_jax.config import ExecutionConfig, ModelConfig  # noqa: E402
 from dagmoe_jax.settle import settle  # noqa: E402
 
 # Some backends run float32 matmuls at reduced precision by default (TF32 / bf16 passes on GPU and
@@ -39,13 +40,18 @@ def tiny_config(block: str = "moe", kind: str = "sum", *, settled: bool = True,
     DAG/MLP hidden 16 with 2 iterations. Attention 'auto' is the fused C++ kernel here (CPU,
     float32, single device) and blockwise under a mesh; ``attention_block`` 8 is smaller than
     the test sequence lengths (16-32), so the blockwise attention really runs block by block
-    (test_kernels.py compares the two on the whole model). Nested
+    (test_kernels.py compares the two on the whole model). ExecutionConfig fields may be given
+    at the top level (``attention='xla'``). Nested
     configs in ``overrides`` may be dicts of their fields (``router=dict(top_k=1)``).
     ``settled`` (default) settles the 'auto' fields for one device of this backend
     (:func:`dagmoe_jax.settle.settle`), as a run does before building the model.
     """
     base = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                       ffn_hidden=64, max_seq_len=64, attention_block=8)
+                       ffn_hidden=64, max_seq_len=64, execution=ExecutionConfig(attention_block=8))
+    execution = {f.name for f in dataclasses.fields(ExecutionConfig)}
+    overrides = {**{k: v for k, v in overrides.items() if k not in execution},
+                 "execution": {**overrides.get("execution", {}),
+                               **{k: v for k, v in overrides.items() if k in execution}}}
     changes = dict(block=block,
                    router=dict(top_k=2),
                    experts=dict(num_experts=4, expert_hidden=32, shared_hidden=32),

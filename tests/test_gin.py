@@ -73,6 +73,21 @@ def test_bindings_override_files():
     assert cfg.aggregation.dag_iters == 3 and cfg.vocab_size == 256
 
 
+def test_nested_configs_bind_with_or_without_their_wiring():
+    """``ExecutionConfig.remat = 'full'`` reaches ``ModelConfig.execution`` whether or not a
+    file wires ``ModelConfig.execution = @ExecutionConfig()`` (configs/base.gin does not); the
+    same holds for every nested config, found by walking ModelConfig's fields."""
+    bare = load_model_config([], ["ExecutionConfig.remat = 'full'", "RopeScalingConfig.kind = "
+                                  "'llama3'", "RouterConfig.top_k = 1"])
+    assert (bare.execution.remat, bare.rope_scaling.kind, bare.router.top_k) == (
+        "full", "llama3", 1)
+    wired = load_model_config(["models/s.gin", "gpu.gin"], ["ExecutionConfig.attention = 'xla'"])
+    assert (wired.execution.remat, wired.execution.attention, wired.compute_dtype) == (
+        "dots", "xla", "bfloat16")
+    with pytest.raises(ValueError, match="ExecutionConfig.*remat"):
+        load_model_config([], ["ExecutionConfig.remat = 'some'"])
+
+
 @pytest.mark.parametrize("files,bindings,needle", [
     (["models/s.gin"], ["RouterConfig.topk = 3"], "topk"),
     (["models/no_such_model.gin"], [], "no_such_model"),

@@ -147,13 +147,13 @@ def test_auto_picks_fused_off_mesh_and_blockwise_on_a_mesh():
     assert settle_attention("auto", "gpu", bf16, 16, None) == ("cudnn", "")
     assert settle_attention("auto", "gpu", f32, 16, None)[0] == "xla"
     assert settle_attention("auto", "tpu", bf16, 16, None) == ("splash", "")
-    assert tiny_config().attention == "fused"
-    assert tiny_config(attention="xla").attention == "xla"
+    assert tiny_config().execution.attention == "fused"
+    assert tiny_config(attention="xla").execution.attention == "xla"
     unsettled = tiny_config(compute_dtype="bfloat16", settled=False)
     assert describe_settled(settle(unsettled), unsettled).startswith(
         "attention blockwise (the fused attention kernel takes float32 only (got bfloat16))")
     layout = MeshLayout.of(make_mesh(MeshConfig(data=2), jax.devices()[:2]))
-    assert settle(tiny_config(settled=False), layout=layout).attention == "blockwise"
+    assert settle(tiny_config(settled=False), layout=layout).execution.attention == "blockwise"
     with pytest.raises(ValueError, match="single device only"):
         settle(tiny_config(attention="fused", settled=False), layout=layout)
 
@@ -166,7 +166,7 @@ def test_auto_falls_back_when_the_kernel_cannot_build(monkeypatch):
     assert describe_settled(settle(unsettled), unsettled).startswith(
         "attention blockwise (no C++ compiler found (install g++ or set CXX))")
     q, k, v = random_qkv(2, 1, 8, 2, 1, 8)
-    with pytest.raises(ValueError, match="no C\\+\\+ compiler.*use ModelConfig.attention="
+    with pytest.raises(ValueError, match="no C\\+\\+ compiler.*use ExecutionConfig.attention="
                                          "'blockwise'"):
         fused_causal_attention(q, k, v)
 
@@ -183,7 +183,7 @@ def test_unavailable_reasons(q_shape, dtype, backend, match):
 
 def test_unsupported_head_dim_raises_a_clear_error():
     q, k, v = random_qkv(4, 1, 8, 2, 1, 12)
-    with pytest.raises(ValueError, match="head_dim in .* use ModelConfig.attention='blockwise'"):
+    with pytest.raises(ValueError, match="head_dim in .* use ExecutionConfig.attention='blockwise'"):
         fused_causal_attention(q, k, v)
 
 

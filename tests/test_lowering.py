@@ -75,10 +75,11 @@ def lower_train_step(platform: str, mesh_cfg=None) -> tuple:
 @pytest.mark.parametrize("mesh", [None, MeshConfig(data=2, expert=2)], ids=["one", "mesh"])
 def test_train_step_lowers_for_accelerators(platform, mesh):
     cfg, module = lower_train_step(platform, mesh)
-    assert (cfg.remat, cfg.scan_unroll, cfg.compute_dtype) == ("full", 1, "bfloat16")
+    assert (cfg.execution.remat, cfg.execution.scan_unroll, cfg.compute_dtype) == (
+        "full", 1, "bfloat16")
     assert "bf16" in module
     if platform == "tpu":
-        assert (cfg.attention, cfg.grouped_matmul) == ("splash", "gmm")
+        assert (cfg.execution.attention, cfg.execution.grouped_matmul) == ("splash", "gmm")
         # the two Pallas kernels, forward and backward, lowered for Mosaic
         assert module.count("tpu_custom_call") >= 4
         # splash attention's own kernels (gmm alone makes more than 4 custom calls, so a
@@ -87,9 +88,9 @@ def test_train_step_lowers_for_accelerators(platform, mesh):
         for part in ("fwd", "dq", "dkv"):
             assert any(k.startswith(f"splash_mha_{part}") for k in kernels), (part, kernels)
     else:
-        assert (cfg.attention, cfg.grouped_matmul) == ("xla", "ragged_dot")
+        assert (cfg.execution.attention, cfg.execution.grouped_matmul) == ("xla", "ragged_dot")
         assert "ragged_dot" in module and "tpu_custom_call" not in module
     if mesh is not None:
         # expert-parallel dropless dispatch by the ragged collective (CPU has the all-gather)
-        assert cfg.expert_exchange == "ragged_all_to_all"
+        assert cfg.execution.expert_exchange == "ragged_all_to_all"
         assert module.count("ragged_all_to_all") >= 4              # forward 2, backward 2

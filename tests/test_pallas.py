@@ -112,7 +112,7 @@ def test_settle_picks_the_accelerator_kernels():
     cfg = tiny_config(settled=False, d_model=128, experts=dict(expert_hidden=128,
                                                               dispatch="dropless"))
     tpu = settle(cfg, backend="tpu")
-    assert (tpu.attention, tpu.grouped_matmul) == ("splash", "gmm")
+    assert (tpu.execution.attention, tpu.execution.grouped_matmul) == ("splash", "gmm")
     assert describe(tpu, cfg, "tpu").startswith("attention splash, remat full")
     assert "grouped matmul gmm" in describe(tpu, cfg, "tpu")
-    assert settle(cfg, backend="cpu").grouped_matmul == "ragged_dot"
+    assert settle(cfg, backend="cpu").execution.grouped_matmul == "ragged_dot"

@@ -453,4 +453,5 @@ def test_fields_newer_than_a_checkpoint_are_no_change_at_their_defaults():
     biased = cfg.replace(router=dict(bias=True))
     assert runs.resume_changes("/nonexistent", biased, None, old) == (
         ["ModelConfig.router.bias (absent) -> true"], [])
-    assert runs.resume_changes("/nonexistent", cfg.replace(remat="full"), None, old) == ([], [])
+    assert runs.resume_changes("/nonexistent", cfg.replace(execution=dict(remat="full")), None,
+                               old) == ([], [])

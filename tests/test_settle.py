@@ -26,25 +26,28 @@ def test_settle_decides_every_auto_field_per_backend_and_layout():
                                   "expert_exchange", "fuse_gate_up"}
     cpu = settle(cfg, backend="cpu")
     assert cpu.unsettled == ()
-    assert (cpu.remat, cpu.scan_unroll, cpu.attention, cpu.fuse_gate_up) == (
+    ex = cpu.execution
+    assert (ex.remat, ex.scan_unroll, ex.attention, ex.fuse_gate_up) == (
         "none", cfg.num_layers, "fused", True)
     gpu = settle(cfg.replace(compute_dtype="bfloat16"), backend="gpu")
-    assert (gpu.remat, gpu.scan_unroll, gpu.attention) == ("full", 1, "cudnn")
-    assert settle(cfg, backend="tpu").attention == "splash"
+    assert (gpu.execution.remat, gpu.execution.scan_unroll, gpu.execution.attention) == (
+        "full", 1, "cudnn")
+    assert settle(cfg, backend="tpu").execution.attention == "splash"
     layout = MeshLayout.of(make_mesh(MeshConfig(data=2), jax.devices()[:2]))
     meshed = settle(cfg, backend="cpu", layout=layout)
-    assert (meshed.attention, meshed.fuse_gate_up) == ("blockwise", False)
+    assert (meshed.execution.attention, meshed.execution.fuse_gate_up) == ("blockwise", False)
     assert "expert-parallel over {'data': 2" in describe(meshed, cfg, "cpu", layout)
     # what the user set explicitly is kept
-    explicit = cfg.replace(remat="dots", scan_unroll=2, attention="xla", fuse_gate_up=False,
-                           grouped_matmul="gmm", expert_exchange="ragged_all_to_all")
+    explicit = cfg.replace(execution=dict(remat="dots", scan_unroll=2, attention="xla",
+                                          fuse_gate_up=False, grouped_matmul="gmm",
+                                          expert_exchange="ragged_all_to_all"))
     assert settle(explicit, backend="cpu") == explicit
     assert settle(cpu, backend="cpu") == cpu                  # idempotent
     assert MeshLayout.of(make_mesh(MeshConfig(data=1), jax.devices()[:1])) is None
 
 
 def test_an_unsettled_config_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"^ModelConfig fields remat, scan_unroll, attention, "
+    with pytest.raises(ValueError, match=r"^ExecutionConfig fields remat, scan_unroll, attention, "
                                          r"grouped_matmul, expert_exchange, fuse_gate_up are "
                                          r"still 'auto': build the model from "
                                          r"dagmoe_jax.settle.settle\(cfg\)$"):
@@ -56,7 +59,7 @@ def test_gate_up_fusion_is_the_same_function():
     fused = Transformer(tiny_config("moe", "sum", experts=dict(num_shared=1)), rngs=nnx.Rngs(0))
     plain = Transformer(tiny_config("moe", "sum", experts=dict(num_shared=1), fuse_gate_up=False),
                         rngs=nnx.Rngs(0))
-    assert fused.cfg.fuse_gate_up and not plain.cfg.fuse_gate_up
+    assert fused.cfg.execution.fuse_gate_up and not plain.cfg.execution.fuse_gate_up
     a, b = fused(tokens)[0], plain(tokens)[0]
     assert float(jnp.max(jnp.abs(a - b))) < 1e-5 * float(jnp.max(jnp.abs(a)))
 

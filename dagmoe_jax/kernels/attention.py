@@ -96,7 +96,7 @@ def _check(q, k, v):
     if reason is None and not (k.dtype == v.dtype == jnp.float32):
         reason = "the fused attention kernel takes float32 only (k or v is not)"
     if reason is not None:
-        raise ValueError(f"{reason}; use ModelConfig.attention='blockwise' instead")
+        raise ValueError(f"{reason}; use ExecutionConfig.attention='blockwise' instead")
 
 
 def _fwd(q, k, v):

@@ -4,10 +4,10 @@
   flash") kernel of ``jax.experimental.pallas.ops.tpu.splash_attention`` (MaxText's TPU
   attention): blocks above the diagonal are skipped, the softmax is online, and the G query
   heads of a KV head share its keys and values (``make_splash_mha`` with KV < H heads).
-  ``ModelConfig.attention='splash'``.
+  ``ExecutionConfig.attention='splash'``.
 * :func:`gmm_grouped_matmul`: the grouped matmul of dropless dispatch by megablox ``gmm``
   (``jax.experimental.pallas.ops.tpu.megablox``, with its custom VJP: ``gmm`` for the input
-  gradient, ``tgmm`` for the weights'). ``ModelConfig.grouped_matmul='gmm'``.
+  gradient, ``tgmm`` for the weights'). ``ExecutionConfig.grouped_matmul='gmm'``.
 
 Both lower only for TPU (Mosaic); with ``interpret=True`` they run anywhere through the Pallas
 interpreter (slow, exact), which is how the CPU test suite checks their numerics against the

@@ -139,7 +139,7 @@ def splash_shardable(q, k, layout: MeshLayout) -> bool:
 
 
 def causal_attention(q, k, v, impl: str, block: int, layout: Optional[MeshLayout] = None):
-    """The causal attention kernel ``impl`` (a settled ``ModelConfig.attention``: 'blockwise',
+    """The causal attention kernel ``impl`` (a settled ``ExecutionConfig.attention``: 'blockwise',
     'fused', 'xla', 'cudnn' or 'splash'; GQA: H a multiple of KV heads). 'splash' takes
     sequences that are a multiple of its 128 block (training) and, on a mesh (``layout``),
     batch and head counts its axes divide; other shapes (sampling prompts) run XLA's
@@ -154,7 +154,7 @@ def causal_attention(q, k, v, impl: str, block: int, layout: Optional[MeshLayout
         if splash_shardable(q, k, layout):
             return sharded_splash_attention(q, k, v, layout)
     if impl == "auto":
-        raise ValueError("ModelConfig.attention='auto' reached the model unsettled: build the "
+        raise ValueError("ExecutionConfig.attention='auto' reached the model unsettled: build the "
                          "model from dagmoe_jax.settle.settle(cfg)")
     return jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                         implementation="cudnn" if impl == "cudnn" else "xla")
@@ -267,7 +267,7 @@ class Attention(nnx.Module):
             first = jnp.zeros((x.shape[0],), jnp.int32) if start is None else start
             cache = KVCache(write_cache(cache.k, k, first), write_cache(cache.v, v, first))
         if cache is None or start is None:
-            o = causal_attention(q, k, v, self.cfg.attention, self.cfg.attention_block,
+            o = causal_attention(q, k, v, self.cfg.execution.attention, self.cfg.execution.attention_block,
                                  self.layout)
         else:
             o = cached_attention(q, cache.k, cache.v, start)

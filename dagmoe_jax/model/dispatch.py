@@ -117,7 +117,7 @@ GROUPED_MATMUL: dict[str, Callable] = {
     "ragged_dot": jax.lax.ragged_dot,
     "gmm": gmm_grouped_matmul,
 }
-"""The settled ``ModelConfig.grouped_matmul`` -> ``f(lhs [M, k], rhs [N, k, n], sizes [N])``."""
+"""The settled ``ExecutionConfig.grouped_matmul`` -> ``f(lhs [M, k], rhs [N, k, n], sizes [N])``."""
 
 
 def grouped_ffn(xs: jax.Array, weights: ExpertWeights, sizes: jax.Array,

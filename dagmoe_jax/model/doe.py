@@ -259,7 +259,7 @@ class DoEBlock(nnx.Module):
         gates = gate_values(logits, cfg.doe.gate)
         e_context = compose_expert(gates, z_know)
         out = swiglu(jnp.concatenate([h_enr, e_context], axis=-1), c(self.w_gate), c(self.w_up),
-                     c(self.w_down), fused=cfg.fuse_gate_up)
+                     c(self.w_down), fused=cfg.execution.fuse_gate_up)
         g32 = gates.astype(jnp.float32)
         share = g32 / jnp.maximum(jnp.sum(g32, axis=-1, keepdims=True), 1e-9)
         zero = jnp.zeros((), jnp.float32)

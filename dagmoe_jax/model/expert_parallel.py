@@ -23,7 +23,7 @@ With E = 1 (pure data parallelism) no tokens move: each device dispatches its ow
   assignments drop therefore depends on the per-device groups: with no drops the result equals
   the single-device one, with drops it can differ (as in every grouped dispatch); ``keep`` (and
   so ``dropped_fraction``) reports this layout's drops exactly.
-* ``dropless`` moves tokens one of two ways (``ModelConfig.expert_exchange``, settled per
+* ``dropless`` moves tokens one of two ways (``ExecutionConfig.expert_exchange``, settled per
   backend); both are exact (nothing drops):
 
   - ``ragged_all_to_all`` (GPU, TPU): each device sorts its T_loc * K assignments by expert, so
@@ -195,7 +195,7 @@ def sharded_dispatch(mode: str, x: jax.Array, indices: jax.Array, weights: Exper
     ``ValueError``). A token count T the token axes do not divide (sampling a single sequence,
     an odd evaluation batch) falls back to the global-view single-device dispatch, which XLA
     partitions through the sharding constraints: correct, but not expert-parallel. ``fused``:
-    gate and up projections as one matmul (``ModelConfig.fuse_gate_up``, settled to False on a
+    gate and up projections as one matmul (``ExecutionConfig.fuse_gate_up``, settled to False on a
     mesh, where concatenating tensor-sharded weights would move them); ``grouped_matmul``: as
     :func:`~dagmoe_jax.model.dispatch.grouped_ffn` (dropless); ``expert_exchange``: how
     dropless moves tokens between expert shards, 'all_gather' or 'ragged_all_to_all' (module

@@ -26,9 +26,9 @@ class Experts(nnx.Module):
     mode: 'capacity', 'dropless' or 'dense' (``ExpertConfig.dispatch``); capacity_factor: C =
     ceil(capacity_factor * T * K / N) for 'capacity'; fuse_gate_up: as
     :func:`~dagmoe_jax.model.layers.swiglu`; layout: the mesh to dispatch across (None: one
-    device); grouped_matmul: the grouped matmul of 'dropless' (``ModelConfig.grouped_matmul``,
+    device); grouped_matmul: the grouped matmul of 'dropless' (``ExecutionConfig.grouped_matmul``,
     settled: 'ragged_dot' or 'gmm'); expert_exchange: how expert-parallel 'dropless' moves
-    tokens (``ModelConfig.expert_exchange``, settled: 'all_gather' or 'ragged_all_to_all').
+    tokens (``ExecutionConfig.expert_exchange``, settled: 'all_gather' or 'ragged_all_to_all').
     """
 
     def __init__(self, num_experts: int, d_model: int, hidden: int, std: float, dtype, *,

@@ -43,7 +43,7 @@ def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, 
     ``[W_gate | W_up]`` (the same products, column by column): one pass over x and, in the
     backward pass, one input gradient of twice the depth instead of two and an add. Measured 3%
     faster for the whole training step of the s model on the 2-core CPU, concatenation
-    included. Under a multi-device mesh (``ModelConfig.fuse_gate_up`` settles to False there)
+    included. Under a multi-device mesh (``ExecutionConfig.fuse_gate_up`` settles to False there)
     the two matmuls stay separate: concatenating weights sharded along their hidden axis
     (tensor parallelism) would move them between devices.
     """

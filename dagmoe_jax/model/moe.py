@@ -21,7 +21,7 @@ def make_shared(cfg: ModelConfig, *, rngs: nnx.Rngs) -> Optional[SwiGLU]:
     if e.num_shared == 0:
         return None
     return SwiGLU(cfg.d_model, e.num_shared * e.shared_hidden, cfg.init_std,
-                  dtype_of(cfg.compute_dtype), fuse_gate_up=cfg.fuse_gate_up, rngs=rngs)
+                  dtype_of(cfg.compute_dtype), fuse_gate_up=cfg.execution.fuse_gate_up, rngs=rngs)
 
 
 def make_experts(cfg: ModelConfig, layout: Optional[MeshLayout], *, rngs: nnx.Rngs) -> Experts:
@@ -29,9 +29,9 @@ def make_experts(cfg: ModelConfig, layout: Optional[MeshLayout], *, rngs: nnx.Rn
     e = cfg.experts
     return Experts(e.num_experts, cfg.d_model, e.expert_hidden, cfg.init_std,
                    dtype_of(cfg.compute_dtype), mode=e.dispatch,
-                   capacity_factor=e.capacity_factor, fuse_gate_up=cfg.fuse_gate_up,
-                   layout=layout, grouped_matmul=cfg.grouped_matmul,
-                   expert_exchange=cfg.expert_exchange, rngs=rngs)
+                   capacity_factor=e.capacity_factor, fuse_gate_up=cfg.execution.fuse_gate_up,
+                   layout=layout, grouped_matmul=cfg.execution.grouped_matmul,
+                   expert_exchange=cfg.execution.expert_exchange, rngs=rngs)
 
 
 def block_stats(losses: dict, keep: jax.Array) -> dict:

@@ -53,7 +53,7 @@ def make_block(cfg: ModelConfig, layout: Optional[MeshLayout] = None, *,
     if cfg.block == "doe":
         return DoEBlock(cfg, rngs=rngs)
     return SwiGLU(cfg.d_model, cfg.resolved_ffn_hidden, cfg.init_std, dtype_of(cfg.compute_dtype),
-                  fuse_gate_up=cfg.fuse_gate_up, rngs=rngs)
+                  fuse_gate_up=cfg.execution.fuse_gate_up, rngs=rngs)
 
 
 def empty_stats(cfg: ModelConfig) -> dict:
@@ -108,7 +108,7 @@ class Transformer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layout: Optional[MeshLayout] = None):
         if cfg.unsettled:
-            raise ValueError(f"ModelConfig fields {', '.join(cfg.unsettled)} are still 'auto': "
+            raise ValueError(f"ExecutionConfig fields {', '.join(cfg.unsettled)} are still 'auto': "
                              f"build the model from dagmoe_jax.settle.settle(cfg)")
         self.cfg = cfg
         pd = dtype_of(cfg.param_dtype)
@@ -175,11 +175,11 @@ class Transformer(nnx.Module):
             h, stats, layer_cache = layer(h, sin, cos, layer_cache, start, ctx)
             return h, (stats, layer_cache)
 
-        if cfg.remat != "none":
-            body = nnx.remat(body, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
+        if cfg.execution.remat != "none":
+            body = nnx.remat(body, policy=REMAT_POLICIES[cfg.execution.remat], prevent_cse=False)
 
         @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, None), out_axes=(nnx.Carry, 0),
-                  unroll=cfg.scan_unroll, transform_metadata={nnx.PARTITION_NAME: "layers"})
+                  unroll=cfg.execution.scan_unroll, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def run(h, layer, layer_cache, layer_doe, shared_doe):
             return body(h, layer, layer_cache, layer_doe, shared_doe)
 

@@ -16,8 +16,7 @@ from typing import Sequence, Tuple
 import numpy as np
 from flax import nnx
 
-from dagmoe_jax.config import AggregationConfig, ModelConfig, RouterConfig
-from dagmoe_jax.runs import EXECUTION_FIELDS
+from dagmoe_jax.config import AggregationConfig, ModelConfig, RouterConfig, execution_fields
 
 MLP_PREFIX = ("layers", "block")          # the dense block's w_gate / w_up / w_down
 EXPERT_PREFIX = ("layers", "block", "experts")
@@ -69,7 +68,7 @@ def check_dume_config(cfg: ModelConfig) -> None:
 def architecture_fields(cfg: ModelConfig) -> dict:
     """The fields of a dense config that decide its parameters' meaning (not how it runs)."""
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-            if f.name not in EXECUTION_FIELDS + ("param_dtype", "compute_dtype", "init_std",
+            if f.name not in execution_fields() + ("param_dtype", "compute_dtype", "init_std",
                                                  "router", "experts", "aggregation", "coe",
                                                  "max_seq_len")}
 

@@ -2,7 +2,8 @@
 
 * CPU, :mod:`.attention`: a fused causal grouped-query attention in C++ (an XLA FFI custom
   call, compiled on first use and cached on disk by :mod:`.build`): what
-  ``ExecutionConfig.attention='auto'`` settles to on CPU for float32 when a C++ compiler is available ('fused').
+  ``ExecutionConfig.attention='auto'`` settles to on CPU for float32 when a C++ compiler is
+  available ('fused').
 * TPU, :mod:`.pallas`: JAX's Pallas TPU kernels wrapped for this model's layouts, the splash
   attention (``attention='splash'``) and megablox's grouped matmul for dropless dispatch
   (``grouped_matmul='gmm'``); they run anywhere in the Pallas interpreter, which is how the CPU

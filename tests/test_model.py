@@ -316,7 +316,7 @@ def test_remat_policies_and_layer_loops_match():
     tokens = random_tokens(8)
     for name, changes in {"auto": {}, **LAYER_LOOPS}.items():
         h = get_harness("moe-dag" if name == "auto" else f"moe-dag-{name}",
-                        CONFIGS["moe-dag"].replace(**changes))
+                        CONFIGS["moe-dag"].replace(execution=changes))
         model = h.model()                                   # same seed: same parameters
         randomize_zero_inits(model)
         loss, grads = h.train_step(model, h.optimizer(model), tokens)   # pre-update values

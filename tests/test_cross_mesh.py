@@ -31,6 +31,7 @@ def _params(model):
             for p, v in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}
 
 
+@pytest.mark.slow          # two sharded training runs and two restores: about 25 s
 def test_checkpoint_moves_between_meshes_and_onto_one_device(tmp_path):
     run_dir = tmp_path / "run"
     first = train(*_configs(run_dir, 6, data=2, expert=4), progress=False, log=lambda _: None)

@@ -1,7 +1,7 @@
 """The command lines' shared behaviour: bad arguments are one line on stderr and exit status 2,
 checked in this process through each command's ``main(argv)`` (what its console script or
-``python -m`` calls); one subprocess per command without a console script checks its
-``python -m`` wiring (test_packaging.py runs the console scripts, test_train.py train.py).
+``python -m`` calls); one subprocess per command checks its ``python -m`` wiring
+(test_packaging.py runs the console scripts, test_train.py ``python train.py``).
 One argparse class, :class:`dagmoe_jax.cli.OneLineParser`, turns argparse's errors into
 one line for all of them."""
 
@@ -77,7 +77,8 @@ def test_no_command_line_defines_its_own_parser_class():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("module", ["dagmoe_jax.topics", "dagmoe_jax.demo"])
+@pytest.mark.parametrize("module", ["dagmoe_jax.train", "dagmoe_jax.sample", "dagmoe_jax.analysis",
+                                    "dagmoe_jax.upcycle", "dagmoe_jax.topics", "dagmoe_jax.demo"])
 def test_python_m_wiring(tmp_path, module):
     """``python -m`` runs the command's ``main`` and exits with its status."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}

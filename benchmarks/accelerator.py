@@ -1,0 +1,254 @@
+"""Everything we want to know on an accelerator, in one command under 10 minutes.
+
+GPU time is rare for this project: when a GPU (or TPU) is lent, run this first and put its
+table in benchmarks/RESULTS.md with the device named.
+
+    python benchmarks/accelerator.py                  # on the accelerator (~6-9 min on an H100)
+    python benchmarks/accelerator.py --micro          # a CPU smoke run at a micro size (~1 min)
+    python benchmarks/accelerator.py --budget_s 300   # stop starting new work after 300 s
+
+What it measures, in bf16 compute with float32 master weights (configs/gpu.gin) at the
+Llama-3 vocabulary (128,256), batch x sequence tokens per step (default 16 x 1024):
+
+1. the device and its datasheet bf16 peak, next to the bf16 matmul rate measured here;
+2. for MoE-s, MoE-s + shared expert (d_r matched to the DAG module, the paper's parity
+   baseline), DAG-MoE-s L 2 (d_g 128) and the l model as MoE and DAG-MoE L 2 (d_g 256): the
+   best step time of a full AdamW training step, tokens/s, model FLOP/s
+   (:mod:`dagmoe_jax.accounting`), MFU against the datasheet peak and against the measured
+   matmul rate, and peak device memory. Each variant runs in its own process, so its peak
+   memory is its own;
+3. DAG-MoE-s L 2 / MoE-s + shared step ratio (the DAG-MoE paper: +4.49% at L 2 on an A100);
+4. with the time left, a short quality run: MoE, MoE + shared and DAG-MoE L 2 (d_g 128) of
+   the s shape trained on the same tokens (600 steps x 32 x 512, 9.8M) of an offline corpus (this Python's standard-library docstrings, built where the
+   script runs; nothing downloads) and scored on its held-out text, at a budget the project's
+   CPU cannot reach. One seed: a trend to repeat, not a result.
+
+Every number also goes to a JSON file (--json; default ``$OUT/accelerator.json`` where the
+environment sets ``OUT``, as the lent machine does, else runs/accelerator/accelerator.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from dagmoe_jax.accounting import account  # noqa: E402
+from dagmoe_jax.gin_utils import load_model_config  # noqa: E402
+from step_throughput import matmul_rate, step_time  # noqa: E402  (benchmarks/)
+
+# name -> (model gin, variant gin). The s variants at d_g 128 and the l ones at 256 are the
+# paper's (DAG-MoE Appendix B.2).
+VARIANTS = {
+    "moe-s": ("models/s.gin", "variants/moe.gin"),
+    "moe+shared-s": ("models/s.gin", "variants/moe_shared_g128_l2.gin"),
+    "dag-s L2": ("models/s.gin", "variants/dag_g128_l2.gin"),
+    "moe-l": ("models/l.gin", "variants/moe.gin"),
+    "dag-l L2": ("models/l.gin", "variants/dag_g256_l2.gin"),
+}
+RATIO = ("dag-s L2", "moe+shared-s")
+PAPER_RATIO_L2 = 1.0449                       # DAG-MoE summary: +4.49% wall clock at L 2, A100
+QUALITY_VARIANTS = ("moe", "moe_shared", "dag_l2")
+# The quality run's model on an accelerator: the s shape (Table 3) on bench/quality.gin's
+# recipe, in bf16 compute; --micro keeps bench/quality.gin's CPU-sized model.
+QUALITY_S = ("ModelConfig.d_model = 512", "ModelConfig.num_layers = 4",
+             "ModelConfig.num_heads = 32", "ModelConfig.num_kv_heads = 8",
+             "ModelConfig.max_seq_len = 512", "ExpertConfig.num_experts = 32",
+             "ExpertConfig.expert_hidden = 256", "ModelConfig.compute_dtype = 'bfloat16'")
+
+# Dense bf16 tensor-core peaks from the vendors' datasheets (FLOP/s, no sparsity), matched
+# against jax's device_kind in this order (the first substring that matches wins).
+PEAK_BF16 = (
+    ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989.4e12), ("H200", 989.4e12),
+    ("GH200", 989.4e12), ("A100", 312e12), ("L40S", 362e12), ("L4", 121e12),
+    ("TPU v6", 918e12), ("TPU v5 lite", 197e12), ("TPU v5e", 197e12), ("TPU v5", 459e12),
+    ("TPU v4", 275e12),
+)
+MICRO_BINDINGS = ("ModelConfig.d_model = 64", "ModelConfig.num_layers = 2",
+                  "ModelConfig.num_heads = 4", "ModelConfig.num_kv_heads = 2",
+                  "ExpertConfig.num_experts = 8", "ExpertConfig.expert_hidden = 32",
+                  "ExpertConfig.shared_hidden = 32", "AggregationConfig.dag_dim = 16")
+
+
+def datasheet_peak(device_kind: str):
+    """The datasheet dense bf16 FLOP/s of ``device_kind`` (None when it is not in the table)."""
+    for needle, peak in PEAK_BF16:
+        if needle.lower() in device_kind.lower():
+            return peak
+    return None
+
+
+def variant_config(name: str, vocab: int, micro: bool):
+    model, variant = VARIANTS[name]
+    bindings = [f"ModelConfig.vocab_size = {vocab}", *(MICRO_BINDINGS if micro else ())]
+    return load_model_config([model, variant, "gpu.gin"], bindings)
+
+
+def peak_memory() -> int:
+    """Peak bytes the default device has held in this process (0 where the backend keeps no
+    statistics, as XLA:CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return int(stats.get("peak_bytes_in_use", 0))
+
+
+def measure_one(name: str, vocab: int, batch: int, seq: int, steps: int, micro: bool) -> dict:
+    """One variant's step time, throughput and peak memory (run in a process of its own)."""
+    cfg = variant_config(name, vocab, micro)
+    t = step_time(cfg, batch, seq, steps)
+    acc = account(cfg, seq)
+    tokens = batch * seq
+    return {"variant": name, "params": acc.total_params, "active_params": acc.total_active_params,
+            "s_per_step": t, "tokens_per_s": tokens / t,
+            "model_flops_per_s": acc.train_flops_per_token * tokens / t,
+            "peak_memory_bytes": peak_memory()}
+
+
+def run_one_in_subprocess(name: str, args) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", name, "--vocab",
+           str(args.vocab), "--batch", str(args.batch), "--seq", str(args.seq), "--steps",
+           str(args.steps)] + (["--micro"] if args.micro else [])
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode or not lines:
+        tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"variant": name, "error": tail}
+    return json.loads(lines[-1])
+
+
+def throughput_table(rows, peak, measured) -> str:
+    head = (f"{'variant':<14}{'params':>15}{'s/step':>9}{'tokens/s':>12}{'TFLOP/s':>9}"
+            f"{'MFU':>8}{'of matmul':>11}{'peak mem':>11}")
+    lines = [head]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['variant']:<14}  failed: {r['error']}")
+            continue
+        fps = r["model_flops_per_s"]
+        mfu = f"{fps / peak:.1%}" if peak else "-"
+        mem = f"{r['peak_memory_bytes'] / 2**30:.1f} GiB" if r["peak_memory_bytes"] else "-"
+        lines.append(f"{r['variant']:<14}{r['params']:>15,}{r['s_per_step']:>9.3f}"
+                     f"{r['tokens_per_s']:>12,.0f}{fps / 1e12:>9.1f}{mfu:>8}"
+                     f"{fps / measured:>10.1%}{mem:>11}")
+    return "\n".join(lines)
+
+
+def quality_run(args, deadline: float, out_dir: Path) -> dict:
+    """MoE, MoE + shared and DAG-MoE L 2 on the offline standard-library corpus, one seed; a
+    variant starts only before ``deadline`` (``time.monotonic()``)."""
+    from dagmoe_jax.eval.corpus import build_stdlib_corpus, corpus_sources
+    from dagmoe_jax.eval.quality import (PAPER_SOURCE, QualityBudget, format_report,
+                                         summarize, train_and_evaluate)
+
+    source, eval_source = corpus_sources(build_stdlib_corpus(out_dir / "corpus"))
+    budget = QualityBudget(source=source, eval_source=eval_source, variants=QUALITY_VARIANTS,
+                           steps=20 if args.micro else args.quality_steps,
+                           batch_size=4 if args.micro else 32,
+                           seq_len=64 if args.micro else 512,
+                           eval_batches=2 if args.micro else 32,
+                           dag_dim=32 if args.micro else 128,
+                           bindings=() if args.micro else QUALITY_S)
+    runs = []
+    for variant in budget.variants:
+        if time.monotonic() > deadline:
+            print(f"  {variant}: skipped (--budget_s reached)")
+            continue
+        runs.append(train_and_evaluate(budget, variant, 0, out_dir / "runs" / variant,
+                                       log=lambda message: print(f"  {message}", flush=True)))
+    results = {"budget": dataclasses.asdict(budget), "tokens_per_run": budget.tokens_per_run,
+               "runs": runs, "summary": summarize(runs) if runs else {}}
+    if runs:
+        print(format_report({**results, "paper_source": PAPER_SOURCE}))
+    return results
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--micro", action="store_true",
+                   help="micro models and batches: a CPU check that the script works")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary (default 128256; "
+                   "micro 512)")
+    p.add_argument("--batch", type=int, default=None, help="rows per step (default 16; micro 2)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per row (default 1024; "
+                   "micro 32)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per variant, best of "
+                   "(default 5; micro 2)")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--budget_s", type=float, default=540.0,
+                   help="no new work starts after this many seconds (default 540: the device "
+                        "tool's 10-minute command limit, less a margin)")
+    p.add_argument("--quality_steps", type=int, default=600,
+                   help="training steps per variant of the quality run (0: none)")
+    p.add_argument("--json", default=None, help="where the JSON goes")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)   # a child process
+    args = p.parse_args(argv)
+    micro = dict(vocab=512, batch=2, seq=32, steps=2)
+    full = dict(vocab=128256, batch=16, seq=1024, steps=5)
+    for key, value in (micro if args.micro else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.one:
+        print(json.dumps(measure_one(args.one, args.vocab, args.batch, args.seq, args.steps,
+                                     args.micro)))
+        return 0
+
+    start = time.monotonic()
+    device = jax.devices()[0]
+    json_path = Path(args.json or (Path(os.environ["OUT"]) / "accelerator.json"
+                                   if os.environ.get("OUT") else
+                                   "runs/accelerator/accelerator.json"))
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    peak = datasheet_peak(device.device_kind)
+    n = 1024 if device.platform == "cpu" else 8192
+    measured = matmul_rate(n, dtype=jnp.bfloat16)
+    report = {"device": device.device_kind, "platform": device.platform,
+              "device_count": jax.device_count(), "datasheet_bf16_flops": peak,
+              "measured_bf16_matmul_flops": measured, "vocab": args.vocab,
+              "batch": args.batch, "seq": args.seq, "steps": args.steps, "variants": []}
+    print(f"device: {device.device_kind} ({device.platform}) x{jax.device_count()}; "
+          f"bf16 datasheet peak {f'{peak / 1e12:.0f} TFLOP/s' if peak else 'unknown'}, "
+          f"{n}^3 bf16 matmul measured {measured / 1e12:.2f} TFLOP/s")
+    print(f"vocabulary {args.vocab}, {args.batch} x {args.seq} tokens per step, best of "
+          f"{args.steps} timed steps; bf16 compute, float32 master weights (gpu.gin)\n",
+          flush=True)
+    for name in args.variants:
+        if time.monotonic() - start > args.budget_s:
+            print(f"  {name}: skipped (--budget_s {args.budget_s:.0f} s reached)")
+            continue
+        row = run_one_in_subprocess(name, args)
+        report["variants"].append(row)
+        print(f"  measured {name}: " + (f"{row['s_per_step']:.3f} s/step" if "error" not in row
+                                        else f"failed ({row['error']})"), flush=True)
+        json_path.write_text(json.dumps(report, indent=2))
+    print("\n" + throughput_table(report["variants"], peak, measured))
+    by_name = {r["variant"]: r for r in report["variants"] if "error" not in r}
+    if all(v in by_name for v in RATIO):
+        ratio = by_name[RATIO[0]]["s_per_step"] / by_name[RATIO[1]]["s_per_step"]
+        report["dag_over_shared_step_ratio"] = ratio
+        print(f"\n{RATIO[0]} / {RATIO[1]} step time: {ratio:.4f}x "
+              f"(the paper: {PAPER_RATIO_L2:.4f}x at L 2 on an A100)")
+    left = args.budget_s - (time.monotonic() - start)
+    if args.quality_steps and left > 30:
+        print(f"\nquality run ({left:.0f} s left): {', '.join(QUALITY_VARIANTS)}, one seed",
+              flush=True)
+        report["quality"] = quality_run(args, start + args.budget_s,
+                                        json_path.parent / "accelerator_runs")
+    json_path.write_text(json.dumps(report, indent=2, default=str))
+    print(f"\nwrote {json_path} ({time.monotonic() - start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

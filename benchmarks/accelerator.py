@@ -147,8 +147,8 @@ def throughput_table(rows, peak, measured) -> str:
 def quality_run(args, deadline: float, out_dir: Path) -> dict:
     """MoE, MoE + shared and DAG-MoE L 2 on the offline standard-library corpus, one seed; a
     variant starts only before ``deadline`` (``time.monotonic()``)."""
-    from dagmoe_jax.eval.corpus import build_stdlib_corpus, corpus_sources
-    from dagmoe_jax.eval.quality import (PAPER_SOURCE, QualityBudget, format_report,
+    from dagmoe_jax.experiments.corpus import build_stdlib_corpus, corpus_sources
+    from dagmoe_jax.experiments.quality import (PAPER_SOURCE, QualityBudget, format_report,
                                          summarize, train_and_evaluate)
 
     source, eval_source = corpus_sources(build_stdlib_corpus(out_dir / "corpus"))

@@ -7,7 +7,7 @@ forgetting probe, at equal total parameters on a mixed offline corpus, over seve
     python benchmarks/doe.py --variants dense,moe,doe_relu --seeds 2 --steps 400
     python benchmarks/doe.py --report runs/bench_doe/doe.json
 
-Corpus (nothing downloaded; dagmoe_jax/eval/corpus.py): the docstrings of this Python's standard
+Corpus (nothing downloaded; dagmoe_jax/experiments/corpus.py): the docstrings of this Python's standard
 library (programming documentation, many short records) mixed with the installed English manual
 pages of sections 5 and 7 (file formats and overviews, one record per page), each split by file
 into training and held-out text. Stage 1 (online LDA, --topics topics, on the first
@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dagmoe_jax.eval.scoring import mean_std, paired_difference  # noqa: E402
+from dagmoe_jax.experiments.scoring import mean_std, paired_difference  # noqa: E402
 
 VARIANTS = ("dense", "moe", "doe_softmax", "doe_relu", "doe_a0", "doe_a0.01", "doe_a0.1",
             "doe_no_lda", "doe_k", "doe_q")
@@ -93,7 +93,7 @@ def model_config(variant: str, topics: int, seq_len: int):
 
 
 def corpus(out: Path, log):
-    from dagmoe_jax.eval.corpus import build_manpage_corpus, build_stdlib_corpus
+    from dagmoe_jax.experiments.corpus import build_manpage_corpus, build_stdlib_corpus
 
     stdlib = build_stdlib_corpus(out / "corpus")
     man = build_manpage_corpus(out / "corpus", sections=("5", "7"))
@@ -157,7 +157,7 @@ def forgetting(args, record, code_cfg, evals, log) -> dict:
     from dagmoe_jax import runs
     from dagmoe_jax.data import eval_batches, make_tokenizer, train_dataset
     from dagmoe_jax.topics.stage import run_topics
-    from dagmoe_jax.train.loop import evaluate
+    from dagmoe_jax.evaluation import evaluate
     from dagmoe_jax.train.step import make_train_step
 
     loaded = runs.load_run(record["run_dir"], data_cfg=code_cfg, log=lambda _m: None)

@@ -81,7 +81,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.report:
-        from dagmoe_jax.eval.reasoning import format_report
+        from dagmoe_jax.experiments.reasoning import format_report
         try:
             results = json.loads(Path(args.report).read_text())
             print(format_report(results))
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
             return report_error(ValueError(f"cannot read {args.report}: {err}"))
         return 0
     # Imported after argument parsing so that --help and argument errors are instant.
-    from dagmoe_jax.eval.reasoning import ReasoningBudget, format_report, run_suite
+    from dagmoe_jax.experiments.reasoning import ReasoningBudget, format_report, run_suite
 
     out = Path(args.out)
     try:

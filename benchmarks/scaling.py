@@ -2,7 +2,7 @@
 
 For every device count and every mesh layout that fits it (dp N; ep N; dp 2 x ep N/2;
 fsdp N/4 x ep 2 x tp 2) it builds the model and its AdamW optimizer sharded over the mesh
-(``dagmoe_jax.train.loop.build``, the optimizer of ``make_optimizer``) and compiles the jitted
+(``dagmoe_jax.runs.build``, the optimizer of ``make_optimizer``) and compiles the jitted
 training step (forward + backward + update). Then it times all layouts in round-robin rounds
 (``--rounds`` of ``--steps`` steps; s/step is the best of them all, so a burst of load on a
 shared machine hits the layouts alike) and reports tokens/s, the speed-up over one device,
@@ -60,7 +60,7 @@ import numpy as np  # noqa: E402
 
 from dagmoe_jax.gin_utils import load_configs  # noqa: E402
 from dagmoe_jax.parallel import MeshConfig, activate, make_mesh  # noqa: E402
-from dagmoe_jax.train.loop import _device_batch, build  # noqa: E402
+from dagmoe_jax.runs import build, device_batch  # noqa: E402
 from dagmoe_jax.train.step import make_train_step  # noqa: E402
 from step_throughput import time_fn  # noqa: E402  (best of N blocking calls after a warm-up)
 
@@ -257,7 +257,7 @@ def prepare_layout(name: str, mesh_cfg: MeshConfig, n: int, configs, batch: int,
     tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (batch, seq + 1))
     tokens = tokens.astype(np.int32)
     with activate(mesh):
-        data = _device_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, mesh)
+        data = device_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, mesh)
 
     def run_step():
         with activate(mesh):          # the context the step was traced in: no retrace

@@ -290,7 +290,7 @@ class ExecutionConfig:
 
     Changing any of these changes neither the parameters nor, beyond floating-point rounding,
     the outputs, so a run may resume with them changed (on another machine, say). Each 'auto'
-    is settled once, when the run is built (:func:`dagmoe_jax.settle.settle`), and printed.
+    is settled once, when the run is built (:func:`dagmoe_jax.runs.settle.settle`), and printed.
 
     remat: 'auto' (default: 'none' on CPU, 'full' on GPU / TPU), 'full' (recompute each layer
       in the backward pass; MaxText's default, for accelerator memory), 'dots' (save matmul
@@ -341,7 +341,7 @@ class ExecutionConfig:
 
     @property
     def unsettled(self) -> tuple:
-        """The fields still 'auto' (settled by :func:`dagmoe_jax.settle.settle`)."""
+        """The fields still 'auto' (settled by :func:`dagmoe_jax.runs.settle.settle`)."""
         auto = (("remat", self.remat == "auto"), ("scan_unroll", self.scan_unroll == 0),
                 ("attention", self.attention == "auto"),
                 ("grouped_matmul", self.grouped_matmul == "auto"),
@@ -366,7 +366,7 @@ class ModelConfig:
     norm_eps: epsilon of RMSNorm and of the DAG module's LayerNorm.
     init_std: standard deviation of the normal initialiser of every matrix.
     execution: how the model runs on a machine, not what it computes (``ExecutionConfig``;
-      every 'auto' there is settled by :func:`dagmoe_jax.settle.settle` when the run is built).
+      every 'auto' there is settled by :func:`dagmoe_jax.runs.settle.settle` when the run is built).
     param_dtype, compute_dtype: 'float32' or 'bfloat16' (master weights stay float32 by default).
     """
 
@@ -451,7 +451,7 @@ class ModelConfig:
 
     @property
     def unsettled(self) -> tuple:
-        """The execution fields still 'auto' (settled by :func:`dagmoe_jax.settle.settle`)."""
+        """The execution fields still 'auto' (settled by :func:`dagmoe_jax.runs.settle.settle`)."""
         return self.execution.unsettled
 
     def replace(self, **changes) -> "ModelConfig":

@@ -12,8 +12,9 @@ from flax import nnx
 
 from dagmoe_jax.gin_utils import load_configs
 from dagmoe_jax.parallel import MeshConfig
-from dagmoe_jax.train.checkpoint import Checkpointer
-from dagmoe_jax.train.loop import _abstract, _train_state, build, train
+from dagmoe_jax.runs.checkpoint import Checkpointer
+from dagmoe_jax.runs import abstract, build, train_state
+from dagmoe_jax.train.loop import train
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 
@@ -50,10 +51,10 @@ def test_checkpoint_moves_between_meshes_and_onto_one_device(tmp_path):
         model, optimizer, _ = build(model_cfg, optim_cfg, train_cfg, mesh)
         with Checkpointer(run_dir / "checkpoints", save_every=10, async_save=False) as ckpt:
             if mesh is None:
-                result = ckpt.restore(_abstract(_train_state(model, optimizer)))
+                result = ckpt.restore(abstract(train_state(model, optimizer)))
             else:
                 with activate(mesh):
-                    result = ckpt.restore(_abstract(_train_state(model, optimizer)))
+                    result = ckpt.restore(abstract(train_state(model, optimizer)))
         assert result.step == 8
         nnx.update(model, result.state["model"])
         restored[name] = model

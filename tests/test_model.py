@@ -23,7 +23,7 @@ from dagmoe_jax.model import Transformer
 from dagmoe_jax.model.attention import blockwise_causal_attention, causal_attention_reference
 from dagmoe_jax.model.coe import CoEBlock
 from dagmoe_jax.model.moe import MoEBlock
-from dagmoe_jax.settle import settle_remat, settle_scan_unroll
+from dagmoe_jax.runs.settle import settle_remat, settle_scan_unroll
 
 BATCH, SEQ = 2, 16
 

@@ -16,7 +16,7 @@ from dagmoe_jax.model import expert_parallel
 from dagmoe_jax.model.experts import Experts
 from dagmoe_jax.parallel import MeshConfig, activate, make_mesh, place_on_mesh
 from dagmoe_jax.parallel.axes import MeshLayout
-from dagmoe_jax.settle import describe, settle
+from dagmoe_jax.runs.settle import describe, settle
 
 N = 8
 

@@ -427,7 +427,7 @@ def test_a_refused_run_directory_is_one_line(tmp_path, monkeypatch):
     def refuse(self, *args, **kwargs):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
 
-    monkeypatch.setattr(type(runs.run_path(tmp_path)), "mkdir", refuse)
+    monkeypatch.setattr(type(runs.paths.run_path(tmp_path)), "mkdir", refuse)
     with pytest.raises(ValueError, match=rf"^cannot write the run directory {tmp_path}/run "
                                          r"\(Read-only file system\): choose a writable path$"):
         runs.prepare_run_dir(tmp_path / "run")
@@ -441,7 +441,7 @@ def test_fields_newer_than_a_checkpoint_are_no_change_at_their_defaults():
 
     from dagmoe_jax import runs
     from dagmoe_jax.config import ModelConfig
-    from dagmoe_jax.train.checkpoint import json_diffs
+    from dagmoe_jax.runs.checkpoint import json_diffs
 
     cfg = ModelConfig()
     new = runs.model_meta(cfg)

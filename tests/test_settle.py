@@ -1,4 +1,4 @@
-"""Every machine-dependent choice is settled once, before the model is built (dagmoe_jax.settle),
+"""Every machine-dependent choice is settled once, before the model is built (dagmoe_jax.runs.settle),
 and the model code never asks what machine it runs on."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from conftest import tiny_config
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.parallel import MeshConfig, make_mesh
 from dagmoe_jax.parallel.axes import MeshLayout
-from dagmoe_jax.settle import describe, settle
+from dagmoe_jax.runs.settle import describe, settle
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dagmoe_jax"
 
@@ -50,7 +50,7 @@ def test_an_unsettled_config_is_a_clear_error():
     with pytest.raises(ValueError, match=r"^ExecutionConfig fields remat, scan_unroll, attention, "
                                          r"grouped_matmul, expert_exchange, fuse_gate_up are "
                                          r"still 'auto': build the model from "
-                                         r"dagmoe_jax.settle.settle\(cfg\)$"):
+                                         r"dagmoe_jax.runs.settle.settle\(cfg\)$"):
         Transformer(tiny_config(settled=False), rngs=nnx.Rngs(0))
 
 

@@ -15,7 +15,7 @@ from dagmoe_jax import runs
 from dagmoe_jax.data import DataConfig, make_tokenizer
 from dagmoe_jax.data.pipeline import eval_batches, train_dataset
 from dagmoe_jax.model import Transformer
-from dagmoe_jax.train.loop import evaluate
+from dagmoe_jax.evaluation import evaluate
 from dagmoe_jax.train.step import make_train_step
 from dagmoe_jax.upcycle import __main__ as cli
 from dagmoe_jax.upcycle import command, dume, moerge

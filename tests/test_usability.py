@@ -22,7 +22,7 @@ from dagmoe_jax import runs
 from dagmoe_jax.analysis import plots
 from dagmoe_jax.analysis.report import curve_series
 from dagmoe_jax.gin_utils import load_configs
-from dagmoe_jax.train import checkpoint as ckpt
+from dagmoe_jax.runs import checkpoint_files as ckpt
 from dagmoe_jax.train.metrics import METRICS_FILE, MetricsWriter, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -220,7 +220,7 @@ def test_tensorboard_in_a_bucket_without_its_client_stops_before_writing(fake_gc
 
 
 def test_file_uri_and_unknown_schemes(tmp_path):
-    from dagmoe_jax.paths import as_path
+    from dagmoe_jax.runs.paths import as_path
     path = runs.prepare_run_dir(f"file://{tmp_path}/r")
     assert (tmp_path / "r").is_dir() and str(path) == f"{tmp_path}/r"
     with pytest.raises(ValueError, match="the ftp:// scheme is not supported"):

@@ -18,7 +18,10 @@ import numpy as np
 
 from dagmoe_jax.analysis import plots
 from dagmoe_jax.analysis.collect import Collected, collect
-from dagmoe_jax.paths import as_path, is_remote
+from dagmoe_jax.runs.paths import as_path, is_remote
+from dagmoe_jax.data import eval_batches, parse_source
+from dagmoe_jax.runs import load_run
+from dagmoe_jax.train.metrics import read_metrics
 
 PLOTS = ("expert_load", "coactivation", "edge_gates", "edge_gate_hist", "dropped_fraction",
          "training_curves", "doe_gates")
@@ -38,7 +41,6 @@ def analysis_batches(data_cfg, tokenizer, data: str = "", max_batches: int = 4,
     """The batches to trace: the run's own held-out data, or ``data`` (a ``DataConfig``
     source spec such as ``text:notes/*.txt``, ``synthetic:lcs`` or ``tfds:name``, read with
     the run's tokenizer; a TFDS spec uses the run's ``eval_split`` or ``split``) instead."""
-    from dagmoe_jax.data import eval_batches, parse_source  # pylint: disable=import-outside-toplevel
 
     if data:
         tfds = parse_source(data, "eval_source")[0] == "tfds"
@@ -134,8 +136,6 @@ def training_curves(records: List[dict], out: Path, prefix: str = "") -> PlotRes
 def analyze_run(run_dir, out_dir, *, data: str = "", max_batches: int = 4) -> List[PlotResult]:
     """Load ``run_dir``'s newest checkpoint, trace it over ``max_batches`` batches of its
     held-out data (or ``data``), and write every plot that applies into ``out_dir``."""
-    from dagmoe_jax.runs import load_run  # pylint: disable=import-outside-toplevel
-    from dagmoe_jax.train.metrics import read_metrics  # pylint: disable=import-outside-toplevel
 
     loaded = load_run(run_dir)
     path = as_path(run_dir)
@@ -155,7 +155,6 @@ def analyze_doe(loaded, run_dir, out_dir, data: str, max_batches: int, label: st
     from dagmoe_jax.analysis.doe import gate_profile, plot_gate_profile  # pylint: disable=import-outside-toplevel
     from dagmoe_jax.topics.stage import run_topics  # pylint: disable=import-outside-toplevel
 
-    from dagmoe_jax.train.metrics import read_metrics  # pylint: disable=import-outside-toplevel
 
     skipped = [PlotResult(n, None, "not a routed (MoE / CoE) block") for n in PLOTS[:5]]
     skipped.append(training_curves(read_metrics(run_dir), Path(out_dir), f"{label}: "))

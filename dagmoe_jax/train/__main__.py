@@ -17,7 +17,7 @@ Flags:
   --mode=train|eval     eval: load DIR's newest checkpoint and report held-out perplexity;
                         DataConfig bindings of what is scored and how it is read apply
                         (e.g. --gin.DataConfig.text_key="'body'"; the list: EVAL_DATA_FIELDS
-                        in dagmoe_jax/train/loop.py), any other binding is an error.
+                        in dagmoe_jax/evaluation.py), any other binding is an error.
   --eval_source=SPEC    (eval) a DataConfig source spec, e.g. tfds:wikitext or text:notes/*.txt
   --eval_split=NAME     (eval, tfds) the split to score
   --eval_batches=N      (eval) batches to score (default: all)
@@ -82,8 +82,8 @@ def main(argv=None) -> int:
     from dagmoe_jax.accounting import account
     from dagmoe_jax.gin_utils import load_configs
     from dagmoe_jax.parallel.multihost import initialize
-    from dagmoe_jax.train.loop import (NonFiniteLossError, eval_data_overrides,
-                                       evaluate_checkpoint, train)
+    from dagmoe_jax.evaluation import eval_data_overrides, evaluate_checkpoint
+    from dagmoe_jax.train.loop import NonFiniteLossError, train
 
     quiet_background_errors()
     try:

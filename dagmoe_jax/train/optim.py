@@ -30,6 +30,7 @@ from typing import Any
 
 import jax
 import optax
+from flax import nnx
 
 from dagmoe_jax.validate import check as _check
 
@@ -164,16 +165,9 @@ def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     return optax.join_schedules(pieces, boundaries)
 
 
-def _key_name(key) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
 def param_names(path) -> tuple:
     """A pytree path as a tuple of names, without the trailing ``value`` of an nnx Variable."""
-    names = tuple(_key_name(k) for k in path)
+    names = tuple(jax.tree_util.keystr((k,), simple=True) for k in path)
     if len(names) > 1 and names[-1] == "value" and type(path[-1]).__name__ == "GetAttrKey":
         names = names[:-1]
     return names
@@ -214,3 +208,26 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
                         weight_decay=cfg.weight_decay, mask=decay_mask)
     clip = optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity()
     return optax.chain(clip, adamw)
+
+
+# TrainConfig.trainable -> the parameters the optimiser updates and gradients are taken of.
+TRAINABLE = {
+    "all": nnx.Param,
+    "router": nnx.All(nnx.Param, nnx.PathContains("router")),
+}
+
+
+def check_trainable(model_cfg, trainable: str) -> None:
+    """One-line error when ``trainable`` leaves nothing to learn in ``model_cfg``: 'router' on
+    a model without routers, or on softmax gates renormalised over top_k = 1 (the gate is
+    always 1, so the router gets no gradient; DUME+ needs top_k >= 2)."""
+    if trainable != "router":
+        return
+    if model_cfg.block == "dense":
+        raise ValueError("TrainConfig.trainable='router' on a dense model: it has no router "
+                         "(use 'all')")
+    r = model_cfg.router
+    if r.top_k == 1 and r.renormalize:
+        raise ValueError("TrainConfig.trainable='router' with RouterConfig.top_k=1 and "
+                         "renormalize=True: the gate is always 1, so the router gets no "
+                         "gradient; use top_k >= 2 (DUME+)")

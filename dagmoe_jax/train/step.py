@@ -25,29 +25,6 @@ from dagmoe_jax.parallel import constrain
 from dagmoe_jax.train.tiled_loss import tiled_cross_entropy, tiled_scores
 
 
-# TrainConfig.trainable -> the parameters the optimiser updates and gradients are taken of.
-TRAINABLE = {
-    "all": nnx.Param,
-    "router": nnx.All(nnx.Param, nnx.PathContains("router")),
-}
-
-
-def check_trainable(model_cfg, trainable: str) -> None:
-    """One-line error when ``trainable`` leaves nothing to learn in ``model_cfg``: 'router' on
-    a model without routers, or on softmax gates renormalised over top_k = 1 (the gate is
-    always 1, so the router gets no gradient; DUME+ needs top_k >= 2)."""
-    if trainable != "router":
-        return
-    if model_cfg.block == "dense":
-        raise ValueError("TrainConfig.trainable='router' on a dense model: it has no router "
-                         "(use 'all')")
-    r = model_cfg.router
-    if r.top_k == 1 and r.renormalize:
-        raise ValueError("TrainConfig.trainable='router' with RouterConfig.top_k=1 and "
-                         "renormalize=True: the gate is always 1, so the router gets no "
-                         "gradient; use top_k >= 2 (DUME+)")
-
-
 def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
     """Mean token cross-entropy over positions where ``mask`` is true (float32), from whole
     logits: the plain version of :func:`~dagmoe_jax.train.tiled_loss.tiled_cross_entropy`

@@ -23,8 +23,7 @@ from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.data import DataConfig, make_tokenizer
 from dagmoe_jax.data.config import parse_source
 from dagmoe_jax.data.pipeline import train_dataset
-from dagmoe_jax.settle import settle
-from dagmoe_jax.train.checkpoint import Checkpointer
+from dagmoe_jax.runs.settle import settle
 from dagmoe_jax.train.config import TrainConfig
 from dagmoe_jax.train.optim import OptimConfig
 from dagmoe_jax.upcycle import dume as dume_lib
@@ -134,25 +133,6 @@ def build_dume(dense: Sequence[DenseSource], batches_per_domain: Sequence[Callab
     return moe, cfg, stats
 
 
-def configs_to_gin(model_cfg, data_cfg, optim_cfg, train_cfg) -> str:
-    """gin bindings reproducing the four configs (for ``train.py --gin_file``)."""
-    lines = []
-
-    def bind(obj, name):
-        for field in dataclasses.fields(obj):
-            value = getattr(obj, field.name)
-            if dataclasses.is_dataclass(value):
-                sub = type(value).__name__
-                lines.append(f"{name}.{field.name} = @{sub}()")
-                bind(value, sub)
-            else:
-                lines.append(f"{name}.{field.name} = {value!r}")
-
-    for obj in (model_cfg, data_cfg, optim_cfg, train_cfg):
-        bind(obj, type(obj).__name__)
-    return "\n".join(lines) + "\n"
-
-
 def write_run(run_dir: str, model: nnx.Module, model_cfg: ModelConfig, data_cfg: DataConfig,
               *, steps: int = 1000, trainable: Optional[str] = None,
               optim_cfg: OptimConfig = ROUTER_OPTIM, stats: Sequence[DomainStatistics] = (),
@@ -163,8 +143,6 @@ def write_run(run_dir: str, model: nnx.Module, model_cfg: ModelConfig, data_cfg:
     ``trainable`` (``TrainConfig.trainable``): default 'router' (DUME+) for a DUME model with
     top_k >= 2, 'all' otherwise (at top_k = 1 the router gets no gradient; a DAG trains its
     aggregator)."""
-    from dagmoe_jax.train.loop import build  # pylint: disable=import-outside-toplevel
-
     if trainable is None:
         trainable = ("router" if model_cfg.router.top_k >= 2
                      and model_cfg.aggregation.kind == "sum" else "all")
@@ -175,16 +153,12 @@ def write_run(run_dir: str, model: nnx.Module, model_cfg: ModelConfig, data_cfg:
         raise ValueError(f"{path} already holds checkpoints: choose a new --run_dir")
     train_cfg = TrainConfig(run_dir=str(path), steps=steps, trainable=trainable,
                             save_every=max(1, steps))
-    built, optimizer, _ = build(model_cfg, optim_cfg, train_cfg)
+    built, optimizer, _ = runs.build(model_cfg, optim_cfg, train_cfg)
     moerge.set_params(built, moerge.flat_params(model))
-    tokenizer = make_tokenizer(data_cfg)
-    iterator = iter(train_dataset(data_cfg, tokenizer))
-    with Checkpointer(path / runs.CHECKPOINT_DIR, save_every=train_cfg.save_every,
-                      keep=train_cfg.keep_checkpoints, async_save=False) as checkpointer:
-        checkpointer.save(0, {"model": nnx.state(built), "optimizer": nnx.state(optimizer)},
-                          data_iterator=iterator, meta=runs.model_meta(model_cfg), force=True)
+    iterator = iter(train_dataset(data_cfg, make_tokenizer(data_cfg)))
+    runs.save_initial_checkpoint(path, built, optimizer, model_cfg, train_cfg, iterator)
     runs.save_configs(path, model_cfg, data_cfg, optim_cfg, train_cfg, settled=built.cfg)
-    (path / RESUME_GIN).write_text(configs_to_gin(model_cfg, data_cfg, optim_cfg, train_cfg))
+    runs.save_resume_gin(path, model_cfg, data_cfg, optim_cfg, train_cfg, name=RESUME_GIN)
     if stats:
         (path / STATS_DIR).mkdir(exist_ok=True)
         for j, s in enumerate(stats):

@@ -28,6 +28,7 @@ from dagmoe_jax.model.attention import rope_angles
 from dagmoe_jax.model.layers import dtype_of, swiglu
 from dagmoe_jax.upcycle.moerge import check_dume_config, flat_params, set_params
 from dagmoe_jax.upcycle.ridge import DEFAULT_LAMBDA, DomainStatistics, solve_routers
+from dagmoe_jax.model import Transformer
 
 Batch = Dict[str, np.ndarray]
 
@@ -127,7 +128,6 @@ def add_expert(moe: nnx.Module, dense: nnx.Module, *, seed: int = 0) -> nnx.Modu
     old domains' saved statistics plus the new domain's equals solving from scratch on the new
     model (DUME sec. 2.3, "experts can be added dynamically"). The routers are random until
     :func:`dume` sets them."""
-    from dagmoe_jax.model import Transformer  # pylint: disable=import-outside-toplevel
     from dagmoe_jax.upcycle.moerge import EXPERT_PREFIX, MLP_PREFIX, check_same_architecture
 
     check_dume_config(moe.cfg)
@@ -151,7 +151,6 @@ def upcycle_to_dag(moe: nnx.Module, *, dag_dim: int = 128, dag_iters: int = 2,
     ``moe``; the DAG module's own parameters are freshly initialised, ``W_up`` at zero, so with
     the default ``dag_residual='once'`` the model computes exactly what ``moe`` does until
     training moves ``W_up`` (tests/test_upcycle.py)."""
-    from dagmoe_jax.model import Transformer  # pylint: disable=import-outside-toplevel
 
     cfg = moe.cfg.replace(aggregation=dict(kind="dag", dag_dim=dag_dim, dag_iters=dag_iters,
                                            **aggregation))

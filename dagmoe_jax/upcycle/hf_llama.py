@@ -257,10 +257,10 @@ def load_hf_llama(path: PathLike, *, rngs: Optional[nnx.Rngs] = None, settle_fn=
 
     ``overrides``: ModelConfig fields to change (``param_dtype='bfloat16'``, ``max_seq_len``,
     ``attention``...). ``settle_fn``: settles the config for this machine (default
-    :func:`dagmoe_jax.settle.settle`). Returns (model, ModelConfig before settling).
+    :func:`dagmoe_jax.runs.settle.settle`). Returns (model, ModelConfig before settling).
     """
     from dagmoe_jax.model import Transformer  # pylint: disable=import-outside-toplevel
-    from dagmoe_jax.settle import settle  # pylint: disable=import-outside-toplevel
+    from dagmoe_jax.runs.settle import settle  # pylint: disable=import-outside-toplevel
 
     hf = read_hf_config(path)
     cfg = model_config_from_hf(hf, **overrides)

@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from dagmoe_jax.config import AggregationConfig, ModelConfig, RouterConfig, execution_fields
+from dagmoe_jax.model import Transformer
 
 MLP_PREFIX = ("layers", "block")          # the dense block's w_gate / w_up / w_down
 EXPERT_PREFIX = ("layers", "block", "experts")
@@ -128,7 +129,6 @@ def merged_params(dense: Sequence[dict]) -> Tuple[dict, dict]:
 def moerge(models: Sequence[nnx.Module], cfg: ModelConfig, *, seed: int = 0) -> nnx.Module:
     """The MoE ``cfg`` (a settled :func:`dume_config` of the models' config) holding N dense
     ``models`` merged (DUME sec. 2.2), its routers initialised at random from ``seed``."""
-    from dagmoe_jax.model import Transformer  # pylint: disable=import-outside-toplevel
 
     check_same_architecture([m.cfg for m in models])
     check_dume_config(cfg)

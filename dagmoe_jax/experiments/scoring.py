@@ -17,6 +17,8 @@ import numpy as np
 from dagmoe_jax.data import exact_match, task_eval_batches
 from dagmoe_jax.data.config import DataConfig
 from dagmoe_jax.data.tasks import LETTERS, get_task
+from dagmoe_jax.train.step import eval_step
+from dagmoe_jax.generate import decoding_model
 
 Predictor = Callable[[Dict[str, np.ndarray]], np.ndarray]
 
@@ -34,10 +36,8 @@ def model_predictor(model, rows: Optional[int] = None, dispatch: Optional[str] =
     """
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-    from dagmoe_jax.train.step import eval_step  # pylint: disable=import-outside-toplevel
 
     if dispatch is not None:
-        from dagmoe_jax.generate import decoding_model  # pylint: disable=import-outside-toplevel
         model = decoding_model(model, dispatch)
 
     def predict(batch):

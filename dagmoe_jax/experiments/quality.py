@@ -1,6 +1,6 @@
 """The quality benchmark: held-out perplexity of every variant at equal parameters and tokens.
 
-Each variant of :mod:`dagmoe_jax.eval.variants` is trained with the library's training loop on
+Each variant of :mod:`dagmoe_jax.experiments.variants` is trained with the library's training loop on
 the same data for the same steps x batch x sequence length, from the same base model
 (``configs/bench/quality.gin``), and scored on the same held-out text (the loop's final
 evaluation: token-weighted cross-entropy, perplexity = exp of it). The result is framed as the
@@ -20,8 +20,10 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from dagmoe_jax.accounting import account
-from dagmoe_jax.eval.scoring import mean_std, paired_difference
-from dagmoe_jax.eval.variants import LABELS, REFERENCE, VARIANTS, describe, variant_config
+from dagmoe_jax.experiments.scoring import mean_std, paired_difference
+from dagmoe_jax.experiments.variants import LABELS, REFERENCE, VARIANTS, describe, variant_config
+from dagmoe_jax.gin_utils import load_configs
+from dagmoe_jax.train.loop import train
 
 # The paper's parity baseline: every variant but MoE adds its parameters.
 EQUAL_PARAMS_REFERENCE = "moe_shared"
@@ -98,7 +100,6 @@ class QualityBudget:
 
 def run_configs(budget: QualityBudget, variant: str, seed: int, run_dir: Path):
     """The four configs of one run: the base gin file + the budget, then the variant."""
-    from dagmoe_jax.gin_utils import load_configs  # pylint: disable=import-outside-toplevel
 
     bindings = [
         f"DataConfig.source = {budget.source!r}",
@@ -123,7 +124,6 @@ def run_configs(budget: QualityBudget, variant: str, seed: int, run_dir: Path):
 def train_and_evaluate(budget: QualityBudget, variant: str, seed: int, run_dir: Path,
                        log: Callable[[str], None]) -> dict:
     """Train (or reuse) one run; its held-out loss and perplexity as a JSON-able record."""
-    from dagmoe_jax.train.loop import train  # pylint: disable=import-outside-toplevel
 
     model_cfg, data_cfg, optim_cfg, train_cfg = run_configs(budget, variant, seed, run_dir)
     start = time.perf_counter()

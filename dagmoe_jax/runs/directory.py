@@ -1,6 +1,7 @@
 """A run directory, read and written in one place.
 
-A run written by ``train.py`` (:func:`dagmoe_jax.train.loop.train`) holds ``config.json`` (the
+A run written by ``train.py`` (:func:`dagmoe_jax.train.loop.train`) or by the upcycling
+command (:mod:`dagmoe_jax.upcycle`) holds ``config.json`` (the
 four configs the run was started with, and the model config as settled on the machine that
 wrote it), ``checkpoints/`` (Orbax, model and optimizer state with the data iterator's
 position), ``metrics.jsonl`` and, when gin was used, ``operative_config.gin``. Training,
@@ -24,22 +25,27 @@ from etils import epath
 from flax import nnx
 
 from dagmoe_jax.cli import first_line
+from dagmoe_jax.data import make_tokenizer
+from dagmoe_jax.parallel import activate
 from dagmoe_jax.config import ExecutionConfig, ModelConfig, execution_fields
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.parallel import MeshConfig
-from dagmoe_jax.paths import as_path, is_remote, run_path
-from dagmoe_jax.train.checkpoint import Checkpointer, flatten_json, json_diffs
+from dagmoe_jax.runs.build import build, train_state
+from dagmoe_jax.runs.checkpoint import Checkpointer
+from dagmoe_jax.runs.checkpoint_files import flatten_json, json_diffs
+from dagmoe_jax.runs.paths import as_path, is_remote, run_path
 from dagmoe_jax.train.config import TrainConfig
 from dagmoe_jax.train.optim import OptimConfig
 
 CONFIG_FILE = "config.json"
 CHECKPOINT_DIR = "checkpoints"
+OPERATIVE_GIN = "operative_config.gin"
 PathLike = Union[str, Path]
 
 
 def prepare_run_dir(run_dir: PathLike) -> epath.Path:
     """Create ``run_dir`` (and its parents) for a training run, or say in one line why it
-    cannot be: a cloud URI whose filesystem package is missing (:func:`dagmoe_jax.paths.run_path`;
+    cannot be: a cloud URI whose filesystem package is missing (:func:`dagmoe_jax.runs.paths.run_path`;
     then nothing is written anywhere), it is a file, it lies under a file, or the filesystem
     refuses (read-only, permissions, full). Local paths, ``file://`` and cloud URIs
     (``gs://bucket/run``) all go through ``etils.epath``."""
@@ -90,6 +96,49 @@ def save_configs(run_dir: PathLike, model_cfg, data_cfg, optim_cfg, train_cfg,
     blob = configs_to_json(model_cfg, data_cfg, optim_cfg, train_cfg, settled)
     path.write_text(json.dumps(blob, indent=2) + "\n")
     return path
+
+
+def save_operative_gin(run_dir: PathLike, text: str) -> None:
+    """Write gin's operative config (every binding a run used) as ``operative_config.gin``."""
+    if text:
+        (as_path(run_dir) / OPERATIVE_GIN).write_text(text)
+
+
+def configs_to_gin(model_cfg, data_cfg, optim_cfg, train_cfg) -> str:
+    """gin bindings reproducing the four configs (for ``train.py --gin_file``)."""
+    lines = []
+
+    def bind(obj, name):
+        for field in dataclasses.fields(obj):
+            value = getattr(obj, field.name)
+            if dataclasses.is_dataclass(value):
+                sub = type(value).__name__
+                lines.append(f"{name}.{field.name} = @{sub}()")
+                bind(value, sub)
+            else:
+                lines.append(f"{name}.{field.name} = {value!r}")
+
+    for obj in (model_cfg, data_cfg, optim_cfg, train_cfg):
+        bind(obj, type(obj).__name__)
+    return "\n".join(lines) + "\n"
+
+
+def save_resume_gin(run_dir: PathLike, model_cfg, data_cfg, optim_cfg, train_cfg, *,
+                    name: str = "resume.gin") -> epath.Path:
+    """Write a gin file that continues the run (``train.py --gin_file=RUN/<name>``)."""
+    path = as_path(run_dir) / name
+    path.write_text(configs_to_gin(model_cfg, data_cfg, optim_cfg, train_cfg))
+    return path
+
+
+def save_initial_checkpoint(run_dir: PathLike, model, optimizer, model_cfg: ModelConfig,
+                            train_cfg: TrainConfig, data_iterator) -> None:
+    """Save ``model`` and ``optimizer`` as step 0 of a run that training continues (with the
+    data iterator's position), as a run made by another command than ``train.py`` starts."""
+    with Checkpointer(as_path(run_dir) / CHECKPOINT_DIR, save_every=train_cfg.save_every,
+                      keep=train_cfg.keep_checkpoints, async_save=False) as checkpointer:
+        checkpointer.save(0, train_state(model, optimizer), data_iterator=data_iterator,
+                          meta=model_meta(model_cfg), force=True)
 
 
 def load_configs(run_dir: PathLike):
@@ -190,11 +239,6 @@ def load_run(run_dir: PathLike, mesh=None, data_cfg: Optional[DataConfig] = None
     attention kernel). One-line ValueErrors for a missing run directory or config, and for a
     run without checkpoints.
     """
-    # Imported here: the training loop imports this module.
-    from dagmoe_jax.data import make_tokenizer  # pylint: disable=import-outside-toplevel
-    from dagmoe_jax.parallel import activate  # pylint: disable=import-outside-toplevel
-    from dagmoe_jax.train.loop import build  # pylint: disable=import-outside-toplevel
-
     run_dir = run_path(run_dir)
     if not run_dir.is_dir():
         raise ValueError(f"run directory {run_dir} does not exist: pass the --run_dir of a "
@@ -210,7 +254,7 @@ def load_run(run_dir: PathLike, mesh=None, data_cfg: Optional[DataConfig] = None
     # On one device only the shapes are built; on a mesh the sharded arrays themselves, whose
     # shapes and shardings ``restore`` reads.
     model, optimizer = nnx.eval_shape(make) if mesh is None else make()
-    abstract = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
+    abstract = train_state(model, optimizer)
     with Checkpointer(run_dir / CHECKPOINT_DIR, save_every=train_cfg.save_every,
                       keep=train_cfg.keep_checkpoints, async_save=False,
                       read_only=True) as checkpointer, \

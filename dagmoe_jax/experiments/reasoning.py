@@ -1,7 +1,7 @@
 """The DP reasoning suite: train every variant on each DP task, score exact answers by size.
 
 For each task (``lis``, ``edit_distance``, ``lcs``; DAG depths in
-:mod:`dagmoe_jax.eval.dp_depth`), each variant (:mod:`dagmoe_jax.eval.variants`, equal
+:mod:`dagmoe_jax.experiments.dp_depth`), each variant (:mod:`dagmoe_jax.experiments.variants`, equal
 parameters) and each seed, :func:`run_suite` trains a model with the library's training loop on
 that task alone (sizes ``train_sizes``, the same steps x batch x sequence length, i.e. the same
 training tokens, for every variant), then scores exact-answer accuracy on fresh problems at every
@@ -25,10 +25,14 @@ from pathlib import Path
 from typing import Callable, Dict, List, Sequence, Tuple
 
 from dagmoe_jax.accounting import account
-from dagmoe_jax.eval.dp_depth import DP_DEPTH_NOTES
-from dagmoe_jax.eval.scoring import (baseline_by_size, eval_seq_len, model_predictor,
+from dagmoe_jax.experiments.dp_depth import DP_DEPTH_NOTES
+from dagmoe_jax.experiments.scoring import (baseline_by_size, eval_seq_len, model_predictor,
                                      paired_difference, score_by_size, seed_statistics)
-from dagmoe_jax.eval.variants import LABELS, REFERENCE, VARIANTS, describe, variant_config
+from dagmoe_jax.experiments.variants import LABELS, REFERENCE, VARIANTS, describe, variant_config
+from dagmoe_jax.gin_utils import load_configs
+from dagmoe_jax.data import make_tokenizer
+from dagmoe_jax.runs import load_run
+from dagmoe_jax.train.loop import train
 
 BASE_GIN = "bench/reasoning.gin"
 TASKS = ("lis", "edit_distance", "lcs")
@@ -47,7 +51,7 @@ class ReasoningBudget:
     warmup_steps: learning-rate warm-up (the rest of the optimiser is the base gin file's).
     eval_dispatch: expert dispatch while scoring ('dense' default: no capacity drops, so each
       problem's verdict is independent of the rest of its batch; see
-      :func:`~dagmoe_jax.eval.scoring.model_predictor`). Training uses the model's own.
+      :func:`~dagmoe_jax.experiments.scoring.model_predictor`). Training uses the model's own.
     base_gin, bindings: the base run (model trunk, optimiser) and extra gin bindings.
     """
 
@@ -102,7 +106,6 @@ class ReasoningBudget:
 
 def run_configs(budget: ReasoningBudget, task: str, variant: str, seed: int, run_dir: Path):
     """The four configs of one run: the base gin file + the budget, then the variant."""
-    from dagmoe_jax.gin_utils import load_configs  # pylint: disable=import-outside-toplevel
 
     lo, hi = budget.train_sizes
     warmup = min(budget.warmup_steps, max(budget.steps // 5, 0))
@@ -145,9 +148,6 @@ def variant_table(budget: ReasoningBudget) -> Dict[str, dict]:
 def train_and_score(budget: ReasoningBudget, task: str, variant: str, seed: int,
                     run_dir: Path, log: Callable[[str], None]) -> dict:
     """Train (or reuse) one run and score it at every size; a JSON-able record."""
-    from dagmoe_jax.data import make_tokenizer  # pylint: disable=import-outside-toplevel
-    from dagmoe_jax.runs import load_run  # pylint: disable=import-outside-toplevel
-    from dagmoe_jax.train.loop import train  # pylint: disable=import-outside-toplevel
 
     model_cfg, data_cfg, optim_cfg, train_cfg = run_configs(budget, task, variant, seed, run_dir)
     start = time.perf_counter()
@@ -177,7 +177,6 @@ def train_and_score(budget: ReasoningBudget, task: str, variant: str, seed: int,
 def majority_baselines(budget: ReasoningBudget) -> Dict[str, Dict[str, float]]:
     """``{task: {size: accuracy}}`` of always answering the most common answer of the scored
     problems of that size: the floor a model that learned no computation reaches."""
-    from dagmoe_jax.data import make_tokenizer  # pylint: disable=import-outside-toplevel
 
     result = {}
     for task in budget.tasks:
@@ -225,7 +224,7 @@ def run_suite(budget: ReasoningBudget, out_dir: str | Path, *,
 def paired_vs_reference(results: dict) -> dict:
     """Per (task, variant other than the reference): the seed-paired difference of mean exact
     accuracy from the reference variant's (MoE), over the in-distribution sizes and over the
-    longer ones (:func:`~dagmoe_jax.eval.scoring.paired_difference`). Empty without the
+    longer ones (:func:`~dagmoe_jax.experiments.scoring.paired_difference`). Empty without the
     reference or with one seed."""
     budget = results["budget"]
     hi = budget["train_sizes"][1]

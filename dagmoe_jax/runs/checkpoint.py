@@ -62,20 +62,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
 import operator
 import os
-import re
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import grain
 import jax
 import orbax.checkpoint as ocp
-from etils import epath
 
-from dagmoe_jax.paths import as_path, is_remote
+from dagmoe_jax.runs.checkpoint_files import (CHECKSUM_FILE, MAX_LISTED_DIFFS, IteratorSnapshot,
+                                              first_line, json_diffs, os_cause, shapes, show,
+                                              strip_values, verify_checksums, write_checksums)
+from dagmoe_jax.runs.paths import as_path, is_remote
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +83,6 @@ STATE_ITEM = "state"
 DATA_ITEM = "data"
 META_ITEM = "meta"
 CORRUPT_SUFFIX = ".corrupt"
-CHECKSUM_FILE = "dagmoe_checksums.json"
-_MAX_ERROR_CHARS = 200
-_MAX_LISTED_DIFFS = 6
 
 
 class CheckpointMismatchError(ValueError):
@@ -109,171 +106,6 @@ class Restored:
     meta: dict
     skipped: List[str] = dataclasses.field(default_factory=list)
     meta_diffs: List[str] = dataclasses.field(default_factory=list)
-
-
-def _files(directory: epath.Path, prefix: str = ""):
-    """(relative path, path) of every file under ``directory``, through ``epath`` (local or
-    cloud storage alike: fsspec's own ``walk`` drops a cloud path's scheme)."""
-    for child in sorted(directory.iterdir(), key=lambda p: p.name):
-        rel = f"{prefix}{child.name}"
-        if child.is_dir():
-            yield from _files(child, rel + "/")
-        else:
-            yield rel, child
-
-
-def _file_digests(step_dir) -> Dict[str, str]:
-    """sha256 of every file under a step directory (but the manifest), by relative path."""
-    digests = {}
-    for rel, path in _files(as_path(step_dir)):
-        if rel.startswith(CHECKSUM_FILE):          # the manifest and its temp file
-            continue
-        sha = hashlib.sha256()
-        with path.open("rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                sha.update(block)
-        digests[rel] = sha.hexdigest()
-    return digests
-
-
-def write_checksums(step_dir) -> None:
-    """Record the digests of a committed step's files (written to a temp name, then renamed,
-    so a manifest is whole or absent)."""
-    step_dir = as_path(step_dir)
-    tmp = step_dir / (CHECKSUM_FILE + ".tmp")
-    tmp.write_text(json.dumps(_file_digests(step_dir)))
-    tmp.replace(step_dir / CHECKSUM_FILE)
-
-
-def verify_checksums(step_dir: str) -> None:
-    """Raise ``ValueError`` naming the first file whose content no longer matches the step's
-    manifest (a flipped byte, a truncated or missing file). A step without a manifest (saved by
-    an older version, or cut off between commit and manifest) is not checked."""
-    path = as_path(step_dir) / CHECKSUM_FILE
-    if not path.exists():
-        return
-    expected = json.loads(path.read_text())
-    actual = _file_digests(step_dir)
-    for rel, digest in sorted(expected.items()):
-        if actual.get(rel) != digest:
-            what = "missing" if rel not in actual else "changed since it was saved"
-            raise ValueError(f"checksum mismatch: {rel} is {what}")
-
-
-class _IteratorSnapshot:
-    """The position of a grain iterator, frozen at construction.
-
-    ``grain.checkpoint.CheckpointHandler`` writes ``item.get_state()`` when Orbax runs it; this
-    snapshot makes that the state at ``save`` time. It returns bytes of the same JSON text the
-    handler writes for a ``grain.DatasetIterator`` (the handler decodes bytes, as it does for a
-    ``grain.DataLoaderIterator``), so the real iterator restores it unchanged.
-    """
-
-    def __init__(self, iterator):
-        state = iterator.get_state()
-        if isinstance(state, (bytes, bytearray)):
-            self._state = bytes(state)
-        elif isinstance(state, str):
-            self._state = state.encode()
-        else:
-            self._state = json.dumps(state, indent=4).encode()
-
-    def get_state(self) -> bytes:
-        return self._state
-
-
-def _first_line(err: BaseException) -> str:
-    """The first line of the innermost cause of ``err`` (TensorStore's own error names the
-    array and the problem; Orbax's wrapper only names the slice), shortened for one-line
-    messages."""
-    err = list(_causes(err))[-1]
-    text = str(err).strip()
-    line = text.splitlines()[0].strip() if text else ""
-    for cut in (" [tensorstore_spec", " See full TensorStore details"):
-        line = line.split(cut)[0]
-    line = f"{type(err).__name__}: {line}" if line else type(err).__name__
-    if len(line) > _MAX_ERROR_CHARS:
-        line = line[:_MAX_ERROR_CHARS - 3] + "..."
-    return line
-
-
-def _causes(err: BaseException):
-    """``err``, then what it was raised from (or during), innermost last."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        yield err
-        err = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
-
-
-def _os_cause(err: BaseException) -> str:
-    """The operating system's reason for a failed write ("[Errno 28] No space left on
-    device"), which TensorStore puts at the end of a long message as ``os_error_code='28'``;
-    else the error's first line."""
-    for inner in _causes(err):
-        found = re.search(r"os_error_code='?(\d+)", str(inner))
-        code = inner.errno if isinstance(inner, OSError) and inner.errno else (
-            int(found.group(1)) if found else None)
-        if code:
-            return f"[Errno {code}] {os.strerror(code)}"
-    return _first_line(err)
-
-
-def _key_name(key) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def _shape_of(leaf) -> Optional[Tuple[int, ...]]:
-    shape = getattr(leaf, "shape", None)
-    return tuple(int(d) for d in shape) if shape is not None else None
-
-
-def _shapes(tree) -> Dict[Tuple[str, ...], Optional[Tuple[int, ...]]]:
-    """Flattened ``path -> shape`` of a state (or abstract state, or Orbax tree metadata)."""
-    # nnx Variables have a ``shape`` too but are pytree nodes (their leaf is under 'value').
-    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: x is None)
-    return {tuple(_key_name(k) for k in path): _shape_of(leaf) for path, leaf in leaves}
-
-
-def _show(path: Tuple[str, ...]) -> str:
-    """A path for messages: '/'-joined, without the trailing 'value' of an nnx Variable."""
-    if len(path) > 1 and path[-1] == "value":
-        path = path[:-1]
-    return "/".join(path)
-
-
-def _strip_values(paths) -> set:
-    return {tuple(p for p in path if p != "value") for path in paths}
-
-
-def flatten_json(value, prefix: str = "") -> Dict[str, Any]:
-    if isinstance(value, dict) and value:
-        out = {}
-        for k, v in value.items():
-            out.update(flatten_json(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    return {prefix: value}
-
-
-def json_diffs(saved: Any, expected: Any, prefix: str) -> List[str]:
-    """``'prefix.key saved -> expected'`` for keys of ``expected`` that differ in ``saved``."""
-    have = flatten_json(saved, prefix)
-    want = flatten_json(expected, prefix)
-    missing = object()
-    out = []
-    for key, value in want.items():
-        old = have.get(key, missing)
-        if old is missing:
-            out.append(f"{key} (absent) -> {json.dumps(value)}")
-        elif old != value:
-            out.append(f"{key} {json.dumps(old)} -> {json.dumps(value)}")
-    for key in have:
-        if key not in want and not any(w.startswith(key + ".") for w in want):
-            out.append(f"{key} {json.dumps(have[key])} -> (absent)")
-    return out
 
 
 class CheckpointSaveError(ValueError):
@@ -384,11 +216,11 @@ class Checkpointer:
             meta = json.loads(json.dumps(meta))
         except (TypeError, ValueError) as err:
             raise ValueError(f"Checkpointer.save: meta is not JSON-serialisable "
-                             f"({_first_line(err)}): pass dicts, lists, strings and numbers "
+                             f"({first_line(err)}): pass dicts, lists, strings and numbers "
                              f"(e.g. dataclasses.asdict(cfg))") from None
         items = {STATE_ITEM: ocp.args.StandardSave(state), META_ITEM: ocp.args.JsonSave(meta)}
         if data_iterator is not None:
-            items[DATA_ITEM] = grain.checkpoint.CheckpointSave(_IteratorSnapshot(data_iterator))
+            items[DATA_ITEM] = grain.checkpoint.CheckpointSave(IteratorSnapshot(data_iterator))
         self.wait()                                  # the previous save has committed,
         self._pending = step                         # with its manifest
         with self._save_errors():
@@ -438,7 +270,7 @@ class Checkpointer:
                       else "run the same command again to start over")
             raise CheckpointSaveError(
                 f"saving checkpoint {'' if step is None else f'step {step} '}in "
-                f"{self.directory} failed ({_os_cause(err)}): free space or fix the file "
+                f"{self.directory} failed ({os_cause(err)}): free space or fix the file "
                 f"system, then {resume}") from None
 
     def _record_checksums(self) -> None:
@@ -451,7 +283,7 @@ class Checkpointer:
                 try:
                     write_checksums(step_dir)
                 except OSError as err:     # e.g. deleted meanwhile by the keep-N policy
-                    logger.warning("no checksums for %s: %s", step_dir, _first_line(err))
+                    logger.warning("no checksums for %s: %s", step_dir, first_line(err))
 
     def latest_step(self) -> Optional[int]:
         """The newest step saved or being saved, or None."""
@@ -508,13 +340,13 @@ class Checkpointer:
                 if tree_metadata is None:
                     raise ValueError(f"no metadata for item {STATE_ITEM!r}")
             except Exception as err:  # noqa: BLE001 -- any read failure makes the step unusable
-                failures.append((step, _first_line(err)))
+                failures.append((step, first_line(err)))
                 continue
             self._check_architecture(step, tree_metadata, abstract_state, meta, expected_meta)
             try:
                 verify_checksums(as_path(self.directory) / str(step))
             except (ValueError, OSError) as err:
-                failures.append((step, _first_line(err)))
+                failures.append((step, first_line(err)))
                 continue
             items = {STATE_ITEM: ocp.args.StandardRestore(abstract_state)}
             if data_iterator is not None:
@@ -523,7 +355,7 @@ class Checkpointer:
                 restored = self._manager.restore(step, args=ocp.args.Composite(**items))
                 state = restored[STATE_ITEM]
             except Exception as err:  # noqa: BLE001
-                failures.append((step, _first_line(err)))
+                failures.append((step, first_line(err)))
                 continue
             skipped = self._move_aside(failures, fallback=step)
             diffs = []
@@ -560,24 +392,24 @@ class Checkpointer:
     def _check_architecture(self, step: int, tree_metadata: Any, abstract_state: Any,
                             meta: Any, expected_meta: Optional[dict]) -> None:
         saved_tree = getattr(tree_metadata, "tree", tree_metadata)
-        have = _shapes(saved_tree)
-        want = _shapes(abstract_state)
+        have = shapes(saved_tree)
+        want = shapes(abstract_state)
         where = f"checkpoint step {step} in {self.directory}"
         fix = "(use the original config, or a new run dir)"
-        if set(have) != set(want) and _strip_values(have) == _strip_values(want):
+        if set(have) != set(want) and strip_values(have) == strip_values(want):
             raise CheckpointMismatchError(
                 f"{where} stores the state in a different pytree form (nnx.State of Variables vs "
                 f"a pure dict of arrays): restore with the form it was saved with")
         problems = []
         for path, shape in want.items():
             if path not in have:
-                problems.append(f"{_show(path)} is not there but has shape {shape} in this config")
+                problems.append(f"{show(path)} is not there but has shape {shape} in this config")
             elif have[path] is not None and shape is not None and have[path] != shape:
-                problems.append(f"{_show(path)} has shape {have[path]} there but {shape} in "
+                problems.append(f"{show(path)} has shape {have[path]} there but {shape} in "
                                 f"this config")
         for path, shape in have.items():
             if path not in want:
-                problems.append(f"{_show(path)} (shape {shape}) is there but not in this config")
+                problems.append(f"{show(path)} (shape {shape}) is there but not in this config")
         if not problems:
             return
         message = f"{where} was written for a different architecture: {problems[0]}"
@@ -587,7 +419,7 @@ class Checkpointer:
             diffs = json_diffs(meta.get("model_config"), expected_meta["model_config"],
                                 "model_config")
             if diffs:
-                shown = ", ".join(diffs[:_MAX_LISTED_DIFFS])
-                more = len(diffs) - _MAX_LISTED_DIFFS
+                shown = ", ".join(diffs[:MAX_LISTED_DIFFS])
+                more = len(diffs) - MAX_LISTED_DIFFS
                 message += f"; also differs: {shown}" + (f" (and {more} more)" if more > 0 else "")
         raise CheckpointMismatchError(f"{message} {fix}")

@@ -1,0 +1,154 @@
+"""Held-out evaluation of a model or a run: its one home.
+
+* :func:`evaluate`: token-weighted held-out cross-entropy (nats/token) and perplexity;
+* :func:`task_accuracy`: exact-answer accuracy on the synthetic DP tasks, overall and per task;
+* :class:`Evaluator`: both, on a data config's held-out batches built once (what the training
+  loop calls every ``TrainConfig.eval_every`` steps and at the end);
+* :func:`evaluate_checkpoint`: the newest checkpoint of a run directory scored on its own
+  held-out data or another source (``train.py --mode=eval``), with the DataConfig changes an
+  evaluation may make (:func:`eval_data_overrides`).
+
+The benchmark drivers that train and compare models live apart, in
+:mod:`dagmoe_jax.experiments`.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import math
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional
+
+import numpy as np
+
+from dagmoe_jax import runs
+from dagmoe_jax.data import (DataConfig, eval_batches, exact_match, task_eval_batches,
+                             task_names)
+from dagmoe_jax.model import Transformer
+from dagmoe_jax.parallel import MeshConfig, activate, make_mesh
+from dagmoe_jax.topics.stage import run_topics
+from dagmoe_jax.train.config import TrainConfig
+from dagmoe_jax.train.step import eval_step
+
+
+def evaluate(model: Transformer, batches: Iterable[Dict[str, np.ndarray]]) -> Dict[str, float]:
+    """Token-weighted held-out cross-entropy (nats/token) and perplexity over ``batches``."""
+    ce_sum, tokens = 0.0, 0.0
+    for batch in batches:
+        out = eval_step(model, runs.replicated_batch(batch))
+        ce_sum += float(out["ce_sum"])
+        tokens += float(out["tokens"])
+    if tokens == 0:
+        raise ValueError("the evaluation data has no tokens: check DataConfig.eval_source / "
+                         "heldout_fraction")
+    loss = ce_sum / tokens
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens}
+
+
+def task_accuracy(model: Transformer, batches: Iterable[Dict[str, np.ndarray]],
+                  names: List[str]) -> Dict[str, float]:
+    """Exact-answer accuracy (greedy answer == reference) overall and per synthetic task."""
+    right, total = np.zeros(len(names)), np.zeros(len(names))
+    for batch in batches:
+        predictions = np.asarray(eval_step(model, runs.replicated_batch(batch))["predictions"])
+        correct = exact_match(predictions, batch["targets"], batch["mask"])
+        np.add.at(right, batch["task_id"], correct)
+        np.add.at(total, batch["task_id"], 1)
+    result = {"exact_match": float(right.sum() / max(total.sum(), 1))}
+    for name, r, t in zip(names, right, total):
+        if t:
+            result[f"exact_match/{name}"] = float(r / t)
+    return result
+
+
+class Evaluator:
+    """Held-out perplexity (+ exact-answer accuracy on synthetic tasks), data built once."""
+
+    def __init__(self, data_cfg: DataConfig, train_cfg: TrainConfig, tokenizer, topics=None):
+        # Every process evaluates the whole (small) held-out set, replicated on its devices.
+        self.batches = eval_batches(data_cfg, tokenizer, max_batches=train_cfg.eval_batches or None,
+                                    topics=topics)
+        self.task_batches, self.task_names = [], []
+        kind = data_cfg.source.split(":", 1)[0]
+        if train_cfg.task_eval_examples and kind == "synthetic" and not data_cfg.eval_source:
+            self.task_names = list(task_names(data_cfg))
+            self.task_batches = task_eval_batches(data_cfg, tokenizer,
+                                                  num_examples=train_cfg.task_eval_examples,
+                                                  batch_size=data_cfg.batch_size)
+
+    def __call__(self, model) -> Dict[str, float]:
+        result = evaluate(model, self.batches)
+        if self.task_batches:
+            result.update(task_accuracy(model, self.task_batches, self.task_names))
+        return result
+
+
+def format_eval(result: Dict[str, float]) -> str:
+    text = f"held-out loss {result['loss']:.4f} (perplexity {result['perplexity']:.3f})"
+    if "unigram_baseline" in result:
+        text += f" vs unigram baseline {result['unigram_baseline']:.4f} nats/token"
+    if "exact_match" in result:
+        per_task = ", ".join(f"{k.split('/', 1)[1]} {100 * v:.1f}%" for k, v in result.items()
+                             if k.startswith("exact_match/"))
+        text += f"; exact answers {100 * result['exact_match']:.1f}% ({per_task})"
+    return text
+
+
+# DataConfig fields an evaluation of a finished run may change: what is scored and how it is
+# read, not what the model was trained on or how text becomes tokens.
+EVAL_DATA_FIELDS = ("eval_source", "eval_split", "text_key", "tfds_data_dir", "tokenizer_path",
+                    "seq_len", "batch_size", "num_synthetic_eval", "task_min_size",
+                    "task_max_size", "worker_count")
+
+
+def eval_data_overrides(bindings: Iterable[str]) -> Dict[str, object]:
+    """The DataConfig changes that ``--gin.DataConfig.field=value`` bindings ask of an
+    evaluation (``--mode=eval``), as {field: value}. A binding of a field outside
+    :data:`EVAL_DATA_FIELDS` or of another class, and a value that is not a literal (an
+    unquoted string), are one-line ``ValueError``s."""
+    changes: Dict[str, object] = {}
+    for binding in bindings:
+        name, _, value = (part.strip() for part in binding.partition("="))
+        cls, _, field = name.rpartition(".")
+        if cls != "DataConfig" or field not in EVAL_DATA_FIELDS:
+            raise ValueError(
+                f"--mode=eval takes the run's own config; of the bindings only DataConfig."
+                f"{{{','.join(EVAL_DATA_FIELDS)}}} apply at evaluation, not {name}")
+        try:
+            changes[field] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"gin binding {name} = {value}: a string needs quotes in gin: "
+                             f"write --gin.{name}=\"'{value}'\"") from None
+    return changes
+
+
+def evaluate_checkpoint(run_dir: str | Path, *, eval_source: str = "", eval_split: str = "",
+                        eval_batches_limit: int = 0, data_overrides: Optional[dict] = None,
+                        log: Callable[[str], None] = print) -> Dict[str, float]:
+    """Load the newest checkpoint of ``run_dir`` and report held-out loss / perplexity on
+    ``eval_source`` (a DataConfig source spec; empty = the run's own held-out split).
+    ``data_overrides``: other DataConfig changes for the evaluation (from
+    :func:`eval_data_overrides`), applied before ``eval_source`` / ``eval_split``."""
+    _, data_cfg, _, _ = runs.load_configs(run_dir)
+    changes = dict(data_overrides or {})
+    if eval_source:
+        changes["eval_source"] = eval_source
+    if eval_split:
+        changes["eval_split"] = eval_split
+    data_cfg = dataclasses.replace(data_cfg, **changes)
+    # The devices here need not be the ones the run trained on: the checkpoint is restored
+    # into this process's default mesh (all devices data-parallel).
+    mesh = make_mesh(MeshConfig())
+    loaded = runs.load_run(run_dir, mesh=mesh, data_cfg=data_cfg, log=log)
+    runs.check_compatible(loaded.model_cfg, data_cfg, loaded.tokenizer)
+    for message in loaded.warnings:
+        log(f"warning: {message}")
+    train_cfg = dataclasses.replace(loaded.train_cfg, eval_batches=eval_batches_limit)
+    with activate(mesh):
+        topics = run_topics(loaded.model_cfg, data_cfg, run_dir, save=False)
+        result = Evaluator(data_cfg, train_cfg, loaded.tokenizer, topics)(loaded.model)
+    result["step"] = loaded.step
+    log(f"eval of {run_dir} at step {loaded.step} on "
+        f"{data_cfg.eval_source or data_cfg.source + ' (held-out)'}: " + format_eval(result))
+    return result

@@ -1,0 +1,185 @@
+"""The Trainer: restore or initialise, step, and run hooks every few steps (Levanter's shape).
+
+``Trainer`` owns what every training run does the same way: the resume policy, the jitted
+step over a data iterator, the non-finite guards, the checkpoints and the signals. What a run
+reports is hooks (:mod:`dagmoe_jax.train.hooks`: metrics and progress, evaluation), each called
+with a :class:`StepInfo` every ``every`` steps and on the last one::
+
+    trainer = Trainer(model, optimizer, step_fn, data_iter, checkpointer, total_steps=1000)
+    trainer.add_hook(my_hook, every=100)
+    start = trainer.restore_or_init(check=lambda restored: ...)
+    step, interrupted = trainer.run(start)
+
+Nothing is lost on interruption: SIGTERM or Ctrl-C finishes the current step, saves a
+checkpoint (with the data iterator's position) and returns; a run started again continues
+exactly where it stopped, to the bit on CPU. A non-finite loss, or parameters whose loss is
+not finite, stop the run without saving, so the newest checkpoint is the last good one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import signal
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import jax
+from flax import nnx
+
+from dagmoe_jax import runs
+from dagmoe_jax.data import check_tokens
+from dagmoe_jax.parallel import activate
+from dagmoe_jax.train.step import eval_step
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or infinite; the newest checkpoint on disk is the last good one."""
+
+
+@dataclasses.dataclass
+class StepInfo:
+    """What a hook sees after a step: its number, loss and metrics (on the device), the time
+    the step itself took (data, compute; not the hooks), and whether it is the last one."""
+
+    step: int
+    loss: float
+    metrics: Dict[str, Any]
+    seconds: float
+    last: bool
+
+
+@contextlib.contextmanager
+def stop_on_signals(flag: dict):
+    """SIGTERM / SIGINT set ``flag['signal']`` (the first one's name) instead of killing the
+    process (main thread); further signals change nothing until the block is left."""
+    def handler(signum, frame):
+        flag.setdefault("signal", signal.Signals(signum).name)
+    previous = {}
+    try:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, handler)
+    except ValueError:  # not the main thread (e.g. some notebook runners): no handlers
+        pass
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+class Trainer:
+    """Steps ``model`` and ``optimizer`` with ``step_fn`` over ``data_iter`` (module docstring).
+
+    checkpointer: the run's :class:`~dagmoe_jax.runs.Checkpointer`; meta: what checkpoints
+    are saved with and checked against; vocab_size: batches with ids outside it are one-line
+    errors; say: one-line reports (compilation, resume, stop reasons); run_dir: named in them.
+    """
+
+    def __init__(self, model, optimizer, step_fn: Callable, data_iter, checkpointer, *,
+                 total_steps: int, mesh=None, meta: Optional[dict] = None,
+                 vocab_size: Optional[int] = None, run_dir: str = "",
+                 say: Callable[[str], None] = lambda _message: None):
+        self.model, self.optimizer, self.step_fn = model, optimizer, step_fn
+        self.data_iter, self.checkpointer = data_iter, checkpointer
+        self.total_steps, self.mesh, self.meta = total_steps, mesh, meta or {}
+        self.vocab_size, self.run_dir, self.say = vocab_size, run_dir, say
+        self.hooks: List[Tuple[int, Callable[[StepInfo], None]]] = []
+        self.losses: Dict[int, float] = {}
+        self.compile_seconds: Optional[float] = None
+
+    def add_hook(self, hook: Callable[[StepInfo], None], every: int = 1) -> None:
+        """Call ``hook(info)`` after every ``every``-th step and after the last (``every`` 0:
+        never)."""
+        if every:
+            self.hooks.append((every, hook))
+
+    def mesh_scope(self):
+        return contextlib.nullcontext() if self.mesh is None else activate(self.mesh)
+
+    def restore_or_init(self, check: Callable[[runs.Restored], None] = lambda _r: None) -> int:
+        """Restore the newest readable checkpoint into the model, optimizer and data iterator
+        and return its step, or 0 for a new run. ``check(restored)`` runs first and may refuse
+        (raise) a checkpoint the run's configs must not continue."""
+        abstract = runs.abstract(runs.train_state(self.model, self.optimizer))
+        with self.mesh_scope():
+            restored = self.checkpointer.restore(abstract, data_iterator=self.data_iter,
+                                                 expected_meta=self.meta)
+        if restored is None:
+            return 0
+        for message in restored.skipped:
+            self.say(f"warning: {message}")
+        check(restored)
+        nnx.update(self.model, restored.state["model"])
+        nnx.update(self.optimizer, restored.state["optimizer"])
+        self.say(f"resumed from step {restored.step} in {self.run_dir}")
+        if restored.step >= self.total_steps:
+            self.say(f"warning: the checkpoint is at step {restored.step} and TrainConfig.steps="
+                     f"{self.total_steps}: nothing left to train (raise steps to continue)")
+        return restored.step
+
+    def run(self, start: int, stop: Optional[dict] = None) -> Tuple[int, bool]:
+        """Train from ``start`` to ``total_steps``; (the last step reached, interrupted).
+
+        ``stop``: the flag dict that SIGTERM / SIGINT set (:func:`stop_on_signals`): the step
+        in progress finishes, a checkpoint is saved and the run returns. Checkpoints are
+        committed before this returns, so "saved" is said only once a save is on disk."""
+        stop = {} if stop is None else stop
+        step = start
+        with self.mesh_scope():
+            for step in range(start + 1, self.total_steps + 1):
+                tick = time.perf_counter()
+                batch = next(self.data_iter)
+                if self.vocab_size is not None:
+                    check_tokens(batch, self.vocab_size)
+                device_batch = runs.device_batch(batch, self.mesh)
+                if self.compile_seconds is None:
+                    self.say(f"step {step}: compiling the training step...")
+                metrics = self.step_fn(self.model, self.optimizer, device_batch)
+                loss = float(metrics["loss"])
+                seconds = time.perf_counter() - tick
+                if self.compile_seconds is None:
+                    self.compile_seconds = seconds
+                    self.say(f"step {step}: compiled the training step in {seconds:.1f} s")
+                if not math.isfinite(loss):
+                    raise NonFiniteLossError(
+                        f"loss is {loss} at step {step}: stopped without saving; the newest "
+                        f"checkpoint in {self.checkpointer.directory} is the last good one "
+                        f"(lower OptimConfig.learning_rate or raise grad clipping)")
+                self.losses[step] = loss
+                last = step == self.total_steps
+                info = StepInfo(step, loss, metrics, seconds, last)
+                for every, hook in self.hooks:
+                    if step % every == 0 or last:
+                        hook(info)
+                self.checkpointer.check_for_errors()     # stop at a failed save, not later
+                force = bool(stop) or last
+                if force or self.checkpointer.should_save(step):  # gather the state only then
+                    self.check_saveable(device_batch, step)
+                    self.checkpointer.save(step, runs.train_state(self.model, self.optimizer),
+                                           data_iterator=self.data_iter, meta=self.meta,
+                                           force=force)
+                if stop:
+                    break
+        self.checkpointer.wait()
+        return step, bool(stop)
+
+    def check_saveable(self, device_batch, step: int) -> None:
+        """Refuse to checkpoint parameters that have diverged. The loss of step k is computed
+        before its update, so a finite loss says nothing about the parameters the update
+        produced (a huge learning rate gave a finite loss at one step, parameters of 1e5
+        after it and NaN at the next). Their loss on the step's own batch must be finite
+        before they are saved as "the last good" state."""
+        out = eval_step(self.model, device_batch)
+        loss = float(out["ce_sum"]) / max(float(out["tokens"]), 1.0)
+        if not math.isfinite(loss):
+            raise NonFiniteLossError(
+                f"the parameters after step {step} give a loss of {loss}: stopped without "
+                f"saving them; the newest checkpoint in {self.checkpointer.directory} is the "
+                f"last good one (lower OptimConfig.learning_rate or raise grad clipping)")
+
+
+def on_main_process(fn: Callable[[str], None]) -> Callable[[str], None]:
+    """``fn`` on process 0, a no-op on the others (one report per multi-host run)."""
+    return fn if jax.process_index() == 0 else (lambda _message: None)

@@ -130,7 +130,7 @@ def run_one(args, variant, seed, data_cfg, out: Path):
     from dagmoe_jax.accounting import account
     from dagmoe_jax.train.config import TrainConfig
     from dagmoe_jax.train.loop import train
-    from dagmoe_jax.train.optim import OptimConfig
+    from dagmoe_jax.train.config import OptimConfig
 
     model_cfg = model_config(variant, args.topics, args.seq_len)
     run_dir = out / "runs" / f"{variant}_s{seed}"

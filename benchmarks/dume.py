@@ -107,7 +107,8 @@ class Bench:
         """``steps`` AdamW steps (cosine, 10 warm-up steps) of the ``trainable`` parameters."""
         import jax.numpy as jnp
         from flax import nnx
-        from dagmoe_jax.train.optim import OptimConfig, make_optimizer
+        from dagmoe_jax.train.config import OptimConfig
+        from dagmoe_jax.train.optim import make_optimizer
         from dagmoe_jax.train.step import TRAINABLE, make_train_step
         from dagmoe_jax.data.pipeline import train_dataset
 

@@ -18,9 +18,8 @@ from dagmoe_jax import config as C
 from dagmoe_jax.cli import first_line
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.data.config import DataConfig
-from dagmoe_jax.parallel.mesh import MeshConfig
-from dagmoe_jax.train.config import TrainConfig
-from dagmoe_jax.train.optim import OptimConfig
+from dagmoe_jax.parallel.config import MeshConfig
+from dagmoe_jax.train.config import OptimConfig, TrainConfig
 
 
 

@@ -32,3 +32,27 @@ def nonnegative(cls: str, field: str, value) -> None:
     """``value`` must be a number >= 0."""
     check(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
           cls, field, value, "a number >= 0")
+
+
+def is_number(value) -> bool:
+    """An int or a float, not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def nonnegative_int(cls: str, field: str, value) -> None:
+    """``value`` must be an integer >= 0 (booleans are not integers here)."""
+    check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, cls, field,
+          value, "an integer >= 0")
+
+
+def in_range(cls: str, field: str, value, low: float, high: float, *, low_open: bool = False,
+             high_open: bool = False) -> None:
+    """``value`` must be a number in [low, high] (``low_open`` / ``high_open``: excluded)."""
+    ok = (is_number(value) and (value > low if low_open else value >= low)
+          and (value < high if high_open else value <= high))
+    if high == float("inf"):
+        valid = f"a number {'>' if low_open else '>='} {low}"
+    else:
+        valid = (f"a number in {'(' if low_open else '['}{low}, {high}"
+                 f"{')' if high_open else ']'}")
+    check(ok, cls, field, value, valid)

@@ -17,7 +17,8 @@ from flax import nnx
 
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.runs.checkpoint import CheckpointMismatchError, Checkpointer, Restored
-from dagmoe_jax.train.optim import OptimConfig, make_optimizer
+from dagmoe_jax.train.config import OptimConfig
+from dagmoe_jax.train.optim import make_optimizer
 from dagmoe_jax.train.step import make_train_step
 
 # One transformation for every optimizer of this module (a new one would mean a new graph).

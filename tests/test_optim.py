@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 from dagmoe_jax.model import Transformer
-from dagmoe_jax.train.optim import (OptimConfig, decay_mask, fitted_warmup, make_optimizer,
+from dagmoe_jax.train.config import OptimConfig
+from dagmoe_jax.train.optim import (decay_mask, fitted_warmup, make_optimizer,
                                    make_schedule, schedule_note)
 
 

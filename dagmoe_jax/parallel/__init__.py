@@ -15,7 +15,8 @@ mesh layout (:class:`~dagmoe_jax.parallel.axes.MeshLayout`).
 """
 
 from dagmoe_jax.parallel.axes import DEFAULT_RULES, MESH_AXES, constrain, logical_to_spec
-from dagmoe_jax.parallel.mesh import MeshConfig, activate, make_mesh, parallel_active
+from dagmoe_jax.parallel.config import MeshConfig
+from dagmoe_jax.parallel.mesh import activate, make_mesh, parallel_active
 from dagmoe_jax.parallel.state import (batch_sharding, create_sharded, create_train_state,
                                        place_on_mesh, shard_batch, state_specs, variable_spec)
 

@@ -34,8 +34,7 @@ from dagmoe_jax.runs.build import build, train_state
 from dagmoe_jax.runs.checkpoint import Checkpointer
 from dagmoe_jax.runs.checkpoint_files import flatten_json, json_diffs
 from dagmoe_jax.runs.paths import as_path, is_remote, run_path
-from dagmoe_jax.train.config import TrainConfig
-from dagmoe_jax.train.optim import OptimConfig
+from dagmoe_jax.train.config import OptimConfig, TrainConfig
 
 CONFIG_FILE = "config.json"
 CHECKPOINT_DIR = "checkpoints"

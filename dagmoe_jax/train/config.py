@@ -1,23 +1,25 @@
-"""Validated configuration of a training run (the loop itself; the model, data and optimiser
-have their own dataclasses: ``ModelConfig``, ``DataConfig``, ``OptimConfig``).
+"""Validated configuration of training: the loop (``TrainConfig``) and the optimiser
+(``OptimConfig``; :mod:`dagmoe_jax.train.optim` builds it). The model's and the data's have
+their own modules (``dagmoe_jax/config.py``, ``dagmoe_jax/data/config.py``): every config
+dataclass lives in a module named ``config.py`` beside the code it configures.
 
-All four are exposed to gin under their class names, so a run is described by gin files plus
+All are exposed to gin under their class names, so a run is described by gin files plus
 ``--gin.TrainConfig.steps=2000``-style bindings (see ``train.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from dagmoe_jax.validate import check as _check
 from dagmoe_jax.validate import choice as _choice
+from dagmoe_jax.validate import in_range as _in_range
+from dagmoe_jax.validate import nonnegative_int as _nonnegative_int
 from dagmoe_jax.validate import positive as _positive
-from dagmoe_jax.parallel.mesh import MeshConfig
+from dagmoe_jax.parallel.config import MeshConfig
 
-
-def _nonneg_int(field: str, value) -> None:
-    _check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, "TrainConfig",
-           field, value, "an integer >= 0")
+SCHEDULES = ("wsd", "cosine", "constant")
 
 
 TRAINABLE_SETS = ("all", "router")
@@ -79,7 +81,7 @@ class TrainConfig:
         for name in ("steps", "grad_accum", "log_every", "save_every", "keep_checkpoints"):
             _positive("TrainConfig", name, getattr(self, name))
         for name in ("seed", "eval_every", "eval_batches", "task_eval_examples"):
-            _nonneg_int(name, getattr(self, name))
+            _nonnegative_int("TrainConfig", name, getattr(self, name))
         _check(isinstance(self.mesh, MeshConfig), "TrainConfig", "mesh", self.mesh,
                "a MeshConfig")
         _check(isinstance(self.allow_model_change, bool), "TrainConfig", "allow_model_change",
@@ -91,3 +93,51 @@ class TrainConfig:
         _choice("TrainConfig", "trainable", self.trainable, TRAINABLE_SETS)
         _check(isinstance(self.run_dir, str) and self.run_dir.strip() != "", "TrainConfig",
                "run_dir", self.run_dir, "a non-empty directory path")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW and its learning-rate schedule.
+
+    learning_rate: peak learning rate (default 3e-3).
+    schedule: 'wsd' (default; warmup-stable-decay, the DAG-MoE paper's schedule), 'cosine' or
+      'constant'. Every schedule warms up linearly from 0.
+    warmup_steps: linear warm-up length in optimizer steps (default 100; 0 = start at the peak).
+    decay_fraction: 'wsd' only: the last ``round(decay_fraction * total_steps)`` steps decay
+      linearly from the peak to ``min_lr_ratio * learning_rate`` (default 0.2; 0 = no decay).
+    min_lr_ratio: floor of 'wsd' and 'cosine' as a fraction of the peak (default 0.0).
+    weight_decay: decoupled AdamW weight decay (default 0.1), applied to weight matrices only
+      (see ``decay_mask``); as in optax and PyTorch it is multiplied by the current learning rate.
+    b1, b2, eps: Adam moments' decay rates and denominator epsilon (defaults 0.9, 0.95, 1e-8).
+    grad_clip: clip gradients to this global L2 norm before AdamW (default 1.0; 0 disables).
+    """
+
+    learning_rate: float = 3e-3
+    schedule: str = "wsd"
+    warmup_steps: int = 100
+    decay_fraction: float = 0.2
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+    def __post_init__(self):
+        c = "OptimConfig"
+        _in_range(c, "learning_rate", self.learning_rate, 0, math.inf, low_open=True)
+        _choice(c, "schedule", self.schedule, SCHEDULES)
+        _nonnegative_int(c, "warmup_steps", self.warmup_steps)
+        _in_range(c, "decay_fraction", self.decay_fraction, 0, 1)
+        _in_range(c, "min_lr_ratio", self.min_lr_ratio, 0, 1)
+        _in_range(c, "weight_decay", self.weight_decay, 0, math.inf)
+        _in_range(c, "b1", self.b1, 0, 1, high_open=True)
+        _in_range(c, "b2", self.b2, 0, 1, low_open=True, high_open=True)
+        _in_range(c, "eps", self.eps, 0, math.inf, low_open=True)
+        _in_range(c, "grad_clip", self.grad_clip, 0, math.inf)
+
+    def decay_steps(self, total_steps: int) -> int:
+        """Length of the final linear decay of 'wsd' (0 for the other schedules)."""
+        if self.schedule != "wsd":
+            return 0
+        return int(round(self.decay_fraction * total_steps))

@@ -22,11 +22,11 @@ from dagmoe_jax.parallel import make_mesh
 from dagmoe_jax.parallel.axes import MeshLayout
 from dagmoe_jax.runs.paths import run_path
 from dagmoe_jax.topics.stage import run_topics
-from dagmoe_jax.train.config import TrainConfig
 from dagmoe_jax.train.hooks import EvalHook, ProgressHook
 from dagmoe_jax.train.metrics import (MetricsWriter, check_tensorboard_target, read_metrics,
                                       require_wandb)
-from dagmoe_jax.train.optim import TRAINABLE, OptimConfig, schedule_note
+from dagmoe_jax.train.config import OptimConfig, TrainConfig
+from dagmoe_jax.train.optim import TRAINABLE, schedule_note
 from dagmoe_jax.train.step import make_train_step
 from dagmoe_jax.train.trainer import (NonFiniteLossError, Trainer, on_main_process,
                                       stop_on_signals)

@@ -25,87 +25,19 @@ binding to change.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
 import optax
 from flax import nnx
 
-from dagmoe_jax.validate import check as _check
+from dagmoe_jax.train.config import OptimConfig
 
-SCHEDULES = ("wsd", "cosine", "constant")
 
 # Leaf names (or substrings of any path component) that mark a parameter as a norm scale or a
 # bias: these are not weight-decayed. See ``decay_mask``.
 _NO_DECAY_NAME_PARTS = ("scale", "bias")
 _NO_DECAY_PATH_PARTS = ("norm",)
-
-
-def _fail(field: str, value, valid: str) -> None:
-    _check(False, "OptimConfig", field, value, valid)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    """AdamW and its learning-rate schedule.
-
-    learning_rate: peak learning rate (default 3e-3).
-    schedule: 'wsd' (default; warmup-stable-decay, the DAG-MoE paper's schedule), 'cosine' or
-      'constant'. Every schedule warms up linearly from 0.
-    warmup_steps: linear warm-up length in optimizer steps (default 100; 0 = start at the peak).
-    decay_fraction: 'wsd' only: the last ``round(decay_fraction * total_steps)`` steps decay
-      linearly from the peak to ``min_lr_ratio * learning_rate`` (default 0.2; 0 = no decay).
-    min_lr_ratio: floor of 'wsd' and 'cosine' as a fraction of the peak (default 0.0).
-    weight_decay: decoupled AdamW weight decay (default 0.1), applied to weight matrices only
-      (see ``decay_mask``); as in optax and PyTorch it is multiplied by the current learning rate.
-    b1, b2, eps: Adam moments' decay rates and denominator epsilon (defaults 0.9, 0.95, 1e-8).
-    grad_clip: clip gradients to this global L2 norm before AdamW (default 1.0; 0 disables).
-    """
-
-    learning_rate: float = 3e-3
-    schedule: str = "wsd"
-    warmup_steps: int = 100
-    decay_fraction: float = 0.2
-    min_lr_ratio: float = 0.0
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-
-    def __post_init__(self):
-        if not (_is_number(self.learning_rate) and self.learning_rate > 0):
-            _fail("learning_rate", self.learning_rate, "a number > 0")
-        if self.schedule not in SCHEDULES:
-            _fail("schedule", self.schedule, "one of " + ", ".join(map(repr, SCHEDULES)))
-        if not (isinstance(self.warmup_steps, int) and not isinstance(self.warmup_steps, bool)
-                and self.warmup_steps >= 0):
-            _fail("warmup_steps", self.warmup_steps, "an integer >= 0")
-        if not (_is_number(self.decay_fraction) and 0 <= self.decay_fraction <= 1):
-            _fail("decay_fraction", self.decay_fraction, "a number in [0, 1]")
-        if not (_is_number(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1):
-            _fail("min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
-        if not (_is_number(self.weight_decay) and self.weight_decay >= 0):
-            _fail("weight_decay", self.weight_decay, "a number >= 0")
-        if not (_is_number(self.b1) and 0 <= self.b1 < 1):
-            _fail("b1", self.b1, "a number in [0, 1)")
-        if not (_is_number(self.b2) and 0 < self.b2 < 1):
-            _fail("b2", self.b2, "a number in (0, 1)")
-        if not (_is_number(self.eps) and self.eps > 0):
-            _fail("eps", self.eps, "a number > 0")
-        if not (_is_number(self.grad_clip) and self.grad_clip >= 0):
-            _fail("grad_clip", self.grad_clip, "a number >= 0 (0 disables clipping)")
-
-    def decay_steps(self, total_steps: int) -> int:
-        """Length of the final linear decay of 'wsd' (0 for the other schedules)."""
-        if self.schedule != "wsd":
-            return 0
-        return int(round(self.decay_fraction * total_steps))
 
 
 def fitted_warmup(cfg: OptimConfig, total_steps: int) -> int:

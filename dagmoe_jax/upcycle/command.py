@@ -25,7 +25,7 @@ from dagmoe_jax.data.config import parse_source
 from dagmoe_jax.data.pipeline import train_dataset
 from dagmoe_jax.runs.settle import settle
 from dagmoe_jax.train.config import TrainConfig
-from dagmoe_jax.train.optim import OptimConfig
+from dagmoe_jax.train.config import OptimConfig
 from dagmoe_jax.upcycle import dume as dume_lib
 from dagmoe_jax.upcycle import hf_llama, moerge
 from dagmoe_jax.upcycle.ridge import DEFAULT_LAMBDA, DomainStatistics

@@ -14,7 +14,7 @@ Llama-3 vocabulary (128,256), batch x sequence tokens per step (default 16 x 102
 2. for MoE-s, MoE-s + shared expert (d_r matched to the DAG module, the paper's parity
    baseline), DAG-MoE-s L 2 (d_g 128) and the l model as MoE and DAG-MoE L 2 (d_g 256): the
    best step time of a full AdamW training step, tokens/s, model FLOP/s
-   (:mod:`dagmoe_jax.accounting`), MFU against the datasheet peak and against the measured
+   (:mod:`dagmoe_jax.model.accounting`), MFU against the datasheet peak and against the measured
    matmul rate, and peak device memory. Each variant runs in its own process, so its peak
    memory is its own;
 3. DAG-MoE-s L 2 / MoE-s + shared step ratio (the DAG-MoE paper: +4.49% at L 2 on an A100);
@@ -45,7 +45,7 @@ sys.path.insert(0, str(HERE))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from dagmoe_jax.accounting import account  # noqa: E402
+from dagmoe_jax.model.accounting import account  # noqa: E402
 from dagmoe_jax.gin_utils import load_model_config  # noqa: E402
 from step_throughput import matmul_rate, step_time  # noqa: E402  (benchmarks/)
 

@@ -8,7 +8,7 @@ TCMalloc keeps freed memory for reuse. This prints the bandwidth of an elementwi
     python benchmarks/alloc_bandwidth.py                      # TCMalloc when installed
     DAGMOE_TCMALLOC=0 python benchmarks/alloc_bandwidth.py    # the system allocator
 
-(this is what ``dagmoe_jax/launch.py`` and README's CPU notes rest on).
+(this is what ``dagmoe_jax/cli/launch.py`` and README's CPU notes rest on).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmarks
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from dagmoe_jax.launch import allocator  # noqa: E402
+from dagmoe_jax.cli.launch import allocator  # noqa: E402
 from step_throughput import time_fn  # noqa: E402
 
 
@@ -47,6 +47,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from dagmoe_jax.launch import reexec_with_tcmalloc
-    reexec_with_tcmalloc()  # a faster allocator on CPU when installed (dagmoe_jax/launch.py)
+    from dagmoe_jax.cli.launch import reexec_with_tcmalloc
+    reexec_with_tcmalloc()  # a faster allocator on CPU when installed (dagmoe_jax/cli/launch.py)
     sys.exit(main())

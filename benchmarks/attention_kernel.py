@@ -24,7 +24,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from dagmoe_jax.kernels import fused_attention_unavailable  # noqa: E402
-from dagmoe_jax.launch import allocator  # noqa: E402
+from dagmoe_jax.cli.launch import allocator  # noqa: E402
 from dagmoe_jax.model.attention import causal_attention  # noqa: E402
 from step_throughput import time_fn  # noqa: E402
 
@@ -79,6 +79,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from dagmoe_jax.launch import reexec_with_tcmalloc
-    reexec_with_tcmalloc()  # a faster allocator on CPU when installed (dagmoe_jax/launch.py)
+    from dagmoe_jax.cli.launch import reexec_with_tcmalloc
+    reexec_with_tcmalloc()  # a faster allocator on CPU when installed (dagmoe_jax/cli/launch.py)
     sys.exit(main())

@@ -15,7 +15,7 @@ into training and held-out text. Stage 1 (online LDA, --topics topics, on the fi
 (DataConfig.topics_dir), as the paper's one-time offline stage.
 
 Variants (all at the dense model's total parameters, matched by each block's FFN / expert width
-with dagmoe_jax/accounting.py): dense; moe (softmax gate + balance loss, top-2 of 8: Table 3 A);
+with dagmoe_jax/model/accounting.py): dense; moe (softmax gate + balance loss, top-2 of 8: Table 3 A);
 doe_softmax (Table 3 B); doe_relu (Table 3 C, the paper's DoE, alpha 0.001); doe_a0, doe_a0.01,
 doe_a0.1 (Table 2's alpha sweep); doe_no_lda (Appendix E: no topics, no expert loss); doe_k,
 doe_q (Table 10: the router's signal from the keys or the queries instead of the values).
@@ -64,7 +64,7 @@ PAPER_FORGET = {"moe": "History 68.2 -> 62.1 (-6.1)", "doe_relu": "History 90.1 
 
 def model_config(variant: str, topics: int, seq_len: int):
     """The variant's ModelConfig, its FFN / expert width set for the dense model's total."""
-    from dagmoe_jax.accounting import account
+    from dagmoe_jax.model.accounting import account
     from dagmoe_jax.config import ModelConfig
 
     base = ModelConfig(vocab_size=256, d_model=D_MODEL, num_layers=LAYERS, num_heads=4,
@@ -127,7 +127,7 @@ def fit_stage1(args, out: Path, source: str, log) -> str:
 
 
 def run_one(args, variant, seed, data_cfg, out: Path):
-    from dagmoe_jax.accounting import account
+    from dagmoe_jax.model.accounting import account
     from dagmoe_jax.train.config import TrainConfig
     from dagmoe_jax.train.loop import train
     from dagmoe_jax.train.config import OptimConfig

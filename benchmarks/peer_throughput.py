@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmarks
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dagmoe_jax.accounting import account  # noqa: E402
+from dagmoe_jax.model.accounting import account  # noqa: E402
 from dagmoe_jax.gin_utils import load_model_config  # noqa: E402
-from dagmoe_jax.launch import allocator, release_memory  # noqa: E402
+from dagmoe_jax.cli.launch import allocator, release_memory  # noqa: E402
 from dagmoe_jax.runs.settle import describe as describe_settled  # noqa: E402
 from dagmoe_jax.runs.settle import settle  # noqa: E402
 import step_throughput as bench  # noqa: E402
@@ -137,7 +137,7 @@ def notes(cfg, rows) -> str:
     """Parameter counts and the documented differences between the two models."""
     e, kv_dim = cfg.experts, cfg.num_kv_heads * cfg.resolved_head_dim
     qk_norms = cfg.num_layers * (cfg.d_model + kv_dim)
-    lines = ["parameters (ours = dagmoe_jax.accounting; OLMoE = sum of p.numel()):"]
+    lines = ["parameters (ours = dagmoe_jax.model.accounting; OLMoE = sum of p.numel()):"]
     settled = settle(cfg)
     for r in rows:
         diff = r["olmoe_params"] - r["ours_params"]
@@ -207,6 +207,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from dagmoe_jax.launch import reexec_with_tcmalloc
-    reexec_with_tcmalloc()  # a faster allocator on CPU when installed (dagmoe_jax/launch.py)
+    from dagmoe_jax.cli.launch import reexec_with_tcmalloc
+    reexec_with_tcmalloc()  # a faster allocator on CPU when installed (dagmoe_jax/cli/launch.py)
     sys.exit(main())

@@ -2,7 +2,7 @@
 
 For each variant (MoE, MoE + shared expert, DAG-MoE L 1/2/3, MLP mixing, CoE) at each vocabulary
 size it times a full AdamW training step (forward + backward + update) and reports tokens/s,
-model FLOP/s from :mod:`dagmoe_jax.accounting` and their ratio to this machine's float32 matmul
+model FLOP/s from :mod:`dagmoe_jax.model.accounting` and their ratio to this machine's float32 matmul
 rate, measured in the same run. A second table times the DAG module against the experts it
 aggregates (forward + backward) to compare their achieved FLOP/s.
 
@@ -34,9 +34,9 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from dagmoe_jax.accounting import account  # noqa: E402
+from dagmoe_jax.model.accounting import account  # noqa: E402
 from dagmoe_jax.gin_utils import load_model_config  # noqa: E402
-from dagmoe_jax.launch import allocator, release_memory  # noqa: E402
+from dagmoe_jax.cli.launch import allocator, release_memory  # noqa: E402
 from dagmoe_jax.model import Transformer  # noqa: E402
 from dagmoe_jax.model.aggregation import DAGAggregator  # noqa: E402
 from dagmoe_jax.runs.settle import describe as describe_settled  # noqa: E402
@@ -195,6 +195,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from dagmoe_jax.launch import reexec_with_tcmalloc
-    reexec_with_tcmalloc()  # a faster allocator on CPU when installed (dagmoe_jax/launch.py)
+    from dagmoe_jax.cli.launch import reexec_with_tcmalloc
+    reexec_with_tcmalloc()  # a faster allocator on CPU when installed (dagmoe_jax/cli/launch.py)
     main()

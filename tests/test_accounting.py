@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dagmoe_jax.accounting import account
+from dagmoe_jax.model.accounting import account
 from dagmoe_jax.config import ModelConfig, dag_params_per_layer, matched_shared_hidden
 from dagmoe_jax.gin_utils import load_model_config
 from dagmoe_jax.model import Transformer

@@ -20,7 +20,7 @@ from dagmoe_jax.cli import OneLineParser
 
 REPO = Path(__file__).resolve().parent.parent
 COMMANDS = ["dagmoe_jax.train.__main__", "dagmoe_jax.sample", "dagmoe_jax.analysis.__main__",
-            "dagmoe_jax.upcycle.__main__", "dagmoe_jax.topics.__main__", "dagmoe_jax.demo"]
+            "dagmoe_jax.upcycle.__main__", "dagmoe_jax.topics.__main__", "dagmoe_jax.cli.demo"]
 
 
 def one_line_error(capsys, module: str, argv) -> str:
@@ -48,8 +48,8 @@ def test_an_unknown_flag_is_one_line(capsys, module):
     ("dagmoe_jax.upcycle.__main__", ["--dense=a"], "--run_dir is required"),
     ("dagmoe_jax.topics.__main__", [], "the following arguments are required: --out"),
     ("dagmoe_jax.topics.__main__", ["--out=x", "--max_iter=ten"], "invalid int value: 'ten'"),
-    ("dagmoe_jax.demo", ["--steps=0"], "--steps=0 is invalid"),
-    ("dagmoe_jax.demo", ["--variant=no_such_variant.gin"], "no_such_variant.gin"),
+    ("dagmoe_jax.cli.demo", ["--steps=0"], "--steps=0 is invalid"),
+    ("dagmoe_jax.cli.demo", ["--variant=no_such_variant.gin"], "no_such_variant.gin"),
 ])
 def test_bad_values_are_one_line(capsys, module, argv, fragment):
     assert fragment in one_line_error(capsys, module, argv)
@@ -66,19 +66,19 @@ def test_one_line_parser_raises_instead_of_exiting():
 
 
 def test_no_command_line_defines_its_own_parser_class():
-    """The one-line argparse class lives in dagmoe_jax/cli.py only."""
+    """The one-line argparse class lives in dagmoe_jax/cli/__init__.py only."""
     subclasses = []
     for path in sorted((REPO / "dagmoe_jax").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef) and any(
                     "ArgumentParser" in ast.unparse(base) for base in node.bases):
                 subclasses.append(f"{path.relative_to(REPO)}:{node.name}")
-    assert subclasses == ["dagmoe_jax/cli.py:OneLineParser"]
+    assert subclasses == ["dagmoe_jax/cli/__init__.py:OneLineParser"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("module", ["dagmoe_jax.train", "dagmoe_jax.sample", "dagmoe_jax.analysis",
-                                    "dagmoe_jax.upcycle", "dagmoe_jax.topics", "dagmoe_jax.demo"])
+                                    "dagmoe_jax.upcycle", "dagmoe_jax.topics", "dagmoe_jax.cli.demo"])
 def test_python_m_wiring(tmp_path, module):
     """``python -m`` runs the command's ``main`` and exits with its status."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}

@@ -243,7 +243,7 @@ def test_alpha_zero_gives_plain_next_token_gradients(lda):
 
 @pytest.mark.parametrize("doe", [{}, {"signal": "q", "vae_sharing": "per_layer"}])
 def test_accounting_counts_every_doe_parameter(doe):
-    from dagmoe_jax.accounting import account
+    from dagmoe_jax.model.accounting import account
 
     cfg = doe_config(layers=4, **doe)
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))

@@ -172,7 +172,7 @@ def test_dp_depth_closed_forms(task):
 
 
 def test_variants_add_equal_parameters():
-    from dagmoe_jax.accounting import account
+    from dagmoe_jax.model.accounting import account
 
     base = ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
                        max_seq_len=64).replace(experts=dict(num_experts=16, expert_hidden=32),

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from dagmoe_jax.accounting import account
+from dagmoe_jax.model.accounting import account
 from dagmoe_jax.gin_utils import CONFIG_DIR, load_model_config
 
 MODELS = sorted(os.path.relpath(p, CONFIG_DIR) for p in glob.glob(str(CONFIG_DIR / "models/*.gin")))
@@ -55,7 +55,7 @@ def test_table3_shapes():
 def test_coe_preset_is_the_equal_parameter_ablation():
     """The CoE preset adds what the DAG-MoE L 2 preset adds (the summary's "393K, equal params")
     plus its second router, and makes the same top_k expert calls per token as MoE."""
-    from dagmoe_jax.accounting import account
+    from dagmoe_jax.model.accounting import account
     total = {name: account(load_model_config(["models/s.gin", f"variants/{name}.gin"]),
                            128).total_params
              for name in ("moe", "dag_g128_l2", "coe_g128_l2")}

@@ -144,7 +144,7 @@ def test_the_graph_sees_function_level_and_from_imports():
     # package; `from dagmoe_jax.upcycle import command` is the submodule.
     assert "dagmoe_jax.train.loop" in graph["dagmoe_jax.train.__main__"]
     assert "dagmoe_jax.upcycle.command" in graph["dagmoe_jax.upcycle.__main__"]
-    assert "dagmoe_jax.model" in graph["dagmoe_jax.demo"]
+    assert "dagmoe_jax.model" in graph["dagmoe_jax.cli.demo"]
     assert find_cycles({"a": {"b"}, "b": {"c", "a"}, "c": {"b"}, "d": {"a"}}) == [["a", "b", "a"],
                                                                                  ["b", "c", "b"]]
 

@@ -1,4 +1,4 @@
-"""dagmoe_jax.launch: when the entry points re-execute themselves with TCMalloc preloaded."""
+"""dagmoe_jax.cli.launch: when the entry points re-execute themselves with TCMalloc preloaded."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dagmoe_jax.launch import SWITCH, allocator, find_tcmalloc, tcmalloc_environment
+from dagmoe_jax.cli.launch import SWITCH, allocator, find_tcmalloc, tcmalloc_environment
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,7 +67,7 @@ SCRIPT = """
 import os, sys
 sys.path.insert(0, {root!r})
 print("start", os.getpid(), os.environ.get("LD_PRELOAD", ""), flush=True)
-from dagmoe_jax.launch import reexec_with_tcmalloc
+from dagmoe_jax.cli.launch import reexec_with_tcmalloc
 reexec_with_tcmalloc()
 print("after", os.getpid(), sys.argv[1:], flush=True)
 """

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from dagmoe_jax.accounting import account
+from dagmoe_jax.model.accounting import account
 from dagmoe_jax.experiments.scoring import mean_std, paired_difference
 from dagmoe_jax.experiments.variants import LABELS, REFERENCE, VARIANTS, describe, variant_config
 from dagmoe_jax.gin_utils import load_configs

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Sequence, Tuple
 
-from dagmoe_jax.accounting import account
+from dagmoe_jax.model.accounting import account
 from dagmoe_jax.experiments.dp_depth import DP_DEPTH_NOTES
 from dagmoe_jax.experiments.scoring import (baseline_by_size, eval_seq_len, model_predictor,
                                      paired_difference, score_by_size, seed_statistics)
@@ -132,7 +132,7 @@ def run_configs(budget: ReasoningBudget, task: str, variant: str, seed: int, run
 
 def variant_table(budget: ReasoningBudget) -> Dict[str, dict]:
     """``{variant: {params, active_params, added_params, description}}`` on the base trunk
-    (parameter counts from :func:`dagmoe_jax.accounting.account`; added = over ``moe``)."""
+    (parameter counts from :func:`dagmoe_jax.model.accounting.account`; added = over ``moe``)."""
     base = run_configs(budget, budget.tasks[0], "moe", 0, Path("unused"))[0]
     reference = account(base, budget.seq_len).total_params
     rows = {}

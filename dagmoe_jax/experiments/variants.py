@@ -22,7 +22,7 @@ Every benchmark here compares the same seven designs on one trunk (the base ``Mo
 "Equal parameters" therefore means (``mlp_small`` aside): the parameters each variant adds to ``moe`` per layer are
 the DAG-MoE L 2 module's ``L (2 d d_g + 4 d_g^2 + 2 d)``, to the nearest integer hidden size
 (within a fraction of a percent; the benchmarks print the exact counts from
-:func:`dagmoe_jax.accounting.account`). CoE also has one more router (d N per layer).
+:func:`dagmoe_jax.model.accounting.account`). CoE also has one more router (d N per layer).
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     # Imported after argument parsing so that --help and argument errors are instant.
     import gin
     import jax
-    from dagmoe_jax.accounting import account
+    from dagmoe_jax.model.accounting import account
     from dagmoe_jax.gin_utils import load_configs
     from dagmoe_jax.parallel.multihost import initialize
     from dagmoe_jax.evaluation import eval_data_overrides, evaluate_checkpoint
@@ -121,8 +121,8 @@ def main(argv=None) -> int:
 
 def entry() -> int:
     """The ``dagmoe-train`` console script and ``python train.py``: :func:`main` under
-    TCMalloc when it is installed (a faster allocator on CPU, dagmoe_jax/launch.py)."""
-    from dagmoe_jax.launch import reexec_with_tcmalloc
+    TCMalloc when it is installed (a faster allocator on CPU, dagmoe_jax/cli/launch.py)."""
+    from dagmoe_jax.cli.launch import reexec_with_tcmalloc
     reexec_with_tcmalloc()
     return main()
 

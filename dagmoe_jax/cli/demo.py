@@ -1,6 +1,6 @@
 """A one-minute tour: build a tiny DAG-MoE, print its accounting, train it briefly.
 
-    python -m dagmoe_jax.demo [--steps 300] [--variant variants/dag_g64_l2.gin]
+    python -m dagmoe_jax.cli.demo [--steps 300] [--variant variants/dag_g64_l2.gin]
 
 Trains on a built-in byte-level task (reverse a random string after a separator) so nothing is
 downloaded, and prints the loss as it falls. ``train.py`` is the full training job.
@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dagmoe_jax.accounting import account
+from dagmoe_jax.model.accounting import account
 from dagmoe_jax.cli import USER_ERRORS, OneLineParser, report_error
 from dagmoe_jax.gin_utils import load_model_config
 from dagmoe_jax.model import Transformer
@@ -39,7 +39,7 @@ def reversal_batch(rng: np.random.Generator, batch: int, half: int):
 
 
 def main(argv=None) -> int:
-    """``python -m dagmoe_jax.demo``: exit status 0 done, 2 invalid arguments or gin files (a
+    """``python -m dagmoe_jax.cli.demo``: exit status 0 done, 2 invalid arguments or gin files (a
     one-line message)."""
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="models/tiny.gin")

@@ -16,6 +16,7 @@ import dataclasses
 import math
 from typing import Optional
 
+from dagmoe_jax.doe.config import DoEConfig
 from dagmoe_jax.validate import check as _check
 from dagmoe_jax.validate import choice as _choice
 from dagmoe_jax.validate import nonnegative as _nonnegative
@@ -38,9 +39,6 @@ GROUPED_MATMULS = ("auto", "ragged_dot", "gmm")
 EXPERT_EXCHANGES = ("auto", "all_gather", "ragged_all_to_all")
 DTYPES = ("float32", "bfloat16")
 ROPE_SCALINGS = ("none", "llama3")
-DOE_GATES = ("relu", "softmax")
-DOE_SIGNALS = ("v", "k", "q")
-DOE_VAE_SHARING = ("hierarchical", "per_layer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,67 +219,6 @@ class CoEConfig:
             _positive("CoEConfig", "top_k_per_iter", self.top_k_per_iter)
         _choice("CoEConfig", "residual", self.residual, COE_RESIDUALS)
         _choice("CoEConfig", "stream", self.stream, COE_READINGS)
-
-
-@dataclasses.dataclass(frozen=True)
-class DoEConfig:
-    """Decoupling-of-Experts block (docs/design.md section 6; DoE sec. 3, Appendix A).
-
-    num_topics: K, the LDA topics = knowledge fields = rows of the knowledge state Z (paper:
-      128). Topic id K is the null id (tokens before any complete word; its own embedding).
-    topic_dim: d_k of the topic embedding E_know [K + 1, d_k] of Algorithm 1 (paper: not given);
-      E_know is initialised like the token embedding (normal, init_std).
-    vae_hidden: hidden width of the VAE encoder (mu_phi, sigma_phi of eq. 5 share one SiLU
-      hidden layer; paper: "neural networks", no size given).
-    latent_dim: size of the VAE latent z (eq. 5-6; paper: not given).
-    gate: 'relu' (G = ReLU(W_g z + b), the paper's choice, Table 3 C) or 'softmax' (the
-      VAE-softmax ablation, Table 3 B). No top-k and no balance loss either way.
-    signal: the attention tensor whose causal running mean the router sees (Appendix B.1, H.1):
-      'v' (the paper's choice, Table 10), 'k' or 'q' (the ablations). K and Q are taken after
-      RoPE, as attention uses them; 'q' cannot be decoded incrementally (a KV cache holds no
-      queries) and is for training / scoring only.
-    vae_sharing: 'hierarchical' (sec. 3.3: the first layer's VAE, one VAE shared by the middle
-      layers, the last layer's VAE) or 'per_layer' (every layer its own VAE; ablation).
-    alpha: weight of L_expert in (1 - alpha) L_ntp + alpha L_expert (eq. 4; paper: 0.001).
-    kl_coef: weight of the VAE's KL(q(z|h) || N(0, I)) (eq. 7), added to the loss (default 0:
-      the paper's 2-component loss, Appendix H.3); logged either way.
-    recon_coef: weight of the VAE's reconstruction loss (eq. 7; the 3-component loss of
-      Appendix H.3, which did not help in the paper); computed only when > 0.
-    use_topics: False is the no-LDA ablation (Appendix E, "end to end"): the model ignores topic
-      ids (every token gets the null id) and alpha must be 0 (there are no labels).
-    ffn_hidden: hidden size of the block's output FFN([H_enriched ; e_context]) (input 2d);
-      None means ModelConfig.resolved_ffn_hidden.
-    """
-
-    num_topics: int = 128
-    topic_dim: int = 64
-    vae_hidden: int = 256
-    latent_dim: int = 64
-    gate: str = "relu"
-    signal: str = "v"
-    vae_sharing: str = "hierarchical"
-    alpha: float = 0.001
-    kl_coef: float = 0.0
-    recon_coef: float = 0.0
-    use_topics: bool = True
-    ffn_hidden: Optional[int] = None
-
-    def __post_init__(self):
-        c = "DoEConfig"
-        for name in ("num_topics", "topic_dim", "vae_hidden", "latent_dim"):
-            _positive(c, name, getattr(self, name))
-        _choice(c, "gate", self.gate, DOE_GATES)
-        _choice(c, "signal", self.signal, DOE_SIGNALS)
-        _choice(c, "vae_sharing", self.vae_sharing, DOE_VAE_SHARING)
-        _check(isinstance(self.alpha, (int, float)) and 0 <= self.alpha < 1, c, "alpha",
-               self.alpha, "a number in [0, 1)")
-        _nonnegative(c, "kl_coef", self.kl_coef)
-        _nonnegative(c, "recon_coef", self.recon_coef)
-        _check(isinstance(self.use_topics, bool), c, "use_topics", self.use_topics, "True or False")
-        _check(self.use_topics or self.alpha == 0, c, "alpha", self.alpha,
-               "0 when use_topics=False (the no-LDA ablation has no expert labels)")
-        if self.ffn_hidden is not None:
-            _positive(c, "ffn_hidden", self.ffn_hidden)
 
 
 @dataclasses.dataclass(frozen=True)

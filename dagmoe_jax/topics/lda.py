@@ -24,8 +24,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from dagmoe_jax.validate import check as _check
-from dagmoe_jax.validate import nonnegative as _nonnegative
+from dagmoe_jax.doe.config import TopicConfig
 from dagmoe_jax.validate import positive as _positive
 
 # scikit-learn's E-step (``transform``) runs through its joblib wrapper; called from the data
@@ -38,50 +37,6 @@ WORD_PATTERN = re.compile(rb"\b[A-Za-z][A-Za-z0-9_]+\b")
 ARTIFACT_ARRAYS = "topics.npz"
 ARTIFACT_VOCAB = "vocabulary.json"
 ARTIFACT_INFO = "topics.json"
-
-
-@dataclasses.dataclass(frozen=True)
-class TopicConfig:
-    """How Stage 1's LDA is fitted (DoE sec. 3.2; docs/design.md section 6).
-
-    vocab_size: words kept (the most frequent; scikit-learn ``max_features``).
-    min_df: a word must occur in at least this many documents.
-    stop_words: drop scikit-learn's English stop words (they carry no topic).
-    max_documents: fit on at most this many training documents (the first ones in source
-      order; 0 = all). The fitted model labels every document.
-    max_iter: passes over the documents (``LatentDirichletAllocation.max_iter``).
-    batch_size: documents per online update (``batch_size``; scikit-learn's default 128).
-    learning_decay, learning_offset: the online learning rate ``(offset + t)^-decay``
-      (scikit-learn's defaults 0.7 and 10).
-    doc_topic_prior: Dirichlet alpha of theta_d; 0 means scikit-learn's 1 / K.
-    topic_word_prior: Dirichlet eta of beta_k; 0 means 1 / K.
-    seed: scikit-learn ``random_state``.
-    """
-
-    vocab_size: int = 20000
-    min_df: int = 2
-    stop_words: bool = True
-    max_documents: int = 0
-    max_iter: int = 10
-    batch_size: int = 128
-    learning_decay: float = 0.7
-    learning_offset: float = 10.0
-    doc_topic_prior: float = 0.0
-    topic_word_prior: float = 0.0
-    seed: int = 0
-
-    def __post_init__(self):
-        c = "TopicConfig"
-        for name in ("vocab_size", "min_df", "max_iter", "batch_size"):
-            _positive(c, name, getattr(self, name))
-        _check(isinstance(self.max_documents, int) and self.max_documents >= 0, c,
-               "max_documents", self.max_documents, "an integer >= 0 (0 = all)")
-        _check(0.5 < self.learning_decay <= 1.0, c, "learning_decay", self.learning_decay,
-               "a number in (0.5, 1] (online LDA's convergence condition)")
-        _check(self.learning_offset > 1.0, c, "learning_offset", self.learning_offset,
-               "a number > 1")
-        for name in ("doc_topic_prior", "topic_word_prior"):
-            _nonnegative(c, name, getattr(self, name))
 
 
 def _as_bytes(text: Union[str, bytes]) -> bytes:

@@ -1,0 +1,9 @@
+"""Decoupling of Experts (DoE; docs/design.md section 6): its configuration.
+
+The block itself is :mod:`dagmoe_jax.model.doe`, Stage 1's topics :mod:`dagmoe_jax.topics`
+and its analysis :mod:`dagmoe_jax.analysis.doe`.
+"""
+
+from dagmoe_jax.doe.config import DoEConfig, TopicConfig
+
+__all__ = ["DoEConfig", "TopicConfig"]

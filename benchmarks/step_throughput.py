@@ -91,8 +91,7 @@ def component_rates(cfg, tokens: int, repeats: int):
     module, on random inputs of ``tokens`` tokens."""
     d, k, e, a = cfg.d_model, cfg.router.top_k, cfg.experts, cfg.aggregation
     rngs = nnx.Rngs(0)
-    experts = Experts(e.num_experts, d, e.expert_hidden, cfg.init_std, jnp.float32,
-                      mode=e.dispatch, capacity_factor=e.capacity_factor, rngs=rngs)
+    experts = Experts(e, d, std=cfg.init_std, dtype=jnp.float32, rngs=rngs)
     dag = DAGAggregator(cfg, rngs=rngs)
     w_up = dag.iterations.w_up  # random, so the backward pass is not trivially zero
     w_up[...] = 0.02 * jax.random.normal(jax.random.key(1), w_up.shape)

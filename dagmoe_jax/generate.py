@@ -155,15 +155,16 @@ def _doe_prefill(graphdef, state, tokens, topics, lengths, key, temperature, top
                  *, slots: int, greedy: bool):
     model = nnx.merge(graphdef, state)
     cache = model.init_cache(tokens.shape[0], slots)
-    logits, aux = model(tokens, topics=topics, cache=cache, logit_positions=lengths - 1)
+    logits, aux = model(tokens, features={"topics": topics}, cache=cache,
+                        logit_positions=lengths - 1)
     return _next_tokens(logits, key, 0, greedy, temperature, top_k, top_p), aux["cache"]
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "greedy"))
 def _doe_step(graphdef, state, tok, topic, cache, start, step, key, temperature, top_k, top_p,
               *, greedy: bool):
-    logits, aux = nnx.merge(graphdef, state)(tok[:, None], topics=topic[:, None], cache=cache,
-                                             start=start)
+    logits, aux = nnx.merge(graphdef, state)(tok[:, None], features={"topics": topic[:, None]},
+                                             cache=cache, start=start)
     return _next_tokens(logits[:, 0], key, step, greedy, temperature, top_k, top_p), aux["cache"]
 
 

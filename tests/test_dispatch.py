@@ -13,7 +13,9 @@ from flax import nnx
 from conftest import tiny_config
 from dagmoe_jax.model.dispatch import (capacity_dispatch, capacity_slots, dense_dispatch, dispatch,
                                        dropless_dispatch, expert_capacity)
+from dagmoe_jax.config import ExpertConfig
 from dagmoe_jax.model.experts import Experts
+from dagmoe_jax.model.block import BlockInputs
 from dagmoe_jax.model.moe import MoEBlock
 
 N, D, H = 4, 16, 24
@@ -184,7 +186,7 @@ def test_moe_block_dispatch_modes_identical_without_drops(kind):
         if kind == "dag":   # random W_up so the DAG's pairwise terms take part
             it = block.aggregator.iterations
             it.w_up[...] = 0.2 * jax.random.normal(jax.random.key(2), it.w_up.shape)
-        outs[mode], stats[mode] = nnx.jit(lambda b, v: b(v))(block, x)
+        outs[mode], stats[mode] = nnx.jit(lambda b, v: b(BlockInputs(v)))(block, x)
     scale = float(jnp.abs(outs["capacity"]).max())
     assert scale > 0.1
     for mode in ("dropless", "dense"):
@@ -193,10 +195,10 @@ def test_moe_block_dispatch_modes_identical_without_drops(kind):
         np.testing.assert_allclose(np.asarray(outs[mode]), np.asarray(outs["capacity"]),
                                    rtol=1e-5, atol=1e-5 * scale, err_msg=mode)
         for name in ("balance_loss", "z_loss", "expert_load"):
-            np.testing.assert_allclose(np.asarray(stats[mode][name]),
-                                       np.asarray(stats["capacity"][name]), rtol=1e-6)
+            np.testing.assert_allclose(np.asarray(getattr(stats[mode], name)),
+                                       np.asarray(getattr(stats["capacity"], name)), rtol=1e-6)
     for mode in outs:
-        assert float(stats[mode]["dropped_fraction"]) == 0.0, mode
+        assert float(stats[mode].dropped_fraction) == 0.0, mode
         assert outs[mode].shape == x.shape
 
 
@@ -222,14 +224,14 @@ def test_moe_block_dropped_fraction(capacity_factor):
     # expert 0, so that capacity really binds.
     block.router.w_router[...] = block.router.w_router[...].at[:, 0].add(0.3)
     x = jax.random.normal(jax.random.key(3), (2, 16, 32), jnp.float32) + 1.0
-    y, stats = block(x)
+    y, stats = block(BlockInputs(x))
     routing = block.router(x.reshape(-1, 32))
     indices = np.asarray(routing.indices)
     cap = expert_capacity(32, 2, N, capacity_factor)
     keep = np_rank_major_keep(indices, N, cap)
     expected = 1.0 - keep.mean()
     assert expected > 0                                       # this batch does drop
-    np.testing.assert_allclose(float(stats["dropped_fraction"]), expected, rtol=1e-6)
+    np.testing.assert_allclose(float(stats.dropped_fraction), expected, rtol=1e-6)
     # Dropped assignments contribute nothing: the block equals the sum over kept experts only.
     experts = block.experts
     out = np_expert_outputs(x.reshape(-1, 32), indices,
@@ -240,7 +242,8 @@ def test_moe_block_dropped_fraction(capacity_factor):
 
 
 def test_experts_module_shapes_and_dtype():
-    experts = Experts(N, D, H, 0.02, jnp.float32, mode="dense", rngs=nnx.Rngs(0))
+    experts = Experts(ExpertConfig(num_experts=N, expert_hidden=H, dispatch="dense"), D,
+                      std=0.02, dtype=jnp.float32, rngs=nnx.Rngs(0))
     assert experts.w_gate.shape == (N, D, H)
     assert experts.w_up.shape == (N, D, H)
     assert experts.w_down.shape == (N, H, D)

@@ -91,12 +91,12 @@ def test_block_matches_numpy_and_evaluation_uses_the_mean(rng, index):
     topic_term = rng.normal(size=(2, 6, 16)).astype(np.float32)
     next_embed = rng.normal(size=(2, 6, cfg.d_model)).astype(np.float32)
     is_last = index == 1                    # the last layer's VAE decodes the next token's embedding
-    ctx = {"vae": shared.bank(), "index": jnp.int32(index), "topic_term": jnp.asarray(topic_term),
-           "recon_target": jnp.asarray(next_embed), "is_last": jnp.asarray(is_last)}
-    out, stats = block(jnp.asarray(x), jnp.asarray(signal), ctx)
+    layer = D.DoELayerInputs(jnp.int32(index), jnp.asarray(is_last))
+    inputs = D.DoESharedInputs(shared.bank(), jnp.asarray(topic_term), jnp.asarray(next_embed))
+    out, stats = block.apply(jnp.asarray(x), jnp.asarray(signal), layer, inputs)
     want, logits = block_numpy(block, shared, x.astype(np.float64), signal, topic_term, index)
     np.testing.assert_allclose(out, want, rtol=2e-4, atol=1e-6)
-    np.testing.assert_allclose(stats["doe"]["router_logits"], logits, rtol=2e-4, atol=1e-6)
+    np.testing.assert_allclose(stats.extra.router_logits, logits, rtol=2e-4, atol=1e-6)
     # Reconstruction (eq. 7's likelihood term, squared error): from z = mu, of the next token's
     # embedding in the last layer, of H_enr elsewhere.
     p = lambda a: np.asarray(a[...], np.float64)
@@ -107,10 +107,10 @@ def test_block_matches_numpy_and_evaluation_uses_the_mean(rng, index):
     mu = silu(pre) @ v["w_mu"] + v["b_mu"]
     target = next_embed if is_last else h_enr
     want_recon = np.mean(np.sum((mu @ v["w_dec"] + v["b_dec"] - target) ** 2, -1))
-    np.testing.assert_allclose(stats["doe"]["recon"], want_recon, rtol=1e-4)
-    noisy, noisy_stats = block(jnp.asarray(x), jnp.asarray(signal),
-                               {**ctx, "key": jax.random.key(3)})
-    assert not np.allclose(noisy_stats["doe"]["router_logits"], logits, atol=1e-6)
+    np.testing.assert_allclose(stats.extra.recon, want_recon, rtol=1e-4)
+    noisy, noisy_stats = block.apply(jnp.asarray(x), jnp.asarray(signal),
+                                     layer._replace(key=jax.random.key(3)), inputs)
+    assert not np.allclose(noisy_stats.extra.router_logits, logits, atol=1e-6)
 
 
 def test_relu_gates_zero_where_negative_and_block_gradient(rng):
@@ -161,7 +161,7 @@ def test_config_and_input_errors():
         DoEConfig(use_topics=False)
     with pytest.raises(ValueError, match="DoEConfig.gate"):
         DoEConfig(gate="sigmoid")
-    with pytest.raises(ValueError, match="needs topics"):
+    with pytest.raises(ValueError, match=r"needs features=\{.topics.: \[B, S\]\}"):
         nnx.eval_shape(lambda: Transformer(doe_config(), rngs=nnx.Rngs(0))(
             jnp.zeros((1, 4), jnp.int32)))
 
@@ -180,7 +180,7 @@ def test_causal_end_to_end_and_kv_cache_decoding(lda):
     other = b"flame ash heat heat, ocean reef tide salt wave wave ember!!"
     cfg = doe_config()
     model = Transformer(cfg, rngs=nnx.Rngs(1))
-    forward = nnx.jit(lambda m, tok, top: m(tok, topics=top)[0])
+    forward = nnx.jit(lambda m, tok, top: m(tok, features={"topics": top})[0])
     t = 30
     rows, tops = [], []
     for data in (text, text[:t] + other[t:]):
@@ -223,7 +223,7 @@ def test_alpha_zero_gives_plain_next_token_gradients(lda):
 
     def plain(m):
         noise = D.noise_key(batch["inputs"])
-        logits, _ = m(batch["inputs"], topics=batch["topics"], noise=noise)
+        logits, _ = m(batch["inputs"], features={"topics": batch["topics"]}, noise=noise)
         return cross_entropy(logits, batch["targets"], jnp.ones_like(batch["targets"], bool))
 
     @nnx.jit
@@ -263,7 +263,8 @@ def test_gate_profile_groups_gates_by_label(tmp_path, rng):
     batch = {"inputs": rng.integers(0, 256, (2, 12)), "topics": rng.integers(0, K + 1, (2, 12)),
              "topic_labels": rng.integers(-1, K + 1, (2, 12))}
     profile = gate_profile(model, [batch], K)
-    gates = np.asarray(record(model, batch["inputs"], topics=jnp.asarray(batch["topics"]))["gates"])
+    gates = np.asarray(record(model, batch["inputs"],
+                              features={"topics": jnp.asarray(batch["topics"])})["gates"])
     assert gates.shape == (2, 2, 12, K) and (gates == 0).any() and (gates > 0).any()
     label = batch["topic_labels"]
     for g in range(K):

@@ -21,6 +21,7 @@ from flax import nnx
 from conftest import tiny_config
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.model.attention import blockwise_causal_attention, causal_attention_reference
+from dagmoe_jax.model.block import BlockInputs
 from dagmoe_jax.model.coe import CoEBlock
 from dagmoe_jax.model.moe import MoEBlock
 from dagmoe_jax.runs.settle import settle_remat, settle_scan_unroll
@@ -383,7 +384,7 @@ def test_coe_block_matches_manual_chain(residual, shared_router, num_shared, sco
     block = CoEBlock(cfg, rngs=nnx.Rngs(3))
     assert len(block.routers) == (1 if shared_router else 2)
     x = jax.random.normal(jax.random.key(4), (2, 6, 32))
-    y, stats = nnx.jit(lambda blk, v: blk(v))(block, x)
+    y, stats = nnx.jit(lambda blk, v: blk(BlockInputs(v)))(block, x)
 
     x0 = np.asarray(x, np.float64).reshape(-1, 32)
     h = x0
@@ -398,8 +399,8 @@ def test_coe_block_matches_manual_chain(residual, shared_router, num_shared, sco
         expected = expected - x0
     np.testing.assert_allclose(np.asarray(y).reshape(-1, 32), expected, rtol=1e-4,
                                atol=1e-5 * np.abs(expected).max())
-    np.testing.assert_allclose(np.asarray(stats["expert_load"]).sum(), 1.0, rtol=1e-6)
-    assert float(stats["dropped_fraction"]) == 0.0
+    np.testing.assert_allclose(np.asarray(stats.expert_load).sum(), 1.0, rtol=1e-6)
+    assert float(stats.dropped_fraction) == 0.0
 
 
 @pytest.mark.parametrize("kind,num_shared", [("sum", 1), ("dag", 1), ("mlp", 0)])
@@ -412,7 +413,7 @@ def test_moe_block_matches_manual(kind, num_shared):
         var = block.aggregator.iterations.w_up if kind == "dag" else block.aggregator.w_3
         var[...] = 0.2 * jax.random.normal(jax.random.key(6), var.shape)
     x = jax.random.normal(jax.random.key(7), (2, 5, 32))
-    y, _ = nnx.jit(lambda blk, v: blk(v))(block, x)
+    y, _ = nnx.jit(lambda blk, v: blk(BlockInputs(v)))(block, x)
     xt = np.asarray(x, np.float64).reshape(-1, 32)
     gates, idx = np_route(xt, np.asarray(block.router.w_router[...], np.float64), 3, "sigmoid")
     w = [np.asarray(v[...], np.float64) for v in (block.experts.w_gate, block.experts.w_up,

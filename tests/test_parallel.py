@@ -33,7 +33,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from conftest import tiny_config
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.model.dispatch import capacity_dispatch
+from dagmoe_jax.config import ExpertConfig
 from dagmoe_jax.model.experts import Experts
+from dagmoe_jax.model.block import BlockInputs
 from dagmoe_jax.model.moe import MoEBlock
 from dagmoe_jax.parallel import (MeshConfig, activate, create_sharded, create_train_state,
                                  make_mesh, parallel_active, place_on_mesh, shard_batch)
@@ -198,10 +200,10 @@ def test_expert_parallel_dispatch_uses_collectives(meshes):
     mesh = meshes["fsdp2_ep2_tp2"]
     texts = {}
     for mode in ("capacity", "dropless"):
-        sharded = Experts(N, 32, 16, 0.02, jnp.float32, mode=mode, capacity_factor=2.0,
-                          layout=MeshLayout.of(mesh), rngs=nnx.Rngs(0))
-        local = Experts(N, 32, 16, 0.02, jnp.float32, mode=mode, capacity_factor=2.0,
-                        rngs=nnx.Rngs(0))
+        e_cfg = ExpertConfig(num_experts=N, expert_hidden=16, dispatch=mode, capacity_factor=2.0)
+        sharded = Experts(e_cfg, 32, std=0.02, dtype=jnp.float32, layout=MeshLayout.of(mesh),
+                          rngs=nnx.Rngs(0))
+        local = Experts(e_cfg, 32, std=0.02, dtype=jnp.float32, rngs=nnx.Rngs(0))
         with activate(mesh):
             assert parallel_active()
             texts[mode] = str(jax.make_jaxpr(lambda x: sharded(x, idx))(x))
@@ -225,7 +227,7 @@ def test_capacity_drops_per_device_group(meshes, mesh_name):
 
     @nnx.jit
     def run(block, x):
-        y, stats = block(x)
+        y, stats = block(BlockInputs(x))
         routing = block.router(x.reshape(-1, 32))
         return y, stats, routing.indices, routing.gates
 
@@ -243,7 +245,7 @@ def test_capacity_drops_per_device_group(meshes, mesh_name):
         keeps.append(np.asarray(keep))
     keep = np.concatenate(keeps)
     assert 0.05 < 1 - keep.mean() < 0.95                      # really dropping, not everything
-    np.testing.assert_allclose(float(stats["dropped_fraction"]), 1 - keep.mean(), rtol=1e-6)
+    np.testing.assert_allclose(float(stats.dropped_fraction), 1 - keep.mean(), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(y).reshape(-1, 32), np.concatenate(outs),
                                rtol=1e-5, atol=1e-6)
 
@@ -285,11 +287,11 @@ def test_token_count_the_mesh_does_not_divide_falls_back(meshes, mode):
     x = jax.random.normal(jax.random.key(1), (6, 32))
     idx = jnp.stack([jnp.arange(6) % N, (jnp.arange(6) + 3) % N], axis=1).astype(jnp.int32)
     mesh = meshes["fsdp2_ep2_tp2"]
-    local = Experts(N, 32, 16, 0.2, jnp.float32, mode=mode, capacity_factor=2.0,
-                    rngs=nnx.Rngs(0))
+    e_cfg = ExpertConfig(num_experts=N, expert_hidden=16, dispatch=mode, capacity_factor=2.0)
+    local = Experts(e_cfg, 32, std=0.2, dtype=jnp.float32, rngs=nnx.Rngs(0))
     expected = np.asarray(local(x, idx)[0])
-    experts = Experts(N, 32, 16, 0.2, jnp.float32, mode=mode, capacity_factor=2.0,
-                      layout=MeshLayout.of(mesh), rngs=nnx.Rngs(0))       # the same weights
+    experts = Experts(e_cfg, 32, std=0.2, dtype=jnp.float32, layout=MeshLayout.of(mesh),
+                      rngs=nnx.Rngs(0))                               # the same weights
     place_on_mesh(experts, mesh)
     with activate(mesh):
         out = nnx.jit(lambda e, x: e(x, idx)[0])(experts, x)
@@ -297,7 +299,8 @@ def test_token_count_the_mesh_does_not_divide_falls_back(meshes, mode):
 
 
 def test_indivisible_experts_are_a_clear_error(meshes):
-    experts = Experts(4, 32, 16, 0.02, jnp.float32, mode="capacity", capacity_factor=1.0,
+    experts = Experts(ExpertConfig(num_experts=4, expert_hidden=16, dispatch="capacity",
+                                   capacity_factor=1.0), 32, std=0.02, dtype=jnp.float32,
                       layout=MeshLayout.of(meshes["ep8"]), rngs=nnx.Rngs(0))   # 4 on 8 shards
     idx = jnp.zeros((16, 2), jnp.int32)
     with activate(meshes["ep8"]), pytest.raises(ValueError, match="experts N=4 is not divisible"):

@@ -13,12 +13,17 @@ from flax import nnx
 
 from conftest import tiny_config
 from dagmoe_jax.model import expert_parallel
+from dagmoe_jax.config import ExecutionConfig, ExpertConfig
 from dagmoe_jax.model.experts import Experts
 from dagmoe_jax.parallel import MeshConfig, activate, make_mesh, place_on_mesh
 from dagmoe_jax.parallel.axes import MeshLayout
 from dagmoe_jax.runs.settle import describe, settle
 
 N = 8
+
+# One device's reference choices, with the ragged all-to-all exchange.
+RAGGED = ExecutionConfig(fuse_gate_up=True, grouped_matmul="ragged_dot",
+                         expert_exchange="ragged_all_to_all")
 
 
 def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
@@ -62,10 +67,11 @@ def test_ragged_exchange_equals_single_device_dispatch(monkeypatch, mesh_cfg):
             experts, x)
         return out, keep, grads
 
-    local = Experts(N, 32, 16, 0.2, jnp.float32, mode="dropless", rngs=nnx.Rngs(0))
+    e_cfg = ExpertConfig(num_experts=N, expert_hidden=16, dispatch="dropless")
+    local = Experts(e_cfg, 32, std=0.2, dtype=jnp.float32, rngs=nnx.Rngs(0))
     out_ref, _, (g_ref, gx_ref) = loss_and_grads(local, x)
-    sharded = Experts(N, 32, 16, 0.2, jnp.float32, mode="dropless", rngs=nnx.Rngs(0),
-                      layout=MeshLayout.of(mesh), expert_exchange="ragged_all_to_all")
+    sharded = Experts(e_cfg, 32, std=0.2, dtype=jnp.float32, execution=RAGGED, rngs=nnx.Rngs(0),
+                      layout=MeshLayout.of(mesh))
     place_on_mesh(sharded, mesh)
     with activate(mesh):
         step = nnx.jit(loss_and_grads)
@@ -83,8 +89,9 @@ def test_the_ragged_exchange_is_what_the_sharded_dispatch_traces():
     """Without the emulation the model's dispatch traces the real collective (lowering for
     TPU / CUDA: tests/test_lowering.py)."""
     mesh = make_mesh(MeshConfig(data=2, expert=4))
-    experts = Experts(N, 32, 16, 0.2, jnp.float32, mode="dropless", rngs=nnx.Rngs(0),
-                      layout=MeshLayout.of(mesh), expert_exchange="ragged_all_to_all")
+    experts = Experts(ExpertConfig(num_experts=N, expert_hidden=16, dispatch="dropless"), 32,
+                      std=0.2, dtype=jnp.float32, execution=RAGGED, rngs=nnx.Rngs(0),
+                      layout=MeshLayout.of(mesh))
     idx = jnp.zeros((16, 2), jnp.int32).at[:, 1].set(1)
     with activate(mesh):
         text = str(jax.make_jaxpr(lambda x: experts(x, idx))(jnp.ones((16, 32))))

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dagmoe_jax.config import RouterConfig
 from dagmoe_jax.model.router import (Router, balance_fraction, balance_loss, balance_probs,
                                      expert_load, router_scores, select_top_k, z_loss)
 
@@ -102,15 +103,15 @@ def test_losses_against_hand_computation(score_fn):
 @pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
 def test_router_module_end_to_end(score_fn):
     # x = identity rows and w_router = LOGITS make the router's logits exactly LOGITS.
-    router = Router(4, 3, 0.02, top_k=2, score_fn=score_fn, rngs=nnx.Rngs(0))
+    router = Router(RouterConfig(top_k=2, score_fn=score_fn), 4, 3, std=0.02, rngs=nnx.Rngs(0))
     router.w_router[...] = jnp.asarray(LOGITS)
     routing = router(jnp.eye(4, dtype=jnp.float32))
     np.testing.assert_allclose(np.asarray(routing.logits), LOGITS)
     np.testing.assert_array_equal(np.asarray(routing.indices), TOP2)
     losses = router.losses(routing)                      # the defaults: tokens, softmax
     np.testing.assert_allclose(float(losses["balance_loss"]), hand_balance(score_fn), rtol=1e-6)
-    other = Router(4, 3, 0.02, top_k=2, score_fn=score_fn, balance_load="slots",
-                   balance_prob="score_share", rngs=nnx.Rngs(0))
+    other = Router(RouterConfig(top_k=2, score_fn=score_fn, balance_load="slots",
+                                balance_prob="score_share"), 4, 3, std=0.02, rngs=nnx.Rngs(0))
     slots = other.losses(routing)
     np.testing.assert_allclose(float(slots["balance_loss"]),
                                hand_balance(score_fn, "slots", "score_share"), rtol=1e-6)
@@ -177,7 +178,7 @@ def test_renormalize_and_expert_load_sum_to_one(score_fn):
 
 
 def test_router_logits_are_float32_for_bfloat16_inputs():
-    router = Router(8, 4, 0.5, top_k=2, rngs=nnx.Rngs(0))
+    router = Router(RouterConfig(top_k=2), 8, 4, std=0.5, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (6, 8)).astype(jnp.bfloat16)
     routing = router(x)
     assert routing.logits.dtype == jnp.float32

@@ -30,7 +30,7 @@ def record(model, tokens, **inputs) -> Dict[str, object]:
     ``indices`` [layers, C, T, K] and, for a DAG model, ``edge_gates`` [layers, L, T, K, K, d_g]
     and ``dag_inputs`` [layers, L, T, K, d], with T = B * S row-major; for a DoE model
     ``gates`` [layers, B, S, K]. ``inputs``: the model's other inputs (a DoE model's
-    ``topics=``). The model's recording flag is switched on for this call only."""
+    ``features={'topics': ...}``). The model's recording flag is switched on for this call only."""
     model.set_attributes(record_intermediates=True, raise_if_not_found=False)
     try:
         logits, kept = _forward(model, jnp.asarray(tokens, jnp.int32), inputs)

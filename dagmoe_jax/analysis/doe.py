@@ -29,8 +29,9 @@ def gate_profile(model, batches: Iterable[Dict[str, np.ndarray]], num_groups: in
     """
     sums, counts = None, np.zeros(num_groups)
     for batch in batches:
-        gates = np.asarray(record(model, batch["inputs"],                # [layers, B, S, K]
-                                  topics=jax.numpy.asarray(batch["topics"]))["gates"], np.float64)
+        topics = {"topics": jax.numpy.asarray(batch["topics"])}
+        gates = np.asarray(record(model, batch["inputs"], features=topics)["gates"],
+                           np.float64)                               # [layers, B, S, K]
         layers, b, s, k = gates.shape
         if group_key == "domain":
             groups = np.broadcast_to(np.asarray(batch["domain"])[:, None], (b, s))

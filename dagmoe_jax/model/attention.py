@@ -175,6 +175,18 @@ class KVCache(NamedTuple):
     v: jax.Array
 
 
+class AttentionOutputs(NamedTuple):
+    """What a layer's attention computed, for blocks that route on it (DoE's signal): the
+    queries, keys and values of this call after RoPE [B, S, heads, D], the updated cache and
+    the decoding positions (both None when scoring whole sequences)."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    cache: Optional[KVCache] = None
+    start: Optional[jax.Array] = None
+
+
 def write_cache(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     """Write ``new`` [B, S, KV, D] into ``cache`` [B, T, KV, D] at slots ``start_b + [0, S)``.
 
@@ -245,7 +257,9 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array,
                  cache: Optional[KVCache] = None, start: Optional[jax.Array] = None):
         """Attention of x [B, S, d] (sin, cos: RoPE of its positions); returns (out [B, S, d],
-        cache).
+        :class:`AttentionOutputs`: this call's q, k, v after RoPE, the cache, ``start``).
+        Blocks that route on attention read q, k or v (DoE's signal); XLA drops what none
+        reads.
 
         * ``cache`` None: causal self-attention over x (training, scoring); the cache is None.
         * ``cache`` given, ``start`` None (prefill): x holds positions 0..S-1; causal
@@ -255,20 +269,13 @@ class Attention(nnx.Module):
           ``start_b + [0, S)``; its keys and values are written there first, then every query
           attends over the cache slots up to its own position (:func:`cached_attention`).
         """
-        out, cache, _ = self.attend(x, sin, cos, cache, start)
-        return out, cache
-
-    def attend(self, x: jax.Array, sin: jax.Array, cos: jax.Array,
-               cache: Optional[KVCache] = None, start: Optional[jax.Array] = None):
-        """As :meth:`__call__`, also returning this call's (q, k, v) (after RoPE), which the DoE
-        block's routing signal reads."""
         q, k, v = self.project_qkv(x, sin, cos)
         if cache is not None:
             first = jnp.zeros((x.shape[0],), jnp.int32) if start is None else start
             cache = KVCache(write_cache(cache.k, k, first), write_cache(cache.v, v, first))
         if cache is None or start is None:
-            o = causal_attention(q, k, v, self.cfg.execution.attention, self.cfg.execution.attention_block,
-                                 self.layout)
+            ex = self.cfg.execution
+            o = causal_attention(q, k, v, ex.attention, ex.attention_block, self.layout)
         else:
             o = cached_attention(q, cache.k, cache.v, start)
-        return self.project_out(o), cache, (q, k, v)
+        return self.project_out(o), AttentionOutputs(q, k, v, cache, start)

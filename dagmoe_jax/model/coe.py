@@ -26,7 +26,8 @@ from flax import nnx
 
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.model.aggregation import weighted_sum
-from dagmoe_jax.model.moe import block_stats, make_experts, make_shared
+from dagmoe_jax.model.block import BlockInputs, register_block, routed_stats
+from dagmoe_jax.model.moe import routed_experts, shared_experts
 from dagmoe_jax.model.router import Router
 from dagmoe_jax.parallel.axes import MeshLayout
 
@@ -51,21 +52,28 @@ def coe_block_output(delta: jax.Array, x0: jax.Array, stream: str) -> jax.Array:
     return delta if stream == "once" else x0 + delta
 
 
+@register_block("coe")
 class CoEBlock(nnx.Module):
+    """Chain-of-Experts: C iterations of routing, experts and the residual of ``residual``
+    over the chain (module docstring); stats are the iterations' means, and with
+    ``record_intermediates`` on the record holds the expert ids of every iteration [C, T, K]."""
+
     def __init__(self, cfg: ModelConfig, layout: Optional[MeshLayout] = None, *,
                  rngs: nnx.Rngs):
         c = cfg.coe
         self.iterations, self.residual, self.stream = c.iterations, c.residual, c.stream
+        self.replaces_stream = c.stream == "reference"     # the layer's output is the block's
         self.shared_router = c.shared_router
         self.routers = nnx.List([
-            Router.from_config(cfg.d_model, cfg.experts.num_experts, cfg.init_std, cfg.router,
-                               top_k=cfg.coe_top_k, rngs=rngs)
+            Router(cfg.router, cfg.d_model, cfg.experts.num_experts, std=cfg.init_std,
+                   top_k=cfg.coe_top_k, rngs=rngs)
             for _ in range(1 if c.shared_router else c.iterations)])
-        self.experts = make_experts(cfg, layout, rngs=rngs)
-        self.shared = make_shared(cfg, rngs=rngs)
+        self.experts = routed_experts(cfg, layout, rngs=rngs)
+        self.shared = shared_experts(cfg, rngs=rngs)
         self.record_intermediates = False     # analysis switches it on (Module.set_attributes)
 
-    def __call__(self, x: jax.Array):
+    def __call__(self, inputs: BlockInputs):
+        x = inputs.x
         b, s, d = x.shape
         x0 = x.reshape(b * s, d)
         h, delta, stats, indices, routing = x0, jnp.zeros_like(x0), [], [], None
@@ -78,10 +86,11 @@ class CoEBlock(nnx.Module):
             if self.shared is not None:
                 update = update + self.shared(h)
             delta, h = coe_step(update.astype(x.dtype), delta, x0, self.residual)
-            stats.append(block_stats(router.losses(routing), keep))
+            losses = router.losses(routing)
+            stats.append(routed_stats(losses, keep, losses["expert_load"]))
             indices.append(routing.indices)
         y = coe_block_output(delta, x0, self.stream)
         mean_stats = jax.tree.map(lambda *v: jnp.mean(jnp.stack(v), axis=0), *stats)
         if self.record_intermediates:       # the expert ids of every iteration, [C, T, K]
-            mean_stats["record"] = {"indices": jnp.stack(indices)}
+            mean_stats = mean_stats._replace(record={"indices": jnp.stack(indices)})
         return y.reshape(b, s, d), mean_stats

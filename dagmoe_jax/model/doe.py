@@ -23,7 +23,7 @@ Our reading of the paper, choice by choice, is docs/design.md section 6. Per lay
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
+from typing import Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -31,10 +31,56 @@ import optax
 from flax import nnx
 
 from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.model.block import BlockInputs, BlockStats, register_block
 from dagmoe_jax.model.layers import dtype_of, make_param, normal, swiglu
 
 VAE_NAMES = ("w_h", "w_s", "b_e", "w_mu", "b_mu", "w_lv", "b_lv", "w_dec", "b_dec")
 LOGVAR_CLIP = 10.0
+
+
+class VAEBank(NamedTuple):
+    """The VAE parameters of every bank entry, stacked [vae_count, ...] (names: VAE_NAMES)."""
+
+    w_h: jax.Array
+    w_s: jax.Array
+    b_e: jax.Array
+    w_mu: jax.Array
+    b_mu: jax.Array
+    w_lv: jax.Array
+    b_lv: jax.Array
+    w_dec: jax.Array
+    b_dec: jax.Array
+
+
+class DoELayerInputs(NamedTuple):
+    """A layer's own DoE inputs: its VAE bank entry, whether it is the last layer (its VAE
+    reconstructs the next token's embedding), and its training-noise key (None: z = mu)."""
+
+    index: jax.Array
+    is_last: jax.Array
+    key: Optional[jax.Array] = None
+
+
+class DoESharedInputs(NamedTuple):
+    """The DoE inputs every layer shares: the VAE bank, the first layer's topic term
+    E_know[topic] W_t [B, S, vae_hidden], and the reconstruction target (the next token's
+    embedding [B, S, d]; None when the reconstruction loss is off or when decoding)."""
+
+    vae: VAEBank
+    topic_term: Optional[jax.Array] = None
+    recon_target: Optional[jax.Array] = None
+
+
+class DoEStats(NamedTuple):
+    """What a DoE block reports beyond the routed blocks' statistics (``BlockStats.extra``):
+    the router logits [B, S, K] (for L_expert), the VAE's KL and reconstruction terms, the
+    mean gate per knowledge block [K] and the share of active (non-zero) gates."""
+
+    router_logits: jax.Array
+    kl: jax.Array
+    recon: jax.Array
+    gate_mean: jax.Array
+    active_fraction: jax.Array
 
 
 # ------------------------------------------------------------------------------ equations
@@ -200,6 +246,7 @@ class DoEShared(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         c = cfg.doe
+        self.cfg = cfg
         d, dk, vh, dz, n = cfg.d_model, c.topic_dim, c.vae_hidden, c.latent_dim, vae_count(cfg)
         pd = dtype_of(cfg.param_dtype)
         init, zeros = normal(cfg.init_std), nnx.initializers.zeros
@@ -216,15 +263,53 @@ class DoEShared(nnx.Module):
                 rngs, zeros if name.startswith("b_") else init, (n,) + shape,
                 (None,) * (len(shape) + 1), pd))
 
-    def bank(self) -> Dict[str, jax.Array]:
-        return {name: getattr(self, f"vae_{name}")[...] for name in VAE_NAMES}
+    def bank(self) -> VAEBank:
+        return VAEBank(*(getattr(self, f"vae_{name}")[...] for name in VAE_NAMES))
+
+    def prepare(self, tokens: jax.Array, h: jax.Array, embed: jax.Array,
+                features: Optional[Mapping[str, jax.Array]], noise: Optional[jax.Array],
+                decoding: bool):
+        """The dual-input embedding (Algorithm 1) and the layers' DoE inputs: (h, context).
+
+        tokens [B, S], h their token embeddings, embed the embedding table (the last layer's
+        reconstruction target is the next token's embedding); ``features['topics']`` [B, S]:
+        the causal input topic ids (:func:`dagmoe_jax.topics.token_topics`; K = null);
+        ``noise``: a key for the VAE's sampling (training; None: z = mu); ``decoding``: a KV
+        cache is in use (no reconstruction target)."""
+        cfg, c = self.cfg, self.cfg.doe
+        dt = dtype_of(cfg.compute_dtype)
+        topics = None if features is None else features.get("topics")
+        if not c.use_topics:
+            topics = jnp.full(tokens.shape, c.num_topics, jnp.int32)
+        elif topics is None:
+            raise ValueError("a DoE model (block='doe') needs features={'topics': [B, S]}, the "
+                             "input topic ids of the tokens (dagmoe_jax.topics.token_topics; "
+                             "batches carry them as 'topics')")
+        elif tuple(topics.shape) != tuple(tokens.shape):
+            raise ValueError(f"topics has shape {tuple(topics.shape)}, the tokens "
+                             f"{tuple(tokens.shape)}: pass one topic id per token")
+        t_emb = self.topic_embed[...].astype(dt)[topics]
+        h = dual_input_embedding(h, t_emb, self.w_in[...].astype(dt))
+        n = cfg.num_layers
+        per_layer = DoELayerInputs(vae_index(cfg), jnp.arange(n) == n - 1,
+                                   None if noise is None else jax.random.split(noise, n))
+        recon = None
+        if c.recon_coef > 0 and not decoding:        # the last layer's VAE target: next token
+            nxt = embed.astype(dt)[tokens[:, 1:]]
+            recon = jnp.concatenate([nxt, jnp.zeros_like(nxt[:, :1])], axis=1)
+        shared = DoESharedInputs(self.bank(), t_emb @ self.w_t[...].astype(dt), recon)
+        return h, per_layer, shared
 
 
+@register_block("doe")
 class DoEBlock(nnx.Module):
     """One layer's DoE block: W_Q of eq. 1, the knowledge state Z [K, d], the gate W_g [d_z, K]
     and b, and the output SwiGLU over [H_enr ; e_context] (input 2d)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    shared = DoEShared                   # the Transformer builds one as ``model.doe``
+
+    def __init__(self, cfg: ModelConfig, layout=None, *, rngs: nnx.Rngs):
+        del layout                           # nothing to dispatch
         c = cfg.doe
         d, k = cfg.d_model, c.num_topics
         hidden = c.ffn_hidden or cfg.resolved_ffn_hidden
@@ -240,21 +325,28 @@ class DoEBlock(nnx.Module):
         self.w_down = make_param(rngs, init, (hidden, d), ("mlp", "embed"), pd)
         self.record_intermediates = False     # analysis switches it on (Module.set_attributes)
 
-    def __call__(self, x: jax.Array, signal: jax.Array, ctx: dict):
-        """x = RMSNorm(h) [B, S, d]; signal [B, S, F] the running-mean attention signal; ctx the
-        layer's share of the DoE inputs (``vae`` bank, ``index``, ``topic_term``, ``key``,
-        ``recon_target``). Returns (out [B, S, d], stats)."""
+    def __call__(self, inputs: BlockInputs) -> tuple[jax.Array, BlockStats]:
+        """x = RMSNorm(h) [B, S, d] and the context :meth:`DoEShared.prepare` made; the routing
+        signal is the causal running mean of the layer's attention tensor (``DoEConfig.signal``)."""
+        att = inputs.attention
+        signal = routing_signal(self.cfg, att.q, att.k, att.v, att.cache, att.start)
+        return self.apply(inputs.x, signal, inputs.context.per_layer, inputs.context.shared)
+
+    def apply(self, x: jax.Array, signal: jax.Array, layer: DoELayerInputs,
+              shared: DoESharedInputs) -> tuple[jax.Array, BlockStats]:
+        """The block on ``x`` given its routing ``signal`` [B, S, F] (eq. 1-3, 5, the gates,
+        A.1, H.2). Returns (out [B, S, d], stats)."""
         cfg, dt = self.cfg, self.dtype
         c = lambda w: w[...].astype(dt)
         x = x.astype(dt)
         z_know = c(self.knowledge)
         h_enr = enrich(x, knowledge_attention(knowledge_queries(x, c(self.w_q)), z_know))
-        vae = {k: v[ctx["index"]].astype(dt) for k, v in ctx["vae"].items()}
-        pre = h_enr @ vae["w_h"] + signal.astype(dt) @ vae["w_s"] + vae["b_e"]
-        if ctx.get("topic_term") is not None:       # the first layer's VAE sees the topics
-            pre = pre + jnp.where(ctx["index"] == 0, 1.0, 0.0).astype(dt) * ctx["topic_term"]
-        mu, logvar = vae_encode(pre, vae["w_mu"], vae["b_mu"], vae["w_lv"], vae["b_lv"])
-        z = reparameterize(mu, logvar, ctx.get("key"))
+        vae = VAEBank(*(v[layer.index].astype(dt) for v in shared.vae))
+        pre = h_enr @ vae.w_h + signal.astype(dt) @ vae.w_s + vae.b_e
+        if shared.topic_term is not None:            # the first layer's VAE sees the topics
+            pre = pre + jnp.where(layer.index == 0, 1.0, 0.0).astype(dt) * shared.topic_term
+        mu, logvar = vae_encode(pre, vae.w_mu, vae.b_mu, vae.w_lv, vae.b_lv)
+        z = reparameterize(mu, logvar, layer.key)
         logits = z @ c(self.w_g) + c(self.b_g)
         gates = gate_values(logits, cfg.doe.gate)
         e_context = compose_expert(gates, z_know)
@@ -264,20 +356,16 @@ class DoEBlock(nnx.Module):
         share = g32 / jnp.maximum(jnp.sum(g32, axis=-1, keepdims=True), 1e-9)
         zero = jnp.zeros((), jnp.float32)
         recon = zero
-        if cfg.doe.recon_coef > 0 and ctx.get("recon_target") is not None:
-            target = jax.lax.stop_gradient(jnp.where(ctx["is_last"], ctx["recon_target"], h_enr))
-            pred = z @ vae["w_dec"] + vae["b_dec"]
+        if cfg.doe.recon_coef > 0 and shared.recon_target is not None:
+            target = jax.lax.stop_gradient(jnp.where(layer.is_last, shared.recon_target, h_enr))
+            pred = z @ vae.w_dec + vae.b_dec
             recon = jnp.mean(jnp.sum((pred.astype(jnp.float32) - target.astype(jnp.float32)) ** 2,
                                      axis=-1))
-        doe = {"router_logits": logits.astype(jnp.float32),
-               "kl": jnp.mean(kl_standard_normal(mu, logvar)), "recon": recon,
-               "gate_mean": jnp.mean(g32, axis=(0, 1)),
-               "active_fraction": jnp.mean((g32 > 0).astype(jnp.float32))}
-        stats = {"balance_loss": zero, "z_loss": zero, "dropped_fraction": zero,
-                 "expert_load": jnp.mean(share, axis=(0, 1)), "doe": doe}
-        if self.record_intermediates:
-            stats["record"] = {"gates": g32}
-        return out, stats
+        extra = DoEStats(logits.astype(jnp.float32), jnp.mean(kl_standard_normal(mu, logvar)),
+                         recon, jnp.mean(g32, axis=(0, 1)),
+                         jnp.mean((g32 > 0).astype(jnp.float32)))
+        record = {"gates": g32} if self.record_intermediates else None
+        return out, BlockStats(zero, zero, zero, jnp.mean(share, axis=(0, 1)), record, extra)
 
 
 # ------------------------------------------------------------------------------ loss
@@ -300,7 +388,7 @@ def model_inputs(cfg: ModelConfig, batch: dict, *, train: bool) -> dict:
     (and the training ``noise`` key when ``train``), nothing for other blocks."""
     if cfg.block != "doe":
         return {}
-    extra = {"topics": batch.get("topics")}
+    extra = {"features": {"topics": batch.get("topics")}}
     if train:
         extra["noise"] = noise_key(batch["inputs"])
     return extra
@@ -313,16 +401,16 @@ def doe_objective(cfg: ModelConfig, ntp: jax.Array, aux: dict, batch: dict):
     optional) + the auxiliary router losses every block reports (zero for DoE). L_expert is the
     mean over layers of :func:`expert_loss` against ``batch['topic_labels']``.
     """
-    c, doe = cfg.doe, aux["doe"]
-    kl, recon = jnp.mean(doe["kl"]), jnp.mean(doe["recon"])
+    c, doe = cfg.doe, aux["extra"]
+    kl, recon = jnp.mean(doe.kl), jnp.mean(doe.recon)
     if c.use_topics and "topic_labels" in batch:
         labels = batch["topic_labels"]
         expert = jnp.mean(jax.vmap(lambda r: expert_loss(r, labels, c.num_topics))(
-            doe["router_logits"]))
+            doe.router_logits))
     else:
         expert = jnp.zeros((), jnp.float32)
     total = composite_loss(ntp, expert, c.alpha) + c.kl_coef * kl + c.recon_coef * recon
     total = total + aux["aux_loss"]
     metrics = {"expert_loss": expert, "kl_loss": kl, "recon_loss": recon,
-               "gate_active_fraction": jnp.mean(doe["active_fraction"])}
+               "gate_active_fraction": jnp.mean(doe.active_fraction)}
     return total, metrics

@@ -13,32 +13,39 @@ from typing import Optional
 import jax
 from flax import nnx
 
+from dagmoe_jax.config import ExecutionConfig, ExpertConfig
 from dagmoe_jax.model.dispatch import dispatch
 from dagmoe_jax.model.expert_parallel import sharded_dispatch
 from dagmoe_jax.model.layers import make_param, normal
 from dagmoe_jax.parallel.axes import MeshLayout
 
 
+# One device's choices, for experts built outside a settled model (tests, benchmarks).
+REFERENCE_EXECUTION = ExecutionConfig(fuse_gate_up=True, grouped_matmul="ragged_dot",
+                                      expert_exchange="all_gather")
+
+
 class Experts(nnx.Module):
     """w_gate, w_up [N, d, d_r] and w_down [N, d_r, d], the expert axis leading (sharded over
     the mesh's ``expert`` axis).
 
-    mode: 'capacity', 'dropless' or 'dense' (``ExpertConfig.dispatch``); capacity_factor: C =
-    ceil(capacity_factor * T * K / N) for 'capacity'; fuse_gate_up: as
-    :func:`~dagmoe_jax.model.layers.swiglu`; layout: the mesh to dispatch across (None: one
-    device); grouped_matmul: the grouped matmul of 'dropless' (``ExecutionConfig.grouped_matmul``,
-    settled: 'ragged_dot' or 'gmm'); expert_exchange: how expert-parallel 'dropless' moves
-    tokens (``ExecutionConfig.expert_exchange``, settled: 'all_gather' or 'ragged_all_to_all').
+    cfg: the ``ExpertConfig`` (N = num_experts, d_r = expert_hidden; its ``dispatch``:
+    'capacity', 'dropless' or 'dense', with C = ceil(capacity_factor * T * K / N) for
+    'capacity'); execution: a settled ``ExecutionConfig`` (None: one device's reference
+    choices): its ``fuse_gate_up`` (as :func:`~dagmoe_jax.model.layers.swiglu`),
+    ``grouped_matmul`` ('ragged_dot' or 'gmm', for 'dropless') and ``expert_exchange``
+    ('all_gather' or 'ragged_all_to_all', how expert-parallel 'dropless' moves tokens);
+    layout: the mesh to dispatch across (None: one device).
     """
 
-    def __init__(self, num_experts: int, d_model: int, hidden: int, std: float, dtype, *,
-                 mode: str = "capacity", capacity_factor: float = 1.25,
-                 fuse_gate_up: bool = True, layout: Optional[MeshLayout] = None,
-                 grouped_matmul: str = "ragged_dot", expert_exchange: str = "all_gather",
-                 rngs: nnx.Rngs):
-        self.dtype, self.mode, self.capacity_factor = dtype, mode, capacity_factor
-        self.grouped_matmul, self.expert_exchange = grouped_matmul, expert_exchange
-        self.fuse_gate_up, self.layout = fuse_gate_up, layout
+    def __init__(self, cfg: ExpertConfig, d_model: int, *, std: float, dtype,
+                 execution: Optional[ExecutionConfig] = None,
+                 layout: Optional[MeshLayout] = None, rngs: nnx.Rngs):
+        ex = execution or REFERENCE_EXECUTION
+        num_experts, hidden = cfg.num_experts, cfg.expert_hidden
+        self.dtype, self.mode, self.capacity_factor = dtype, cfg.dispatch, cfg.capacity_factor
+        self.grouped_matmul, self.expert_exchange = ex.grouped_matmul, ex.expert_exchange
+        self.fuse_gate_up, self.layout = ex.fuse_gate_up, layout
         init = normal(std)
         self.w_gate = make_param(rngs, init, (num_experts, d_model, hidden),
                                  ("expert", "embed", "expert_mlp"))

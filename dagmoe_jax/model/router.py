@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dagmoe_jax.config import RouterConfig
 from dagmoe_jax.model.layers import make_param, normal
 
 
@@ -107,31 +108,21 @@ def z_loss(logits: jax.Array) -> jax.Array:
 class Router(nnx.Module):
     """Router keys e_i as a [d, N] matrix; returns a :class:`Routing` for tokens [T, d].
 
-    top_k, score_fn, renormalize: ``RouterConfig``'s (K, sigmoid or softmax scores, gates
-    divided by their sum); balance_load, balance_prob: the balance loss's conventions
-    (:func:`balance_fraction`, :func:`balance_probs`); bias: a learned bias ``b_router`` [N]
-    (zero-initialised); temperature: logits divided by T (:func:`router_logits`).
+    cfg: the ``RouterConfig`` (score function, renormalisation, the balance loss's conventions
+    of :func:`balance_fraction` and :func:`balance_probs`, a learned zero-initialised bias
+    ``b_router`` [N], the temperature of :func:`router_logits`); top_k: experts per token
+    (default ``cfg.top_k``; CoE routes K / C per iteration); std: the keys' initialiser.
     """
 
-    def __init__(self, d_model: int, num_experts: int, std: float, *, top_k: int,
-                 score_fn: str = "sigmoid", renormalize: bool = False,
-                 balance_load: str = "tokens", balance_prob: str = "softmax",
-                 bias: bool = False, temperature: float = 1.0, rngs: nnx.Rngs):
-        self.top_k, self.score_fn, self.renormalize = top_k, score_fn, renormalize
-        self.balance_load, self.balance_prob = balance_load, balance_prob
-        self.temperature = float(temperature)
+    def __init__(self, cfg: RouterConfig, d_model: int, num_experts: int, *, std: float,
+                 top_k: Optional[int] = None, rngs: nnx.Rngs):
+        self.top_k = cfg.top_k if top_k is None else top_k
+        self.score_fn, self.renormalize = cfg.score_fn, cfg.renormalize
+        self.balance_load, self.balance_prob = cfg.balance_load, cfg.balance_prob
+        self.temperature = float(cfg.temperature)
         self.w_router = make_param(rngs, normal(std), (d_model, num_experts), ("embed", None))
         self.b_router = (make_param(rngs, nnx.initializers.zeros, (num_experts,), (None,))
-                         if bias else None)
-
-    @classmethod
-    def from_config(cls, d_model: int, num_experts: int, std: float, cfg, *, top_k: int,
-                    rngs: nnx.Rngs) -> "Router":
-        """A router with ``cfg`` (a ``RouterConfig``)'s settings and ``top_k`` experts."""
-        return cls(d_model, num_experts, std, top_k=top_k, score_fn=cfg.score_fn,
-                   renormalize=cfg.renormalize, balance_load=cfg.balance_load,
-                   balance_prob=cfg.balance_prob, bias=cfg.bias,
-                   temperature=cfg.temperature, rngs=rngs)
+                         if cfg.bias else None)
 
     def __call__(self, x: jax.Array) -> Routing:
         bias = None if self.b_router is None else self.b_router[...]

@@ -22,19 +22,19 @@ it, and the updated cache comes back in the auxiliary dict (``aux['cache']``).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Mapping, Optional
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from dagmoe_jax.config import ModelConfig
+import dagmoe_jax.model.coe  # noqa: F401  (each module registers its blocks)
+import dagmoe_jax.model.doe  # noqa: F401
+import dagmoe_jax.model.moe  # noqa: F401
 from dagmoe_jax.model.attention import Attention, KVCache, rope_angles
-from dagmoe_jax.model.coe import CoEBlock
-from dagmoe_jax.model.doe import (DoEBlock, DoEShared, dual_input_embedding, routing_signal,
-                                  vae_index)
-from dagmoe_jax.model.layers import RMSNorm, SwiGLU, dtype_of, make_param, normal
-from dagmoe_jax.model.moe import MoEBlock
+from dagmoe_jax.model.block import BLOCKS, BlockContext, BlockInputs, BlockStats
+from dagmoe_jax.model.layers import RMSNorm, dtype_of, make_param, normal
 from dagmoe_jax.parallel import constrain
 from dagmoe_jax.parallel.axes import MeshLayout
 
@@ -44,61 +44,38 @@ REMAT_POLICIES = {
 }
 
 
-def make_block(cfg: ModelConfig, layout: Optional[MeshLayout] = None, *,
-               rngs: nnx.Rngs) -> nnx.Module:
-    if cfg.block == "moe":
-        return MoEBlock(cfg, layout, rngs=rngs)
-    if cfg.block == "coe":
-        return CoEBlock(cfg, layout, rngs=rngs)
-    if cfg.block == "doe":
-        return DoEBlock(cfg, rngs=rngs)
-    return SwiGLU(cfg.d_model, cfg.resolved_ffn_hidden, cfg.init_std, dtype_of(cfg.compute_dtype),
-                  fuse_gate_up=cfg.execution.fuse_gate_up, rngs=rngs)
-
-
-def empty_stats(cfg: ModelConfig) -> dict:
-    z = jnp.zeros((), jnp.float32)
-    return {"balance_loss": z, "z_loss": z, "dropped_fraction": z,
-            "expert_load": jnp.zeros((cfg.experts.num_experts,), jnp.float32)}
-
-
 class DecoderLayer(nnx.Module):
     """h = h + Attn(RMSNorm(h)); h = h + Block(RMSNorm(h)).
 
-    The one exception is the CoE authors' reading (``CoEConfig.stream='reference'``), where
-    the block's output, RMSNorm(h) + the experts' updates, replaces h instead of adding to it.
+    The one exception is a block whose ``replaces_stream`` is set: the CoE authors' reading
+    (``CoEConfig.stream='reference'``), where the block's output, RMSNorm(h) + the experts'
+    updates, replaces h instead of adding to it.
     """
 
     def __init__(self, cfg: ModelConfig, layout: Optional[MeshLayout] = None, *,
                  rngs: nnx.Rngs):
         self.cfg = cfg
-        self.block_replaces_stream = cfg.block == "coe" and cfg.coe.stream == "reference"
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         self.attn = Attention(cfg, layout, rngs=rngs)
         self.block_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
-        self.block = make_block(cfg, layout, rngs=rngs)
+        self.block = BLOCKS[cfg.block](cfg, layout, rngs=rngs)
 
     def __call__(self, h: jax.Array, sin: jax.Array, cos: jax.Array,
                  cache: Optional[KVCache] = None, start: Optional[jax.Array] = None,
-                 doe: Optional[dict] = None):
+                 context: Optional[BlockContext] = None):
         """(h, stats, cache) after this layer; ``cache`` and ``start`` as :class:`Attention`;
-        ``doe``: the DoE block's inputs for this layer (:class:`~dagmoe_jax.model.doe.DoEBlock`)."""
-        if doe is not None:
-            a, cache, (q, k, v) = self.attn.attend(self.attn_norm(h), sin, cos, cache, start)
-            h = h + a
-            signal = routing_signal(self.cfg, q, k, v, cache, start)
-            out, stats = self.block(self.block_norm(h), signal, doe)
-            return self.add_block_output(h, out), stats, cache
-        a, cache = self.attn(self.attn_norm(h), sin, cos, cache, start)
+        ``context``: this layer's share of the block family's inputs (the block protocol,
+        :mod:`dagmoe_jax.model.block`)."""
+        a, attention = self.attn(self.attn_norm(h), sin, cos, cache, start)
         h = h + a
-        out = self.block(self.block_norm(h))
-        out, stats = out if isinstance(out, tuple) else (out, empty_stats(self.cfg))
-        return self.add_block_output(h, out), stats, cache
+        out, stats = self.block(BlockInputs(self.block_norm(h), attention, context))
+        return self.add_block_output(h, out), stats, attention.cache
 
     def add_block_output(self, h: jax.Array, out: jax.Array) -> jax.Array:
         """The layer's second residual: h + out, or out alone for the CoE 'reference' reading."""
         out = out.astype(h.dtype)
-        return constrain(out if self.block_replaces_stream else h + out,
+        replaces = getattr(self.block, "replaces_stream", False)
+        return constrain(out if replaces else h + out,
                          ("batch", "length", "embed"))
 
 
@@ -124,12 +101,13 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         self.lm_head = make_param(rngs, normal(cfg.init_std), (cfg.d_model, cfg.vocab_size),
                                   ("embed", "vocab"), pd)
-        if cfg.block == "doe":
-            self.doe = DoEShared(cfg, rngs=rngs)
+        shared = getattr(BLOCKS[cfg.block], "shared", None)
+        if shared is not None:            # the block family's parameters outside the layers
+            setattr(self, cfg.block, shared(cfg, rngs=rngs))
 
     def __call__(self, tokens: jax.Array, *, cache: Optional[KVCache] = None,
                  start: Optional[jax.Array] = None, logit_positions: Optional[jax.Array] = None,
-                 head: bool = True, topics: Optional[jax.Array] = None,
+                 head: bool = True, features: Optional[Mapping[str, jax.Array]] = None,
                  noise: Optional[jax.Array] = None):
         """The one forward pass: tokens [B, S] -> (float32 logits, aux).
 
@@ -146,11 +124,11 @@ class Transformer(nnx.Module):
         itself, a chunk at a time (:func:`dagmoe_jax.train.tiled_loss.tiled_cross_entropy`
         with ``self.lm_head``), so the [B, S, V] logits never exist.
 
-        A DoE model (``block='doe'``) also takes ``topics`` [B, S], the causal input topic ids
-        of the tokens (:func:`dagmoe_jax.topics.token_topics`; K = null), and ``noise``, a key
-        for the VAE router's sampling (training); without it the router uses z = mu. Its aux
-        dict holds ``doe``: per layer ``router_logits`` [layers, B, S, K], ``kl``, ``recon``,
-        ``gate_mean`` [layers, K] and ``active_fraction``.
+        A block family with a shared module (:mod:`dagmoe_jax.model.block`; DoE) reads the
+        batch's per-token ``features`` (DoE: ``{'topics': [B, S]}``, the causal input topic
+        ids) and ``noise``, a key for its training noise (DoE's VAE sampling; without it the
+        router uses z = mu). Its own statistics, stacked over layers, are ``aux['extra']``
+        (DoE: :class:`~dagmoe_jax.model.doe.DoEStats`).
         """
         cfg = self.cfg
         b, s = tokens.shape
@@ -165,14 +143,17 @@ class Transformer(nnx.Module):
         sin, cos = rope_angles(positions, cfg.resolved_head_dim, cfg.rope_theta,
                                cfg.rope_scaling)
         h = self.embed[...].astype(dtype_of(cfg.compute_dtype))[tokens]
-        doe_layers = doe_shared = None
-        if cfg.block == "doe":
-            h, doe_layers, doe_shared = self.doe_inputs(tokens, h, topics, noise, cache)
+        per_layer = shared_inputs = None
+        shared = getattr(self, cfg.block, None)
+        if shared is not None:
+            h, per_layer, shared_inputs = shared.prepare(tokens, h, self.embed[...], features,
+                                                         noise, decoding=cache is not None)
         h = constrain(h, ("batch", "length", "embed"))
 
-        def body(h, layer, layer_cache, layer_doe, shared_doe):
-            ctx = None if layer_doe is None else {**shared_doe, **layer_doe}
-            h, stats, layer_cache = layer(h, sin, cos, layer_cache, start, ctx)
+        def body(h, layer, layer_cache, layer_inputs, shared_inputs):
+            context = (None if layer_inputs is None and shared_inputs is None
+                       else BlockContext(layer_inputs, shared_inputs))
+            h, stats, layer_cache = layer(h, sin, cos, layer_cache, start, context)
             return h, (stats, layer_cache)
 
         if cfg.execution.remat != "none":
@@ -180,16 +161,16 @@ class Transformer(nnx.Module):
 
         @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, None), out_axes=(nnx.Carry, 0),
                   unroll=cfg.execution.scan_unroll, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def run(h, layer, layer_cache, layer_doe, shared_doe):
-            return body(h, layer, layer_cache, layer_doe, shared_doe)
+        def run(h, layer, layer_cache, layer_inputs, shared_inputs):
+            return body(h, layer, layer_cache, layer_inputs, shared_inputs)
 
-        h, (stats, cache) = run(h, self.layers, cache, doe_layers, doe_shared)
+        h, (stats, cache) = run(h, self.layers, cache, per_layer, shared_inputs)
         h = self.final_norm(h)
         aux = summarize_stats(cfg, stats)
-        if "record" in stats:
-            aux["intermediates"] = stats["record"]
-        if "doe" in stats:
-            aux["doe"] = stats["doe"]
+        if stats.record is not None:
+            aux["intermediates"] = stats.record
+        if stats.extra is not None:
+            aux["extra"] = stats.extra
         if cache is not None:
             aux["cache"] = cache
         if not head:
@@ -201,31 +182,6 @@ class Transformer(nnx.Module):
         logits = constrain(logits, ("batch", "length", "vocab"))
         return (logits[:, 0] if logit_positions is not None else logits), aux
 
-    def doe_inputs(self, tokens, h, topics, noise, cache):
-        """DoE: the dual-input embedding (Algorithm 1) and the per-layer / shared block inputs."""
-        cfg, c = self.cfg, self.cfg.doe
-        dt = dtype_of(cfg.compute_dtype)
-        if not c.use_topics:
-            topics = jnp.full(tokens.shape, c.num_topics, jnp.int32)
-        elif topics is None:
-            raise ValueError("a DoE model (block='doe') needs topics= [B, S], the input topic "
-                             "ids of the tokens (dagmoe_jax.topics.token_topics; batches carry "
-                             "them as 'topics')")
-        elif tuple(topics.shape) != tuple(tokens.shape):
-            raise ValueError(f"topics has shape {tuple(topics.shape)}, the tokens "
-                             f"{tuple(tokens.shape)}: pass one topic id per token")
-        t_emb = self.doe.topic_embed[...].astype(dt)[topics]
-        h = dual_input_embedding(h, t_emb, self.doe.w_in[...].astype(dt))
-        n = cfg.num_layers
-        layers = {"index": vae_index(cfg), "is_last": jnp.arange(n) == n - 1}
-        if noise is not None:
-            layers["key"] = jax.random.split(noise, n)
-        shared = {"vae": self.doe.bank(), "topic_term": t_emb @ self.doe.w_t[...].astype(dt)}
-        if c.recon_coef > 0 and cache is None:     # the last layer's VAE target: next token
-            nxt = self.embed[...].astype(dt)[tokens[:, 1:]]
-            shared["recon_target"] = jnp.concatenate([nxt, jnp.zeros_like(nxt[:, :1])], axis=1)
-        return h, layers, shared
-
     def init_cache(self, batch: int, length: int) -> KVCache:
         """An empty (zero) cache of ``length`` slots: k, v [layers, batch, length, KV, D]."""
         cfg = self.cfg
@@ -234,14 +190,14 @@ class Transformer(nnx.Module):
         return KVCache(zeros, zeros)
 
 
-def summarize_stats(cfg: ModelConfig, stats: dict) -> dict:
+def summarize_stats(cfg: ModelConfig, stats: BlockStats) -> dict:
     """Per-layer stats [layers, ...] -> the auxiliary dict documented in this module."""
-    balance = jnp.mean(stats["balance_loss"])
-    z = jnp.mean(stats["z_loss"])
+    balance = jnp.mean(stats.balance_loss)
+    z = jnp.mean(stats.z_loss)
     return {
         "balance_loss": balance,
         "z_loss": z,
         "aux_loss": cfg.router.balance_coef * balance + cfg.router.z_loss_coef * z,
-        "expert_load": stats["expert_load"],
-        "dropped_fraction": stats["dropped_fraction"],
+        "expert_load": stats.expert_load,
+        "dropped_fraction": stats.dropped_fraction,
     }

@@ -44,7 +44,7 @@ def lm_loss(model: Transformer, batch: Dict[str, jax.Array]) -> Tuple[jax.Array,
     metrics = {"loss": total, "ce_loss": ce, "balance_loss": aux["balance_loss"],
                "z_loss": aux["z_loss"], "expert_load": aux["expert_load"],
                "dropped_fraction": aux["dropped_fraction"]}
-    if "doe" in aux:
+    if "extra" in aux:
         total, doe_metrics = doe_objective(model.cfg, ce, aux, batch)
         metrics.update(doe_metrics, loss=total)
     return total, metrics

@@ -111,8 +111,8 @@ def data_config(args, source: str, eval_source: str, seed: int, topics_dir: str 
 
 
 def fit_stage1(args, out: Path, source: str, log) -> str:
-    from dagmoe_jax.topics import TopicConfig, fit_topics
-    from dagmoe_jax.topics.stage import training_documents
+    from dagmoe_jax.doe.topics import TopicConfig, fit_topics
+    from dagmoe_jax.doe.topics.stage import training_documents
 
     path = out / f"topics_k{args.topics}_d{args.lda_documents}"
     if not (path / "topics.npz").is_file():
@@ -156,20 +156,21 @@ def forgetting(args, record, code_cfg, evals, log) -> dict:
 
     from dagmoe_jax import runs
     from dagmoe_jax.data import eval_batches, make_tokenizer, train_dataset
-    from dagmoe_jax.topics.stage import run_topics
     from dagmoe_jax.evaluation import evaluate
+    from dagmoe_jax.model import extension_for
     from dagmoe_jax.train.step import make_train_step
 
     loaded = runs.load_run(record["run_dir"], data_cfg=code_cfg, log=lambda _m: None)
     model, tokenizer = loaded.model, make_tokenizer(code_cfg)
-    topics = run_topics(loaded.model_cfg, code_cfg, record["run_dir"], save=False)
+    annotate = extension_for(loaded.model_cfg).prepare_run(code_cfg, record["run_dir"],
+                                                           save=False)
     held = {name: eval_batches(dataclasses.replace(code_cfg, eval_source=spec), tokenizer,
-                               max_batches=args.eval_batches, topics=topics)
+                               max_batches=args.eval_batches, annotate=annotate)
             for name, spec in evals.items()}
     before = {name: evaluate(model, b)["loss"] for name, b in held.items()}
     optimizer = nnx.Optimizer(model, optax.adamw(1e-3, weight_decay=0.1), wrt=nnx.Param)
     step = make_train_step()
-    it = iter(train_dataset(code_cfg, tokenizer, topics=topics))
+    it = iter(train_dataset(code_cfg, tokenizer, annotate=annotate))
     for _ in range(args.forget_steps):
         step(model, optimizer, {k: jax.numpy.asarray(v) for k, v in next(it).items()})
     after = {name: evaluate(model, b)["loss"] for name, b in held.items()}

@@ -25,9 +25,8 @@ import numpy as np
 from dagmoe_jax import runs
 from dagmoe_jax.data import (DataConfig, eval_batches, exact_match, task_eval_batches,
                              task_names)
-from dagmoe_jax.model import Transformer
+from dagmoe_jax.model import Transformer, extension_for
 from dagmoe_jax.parallel import MeshConfig, activate, make_mesh
-from dagmoe_jax.topics.stage import run_topics
 from dagmoe_jax.train.config import TrainConfig
 from dagmoe_jax.train.step import eval_step
 
@@ -35,8 +34,9 @@ from dagmoe_jax.train.step import eval_step
 def evaluate(model: Transformer, batches: Iterable[Dict[str, np.ndarray]]) -> Dict[str, float]:
     """Token-weighted held-out cross-entropy (nats/token) and perplexity over ``batches``."""
     ce_sum, tokens = 0.0, 0.0
+    keys = extension_for(model.cfg).batch_keys
     for batch in batches:
-        out = eval_step(model, runs.replicated_batch(batch))
+        out = eval_step(model, runs.replicated_batch(batch, keys))
         ce_sum += float(out["ce_sum"])
         tokens += float(out["tokens"])
     if tokens == 0:
@@ -50,8 +50,10 @@ def task_accuracy(model: Transformer, batches: Iterable[Dict[str, np.ndarray]],
                   names: List[str]) -> Dict[str, float]:
     """Exact-answer accuracy (greedy answer == reference) overall and per synthetic task."""
     right, total = np.zeros(len(names)), np.zeros(len(names))
+    keys = extension_for(model.cfg).batch_keys
     for batch in batches:
-        predictions = np.asarray(eval_step(model, runs.replicated_batch(batch))["predictions"])
+        predictions = np.asarray(eval_step(model, runs.replicated_batch(batch, keys))
+                                 ["predictions"])
         correct = exact_match(predictions, batch["targets"], batch["mask"])
         np.add.at(right, batch["task_id"], correct)
         np.add.at(total, batch["task_id"], 1)
@@ -65,10 +67,10 @@ def task_accuracy(model: Transformer, batches: Iterable[Dict[str, np.ndarray]],
 class Evaluator:
     """Held-out perplexity (+ exact-answer accuracy on synthetic tasks), data built once."""
 
-    def __init__(self, data_cfg: DataConfig, train_cfg: TrainConfig, tokenizer, topics=None):
+    def __init__(self, data_cfg: DataConfig, train_cfg: TrainConfig, tokenizer, annotate=None):
         # Every process evaluates the whole (small) held-out set, replicated on its devices.
         self.batches = eval_batches(data_cfg, tokenizer, max_batches=train_cfg.eval_batches or None,
-                                    topics=topics)
+                                    annotate=annotate)
         self.task_batches, self.task_names = [], []
         kind = data_cfg.source.split(":", 1)[0]
         if train_cfg.task_eval_examples and kind == "synthetic" and not data_cfg.eval_source:
@@ -146,8 +148,8 @@ def evaluate_checkpoint(run_dir: str | Path, *, eval_source: str = "", eval_spli
         log(f"warning: {message}")
     train_cfg = dataclasses.replace(loaded.train_cfg, eval_batches=eval_batches_limit)
     with activate(mesh):
-        topics = run_topics(loaded.model_cfg, data_cfg, run_dir, save=False)
-        result = Evaluator(data_cfg, train_cfg, loaded.tokenizer, topics)(loaded.model)
+        annotate = extension_for(loaded.model_cfg).prepare_run(data_cfg, run_dir, save=False)
+        result = Evaluator(data_cfg, train_cfg, loaded.tokenizer, annotate)(loaded.model)
     result["step"] = loaded.step
     log(f"eval of {run_dir} at step {loaded.step} on "
         f"{data_cfg.eval_source or data_cfg.source + ' (held-out)'}: " + format_eval(result))

@@ -31,11 +31,11 @@
   Ties rank the lower token id first, so ``top_k=1`` or a tiny ``top_p`` is exactly greedy.
 * **Stop tokens**: a row that emits one is finished; the stop token is kept as its last token
   and the rest of its row is ``pad_id``.
-* **DoE models** (``block='doe'``) also need each token's causal topic id, which depends on the
-  text so far: ``generate(..., topics=TopicModel, pieces=tokenizer.piece_bytes())``. The prompt's
-  ids come from :func:`dagmoe_jax.topics.token_topics`, every new token's from a per-row
-  :class:`~dagmoe_jax.topics.TopicTracker` on the host, so the decode steps run as a host loop
-  of one jitted step each (the same prefill, cache and sampling as above).
+* **Tracked features**: a model family whose tokens carry features that depend on the text so
+  far (DoE's causal topic ids) decodes with ``generate(..., features=tracker)``, a
+  :class:`~dagmoe_jax.extensions.FeatureTracker` (``extension_for(cfg).decoding_features(...)``)
+  that gives the prompt's features and each new token's on the host; the decode steps then run
+  as a host loop of one jitted step each (the same prefill, cache and sampling as above).
 """
 
 from __future__ import annotations
@@ -151,47 +151,33 @@ def _generate(graphdef, state, tokens, lengths, key, temperature, top_k, top_p, 
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "slots", "greedy"))
-def _doe_prefill(graphdef, state, tokens, topics, lengths, key, temperature, top_k, top_p,
-                 *, slots: int, greedy: bool):
+def _tracked_prefill(graphdef, state, tokens, features, lengths, key, temperature, top_k, top_p,
+                     *, slots: int, greedy: bool):
     model = nnx.merge(graphdef, state)
     cache = model.init_cache(tokens.shape[0], slots)
-    logits, aux = model(tokens, features={"topics": topics}, cache=cache,
-                        logit_positions=lengths - 1)
+    logits, aux = model(tokens, features=features, cache=cache, logit_positions=lengths - 1)
     return _next_tokens(logits, key, 0, greedy, temperature, top_k, top_p), aux["cache"]
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "greedy"))
-def _doe_step(graphdef, state, tok, topic, cache, start, step, key, temperature, top_k, top_p,
-              *, greedy: bool):
-    logits, aux = nnx.merge(graphdef, state)(tok[:, None], features={"topics": topic[:, None]},
-                                             cache=cache, start=start)
+def _tracked_step(graphdef, state, tok, features, cache, start, step, key, temperature, top_k,
+                  top_p, *, greedy: bool):
+    logits, aux = nnx.merge(graphdef, state)(tok[:, None], features=features, cache=cache,
+                                             start=start)
     return _next_tokens(logits[:, 0], key, step, greedy, temperature, top_k, top_p), aux["cache"]
 
 
-def _generate_doe(graphdef, state, tokens, lens, topics, pieces, cfg, *, key, temperature, top_k,
-                  top_p, stop_tokens, pad_id, max_new_tokens, greedy):
-    """The DoE decoding loop: host-side topic tracking between jitted one-token steps."""
-    from dagmoe_jax.topics import TopicTracker  # pylint: disable=import-outside-toplevel
-
+def _generate_tracked(graphdef, state, tokens, lens, features, *, key, temperature, top_k,
+                      top_p, stop_tokens, pad_id, max_new_tokens, greedy):
+    """Decoding with host-tracked features: jitted one-token steps, the tracker between them."""
     b, p = tokens.shape
     n = max_new_tokens
-    null = cfg.doe.num_topics
-    prompt_topics = np.full((b, p), null, np.int32)
-    trackers = None
-    if cfg.doe.use_topics:
-        if topics is None or pieces is None:
-            raise ValueError("generate: a DoE model needs topics= (its TopicModel, e.g. "
-                             "TopicModel.load(run_dir + '/topics')) and pieces= "
-                             "(tokenizer.piece_bytes())")
-        trackers = [TopicTracker(topics, pieces) for _ in range(b)]
-        for r in range(b):              # the prompt's ids, as token_topics gives them
-            for i, t in enumerate(tokens[r, :lens[r]].tolist()):
-                prompt_topics[r, i] = trackers[r].next_id()
-                trackers[r].push(t)
+    as_device = lambda f: {k: jnp.asarray(v, jnp.int32) for k, v in f.items()}  # noqa: E731
     settings = (jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
-    tok, cache = _doe_prefill(graphdef, state, jnp.asarray(tokens, jnp.int32),
-                              jnp.asarray(prompt_topics), jnp.asarray(lens, jnp.int32), key,
-                              *settings, slots=p + n - 1, greedy=greedy)
+    tok, cache = _tracked_prefill(graphdef, state, jnp.asarray(tokens, jnp.int32),
+                                  as_device(features.prompt(tokens, lens)),
+                                  jnp.asarray(lens, jnp.int32), key, *settings,
+                                  slots=p + n - 1, greedy=greedy)
     out = np.full((b, n), pad_id, np.int32)
     count = np.zeros((b,), np.int32)
     finished = np.zeros((b,), bool)
@@ -204,13 +190,10 @@ def _generate_doe(graphdef, state, tokens, lens, topics, pieces, cfg, *, key, te
         finished = finished | np.isin(tok, list(stops))
         if step == n - 1 or finished.all():
             break
-        topic = np.full((b,), null, np.int32)
-        for r, tracker in enumerate(trackers or ()):
-            topic[r] = tracker.next_id()
-            tracker.push(int(tok[r]))
-        tok, cache = _doe_step(graphdef, state, jnp.asarray(tok, jnp.int32), jnp.asarray(topic),
-                               cache, jnp.asarray(lens + step, jnp.int32), step + 1, key,
-                               *settings, greedy=greedy)
+        tok, cache = _tracked_step(graphdef, state, jnp.asarray(tok, jnp.int32),
+                                   as_device(features.step(tok)), cache,
+                                   jnp.asarray(lens + step, jnp.int32), step + 1, key,
+                                   *settings, greedy=greedy)
     return out, count, finished
 
 
@@ -292,7 +275,7 @@ def generate(model: Transformer, prompts: Union[Sequence[Sequence[int]], np.ndar
              lengths: Optional[Sequence[int]] = None, *, max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              stop_tokens: Sequence[int] = (), seed: int = 0, pad_id: int = 0,
-             dispatch: str = DEFAULT_DISPATCH, topics=None, pieces: Optional[Sequence[bytes]] = None):
+             dispatch: str = DEFAULT_DISPATCH, features=None):
     """Continue each prompt by up to ``max_new_tokens`` tokens (module docstring: the design).
 
     prompts: a list of token-id lists (any lengths), or an integer array [B, S] with ``lengths``
@@ -301,8 +284,9 @@ def generate(model: Transformer, prompts: Union[Sequence[Sequence[int]], np.ndar
     stop_tokens: ids that finish a row (kept as its last token). seed: the PRNG seed.
     pad_id: written after a row's stop token and used to pad the prompts.
     dispatch: the MoE / CoE dispatch used while generating ('dropless': exact, the default).
-    topics, pieces: a DoE model's topic model and the tokenizer's ``piece_bytes()`` (required for
-      ``block='doe'`` unless its ``use_topics`` is off).
+    features: a :class:`~dagmoe_jax.extensions.FeatureTracker` for a model family whose tokens
+      carry tracked features (a DoE model with topics:
+      ``extension_for(cfg).decoding_features(run_dir, data_cfg, tokenizer)``).
 
     Returns, for a list of prompts, a list of generated-token lists (each cut after its stop
     token); for an array, a :class:`Generation` (tokens [B, max_new_tokens], lengths, finished).
@@ -334,9 +318,9 @@ def generate(model: Transformer, prompts: Union[Sequence[Sequence[int]], np.ndar
                          f"[0, {cfg.vocab_size}) (padding is fed to the model)")
 
     graphdef, state = nnx.split(decoding_model(model, dispatch))
-    if cfg.block == "doe":
-        out, count, finished = _generate_doe(
-            graphdef, state, np.where(valid, tokens, pad_id), lens, topics, pieces, cfg,
+    if features is not None:
+        out, count, finished = _generate_tracked(
+            graphdef, state, np.where(valid, tokens, pad_id), lens, features,
             key=jax.random.key(seed), temperature=max(temperature, 1e-6), top_k=top_k,
             top_p=top_p, stop_tokens=stop_tokens, pad_id=pad_id, max_new_tokens=max_new_tokens,
             greedy=temperature == 0)

@@ -72,6 +72,7 @@ def main(argv=None) -> int:
 
     # Imported after argument parsing so that --help and argument errors are instant.
     from dagmoe_jax.generate import check_settings, generate
+    from dagmoe_jax.model import extension_for
     from dagmoe_jax.runs import load_run
 
     quiet_background_errors()
@@ -92,13 +93,12 @@ def main(argv=None) -> int:
         print(f"run {args.run_dir} at step {run.step}: block={run.model_cfg.block} "
               f"aggregation={run.model_cfg.aggregation.kind}, {run.data_cfg.tokenizer} tokenizer",
               file=sys.stderr, flush=True)
-        from dagmoe_jax.topics.stage import run_topics  # DoE runs: the run's own topics
-        topics = run_topics(run.model_cfg, run.data_cfg, args.run_dir, save=False)
-        doe = {} if topics is None else {"topics": topics, "pieces": tok.piece_bytes()}
+        features = extension_for(run.model_cfg).decoding_features(args.run_dir, run.data_cfg,
+                                                                  tok)
         outputs = generate(run.model, prompts, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                            stop_tokens=() if args.ignore_eos else (tok.eos_id,), seed=args.seed,
-                           pad_id=tok.pad_id, **doe)
+                           pad_id=tok.pad_id, features=features)
     except (ValueError, FileNotFoundError) as err:
         return report_error(err)
     for i, (prompt, new) in enumerate(zip(prompts, outputs)):

@@ -1,4 +1,4 @@
-"""The DoE block (dagmoe_jax.model.doe): equations against NumPy, the VAE router's properties,
+"""The DoE block (dagmoe_jax.doe.block): equations against NumPy, the VAE router's properties,
 the shared VAE, causality with LDA topic ids, KV-cache decoding, and the composite loss."""
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from dagmoe_jax.config import DoEConfig
 from dagmoe_jax.data.tokenizers import ByteTokenizer
 from dagmoe_jax.generate import generate
 from dagmoe_jax.model import Transformer
-from dagmoe_jax.model import doe as D
-from dagmoe_jax.topics import TopicConfig, fit_topics, piece_table, token_topics
+from dagmoe_jax.doe import block as D
+from dagmoe_jax.doe import objective
+from dagmoe_jax.doe.extension import TopicFeatures
+from dagmoe_jax.doe.topics import TopicConfig, fit_topics, piece_table, token_topics
 from dagmoe_jax.train.step import cross_entropy, lm_loss
 
 K = 8
@@ -138,9 +140,9 @@ def test_expert_loss_masks_null_and_matches_numpy(rng):
     keep = labels != K
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     want = -np.take_along_axis(logp, np.where(keep, labels, 0)[..., None], -1)[..., 0][keep].mean()
-    got = D.expert_loss(jnp.asarray(logits), jnp.asarray(labels), K)
+    got = objective.expert_loss(jnp.asarray(logits), jnp.asarray(labels), K)
     np.testing.assert_allclose(got, want, rtol=1e-5)
-    assert float(D.expert_loss(jnp.asarray(logits), jnp.full((2, 7), K), K)) == 0.0
+    assert float(objective.expert_loss(jnp.asarray(logits), jnp.full((2, 7), K), K)) == 0.0
 
 
 def test_shared_vae_exists_once():
@@ -198,7 +200,7 @@ def test_causal_end_to_end_and_kv_cache_decoding(lda):
     # exactly the tokens the full forward pass ranks first (teacher-forced on them).
     p = 24
     gen = generate(model, [rows[0][:p], rows[1][:p]], max_new_tokens=tokens.shape[1] - p,
-                   topics=lda, pieces=pieces)
+                   features=TopicFeatures(lda, pieces))
     full = [rows[r][:p] + gen[r] for r in range(2)]
     full_topics = jnp.asarray(np.stack([token_topics(lda, f, pieces)[0] for f in full]))
     ranked = np.asarray(forward(model, jnp.asarray(full), full_topics)).argmax(-1)
@@ -222,7 +224,7 @@ def test_alpha_zero_gives_plain_next_token_gradients(lda):
     assert np.any(np.asarray(batch["topic_labels"]) != K)
 
     def plain(m):
-        noise = D.noise_key(batch["inputs"])
+        noise = objective.noise_key(batch["inputs"])
         logits, _ = m(batch["inputs"], features={"topics": batch["topics"]}, noise=noise)
         return cross_entropy(logits, batch["targets"], jnp.ones_like(batch["targets"], bool))
 
@@ -256,7 +258,7 @@ def test_accounting_counts_every_doe_parameter(doe):
 
 def test_gate_profile_groups_gates_by_label(tmp_path, rng):
     from dagmoe_jax.analysis.collect import record
-    from dagmoe_jax.analysis.doe import gate_profile, plot_gate_profile, specialisation
+    from dagmoe_jax.doe.analysis import gate_profile, plot_gate_profile, specialisation
 
     cfg = doe_config(layers=2)
     model = Transformer(cfg, rngs=nnx.Rngs(4))

@@ -13,7 +13,7 @@ import pytest
 
 from dagmoe_jax.data import make_tokenizer, train_dataset
 from dagmoe_jax.gin_utils import load_configs
-from dagmoe_jax.topics import TopicModel
+from dagmoe_jax.doe.topics import TopicModel
 from dagmoe_jax.train.loop import train
 from dagmoe_jax.train.metrics import read_metrics
 
@@ -38,12 +38,14 @@ def configs(tmp_path_factory):
 
 def test_pipeline_carries_topics_aligned_with_tokens(configs):
     _, model_cfg, data_cfg, _, _ = configs
-    from dagmoe_jax.topics import fit_topics, piece_table, token_topics
-    from dagmoe_jax.topics.stage import training_documents
+    from dagmoe_jax.doe.topics import fit_topics, piece_table, token_topics
+    from dagmoe_jax.doe.extension import TopicAnnotator
+    from dagmoe_jax.doe.topics.stage import training_documents
 
     tokenizer = make_tokenizer(data_cfg)
     topics = fit_topics(training_documents(data_cfg), 8)
-    it = iter(train_dataset(data_cfg, tokenizer, topics=topics))
+    annotate = TopicAnnotator(topics, tokenizer.piece_bytes())
+    it = iter(train_dataset(data_cfg, tokenizer, annotate=annotate))
     batch = next(it)
     assert batch["topics"].shape == batch["inputs"].shape == batch["topic_labels"].shape
     # Every row is a packed stretch of records. Input ids are causal, so from each record start
@@ -63,7 +65,7 @@ def test_pipeline_carries_topics_aligned_with_tokens(configs):
     assert checked > 20
     state = it.get_state()
     following = next(it)
-    again = iter(train_dataset(data_cfg, tokenizer, topics=topics))
+    again = iter(train_dataset(data_cfg, tokenizer, annotate=annotate))
     again.set_state(state)
     for key, value in next(again).items():
         np.testing.assert_array_equal(value, following[key])

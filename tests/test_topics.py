@@ -1,4 +1,4 @@
-"""DoE Stage 1 (dagmoe_jax.topics): LDA labels, token-word alignment, causal input ids."""
+"""DoE Stage 1 (dagmoe_jax.doe.topics): LDA labels, token-word alignment, causal input ids."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dagmoe_jax.data.tokenizers import ByteTokenizer
-from dagmoe_jax.topics import (TopicConfig, TopicModel, TopicTracker, fit_topics, piece_table,
+from dagmoe_jax.doe.topics import (TopicConfig, TopicModel, TopicTracker, fit_topics, piece_table,
                                token_topics)
 
 PLANTED = 4

@@ -20,6 +20,7 @@ from dagmoe_jax.analysis import plots
 from dagmoe_jax.analysis.collect import Collected, collect
 from dagmoe_jax.runs.paths import as_path, is_remote
 from dagmoe_jax.data import eval_batches, parse_source
+from dagmoe_jax.model import extension_for
 from dagmoe_jax.runs import load_run
 from dagmoe_jax.train.metrics import read_metrics
 
@@ -37,7 +38,7 @@ class PlotResult:
 
 
 def analysis_batches(data_cfg, tokenizer, data: str = "", max_batches: int = 4,
-                     topics=None) -> list:
+                     annotate=None) -> list:
     """The batches to trace: the run's own held-out data, or ``data`` (a ``DataConfig``
     source spec such as ``text:notes/*.txt``, ``synthetic:lcs`` or ``tfds:name``, read with
     the run's tokenizer; a TFDS spec uses the run's ``eval_split`` or ``split``) instead."""
@@ -46,7 +47,7 @@ def analysis_batches(data_cfg, tokenizer, data: str = "", max_batches: int = 4,
         tfds = parse_source(data, "eval_source")[0] == "tfds"
         data_cfg = data_cfg.replace(eval_source=data,
                                     eval_split=data_cfg.eval_split if tfds else "")
-    return eval_batches(data_cfg, tokenizer, max_batches=max_batches, topics=topics)
+    return eval_batches(data_cfg, tokenizer, max_batches=max_batches, annotate=annotate)
 
 
 def dropped_series(records: List[dict]):
@@ -151,18 +152,17 @@ def analyze_run(run_dir, out_dir, *, data: str = "", max_batches: int = 4) -> Li
 def analyze_doe(loaded, run_dir, out_dir, data: str, max_batches: int, label: str
                 ) -> List[PlotResult]:
     """A DoE run: the mean gate per LDA topic and layer (``doe_gates.png``,
-    :mod:`dagmoe_jax.analysis.doe`); the routed blocks' plots do not apply."""
-    from dagmoe_jax.analysis.doe import gate_profile, plot_gate_profile  # pylint: disable=import-outside-toplevel
-    from dagmoe_jax.topics.stage import run_topics  # pylint: disable=import-outside-toplevel
+    :mod:`dagmoe_jax.doe.analysis`); the routed blocks' plots do not apply."""
+    from dagmoe_jax.doe.analysis import gate_profile, plot_gate_profile  # pylint: disable=import-outside-toplevel
 
 
     skipped = [PlotResult(n, None, "not a routed (MoE / CoE) block") for n in PLOTS[:5]]
     skipped.append(training_curves(read_metrics(run_dir), Path(out_dir), f"{label}: "))
-    topics = run_topics(loaded.model_cfg, loaded.data_cfg, run_dir, save=False)
-    if topics is None:
+    annotate = extension_for(loaded.model_cfg).prepare_run(loaded.data_cfg, run_dir, save=False)
+    if annotate is None:
         return skipped + [PlotResult("doe_gates", None, "a no-LDA DoE run has no topic labels")]
-    batches = analysis_batches(loaded.data_cfg, loaded.tokenizer, data, max_batches, topics)
-    profile = gate_profile(loaded.model, batches, topics.num_topics)
+    batches = analysis_batches(loaded.data_cfg, loaded.tokenizer, data, max_batches, annotate)
+    profile = gate_profile(loaded.model, batches, loaded.model_cfg.doe.num_topics)
     path = plot_gate_profile(profile, Path(out_dir) / "doe_gates.png",
                              title=f"mean gate per LDA topic (rows) and layer, {label}")
     return skipped + [PlotResult("doe_gates", path)]

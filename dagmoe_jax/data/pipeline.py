@@ -3,10 +3,10 @@
 Every batch is a dict of NumPy arrays: ``inputs`` and ``targets`` int32 [B, seq_len] (targets
 are the inputs shifted left by one within a window of seq_len + 1 tokens) and ``mask`` bool
 [B, seq_len] (False where the target is padding, or, for task batches, not an answer token).
-With a DoE topic model (``topics=``, :class:`dagmoe_jax.topics.TopicModel`) batches also carry
-``topics`` (the inputs' causal topic ids) and ``topic_labels`` (their LDA expert labels; null
-K or -1 on padding, both masked), int32 [B, seq_len], computed per record and packed, shuffled
-and checkpointed together with the tokens.
+With an annotator (``annotate=``, :class:`dagmoe_jax.extensions.Annotator`: the per-token
+arrays a model family reads, e.g. DoE's topic ids and labels) batches also carry each of its
+``keys``, int32 [B, seq_len] aligned with ``inputs`` (its ``pad`` value where the input is
+padding), computed per record and packed, shuffled and checkpointed together with the tokens.
 
 * :func:`train_dataset`: an endless, shuffled, packed ``grain.IterDataset``; its iterator is
   checkpointable (``get_state`` / ``set_state``, or Orbax with ``grain.checkpoint``).
@@ -48,37 +48,37 @@ def encode_record(tokenizer: Tokenizer, text: str) -> list:
 
 
 class _Encode:
-    """text -> {'tokens': ids (+ [eos])}, plus 'topics' and 'topic_labels' with a topic model
-    (a picklable grain map function)."""
+    """text -> {'tokens': ids (+ [eos])}, plus the annotator's arrays (a picklable grain map
+    function)."""
 
-    def __init__(self, tokenizer: Tokenizer, topics=None):
-        self.tokenizer, self.topics = tokenizer, topics
-        self.pieces = None if topics is None else tokenizer.piece_bytes()
+    def __init__(self, tokenizer: Tokenizer, annotate=None):
+        self.tokenizer, self.annotate = tokenizer, annotate
 
     def __call__(self, text: str) -> dict:
         ids = encode_record(self.tokenizer, text)
         out = {"tokens": np.asarray(ids, np.int32)}
-        if self.topics is not None:
-            from dagmoe_jax.topics import token_topics  # pylint: disable=import-outside-toplevel
-            out["topics"], out["topic_labels"] = token_topics(self.topics, ids, self.pieces)
+        if self.annotate is not None:
+            out.update({k: np.asarray(v, np.int32) for k, v in self.annotate(ids).items()})
         return out
 
 
-TOPIC_KEYS = ("topics", "topic_labels")
+def _annotation_keys(annotate) -> tuple:
+    return () if annotate is None else tuple(annotate.keys)
 
 
-def _shift(window: dict) -> dict:
-    tokens, segments = window["tokens"], window["tokens_segment_ids"]
-    out = {"inputs": tokens[:-1], "targets": tokens[1:], "mask": segments[1:] != 0}
-    if "topics" in window:
-        out["topics"] = window["topics"][:-1]
-        out["topic_labels"] = np.where(segments[:-1] != 0, window["topic_labels"][:-1], -1)
-    return out
+class _Shift:
+    """A packed window of seq_len + 1 -> inputs w[:-1], targets w[1:], the mask of real
+    targets, and each annotation aligned with the inputs (its pad value on padding)."""
 
+    def __init__(self, annotate=None):
+        self.pad = {} if annotate is None else dict(annotate.pad)
 
-def _length_struct(width: int, topics) -> dict:
-    keys = ("tokens",) + (TOPIC_KEYS if topics is not None else ())
-    return {k: width for k in keys}
+    def __call__(self, window: dict) -> dict:
+        tokens, segments = window["tokens"], window["tokens_segment_ids"]
+        out = {"inputs": tokens[:-1], "targets": tokens[1:], "mask": segments[1:] != 0}
+        for key, pad in self.pad.items():
+            out[key] = np.where(segments[:-1] != 0, window[key][:-1], pad).astype(np.int32)
+        return out
 
 
 def _exit_with_parent(parent: int, worker: int, workers: int) -> None:
@@ -108,7 +108,7 @@ def _absl_flags_parsed() -> None:
 
 
 def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, process_index: int = 0,
-                  process_count: int = 1, topics=None) -> grain.IterDataset:
+                  process_count: int = 1, annotate=None) -> grain.IterDataset:
     """The endless training stream of this process: batches of ``batch_size // process_count``.
 
     Records of this process (:func:`~dagmoe_jax.data.splits.train_records`) -> shuffled with
@@ -120,17 +120,18 @@ def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, process_index: int =
 
     With ``cfg.worker_count`` W > 0, W grain processes each read and pack every W-th record of
     this process and batches alternate between them: a different (equally valid) stream from
-    W = 0 or 1, so a saved state resumes only with the same ``worker_count``.
+    W = 0 or 1, so a saved state resumes only with the same ``worker_count``. ``annotate``: an
+    :class:`~dagmoe_jax.extensions.Annotator` whose arrays every batch carries.
     """
     batch = local_batch_size(cfg, process_count)
     ds = train_records(cfg, process_index=process_index, process_count=process_count)
     if cfg.shuffle:
         ds = ds.shuffle(seed=cfg.seed)
-    ds = ds.repeat().map(_Encode(tokenizer, topics))
+    ds = ds.repeat().map(_Encode(tokenizer, annotate))
     it = ds.to_iter_dataset(grain.ReadOptions(**READ_OPTIONS))
     it = grain.experimental.ConcatThenSplitIterDataset(
-        it, length_struct=_length_struct(cfg.seq_len + 1, topics))
-    it = it.map(_shift).batch(batch, drop_remainder=True)
+        it, length_struct={k: cfg.seq_len + 1 for k in ("tokens",) + _annotation_keys(annotate)})
+    it = it.map(_Shift(annotate)).batch(batch, drop_remainder=True)
     if cfg.worker_count:
         _absl_flags_parsed()
         it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count),
@@ -139,19 +140,21 @@ def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, process_index: int =
 
 
 def _rows_to_batches(rows: list, cfg_batch: int, seq_len: int, pad_id: int,
-                     process_index: int, process_count: int, null_topic: int = -1) -> list:
-    """Group (tokens, n_valid[, topics, labels]) windows into global batches (the last padded
-    with empty rows) and keep this process's contiguous block of rows of each."""
+                     process_index: int, process_count: int, pad: Optional[dict] = None) -> list:
+    """Group (tokens, n_valid, *annotations) windows into global batches (the last padded
+    with empty rows) and keep this process's contiguous block of rows of each; ``pad``: each
+    annotation's value on padding, in the order of the rows' annotations."""
+    pad = pad or {}
     local = cfg_batch // process_count
     batches = []
     for b in range(0, len(rows), cfg_batch):
         window = np.full((cfg_batch, seq_len + 1), pad_id, np.int32)
         valid = np.zeros((cfg_batch,), np.int64)
-        extra = {k: np.full((cfg_batch, seq_len + 1), null_topic if k == "topics" else -1,
-                            np.int32) for k in TOPIC_KEYS} if null_topic >= 0 else {}
+        extra = {k: np.full((cfg_batch, seq_len + 1), value, np.int32)
+                 for k, value in pad.items()}
         for r, (tokens, n, *more) in enumerate(rows[b:b + cfg_batch]):
             window[r, :n], valid[r] = tokens[:n], n
-            for k, values in zip(TOPIC_KEYS, more):
+            for k, values in zip(pad, more):
                 extra[k][r, :n] = values[:n]
         mask = np.arange(1, seq_len + 1)[None, :] < valid[:, None]
         block = slice(process_index * local, (process_index + 1) * local)
@@ -162,7 +165,7 @@ def _rows_to_batches(rows: list, cfg_batch: int, seq_len: int, pad_id: int,
 
 
 def eval_batches(cfg: DataConfig, tokenizer: Tokenizer, *, max_batches: Optional[int] = None,
-                 process_index: int = 0, process_count: int = 1, topics=None) -> list:
+                 process_index: int = 0, process_count: int = 1, annotate=None) -> list:
     """The evaluation data (:func:`~dagmoe_jax.data.splits.eval_source`) as a list of batches.
 
     Records in order, each tokenized with EOS appended (after a long document's last piece),
@@ -171,14 +174,14 @@ def eval_batches(cfg: DataConfig, tokenizer: Tokenizer, *, max_batches: Optional
     ``batch_size`` rows (the last filled with fully masked rows) of which this process keeps
     rows ``[process_index * B, (process_index + 1) * B)``, B = batch_size // process_count.
     Every process gets the same number of batches. ``max_batches`` stops after that many
-    global batches. Deterministic; no shuffle.
+    global batches. Deterministic; no shuffle. ``annotate``: as :func:`train_dataset`.
     """
     check_process(process_index, process_count)
     local_batch_size(cfg, process_count)
     records, width = eval_source(cfg), cfg.seq_len + 1
     limit = None if max_batches is None else int(max_batches) * cfg.batch_size
-    encode = _Encode(tokenizer, topics)
-    keys = ("tokens",) + (TOPIC_KEYS if topics is not None else ())
+    encode = _Encode(tokenizer, annotate)
+    keys = ("tokens",) + _annotation_keys(annotate)
     rows, buf = [], {k: [] for k in keys}
     for i in range(len(records)):
         for k, v in encode(records[i]).items():
@@ -197,7 +200,7 @@ def eval_batches(cfg: DataConfig, tokenizer: Tokenizer, *, max_batches: Optional
         rows.append((buf["tokens"], len(buf["tokens"]), *[buf[k] for k in keys[1:]]))
     return _rows_to_batches(rows, cfg.batch_size, cfg.seq_len, tokenizer.pad_id,
                             process_index, process_count,
-                            topics.null_id if topics is not None else -1)
+                            None if annotate is None else {k: annotate.pad[k] for k in keys[1:]})
 
 
 def task_names(cfg: DataConfig) -> tuple:

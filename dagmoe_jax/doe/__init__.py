@@ -1,7 +1,7 @@
 """Decoupling of Experts (DoE; docs/design.md section 6): its configuration.
 
-The block itself is :mod:`dagmoe_jax.model.doe`, Stage 1's topics :mod:`dagmoe_jax.topics`
-and its analysis :mod:`dagmoe_jax.analysis.doe`.
+The block itself is :mod:`dagmoe_jax.doe.block`, Stage 1's topics :mod:`dagmoe_jax.doe.topics`
+and its analysis :mod:`dagmoe_jax.doe.analysis`.
 """
 
 from dagmoe_jax.doe.config import DoEConfig, TopicConfig

@@ -26,6 +26,7 @@ import dataclasses
 from typing import Dict
 
 from dagmoe_jax.config import ModelConfig, dag_params_per_layer
+from dagmoe_jax.doe.block import shared_param_counts
 
 COMPONENTS = ("embedding", "attention", "attention_scores", "norms", "dense_ffn", "router",
               "experts", "shared_experts", "aggregator", "dag_pairwise", "doe_embedding",
@@ -139,7 +140,6 @@ def account(cfg: ModelConfig, seq_len: int | None = None) -> Accounting:
     flops = {c: 3.0 * n_layers * f for c, f in fwd.items()}
     flops["lm_head"] = 3.0 * 2.0 * d * v
     if cfg.block == "doe":
-        from dagmoe_jax.model.doe import shared_param_counts  # pylint: disable=import-outside-toplevel
         bank, embedding = shared_param_counts(cfg)
         params["doe_router"] += bank
         active_params["doe_router"] += bank

@@ -48,7 +48,7 @@ class BlockStats(NamedTuple):
     dropped_fraction: share of routed assignments capacity dispatch dropped;
     expert_load [N]: share of routing slots (or of gate mass) per expert;
     record: the intermediates analysis reads, when the block's ``record_intermediates`` is on;
-    extra: the family's own statistics (DoE: :class:`~dagmoe_jax.model.doe.DoEStats`).
+    extra: the family's own statistics (DoE: :class:`~dagmoe_jax.doe.block.DoEStats`).
     """
 
     balance_loss: jax.Array

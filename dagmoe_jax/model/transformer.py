@@ -30,8 +30,9 @@ from flax import nnx
 
 from dagmoe_jax.config import ModelConfig
 import dagmoe_jax.model.coe  # noqa: F401  (each module registers its blocks)
-import dagmoe_jax.model.doe  # noqa: F401
+import dagmoe_jax.doe.block  # noqa: F401
 import dagmoe_jax.model.moe  # noqa: F401
+from dagmoe_jax.extensions import Extension
 from dagmoe_jax.model.attention import Attention, KVCache, rope_angles
 from dagmoe_jax.model.block import BLOCKS, BlockContext, BlockInputs, BlockStats
 from dagmoe_jax.model.layers import RMSNorm, dtype_of, make_param, normal
@@ -128,7 +129,7 @@ class Transformer(nnx.Module):
         batch's per-token ``features`` (DoE: ``{'topics': [B, S]}``, the causal input topic
         ids) and ``noise``, a key for its training noise (DoE's VAE sampling; without it the
         router uses z = mu). Its own statistics, stacked over layers, are ``aux['extra']``
-        (DoE: :class:`~dagmoe_jax.model.doe.DoEStats`).
+        (DoE: :class:`~dagmoe_jax.doe.block.DoEStats`).
         """
         cfg = self.cfg
         b, s = tokens.shape
@@ -188,6 +189,12 @@ class Transformer(nnx.Module):
         shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.resolved_head_dim)
         zeros = jnp.zeros(shape, dtype_of(cfg.compute_dtype))
         return KVCache(zeros, zeros)
+
+
+def extension_for(cfg: ModelConfig) -> Extension:
+    """The hooks of ``cfg``'s block family (:mod:`dagmoe_jax.extensions`; the no-op
+    :class:`~dagmoe_jax.extensions.Extension` for blocks that declare none)."""
+    return getattr(BLOCKS[cfg.block], "extension", Extension)(cfg)
 
 
 def summarize_stats(cfg: ModelConfig, stats: BlockStats) -> dict:

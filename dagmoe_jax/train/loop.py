@@ -18,10 +18,10 @@ from dagmoe_jax import runs
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.data import DataConfig, make_tokenizer, train_dataset, unigram_entropy
 from dagmoe_jax.evaluation import Evaluator, format_eval
+from dagmoe_jax.model import extension_for
 from dagmoe_jax.parallel import make_mesh
 from dagmoe_jax.parallel.axes import MeshLayout
 from dagmoe_jax.runs.paths import run_path
-from dagmoe_jax.topics.stage import run_topics
 from dagmoe_jax.train.hooks import EvalHook, ProgressHook
 from dagmoe_jax.train.metrics import (MetricsWriter, check_tensorboard_target, read_metrics,
                                       require_wandb)
@@ -57,10 +57,10 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
     """
     say, is_main = on_main_process(log), jax.process_index() == 0
     run_dir, tokenizer = _prepare(model_cfg, data_cfg, train_cfg, is_main)
-    topics = run_topics(model_cfg, data_cfg, run_dir, log=say, save=is_main)   # DoE's Stage 1
+    annotate = extension_for(model_cfg).prepare_run(data_cfg, run_dir, log=say, save=is_main)
     dataset = train_dataset(data_cfg, tokenizer, process_index=jax.process_index(),
-                            process_count=jax.process_count(), topics=topics)
-    evaluator = Evaluator(data_cfg, train_cfg, tokenizer, topics)
+                            process_count=jax.process_count(), annotate=annotate)
+    evaluator = Evaluator(data_cfg, train_cfg, tokenizer, annotate)
     mesh = make_mesh(train_cfg.mesh)
     if schedule_note(optim_cfg, train_cfg.steps):
         say(schedule_note(optim_cfg, train_cfg.steps))
@@ -75,7 +75,8 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
                               wrt=TRAINABLE[train_cfg.trainable], donate=True)
     trainer = Trainer(model, optimizer, step_fn, iter(dataset), checkpointer,
                       total_steps=train_cfg.steps, mesh=mesh, meta=runs.model_meta(model_cfg),
-                      vocab_size=model_cfg.vocab_size, run_dir=str(run_dir), say=say)
+                      vocab_size=model_cfg.vocab_size, run_dir=str(run_dir), say=say,
+                      batch_keys=extension_for(model_cfg).batch_keys)
     try:
         start = trainer.restore_or_init(
             check=lambda restored: _resume_policy(restored, run_dir, model_cfg, data_cfg,

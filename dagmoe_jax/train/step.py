@@ -4,10 +4,10 @@ loss = cross-entropy on non-padding tokens + aux_loss (balance + z-loss, weighte
 router config's coefficients; every block's auxiliary loss is in it). Each term is returned
 separately for logging. The training loss's cross-entropy is vocabulary-tiled
 (:mod:`dagmoe_jax.train.tiled_loss`): the model stops at its hidden states and the LM head runs
-a chunk of positions at a time, never holding the [B, S, V] logits. A DoE model's loss is DoE
-eq. 4 instead, (1 - alpha) cross-entropy + alpha L_expert (+ the optional VAE terms):
-:func:`dagmoe_jax.model.doe.doe_objective`, its terms logged as ``expert_loss``, ``kl_loss``,
-``recon_loss``.
+a chunk of positions at a time, never holding the [B, S, V] logits. A block family with its
+own objective gives the model its extra inputs and turns the cross-entropy into its loss
+through its extension's hooks (:mod:`dagmoe_jax.extensions`: ``model_inputs``, ``loss``; their
+metrics are logged beside these).
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from dagmoe_jax.model import Transformer
-from dagmoe_jax.model.doe import doe_objective, model_inputs
+from dagmoe_jax.model import Transformer, extension_for
 from dagmoe_jax.parallel import constrain
 from dagmoe_jax.train.tiled_loss import tiled_cross_entropy, tiled_scores
 
@@ -37,16 +36,14 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax
 def lm_loss(model: Transformer, batch: Dict[str, jax.Array]) -> Tuple[jax.Array, dict]:
     """Next-token loss of ``batch['inputs']`` -> ``batch['targets']`` (``batch['mask']``
     optional, default all ones). Returns (total loss, metrics)."""
-    h, aux = model(batch["inputs"], head=False, **model_inputs(model.cfg, batch, train=True))
+    extension = extension_for(model.cfg)
+    h, aux = model(batch["inputs"], head=False, **extension.model_inputs(batch, train=True))
     mask = batch.get("mask", jnp.ones_like(batch["targets"], dtype=bool))
     ce = tiled_cross_entropy(h, model.lm_head[...].astype(h.dtype), batch["targets"], mask)
-    total = ce + aux["aux_loss"]
+    total, extra_metrics = extension.loss(ce, aux, batch)
     metrics = {"loss": total, "ce_loss": ce, "balance_loss": aux["balance_loss"],
                "z_loss": aux["z_loss"], "expert_load": aux["expert_load"],
-               "dropped_fraction": aux["dropped_fraction"]}
-    if "extra" in aux:
-        total, doe_metrics = doe_objective(model.cfg, ce, aux, batch)
-        metrics.update(doe_metrics, loss=total)
+               "dropped_fraction": aux["dropped_fraction"], **extra_metrics}
     return total, metrics
 
 
@@ -110,7 +107,8 @@ def eval_step(model: Transformer, batch: Dict[str, jax.Array]) -> Dict[str, jax.
     """Summed cross-entropy and token count over ``batch['mask']``, and the argmax predictions
     (for exact-answer scoring), from the LM head applied a chunk of positions at a time
     (:func:`~dagmoe_jax.train.tiled_loss.tiled_scores`: no [B, S, V] logits)."""
-    h, _ = model(batch["inputs"], head=False, **model_inputs(model.cfg, batch, train=False))
+    inputs = extension_for(model.cfg).model_inputs(batch, train=False)
+    h, _ = model(batch["inputs"], head=False, **inputs)
     losses, predictions = tiled_scores(h, model.lm_head[...].astype(h.dtype), batch["targets"])
     mask = batch["mask"].astype(jnp.float32)
     return _replicated({"ce_sum": jnp.sum(losses * mask), "tokens": jnp.sum(mask),

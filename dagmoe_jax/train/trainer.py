@@ -74,17 +74,20 @@ class Trainer:
 
     checkpointer: the run's :class:`~dagmoe_jax.runs.Checkpointer`; meta: what checkpoints
     are saved with and checked against; vocab_size: batches with ids outside it are one-line
-    errors; say: one-line reports (compilation, resume, stop reasons); run_dir: named in them.
+    errors; say: one-line reports (compilation, resume, stop reasons); run_dir: named in them;
+    batch_keys: the per-token annotations of a model family the batches carry to the model.
     """
 
     def __init__(self, model, optimizer, step_fn: Callable, data_iter, checkpointer, *,
                  total_steps: int, mesh=None, meta: Optional[dict] = None,
                  vocab_size: Optional[int] = None, run_dir: str = "",
-                 say: Callable[[str], None] = lambda _message: None):
+                 say: Callable[[str], None] = lambda _message: None,
+                 batch_keys: Tuple[str, ...] = ()):
         self.model, self.optimizer, self.step_fn = model, optimizer, step_fn
         self.data_iter, self.checkpointer = data_iter, checkpointer
         self.total_steps, self.mesh, self.meta = total_steps, mesh, meta or {}
         self.vocab_size, self.run_dir, self.say = vocab_size, run_dir, say
+        self.batch_keys = batch_keys
         self.hooks: List[Tuple[int, Callable[[StepInfo], None]]] = []
         self.losses: Dict[int, float] = {}
         self.compile_seconds: Optional[float] = None
@@ -133,7 +136,7 @@ class Trainer:
                 batch = next(self.data_iter)
                 if self.vocab_size is not None:
                     check_tokens(batch, self.vocab_size)
-                device_batch = runs.device_batch(batch, self.mesh)
+                device_batch = runs.device_batch(batch, self.mesh, self.batch_keys)
                 if self.compile_seconds is None:
                     self.say(f"step {step}: compiling the training step...")
                 metrics = self.step_fn(self.model, self.optimizer, device_batch)

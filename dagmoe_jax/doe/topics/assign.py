@@ -2,7 +2,7 @@
 
 Tokens and words are aligned through bytes: a token's text is its *piece* (its id decoded alone,
 :meth:`~dagmoe_jax.data.tokenizers.Tokenizer.piece_bytes`), a record's text is the concatenation
-of its tokens' pieces, and the words (:func:`~dagmoe_jax.topics.lda.word_spans`) are found in
+of its tokens' pieces, and the words (:func:`~dagmoe_jax.doe.topics.lda.word_spans`) are found in
 that text. Everything is therefore a function of the token ids alone, the same in training and
 in generation. A token belongs to the word its bytes overlap (the last such word if several).
 
@@ -30,7 +30,7 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from dagmoe_jax.topics.lda import WORD_PATTERN, TopicModel, word_spans
+from dagmoe_jax.doe.topics.lda import WORD_PATTERN, TopicModel, word_spans
 
 
 def piece_table(tokenizer) -> List[bytes]:

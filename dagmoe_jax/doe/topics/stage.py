@@ -3,7 +3,7 @@
 A DoE run (``block='doe'`` with ``DoEConfig.use_topics``) needs its topic model before its first
 batch: :func:`run_topics` loads ``<run_dir>/topics`` when the run has one (a resume), else copies
 ``DataConfig.topics_dir`` (a model fitted earlier) into it, else fits online LDA on the run's
-training documents (:func:`~dagmoe_jax.topics.lda.fit_topics`) and saves it there. A resume
+training documents (:func:`~dagmoe_jax.doe.topics.lda.fit_topics`) and saves it there. A resume
 therefore always labels its data with the topics the run started with.
 """
 
@@ -12,14 +12,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Optional
 
-from dagmoe_jax.topics.lda import ARTIFACT_ARRAYS, TopicConfig, TopicModel, fit_topics
+from dagmoe_jax.doe.topics.lda import ARTIFACT_ARRAYS, TopicConfig, TopicModel, fit_topics
+from dagmoe_jax.data.splits import train_source
 
 RUN_TOPICS_DIR = "topics"
 
 
 def training_documents(data_cfg, limit: int = 0) -> list:
     """The training records of ``data_cfg`` (held-out records excluded), up to ``limit``."""
-    from dagmoe_jax.data.splits import train_source  # pylint: disable=import-outside-toplevel
 
     source = train_source(data_cfg)
     n = len(source) if not limit else min(limit, len(source))

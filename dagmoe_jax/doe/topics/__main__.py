@@ -1,10 +1,10 @@
 """Fit DoE's Stage 1 (online LDA) ahead of training and save it for ``DataConfig.topics_dir``.
 
-    python -m dagmoe_jax.topics --gin_file=train/doe_smoke.gin \\
+    python -m dagmoe_jax.doe.topics --gin_file=train/doe_smoke.gin \\
         --gin.DataConfig.source="'text:notes/*.txt'" --out=topics/notes --max_documents=50000
 
 The training documents and K (``DoEConfig.num_topics``) come from the gin files and bindings, as
-for ``train.py``; the flags set the LDA fit (:class:`~dagmoe_jax.topics.TopicConfig`):
+for ``train.py``; the flags set the LDA fit (:class:`~dagmoe_jax.doe.topics.TopicConfig`):
 --vocab_size, --min_df, --max_documents, --max_iter, --batch_size, --seed. Prints each topic's
 top words. Exit status: 0 done, 2 invalid arguments or data (a one-line message).
 """
@@ -19,7 +19,7 @@ from dagmoe_jax.cli import USER_ERRORS, OneLineParser, gin_flag_bindings, report
 
 
 def main(argv=None) -> int:
-    from dagmoe_jax.topics.lda import TopicConfig  # pylint: disable=import-outside-toplevel
+    from dagmoe_jax.doe.topics.lda import TopicConfig  # pylint: disable=import-outside-toplevel
 
     parser = OneLineParser(description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -37,8 +37,8 @@ def main(argv=None) -> int:
         return report_error(ValueError(f"unknown argument {unknown[0]!r}"))
     try:
         from dagmoe_jax.gin_utils import load_configs  # pylint: disable=import-outside-toplevel
-        from dagmoe_jax.topics.lda import fit_topics  # pylint: disable=import-outside-toplevel
-        from dagmoe_jax.topics.stage import training_documents  # pylint: disable=import-outside-toplevel
+        from dagmoe_jax.doe.topics.lda import fit_topics  # pylint: disable=import-outside-toplevel
+        from dagmoe_jax.doe.topics.stage import training_documents  # pylint: disable=import-outside-toplevel
 
         model_cfg, data_cfg, _, _ = load_configs(args.gin_file, bindings)
         cfg = TopicConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TopicConfig)

@@ -109,7 +109,8 @@ class Bench:
         from flax import nnx
         from dagmoe_jax.train.config import OptimConfig
         from dagmoe_jax.train.optim import make_optimizer
-        from dagmoe_jax.train.step import TRAINABLE, make_train_step
+        from dagmoe_jax.train.optim import TRAINABLE
+        from dagmoe_jax.train.step import make_train_step
         from dagmoe_jax.data.pipeline import train_dataset
 
         key = (steps, lr)

@@ -125,7 +125,8 @@ def test_bad_merges_are_one_line_errors():
 def test_router_only_training_moves_only_the_routers():
     import optax
     from dagmoe_jax.train.config import TrainConfig
-    from dagmoe_jax.train.step import TRAINABLE, check_trainable, make_train_step
+    from dagmoe_jax.train.optim import TRAINABLE, check_trainable
+    from dagmoe_jax.train.step import make_train_step
 
     moe = moerge.moerge(dense_models(), merged_config(2))
     before = moerge.flat_params(moe)

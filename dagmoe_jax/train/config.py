@@ -56,7 +56,7 @@ class TrainConfig:
         trains another model. How the model runs (remat, attention, ...) may always change.
     trainable: which parameters the optimiser updates: 'all' (default) or 'router' (only the
         routers' weights and biases, everything else frozen: DUME+ and BTX, DUME sec. 3.1;
-        :data:`dagmoe_jax.train.step.TRAINABLE`). The optimiser holds state for those only.
+        :data:`dagmoe_jax.train.optim.TRAINABLE`). The optimiser holds state for those only.
     """
 
     steps: int = 1000

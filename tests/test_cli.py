@@ -19,7 +19,7 @@ import pytest
 from dagmoe_jax.cli import OneLineParser
 
 REPO = Path(__file__).resolve().parent.parent
-COMMANDS = ["dagmoe_jax.train.__main__", "dagmoe_jax.sample", "dagmoe_jax.analysis.__main__",
+COMMANDS = ["dagmoe_jax.train.__main__", "dagmoe_jax.decoding.sample", "dagmoe_jax.analysis.__main__",
             "dagmoe_jax.upcycle.__main__", "dagmoe_jax.doe.topics.__main__", "dagmoe_jax.cli.demo"]
 
 
@@ -41,8 +41,8 @@ def test_an_unknown_flag_is_one_line(capsys, module):
 @pytest.mark.parametrize("module, argv, fragment", [
     ("dagmoe_jax.train.__main__", ["--mode=bogus"], "invalid choice: 'bogus'"),
     ("dagmoe_jax.train.__main__", ["--eval_batches=many"], "invalid int value: 'many'"),
-    ("dagmoe_jax.sample", ["--run_dir=x"], "--prompt=TEXT is required"),
-    ("dagmoe_jax.sample", ["--run_dir=x", "--prompt=a", "--num_samples=0"],
+    ("dagmoe_jax.decoding.sample", ["--run_dir=x"], "--prompt=TEXT is required"),
+    ("dagmoe_jax.decoding.sample", ["--run_dir=x", "--prompt=a", "--num_samples=0"],
      "--num_samples=0 is invalid"),
     ("dagmoe_jax.upcycle.__main__", ["--router=oracle"], "invalid choice: 'oracle'"),
     ("dagmoe_jax.upcycle.__main__", ["--dense=a"], "--run_dir is required"),
@@ -77,7 +77,7 @@ def test_no_command_line_defines_its_own_parser_class():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("module", ["dagmoe_jax.train", "dagmoe_jax.sample", "dagmoe_jax.analysis",
+@pytest.mark.parametrize("module", ["dagmoe_jax.train", "dagmoe_jax.decoding.sample", "dagmoe_jax.analysis",
                                     "dagmoe_jax.upcycle", "dagmoe_jax.doe.topics", "dagmoe_jax.cli.demo"])
 def test_python_m_wiring(tmp_path, module):
     """``python -m`` runs the command's ``main`` and exits with its status."""

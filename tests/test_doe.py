@@ -12,7 +12,7 @@ from flax import nnx
 from conftest import tiny_config
 from dagmoe_jax.config import DoEConfig
 from dagmoe_jax.data.tokenizers import ByteTokenizer
-from dagmoe_jax.generate import generate
+from dagmoe_jax.decoding.generate import generate
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.doe import block as D
 from dagmoe_jax.doe import objective

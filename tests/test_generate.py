@@ -21,13 +21,13 @@ import pytest
 from flax import nnx
 
 from conftest import tiny_config
-from dagmoe_jax.generate import Generation, decoding_model, generate, sample_logits
+from dagmoe_jax.decoding.generate import Generation, decoding_model, generate, sample_logits
 from dagmoe_jax.model import Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ = 16
 # capacity_factor = num_experts: the full forward's capacity dispatch never drops a token, so it
-# is comparable with generation's dropless dispatch (see dagmoe_jax/generate.py).
+# is comparable with generation's dropless dispatch (see dagmoe_jax/decoding/generate.py).
 NO_DROP = dict(capacity_factor=4.0)
 # init_std 0.2 gives peaked logits (the default 0.02 leaves them almost uniform, so a greedy
 # comparison would hinge on float-rounding ties).
@@ -234,7 +234,7 @@ def smoke_run(tmp_path_factory):
 @pytest.mark.slow
 def test_cli_samples_from_a_checkpoint(smoke_run):
     prompt = "lis 3 1 4 1 5 ="
-    cmd = [sys.executable, "-m", "dagmoe_jax.sample", f"--run_dir={smoke_run}",
+    cmd = [sys.executable, "-m", "dagmoe_jax.decoding.sample", f"--run_dir={smoke_run}",
            f"--prompt={prompt}",
            "--max_new_tokens", "12", "--temperature", "0.8", "--top_k", "20", "--top_p", "0.9",
            "--num_samples", "3", "--seed", "0"]
@@ -250,7 +250,7 @@ def test_cli_samples_from_a_checkpoint(smoke_run):
 @pytest.mark.slow
 def test_cli_greedy_equals_library(smoke_run, capsys):
     from dagmoe_jax.runs import load_run
-    from dagmoe_jax.sample import main
+    from dagmoe_jax.decoding.sample import main
 
     assert main([f"--run_dir={smoke_run}", "--prompt=edit ab =", "--max_new_tokens=6"]) == 0
     printed = capsys.readouterr().out.split(" ---\n", 1)[1].rstrip("\n")
@@ -270,7 +270,7 @@ def test_cli_greedy_equals_library(smoke_run, capsys):
     (["--prompt=x", "--bogus"], "unrecognized arguments"),
 ])
 def test_cli_errors_are_one_line(smoke_run, capsys, argv, match):
-    from dagmoe_jax.sample import main
+    from dagmoe_jax.decoding.sample import main
 
     if not any(a.startswith("--run_dir") for a in argv):
         argv = [f"--run_dir={smoke_run}"] + argv

@@ -144,7 +144,7 @@ def test_bad_paths_and_files_are_one_line_errors(tmp_path, capsys):
     through ``python train.py``."""
     from dagmoe_jax import runs
     from dagmoe_jax.gin_utils import load_configs
-    from dagmoe_jax.sample import main as sample_main
+    from dagmoe_jax.decoding.sample import main as sample_main
     from dagmoe_jax.train.__main__ import main as train_main
 
     a_file = tmp_path / "a_file"
@@ -186,8 +186,8 @@ def test_bad_paths_and_files_are_one_line_errors(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_a_bad_path_through_the_command_line_is_one_line(tmp_path):
-    """One of the above through ``python -m dagmoe_jax.sample`` itself (the entry point)."""
-    result = subprocess.run([sys.executable, "-m", "dagmoe_jax.sample",
+    """One of the above through ``python -m dagmoe_jax.decoding.sample`` itself (the entry point)."""
+    result = subprocess.run([sys.executable, "-m", "dagmoe_jax.decoding.sample",
                              f"--run_dir={tmp_path / 'nowhere'}", "--prompt=a"],
                             capture_output=True, text=True, timeout=300, env=ENV, cwd=REPO)
     assert result.returncode == 2, result.stderr[-2000:]

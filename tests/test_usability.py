@@ -298,7 +298,7 @@ def test_wandb_missing_is_one_line_before_anything_is_written(tmp_path, monkeypa
 def test_sentencepiece_sample_keeps_the_space_between_prompt_and_continuation(tmp_path):
     import sentencepiece as spm
     from dagmoe_jax.data.tokenizers import SentencePieceTokenizer
-    from dagmoe_jax.sample import sample_text
+    from dagmoe_jax.decoding.sample import sample_text
 
     (tmp_path / "corpus.txt").write_text("\n".join(f"the quick brown fox {i} jumps over the "
                                                    f"lazy dog" for i in range(200)))

@@ -18,7 +18,7 @@ from dagmoe_jax.data import exact_match, task_eval_batches
 from dagmoe_jax.data.config import DataConfig
 from dagmoe_jax.data.tasks import LETTERS, get_task
 from dagmoe_jax.train.step import eval_step
-from dagmoe_jax.generate import decoding_model
+from dagmoe_jax.decoding.generate import decoding_model
 
 Predictor = Callable[[Dict[str, np.ndarray]], np.ndarray]
 
@@ -32,7 +32,7 @@ def model_predictor(model, rows: Optional[int] = None, dispatch: Optional[str] =
       expert's buffer is shared by every token of the batch, so what gets dropped, and hence a
       problem's verdict, depends on the other rows (padding included). 'dense' (every expert
       on every token; exact, cheap for small models) or 'dropless' (exact) score each problem
-      on its own, as generation does (:func:`dagmoe_jax.generate.decoding_model`).
+      on its own, as generation does (:func:`dagmoe_jax.decoding.generate.decoding_model`).
     """
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 

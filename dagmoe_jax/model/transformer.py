@@ -14,7 +14,7 @@ routed expert ids in rank order; C = 1 except for CoE, one row per iteration) an
 ``edge_gates`` [layers, L, T, K, K, d_g] and ``dag_inputs`` [layers, L, T, K, d]
 (``dagmoe_jax.analysis.collect`` reads them).
 
-For autoregressive decoding (``dagmoe_jax.generate``) the same ``__call__`` takes a
+For autoregressive decoding (``dagmoe_jax.decoding.generate``) the same ``__call__`` takes a
 :class:`~dagmoe_jax.model.attention.KVCache` ([layers, B, T, KV, D], carried through the same
 layer scan as the parameters): a prompt fills it, new tokens at given positions read and extend
 it, and the updated cache comes back in the auxiliary dict (``aux['cache']``).

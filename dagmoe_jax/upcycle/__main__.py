@@ -26,7 +26,7 @@ Flags:
   --seq_len=N --batch_size=N  rows of the statistics pass and of later training (default: the
                          first dense run's; 256 and 16 for Hugging Face models)
 
-Then: python train.py --mode=eval --run_dir=DIR; python -m dagmoe_jax.sample --run_dir=DIR;
+Then: python train.py --mode=eval --run_dir=DIR; python -m dagmoe_jax.decoding.sample --run_dir=DIR;
 python train.py --gin_file=DIR/resume.gin (DUME+). Exit status 2 for invalid input (one line).
 """
 

@@ -3,7 +3,7 @@
 :func:`load_dense` reads a dense model from a ``train.py`` run directory or a Hugging Face
 Llama directory; :func:`build_dume` merges N of them and solves the routers from one data
 source per domain; :func:`write_run` writes a run directory that ``train.py --mode=eval``,
-``python -m dagmoe_jax.sample`` and the analysis accept, and that ``train.py`` continues
+``python -m dagmoe_jax.decoding.sample`` and the analysis accept, and that ``train.py`` continues
 (DUME+ router training, or DAG training after ``--dag_dim``) from its ``resume.gin``.
 Library code: progress goes to the ``progress`` callbacks, nothing is printed here.
 """

@@ -2,7 +2,7 @@
 
 ``generate(model, prompts, max_new_tokens=...)`` continues a batch of prompts
 (``dagmoe_jax.runs.load_run`` loads a run directory's newest checkpoint for it);
-``python -m dagmoe_jax.sample`` is the command line. Design:
+``python -m dagmoe_jax.decoding.sample`` is the command line. Design:
 
 * **Prompts of different lengths are right-padded.** Row b's token p sits at position p and at
   cache slot p, so every row's positions start at 0 exactly as in training and the prefill is the

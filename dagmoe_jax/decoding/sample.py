@@ -1,7 +1,7 @@
 """Sample continuations of prompts from a trained run's newest checkpoint.
 
-    python -m dagmoe_jax.sample --run_dir=runs/default --prompt="lis 3 1 4 1 5 ="
-    python -m dagmoe_jax.sample --run_dir=runs/default --prompt="edit abca acb =" \\
+    python -m dagmoe_jax.decoding.sample --run_dir=runs/default --prompt="lis 3 1 4 1 5 ="
+    python -m dagmoe_jax.decoding.sample --run_dir=runs/default --prompt="edit abca acb =" \\
         --max_new_tokens 32 --temperature 0.8 --top_k 20 --top_p 0.9 --num_samples 4 --seed 0
 
 Flags:
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
         return 0
 
     # Imported after argument parsing so that --help and argument errors are instant.
-    from dagmoe_jax.generate import check_settings, generate
+    from dagmoe_jax.decoding.generate import check_settings, generate
     from dagmoe_jax.model import extension_for
     from dagmoe_jax.runs import load_run
 

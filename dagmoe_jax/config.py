@@ -38,7 +38,7 @@ ATTENTION_IMPLS = ("auto", "xla", "blockwise", "fused", "cudnn", "splash")
 GROUPED_MATMULS = ("auto", "ragged_dot", "gmm")
 EXPERT_EXCHANGES = ("auto", "all_gather", "ragged_all_to_all")
 DTYPES = ("float32", "bfloat16")
-ROPE_SCALINGS = ("none", "llama3")
+ROPE_SCALINGS = ("none", "llama3", "linear")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,12 +91,14 @@ class RouterConfig:
 class RopeScalingConfig:
     """RoPE frequency scaling for long contexts (Hugging Face ``rope_scaling``).
 
-    kind: 'none' (default: plain RoPE, theta^(-2i/D)) or 'llama3' (Llama 3.1/3.2: wavelengths
+    kind: 'none' (default: plain RoPE, theta^(-2i/D)), 'llama3' (Llama 3.1/3.2: wavelengths
       longer than original_max_position / low_freq_factor are divided by ``factor``, shorter than
       original_max_position / high_freq_factor kept, the band between interpolated smoothly;
-      :func:`dagmoe_jax.model.attention.llama3_inv_freq`).
+      :func:`dagmoe_jax.model.attention.llama3_inv_freq`) or 'linear' (position interpolation:
+      every frequency divided by ``factor``, Hugging Face's ``rope_type='linear'``).
     factor, low_freq_factor, high_freq_factor, original_max_position: the 'llama3' parameters
-      (defaults: Llama 3.1's 8, 1, 4, 8192); ignored for 'none'.
+      (defaults: Llama 3.1's 8, 1, 4, 8192; 'linear' reads ``factor`` only); ignored for
+      'none'.
     """
 
     kind: str = "none"

@@ -79,8 +79,10 @@ def numpy_llama(t: dict, hf: dict, tokens: np.ndarray) -> np.ndarray:
     h_, kv = hf["num_attention_heads"], hf["num_key_value_heads"]
     b, s = tokens.shape
     inv_freq = 1.0 / hf["rope_theta"] ** (np.arange(0, hd, 2) / hd)
-    rs = hf.get("rope_scaling")
-    if rs:
+    rs = hf.get("rope_parameters") or hf.get("rope_scaling")
+    if rs and rs.get("rope_type") == "linear":
+        inv_freq = inv_freq / rs["factor"]
+    elif rs and rs.get("rope_type", "default") != "default":
         inv_freq = llama3_inv_freq_reference(inv_freq, rs["factor"], rs["low_freq_factor"],
                                              rs["high_freq_factor"],
                                              rs["original_max_position_embeddings"])
@@ -121,6 +123,15 @@ def numpy_llama(t: dict, hf: dict, tokens: np.ndarray) -> np.ndarray:
     return x @ head.T
 
 
+def rope_parameters_layout(hf: dict) -> dict:
+    """``hf`` as transformers 5 saves it: ``rope_theta`` and the scaling inside
+    ``rope_parameters``, no ``rope_scaling`` and no top-level ``rope_theta``."""
+    out = {k: v for k, v in hf.items() if k not in ("rope_scaling", "rope_theta")}
+    out["rope_parameters"] = {"rope_type": "default", **(hf.get("rope_scaling") or {}),
+                              "rope_theta": hf["rope_theta"]}
+    return out
+
+
 @pytest.mark.parametrize("dtype,tied,scaling", [("float32", False, True),
                                                 ("bfloat16", True, False)])
 def test_imported_logits_equal_numpy_llama(tmp_path, dtype, tied, scaling):
@@ -141,6 +152,41 @@ def test_imported_logits_equal_numpy_llama(tmp_path, dtype, tied, scaling):
     if scaling:
         plain = numpy_llama(stored, dict(hf, rope_scaling=None), tokens)
         assert np.max(np.abs(plain - want)) > 1e-3
+
+
+@pytest.mark.parametrize("scaling", [LLAMA3, {"rope_type": "linear", "factor": 4.0},
+                                     {"type": "llama3", **{k: v for k, v in LLAMA3.items()
+                                                           if k != "rope_type"}}])
+def test_every_rope_layout_imports_its_scaling(tmp_path, scaling):
+    """transformers 5's ``rope_parameters`` and 4.x's ``rope_scaling`` (with ``rope_type`` or
+    the older ``type``) give the same model, and its logits follow the scaling: a
+    ``rope_parameters`` config once lost its scaling without a word (0.8 of the logits' range
+    off for a llama3 model)."""
+    legacy = dict(HF, rope_scaling=scaling)
+    new = rope_parameters_layout(dict(HF, rope_scaling={
+        "rope_type": scaling.get("rope_type", scaling.get("type")),
+        **{k: v for k, v in scaling.items() if k not in ("rope_type", "type")}}))
+    assert "rope_scaling" not in new and "rope_theta" not in new
+    cfg_legacy = hf_llama.model_config_from_hf(legacy)
+    assert hf_llama.model_config_from_hf(new) == cfg_legacy
+    assert cfg_legacy.rope_scaling.kind == new["rope_parameters"]["rope_type"] != "none"
+    tensors = random_checkpoint(new)
+    write_checkpoint(tmp_path / "ckpt", new, tensors)
+    model, _ = hf_llama.load_hf_llama(tmp_path / "ckpt")
+    tokens = np.random.default_rng(1).integers(0, 64, (2, 24))
+    want = numpy_llama(tensors, dict(new, rope_theta=HF["rope_theta"]), tokens)
+    np.testing.assert_allclose(np.asarray(model(tokens)[0]), want, rtol=2e-4, atol=2e-4)
+    plain = numpy_llama(tensors, dict(HF, rope_scaling=None), tokens)
+    assert np.max(np.abs(plain - want)) > 1e-3              # the scaling is really applied
+    # export writes both layouts, and each reads back as the same model
+    out = hf_llama.export_hf_llama(model, tmp_path / "out")
+    back = json.loads((out / "config.json").read_text())
+    assert back["rope_parameters"]["rope_type"] == cfg_legacy.rope_scaling.kind
+    assert back["rope_scaling"]["rope_type"] == cfg_legacy.rope_scaling.kind
+    for layout in (back, {k: v for k, v in back.items() if k != "rope_parameters"},
+                   {k: v for k, v in back.items() if k not in ("rope_scaling", "rope_theta")}):
+        assert hf_llama.model_config_from_hf(layout).replace(
+            max_seq_len=cfg_legacy.max_seq_len) == cfg_legacy
 
 
 def test_export_round_trip_sharded_and_bfloat16(tmp_path):
@@ -196,6 +242,16 @@ def test_llama3_rope_scaling_equals_its_formula():
     (dict(sliding_window=4096), "sliding_window"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling.rope_type"),
+    (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+     "rope_parameters.rope_type"),
+    (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+                           "beta_fast": 32}), "rope_parameters.beta_fast"),
+    (dict(rope_parameters={"rope_type": "linear", "factor": 2.0},
+          rope_scaling={"rope_type": "linear", "factor": 4.0}), "rope_scaling.factor"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 5e5}, rope_theta=1e4),
+     "rope_theta"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
 ])
 def test_unsupported_configs_name_the_field(change, message):
     with pytest.raises(ValueError, match=message) as err:

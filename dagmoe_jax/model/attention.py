@@ -45,6 +45,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling=None) -> np.ndarray:
     inv_freq = 1.0 / (float(theta) ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     if scaling is not None and scaling.kind == "llama3":
         inv_freq = llama3_inv_freq(inv_freq, scaling)
+    elif scaling is not None and scaling.kind == "linear":      # position interpolation
+        inv_freq = inv_freq / float(scaling.factor)
     return inv_freq.astype(np.float32)
 
 

@@ -13,8 +13,10 @@ the ``safetensors`` NumPy API (one tensor in host memory at a time; bfloat16 thr
   :func:`~dagmoe_jax.model.attention.apply_rope`, so no permutation is needed.
 * ``tie_word_embeddings``: the LM head is ``embed_tokens`` transposed; export ties them again
   when the two are equal.
-* ``rope_theta``, ``rms_norm_eps``, ``head_dim``, ``intermediate_size`` and the Llama 3.1/3.2
-  ``rope_scaling`` (``rope_type='llama3'``) carry over to ``ModelConfig``.
+* ``rms_norm_eps``, ``head_dim``, ``intermediate_size`` and RoPE carry over to
+  ``ModelConfig``: ``rope_theta`` and the scaling ('default', 'linear', or Llama 3.1/3.2's
+  'llama3') in either layout transformers has written (:func:`rope_from_hf`: transformers 5's
+  ``rope_parameters``, 4.x's ``rope_scaling``); export writes both (:func:`rope_to_hf`).
 
 What the library's Llama cannot express (attention or MLP biases, a sliding window, another
 architecture, another activation or RoPE scaling, quantised weights) is a one-line
@@ -61,25 +63,74 @@ def _unsupported(field: str, value, why: str) -> ValueError:
     return ValueError(f"Hugging Face config {field}={json.dumps(value)} is not supported: {why}")
 
 
-def rope_scaling_from_hf(rope_scaling: Optional[dict]) -> RopeScalingConfig:
-    """``RopeScalingConfig`` of a Hugging Face ``rope_scaling`` entry (None, 'default' or
-    'llama3'; anything else is an error naming it)."""
-    if rope_scaling is None:
-        return RopeScalingConfig()
-    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
-    if kind == "default":
-        return RopeScalingConfig()
-    if kind != "llama3":
-        raise _unsupported("rope_scaling.rope_type", kind, "only 'llama3' RoPE scaling (or none)")
+# The keys each supported rope_type may carry (Hugging Face's ``rope_parameters`` /
+# ``rope_scaling``); any other key, or another rope_type, is refused by name.
+ROPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings"),
+}
+_ROPE_COMMON = ("rope_type", "type", "rope_theta")
+
+
+def rope_from_hf(hf: dict) -> Tuple[float, RopeScalingConfig]:
+    """(rope_theta, ``RopeScalingConfig``) of a Hugging Face config, in every layout
+    ``transformers`` has written: ``rope_parameters`` (transformers 5: ``rope_type`` and
+    ``rope_theta`` inside it) or ``rope_scaling`` beside a top-level ``rope_theta`` (4.x), the
+    type as ``rope_type`` or ``type``. Supported: 'default', 'linear', 'llama3'; any other
+    type ('yarn', 'dynamic', 'longrope', ...), an unknown key, or the two layouts disagreeing is
+    a one-line error naming the field, never a silent default."""
+    params, legacy = hf.get("rope_parameters"), hf.get("rope_scaling")
+    field, entry = (("rope_parameters", params) if params is not None
+                    else ("rope_scaling", legacy))
+    entry = dict(entry or {})
+    if params is not None and legacy is not None:
+        for key, value in legacy.items():
+            if key in entry and entry[key] != value and key != "type":
+                raise ValueError(f"Hugging Face config rope_scaling.{key}={json.dumps(value)} "
+                                 f"disagrees with rope_parameters.{key}="
+                                 f"{json.dumps(entry[key])}: fix config.json")
+    theta = entry.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if "rope_theta" in entry and "rope_theta" in hf and float(hf["rope_theta"]) != float(theta):
+        raise ValueError(f"Hugging Face config rope_theta={hf['rope_theta']} disagrees with "
+                         f"{field}.rope_theta={theta}: fix config.json")
+    kind = entry.get("rope_type", entry.get("type", "default"))
+    if kind not in ROPE_KEYS:
+        raise _unsupported(f"{field}.rope_type", kind,
+                           f"supported RoPE types are {', '.join(ROPE_KEYS)}")
+    for key in entry:
+        if key not in ROPE_KEYS[kind] + _ROPE_COMMON:
+            raise _unsupported(f"{field}.{key}", entry[key],
+                               f"rope_type {kind!r} takes no such key (the library would "
+                               f"ignore it)")
     try:
-        return RopeScalingConfig(kind="llama3", factor=float(rope_scaling["factor"]),
-                                 low_freq_factor=float(rope_scaling["low_freq_factor"]),
-                                 high_freq_factor=float(rope_scaling["high_freq_factor"]),
-                                 original_max_position=int(
-                                     rope_scaling["original_max_position_embeddings"]))
+        if kind == "linear":
+            return float(theta), RopeScalingConfig(kind="linear", factor=float(entry["factor"]))
+        if kind == "llama3":
+            return float(theta), RopeScalingConfig(
+                kind="llama3", factor=float(entry["factor"]),
+                low_freq_factor=float(entry["low_freq_factor"]),
+                high_freq_factor=float(entry["high_freq_factor"]),
+                original_max_position=int(entry["original_max_position_embeddings"]))
     except KeyError as err:
-        raise ValueError(f"Hugging Face config rope_scaling lacks {err.args[0]!r}, which "
-                         f"rope_type 'llama3' needs") from None
+        raise ValueError(f"Hugging Face config {field} lacks {err.args[0]!r}, which rope_type "
+                         f"{kind!r} needs") from None
+    return float(theta), RopeScalingConfig()
+
+
+def rope_to_hf(cfg: ModelConfig) -> dict:
+    """The RoPE fields of an exported ``config.json``: ``rope_parameters`` (read by
+    transformers 5) and the same scaling as ``rope_scaling`` beside ``rope_theta`` (read by
+    transformers 4.x, which ignores ``rope_parameters``), so either version loads it."""
+    rs = cfg.rope_scaling
+    scaling = {"none": None, "linear": {"rope_type": "linear", "factor": rs.factor},
+               "llama3": {"rope_type": "llama3", "factor": rs.factor,
+                          "low_freq_factor": rs.low_freq_factor,
+                          "high_freq_factor": rs.high_freq_factor,
+                          "original_max_position_embeddings": rs.original_max_position}}[rs.kind]
+    params = {"rope_type": "default", **(scaling or {}), "rope_theta": cfg.rope_theta}
+    return {"rope_theta": cfg.rope_theta, "rope_scaling": scaling, "rope_parameters": params}
 
 
 def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
@@ -96,6 +147,9 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
     if hf.get("sliding_window") is not None:
         raise _unsupported("sliding_window", hf["sliding_window"],
                            "the library's attention is full causal")
+    if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise _unsupported("partial_rotary_factor", hf["partial_rotary_factor"],
+                           "the library's RoPE rotates every head dimension")
     if hf.get("quantization_config") is not None:
         raise _unsupported("quantization_config", hf["quantization_config"].get("quant_method"),
                            "import an unquantised (float32/bfloat16/float16) checkpoint")
@@ -106,15 +160,15 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
                              f"this a Llama config.json?")
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    rope_theta, rope_scaling = rope_from_hf(hf)
     fields = dict(
         vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
         num_layers=hf["num_hidden_layers"], num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim,
         ffn_hidden=hf["intermediate_size"], block="dense",
         max_seq_len=int(hf.get("max_position_embeddings", 2048)),
-        rope_theta=float(hf.get("rope_theta", 10000.0)),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_scaling=rope_scaling_from_hf(hf.get("rope_scaling")))
+        rope_theta=rope_theta, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_scaling=rope_scaling)
     fields.update(overrides)
     return ModelConfig(**fields)
 
@@ -132,16 +186,9 @@ def hf_config_from_model(cfg: ModelConfig, *, tie_word_embeddings: bool,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
         "head_dim": cfg.resolved_head_dim, "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "attention_bias": False, "mlp_bias": False,
-        "tie_word_embeddings": tie_word_embeddings, "torch_dtype": dtype,
-        "rope_scaling": None,
+        "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": tie_word_embeddings, "torch_dtype": dtype, **rope_to_hf(cfg),
     }
-    rs = cfg.rope_scaling
-    if rs.kind == "llama3":
-        hf["rope_scaling"] = {"rope_type": "llama3", "factor": rs.factor,
-                              "low_freq_factor": rs.low_freq_factor,
-                              "high_freq_factor": rs.high_freq_factor,
-                              "original_max_position_embeddings": rs.original_max_position}
     return hf
 
 

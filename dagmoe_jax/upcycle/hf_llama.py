@@ -35,6 +35,8 @@ from flax import nnx
 
 from dagmoe_jax.config import ModelConfig, RopeScalingConfig
 from dagmoe_jax.upcycle.moerge import set_params, variable
+from dagmoe_jax.model import Transformer
+from dagmoe_jax.runs.settle import settle
 
 PathLike = Union[str, Path]
 CONFIG_FILE = "config.json"
@@ -306,8 +308,6 @@ def load_hf_llama(path: PathLike, *, rngs: Optional[nnx.Rngs] = None, settle_fn=
     ``attention``...). ``settle_fn``: settles the config for this machine (default
     :func:`dagmoe_jax.runs.settle.settle`). Returns (model, ModelConfig before settling).
     """
-    from dagmoe_jax.model import Transformer  # pylint: disable=import-outside-toplevel
-    from dagmoe_jax.runs.settle import settle  # pylint: disable=import-outside-toplevel
 
     hf = read_hf_config(path)
     cfg = model_config_from_hf(hf, **overrides)

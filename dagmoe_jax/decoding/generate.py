@@ -34,19 +34,21 @@
 * **Tracked features**: a model family whose tokens carry features that depend on the text so
   far (DoE's causal topic ids) decodes with ``generate(..., features=tracker)``, a
   :class:`~dagmoe_jax.extensions.FeatureTracker` (``extension_for(cfg).decoding_features(...)``)
-  that gives the prompt's features and each new token's on the host; the decode steps then run
-  as a host loop of one jitted step each (the same prefill, cache and sampling as above).
+  that gives the prompt's features and, through an ordered host callback inside the same
+  decoding loop, each new token's: one loop for every model.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from typing import List, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import io_callback
 
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.model import Transformer
@@ -106,18 +108,36 @@ def _next_tokens(logits, key, step, greedy: bool, temperature, top_k, top_p):
 # ------------------------------------------------------------------------------ the decoding loop
 
 
+# The feature tracker of the generate call in progress, read by the decoding loop's host
+# callback (one tracked generation at a time: the lock is held for the whole call).
+_TRACKING = {"tracker": None}
+_TRACKING_LOCK = threading.Lock()
+
+
+def _track_step(tokens):
+    """Host callback: the features of the tokens just generated (the active tracker's)."""
+    features = _TRACKING["tracker"].step(np.asarray(tokens))
+    return {k: np.asarray(v, np.int32) for k, v in features.items()}
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy"))
-def _generate(graphdef, state, tokens, lengths, key, temperature, top_k, top_p, stop_tokens,
-              pad_id, *, max_new_tokens: int, greedy: bool):
-    """Prefill + while_loop of decode steps; returns (tokens [B, N], lengths [B], finished [B])."""
+def _generate(graphdef, state, tokens, lengths, features, key, temperature, top_k, top_p,
+              stop_tokens, pad_id, *, max_new_tokens: int, greedy: bool):
+    """Prefill + while_loop of decode steps; returns (tokens [B, N], lengths [B], finished [B]).
+
+    ``features``: the prompt's tracked features (None: the model has none); each decode step
+    then asks the active tracker for the new tokens' features through an ordered host
+    callback, in the loop itself."""
     model = nnx.merge(graphdef, state)
     b, p = tokens.shape
     n = max_new_tokens
-    logits, aux = model(tokens, cache=model.init_cache(b, p + n - 1),
+    logits, aux = model(tokens, features=features, cache=model.init_cache(b, p + n - 1),
                         logit_positions=lengths - 1)
     cache = aux["cache"]
     sample = functools.partial(_next_tokens, key=key, greedy=greedy, temperature=temperature,
                                top_k=top_k, top_p=top_p)
+    step_features = (None if features is None else
+                     {k: jax.ShapeDtypeStruct((b, 1), jnp.int32) for k in features})
 
     def record(step, tok, out, count, finished):
         tok = jnp.where(finished, pad_id, tok)
@@ -138,7 +158,9 @@ def _generate(graphdef, state, tokens, lengths, key, temperature, top_k, top_p, 
     def body(carry):
         # the parameters ride in the carry: nnx needs them traced at the loop's level
         step, params, tok, cache, out, count, finished = carry
-        logits, aux = nnx.merge(graphdef, params)(tok[:, None], cache=cache,
+        new = (None if step_features is None
+               else io_callback(_track_step, step_features, tok, ordered=True))
+        logits, aux = nnx.merge(graphdef, params)(tok[:, None], features=new, cache=cache,
                                                   start=lengths + step - 1)
         cache = aux["cache"]
         tok, out, count, finished = record(step, sample(logits[:, 0], step=step), out, count,
@@ -147,53 +169,6 @@ def _generate(graphdef, state, tokens, lengths, key, temperature, top_k, top_p, 
 
     carry = (jnp.int32(1), state, tok, cache, out, count, finished)
     *_, out, count, finished = jax.lax.while_loop(cond, body, carry)
-    return out, count, finished
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "slots", "greedy"))
-def _tracked_prefill(graphdef, state, tokens, features, lengths, key, temperature, top_k, top_p,
-                     *, slots: int, greedy: bool):
-    model = nnx.merge(graphdef, state)
-    cache = model.init_cache(tokens.shape[0], slots)
-    logits, aux = model(tokens, features=features, cache=cache, logit_positions=lengths - 1)
-    return _next_tokens(logits, key, 0, greedy, temperature, top_k, top_p), aux["cache"]
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "greedy"))
-def _tracked_step(graphdef, state, tok, features, cache, start, step, key, temperature, top_k,
-                  top_p, *, greedy: bool):
-    logits, aux = nnx.merge(graphdef, state)(tok[:, None], features=features, cache=cache,
-                                             start=start)
-    return _next_tokens(logits[:, 0], key, step, greedy, temperature, top_k, top_p), aux["cache"]
-
-
-def _generate_tracked(graphdef, state, tokens, lens, features, *, key, temperature, top_k,
-                      top_p, stop_tokens, pad_id, max_new_tokens, greedy):
-    """Decoding with host-tracked features: jitted one-token steps, the tracker between them."""
-    b, p = tokens.shape
-    n = max_new_tokens
-    as_device = lambda f: {k: jnp.asarray(v, jnp.int32) for k, v in f.items()}  # noqa: E731
-    settings = (jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
-    tok, cache = _tracked_prefill(graphdef, state, jnp.asarray(tokens, jnp.int32),
-                                  as_device(features.prompt(tokens, lens)),
-                                  jnp.asarray(lens, jnp.int32), key, *settings,
-                                  slots=p + n - 1, greedy=greedy)
-    out = np.full((b, n), pad_id, np.int32)
-    count = np.zeros((b,), np.int32)
-    finished = np.zeros((b,), bool)
-    stops = set(stop_tokens)
-    for step in range(n):
-        tok = np.asarray(tok)
-        tok = np.where(finished, pad_id, tok)
-        out[:, step] = tok
-        count = np.where(finished, count, step + 1)
-        finished = finished | np.isin(tok, list(stops))
-        if step == n - 1 or finished.all():
-            break
-        tok, cache = _tracked_step(graphdef, state, jnp.asarray(tok, jnp.int32),
-                                   as_device(features.step(tok)), cache,
-                                   jnp.asarray(lens + step, jnp.int32), step + 1, key,
-                                   *settings, greedy=greedy)
     return out, count, finished
 
 
@@ -318,18 +293,20 @@ def generate(model: Transformer, prompts: Union[Sequence[Sequence[int]], np.ndar
                          f"[0, {cfg.vocab_size}) (padding is fed to the model)")
 
     graphdef, state = nnx.split(decoding_model(model, dispatch))
-    if features is not None:
-        out, count, finished = _generate_tracked(
-            graphdef, state, np.where(valid, tokens, pad_id), lens, features,
-            key=jax.random.key(seed), temperature=max(temperature, 1e-6), top_k=top_k,
-            top_p=top_p, stop_tokens=stop_tokens, pad_id=pad_id, max_new_tokens=max_new_tokens,
-            greedy=temperature == 0)
-        result = Generation(out, count, finished)
-        return result.as_lists() if as_list else result
-    out, count, finished = _generate(
-        graphdef, state, jnp.asarray(np.where(valid, tokens, pad_id), jnp.int32),
-        jnp.asarray(lens, jnp.int32), jax.random.key(seed), jnp.float32(max(temperature, 1e-6)),
-        jnp.int32(top_k), jnp.float32(top_p), _padded_ids(stop_tokens),
-        jnp.int32(pad_id), max_new_tokens=int(max_new_tokens), greedy=temperature == 0)
+    prompts = np.where(valid, tokens, pad_id)
+    with _TRACKING_LOCK:
+        _TRACKING["tracker"] = features
+        try:
+            prompt_features = (None if features is None else
+                               {k: jnp.asarray(v, jnp.int32)
+                                for k, v in features.prompt(prompts, lens).items()})
+            out, count, finished = _generate(
+                graphdef, state, jnp.asarray(prompts, jnp.int32), jnp.asarray(lens, jnp.int32),
+                prompt_features, jax.random.key(seed), jnp.float32(max(temperature, 1e-6)),
+                jnp.int32(top_k), jnp.float32(top_p), _padded_ids(stop_tokens),
+                jnp.int32(pad_id), max_new_tokens=int(max_new_tokens), greedy=temperature == 0)
+            out, count, finished = jax.block_until_ready((out, count, finished))
+        finally:
+            _TRACKING["tracker"] = None
     result = Generation(np.asarray(out), np.asarray(count), np.asarray(finished))
     return result.as_lists() if as_list else result

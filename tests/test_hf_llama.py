@@ -259,6 +259,37 @@ def test_unsupported_configs_name_the_field(change, message):
     assert "\n" not in str(err.value)
 
 
+# The top-level fields of transformers 5.23's LlamaConfig().to_dict(), sorted.
+LLAMA_CONFIG_FIELDS_5_23 = [
+    "_name_or_path", "architectures", "attention_bias", "attention_dropout", "bos_token_id",
+    "chunk_size_feed_forward", "dtype", "eos_token_id", "head_dim", "hidden_act", "hidden_size",
+    "id2label", "initializer_range", "intermediate_size", "is_encoder_decoder", "label2id",
+    "max_position_embeddings", "mlp_bias", "model_type", "num_attention_heads",
+    "num_hidden_layers", "num_key_value_heads", "output_attentions", "output_hidden_states",
+    "pad_token_id", "pretraining_tp", "problem_type", "return_dict", "rms_norm_eps",
+    "rope_parameters", "tie_word_embeddings", "transformers_version", "use_cache",
+    "vocab_size"]
+
+
+def test_every_llama_config_field_is_read_or_known_harmless():
+    """A field LlamaConfig has is either turned into the model (or checked) or listed as not
+    changing the forward pass; a field the importer does not know is refused by name."""
+    known = hf_llama.READ_FIELDS | hf_llama.NO_EFFECT_FIELDS
+    assert not set(LLAMA_CONFIG_FIELDS_5_23) - known
+    assert not hf_llama.READ_FIELDS & hf_llama.NO_EFFECT_FIELDS
+    with pytest.raises(ValueError, match=r"field rope_interleaved=true is unknown") as err:
+        hf_llama.model_config_from_hf(dict(HF, rope_interleaved=True))
+    assert "\n" not in str(err.value)
+
+
+def test_the_listed_fields_are_those_of_the_installed_transformers():
+    """With transformers installed (an optional extra), its LlamaConfig has no field the list
+    above lacks: a new field fails here before it can be ignored by the importer."""
+    transformers = pytest.importorskip("transformers")
+    fields = set(transformers.LlamaConfig().to_dict())
+    assert not fields - set(LLAMA_CONFIG_FIELDS_5_23), sorted(fields - set(LLAMA_CONFIG_FIELDS_5_23))
+
+
 def test_bad_checkpoints_are_one_line_errors(tmp_path):
     tensors = random_checkpoint(HF)
     # a bias tensor the config did not announce

@@ -135,12 +135,37 @@ def rope_to_hf(cfg: ModelConfig) -> dict:
     return {"rope_theta": cfg.rope_theta, "rope_scaling": scaling, "rope_parameters": params}
 
 
+# Every top-level config.json field the importer knows. READ: turned into the ModelConfig or
+# checked to be what the library's Llama computes (a bias, another activation, a sliding
+# window, partial RoPE, quantisation are refused by name). NO_EFFECT: fields that do not
+# change the forward pass of an imported model (bookkeeping, token ids, the storage dtype,
+# training-only dropout, Llama's pretraining_tp, which slices the same matmuls). Any other
+# field is refused by name: a field a newer transformers adds must be read here, or listed
+# as harmless, before it can be ignored (tests/test_hf_llama.py lists LlamaConfig's).
+READ_FIELDS = frozenset({
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+    "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings",
+    "hidden_act", "attention_bias", "mlp_bias", "sliding_window", "partial_rotary_factor",
+    "quantization_config"})
+NO_EFFECT_FIELDS = frozenset({
+    "_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype",
+    "bos_token_id", "eos_token_id", "pad_token_id", "attention_dropout", "initializer_range",
+    "pretraining_tp", "use_cache", "output_attentions", "output_hidden_states", "return_dict",
+    "is_encoder_decoder", "chunk_size_feed_forward", "id2label", "label2id", "problem_type"})
+
+
 def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
     """The dense ``ModelConfig`` of a Hugging Face Llama ``config.json`` (``overrides``: other
     ModelConfig fields, e.g. ``param_dtype``). Unsupported fields are one-line errors."""
     model_type = hf.get("model_type")
     if model_type != "llama":
         raise _unsupported("model_type", model_type, "only 'llama' checkpoints can be imported")
+    unknown = sorted(set(hf) - READ_FIELDS - NO_EFFECT_FIELDS)
+    if unknown:
+        raise ValueError(f"Hugging Face config field {unknown[0]}={json.dumps(hf[unknown[0]])} "
+                         f"is unknown to the importer: it may change the model, so it is not "
+                         f"ignored (remove it from config.json if it does not)")
     if hf.get("hidden_act", "silu") != "silu":
         raise _unsupported("hidden_act", hf["hidden_act"], "Llama's MLP is SwiGLU ('silu')")
     for field in ("attention_bias", "mlp_bias"):

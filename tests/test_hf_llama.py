@@ -325,3 +325,43 @@ def test_upcycle_command_reads_hugging_face_directories(tmp_path, capsys):
                      "--source=text:x.txt"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and "tokenizer.json does not exist" in err[-1]
+
+
+@pytest.fixture
+def hf_tokenizer_json(tmp_path):
+    """A small byte-level BPE tokenizer.json with two end tokens, trained offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["a tiny corpus for a tiny tokenizer"] * 4, trainers.BpeTrainer(
+        vocab_size=280, special_tokens=["<|endoftext|>", "<eot>", "<bos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    path = tmp_path / "trained" / "tokenizer.json"
+    path.parent.mkdir()
+    tok.save(str(path))
+    return path
+
+
+def test_the_tokenizer_folder_of_an_imported_model_is_picked_up(tmp_path, hf_tokenizer_json):
+    """An upcycled Hugging Face model's run reads the folder's tokenizer.json and takes its
+    EOS from tokenizer_config.json (as transformers writes it: a dict with ``content``), so
+    sampling and evaluation of the run need no tokenizer flags."""
+    import types
+
+    from dagmoe_jax.data import make_tokenizer
+    from dagmoe_jax.upcycle import __main__ as cli
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text(hf_tokenizer_json.read_text())
+    assert hf_llama.tokenizer_settings(folder) == {}
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": {"content": "<eot>", "special": True}, "bos_token": "<bos>"}))
+    assert hf_llama.tokenizer_settings(folder) == {"eos_token": "<eot>", "bos_token": "<bos>"}
+    args = types.SimpleNamespace(tokenizer_path="", dense=[str(folder)], seq_len=0,
+                                 batch_size=0)
+    data_cfg = cli._base_data(args, types.SimpleNamespace(data_cfg=None))
+    assert (data_cfg.tokenizer, data_cfg.eos_token) == ("hf", "<eot>")
+    tok = make_tokenizer(data_cfg)
+    assert tok.decode([tok.eos_id]) == "<eot>"

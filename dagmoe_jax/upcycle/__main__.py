@@ -81,14 +81,16 @@ def _check_args(args) -> None:
 
 def _base_data(args, first):
     from dagmoe_jax.data import DataConfig  # pylint: disable=import-outside-toplevel
+    from dagmoe_jax.upcycle.hf_llama import tokenizer_settings  # pylint: disable=import-outside-toplevel
 
     base = first.data_cfg
-    if base is None:                                # a Hugging Face model: its tokenizer.json
+    if base is None:       # a Hugging Face model: its tokenizer.json and tokenizer_config.json
         path = args.tokenizer_path or str(Path(args.dense[0]) / "tokenizer.json")
         if not Path(path).is_file():
             raise ValueError(f"{path} does not exist: pass --tokenizer_path=tokenizer.json of "
                              f"the Hugging Face models")
-        base = DataConfig(tokenizer="hf", tokenizer_path=path)
+        eos = tokenizer_settings(Path(path).parent).get("eos_token", "")
+        base = DataConfig(tokenizer="hf", tokenizer_path=path, eos_token=eos)
     changes = {k: v for k, v in (("seq_len", args.seq_len), ("batch_size", args.batch_size)) if v}
     return dataclasses.replace(base, **changes)
 

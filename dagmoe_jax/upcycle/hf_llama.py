@@ -61,6 +61,26 @@ def read_hf_config(path: PathLike) -> dict:
         raise ValueError(f"{file} is not valid JSON ({err.msg}, line {err.lineno})") from None
 
 
+def tokenizer_settings(path: PathLike) -> Dict[str, str]:
+    """What a Hugging Face model directory's ``tokenizer_config.json`` says about its special
+    tokens: ``{'eos_token': ..., 'bos_token': ...}`` for those it names (a string, or a dict
+    with ``content``, as transformers writes added tokens); empty without the file."""
+    file = Path(path) / "tokenizer_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        blob = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file} is not valid JSON ({err.msg}, line {err.lineno})") from None
+    out = {}
+    for key in ("eos_token", "bos_token"):
+        value = blob.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str) and value:
+            out[key] = value
+    return out
+
+
 def _unsupported(field: str, value, why: str) -> ValueError:
     return ValueError(f"Hugging Face config {field}={json.dumps(value)} is not supported: {why}")
 

@@ -323,7 +323,7 @@ def hf_tensors_to_params(cfg: ModelConfig, get: Callable[[str], np.ndarray],
     f, v = cfg.resolved_ffn_hidden, cfg.vocab_size
 
     def read(name, shape):
-        return _expect(name, get(name), shape).astype(np.float32)
+        return _expect(name, get(name), shape).astype(np.float32, copy=False)
 
     embed = read("model.embed_tokens.weight", (v, d))
     yield ("embed",), embed
@@ -360,7 +360,9 @@ def load_hf_llama(path: PathLike, *, rngs: Optional[nnx.Rngs] = None, settle_fn=
     tied = bool(hf.get("tie_word_embeddings", False)) and "lm_head.weight" not in reader
     _check_names(reader, cfg, tied)
     settled = (settle_fn or settle)(cfg)
-    model = Transformer(settled, rngs=rngs or nnx.Rngs(0))
+    # Built abstractly (shapes only, no initialisation), each parameter then placed as it is
+    # read: importing needs about the model's size in memory, never a random model besides.
+    model = nnx.eval_shape(lambda: Transformer(settled, rngs=rngs or nnx.Rngs(0)))
     set_params(model, hf_tensors_to_params(cfg, reader.__getitem__, tied),
                source="the checkpoint")
     return model, cfg

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence, Tuple
 
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -103,14 +104,16 @@ def variable(model: nnx.Module, path: Sequence[str]):
 
 def set_params(model: nnx.Module, params, source: str = "the merge") -> None:
     """Write {path: array} (or (path, array) pairs, read one at a time) into ``model``'s
-    parameters, cast to their dtypes; a shape mismatch is a one-line error naming the
+    parameters (concrete, or abstract from ``nnx.eval_shape``), cast to their dtypes; a shape mismatch is a one-line error naming the
     parameter and what gave the array (``source``)."""
     for path, value in (params.items() if isinstance(params, dict) else params):
         node = variable(model, path)
         if tuple(node.shape) != tuple(np.shape(value)):
             raise ValueError(f"parameter {'.'.join(path)} has shape {tuple(node.shape)}, "
                              f"{source} gives {tuple(np.shape(value))}")
-        node[...] = np.asarray(value).astype(node[...].dtype)
+        # ``value`` rather than ``[...]``: the model may be abstract (nnx.eval_shape), its
+        # parameters shapes only until set here.
+        node.set_value(jnp.asarray(np.asarray(value, dtype=node.dtype)))
 
 
 def merged_params(dense: Sequence[dict]) -> Tuple[dict, dict]:

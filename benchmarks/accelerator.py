@@ -19,9 +19,10 @@ Llama-3 vocabulary (128,256), batch x sequence tokens per step (default 16 x 102
    memory is its own;
 3. DAG-MoE-s L 2 / MoE-s + shared step ratio (the DAG-MoE paper: +4.49% at L 2 on an A100);
 4. with the time left, a short quality run: MoE, MoE + shared and DAG-MoE L 2 (d_g 128) of
-   the s shape trained on the same tokens (600 steps x 32 x 512, 9.8M) of an offline corpus (this Python's standard-library docstrings, built where the
-   script runs; nothing downloads) and scored on its held-out text, at a budget the project's
-   CPU cannot reach. One seed: a trend to repeat, not a result.
+   the s shape trained on the same tokens (600 steps x 32 x 512, 9.8M) of an offline corpus
+   (this Python's standard-library docstrings, built where the script runs; nothing
+   downloads) and scored on its held-out text, at a budget the project's CPU cannot reach.
+   One seed: a trend to repeat, not a result.
 
 Every number also goes to a JSON file (--json; default ``$OUT/accelerator.json`` where the
 environment sets ``OUT``, as the lent machine does, else runs/accelerator/accelerator.json).

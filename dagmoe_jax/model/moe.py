@@ -10,7 +10,8 @@ from flax import nnx
 
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.model.aggregation import make_aggregator
-from dagmoe_jax.model.block import BlockInputs, BlockStats, empty_stats, register_block, routed_stats
+from dagmoe_jax.model.block import (BlockInputs, BlockStats, empty_stats, register_block,
+                                    routed_stats)
 from dagmoe_jax.model.experts import Experts
 from dagmoe_jax.model.layers import SwiGLU, dtype_of
 from dagmoe_jax.model.router import Router

@@ -161,7 +161,8 @@ class Transformer(nnx.Module):
             body = nnx.remat(body, policy=REMAT_POLICIES[cfg.execution.remat], prevent_cse=False)
 
         @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, None), out_axes=(nnx.Carry, 0),
-                  unroll=cfg.execution.scan_unroll, transform_metadata={nnx.PARTITION_NAME: "layers"})
+                  unroll=cfg.execution.scan_unroll,
+                  transform_metadata={nnx.PARTITION_NAME: "layers"})
         def run(h, layer, layer_cache, layer_inputs, shared_inputs):
             return body(h, layer, layer_cache, layer_inputs, shared_inputs)
 

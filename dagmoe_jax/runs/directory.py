@@ -84,8 +84,8 @@ def configs_from_json(blob: dict):
     output (the settled model config, a record of one machine, is not read back)."""
     train = dict(blob["train"])
     train["mesh"] = MeshConfig(**train.get("mesh", {}))
-    return (ModelConfig.from_dict(blob["model"]), DataConfig(**blob["data"]), OptimConfig(**blob["optim"]),
-            TrainConfig(**train))
+    return (ModelConfig.from_dict(blob["model"]), DataConfig(**blob["data"]),
+            OptimConfig(**blob["optim"]), TrainConfig(**train))
 
 
 def save_configs(run_dir: PathLike, model_cfg, data_cfg, optim_cfg, train_cfg,

@@ -104,8 +104,8 @@ def variable(model: nnx.Module, path: Sequence[str]):
 
 def set_params(model: nnx.Module, params, source: str = "the merge") -> None:
     """Write {path: array} (or (path, array) pairs, read one at a time) into ``model``'s
-    parameters (concrete, or abstract from ``nnx.eval_shape``), cast to their dtypes; a shape mismatch is a one-line error naming the
-    parameter and what gave the array (``source``)."""
+    parameters (concrete, or abstract from ``nnx.eval_shape``), cast to their dtypes; a shape
+    mismatch is a one-line error naming the parameter and what gave the array (``source``)."""
     for path, value in (params.items() if isinstance(params, dict) else params):
         node = variable(model, path)
         if tuple(node.shape) != tuple(np.shape(value)):

@@ -47,6 +47,7 @@ def test_pins_match_requirements():
     assert _pins(extras["peer"]) == peer
     assert _pins(extras["gpu"]) == {"jax[cuda12]": requirements["jax"]}
     assert "wandb" in _pins(extras["wandb"]) and "wandb" not in requirements
+    assert _pins(extras["harness"]) == {"lm-eval": requirements["lm-eval"]}
 
 
 def test_every_package_and_config_dir_is_listed():

@@ -1,0 +1,155 @@
+"""Score a run directory on lm-evaluation-harness tasks.
+
+    python -m dagmoe_jax.harness --run_dir runs/dagmoe_s --tasks piqa,arc_easy,hellaswag \\
+        --batch_size 16 --output_path results/dagmoe_s
+    python -m dagmoe_jax.harness --run_dir R --tasks dagmoe_mc --include_path tests/harness_tasks
+
+Flags (the harness's own, as ``lm_eval run`` spells them):
+  --run_dir=DIR           a run directory (train.py, the upcycle command, a DUME merge)
+  --tasks=T1,T2           task or group names (``lm_eval ls tasks`` lists the harness's)
+  --num_fewshot=N         few-shot examples per prompt (default: each task's own)
+  --limit=N               only the first N documents of each task (N < 1: that fraction)
+  --batch_size=N          rows per compiled call (default 8)
+  --max_length=N          the scoring window (default: the model's max_seq_len)
+  --include_path=DIR      also read task YAML files from DIR (local or offline tasks)
+  --output_path=PATH      write the harness's results JSON (and samples) under PATH
+  --log_samples           also write every document's prompt, answers and scores
+  --apply_chat_template   format prompts with the tokenizer's chat template (a name picks one
+                          of several); --fewshot_as_multiturn=false turns few-shot examples
+                          into one user turn instead of a conversation
+  --system_instruction=S  a system message before every prompt
+  --gen_kwargs=K=V,...    override generation settings (max_gen_toks, temperature, do_sample)
+  --seed=N                the harness's sampling seeds and the generation seed (default 0)
+  --prefix_eos            put the EOS id before every context and prompt
+  --mesh=auto|none        data-parallel over every device (auto, default) or one device
+  --bootstrap_iters=N     bootstrap resamples for the standard errors (default 100000)
+
+Prints the harness's table. Exit status: 0 done, 2 bad arguments, run directory or task (one
+line), 3 lm-evaluation-harness not installed (``pip install 'dagmoe-jax[harness]'``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from dagmoe_jax.cli import USER_ERRORS, OneLineParser, quiet_background_errors, report_error
+
+INSTALL_HINT = ("lm-evaluation-harness is not installed: pip install 'dagmoe-jax[harness]' "
+                "(or pip install lm-eval==0.4.13)")
+
+
+def _bool(text: str) -> bool:
+    if text.lower() not in ("true", "false", "1", "0"):
+        raise ValueError(f"expected true or false, got {text!r}")
+    return text.lower() in ("true", "1")
+
+
+def parse_args(argv):
+    parser = OneLineParser(add_help=False)
+    parser.add_argument("-h", "--help", action="store_true")
+    parser.add_argument("--run_dir", default="")
+    parser.add_argument("--tasks", default="")
+    parser.add_argument("--num_fewshot", type=int, default=None)
+    parser.add_argument("--limit", type=float, default=None)
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--max_length", type=int, default=None)
+    parser.add_argument("--include_path", default=None)
+    parser.add_argument("--output_path", default=None)
+    parser.add_argument("--log_samples", action="store_true")
+    parser.add_argument("--apply_chat_template", nargs="?", const=True, default=False)
+    parser.add_argument("--fewshot_as_multiturn", type=_bool, default=True)
+    parser.add_argument("--system_instruction", default=None)
+    parser.add_argument("--gen_kwargs", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefix_eos", action="store_true")
+    parser.add_argument("--mesh", choices=("auto", "none"), default="auto")
+    parser.add_argument("--bootstrap_iters", type=int, default=100000)
+    args = parser.parse_args(argv)
+    if not args.help:
+        if not args.run_dir:
+            raise ValueError("--run_dir=DIR is required (a run directory written by train.py)")
+        if not args.tasks:
+            raise ValueError("--tasks=T1,T2 is required (lm_eval ls tasks lists them)")
+        if args.log_samples and not args.output_path:
+            raise ValueError("--log_samples needs --output_path=PATH to write the samples to")
+        if args.batch_size < 1:
+            raise ValueError(f"--batch_size={args.batch_size} is invalid: expected >= 1")
+        if args.limit is not None and args.limit <= 0:
+            raise ValueError(f"--limit={args.limit} is invalid: expected > 0")
+        if args.limit is not None and args.limit >= 1:
+            args.limit = int(args.limit)
+    return args
+
+
+def evaluate(args, log=print) -> dict:
+    """Run the harness on ``args`` (parsed flags); returns its results dict (samples
+    removed), after writing them under ``--output_path`` when given."""
+    # pylint: disable=import-outside-toplevel
+    import lm_eval
+    from lm_eval.loggers import EvaluationTracker
+    from lm_eval.tasks import TaskManager
+
+    from dagmoe_jax.harness.lm import DagmoeLM
+
+    task_manager = TaskManager(include_path=args.include_path)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    unknown = [t for t in tasks if t not in task_manager.all_tasks]
+    if unknown:
+        where = f" or in {args.include_path}" if args.include_path else ""
+        raise ValueError(f"unknown task {unknown[0]!r}: not among the harness's tasks{where} "
+                         f"(lm_eval ls tasks lists them; --include_path adds a folder)")
+    lm = DagmoeLM(run_dir=args.run_dir, batch_size=args.batch_size,
+                  max_length=args.max_length, mesh=args.mesh, prefix_eos=args.prefix_eos,
+                  seed=args.seed)
+    log(f"run {args.run_dir} at step {lm.run.step}: block={lm.run.model_cfg.block}, "
+        f"{lm.run.data_cfg.tokenizer} tokenizer, window {lm.max_length}, "
+        f"batch {lm.scorer.batch_size}, mesh {'none' if lm.scorer.mesh is None else 'auto'}")
+    tracker = EvaluationTracker(output_path=args.output_path) if args.output_path else None
+    results = lm_eval.simple_evaluate(
+        model=lm, tasks=tasks, num_fewshot=args.num_fewshot, limit=args.limit,
+        batch_size=args.batch_size, log_samples=args.log_samples,
+        evaluation_tracker=tracker, system_instruction=args.system_instruction,
+        apply_chat_template=args.apply_chat_template,
+        fewshot_as_multiturn=args.fewshot_as_multiturn if args.apply_chat_template else False,
+        gen_kwargs=args.gen_kwargs, task_manager=task_manager,
+        bootstrap_iters=args.bootstrap_iters, random_seed=args.seed,
+        numpy_random_seed=args.seed, fewshot_random_seed=args.seed)
+    samples = results.pop("samples", None)
+    if tracker is not None:
+        tracker.save_results_aggregated(results=results, samples=samples)
+        if args.log_samples:
+            for name in results["configs"]:
+                tracker.save_results_samples(task_name=name, samples=samples[name])
+    return results
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+    except ValueError as err:
+        return report_error(err)
+    if args.help:
+        print(__doc__)
+        return 0
+    try:
+        import lm_eval.utils  # noqa: F401  pylint: disable=import-outside-toplevel
+    except ImportError:
+        print(f"error: {INSTALL_HINT}", file=sys.stderr)
+        return 3
+    quiet_background_errors()
+    try:
+        results = evaluate(args, log=lambda message: print(message, file=sys.stderr, flush=True))
+    except USER_ERRORS as err:
+        return report_error(err)
+    from lm_eval.utils import make_table  # pylint: disable=import-outside-toplevel
+    print(make_table(results))
+    if "groups" in results:
+        print(make_table(results, "groups"))
+    if args.output_path:
+        print(f"results written under {args.output_path}", file=sys.stderr)
+    return 0
+
+
+def entry() -> None:
+    """The console script ``dagmoe-harness``."""
+    sys.exit(main())

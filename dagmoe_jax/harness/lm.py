@@ -1,0 +1,219 @@
+"""lm-evaluation-harness's ``LM`` interface for any run directory: the model named ``dagmoe``.
+
+``lm_eval --model dagmoe --model_args run_dir=R`` (with ``--include_path`` or after
+``import dagmoe_jax.harness.lm``), ``python -m dagmoe_jax.harness --run_dir R``, or
+``lm_eval.simple_evaluate(model=DagmoeLM(run_dir=R), ...)`` from a notebook.
+
+The three request types, as the harness's Hugging Face model (``HFLM``) defines them:
+
+* ``loglikelihood``: the harness splits each (context, continuation) text pair into ids
+  (trailing spaces of the context move to the continuation; the continuation's ids are those of
+  ``context + continuation`` after the context's), an empty context becomes the EOS id
+  (``prefix_token_id``), and :meth:`Scorer.loglikelihood` scores them in batches, longest
+  first, truncating from the left what exceeds the window.
+* ``loglikelihood_rolling``: the text's ids in the harness's own disjoint windows of
+  ``max_length`` tokens (``lm_eval.utils.get_rolling_token_windows`` with a context of 1 and
+  the EOS id before the first token), each window scored as a loglikelihood request; their sum.
+* ``generate_until``: greedy (``do_sample`` false or temperature 0, the default) or sampled
+  KV-cache decoding of up to ``max_gen_toks`` tokens, stopping at the EOS token; the text is
+  then cut at the first of the request's ``until`` strings. Requests sharing generation
+  settings run together in batches, longest prompt first.
+
+Every block type works (dense, MoE with any aggregation, CoE, DoE with its topics tracked from
+the prompt, DUME-merged and upcycled models: they are run directories like any other), on one
+device or sharded data-parallel over all of them (``mesh='auto'`` with more than one device).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import Collator
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm import tqdm
+
+from dagmoe_jax.harness.scoring import Scorer
+
+DEFAULT_MAX_GEN_TOKS = 256
+
+
+def _flag(value) -> bool:
+    """A boolean model argument, given as a bool or as the harness's strings."""
+    if isinstance(value, str):
+        if value.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"expected true or false, got {value!r}")
+        return value.lower() in ("true", "1")
+    return bool(value)
+
+
+@register_model("dagmoe")
+class DagmoeLM(TemplateLM):
+    """A dagmoe_jax model for lm-evaluation-harness.
+
+    run_dir: a run directory (``train.py``, the upcycle command, DUME merges): its newest
+      checkpoint, tokenizer and model family. Or pass a loaded ``run``
+      (:class:`dagmoe_jax.runs.LoadedRun`) from Python.
+    batch_size: rows per compiled call (default 8).
+    max_length: the scoring window (default: the model's ``max_seq_len``).
+    max_gen_toks: the generation length when a task gives none (default 256).
+    mesh: 'auto' (default: data-parallel over every device when there is more than one) or
+      'none' (one device).
+    prefix_eos: put the EOS id before every context and prompt (default false, as the
+      harness's Hugging Face model adds no BOS; a run trained on EOS-separated records may
+      score better with it).
+    seed: the sampling seed of ``generate_until`` requests that sample.
+    """
+
+    def __init__(self, run_dir: Optional[str] = None, *, run=None, batch_size=8,
+                 max_length=None, max_gen_toks=DEFAULT_MAX_GEN_TOKS, mesh: str = "auto",
+                 prefix_eos=False, seed=0, **unused):
+        super().__init__()
+        del unused        # the harness passes device / max_batch_size, which mean nothing here
+        # Imported here: loading the model stack is slow, and the class must register fast.
+        from dagmoe_jax.model import extension_for  # pylint: disable=import-outside-toplevel
+        from dagmoe_jax.parallel import MeshConfig, make_mesh  # pylint: disable=import-outside-toplevel
+        from dagmoe_jax import runs  # pylint: disable=import-outside-toplevel
+        import jax  # pylint: disable=import-outside-toplevel
+
+        if (run is None) == (run_dir is None):
+            raise ValueError("DagmoeLM needs exactly one of run_dir (a run directory) and run")
+        if str(mesh) not in ("auto", "none"):
+            raise ValueError(f"mesh={mesh!r} is invalid: expected 'auto' or 'none'")
+        device_mesh = (make_mesh(MeshConfig()) if mesh == "auto" and jax.device_count() > 1
+                       else None)
+        if run is None:
+            run = runs.load_run(run_dir, mesh=device_mesh)
+        self.run, self.run_dir = run, None if run_dir is None else str(run_dir)
+        self.tokenizer_obj = run.tokenizer
+        features = None
+        if self.run_dir is not None:
+            features = extension_for(run.model_cfg).decoding_features(
+                self.run_dir, run.data_cfg, run.tokenizer)
+        if batch_size == "auto":
+            batch_size = 8
+        self.scorer = Scorer(run.model, batch_size=int(batch_size),
+                             max_length=None if max_length is None else int(max_length),
+                             features=features, mesh=device_mesh)
+        self.max_gen_toks = int(max_gen_toks)
+        self.prefix_eos = _flag(prefix_eos)
+        self.seed = int(seed)
+
+    # -------------------------------------------------------------------------- tokenization
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer_obj.eos_id
+
+    @property
+    def max_length(self) -> int:
+        return self.scorer.max_length
+
+    def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> List[int]:
+        """The tokenizer's ids of ``string`` (the library's tokenizers add no BOS / EOS)."""
+        del add_special_tokens, kwargs
+        return self.tokenizer_obj.encode(string)
+
+    def tok_decode(self, tokens) -> str:
+        return self.tokenizer_obj.decode(list(tokens))
+
+    def _prefixed(self, context: List[int]) -> List[int]:
+        return [self.eot_token_id] + context if self.prefix_eos else context
+
+    # -------------------------------------------------------------------------- the requests
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs
+                              ) -> List[Tuple[float, bool]]:
+        """(sum of log p, is_greedy) for requests ((context, continuation), context ids,
+        continuation ids); the scorer orders them longest first."""
+        del kwargs
+        bar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0,
+                   desc="Running loglikelihood requests")
+        self.scorer.progress = bar.update
+        try:
+            pairs = [(self._prefixed(list(ctx)), list(cont)) for _, ctx, cont in requests]
+            results = self.scorer.loglikelihood(pairs)
+        finally:
+            bar.close()
+            self.scorer.progress = lambda _rows: None
+        for (key, _, _), result in zip(requests, results):
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, result)
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> List[float]:
+        """Sum of log p over each text, scored in the harness's disjoint rolling windows."""
+        windows, owner = [], []
+        for index, (text,) in enumerate(req.args for req in requests):
+            for context, continuation in map(make_disjoint_window, get_rolling_token_windows(
+                    token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1)):
+                windows.append((None, context, continuation))
+                owner.append(index)
+        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
+        totals = [0.0] * len(requests)
+        for index, (logp, _) in zip(owner, scores):
+            totals[index] += logp
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> List[str]:
+        """Continuations of each request's context, cut at its ``until`` strings."""
+        bar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0,
+                   desc="Running generate_until requests")
+        collator = Collator([req.args for req in requests],
+                            sort_fn=lambda args: (-len(self.tok_encode(args[0])), args[0]),
+                            group_by="gen_kwargs", group_fn=lambda args: args[1])
+        results = []
+        for chunk in collator.get_batched(n=0):
+            contexts, all_kwargs = zip(*chunk)
+            kwargs = dict(all_kwargs[0])
+            until = kwargs.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_gen = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
+            temperature = float(kwargs.pop("temperature", 0.0))
+            if not _flag(kwargs.pop("do_sample", temperature > 0)):
+                temperature = 0.0
+            top_k = int(kwargs.pop("top_k", 0) or 0)
+            top_p = float(kwargs.pop("top_p", 1.0) or 1.0)
+            prompts = [self._prefixed(self.tok_encode(c)) or [self.eot_token_id]
+                       for c in contexts]
+            outputs = self.scorer.generate(
+                prompts, max_new_tokens=max_gen, stop_tokens=(self.eot_token_id,),
+                temperature=temperature, top_k=top_k, top_p=top_p, seed=self.seed,
+                pad_id=self.tokenizer_obj.pad_id)
+            for context, kw, ids in zip(contexts, all_kwargs, outputs):
+                if ids and ids[-1] == self.eot_token_id:
+                    ids = ids[:-1]
+                text = cut_at_stop(self.tok_decode(ids), until)
+                results.append(text)
+                self.cache_hook.add_partial("generate_until", (context, kw), text)
+                bar.update(1)
+        bar.close()
+        return collator.get_original(results)
+
+    # -------------------------------------------------------------------------- chat
+
+    @property
+    def tokenizer_name(self) -> str:
+        return f"dagmoe-{self.run.data_cfg.tokenizer}-{self.run.data_cfg.tokenizer_path}"
+
+
+def cut_at_stop(text: str, until: List[str]) -> str:
+    """``text`` up to the first occurrence of any stop string in ``until``."""
+    for stop in until:
+        if stop:
+            text = text.split(stop)[0]
+    return text
+
+
+def load_results(path: Path) -> dict:
+    """The results JSON the harness wrote under ``path`` (its newest ``results_*.json``)."""
+    files = sorted(Path(path).rglob("results_*.json"))
+    if not files:
+        raise ValueError(f"no results_*.json under {path}")
+    return json.loads(files[-1].read_text())

@@ -1,0 +1,253 @@
+"""lm-evaluation-harness integration: the scorer against an independent computation from the
+model's logits, batching and padding invariance, the harness's rolling windows, generation with
+stop strings, the offline tasks under tests/harness_tasks through ``simple_evaluate``, and the
+command line on a run directory."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import tiny_config
+from dagmoe_jax.data import DataConfig
+from dagmoe_jax.data.tokenizers import ByteTokenizer
+from dagmoe_jax.decoding.generate import generate
+from dagmoe_jax.harness.scoring import Scorer, padded_width
+from dagmoe_jax.model import Transformer
+from dagmoe_jax.runs.settle import settle
+
+lm_eval = pytest.importorskip("lm_eval", reason="needs the [harness] extra (in requirements)")
+from dagmoe_jax.harness.lm import DagmoeLM, cut_at_stop  # noqa: E402
+
+TASKS = Path(__file__).resolve().parent / "harness_tasks"
+WINDOW = 32
+# A MoE whose capacity dispatch would drop tokens (factor 1): the scorer's dropless routing is
+# what makes rows independent of their batch.
+RAW = tiny_config("moe", "dag", vocab_size=256, max_seq_len=WINDOW, init_std=0.2,
+                  experts=dict(capacity_factor=1.0, num_shared=1), settled=False)
+CFG = settle(RAW)
+
+
+GRAPHDEF = nnx.graphdef(nnx.eval_shape(lambda: Transformer(CFG, rngs=nnx.Rngs(0))))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Transformer(CFG, rngs=nnx.Rngs(0))
+
+
+def fake_run(model):
+    """What DagmoeLM reads of a loaded run, for a model that was never saved."""
+    return SimpleNamespace(model=model, model_cfg=model.cfg, tokenizer=ByteTokenizer(),
+                           data_cfg=DataConfig(), step=0)
+
+
+def log_softmax(x):
+    x = np.asarray(x, np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+@jax.jit
+def _dropless_logits(state, tokens):
+    from dagmoe_jax.decoding.generate import decoding_model
+    return decoding_model(nnx.merge(GRAPHDEF, state))(tokens)[0]
+
+
+def reference(model, context, continuation):
+    """(sum log p, is_greedy) from one forward pass of the dropless model over the pair alone
+    (right-padded to the whole window, a width the scorer never uses for short pairs)."""
+    whole = (context + continuation)[-(WINDOW + 1):]
+    tokens = np.zeros((1, WINDOW), np.int32)
+    tokens[0, :len(whole) - 1] = whole[:-1]
+    logits = _dropless_logits(nnx.state(model), tokens)[0, :len(whole) - 1]
+    logp = log_softmax(np.asarray(logits))[-len(continuation):]
+    picked = logp[np.arange(len(continuation)), continuation]
+    return float(picked.sum()), bool(np.all(logp.argmax(-1) == continuation))
+
+
+def random_pairs(rng, n, longest=24):
+    return [(rng.integers(0, 256, rng.integers(1, longest)).tolist(),
+             rng.integers(0, 256, rng.integers(1, 6)).tolist()) for _ in range(n)]
+
+
+def test_loglikelihood_equals_the_logits(model, rng):
+    pairs = random_pairs(rng, 7) + [(list(range(40)), [7, 8, 9])]   # the last one truncated
+    # a continuation that is the model's own greedy choice, so is_greedy is true for one pair
+    from dagmoe_jax.decoding.generate import decoding_model
+    logits, _ = decoding_model(model)(jax.numpy.asarray([[3, 4, 5]]))
+    pairs.append(([3, 4, 5], [int(np.argmax(logits[0, -1]))]))
+    got = Scorer(model, batch_size=3).loglikelihood(pairs)
+    want = [reference(model, c, t) for c, t in pairs]
+    np.testing.assert_allclose([g[0] for g in got], [w[0] for w in want], rtol=1e-5, atol=1e-4)
+    assert [g[1] for g in got] == [w[1] for w in want]
+    assert got[-1][1] is True
+
+
+def test_batch_size_and_padding_change_nothing(model, rng):
+    pairs = random_pairs(rng, 9)
+    one = Scorer(model, batch_size=1).loglikelihood(pairs)
+    many = Scorer(model, batch_size=4).loglikelihood(pairs)
+    np.testing.assert_allclose([a for a, _ in one], [b for b, _ in many], rtol=1e-5, atol=1e-5)
+    assert [a for _, a in one] == [b for _, b in many]
+    assert padded_width(3, WINDOW) == 16 and padded_width(17, WINDOW) == 32
+    assert padded_width(40, WINDOW) == WINDOW
+
+
+def test_a_mesh_gives_the_same_scores(model, rng):
+    from dagmoe_jax.parallel import MeshConfig, make_mesh
+    pairs = random_pairs(rng, 5)
+    mesh = make_mesh(MeshConfig())
+    sharded = Scorer(model, batch_size=3, mesh=mesh)
+    assert sharded.batch_size == mesh.size
+    np.testing.assert_allclose([a for a, _ in sharded.loglikelihood(pairs)],
+                               [a for a, _ in Scorer(model).loglikelihood(pairs)], atol=1e-5)
+
+
+def test_rolling_loglikelihood_follows_the_harness_windows(model):
+    """The harness's definition, written out: the first window predicts tokens [0, W) from EOS
+    and tokens [0, W - 1); each later window predicts the next (up to W) tokens from the W
+    tokens before its last one; the text's log-likelihood is the sum over windows."""
+    text = "the router sends every token to two experts, " * 3
+    ids = ByteTokenizer().encode(text)
+    assert len(ids) > 2 * WINDOW
+    lm = DagmoeLM(run=fake_run(model), batch_size=2, mesh="none")
+    request = SimpleNamespace(args=(text,))
+    got = lm.loglikelihood_rolling([request], disable_tqdm=True)[0]
+
+    want, end = 0.0, 0
+    while end < len(ids):
+        stop = min(end + WINDOW, len(ids))
+        inputs = [0] + ids[:WINDOW - 1] if end == 0 else ids[stop - WINDOW - 1:stop - 1]
+        logits = _dropless_logits(nnx.state(model), np.asarray([inputs], np.int32))
+        logp = log_softmax(np.asarray(logits[0]))[-(stop - end):]
+        want += float(logp[np.arange(stop - end), ids[end:stop]].sum())
+        end = stop
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_generation_stops_at_the_stop_string_and_equals_generate(model):
+    lm = DagmoeLM(run=fake_run(model), batch_size=2, mesh="none")
+    contexts = ["add 3 4 =", "sort 9 1 =", "x"]
+    plain = generate(model, [ByteTokenizer().encode(c) for c in contexts], max_new_tokens=10,
+                     stop_tokens=[0])
+    texts = [ByteTokenizer().decode([t for t in ids if t != 0]) for ids in plain]
+    stop = texts[0][3] if len(texts[0]) > 3 else "\x00"
+    requests = [SimpleNamespace(args=(c, {"until": [stop], "max_gen_toks": 10}))
+                for c in contexts]
+    got = lm.generate_until(requests, disable_tqdm=True)
+    assert got == [cut_at_stop(t, [stop]) for t in texts]
+    assert stop not in got[0] and len(got[0]) <= 3
+
+
+def test_local_tasks_through_simple_evaluate(model, tmp_path):
+    from lm_eval.tasks import TaskManager
+
+    lm = DagmoeLM(run=fake_run(model), batch_size=4, mesh="none")
+    results = lm_eval.simple_evaluate(
+        model=lm, tasks=["dagmoe_mc", "dagmoe_rolling", "dagmoe_gen"],
+        task_manager=TaskManager(include_path=str(TASKS)), log_samples=True,
+        bootstrap_iters=10)
+    scores = results["results"]
+    assert set(scores) == {"dagmoe_mc", "dagmoe_rolling", "dagmoe_gen"}
+    # multiple choice: acc is the argmax of the scorer's loglikelihoods over the choices
+    samples = results["samples"]["dagmoe_mc"]
+    scorer, tok = Scorer(model), ByteTokenizer()
+    right = []
+    for sample in samples:
+        pairs = [lm._encode_pair(*args) for args in sample["arguments"]]
+        assert [ids for ids, _ in pairs] == [tok.encode(sample["doc"]["question"])] * 4
+        lls = [ll for ll, _ in scorer.loglikelihood(pairs)]
+        np.testing.assert_allclose([r[0][0] for r in sample["resps"]], lls, rtol=1e-5,
+                                   atol=1e-4)
+        right.append(int(np.argmax(lls)) == sample["doc"]["label"])
+    assert scores["dagmoe_mc"]["acc,none"] == pytest.approx(np.mean(right))
+    assert 0 <= scores["dagmoe_mc"]["acc_norm,none"] <= 1
+    assert scores["dagmoe_rolling"]["byte_perplexity,none"] > 1
+    assert scores["dagmoe_gen"]["exact_match,none"] in (0.0, 1 / 6, 2 / 6, 3 / 6, 4 / 6,
+                                                         5 / 6, 1.0)
+    assert len(results["samples"]["dagmoe_gen"]) == 6
+
+
+# ------------------------------------------------------------------------------ run directories
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, model):
+    """A run directory holding ``model`` as its step-0 checkpoint (as the upcycle command
+    writes one)."""
+    from dagmoe_jax import runs
+    from dagmoe_jax.train.config import OptimConfig, TrainConfig
+
+    path = tmp_path_factory.mktemp("harness") / "run"
+    runs.prepare_run_dir(path)
+    data_cfg = DataConfig(tokenizer="byte", seq_len=WINDOW)
+    train_cfg = TrainConfig(run_dir=str(path), tensorboard=False)
+    optim_cfg = OptimConfig()
+    runs.save_configs(path, RAW, data_cfg, optim_cfg, train_cfg)
+    built, optimizer, _ = runs.build(CFG, optim_cfg, train_cfg)
+    nnx.update(built, nnx.state(model, nnx.Param))
+    runs.save_initial_checkpoint(path, built, optimizer, CFG, train_cfg, None)
+    return path
+
+
+def test_cli_writes_the_harness_results(run_dir, tmp_path, capsys):
+    from dagmoe_jax.harness.cli import main
+
+    out = tmp_path / "results"
+    code = main([f"--run_dir={run_dir}", "--tasks=dagmoe_mc,dagmoe_gen",
+                 f"--include_path={TASKS}", f"--output_path={out}", "--log_samples",
+                 "--limit=4", "--batch_size=4", "--bootstrap_iters=10"])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    assert "dagmoe_mc" in printed.out and "acc_norm" in printed.out
+    results = json.loads(next(out.rglob("results_*.json")).read_text())
+    assert set(results["results"]) == {"dagmoe_mc", "dagmoe_gen"}
+    assert results["n-samples"]["dagmoe_mc"]["effective"] == 4
+    assert len(list(out.rglob("samples_dagmoe_mc_*.jsonl"))) == 1
+    assert "at step 0" in printed.err
+
+
+@pytest.mark.parametrize("argv, match", [
+    ([], "--run_dir=DIR is required"),
+    (["--run_dir=x"], "--tasks=T1,T2 is required"),
+    (["--run_dir=x", "--tasks=a", "--log_samples"], "--log_samples needs --output_path"),
+    (["--run_dir=x", "--tasks=a", "--limit=0"], "--limit=0.0 is invalid"),
+    (["--run_dir=RUN", "--tasks=no_such_task"], "unknown task 'no_such_task'"),
+    (["--run_dir=/nonexistent/run", "--tasks=dagmoe_mc"], "does not exist"),
+])
+def test_cli_errors_are_one_line(run_dir, capsys, argv, match):
+    from dagmoe_jax.harness.cli import main
+
+    argv = [a.replace("RUN", str(run_dir)) for a in argv]
+    if any(a.startswith("--tasks=dagmoe") for a in argv):
+        argv.append(f"--include_path={TASKS}")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and match in err and err.count("\n") == 1
+
+
+def test_cli_without_the_harness_says_how_to_install(monkeypatch, capsys):
+    from dagmoe_jax.harness import cli
+
+    monkeypatch.setitem(sys.modules, "lm_eval.utils", None)
+    assert cli.main(["--run_dir=x", "--tasks=a"]) == 3
+    assert "pip install 'dagmoe-jax[harness]'" in capsys.readouterr().err
+
+
+def test_loaded_run_scores_like_the_model(run_dir, model, rng):
+    lm = DagmoeLM(run_dir=str(run_dir), batch_size=8)        # mesh 'auto': 8 CPU devices here
+    assert lm.scorer.mesh is not None and lm.scorer.mesh.size == jax.device_count()
+    pairs = random_pairs(rng, 4)
+    requests = [(None, c, t) for c, t in pairs]
+    got = lm._loglikelihood_tokens(requests, disable_tqdm=True)
+    want = [reference(model, c, t) for c, t in pairs]
+    np.testing.assert_allclose([g[0] for g in got], [w[0] for w in want], rtol=1e-5, atol=1e-4)
+    assert lm.run.model_cfg.replace(execution=RAW.execution) == RAW

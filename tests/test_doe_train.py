@@ -93,3 +93,45 @@ def test_doe_run_logs_its_terms_and_resumes_bit_for_bit(configs):
     assert any("resumed from step 6" in m for m in messages)
     again = {r["step"]: r for r in read_metrics(resumed) if "loss" in r}
     assert [again[s]["loss"] for s in range(7, 13)] == [records[s]["loss"] for s in range(7, 13)]
+
+
+@pytest.mark.slow
+def test_harness_scores_a_doe_run_with_its_topics_tracked(configs):
+    """lm-evaluation-harness's model for a DoE run reads the run's topic model and scores each
+    request with the causal topic ids of its own tokens, as the model's forward pass does."""
+    pytest.importorskip("lm_eval")
+    import jax.numpy as jnp
+
+    from dagmoe_jax.decoding.generate import decoding_model
+    from dagmoe_jax.harness.lm import DagmoeLM
+    from dagmoe_jax.model import extension_for
+
+    root, model_cfg, data_cfg, optim_cfg, train_cfg = configs
+    run_dir = root / "harness"
+    train(model_cfg, data_cfg, optim_cfg,
+          dataclasses.replace(train_cfg, run_dir=str(run_dir), steps=2, save_every=2),
+          progress=False, log=lambda _m: None)
+    lm = DagmoeLM(run_dir=str(run_dir), batch_size=2, mesh="none")
+    assert lm.scorer.features is not None
+    tok = lm.tokenizer_obj
+    pairs = [(tok.encode("ocean wave salt tide"), tok.encode(" reef")),
+             (tok.encode("flame ember smoke ash heat spark"), tok.encode(" coal furnace"))]
+    got = lm._loglikelihood_tokens([(None, c, t) for c, t in pairs], disable_tqdm=True)
+
+    tracker = extension_for(lm.run.model_cfg).decoding_features(str(run_dir), lm.run.data_cfg,
+                                                                tok)
+    model = decoding_model(lm.run.model)
+    for (context, continuation), (logp, _) in zip(pairs, got):
+        whole = np.asarray([context + continuation])
+        inputs = whole[:, :-1]
+        features = {k: jnp.asarray(v) for k, v in
+                    tracker.prompt(inputs, np.asarray([inputs.shape[1]])).items()}
+        logits, _ = model(jnp.asarray(inputs), features=features)
+        want = log_softmax_np(np.asarray(logits[0], np.float64))[-len(continuation):]
+        want = want[np.arange(len(continuation)), continuation].sum()
+        np.testing.assert_allclose(logp, want, rtol=1e-5)
+
+
+def log_softmax_np(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))

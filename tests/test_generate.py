@@ -248,6 +248,20 @@ def test_cli_samples_from_a_checkpoint(smoke_run):
 
 
 @pytest.mark.slow
+def test_harness_command_scores_a_train_py_run(smoke_run, tmp_path, capsys):
+    from dagmoe_jax.harness.cli import main
+
+    out = tmp_path / "results"
+    assert main([f"--run_dir={smoke_run}", "--tasks=dagmoe_gen,dagmoe_rolling",
+                 f"--include_path={ROOT / 'tests' / 'harness_tasks'}", "--limit=2",
+                 f"--output_path={out}", "--bootstrap_iters=0"]) == 0
+    printed = capsys.readouterr()
+    assert "exact_match" in printed.out and "bits_per_byte" in printed.out
+    assert "at step 2" in printed.err
+    assert len(list(out.rglob("results_*.json"))) == 1
+
+
+@pytest.mark.slow
 def test_cli_greedy_equals_library(smoke_run, capsys):
     from dagmoe_jax.runs import load_run
     from dagmoe_jax.decoding.sample import main

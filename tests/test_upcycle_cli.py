@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -79,6 +80,14 @@ def test_upcycle_command_end_to_end(tmp_path, capsys):
     for j, e in enumerate(evals):
         accuracy = dume.routing_accuracy(merged.model, e, j)
         assert np.all(accuracy > 0.9), (j, accuracy)
+
+    # the merged run scores through lm-evaluation-harness like any run directory
+    from dagmoe_jax.harness.cli import main as harness
+    tasks = Path(__file__).resolve().parent / "harness_tasks"
+    capsys.readouterr()
+    assert harness([f"--run_dir={out}", "--tasks=dagmoe_mc", f"--include_path={tasks}",
+                    "--limit=2", "--bootstrap_iters=0", "--mesh=none"]) == 0
+    assert "acc_norm" in capsys.readouterr().out
 
     # bad input: one line each, exit status 2
     empty = tmp_path / "empty.txt"

@@ -1,0 +1,62 @@
+"""The offline instruction set and downstream tasks of the pipeline in miniature
+(dagmoe_jax/experiments/instructions.py): answers are right, distractors are wrong and
+distinct, evaluation prompts never repeat a training instruction, and the harness reads the
+task folder."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from dagmoe_jax.experiments.instructions import (DOMAINS, SKILLS, draw, instruction_records,
+                                                 write_tasks)
+
+
+def solve(instruction: str) -> str:
+    """Each skill's answer, recomputed from the instruction's text."""
+    if m := re.fullmatch(r"Add (\d+) and (\d+)\.", instruction):
+        return str(int(m[1]) + int(m[2]))
+    if m := re.fullmatch(r"Which is the largest: (.*)\?", instruction):
+        return str(max(int(x) for x in m[1].split(", ")))
+    if m := re.fullmatch(r"Sort the digits (.*) in increasing order\.", instruction):
+        return " ".join(sorted(m[1].split()))
+    if m := re.fullmatch(r'Reverse the word "(\w+)"\.', instruction):
+        return m[1][::-1]
+    if m := re.fullmatch(r'How many times does "(\w)" appear in "(\w+)"\?', instruction):
+        return str(m[2].count(m[1]))
+    if m := re.fullmatch(r'Write "(\w+)" in capital letters\.', instruction):
+        return m[1].upper()
+    raise AssertionError(instruction)
+
+
+@pytest.mark.parametrize("skill", SKILLS)
+def test_answers_are_right_and_distractors_wrong(skill):
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        instruction, response, wrong = draw(skill, rng)
+        assert solve(instruction) == response
+        assert len(set(wrong)) == 3 and response not in wrong
+
+
+def test_records_and_tasks(tmp_path):
+    records = instruction_records(SKILLS, 120, seed=0)
+    assert records == instruction_records(SKILLS, 120, seed=0)
+    assert all(r["output"] == solve(r["instruction"]) for r in records)
+    names = write_tasks(tmp_path, lambda i: f"Q: {i}\nA: ", per_skill=5, exclude=records)
+    assert names == {d: [f"instruct_{d}_mc", f"instruct_{d}_gen"] for d in DOMAINS}
+    train = {r["instruction"] for r in records}
+    for domain in DOMAINS:
+        docs = [json.loads(line) for line in
+                (tmp_path / f"instruct_{domain}_mc.jsonl").read_text().splitlines()]
+        assert len(docs) == 5 * len(DOMAINS[domain])
+        for doc in docs:
+            instruction = doc["prompt"][len("Q: "):-len("\nA: ")]
+            assert instruction not in train
+            assert doc["choices"][doc["label"]] == solve(instruction)
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+    assert set(sum(names.values(), [])) <= set(TaskManager(include_path=str(tmp_path)).all_tasks)
+    del lm_eval

@@ -22,8 +22,10 @@ Templates:
 Boundaries are exact because the conversation is rendered turn by turn: for assistant turn k
 the prefix ``messages[:k]`` with the generation prompt, then ``messages[:k + 1]``; the text
 between is the assistant's. Each piece is tokenized on its own and the ids concatenated. In
-a template's assistant piece, tokens after its last EOS (a newline after ``<|im_end|>``) are
-not trained; a piece without EOS is trained whole.
+a template's assistant piece, tokens after its last end-of-turn token (a newline after
+``<|im_end|>``) are not trained; a piece without one is trained whole. The end-of-turn token
+is ``tokenizer_config.json``'s ``eos_token`` when it is a single token, else the tokenizer's
+EOS.
 """
 
 from __future__ import annotations
@@ -120,6 +122,10 @@ class ChatEncoder:
         self.bos_token = bos_token
         self.eos_token = eos_token or (tokenizer.decode([tokenizer.eos_id]) if template else "")
         self._compiled = compile_template(template) if template is not None else None
+        # The id that ends an assistant turn: the template's eos_token when it is one token
+        # (Llama-3's '<|eot_id|>', ChatML's '<|im_end|>'), else the tokenizer's EOS.
+        end = tokenizer.encode(self.eos_token) if template and self.eos_token else []
+        self.end_id = end[0] if len(end) == 1 else tokenizer.eos_id
 
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items() if k != "_compiled"}
@@ -175,9 +181,9 @@ class ChatEncoder:
     def encode(self, messages: Sequence[dict]) -> Tuple[List[int], List[int]]:
         """(token ids, loss weights 0/1) of a conversation (module docstring)."""
         ids, weights = [], []
-        eos = self.tokenizer.eos_id
+        eos = self.end_id
         for text, trained in self.pieces(messages):
-            piece = [eos] if text is None else self.tokenizer.encode(text)
+            piece = [self.tokenizer.eos_id] if text is None else self.tokenizer.encode(text)
             w = [int(trained)] * len(piece)
             if trained and self._compiled is not None and eos in piece:
                 last = len(piece) - 1 - piece[::-1].index(eos)

@@ -41,9 +41,10 @@ def hf_folders(tmp_path_factory):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
     tok.train_from_iterator(["What is two plus two? It is four. Be brief and clear."] * 20,
                             trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIAL,
-                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+                                                initial_alphabet=alphabet))
     folders = {}
     for name, template, bos, eos in (("llama3", LLAMA3, "<|begin_of_text|>", "<|eot_id|>"),
                                       ("chatml", CHATML, None, "<|im_end|>")):

@@ -72,8 +72,9 @@ def hf_template(tokenizer_path: str) -> Tuple[Optional[str], str, str]:
 
 def compile_template(source: str):
     """The jinja2 template as ``transformers`` compiles a chat template."""
-    from jinja2.exceptions import TemplateError  # pylint: disable=import-outside-toplevel
-    from jinja2.sandbox import ImmutableSandboxedEnvironment  # pylint: disable=import-outside-toplevel
+    # pylint: disable=import-outside-toplevel
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
         raise TemplateError(message)

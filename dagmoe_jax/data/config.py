@@ -12,12 +12,15 @@ import dataclasses
 
 from dagmoe_jax.validate import check
 
+from dagmoe_jax.data.formats import FORMATS, check_format
 from dagmoe_jax.data.tasks import TASKS
 
-SOURCE_KINDS = ("synthetic", "text", "jsonl", "array_record", "tfds")
+SOURCE_KINDS = ("synthetic", "text", "jsonl", "array_record", "tfds", "instruct")
 TOKENIZERS = ("byte", "sentencepiece", "hf")
 _SOURCE_HELP = ("'synthetic:<task>[,<task>...]', 'text:<glob>[,<glob>...]', "
-                "'jsonl:<glob>[,...]', 'array_record:<glob>[,...]' or 'tfds:<name>'")
+                "'jsonl:<glob>[,...]', 'array_record:<glob>[,...]', 'tfds:<name>' or "
+                "'instruct:<glob>[,...]'")
+CHAT_TEMPLATES = ("auto", "plain")
 
 
 def _check(ok: bool, field: str, value, valid: str) -> None:
@@ -67,7 +70,10 @@ class DataConfig:
       ``jsonl:<globs>`` (one JSON object per line, text under ``text_key``),
       ``array_record:<globs>`` (each record utf-8 text, or a JSON object with ``text_key``),
       ``tfds:<name>`` (a TFDS dataset already prepared in ``tfds_data_dir``; its ``text_key``
-      feature, bytes decoded as utf-8). Globs are comma separated and expanded in sorted order.
+      feature, bytes decoded as utf-8), ``instruct:<globs>`` (instruction records in JSON-lines
+      or Parquet files, for fine-tuning: :mod:`dagmoe_jax.data.instruct`, read by
+      ``instruct_format``, formatted by ``chat_template``, the loss on the assistant's tokens
+      only). Globs are comma separated and expanded in sorted order.
     eval_source: held-out data spec, same syntax; '' (default) means the held-out records of
       ``source`` (for ``synthetic``: a separate stream of ``num_synthetic_eval`` examples).
     split: the TFDS split to train on (default 'train'; ignored by the other kinds).
@@ -126,6 +132,9 @@ class DataConfig:
     task_max_size: int = 12
     worker_count: int = 0
     topics_dir: str = ""
+    segment_packing: bool = False
+    instruct_format: str = "auto"
+    chat_template: str = "auto"
 
     def __post_init__(self):
         kind, _ = parse_source(self.source, "source")
@@ -158,6 +167,11 @@ class DataConfig:
         _int("task_max_size", self.task_max_size, self.task_min_size)
         _int("worker_count", self.worker_count, 0)
         _str("topics_dir", self.topics_dir, nonempty=False)
+        _check(isinstance(self.segment_packing, bool), "segment_packing", self.segment_packing,
+               "True or False")
+        _check(check_format(self.instruct_format), "instruct_format", self.instruct_format,
+               "one of " + ", ".join(map(repr, FORMATS)))
+        _str("chat_template", self.chat_template)
 
     def replace(self, **changes) -> "DataConfig":
         """A copy with fields changed (validated again)."""

@@ -21,18 +21,19 @@ import functools
 import math
 import numbers
 import os
-import threading
-import time
 from typing import Optional, Sequence, Union
 
 import grain
 import numpy as np
 
 from dagmoe_jax.data.config import DataConfig, check_process, local_batch_size, parse_source
+from dagmoe_jax.data.instruct import (EncodeExample, chat_encoder, instruct_eval_batches,
+                                      is_instruct, shift_packed)
 from dagmoe_jax.data.sources import TASK_EVAL_STREAM
 from dagmoe_jax.data.splits import eval_source, train_records, train_source
 from dagmoe_jax.data.tasks import generate
 from dagmoe_jax.data.tokenizers import Tokenizer
+from dagmoe_jax.data.workers import _absl_flags_parsed, _exit_with_parent
 
 # Threads that read + tokenize records ahead of the packer, and how far ahead they go.
 READ_OPTIONS = dict(num_threads=2, prefetch_buffer_size=64)
@@ -68,43 +69,24 @@ def _annotation_keys(annotate) -> tuple:
 
 class _Shift:
     """A packed window of seq_len + 1 -> inputs w[:-1], targets w[1:], the mask of real
-    targets, and each annotation aligned with the inputs (its pad value on padding)."""
+    targets, and each annotation aligned with the inputs (its pad value on padding). With
+    ``segments`` (``DataConfig.segment_packing``) also ``segments`` (the window's documents
+    numbered 1, 2, ..., 0 on padding; aligned with the inputs) and the mask drops the
+    predictions across a document boundary."""
 
-    def __init__(self, annotate=None):
+    def __init__(self, annotate=None, segments: bool = False):
         self.pad = {} if annotate is None else dict(annotate.pad)
+        self.segments = segments
 
     def __call__(self, window: dict) -> dict:
         tokens, segments = window["tokens"], window["tokens_segment_ids"]
-        out = {"inputs": tokens[:-1], "targets": tokens[1:], "mask": segments[1:] != 0}
+        if self.segments:
+            out = shift_packed(tokens, segments)
+        else:
+            out = {"inputs": tokens[:-1], "targets": tokens[1:], "mask": segments[1:] != 0}
         for key, pad in self.pad.items():
             out[key] = np.where(segments[:-1] != 0, window[key][:-1], pad).astype(np.int32)
         return out
-
-
-def _exit_with_parent(parent: int, worker: int, workers: int) -> None:
-    """Run in each grain worker process: exit as soon as the process that started it is gone.
-    A training process killed with SIGKILL cannot stop its workers, which otherwise live on,
-    orphaned, holding memory and shared-memory buffers. (A watcher thread rather than
-    ``PR_SET_PDEATHSIG``, which fires when the *thread* that started the worker ends, and grain
-    starts workers from a thread pool.)"""
-    del worker, workers
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
-
-
-def _absl_flags_parsed() -> None:
-    """grain's worker processes read absl flags; outside ``absl.app.run`` nothing parsed them
-    and the first batch fails with ``UnparsedFlagAccessError`` (grain issues #1355 / #1360).
-    Marking them parsed keeps every flag at its default."""
-    from absl import flags  # pylint: disable=import-outside-toplevel
-
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS.mark_as_parsed()
 
 
 def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, process_index: int = 0,
@@ -131,7 +113,7 @@ def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, process_index: int =
     it = ds.to_iter_dataset(grain.ReadOptions(**READ_OPTIONS))
     it = grain.experimental.ConcatThenSplitIterDataset(
         it, length_struct={k: cfg.seq_len + 1 for k in ("tokens",) + _annotation_keys(annotate)})
-    it = it.map(_Shift(annotate)).batch(batch, drop_remainder=True)
+    it = it.map(_Shift(annotate, cfg.segment_packing)).batch(batch, drop_remainder=True)
     if cfg.worker_count:
         _absl_flags_parsed()
         it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count),
@@ -175,7 +157,13 @@ def eval_batches(cfg: DataConfig, tokenizer: Tokenizer, *, max_batches: Optional
     rows ``[process_index * B, (process_index + 1) * B)``, B = batch_size // process_count.
     Every process gets the same number of batches. ``max_batches`` stops after that many
     global batches. Deterministic; no shuffle. ``annotate``: as :func:`train_dataset`.
+    With ``segment_packing`` batches carry ``segments`` (the rows' documents numbered) and
+    the mask drops predictions across documents. An ``instruct:`` source's evaluation
+    batches are :func:`~dagmoe_jax.data.instruct.instruct_eval_batches`.
     """
+    if is_instruct(cfg):
+        return instruct_eval_batches(cfg, tokenizer, max_batches=max_batches,
+                                     process_index=process_index, process_count=process_count)
     check_process(process_index, process_count)
     local_batch_size(cfg, process_count)
     records, width = eval_source(cfg), cfg.seq_len + 1
@@ -333,8 +321,13 @@ def _unigram_entropy(cfg: DataConfig, tokenizer: Tokenizer, max_tokens: int) -> 
     vocab = tokenizer.vocab_size
     counts, total = np.zeros(vocab, np.int64), 0
     records = grain.MapDataset.source(train_source(cfg)).shuffle(seed=cfg.seed)
+    if is_instruct(cfg):
+        encode = EncodeExample(chat_encoder(cfg, tokenizer), cfg.seq_len + 1)
+    else:
+        encode = functools.partial(encode_record, tokenizer)
     for i in range(len(records)):
-        ids = np.asarray(encode_record(tokenizer, records[i]), np.int64)
+        ids = np.asarray(encode(records[i])["tokens"] if is_instruct(cfg) else encode(records[i]),
+                         np.int64)
         check_tokens({"inputs": ids, "targets": ids}, vocab)
         counts += np.bincount(ids, minlength=vocab)
         total += ids.size

@@ -10,7 +10,19 @@ from __future__ import annotations
 import grain
 
 from dagmoe_jax.data.config import DataConfig, check_process, parse_source
-from dagmoe_jax.data.sources import HELDOUT_STREAM, TRAIN_STREAM, open_source
+from dagmoe_jax.data.instruct_records import open_instruct
+from dagmoe_jax.data.sources import HELDOUT_STREAM, TRAIN_STREAM
+from dagmoe_jax.data.sources import open_source as _open_text
+
+
+def open_source(cfg: DataConfig, field: str, **kwargs):
+    """The records of ``cfg.<field>``: conversations of an ``instruct:`` spec
+    (:mod:`~dagmoe_jax.data.instruct_records`), else texts
+    (:func:`dagmoe_jax.data.sources.open_source`)."""
+    kind, args = parse_source(getattr(cfg, field), field)
+    if kind == "instruct":
+        return open_instruct(args, cfg.instruct_format, field, getattr(cfg, field))
+    return _open_text(cfg, field, **kwargs)
 
 
 def heldout_count(num_records: int, fraction: float) -> int:

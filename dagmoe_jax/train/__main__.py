@@ -83,6 +83,7 @@ def main(argv=None) -> int:
     from dagmoe_jax.gin_utils import load_configs
     from dagmoe_jax.parallel.multihost import initialize
     from dagmoe_jax.evaluation import eval_data_overrides, evaluate_checkpoint
+    from dagmoe_jax.train.init_from import source_model_config
     from dagmoe_jax.train.loop import NonFiniteLossError, train
 
     quiet_background_errors()
@@ -101,12 +102,16 @@ def main(argv=None) -> int:
             return 0
         files = args.gin_file or [DEFAULT_GIN]
         model_cfg, data_cfg, optim_cfg, train_cfg = load_configs(files, args.bindings)
-        acc = account(model_cfg, data_cfg.seq_len)
+        shown = (source_model_config(train_cfg.init_from, model_cfg) if train_cfg.init_from
+                 else model_cfg)
+        acc = account(shown, data_cfg.seq_len)
+        length = (f"{train_cfg.epochs} epochs" if train_cfg.epochs
+                  else f"{train_cfg.steps} steps")
         if jax.process_index() == 0:
             print(f"config: {' + '.join(files)}{' + bindings' if args.bindings else ''}; "
-                  f"block={model_cfg.block} aggregation={model_cfg.aggregation.kind}; "
+                  f"block={shown.block} aggregation={shown.aggregation.kind}; "
                   f"{acc.total_params / 1e6:.2f}M params ({acc.total_active_params / 1e6:.2f}M "
-                  f"active); {train_cfg.steps} steps of {data_cfg.batch_size}x{data_cfg.seq_len} "
+                  f"active); {length} of {data_cfg.batch_size}x{data_cfg.seq_len} "
                   f"tokens from {data_cfg.source}; {jax.device_count()} devices in "
                   f"{jax.process_count()} processes; run dir {train_cfg.run_dir}", flush=True)
         train(model_cfg, data_cfg, optim_cfg, train_cfg, progress=not args.no_progress,

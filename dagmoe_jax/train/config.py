@@ -22,7 +22,7 @@ from dagmoe_jax.parallel.config import MeshConfig
 SCHEDULES = ("wsd", "cosine", "constant")
 
 
-TRAINABLE_SETS = ("all", "router")
+TRAINABLE_SETS = ("all", "router", "non_experts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +57,17 @@ class TrainConfig:
     trainable: which parameters the optimiser updates: 'all' (default) or 'router' (only the
         routers' weights and biases, everything else frozen: DUME+ and BTX, DUME sec. 3.1;
         :data:`dagmoe_jax.train.optim.TRAINABLE`). The optimiser holds state for those only.
+        'non_experts': everything but the routed experts' weights (attention, norms,
+        embeddings, routers, aggregators and shared experts train; the experts stay frozen).
+    init_from: where a new run's parameters come from: '' (default) initialises them from
+        ``seed``; a run directory: its newest checkpoint's parameters; ``hf:<folder>``: a
+        Hugging Face Llama folder (:func:`dagmoe_jax.upcycle.hf_llama.load_hf_llama`). The
+        model's architecture is the source's (a gin binding that changes it is a one-line
+        error; execution fields may change), the optimiser starts fresh, and a run resumed
+        from its own checkpoint ignores it. See :mod:`dagmoe_jax.train.init_from`.
+    epochs: 0 (default): train ``steps`` steps (the data repeats as long as needed). N > 0
+        (an ``instruct:`` source only): N passes over the training records; ``steps`` is
+        derived from the packed batch count of N passes (printed), the value bound ignored.
     """
 
     steps: int = 1000
@@ -76,11 +87,13 @@ class TrainConfig:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     allow_model_change: bool = False
     trainable: str = "all"
+    init_from: str = ""
+    epochs: int = 0
 
     def __post_init__(self):
         for name in ("steps", "grad_accum", "log_every", "save_every", "keep_checkpoints"):
             _positive("TrainConfig", name, getattr(self, name))
-        for name in ("seed", "eval_every", "eval_batches", "task_eval_examples"):
+        for name in ("seed", "eval_every", "eval_batches", "task_eval_examples", "epochs"):
             _nonnegative_int("TrainConfig", name, getattr(self, name))
         _check(isinstance(self.mesh, MeshConfig), "TrainConfig", "mesh", self.mesh,
                "a MeshConfig")
@@ -91,6 +104,8 @@ class TrainConfig:
         _check(self.wandb_mode in ("online", "offline"), "TrainConfig", "wandb_mode",
                self.wandb_mode, "'online' or 'offline'")
         _choice("TrainConfig", "trainable", self.trainable, TRAINABLE_SETS)
+        _check(isinstance(self.init_from, str), "TrainConfig", "init_from", self.init_from,
+               "'' (fresh), a run directory or 'hf:<folder>'")
         _check(isinstance(self.run_dir, str) and self.run_dir.strip() != "", "TrainConfig",
                "run_dir", self.run_dir, "a non-empty directory path")
 

@@ -17,6 +17,7 @@ import jax
 from dagmoe_jax import runs
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.data import DataConfig, make_tokenizer, train_dataset, unigram_entropy
+from dagmoe_jax.data.instruct import instruct_dataset, instruct_stats, is_instruct
 from dagmoe_jax.evaluation import Evaluator, format_eval
 from dagmoe_jax.model import extension_for
 from dagmoe_jax.parallel import make_mesh
@@ -26,6 +27,7 @@ from dagmoe_jax.train.hooks import EvalHook, ProgressHook
 from dagmoe_jax.train.metrics import (MetricsWriter, check_tensorboard_target, read_metrics,
                                       require_wandb)
 from dagmoe_jax.train.config import OptimConfig, TrainConfig
+from dagmoe_jax.train.init_from import load_initial_params, source_model_config
 from dagmoe_jax.train.optim import TRAINABLE, schedule_note
 from dagmoe_jax.train.step import make_train_step
 from dagmoe_jax.train.trainer import (NonFiniteLossError, Trainer, on_main_process,
@@ -56,10 +58,11 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
     :class:`~dagmoe_jax.train.trainer.NonFiniteLossError` on a NaN/inf loss.
     """
     say, is_main = on_main_process(log), jax.process_index() == 0
+    if train_cfg.init_from:
+        model_cfg = source_model_config(train_cfg.init_from, model_cfg)
     run_dir, tokenizer = _prepare(model_cfg, data_cfg, train_cfg, is_main)
     annotate = extension_for(model_cfg).prepare_run(data_cfg, run_dir, log=say, save=is_main)
-    dataset = train_dataset(data_cfg, tokenizer, process_index=jax.process_index(),
-                            process_count=jax.process_count(), annotate=annotate)
+    dataset, train_cfg = _dataset(data_cfg, train_cfg, tokenizer, annotate, say)
     evaluator = Evaluator(data_cfg, train_cfg, tokenizer, annotate)
     mesh = make_mesh(train_cfg.mesh)
     if schedule_note(optim_cfg, train_cfg.steps):
@@ -73,14 +76,17 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
                                      async_save=train_cfg.async_checkpoint)
     step_fn = make_train_step(grad_accum=train_cfg.grad_accum,
                               wrt=TRAINABLE[train_cfg.trainable], donate=True)
+    segments = ("segments",) if is_instruct(data_cfg) or data_cfg.segment_packing else ()
     trainer = Trainer(model, optimizer, step_fn, iter(dataset), checkpointer,
                       total_steps=train_cfg.steps, mesh=mesh, meta=runs.model_meta(model_cfg),
                       vocab_size=model_cfg.vocab_size, run_dir=str(run_dir), say=say,
-                      batch_keys=extension_for(model_cfg).batch_keys)
+                      batch_keys=extension_for(model_cfg).batch_keys + segments)
     try:
         start = trainer.restore_or_init(
             check=lambda restored: _resume_policy(restored, run_dir, model_cfg, data_cfg,
                                                   train_cfg, say))
+        if start == 0 and train_cfg.init_from:
+            say(load_initial_params(model, train_cfg.init_from, log=say))
     except ValueError:
         checkpointer.close()
         raise
@@ -119,6 +125,31 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
             writer.close()
     return RunResult(run_dir=str(run_dir), step=step, resumed_from=start or None,
                      interrupted=bool(stop), eval=final_eval, losses=trainer.losses)
+
+
+def _dataset(data_cfg, train_cfg, tokenizer, annotate, say):
+    """(the training stream, train_cfg): an ``instruct:`` source's SFT batches, ``epochs``
+    passes (with ``steps`` derived and printed) or endless; else the pre-training stream."""
+    where = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    if not is_instruct(data_cfg):
+        if train_cfg.epochs:
+            raise ValueError(f"TrainConfig.epochs={train_cfg.epochs} needs an 'instruct:' "
+                             f"DataConfig.source (it is {data_cfg.source!r}): bind "
+                             "TrainConfig.steps instead")
+        return train_dataset(data_cfg, tokenizer, annotate=annotate, **where), train_cfg
+    if annotate is not None:
+        raise ValueError("an 'instruct:' DataConfig.source cannot feed a model family with "
+                         "per-token annotations (DoE): use a pre-training source")
+    epochs = train_cfg.epochs or None
+    if epochs:
+        stats = instruct_stats(data_cfg, tokenizer, epochs=epochs,
+                               process_count=where["process_count"])
+        train_cfg = dataclasses.replace(train_cfg, steps=max(1, stats["batches"]))
+        say(f"fine-tuning data: {stats['examples']:,} examples ({stats['truncated']:,} "
+            f"truncated to seq_len + 1 = {data_cfg.seq_len + 1} tokens), "
+            f"{stats['trained_tokens']:,} trained tokens per epoch: {epochs} epochs = "
+            f"{train_cfg.steps:,} steps of {data_cfg.batch_size} rows")
+    return instruct_dataset(data_cfg, tokenizer, epochs=epochs, **where), train_cfg
 
 
 def _prepare(model_cfg, data_cfg, train_cfg, is_main: bool):

@@ -146,13 +146,18 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
 TRAINABLE = {
     "all": nnx.Param,
     "router": nnx.All(nnx.Param, nnx.PathContains("router")),
+    "non_experts": nnx.All(nnx.Param, nnx.Not(nnx.PathContains("experts"))),
 }
 
 
 def check_trainable(model_cfg, trainable: str) -> None:
     """One-line error when ``trainable`` leaves nothing to learn in ``model_cfg``: 'router' on
     a model without routers, or on softmax gates renormalised over top_k = 1 (the gate is
-    always 1, so the router gets no gradient; DUME+ needs top_k >= 2)."""
+    always 1, so the router gets no gradient; DUME+ needs top_k >= 2); 'non_experts' on a
+    dense model (no experts to freeze)."""
+    if trainable == "non_experts" and model_cfg.block == "dense":
+        raise ValueError("TrainConfig.trainable='non_experts' on a dense model: it has no "
+                         "experts to freeze (use 'all')")
     if trainable != "router":
         return
     if model_cfg.block == "dense":

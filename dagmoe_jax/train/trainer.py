@@ -140,6 +140,8 @@ class Trainer:
                 if self.compile_seconds is None:
                     self.say(f"step {step}: compiling the training step...")
                 metrics = self.step_fn(self.model, self.optimizer, device_batch)
+                if "mask" in device_batch:          # the loss is a mean over these tokens
+                    metrics = {**metrics, "trained_tokens": _count(device_batch["mask"])}
                 loss = float(metrics["loss"])
                 seconds = time.perf_counter() - tick
                 if self.compile_seconds is None:
@@ -181,6 +183,12 @@ class Trainer:
                 f"the parameters after step {step} give a loss of {loss}: stopped without "
                 f"saving them; the newest checkpoint in {self.checkpointer.directory} is the "
                 f"last good one (lower OptimConfig.learning_rate or raise grad clipping)")
+
+
+@jax.jit
+def _count(mask):
+    """The number of trained tokens (True entries) of a batch's mask, over all processes."""
+    return jax.numpy.sum(mask, dtype=jax.numpy.int32)
 
 
 def on_main_process(fn: Callable[[str], None]) -> Callable[[str], None]:

@@ -1,0 +1,121 @@
+"""Instruction records -> conversations (lists of {'role', 'content'} messages).
+
+An ``instruct:<glob>[,<glob>...]`` source (:class:`~dagmoe_jax.data.config.DataConfig`) reads
+JSON-lines files (``.jsonl`` / ``.json``: one JSON object a line) and Parquet files
+(``.parquet``, with pyarrow), in sorted order of each glob. ``DataConfig.instruct_format``
+says how a record becomes a conversation (:data:`FORMATS`):
+
+* ``'alpaca'``: ``instruction``, optional ``input``, ``output`` -> user ``instruction`` (plus
+  ``'\\n\\n' + input`` when the input is non-empty), assistant ``output``;
+* ``'metamath'``: ``query``, ``response`` (MetaMathQA);
+* ``'prompt_response'``: ``prompt``, ``response``, optional ``system``;
+* ``'messages'``: ``messages``, a list of ``{'role': 'system' | 'user' | 'assistant',
+  'content': str}`` (chat datasets; ``conversations`` is read too);
+* ``'fields:<prompt>,<response>[,<system>]'``: any other field names;
+* ``'auto'`` (default): per record, the first of messages, alpaca, metamath,
+  prompt_response whose fields the record has.
+
+A record missing a field is a one-line ``ValueError`` naming the file, the line (the row of
+a Parquet file) and the mapping to use. All records are read when the source opens.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import List, Optional, Sequence, Tuple
+
+from dagmoe_jax.data.chat import check_messages
+from dagmoe_jax.data.formats import PRESETS, fields_of
+from dagmoe_jax.data.sources import expand_globs
+
+_HELP = ("set DataConfig.instruct_format to the records' mapping: 'alpaca' (instruction/input/"
+         "output), 'metamath' (query/response), 'prompt_response' (prompt/response), "
+         "'messages' (a list of {role, content}) or 'fields:<prompt>,<response>[,<system>]'")
+
+
+def _mapping(fmt: str) -> Tuple[str, str, Optional[str], Optional[str]]:
+    if fmt in PRESETS:
+        return PRESETS[fmt]
+    names = fields_of(fmt)
+    return names[0], names[1], None, names[2] if len(names) > 2 else None
+
+
+def _detect(record: dict) -> str:
+    if "messages" in record or "conversations" in record:
+        return "messages"
+    for name, (prompt, response, _, _) in PRESETS.items():
+        if prompt in record and response in record:
+            return name
+    return ""
+
+
+def to_messages(record, fmt: str, where: str) -> List[dict]:
+    """The conversation of one record under format ``fmt`` (module docstring)."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: not a JSON object: {_HELP}")
+    if fmt == "auto":
+        fmt = _detect(record)
+        if not fmt:
+            raise ValueError(f"{where}: no known instruction fields among "
+                             f"{sorted(record)[:8]}: {_HELP}")
+    if fmt == "messages":
+        messages = record.get("messages", record.get("conversations"))
+        if messages is None:
+            raise ValueError(f"{where}: no 'messages' field: {_HELP}")
+        return check_messages(messages, where)
+    prompt, response, extra, system = _mapping(fmt)
+    for name in (prompt, response):
+        if not isinstance(record.get(name), str):
+            raise ValueError(f"{where}: no string field {name!r} (instruct_format={fmt!r}): "
+                             f"{_HELP}")
+    user = record[prompt]
+    if extra and isinstance(record.get(extra), str) and record[extra].strip():
+        user = f"{user}\n\n{record[extra]}"
+    messages = [{"role": "user", "content": user},
+                {"role": "assistant", "content": record[response]}]
+    if system and isinstance(record.get(system), str) and record[system]:
+        messages.insert(0, {"role": "system", "content": record[system]})
+    return messages
+
+
+def _rows(path: str):
+    """(where, record) of each record of a JSON-lines or Parquet file."""
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
+
+        for i, row in enumerate(pq.read_table(path).to_pylist()):
+            yield f"{path} row {i}", row
+        return
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, start=1):
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path} line {i}: not JSON ({err.msg})") from None
+                yield f"{path} line {i}", record
+
+
+class InstructSource:
+    """The conversations of the files of an ``instruct:`` spec, in order; random access."""
+
+    def __init__(self, files: Sequence[str], fmt: str):
+        self.files, self.format = list(files), fmt
+        self.records = [to_messages(record, fmt, where)
+                        for path in self.files for where, record in _rows(path)]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i: int) -> List[dict]:
+        return self.records[int(i)]
+
+
+def open_instruct(args: Sequence[str], fmt: str, field: str, spec: str) -> InstructSource:
+    """The :class:`InstructSource` of an ``instruct:`` spec's globs (one-line errors for a
+    missing file or an empty source)."""
+    src = InstructSource(expand_globs(args, field, spec), fmt)
+    if len(src) == 0:
+        raise ValueError(f"DataConfig.{field}={spec!r} is empty: it has no records; point it "
+                         "at data")
+    return src

@@ -1,0 +1,98 @@
+"""Starting a run from trained parameters (``TrainConfig.init_from``): fine-tuning.
+
+* ``''``: nothing (parameters initialised from ``TrainConfig.seed``);
+* a run directory (``train.py`` or upcycling): the parameters of its newest checkpoint;
+* ``hf:<folder>``: a Hugging Face Llama folder (``config.json`` + safetensors), imported by
+  :func:`~dagmoe_jax.upcycle.hf_llama.load_hf_llama`.
+
+:func:`source_model_config` gives the run's ModelConfig: the source's architecture with the
+execution fields (how the model runs) of the gin config; a gin binding that changes the
+architecture (a field differing from both ModelConfig's default and the source's value) is a
+one-line error. :func:`load_initial_params` copies the source's parameters into the freshly
+built (possibly sharded) model; the optimiser keeps its fresh state. Both are one-line
+``ValueError`` s for a path that is neither a run directory nor a Hugging Face folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable
+
+import jax
+from flax import nnx
+
+from dagmoe_jax import runs
+from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.runs.checkpoint_files import flatten_json
+
+HF_PREFIX = "hf:"
+
+
+def _hf_folder(init_from: str) -> str:
+    folder = os.path.expanduser(init_from[len(HF_PREFIX):])
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise ValueError(f"TrainConfig.init_from={init_from!r}: {folder!r} has no config.json: "
+                         "point 'hf:' at a Hugging Face Llama folder")
+    return folder
+
+
+def _run_dir(init_from: str) -> str:
+    path = os.path.expanduser(init_from)
+    if not os.path.isfile(os.path.join(path, runs.CONFIG_FILE)):
+        raise ValueError(f"TrainConfig.init_from={init_from!r} is not a run directory (no "
+                         f"{runs.CONFIG_FILE}): give a train.py run directory, 'hf:<folder>' "
+                         "for a Hugging Face model, or '' for a fresh start")
+    return path
+
+
+def source_model_config(init_from: str, model_cfg: ModelConfig) -> ModelConfig:
+    """The ModelConfig of a run initialised from ``init_from`` (module docstring)."""
+    if init_from.startswith(HF_PREFIX):
+        from dagmoe_jax.upcycle.hf_llama import (  # pylint: disable=import-outside-toplevel
+            model_config_from_hf, read_hf_config)
+        source = model_config_from_hf(read_hf_config(_hf_folder(init_from)))
+    else:
+        source = runs.load_configs(_run_dir(init_from))[0]
+    arch = lambda cfg: flatten_json(runs.architecture(dataclasses.asdict(cfg)))  # noqa: E731
+    default, given, have = arch(ModelConfig()), arch(model_cfg), arch(source)
+    conflicts = [f"ModelConfig.{k}={given[k]!r} (the source has {have.get(k)!r})"
+                 for k in sorted(given) if given[k] != default.get(k) and given[k] != have.get(k)]
+    if conflicts:
+        raise ValueError(f"TrainConfig.init_from={init_from!r} has another architecture than "
+                         f"the gin config: {'; '.join(conflicts)}: drop those bindings (the "
+                         "model comes from the source)")
+    return source.replace(execution=model_cfg.execution)
+
+
+def _source_params(init_from: str, log: Callable[[str], None]):
+    if init_from.startswith(HF_PREFIX):
+        from dagmoe_jax.upcycle.hf_llama import (  # pylint: disable=import-outside-toplevel
+            load_hf_llama)
+        model, _ = load_hf_llama(_hf_folder(init_from))
+        return nnx.state(model, nnx.Param), "the Hugging Face checkpoint"
+    loaded = runs.load_run(_run_dir(init_from), log=log)
+    return nnx.state(loaded.model, nnx.Param), f"step {loaded.step}"
+
+
+def load_initial_params(model: nnx.Module, init_from: str,
+                        log: Callable[[str], None] = lambda _message: None) -> str:
+    """Set ``model``'s parameters to those of ``init_from``, each placed with the sharding of
+    the parameter it replaces; returns a one-line description of what was loaded."""
+    source, what = _source_params(init_from, log)
+    target = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    have = dict(nnx.to_flat_state(source))
+    if set(target) != set(have):
+        missing = sorted(set(target) ^ set(have))[:3]
+        raise ValueError(f"TrainConfig.init_from={init_from!r}: its parameters differ from the "
+                         f"model's (e.g. {['/'.join(map(str, p)) for p in missing]})")
+    for path, variable in target.items():
+        value, old = have[path][...], variable[...]
+        if value.shape != old.shape:
+            raise ValueError(f"TrainConfig.init_from={init_from!r}: parameter "
+                             f"{'/'.join(map(str, path))} has shape {value.shape}, the model "
+                             f"{old.shape}")
+        variable[...] = jax.device_put(value.astype(old.dtype), old.sharding)
+    nnx.update(model, nnx.from_flat_state(target))
+    count = sum(v[...].size for v in target.values())
+    return f"initialised {count:,} parameters from {init_from} ({what})"

@@ -1,0 +1,130 @@
+"""Fine-tuning: init_from a run directory (the starting parameters are the checkpoint's),
+epochs over an instruct: source, trainable 'non_experts', the constant schedule, errors."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from dagmoe_jax import runs
+from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.gin_utils import load_configs
+from dagmoe_jax.train.config import OptimConfig, TrainConfig
+from dagmoe_jax.train.init_from import load_initial_params, source_model_config
+from dagmoe_jax.train.loop import train
+from dagmoe_jax.train.metrics import read_metrics
+from dagmoe_jax.train.optim import TRAINABLE, make_schedule
+from dagmoe_jax.train.step import make_train_step
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = REPO / "tests" / "fixtures" / "instruct_tiny.jsonl"
+
+
+def flat_params(model) -> dict:
+    return {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("pre") / "run"
+    configs = load_configs(["train/smoke.gin"], [
+        "TrainConfig.steps = 2", f"TrainConfig.run_dir = '{run_dir}'",
+        "TrainConfig.task_eval_examples = 0", "TrainConfig.tensorboard = False"])
+    train(*configs, progress=False, log=lambda _m: None)
+    return run_dir
+
+
+def test_load_initial_params_equal_the_checkpoint(pretrained):
+    model_cfg = source_model_config(str(pretrained), ModelConfig())
+    loaded = runs.load_run(pretrained)
+    assert loaded.step == 2
+    model, _, _ = runs.build(model_cfg, OptimConfig(), TrainConfig(seed=7))
+    fresh = flat_params(model)
+    message = load_initial_params(model, str(pretrained))
+    assert "step 2" in message
+    got, want = flat_params(model), flat_params(loaded.model)
+    assert got.keys() == want.keys()
+    assert all(np.array_equal(got[k], want[k]) for k in got)
+    assert any(not np.array_equal(fresh[k], got[k]) for k in got)
+
+
+@pytest.mark.slow
+def test_finetune_from_a_run_for_epochs(pretrained, tmp_path):
+    run_dir = tmp_path / "sft"
+    messages = []
+    configs = load_configs(["finetune/smoke.gin"], [
+        f"DataConfig.source = 'instruct:{DATA}'", f"TrainConfig.init_from = '{pretrained}'",
+        f"TrainConfig.run_dir = '{run_dir}'", "TrainConfig.epochs = 1",
+        "TrainConfig.tensorboard = False", "TrainConfig.trainable = 'non_experts'",
+        "DataConfig.batch_size = 8"])  # the tests' 8 CPU devices divide it
+    result = train(*configs, progress=False, log=messages.append)
+    text = "\n".join(messages)
+    steps = int(re.search(r"1 epochs = (\d+) steps of 8 rows", text).group(1))
+    assert "43 examples (0 truncated" in text and f"from {pretrained} (step 2)" in text
+    assert result.step == steps >= 5 and not result.interrupted
+    records = [r for r in read_metrics(run_dir) if "loss" in r]
+    assert len(records) == steps and all(r["trained_tokens"] > 0 for r in records)
+    assert 0 < result.eval["loss"] < 10
+    # the experts kept the pre-trained weights; the rest moved
+    before, after = runs.load_run(pretrained).model, runs.load_run(run_dir).model
+    b, a = flat_params(before), flat_params(after)
+    for path in b:
+        same = np.array_equal(a[path], b[path])
+        assert same == ("experts" in path), path
+    assert runs.load_configs(run_dir)[3].steps == steps
+
+
+def test_non_experts_freezes_the_experts(tiny):
+    cfg = tiny()
+    model, optimizer, _ = runs.build(cfg, OptimConfig(warmup_steps=0, schedule="constant"),
+                                     TrainConfig(steps=3, trainable="non_experts"))
+    before = flat_params(model)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, cfg.vocab_size, (2, 17)).astype(np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+             "mask": np.ones((2, 16), bool),
+             "segments": np.repeat([[1] * 8 + [2] * 8], 2, axis=0).astype(np.int32)}
+    step = make_train_step(wrt=TRAINABLE["non_experts"])
+    step(model, optimizer, {k: jax.numpy.asarray(v) for k, v in batch.items()})
+    after = flat_params(model)
+    experts = [p for p in before if "experts" in p]
+    assert experts
+    for path in before:
+        assert np.array_equal(before[path], after[path]) == (path in experts), path
+
+
+def test_constant_schedule_without_warmup():
+    schedule = make_schedule(OptimConfig(schedule="constant", warmup_steps=0,
+                                         learning_rate=2e-5), 100)
+    assert [float(schedule(s)) for s in (0, 50, 99, 200)] == pytest.approx([2e-5] * 4)
+
+
+def test_bad_init_from_is_a_one_line_error(tmp_path):
+    for value, words in ((str(tmp_path / "nope"), "is not a run directory"),
+                         (f"hf:{tmp_path}", "has no config.json")):
+        with pytest.raises(ValueError) as err:
+            source_model_config(value, ModelConfig())
+        assert words in str(err.value) and "\n" not in str(err.value)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "--gin_file=finetune/smoke.gin",
+         f"--run_dir={tmp_path / 'run'}", "--no_progress",
+         f"--gin.TrainConfig.init_from='{tmp_path / 'nope'}'"],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is not a run directory" in lines[0], result.stderr
+
+
+def test_architecture_conflict_is_a_one_line_error(pretrained):
+    with pytest.raises(ValueError, match=r"ModelConfig.d_model=128 \(the source has 64\)"):
+        source_model_config(str(pretrained), ModelConfig(d_model=128))
+    cfg = source_model_config(str(pretrained), ModelConfig())
+    assert cfg == runs.load_configs(pretrained)[0].replace(execution=ModelConfig().execution)

@@ -1,0 +1,291 @@
+"""Instruction data: field mappings, chat templates (Llama-3 and ChatML fixtures with a tiny
+tokenizer.json made here), assistant-only loss weights, SFT packing, epochs and resume; the
+pre-training pipeline's segment packing."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from dagmoe_jax.data import DataConfig, make_tokenizer, train_dataset
+from dagmoe_jax.data.chat import ChatEncoder
+from dagmoe_jax.data.instruct import (chat_encoder, instruct_dataset, instruct_eval_batches,
+                                      instruct_stats)
+from dagmoe_jax.data.instruct_records import open_instruct, to_messages
+
+LLAMA3 = (r"{% set loop_messages = messages %}{% for message in loop_messages %}"
+          r"{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+          r" + message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+          r"{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+          r"{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+          r"{% endif %}")
+CHATML = (r"{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
+          r"message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+          r"{{ '<|im_start|>assistant\n' }}{% endif %}")
+SPECIAL = ["<pad>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>",
+           "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+CHAT = [{"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3?"},
+        {"role": "assistant", "content": "It is 6."}]
+
+
+@pytest.fixture(scope="module")
+def hf_folders(tmp_path_factory):
+    """Two HF tokenizer folders sharing a tiny BPE tokenizer.json: Llama-3 and ChatML."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator(["What is two plus two? It is four. Be brief and clear."] * 20,
+                            trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIAL,
+                                                initial_alphabet=alphabet))
+    folders = {}
+    for name, template, bos, eos in (("llama3", LLAMA3, "<|begin_of_text|>", "<|eot_id|>"),
+                                      ("chatml", CHATML, None, "<|im_end|>")):
+        d = tmp_path_factory.mktemp(name)
+        tok.save(str(d / "tokenizer.json"))
+        (d / "tokenizer_config.json").write_text(json.dumps(
+            {"chat_template": template, "bos_token": bos, "eos_token": {"content": eos}}))
+        folders[name] = str(d / "tokenizer.json")
+    return folders
+
+
+def hf_cfg(path: str, **kw) -> DataConfig:
+    return DataConfig(tokenizer="hf", tokenizer_path=path, **kw)
+
+
+def write_jsonl(path, records) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+# ----------------------------------------------------------------------------- field mappings
+
+@pytest.mark.parametrize("fmt,record,expected", [
+    ("alpaca", {"instruction": "Sum", "input": "1 2", "output": "3"},
+     [("user", "Sum\n\n1 2"), ("assistant", "3")]),
+    ("alpaca", {"instruction": "Hi", "input": "", "output": "Hello"},
+     [("user", "Hi"), ("assistant", "Hello")]),
+    ("metamath", {"query": "q?", "response": "r.", "type": "GSM"},
+     [("user", "q?"), ("assistant", "r.")]),
+    ("prompt_response", {"prompt": "p", "response": "r", "system": "s"},
+     [("system", "s"), ("user", "p"), ("assistant", "r")]),
+    ("fields:question,answer", {"question": "q", "answer": "a"},
+     [("user", "q"), ("assistant", "a")]),
+    ("messages", {"messages": CHAT}, [(m["role"], m["content"]) for m in CHAT]),
+    ("auto", {"query": "q", "response": "r"}, [("user", "q"), ("assistant", "r")]),
+    ("auto", {"instruction": "i", "output": "o"}, [("user", "i"), ("assistant", "o")]),
+])
+def test_field_mappings(fmt, record, expected):
+    assert [(m["role"], m["content"]) for m in to_messages(record, fmt, "x")] == expected
+
+
+def test_missing_field_is_a_one_line_error_naming_file_line_and_mapping(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "a", "output": "b"},
+                                              {"instruction": "a", "response": "b"}])
+    with pytest.raises(ValueError) as err:
+        open_instruct([path], "alpaca", "source", f"instruct:{path}")
+    message = str(err.value)
+    assert "\n" not in message and f"{path} line 2" in message and "'output'" in message
+    assert "instruct_format" in message and "metamath" in message
+    with pytest.raises(ValueError, match="line 1: no known instruction fields"):
+        open_instruct([write_jsonl(tmp_path / "e.jsonl", [{"text": "x"}])], "auto", "source",
+                      "instruct:e")
+    with pytest.raises(ValueError, match="messages"):
+        to_messages({"messages": [{"role": "bot", "content": "x"}]}, "messages", "f line 1")
+
+
+def test_parquet_records(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"query": ["a", "b"], "response": ["1", "2"]}),
+                   tmp_path / "m.parquet")
+    src = open_instruct([str(tmp_path / "m.parquet")], "metamath", "source", "instruct:m")
+    assert len(src) == 2 and src[1][1] == {"role": "assistant", "content": "2"}
+    with pytest.raises(ValueError, match=r"m.parquet row 0: no string field 'prompt'"):
+        open_instruct([str(tmp_path / "m.parquet")], "prompt_response", "source", "x")
+
+
+# ------------------------------------------------------------------------- templates, weights
+
+def trained_text(encoder: ChatEncoder, messages) -> list:
+    """The trained stretches of a conversation, decoded."""
+    ids, weights = encoder.encode(messages)
+    out, run = [], []
+    for i, w in zip(ids, weights):
+        if w:
+            run.append(i)
+        elif run:
+            out.append(encoder.tokenizer.decode(run))
+            run = []
+    return out + ([encoder.tokenizer.decode(run)] if run else [])
+
+
+def test_llama3_template_renders_and_trains_the_assistant_and_eot(hf_folders):
+    cfg = hf_cfg(hf_folders["llama3"])
+    encoder = chat_encoder(cfg, make_tokenizer(cfg))
+    h = "<|start_header_id|>{}<|end_header_id|>\n\n"
+    expected = ("<|begin_of_text|>" + h.format("system") + "Be brief.<|eot_id|>"
+                + h.format("user") + "What is 2+2?<|eot_id|>" + h.format("assistant")
+                + "4<|eot_id|>" + h.format("user") + "And 3+3?<|eot_id|>"
+                + h.format("assistant") + "It is 6.<|eot_id|>")
+    assert encoder.render(CHAT) == expected
+    assert encoder.render(CHAT[:2], True) == expected[:expected.index("4<|eot_id|>")]
+    ids, weights = encoder.encode(CHAT)
+    assert encoder.tokenizer.decode(ids) == expected
+    assert trained_text(encoder, CHAT) == ["4<|eot_id|>", "It is 6.<|eot_id|>"]
+
+
+def test_chatml_template_trains_up_to_im_end_not_the_newline(hf_folders):
+    cfg = hf_cfg(hf_folders["chatml"])
+    encoder = chat_encoder(cfg, make_tokenizer(cfg))
+    expected = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?"
+                "<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n<|im_start|>user\nAnd 3+3?"
+                "<|im_end|>\n<|im_start|>assistant\nIt is 6.<|im_end|>\n")
+    assert encoder.render(CHAT) == expected
+    ids, _ = encoder.encode(CHAT)
+    assert encoder.tokenizer.decode(ids) == expected
+    assert trained_text(encoder, CHAT) == ["4<|im_end|>", "It is 6.<|im_end|>"]
+
+
+def test_plain_template_with_the_byte_tokenizer_is_exact():
+    encoder = chat_encoder(DataConfig(), make_tokenizer(DataConfig()))
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+    ids, weights = encoder.encode(messages)
+    text = "### Instruction:\nHi\n\n### Response:\nYo"
+    assert ids == list(text.encode()) + [0]
+    assert weights == [0] * (len(text) - 2) + [1, 1, 1]
+    assert trained_text(encoder, CHAT) == ["4\x00", "It is 6.\x00"]
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(hf_folders):
+    cfg = hf_cfg(hf_folders["chatml"])
+    odd = "{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    encoder = ChatEncoder(make_tokenizer(cfg), odd)
+    with pytest.raises(ValueError, match="extension of the turns before"):
+        encoder.encode(CHAT)
+
+
+# ------------------------------------------------------------------------------------- packing
+
+def sft_cfg(tmp_path, n=23, **kw) -> DataConfig:
+    records = [{"instruction": f"Q{i}" + "?" * (i % 7), "output": f"A{i}" + "!" * (i % 5)}
+               for i in range(n)]
+    path = write_jsonl(tmp_path / "sft.jsonl", records)
+    base = dict(source=f"instruct:{path}", seq_len=48, batch_size=3, seed=3,
+                heldout_fraction=0.1)
+    return DataConfig(**{**base, **kw})
+
+
+def examples_of(batch, tokenizer) -> list:
+    """Each packed example of a batch, decoded, with its mask checked against its bounds."""
+    out = []
+    for r in range(batch["inputs"].shape[0]):
+        seg, inputs = batch["segments"][r], batch["inputs"][r]
+        full = np.append(inputs, batch["targets"][r][-1])
+        ids = sorted(set(seg.tolist()) - {0})
+        assert ids == list(range(1, len(ids) + 1))                  # segments 1..n, 0 = padding
+        assert np.all(np.diff(seg[seg > 0]) >= 0)
+        if (seg == 0).any():                                        # padding only at the end
+            assert not np.any(seg[np.argmax(seg == 0):])
+        for s in ids:
+            where = np.flatnonzero(seg == s)
+            assert np.array_equal(where, np.arange(where[0], where[-1] + 1))
+            out.append(tokenizer.decode(full[where[0]:where[-1] + 2]))
+        # never a prediction across examples, never on padding
+        nxt = np.append(seg[1:], 0)
+        crossing = (seg != nxt) & (np.arange(len(seg)) < len(seg) - 1)
+        assert not np.any(batch["mask"][r] & ((seg == 0) | crossing))
+    return out
+
+
+def test_packing_keeps_examples_whole_and_masks_only_their_answers(tmp_path):
+    cfg = sft_cfg(tmp_path)
+    tok = make_tokenizer(cfg)
+    batches = list(instruct_dataset(cfg, tok, epochs=1))
+    assert all(b["inputs"].shape == (3, 48) and b["segments"].dtype == np.int32
+               for b in batches)
+    seen = [e for b in batches for e in examples_of(b, tok)]
+    assert len(seen) == 21                                      # 23 records, 2 held out
+    for text in seen:                                           # whole: header to EOS
+        assert text.startswith("### Instruction:\nQ") and text.endswith("\x00")
+    for b in batches:
+        trained = b["targets"][b["mask"]]
+        prompts = b["inputs"][b["mask"]]
+        assert set(tok.decode(trained)) <= set("A0123456789!\x00")
+        assert np.all(prompts != 0)                             # never predicts from an EOS
+
+
+def test_epochs_cover_every_example_once_each_in_a_new_order(tmp_path):
+    cfg = sft_cfg(tmp_path)
+    tok = make_tokenizer(cfg)
+    stream = [e for b in instruct_dataset(cfg, tok, epochs=3) for e in examples_of(b, tok)]
+    assert Counter(Counter(stream).values()) == {3: 21}
+    assert stream[:21] != stream[21:42] and sorted(stream[:21]) == sorted(stream[21:42])
+    stats = instruct_stats(cfg, tok, epochs=3)
+    assert stats["batches"] == len(list(instruct_dataset(cfg, tok, epochs=3)))
+    assert stats["examples"] == 21 and stats["truncated"] == 0
+    other = [e for b in instruct_dataset(cfg.replace(seed=4), tok, epochs=1)
+             for e in examples_of(b, tok)]
+    assert other != stream[:21]
+
+
+def test_long_examples_are_truncated_and_counted(tmp_path):
+    cfg = sft_cfg(tmp_path, seq_len=24)
+    tok = make_tokenizer(cfg)
+    stats = instruct_stats(cfg, tok, epochs=1)
+    assert stats["truncated"] > 0
+    for b in instruct_dataset(cfg, tok, epochs=1):
+        examples_of(b, tok)
+
+
+def test_mid_epoch_resume_is_bit_identical(tmp_path):
+    cfg = sft_cfg(tmp_path)
+    tok = make_tokenizer(cfg)
+    it = iter(instruct_dataset(cfg, tok, epochs=2))
+    for _ in range(4):
+        next(it)
+    state = it.get_state()
+    rest = list(it)
+    again = iter(instruct_dataset(cfg, tok, epochs=2))
+    again.set_state(state)
+    resumed = list(again)
+    assert len(resumed) == len(rest) > 0
+    for a, b in zip(rest, resumed):
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_eval_batches_are_packed_whole_and_masked(tmp_path):
+    cfg = sft_cfg(tmp_path, n=60)
+    tok = make_tokenizer(cfg)
+    batches = instruct_eval_batches(cfg, tok)
+    seen = [e for b in batches for e in examples_of(b, tok)]
+    assert len(seen) == 6 and all(b["inputs"].shape == (3, 48) for b in batches)
+
+
+# ------------------------------------------------------------------ pre-training segment packing
+
+def test_pretraining_segment_packing(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": f"document {i} " * (i % 4 + 1)}
+                                              for i in range(40)])
+    cfg = DataConfig(source=f"jsonl:{path}", seq_len=32, batch_size=2, segment_packing=True)
+    tok = make_tokenizer(cfg)
+    it = iter(train_dataset(cfg, tok))
+    plain = next(iter(train_dataset(cfg.replace(segment_packing=False), tok)))
+    batch = next(it)
+    assert np.array_equal(batch["inputs"], plain["inputs"]) and "segments" not in plain
+    seg = batch["segments"]
+    assert seg.dtype == np.int32 and seg[:, 0].tolist() == [1, 1]
+    for r in range(2):
+        eos = np.flatnonzero(batch["inputs"][r] == tok.eos_id)
+        for e in eos:                                    # after an EOS: a new document
+            if e + 1 < cfg.seq_len:
+                assert seg[r, e + 1] == seg[r, e] + 1 and not batch["mask"][r, e]
+    # the mask drops exactly the predictions from an EOS (into the next document)
+    assert np.array_equal(batch["mask"], plain["mask"] & (batch["inputs"] != tok.eos_id))

@@ -251,3 +251,29 @@ def test_loaded_run_scores_like_the_model(run_dir, model, rng):
     want = [reference(model, c, t) for c, t in pairs]
     np.testing.assert_allclose([g[0] for g in got], [w[0] for w in want], rtol=1e-5, atol=1e-4)
     assert lm.run.model_cfg.replace(execution=RAW.execution) == RAW
+
+
+def test_chat_template_formats_prompts_as_fine_tuning_does(model):
+    """--apply_chat_template renders the harness's prompts with the run's chat formatting (the
+    plain template for the byte tokenizer): a conversation's text tokenizes to exactly the ids
+    fine-tuning trains on, and the generation prompt ends with the response header."""
+    from lm_eval.tasks import TaskManager
+
+    from dagmoe_jax.data.instruct import chat_encoder
+
+    lm = DagmoeLM(run=fake_run(model), batch_size=4, mesh="none")
+    conversation = [{"role": "user", "content": "Add 2 and 3."},
+                    {"role": "assistant", "content": "5"},
+                    {"role": "user", "content": "Add 4 and 4."}]
+    text = lm.apply_chat_template(conversation)
+    ids, _ = chat_encoder(DataConfig(), ByteTokenizer()).encode(
+        conversation[:2] + [{"role": "user", "content": "Add 4 and 4."},
+                            {"role": "assistant", "content": ""}])
+    assert ByteTokenizer().encode(text) == ids[:-1]          # all but the empty reply's EOS
+    assert text.endswith("### Instruction:\nAdd 4 and 4.\n\n### Response:\n")
+    assert lm.chat_template(True) == "plain"
+    results = lm_eval.simple_evaluate(
+        model=lm, tasks=["dagmoe_gen"], task_manager=TaskManager(include_path=str(TASKS)),
+        apply_chat_template=True, log_samples=True, limit=2, bootstrap_iters=0)
+    context = results["samples"]["dagmoe_gen"][0]["arguments"][0][0]
+    assert context.startswith("### Instruction:\nadd ") and context.endswith("### Response:\n")

@@ -101,6 +101,7 @@ class DagmoeLM(TemplateLM):
         self.max_gen_toks = int(max_gen_toks)
         self.prefix_eos = _flag(prefix_eos)
         self.seed = int(seed)
+        self._chat = None
 
     # -------------------------------------------------------------------------- tokenization
 
@@ -201,6 +202,34 @@ class DagmoeLM(TemplateLM):
     @property
     def tokenizer_name(self) -> str:
         return f"dagmoe-{self.run.data_cfg.tokenizer}-{self.run.data_cfg.tokenizer_path}"
+
+    @property
+    def chat_encoder(self):
+        """The run's chat formatting (:func:`dagmoe_jax.data.instruct.chat_encoder`: the
+        tokenizer's own template, or the plain '### Instruction:' one), as fine-tuning
+        formatted its data."""
+        if self._chat is None:
+            from dagmoe_jax.data.instruct import chat_encoder  # pylint: disable=import-outside-toplevel
+            self._chat = chat_encoder(self.run.data_cfg, self.tokenizer_obj)
+        return self._chat
+
+    def chat_template(self, chat_template=False) -> str:
+        """The template text the harness records with the results ('plain' for the plain
+        template); ``chat_template`` (a name among several) is not supported."""
+        del chat_template
+        return self.chat_encoder.template or "plain"
+
+    def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
+        """``chat_history`` rendered as fine-tuning renders a conversation (the plain
+        template ends an assistant turn with the EOS token's text)."""
+        encoder = self.chat_encoder
+        if encoder.template is None:
+            eos = self.tok_decode([self.eot_token_id])
+            return "".join(encoder.render([m], False) + (eos if m["role"] == "assistant"
+                                                          else "")
+                           for m in chat_history) + (
+                encoder.render([], True) if add_generation_prompt else "")
+        return encoder.render(chat_history, add_generation_prompt)
 
 
 def cut_at_stop(text: str, until: List[str]) -> str:

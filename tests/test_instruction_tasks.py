@@ -60,3 +60,21 @@ def test_records_and_tasks(tmp_path):
     from lm_eval.tasks import TaskManager
     assert set(sum(names.values(), [])) <= set(TaskManager(include_path=str(tmp_path)).all_tasks)
     del lm_eval
+
+
+def test_dume_statistics_read_instruction_data_whole(tmp_path):
+    """DUME's reasoning setting: an ``instruct:`` domain source gives the statistics pass its
+    conversations in the chat format, every real token counted (prompts included)."""
+    from dagmoe_jax.data import DataConfig
+    from dagmoe_jax.experiments.instructions import write_jsonl
+    from dagmoe_jax.upcycle.command import domain_batches
+
+    path = write_jsonl(tmp_path / "math.jsonl", instruction_records(DOMAINS["math"], 12))
+    cfg = DataConfig(source=f"instruct:{path}", instruct_format="alpaca", seq_len=64,
+                     batch_size=4, tokenizer="byte")
+    batches = domain_batches(cfg, 2)
+    assert len(batches) == 2
+    for batch in batches:
+        assert np.array_equal(batch["mask"], batch["segments"] != 0)
+    text = bytes(int(t) for t in batches[0]["inputs"][0] if t).decode()
+    assert text.startswith("### Instruction:\n")

@@ -22,6 +22,7 @@ from dagmoe_jax import runs
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.data import DataConfig, make_tokenizer
 from dagmoe_jax.data.config import parse_source
+from dagmoe_jax.data.instruct import instruct_dataset, is_instruct
 from dagmoe_jax.data.pipeline import train_dataset
 from dagmoe_jax.runs.settle import settle
 from dagmoe_jax.train.config import TrainConfig
@@ -81,13 +82,14 @@ def domain_data(base: DataConfig, source: str) -> DataConfig:
 def mixed_data(base: DataConfig, sources: Sequence[str]) -> DataConfig:
     """``base`` reading every domain's source (the mixed stream DUME+ trains on). The sources
     must be of one kind taking comma-separated arguments (``synthetic:`` tasks, ``text:``,
-    ``jsonl:`` or ``array_record:`` globs), or all the same spec."""
+    ``jsonl:``, ``array_record:`` or ``instruct:`` globs), or all the same spec."""
     kinds = {parse_source(s, "source")[0] for s in sources}
     if len(set(sources)) == 1:
         return dataclasses.replace(base, source=sources[0], eval_source="")
     if len(kinds) != 1 or "tfds" in kinds:
         raise ValueError(f"domain sources {list(sources)} cannot be mixed into one stream: give "
-                         f"sources of one kind among synthetic:, text:, jsonl:, array_record:")
+                         f"sources of one kind among synthetic:, text:, jsonl:, array_record:, "
+                         f"instruct:")
     kind = kinds.pop()
     globs = [",".join(parse_source(s, "source")[1]) for s in sources]
     return dataclasses.replace(base, source=f"{kind}:{','.join(globs)}", eval_source="")
@@ -95,9 +97,17 @@ def mixed_data(base: DataConfig, sources: Sequence[str]) -> DataConfig:
 
 def domain_batches(data_cfg: DataConfig, num_batches: int):
     """The first ``num_batches`` training batches of ``data_cfg`` (a one-line error for a
-    source with no data)."""
+    source with no data). An ``instruct:`` source (DUME's reasoning setting: statistics from
+    instruction data in the experts' chat format) gives its conversations rendered and packed
+    as fine-tuning packs them, one pass, and every real token counts, the prompt's included
+    (the router sees the prompt before it sees any reply)."""
     tokenizer = make_tokenizer(data_cfg)
-    batches = list(itertools.islice(iter(train_dataset(data_cfg, tokenizer)), num_batches))
+    if is_instruct(data_cfg):
+        stream = ({**b, "mask": b["segments"] != 0}
+                  for b in instruct_dataset(data_cfg, tokenizer, epochs=1))
+    else:
+        stream = iter(train_dataset(data_cfg, tokenizer))
+    batches = list(itertools.islice(stream, num_batches))
     if not batches:
         raise ValueError(f"DataConfig.source={data_cfg.source!r} gave no batches: a domain "
                          f"needs data for its statistics")
@@ -155,7 +165,9 @@ def write_run(run_dir: str, model: nnx.Module, model_cfg: ModelConfig, data_cfg:
                             save_every=max(1, steps))
     built, optimizer, _ = runs.build(model_cfg, optim_cfg, train_cfg)
     moerge.set_params(built, moerge.flat_params(model))
-    iterator = iter(train_dataset(data_cfg, make_tokenizer(data_cfg)))
+    tokenizer = make_tokenizer(data_cfg)
+    iterator = iter(instruct_dataset(data_cfg, tokenizer) if is_instruct(data_cfg)
+                    else train_dataset(data_cfg, tokenizer))       # what resume.gin reads
     runs.save_initial_checkpoint(path, built, optimizer, model_cfg, train_cfg, iterator)
     runs.save_configs(path, model_cfg, data_cfg, optim_cfg, train_cfg, settled=built.cfg)
     runs.save_resume_gin(path, model_cfg, data_cfg, optim_cfg, train_cfg, name=RESUME_GIN)

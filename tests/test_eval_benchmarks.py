@@ -1,5 +1,5 @@
-"""The reasoning and quality benchmarks run end to end on their --micro budgets (two variants
-each, to keep the suite short; the variants' configs are checked in test_eval_scoring.py)."""
+"""The reasoning, quality and downstream benchmarks run end to end on their --micro budgets (two
+variants each, to keep the suite short; the variants' configs are checked in test_eval_scoring.py)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,9 @@ def started(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench")
     procs = {"reasoning": start("reasoning.py", "--variants=moe,dag_l1",
                                 f"--out={root / 'reasoning'}"),
-             "quality": start("quality.py", "--variants=moe,coe", f"--out={root / 'quality'}")}
+             "quality": start("quality.py", "--variants=moe,coe", f"--out={root / 'quality'}"),
+             "downstream": start("downstream.py", "--variants=moe_shared,dag_l2",
+                                 f"--out={root / 'downstream'}")}
     yield root, procs
     for proc in procs.values():
         if proc.poll() is None:
@@ -99,3 +101,39 @@ def test_quality_micro_end_to_end(started):
     assert again.returncode == 0, again.stderr[-2000:]
     table = [line for line in again.stdout.splitlines() if line.startswith(("MoE", "CoE"))]
     assert len(table) == 2 and all(line in result.stdout for line in table)
+
+
+def test_downstream_micro_end_to_end(started):
+    """Pre-training, fine-tuning and harness scoring of two variants, then DUME's setting in
+    the same output folder (its corpus and tasks reused)."""
+    root, procs = started
+    out = root / "downstream"
+    result = finish(procs["downstream"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    results = json.loads((out / "downstream.json").read_text())
+    records = results["records"]
+    assert [(r["variant"], r["stage"]) for r in records] == [
+        ("moe_shared", "pre-trained"), ("moe_shared", "fine-tuned"),
+        ("dag_l2", "pre-trained"), ("dag_l2", "fine-tuned")]
+    for r in records:
+        assert 0 <= r["math MC"] <= 1 and 0 <= r["text gen"] <= 1 and r["text bpb"] > 0
+    sft = json.loads((Path(records[1]["run_dir"]) / "config.json").read_text())
+    assert sft["train"]["init_from"] == records[0]["run_dir"]
+    assert sft["data"]["source"].startswith("instruct:")
+    assert "| DAG-MoE L 2 | fine-tuned |" in result.stdout
+    assert "Seed-paired difference from MoE + shared expert" in result.stdout
+
+    dume = subprocess.run([sys.executable, str(REPO / "benchmarks" / "downstream.py"), "--micro",
+                           "--dume", f"--out={out}"], capture_output=True, text=True,
+                          env=single_device_env(), cwd=REPO, timeout=400)
+    assert dume.returncode == 0, dume.stderr[-2000:]
+    merged = json.loads((out / "dume.json").read_text())
+    assert [r["model"] for r in merged["records"]] == ["expert math", "expert text", "average",
+                                                       "DUME"]
+    hf = out / "dume" / "seed0" / "hf" / "math"
+    assert json.loads((hf / "config.json").read_text())["model_type"] == "llama"
+    assert (out / "dume" / "seed0" / "dume" / "dume_stats" / "domain_1.npz").is_file()
+    again = subprocess.run([sys.executable, str(REPO / "benchmarks" / "downstream.py"),
+                            f"--report={out / 'dume.json'}"], capture_output=True, text=True,
+                           env=single_device_env(), cwd=REPO, timeout=120)
+    assert again.returncode == 0 and "| DUME |" in again.stdout

@@ -11,9 +11,9 @@ skill    domain instruction                                  response
 add      math   ``Add 23 and 48.``                           ``71``
 max      math   ``Which is the largest: 4, 9, 2?``           ``9``
 sort     math   ``Sort the digits 7 3 9 1 in increasing...`` ``1 3 7 9``
-reverse  text   ``Reverse the word "cable".``                ``elbac``
+reverse  text   ``Reverse the word "qcable".``               ``elbacq``
 count    text   ``How many times does "a" appear in "..."?`` ``3``
-upper    text   ``Write "river" in capital letters.``        ``RIVER``
+upper    text   ``Write "rivet" in capital letters.``        ``RIVET``
 ======== ====== ===========================================  ================
 
 * :func:`instruction_records`: Alpaca records (``instruction``, ``input``, ``output``) of some
@@ -37,9 +37,7 @@ from typing import Callable, Dict, Iterable, List, Sequence, Tuple
 
 import numpy as np
 
-WORDS = ("cable", "river", "stone", "light", "mouse", "plant", "cloud", "bread", "chair",
-         "music", "water", "tiger", "paper", "green", "house", "sugar", "train", "money",
-         "apple", "night", "horse", "table", "glass", "smile")
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
 DOMAINS: Dict[str, Tuple[str, ...]] = {"math": ("add", "max", "sort"),
                                        "text": ("reverse", "count", "upper")}
 SKILLS: Tuple[str, ...] = DOMAINS["math"] + DOMAINS["text"]
@@ -71,14 +69,16 @@ def draw(skill: str, rng: np.random.Generator) -> Tuple[str, str, List[str]]:
                 wrong.add(perm)
         return (f"Sort the digits {' '.join(map(str, xs))} in increasing order.", right,
                 sorted(wrong))
-    word = str(WORDS[int(rng.integers(len(WORDS)))])
+    word = "".join(rng.choice(list(LETTERS), int(rng.integers(4, 7))))
     if skill == "reverse":
-        others = {word[::-1][1:] + word[::-1][0], word, word[1:][::-1] + word[0]} - {word[::-1]}
-        while len(others) < 3:
-            others.add("".join(rng.permutation(list(word))))
-        return f'Reverse the word "{word}".', word[::-1], sorted(others)[:3]
+        right = word[::-1]
+        others = {right[1:] + right[0], word, word[1:][::-1] + word[0]} - {right}
+        while len(others) < 3:                   # a palindrome, or repeated letters
+            others.add(right + str(rng.integers(10)))
+        return f'Reverse the word "{word}".', right, sorted(others)[:3]
     if skill == "count":
-        letter = word[int(rng.integers(len(word)))]
+        word = "".join(rng.choice(list("abcde"), int(rng.integers(6, 10))))
+        letter = "abcde"[int(rng.integers(5))]
         right = word.count(letter)
         return (f'How many times does "{letter}" appear in "{word}"?', str(right),
                 [str(w) for w in _pick(rng, [x for x in range(0, 6) if x != right])])
@@ -185,6 +185,10 @@ def write_tasks(out_dir, render: Callable[[str], str], *, per_skill: int = 24, s
                 mc.append({"prompt": prompt, "choices": choices, "label": label,
                            "skill": skill})
                 gen.append({"prompt": prompt, "answer": response, "skill": skill})
+            if found < per_skill:
+                raise ValueError(f"skill {skill!r} has only {found} problems outside the "
+                                 f"training records: lower per_skill={per_skill} or the "
+                                 f"number of training records")
         names[domain] = []
         for kind, docs, template in (("mc", mc, _MC_YAML), ("gen", gen, _GEN_YAML)):
             name = f"instruct_{domain}_{kind}"

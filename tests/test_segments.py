@@ -7,6 +7,7 @@ and cuDNN attention lower for CUDA."""
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -237,12 +238,13 @@ def test_lm_loss_with_segments_trains_and_decoding_refuses_them():
 CUDNN_CALLS = ("__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward")
 
 
-@pytest.mark.parametrize("impl", ["xla", "cudnn"])
-def test_segment_masked_attention_lowers_for_cuda(impl, monkeypatch):
-    """The training direction (forward and gradients) of the masked attention lowers for CUDA.
-    JAX's cuDNN attention asks the installed cuDNN its version while lowering; that question
-    alone is answered here (9.10), so the rest of the lowering (the mask as cuDNN's additive
-    bias beside its causal mask) is real."""
+@pytest.mark.parametrize("impl,platform", [("xla", "cuda"), ("cudnn", "cuda"), ("splash", "tpu")])
+def test_segment_masked_attention_lowers_for_accelerators(impl, platform, monkeypatch):
+    """The training direction (forward and gradients) of the segmented attention lowers for
+    the accelerator it is settled on (jax.export). JAX's cuDNN attention asks the installed
+    cuDNN its version while lowering; that question alone is answered here (9.10), so the rest
+    of the lowering (the mask as cuDNN's additive bias beside its causal mask) is real. Splash
+    lowers its segmented Mosaic kernels."""
     if impl == "cudnn":
         fa = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
         if not hasattr(fa, "check_cudnn_version"):
@@ -257,10 +259,14 @@ def test_segment_masked_attention_lowers_for_cuda(impl, monkeypatch):
 
     fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     checks = [export.DisabledSafetyCheck.custom_call(c) for c in CUDNN_CALLS]
-    module = export.export(fn, platforms=("cuda",), disabled_checks=checks)(
+    module = export.export(fn, platforms=(platform,), disabled_checks=checks)(
         q, k, k, seg).mlir_module()
     if impl == "cudnn":
         assert all(f"@{c}(" in module for c in CUDNN_CALLS)
         assert "tensor<2x1x128x128xbf16>" in module                    # the segment bias
+    elif impl == "splash":
+        kernels = set(re.findall(r'kernel_name\s*=\s*"([^"]+)"', module))
+        for part in ("fwd", "dq", "dkv"):
+            assert any(k.startswith(f"splash_mha_{part}_segmented") for k in kernels), kernels
     else:
-        assert "cudnn" not in module
+        assert "cudnn" not in module and "custom_call" not in module

@@ -6,7 +6,9 @@ time so that no S x S score matrix is ever materialised: the forward pass saves 
 row's log-sum-exp, and the backward pass recomputes the probabilities from it
 (FlashAttention's recipe, Dao et al. 2022, Algorithm 2, with a row instead of a tile). On the
 2-core CPU this is what lets the MoE-s training step beat XLA's blockwise attention, whose
-time at head_dim 16 goes to memory passes over its score blocks.
+time at head_dim 16 goes to memory passes over its score blocks. Packed examples (segment ids,
+docs/design.md section 1) run through a second pair of entry points with one more input; the
+plain pair is the same code as before.
 
 float32 only, head_dim in :data:`SUPPORTED_HEAD_DIMS`, CPU only; the kernel is compiled on
 first use (:mod:`dagmoe_jax.kernels.build`), and :func:`fused_attention_unavailable` says why

@@ -6,7 +6,9 @@ time so that no S x S score matrix is ever materialised: the forward pass saves 
 row's log-sum-exp, and the backward pass recomputes the probabilities from it
 (FlashAttention's recipe, Dao et al. 2022, Algorithm 2, with a row instead of a tile). On the
 2-core CPU this is what lets the MoE-s training step beat XLA's blockwise attention, whose
-time at head_dim 16 goes to memory passes over its score blocks.
+time at head_dim 16 goes to memory passes over its score blocks. Packed examples (segment ids,
+docs/design.md section 1) run through a second pair of entry points with one more input; the
+plain pair is the same code as before.
 
 float32 only, head_dim in :data:`SUPPORTED_HEAD_DIMS`, CPU only; the kernel is compiled on
 first use (:mod:`dagmoe_jax.kernels.build`), and :func:`fused_attention_unavailable` says why
@@ -29,6 +31,8 @@ SOURCE = Path(__file__).with_name("causal_attention.cc")
 SUPPORTED_HEAD_DIMS = (8, 16, 32, 64, 128, 256)
 _FWD = "dagmoe_causal_attention_fwd"
 _BWD = "dagmoe_causal_attention_bwd"
+_SEG_FWD = "dagmoe_causal_attention_segmented_fwd"
+_SEG_BWD = "dagmoe_causal_attention_segmented_bwd"
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,6 +45,12 @@ def _load() -> Optional[str]:
     jax.ffi.register_ffi_target(_FWD, jax.ffi.pycapsule(lib.DagmoeCausalAttentionFwd),
                                 platform="cpu")
     jax.ffi.register_ffi_target(_BWD, jax.ffi.pycapsule(lib.DagmoeCausalAttentionBwd),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(_SEG_FWD,
+                                jax.ffi.pycapsule(lib.DagmoeCausalAttentionSegmentedFwd),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(_SEG_BWD,
+                                jax.ffi.pycapsule(lib.DagmoeCausalAttentionSegmentedBwd),
                                 platform="cpu")
     return None
 
@@ -69,26 +79,44 @@ def fused_attention_unavailable(q_shape=None, dtype=jnp.float32,
     return _load()
 
 
-def _forward(q, k, v):
+def _forward(q, k, v, *segments):
     """The forward custom call (output and log-sum-exp), after :func:`_check` (which also
-    builds and registers the kernel on first use)."""
+    builds and registers the kernel on first use); ``segments``: () or (segment ids [B, S],)
+    for the segmented entry point."""
     _check(q, k, v)
     b, s, h, _ = q.shape
     return jax.ffi.ffi_call(
-        _FWD, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
-               jax.ShapeDtypeStruct((b, h, s), jnp.float32)),
-        vmap_method="sequential")(q, k, v)
+        _SEG_FWD if segments else _FWD, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                                         jax.ShapeDtypeStruct((b, h, s), jnp.float32)),
+        vmap_method="sequential")(q, k, v, *segments)
 
 
-@jax.custom_vjp
-def fused_causal_attention(q, k, v):
+def fused_causal_attention(q, k, v, segment_ids=None):
     """Causal softmax attention, q [B, S, H, D], k and v [B, S, KV, D] float32 -> [B, S, H, D].
 
     H must be a multiple of KV (grouped-query attention); scores are scaled by 1 / sqrt(D).
-    Raises ValueError with the reason when the kernel cannot run (see
-    :func:`fused_attention_unavailable`).
+    ``segment_ids`` int [B, S] (packed examples, docs/design.md section 1): query i sees key j
+    only when both hold the same id, by the kernel's segmented entry points (each row skips
+    the key tiles before its segment); None runs the plain kernel, unchanged. Differentiable in
+    q, k, v (the segment ids get no gradient). Raises ValueError with the reason when the
+    kernel cannot run (see :func:`fused_attention_unavailable`).
     """
+    if segment_ids is None:
+        return _plain(q, k, v)
+    if tuple(segment_ids.shape) != tuple(q.shape[:2]):
+        raise ValueError(f"segment_ids has shape {tuple(segment_ids.shape)}, expected "
+                         f"{tuple(q.shape[:2])} (the queries' [B, S])")
+    return _segmented(q, k, v, jnp.asarray(segment_ids).astype(jnp.int32))
+
+
+@jax.custom_vjp
+def _plain(q, k, v):
     return _forward(q, k, v)[0]
+
+
+@jax.custom_vjp
+def _segmented(q, k, v, segment_ids):
+    return _forward(q, k, v, segment_ids)[0]
 
 
 def _check(q, k, v):
@@ -99,18 +127,20 @@ def _check(q, k, v):
         raise ValueError(f"{reason}; use ExecutionConfig.attention='blockwise' instead")
 
 
-def _fwd(q, k, v):
-    out, lse = _forward(q, k, v)
-    return out, (q, k, v, out, lse)
+def _fwd(q, k, v, *segments):
+    out, lse = _forward(q, k, v, *segments)
+    return out, (q, k, v, segments, out, lse)
 
 
 def _bwd(res, dout):
-    q, k, v, out, lse = res
-    return tuple(jax.ffi.ffi_call(
-        _BWD, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
-               jax.ShapeDtypeStruct(k.shape, jnp.float32),
-               jax.ShapeDtypeStruct(v.shape, jnp.float32)),
-        vmap_method="sequential")(q, k, v, out, lse, dout.astype(jnp.float32)))
+    q, k, v, segments, out, lse = res
+    grads = tuple(jax.ffi.ffi_call(
+        _SEG_BWD if segments else _BWD, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                                         jax.ShapeDtypeStruct(k.shape, jnp.float32),
+                                         jax.ShapeDtypeStruct(v.shape, jnp.float32)),
+        vmap_method="sequential")(q, k, v, *segments, out, lse, dout.astype(jnp.float32)))
+    return grads + (None,) * len(segments)           # integer segment ids: no cotangent
 
 
-fused_causal_attention.defvjp(_fwd, _bwd)
+_plain.defvjp(_fwd, _bwd)
+_segmented.defvjp(_fwd, _bwd)

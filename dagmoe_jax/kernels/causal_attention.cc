@@ -14,6 +14,12 @@
 // log-sum-exp and accumulates the key and value gradients of the G query heads that share a
 // KV head in one read-modify-write per tile. Work items are spread over XLA's intra-op thread
 // pool; the calling thread takes part.
+//
+// Packed sequences: the *Segmented handlers take one more input, segment ids int32 [B, S], and
+// let query i see key j only when j <= i and both have the same id. Each row then starts at the
+// 16-key tile holding the first key of its segment (the keys before it are skipped, not just
+// masked) and masks the other segments' lanes inside the tiles it visits. The same templates
+// with kSeg false are the plain handlers, whose code is unchanged by this.
 
 #include <algorithm>
 #include <atomic>
@@ -25,6 +31,7 @@
 #include <mutex>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -39,6 +46,7 @@ namespace {
 typedef float V __attribute__((vector_size(64)));
 typedef float VUnaligned __attribute__((vector_size(64), aligned(4)));
 typedef int32_t VI __attribute__((vector_size(64)));
+typedef int32_t VIUnaligned __attribute__((vector_size(64), aligned(4)));
 constexpr int64_t kChunk = 16;  // keys per vector
 
 inline int64_t RoundUp(int64_t n) { return (n + kChunk - 1) / kChunk * kChunk; }
@@ -75,9 +83,31 @@ inline V ExpV(V x) {
   return y * (V)bits;
 }
 
-// Lanes of the chunk starting at key j0 that are visible to a query row seeing keys [0, n).
-inline V Visible(V x, int64_t j0, int64_t n, float hidden) {
-  return (Iota() + static_cast<float>(j0)) < static_cast<float>(n) ? x : Splat(hidden);
+// One batch row's segment ids, for the segmented handlers: ids padded to SP entries (the pad
+// lanes are past every row's n and masked anyway) and, for each query, the first key of its
+// segment rounded down to a tile (where its row of scores starts).
+struct Segments {
+  std::vector<int32_t> ids;
+  std::vector<int64_t> from;
+};
+
+inline Segments RowSegments(const int32_t* seg, int64_t s, int64_t sp) {
+  Segments out{std::vector<int32_t>(sp, 0), std::vector<int64_t>(s)};
+  std::unordered_map<int32_t, int64_t> first;
+  for (int64_t j = 0; j < s; ++j) {
+    out.ids[j] = seg[j];
+    out.from[j] = first.emplace(seg[j], j).first->second / kChunk * kChunk;
+  }
+  return out;
+}
+
+// x in the lanes of the chunk starting at key j0 that are visible to a query row seeing keys
+// [0, n) (with kSeg: and whose key is in segment `id`), `hidden` in the others.
+template <bool kSeg>
+inline V Mask(V x, int64_t j0, int64_t n, const int32_t* ids, int32_t id, float hidden) {
+  VI keep = (Iota() + static_cast<float>(j0)) < static_cast<float>(n);
+  if constexpr (kSeg) keep &= *reinterpret_cast<const VIUnaligned*>(ids + j0) == id;
+  return keep ? x : Splat(hidden);
 }
 
 // Runs f(0) ... f(n - 1) on the calling thread and up to num_threads - 1 pool threads. A pool
@@ -251,10 +281,12 @@ inline void WeightedSum(const float* p, const float* x, int64_t n, float* out) {
   }
 }
 
-template <int D>
-void ForwardItem(const float* q, const float* k, const float* v, float* out, float* lse,
-                 const Shape& sh, int64_t item) {
+template <int D, bool kSeg>
+void ForwardItem(const float* q, const float* k, const float* v, const int32_t* seg,
+                 float* out, float* lse, const Shape& sh, int64_t item) {
   const int64_t b = item / sh.kv, kvh = item % sh.kv, sp = sh.sp;
+  Segments segs;
+  if constexpr (kSeg) segs = RowSegments(seg + b * sh.s, sh.s, sp);
   std::vector<float> scratch(2 * D * sp + sp);
   float* kt = scratch.data();
   float* vs = kt + D * sp;  // the values in WeightedSum's layout
@@ -267,27 +299,31 @@ void ForwardItem(const float* q, const float* k, const float* v, float* out, flo
   }
   for (int64_t i = 0; i < sh.s; ++i) {
     const int64_t n = i + 1, np = RoundUp(n);
+    int64_t lo = 0;  // the first tile of keys this row may see
+    int32_t id = 0;
+    if constexpr (kSeg) lo = segs.from[i], id = segs.ids[i];
+    const int32_t* ids = kSeg ? segs.ids.data() : nullptr;
     for (int64_t g = 0; g < sh.g; ++g) {
       const int64_t h = kvh * sh.g + g;
       const float* qi = q + ((b * sh.s + i) * sh.h + h) * D;
       float qs[D];
       for (int d = 0; d < D; ++d) qs[d] = qi[d] * sh.scale;
-      RowScores<D>(qs, kt, np, p);
+      RowScores<D>(qs, kt + lo * D, np - lo, p + lo);
       V mv = Splat(-INFINITY);
-      for (int64_t j0 = 0; j0 < np; j0 += kChunk) {
-        const V x = Visible(Load(p + j0), j0, n, -INFINITY);
+      for (int64_t j0 = lo; j0 < np; j0 += kChunk) {
+        const V x = Mask<kSeg>(Load(p + j0), j0, n, ids, id, -INFINITY);
         mv = mv > x ? mv : x;
       }
       const V m = Splat(HMax(mv));
       V sv{};
-      for (int64_t j0 = 0; j0 < np; j0 += kChunk) {
-        const V e = Visible(ExpV(Load(p + j0) - m), j0, n, 0.0f);
+      for (int64_t j0 = lo; j0 < np; j0 += kChunk) {
+        const V e = Mask<kSeg>(ExpV(Load(p + j0) - m), j0, n, ids, id, 0.0f);
         Store(p + j0, e);
         sv += e;
       }
       const float sum = HSum(sv);
       float o[D];
-      WeightedSum<D>(p, vs, n, o);
+      WeightedSum<D>(p + lo, vs + lo * D, n - lo, o);
       const float inv = 1.0f / sum;
       float* oi = out + ((b * sh.s + i) * sh.h + h) * D;
       for (int d = 0; d < D; ++d) oi[d] = o[d] * inv;
@@ -317,11 +353,13 @@ inline void AccumulateTile(float* tile, const float* x, const float* w, int64_t 
   }
 }
 
-template <int D>
-void BackwardItem(const float* q, const float* k, const float* v, const float* out,
-                  const float* lse, const float* dout, float* dq, float* dk, float* dv,
-                  const Shape& sh, int64_t item) {
+template <int D, bool kSeg>
+void BackwardItem(const float* q, const float* k, const float* v, const int32_t* seg,
+                  const float* out, const float* lse, const float* dout, float* dq, float* dk,
+                  float* dv, const Shape& sh, int64_t item) {
   const int64_t b = item / sh.kv, kvh = item % sh.kv, sp = sh.sp, g_n = sh.g;
+  Segments segs;
+  if constexpr (kSeg) segs = RowSegments(seg + b * sh.s, sh.s, sp);
   // Regions are kChunk floats apart beyond their size, so that the accumulators of one tile
   // are not a multiple of 4 KiB apart (x86 falsely orders loads after such stores).
   const int64_t region = D * sp + kChunk;
@@ -345,6 +383,10 @@ void BackwardItem(const float* q, const float* k, const float* v, const float* o
   }
   for (int64_t i = 0; i < sh.s; ++i) {
     const int64_t n = i + 1, np = RoundUp(n);
+    int64_t lo = 0;  // the first tile of keys this row may see
+    int32_t id = 0;
+    if constexpr (kSeg) lo = segs.from[i], id = segs.ids[i];
+    const int32_t* ids = kSeg ? segs.ids.data() : nullptr;
     for (int64_t g = 0; g < g_n; ++g) {
       const int64_t h = kvh * g_n + g;
       const int64_t row = (b * sh.s + i) * sh.h + h;
@@ -363,21 +405,21 @@ void BackwardItem(const float* q, const float* k, const float* v, const float* o
         delta_s += dg[d] * oi[d];
       }
       const V delta = Splat(delta_s);
-      RowScores<D>(qg, kt, np, pg);
-      RowScores<D>(dg, vt, np, dp);
-      for (int64_t j0 = 0; j0 < np; j0 += kChunk) {
-        const V pj = Visible(ExpV(Load(pg + j0) - l), j0, n, 0.0f);
+      RowScores<D>(qg, kt + lo * D, np - lo, pg + lo);
+      RowScores<D>(dg, vt + lo * D, np - lo, dp + lo);
+      for (int64_t j0 = lo; j0 < np; j0 += kChunk) {
+        const V pj = Mask<kSeg>(ExpV(Load(pg + j0) - l), j0, n, ids, id, 0.0f);
         Store(pg + j0, pj);
         Store(dsg + j0, pj * (Load(dp + j0) - delta));
       }
       float dqi[D];
-      WeightedSum<D>(dsg, ks, n, dqi);
+      WeightedSum<D>(dsg + lo, ks + lo * D, n - lo, dqi);
       float* dqo = dq + row * D;
       for (int d = 0; d < D; ++d) dqo[d] = dqi[d] * sh.scale;
     }
     // dk_j += sum_g ds_gj q_g and dv_j += sum_g p_gj dout_g: each accumulator tile is read and
     // written once per row for all G heads.
-    for (int64_t j0 = 0; j0 < np; j0 += kChunk) {
+    for (int64_t j0 = lo; j0 < np; j0 += kChunk) {
       AccumulateTile<D>(dkt + j0 * D, ds + j0, qs, sp, g_n);
       AccumulateTile<D>(dvt + j0 * D, p + j0, dd, sp, g_n);
     }
@@ -437,13 +479,51 @@ ffi::Error ForEachItem(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q,
   });
 }
 
+template <bool kSeg>
+ffi::Error ForwardImpl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q,
+                       ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::F32>& v, const int32_t* seg,
+                       ffi::ResultBuffer<ffi::F32>& out, ffi::ResultBuffer<ffi::F32>& lse) {
+  return ForEachItem(pool, q, k, v, [&](auto dim, const Shape& sh, int64_t index) {
+    ForwardItem<decltype(dim)::value, kSeg>(q.typed_data(), k.typed_data(), v.typed_data(),
+                                            seg, out->typed_data(), lse->typed_data(), sh,
+                                            index);
+  });
+}
+
+template <bool kSeg>
+ffi::Error BackwardImpl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q,
+                        ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::F32>& v, const int32_t* seg,
+                        ffi::Buffer<ffi::F32>& out, ffi::Buffer<ffi::F32>& lse,
+                        ffi::Buffer<ffi::F32>& dout, ffi::ResultBuffer<ffi::F32>& dq,
+                        ffi::ResultBuffer<ffi::F32>& dk, ffi::ResultBuffer<ffi::F32>& dv) {
+  return ForEachItem(pool, q, k, v, [&](auto dim, const Shape& sh, int64_t index) {
+    BackwardItem<decltype(dim)::value, kSeg>(q.typed_data(), k.typed_data(), v.typed_data(),
+                                             seg, out.typed_data(), lse.typed_data(),
+                                             dout.typed_data(), dq->typed_data(),
+                                             dk->typed_data(), dv->typed_data(), sh, index);
+  });
+}
+
+// Segment ids must be [B, S] for q [B, S, H, D].
+ffi::Error CheckSegments(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::S32>& seg) {
+  const auto qd = q.dimensions(), sd = seg.dimensions();
+  if (qd.size() != 4 || sd.size() != 2 || sd[0] != qd[0] || sd[1] != qd[1])
+    return ffi::Error::InvalidArgument("causal attention: segment ids must be [B, S]");
+  return ffi::Error::Success();
+}
+
 ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                    ffi::Buffer<ffi::F32> v, ffi::ResultBuffer<ffi::F32> out,
                    ffi::ResultBuffer<ffi::F32> lse) {
-  return ForEachItem(pool, q, k, v, [&](auto dim, const Shape& sh, int64_t index) {
-    ForwardItem<decltype(dim)::value>(q.typed_data(), k.typed_data(), v.typed_data(),
-                                      out->typed_data(), lse->typed_data(), sh, index);
-  });
+  return ForwardImpl<false>(pool, q, k, v, nullptr, out, lse);
+}
+
+ffi::Error ForwardSegmented(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                            ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                            ffi::Buffer<ffi::S32> seg, ffi::ResultBuffer<ffi::F32> out,
+                            ffi::ResultBuffer<ffi::F32> lse) {
+  if (ffi::Error e = CheckSegments(q, seg); e.failure()) return e;
+  return ForwardImpl<true>(pool, q, k, v, seg.typed_data(), out, lse);
 }
 
 ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
@@ -451,12 +531,17 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
                     ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout,
                     ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
                     ffi::ResultBuffer<ffi::F32> dv) {
-  return ForEachItem(pool, q, k, v, [&](auto dim, const Shape& sh, int64_t index) {
-    BackwardItem<decltype(dim)::value>(q.typed_data(), k.typed_data(), v.typed_data(),
-                                       out.typed_data(), lse.typed_data(), dout.typed_data(),
-                                       dq->typed_data(), dk->typed_data(), dv->typed_data(),
-                                       sh, index);
-  });
+  return BackwardImpl<false>(pool, q, k, v, nullptr, out, lse, dout, dq, dk, dv);
+}
+
+ffi::Error BackwardSegmented(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                             ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                             ffi::Buffer<ffi::S32> seg, ffi::Buffer<ffi::F32> out,
+                             ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout,
+                             ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
+                             ffi::ResultBuffer<ffi::F32> dv) {
+  if (ffi::Error e = CheckSegments(q, seg); e.failure()) return e;
+  return BackwardImpl<true>(pool, q, k, v, seg.typed_data(), out, lse, dout, dq, dk, dv);
 }
 
 }  // namespace
@@ -476,6 +561,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DagmoeCausalAttentionBwd, Backward,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DagmoeCausalAttentionSegmentedFwd, ForwardSegmented,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DagmoeCausalAttentionSegmentedBwd, BackwardSegmented,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

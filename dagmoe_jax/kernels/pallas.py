@@ -53,6 +53,7 @@ def _splash_kernel(num_heads: int, seq_len: int, interpret: bool):
 
 
 def splash_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                            segment_ids: jax.Array | None = None,
                             interpret: bool = False) -> jax.Array:
     """Causal attention of q [B, S, H, D] over k, v [B, S, KV, D] (H a multiple of KV) by the
     splash kernel; S a multiple of :data:`SPLASH_BLOCK`. Equals
@@ -60,6 +61,9 @@ def splash_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
 
     The kernel takes one sequence in the heads-major layout [H, S, D] and does not scale the
     scores, so queries are scaled by 1 / sqrt(D) first and the batch is a ``vmap``.
+    ``segment_ids`` int32 [B, S] (packed examples): the kernel's own ``SegmentIds`` (the same
+    ids for queries and keys), which it combines with the causal mask: query i sees key j only
+    when both hold the same id.
     """
     b, s, h, d = q.shape
     if not splash_supported(s):
@@ -67,8 +71,14 @@ def splash_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
                          f"{SPLASH_BLOCK}, got {s}: use attention='xla' for this shape")
     kernel = _splash_kernel(h, s, interpret)
     heads_major = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
-    out = jax.vmap(kernel)(heads_major(q * (1.0 / float(d) ** 0.5)).astype(q.dtype),
-                           heads_major(k), heads_major(v))
+    args = (heads_major(q * (1.0 / float(d) ** 0.5)).astype(q.dtype), heads_major(k),
+            heads_major(v))
+    if segment_ids is None:
+        out = jax.vmap(kernel)(*args)
+    else:
+        segmented = lambda q, k, v, seg: kernel(  # noqa: E731
+            q, k, v, segment_ids=splash.SegmentIds(q=seg, kv=seg))
+        out = jax.vmap(segmented)(*args, jnp.asarray(segment_ids, jnp.int32))
     return heads_major(out).astype(q.dtype)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple, Optional, Tuple
 
 import jax
@@ -11,6 +12,7 @@ from flax import nnx
 
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.model.layers import dtype_of, make_param, normal
+from dagmoe_jax.model.segments import segment_mask
 from dagmoe_jax.kernels.attention import fused_causal_attention
 from dagmoe_jax.kernels.pallas import splash_causal_attention, splash_supported
 from dagmoe_jax.parallel import constrain
@@ -71,19 +73,22 @@ def _grouped(q: jax.Array, num_kv: int) -> jax.Array:
     return q.reshape(b, s, num_kv, h // num_kv, d)
 
 
-def causal_attention_reference(q, k, v):
-    """Full S x S causal attention for q [B,S,H,D], k, v [B,S,KV,D]: the oracle for tests."""
+def causal_attention_reference(q, k, v, segment_ids=None):
+    """Full S x S causal attention for q [B,S,H,D], k, v [B,S,KV,D]: the oracle for tests.
+    ``segment_ids`` [B, S] (packed examples, :mod:`dagmoe_jax.model.segments`): query i also
+    needs key j in its own segment (:func:`~dagmoe_jax.model.segments.segment_mask`)."""
     b, s, h, d = q.shape
     qg = _grouped(q, k.shape[2]).astype(jnp.float32) / jnp.sqrt(d).astype(jnp.float32)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k.astype(jnp.float32))
-    mask = jnp.tril(jnp.ones((s, s), bool))
+    mask = (jnp.tril(jnp.ones((s, s), bool)) if segment_ids is None
+            else segment_mask(segment_ids)[:, None, None])
     scores = jnp.where(mask, scores, -jnp.inf)
     p = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bkgqs,bskd->bqkgd", p, v.astype(jnp.float32))
     return out.reshape(b, s, h, d).astype(q.dtype)
 
 
-def blockwise_causal_attention(q, k, v, block: int):
+def blockwise_causal_attention(q, k, v, block: int, segment_ids=None):
     """Causal attention that skips the blocks above the diagonal.
 
     Query block i attends to the key prefix [0, (i + 1) * block): one dense matmul per query
@@ -93,6 +98,10 @@ def blockwise_causal_attention(q, k, v, block: int):
     Layout for CPU efficiency: heads-major [B, KV, S, G, D] so that the G query heads sharing a
     KV head become extra rows of one matmul ([B, KV, block * G, D] x [B, KV, D, prefix]), and the
     softmax normalisation is applied to the [.., D] output rather than the [.., prefix] weights.
+
+    ``segment_ids`` [B, S] (packed examples): each block's causal mask also requires the query
+    and key to share a segment id (:func:`~dagmoe_jax.model.segments.segment_mask`); every
+    query sees at least itself, so no row is empty.
     """
     b, s, h, d = q.shape
     kv = k.shape[2]
@@ -107,7 +116,11 @@ def blockwise_causal_attention(q, k, v, block: int):
         scores = jnp.einsum("bkrd,bksd->bkrs", qb, kh[:, :, :stop],
                             preferred_element_type=jnp.float32)
         q_pos = start + jnp.arange(rows) // g
-        scores = jnp.where(jnp.arange(stop)[None, :] <= q_pos[:, None], scores, -jnp.inf)
+        visible = jnp.arange(stop)[None, :] <= q_pos[:, None]               # [rows, stop]
+        if segment_ids is not None:                                           # [B, 1, rows, stop]
+            same = segment_ids[:, q_pos, None] == segment_ids[:, None, :stop]
+            visible = (visible & same)[:, None]
+        scores = jnp.where(visible, scores, -jnp.inf)
         m = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
         e = jnp.exp(scores - m)
         o = jnp.einsum("bkrs,bksd->bkrd", e.astype(v.dtype), vh[:, :, :stop],
@@ -118,15 +131,22 @@ def blockwise_causal_attention(q, k, v, block: int):
     return out.transpose(0, 2, 1, 3, 4).reshape(b, s, h, d)
 
 
-def sharded_splash_attention(q, k, v, layout: MeshLayout):
+def sharded_splash_attention(q, k, v, layout: MeshLayout, segment_ids=None, *,
+                             interpret: bool = False):
     """The splash kernel on each device's shard (a Mosaic kernel cannot be partitioned by XLA):
     a ``shard_map`` over the mesh axes of the ``batch`` rows and of the ``heads`` / ``kv_heads``
-    (the query heads of a KV head stay on its device when both split evenly)."""
+    (the query heads of a KV head stay on its device when both split evenly); ``segment_ids``
+    [B, S] are split by rows like the batch."""
     q_spec = logical_to_spec(("batch", "length", "heads", "head_dim"), layout.rules)
     kv_spec = logical_to_spec(("batch", "length", "kv_heads", "head_dim"), layout.rules)
-    return jax.shard_map(splash_causal_attention, mesh=layout.mesh,
-                         in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
-                         check_vma=False)(q, k, v)
+    kernel = partial(splash_causal_attention, interpret=interpret)
+    if segment_ids is None:
+        return jax.shard_map(kernel, mesh=layout.mesh, in_specs=(q_spec, kv_spec, kv_spec),
+                             out_specs=q_spec, check_vma=False)(q, k, v)
+    seg_spec = logical_to_spec(("batch", "length"), layout.rules)
+    return jax.shard_map(lambda q, k, v, seg: kernel(q, k, v, segment_ids=seg),
+                         mesh=layout.mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec),
+                         out_specs=q_spec, check_vma=False)(q, k, v, segment_ids)
 
 
 def splash_shardable(q, k, layout: MeshLayout) -> bool:
@@ -140,26 +160,38 @@ def splash_shardable(q, k, layout: MeshLayout) -> bool:
             and k.shape[2] % size(kv_spec[2]) == 0)
 
 
-def causal_attention(q, k, v, impl: str, block: int, layout: Optional[MeshLayout] = None):
+def causal_attention(q, k, v, impl: str, block: int, layout: Optional[MeshLayout] = None,
+                     segment_ids: Optional[jax.Array] = None):
     """The causal attention kernel ``impl`` (a settled ``ExecutionConfig.attention``: 'blockwise',
     'fused', 'xla', 'cudnn' or 'splash'; GQA: H a multiple of KV heads). 'splash' takes
     sequences that are a multiple of its 128 block (training) and, on a mesh (``layout``),
     batch and head counts its axes divide; other shapes (sampling prompts) run XLA's
-    attention."""
+    attention.
+
+    ``segment_ids`` int32 [B, S] (packed examples; :mod:`dagmoe_jax.model.segments`): every
+    implementation also masks keys of other segments: blockwise and the reference in their
+    masks, 'fused' by the kernel's segmented entry points, 'splash' by the kernel's own
+    ``SegmentIds``, 'xla' and 'cudnn' by a [B, 1, S, S] ``mask`` beside ``is_causal`` (cuDNN
+    takes it as an additive bias). None: exactly the unsegmented code of each.
+    """
     if impl == "blockwise":
-        return blockwise_causal_attention(q, k, v, block)
+        return blockwise_causal_attention(q, k, v, block, segment_ids)
     if impl == "fused":
-        return fused_causal_attention(q, k, v)
+        return fused_causal_attention(q, k, v, segment_ids)
     if impl == "splash" and splash_supported(q.shape[1]):
         if layout is None:
-            return splash_causal_attention(q, k, v)
+            return splash_causal_attention(q, k, v, segment_ids=segment_ids)
         if splash_shardable(q, k, layout):
-            return sharded_splash_attention(q, k, v, layout)
+            return sharded_splash_attention(q, k, v, layout, segment_ids)
     if impl == "auto":
         raise ValueError("ExecutionConfig.attention='auto' reached the model unsettled: build the "
                          "model from dagmoe_jax.runs.settle.settle(cfg)")
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                        implementation="cudnn" if impl == "cudnn" else "xla")
+    implementation = "cudnn" if impl == "cudnn" else "xla"
+    if segment_ids is None:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                            implementation=implementation)
+    return jax.nn.dot_product_attention(q, k, v, mask=segment_mask(segment_ids)[:, None],
+                                        is_causal=True, implementation=implementation)
 
 
 class KVCache(NamedTuple):
@@ -257,7 +289,8 @@ class Attention(nnx.Module):
         return constrain(out, ("batch", "length", "embed"))
 
     def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array,
-                 cache: Optional[KVCache] = None, start: Optional[jax.Array] = None):
+                 cache: Optional[KVCache] = None, start: Optional[jax.Array] = None,
+                 segment_ids: Optional[jax.Array] = None):
         """Attention of x [B, S, d] (sin, cos: RoPE of its positions); returns (out [B, S, d],
         :class:`AttentionOutputs`: this call's q, k, v after RoPE, the cache, ``start``).
         Blocks that route on attention read q, k or v (DoE's signal); XLA drops what none
@@ -270,6 +303,9 @@ class Attention(nnx.Module):
         * ``cache`` and ``start`` [B] given (decode): x holds row b's positions
           ``start_b + [0, S)``; its keys and values are written there first, then every query
           attends over the cache slots up to its own position (:func:`cached_attention`).
+
+        ``segment_ids`` [B, S] (packed examples, no cache): attention stays inside each
+        example (:func:`causal_attention`).
         """
         q, k, v = self.project_qkv(x, sin, cos)
         if cache is not None:
@@ -277,7 +313,8 @@ class Attention(nnx.Module):
             cache = KVCache(write_cache(cache.k, k, first), write_cache(cache.v, v, first))
         if cache is None or start is None:
             ex = self.cfg.execution
-            o = causal_attention(q, k, v, ex.attention, ex.attention_block, self.layout)
+            o = causal_attention(q, k, v, ex.attention, ex.attention_block, self.layout,
+                                 segment_ids)
         else:
             o = cached_attention(q, cache.k, cache.v, start)
         return self.project_out(o), AttentionOutputs(q, k, v, cache, start)

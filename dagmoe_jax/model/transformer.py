@@ -36,6 +36,7 @@ from dagmoe_jax.extensions import Extension
 from dagmoe_jax.model.attention import Attention, KVCache, rope_angles
 from dagmoe_jax.model.block import BLOCKS, BlockContext, BlockInputs, BlockStats
 from dagmoe_jax.model.layers import RMSNorm, dtype_of, make_param, normal
+from dagmoe_jax.model.segments import check_segment_ids, segment_positions
 from dagmoe_jax.parallel import constrain
 from dagmoe_jax.parallel.axes import MeshLayout
 
@@ -63,11 +64,12 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, h: jax.Array, sin: jax.Array, cos: jax.Array,
                  cache: Optional[KVCache] = None, start: Optional[jax.Array] = None,
-                 context: Optional[BlockContext] = None):
-        """(h, stats, cache) after this layer; ``cache`` and ``start`` as :class:`Attention`;
-        ``context``: this layer's share of the block family's inputs (the block protocol,
-        :mod:`dagmoe_jax.model.block`)."""
-        a, attention = self.attn(self.attn_norm(h), sin, cos, cache, start)
+                 context: Optional[BlockContext] = None,
+                 segment_ids: Optional[jax.Array] = None):
+        """(h, stats, cache) after this layer; ``cache``, ``start`` and ``segment_ids`` (packed
+        examples) as :class:`Attention`; ``context``: this layer's share of the block family's
+        inputs (the block protocol, :mod:`dagmoe_jax.model.block`)."""
+        a, attention = self.attn(self.attn_norm(h), sin, cos, cache, start, segment_ids)
         h = h + a
         out, stats = self.block(BlockInputs(self.block_norm(h), attention, context))
         return self.add_block_output(h, out), stats, attention.cache
@@ -109,7 +111,7 @@ class Transformer(nnx.Module):
     def __call__(self, tokens: jax.Array, *, cache: Optional[KVCache] = None,
                  start: Optional[jax.Array] = None, logit_positions: Optional[jax.Array] = None,
                  head: bool = True, features: Optional[Mapping[str, jax.Array]] = None,
-                 noise: Optional[jax.Array] = None):
+                 noise: Optional[jax.Array] = None, segment_ids: Optional[jax.Array] = None):
         """The one forward pass: tokens [B, S] -> (float32 logits, aux).
 
         Training and scoring call ``model(tokens)``: positions 0..S-1, causal attention.
@@ -130,6 +132,12 @@ class Transformer(nnx.Module):
         ids) and ``noise``, a key for its training noise (DoE's VAE sampling; without it the
         router uses z = mu). Its own statistics, stacked over layers, are ``aux['extra']``
         (DoE: :class:`~dagmoe_jax.doe.block.DoEStats`).
+
+        ``segment_ids`` int [B, S] packs several examples in a row (equal nonzero ids: one
+        example, 0: padding; docs/design.md section 1): RoPE positions restart at 0 at each
+        example's first token (:func:`~dagmoe_jax.model.segments.segment_positions`) and
+        attention stays inside each example, so every example's logits are those it gets alone.
+        Training and scoring only (not with a ``cache``); None is the unpacked model, unchanged.
         """
         cfg = self.cfg
         b, s = tokens.shape
@@ -139,8 +147,17 @@ class Transformer(nnx.Module):
         if cache is not None and start is None and cache.k.shape[2] < s:
             raise ValueError(f"the cache has {cache.k.shape[2]} slots, fewer than the prompts' "
                              f"{s} tokens: make it with init_cache(batch, length >= {s})")
-        positions = (jnp.arange(s)[None, :] if start is None         # one row serves the batch
-                     else jnp.asarray(start, jnp.int32)[:, None] + jnp.arange(s))
+        if segment_ids is not None:
+            if cache is not None:
+                raise ValueError("segment_ids (packed examples) are for training and scoring; "
+                                 "decoding with a KV cache takes one sequence per row: pass "
+                                 "segment_ids=None with a cache")
+            segment_ids = check_segment_ids(segment_ids, tokens.shape)
+            positions = segment_positions(segment_ids)
+        elif start is None:
+            positions = jnp.arange(s)[None, :]                       # one row serves the batch
+        else:
+            positions = jnp.asarray(start, jnp.int32)[:, None] + jnp.arange(s)
         sin, cos = rope_angles(positions, cfg.resolved_head_dim, cfg.rope_theta,
                                cfg.rope_scaling)
         h = self.embed[...].astype(dtype_of(cfg.compute_dtype))[tokens]
@@ -154,7 +171,7 @@ class Transformer(nnx.Module):
         def body(h, layer, layer_cache, layer_inputs, shared_inputs):
             context = (None if layer_inputs is None and shared_inputs is None
                        else BlockContext(layer_inputs, shared_inputs))
-            h, stats, layer_cache = layer(h, sin, cos, layer_cache, start, context)
+            h, stats, layer_cache = layer(h, sin, cos, layer_cache, start, context, segment_ids)
             return h, (stats, layer_cache)
 
         if cfg.execution.remat != "none":

@@ -29,8 +29,9 @@ from dagmoe_jax.train.optim import TRAINABLE, check_trainable, make_optimizer, m
 
 # The entries of a host batch that the model and the losses read, besides the per-token
 # annotations of a model family (``extra_keys``); the others (task ids, the data pipeline's
-# bookkeeping) stay on the host.
-MODEL_INPUTS = ("inputs", "targets", "mask")
+# bookkeeping) stay on the host. "segments" (the segment ids of packed examples, int32 [B, S])
+# travels only when a batch has it.
+MODEL_INPUTS = ("inputs", "targets", "mask", "segments")
 
 
 def check_compatible(model_cfg: ModelConfig, data_cfg: DataConfig, tokenizer) -> None:

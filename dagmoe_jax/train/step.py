@@ -35,9 +35,11 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax
 
 def lm_loss(model: Transformer, batch: Dict[str, jax.Array]) -> Tuple[jax.Array, dict]:
     """Next-token loss of ``batch['inputs']`` -> ``batch['targets']`` (``batch['mask']``
-    optional, default all ones). Returns (total loss, metrics)."""
+    optional, default all ones; ``batch['segments']`` optional: the segment ids [B, S] of packed
+    examples, the model's ``segment_ids``). Returns (total loss, metrics)."""
     extension = extension_for(model.cfg)
-    h, aux = model(batch["inputs"], head=False, **extension.model_inputs(batch, train=True))
+    h, aux = model(batch["inputs"], head=False, segment_ids=batch.get("segments"),
+                   **extension.model_inputs(batch, train=True))
     mask = batch.get("mask", jnp.ones_like(batch["targets"], dtype=bool))
     ce = tiled_cross_entropy(h, model.lm_head[...].astype(h.dtype), batch["targets"], mask)
     total, extra_metrics = extension.loss(ce, aux, batch)
@@ -106,9 +108,10 @@ def make_train_step(loss_fn: Callable = lm_loss, grad_accum: int = 1,
 def eval_step(model: Transformer, batch: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
     """Summed cross-entropy and token count over ``batch['mask']``, and the argmax predictions
     (for exact-answer scoring), from the LM head applied a chunk of positions at a time
-    (:func:`~dagmoe_jax.train.tiled_loss.tiled_scores`: no [B, S, V] logits)."""
+    (:func:`~dagmoe_jax.train.tiled_loss.tiled_scores`: no [B, S, V] logits);
+    ``batch['segments']`` optional, as in :func:`lm_loss`."""
     inputs = extension_for(model.cfg).model_inputs(batch, train=False)
-    h, _ = model(batch["inputs"], head=False, **inputs)
+    h, _ = model(batch["inputs"], head=False, segment_ids=batch.get("segments"), **inputs)
     losses, predictions = tiled_scores(h, model.lm_head[...].astype(h.dtype), batch["targets"])
     mask = batch["mask"].astype(jnp.float32)
     return _replicated({"ce_sum": jnp.sum(losses * mask), "tokens": jnp.sum(mask),

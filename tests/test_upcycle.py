@@ -58,6 +58,22 @@ def test_oracle_routing_equals_each_dense_model_with_the_shared_weights():
     assert np.max(np.abs(a - np.asarray(dume.forced_forward(moe, toks, jnp.int32(1))[0]))) > 1e-3
 
 
+def test_forced_forward_keeps_packed_examples_apart():
+    """Instruction statistics come in packed rows: with segment ids each example's MLP inputs
+    are those of the example alone."""
+    moe = moerge.moerge(dense_models(), merged_config(1))
+    toks = np.asarray(tokens(3, (1, 16)))
+    segments = np.asarray([[1] * 6 + [2] * 7 + [0] * 3], np.int32)
+    _, packed = dume.forced_forward(moe, jnp.asarray(toks), jnp.int32(0),
+                                    segment_ids=jnp.asarray(segments))
+    for lo, hi in ((0, 6), (6, 13)):
+        _, alone = dume.forced_forward(moe, jnp.asarray(toks[:, lo:hi]), jnp.int32(0))
+        np.testing.assert_allclose(np.asarray(packed)[:, :, lo:hi], np.asarray(alone),
+                                   rtol=1e-5, atol=1e-5)
+    _, unpacked = dume.forced_forward(moe, jnp.asarray(toks), jnp.int32(0))
+    assert np.max(np.abs(np.asarray(unpacked)[:, :, 6:13] - np.asarray(packed)[:, :, 6:13])) > 1e-4
+
+
 def test_statistics_pass_matches_the_forced_inputs_and_masks_padding():
     models = dense_models()
     moe = moerge.moerge(models, merged_config(1))

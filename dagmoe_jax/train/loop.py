@@ -76,11 +76,10 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
                                      async_save=train_cfg.async_checkpoint)
     step_fn = make_train_step(grad_accum=train_cfg.grad_accum,
                               wrt=TRAINABLE[train_cfg.trainable], donate=True)
-    segments = ("segments",) if is_instruct(data_cfg) or data_cfg.segment_packing else ()
     trainer = Trainer(model, optimizer, step_fn, iter(dataset), checkpointer,
                       total_steps=train_cfg.steps, mesh=mesh, meta=runs.model_meta(model_cfg),
                       vocab_size=model_cfg.vocab_size, run_dir=str(run_dir), say=say,
-                      batch_keys=extension_for(model_cfg).batch_keys + segments)
+                      batch_keys=extension_for(model_cfg).batch_keys)
     try:
         start = trainer.restore_or_init(
             check=lambda restored: _resume_policy(restored, run_dir, model_cfg, data_cfg,

@@ -26,6 +26,7 @@ from flax import nnx
 from dagmoe_jax.analysis.collect import record
 from dagmoe_jax.model.attention import rope_angles
 from dagmoe_jax.model.layers import dtype_of, swiglu
+from dagmoe_jax.model.segments import segment_positions
 from dagmoe_jax.upcycle.moerge import check_dume_config, flat_params, set_params
 from dagmoe_jax.upcycle.ridge import DEFAULT_LAMBDA, DomainStatistics, solve_routers
 from dagmoe_jax.model import Transformer
@@ -34,28 +35,31 @@ Batch = Dict[str, np.ndarray]
 
 
 @functools.partial(nnx.jit, static_argnames="head")
-def forced_forward(model: nnx.Module, tokens: jax.Array, expert: jax.Array, head: bool = True):
+def forced_forward(model: nnx.Module, tokens: jax.Array, expert: jax.Array, head: bool = True,
+                   segment_ids: Optional[jax.Array] = None):
     """Logits [B, S, V] of the MoE ``model`` with every token of every layer sent to expert
     ``expert`` (an int32 scalar; gate 1), and the MLP inputs x = RMSNorm(h) of every layer
     [layers, B, S, d] (DUME eq. 7's X^(l)_j). The attention, norms and embedding are the
     model's own; only the routing is replaced, so with shared (averaged) non-MLP weights this is
     dense model ``expert`` run with those weights (the paper's Oracle). ``head=False`` (the
-    statistics pass) returns None for the logits and skips the LM head."""
+    statistics pass) returns None for the logits and skips the LM head. ``segment_ids``
+    [B, S]: packed examples (instruction data), as :class:`~dagmoe_jax.model.Transformer`
+    takes them (positions restart, attention stays within an example)."""
     cfg = model.cfg
     if cfg.block != "moe" or cfg.aggregation.kind != "sum":
         raise ValueError(f"forced routing needs a merged MoE with aggregation 'sum' (this is "
                          f"block={cfg.block!r}, aggregation={cfg.aggregation.kind!r}): collect "
                          f"statistics before upcycling into a DAG")
     b, s = tokens.shape
-    sin, cos = rope_angles(jnp.arange(s)[None, :], cfg.resolved_head_dim, cfg.rope_theta,
-                           cfg.rope_scaling)
+    positions = jnp.arange(s)[None, :] if segment_ids is None else segment_positions(segment_ids)
+    sin, cos = rope_angles(positions, cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
     dt = dtype_of(cfg.compute_dtype)
     h = model.embed[...].astype(dt)[tokens]
     graphdef, stacked = nnx.split(model.layers)
     inputs = []
     for layer_index in range(cfg.num_layers):
         layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[layer_index], stacked))
-        a, _ = layer.attn(layer.attn_norm(h), sin, cos)
+        a, _ = layer.attn(layer.attn_norm(h), sin, cos, segment_ids=segment_ids)
         h = h + a
         x = layer.block_norm(h)
         inputs.append(x)
@@ -95,8 +99,10 @@ def collect_statistics(model: nnx.Module, batches: Iterable[Batch], expert: int,
     cfg = model.cfg
     stats = stats or DomainStatistics.zeros(cfg.num_layers, cfg.d_model)
     for i, batch in enumerate(batches):
+        segments = batch.get("segments")
         _, x = forced_forward(model, jnp.asarray(batch["inputs"]), jnp.int32(expert),
-                              head=False)
+                              head=False,
+                              segment_ids=None if segments is None else jnp.asarray(segments))
         x = np.asarray(x, np.float64).reshape(cfg.num_layers, -1, cfg.d_model)
         stats.update(x, token_mask(batch, tokens_per_sequence).reshape(-1))
         progress(i + 1, stats.tokens)

@@ -13,7 +13,6 @@ torch, transformers and accelerate (``pip install -r benchmarks/requirements-pee
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from flax import nnx  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from conftest import tiny_config  # noqa: E402
+from conftest import tiny_config, write_byte_level_tokenizer  # noqa: E402
 from dagmoe_jax.data import DataConfig  # noqa: E402
 from dagmoe_jax.harness.lm import DagmoeLM  # noqa: E402
 from dagmoe_jax.model import Transformer  # noqa: E402
@@ -49,33 +48,6 @@ RAW = tiny_config("dense", vocab_size=257, max_seq_len=WINDOW, init_std=0.2, set
 RTOL = 2e-5
 
 
-def byte_unicode() -> dict:
-    """GPT-2's printable character of each byte, the alphabet of a byte-level tokenizer."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
-    others = [b for b in range(256) if b not in printable]
-    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
-
-
-def write_tokenizer(folder: Path) -> Path:
-    """A byte-level tokenizer.json whose ids are the utf-8 bytes, ``</s>`` (256) its EOS and
-    no BOS; ``tokenizer_config.json`` tells transformers the same. Returns tokenizer.json."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {char: byte for byte, char in byte_unicode().items()}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(EOS, special=True)])
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS,
-        "add_bos_token": False, "clean_up_tokenization_spaces": False,
-        "model_max_length": WINDOW}, indent=2) + "\n")
-    return folder / "tokenizer.json"
-
-
 def make_pair(root: Path):
     """(run directory, Hugging Face folder) of one random dense model and the tokenizer."""
     from dagmoe_jax import runs
@@ -84,7 +56,7 @@ def make_pair(root: Path):
     cfg = settle(RAW)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     hf_dir = export_hf_llama(model, root / "hf")
-    tokenizer_json = write_tokenizer(hf_dir)
+    tokenizer_json = write_byte_level_tokenizer(hf_dir, EOS, WINDOW)
 
     run_dir = root / "run"
     runs.prepare_run_dir(run_dir)

@@ -74,3 +74,32 @@ def tiny():
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(0)
+
+
+def write_byte_level_tokenizer(folder, eos: str = "</s>", model_max_length: int = 2048):
+    """A Hugging Face byte-level tokenizer in ``folder``: ``tokenizer.json`` whose ids 0-255 are
+    the utf-8 bytes (GPT-2's byte alphabet, no merges), ``eos`` the special token 256 and no
+    BOS, and a ``tokenizer_config.json`` telling ``AutoTokenizer`` the same (the harness tests
+    read it with the library's ``DataConfig(tokenizer='hf')`` and with transformers). Returns
+    the path of tokenizer.json."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    others = [b for b in range(256) if b not in printable]
+    vocab = {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(eos, special=True)])
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
+        "add_bos_token": False, "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length}, indent=2) + "\n")
+    return folder / "tokenizer.json"

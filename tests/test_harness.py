@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import tiny_config
+from conftest import tiny_config, write_byte_level_tokenizer
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.data.tokenizers import ByteTokenizer
 from dagmoe_jax.decoding.generate import generate
@@ -145,6 +145,21 @@ def test_generation_stops_at_the_stop_string_and_equals_generate(model):
     got = lm.generate_until(requests, disable_tqdm=True)
     assert got == [cut_at_stop(t, [stop]) for t in texts]
     assert stop not in got[0] and len(got[0]) <= 3
+
+
+def test_generation_is_cut_at_the_eos_text(model, tmp_path, monkeypatch):
+    """As the harness's hf model does, the EOS token's text is one more stop string: a
+    continuation whose ordinary tokens spell it (the bytes of '</s>') ends there."""
+    from dagmoe_jax.data.tokenizers import HFTokenizer
+
+    run = fake_run(model)
+    run.tokenizer = HFTokenizer(str(write_byte_level_tokenizer(tmp_path)))
+    lm = DagmoeLM(run=run, batch_size=2, mesh="none")
+    monkeypatch.setattr(lm.scorer, "generate",
+                        lambda prompts, **_: [list(b"ab</s>cd\nx")] * len(prompts))
+    requests = [SimpleNamespace(args=("q", {"until": ["\n"], "max_gen_toks": 10})),
+                SimpleNamespace(args=("r", {"until": "</s>", "max_gen_toks": 10}))]
+    assert lm.generate_until(requests, disable_tqdm=True) == ["ab", "ab"]
 
 
 def test_local_tasks_through_simple_evaluate(model, tmp_path):

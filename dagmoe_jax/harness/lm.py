@@ -16,8 +16,9 @@ The three request types, as the harness's Hugging Face model (``HFLM``) defines 
   the EOS id before the first token), each window scored as a loglikelihood request; their sum.
 * ``generate_until``: greedy (``do_sample`` false or temperature 0, the default) or sampled
   KV-cache decoding of up to ``max_gen_toks`` tokens, stopping at the EOS token; the text is
-  then cut at the first of the request's ``until`` strings. Requests sharing generation
-  settings run together in batches, longest prompt first.
+  then cut at the first of the request's ``until`` strings and the EOS token's text (which
+  ordinary tokens may spell). Requests sharing generation settings run together in batches,
+  longest prompt first.
 
 Every block type works (dense, MoE with any aggregation, CoE, DoE with its topics tracked from
 the prompt, DUME-merged and upcycled models: they are run directories like any other), on one
@@ -170,11 +171,14 @@ class DagmoeLM(TemplateLM):
                             sort_fn=lambda args: (-len(self.tok_encode(args[0])), args[0]),
                             group_by="gen_kwargs", group_fn=lambda args: args[1])
         results = []
+        eos_text = self.tok_decode([self.eot_token_id])
         for chunk in collator.get_batched(n=0):
             contexts, all_kwargs = zip(*chunk)
             kwargs = dict(all_kwargs[0])
             until = kwargs.pop("until", None) or []
             until = [until] if isinstance(until, str) else list(until)
+            if eos_text not in until:          # as HFLM: the EOS token's text stops too
+                until.append(eos_text)
             max_gen = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
             temperature = float(kwargs.pop("temperature", 0.0))
             if not _flag(kwargs.pop("do_sample", temperature > 0)):

@@ -1,5 +1,6 @@
 """The reasoning, quality and downstream benchmarks run end to end on their --micro budgets (two
-variants each, to keep the suite short; the variants' configs are checked in test_eval_scoring.py)."""
+variants each, to keep the suite short; the variants' configs are checked in
+test_eval_scoring.py)."""
 
 from __future__ import annotations
 

@@ -75,10 +75,11 @@ class DagmoeLM(TemplateLM):
         super().__init__()
         del unused        # the harness passes device / max_batch_size, which mean nothing here
         # Imported here: loading the model stack is slow, and the class must register fast.
-        from dagmoe_jax.model import extension_for  # pylint: disable=import-outside-toplevel
-        from dagmoe_jax.parallel import MeshConfig, make_mesh  # pylint: disable=import-outside-toplevel
-        from dagmoe_jax import runs  # pylint: disable=import-outside-toplevel
-        import jax  # pylint: disable=import-outside-toplevel
+        # pylint: disable=import-outside-toplevel
+        import jax
+        from dagmoe_jax import runs
+        from dagmoe_jax.model import extension_for
+        from dagmoe_jax.parallel import MeshConfig, make_mesh
 
         if (run is None) == (run_dir is None):
             raise ValueError("DagmoeLM needs exactly one of run_dir (a run directory) and run")
@@ -213,7 +214,8 @@ class DagmoeLM(TemplateLM):
         tokenizer's own template, or the plain '### Instruction:' one), as fine-tuning
         formatted its data."""
         if self._chat is None:
-            from dagmoe_jax.data.instruct import chat_encoder  # pylint: disable=import-outside-toplevel
+            # pylint: disable-next=import-outside-toplevel
+            from dagmoe_jax.data.instruct import chat_encoder
             self._chat = chat_encoder(self.run.data_cfg, self.tokenizer_obj)
         return self._chat
 

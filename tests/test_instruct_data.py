@@ -10,7 +10,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from dagmoe_jax.data import DataConfig, make_tokenizer, train_dataset
+from dagmoe_jax.data import DataConfig, eval_batches, make_tokenizer, train_dataset
 from dagmoe_jax.data.chat import ChatEncoder
 from dagmoe_jax.data.instruct import (chat_encoder, instruct_dataset, instruct_eval_batches,
                                       instruct_stats)
@@ -289,3 +289,24 @@ def test_pretraining_segment_packing(tmp_path):
                 assert seg[r, e + 1] == seg[r, e] + 1 and not batch["mask"][r, e]
     # the mask drops exactly the predictions from an EOS (into the next document)
     assert np.array_equal(batch["mask"], plain["mask"] & (batch["inputs"] != tok.eos_id))
+
+
+def test_pretraining_segment_packing_in_evaluation(tmp_path):
+    """Held-out batches under segment_packing carry the same segments and mask as training
+    batches: the eval loss counts exactly the predictions training makes."""
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": f"held out {i} " * (i % 3 + 1)}
+                                              for i in range(30)])
+    cfg = DataConfig(source=f"jsonl:{path}", eval_source=f"jsonl:{path}", seq_len=32,
+                     batch_size=2, segment_packing=True)
+    tok = make_tokenizer(cfg)
+    plain = eval_batches(cfg.replace(segment_packing=False), tok, max_batches=3)
+    packed = eval_batches(cfg, tok, max_batches=3)
+    assert len(packed) == len(plain) and "segments" not in plain[0]
+    for a, b in zip(plain, packed):
+        assert np.array_equal(a["inputs"], b["inputs"]) and np.array_equal(a["targets"],
+                                                                           b["targets"])
+        assert np.array_equal(b["mask"], a["mask"] & (b["inputs"] != tok.eos_id))
+        seg = b["segments"]
+        assert np.all(seg[:, 0] == 1)
+        starts = np.flatnonzero(b["inputs"][0][:-1] == tok.eos_id) + 1
+        assert all(seg[0, s] == seg[0, s - 1] + 1 for s in starts)

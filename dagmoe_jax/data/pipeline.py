@@ -140,10 +140,22 @@ def _rows_to_batches(rows: list, cfg_batch: int, seq_len: int, pad_id: int,
                 extra[k][r, :n] = values[:n]
         mask = np.arange(1, seq_len + 1)[None, :] < valid[:, None]
         block = slice(process_index * local, (process_index + 1) * local)
+        docs = extra.pop(_DOC, None)
         batch = {"inputs": window[block, :-1], "targets": window[block, 1:], "mask": mask[block]}
         batch.update({k: v[block, :-1] for k, v in extra.items()})
+        if docs is not None:          # segment_packing: documents numbered per row
+            batch.update(shift_packed(window[block], _renumber(docs[block])))
         batches.append(batch)
     return batches
+
+
+_DOC = "_document"      # eval_batches' per-token record number under segment_packing
+
+
+def _renumber(docs: np.ndarray) -> np.ndarray:
+    """Per-row record numbers [R, W] (0 = padding) -> segment ids 1, 2, ... per row."""
+    change = np.concatenate([np.ones_like(docs[:, :1]), docs[:, 1:] != docs[:, :-1]], axis=1)
+    return np.where(docs != 0, np.cumsum(change, axis=1), 0).astype(np.int32)
 
 
 def eval_batches(cfg: DataConfig, tokenizer: Tokenizer, *, max_batches: Optional[int] = None,
@@ -169,10 +181,13 @@ def eval_batches(cfg: DataConfig, tokenizer: Tokenizer, *, max_batches: Optional
     records, width = eval_source(cfg), cfg.seq_len + 1
     limit = None if max_batches is None else int(max_batches) * cfg.batch_size
     encode = _Encode(tokenizer, annotate)
-    keys = ("tokens",) + _annotation_keys(annotate)
+    keys = ("tokens",) + _annotation_keys(annotate) + ((_DOC,) if cfg.segment_packing else ())
     rows, buf = [], {k: [] for k in keys}
     for i in range(len(records)):
-        for k, v in encode(records[i]).items():
+        encoded = encode(records[i])
+        if cfg.segment_packing:
+            encoded[_DOC] = np.full(len(encoded["tokens"]), i + 1, np.int32)
+        for k, v in encoded.items():
             buf[k].extend(np.asarray(v).tolist())
         start = 0
         while len(buf["tokens"]) - start >= width and (limit is None or len(rows) < limit):
@@ -186,9 +201,10 @@ def eval_batches(cfg: DataConfig, tokenizer: Tokenizer, *, max_batches: Optional
             break
     if len(buf["tokens"]) > 1:
         rows.append((buf["tokens"], len(buf["tokens"]), *[buf[k] for k in keys[1:]]))
+    pads = {} if annotate is None else dict(annotate.pad)
     return _rows_to_batches(rows, cfg.batch_size, cfg.seq_len, tokenizer.pad_id,
                             process_index, process_count,
-                            None if annotate is None else {k: annotate.pad[k] for k in keys[1:]})
+                            {k: pads.get(k, 0) for k in keys[1:]} or None)
 
 
 def task_names(cfg: DataConfig) -> tuple:

@@ -55,6 +55,26 @@ def test_load_initial_params_equal_the_checkpoint(pretrained):
     assert any(not np.array_equal(fresh[k], got[k]) for k in got)
 
 
+def test_init_from_a_hugging_face_folder(tmp_path):
+    """'hf:<folder>': the architecture and the parameters of an exported Llama."""
+    from conftest import tiny_config
+    from dagmoe_jax.model import Transformer
+    from dagmoe_jax.upcycle.hf_llama import export_hf_llama
+
+    dense = Transformer(tiny_config("dense", vocab_size=96), rngs=nnx.Rngs(3))
+    folder = export_hf_llama(dense, tmp_path / "llama")
+    init_from = f"hf:{folder}"
+    model_cfg = source_model_config(init_from, ModelConfig())
+    assert (model_cfg.block, model_cfg.vocab_size, model_cfg.num_kv_heads) == ("dense", 96, 2)
+    model, _, _ = runs.build(model_cfg, OptimConfig(), TrainConfig(seed=7))
+    assert "the Hugging Face checkpoint" in load_initial_params(model, init_from)
+    got, want = flat_params(model), flat_params(dense)
+    assert got.keys() == want.keys()
+    assert all(np.allclose(got[k], want[k], rtol=0, atol=0) for k in got)
+    with pytest.raises(ValueError, match="has no config.json"):
+        source_model_config(f"hf:{tmp_path / 'nothing'}", ModelConfig())
+
+
 @pytest.mark.slow
 def test_finetune_from_a_run_for_epochs(pretrained, tmp_path):
     run_dir = tmp_path / "sft"

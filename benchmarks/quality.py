@@ -48,17 +48,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dagmoe_jax.cli import (add_budget_flags, fill_budget_defaults, gin_flag_bindings,  # noqa: E402
+                            seed_list,
                             report_error, run_and_report)
 
 DEFAULTS = dict(variants="moe,moe_shared,dag_l1,dag_l2,dag_l3,mlp,mlp_small,coe", seeds="1", steps=400,
                 batch=16, seq_len=128, eval_batches=32, dag_dim=32, out="runs/bench_quality")
 MICRO = dict(steps=10, batch=4, seq_len=64, eval_batches=2, out="runs/bench_quality_micro")
-
-
-def seed_list(text: str) -> tuple:
-    """'3' -> (0, 1, 2); '0,5' -> (0, 5)."""
-    values = tuple(int(v) for v in text.split(",") if v.strip())
-    return tuple(range(values[0])) if len(values) == 1 and "," not in text else values
 
 
 def parse_args(argv):

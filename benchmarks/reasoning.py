@@ -46,7 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dagmoe_jax.cli import (add_budget_flags, fill_budget_defaults, report_error,  # noqa: E402
-                            run_and_report)
+                            run_and_report, seed_list)
 
 DEFAULTS = dict(tasks="lis,edit_distance,lcs", variants="moe,moe_shared,dag_l1,dag_l2,dag_l3,mlp,coe",
                 seeds="2", steps=800, batch=16, seq_len=64, sizes="4,8,12,16,20",
@@ -57,12 +57,6 @@ MICRO = dict(tasks="lis", seeds="1", steps=20, batch=8, sizes="4,8,14", eval_exa
 
 def int_list(text: str) -> tuple:
     return tuple(int(v) for v in text.split(",") if v.strip())
-
-
-def seed_list(text: str) -> tuple:
-    """'3' -> (0, 1, 2); '0,5' -> (0, 5)."""
-    values = int_list(text)
-    return tuple(range(values[0])) if len(values) == 1 and "," not in text else values
 
 
 def parse_args(argv):

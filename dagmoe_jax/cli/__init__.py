@@ -91,6 +91,12 @@ def gin_flag_bindings(args: Iterable[str]) -> Tuple[List[str], List[str]]:
     return bindings, unknown
 
 
+def seed_list(text: str) -> tuple:
+    """A benchmark's --seeds: a count ('3' -> (0, 1, 2)) or a list ('0,5' -> (0, 5))."""
+    values = tuple(int(v) for v in text.split(",") if v.strip())
+    return tuple(range(values[0])) if len(values) == 1 and "," not in text else values
+
+
 def add_budget_flags(parser: argparse.ArgumentParser, defaults: Dict[str, Any]) -> None:
     """One ``--NAME`` flag per entry of ``defaults``, typed like its default value; unset flags
     stay None for :func:`fill_budget_defaults`."""

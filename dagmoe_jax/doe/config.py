@@ -40,7 +40,8 @@ class DoEConfig:
       layers, the last layer's VAE) or 'per_layer' (every layer its own VAE; ablation).
     alpha: weight of L_expert in (1 - alpha) L_ntp + alpha L_expert (eq. 4; paper: 0.001).
     kl_coef: weight of the VAE's KL(q(z|h) || N(0, I)) (eq. 7), added to the loss (default 0:
-      the paper's 2-component loss, Appendix H.3); logged either way.
+      the paper's 2-component loss, Appendix H.3); logged either way, with the mean log sigma
+      of the posterior (``vae_log_sigma``: without the KL term the noise can shrink to the clip).
     recon_coef: weight of the VAE's reconstruction loss (eq. 7; the 3-component loss of
       Appendix H.3, which did not help in the paper); computed only when > 0.
     use_topics: False is the no-LDA ablation (Appendix E, "end to end"): the model ignores topic

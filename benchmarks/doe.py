@@ -14,11 +14,16 @@ into training and held-out text. Stage 1 (online LDA, --topics topics, on the fi
 --lda_documents training records in order) is fitted once and shared by every DoE run
 (DataConfig.topics_dir), as the paper's one-time offline stage.
 
-Variants (all at the dense model's total parameters, matched by each block's FFN / expert width
-with dagmoe_jax/model/accounting.py): dense; moe (softmax gate + balance loss, top-2 of 8: Table 3 A);
-doe_softmax (Table 3 B); doe_relu (Table 3 C, the paper's DoE, alpha 0.001); doe_a0, doe_a0.01,
-doe_a0.1 (Table 2's alpha sweep); doe_no_lda (Appendix E: no topics, no expert loss); doe_k,
-doe_q (Table 10: the router's signal from the keys or the queries instead of the values).
+Variants (all but moe_active at the dense model's total parameters, matched by each block's FFN /
+expert width with dagmoe_jax/model/accounting.py): dense; moe (softmax gate + balance loss, top-2
+of 8: Table 3 A); moe_active (the same MoE at doe_relu's *active* parameters: its experts widened
+until a token uses as many weights as the composed DoE, all of whose weights are active);
+doe_softmax (Table 3 B); doe_relu (Table 3 C, the paper's DoE, alpha 0.001); doe_blocks
+(doe_relu under the sparse reading, DoEConfig.expert='blocks': every knowledge block its own FFN
+slice, Top-N = topics / 4, matched at equal total by block_hidden); doe_kl0.01 (doe_relu with
+the VAE's KL term weighted 0.01 instead of 0: does keeping the noise of eq. 6 matter); doe_a0,
+doe_a0.01, doe_a0.1 (Table 2's alpha sweep); doe_no_lda (Appendix E: no topics, no expert loss); doe_k, doe_q
+(Table 10: the router's signal from the keys or the queries instead of the values).
 
 Forgetting probe (Table 14, scaled down): each --forget variant's trained model continues
 --forget_steps steps on the standard-library text alone (the "code" domain, optimiser state
@@ -27,7 +32,7 @@ Forgetting = the increase of the manual pages' loss.
 
 Budget flags (defaults; --micro's in brackets): --variants (all), --seeds 3 [1], --steps 150 [10],
 --batch 8 [4], --seq_len 128 [64], --eval_batches 16 [2], --topics 32 [8], --lda_documents 3000
-[300], --forget moe,doe_relu [doe_relu], --forget_steps 100 [5], --out runs/bench_doe
+[300], --forget moe,doe_relu,doe_blocks [doe_relu], --forget_steps 100 [5], --out runs/bench_doe
 [runs/bench_doe_micro]. Writes OUT/doe.json; prints the table with the paper's numbers beside.
 """
 
@@ -45,10 +50,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dagmoe_jax.experiments.scoring import mean_std, paired_difference  # noqa: E402
 
-VARIANTS = ("dense", "moe", "doe_softmax", "doe_relu", "doe_a0", "doe_a0.01", "doe_a0.1",
-            "doe_no_lda", "doe_k", "doe_q")
+VARIANTS = ("dense", "moe", "moe_active", "doe_softmax", "doe_relu", "doe_blocks", "doe_kl0.01",
+            "doe_a0", "doe_a0.01", "doe_a0.1", "doe_no_lda", "doe_k", "doe_q")
 DEFAULTS = dict(variants=",".join(VARIANTS), seeds=3, steps=150, batch=8, seq_len=128,
-                eval_batches=16, topics=32, lda_documents=3000, forget="moe,doe_relu",
+                eval_batches=16, topics=32, lda_documents=3000, forget="moe,doe_relu,doe_blocks",
                 forget_steps=100, out="runs/bench_doe")
 MICRO = dict(seeds=1, steps=10, batch=4, seq_len=64, eval_batches=2, topics=8,
              lda_documents=300, forget="doe_relu", forget_steps=5, out="runs/bench_doe_micro")
@@ -59,7 +64,8 @@ D_MODEL, LAYERS, DENSE_HIDDEN = 64, 2, 256
 PAPER = {"moe": 30.89, "doe_softmax": 30.48, "doe_relu": 30.25, "doe_a0": 30.51,
          "doe_a0.01": 30.65, "doe_a0.1": 30.33, "doe_no_lda": 30.82, "doe_k": 30.55,
          "doe_q": 30.98}
-PAPER_FORGET = {"moe": "History 68.2 -> 62.1 (-6.1)", "doe_relu": "History 90.1 -> 89.9 (-0.2)"}
+PAPER_FORGET = {"moe": "History 68.2 -> 62.1 (-6.1)", "doe_relu": "History 90.1 -> 89.9 (-0.2)",
+                "doe_blocks": "History 90.1 -> 89.9 (-0.2)"}
 
 
 def model_config(variant: str, topics: int, seq_len: int):
@@ -70,10 +76,14 @@ def model_config(variant: str, topics: int, seq_len: int):
     base = ModelConfig(vocab_size=256, d_model=D_MODEL, num_layers=LAYERS, num_heads=4,
                        num_kv_heads=2, ffn_hidden=DENSE_HIDDEN, max_seq_len=max(seq_len, 64),
                        block="dense")
-    target = account(base).total_params
+    target, count = account(base).total_params, lambda a: a.total_params
+    widths = range(8, 4 * DENSE_HIDDEN + 1, 8)
     if variant == "dense":
         return base
-    if variant == "moe":
+    if variant == "moe_active":                  # equal active parameters with doe_relu
+        target = account(model_config("doe_relu", topics, seq_len)).total_active_params
+        count, widths = (lambda a: a.total_active_params), range(8, 16 * DENSE_HIDDEN + 1, 8)
+    if variant in ("moe", "moe_active"):
         make = lambda h: base.replace(block="moe", router=dict(score_fn="softmax", top_k=2,
                                                                balance_coef=0.01),
                                       experts=dict(num_experts=8, expert_hidden=h,
@@ -83,12 +93,15 @@ def model_config(variant: str, topics: int, seq_len: int):
         doe.update({"doe_softmax": dict(gate="softmax"), "doe_a0": dict(alpha=0.0),
                     "doe_a0.01": dict(alpha=0.01), "doe_a0.1": dict(alpha=0.1),
                     "doe_no_lda": dict(use_topics=False, alpha=0.0), "doe_k": dict(signal="k"),
-                    "doe_q": dict(signal="q")}.get(variant, {}))
+                    "doe_q": dict(signal="q"), "doe_kl0.01": dict(kl_coef=0.01)}.get(variant, {}))
         if variant not in VARIANTS:
             raise ValueError(f"unknown variant {variant!r}: expected one of {', '.join(VARIANTS)}")
         make = lambda h: base.replace(block="doe", doe=dict(doe, ffn_hidden=h))
-    best = min(range(8, 4 * DENSE_HIDDEN + 1, 8),
-               key=lambda h: abs(account(make(h)).total_params - target))
+        if variant == "doe_blocks":
+            doe.update(expert="blocks", top_n=max(1, topics // 4))
+            make = lambda h: base.replace(block="doe", doe=dict(doe, block_hidden=h))
+            widths = range(1, DENSE_HIDDEN + 1)
+    best = min(widths, key=lambda h: abs(count(account(make(h))) - target))
     return make(best)
 
 
@@ -126,6 +139,18 @@ def fit_stage1(args, out: Path, source: str, log) -> str:
     return str(path)
 
 
+def doe_metrics(run_dir: str) -> dict:
+    """The last logged training step's vae_log_sigma and gate_active_fraction of a DoE run
+    ({} for other blocks)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    last = {}
+    for line in (path.read_text().splitlines() if path.is_file() else []):
+        record = json.loads(line)
+        if "vae_log_sigma" in record:
+            last = {k: record[k] for k in ("vae_log_sigma", "gate_active_fraction")}
+    return last
+
+
 def run_one(args, variant, seed, data_cfg, out: Path):
     from dagmoe_jax.model.accounting import account
     from dagmoe_jax.train.config import TrainConfig
@@ -145,7 +170,7 @@ def run_one(args, variant, seed, data_cfg, out: Path):
     return {"variant": variant, "seed": seed, "loss": result.eval["loss"],
             "perplexity": result.eval["perplexity"], "params": acc.total_params,
             "active_params": acc.total_active_params, "run_dir": str(run_dir),
-            "seconds": round(time.perf_counter() - start, 1)}
+            "seconds": round(time.perf_counter() - start, 1), **doe_metrics(str(run_dir))}
 
 
 def forgetting(args, record, code_cfg, evals, log) -> dict:
@@ -211,6 +236,19 @@ def format_report(result: dict) -> str:
         lines.append(f"{variant:<12}{rs[0]['params']:>9,}{rs[0]['active_params']:>9,}"
                      f"{mean:>10.3f}{sd:>7.3f}{vs_moe:>18}{vs_relu:>17}"
                      f"{(f'{paper:.2f}' if paper else '-'):>11}{paper_rel:>14}")
+    doe_rows = [(v, [r.get("vae_log_sigma", doe_metrics(r["run_dir"]).get("vae_log_sigma"))
+                     for r in by[v]],
+                 [r.get("gate_active_fraction",
+                        doe_metrics(r["run_dir"]).get("gate_active_fraction")) for r in by[v]])
+                for v in VARIANTS if v in by and v.startswith("doe")]
+    if doe_rows:
+        lines.append("")
+        lines.append("DoE at the last logged step (mean over seeds): VAE log sigma, share of "
+                     "knowledge blocks active (non-zero gates; doe_blocks: run)")
+        for v, sig, act in doe_rows:
+            if None not in sig and None not in act:
+                lines.append(f"  {v:<12} log sigma {mean_std(sig)[0]:+.3f}   "
+                             f"active {mean_std(act)[0]:.3f}")
     if result.get("forgetting"):
         lines.append("")
         lines.append("forgetting probe: held-out loss (nats/token) before -> after continued "

@@ -15,7 +15,9 @@ Our reading of the paper, choice by choice, is docs/design.md section 6. Per lay
 * Gates (sec. 3.4, Appendix B.2): router logits ``r = W_g z + b`` over all K topics,
   ``G = ReLU(r)`` (or softmax, the VAE-softmax ablation): no top-k, no balance loss.
 * Composed expert (Appendix A.1): ``e_context = G^T Z``; block output (Appendix H.2)
-  ``FFN([H_enr ; e_context])``.
+  ``FFN([H_enr ; e_context])``. Or (``DoEConfig.expert='blocks'``) every knowledge block owns
+  an FFN slice and the output is ``sum_k G_k FFN_k(H_enr)`` over the Top-N non-zero gates
+  (:mod:`dagmoe_jax.doe.knowledge_blocks`).
 * Losses (eq. 4, 7, 9): :func:`expert_loss` (cross-entropy of softmax(r) against the LDA labels),
   :func:`kl_standard_normal`, and :func:`doe_objective` assembling eq. 4 in the training step.
 """
@@ -31,6 +33,7 @@ from flax import nnx
 
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.doe.extension import DoEExtension
+from dagmoe_jax.doe.knowledge_blocks import active_blocks, block_hidden, sparse_blocks
 from dagmoe_jax.model.block import BlockInputs, BlockStats, register_block
 from dagmoe_jax.model.layers import dtype_of, make_param, normal, swiglu
 
@@ -63,24 +66,29 @@ class DoELayerInputs(NamedTuple):
 
 class DoESharedInputs(NamedTuple):
     """The DoE inputs every layer shares: the VAE bank, the first layer's topic term
-    E_know[topic] W_t [B, S, vae_hidden], and the reconstruction target (the next token's
-    embedding [B, S, d]; None when the reconstruction loss is off or when decoding)."""
+    E_know[topic] W_t [B, S, vae_hidden], the reconstruction target (the next token's
+    embedding [B, S, d]; None when the reconstruction loss is off or when decoding), and the
+    knowledge state Z [K, d] when every layer shares one (``shared_knowledge``; else None)."""
 
     vae: VAEBank
     topic_term: Optional[jax.Array] = None
     recon_target: Optional[jax.Array] = None
+    knowledge: Optional[jax.Array] = None
 
 
 class DoEStats(NamedTuple):
     """What a DoE block reports beyond the routed blocks' statistics (``BlockStats.extra``):
     the router logits [B, S, K] (for L_expert), the VAE's KL and reconstruction terms, the
-    mean gate per knowledge block [K] and the share of active (non-zero) gates."""
+    mean gate per knowledge block [K], the share of active blocks (non-zero gates; with
+    expert='blocks', those run: in the Top-N and non-zero) and the mean log sigma of the VAE's
+    posterior (eq. 5; the noise scale of eq. 6)."""
 
     router_logits: jax.Array
     kl: jax.Array
     recon: jax.Array
     gate_mean: jax.Array
     active_fraction: jax.Array
+    log_sigma: jax.Array
 
 
 # ------------------------------------------------------------------------------ equations
@@ -98,12 +106,19 @@ def knowledge_queries(h: jax.Array, w_q: jax.Array) -> jax.Array:
     return h @ w_q
 
 
-def knowledge_attention(q: jax.Array, z: jax.Array) -> jax.Array:
-    """DoE eq. 2: ``softmax(Q_know Z^T / sqrt(d_k)) Z`` (d_k = d, the width of Q and Z; scores
-    and softmax in float32)."""
+def knowledge_attention(q: jax.Array, z: jax.Array, d_k: Optional[int] = None) -> jax.Array:
+    """DoE eq. 2: ``softmax(Q_know Z^T / sqrt(d_k)) Z`` (scores and softmax in float32); d_k
+    defaults to d, the width of Q and Z (:func:`knowledge_scale_dim` reads the config)."""
     scores = jnp.einsum("...d,kd->...k", q.astype(jnp.float32), z.astype(jnp.float32))
-    p = jax.nn.softmax(scores / math.sqrt(z.shape[-1]), axis=-1)
+    p = jax.nn.softmax(scores / math.sqrt(d_k or z.shape[-1]), axis=-1)
     return (p @ z.astype(jnp.float32)).astype(q.dtype)
+
+
+def knowledge_scale_dim(cfg: ModelConfig) -> int:
+    """The d_k of eq. 2 (``DoEConfig.knowledge_scale``): d_model, the topic embedding's width
+    (Algorithm 1's d_k) or the attention head's width."""
+    return {"d_model": cfg.d_model, "topic_dim": cfg.doe.topic_dim,
+            "head_dim": cfg.resolved_head_dim}[cfg.doe.knowledge_scale]
 
 
 def enrich(h: jax.Array, attention_know: jax.Array) -> jax.Array:
@@ -214,6 +229,20 @@ def shared_param_counts(cfg: ModelConfig) -> tuple:
     return vae_count(cfg) * one_vae, embedding
 
 
+def block_weight_shapes(cfg: ModelConfig) -> dict:
+    """Each layer's FFN weights: the composed expert's SwiGLU over [H_enr ; e_context] (input 2d)
+    or, with expert='blocks', the K knowledge blocks' slices [K, d, h_b] ... [K, h_b, d]."""
+    d, k = cfg.d_model, cfg.doe.num_topics
+    if cfg.doe.expert == "blocks":
+        hb = block_hidden(cfg)
+        return {"block_gate": ((k, d, hb), (None, "embed", None)),
+                "block_up": ((k, d, hb), (None, "embed", None)),
+                "block_down": ((k, hb, d), (None, None, "embed"))}
+    hidden = cfg.doe.ffn_hidden or cfg.resolved_ffn_hidden
+    return {"w_gate": ((2 * d, hidden), (None, "mlp")), "w_up": ((2 * d, hidden), (None, "mlp")),
+            "w_down": ((hidden, d), ("mlp", "embed"))}
+
+
 # ------------------------------------------------------------------------------ modules
 
 
@@ -221,7 +250,8 @@ class DoEShared(nnx.Module):
     """The DoE parameters outside the layer stack: the topic embedding E_know [K + 1, d_k] (row
     K: null), the dual-input projection W_in [d + d_k, d] (initialised to [I ; 0], so at
     initialisation the embedding is the token embedding), the bank of VAEs (each parameter
-    stacked [vae_count, ...]) and the first layer's topic input weight W_t [d_k, vae_hidden]."""
+    stacked [vae_count, ...]), the first layer's topic input weight W_t [d_k, vae_hidden], and,
+    with ``shared_knowledge``, the one knowledge state Z [K, d] every layer reads."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         c = cfg.doe
@@ -234,6 +264,8 @@ class DoEShared(nnx.Module):
         self.topic_embed = make_param(rngs, init, (c.num_topics + 1, dk), (None, None), pd)
         self.w_in = make_param(rngs, eye, (d + dk, d), (None, "embed"), pd)
         self.w_t = make_param(rngs, init, (dk, vh), (None, None), pd)
+        if c.shared_knowledge:
+            self.knowledge = make_param(rngs, init, (c.num_topics, d), (None, "embed"), pd)
         shapes = {"w_h": (d, vh), "w_s": (signal_dim(cfg), vh), "b_e": (vh,), "w_mu": (vh, dz),
                   "b_mu": (dz,), "w_lv": (vh, dz), "b_lv": (dz,), "w_dec": (dz, d), "b_dec": (d,)}
         for name in VAE_NAMES:
@@ -276,14 +308,16 @@ class DoEShared(nnx.Module):
         if c.recon_coef > 0 and not decoding:        # the last layer's VAE target: next token
             nxt = embed.astype(dt)[tokens[:, 1:]]
             recon = jnp.concatenate([nxt, jnp.zeros_like(nxt[:, :1])], axis=1)
-        shared = DoESharedInputs(self.bank(), t_emb @ self.w_t[...].astype(dt), recon)
+        z = self.knowledge[...].astype(dt) if c.shared_knowledge else None
+        shared = DoESharedInputs(self.bank(), t_emb @ self.w_t[...].astype(dt), recon, z)
         return h, per_layer, shared
 
 
 @register_block("doe")
 class DoEBlock(nnx.Module):
-    """One layer's DoE block: W_Q of eq. 1, the knowledge state Z [K, d], the gate W_g [d_z, K]
-    and b, and the output SwiGLU over [H_enr ; e_context] (input 2d)."""
+    """One layer's DoE block: W_Q of eq. 1, the knowledge state Z [K, d] (unless shared), the
+    gate W_g [d_z, K] and b, and the output SwiGLU over [H_enr ; e_context] (input 2d) or the
+    knowledge blocks' FFN slices (:func:`block_weight_shapes`)."""
 
     shared = DoEShared                   # the Transformer builds one as ``model.doe``
     extension = DoEExtension             # the hooks of the run around the model
@@ -292,17 +326,16 @@ class DoEBlock(nnx.Module):
         del layout                           # nothing to dispatch
         c = cfg.doe
         d, k = cfg.d_model, c.num_topics
-        hidden = c.ffn_hidden or cfg.resolved_ffn_hidden
         pd = dtype_of(cfg.param_dtype)
         init = normal(cfg.init_std)
         self.cfg, self.dtype = cfg, dtype_of(cfg.compute_dtype)
         self.w_q = make_param(rngs, init, (d, d), ("embed", None), pd)
-        self.knowledge = make_param(rngs, init, (k, d), (None, "embed"), pd)
+        if not c.shared_knowledge:
+            self.knowledge = make_param(rngs, init, (k, d), (None, "embed"), pd)
         self.w_g = make_param(rngs, init, (c.latent_dim, k), (None, None), pd)
         self.b_g = make_param(rngs, nnx.initializers.zeros, (k,), (None,), pd)
-        self.w_gate = make_param(rngs, init, (2 * d, hidden), (None, "mlp"), pd)
-        self.w_up = make_param(rngs, init, (2 * d, hidden), (None, "mlp"), pd)
-        self.w_down = make_param(rngs, init, (hidden, d), ("mlp", "embed"), pd)
+        for name, (shape, axes) in block_weight_shapes(cfg).items():
+            self.__setattr__(name, make_param(rngs, init, shape, axes, pd))
         self.record_intermediates = False     # analysis switches it on (Module.set_attributes)
 
     def __call__(self, inputs: BlockInputs) -> tuple[jax.Array, BlockStats]:
@@ -319,8 +352,9 @@ class DoEBlock(nnx.Module):
         cfg, dt = self.cfg, self.dtype
         c = lambda w: w[...].astype(dt)
         x = x.astype(dt)
-        z_know = c(self.knowledge)
-        h_enr = enrich(x, knowledge_attention(knowledge_queries(x, c(self.w_q)), z_know))
+        z_know = shared.knowledge.astype(dt) if cfg.doe.shared_knowledge else c(self.knowledge)
+        h_enr = enrich(x, knowledge_attention(knowledge_queries(x, c(self.w_q)), z_know,
+                                              knowledge_scale_dim(cfg)))
         vae = VAEBank(*(v[layer.index].astype(dt) for v in shared.vae))
         pre = h_enr @ vae.w_h + signal.astype(dt) @ vae.w_s + vae.b_e
         if shared.topic_term is not None:            # the first layer's VAE sees the topics
@@ -329,10 +363,19 @@ class DoEBlock(nnx.Module):
         z = reparameterize(mu, logvar, layer.key)
         logits = z @ c(self.w_g) + c(self.b_g)
         gates = gate_values(logits, cfg.doe.gate)
-        e_context = compose_expert(gates, z_know)
-        out = swiglu(jnp.concatenate([h_enr, e_context], axis=-1), c(self.w_gate), c(self.w_up),
-                     c(self.w_down), fused=cfg.execution.fuse_gate_up)
         g32 = gates.astype(jnp.float32)
+        if cfg.doe.expert == "blocks":
+            b, s, d = h_enr.shape
+            weights = (c(self.block_gate), c(self.block_up), c(self.block_down))
+            out, ids = sparse_blocks(h_enr.reshape(b * s, d), gates.reshape(b * s, -1),
+                                     weights, active_blocks(cfg))
+            out = out.reshape(b, s, d)
+            active = jnp.mean(jnp.sum(ids < gates.shape[-1], axis=-1)) / gates.shape[-1]
+        else:
+            e_context = compose_expert(gates, z_know)
+            out = swiglu(jnp.concatenate([h_enr, e_context], axis=-1), c(self.w_gate),
+                         c(self.w_up), c(self.w_down), fused=cfg.execution.fuse_gate_up)
+            active = jnp.mean((g32 > 0).astype(jnp.float32))
         share = g32 / jnp.maximum(jnp.sum(g32, axis=-1, keepdims=True), 1e-9)
         zero = jnp.zeros((), jnp.float32)
         recon = zero
@@ -342,7 +385,7 @@ class DoEBlock(nnx.Module):
             recon = jnp.mean(jnp.sum((pred.astype(jnp.float32) - target.astype(jnp.float32)) ** 2,
                                      axis=-1))
         extra = DoEStats(logits.astype(jnp.float32), jnp.mean(kl_standard_normal(mu, logvar)),
-                         recon, jnp.mean(g32, axis=(0, 1)),
-                         jnp.mean((g32 > 0).astype(jnp.float32)))
+                         recon, jnp.mean(g32, axis=(0, 1)), active.astype(jnp.float32),
+                         jnp.mean(0.5 * logvar.astype(jnp.float32)))
         record = {"gates": g32} if self.record_intermediates else None
         return out, BlockStats(zero, zero, zero, jnp.mean(share, axis=(0, 1)), record, extra)

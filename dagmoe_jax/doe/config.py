@@ -15,6 +15,8 @@ from dagmoe_jax.validate import positive as _positive
 DOE_GATES = ("relu", "softmax")
 DOE_SIGNALS = ("v", "k", "q")
 DOE_VAE_SHARING = ("hierarchical", "per_layer")
+DOE_EXPERTS = ("composed", "blocks")
+DOE_KNOWLEDGE_SCALES = ("d_model", "topic_dim", "head_dim")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,13 +40,26 @@ class DoEConfig:
       layers, the last layer's VAE) or 'per_layer' (every layer its own VAE; ablation).
     alpha: weight of L_expert in (1 - alpha) L_ntp + alpha L_expert (eq. 4; paper: 0.001).
     kl_coef: weight of the VAE's KL(q(z|h) || N(0, I)) (eq. 7), added to the loss (default 0:
-      the paper's 2-component loss, Appendix H.3); logged either way.
+      the paper's 2-component loss, Appendix H.3); logged either way, with the mean log sigma
+      of the posterior (``vae_log_sigma``: without the KL term the noise can shrink to the clip).
     recon_coef: weight of the VAE's reconstruction loss (eq. 7; the 3-component loss of
       Appendix H.3, which did not help in the paper); computed only when > 0.
     use_topics: False is the no-LDA ablation (Appendix E, "end to end"): the model ignores topic
       ids (every token gets the null id) and alpha must be 0 (there are no labels).
     ffn_hidden: hidden size of the block's output FFN([H_enriched ; e_context]) (input 2d);
       None means ModelConfig.resolved_ffn_hidden.
+    expert: what an expert is (docs/design.md section 6). 'composed' (default): e = G^T Z
+      (Appendix A.1) fed with H_enriched into one dense FFN, every weight active. 'blocks': each
+      knowledge block owns an FFN slice (SwiGLU d -> block_hidden -> d) whose output is scaled
+      by its gate, out = sum_k G_k FFN_k(H_enriched) over the active blocks only (Top-N, zero
+      gates skipped): sec. 4.5's active parameters, Table 13's Top-N, Appendix I.3's isolation.
+    top_n: with expert='blocks', the most blocks a token runs (its N largest gates; 0 = all K).
+    block_hidden: with expert='blocks', the hidden width of one block's FFN slice; None means
+      (ffn_hidden or ModelConfig.resolved_ffn_hidden) // num_topics.
+    knowledge_scale: the sqrt(d_k) of eq. 2: 'd_model' (default; the width of Q and Z),
+      'topic_dim' (Algorithm 1's d_k, the topic embedding's width) or 'head_dim'.
+    shared_knowledge: False (default): every layer its own knowledge state Z; True: one Z
+      shared by every layer (sec. 3.4's "global memory of all topics" read across depth).
     """
 
     num_topics: int = 128
@@ -59,6 +74,11 @@ class DoEConfig:
     recon_coef: float = 0.0
     use_topics: bool = True
     ffn_hidden: Optional[int] = None
+    expert: str = "composed"
+    top_n: int = 0
+    block_hidden: Optional[int] = None
+    knowledge_scale: str = "d_model"
+    shared_knowledge: bool = False
 
     def __post_init__(self):
         c = "DoEConfig"
@@ -76,6 +96,18 @@ class DoEConfig:
                "0 when use_topics=False (the no-LDA ablation has no expert labels)")
         if self.ffn_hidden is not None:
             _positive(c, "ffn_hidden", self.ffn_hidden)
+        _choice(c, "expert", self.expert, DOE_EXPERTS)
+        _check(isinstance(self.top_n, int) and 0 <= self.top_n <= self.num_topics, c, "top_n",
+               self.top_n, f"an integer in [0, num_topics={self.num_topics}] (0 = all)")
+        _check(self.top_n == 0 or self.expert == "blocks", c, "top_n", self.top_n,
+               "0 unless expert='blocks' (the composed expert has no blocks to skip)")
+        if self.block_hidden is not None:
+            _positive(c, "block_hidden", self.block_hidden)
+            _check(self.expert == "blocks", c, "block_hidden", self.block_hidden,
+                   "None unless expert='blocks'")
+        _choice(c, "knowledge_scale", self.knowledge_scale, DOE_KNOWLEDGE_SCALES)
+        _check(isinstance(self.shared_knowledge, bool), c, "shared_knowledge",
+               self.shared_knowledge, "True or False")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -78,5 +78,6 @@ def doe_objective(cfg: ModelConfig, ntp: jax.Array, aux: dict, batch: dict):
     total = composite_loss(ntp, expert, c.alpha) + c.kl_coef * kl + c.recon_coef * recon
     total = total + aux["aux_loss"]
     metrics = {"expert_loss": expert, "kl_loss": kl, "recon_loss": recon,
-               "gate_active_fraction": jnp.mean(doe.active_fraction)}
+               "gate_active_fraction": jnp.mean(doe.active_fraction),
+               "vae_log_sigma": jnp.mean(doe.log_sigma)}
     return total, metrics

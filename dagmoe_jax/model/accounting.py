@@ -12,12 +12,15 @@ Conventions (stated so the numbers can be checked by hand):
   4 FLOPs per element (two broadcast adds, one product, one sum; the activation not counted),
   reported separately as ``dag_pairwise``.
 * Active parameters per token count each distinct weight a token touches once.
-* DoE (docs/design.md section 6): every weight is active (the gates compose all K knowledge
-  blocks; no top-k). ``doe_knowledge``: W_Q and Z per layer (eq. 1-3: 2 d^2 + 4 K d FLOPs) and
-  the composition G^T Z (2 K d); ``doe_router``: the VAE bank (counted once per entry, however
-  many layers share it) and each layer's gate W_g, b; ``doe_ffn``: FFN([H_enr ; e_context])
-  (input 2d: 5 d hidden weights); ``doe_embedding``: E_know, W_in and the first layer's topic
-  weight. The VAE decoder runs only with a reconstruction loss (``recon_coef > 0``).
+* DoE (docs/design.md section 6). ``doe_knowledge``: W_Q and Z per layer (eq. 1-3: 2 d^2 +
+  4 K d FLOPs; Z once with ``shared_knowledge``) and, composed, G^T Z (2 K d);
+  ``doe_router``: the VAE bank (counted once per entry, however many layers share it) and
+  each layer's gate W_g, b; ``doe_embedding``: E_know, W_in and the first layer's topic weight.
+  ``doe_ffn``: with expert='composed' FFN([H_enr ; e_context]) (input 2d: 5 d hidden
+  weights), all active (the gates compose all K knowledge blocks); with expert='blocks' the K
+  FFN slices (3 d h_b each), of which a token runs at most N = top_n (or K): active and FLOPs
+  count N slices, an upper bound (ReLU's zero gates skip more, ``gate_active_fraction``).
+  The VAE decoder runs only with a reconstruction loss (``recon_coef > 0``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Dict
 
 from dagmoe_jax.config import ModelConfig, dag_params_per_layer
 from dagmoe_jax.doe.block import shared_param_counts
+from dagmoe_jax.doe.knowledge_blocks import active_blocks, block_hidden
 
 COMPONENTS = ("embedding", "attention", "attention_scores", "norms", "dense_ffn", "router",
               "experts", "shared_experts", "aggregator", "dag_pairwise", "doe_embedding",
@@ -104,16 +108,22 @@ def account(cfg: ModelConfig, seq_len: int | None = None) -> Accounting:
     elif cfg.block == "doe":
         c = cfg.doe
         k, hid = c.num_topics, c.ffn_hidden or cfg.resolved_ffn_hidden
-        per_layer["doe_knowledge"] = active["doe_knowledge"] = d * d + k * d
+        per_layer["doe_knowledge"] = active["doe_knowledge"] = (
+            d * d + (0 if c.shared_knowledge else k * d))
         per_layer["doe_router"] = active["doe_router"] = c.latent_dim * k + k
-        per_layer["doe_ffn"] = active["doe_ffn"] = 5 * d * hid
+        composed = c.expert == "composed"
+        if composed:
+            per_layer["doe_ffn"] = active["doe_ffn"] = 5 * d * hid
+        else:
+            per_layer["doe_ffn"] = k * 3 * d * block_hidden(cfg)
+            active["doe_ffn"] = active_blocks(cfg) * 3 * d * block_hidden(cfg)
         sig = (h if c.signal == "q" else kv) * hd
         vae_fwd = 2.0 * (d * c.vae_hidden + sig * c.vae_hidden + 2 * c.vae_hidden * c.latent_dim)
         if c.recon_coef > 0:
             vae_fwd += 2.0 * c.latent_dim * d
-        fwd.update(doe_knowledge=2.0 * d * d + 6.0 * k * d,
+        fwd.update(doe_knowledge=2.0 * d * d + (6.0 if composed else 4.0) * k * d,
                    doe_router=vae_fwd + 2.0 * c.latent_dim * k,
-                   doe_ffn=2.0 * per_layer["doe_ffn"])
+                   doe_ffn=2.0 * active["doe_ffn"])
     else:
         if cfg.block == "coe":
             steps, k = cfg.coe.iterations, cfg.coe_top_k
@@ -144,6 +154,9 @@ def account(cfg: ModelConfig, seq_len: int | None = None) -> Accounting:
         params["doe_router"] += bank
         active_params["doe_router"] += bank
         params["doe_embedding"] = active_params["doe_embedding"] = embedding
+        if cfg.doe.shared_knowledge:                  # one Z for every layer
+            params["doe_knowledge"] += cfg.doe.num_topics * d
+            active_params["doe_knowledge"] += cfg.doe.num_topics * d
         c = cfg.doe
         flops["doe_embedding"] = 3.0 * 2.0 * ((d + c.topic_dim) * d + c.topic_dim * c.vae_hidden)
     return Accounting(params, active_params, flops, s)

@@ -228,7 +228,8 @@ def test_plot_command_on_a_dag_run(analyzed):
     code, stdout, stderr, out = analyzed["dag"]
     assert code == 0, stderr
     assert_pngs(out, ("expert_load", "edge_gates", "edge_gate_hist", "dropped_fraction"))
-    assert "edge-gate sparsity over" in stdout and "  layer 1: iteration 2 " in stdout
+    assert "edge-gate sparsity over" in stdout and "  layer 1: iteration 1 " in stdout
+    assert ", iteration 2 " in stdout
     assert len(json.loads((out / "summary.json").read_text())["edge_gates"]["gate_sparsity"]) == 2
     assert "skipped coactivation: co-activation between iterations is for CoE runs" in stdout
     assert not (out / "coactivation.png").exists()

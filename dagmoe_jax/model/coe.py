@@ -7,9 +7,9 @@ own router to K_t experts (default K / C) and adds their gated outputs (plus sha
 * 'outer' (eq. 9):          x^(t) = sum_i g_t,i E_i(x^(t-1));            y = x^(C) + x
 * 'init'  (eq. 10):         x^(t) = sum_i g_t,i E_i(x^(t-1)) + x^(0);    y = x^(C)
 
-``CoEConfig.score_fn='softmax'`` gives the routers CoE eq. 7's softmax (the model's score function
-otherwise). ``shared_router`` is the eq. 8 ablation: the first iteration's routing (gates and experts) is
-reused by every iteration instead of re-routing each refined state.
+``CoEConfig.score_fn='softmax'`` gives the routers CoE eq. 7's softmax (the model's score
+function otherwise). ``shared_router`` is the eq. 8 ablation: the first iteration's routing
+(gates and experts) is reused by every iteration instead of re-routing each refined state.
 
 In every residual mode the chain's output is x + delta, with delta what the experts added
 (:func:`coe_step`). x = RMSNorm(h) is the block input and the decoder adds h around the block,

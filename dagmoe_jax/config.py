@@ -16,6 +16,7 @@ import dataclasses
 import math
 from typing import Optional
 
+from dagmoe_jax.budget import dag_params_per_layer, matched_shared_hidden  # noqa: F401
 from dagmoe_jax.doe.config import DoEConfig
 from dagmoe_jax.validate import check as _check
 from dagmoe_jax.validate import choice as _choice
@@ -27,7 +28,7 @@ SCORE_FNS = ("sigmoid", "softmax")
 DISPATCH_MODES = ("capacity", "dropless", "dense")
 AGGREGATORS = ("sum", "dag", "mlp")
 EDGE_ACTIVATIONS = ("silu", "sigmoid")
-DAG_EDGES = ("all", "ranked")
+DAG_EDGES = ("all", "ranked", "self")
 DAG_READINGS = ("once", "literal")
 COE_RESIDUALS = ("inner", "outer", "init")
 COE_READINGS = ("once", "literal", "reference")
@@ -161,7 +162,11 @@ class AggregationConfig:
       'ranked' (node i aggregates only from nodes the router ranked at or above it). With 'all'
       the update of node i depends on x_i and the *set* of nodes, so the module's output does
       not depend on the node order; 'ranked' makes the graph follow the router's ranking and
-      the output order-sensitive (our extension, not in the paper).
+      the output order-sensitive (our extension, not in the paper). 'self': the edge-free
+      ablation (ours): node i hears only itself, e_(i,i) * W_node [u_i; u_i], no message passing.
+    dag_shared_weights: False (default): each iteration has its own weights, as eq. 8-11's
+      superscript l writes them; True: one module applied in all L iterations, as the text's
+      "each iteration applies the same module" (DAG-MoE sec. 3.3) reads.
     dag_residual: how the residual ``x / K`` of eq. 6 meets the decoder's own residual stream
       (x = RMSNorm(h) is the block input, the layer computes h + block output):
       'once' (default): x is counted once. The block returns sum_i x_i^L - x, the nodes'
@@ -180,6 +185,7 @@ class AggregationConfig:
     edge_act: str = "silu"
     dag_edges: str = "all"
     dag_residual: str = "once"
+    dag_shared_weights: bool = False
 
     def __post_init__(self):
         _choice("AggregationConfig", "kind", self.kind, AGGREGATORS)
@@ -188,6 +194,8 @@ class AggregationConfig:
         _choice("AggregationConfig", "edge_act", self.edge_act, EDGE_ACTIVATIONS)
         _choice("AggregationConfig", "dag_edges", self.dag_edges, DAG_EDGES)
         _choice("AggregationConfig", "dag_residual", self.dag_residual, DAG_READINGS)
+        _check(isinstance(self.dag_shared_weights, bool), "AggregationConfig",
+               "dag_shared_weights", self.dag_shared_weights, "True or False")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,6 +215,8 @@ class CoEConfig:
         counted twice, as in this library before the fix).
       'reference': the CoE authors' code: the layer's output *is* the chain's output,
         RMSNorm(h) + updates, replacing the stream h instead of adding to it.
+    score_fn: the iterations' routers' score function: None (default) the model's
+      ``RouterConfig.score_fn``; 'softmax' is CoE eq. 7 (softmax over N, then top-K_t).
     """
 
     iterations: int = 2
@@ -214,9 +224,12 @@ class CoEConfig:
     shared_router: bool = False
     residual: str = "inner"
     stream: str = "once"
+    score_fn: Optional[str] = None
 
     def __post_init__(self):
         _positive("CoEConfig", "iterations", self.iterations)
+        if self.score_fn is not None:
+            _choice("CoEConfig", "score_fn", self.score_fn, SCORE_FNS)
         if self.top_k_per_iter is not None:
             _positive("CoEConfig", "top_k_per_iter", self.top_k_per_iter)
         _choice("CoEConfig", "residual", self.residual, COE_RESIDUALS)
@@ -428,23 +441,3 @@ def execution_fields(cls=None) -> tuple:
     (field metadata ``{"execution": True}``): a run may resume with them changed."""
     return tuple(f.name for f in dataclasses.fields(cls or ModelConfig)
                  if f.metadata.get("execution"))
-
-
-def dag_params_per_layer(d_model: int, dag_dim: int, dag_iters: int) -> int:
-    """Parameters the DAG module adds to one layer: L * (2 d d_g + 4 d_g^2 + 2 d).
-
-    W_down [d, d_g] and W_up [d_g, d] give 2 d d_g, W_edge and W_node [2 d_g, d_g] give 4 d_g^2,
-    and the LayerNorm of eq. 7 has a scale and a bias of d each.
-    """
-    return dag_iters * (2 * d_model * dag_dim + 4 * dag_dim * dag_dim + 2 * d_model)
-
-
-def matched_shared_hidden(d_model: int, dag_dim: int, dag_iters: int, multiple: int = 8) -> int:
-    """The shared-expert hidden size d_r whose 3 d d_r parameters match the DAG module's.
-
-    The nearest multiple of ``multiple`` (hardware-friendly shapes) to the exact match. This is
-    the paper's parity baseline (DAG-MoE sec. 5.1): d 512, d_g 128, L 2 adds 395,264 parameters,
-    matched by a shared expert of d_r 256 (393,216); d 1024, d_g 256, L 2 gives 512 (Appendix B.2).
-    """
-    exact = dag_params_per_layer(d_model, dag_dim, dag_iters) / (3 * d_model)
-    return max(multiple, int(round(exact / multiple)) * multiple)

@@ -15,6 +15,7 @@ from typing import Iterable, Sequence, Tuple
 import gin
 
 from dagmoe_jax import config as C
+from dagmoe_jax.budget import matched_coe_shared_hidden
 from dagmoe_jax.cli import first_line
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.data.config import DataConfig
@@ -40,6 +41,7 @@ _CONFIG_CLASSES = (*C.nested_configs(ModelConfig).values(), ModelConfig,
                    DataConfig, OptimConfig, TrainConfig, MeshConfig)
 _GIN = {cls.__name__: gin.external_configurable(cls, name=cls.__name__) for cls in _CONFIG_CLASSES}
 gin.external_configurable(C.matched_shared_hidden, name="matched_shared_hidden")
+gin.external_configurable(matched_coe_shared_hidden, name="matched_coe_shared_hidden")
 
 
 def _plain(value):

@@ -10,6 +10,7 @@ from dagmoe_jax.config import ModelConfig, dag_params_per_layer, matched_shared_
 from dagmoe_jax.gin_utils import load_model_config
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.runs.settle import settle
+from conftest import tiny_config
 
 
 def test_paper_parity_numbers():
@@ -73,3 +74,39 @@ def test_dag_flops_follow_the_per_node_cost_model():
     assert acc.flops["aggregator"] == pytest.approx(3 * 2 * k * (4 * d * dg + 8 * dg * dg))
     assert acc.flops["dag_pairwise"] == pytest.approx(3 * 2 * 4 * k * k * dg)
     assert "aggregator" in acc.table() and "total" in acc.table()
+
+
+@pytest.mark.parametrize("edges,shared", [("all", True), ("self", False), ("self", True)])
+def test_dag_readings_param_count_matches_the_built_model(edges, shared):
+    """dag_shared_weights counts one module (not L); the edge-free ablation has the DAG's own
+    parameters and K (not K^2) pairs of elementwise work."""
+    cfg = tiny_config("moe", "dag", aggregation=dict(dag_edges=edges, dag_shared_weights=shared))
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    built = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    acc = account(cfg)
+    assert acc.total_params == built
+    a = cfg.aggregation
+    assert acc.params["aggregator"] == cfg.num_layers * (1 if shared else a.dag_iters) * (
+        2 * cfg.d_model * a.dag_dim + 4 * a.dag_dim ** 2 + 2 * cfg.d_model)
+    pairs = cfg.router.top_k ** (1 if edges == "self" else 2)
+    assert acc.flops["dag_pairwise"] == 3.0 * cfg.num_layers * a.dag_iters * 4 * pairs * a.dag_dim
+
+
+def test_coe_variant_adds_exactly_the_dag_budget_on_the_quality_base():
+    """The quality benchmark's CoE (d 128, N 16, 2 layers, budget d_g 32): its second router
+    (2,048) and shared expert (d_r 60: 23,040) add 25,088 per layer, DAG-MoE L 2's exactly
+    (50,176 in all; 54,016 with the d_r 65 that ignored the router). The edge-free DAG adds the
+    same. Printed so the benchmark's counts can be read off the test log (-s)."""
+    from dagmoe_jax.budget import coe_budget_residual
+    from dagmoe_jax.experiments.quality import BASE_GIN
+    from dagmoe_jax.experiments.variants import variant_config
+
+    base = load_model_config([BASE_GIN])
+    total = {v: account(variant_config(base, v, 32)).total_params
+             for v in ("moe", "dag_l2", "coe", "dag_self")}
+    added = {v: total[v] - total["moe"] for v in total}
+    print(added)
+    assert added["dag_l2"] == added["coe"] == added["dag_self"] == 50_176
+    coe = variant_config(base, "coe", 32)
+    assert coe.experts.shared_hidden == 60
+    assert coe_budget_residual(128, 32, 2, 16, 60) == 0

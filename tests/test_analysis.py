@@ -5,6 +5,7 @@ checkpoint of a DAG-MoE and a CoE run."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,7 +18,9 @@ import pytest
 from flax import nnx
 
 from conftest import tiny_config
-from dagmoe_jax.analysis.collect import collect, record
+from dagmoe_jax.analysis.collect import Collected, collect, gate_sparsity_counts, record
+from dagmoe_jax.analysis.report import summary, summary_lines
+from dagmoe_jax.model.aggregation import edge_mask
 from dagmoe_jax.model import Transformer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -127,6 +130,54 @@ def test_collect_statistics_are_consistent():
     assert dag.gate_samples.shape[2] == 26 and dag.coactivation is None
 
 
+def test_edge_gate_sparsity_on_a_synthetic_record():
+    """The sparsity of known gates: per layer and iteration, the share of |e| < 0.1 over the
+    graph's pairs and d_g channels, and of pairs whose mean |e| is below it."""
+    rng = np.random.default_rng(4)
+    gates = rng.uniform(-1, 1, size=(2, 3, 5, 4, 4, 6))
+    gates[0, 1, :, 0, 1] = 0.01 * rng.uniform(-1, 1, size=(5, 6))     # one switched-off pair
+    for edges in ("all", "ranked", "self"):
+        mask = edge_mask(4, edges)
+        below, pairs_below, n_values, n_pairs = gate_sparsity_counts(gates, mask, 0.1)
+        kept = np.abs(gates)[:, :, :, mask]
+        for l in range(2):
+            for it in range(3):
+                values = kept[l, it]                                    # [T, P, dg]
+                assert below[l, it] == np.sum(values < 0.1)
+                assert pairs_below[l, it] == np.sum(values.mean(-1) < 0.1)
+        assert n_values == 5 * mask.sum() * 6 and n_pairs == 5 * mask.sum()
+    _, pairs_below, _, _ = gate_sparsity_counts(gates, edge_mask(4, "all"), 0.1)
+    assert pairs_below[0, 1] >= 5 and pairs_below[1, 1] <= pairs_below[0, 1]
+    stats = Collected(tokens=5, block="moe", aggregation="dag", expert_load=None,
+                      coactivation=None, gate_mean=None, gate_std=None, gate_samples=None,
+                      gate_sparsity=np.array([[0.5, 0.25]]),
+                      pair_sparsity=np.array([[0.125, 0.0]]), sparsity_threshold=0.1)
+    blob = json.loads(json.dumps(summary(stats)))
+    assert blob["edge_gates"] == {"threshold": 0.1, "gate_sparsity": [[0.5, 0.25]],
+                                  "pair_sparsity": [[0.125, 0.0]]}
+    lines = summary_lines(blob)
+    assert lines[1] == "  layer 0: iteration 1 0.500 / 0.125, iteration 2 0.250 / 0.000"
+    assert summary_lines({"tokens": 5, "block": "coe", "aggregation": "sum"}) == []
+
+
+@pytest.mark.parametrize("edges", ["all", "self"])
+def test_collect_reports_the_edge_gate_sparsity_of_the_recorded_gates(edges):
+    cfg = tiny_config("moe", "dag", aggregation=dict(dag_edges=edges))
+    tokens = np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 16))
+    mask = np.ones((2, 16), bool)
+    mask[0, 12:] = False
+    stats = collect(randomized(cfg, seed=4), [{"inputs": tokens, "mask": mask}])
+    gates = np.asarray(record(randomized(cfg, seed=4), tokens)["edge_gates"])[:, :, mask.ravel()]
+    pairs = edge_mask(cfg.router.top_k, edges)
+    magnitude = np.abs(gates)[:, :, :, pairs]                          # [layers, L, T', P, dg]
+    np.testing.assert_allclose(stats.gate_sparsity, (magnitude < 0.1).mean(axis=(2, 3, 4)))
+    np.testing.assert_allclose(stats.pair_sparsity, (magnitude.mean(-1) < 0.1).mean(axis=(2, 3)))
+    assert stats.gate_sparsity.shape == (cfg.num_layers, cfg.aggregation.dag_iters)
+    assert 0 < stats.gate_sparsity.mean() < 1
+    if edges == "self":     # the recorded off-diagonal zeros are not edges and do not count
+        assert np.all(np.asarray(gates)[:, :, :, ~pairs] == 0)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Two 4-step smoke runs trained side by side: the smoke DAG-MoE and a CoE variant."""
@@ -177,6 +228,9 @@ def test_plot_command_on_a_dag_run(analyzed):
     code, stdout, stderr, out = analyzed["dag"]
     assert code == 0, stderr
     assert_pngs(out, ("expert_load", "edge_gates", "edge_gate_hist", "dropped_fraction"))
+    assert "edge-gate sparsity over" in stdout and "  layer 1: iteration 1 " in stdout
+    assert ", iteration 2 " in stdout
+    assert len(json.loads((out / "summary.json").read_text())["edge_gates"]["gate_sparsity"]) == 2
     assert "skipped coactivation: co-activation between iterations is for CoE runs" in stdout
     assert not (out / "coactivation.png").exists()
 

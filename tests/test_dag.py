@@ -1,4 +1,5 @@
-"""The DAG learning module (DAG-MoE eq. 6-12) and the MLP mixer, against independent oracles.
+"""The DAG learning module (DAG-MoE eq. 6-12), its readings (shared weights, the edge-free
+ablation) and the MLP mixer, against independent oracles.
 
 The oracles are written here from the paper, not from the library: a NumPy loop over tokens and
 node pairs that builds the concatenation [u_i; u_j] of eq. 9 explicitly (with the paper's weight
@@ -15,6 +16,7 @@ import pytest
 from flax import nnx
 
 from conftest import tiny_config
+from dagmoe_jax.config import dag_params_per_layer
 from dagmoe_jax.model.aggregation import (DAGAggregator, MLPMixer, dag_initial_nodes, dag_iteration,
                                           dag_readout, mlp_mix, weighted_sum)
 
@@ -69,7 +71,8 @@ def np_dag_moe(x, gates, expert_out, paper_params, edge_act, eps=EPS, edges="all
             new_nodes = []
             for i in range(k_count):
                 acc = np.zeros(w_up.shape[1])
-                for j in range(k_count if edges == "all" else i + 1):
+                senders = {"all": range(k_count), "ranked": range(i + 1), "self": [i]}[edges]
+                for j in senders:
                     pair = np.concatenate([down[i], down[j]])           # eq. 9
                     edge = act(w_edge @ pair)                           # eq. 10
                     acc += edge * (w_node @ pair)                       # eq. 10, summed as eq. 11
@@ -132,10 +135,11 @@ def to_paper_layout(lib_params):
             for l in range(lib_params["w_up"].shape[0])]
 
 
-def make_dag(iters, edge_act, lib_params=None, edges="all", reading="once"):
+def make_dag(iters, edge_act, lib_params=None, edges="all", reading="once", shared=False):
     cfg = tiny_config("moe", "dag", d_model=D, norm_eps=EPS,
                       aggregation=dict(dag_dim=DG, dag_iters=iters, edge_act=edge_act,
-                                       dag_edges=edges, dag_residual=reading))
+                                       dag_edges=edges, dag_residual=reading,
+                                       dag_shared_weights=shared))
     module = DAGAggregator(cfg, rngs=nnx.Rngs(0))
     if lib_params is not None:
         for name, value in lib_params.items():
@@ -345,3 +349,98 @@ def test_ranked_edges_match_numpy_and_make_the_output_order_sensitive(iters):
                                np.asarray(weighted_sum(jnp.asarray(gates), jnp.asarray(expert_out))),
                                rtol=1e-5, atol=1e-5)
     assert rel_err(y_perm, got) > 1e-3
+
+
+# ----------------------------------------------------------------------------- readings
+
+def loss_grads(module, x, gates, expert_out):
+    """Gradients of a scalar of the module's output with respect to its parameters."""
+    graphdef, params = nnx.split(module, nnx.Param)
+
+    def loss(p):
+        y = nnx.merge(graphdef, p)(x, gates, expert_out)[0]
+        return jnp.sum(jnp.sin(y))
+
+    return jax.grad(loss)(params)
+
+
+@pytest.mark.parametrize("iters", [1, 2, 3])
+def test_shared_weights_match_numpy_with_tied_weights(iters):
+    """dag_shared_weights=True: one module applied in every iteration ("each iteration applies
+    the same module", DAG-MoE sec. 3.3), eq. 6-12 with W^l = W for all l."""
+    rng = np.random.default_rng(40 + iters)
+    x, gates, expert_out = random_inputs(rng, k=4)
+    one = {n: v[0] for n, v in random_lib_params(rng, 1).items()}         # unstacked
+    module = make_dag(iters, "silu", one, shared=True)
+    assert module.iterations.w_down.shape == (D, DG)
+    n_params = sum(v.size for v in jax.tree.leaves(nnx.state(module, nnx.Param)))
+    assert n_params == dag_params_per_layer(D, DG, iters, shared=True) == 2 * D * DG \
+        + 4 * DG * DG + 2 * D
+    got = module(jnp.asarray(x), jnp.asarray(gates), jnp.asarray(expert_out))[0]
+    paper = to_paper_layout({n: v[None] for n, v in one.items()})
+    want = np_dag_moe(x, gates, expert_out, paper * iters, "silu")
+    assert rel_err(got, want) < 1e-5
+    if iters > 1:     # tying differs from L independent iterations
+        assert rel_err(want, np_dag_moe(x, gates, expert_out, paper, "silu")) > 1e-2
+
+
+def test_shared_weights_equal_per_iteration_weights_that_are_identical():
+    rng = np.random.default_rng(44)
+    x, gates, expert_out = (jnp.asarray(a) for a in random_inputs(rng, k=4))
+    one = {n: v[0] for n, v in random_lib_params(rng, 1).items()}
+    shared = make_dag(3, "silu", one, shared=True)
+    stacked = make_dag(3, "silu", {n: np.stack([v] * 3) for n, v in one.items()})
+    shared.record_intermediates = stacked.record_intermediates = True
+    (y_s, rec_s), (y_p, rec_p) = shared(x, gates, expert_out), stacked(x, gates, expert_out)
+    np.testing.assert_allclose(np.asarray(y_s), np.asarray(y_p), rtol=1e-6, atol=1e-6)
+    assert rec_s["edge_gates"].shape == rec_p["edge_gates"].shape == (3, T, 4, 4, DG)
+    np.testing.assert_allclose(np.asarray(rec_s["edge_gates"]), np.asarray(rec_p["edge_gates"]),
+                               rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("iters", [1, 2])
+def test_edge_free_ablation_matches_numpy(iters):
+    """dag_edges='self' (ours): eq. 7-11 on the self pair (i, i) only, no message passing."""
+    rng = np.random.default_rng(50 + iters)
+    x, gates, expert_out = random_inputs(rng, k=4)
+    params = random_lib_params(rng, iters)
+    module = make_dag(iters, "silu", params, edges="self")
+    got = module(jnp.asarray(x), jnp.asarray(gates), jnp.asarray(expert_out))[0]
+    want = np_dag_moe(x, gates, expert_out, to_paper_layout(params), "silu", edges="self")
+    trivial = np.asarray(weighted_sum(jnp.asarray(gates), jnp.asarray(expert_out)))
+    assert rel_err(trivial, want) > 0.1                     # the per-node update is not negligible
+    assert rel_err(got, want) < 1e-5
+    assert rel_err(want, np_dag_moe(x, gates, expert_out, to_paper_layout(params), "silu")) > 1e-2
+    # the same parameters as the DAG module it ablates
+    n_params = sum(v.size for v in jax.tree.leaves(nnx.state(module, nnx.Param)))
+    assert n_params == dag_params_per_layer(D, DG, iters)
+
+
+def test_edge_free_node_updates_hear_only_themselves():
+    rng = np.random.default_rng(53)
+    x, gates, expert_out = (jnp.asarray(a) for a in random_inputs(rng, k=4))
+    lp = {n: jnp.asarray(v[0]) for n, v in random_lib_params(rng, 1).items()}
+    args = (lp["ln_scale"], lp["ln_bias"], lp["w_down"], lp["w_edge"], lp["w_node"], lp["w_up"])
+    n0 = sum(dag_initial_nodes(x, gates, expert_out))
+    moved = n0.at[:, 2].add(jnp.asarray(rng.normal(size=(T, D)).astype(np.float32)))
+    for edges, others_change in (("self", False), ("all", True)):
+        a = np.asarray(dag_iteration(n0, *args, edge_act="silu", eps=EPS, edges=edges))
+        b = np.asarray(dag_iteration(moved, *args, edge_act="silu", eps=EPS, edges=edges))
+        others = [0, 1, 3]
+        assert np.allclose(a[:, others], b[:, others], atol=1e-5) != others_change, edges
+        assert not np.allclose(a[:, 2], b[:, 2], atol=1e-3)
+
+
+@pytest.mark.parametrize("edges,shared", [("self", False), ("all", True), ("self", True)])
+def test_readings_start_as_the_weighted_sum_and_train(edges, shared):
+    """Zero-initialised W_up: each reading is exactly eq. 1 at init (as the default DAG), and
+    the gradient reaches W_up (and, through it, nothing else yet)."""
+    rng = np.random.default_rng(60)
+    x, gates, expert_out = (jnp.asarray(a) for a in random_inputs(rng, k=4))
+    s = np.asarray(weighted_sum(gates, expert_out))
+    module = make_dag(2, "silu", edges=edges, shared=shared)
+    got = np.asarray(module(x, gates, expert_out)[0])
+    np.testing.assert_allclose(got, s, rtol=0, atol=1e-6 * np.abs(s).max())
+    grads = loss_grads(module, x, gates, expert_out)
+    assert float(jnp.abs(grads["iterations"]["w_up"][...]).max()) > 1e-3
+    assert float(jnp.abs(grads["iterations"]["w_down"][...]).max()) == 0.0

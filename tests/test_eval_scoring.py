@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dagmoe_jax.budget import coe_budget_residual
 from dagmoe_jax.config import ModelConfig, dag_params_per_layer
 from dagmoe_jax.data import ByteTokenizer, DataConfig, task_eval_batches
 from dagmoe_jax.data.tasks import TASKS, generate, get_task, parse, parse_answer
@@ -186,8 +187,12 @@ def test_variants_add_equal_parameters():
         if name == "mlp_small":   # the ablation's own size: 3 d (d_g / 2), not the budget
             assert added == 3 * 64 * 16
             continue
-        extra_router = 64 * 16 if name == "coe" else 0          # CoE's second router
-        assert abs(added - extra_router - budget) <= 0.01 * budget, (name, added, budget)
+        if name == "dag_self":            # the DAG L 2 module's own parameters
+            assert added == budget
+        if name == "coe":                 # the second router counts in CoE's budget
+            shared = variant_config(base, name, 32).experts.shared_hidden
+            assert added - budget == coe_budget_residual(64, 32, 2, 16, shared) == -64
+        assert abs(added - budget) <= 0.01 * budget, (name, added, budget)
     assert variant_config(base, "dag_l1", 32).aggregation.dag_dim == matched_dag_dim(64, budget, 1)
     assert variant_config(base, "coe", 32).coe_top_k == 2
     assert variant_config(base, "moe", 32).aggregation.kind == "sum"

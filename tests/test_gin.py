@@ -49,12 +49,14 @@ def test_table3_shapes():
     assert (big.d_model, big.num_layers, big.experts.expert_hidden, big.experts.shared_hidden) == (1024, 8, 512, 512)
     coe = load_model_config(["models/s.gin", "variants/coe_g128_l2.gin"])
     assert coe.block == "coe" and coe.coe_top_k == 2 and coe.coe.iterations == 2
-    assert (coe.experts.num_shared, coe.experts.shared_hidden) == (1, 256)
+    assert (coe.experts.num_shared, coe.experts.shared_hidden) == (1, 247)
 
 
 def test_coe_preset_is_the_equal_parameter_ablation():
-    """The CoE preset adds what the DAG-MoE L 2 preset adds (the summary's "393K, equal params")
-    plus its second router, and makes the same top_k expert calls per token as MoE."""
+    """The CoE preset adds what the DAG-MoE L 2 preset adds (the summary's "393K, equal params"),
+    its second router included, to the nearest integer d_r (d 512, N 32: d_r 247, 512 over),
+    and makes the same top_k expert calls per token as MoE."""
+    from dagmoe_jax.budget import coe_budget_residual
     from dagmoe_jax.model.accounting import account
     total = {name: account(load_model_config(["models/s.gin", f"variants/{name}.gin"]),
                            128).total_params
@@ -63,7 +65,9 @@ def test_coe_preset_is_the_equal_parameter_ablation():
     dag_added = (total["dag_g128_l2"] - total["moe"]) / layers
     coe_added = (total["coe_g128_l2"] - total["moe"]) / layers
     assert dag_added == 395_264
-    assert abs(coe_added - d * n - dag_added) < 0.01 * dag_added
+    assert coe_added - dag_added == 512 == coe_budget_residual(d, 128, 2, n, 247)
+    assert abs(coe_added - dag_added) <= 1.5 * d          # the nearest d_r: within 3 d / 2
+    assert coe_added == d * n + 3 * d * 247
     coe = load_model_config(["models/s.gin", "variants/coe_g128_l2.gin"])
     assert coe.coe_top_k * coe.coe.iterations == coe.router.top_k
 

@@ -146,3 +146,52 @@ def test_residual_stream_keeps_moe_size_at_init_for_every_block():
     literal = tiny_config("moe", "dag", experts=NO_DROP, aggregation=dict(dag_residual="literal"))
     norms = stream_norms(Transformer(literal, rngs=nnx.Rngs(0)), toks)
     assert np.all(norms / moe > 10), (norms, moe)
+
+
+def np_coe(x, routers, experts, shared, k_t, score_fn):
+    """CoE eq. 4-7 with inner residuals (eq. 5), 'once' stream, in float64: per iteration t,
+    s_t = score(e_t^T x^(t-1)) over all N experts (eq. 7: Softmax; or sigmoid), g_t,i = s_t,i for
+    the top K_t, x^(t) = sum_i g_t,i E_i(x^(t-1)) + shared(x^(t-1)) + x^(t-1); returns x^(C) - x."""
+    silu = lambda v: v / (1.0 + np.exp(-v))
+    swiglu = lambda v, g, u, dn: (silu(v @ g) * (v @ u)) @ dn
+    h = np.asarray(x, np.float64)
+    for w_router in routers:
+        z = h @ w_router
+        if score_fn == "softmax":
+            s = np.exp(z - z.max(-1, keepdims=True))
+            s = s / s.sum(-1, keepdims=True)
+        else:
+            s = 1.0 / (1.0 + np.exp(-z))
+        update = swiglu(h, *shared)
+        for t in range(h.shape[0]):
+            for i in np.argsort(-s[t], kind="stable")[:k_t]:
+                update[t] += s[t, i] * swiglu(h[t], *(w[i] for w in experts))
+        h = h + update
+    return h - x
+
+
+@pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
+def test_coe_block_matches_numpy_with_its_softmax_router(score_fn):
+    """CoEConfig.score_fn='softmax' is CoE eq. 7's router (softmax over the N experts, then
+    top-K_t, not renormalised) in every iteration, whatever RouterConfig.score_fn says."""
+    from dagmoe_jax.model.block import BlockInputs
+    from dagmoe_jax.model.coe import CoEBlock
+
+    cfg = tiny_config("coe", experts=dict(dispatch="dense", num_shared=1),
+                      router=dict(top_k=4, score_fn="sigmoid"),
+                      coe=dict(score_fn=score_fn if score_fn == "softmax" else None))
+    block = CoEBlock(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(5)
+    for _, var in variables(block).items():                  # O(1) random weights everywhere
+        var[...] = jnp.asarray(rng.normal(scale=0.3, size=var.shape).astype(np.float32))
+    x = rng.normal(size=(1, 6, cfg.d_model)).astype(np.float32)
+    got = np.asarray(block(BlockInputs(jnp.asarray(x)))[0])[0]
+    f64 = lambda v: np.asarray(v[...], np.float64)
+    routers = [f64(r.w_router) for r in block.routers]
+    experts = [f64(block.experts.w_gate), f64(block.experts.w_up), f64(block.experts.w_down)]
+    shared = [f64(block.shared.w_gate), f64(block.shared.w_up), f64(block.shared.w_down)]
+    want = np_coe(x[0], routers, experts, shared, cfg.coe_top_k, score_fn)
+    other = np_coe(x[0], routers, experts, shared, cfg.coe_top_k,
+                   "sigmoid" if score_fn == "softmax" else "softmax")
+    assert np.abs(other - want).max() > 1e-2 * np.abs(want).max()     # the router matters
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

@@ -13,12 +13,15 @@ Writes, where they apply: expert_load.png (layers x experts), coactivation.png (
 expert pairs across iterations, as CoE Figure 8), edge_gates.png and edge_gate_hist.png
 (DAG-MoE runs: mean and spread over tokens of each node pair's gate, per layer and iteration),
 dropped_fraction.png (capacity drops) and training_curves.png (loss and learning rate), both
-from metrics.jsonl. One line per plot: the file written, or why not.
+from metrics.jsonl, and summary.json: for DAG-MoE the edge-gate sparsity per layer and
+iteration (share of |e_(i,j)| < 0.1, and of node pairs whose mean |e| is below it), also
+printed. One line per file: the file written, or why not.
 Exit status: 0 done, 2 invalid arguments, run directory or data (a one-line message).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 
 from dagmoe_jax.cli import OneLineParser, quiet_background_errors, report_error
@@ -41,7 +44,8 @@ def main(argv=None) -> int:
         if args.batches < 1:
             raise ValueError(f"--batches={args.batches} is invalid: expected an integer >= 1")
         quiet_background_errors()
-        from dagmoe_jax.analysis.report import analyze_run  # pylint: disable=import-outside-toplevel
+        from dagmoe_jax.analysis.report import (  # pylint: disable=import-outside-toplevel
+            analyze_run, summary_lines)
 
         results = analyze_run(args.run_dir, args.out, data=args.data, max_batches=args.batches)
     except (ValueError, FileNotFoundError) as err:
@@ -49,6 +53,9 @@ def main(argv=None) -> int:
     for result in results:
         if result.path is not None:
             print(f"wrote {result.path}")
+            if result.name == "summary":
+                for line in summary_lines(json.loads(result.path.read_text())):
+                    print(line)
         else:
             print(f"skipped {result.name}: {result.reason}")
     return 0

@@ -18,6 +18,22 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dagmoe_jax.model.aggregation import edge_mask
+
+
+SPARSITY_THRESHOLD = 0.1     # |e_(i,j)| below this counts as a switched-off edge (gate ~ 0)
+
+
+def gate_sparsity_counts(gates: np.ndarray, mask: np.ndarray, threshold: float):
+    """Edge gates [layers, L, T, K, K, d_g] -> (values below, pairs below) [layers, L] counts
+    and (values, pairs) totals per [layers, L], over the node pairs ``mask`` [K, K] keeps (the
+    graph's edges: all, ranked or self, :func:`dagmoe_jax.model.aggregation.edge_mask`)."""
+    mag = np.abs(gates)[:, :, :, mask]                                  # [layers, L, T, P, dg]
+    below = (mag < threshold).sum(axis=(2, 3, 4))
+    pairs_below = (mag.mean(axis=-1) < threshold).sum(axis=(2, 3))
+    t, p, dg = mag.shape[2:]
+    return below, pairs_below, t * p * dg, t * p
+
 
 @nnx.jit
 def _forward(model, tokens, inputs):
@@ -52,6 +68,10 @@ class Collected:
     tokens (row i: receiving node, column j: sending node, rank order).
     gate_samples [layers, L, M, K, K] or None: the per-token magnitudes of up to M tokens (for
     histograms).
+    gate_sparsity, pair_sparsity [layers, L] or None: DAG only; the share of edge-gate values
+    |e_(i,j)| (every token, d_g channel and node pair the graph has) below
+    :data:`SPARSITY_THRESHOLD`, and the share of (token, node pair) whose magnitude (mean over
+    d_g of |e_(i,j)|) is below it: the edges the learned gates all but switch off.
     """
 
     tokens: int
@@ -62,6 +82,9 @@ class Collected:
     gate_mean: Optional[np.ndarray]
     gate_std: Optional[np.ndarray]
     gate_samples: Optional[np.ndarray]
+    gate_sparsity: Optional[np.ndarray] = None
+    pair_sparsity: Optional[np.ndarray] = None
+    sparsity_threshold: float = 0.0
 
 
 def collect(model, batches: Iterable[Dict[str, np.ndarray]], max_samples: int = 4096) -> Collected:
@@ -79,7 +102,9 @@ def collect(model, batches: Iterable[Dict[str, np.ndarray]], max_samples: int = 
     if cfg.block == "coe" and cfg.coe.iterations > 1:
         coact = np.zeros((layers, cfg.coe.iterations - 1, n, n))
     is_dag = cfg.block == "moe" and cfg.aggregation.kind == "dag"
+    mask = edge_mask(cfg.router.top_k, cfg.aggregation.dag_edges)
     g_sum = g_sq = None
+    sparse = [0, 0, 0, 0]      # values below, pairs below, values, pairs
     samples: List[np.ndarray] = []
     count = 0
     for batch in batches:
@@ -102,17 +127,22 @@ def collect(model, batches: Iterable[Dict[str, np.ndarray]], max_samples: int = 
             mag = np.abs(gates).mean(axis=-1)                                 # [layers, L, T', K, K]
             g_sum = mag.sum(axis=2) if g_sum is None else g_sum + mag.sum(axis=2)
             g_sq = (mag ** 2).sum(axis=2) if g_sq is None else g_sq + (mag ** 2).sum(axis=2)
+            counts = gate_sparsity_counts(gates, mask, SPARSITY_THRESHOLD)
+            sparse = [a + b for a, b in zip(sparse, counts)]
             if sum(s.shape[2] for s in samples) < max_samples:
                 samples.append(mag)
     if count == 0:
         raise ValueError("the data has no (non-padding) tokens to analyse")
     if load is not None:
         load = load / np.maximum(load.sum(axis=1, keepdims=True), 1)
-    gate_mean = gate_std = gate_samples = None
+    gate_mean = gate_std = gate_samples = gate_sparsity = pair_sparsity = None
     if is_dag:
+        gate_sparsity, pair_sparsity = sparse[0] / sparse[2], sparse[1] / sparse[3]
         gate_mean = g_sum / count
         gate_std = np.sqrt(np.maximum(g_sq / count - gate_mean ** 2, 0.0))
         gate_samples = np.concatenate(samples, axis=2)[:, :, :max_samples]
     return Collected(tokens=count, block=cfg.block, aggregation=cfg.aggregation.kind,
                      expert_load=load, coactivation=coact, gate_mean=gate_mean,
-                     gate_std=gate_std, gate_samples=gate_samples)
+                     gate_std=gate_std, gate_samples=gate_samples,
+                     gate_sparsity=gate_sparsity, pair_sparsity=pair_sparsity,
+                     sparsity_threshold=SPARSITY_THRESHOLD)

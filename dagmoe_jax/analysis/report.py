@@ -2,14 +2,16 @@
 
 :func:`analyze_run` loads a run's newest checkpoint, traces it over a dataset
 (:func:`dagmoe_jax.analysis.collect.collect`) and writes the PNGs of
-:mod:`dagmoe_jax.analysis.plots` that apply to its block type; it returns one
-:class:`PlotResult` per plot, written or skipped with a one-line reason. The command line is
+:mod:`dagmoe_jax.analysis.plots` that apply to its block type and ``summary.json`` (the
+numbers: edge-gate sparsity per layer and iteration for DAG-MoE); it returns one
+:class:`PlotResult` per file, written or skipped with a one-line reason. The command line is
 ``python -m dagmoe_jax.analysis``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 from typing import List, Optional
@@ -75,6 +77,39 @@ def curve_series(records: List[dict]):
     steps, loss, lr = (list(column) for column in zip(*train))
     eval_steps = [s for s, _ in evals]
     return steps, np.asarray(loss), np.asarray(lr), eval_steps, np.asarray([v for _, v in evals])
+
+
+def summary(stats: Collected) -> dict:
+    """The statistics worth reading as numbers (``summary.json``): tokens, block, aggregation
+    and, for a DAG model, the edge-gate sparsity per layer and iteration (:class:`Collected`)."""
+    out = {"tokens": stats.tokens, "block": stats.block, "aggregation": stats.aggregation}
+    if stats.gate_sparsity is not None:
+        out["edge_gates"] = {"threshold": stats.sparsity_threshold,
+                             "gate_sparsity": np.round(stats.gate_sparsity, 6).tolist(),
+                             "pair_sparsity": np.round(stats.pair_sparsity, 6).tolist()}
+    return out
+
+
+def summary_lines(blob: dict) -> List[str]:
+    """``summary.json`` as the lines ``python -m dagmoe_jax.analysis`` prints."""
+    gates = blob.get("edge_gates")
+    if not gates:
+        return []
+    lines = [f"edge-gate sparsity over {blob['tokens']:,} tokens: share of gate values "
+             f"|e_(i,j)| < {gates['threshold']:g} / of node pairs with mean |e| below it"]
+    for layer, (values, pairs) in enumerate(zip(gates["gate_sparsity"], gates["pair_sparsity"])):
+        cells = ", ".join(f"iteration {it + 1} {v:.3f} / {p:.3f}"
+                          for it, (v, p) in enumerate(zip(values, pairs)))
+        lines.append(f"  layer {layer}: {cells}")
+    return lines
+
+
+def write_summary(stats: Collected, out_dir) -> PlotResult:
+    """``summary.json`` (:func:`summary`) in ``out_dir``."""
+    path = Path(out_dir) / "summary.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary(stats), indent=1) + "\n")
+    return PlotResult("summary", path)
 
 
 def write_plots(stats: Collected, records: List[dict], out_dir, label: str = "") -> List[PlotResult]:
@@ -146,7 +181,8 @@ def analyze_run(run_dir, out_dir, *, data: str = "", max_batches: int = 4) -> Li
         return analyze_doe(loaded, run_dir, out_dir, data, max_batches, label)
     batches = analysis_batches(loaded.data_cfg, loaded.tokenizer, data, max_batches)
     stats = collect(loaded.model, batches)
-    return write_plots(stats, read_metrics(run_dir), out_dir, label)
+    return write_plots(stats, read_metrics(run_dir), out_dir, label) + [
+        write_summary(stats, out_dir)]
 
 
 def analyze_doe(loaded, run_dir, out_dir, data: str, max_batches: int, label: str

@@ -1,6 +1,6 @@
 """The benchmark variants, built from one base model at equal parameters.
 
-Every benchmark here compares the same seven designs on one trunk (the base ``ModelConfig``):
+Every benchmark here compares the same designs on one trunk (the base ``ModelConfig``):
 
 =============  ==============================================================================
 ``moe``        weighted sum of the top-K experts (DAG-MoE eq. 1), no shared expert: the
@@ -15,24 +15,31 @@ Every benchmark here compares the same seven designs on one trunk (the base ``Mo
                (the summary's 98K, d_g 64, beside a 393K DAG of d_g 128), a quarter-ish of the
                budget; the paper's MLP-mixing number belongs to this one
 ``coe``        Chain-of-Experts: 2 iterations of K / 2 experts (the same K expert calls per
-               token as the others), one router per iteration, plus a shared expert of the
-               matched size (our reading of the summary's "CoE, 393K, equal params")
+               token as the others), one router per iteration, plus a shared expert whose
+               d_r makes router + expert the budget (our reading of the summary's "CoE, 393K,
+               equal params")
+``dag_self``   the edge-free ablation (ours): DAG-MoE L 2 at d_g = ``dag_dim`` with
+               ``dag_edges='self'``, each node updated from itself only (no message passing):
+               the same parameters as ``dag_l2`` exactly, so structure and interaction separate
 =============  ==============================================================================
 
 "Equal parameters" therefore means (``mlp_small`` aside): the parameters each variant adds to ``moe`` per layer are
 the DAG-MoE L 2 module's ``L (2 d d_g + 4 d_g^2 + 2 d)``, to the nearest integer hidden size
 (within a fraction of a percent; the benchmarks print the exact counts from
-:func:`dagmoe_jax.model.accounting.account`). CoE also has one more router (d N per layer).
+:func:`dagmoe_jax.model.accounting.account`). CoE's second router (d N per layer) counts in its
+budget: the shared expert is d_r = (budget - d N) / (3 d) rounded
+(:func:`dagmoe_jax.budget.matched_coe_shared_hidden`), exact when 3 d divides it.
 """
 
 from __future__ import annotations
 
 from typing import Dict, Tuple
 
+from dagmoe_jax.budget import matched_coe_shared_hidden
 from dagmoe_jax.config import ModelConfig, dag_params_per_layer
 
 VARIANTS: Tuple[str, ...] = ("moe", "moe_shared", "dag_l1", "dag_l2", "dag_l3", "mlp",
-                             "mlp_small", "coe")
+                             "mlp_small", "coe", "dag_self")
 
 LABELS: Dict[str, str] = {
     "moe": "MoE",
@@ -43,6 +50,7 @@ LABELS: Dict[str, str] = {
     "mlp": "MLP mixing",
     "mlp_small": "MLP mixing, d_g/2",
     "coe": "CoE (2 iterations)",
+    "dag_self": "DAG L 2, no edges",
 }
 
 # Every variant other than 'moe' adds the same parameters per layer; 'moe' is the reference.
@@ -87,6 +95,9 @@ def variant_config(base: ModelConfig, name: str, dag_dim: int) -> ModelConfig:
         return plain
     if name == "moe_shared":
         return plain.replace(experts=dict(num_shared=1, shared_hidden=matched_hidden(d, budget)))
+    if name == "dag_self":
+        return plain.replace(aggregation=dict(kind="dag", dag_iters=2, dag_dim=dag_dim,
+                                              dag_edges="self"))
     if name.startswith("dag_l"):
         iters = int(name[len("dag_l"):])
         return plain.replace(aggregation=dict(kind="dag", dag_iters=iters,
@@ -98,9 +109,11 @@ def variant_config(base: ModelConfig, name: str, dag_dim: int) -> ModelConfig:
     if k < 2:
         raise ValueError(f"variant 'coe' needs RouterConfig.top_k >= 2 (it is {k}): two CoE "
                          "iterations of top_k // 2 experts each")
+    hidden = matched_coe_shared_hidden(d, dag_dim, 2, base.experts.num_experts, 2,
+                                       base.router.bias)
     return plain.replace(block="coe", coe=dict(iterations=2, top_k_per_iter=k // 2,
                                                shared_router=False, residual="inner"),
-                         experts=dict(num_shared=1, shared_hidden=matched_hidden(d, budget)))
+                         experts=dict(num_shared=1, shared_hidden=hidden))
 
 
 def describe(cfg: ModelConfig) -> str:
@@ -109,6 +122,8 @@ def describe(cfg: ModelConfig) -> str:
         text = f"coe {cfg.coe.iterations} x {cfg.coe_top_k}"
     elif cfg.aggregation.kind == "dag":
         text = f"dag d_g {cfg.aggregation.dag_dim} L {cfg.aggregation.dag_iters}"
+        text += "" if cfg.aggregation.dag_edges == "all" else f" {cfg.aggregation.dag_edges}"
+        text += " shared" if cfg.aggregation.dag_shared_weights else ""
     elif cfg.aggregation.kind == "mlp":
         text = f"mlp d_g {cfg.aggregation.dag_dim}"
     else:

@@ -10,7 +10,8 @@ Conventions (stated so the numbers can be checked by hand):
 * The DAG module projects every node once (its pair tensor is never built): per token and
   iteration K (4 d d_g + 8 d_g^2) matmul FLOPs, plus K^2 d_g pairwise elementwise work counted as
   4 FLOPs per element (two broadcast adds, one product, one sum; the activation not counted),
-  reported separately as ``dag_pairwise``.
+  reported separately as ``dag_pairwise`` (K d_g with ``dag_edges='self'``, the self pairs).
+  ``dag_shared_weights`` counts the module's parameters once and its FLOPs L times.
 * Active parameters per token count each distinct weight a token touches once.
 * DoE (docs/design.md section 6). ``doe_knowledge``: W_Q and Z per layer (eq. 1-3: 2 d^2 +
   4 K d FLOPs; Z once with ``shared_knowledge``) and, composed, G^T Z (2 K d);
@@ -74,7 +75,7 @@ def aggregator_params(cfg: ModelConfig) -> int:
     if cfg.block != "moe" or a.kind == "sum":
         return 0
     if a.kind == "dag":
-        return dag_params_per_layer(cfg.d_model, a.dag_dim, a.dag_iters)
+        return dag_params_per_layer(cfg.d_model, a.dag_dim, a.dag_iters, a.dag_shared_weights)
     return 3 * cfg.d_model * a.dag_dim
 
 
@@ -84,9 +85,9 @@ def aggregator_forward_flops(cfg: ModelConfig) -> tuple[float, float]:
     if cfg.block != "moe" or a.kind == "sum":
         return 0.0, 0.0
     if a.kind == "dag":
-        dg = a.dag_dim
+        dg, pairs = a.dag_dim, k if a.dag_edges == "self" else k * k   # 'self': K pairs
         return (a.dag_iters * k * (4 * d * dg + 8 * dg * dg),
-                a.dag_iters * 4 * k * k * dg)
+                a.dag_iters * 4 * pairs * dg)
     return 6.0 * d * a.dag_dim, 0.0
 
 

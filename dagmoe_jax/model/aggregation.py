@@ -3,7 +3,9 @@
 * ``sum``: the standard weighted sum (DAG-MoE eq. 1).
 * ``dag``: the DAG learning module (DAG-MoE eq. 6-12), L iterations scanned over stacked
   per-iteration parameters ``w_down [L, d, d_g]``, ``w_edge [L, 2 d_g, d_g]``,
-  ``w_node [L, 2 d_g, d_g]``, ``w_up [L, d_g, d]`` and LayerNorm ``ln_scale, ln_bias [L, d]``.
+  ``w_node [L, 2 d_g, d_g]``, ``w_up [L, d_g, d]`` and LayerNorm ``ln_scale, ln_bias [L, d]``
+  (one unstacked set with ``dag_shared_weights``); ``dag_edges='self'`` is the edge-free
+  ablation (each node's update from itself only).
 * ``mlp``: the structureless MLP-mixing ablation (DAG-MoE summary ablation table; our reading).
 
 Every aggregator is called as ``agg(x, gates, expert_out)`` with x [T, d], gates [T, K] and
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dagmoe_jax.config import ModelConfig
@@ -65,11 +68,33 @@ def dag_messages(u: jax.Array, w_edge: jax.Array, w_node: jax.Array, edge_act: s
     w_pair = jnp.concatenate([w_edge[:dg], w_node[:dg], w_edge[dg:], w_node[dg:]], axis=1)
     proj = (u.reshape(t * k, dg) @ w_pair.astype(u.dtype)).reshape(t, k, 4 * dg)
     e_i, n_i, e_j, n_j = jnp.split(proj, 4, axis=-1)
+    if edges == "self":
+        return dag_self_messages(e_i, n_i, e_j, n_j, edge_act, with_edges)
     edge = EDGE_ACTIVATIONS[edge_act](e_i[:, :, None, :] + e_j[:, None, :, :])   # e_(i,j) [T,K,K,dg]
     if edges == "ranked":
         edge = edge * jnp.tril(jnp.ones((k, k), edge.dtype))[None, :, :, None]
     msg = jnp.sum(edge * (n_i[:, :, None, :] + n_j[:, None, :, :]), axis=2)
     return (msg, edge) if with_edges else msg
+
+
+def dag_self_messages(e_i, n_i, e_j, n_j, edge_act: str, with_edges: bool = False):
+    """The edge-free ablation (``dag_edges='self'``, ours): eq. 10 on the self pair only,
+    m_i = sigma(W_edge [u_i; u_i]) * W_node [u_i; u_i], so node i's update (eq. 11) uses no
+    other node. ``e_i, e_j, n_i, n_j`` [T, K, d_g]: u_i times the halves of W_edge and W_node.
+    The recorded edge gates are [T, K, K, d_g], zero off the diagonal."""
+    edge = EDGE_ACTIVATIONS[edge_act](e_i + e_j)                                 # e_(i,i)
+    msg = edge * (n_i + n_j)
+    if not with_edges:
+        return msg
+    eye = jnp.eye(edge.shape[1], dtype=edge.dtype)[None, :, :, None]
+    return msg, edge[:, :, None, :] * eye
+
+
+def edge_mask(k: int, edges: str) -> np.ndarray:
+    """[K, K] booleans: the node pairs (receiver i, sender j) the graph of ``dag_edges`` has."""
+    if edges == "ranked":
+        return np.tril(np.ones((k, k), bool))
+    return np.eye(k, dtype=bool) if edges == "self" else np.ones((k, k), bool)
 
 
 def dag_node_update(nodes: jax.Array, ln_scale, ln_bias, w_down, w_edge, w_node, w_up,
@@ -143,6 +168,9 @@ class DAGIteration(nnx.Module):
 class DAGAggregator(nnx.Module):
     """DAG-MoE eq. 6-12: initial nodes, L scanned iterations, sum readout.
 
+    ``iterations`` holds each iteration's weights stacked [L, ...], or with
+    ``AggregationConfig.dag_shared_weights`` one unstacked set that every iteration applies.
+
     The nodes are carried as x_i^l = r_i^l + x / K: the scan's carry is the updates r_i^l
     (r_i^0 = g_i E_i(x), eq. 6's expert term) and each iteration sees the whole node, so every
     equation runs on exactly the nodes the paper defines; :func:`dag_block_output` then counts
@@ -153,6 +181,11 @@ class DAGAggregator(nnx.Module):
         agg = cfg.aggregation
         self.reading = agg.dag_residual
         self.record_intermediates = False     # analysis switches it on (Module.set_attributes)
+        self.num_iters, self.shared = agg.dag_iters, agg.dag_shared_weights
+        if self.shared:                       # one module for all L iterations (unstacked)
+            self.iterations = DAGIteration(cfg.d_model, agg.dag_dim, cfg.init_std, agg.edge_act,
+                                           cfg.norm_eps, agg.dag_edges, rngs=rngs)
+            return
 
         @nnx.split_rngs(splits=agg.dag_iters)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "dag_iters"})
@@ -167,12 +200,16 @@ class DAGAggregator(nnx.Module):
 
         record = self.record_intermediates
 
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), unroll=True,
-                  transform_metadata={nnx.PARTITION_NAME: "dag_iters"})
         def step(updates, iteration):
             update, kept = iteration(updates + residual, record)                 # eq. 7-11
             return updates + update, kept
 
+        if self.shared:       # the same weights in every iteration: broadcast, not scanned over
+            step = nnx.scan(step, in_axes=(nnx.Carry, None), out_axes=(nnx.Carry, 0),
+                            length=self.num_iters, unroll=True)
+        else:
+            step = nnx.scan(step, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), unroll=True,
+                            transform_metadata={nnx.PARTITION_NAME: "dag_iters"})
         updates, kept = step(updates, self.iterations)
         return dag_block_output(updates, x.astype(expert_out.dtype), self.reading), kept
 

@@ -7,8 +7,9 @@ own router to K_t experts (default K / C) and adds their gated outputs (plus sha
 * 'outer' (eq. 9):          x^(t) = sum_i g_t,i E_i(x^(t-1));            y = x^(C) + x
 * 'init'  (eq. 10):         x^(t) = sum_i g_t,i E_i(x^(t-1)) + x^(0);    y = x^(C)
 
-``shared_router`` is the eq. 8 ablation: the first iteration's routing (gates and experts) is
-reused by every iteration instead of re-routing each refined state.
+``CoEConfig.score_fn='softmax'`` gives the routers CoE eq. 7's softmax (the model's score
+function otherwise). ``shared_router`` is the eq. 8 ablation: the first iteration's routing
+(gates and experts) is reused by every iteration instead of re-routing each refined state.
 
 In every residual mode the chain's output is x + delta, with delta what the experts added
 (:func:`coe_step`). x = RMSNorm(h) is the block input and the decoder adds h around the block,
@@ -18,13 +19,14 @@ so ``CoEConfig.stream`` decides how often x reaches the stream (:func:`coe_block
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.config import ModelConfig, RouterConfig
 from dagmoe_jax.model.aggregation import weighted_sum
 from dagmoe_jax.model.block import BlockInputs, register_block, routed_stats
 from dagmoe_jax.model.moe import routed_experts, shared_experts
@@ -52,6 +54,15 @@ def coe_block_output(delta: jax.Array, x0: jax.Array, stream: str) -> jax.Array:
     return delta if stream == "once" else x0 + delta
 
 
+def coe_router_config(cfg: ModelConfig) -> RouterConfig:
+    """The iterations' router config: the model's, with ``CoEConfig.score_fn`` when set.
+    'softmax' is CoE eq. 7: g_t,i = s_t,i for the top K_t of s_t = Softmax(e_t^T x^(t-1))
+    over all N experts, not renormalised (the model's ``RouterConfig.renormalize``)."""
+    if cfg.coe.score_fn is None:
+        return cfg.router
+    return dataclasses.replace(cfg.router, score_fn=cfg.coe.score_fn)
+
+
 @register_block("coe")
 class CoEBlock(nnx.Module):
     """Chain-of-Experts: C iterations of routing, experts and the residual of ``residual``
@@ -65,7 +76,7 @@ class CoEBlock(nnx.Module):
         self.replaces_stream = c.stream == "reference"     # the layer's output is the block's
         self.shared_router = c.shared_router
         self.routers = nnx.List([
-            Router(cfg.router, cfg.d_model, cfg.experts.num_experts, std=cfg.init_std,
+            Router(coe_router_config(cfg), cfg.d_model, cfg.experts.num_experts, std=cfg.init_std,
                    top_k=cfg.coe_top_k, rngs=rngs)
             for _ in range(1 if c.shared_router else c.iterations)])
         self.experts = routed_experts(cfg, layout, rngs=rngs)

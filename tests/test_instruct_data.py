@@ -112,6 +112,25 @@ def test_parquet_records(tmp_path):
         open_instruct([str(tmp_path / "m.parquet")], "prompt_response", "source", "x")
 
 
+def test_json_array_and_array_record_records(tmp_path):
+    """Alpaca ships one JSON array (alpaca_data.json); ArrayRecord files hold a JSON record
+    each, as the library's pre-training ArrayRecord source reads them."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    records = [{"instruction": f"Say {i}.", "input": "", "output": str(i)} for i in range(3)]
+    (tmp_path / "alpaca_data.json").write_text(json.dumps(records, indent=2))
+    writer = ArrayRecordWriter(str(tmp_path / "a.array_record"), "group_size:1")
+    for r in records:
+        writer.write(json.dumps(r).encode())
+    writer.close()
+    for name in ("alpaca_data.json", "a.array_record"):
+        src = open_instruct([str(tmp_path / name)], "alpaca", "source", f"instruct:{name}")
+        assert len(src) == 3 and src[2][-1] == {"role": "assistant", "content": "2"}
+    (tmp_path / "bad.json").write_text("[{\"instruction\": ")
+    with pytest.raises(ValueError, match=r"bad.json: not a JSON array"):
+        open_instruct([str(tmp_path / "bad.json")], "alpaca", "source", "x")
+
+
 # ------------------------------------------------------------------------- templates, weights
 
 def trained_text(encoder: ChatEncoder, messages) -> list:

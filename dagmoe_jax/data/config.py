@@ -70,8 +70,8 @@ class DataConfig:
       ``jsonl:<globs>`` (one JSON object per line, text under ``text_key``),
       ``array_record:<globs>`` (each record utf-8 text, or a JSON object with ``text_key``),
       ``tfds:<name>`` (a TFDS dataset already prepared in ``tfds_data_dir``; its ``text_key``
-      feature, bytes decoded as utf-8), ``instruct:<globs>`` (instruction records in JSON-lines
-      or Parquet files, for fine-tuning: :mod:`dagmoe_jax.data.instruct`, read by
+      feature, bytes decoded as utf-8), ``instruct:<globs>`` (instruction records in JSON-lines,
+      JSON-array, Parquet or ArrayRecord files, for fine-tuning: :mod:`dagmoe_jax.data.instruct`, read by
       ``instruct_format``, formatted by ``chat_template``, the loss on the assistant's tokens
       only). Globs are comma separated and expanded in sorted order.
     eval_source: held-out data spec, same syntax; '' (default) means the held-out records of

@@ -79,13 +79,40 @@ def to_messages(record, fmt: str, where: str) -> List[dict]:
 
 
 def _rows(path: str):
-    """(where, record) of each record of a JSON-lines or Parquet file."""
+    """(where, record) of each record of a file: Parquet (``.parquet``), ArrayRecord
+    (``.array_record``, each record a JSON object in utf-8), a JSON array (a ``.json`` file
+    whose text starts with '[', as Alpaca's ``alpaca_data.json``) or JSON lines (the rest)."""
+    # pylint: disable=import-outside-toplevel
     if path.endswith(".parquet"):
-        import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
+        import pyarrow.parquet as pq
 
         for i, row in enumerate(pq.read_table(path).to_pylist()):
             yield f"{path} row {i}", row
         return
+    if path.endswith(".array_record"):
+        import grain
+
+        source = grain.sources.ArrayRecordDataSource([path])
+        for i in range(len(source)):
+            try:
+                record = json.loads(bytes(source[i]).decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                raise ValueError(f"{path} record {i}: not a JSON object in utf-8 (instruct: "
+                                 "ArrayRecord files hold one JSON record each)") from None
+            yield f"{path} record {i}", record
+        return
+    if path.endswith(".json"):
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        if text.lstrip().startswith("["):
+            try:
+                records = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}: not a JSON array ({err.msg} at line "
+                                 f"{err.lineno})") from None
+            for i, record in enumerate(records):
+                yield f"{path} item {i}", record
+            return
     with open(path, encoding="utf-8") as f:
         for i, line in enumerate(f, start=1):
             if line.strip():

@@ -164,6 +164,35 @@ def test_router_only_training_moves_only_the_routers():
         TrainConfig(trainable="some")
 
 
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_router_and_gates_moves_exactly_the_routers_and_the_experts_w_gate(top_k):
+    """The authors' trainable set. At top_k = 1 the renormalised gate g / g of the one chosen
+    expert is 1, so the router's gradient is exactly zero and only the w_gate move."""
+    import optax
+    from dagmoe_jax.train.optim import TRAINABLE, check_trainable
+    from dagmoe_jax.train.step import make_train_step
+    from dagmoe_jax.upcycle.command import default_trainable
+
+    moe = moerge.moerge(dense_models(), merged_config(top_k))
+    before = moerge.flat_params(moe)
+    wrt = TRAINABLE["router_and_gates"]
+    optimizer = nnx.Optimizer(moe, optax.adam(1e-2), wrt=wrt)
+    toks = np.asarray(tokens(4, (2, 17)))
+    batch = {"inputs": jnp.asarray(toks[:, :-1]), "targets": jnp.asarray(toks[:, 1:])}
+    assert float(make_train_step(wrt=wrt)(moe, optimizer, batch)["grad_norm"]) > 0
+    after = moerge.flat_params(moe)
+    moved = {p for p, v in before.items() if not np.array_equal(v, after[p])}
+    gates = {p for p in before if "experts" in p and p[-1] == "w_gate"}
+    routers = {p for p in before if "router" in p}
+    assert gates and routers
+    assert moved == (gates | routers if top_k == 2 else gates), sorted(moved)
+    check_trainable(merged_config(1), "router_and_gates")          # allowed at top-1
+    with pytest.raises(ValueError, match="dense model"):
+        check_trainable(tiny_config("dense"), "router_and_gates")
+    assert default_trainable(merged_config(top_k)) == ("router" if top_k == 2
+                                                       else "router_and_gates")
+
+
 def test_adding_a_domain_keeps_the_old_statistics_and_equals_a_fresh_solve():
     models = dense_models((0, 1, 2, 3))
     moe = moerge.moerge(models[:N], merged_config(1))

@@ -143,6 +143,21 @@ def build_dume(dense: Sequence[DenseSource], batches_per_domain: Sequence[Callab
     return moe, cfg, stats
 
 
+def default_trainable(model_cfg: ModelConfig) -> str:
+    """What a DUME run's continuation trains by default: 'router' (DUME+, DUME sec. 3.1) at
+    top_k >= 2; at top_k = 1 'router_and_gates' (the authors' set: the renormalised gate of the
+    single chosen expert is 1, so the router gets no gradient and only the experts' ``w_gate``
+    learn; :data:`TOP1_NOTE`); 'all' for a DAG (its aggregator starts inert)."""
+    if model_cfg.aggregation.kind != "sum":
+        return "all"
+    return "router" if model_cfg.router.top_k >= 2 else "router_and_gates"
+
+
+TOP1_NOTE = ("note: at --top_k=1 the softmax gate of the one chosen expert is always 1, so the "
+             "router gets no gradient and DUME+ (router only) cannot train: resume.gin trains "
+             "the routers and the experts' w_gate (the authors' set); --top_k=2 gives DUME+")
+
+
 def write_run(run_dir: str, model: nnx.Module, model_cfg: ModelConfig, data_cfg: DataConfig,
               *, steps: int = 1000, trainable: Optional[str] = None,
               optim_cfg: OptimConfig = ROUTER_OPTIM, stats: Sequence[DomainStatistics] = (),
@@ -150,12 +165,9 @@ def write_run(run_dir: str, model: nnx.Module, model_cfg: ModelConfig, data_cfg:
     """A run directory holding ``model`` as step 0 (with its optimizer state and the mixed
     data stream's position), ``config.json``, the per-domain statistics, ``dume.json`` and
     ``resume.gin`` (``train.py --gin_file=RUN/resume.gin`` trains it for ``steps`` steps).
-    ``trainable`` (``TrainConfig.trainable``): default 'router' (DUME+) for a DUME model with
-    top_k >= 2, 'all' otherwise (at top_k = 1 the router gets no gradient; a DAG trains its
-    aggregator)."""
+    ``trainable`` (``TrainConfig.trainable``): default :func:`default_trainable`."""
     if trainable is None:
-        trainable = ("router" if model_cfg.router.top_k >= 2
-                     and model_cfg.aggregation.kind == "sum" else "all")
+        trainable = default_trainable(model_cfg)
     if optim_cfg.warmup_steps >= steps:       # a short continuation: warm up within it
         optim_cfg = dataclasses.replace(optim_cfg, warmup_steps=steps - 1)
     path = runs.prepare_run_dir(run_dir)

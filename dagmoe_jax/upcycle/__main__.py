@@ -30,7 +30,8 @@ Flags:
                          first dense run's; 256 and 16 for Hugging Face models)
 
 Then: python train.py --mode=eval --run_dir=DIR; python -m dagmoe_jax.decoding.sample --run_dir=DIR;
-python train.py --gin_file=DIR/resume.gin (DUME+ at top_k >= 2). Exit status 2 for invalid input (one line).
+python train.py --gin_file=DIR/resume.gin (DUME+ at top_k >= 2). Exit status 2 for invalid input
+(one line).
 """
 
 from __future__ import annotations

@@ -127,12 +127,17 @@ def dume(model: nnx.Module, stats: Sequence[DomainStatistics],
     return model
 
 
-def add_expert(moe: nnx.Module, dense: nnx.Module, *, seed: int = 0) -> nnx.Module:
+def add_expert(moe: nnx.Module, dense: nnx.Module, *, seed: int = 0,
+               reaverage: bool = False) -> nnx.Module:
     """``moe`` with one more expert: dense model ``dense``'s MLPs appended as expert N in every
-    layer. The shared (averaged) weights stay those of ``moe``, not re-averaged, so the forced
-    passes of the old domains, and with them their statistics, are unchanged: solving with the
-    old domains' saved statistics plus the new domain's equals solving from scratch on the new
-    model (DUME sec. 2.3, "experts can be added dynamically"). The routers are random until
+    layer. By default the shared (averaged) weights stay those of ``moe``, not re-averaged, so
+    the forced passes of the old domains, and with them their statistics, are unchanged:
+    solving with the old domains' saved statistics plus the new domain's equals solving from
+    scratch on the new model (DUME sec. 2.3, "experts can be added dynamically").
+    ``reaverage=True`` makes the shared weights the mean over all N + 1 models, ``(N * mean +
+    new) / (N + 1)`` in float64 (equal to merging the N + 1 models afresh when ``moe`` holds the
+    plain mean, DUME sec. 2.2): every layer's inputs change, so every domain needs fresh
+    statistics (:func:`collect_statistics`) before :func:`dume`. The routers are random until
     :func:`dume` sets them."""
     from dagmoe_jax.upcycle.moerge import EXPERT_PREFIX, MLP_PREFIX, check_same_architecture
 
@@ -144,6 +149,10 @@ def add_expert(moe: nnx.Module, dense: nnx.Module, *, seed: int = 0) -> nnx.Modu
     grown = Transformer(cfg, rngs=nnx.Rngs(seed))
     params = {p: v for p, v in flat_params(moe).items() if "router" not in p}
     new = flat_params(dense)
+    if reaverage:
+        for path in [p for p in params if p[:len(EXPERT_PREFIX)] != EXPERT_PREFIX]:
+            total = n * params[path].astype(np.float64) + new[path].astype(np.float64)
+            params[path] = (total / (n + 1)).astype(np.float32)
     for name in ("w_gate", "w_up", "w_down"):
         path = EXPERT_PREFIX + (name,)
         params[path] = np.concatenate([params[path], new[MLP_PREFIX + (name,)][:, None]], axis=1)

@@ -82,7 +82,7 @@ def test_statistics_pass_matches_the_forced_inputs_and_masks_padding():
     mask[1, 10:] = False
     seen = []
     stats = dume.collect_statistics(moe, [{"inputs": toks, "mask": mask}], 1,
-                                    tokens_per_sequence=12,
+                                    tokens_per_sequence=12, on_host=True,
                                     progress=lambda b, t: seen.append((b, t)))
     _, x = dume.forced_forward(moe, jnp.asarray(toks), jnp.int32(1))
     keep = mask & (np.arange(16) < 12)
@@ -91,6 +91,40 @@ def test_statistics_pass_matches_the_forced_inputs_and_masks_padding():
     np.testing.assert_allclose(stats.gram, np.einsum("ltd,lte->lde", xt, xt), rtol=1e-12)
     np.testing.assert_allclose(stats.total, xt.sum(1), rtol=1e-12)
     assert stats.tokens == keep.sum() == 22 and seen == [(1, 22)]
+
+
+def test_device_statistics_equal_the_float64_host_ones_within_float32_rounding():
+    """X^T X accumulated on the device (float32 matmul per batch, Kahan sum over batches) vs
+    the float64 host sum of the same float32 inputs. Bound: a float32 dot product of n terms
+    errs by at most gamma_n |x|.|y| (Higham, Accuracy and Stability, eq. 3.5; gamma_n =
+    n u / (1 - n u), u = 2^-24), n = one batch's tokens, since compensation keeps the sum over
+    batches at ~u; this is the size of the forward pass's own float32 rounding of x."""
+    moe = moerge.moerge(dense_models(), merged_config(1))
+    batches = []
+    for i in range(12):
+        toks = np.asarray(tokens(30 + i, (2, 16)))
+        mask = np.ones((2, 16), bool)
+        mask[i % 2, 3 + i:] = False
+        batches.append({"inputs": toks, "mask": mask})
+    host = dume.collect_statistics(moe, batches, 2, tokens_per_sequence=14, on_host=True)
+    seen = []
+    device = dume.collect_statistics(moe, batches, 2, tokens_per_sequence=14,
+                                     progress=lambda b, t: seen.append(t))
+    assert device.tokens == host.tokens and seen[-1] == host.tokens
+    absolute = np.zeros_like(host.gram)
+    for b in batches:                           # |X~|^T |X~| over all tokens
+        _, x = dume.forced_forward(moe, jnp.asarray(b["inputs"]), jnp.int32(2))
+        keep = dume.token_mask(b, 14)
+        x = np.abs(np.asarray(x, np.float64)[:, keep])
+        xt = np.concatenate([x, np.ones(x.shape[:2] + (1,))], axis=-1)
+        absolute += np.einsum("ltd,lte->lde", xt, xt)
+    n, u = 32, 2.0 ** -24
+    gamma = n * u / (1 - n * u) + 4 * u                 # one batch's matmul + the Kahan sum
+    assert np.all(np.abs(device.gram - host.gram) <= gamma * absolute)
+    assert np.all(np.abs(device.total - host.total) <= gamma * absolute[:, -1])
+    w_host, _ = ridge.solve_routers([host] * 2)
+    w_device, _ = ridge.solve_routers([device] * 2)
+    np.testing.assert_allclose(w_device, w_host, rtol=1e-3, atol=1e-4)
 
 
 def test_dume_routers_are_the_normalised_ridge_solution():

@@ -86,26 +86,65 @@ def token_mask(batch: Batch, tokens_per_sequence: Optional[int] = None) -> np.nd
     return mask
 
 
+@jax.jit
+def accumulate_on_device(sums, x: jax.Array, mask: jax.Array):
+    """DUME eq. 7 on the device: ``sums`` = (gram, gram_carry, total, total_carry) float32
+    [layers, d+1, d+1] / [layers, d+1] plus one batch of MLP inputs ``x`` [layers, T, d] whose
+    tokens ``mask`` [T] keeps: ``A += X~^T X~``, ``B_j += X~^T 1`` with ``X~ = [X, 1]`` (masked
+    rows zero). The batch's products are float32 matmuls (HIGHEST precision); the running sums
+    are Kahan-compensated (the carries hold what each addition lost), so the error over many
+    batches stays that of one batch's matmul, ``<= T u |X~|^T |X~|`` (u = 2^-24), the size of
+    the forward pass's own float32 rounding of x. Returns the new ``sums``."""
+    m = mask.astype(jnp.float32)[None, :, None]
+    xt = jnp.concatenate([x.astype(jnp.float32), jnp.ones(x.shape[:2] + (1,), jnp.float32)],
+                         axis=-1) * m
+    gram = jnp.einsum("ltd,lte->lde", xt, xt, precision=jax.lax.Precision.HIGHEST)
+    out = []
+    for acc, carry, inc in ((sums[0], sums[1], gram), (sums[2], sums[3], xt.sum(axis=1))):
+        y = inc - carry
+        t = acc + y
+        out += [t, (t - acc) - y]
+    return tuple(out)
+
+
 def collect_statistics(model: nnx.Module, batches: Iterable[Batch], expert: int, *,
                        tokens_per_sequence: Optional[int] = None,
-                       stats: Optional[DomainStatistics] = None,
+                       stats: Optional[DomainStatistics] = None, on_host: bool = False,
                        progress: Callable[[int, int], None] = lambda _batches, _tokens: None
                        ) -> DomainStatistics:
     """One domain's ridge statistics (DUME eq. 7): ``batches`` (dicts with 'inputs' [B, S] and
     optionally 'mask') through ``model`` forced to ``expert``, every layer's MLP inputs
-    accumulated in float64 on the host. ``stats``: statistics to add to (a domain seen in
-    several passes); ``progress(batches, tokens)`` hears after every batch."""
+    accumulated on the device (:func:`accumulate_on_device`, compensated float32; only the
+    [layers, d+1, d+1] sums reach the host, once, as float64). ``on_host=True``: each batch's
+    inputs copied to the host and accumulated in float64 NumPy (the reference). ``stats``:
+    statistics to add to (a domain seen in several passes); ``progress(batches, tokens)``
+    hears after every batch."""
     check_dume_config(model.cfg)
     cfg = model.cfg
     stats = stats or DomainStatistics.zeros(cfg.num_layers, cfg.d_model)
+    n = cfg.d_model + 1
+    sums = (jnp.zeros((cfg.num_layers, n, n), jnp.float32),) * 2 + (
+        jnp.zeros((cfg.num_layers, n), jnp.float32),) * 2
+    tokens = stats.tokens
     for i, batch in enumerate(batches):
         segments = batch.get("segments")
         _, x = forced_forward(model, jnp.asarray(batch["inputs"]), jnp.int32(expert),
                               head=False,
                               segment_ids=None if segments is None else jnp.asarray(segments))
-        x = np.asarray(x, np.float64).reshape(cfg.num_layers, -1, cfg.d_model)
-        stats.update(x, token_mask(batch, tokens_per_sequence).reshape(-1))
-        progress(i + 1, stats.tokens)
+        mask = token_mask(batch, tokens_per_sequence).reshape(-1)
+        x = x.reshape(cfg.num_layers, -1, cfg.d_model)
+        if on_host:
+            stats.update(np.asarray(x, np.float64), mask)
+            tokens = stats.tokens
+        else:
+            sums = accumulate_on_device(sums, x, jnp.asarray(mask))
+            tokens += int(mask.sum())
+        progress(i + 1, tokens)
+    if not on_host:
+        host = [np.asarray(a, np.float64) for a in sums]
+        stats.gram += host[0] - host[1]            # Kahan: the carry is what the sum lacks
+        stats.total += host[2] - host[3]
+        stats.tokens = tokens
     return stats
 
 

@@ -89,11 +89,10 @@ def _check_args(args) -> None:
                          "or --trainable=router_and_gates")
 
 
-def _base_data(args, first):
+def _base_data(args, base):
     from dagmoe_jax.data import DataConfig  # pylint: disable=import-outside-toplevel
     from dagmoe_jax.upcycle.hf_llama import tokenizer_settings  # pylint: disable=import-outside-toplevel
 
-    base = first.data_cfg
     if base is None:       # a Hugging Face model: its tokenizer.json and tokenizer_config.json
         path = args.tokenizer_path or str(Path(args.dense[0]) / "tokenizer.json")
         if not Path(path).is_file():
@@ -110,11 +109,15 @@ def run(args) -> Path:
 
     _check_args(args)
     start = time.perf_counter()
-    dense = []
-    for path in args.dense:
-        print(f"loading {path}", file=sys.stderr, flush=True)
-        dense.append(command.load_dense(path))
-    base = _base_data(args, dense[0])
+    if all(command.is_hf_dir(p) for p in args.dense):   # merged one tensor at a time
+        print(f"merging {len(args.dense)} Hugging Face models", file=sys.stderr, flush=True)
+        dense, base = list(args.dense), _base_data(args, None)
+    else:
+        dense = []
+        for path in args.dense:
+            print(f"loading {path}", file=sys.stderr, flush=True)
+            dense.append(command.load_dense(path))
+        base = _base_data(args, dense[0].data_cfg)
     domains = [command.domain_data(base, s) for s in args.source]
 
     def progress(j, b, t):

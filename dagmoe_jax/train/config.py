@@ -22,7 +22,7 @@ from dagmoe_jax.parallel.config import MeshConfig
 SCHEDULES = ("wsd", "cosine", "constant")
 
 
-TRAINABLE_SETS = ("all", "router", "router_and_gates", "non_experts")
+TRAINABLE_SETS = ("all", "router", "router_and_gates", "non_experts", "aggregator", "shared")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +62,8 @@ class TrainConfig:
         top_k = 1 only the ``w_gate`` move, the renormalised gate being 1).
         'non_experts': everything but the routed experts' weights (attention, norms,
         embeddings, routers, aggregators and shared experts train; the experts stay frozen).
+        'aggregator': the DAG (or MLP) aggregator only (DUME+'s analogue for an upcycled
+        DAG-MoE); 'shared': the shared experts only (its parameter-matched baseline).
     init_from: where a new run's parameters come from: '' (default) initialises them from
         ``seed``; a run directory: its newest checkpoint's parameters; ``hf:<folder>``: a
         Hugging Face Llama folder (:func:`dagmoe_jax.upcycle.hf_llama.load_hf_llama`). The

@@ -150,6 +150,8 @@ TRAINABLE = {
         nnx.PathContains("router"),
         nnx.All(nnx.PathContains("experts"), nnx.PathContains("w_gate")))),
     "non_experts": nnx.All(nnx.Param, nnx.Not(nnx.PathContains("experts"))),
+    "aggregator": nnx.All(nnx.Param, nnx.PathContains("aggregator")),
+    "shared": nnx.All(nnx.Param, nnx.PathContains("shared")),
 }
 
 
@@ -162,6 +164,14 @@ def check_trainable(model_cfg, trainable: str) -> None:
     if trainable in ("non_experts", "router_and_gates") and model_cfg.block == "dense":
         raise ValueError(f"TrainConfig.trainable={trainable!r} on a dense model: it has no "
                          f"routed experts (use 'all')")
+    if trainable == "aggregator" and (model_cfg.block != "moe"
+                                      or model_cfg.aggregation.kind == "sum"):
+        raise ValueError("TrainConfig.trainable='aggregator' needs a DAG or MLP aggregator "
+                         "(AggregationConfig.kind='dag' or 'mlp'): this model has none")
+    if trainable == "shared" and (model_cfg.block != "moe"
+                                  or model_cfg.experts.num_shared == 0):
+        raise ValueError("TrainConfig.trainable='shared' needs shared experts "
+                         "(ExpertConfig.num_shared >= 1): this model has none")
     if trainable != "router":
         return
     if model_cfg.block == "dense":

@@ -23,7 +23,10 @@ Flags:
   --trainable=SET        what the continuation trains (TrainConfig.trainable): default 'router'
                          (DUME+) for top_k >= 2; at top_k 1 (the router gets no gradient: the
                          gate of one expert is 1) 'router_and_gates', the authors' set (routers
-                         + each expert's w_gate); 'all' for a DAG; or 'all', 'non_experts'
+                         + each expert's w_gate); 'all' for a DAG; or 'all', 'non_experts',
+                         'aggregator' (a DAG's aggregator only: DUME+'s analogue)
+  --dag_init=model|fan_in  the DAG's W_down, W_edge, W_node: init_std (default; its messages
+                         are ~1e-3 and barely train) or N(0, 1/fan-in) (W_up stays 0)
   --tokenizer_path=FILE  tokenizer.json for Hugging Face models (default: DIR/tokenizer.json
                          of the first --dense)
   --seq_len=N --batch_size=N  rows of the statistics pass and of later training (default: the
@@ -61,7 +64,9 @@ def parse_args(argv):
     p.add_argument("--dag_iters", type=int, default=2)
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--trainable", default="",
-                   choices=("", "all", "router", "router_and_gates", "non_experts"))
+                   choices=("", "all", "router", "router_and_gates", "non_experts",
+                            "aggregator"))
+    p.add_argument("--dag_init", default="model", choices=("model", "fan_in"))
     p.add_argument("--tokenizer_path", default="")
     p.add_argument("--seq_len", type=int, default=0)
     p.add_argument("--batch_size", type=int, default=0)
@@ -132,7 +137,7 @@ def run(args) -> Path:
         router=args.router, seed=args.seed, progress=progress)
     if args.dag_dim > 0:
         moe = dume.upcycle_to_dag(moe, dag_dim=args.dag_dim, dag_iters=args.dag_iters,
-                                  seed=args.seed)
+                                  seed=args.seed, fan_in=args.dag_init == "fan_in")
         cfg = cfg.replace(aggregation=dataclasses.asdict(moe.cfg.aggregation))
     summary = {"dense": args.dense, "sources": args.source, "router": args.router,
                "top_k": args.top_k, "temperature": args.temperature, "lambda": args.lam,

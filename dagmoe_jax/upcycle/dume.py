@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 
-from typing import Callable, Dict, Iterable, Optional, Sequence
+from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,8 @@ from dagmoe_jax.upcycle.ridge import DEFAULT_LAMBDA, DomainStatistics, solve_rou
 from dagmoe_jax.model import Transformer
 
 Batch = Dict[str, np.ndarray]
+DAG_PREFIX = ("layers", "block", "aggregator", "iterations")
+SHARED_PREFIX = ("layers", "block", "shared")
 
 
 @functools.partial(nnx.jit, static_argnames="head")
@@ -199,12 +201,24 @@ def add_expert(moe: nnx.Module, dense: nnx.Module, *, seed: int = 0,
     return grown
 
 
+def redraw_fan_in(model: nnx.Module, paths: Sequence[Tuple[str, ...]], seed: int) -> None:
+    """Redraw the weights at ``paths`` (stacked [..., in, out]) from N(0, 1 / in): each output
+    then has about its inputs' RMS, where ``init_std`` 0.02 shrinks it ~0.02 sqrt(in) times."""
+    keys = jax.random.split(jax.random.key(seed), len(paths))
+    params = flat_params(model)
+    set_params(model, {p: jax.random.normal(k, params[p].shape) / np.sqrt(params[p].shape[-2])
+                       for k, p in zip(keys, paths)})
+
+
 def upcycle_to_dag(moe: nnx.Module, *, dag_dim: int = 128, dag_iters: int = 2,
-                   seed: int = 0, **aggregation) -> nnx.Module:
+                   seed: int = 0, fan_in: bool = False, **aggregation) -> nnx.Module:
     """A DAG-MoE (``AggregationConfig(kind='dag')``) holding every parameter of the merged MoE
     ``moe``; the DAG module's own parameters are freshly initialised, ``W_up`` at zero, so with
     the default ``dag_residual='once'`` the model computes exactly what ``moe`` does until
-    training moves ``W_up`` (tests/test_upcycle.py)."""
+    training moves ``W_up`` (tests/test_upcycle.py). At ``init_std`` 0.02 its messages have
+    RMS ~1e-3 and W_up's updates barely show (inert); ``fan_in=True`` redraws W_down, W_edge
+    and W_node from N(0, 1 / fan-in) (:func:`redraw_fan_in`), so the messages have RMS ~1 and
+    W_up's first steps move the output; the start is still exactly DUME (W_up = 0)."""
 
     cfg = moe.cfg.replace(aggregation=dict(kind="dag", dag_dim=dag_dim, dag_iters=dag_iters,
                                            **aggregation))
@@ -214,7 +228,27 @@ def upcycle_to_dag(moe: nnx.Module, *, dag_dim: int = 128, dag_iters: int = 2,
                          "'once'")
     dag = Transformer(cfg, rngs=nnx.Rngs(seed))
     set_params(dag, flat_params(moe))
+    if fan_in:
+        redraw_fan_in(dag, [DAG_PREFIX + (n,) for n in ("w_down", "w_edge", "w_node")], seed)
     return dag
+
+
+def add_shared_expert(moe: nnx.Module, hidden: int, *, seed: int = 0,
+                      fan_in: bool = False) -> nnx.Module:
+    """The merged MoE ``moe`` plus one shared SwiGLU expert of ``hidden`` units in every layer
+    (the DAG's parameter-matched baseline, DAG-MoE sec. 5.1, with
+    :func:`dagmoe_jax.config.matched_shared_hidden`), its ``w_down`` zero so the model starts
+    exactly equal to ``moe``; ``fan_in``: ``w_gate`` and ``w_up`` from N(0, 1 / d), as
+    :func:`upcycle_to_dag`'s messages."""
+    check_dume_config(moe.cfg)
+    cfg = moe.cfg.replace(experts=dict(num_shared=1, shared_hidden=hidden))
+    grown = Transformer(cfg, rngs=nnx.Rngs(seed))
+    set_params(grown, flat_params(moe))
+    down = SHARED_PREFIX + ("w_down",)
+    set_params(grown, {down: np.zeros(flat_params(grown)[down].shape, np.float32)})
+    if fan_in:
+        redraw_fan_in(grown, [SHARED_PREFIX + (n,) for n in ("w_gate", "w_up")], seed)
+    return grown
 
 
 def routing_accuracy(model: nnx.Module, batches: Iterable[Batch], expert: int) -> np.ndarray:

@@ -361,7 +361,7 @@ def test_the_tokenizer_folder_of_an_imported_model_is_picked_up(tmp_path, hf_tok
     assert hf_llama.tokenizer_settings(folder) == {"eos_token": "<eot>", "bos_token": "<bos>"}
     args = types.SimpleNamespace(tokenizer_path="", dense=[str(folder)], seq_len=0,
                                  batch_size=0)
-    data_cfg = cli._base_data(args, types.SimpleNamespace(data_cfg=None))
+    data_cfg = cli._base_data(args, None)
     assert (data_cfg.tokenizer, data_cfg.eos_token) == ("hf", "<eot>")
     tok = make_tokenizer(data_cfg)
     assert tok.decode([tok.eos_id]) == "<eot>"

@@ -82,7 +82,7 @@ def test_statistics_pass_matches_the_forced_inputs_and_masks_padding():
     mask[1, 10:] = False
     seen = []
     stats = dume.collect_statistics(moe, [{"inputs": toks, "mask": mask}], 1,
-                                    tokens_per_sequence=12,
+                                    tokens_per_sequence=12, on_host=True,
                                     progress=lambda b, t: seen.append((b, t)))
     _, x = dume.forced_forward(moe, jnp.asarray(toks), jnp.int32(1))
     keep = mask & (np.arange(16) < 12)
@@ -91,6 +91,40 @@ def test_statistics_pass_matches_the_forced_inputs_and_masks_padding():
     np.testing.assert_allclose(stats.gram, np.einsum("ltd,lte->lde", xt, xt), rtol=1e-12)
     np.testing.assert_allclose(stats.total, xt.sum(1), rtol=1e-12)
     assert stats.tokens == keep.sum() == 22 and seen == [(1, 22)]
+
+
+def test_device_statistics_equal_the_float64_host_ones_within_float32_rounding():
+    """X^T X accumulated on the device (float32 matmul per batch, Kahan sum over batches) vs
+    the float64 host sum of the same float32 inputs. Bound: a float32 dot product of n terms
+    errs by at most gamma_n |x|.|y| (Higham, Accuracy and Stability, eq. 3.5; gamma_n =
+    n u / (1 - n u), u = 2^-24), n = one batch's tokens, since compensation keeps the sum over
+    batches at ~u; this is the size of the forward pass's own float32 rounding of x."""
+    moe = moerge.moerge(dense_models(), merged_config(1))
+    batches = []
+    for i in range(12):
+        toks = np.asarray(tokens(30 + i, (2, 16)))
+        mask = np.ones((2, 16), bool)
+        mask[i % 2, 3 + i:] = False
+        batches.append({"inputs": toks, "mask": mask})
+    host = dume.collect_statistics(moe, batches, 2, tokens_per_sequence=14, on_host=True)
+    seen = []
+    device = dume.collect_statistics(moe, batches, 2, tokens_per_sequence=14,
+                                     progress=lambda b, t: seen.append(t))
+    assert device.tokens == host.tokens and seen[-1] == host.tokens
+    absolute = np.zeros_like(host.gram)
+    for b in batches:                           # |X~|^T |X~| over all tokens
+        _, x = dume.forced_forward(moe, jnp.asarray(b["inputs"]), jnp.int32(2))
+        keep = dume.token_mask(b, 14)
+        x = np.abs(np.asarray(x, np.float64)[:, keep])
+        xt = np.concatenate([x, np.ones(x.shape[:2] + (1,))], axis=-1)
+        absolute += np.einsum("ltd,lte->lde", xt, xt)
+    n, u = 32, 2.0 ** -24
+    gamma = n * u / (1 - n * u) + 4 * u                 # one batch's matmul + the Kahan sum
+    assert np.all(np.abs(device.gram - host.gram) <= gamma * absolute)
+    assert np.all(np.abs(device.total - host.total) <= gamma * absolute[:, -1])
+    w_host, _ = ridge.solve_routers([host] * 2)
+    w_device, _ = ridge.solve_routers([device] * 2)
+    np.testing.assert_allclose(w_device, w_host, rtol=1e-3, atol=1e-4)
 
 
 def test_dume_routers_are_the_normalised_ridge_solution():
@@ -164,6 +198,35 @@ def test_router_only_training_moves_only_the_routers():
         TrainConfig(trainable="some")
 
 
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_router_and_gates_moves_exactly_the_routers_and_the_experts_w_gate(top_k):
+    """The authors' trainable set. At top_k = 1 the renormalised gate g / g of the one chosen
+    expert is 1, so the router's gradient is exactly zero and only the w_gate move."""
+    import optax
+    from dagmoe_jax.train.optim import TRAINABLE, check_trainable
+    from dagmoe_jax.train.step import make_train_step
+    from dagmoe_jax.upcycle.command import default_trainable
+
+    moe = moerge.moerge(dense_models(), merged_config(top_k))
+    before = moerge.flat_params(moe)
+    wrt = TRAINABLE["router_and_gates"]
+    optimizer = nnx.Optimizer(moe, optax.adam(1e-2), wrt=wrt)
+    toks = np.asarray(tokens(4, (2, 17)))
+    batch = {"inputs": jnp.asarray(toks[:, :-1]), "targets": jnp.asarray(toks[:, 1:])}
+    assert float(make_train_step(wrt=wrt)(moe, optimizer, batch)["grad_norm"]) > 0
+    after = moerge.flat_params(moe)
+    moved = {p for p, v in before.items() if not np.array_equal(v, after[p])}
+    gates = {p for p in before if "experts" in p and p[-1] == "w_gate"}
+    routers = {p for p in before if "router" in p}
+    assert gates and routers
+    assert moved == (gates | routers if top_k == 2 else gates), sorted(moved)
+    check_trainable(merged_config(1), "router_and_gates")          # allowed at top-1
+    with pytest.raises(ValueError, match="dense model"):
+        check_trainable(tiny_config("dense"), "router_and_gates")
+    assert default_trainable(merged_config(top_k)) == ("router" if top_k == 2
+                                                       else "router_and_gates")
+
+
 def test_adding_a_domain_keeps_the_old_statistics_and_equals_a_fresh_solve():
     models = dense_models((0, 1, 2, 3))
     moe = moerge.moerge(models[:N], merged_config(1))
@@ -185,3 +248,19 @@ def test_adding_a_domain_keeps_the_old_statistics_and_equals_a_fresh_solve():
     reference = nnx.clone(models[N])
     moerge.set_params(reference, shared)
     np.testing.assert_allclose(got, np.asarray(reference(tokens(5))[0]), rtol=1e-5, atol=1e-5)
+
+
+def test_adding_a_domain_with_reaveraging_equals_merging_all_models_afresh():
+    models = dense_models((0, 1, 2, 3))
+    moe = moerge.moerge(models[:N], merged_config(2))
+    grown = dume.add_expert(moe, models[N], reaverage=True)
+    fresh = moerge.moerge(models, settle(moerge.dume_config(
+        tiny_config("dense", settled=False), N + 1, top_k=2)))
+    got, want = moerge.flat_params(grown), moerge.flat_params(fresh)
+    for path, value in want.items():
+        if "router" not in path:          # float32 mean of a float32 mean: ~1 ulp
+            np.testing.assert_allclose(got[path], value, rtol=1e-6, atol=1e-7, err_msg=path)
+    # the shared weights moved, so the old domains' forced passes (their statistics) change
+    kept = dume.add_expert(moe, models[N])
+    a, b = (np.asarray(dume.forced_forward(m, tokens(6), jnp.int32(0))[0]) for m in (grown, kept))
+    assert np.max(np.abs(a - b)) > 1e-4

@@ -65,7 +65,10 @@ def test_upcycle_command_end_to_end(tmp_path, capsys):
     argv = [f"--run_dir={out}", "--stats_batches=3", "--steps=5"]
     for d, s in zip(dense_dirs, sources):
         argv += [f"--dense={d}", f"--source={s}"]
+    capsys.readouterr()
     assert cli.main(argv) == 0
+    assert "router gets no gradient" in capsys.readouterr().err    # the top-1 note, one line
+    assert "TrainConfig.trainable = 'router_and_gates'" in (out / "resume.gin").read_text()
     merged = runs.load_run(out)
     assert merged.model_cfg.block == "moe" and merged.model_cfg.router.bias
     assert (out / "resume.gin").is_file() and (out / "dume_stats" / "domain_2.npz").is_file()
@@ -97,7 +100,9 @@ def test_upcycle_command_end_to_end(tmp_path, capsys):
             ([f"--run_dir={out}", f"--dense={dense_dirs[0]}", f"--source={sources[0]}"],
              "already holds checkpoints"),
             ([f"--run_dir={tmp_path / 'y'}", f"--dense={dense_dirs[0]}",
-              f"--source=text:{empty}"], "empty.txt")):
+              f"--source=text:{empty}"], "empty.txt"),
+            ([f"--run_dir={tmp_path / 'z'}", f"--dense={dense_dirs[0]}",
+              f"--source={sources[0]}", "--trainable=router"], "no gradient")):
         capsys.readouterr()
         assert cli.main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()

@@ -50,9 +50,13 @@ def select_top_k(scores: jax.Array, k: int, renormalize: bool):
 
     Returns gates and indices [T, K] in descending score order; ties go to the lower expert id,
     so the node order is deterministic (the DAG's output depends on it only with
-    ``dag_edges='ranked'``). ``renormalize`` divides the gates by their sum.
+    ``dag_edges='ranked'``). ``renormalize`` divides the gates by their sum; at k = 1 that is
+    g / g = 1, returned as a constant: autodiff of g / g leaves rounding noise (~1e-10 against
+    ~1e-3 at k = 2) that Adam would scale into real router steps.
     """
     gates, indices = jax.lax.top_k(scores, k)
+    if renormalize and k == 1:
+        return jnp.ones_like(gates), indices
     if renormalize:
         gates = gates / jnp.maximum(jnp.sum(gates, axis=-1, keepdims=True), 1e-9)
     return gates, indices

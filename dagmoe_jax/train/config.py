@@ -22,7 +22,7 @@ from dagmoe_jax.parallel.config import MeshConfig
 SCHEDULES = ("wsd", "cosine", "constant")
 
 
-TRAINABLE_SETS = ("all", "router", "non_experts")
+TRAINABLE_SETS = ("all", "router", "router_and_gates", "non_experts", "aggregator", "shared")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +57,13 @@ class TrainConfig:
     trainable: which parameters the optimiser updates: 'all' (default) or 'router' (only the
         routers' weights and biases, everything else frozen: DUME+ and BTX, DUME sec. 3.1;
         :data:`dagmoe_jax.train.optim.TRAINABLE`). The optimiser holds state for those only.
+        'router_and_gates': the routers plus each routed expert's gate projection ``w_gate``
+        (the DUME authors' runs: they freeze every parameter whose name lacks "gate"; at
+        top_k = 1 only the ``w_gate`` move, the renormalised gate being 1).
         'non_experts': everything but the routed experts' weights (attention, norms,
         embeddings, routers, aggregators and shared experts train; the experts stay frozen).
+        'aggregator': the DAG (or MLP) aggregator only (DUME+'s analogue for an upcycled
+        DAG-MoE); 'shared': the shared experts only (its parameter-matched baseline).
     init_from: where a new run's parameters come from: '' (default) initialises them from
         ``seed``; a run directory: its newest checkpoint's parameters; ``hf:<folder>``: a
         Hugging Face Llama folder (:func:`dagmoe_jax.upcycle.hf_llama.load_hf_llama`). The

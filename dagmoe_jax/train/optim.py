@@ -146,18 +146,32 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
 TRAINABLE = {
     "all": nnx.Param,
     "router": nnx.All(nnx.Param, nnx.PathContains("router")),
+    "router_and_gates": nnx.All(nnx.Param, nnx.Any(
+        nnx.PathContains("router"),
+        nnx.All(nnx.PathContains("experts"), nnx.PathContains("w_gate")))),
     "non_experts": nnx.All(nnx.Param, nnx.Not(nnx.PathContains("experts"))),
+    "aggregator": nnx.All(nnx.Param, nnx.PathContains("aggregator")),
+    "shared": nnx.All(nnx.Param, nnx.PathContains("shared")),
 }
 
 
 def check_trainable(model_cfg, trainable: str) -> None:
     """One-line error when ``trainable`` leaves nothing to learn in ``model_cfg``: 'router' on
     a model without routers, or on softmax gates renormalised over top_k = 1 (the gate is
-    always 1, so the router gets no gradient; DUME+ needs top_k >= 2); 'non_experts' on a
-    dense model (no experts to freeze)."""
-    if trainable == "non_experts" and model_cfg.block == "dense":
-        raise ValueError("TrainConfig.trainable='non_experts' on a dense model: it has no "
-                         "experts to freeze (use 'all')")
+    always 1, so the router gets no gradient; DUME+ needs top_k >= 2); 'non_experts' or
+    'router_and_gates' on a dense model (no routed experts). 'router_and_gates' at top_k = 1
+    is allowed: its experts' ``w_gate`` still learn (the authors' top-1 runs)."""
+    if trainable in ("non_experts", "router_and_gates") and model_cfg.block == "dense":
+        raise ValueError(f"TrainConfig.trainable={trainable!r} on a dense model: it has no "
+                         f"routed experts (use 'all')")
+    if trainable == "aggregator" and (model_cfg.block != "moe"
+                                      or model_cfg.aggregation.kind == "sum"):
+        raise ValueError("TrainConfig.trainable='aggregator' needs a DAG or MLP aggregator "
+                         "(AggregationConfig.kind='dag' or 'mlp'): this model has none")
+    if trainable == "shared" and (model_cfg.block != "moe"
+                                  or model_cfg.experts.num_shared == 0):
+        raise ValueError("TrainConfig.trainable='shared' needs shared experts "
+                         "(ExpertConfig.num_shared >= 1): this model has none")
     if trainable != "router":
         return
     if model_cfg.block == "dense":

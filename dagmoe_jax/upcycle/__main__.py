@@ -19,15 +19,22 @@ Flags:
   --tokens_per_sequence=N  only the first N tokens of each row count (default: all)
   --dispatch=dropless|dense  (capacity is refused: it drops a one-domain batch's tokens)
   --dag_dim=G --dag_iters=L  also upcycle into a DAG-MoE (G > 0) that starts equal to DUME
-  --steps=N              steps the written run trains for when continued (default 1000): DUME+
-                         (router-only) for top_k >= 2, else every parameter
+  --steps=N              steps the written run trains for when continued (default 1000)
+  --trainable=SET        what the continuation trains (TrainConfig.trainable): default 'router'
+                         (DUME+) for top_k >= 2; at top_k 1 (the router gets no gradient: the
+                         gate of one expert is 1) 'router_and_gates', the authors' set (routers
+                         + each expert's w_gate); 'all' for a DAG; or 'all', 'non_experts',
+                         'aggregator' (a DAG's aggregator only: DUME+'s analogue)
+  --dag_init=model|fan_in  the DAG's W_down, W_edge, W_node: init_std (default; its messages
+                         are ~1e-3 and barely train) or N(0, 1/fan-in) (W_up stays 0)
   --tokenizer_path=FILE  tokenizer.json for Hugging Face models (default: DIR/tokenizer.json
                          of the first --dense)
   --seq_len=N --batch_size=N  rows of the statistics pass and of later training (default: the
                          first dense run's; 256 and 16 for Hugging Face models)
 
 Then: python train.py --mode=eval --run_dir=DIR; python -m dagmoe_jax.decoding.sample --run_dir=DIR;
-python train.py --gin_file=DIR/resume.gin (DUME+). Exit status 2 for invalid input (one line).
+python train.py --gin_file=DIR/resume.gin (DUME+ at top_k >= 2). Exit status 2 for invalid input
+(one line).
 """
 
 from __future__ import annotations
@@ -56,6 +63,10 @@ def parse_args(argv):
     p.add_argument("--dag_dim", type=int, default=0)
     p.add_argument("--dag_iters", type=int, default=2)
     p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--trainable", default="",
+                   choices=("", "all", "router", "router_and_gates", "non_experts",
+                            "aggregator"))
+    p.add_argument("--dag_init", default="model", choices=("model", "fan_in"))
     p.add_argument("--tokenizer_path", default="")
     p.add_argument("--seq_len", type=int, default=0)
     p.add_argument("--batch_size", type=int, default=0)
@@ -77,13 +88,16 @@ def _check_args(args) -> None:
         raise ValueError(f"--stats_batches={args.stats_batches} is invalid: expected >= 1")
     if args.steps < 1:
         raise ValueError(f"--steps={args.steps} is invalid: expected >= 1")
+    if args.trainable == "router" and args.top_k == 1:
+        raise ValueError("--trainable=router with --top_k=1: the gate of the one chosen expert "
+                         "is always 1, so the router gets no gradient; use --top_k=2 (DUME+) "
+                         "or --trainable=router_and_gates")
 
 
-def _base_data(args, first):
+def _base_data(args, base):
     from dagmoe_jax.data import DataConfig  # pylint: disable=import-outside-toplevel
     from dagmoe_jax.upcycle.hf_llama import tokenizer_settings  # pylint: disable=import-outside-toplevel
 
-    base = first.data_cfg
     if base is None:       # a Hugging Face model: its tokenizer.json and tokenizer_config.json
         path = args.tokenizer_path or str(Path(args.dense[0]) / "tokenizer.json")
         if not Path(path).is_file():
@@ -100,11 +114,15 @@ def run(args) -> Path:
 
     _check_args(args)
     start = time.perf_counter()
-    dense = []
-    for path in args.dense:
-        print(f"loading {path}", file=sys.stderr, flush=True)
-        dense.append(command.load_dense(path))
-    base = _base_data(args, dense[0])
+    if all(command.is_hf_dir(p) for p in args.dense):   # merged one tensor at a time
+        print(f"merging {len(args.dense)} Hugging Face models", file=sys.stderr, flush=True)
+        dense, base = list(args.dense), _base_data(args, None)
+    else:
+        dense = []
+        for path in args.dense:
+            print(f"loading {path}", file=sys.stderr, flush=True)
+            dense.append(command.load_dense(path))
+        base = _base_data(args, dense[0].data_cfg)
     domains = [command.domain_data(base, s) for s in args.source]
 
     def progress(j, b, t):
@@ -119,14 +137,19 @@ def run(args) -> Path:
         router=args.router, seed=args.seed, progress=progress)
     if args.dag_dim > 0:
         moe = dume.upcycle_to_dag(moe, dag_dim=args.dag_dim, dag_iters=args.dag_iters,
-                                  seed=args.seed)
+                                  seed=args.seed, fan_in=args.dag_init == "fan_in")
         cfg = cfg.replace(aggregation=dataclasses.asdict(moe.cfg.aggregation))
     summary = {"dense": args.dense, "sources": args.source, "router": args.router,
                "top_k": args.top_k, "temperature": args.temperature, "lambda": args.lam,
                "tokens_per_domain": [s.tokens for s in stats],
                "tokens_per_sequence": args.tokens_per_sequence, "dag_dim": args.dag_dim}
+    trainable = args.trainable or command.default_trainable(cfg)
+    if not args.trainable and trainable == "router_and_gates":
+        print(command.TOP1_NOTE, file=sys.stderr, flush=True)
+    summary["trainable"] = trainable
     out = command.write_run(args.run_dir, moe, cfg, command.mixed_data(base, args.source),
-                            steps=args.steps, stats=stats, summary=summary)
+                            steps=args.steps, trainable=trainable, stats=stats,
+                            summary=summary)
     print(f"wrote {out} ({time.perf_counter() - start:.0f} s): evaluate with python train.py "
           f"--mode=eval --run_dir={out}; continue training with python train.py "
           f"--gin_file={out / command.RESUME_GIN}", flush=True)

@@ -14,7 +14,7 @@ import dataclasses
 import itertools
 import json
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from flax import nnx
 
@@ -28,7 +28,7 @@ from dagmoe_jax.runs.settle import settle
 from dagmoe_jax.train.config import TrainConfig
 from dagmoe_jax.train.config import OptimConfig
 from dagmoe_jax.upcycle import dume as dume_lib
-from dagmoe_jax.upcycle import hf_llama, moerge
+from dagmoe_jax.upcycle import hf_llama, moerge, stream
 from dagmoe_jax.upcycle.ridge import DEFAULT_LAMBDA, DomainStatistics
 
 STATS_DIR = "dume_stats"
@@ -49,6 +49,16 @@ class DenseSource:
     model: nnx.Module
     cfg: ModelConfig
     data_cfg: Optional[DataConfig]
+
+
+def is_hf_dir(path: str) -> bool:
+    """Whether ``path`` is a Hugging Face model directory (``config.json`` with
+    ``model_type``), which :func:`build_dume` can merge by streaming."""
+    config = Path(path) / "config.json"
+    try:
+        return config.is_file() and "model_type" in json.loads(config.read_text())
+    except json.JSONDecodeError:
+        return False
 
 
 def load_dense(path: str) -> DenseSource:
@@ -114,14 +124,17 @@ def domain_batches(data_cfg: DataConfig, num_batches: int):
     return batches
 
 
-def build_dume(dense: Sequence[DenseSource], batches_per_domain: Sequence[Callable[[], list]], *,
+def build_dume(dense: Sequence[Union[DenseSource, str]],
+               batches_per_domain: Sequence[Callable[[], list]], *,
                top_k: int = 1, temperature: float = 1.0, lam: float = DEFAULT_LAMBDA,
                dispatch: str = "dropless", tokens_per_sequence: Optional[int] = None,
                router: str = "dume", seed: int = 0,
                progress: Callable[[int, int, int], None] = lambda _d, _b, _t: None
                ) -> Tuple[nnx.Module, ModelConfig, List[DomainStatistics]]:
     """The merged MoE of ``dense`` with DUME routers (``router='dume'``) or random ones
-    ('random': the random-routing baseline and BTX's start). ``batches_per_domain[j]()`` gives
+    ('random': the random-routing baseline and BTX's start). ``dense``: loaded models, or
+    Hugging Face directories merged one tensor at a time (:func:`stream.moerge_hf`, about the
+    experts' summed size in memory). ``batches_per_domain[j]()`` gives
     domain j's statistics batches; ``progress(domain, batches, tokens)`` hears after each.
     Returns (model, unsettled MoE config, per-domain statistics; empty for 'random')."""
     if router not in ("dume", "random"):
@@ -129,10 +142,16 @@ def build_dume(dense: Sequence[DenseSource], batches_per_domain: Sequence[Callab
     if len(batches_per_domain) != len(dense):
         raise ValueError(f"{len(dense)} dense models but {len(batches_per_domain)} data "
                          f"sources: give one source per model")
-    moerge.check_same_architecture([d.cfg for d in dense])
-    cfg = moerge.dume_config(dense[0].cfg, len(dense), top_k=top_k, temperature=temperature,
+    streamed = all(isinstance(d, str) for d in dense)
+    if streamed:
+        dense_cfg = stream.read_configs(dense)
+    else:
+        moerge.check_same_architecture([d.cfg for d in dense])
+        dense_cfg = dense[0].cfg
+    cfg = moerge.dume_config(dense_cfg, len(dense), top_k=top_k, temperature=temperature,
                              dispatch=dispatch)
-    moe = moerge.moerge([d.model for d in dense], settle(cfg), seed=seed)
+    moe = (stream.moerge_hf(dense, settle(cfg), seed=seed) if streamed else
+           moerge.moerge([d.model for d in dense], settle(cfg), seed=seed))
     stats: List[DomainStatistics] = []
     if router == "dume":
         for j, batches in enumerate(batches_per_domain):
@@ -143,6 +162,21 @@ def build_dume(dense: Sequence[DenseSource], batches_per_domain: Sequence[Callab
     return moe, cfg, stats
 
 
+def default_trainable(model_cfg: ModelConfig) -> str:
+    """What a DUME run's continuation trains by default: 'router' (DUME+, DUME sec. 3.1) at
+    top_k >= 2; at top_k = 1 'router_and_gates' (the authors' set: the renormalised gate of the
+    single chosen expert is 1, so the router gets no gradient and only the experts' ``w_gate``
+    learn; :data:`TOP1_NOTE`); 'all' for a DAG (its aggregator starts inert)."""
+    if model_cfg.aggregation.kind != "sum":
+        return "all"
+    return "router" if model_cfg.router.top_k >= 2 else "router_and_gates"
+
+
+TOP1_NOTE = ("note: at --top_k=1 the softmax gate of the one chosen expert is always 1, so the "
+             "router gets no gradient and DUME+ (router only) cannot train: resume.gin trains "
+             "the routers and the experts' w_gate (the authors' set); --top_k=2 gives DUME+")
+
+
 def write_run(run_dir: str, model: nnx.Module, model_cfg: ModelConfig, data_cfg: DataConfig,
               *, steps: int = 1000, trainable: Optional[str] = None,
               optim_cfg: OptimConfig = ROUTER_OPTIM, stats: Sequence[DomainStatistics] = (),
@@ -150,12 +184,9 @@ def write_run(run_dir: str, model: nnx.Module, model_cfg: ModelConfig, data_cfg:
     """A run directory holding ``model`` as step 0 (with its optimizer state and the mixed
     data stream's position), ``config.json``, the per-domain statistics, ``dume.json`` and
     ``resume.gin`` (``train.py --gin_file=RUN/resume.gin`` trains it for ``steps`` steps).
-    ``trainable`` (``TrainConfig.trainable``): default 'router' (DUME+) for a DUME model with
-    top_k >= 2, 'all' otherwise (at top_k = 1 the router gets no gradient; a DAG trains its
-    aggregator)."""
+    ``trainable`` (``TrainConfig.trainable``): default :func:`default_trainable`."""
     if trainable is None:
-        trainable = ("router" if model_cfg.router.top_k >= 2
-                     and model_cfg.aggregation.kind == "sum" else "all")
+        trainable = default_trainable(model_cfg)
     if optim_cfg.warmup_steps >= steps:       # a short continuation: warm up within it
         optim_cfg = dataclasses.replace(optim_cfg, warmup_steps=steps - 1)
     path = runs.prepare_run_dir(run_dir)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 
-from typing import Callable, Dict, Iterable, Optional, Sequence
+from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,8 @@ from dagmoe_jax.upcycle.ridge import DEFAULT_LAMBDA, DomainStatistics, solve_rou
 from dagmoe_jax.model import Transformer
 
 Batch = Dict[str, np.ndarray]
+DAG_PREFIX = ("layers", "block", "aggregator", "iterations")
+SHARED_PREFIX = ("layers", "block", "shared")
 
 
 @functools.partial(nnx.jit, static_argnames="head")
@@ -86,26 +88,65 @@ def token_mask(batch: Batch, tokens_per_sequence: Optional[int] = None) -> np.nd
     return mask
 
 
+@jax.jit
+def accumulate_on_device(sums, x: jax.Array, mask: jax.Array):
+    """DUME eq. 7 on the device: ``sums`` = (gram, gram_carry, total, total_carry) float32
+    [layers, d+1, d+1] / [layers, d+1] plus one batch of MLP inputs ``x`` [layers, T, d] whose
+    tokens ``mask`` [T] keeps: ``A += X~^T X~``, ``B_j += X~^T 1`` with ``X~ = [X, 1]`` (masked
+    rows zero). The batch's products are float32 matmuls (HIGHEST precision); the running sums
+    are Kahan-compensated (the carries hold what each addition lost), so the error over many
+    batches stays that of one batch's matmul, ``<= T u |X~|^T |X~|`` (u = 2^-24), the size of
+    the forward pass's own float32 rounding of x. Returns the new ``sums``."""
+    m = mask.astype(jnp.float32)[None, :, None]
+    xt = jnp.concatenate([x.astype(jnp.float32), jnp.ones(x.shape[:2] + (1,), jnp.float32)],
+                         axis=-1) * m
+    gram = jnp.einsum("ltd,lte->lde", xt, xt, precision=jax.lax.Precision.HIGHEST)
+    out = []
+    for acc, carry, inc in ((sums[0], sums[1], gram), (sums[2], sums[3], xt.sum(axis=1))):
+        y = inc - carry
+        t = acc + y
+        out += [t, (t - acc) - y]
+    return tuple(out)
+
+
 def collect_statistics(model: nnx.Module, batches: Iterable[Batch], expert: int, *,
                        tokens_per_sequence: Optional[int] = None,
-                       stats: Optional[DomainStatistics] = None,
+                       stats: Optional[DomainStatistics] = None, on_host: bool = False,
                        progress: Callable[[int, int], None] = lambda _batches, _tokens: None
                        ) -> DomainStatistics:
     """One domain's ridge statistics (DUME eq. 7): ``batches`` (dicts with 'inputs' [B, S] and
     optionally 'mask') through ``model`` forced to ``expert``, every layer's MLP inputs
-    accumulated in float64 on the host. ``stats``: statistics to add to (a domain seen in
-    several passes); ``progress(batches, tokens)`` hears after every batch."""
+    accumulated on the device (:func:`accumulate_on_device`, compensated float32; only the
+    [layers, d+1, d+1] sums reach the host, once, as float64). ``on_host=True``: each batch's
+    inputs copied to the host and accumulated in float64 NumPy (the reference). ``stats``:
+    statistics to add to (a domain seen in several passes); ``progress(batches, tokens)``
+    hears after every batch."""
     check_dume_config(model.cfg)
     cfg = model.cfg
     stats = stats or DomainStatistics.zeros(cfg.num_layers, cfg.d_model)
+    n = cfg.d_model + 1
+    sums = (jnp.zeros((cfg.num_layers, n, n), jnp.float32),) * 2 + (
+        jnp.zeros((cfg.num_layers, n), jnp.float32),) * 2
+    tokens = stats.tokens
     for i, batch in enumerate(batches):
         segments = batch.get("segments")
         _, x = forced_forward(model, jnp.asarray(batch["inputs"]), jnp.int32(expert),
                               head=False,
                               segment_ids=None if segments is None else jnp.asarray(segments))
-        x = np.asarray(x, np.float64).reshape(cfg.num_layers, -1, cfg.d_model)
-        stats.update(x, token_mask(batch, tokens_per_sequence).reshape(-1))
-        progress(i + 1, stats.tokens)
+        mask = token_mask(batch, tokens_per_sequence).reshape(-1)
+        x = x.reshape(cfg.num_layers, -1, cfg.d_model)
+        if on_host:
+            stats.update(np.asarray(x, np.float64), mask)
+            tokens = stats.tokens
+        else:
+            sums = accumulate_on_device(sums, x, jnp.asarray(mask))
+            tokens += int(mask.sum())
+        progress(i + 1, tokens)
+    if not on_host:
+        host = [np.asarray(a, np.float64) for a in sums]
+        stats.gram += host[0] - host[1]            # Kahan: the carry is what the sum lacks
+        stats.total += host[2] - host[3]
+        stats.tokens = tokens
     return stats
 
 
@@ -127,12 +168,17 @@ def dume(model: nnx.Module, stats: Sequence[DomainStatistics],
     return model
 
 
-def add_expert(moe: nnx.Module, dense: nnx.Module, *, seed: int = 0) -> nnx.Module:
+def add_expert(moe: nnx.Module, dense: nnx.Module, *, seed: int = 0,
+               reaverage: bool = False) -> nnx.Module:
     """``moe`` with one more expert: dense model ``dense``'s MLPs appended as expert N in every
-    layer. The shared (averaged) weights stay those of ``moe``, not re-averaged, so the forced
-    passes of the old domains, and with them their statistics, are unchanged: solving with the
-    old domains' saved statistics plus the new domain's equals solving from scratch on the new
-    model (DUME sec. 2.3, "experts can be added dynamically"). The routers are random until
+    layer. By default the shared (averaged) weights stay those of ``moe``, not re-averaged, so
+    the forced passes of the old domains, and with them their statistics, are unchanged:
+    solving with the old domains' saved statistics plus the new domain's equals solving from
+    scratch on the new model (DUME sec. 2.3, "experts can be added dynamically").
+    ``reaverage=True`` makes the shared weights the mean over all N + 1 models, ``(N * mean +
+    new) / (N + 1)`` in float64 (equal to merging the N + 1 models afresh when ``moe`` holds the
+    plain mean, DUME sec. 2.2): every layer's inputs change, so every domain needs fresh
+    statistics (:func:`collect_statistics`) before :func:`dume`. The routers are random until
     :func:`dume` sets them."""
     from dagmoe_jax.upcycle.moerge import EXPERT_PREFIX, MLP_PREFIX, check_same_architecture
 
@@ -144,6 +190,10 @@ def add_expert(moe: nnx.Module, dense: nnx.Module, *, seed: int = 0) -> nnx.Modu
     grown = Transformer(cfg, rngs=nnx.Rngs(seed))
     params = {p: v for p, v in flat_params(moe).items() if "router" not in p}
     new = flat_params(dense)
+    if reaverage:
+        for path in [p for p in params if p[:len(EXPERT_PREFIX)] != EXPERT_PREFIX]:
+            total = n * params[path].astype(np.float64) + new[path].astype(np.float64)
+            params[path] = (total / (n + 1)).astype(np.float32)
     for name in ("w_gate", "w_up", "w_down"):
         path = EXPERT_PREFIX + (name,)
         params[path] = np.concatenate([params[path], new[MLP_PREFIX + (name,)][:, None]], axis=1)
@@ -151,12 +201,24 @@ def add_expert(moe: nnx.Module, dense: nnx.Module, *, seed: int = 0) -> nnx.Modu
     return grown
 
 
+def redraw_fan_in(model: nnx.Module, paths: Sequence[Tuple[str, ...]], seed: int) -> None:
+    """Redraw the weights at ``paths`` (stacked [..., in, out]) from N(0, 1 / in): each output
+    then has about its inputs' RMS, where ``init_std`` 0.02 shrinks it ~0.02 sqrt(in) times."""
+    keys = jax.random.split(jax.random.key(seed), len(paths))
+    params = flat_params(model)
+    set_params(model, {p: jax.random.normal(k, params[p].shape) / np.sqrt(params[p].shape[-2])
+                       for k, p in zip(keys, paths)})
+
+
 def upcycle_to_dag(moe: nnx.Module, *, dag_dim: int = 128, dag_iters: int = 2,
-                   seed: int = 0, **aggregation) -> nnx.Module:
+                   seed: int = 0, fan_in: bool = False, **aggregation) -> nnx.Module:
     """A DAG-MoE (``AggregationConfig(kind='dag')``) holding every parameter of the merged MoE
     ``moe``; the DAG module's own parameters are freshly initialised, ``W_up`` at zero, so with
     the default ``dag_residual='once'`` the model computes exactly what ``moe`` does until
-    training moves ``W_up`` (tests/test_upcycle.py)."""
+    training moves ``W_up`` (tests/test_upcycle.py). At ``init_std`` 0.02 its messages have
+    RMS ~1e-3 and W_up's updates barely show (inert); ``fan_in=True`` redraws W_down, W_edge
+    and W_node from N(0, 1 / fan-in) (:func:`redraw_fan_in`), so the messages have RMS ~1 and
+    W_up's first steps move the output; the start is still exactly DUME (W_up = 0)."""
 
     cfg = moe.cfg.replace(aggregation=dict(kind="dag", dag_dim=dag_dim, dag_iters=dag_iters,
                                            **aggregation))
@@ -166,7 +228,27 @@ def upcycle_to_dag(moe: nnx.Module, *, dag_dim: int = 128, dag_iters: int = 2,
                          "'once'")
     dag = Transformer(cfg, rngs=nnx.Rngs(seed))
     set_params(dag, flat_params(moe))
+    if fan_in:
+        redraw_fan_in(dag, [DAG_PREFIX + (n,) for n in ("w_down", "w_edge", "w_node")], seed)
     return dag
+
+
+def add_shared_expert(moe: nnx.Module, hidden: int, *, seed: int = 0,
+                      fan_in: bool = False) -> nnx.Module:
+    """The merged MoE ``moe`` plus one shared SwiGLU expert of ``hidden`` units in every layer
+    (the DAG's parameter-matched baseline, DAG-MoE sec. 5.1, with
+    :func:`dagmoe_jax.config.matched_shared_hidden`), its ``w_down`` zero so the model starts
+    exactly equal to ``moe``; ``fan_in``: ``w_gate`` and ``w_up`` from N(0, 1 / d), as
+    :func:`upcycle_to_dag`'s messages."""
+    check_dume_config(moe.cfg)
+    cfg = moe.cfg.replace(experts=dict(num_shared=1, shared_hidden=hidden))
+    grown = Transformer(cfg, rngs=nnx.Rngs(seed))
+    set_params(grown, flat_params(moe))
+    down = SHARED_PREFIX + ("w_down",)
+    set_params(grown, {down: np.zeros(flat_params(grown)[down].shape, np.float32)})
+    if fan_in:
+        redraw_fan_in(grown, [SHARED_PREFIX + (n,) for n in ("w_gate", "w_up")], seed)
+    return grown
 
 
 def routing_accuracy(model: nnx.Module, batches: Iterable[Batch], expert: int) -> np.ndarray:

@@ -328,6 +328,7 @@ def hf_tensors_to_params(cfg: ModelConfig, get: Callable[[str], np.ndarray],
     embed = read("model.embed_tokens.weight", (v, d))
     yield ("embed",), embed
     yield ("lm_head",), (embed if tied else read("lm_head.weight", (v, d))).T
+    del embed                      # a paused generator would otherwise hold it (stream.py)
     yield ("final_norm", "scale"), read("model.norm.weight", (d,))
     per_layer = {
         ("attn_norm", "scale"): ("attn_norm", (d,), lambda w: w),

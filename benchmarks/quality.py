@@ -11,6 +11,8 @@ OUT/quality.json; --report re-prints one, --compare pairs a second run's variant
     python benchmarks/quality.py --seeds 3                        # offline default corpus, CPU
     python benchmarks/quality.py --seeds 3 --corpus manpages      # the installed manual pages
     python benchmarks/quality.py --micro                          # a quick end-to-end check
+    python benchmarks/quality.py --seeds 3 --variants moe,moe_shared,dag_l2,coe \
+        --tokens 0.1M,0.4M,1.6M                                   # a tokens ladder: the gaps' trend
     python benchmarks/quality.py --report runs/bench_quality/quality.json [--compare OTHER.json]
     python benchmarks/quality.py --data "text:/data/books/*.txt" --steps 2000
     python benchmarks/quality.py --data "jsonl:/data/pile/*.jsonl" --gin.DataConfig.tokenizer="'hf'" \
@@ -31,6 +33,11 @@ Budget flags (defaults; --micro's in brackets): --variants (all 8), --seeds 1 (a
 list 0,3), --steps 400 [10], --batch 16 [4], --seq_len 128 [64], --eval_batches 32 [2],
 --dag_dim 32, --out runs/bench_quality [runs/bench_quality_micro], --json OUT/quality.json,
 --gin.CLASS.FIELD=VALUE (extra gin bindings, repeatable).
+
+--tokens N1,N2,...: a tokens ladder instead of one budget: the grid at each training-token count
+(400K, 0.4M, 1.6M; steps = N / (batch x seq_len)), smallest rung first, each in OUT/tokens_<N>
+(finished runs are reused, so an interrupted ladder resumes), and a table of how each variant's
+seed-paired gap to MoE moves with tokens. Writes OUT/ladder.json; --report re-prints one.
 
 Runtime on this project's 2-core CPU, measured while another benchmark shared it: 44 minutes
 for `--seeds 3` at the default budget (a run: MoE 58-86 s ... DAG-MoE L 3 163-210 s; each run's
@@ -67,6 +74,8 @@ def parse_args(argv):
                              "docstrings, or the installed English manual pages")
     parser.add_argument("--eval_data", default="", help="held-out source spec")
     add_budget_flags(parser, DEFAULTS)
+    parser.add_argument("--tokens", default="",
+                        help="a tokens ladder, e.g. 0.1M,0.4M,1.6M (overrides --steps)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--report", default=None, metavar="QUALITY_JSON",
                         help="print the table of an earlier run's quality.json (trains nothing)")
@@ -84,14 +93,18 @@ def parse_args(argv):
 def reprint(path: str, compare: str = "") -> int:
     """The table of a written quality.json, its summary recomputed from the runs; with
     ``compare``, a second run's variants against it, paired by seed."""
-    from dagmoe_jax.experiments.quality import compare_runs, format_report, summarize
+    from dagmoe_jax.experiments.quality import compare_runs, format_ladder, format_report, summarize
     loaded = {}
     for name in filter(None, (path, compare)):
         try:
             loaded[name] = json.loads(Path(name).read_text())
-            loaded[name]["summary"] = summarize(loaded[name]["runs"])
+            for rung in loaded[name].get("ladder", [loaded[name]]):
+                rung["summary"] = summarize(rung["runs"])
         except (OSError, ValueError, KeyError) as err:
             return report_error(ValueError(f"cannot read {name}: {err}"))
+    if "ladder" in loaded[path]:
+        print(format_ladder(loaded[path]))
+        return 0
     print(format_report(loaded[path]))
     if compare:
         print(f"\nA = {path}, B = {compare}\n")
@@ -105,7 +118,9 @@ def main(argv=None) -> int:
         return reprint(args.report, args.compare or "")
     # Imported after argument parsing so that --help and argument errors are instant.
     from dagmoe_jax.experiments.corpus import build_manpage_corpus, build_stdlib_corpus, corpus_sources
-    from dagmoe_jax.experiments.quality import QualityBudget, format_report, run_benchmark
+    from dagmoe_jax.experiments.quality import (QualityBudget, format_ladder, format_report,
+                                                ladder_budgets, parse_tokens, run_benchmark,
+                                                run_ladder)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -131,8 +146,16 @@ def main(argv=None) -> int:
                                batch_size=args.batch, seq_len=args.seq_len,
                                eval_batches=args.eval_batches, dag_dim=args.dag_dim,
                                bindings=tuple(args.bindings))
+        ladder = ladder_budgets(budget, [parse_tokens(t) for t in args.tokens.split(",") if t])
     except (ValueError, IndexError) as err:
         return report_error(err)
+    if ladder:
+        print(f"quality ladder: {len(budget.variants)} variants x seeds {budget.seeds} at "
+              + ", ".join(f"{b.tokens_per_run:,}" for b in ladder) + f" training tokens "
+              f"(batch {budget.batch_size} x {budget.seq_len}); runs in {out}/tokens_*", flush=True)
+        return run_and_report(out, args.json, "ladder.json",
+                              lambda: run_ladder(ladder, out, log=lambda line: print(line, flush=True)),
+                              format_ladder, extra={"corpus": None if corpus is None else corpus.__dict__})
     print(f"quality benchmark: {len(budget.variants)} variants x seeds {budget.seeds}, "
           f"{budget.steps} steps of {budget.batch_size} x {budget.seq_len} tokens each; runs in "
           f"{out / 'runs'}", flush=True)

@@ -239,6 +239,32 @@ def test_quality_summary_pairs_seeds_against_moe_and_the_shared_expert():
     assert "+0.100 ± 0.000" in text and "vs shared" in text
 
 
+def test_quality_ladder_pairs_relative_gaps_per_rung_and_their_change():
+    from dagmoe_jax.experiments.quality import (QualityBudget, format_ladder, ladder_budgets,
+                                                ladder_gaps, parse_tokens, summarize)
+    assert [parse_tokens(t) for t in ("400000", "400K", "0.4M", "1.6m")] == [
+        400_000, 400_000, 400_000, 1_600_000]
+    with pytest.raises(ValueError, match="0.4M"):
+        parse_tokens("lots")
+    base = QualityBudget(source="text:x", batch_size=16, seq_len=128)
+    assert [b.steps for b in ladder_budgets(base, [1_600_000, 400_000])] == [195, 781]
+
+    def rung(tokens, moe, dag):                # perplexities per seed
+        runs = [{"variant": v, "seed": s, "loss": float(np.log(p)), "perplexity": p,
+                 "params": 1, "description": v}
+                for v, values in (("moe", moe), ("dag_l2", dag)) for s, p in enumerate(values)]
+        return {"tokens_per_run": tokens, "budget": {"variants": ["moe", "dag_l2"]},
+                "runs": runs, "summary": summarize(runs)}
+    rungs = [rung(100_000, [10.0, 10.0, 10.0], [10.1, 10.0, 10.2]),    # -1, 0, -2 %
+             rung(400_000, [8.0, 8.0, 8.0], [7.6, 7.68, 7.6])]          # +5, +4, +5 %
+    gaps = ladder_gaps(rungs)["dag_l2"]
+    assert gaps[0]["mean"] == pytest.approx(-1.0) and not gaps[0]["beyond_spread"]
+    assert gaps[1]["mean"] == pytest.approx(14 / 3) and gaps[1]["beyond_spread"]
+    assert gaps[1]["change"]["mean"] == pytest.approx(14 / 3 + 1.0)   # 6, 4, 7 points
+    text = format_ladder({"ladder": rungs})
+    assert "0.1M tokens" in text and "0.4M tokens" in text and "+4.67 ± 0.58*" in text
+
+
 def test_reasoning_pairs_seeds_against_moe_in_and_out_of_distribution():
     from dagmoe_jax.experiments.reasoning import format_report, paired_vs_reference
     budget = {"tasks": ["lis"], "variants": ["moe", "dag_l2"], "seeds": [0, 1, 2], "steps": 1,

@@ -213,6 +213,93 @@ def run_benchmark(budget: QualityBudget, out_dir: str | Path, *,
             "seconds": round(time.perf_counter() - start, 1)}
 
 
+def parse_tokens(text: str) -> int:
+    """A token count written ``400000``, ``400K``, ``0.4M`` or ``1.6M`` (case-insensitive)."""
+    scale = {"k": 1_000, "m": 1_000_000, "b": 1_000_000_000}.get(text.strip()[-1:].lower(), 1)
+    number = text.strip()[:-1] if scale > 1 else text.strip()
+    try:
+        tokens = round(float(number) * scale)
+    except ValueError:
+        raise ValueError(f"token count {text!r} is invalid: write e.g. 400000, 400K or 0.4M") from None
+    if tokens < 1:
+        raise ValueError(f"token count {text!r} must be positive")
+    return tokens
+
+
+def ladder_budgets(budget: QualityBudget, tokens: Sequence[int]) -> List[QualityBudget]:
+    """One budget per rung of a tokens ladder: ``budget`` with its steps set so that steps x
+    batch x seq_len is the rung's token count (rounded to whole steps, at least one)."""
+    per_step = budget.batch_size * budget.seq_len
+    return [dataclasses.replace(budget, steps=max(1, round(n / per_step))) for n in sorted(tokens)]
+
+
+def run_ladder(budgets: Sequence[QualityBudget], out_dir: str | Path, *,
+               log: Callable[[str], None] = lambda _message: None) -> dict:
+    """The benchmark at each rung of a tokens ladder, smallest first (all seeds of a rung
+    before the next), each rung in ``OUT/tokens_<n>`` (finished runs are reused)."""
+    out_dir = Path(out_dir)
+    start = time.perf_counter()
+    rungs = []
+    for budget in budgets:
+        log(f"rung {budget.tokens_per_run:,} tokens ({budget.steps} steps)")
+        rungs.append(run_benchmark(budget, out_dir / f"tokens_{budget.tokens_per_run}", log=log))
+    return {"ladder": rungs, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def ladder_gaps(rungs: Sequence[dict]) -> Dict[str, List[dict]]:
+    """Per variant other than MoE, one entry per rung: the seed-paired relative perplexity gap to
+    MoE in percent (positive = the variant is better), mean, std, seeds and whether it is beyond
+    the seed spread; and the same paired change of that gap from the smallest rung (whether it
+    *moves* with tokens, seed by seed)."""
+    gaps: Dict[str, List[dict]] = {}
+    first: Dict[str, Dict[int, float]] = {}
+    for rung in rungs:
+        runs = rung["runs"]
+        moe = _ppl_by_seed(r for r in runs if r["variant"] == REFERENCE)
+        for variant in rung["budget"]["variants"]:
+            if variant == REFERENCE:
+                continue
+            ppl = _ppl_by_seed(r for r in runs if r["variant"] == variant)
+            rel = {s: 100.0 * (moe[s] - ppl[s]) / moe[s] for s in sorted(set(moe) & set(ppl))}
+            entry = {"tokens": rung["tokens_per_run"], **paired_difference(rel, {s: 0.0 for s in rel})}
+            first.setdefault(variant, rel)
+            entry["change"] = paired_difference(rel, first[variant])
+            gaps.setdefault(variant, []).append(entry)
+    return gaps
+
+
+def _cell(mean: float, std: float, beyond: bool) -> str:
+    return f"{mean:+.2f} ± {std:.2f}" + ("*" if beyond else " ")
+
+
+def format_ladder(results: dict) -> str:
+    """The ladder's tables: per variant and rung, the seed-paired relative gap to MoE (mean ±
+    std over seeds, '*' beyond the spread), MoE's own perplexity per rung, and how each gap
+    moved from the smallest rung."""
+    rungs = results["ladder"]
+    gaps = ladder_gaps(rungs)
+    width = 19
+    labels = [f"{rung['tokens_per_run'] / 1e6:.2g}M tokens" for rung in rungs]
+    head = f"{'variant':<22}" + "".join(f"{label:>{width}}" for label in labels)
+    moe_row = f"{'MoE perplexity':<22}"
+    for rung in rungs:
+        mean, std = rung["summary"].get(REFERENCE, {}).get("perplexity", (math.nan, math.nan))
+        moe_row += f"{f'{mean:.3f} ± {std:.3f}':>{width}}"
+    lines = ["perplexity gap to MoE by training tokens (seed-paired, % of MoE's perplexity, "
+             "positive = better than MoE; mean ± std over seeds, '*' beyond the seed spread)",
+             "", head, moe_row]
+    for variant, entries in gaps.items():
+        lines.append(f"{LABELS[variant]:<22}" + "".join(
+            f"{_cell(e['mean'], e['std'], e['beyond_spread']):>{width}}" for e in entries))
+    lines += ["", "change of each gap since the smallest rung (seed-paired, percentage points)",
+              "", head]
+    for variant, entries in gaps.items():
+        cells = ["-"] + [_cell(e["change"]["mean"], e["change"]["std"],
+                               e["change"]["beyond_spread"]) for e in entries[1:]]
+        lines.append(f"{LABELS[variant]:<22}" + "".join(f"{c:>{width}}" for c in cells))
+    return "\n".join(lines)
+
+
 def _paired(p: Optional[dict]) -> Tuple[str, str]:
     """(mean ± std, yes/no) of a :func:`paired_difference` over at least 2 seeds, else dashes."""
     if not p or p["seeds"] < 2:

@@ -168,7 +168,8 @@ def test_local_tasks_through_simple_evaluate(model, tmp_path):
     lm = DagmoeLM(run=fake_run(model), batch_size=4, mesh="none")
     results = lm_eval.simple_evaluate(
         model=lm, tasks=["dagmoe_mc", "dagmoe_rolling", "dagmoe_gen"],
-        task_manager=TaskManager(include_path=str(TASKS)), log_samples=True,
+        task_manager=TaskManager(include_path=str(TASKS), include_defaults=False),
+        log_samples=True,
         bootstrap_iters=10)
     scores = results["results"]
     assert set(scores) == {"dagmoe_mc", "dagmoe_rolling", "dagmoe_gen"}
@@ -288,7 +289,32 @@ def test_chat_template_formats_prompts_as_fine_tuning_does(model):
     assert text.endswith("### Instruction:\nAdd 4 and 4.\n\n### Response:\n")
     assert lm.chat_template(True) == "plain"
     results = lm_eval.simple_evaluate(
-        model=lm, tasks=["dagmoe_gen"], task_manager=TaskManager(include_path=str(TASKS)),
+        model=lm, tasks=["dagmoe_gen"],
+        task_manager=TaskManager(include_path=str(TASKS), include_defaults=False),
         apply_chat_template=True, log_samples=True, limit=2, bootstrap_iters=0)
     context = results["samples"]["dagmoe_gen"][0]["arguments"][0][0]
     assert context.startswith("### Instruction:\nadd ") and context.endswith("### Response:\n")
+
+
+def test_local_tasks_skip_indexing_the_harness_library(monkeypatch):
+    """Tasks all found under --include_path are resolved without the harness's ~15,000
+    built-in task files; any other name falls back to the full index."""
+    import lm_eval.tasks
+
+    from dagmoe_jax.harness.tasks import task_manager
+
+    built = []
+
+    class Recording:
+        def __init__(self, include_path=None, include_defaults=True):
+            built.append(include_defaults)
+            self.all_tasks = ["dagmoe_mc", "dagmoe_gen"] + ["hellaswag"] * include_defaults
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", Recording)
+    local = task_manager(str(TASKS), ["dagmoe_mc", "dagmoe_gen"])
+    assert local.all_tasks == ["dagmoe_mc", "dagmoe_gen"]
+    assert built == [False]
+    assert "hellaswag" in task_manager(str(TASKS), ["dagmoe_mc", "hellaswag"]).all_tasks
+    assert built == [False, False, True]
+    task_manager(None, ["hellaswag"])
+    assert built == [False, False, True, True]

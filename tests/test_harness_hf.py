@@ -82,7 +82,8 @@ def models(run_dir: Path, hf_dir: Path):
 def evaluate(lm) -> dict:
     """Per task, its samples by doc_id (``simple_evaluate`` with ``log_samples``)."""
     results = lm_eval.simple_evaluate(
-        model=lm, tasks=TASKS, task_manager=TaskManager(include_path=str(TASKS_DIR)),
+        model=lm, tasks=TASKS,
+        task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False),
         log_samples=True, bootstrap_iters=0)
     return {task: sorted(samples, key=lambda s: s["doc_id"])
             for task, samples in results["samples"].items()}

@@ -172,16 +172,17 @@ def score(run, tasks_dir: str, columns: Dict[str, str], batch_size: int = 16) ->
     """Each column's metric for ``run`` (a run directory or a loaded run) through the harness."""
     # pylint: disable=import-outside-toplevel
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     from dagmoe_jax.harness.lm import DagmoeLM
+    from dagmoe_jax.harness.tasks import task_manager
 
     lm = (DagmoeLM(run_dir=str(run), batch_size=batch_size, mesh="none")
           if isinstance(run, (str, Path)) else
           DagmoeLM(run=run, batch_size=batch_size, mesh="none"))
+    tasks = sorted(set(columns.values()))
     results = lm_eval.simple_evaluate(
-        model=lm, tasks=sorted(set(columns.values())), log_samples=False, bootstrap_iters=0,
-        task_manager=TaskManager(include_path=tasks_dir), verbosity="ERROR")["results"]
+        model=lm, tasks=tasks, log_samples=False, bootstrap_iters=0,
+        task_manager=task_manager(tasks_dir, tasks), verbosity="ERROR")["results"]
     return {column: float(results[task][METRICS[column.split()[-1]]])
             for column, task in columns.items()}
 

@@ -87,12 +87,12 @@ def evaluate(args, log=print) -> dict:
     # pylint: disable=import-outside-toplevel
     import lm_eval
     from lm_eval.loggers import EvaluationTracker
-    from lm_eval.tasks import TaskManager
 
     from dagmoe_jax.harness.lm import DagmoeLM
+    from dagmoe_jax.harness.tasks import task_manager as make_task_manager
 
-    task_manager = TaskManager(include_path=args.include_path)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    task_manager = make_task_manager(args.include_path, tasks)
     unknown = [t for t in tasks if t not in task_manager.all_tasks]
     if unknown:
         where = f" or in {args.include_path}" if args.include_path else ""

@@ -9,10 +9,11 @@ Our reading of the paper, choice by choice, is docs/design.md section 6. Per lay
   ``v_agg,t = mean_{j <= t} v_j`` (keys or queries as the Table 10 ablation).
 * VAE router (eq. 5-6): ``mu, log sigma^2 = enc([H_enr ; v_agg (; topic embedding in the first
   layer: E_know[id_t], or theta(<t)^T E_know with DoEConfig.first_input='theta',
-  :func:`causal_topic_mixture`)])``, ``z = mu + sigma * eps`` when a noise key is given (training), ``z = mu`` without
-  (evaluation, generation). Which VAE a layer uses: the first layer's, one shared by every middle
-  layer, the last layer's (``DoEConfig.vae_sharing``); the VAEs live once, outside the scanned
-  layer stack (:class:`DoEShared`), and each layer reads its entry of the stacked bank.
+  :func:`causal_topic_mixture`)])``, ``z = mu + sigma * eps`` when a noise key is given
+  (training), ``z = mu`` without (evaluation, generation). Which VAE a layer uses: the first
+  layer's, one shared by every middle layer, the last layer's (``DoEConfig.vae_sharing``); the
+  VAEs live once, outside the scanned layer stack (:class:`DoEShared`), and each layer reads its
+  entry of the stacked bank.
 * Gates (sec. 3.4, Appendix B.2): router logits ``r = W_g z + b`` over all K topics,
   ``G = ReLU(r)`` (or softmax, the VAE-softmax ablation): no top-k, no balance loss.
 * Composed expert (Appendix A.1): ``e_context = G^T Z``; block output (Appendix H.2)
@@ -67,9 +68,10 @@ class DoELayerInputs(NamedTuple):
 
 class DoESharedInputs(NamedTuple):
     """The DoE inputs every layer shares: the VAE bank, the first layer's topic term
-    E_know[topic] W_t (or theta(<t)^T E_know W_t, ``first_input='theta'``) [B, S, vae_hidden], the reconstruction target (the next token's
-    embedding [B, S, d]; None when the reconstruction loss is off or when decoding), and the
-    knowledge state Z [K, d] when every layer shares one (``shared_knowledge``; else None)."""
+    E_know[topic] W_t (or theta(<t)^T E_know W_t, ``first_input='theta'``) [B, S, vae_hidden],
+    the reconstruction target (the next token's embedding [B, S, d]; None when the
+    reconstruction loss is off or when decoding), and the knowledge state Z [K, d] when every
+    layer shares one (``shared_knowledge``; else None)."""
 
     vae: VAEBank
     topic_term: Optional[jax.Array] = None
@@ -310,8 +312,9 @@ class DoEShared(nnx.Module):
         reconstruction target is the next token's embedding); ``features['topics']`` [B, S]:
         the causal input topic ids (:func:`dagmoe_jax.doe.topics.token_topics`; K = null);
         with ``first_input='theta'`` and a KV cache also ``features['topic_counts']``
-        [B, S, K + 1] (:func:`causal_topic_mixture`); ``noise``: a key for the VAE's sampling (training; None: z = mu); ``decoding``: a KV
-        cache is in use (no reconstruction target)."""
+        [B, S, K + 1] (:func:`causal_topic_mixture`); ``noise``: a key for the VAE's sampling
+        (training; None: z = mu); ``decoding``: a KV cache is in use (no reconstruction
+        target)."""
         cfg, c = self.cfg, self.cfg.doe
         dt = dtype_of(cfg.compute_dtype)
         topics = None if features is None else features.get("topics")

@@ -21,7 +21,9 @@ until a token uses as many weights as the composed DoE, all of whose weights are
 doe_softmax (Table 3 B); doe_relu (Table 3 C, the paper's DoE, alpha 0.001); doe_blocks
 (doe_relu under the sparse reading, DoEConfig.expert='blocks': every knowledge block its own FFN
 slice, Top-N = topics / 4, matched at equal total by block_hidden); doe_kl0.01 (doe_relu with
-the VAE's KL term weighted 0.01 instead of 0: does keeping the noise of eq. 6 matter); doe_a0,
+the VAE's KL term weighted 0.01 instead of 0: does keeping the noise of eq. 6 matter); doe_theta
+(doe_relu with the first layer's VAE fed the causal topic distribution theta(<t)^T E_know
+instead of one topic id's embedding, DoEConfig.first_input='theta'); doe_a0,
 doe_a0.01, doe_a0.1 (Table 2's alpha sweep); doe_no_lda (Appendix E: no topics, no expert loss); doe_k, doe_q
 (Table 10: the router's signal from the keys or the queries instead of the values).
 
@@ -51,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dagmoe_jax.experiments.scoring import mean_std, paired_difference  # noqa: E402
 
 VARIANTS = ("dense", "moe", "moe_active", "doe_softmax", "doe_relu", "doe_blocks", "doe_kl0.01",
-            "doe_a0", "doe_a0.01", "doe_a0.1", "doe_no_lda", "doe_k", "doe_q")
+            "doe_theta", "doe_a0", "doe_a0.01", "doe_a0.1", "doe_no_lda", "doe_k", "doe_q")
 DEFAULTS = dict(variants=",".join(VARIANTS), seeds=3, steps=150, batch=8, seq_len=128,
                 eval_batches=16, topics=32, lda_documents=3000, forget="moe,doe_relu,doe_blocks",
                 forget_steps=100, out="runs/bench_doe")
@@ -93,7 +95,8 @@ def model_config(variant: str, topics: int, seq_len: int):
         doe.update({"doe_softmax": dict(gate="softmax"), "doe_a0": dict(alpha=0.0),
                     "doe_a0.01": dict(alpha=0.01), "doe_a0.1": dict(alpha=0.1),
                     "doe_no_lda": dict(use_topics=False, alpha=0.0), "doe_k": dict(signal="k"),
-                    "doe_q": dict(signal="q"), "doe_kl0.01": dict(kl_coef=0.01)}.get(variant, {}))
+                    "doe_q": dict(signal="q"), "doe_kl0.01": dict(kl_coef=0.01),
+                    "doe_theta": dict(first_input="theta")}.get(variant, {}))
         if variant not in VARIANTS:
             raise ValueError(f"unknown variant {variant!r}: expected one of {', '.join(VARIANTS)}")
         make = lambda h: base.replace(block="doe", doe=dict(doe, ffn_hidden=h))

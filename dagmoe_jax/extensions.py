@@ -46,8 +46,9 @@ class FeatureTracker(Protocol):
     """Per-token model features that generation tracks on the host while it decodes.
 
     ``prompt(tokens, lengths)``: the features of right-padded prompts [B, P] (as the model
-    call's ``features``); ``step(tokens)``: the features [B, 1] of the tokens [B] just
-    generated, which the next step feeds the model."""
+    call's ``features``: int [B, P, ...]); ``step(tokens)``: the features [B, 1, ...] of the
+    tokens [B] just generated (each with the trailing shape of its prompt feature), which the
+    next step feeds the model."""
 
     def prompt(self, tokens: np.ndarray, lengths: np.ndarray) -> Dict[str, np.ndarray]:
         ...

@@ -137,7 +137,8 @@ def _generate(graphdef, state, tokens, lengths, features, key, temperature, top_
     sample = functools.partial(_next_tokens, key=key, greedy=greedy, temperature=temperature,
                                top_k=top_k, top_p=top_p)
     step_features = (None if features is None else
-                     {k: jax.ShapeDtypeStruct((b, 1), jnp.int32) for k in features})
+                     {k: jax.ShapeDtypeStruct((b, 1) + v.shape[2:], jnp.int32)
+                      for k, v in features.items()})
 
     def record(step, tok, out, count, finished):
         tok = jnp.where(finished, pad_id, tok)

@@ -8,10 +8,12 @@ Our reading of the paper, choice by choice, is docs/design.md section 6. Per lay
 * Routing signal (Appendix B.1, H.1): the causal running mean of the layer's attention values
   ``v_agg,t = mean_{j <= t} v_j`` (keys or queries as the Table 10 ablation).
 * VAE router (eq. 5-6): ``mu, log sigma^2 = enc([H_enr ; v_agg (; topic embedding in the first
-  layer)])``, ``z = mu + sigma * eps`` when a noise key is given (training), ``z = mu`` without
-  (evaluation, generation). Which VAE a layer uses: the first layer's, one shared by every middle
-  layer, the last layer's (``DoEConfig.vae_sharing``); the VAEs live once, outside the scanned
-  layer stack (:class:`DoEShared`), and each layer reads its entry of the stacked bank.
+  layer: E_know[id_t], or theta(<t)^T E_know with DoEConfig.first_input='theta',
+  :func:`causal_topic_mixture`)])``, ``z = mu + sigma * eps`` when a noise key is given
+  (training), ``z = mu`` without (evaluation, generation). Which VAE a layer uses: the first
+  layer's, one shared by every middle layer, the last layer's (``DoEConfig.vae_sharing``); the
+  VAEs live once, outside the scanned layer stack (:class:`DoEShared`), and each layer reads its
+  entry of the stacked bank.
 * Gates (sec. 3.4, Appendix B.2): router logits ``r = W_g z + b`` over all K topics,
   ``G = ReLU(r)`` (or softmax, the VAE-softmax ablation): no top-k, no balance loss.
 * Composed expert (Appendix A.1): ``e_context = G^T Z``; block output (Appendix H.2)
@@ -66,9 +68,10 @@ class DoELayerInputs(NamedTuple):
 
 class DoESharedInputs(NamedTuple):
     """The DoE inputs every layer shares: the VAE bank, the first layer's topic term
-    E_know[topic] W_t [B, S, vae_hidden], the reconstruction target (the next token's
-    embedding [B, S, d]; None when the reconstruction loss is off or when decoding), and the
-    knowledge state Z [K, d] when every layer shares one (``shared_knowledge``; else None)."""
+    E_know[topic] W_t (or theta(<t)^T E_know W_t, ``first_input='theta'``) [B, S, vae_hidden],
+    the reconstruction target (the next token's embedding [B, S, d]; None when the
+    reconstruction loss is off or when decoding), and the knowledge state Z [K, d] when every
+    layer shares one (``shared_knowledge``; else None)."""
 
     vae: VAEBank
     topic_term: Optional[jax.Array] = None
@@ -141,6 +144,29 @@ def cached_running_mean(cache: jax.Array, start: jax.Array, s: int) -> jax.Array
     pos = start[:, None] + jnp.arange(s)                                # [B, s]
     visible = (jnp.arange(t)[None, None, :] <= pos[:, :, None]).astype(jnp.float32)
     return jnp.einsum("bst,btf->bsf", visible, flat) / (pos[..., None] + 1.0)
+
+
+def causal_topic_mixture(topics: jax.Array, topic_embed: jax.Array,
+                         counts: Optional[jax.Array] = None) -> jax.Array:
+    """The first layer's VAE topic input under ``DoEConfig.first_input='theta'``:
+    ``theta(<t)^T E_know`` [B, S, d_k] (float32), the causal topic distribution mixed into the
+    topic embedding (DoE sec. 3.2's document-level theta_i and sec. 3.3's "first layer's VAE is
+    uniquely conditioned on the static LDA topic priors", made causal; Algorithm 1's E_know).
+
+    ``theta(<t)_k = #{j <= t : id_j = k} / (t + 1)`` over the K + 1 ids (null K included) of
+    ``topics`` [B, S]; ``topic_embed`` is E_know [K + 1, d_k]. Each id_j is computed from the
+    text strictly before token j (:func:`dagmoe_jax.doe.topics.token_topics`), so the ids at
+    j <= t describe the text before t: position t sees exactly the ids the default reading's
+    position t may see (its own and earlier ones), never a later one. ``counts`` [B, S, K + 1]:
+    those counts given directly (KV-cache decoding, where a step's tokens do not hold the
+    history: :class:`~dagmoe_jax.doe.extension.TopicFeatures` carries them); None computes
+    them as the cumulative sum of the ids' one-hots."""
+    n = topic_embed.shape[0]
+    if counts is None:
+        counts = jnp.cumsum(jax.nn.one_hot(topics, n, dtype=jnp.float32), axis=1)
+    counts = counts.astype(jnp.float32)
+    theta = counts / jnp.maximum(jnp.sum(counts, axis=-1, keepdims=True), 1.0)
+    return theta @ topic_embed.astype(jnp.float32)
 
 
 def vae_encode(pre: jax.Array, w_mu, b_mu, w_lv, b_lv):
@@ -285,8 +311,10 @@ class DoEShared(nnx.Module):
         tokens [B, S], h their token embeddings, embed the embedding table (the last layer's
         reconstruction target is the next token's embedding); ``features['topics']`` [B, S]:
         the causal input topic ids (:func:`dagmoe_jax.doe.topics.token_topics`; K = null);
-        ``noise``: a key for the VAE's sampling (training; None: z = mu); ``decoding``: a KV
-        cache is in use (no reconstruction target)."""
+        with ``first_input='theta'`` and a KV cache also ``features['topic_counts']``
+        [B, S, K + 1] (:func:`causal_topic_mixture`); ``noise``: a key for the VAE's sampling
+        (training; None: z = mu); ``decoding``: a KV cache is in use (no reconstruction
+        target)."""
         cfg, c = self.cfg, self.cfg.doe
         dt = dtype_of(cfg.compute_dtype)
         topics = None if features is None else features.get("topics")
@@ -301,6 +329,20 @@ class DoEShared(nnx.Module):
                              f"{tuple(tokens.shape)}: pass one topic id per token")
         t_emb = self.topic_embed[...].astype(dt)[topics]
         h = dual_input_embedding(h, t_emb, self.w_in[...].astype(dt))
+        vae_topic = t_emb
+        if c.first_input == "theta":
+            counts = None if features is None else features.get("topic_counts")
+            if decoding and counts is None:
+                raise ValueError("DoEConfig.first_input='theta' decodes over a KV cache only "
+                                 "with features['topic_counts'] [B, S, K + 1], the counts of the "
+                                 "topic ids up to each position (the DoE extension's "
+                                 "decoding_features tracker gives them)")
+            if counts is not None and tuple(counts.shape) != tuple(topics.shape) + (
+                    c.num_topics + 1,):
+                raise ValueError(f"topic_counts has shape {tuple(counts.shape)}: expected "
+                                 f"{tuple(topics.shape) + (c.num_topics + 1,)} (the topics' "
+                                 f"shape + (num_topics + 1,))")
+            vae_topic = causal_topic_mixture(topics, self.topic_embed[...], counts).astype(dt)
         n = cfg.num_layers
         per_layer = DoELayerInputs(vae_index(cfg), jnp.arange(n) == n - 1,
                                    None if noise is None else jax.random.split(noise, n))
@@ -309,7 +351,7 @@ class DoEShared(nnx.Module):
             nxt = embed.astype(dt)[tokens[:, 1:]]
             recon = jnp.concatenate([nxt, jnp.zeros_like(nxt[:, :1])], axis=1)
         z = self.knowledge[...].astype(dt) if c.shared_knowledge else None
-        shared = DoESharedInputs(self.bank(), t_emb @ self.w_t[...].astype(dt), recon, z)
+        shared = DoESharedInputs(self.bank(), vae_topic @ self.w_t[...].astype(dt), recon, z)
         return h, per_layer, shared
 
 

@@ -17,6 +17,7 @@ DOE_SIGNALS = ("v", "k", "q")
 DOE_VAE_SHARING = ("hierarchical", "per_layer")
 DOE_EXPERTS = ("composed", "blocks")
 DOE_KNOWLEDGE_SCALES = ("d_model", "topic_dim", "head_dim")
+DOE_FIRST_INPUTS = ("topic_id", "theta")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,19 @@ class DoEConfig:
       'topic_dim' (Algorithm 1's d_k, the topic embedding's width) or 'head_dim'.
     shared_knowledge: False (default): every layer its own knowledge state Z; True: one Z
       shared by every layer (sec. 3.4's "global memory of all topics" read across depth).
+    first_input: the topic term of the first layer's VAE input (sec. 3.3: "conditioned on the
+      static LDA topic priors"). 'topic_id' (default): the embedding of the token's one causal
+      topic id, E_know[id_t] (Algorithm 1's H_know). 'theta': the causal topic distribution
+      theta(<t)^T E_know, theta(<t) the running distribution over the K + 1 ids (null included)
+      of the topic ids at positions j <= t (:func:`dagmoe_jax.doe.block.causal_topic_mixture`).
+      Every id_j is computed from the text strictly before token j, so this is the topic
+      distribution of the text before t; leaving id_t out would drop the latest complete word
+      (the default's whole signal) and leave position 0 with no distribution. The
+      dual-input embedding keeps the id either way. The text leans to 'theta' (Stage 1's
+      document-level theta_i is otherwise unused, and "priors ... to select the initial set of
+      relevant topics" is a distribution, not an id; docs/design.md section 6); the default
+      stays the ids Algorithm 1 spells out. Needs use_topics=True (with no topics theta is the
+      null id's one-hot, the default's input).
     """
 
     num_topics: int = 128
@@ -79,6 +93,7 @@ class DoEConfig:
     block_hidden: Optional[int] = None
     knowledge_scale: str = "d_model"
     shared_knowledge: bool = False
+    first_input: str = "topic_id"
 
     def __post_init__(self):
         c = "DoEConfig"
@@ -108,6 +123,10 @@ class DoEConfig:
         _choice(c, "knowledge_scale", self.knowledge_scale, DOE_KNOWLEDGE_SCALES)
         _check(isinstance(self.shared_knowledge, bool), c, "shared_knowledge",
                self.shared_knowledge, "True or False")
+        _choice(c, "first_input", self.first_input, DOE_FIRST_INPUTS)
+        _check(self.use_topics or self.first_input == "topic_id", c, "first_input",
+               self.first_input, "'topic_id' when use_topics=False (no topics: theta would be "
+               "the null id's one-hot, the same input)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,8 @@
 * the model's extra inputs (the batch's topic ids, the training noise key) and the composite
   loss of DoE eq. 4 (:mod:`dagmoe_jax.doe.objective`);
 * generation's topic tracking: the causal topic id of each new token, from the text so far
-  (:class:`~dagmoe_jax.doe.topics.TopicTracker`).
+  (:class:`~dagmoe_jax.doe.topics.TopicTracker`), and, with ``DoEConfig.first_input='theta'``,
+  the running counts of the ids (``topic_counts``) that the first layer's VAE mixes.
 """
 
 from __future__ import annotations
@@ -44,11 +45,17 @@ class TopicAnnotator:
 
 class TopicFeatures:
     """Generation's :class:`~dagmoe_jax.extensions.FeatureTracker` for a DoE model: one
-    :class:`TopicTracker` per row; the ids equal :func:`token_topics`'s on the same text."""
+    :class:`TopicTracker` per row; the ids equal :func:`token_topics`'s on the same text.
 
-    def __init__(self, model: TopicModel, pieces: Sequence[bytes]):
-        self.model, self.pieces = model, list(pieces)
+    ``counts=True`` (``DoEConfig.first_input='theta'``) also gives ``topic_counts``
+    [B, S, K + 1]: at each position the counts of the topic ids at it and before it (the running
+    distribution :func:`~dagmoe_jax.doe.block.causal_topic_mixture` reads, which a decode step's
+    one token cannot rebuild), carried per row across steps."""
+
+    def __init__(self, model: TopicModel, pieces: Sequence[bytes], counts: bool = False):
+        self.model, self.pieces, self.counts = model, list(pieces), counts
         self.trackers = []
+        self.running = None
 
     def prompt(self, tokens: np.ndarray, lengths: np.ndarray) -> Dict[str, np.ndarray]:
         b, p = tokens.shape
@@ -58,14 +65,25 @@ class TopicFeatures:
             for i, t in enumerate(tokens[r, :lengths[r]].tolist()):
                 ids[r, i] = tracker.next_id()
                 tracker.push(t)
-        return {"topics": ids}
+        out = {"topics": ids}
+        if self.counts:
+            n = self.model.null_id + 1
+            counts = np.cumsum(np.eye(n, dtype=np.int32)[ids], axis=1, dtype=np.int32)
+            out["topic_counts"] = counts        # padding's null ids: after every real position
+            last = np.maximum(np.asarray(lengths) - 1, 0)
+            self.running = counts[np.arange(b), last] * (np.asarray(lengths) > 0)[:, None]
+        return out
 
     def step(self, tokens: np.ndarray) -> Dict[str, np.ndarray]:
         ids = np.empty((len(self.trackers), 1), np.int32)
         for r, tracker in enumerate(self.trackers):
             ids[r, 0] = tracker.next_id()
             tracker.push(int(tokens[r]))
-        return {"topics": ids}
+        out = {"topics": ids}
+        if self.counts:
+            self.running[np.arange(len(ids)), ids[:, 0]] += 1
+            out["topic_counts"] = self.running[:, None].copy()
+        return out
 
 
 class DoEExtension(Extension):
@@ -90,4 +108,5 @@ class DoEExtension(Extension):
         if not self.model_cfg.doe.use_topics:
             return None
         topics = run_topics(self.model_cfg, data_cfg, run_dir, save=False)
-        return TopicFeatures(topics, tokenizer.piece_bytes())
+        return TopicFeatures(topics, tokenizer.piece_bytes(),
+                             counts=self.model_cfg.doe.first_input == "theta")

@@ -16,7 +16,8 @@ Conventions (stated so the numbers can be checked by hand):
 * DoE (docs/design.md section 6). ``doe_knowledge``: W_Q and Z per layer (eq. 1-3: 2 d^2 +
   4 K d FLOPs; Z once with ``shared_knowledge``) and, composed, G^T Z (2 K d);
   ``doe_router``: the VAE bank (counted once per entry, however many layers share it) and
-  each layer's gate W_g, b; ``doe_embedding``: E_know, W_in and the first layer's topic weight.
+  each layer's gate W_g, b; ``doe_embedding``: E_know, W_in and the first layer's topic weight
+  (with ``first_input='theta'`` also the mixture theta^T E_know, 2 (K + 1) d_k FLOPs).
   ``doe_ffn``: with expert='composed' FFN([H_enr ; e_context]) (input 2d: 5 d hidden
   weights), all active (the gates compose all K knowledge blocks); with expert='blocks' the K
   FFN slices (3 d h_b each), of which a token runs at most N = top_n (or K): active and FLOPs
@@ -159,5 +160,7 @@ def account(cfg: ModelConfig, seq_len: int | None = None) -> Accounting:
             params["doe_knowledge"] += cfg.doe.num_topics * d
             active_params["doe_knowledge"] += cfg.doe.num_topics * d
         c = cfg.doe
-        flops["doe_embedding"] = 3.0 * 2.0 * ((d + c.topic_dim) * d + c.topic_dim * c.vae_hidden)
+        mixture = (c.num_topics + 1) * c.topic_dim if c.first_input == "theta" else 0
+        flops["doe_embedding"] = 3.0 * 2.0 * ((d + c.topic_dim) * d + c.topic_dim * c.vae_hidden
+                                              + mixture)
     return Accounting(params, active_params, flops, s)

@@ -112,14 +112,16 @@ def test_dropless_model_with_the_kernel_equals_dense_dispatch():
     kernel against dense dispatch (every expert on every token), the oracle."""
     tokens = jax.random.randint(jax.random.key(0), (2, 24), 0, 64)
     results = {}
+    def loss(m):
+        logits = m(tokens)[0]
+        return jnp.mean(logits ** 2), logits
+
     for mode, gm in (("dropless", "cpu_gmm"), ("dense", "ragged_dot")):
-        cfg = tiny_config("moe", "dag", init_std=0.2, grouped_matmul=gm,
+        cfg = tiny_config("moe", "sum", init_std=0.2, grouped_matmul=gm,
                           experts=dict(dispatch=mode))
         assert cfg.execution.grouped_matmul == gm
         model = Transformer(cfg, rngs=nnx.Rngs(0))
-        loss = lambda m: jnp.mean(m(tokens)[0] ** 2)  # noqa: E731
-        logits = nnx.jit(lambda m: m(tokens)[0])(model)
-        grads = nnx.jit(nnx.grad(loss))(model)
+        (_, logits), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(model)
         results[mode] = (np.asarray(logits), jax.tree.leaves(nnx.state(grads)))
     (la, ga), (lb, gb) = results["dropless"], results["dense"]
     assert np.abs(lb).max() > 0.1
@@ -172,3 +174,19 @@ def test_bad_group_sizes_fail_the_call(sizes, match):
     x, w, _ = random_operands(4, 8, 4, 4, 2)
     with pytest.raises(Exception, match=match):
         jax.block_until_ready(cpu_grouped_matmul(x, w, jnp.asarray(sizes, jnp.int32)))
+
+
+def test_benchmark_prints_its_table(capsys):
+    """benchmarks/grouped_matmul.py's table 1 on a tiny shape, in this process."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "grouped_matmul.py"
+    spec = importlib.util.spec_from_file_location("grouped_matmul_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--tokens", "64", "--top_k", "2", "--experts", "4", "--d_model", "16",
+                "--hidden", "24", "--repeats", "1", "--ragged_dot"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()
+            if line.endswith("x") and not line.startswith("route")]
+    assert [r[0] for r in rows] == ["cpu_gmm", "einsum,", "einsum,", "ragged_dot"]
+    assert rows[0][-1] == "1.00x" and all(float(r[-1][:-1]) > 0 for r in rows)

@@ -50,8 +50,8 @@ def kernel_vjp(x, w, sizes, dy):
 
 def random_operands(seed, m, k, n, groups, dtype=jnp.float32):
     r = np.random.default_rng(seed)
-    x, w, dy = r.standard_normal((m, k)), r.standard_normal((groups, k, n)), r.standard_normal((m, n))
-    return tuple(jnp.asarray(a, dtype) for a in (x, w, dy))
+    shapes = ((m, k), (groups, k, n), (m, n))
+    return tuple(jnp.asarray(r.standard_normal(s), dtype) for s in shapes)
 
 
 def test_kernel_builds():

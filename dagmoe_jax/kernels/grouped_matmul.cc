@@ -128,7 +128,24 @@ void Rows(View a, int64_t rows, const float* panel, int64_t kdim, float* c, int6
 }
 
 // Packs B[0:kdim, j0:j0 + ncols] into panel [kdim, 32], zero-padding columns past ncols.
+// A B stored transposed (contiguous along kdim) is read 16 floats of a column at a time, so
+// each cache line it touches is used whole (reading it row by row would touch 32 lines a
+// row apart for every panel row, which thrash in L1 at power-of-two strides).
 void Pack(View b, int64_t kdim, int64_t j0, int64_t ncols, float* panel) {
+  if (b.si == 1 && b.sj != 1) {
+    int64_t p0 = 0;
+    for (; p0 + 16 <= kdim; p0 += 16) {
+      for (int64_t j = 0; j < ncols; ++j) {
+        const V col = Load(b.p + (j0 + j) * b.sj + p0);
+        for (int t = 0; t < 16; ++t) panel[(p0 + t) * kNr + j] = col[t];
+      }
+      for (int64_t j = ncols; j < kNr; ++j)
+        for (int t = 0; t < 16; ++t) panel[(p0 + t) * kNr + j] = 0.0f;
+    }
+    b = {b.p + p0, b.si, b.sj};
+    kdim -= p0;
+    panel += p0 * kNr;
+  }
   for (int64_t p = 0; p < kdim; ++p) {
     float* dst = panel + p * kNr;
     const float* src = b.p + p * b.si + j0 * b.sj;

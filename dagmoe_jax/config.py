@@ -260,7 +260,7 @@ class ExecutionConfig:
       when a C++ compiler is available; else 'ragged_dot'), 'ragged_dot'
       (jax.lax.ragged_dot; on GPU fast with the cuDNN fusion of scripts/gpu_env.sh), 'gmm'
       (megablox, Pallas TPU) or 'cpu_gmm' (dagmoe_jax.kernels C++ kernel; CPU, single
-      device; XLA:CPU's ragged_dot is about 100x slower).
+      device; XLA:CPU's ragged_dot is 40-100x slower).
     expert_exchange: how expert-parallel 'dropless' dispatch moves tokens between the expert
       shards of a mesh: 'auto' (default: 'ragged_all_to_all' on GPU / TPU, 'all_gather' on
       CPU, whose XLA does not implement the ragged collective), 'ragged_all_to_all' (each

@@ -18,7 +18,7 @@ prints and saves:
 ``grouped_matmul`` dropless dispatch's grouped matmul: megablox ``gmm`` (Pallas) on TPU when
                    d_model and the expert hidden size are multiples of its 128 tile; on CPU
                    (one device, a working compiler) the C++ kernel ``cpu_gmm``, compiled here
-                   the first time (XLA:CPU's ``ragged_dot`` is about 100x slower); else
+                   the first time (XLA:CPU's ``ragged_dot`` is 40-100x slower); else
                    ``jax.lax.ragged_dot`` (on GPU, XLA lowers it to cuDNN's grouped GEMM with
                    the flag in scripts/gpu_env.sh)
 ``expert_exchange`` expert-parallel dropless dispatch: ``jax.lax.ragged_all_to_all`` on GPU and

@@ -36,7 +36,7 @@ BALANCE_LOADS = ("tokens", "slots")
 BALANCE_PROBS = ("softmax", "score_share")
 REMAT_POLICIES = ("auto", "none", "full", "dots")
 ATTENTION_IMPLS = ("auto", "xla", "blockwise", "fused", "cudnn", "splash")
-GROUPED_MATMULS = ("auto", "ragged_dot", "gmm")
+GROUPED_MATMULS = ("auto", "ragged_dot", "gmm", "cpu_gmm")
 EXPERT_EXCHANGES = ("auto", "all_gather", "ragged_all_to_all")
 DTYPES = ("float32", "bfloat16")
 ROPE_SCALINGS = ("none", "llama3", "linear")
@@ -256,9 +256,11 @@ class ExecutionConfig:
       single device), 'cudnn' or 'splash' (Pallas TPU kernel; sequences that are not a
       multiple of 128 use XLA's attention).
     grouped_matmul: the grouped matmul of 'dropless' dispatch: 'auto' (default: 'gmm' on TPU
-      when d_model and the expert hidden size are multiples of 128, else 'ragged_dot'),
-      'ragged_dot' (jax.lax.ragged_dot; on GPU fast with the cuDNN fusion of
-      scripts/gpu_env.sh) or 'gmm' (megablox, Pallas TPU).
+      when d_model and the expert hidden size are multiples of 128; on CPU off-mesh 'cpu_gmm'
+      when a C++ compiler is available; else 'ragged_dot'), 'ragged_dot'
+      (jax.lax.ragged_dot; on GPU fast with the cuDNN fusion of scripts/gpu_env.sh), 'gmm'
+      (megablox, Pallas TPU) or 'cpu_gmm' (dagmoe_jax.kernels C++ kernel; CPU, single
+      device; XLA:CPU's ragged_dot is 40-100x slower).
     expert_exchange: how expert-parallel 'dropless' dispatch moves tokens between the expert
       shards of a mesh: 'auto' (default: 'ragged_all_to_all' on GPU / TPU, 'all_gather' on
       CPU, whose XLA does not implement the ragged collective), 'ragged_all_to_all' (each

@@ -18,6 +18,7 @@ from typing import Callable, Tuple
 import jax
 import jax.numpy as jnp
 
+from dagmoe_jax.kernels.grouped_matmul import cpu_grouped_matmul
 from dagmoe_jax.kernels.pallas import gmm_grouped_matmul
 from dagmoe_jax.model.layers import swiglu
 from dagmoe_jax.parallel import constrain
@@ -116,6 +117,7 @@ def capacity_dispatch(x: jax.Array, indices: jax.Array, weights: ExpertWeights,
 GROUPED_MATMUL: dict[str, Callable] = {
     "ragged_dot": jax.lax.ragged_dot,
     "gmm": gmm_grouped_matmul,
+    "cpu_gmm": cpu_grouped_matmul,
 }
 """The settled ``ExecutionConfig.grouped_matmul`` -> ``f(lhs [M, k], rhs [N, k, n], sizes [N])``."""
 

@@ -16,7 +16,9 @@ prints and saves:
                    16-bit compute and a head dim cuDNN's flash kernel takes (a multiple of 8,
                    at most 128), else XLA's; TPU: the Pallas splash kernel
 ``grouped_matmul`` dropless dispatch's grouped matmul: megablox ``gmm`` (Pallas) on TPU when
-                   d_model and the expert hidden size are multiples of its 128 tile, else
+                   d_model and the expert hidden size are multiples of its 128 tile; on CPU
+                   (one device, a working compiler) the C++ kernel ``cpu_gmm``, compiled here
+                   the first time (XLA:CPU's ``ragged_dot`` is 40-100x slower); else
                    ``jax.lax.ragged_dot`` (on GPU, XLA lowers it to cuDNN's grouped GEMM with
                    the flag in scripts/gpu_env.sh)
 ``expert_exchange`` expert-parallel dropless dispatch: ``jax.lax.ragged_all_to_all`` on GPU and
@@ -38,6 +40,8 @@ import jax.numpy as jnp
 
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.kernels.attention import fused_attention_unavailable, kernel_needs_build
+from dagmoe_jax.kernels.grouped_matmul import (grouped_matmul_needs_build,
+                                               grouped_matmul_unavailable)
 from dagmoe_jax.kernels.pallas import gmm_supported
 from dagmoe_jax.parallel.axes import MeshLayout
 
@@ -87,12 +91,22 @@ def settle_attention(name: str, backend: str, dtype, head_dim: int,
     return "xla", ""
 
 
-def settle_grouped_matmul(name: str, backend: str, d_model: int, hidden: int) -> str:
-    """'auto': megablox 'gmm' on TPU when both expert dims are multiples of its 128 tile,
-    'ragged_dot' otherwise (see the module docstring)."""
+def settle_grouped_matmul(name: str, backend: str, d_model: int, hidden: int,
+                          layout: Optional[MeshLayout] = None) -> str:
+    """'auto': megablox 'gmm' on TPU when both expert dims are multiples of its 128 tile; on
+    CPU off-mesh 'cpu_gmm' when the C++ kernel builds (it is built here on first use);
+    'ragged_dot' otherwise (see the module docstring). An explicit 'cpu_gmm' under a
+    multi-device mesh is a one-line ``ValueError``."""
+    if name == "cpu_gmm" and layout is not None:
+        raise ValueError("ExecutionConfig.grouped_matmul='cpu_gmm' runs on a single device "
+                         "only; use 'auto' or 'ragged_dot' under a device mesh")
     if name != "auto":
         return name
-    return "gmm" if backend == "tpu" and gmm_supported(d_model, hidden) else "ragged_dot"
+    if backend == "tpu" and gmm_supported(d_model, hidden):
+        return "gmm"
+    if backend == "cpu" and layout is None and grouped_matmul_unavailable(backend) is None:
+        return "cpu_gmm"
+    return "ragged_dot"
 
 
 def settle_expert_exchange(name: str, backend: str) -> str:
@@ -115,13 +129,16 @@ def settle(cfg: ModelConfig, *, backend: Optional[str] = None,
     if (ex.attention in ("auto", "fused") and backend == "cpu" and layout is None
             and dtype == jnp.float32 and kernel_needs_build()):
         log("compiling the fused CPU attention kernel (about 10 s, once per machine)")
+    if (ex.grouped_matmul == "auto" and backend == "cpu" and layout is None
+            and grouped_matmul_needs_build()):
+        log("compiling the CPU grouped matmul kernel (about 5 s, once per machine)")
     attention, _ = settle_attention(ex.attention, backend, dtype, cfg.resolved_head_dim, layout)
     return cfg.replace(execution=dict(
         remat=settle_remat(ex.remat, backend),
         scan_unroll=settle_scan_unroll(ex.scan_unroll, cfg.num_layers, backend),
         attention=attention,
         grouped_matmul=settle_grouped_matmul(ex.grouped_matmul, backend, cfg.d_model,
-                                             cfg.experts.expert_hidden),
+                                             cfg.experts.expert_hidden, layout),
         expert_exchange=settle_expert_exchange(ex.expert_exchange, backend),
         fuse_gate_up=(layout is None) if ex.fuse_gate_up is None else ex.fuse_gate_up))
 

@@ -1,0 +1,114 @@
+"""Grouped matmul for XLA:CPU (C++ source: ``grouped_matmul.cc``), dropless dispatch's GEMMs.
+
+The same function as ``jax.lax.ragged_dot(lhs, rhs, sizes)``: the rows of ``lhs`` [M, K] are
+sorted by group, group g's ``sizes[g]`` rows are multiplied by ``rhs[g]`` [K, N], and rows past
+``sum(sizes)`` give zeros. XLA:CPU lowers ``ragged_dot`` to a loop that is 40-100x slower
+than a GEMM of the same FLOPs; this runs one register-blocked GEMM per group instead, in a
+custom call per product: the forward pass (``lhs_g @ rhs[g]``), the input gradient
+(``dy_g @ rhs[g]^T``) and the weight gradient (``lhs_g^T @ dy_g`` per group, zero for an
+empty group), tied together by a custom VJP. ``ExecutionConfig.grouped_matmul='cpu_gmm'``.
+
+float32 arithmetic (bfloat16 operands are widened, the result rounded back), CPU only; the
+kernel is compiled on first use by :mod:`dagmoe_jax.kernels.build`, like the attention
+kernel, and :func:`grouped_matmul_unavailable` says why it cannot be used where it cannot.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from dagmoe_jax.kernels.build import KernelBuildError, build, compiler, is_built
+
+SOURCE = Path(__file__).with_name("grouped_matmul.cc")
+SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
+_TARGETS = {"dagmoe_gmm": "DagmoeGmm", "dagmoe_gmm_t": "DagmoeGmmT",
+            "dagmoe_tgmm": "DagmoeTgmm"}
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> Optional[str]:
+    """Build and register the kernel once per process; None on success, else the reason."""
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(build(SOURCE)))
+    except (KernelBuildError, OSError) as err:
+        return str(err)
+    for target, symbol in _TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                    platform="cpu")
+    return None
+
+
+def grouped_matmul_needs_build() -> bool:
+    """Whether using the kernel would compile it first (a compiler is there and the on-disk
+    cache has no library for this source, compiler, jaxlib and CPU)."""
+    return compiler() is not None and not is_built(SOURCE)
+
+
+def grouped_matmul_unavailable(backend: Optional[str] = None) -> Optional[str]:
+    """Why the CPU grouped matmul cannot run on ``backend`` (default: JAX's default backend),
+    None when it can. Compiles the kernel on the first call."""
+    backend = backend or jax.default_backend()
+    if backend != "cpu":
+        return f"the CPU grouped matmul runs on CPU only (backend is {backend})"
+    return _load()
+
+
+def _check(lhs, rhs, sizes) -> None:
+    """One-line ValueError for operands the kernel cannot take."""
+    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
+        raise ValueError(f"grouped matmul: expected lhs [M, K] and rhs [G, K, N], got "
+                         f"{tuple(lhs.shape)} and {tuple(rhs.shape)}")
+    if tuple(sizes.shape) != (rhs.shape[0],) or not jnp.issubdtype(sizes.dtype, jnp.integer):
+        raise ValueError(f"grouped matmul: sizes must be integer [G] = [{rhs.shape[0]}], got "
+                         f"{sizes.dtype} {tuple(sizes.shape)}")
+    for name, x in (("lhs", lhs), ("rhs", rhs)):
+        if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
+            raise ValueError(f"grouped matmul: {name} is {jnp.dtype(x.dtype).name}; the CPU "
+                             f"kernel takes float32 or bfloat16")
+    reason = grouped_matmul_unavailable()
+    if reason is not None:
+        raise ValueError(f"{reason}; use ExecutionConfig.grouped_matmul='ragged_dot' instead")
+
+
+def _call(target: str, shape, *args):
+    """The custom call ``target`` on float32 ``args`` (the last is int32 sizes) -> f32 ``shape``."""
+    *floats, sizes = args
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(shape, jnp.float32),
+                            vmap_method="sequential")(
+        *(a.astype(jnp.float32) for a in floats), sizes.astype(jnp.int32))
+
+
+def cpu_grouped_matmul(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Array:
+    """``jax.lax.ragged_dot(lhs, rhs, sizes)`` by the C++ kernel: rows of ``lhs`` [M, K]
+    sorted by group, group g's ``sizes[g]`` rows times ``rhs[g]`` [K, N] -> [M, N] in the
+    operands' result dtype; rows past ``sum(sizes)`` give zeros. Differentiable in ``lhs``
+    and ``rhs``. ``sizes`` must be non-negative and sum to at most M (the kernel fails the
+    call otherwise); an operand it cannot take is a one-line ``ValueError``."""
+    _check(lhs, rhs, sizes)
+    return _gmm(lhs, rhs, sizes)
+
+
+@jax.custom_vjp
+def _gmm(lhs, rhs, sizes):
+    out_dtype = jnp.result_type(lhs.dtype, rhs.dtype)
+    return _call("dagmoe_gmm", (lhs.shape[0], rhs.shape[2]), lhs, rhs, sizes).astype(out_dtype)
+
+
+def _gmm_fwd(lhs, rhs, sizes):
+    return _gmm(lhs, rhs, sizes), (lhs, rhs, sizes)
+
+
+def _gmm_bwd(res, dy):
+    lhs, rhs, sizes = res
+    dlhs = _call("dagmoe_gmm_t", lhs.shape, dy, rhs, sizes).astype(lhs.dtype)
+    drhs = _call("dagmoe_tgmm", rhs.shape, lhs, dy, sizes).astype(rhs.dtype)
+    return dlhs, drhs, None
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)

@@ -37,15 +37,22 @@ def random_weights(rng, k=K, d=12, hb=5):
                  for s in ((k, d, hb), (k, d, hb), (k, hb, d)))
 
 
+def _needs_compiler(name):
+    from dagmoe_jax.kernels import build as kbuild
+    return pytest.param(name, marks=pytest.mark.skipif(
+        kbuild.compiler() is None, reason="the CPU grouped matmul needs a C++ compiler"))
+
+
 @pytest.mark.parametrize("n", [1, 3, K])
 @pytest.mark.parametrize("kind", ["relu", "softmax"])
-def test_top_n_skipping_equals_the_masked_dense_computation(rng, n, kind):
+@pytest.mark.parametrize("grouped", ["ragged_dot", _needs_compiler("cpu_gmm")])
+def test_top_n_skipping_equals_the_masked_dense_computation(rng, n, kind, grouped):
     x = jnp.asarray(rng.normal(size=(20, 12)), jnp.float32)
     logits = jnp.asarray(rng.normal(size=(20, K)), jnp.float32)
     logits = logits.at[3].set(-1.0)                 # a token with every gate zero
     gates = D.gate_values(logits, kind)
     weights = random_weights(rng)
-    got, ids = KB.sparse_blocks(x, gates, weights, n)
+    got, ids = KB.sparse_blocks(x, gates, weights, n, grouped)
     dense = KB.masked_dense_blocks(x, gates, weights, n)
     np.testing.assert_allclose(got, dense, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got, blocks_numpy(np.asarray(x, np.float64), np.asarray(gates),
@@ -57,7 +64,7 @@ def test_top_n_skipping_equals_the_masked_dense_computation(rng, n, kind):
     if kind == "relu":
         assert (ids[3] == K).all()
     # gradients too: the grouped computation differentiates like the masked dense one
-    f = lambda fn: lambda w, xx: jnp.sum(jnp.sin(fn(xx, gates, w, n)[0] if fn is
+    f = lambda fn: lambda w, xx: jnp.sum(jnp.sin(fn(xx, gates, w, n, grouped)[0] if fn is
                                                  KB.sparse_blocks else fn(xx, gates, w, n)))
     gs = jax.grad(f(KB.sparse_blocks), argnums=(0, 1))(weights, x)
     gd = jax.grad(f(KB.masked_dense_blocks), argnums=(0, 1))(weights, x)

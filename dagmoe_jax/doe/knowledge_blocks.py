@@ -46,13 +46,15 @@ def select_blocks(gates: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
     return jnp.where(top > 0, ids, gates.shape[-1]), top
 
 
-def sparse_blocks(x: jax.Array, gates: jax.Array, weights, n: int) -> tuple[jax.Array, jax.Array]:
+def sparse_blocks(x: jax.Array, gates: jax.Array, weights, n: int,
+                  grouped_matmul: str = "ragged_dot") -> tuple[jax.Array, jax.Array]:
     """The sparse expert ``sum_{k in TopN, G_k > 0} G_k FFN_k(x)`` of tokens x [T, d] with gates
     [T, K] and the blocks' SwiGLU weights (gate [K, d, h_b], up [K, d, h_b], down [K, h_b, d]),
-    by dropless grouped matmuls over the active (token, block) pairs only.
+    by dropless grouped matmuls over the active (token, block) pairs only (``grouped_matmul``:
+    a settled ``ExecutionConfig.grouped_matmul``, e.g. 'cpu_gmm' on CPU).
     Returns (out [T, d], ids [T, N]: the blocks run, K where skipped)."""
     ids, top = select_blocks(gates, n)
-    y, _ = dropless_dispatch(x, ids, weights)                           # [T, N, d]
+    y, _ = dropless_dispatch(x, ids, weights, grouped_matmul)           # [T, N, d]
     out = jnp.einsum("tn,tnd->td", top.astype(jnp.float32), y.astype(jnp.float32))
     return out.astype(x.dtype), ids
 

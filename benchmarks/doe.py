@@ -265,7 +265,7 @@ def format_report(result: dict) -> str:
                 deltas = [f["after"][name] - f["before"][name] for f in fs]
                 m, s = mean_std(deltas)
                 parts.append(f"{name} {m:+.4f} (sd {s:.4f})")
-            lines.append(f"  {variant:<10}" + ", ".join(parts)
+            lines.append(f"  {variant:<11}" + ", ".join(parts)
                          + (f"   paper: {PAPER_FORGET[variant]}" if variant in PAPER_FORGET else ""))
     return "\n".join(lines)
 

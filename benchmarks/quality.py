@@ -147,6 +147,8 @@ def main(argv=None) -> int:
                                eval_batches=args.eval_batches, dag_dim=args.dag_dim,
                                bindings=tuple(args.bindings))
         ladder = ladder_budgets(budget, [parse_tokens(t) for t in args.tokens.split(",") if t])
+        if ladder and "moe" not in budget.variants:
+            raise ValueError("--tokens reports each variant's gap to MoE: add moe to --variants")
     except (ValueError, IndexError) as err:
         return report_error(err)
     if ladder:

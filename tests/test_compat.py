@@ -1,8 +1,9 @@
 """Runs written by earlier versions of the library still load and resume.
 
-``tests/fixtures/run_520a405`` is a run directory written by commit 520a405 (before
-``ExecutionConfig`` existed: its ``config.json`` and checkpoint metadata keep ``remat``,
-``attention``, ... at the top level of the model config), made with::
+Before ``ExecutionConfig`` existed (commit 520a405), a run's ``config.json`` and its
+checkpoints' metadata kept ``remat``, ``attention``, ... at the top level of the model config.
+The ``old_run`` fixture trains the run that commit's smoke command made (a tiny DAG-MoE, 2
+steps, one checkpoint at step 2)::
 
     python train.py --gin_file=train/smoke.gin --no_progress --gin.TrainConfig.steps=2 \\
         --gin.TrainConfig.save_every=2 --gin.TrainConfig.eval_every=0 \\
@@ -10,7 +11,8 @@
         --gin.ModelConfig.d_model=16 --gin.AggregationConfig.dag_dim=8 \\
         --gin.ExpertConfig.expert_hidden=16 --gin.ModelConfig.max_seq_len=64
 
-(its tensorboard/ folder removed): a tiny DAG-MoE, 2 steps, one checkpoint at step 2.
+and rewrites both places into that layout (the execution fields moved up a level, the step's
+checksums rewritten to match), so no checkpoint is kept in the repository.
 """
 
 from __future__ import annotations
@@ -22,35 +24,65 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from dagmoe_jax import runs
 from dagmoe_jax.config import ExecutionConfig, ModelConfig
+from dagmoe_jax.gin_utils import load_configs
+from dagmoe_jax.runs.checkpoint_files import write_checksums
 from dagmoe_jax.train.loop import train
 
-OLD_RUN = Path(__file__).resolve().parent / "fixtures" / "run_520a405"
+SMOKE = ["TrainConfig.steps = 2", "TrainConfig.save_every = 2", "TrainConfig.eval_every = 0",
+         "TrainConfig.task_eval_examples = 0", "TrainConfig.tensorboard = False",
+         "DataConfig.num_synthetic = 64", "ModelConfig.d_model = 16",
+         "AggregationConfig.dag_dim = 8", "ExpertConfig.expert_hidden = 16",
+         "ModelConfig.max_seq_len = 64"]
 
 
-def test_the_legacy_config_reads_with_its_execution_fields_nested():
-    blob = json.loads((OLD_RUN / "config.json").read_text())
+def legacy_model(model: dict) -> dict:
+    """A model config dict in the layout before ExecutionConfig: its fields at the top level."""
+    model = dict(model)
+    execution = model.pop("execution")
+    return {**model, **execution}
+
+
+@pytest.fixture(scope="module")
+def old_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("compat") / "run_520a405"
+    train(*load_configs(["train/smoke.gin"], SMOKE + [f"TrainConfig.run_dir = '{run_dir}'"]),
+          progress=False, log=lambda _m: None)
+    config = json.loads((run_dir / "config.json").read_text())
+    config["model"] = legacy_model(config["model"])
+    (run_dir / "config.json").write_text(json.dumps(config))
+    step = run_dir / "checkpoints" / "2"
+    meta = json.loads((step / "meta" / "metadata").read_text())
+    meta["model_config"] = legacy_model(meta["model_config"])
+    (step / "meta" / "metadata").write_text(json.dumps(meta))
+    write_checksums(step)
+    return run_dir
+
+
+def test_the_legacy_config_reads_with_its_execution_fields_nested(old_run):
+    blob = json.loads((old_run / "config.json").read_text())
     assert "remat" in blob["model"] and "execution" not in blob["model"]   # the old layout
-    model_cfg, _, _, _ = runs.load_configs(OLD_RUN)
+    model_cfg, _, _, _ = runs.load_configs(old_run)
     assert model_cfg.execution == ExecutionConfig(**{f.name: blob["model"][f.name]
                                                      for f in dataclasses.fields(ExecutionConfig)})
     assert model_cfg == ModelConfig.from_dict(blob["model"])
     assert (model_cfg.d_model, model_cfg.aggregation.kind) == (16, "dag")
 
 
-def test_a_checkpoint_written_before_the_restructure_loads():
-    loaded = runs.load_run(OLD_RUN)
+def test_a_checkpoint_written_before_the_restructure_loads(old_run):
+    loaded = runs.load_run(old_run)
     assert loaded.step == 2 and not loaded.warnings
     tokens = jnp.asarray(np.arange(32).reshape(2, 16) % 256, jnp.int32)
     logits, _ = loaded.model(tokens)
     assert logits.shape == (2, 16, 256) and bool(jnp.all(jnp.isfinite(logits)))
 
 
-def test_a_checkpoint_written_before_the_restructure_resumes(tmp_path):
+def test_a_checkpoint_written_before_the_restructure_resumes(old_run, tmp_path):
     run_dir = tmp_path / "run"
-    shutil.copytree(OLD_RUN, run_dir)
+    shutil.copytree(old_run, run_dir)
     model_cfg, data_cfg, optim_cfg, train_cfg = runs.load_configs(run_dir)
     train_cfg = dataclasses.replace(train_cfg, run_dir=str(run_dir), steps=3, tensorboard=False)
     messages = []

@@ -17,7 +17,6 @@ it cannot be used where it cannot.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from pathlib import Path
 from typing import Optional
@@ -25,7 +24,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from dagmoe_jax.kernels.build import KernelBuildError, build, compiler, is_built
+from dagmoe_jax.kernels.build import compiler, is_built, load_ffi_targets
 
 SOURCE = Path(__file__).with_name("causal_attention.cc")
 SUPPORTED_HEAD_DIMS = (8, 16, 32, 64, 128, 256)
@@ -38,21 +37,10 @@ _SEG_BWD = "dagmoe_causal_attention_segmented_bwd"
 @functools.lru_cache(maxsize=None)
 def _load() -> Optional[str]:
     """Build and register the kernel once per process; None on success, else the reason."""
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(build(SOURCE)))
-    except (KernelBuildError, OSError) as err:
-        return str(err)
-    jax.ffi.register_ffi_target(_FWD, jax.ffi.pycapsule(lib.DagmoeCausalAttentionFwd),
-                                platform="cpu")
-    jax.ffi.register_ffi_target(_BWD, jax.ffi.pycapsule(lib.DagmoeCausalAttentionBwd),
-                                platform="cpu")
-    jax.ffi.register_ffi_target(_SEG_FWD,
-                                jax.ffi.pycapsule(lib.DagmoeCausalAttentionSegmentedFwd),
-                                platform="cpu")
-    jax.ffi.register_ffi_target(_SEG_BWD,
-                                jax.ffi.pycapsule(lib.DagmoeCausalAttentionSegmentedBwd),
-                                platform="cpu")
-    return None
+    return load_ffi_targets(SOURCE, {_FWD: "DagmoeCausalAttentionFwd",
+                                     _BWD: "DagmoeCausalAttentionBwd",
+                                     _SEG_FWD: "DagmoeCausalAttentionSegmentedFwd",
+                                     _SEG_BWD: "DagmoeCausalAttentionSegmentedBwd"})
 
 
 def kernel_needs_build() -> bool:

@@ -17,6 +17,7 @@ Environment:
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
@@ -24,7 +25,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Optional
 
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",
          "-fno-math-errno", "-ffp-contract=fast")
@@ -148,3 +149,20 @@ def build(source: Path) -> Path:
             if os.path.exists(path):
                 os.unlink(path)
     return target
+
+
+def load_ffi_targets(source: Path, targets: Dict[str, str]) -> Optional[str]:
+    """Build ``source`` (:func:`build`), load it and register each XLA FFI custom-call target
+    ``{target name: exported symbol}`` on CPU. None on success, else why it cannot be used
+    (no compiler, a failed build, a library that does not load). Callers cache the result so
+    that this runs once per process."""
+    import jax  # pylint: disable=import-outside-toplevel
+
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(build(source)))
+    except (KernelBuildError, OSError) as err:
+        return str(err)
+    for target, symbol in targets.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                    platform="cpu")
+    return None

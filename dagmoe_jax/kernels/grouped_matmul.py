@@ -15,7 +15,6 @@ kernel, and :func:`grouped_matmul_unavailable` says why it cannot be used where 
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from pathlib import Path
 from typing import Optional
@@ -23,7 +22,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from dagmoe_jax.kernels.build import KernelBuildError, build, compiler, is_built
+from dagmoe_jax.kernels.build import compiler, is_built, load_ffi_targets
 
 SOURCE = Path(__file__).with_name("grouped_matmul.cc")
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
@@ -34,14 +33,7 @@ _TARGETS = {"dagmoe_gmm": "DagmoeGmm", "dagmoe_gmm_t": "DagmoeGmmT",
 @functools.lru_cache(maxsize=None)
 def _load() -> Optional[str]:
     """Build and register the kernel once per process; None on success, else the reason."""
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(build(SOURCE)))
-    except (KernelBuildError, OSError) as err:
-        return str(err)
-    for target, symbol in _TARGETS.items():
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
-                                    platform="cpu")
-    return None
+    return load_ffi_targets(SOURCE, _TARGETS)
 
 
 def grouped_matmul_needs_build() -> bool:

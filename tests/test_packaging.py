@@ -86,6 +86,7 @@ def test_gin_files_ship_as_package_data(installed, tmp_path):
     assert shipped == in_repo
     assert (installed / "dagmoe_jax/kernels/causal_attention.cc").is_file()
     assert (installed / "dagmoe_jax/kernels/grouped_matmul.cc").is_file()
+    assert (installed / "dagmoe_jax/kernels/cpu_common.h").is_file()
     # From a directory with no configs/, the shipped files resolve (and their includes).
     code = ("import dagmoe_jax.gin_utils as g, sys; "
             "m, d, o, t = g.load_configs(['models/s.gin', 'configs/train/smoke.gin']); "

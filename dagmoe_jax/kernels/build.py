@@ -64,11 +64,12 @@ def _cpu_flags() -> str:
 
 def target_path(source: Path, cxx: str) -> Path:
     """Where ``source`` compiled by ``cxx`` is cached: the name carries a hash of the source,
-    flags, compiler, jaxlib version and CPU."""
+    the headers beside it (``cpu_common.h``), flags, compiler, jaxlib version and CPU."""
     import jaxlib
 
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(FLAGS).encode(), cxx.encode(),
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    for part in (source.read_bytes(), headers, " ".join(FLAGS).encode(), cxx.encode(),
                  jaxlib.__version__.encode(), platform.machine().encode(),
                  _cpu_flags().encode()):
         key.update(part)

@@ -43,16 +43,13 @@ namespace {
 
 // One vector of 16 floats: a zmm register with AVX-512, two ymm with AVX2 (GCC/Clang vector
 // extensions, so the same source builds for whatever -march=native finds).
-typedef float V __attribute__((vector_size(64)));
-typedef float VUnaligned __attribute__((vector_size(64), aligned(4)));
+#include "cpu_common.h"  // V, Load, Store, Splat, ParallelFor
+
 typedef int32_t VI __attribute__((vector_size(64)));
 typedef int32_t VIUnaligned __attribute__((vector_size(64), aligned(4)));
 constexpr int64_t kChunk = 16;  // keys per vector
 
 inline int64_t RoundUp(int64_t n) { return (n + kChunk - 1) / kChunk * kChunk; }
-inline V Load(const float* p) { return *reinterpret_cast<const VUnaligned*>(p); }
-inline void Store(float* p, V x) { *reinterpret_cast<VUnaligned*>(p) = x; }
-inline V Splat(float x) { return V{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 inline V Iota() { return V{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
 
 inline float HSum(V x) {
@@ -110,36 +107,6 @@ inline V Mask(V x, int64_t j0, int64_t n, const int32_t* ids, int32_t id, float 
   return keep ? x : Splat(hidden);
 }
 
-// Runs f(0) ... f(n - 1) on the calling thread and up to num_threads - 1 pool threads. A pool
-// task that starts after all items are taken returns without touching f.
-template <typename F>
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, const F& f) {
-  struct State {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-    std::mutex mu;
-    std::condition_variable cv;
-  };
-  auto state = std::make_shared<State>();
-  const F* body = &f;
-  auto run = [state, n, body]() {
-    for (int64_t i = state->next.fetch_add(1); i < n; i = state->next.fetch_add(1)) {
-      (*body)(i);
-      if (state->done.fetch_add(1) + 1 == n) {
-        std::lock_guard<std::mutex> lock(state->mu);
-        state->cv.notify_all();
-      }
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
-  for (int64_t t = 0; t < helpers; ++t) {
-    auto task = run;
-    pool.Schedule(std::move(task));
-  }
-  run();
-  std::unique_lock<std::mutex> lock(state->mu);
-  state->cv.wait(lock, [&] { return state->done.load() == n; });
-}
 
 struct Shape {
   int64_t b, s, h, kv, g, sp;

@@ -34,46 +34,12 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float V __attribute__((vector_size(64)));
-typedef float VUnaligned __attribute__((vector_size(64), aligned(4)));
+#include "cpu_common.h"  // V, Load, Store, Splat, ParallelFor
+
 constexpr int64_t kNr = 32;  // output columns per tile: two vectors
 constexpr int kMr = 8;       // output rows per tile (8 x 2 accumulators; 12 was no faster)
 
-inline V Load(const float* p) { return *reinterpret_cast<const VUnaligned*>(p); }
-inline void Store(float* p, V x) { *reinterpret_cast<VUnaligned*>(p) = x; }
-inline V Splat(float x) { return V{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
-// Runs f(0) ... f(n - 1) on the calling thread and up to num_threads - 1 pool threads (the
-// same scheme as causal_attention.cc).
-template <typename F>
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, const F& f) {
-  struct State {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-    std::mutex mu;
-    std::condition_variable cv;
-  };
-  if (n <= 0) return;
-  auto state = std::make_shared<State>();
-  const F* body = &f;
-  auto run = [state, n, body]() {
-    for (int64_t i = state->next.fetch_add(1); i < n; i = state->next.fetch_add(1)) {
-      (*body)(i);
-      if (state->done.fetch_add(1) + 1 == n) {
-        std::lock_guard<std::mutex> lock(state->mu);
-        state->cv.notify_all();
-      }
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
-  for (int64_t t = 0; t < helpers; ++t) {
-    auto task = run;
-    pool.Schedule(std::move(task));
-  }
-  run();
-  std::unique_lock<std::mutex> lock(state->mu);
-  state->cv.wait(lock, [&] { return state->done.load() == n; });
-}
 
 // A strided matrix view: element (i, j) at p[i * si + j * sj].
 struct View {

@@ -409,10 +409,8 @@ class DoEBlock(nnx.Module):
         if cfg.doe.expert == "blocks":
             b, s, d = h_enr.shape
             weights = (c(self.block_gate), c(self.block_up), c(self.block_down))
-            grouped = cfg.execution.grouped_matmul
             out, ids = sparse_blocks(h_enr.reshape(b * s, d), gates.reshape(b * s, -1),
-                                     weights, active_blocks(cfg),
-                                     "ragged_dot" if grouped == "auto" else grouped)
+                                     weights, active_blocks(cfg), cfg.execution.grouped_matmul)
             out = out.reshape(b, s, d)
             active = jnp.mean(jnp.sum(ids < gates.shape[-1], axis=-1)) / gates.shape[-1]
         else:

@@ -2,11 +2,12 @@
 
 Every call of a jitted function gets new output and temporary buffers. glibc's malloc serves
 large ones with ``mmap`` and returns them on free, so each call page-faults them in again;
-TCMalloc keeps freed memory for reuse. This prints the bandwidth of an elementwise write
-(``x * 2 + 1``) and of a reduction (reads only) at a few buffer sizes. Compare
+TCMalloc, and glibc tuned by ``mallopt``, keep freed memory for reuse. This prints the bandwidth
+of an elementwise write (``x * 2 + 1``) and of a reduction (reads only) at a few buffer sizes.
+Compare
 
-    python benchmarks/alloc_bandwidth.py                      # TCMalloc when installed
-    DAGMOE_TCMALLOC=0 python benchmarks/alloc_bandwidth.py    # the system allocator
+    python benchmarks/alloc_bandwidth.py          # TCMalloc when installed, else glibc tuned
+    DAGMOE_TCMALLOC=0 DAGMOE_GLIBC_TUNE=0 python benchmarks/alloc_bandwidth.py   # glibc as it comes
 
 (this is what ``dagmoe_jax/cli/launch.py`` and README's CPU notes rest on).
 """
@@ -47,6 +48,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from dagmoe_jax.cli.launch import reexec_with_tcmalloc
-    reexec_with_tcmalloc()  # a faster allocator on CPU when installed (dagmoe_jax/cli/launch.py)
+    from dagmoe_jax.cli.launch import configure_allocator
+    configure_allocator()  # TCMalloc when installed, else glibc tuned (dagmoe_jax/cli/launch.py)
     sys.exit(main())

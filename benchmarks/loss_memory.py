@@ -120,6 +120,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from dagmoe_jax.cli.launch import reexec_with_tcmalloc
-    reexec_with_tcmalloc()  # the allocator step_throughput.py uses (dagmoe_jax/cli/launch.py)
+    from dagmoe_jax.cli.launch import configure_allocator
+    configure_allocator()  # the allocator step_throughput.py uses (dagmoe_jax/cli/launch.py)
     main()

@@ -112,6 +112,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from dagmoe_jax.cli.launch import reexec_with_tcmalloc
-    reexec_with_tcmalloc()
+    from dagmoe_jax.cli.launch import configure_allocator
+    configure_allocator()
     sys.exit(main())

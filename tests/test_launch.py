@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dagmoe_jax.cli.launch import SWITCH, allocator, find_tcmalloc, tcmalloc_environment
+from dagmoe_jax.cli.launch import (GLIBC_SWITCH, GLIBC_TUNED, SWITCH, allocator, find_tcmalloc,
+                                   tcmalloc_environment)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -103,7 +104,7 @@ def test_reexec_restarts_once_with_the_same_pid_and_arguments(tmp_path):
 @pytest.mark.slow
 def test_alloc_bandwidth_benchmark_prints_its_table():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env[SWITCH] = "0"
+    env[SWITCH] = env[GLIBC_SWITCH] = "0"
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "alloc_bandwidth.py"),
                           "--mb", "1", "2", "--repeats", "1"], env=env, text=True,
                          capture_output=True, timeout=120)
@@ -112,3 +113,44 @@ def test_alloc_bandwidth_benchmark_prints_its_table():
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "MB |" in line]
     assert [r.split("|")[1].strip() for r in rows] == ["1 MB", "2 MB"]
     assert all(float(r.split("|")[2]) > 0 and float(r.split("|")[3]) > 0 for r in rows)
+
+
+FAULTS = """
+import resource, sys
+sys.path.insert(0, {root!r})
+from dagmoe_jax.cli.launch import configure_allocator
+print(configure_allocator(), flush=True)
+import jax, jax.numpy as jnp
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+f = jax.jit(lambda x: x * 2 + 1)
+x = jnp.ones(1 << 24, jnp.float32)
+for _ in range(10):  # compile, and let the heap grow to its working size (about 7 calls)
+    f(x).block_until_ready()
+before = faults()
+for _ in range(5):
+    f(x).block_until_ready()  # a fresh 64 MB output buffer each call, freed
+print(faults() - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt is Linux-only")
+@pytest.mark.parametrize("tune", ["1", "0"])
+def test_tuned_glibc_reuses_freed_memory_without_page_faults(tmp_path, tune):
+    """Without TCMalloc, configure_allocator tunes glibc so that XLA's freed 64 MB output buffer
+    is reused (no page faults); switched off, glibc unmaps it and every call faults its 16,384
+    pages in again."""
+    script = tmp_path / "faults.py"
+    script.write_text(FAULTS.format(root=str(ROOT)))
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "XLA_FLAGS")}
+    env[SWITCH], env[GLIBC_SWITCH] = "0", tune
+    out = subprocess.run([sys.executable, str(script)], env=env, text=True, capture_output=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    name, faults = out.stdout.splitlines()
+    if tune == "1":
+        assert name == GLIBC_TUNED
+        assert int(faults) < 1000
+    else:
+        assert name == "system malloc"
+        assert int(faults) > 5 * 16384 * 0.9

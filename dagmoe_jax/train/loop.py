@@ -15,6 +15,7 @@ from typing import Callable, Dict, Optional
 import jax
 
 from dagmoe_jax import runs
+from dagmoe_jax.cli.launch import allocator
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.data import DataConfig, make_tokenizer, train_dataset, unigram_entropy
 from dagmoe_jax.data.instruct import instruct_dataset, instruct_stats, is_instruct
@@ -69,7 +70,8 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
         say(schedule_note(optim_cfg, train_cfg.steps))
     model, optimizer, schedule = runs.build(model_cfg, optim_cfg, train_cfg, mesh, log=say)
     say(f"model settled for {jax.default_backend()}: "
-        f"{runs.describe(model.cfg, model_cfg, layout=MeshLayout.of(mesh))}")
+        f"{runs.describe(model.cfg, model_cfg, layout=MeshLayout.of(mesh))}; "
+        f"host memory: {allocator()}")
     checkpointer = runs.Checkpointer(run_dir / runs.CHECKPOINT_DIR,
                                      save_every=train_cfg.save_every,
                                      keep=train_cfg.keep_checkpoints,

@@ -25,7 +25,7 @@ from dagmoe_jax.validate import positive as _positive
 
 BLOCK_TYPES = ("dense", "moe", "coe", "doe")
 SCORE_FNS = ("sigmoid", "softmax")
-DISPATCH_MODES = ("capacity", "dropless", "dense")
+DISPATCH_MODES = ("auto", "capacity", "dropless", "dense")
 AGGREGATORS = ("sum", "dag", "mlp")
 EDGE_ACTIVATIONS = ("silu", "sigmoid")
 DAG_EDGES = ("all", "ranked", "self")
@@ -127,8 +127,11 @@ class ExpertConfig:
     expert_hidden: SwiGLU hidden size d_r of each routed expert (paper s: 256).
     num_shared: shared experts applied to every token (0 = none; the paper's parity baseline uses 1).
     shared_hidden: hidden size of each shared expert.
-    dispatch: 'capacity' (einsum over [N, C, d], overflow dropped; the CPU default),
-      'dropless' (sort + ragged_dot, exact) or 'dense' (every expert on every token; test oracle).
+    dispatch: 'auto' (default; settled when the run is built: 'dropless' where its grouped
+      matmul is a kernel, 'cpu_gmm' on CPU or 'gmm' on TPU, else 'capacity'), 'capacity' (einsum
+      over [N, C, d], overflow dropped), 'dropless' (sorted by expert, grouped matmuls; exact)
+      or 'dense' (every expert on every token; the test oracle). Pin one for a run that must
+      drop the same tokens on every machine.
     capacity_factor: C = ceil(capacity_factor * T * K / N) slots per expert for 'capacity'.
     """
 
@@ -136,7 +139,7 @@ class ExpertConfig:
     expert_hidden: int = 256
     num_shared: int = 0
     shared_hidden: int = 256
-    dispatch: str = "capacity"
+    dispatch: str = "auto"
     capacity_factor: float = 1.25
 
     def __post_init__(self):
@@ -405,8 +408,10 @@ class ModelConfig:
 
     @property
     def unsettled(self) -> tuple:
-        """The execution fields still 'auto' (settled by :func:`dagmoe_jax.runs.settle.settle`)."""
-        return self.execution.unsettled
+        """The fields still 'auto' (settled by :func:`dagmoe_jax.runs.settle.settle`): the
+        execution fields and ``experts.dispatch``."""
+        dispatch = ("experts.dispatch",) if self.experts.dispatch == "auto" else ()
+        return self.execution.unsettled + dispatch
 
     def replace(self, **changes) -> "ModelConfig":
         """A copy with fields changed; nested configs accept dicts of their own fields."""

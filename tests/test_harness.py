@@ -266,7 +266,9 @@ def test_loaded_run_scores_like_the_model(run_dir, model, rng):
     got = lm._loglikelihood_tokens(requests, disable_tqdm=True)
     want = [reference(model, c, t) for c, t in pairs]
     np.testing.assert_allclose([g[0] for g in got], [w[0] for w in want], rtol=1e-5, atol=1e-4)
-    assert lm.run.model_cfg.replace(execution=RAW.execution) == RAW
+    # the run's config as trained, less what each machine settles for itself
+    assert lm.run.model_cfg.replace(execution=RAW.execution,
+                                    experts=dict(dispatch="auto")) == RAW
 
 
 def test_chat_template_formats_prompts_as_fine_tuning_does(model):

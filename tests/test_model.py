@@ -248,7 +248,7 @@ def test_aux_outputs(harness):
 
 
 def test_dropped_fraction_reported_per_layer():
-    cfg = tiny_config("moe", "sum", experts=dict(capacity_factor=0.25))
+    cfg = tiny_config("moe", "sum", experts=dict(capacity_factor=0.25, dispatch="capacity"))
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     _, aux = nnx.jit(lambda m, t: m(t))(model, random_tokens(7, SEQ))
     dropped = np.asarray(aux["dropped_fraction"])

@@ -23,33 +23,43 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dagmoe_jax"
 def test_settle_decides_every_auto_field_per_backend_and_layout():
     cfg = tiny_config(settled=False)
     assert set(cfg.unsettled) == {"remat", "scan_unroll", "attention", "grouped_matmul",
-                                  "expert_exchange", "fuse_gate_up"}
+                                  "expert_exchange", "fuse_gate_up", "experts.dispatch"}
     cpu = settle(cfg, backend="cpu")
     assert cpu.unsettled == ()
     ex = cpu.execution
     assert (ex.remat, ex.scan_unroll, ex.attention, ex.fuse_gate_up) == (
         "none", cfg.num_layers, "fused", True)
+    # dropless wherever the CPU grouped matmul kernel is (it builds wherever the fused
+    # attention kernel does, which the line above asserts)
+    assert (ex.grouped_matmul, cpu.experts.dispatch) == ("cpu_gmm", "dropless")
+    assert "dispatch dropless" in describe(cpu, cfg, "cpu")
     gpu = settle(cfg.replace(compute_dtype="bfloat16"), backend="gpu")
     assert (gpu.execution.remat, gpu.execution.scan_unroll, gpu.execution.attention) == (
         "full", 1, "cudnn")
+    assert gpu.experts.dispatch == "capacity"                 # ragged_dot: not yet measured
     assert settle(cfg, backend="tpu").execution.attention == "splash"
+    assert settle(cfg, backend="tpu").experts.dispatch == "capacity"  # d 32: no megablox tile
+    tpu = settle(cfg.replace(d_model=128, experts=dict(expert_hidden=128)), backend="tpu")
+    assert (tpu.execution.grouped_matmul, tpu.experts.dispatch) == ("gmm", "dropless")
     layout = MeshLayout.of(make_mesh(MeshConfig(data=2), jax.devices()[:2]))
     meshed = settle(cfg, backend="cpu", layout=layout)
     assert (meshed.execution.attention, meshed.execution.fuse_gate_up) == ("blockwise", False)
+    assert meshed.experts.dispatch == "capacity"              # ragged_dot on a CPU mesh: slow
     assert "expert-parallel over {'data': 2" in describe(meshed, cfg, "cpu", layout)
     # what the user set explicitly is kept
     explicit = cfg.replace(execution=dict(remat="dots", scan_unroll=2, attention="xla",
                                           fuse_gate_up=False, grouped_matmul="gmm",
-                                          expert_exchange="ragged_all_to_all"))
+                                          expert_exchange="ragged_all_to_all"),
+                           experts=dict(dispatch="capacity"))
     assert settle(explicit, backend="cpu") == explicit
     assert settle(cpu, backend="cpu") == cpu                  # idempotent
     assert MeshLayout.of(make_mesh(MeshConfig(data=1), jax.devices()[:1])) is None
 
 
 def test_an_unsettled_config_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"^ExecutionConfig fields remat, scan_unroll, attention, "
-                                         r"grouped_matmul, expert_exchange, fuse_gate_up are "
-                                         r"still 'auto': build the model from "
+    with pytest.raises(ValueError, match=r"^ModelConfig fields remat, scan_unroll, attention, "
+                                         r"grouped_matmul, expert_exchange, fuse_gate_up, "
+                                         r"experts.dispatch are still 'auto': build the model from "
                                          r"dagmoe_jax.runs.settle.settle\(cfg\)$"):
         Transformer(tiny_config(settled=False), rngs=nnx.Rngs(0))
 

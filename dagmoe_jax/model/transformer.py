@@ -88,7 +88,7 @@ class Transformer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layout: Optional[MeshLayout] = None):
         if cfg.unsettled:
-            raise ValueError(f"ExecutionConfig fields {', '.join(cfg.unsettled)} are still 'auto': "
+            raise ValueError(f"ModelConfig fields {', '.join(cfg.unsettled)} are still 'auto': "
                              f"build the model from dagmoe_jax.runs.settle.settle(cfg)")
         self.cfg = cfg
         pd = dtype_of(cfg.param_dtype)

@@ -25,6 +25,10 @@ prints and saves:
                    TPU; the all-gather fallback on CPU (XLA:CPU has no ragged all-to-all)
 ``fuse_gate_up``   one [W_gate | W_up] matmul on one device; two under a mesh (the
                    concatenation would move tensor-sharded weights)
+``dispatch``       ``ExpertConfig.dispatch``: dropless (exact) where the grouped matmul
+                   settled above is a kernel (``cpu_gmm``, ``gmm``): on CPU it makes the MoE-s
+                   step about 0.89x of capacity dispatch's; capacity elsewhere (XLA:CPU's
+                   ``ragged_dot`` under a mesh is 40-100x slower; GPU not yet measured)
 =================  =====================================================================
 
 The mesh enters as a :class:`~dagmoe_jax.parallel.axes.MeshLayout` (None for one device),
@@ -109,6 +113,14 @@ def settle_grouped_matmul(name: str, backend: str, d_model: int, hidden: int,
     return "ragged_dot"
 
 
+def settle_dispatch(name: str, grouped_matmul: str) -> str:
+    """'auto': 'dropless' when ``grouped_matmul`` (settled) is a kernel, 'cpu_gmm' or 'gmm';
+    'capacity' otherwise (see the module docstring)."""
+    if name != "auto":
+        return name
+    return "dropless" if grouped_matmul in ("cpu_gmm", "gmm") else "capacity"
+
+
 def settle_expert_exchange(name: str, backend: str) -> str:
     """'auto': 'ragged_all_to_all' on GPU / TPU, 'all_gather' on CPU (module docstring)."""
     if name != "auto":
@@ -133,14 +145,17 @@ def settle(cfg: ModelConfig, *, backend: Optional[str] = None,
             and grouped_matmul_needs_build()):
         log("compiling the CPU grouped matmul kernel (about 5 s, once per machine)")
     attention, _ = settle_attention(ex.attention, backend, dtype, cfg.resolved_head_dim, layout)
-    return cfg.replace(execution=dict(
-        remat=settle_remat(ex.remat, backend),
-        scan_unroll=settle_scan_unroll(ex.scan_unroll, cfg.num_layers, backend),
-        attention=attention,
-        grouped_matmul=settle_grouped_matmul(ex.grouped_matmul, backend, cfg.d_model,
-                                             cfg.experts.expert_hidden, layout),
-        expert_exchange=settle_expert_exchange(ex.expert_exchange, backend),
-        fuse_gate_up=(layout is None) if ex.fuse_gate_up is None else ex.fuse_gate_up))
+    grouped_matmul = settle_grouped_matmul(ex.grouped_matmul, backend, cfg.d_model,
+                                           cfg.experts.expert_hidden, layout)
+    return cfg.replace(
+        experts=dict(dispatch=settle_dispatch(cfg.experts.dispatch, grouped_matmul)),
+        execution=dict(
+            remat=settle_remat(ex.remat, backend),
+            scan_unroll=settle_scan_unroll(ex.scan_unroll, cfg.num_layers, backend),
+            attention=attention,
+            grouped_matmul=grouped_matmul,
+            expert_exchange=settle_expert_exchange(ex.expert_exchange, backend),
+            fuse_gate_up=(layout is None) if ex.fuse_gate_up is None else ex.fuse_gate_up))
 
 
 def describe(settled: ModelConfig, original: Optional[ModelConfig] = None,
@@ -157,9 +172,10 @@ def describe(settled: ModelConfig, original: Optional[ModelConfig] = None,
                                   settled.resolved_head_dim, layout)
         attention += f" ({why})" if why else ""
     dropless = settled.block != "dense" and settled.experts.dispatch == "dropless"
+    dispatch = (f", dispatch {settled.experts.dispatch}" if settled.block != "dense" else "")
     return (f"attention {attention}, remat {ex.remat}, layers unrolled "
             f"{ex.scan_unroll}/{settled.num_layers}, gate/up "
-            f"{'fused' if ex.fuse_gate_up else 'separate'}"
+            f"{'fused' if ex.fuse_gate_up else 'separate'}{dispatch}"
             f"{', grouped matmul ' + ex.grouped_matmul if dropless else ''}"
             f"{', expert-parallel over ' + str(dict(layout.axis_sizes)) if layout else ''}"
             f"{' by ' + ex.expert_exchange if layout and dropless else ''}")

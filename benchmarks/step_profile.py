@@ -1,0 +1,234 @@
+"""Where one training step's time goes, instruction by instruction, from XLA's own profile.
+
+It builds the training step of a model (default: MoE-s at vocabulary 256, batch 8 x 512, the
+library's settled defaults), runs it under ``jax.profiler.trace`` and reads the executed HLO
+instructions off the trace (XLA:CPU records every thunk it runs, with its instruction's name).
+Each instruction is put in a category from the compiled HLO text (its opcode, its fusion's
+kind, the custom call it makes, the parameters it reads):
+
+=============  ===========================================================================
+matmul         dot instructions and the XLA:CPU matmul fusions (YNNPACK / oneDNN)
+attention      the fused C++ attention kernel (``dagmoe_causal_attention*``)
+grouped mm     the C++ grouped matmul of dropless dispatch (``dagmoe_gmm*``, ``dagmoe_tgmm``)
+optimizer      elementwise work on the optimizer state (AdamW's moments and update)
+weight copy    slices, concatenations and copies of the parameters (stacked layer weights
+               sliced per layer, SwiGLU's [W_gate | W_up])
+data movement  other slices, concatenations, copies, transposes, gathers and scatters
+elementwise    the remaining loop / input fusions: norms, activations, router softmax and
+               top-k bookkeeping, the loss
+other          everything else
+=============  ===========================================================================
+
+    python benchmarks/step_profile.py                      # MoE-s, vocab 256
+    python benchmarks/step_profile.py --gin variants/dag_g128_l2.gin --top 30
+    python benchmarks/step_profile.py --binding "ExpertConfig.dispatch = 'capacity'"
+
+Times are wall time per step summed over instructions (XLA:CPU runs nearly all of them one after
+another, so the sum is close to the step; the table prints both). Instructions are the compiled
+program's, so the categories follow what XLA fused, not the Python code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmarks
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from dagmoe_jax.cli.launch import allocator  # noqa: E402
+from dagmoe_jax.gin_utils import load_model_config  # noqa: E402
+from dagmoe_jax.model import Transformer  # noqa: E402
+from dagmoe_jax.runs.settle import describe, settle  # noqa: E402
+from dagmoe_jax.train.step import make_train_step  # noqa: E402
+from step_throughput import time_fn  # noqa: E402
+
+CATEGORIES = ("matmul", "attention", "grouped mm", "optimizer", "weight copy", "data movement",
+              "elementwise", "other")
+MOVES = ("slice", "concatenate", "copy", "transpose", "gather", "scatter", "dynamic-slice",
+         "dynamic-update-slice", "pad", "reverse")
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S.*?)\s([a-z][a-z0-9\-]*)\((.*)$")
+_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+
+
+def parse_hlo(text: str) -> Tuple[Dict[str, dict], Dict[str, List[str]]]:
+    """(instruction name -> {opcode, operands, calls, kind, target, computation},
+    computation name -> opcodes of its instructions) from a compiled module's HLO text."""
+    instructions, computations, current = {}, collections.defaultdict(list), ""
+    for line in text.splitlines():
+        comp = _COMP.match(line)
+        if comp and not line.startswith(" "):
+            current = comp.group(1)
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, _shape, opcode, rest = m.groups()
+        calls = re.search(r"calls=%?([\w.\-]+)", rest)
+        kind = re.search(r"kind=(\w+)", rest)
+        target = re.search(r'custom_call_target="([^"]+)"', rest)
+        operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+        instructions[name] = dict(opcode=opcode, operands=operands, computation=current,
+                                  calls=calls.group(1) if calls else None,
+                                  kind=kind.group(1) if kind else "",
+                                  target=target.group(1) if target else "")
+        computations[current].append(opcode)
+    return instructions, computations
+
+
+def _reads(instructions: Dict[str, dict], name: str, prefixes: Tuple[str, ...],
+           depth: int = 4) -> bool:
+    """Whether instruction ``name`` reads (through up to ``depth`` producers) an entry parameter
+    whose name starts with one of ``prefixes`` (nnx names them after the state they hold)."""
+    frontier, seen = [name], set()
+    for _ in range(depth):
+        following = []
+        for n in frontier:
+            for op in instructions.get(n, {}).get("operands", ()):
+                if op.startswith(prefixes):
+                    return True
+                if op not in seen:
+                    seen.add(op)
+                    following.append(op)
+        frontier = following
+    return False
+
+
+def categorize(name: str, instructions: Dict[str, dict],
+               computations: Dict[str, List[str]]) -> str:
+    """The category (:data:`CATEGORIES`) of executed instruction ``name``."""
+    info = instructions.get(name)
+    if info is None:
+        return "other"
+    opcode, target = info["opcode"], info["target"]
+    inner = computations.get(info["calls"] or "", [])
+    if opcode in ("custom-call",) or target:
+        if "attention" in target:
+            return "attention"
+        if "gmm" in target:
+            return "grouped mm"
+        return "matmul" if "matmul" in target or "gemm" in target else "other"
+    if opcode in ("dot", "convolution") or (opcode == "fusion" and info["kind"] == "kCustom") \
+            or (opcode == "fusion" and "dot" in inner):
+        return "matmul"
+    moving = opcode in MOVES or (opcode == "fusion" and inner and all(
+        op in MOVES or op in ("parameter", "bitcast", "broadcast", "constant", "tuple",
+                              "get-tuple-element") for op in inner))
+    if moving:
+        reads_params = _reads(instructions, name, ("model_states", "param"), depth=3)
+        return "weight copy" if reads_params else "data movement"
+    if opcode == "fusion" and _reads(instructions, name, ("optimizer_states",), depth=2):
+        return "optimizer"
+    if opcode == "fusion":
+        return "elementwise"
+    return "other"
+
+
+def trace_events(log_dir: str) -> List[dict]:
+    """The complete ('X') events of the newest perfetto trace under ``log_dir``."""
+    paths = sorted(Path(log_dir).rglob("perfetto_trace.json.gz"))
+    if not paths:
+        raise RuntimeError(f"the profiler wrote no perfetto_trace.json.gz under {log_dir}")
+    with gzip.open(paths[-1], "rt") as f:
+        data = json.load(f)
+    return [e for e in (data["traceEvents"] if isinstance(data, dict) else data)
+            if e.get("ph") == "X"]
+
+
+def instruction_seconds(events: List[dict], module: str = "jit_step") -> Tuple[Dict[str, float], float]:
+    """(instruction -> seconds per execution, span of an execution in seconds), averaged over
+    the executions of ``module`` in ``events``."""
+    runs = collections.defaultdict(list)
+    for e in events:
+        args = e.get("args") or {}
+        if args.get("hlo_op") and args.get("hlo_module", module) == module:
+            runs[args.get("run_id")].append(e)
+    if not runs:
+        raise RuntimeError(f"the trace has no instruction of {module}")
+    per, spans = collections.defaultdict(float), []
+    for evs in runs.values():
+        spans.append((max(e["ts"] + e["dur"] for e in evs) - min(e["ts"] for e in evs)) / 1e6)
+        for e in evs:
+            per[e["args"]["hlo_op"]] += e["dur"] / 1e6 / len(runs)
+    return dict(per), float(np.mean(spans))
+
+
+def profile_step(cfg, batch: int, seq: int, steps: int):
+    """(step seconds, {instruction: seconds}, span, instructions, computations) of ``cfg``."""
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+    step = make_train_step()
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1)),
+                         jnp.int32)
+    data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    run = lambda: jax.block_until_ready(step(model, optimizer, data))  # noqa: E731
+    seconds = time_fn(run, steps)
+    text = step.lower(model, optimizer, data).compile().as_text()
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+            for _ in range(steps):
+                run()
+        per, span = instruction_seconds(trace_events(log_dir))
+    instructions, computations = parse_hlo(text)
+    return seconds, per, span, instructions, computations
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="models/s.gin", help="model-size gin file")
+    p.add_argument("--gin", action="append", default=None,
+                   help="variant / extra gin files (default: variants/moe.gin), repeatable")
+    p.add_argument("--binding", action="append", default=[], help="extra gin binding, repeatable")
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--steps", type=int, default=3, help="timed and profiled steps")
+    p.add_argument("--top", type=int, default=15, help="slowest instructions listed")
+    args = p.parse_args(argv)
+    cfg = load_model_config([args.model, *(args.gin or ["variants/moe.gin"])],
+                            [*args.binding, f"ModelConfig.vocab_size = {args.vocab}"])
+    settled = settle(cfg, log=print)
+    print(f"device: {jax.devices()[0].device_kind}  allocator: {allocator()}  model: "
+          f"{describe(settled, cfg)}\nbatch {args.batch} x {args.seq} tokens, vocab {args.vocab}, "
+          f"{args.steps} steps")
+    seconds, per, span, instructions, computations = profile_step(settled, args.batch, args.seq,
+                                                                  args.steps)
+    by_cat = collections.defaultdict(float)
+    count = collections.Counter()
+    for name, t in per.items():
+        cat = categorize(name, instructions, computations)
+        by_cat[cat] += t
+        count[cat] += 1
+    total = sum(per.values())
+    print(f"\nstep {seconds:.3f} s (best of {args.steps}, untraced); traced: instructions sum "
+          f"{total:.3f} s, span {span:.3f} s\n")
+    print(f"| category | s/step | share | instructions |\n|---|---:|---:|---:|")
+    for cat in CATEGORIES:
+        if count[cat]:
+            print(f"| {cat} | {by_cat[cat]:.3f} | {by_cat[cat] / total:.1%} | {count[cat]} |")
+    print(f"\nslowest {args.top} instructions\n| instruction | category | ms/step |\n|---|---|---:|")
+    for name, t in sorted(per.items(), key=lambda kv: -kv[1])[:args.top]:
+        print(f"| {name} | {categorize(name, instructions, computations)} | {t * 1e3:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    from dagmoe_jax.cli.launch import configure_allocator
+    configure_allocator()  # TCMalloc when installed, else glibc tuned (dagmoe_jax/cli/launch.py)
+    sys.exit(main())

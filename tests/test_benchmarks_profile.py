@@ -1,0 +1,89 @@
+"""benchmarks/step_profile.py: its HLO parsing and categories on a hand-written module, and the
+whole profile of a micro model's step."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import step_profile  # noqa: E402
+
+HLO = """HloModule jit_step
+
+%fused_computation (param_0: f32[4,8]) -> f32[8] {
+  %param_0 = f32[4,8]{1,0} parameter(0)
+  %slice.1 = f32[1,8]{1,0} slice(%param_0), slice={[0:1], [0:8]}
+  ROOT %bitcast.1 = f32[8]{0} bitcast(%slice.1)
+}
+
+%fused_computation.1 (param_0.1: f32[8], param_1: f32[8]) -> f32[8] {
+  %param_0.1 = f32[8]{0} parameter(0)
+  %param_1 = f32[8]{0} parameter(1)
+  ROOT %multiply.1 = f32[8]{0} multiply(%param_0.1, %param_1)
+}
+
+ENTRY %main (model_states_0_: f32[4,8], optimizer_states_1_: f32[8], x: f32[2,8]) -> f32[8] {
+  %model_states_0_ = f32[4,8]{1,0} parameter(0)
+  %optimizer_states_1_ = f32[8]{0} parameter(1)
+  %x = f32[2,8]{1,0} parameter(2)
+  %slice_bitcast_fusion = f32[8]{0} fusion(%model_states_0_), kind=kLoop, calls=%fused_computation
+  %dot.3 = f32[2]{0} dot(%x, %slice_bitcast_fusion), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %ffi_call.2 = f32[2,8]{1,0} custom-call(%x), custom_call_target="dagmoe_causal_attention_fwd"
+  %ffi_call.3 = f32[2,8]{1,0} custom-call(%x), custom_call_target="dagmoe_gmm"
+  %transpose.4 = f32[8,2]{1,0} transpose(%x), dimensions={1,0}
+  ROOT %multiply_fusion = f32[8]{0} fusion(%optimizer_states_1_, %slice_bitcast_fusion), kind=kLoop, calls=%fused_computation.1
+}
+"""
+
+
+def test_categories_of_a_hand_written_module():
+    instructions, computations = step_profile.parse_hlo(HLO)
+    assert instructions["dot.3"]["operands"] == ["x", "slice_bitcast_fusion"]
+    assert computations["fused_computation"] == ["parameter", "slice", "bitcast"]
+    got = {name: step_profile.categorize(name, instructions, computations)
+           for name in ("slice_bitcast_fusion", "dot.3", "ffi_call.2", "ffi_call.3", "transpose.4",
+                        "multiply_fusion", "missing")}
+    assert got == {"slice_bitcast_fusion": "weight copy", "dot.3": "matmul",
+                   "ffi_call.2": "attention", "ffi_call.3": "grouped mm",
+                   "transpose.4": "data movement", "multiply_fusion": "optimizer",
+                   "missing": "other"}
+
+
+def test_instruction_seconds_average_over_executions():
+    ev = lambda op, run, ts, dur: {"ph": "X", "ts": ts, "dur": dur, "name": op,  # noqa: E731
+                                   "args": {"hlo_op": op, "hlo_module": "jit_step", "run_id": run}}
+    events = [ev("a", "1", 0, 100), ev("b", "1", 100, 300), ev("a", "2", 1000, 300),
+              ev("b", "2", 1300, 100), {"ph": "X", "ts": 0, "dur": 5, "name": "python"}]
+    per, span = step_profile.instruction_seconds(events)
+    assert per == pytest.approx({"a": 200e-6, "b": 200e-6})
+    assert span == pytest.approx(400e-6)
+    with pytest.raises(RuntimeError, match="no instruction"):
+        step_profile.instruction_seconds(events[-1:])
+
+
+@pytest.mark.slow
+def test_micro_profile_prints_its_tables():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["DAGMOE_TCMALLOC"] = "0"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "step_profile.py"), "--batch", "2",
+           "--seq", "32", "--steps", "1", "--top", "5"]
+    for b in ("ModelConfig.num_layers = 1", "ModelConfig.d_model = 64", "ModelConfig.num_heads = 4",
+              "ModelConfig.num_kv_heads = 2", "ExpertConfig.num_experts = 4",
+              "ExpertConfig.expert_hidden = 32", "RouterConfig.top_k = 2"):
+        cmd += ["--binding", b]
+    out = subprocess.run(cmd, env=env, text=True, capture_output=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in out.stdout.splitlines()
+            if line.startswith("| ") and line.split("|")[1].strip() in step_profile.CATEGORIES}
+    # Matmuls and elementwise work are found, the optimizer's update too; shares add up to 1.
+    assert {"matmul", "elementwise", "optimizer"} <= set(rows)
+    assert sum(float(r[1].strip(" %")) for r in rows.values()) == pytest.approx(100, abs=0.5)
+    assert len([line for line in out.stdout.splitlines()
+                if line.startswith("| ") and line.count("|") == 4 and "ms/step" not in line]) == 5

@@ -13,7 +13,10 @@ both alike. Reported: s/step, tokens/s and the ratio ours / OLMoE (> 1: ours is 
     python benchmarks/peer_throughput.py                        # vocab 256 and 32,768
     python benchmarks/peer_throughput.py --vocab 256 --steps 2  # quicker
     # (--vocab 256 --steps 1 --rounds 1 took 93 s on a 2-core CPU, mostly OLMoE's steps)
-    python benchmarks/peer_throughput.py --gin_binding "ExpertConfig.dispatch = 'dropless'"
+    python benchmarks/peer_throughput.py --gin_binding "ExpertConfig.dispatch = 'capacity'"
+    # OLMoE also under glibc's malloc as it comes, as a PyTorch user runs it (a child process
+    # per round: in this process it shares the allocator set-up of dagmoe_jax/cli/launch.py)
+    python benchmarks/peer_throughput.py --olmoe_system_malloc
 
 torch and transformers are optional dependencies of this benchmark only:
 
@@ -28,6 +31,7 @@ import argparse
 import json
 import math
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -107,18 +111,41 @@ def build_olmoe(peer, cfg, batch: int, seq: int):
     return model, step
 
 
+def olmoe_in_system_malloc(args, vocab: int) -> float:
+    """Best s/step of one OLMoE round in a child process that leaves glibc's malloc as it comes
+    (no TCMalloc, no tuning): how a PyTorch user runs it."""
+    env = {**os.environ, "DAGMOE_TCMALLOC": "0", "DAGMOE_GLIBC_TUNE": "0"}
+    env["LD_PRELOAD"] = " ".join(p for p in env.get("LD_PRELOAD", "").split() if "tcmalloc" not in p)
+    cmd = [sys.executable, __file__, "--olmoe_round", "--vocab", str(vocab), "--batch",
+           str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
+           "--torch_threads", str(args.torch_threads or os.cpu_count()),
+           *(["--tiny"] if args.tiny else []),
+           *[a for b in args.gin_binding for a in ("--gin_binding", b)]]
+    out = subprocess.run(cmd, env=env, text=True, capture_output=True)
+    if out.returncode != 0:
+        raise SystemExit(f"the OLMoE child process failed: {out.stderr.strip().splitlines()[-1:]}")
+    return float(out.stdout.split("OLMOE_SECONDS")[-1].split()[0])
+
+
 def measure(bench, peer, cfg, args) -> dict:
-    """Best s/step of ours and of OLMoE over ``args.rounds`` alternating rounds."""
-    ours, theirs = math.inf, math.inf
+    """Best s/step of ours and of OLMoE over ``args.rounds`` alternating rounds (and of OLMoE
+    under the system malloc in a child process, with ``--olmoe_system_malloc``)."""
+    ours, theirs, system = math.inf, math.inf, math.inf
     for _ in range(args.rounds):
         ours = min(ours, bench.step_time(cfg, args.batch, args.seq, args.steps))
         release_memory()
         model, step = build_olmoe(peer, cfg, args.batch, args.seq)
         theirs = min(theirs, bench.time_fn(step, args.steps))
-        print(f"  vocab {cfg.vocab_size}: ours {ours:.3f} s/step, OLMoE {theirs:.3f} s/step", flush=True)
+        line = f"  vocab {cfg.vocab_size}: ours {ours:.3f} s/step, OLMoE {theirs:.3f} s/step"
+        if args.olmoe_system_malloc:
+            system = min(system, olmoe_in_system_malloc(args, cfg.vocab_size))
+            line += f", OLMoE under the system malloc {system:.3f} s/step"
+        print(line, flush=True)
     tokens = args.batch * args.seq
+    extra = (dict(olmoe_system_s_per_step=system, ratio_system=system / ours)
+             if args.olmoe_system_malloc else {})
     return dict(vocab=cfg.vocab_size, ours_s_per_step=ours, ours_tok_s=tokens / ours,
-                olmoe_s_per_step=theirs, olmoe_tok_s=tokens / theirs, ratio=theirs / ours,
+                olmoe_s_per_step=theirs, olmoe_tok_s=tokens / theirs, ratio=theirs / ours, **extra,
                 ours_params=account(cfg).total_params,
                 olmoe_params=sum(p.numel() for p in model.parameters()),
                 attn_implementation=model.config._attn_implementation,
@@ -126,10 +153,14 @@ def measure(bench, peer, cfg, args) -> dict:
 
 
 def table(rows) -> str:
-    lines = ["| vocab | ours s/step | ours tok/s | OLMoE s/step | OLMoE tok/s | ours / OLMoE |",
-             "|---:|---:|---:|---:|---:|---:|"]
+    system = "olmoe_system_s_per_step" in rows[0]
+    lines = ["| vocab | ours s/step | ours tok/s | OLMoE s/step | OLMoE tok/s | ours / OLMoE |"
+             + (" OLMoE, system malloc, s/step | ours / that |" if system else ""),
+             "|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if system else "")]
     lines += [f"| {r['vocab']:,} | {r['ours_s_per_step']:.3f} | {r['ours_tok_s']:,.0f} | "
-              f"{r['olmoe_s_per_step']:.3f} | {r['olmoe_tok_s']:,.0f} | {r['ratio']:.2f}x |" for r in rows]
+              f"{r['olmoe_s_per_step']:.3f} | {r['olmoe_tok_s']:,.0f} | {r['ratio']:.2f}x |"
+              + (f" {r['olmoe_system_s_per_step']:.3f} | {r['ratio_system']:.2f}x |" if system else "")
+              for r in rows]
     return "\n".join(lines)
 
 
@@ -144,6 +175,7 @@ def notes(cfg, rows) -> str:
         verdict = "= its q/k RMSNorm scales" if diff == qk_norms else "UNEXPECTED, not only q/k norms"
         lines.append(f"  vocab {r['vocab']:,}: ours {r['ours_params']:,}, OLMoE {r['olmoe_params']:,} "
                      f"(OLMoE - ours = {diff:,} {verdict}: {cfg.num_layers} x ({cfg.d_model} + {kv_dim}))")
+    e = settled.experts
     dispatch = (f"capacity dispatch (capacity factor {e.capacity_factor}, overflow tokens dropped)"
                 if e.dispatch == "capacity" else f"{e.dispatch} dispatch")
     lines += ["differences by design:",
@@ -168,6 +200,10 @@ def parse_args(argv):
     p.add_argument("--tiny", action="store_true",
                    help="shrink both models and the batch (d 64, 2 layers, 8 experts top-2, 2 x 32) for tests")
     p.add_argument("--json", metavar="PATH", help="also write the rows to PATH as JSON")
+    p.add_argument("--olmoe_system_malloc", action="store_true",
+                   help="also time OLMoE in a child process under glibc's malloc as it comes "
+                        "(the in-process OLMoE shares our allocator set-up)")
+    p.add_argument("--olmoe_round", action="store_true", help=argparse.SUPPRESS)  # the child
     args = p.parse_args(argv)
     for name, default in (TINY if args.tiny else FULL).items():
         if getattr(args, name) is None:
@@ -184,6 +220,11 @@ def main(argv=None):
     torch, transformers = peer
     torch.set_num_threads(args.torch_threads or os.cpu_count())
     bindings = [*(TINY_BINDINGS if args.tiny else ()), *args.gin_binding]
+    if args.olmoe_round:  # one OLMoE round for olmoe_in_system_malloc
+        cfg = load_model_config(MODEL_GIN, [*bindings, f"ModelConfig.vocab_size = {args.vocab[0]}"])
+        _, step = build_olmoe(peer, cfg, args.batch, args.seq)
+        print(f"OLMOE_SECONDS {bench.time_fn(step, args.steps)!r}")
+        return 0
     versions = {"jax": jax.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
     print(f"ours: {jax.devices()[0].device_kind} ({jax.default_backend()}); OLMoE: torch CPU, "
           f"{torch.get_num_threads()} threads; allocator (both): {allocator()}")

@@ -73,3 +73,19 @@ def test_tiny_run_table_matches_json(tmp_path):
     # same shapes by construction: the parameter counts differ only by OLMoE's q/k RMSNorm scales
     assert row["olmoe_params"] - row["ours_params"] == 2 * (64 + 2 * 16)
     assert "= its q/k RMSNorm scales" in out
+
+
+def test_olmoe_under_the_system_malloc_runs_in_a_child_process(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    proc = _run(["--tiny", "--vocab", "64", "--olmoe_system_malloc", "--json", "out.json"],
+                tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "OLMoE, system malloc, s/step | ours / that |" in out
+    (row,) = json.loads((tmp_path / "out.json").read_text())["rows"]
+    assert math.isfinite(row["olmoe_system_s_per_step"]) and row["olmoe_system_s_per_step"] > 0
+    assert row["ratio_system"] == pytest.approx(row["olmoe_system_s_per_step"]
+                                                / row["ours_s_per_step"], rel=1e-9)
+    table_row = next(line for line in out.splitlines() if line.startswith("| 64 |"))
+    assert table_row.rstrip(" |").endswith(f"{row['ratio_system']:.2f}x")

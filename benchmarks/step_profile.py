@@ -222,9 +222,21 @@ def main(argv=None) -> int:
     for cat in CATEGORIES:
         if count[cat]:
             print(f"| {cat} | {by_cat[cat]:.3f} | {by_cat[cat] / total:.1%} | {count[cat]} |")
+    targets = collections.defaultdict(lambda: [0.0, 0])
+    for name, t in per.items():
+        target = instructions.get(name, {}).get("target")
+        if target:
+            targets[target][0] += t
+            targets[target][1] += 1
+    if targets:
+        print("\n| custom call | s/step | calls |\n|---|---:|---:|")
+        for target, (t, n) in sorted(targets.items(), key=lambda kv: -kv[1][0]):
+            print(f"| {target} | {t:.3f} | {n} |")
     print(f"\nslowest {args.top} instructions\n| instruction | category | ms/step |\n|---|---|---:|")
     for name, t in sorted(per.items(), key=lambda kv: -kv[1])[:args.top]:
-        print(f"| {name} | {categorize(name, instructions, computations)} | {t * 1e3:.1f} |")
+        target = instructions.get(name, {}).get("target")
+        label = f"{name} ({target})" if target else name
+        print(f"| {label} | {categorize(name, instructions, computations)} | {t * 1e3:.1f} |")
     return 0
 
 

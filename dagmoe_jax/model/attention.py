@@ -275,8 +275,14 @@ class Attention(nnx.Module):
         # (two contracted axes) several times slower.
         b, s, d = x.shape
         x2 = x.astype(self.dtype).reshape(b * s, d)
-        proj = lambda w: (x2 @ w[...].astype(self.dtype).reshape(d, -1)).reshape(b, s, *w.shape[1:])
-        q, k, v = proj(self.w_q), proj(self.w_k), proj(self.w_v)
+        ws = [w[...].astype(self.dtype).reshape(d, -1) for w in (self.w_q, self.w_k, self.w_v)]
+        if self.cfg.execution.fuse_gate_up:  # one matmul against [W_q | W_k | W_v] (config.py)
+            parts = jnp.split(x2 @ jnp.concatenate(ws, axis=1),
+                              [ws[0].shape[1], ws[0].shape[1] + ws[1].shape[1]], axis=1)
+        else:
+            parts = [x2 @ w for w in ws]
+        q, k, v = (p.reshape(b, s, *w.shape[1:])
+                   for p, w in zip(parts, (self.w_q, self.w_k, self.w_v)))
         q = constrain(apply_rope(q, sin, cos), ("batch", "length", "heads", "head_dim"))
         k = constrain(apply_rope(k, sin, cos), ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))

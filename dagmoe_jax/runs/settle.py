@@ -23,8 +23,9 @@ prints and saves:
                    the flag in scripts/gpu_env.sh)
 ``expert_exchange`` expert-parallel dropless dispatch: ``jax.lax.ragged_all_to_all`` on GPU and
                    TPU; the all-gather fallback on CPU (XLA:CPU has no ragged all-to-all)
-``fuse_gate_up``   one [W_gate | W_up] matmul on one device; two under a mesh (the
-                   concatenation would move tensor-sharded weights)
+``fuse_gate_up``   one [W_gate | W_up] matmul (and one [W_q | W_k | W_v]) on one device;
+                   separate ones under a mesh (the concatenation would move tensor-sharded
+                   weights)
 ``dispatch``       ``ExpertConfig.dispatch``: dropless (exact) where the grouped matmul
                    settled above is a kernel (``cpu_gmm``, ``gmm``): on CPU it makes the MoE-s
                    step about 0.89x of capacity dispatch's; capacity elsewhere (XLA:CPU's

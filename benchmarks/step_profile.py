@@ -150,7 +150,8 @@ def trace_events(log_dir: str) -> List[dict]:
             if e.get("ph") == "X"]
 
 
-def instruction_seconds(events: List[dict], module: str = "jit_step") -> Tuple[Dict[str, float], float]:
+def instruction_seconds(events: List[dict],
+                        module: str = "jit_step") -> Tuple[Dict[str, float], float]:
     """(instruction -> seconds per execution, span of an execution in seconds), averaged over
     the executions of ``module`` in ``events``."""
     runs = collections.defaultdict(list)
@@ -232,7 +233,8 @@ def main(argv=None) -> int:
         print("\n| custom call | s/step | calls |\n|---|---:|---:|")
         for target, (t, n) in sorted(targets.items(), key=lambda kv: -kv[1][0]):
             print(f"| {target} | {t:.3f} | {n} |")
-    print(f"\nslowest {args.top} instructions\n| instruction | category | ms/step |\n|---|---|---:|")
+    print(f"\nslowest {args.top} instructions\n"
+          f"| instruction | category | ms/step |\n|---|---|---:|")
     for name, t in sorted(per.items(), key=lambda kv: -kv[1])[:args.top]:
         target = instructions.get(name, {}).get("target")
         label = f"{name} ({target})" if target else name

@@ -17,11 +17,11 @@ things, and :func:`allocator` says which:
 * **glibc tuned** otherwise (a new user's machine): ``mallopt`` makes glibc keep what it frees:
   one arena for every thread (``M_ARENA_MAX``), no ``mmap`` for large blocks (``M_MMAP_MAX``)
   and no trimming of the heap's top (``M_TRIM_THRESHOLD``). The step's buffers are then reused
-  from the heap: no page faults after the first steps, and the MoE-s step about 12% faster
-  (benchmarks/RESULTS.md). The heap keeps its peak size; :func:`release_memory` hands free pages
-  back between benchmark variants. ``DAGMOE_GLIBC_TUNE=0`` leaves glibc as it is. The arena
-  limit binds threads that have not allocated yet, so call it before JAX starts its thread pools
-  (in a notebook: ``from dagmoe_jax.cli.launch import configure_allocator;
+  from the heap: no page faults after the first steps, and the MoE-s step takes 0.84x the
+  time (benchmarks/RESULTS.md). The heap keeps its peak size; :func:`release_memory` hands
+  free pages back between benchmark variants. ``DAGMOE_GLIBC_TUNE=0`` leaves glibc as it is.
+  The arena limit binds threads that have not allocated yet, so call it before JAX starts its
+  thread pools (in a notebook: ``from dagmoe_jax.cli.launch import configure_allocator;
   configure_allocator()`` in the first cell, before anything touches a JAX device).
 """
 

@@ -157,6 +157,18 @@ class Profile:
     nbytes: Dict[str, float]          # kind -> bytes those instructions return
 
 
+def trace_events(log_dir: str) -> List[dict]:
+    """The complete ('X') events of the newest ``perfetto_trace.json.gz`` under ``log_dir``
+    (written by ``jax.profiler.trace(..., create_perfetto_trace=True)``)."""
+    paths = sorted(glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True))
+    if not paths:
+        raise RuntimeError(f"the profiler wrote no perfetto_trace.json.gz under {log_dir}")
+    with gzip.open(paths[-1], "rt") as f:
+        data = json.load(f)
+    return [e for e in (data["traceEvents"] if isinstance(data, dict) else data)
+            if e.get("ph") == "X"]
+
+
 def read_trace(log_dir: str, instructions: Dict[str, Tuple[str, int]]) -> Profile:
     """Collective shares from the ``perfetto_trace.json.gz`` that ``jax.profiler.trace`` wrote
     to ``log_dir`` while the program whose :func:`hlo_instructions` are given ran.
@@ -165,13 +177,7 @@ def read_trace(log_dir: str, instructions: Dict[str, Tuple[str, int]]) -> Profil
     ``hlo_op`` (the instruction name), ``device_ordinal`` and ``run_id`` (one execution of the
     program on one device). A collective's ``Rendezvous`` events nest inside it on the same
     thread: the time spent waiting for the other participants to arrive."""
-    paths = sorted(glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True))
-    if not paths:
-        raise RuntimeError(f"the profiler wrote no perfetto_trace.json.gz under {log_dir}")
-    with gzip.open(paths[-1], "rt") as f:
-        data = json.load(f)
-    events = [e for e in (data["traceEvents"] if isinstance(data, dict) else data)
-              if e.get("ph") == "X"]
+    events = trace_events(log_dir)
     rendezvous = collections.defaultdict(list)   # thread -> [(start, end)]
     runs = collections.defaultdict(list)         # (run_id, device) -> [(start, end, name, thread)]
     for e in events:

@@ -32,9 +32,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
-import json
-import os
 import re
 import sys
 import tempfile
@@ -45,17 +42,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmarks
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from dagmoe_jax.cli.launch import allocator  # noqa: E402
 from dagmoe_jax.gin_utils import load_model_config  # noqa: E402
-from dagmoe_jax.model import Transformer  # noqa: E402
 from dagmoe_jax.runs.settle import describe, settle  # noqa: E402
-from dagmoe_jax.train.step import make_train_step  # noqa: E402
-from step_throughput import time_fn  # noqa: E402
+from scaling import trace_events  # noqa: E402  (the profiler's events, as scaling.py reads them)
+from step_throughput import time_fn, train_step  # noqa: E402
 
 CATEGORIES = ("matmul", "attention", "grouped mm", "optimizer", "weight copy", "data movement",
               "elementwise", "other")
@@ -139,17 +132,6 @@ def categorize(name: str, instructions: Dict[str, dict],
     return "other"
 
 
-def trace_events(log_dir: str) -> List[dict]:
-    """The complete ('X') events of the newest perfetto trace under ``log_dir``."""
-    paths = sorted(Path(log_dir).rglob("perfetto_trace.json.gz"))
-    if not paths:
-        raise RuntimeError(f"the profiler wrote no perfetto_trace.json.gz under {log_dir}")
-    with gzip.open(paths[-1], "rt") as f:
-        data = json.load(f)
-    return [e for e in (data["traceEvents"] if isinstance(data, dict) else data)
-            if e.get("ph") == "X"]
-
-
 def instruction_seconds(events: List[dict],
                         module: str = "jit_step") -> Tuple[Dict[str, float], float]:
     """(instruction -> seconds per execution, span of an execution in seconds), averaged over
@@ -171,12 +153,7 @@ def instruction_seconds(events: List[dict],
 
 def profile_step(cfg, batch: int, seq: int, steps: int):
     """(step seconds, {instruction: seconds}, span, instructions, computations) of ``cfg``."""
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
-    optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
-    step = make_train_step()
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1)),
-                         jnp.int32)
-    data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    step, model, optimizer, data = train_step(cfg, batch, seq)
     run = lambda: jax.block_until_ready(step(model, optimizer, data))  # noqa: E731
     seconds = time_fn(run, steps)
     text = step.lower(model, optimizer, data).compile().as_text()

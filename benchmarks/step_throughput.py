@@ -76,13 +76,18 @@ def matmul_rate(n: int = 2048, repeats: int = 5, dtype=jnp.float32) -> float:
     return 2 * n ** 3 / time_fn(lambda: f(a, a).block_until_ready(), repeats)
 
 
-def step_time(cfg, batch: int, seq: int, steps: int) -> float:
+def train_step(cfg, batch: int, seq: int):
+    """(step, model, optimizer, data): the jitted AdamW training step of ``cfg`` (settled here)
+    on a fixed batch of random tokens; ``step(model, optimizer, data)`` runs one step."""
     model = Transformer(settle(cfg), rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
-    step = make_train_step()
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, seq + 1)), jnp.int32)
-    data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    return make_train_step(), model, optimizer, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def step_time(cfg, batch: int, seq: int, steps: int) -> float:
+    step, model, optimizer, data = train_step(cfg, batch, seq)
     return time_fn(lambda: jax.block_until_ready(step(model, optimizer, data)), steps)
 
 

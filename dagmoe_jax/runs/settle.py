@@ -28,7 +28,7 @@ prints and saves:
                    weights)
 ``dispatch``       ``ExpertConfig.dispatch``: dropless (exact) where the grouped matmul
                    settled above is a kernel (``cpu_gmm``, ``gmm``): on CPU it makes the MoE-s
-                   step about 0.89x of capacity dispatch's; capacity elsewhere (XLA:CPU's
+                   step about 0.87x of capacity dispatch's; capacity elsewhere (XLA:CPU's
                    ``ragged_dot`` under a mesh is 40-100x slower; GPU not yet measured)
 =================  =====================================================================
 

@@ -52,16 +52,24 @@ constexpr int64_t kChunk = 16;  // keys per vector
 inline int64_t RoundUp(int64_t n) { return (n + kChunk - 1) / kChunk * kChunk; }
 inline V Iota() { return V{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
 
+// Horizontal sum and max by halving (a tree of 4 vector steps, not a chain of 15 scalar ones).
+typedef float V8 __attribute__((vector_size(32)));
+typedef float V4 __attribute__((vector_size(16)));
+
+template <typename Op>
+inline float Reduce(V x, const Op& op) {
+  const V8 s8 = op(V8{x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]},
+                   V8{x[8], x[9], x[10], x[11], x[12], x[13], x[14], x[15]});
+  const V4 s4 = op(V4{s8[0], s8[1], s8[2], s8[3]}, V4{s8[4], s8[5], s8[6], s8[7]});
+  return op(op(s4[0], s4[1]), op(s4[2], s4[3]));
+}
+
 inline float HSum(V x) {
-  float s = 0.0f;
-  for (int i = 0; i < 16; ++i) s += x[i];
-  return s;
+  return Reduce(x, [](auto a, auto b) { return a + b; });
 }
 
 inline float HMax(V x) {
-  float m = x[0];
-  for (int i = 1; i < 16; ++i) m = std::max(m, x[i]);
-  return m;
+  return Reduce(x, [](auto a, auto b) { return a > b ? a : b; });
 }
 
 // exp(x), lane-wise, for the x <= ~0 this file needs (Cephes expf: range reduction by ln 2 and
@@ -248,16 +256,152 @@ inline void WeightedSum(const float* p, const float* x, int64_t n, float* out) {
   }
 }
 
+// y[0 : rows * D] = x[0 : rows * D] * c (16 lanes at a time when D allows).
+template <int D>
+inline void Scale(const float* x, int64_t rows, float c, float* y) {
+  if constexpr (D % kChunk == 0) {
+    const V cv = Splat(c);
+    for (int64_t t = 0; t < rows * D; t += kChunk) Store(y + t, Load(x + t) * cv);
+  } else {
+    for (int64_t t = 0; t < rows * D; ++t) y[t] = x[t] * c;
+  }
+}
+
+// sum_d x[d] * y[d].
+template <int D>
+inline float Dot(const float* x, const float* y) {
+  if constexpr (D % kChunk == 0) {
+    V acc{};
+    for (int d = 0; d < D; d += kChunk) acc += Load(x + d) * Load(y + d);
+    return HSum(acc);
+  } else {
+    float acc = 0.0f;
+    for (int d = 0; d < D; ++d) acc += x[d] * y[d];
+    return acc;
+  }
+}
+
+// Query heads of one KV head taken together: kHeads<D> heads share every key (or value) vector
+// a loop loads, which halves the loads per FMA at head_dim 16 (one row at a time, the loops
+// were bound by their loads, not their FMAs). Their accumulators fill at most 16 registers.
+template <int D>
+constexpr int kHeads = D / kChunk >= 16 ? 1 : D / kChunk >= 8 ? 2 : 4;
+
+// out[h * os + j] = sum_d w[h * D + d] * x_j[d] for the NH vectors w_h, j in [0, np) (np a
+// multiple of kChunk; x tiled): RowScores for NH heads, each tile vector loaded once for all.
+template <int D, int NH>
+inline void RowScoresN(const float* w, const float* xt, int64_t np, float* out, int64_t os) {
+  constexpr int64_t kTile = D * kChunk;
+  constexpr int kT = 4;  // tiles per step: NH x 4 accumulators
+  int64_t j0 = 0;
+  for (; j0 + kT * kChunk <= np; j0 += kT * kChunk) {
+    V acc[NH][kT] = {};
+    const float* tile = xt + j0 * D;
+#pragma GCC unroll 16
+    for (int d = 0; d < D; ++d) {
+      V x[kT];
+#pragma GCC unroll 4
+      for (int t = 0; t < kT; ++t) x[t] = Load(tile + d * kChunk + t * kTile);
+#pragma GCC unroll 4
+      for (int h = 0; h < NH; ++h) {
+        const V c = Splat(w[h * D + d]);
+#pragma GCC unroll 4
+        for (int t = 0; t < kT; ++t) acc[h][t] += c * x[t];
+      }
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 4
+      for (int t = 0; t < kT; ++t) Store(out + h * os + j0 + t * kChunk, acc[h][t]);
+  }
+  for (; j0 < np; j0 += kChunk) {
+    V acc[NH] = {};
+#pragma GCC unroll 16
+    for (int d = 0; d < D; ++d) {
+      const V x = Load(xt + j0 * D + d * kChunk);
+#pragma GCC unroll 4
+      for (int h = 0; h < NH; ++h) acc[h] += Splat(w[h * D + d]) * x;
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < NH; ++h) Store(out + h * os + j0, acc[h]);
+  }
+}
+
+// out[h * D + d] = sum_{j < n} p[h * ps + j] * x_j[d] for NH heads, x_j = rows + j * D (D a
+// multiple of 16): RowDotsRows for NH heads, each row of x loaded once for all.
+template <int D, int NH>
+inline void RowDotsRowsN(const float* p, int64_t ps, const float* rows, int64_t n, float* out) {
+  constexpr int kVecs = D / kChunk;
+  constexpr int kUnroll = NH * kVecs >= 8 ? 1 : 8 / (NH * kVecs);
+  V acc[kUnroll][NH][kVecs] = {};
+  int64_t j = 0;
+  for (; j + kUnroll <= n; j += kUnroll) {
+#pragma GCC unroll 8
+    for (int u = 0; u < kUnroll; ++u) {
+      const float* x = rows + (j + u) * D;
+      V xv[kVecs];
+#pragma GCC unroll 16
+      for (int c = 0; c < kVecs; ++c) xv[c] = Load(x + c * kChunk);
+#pragma GCC unroll 4
+      for (int h = 0; h < NH; ++h) {
+        const V ph = Splat(p[h * ps + j + u]);
+#pragma GCC unroll 16
+        for (int c = 0; c < kVecs; ++c) acc[u][h][c] += ph * xv[c];
+      }
+    }
+  }
+  for (; j < n; ++j) {
+#pragma GCC unroll 4
+    for (int h = 0; h < NH; ++h) {
+      const V ph = Splat(p[h * ps + j]);
+#pragma GCC unroll 16
+      for (int c = 0; c < kVecs; ++c) acc[0][h][c] += ph * Load(rows + j * D + c * kChunk);
+    }
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 16
+    for (int c = 0; c < kVecs; ++c) {
+      V s = acc[0][h][c];
+#pragma GCC unroll 8
+      for (int u = 1; u < kUnroll; ++u) s += acc[u][h][c];
+      Store(out + h * D + c * kChunk, s);
+    }
+}
+
+// WeightedSum for NH heads: p_h = p + h * ps, out_h = out + h * D.
+template <int D, int NH>
+inline void WeightedSumN(const float* p, int64_t ps, const float* x, int64_t n, float* out) {
+  if constexpr (kSumsRows<D>) {
+    RowDotsRowsN<D, NH>(p, ps, x, n, out);
+  } else {
+    for (int h = 0; h < NH; ++h) RowDots<D>(p + h * ps, x, RoundUp(n), out + h * D);
+  }
+}
+
+// Runs body(std::integral_constant<int, nh>(), g0) over the heads [0, g_n) in runs of
+// kHeads<D> (the last run shorter, as single heads), so the multi-head loops get compile-time
+// head counts.
+template <int D, typename F>
+inline void ForHeadRuns(int64_t g_n, const F& body) {
+  int64_t g0 = 0;
+  for (; g0 + kHeads<D> <= g_n; g0 += kHeads<D>) body(std::integral_constant<int, kHeads<D>>(), g0);
+  for (; g0 < g_n; ++g0) body(std::integral_constant<int, 1>(), g0);
+}
+
 template <int D, bool kSeg>
 void ForwardItem(const float* q, const float* k, const float* v, const int32_t* seg,
                  float* out, float* lse, const Shape& sh, int64_t item) {
   const int64_t b = item / sh.kv, kvh = item % sh.kv, sp = sh.sp;
   Segments segs;
   if constexpr (kSeg) segs = RowSegments(seg + b * sh.s, sh.s, sp);
-  std::vector<float> scratch(2 * D * sp + sp);
+  const int64_t g_n = sh.g;
+  std::vector<float> scratch(2 * D * sp + g_n * sp + 2 * g_n * D);
   float* kt = scratch.data();
   float* vs = kt + D * sp;  // the values in WeightedSum's layout
-  float* p = vs + D * sp;
+  float* p = vs + D * sp;   // [G, SP]: the scores, then probabilities, of the row's G heads
+  float* qs = p + g_n * sp;  // [G, D]: their scaled queries
+  float* o = qs + g_n * D;   // [G, D]: their unnormalised outputs
   GatherTiles<D>(k, sh, b, kvh, kt);
   if constexpr (kSumsRows<D>) {
     GatherRows<D>(v, sh, b, kvh, vs);
@@ -270,32 +414,36 @@ void ForwardItem(const float* q, const float* k, const float* v, const int32_t* 
     int32_t id = 0;
     if constexpr (kSeg) lo = segs.from[i], id = segs.ids[i];
     const int32_t* ids = kSeg ? segs.ids.data() : nullptr;
-    for (int64_t g = 0; g < sh.g; ++g) {
-      const int64_t h = kvh * sh.g + g;
-      const float* qi = q + ((b * sh.s + i) * sh.h + h) * D;
-      float qs[D];
-      for (int d = 0; d < D; ++d) qs[d] = qi[d] * sh.scale;
-      RowScores<D>(qs, kt + lo * D, np - lo, p + lo);
-      V mv = Splat(-INFINITY);
-      for (int64_t j0 = lo; j0 < np; j0 += kChunk) {
-        const V x = Mask<kSeg>(Load(p + j0), j0, n, ids, id, -INFINITY);
-        mv = mv > x ? mv : x;
+    const int64_t row0 = (b * sh.s + i) * sh.h + kvh * g_n;  // the row of head g = 0
+    Scale<D>(q + row0 * D, g_n, sh.scale, qs);
+    ForHeadRuns<D>(g_n, [&](auto nh, int64_t g0) {
+      constexpr int NH = decltype(nh)::value;
+      RowScoresN<D, NH>(qs + g0 * D, kt + lo * D, np - lo, p + g0 * sp + lo, sp);
+      float m[NH], sum[NH];
+      for (int h = 0; h < NH; ++h) {
+        float* ph = p + (g0 + h) * sp;
+        V mv = Splat(-INFINITY);
+        for (int64_t j0 = lo; j0 < np; j0 += kChunk) {
+          const V x = Mask<kSeg>(Load(ph + j0), j0, n, ids, id, -INFINITY);
+          mv = mv > x ? mv : x;
+        }
+        m[h] = HMax(mv);
+        const V mh = Splat(m[h]);
+        V sv{};
+        for (int64_t j0 = lo; j0 < np; j0 += kChunk) {
+          const V e = Mask<kSeg>(ExpV(Load(ph + j0) - mh), j0, n, ids, id, 0.0f);
+          Store(ph + j0, e);
+          sv += e;
+        }
+        sum[h] = HSum(sv);
       }
-      const V m = Splat(HMax(mv));
-      V sv{};
-      for (int64_t j0 = lo; j0 < np; j0 += kChunk) {
-        const V e = Mask<kSeg>(ExpV(Load(p + j0) - m), j0, n, ids, id, 0.0f);
-        Store(p + j0, e);
-        sv += e;
+      WeightedSumN<D, NH>(p + g0 * sp + lo, sp, vs + lo * D, n - lo, o + g0 * D);
+      for (int h = 0; h < NH; ++h) {
+        const int64_t g = g0 + h;
+        Scale<D>(o + g * D, 1, 1.0f / sum[h], out + (row0 + g) * D);
+        lse[(b * sh.h + kvh * g_n + g) * sh.s + i] = m[h] + std::log(sum[h]);
       }
-      const float sum = HSum(sv);
-      float o[D];
-      WeightedSum<D>(p + lo, vs + lo * D, n - lo, o);
-      const float inv = 1.0f / sum;
-      float* oi = out + ((b * sh.s + i) * sh.h + h) * D;
-      for (int d = 0; d < D; ++d) oi[d] = o[d] * inv;
-      lse[(b * sh.h + h) * sh.s + i] = m[0] + std::log(sum);
-    }
+    });
   }
 }
 
@@ -330,17 +478,18 @@ void BackwardItem(const float* q, const float* k, const float* v, const int32_t*
   // Regions are kChunk floats apart beyond their size, so that the accumulators of one tile
   // are not a multiple of 4 KiB apart (x86 falsely orders loads after such stores).
   const int64_t region = D * sp + kChunk;
-  std::vector<float> scratch(5 * region + (2 * g_n + 1) * sp + 2 * g_n * D);
+  std::vector<float> scratch(5 * region + 3 * (g_n * sp + kChunk) + 3 * g_n * D);
   float* kt = scratch.data();
   float* vt = kt + region;
   float* dkt = vt + region;  // tiles accumulating scale * sum_i ds_ij q_i
   float* dvt = dkt + region;  // tiles accumulating sum_i p_ij dout_i
   float* kr = dvt + region;   // [SP, D]: the keys as rows, when WeightedSum reads rows
   float* p = kr + region;     // [G, SP]: probabilities of the G query heads of this row
-  float* ds = p + g_n * sp;   // [G, SP]: their score gradients
-  float* dp = ds + g_n * sp;  // [SP]
-  float* qs = dp + sp;        // [G, D]: scaled queries
+  float* ds = p + g_n * sp + kChunk;   // [G, SP]: their score gradients
+  float* dp = ds + g_n * sp + kChunk;  // [G, SP]: their dout . v_j
+  float* qs = dp + g_n * sp + kChunk;  // [G, D]: scaled queries
   float* dd = qs + g_n * D;   // [G, D]: output gradients
+  float* dqs = dd + g_n * D;  // [G, D]: query gradients before the scale
   GatherTiles<D>(k, sh, b, kvh, kt);
   GatherTiles<D>(v, sh, b, kvh, vt);
   const float* ks = kt;  // the keys in WeightedSum's layout
@@ -354,36 +503,30 @@ void BackwardItem(const float* q, const float* k, const float* v, const int32_t*
     int32_t id = 0;
     if constexpr (kSeg) lo = segs.from[i], id = segs.ids[i];
     const int32_t* ids = kSeg ? segs.ids.data() : nullptr;
-    for (int64_t g = 0; g < g_n; ++g) {
-      const int64_t h = kvh * g_n + g;
-      const int64_t row = (b * sh.s + i) * sh.h + h;
-      const float* qi = q + row * D;
-      const float* doi = dout + row * D;
-      const float* oi = out + row * D;
-      float* qg = qs + g * D;
-      float* dg = dd + g * D;
-      float* pg = p + g * sp;
-      float* dsg = ds + g * sp;
-      const V l = Splat(lse[(b * sh.h + h) * sh.s + i]);
-      float delta_s = 0.0f;  // sum_d dout_i[d] out_i[d] = sum_j p_ij (dout_i . v_j)
-      for (int d = 0; d < D; ++d) {
-        qg[d] = qi[d] * sh.scale;
-        dg[d] = doi[d];
-        delta_s += dg[d] * oi[d];
+    const int64_t row0 = (b * sh.s + i) * sh.h + kvh * g_n;  // the row of head g = 0
+    Scale<D>(q + row0 * D, g_n, sh.scale, qs);
+    Scale<D>(dout + row0 * D, g_n, 1.0f, dd);
+    ForHeadRuns<D>(g_n, [&](auto nh, int64_t g0) {
+      constexpr int NH = decltype(nh)::value;
+      RowScoresN<D, NH>(qs + g0 * D, kt + lo * D, np - lo, p + g0 * sp + lo, sp);
+      RowScoresN<D, NH>(dd + g0 * D, vt + lo * D, np - lo, dp + g0 * sp + lo, sp);
+      for (int h = 0; h < NH; ++h) {
+        const int64_t g = g0 + h;
+        // delta = sum_d dout_i[d] out_i[d] = sum_j p_ij (dout_i . v_j)
+        const V delta = Splat(Dot<D>(dd + g * D, out + (row0 + g) * D));
+        const V l = Splat(lse[(b * sh.h + kvh * g_n + g) * sh.s + i]);
+        float* pg = p + g * sp;
+        float* dsg = ds + g * sp;
+        const float* dpg = dp + g * sp;
+        for (int64_t j0 = lo; j0 < np; j0 += kChunk) {
+          const V pj = Mask<kSeg>(ExpV(Load(pg + j0) - l), j0, n, ids, id, 0.0f);
+          Store(pg + j0, pj);
+          Store(dsg + j0, pj * (Load(dpg + j0) - delta));
+        }
       }
-      const V delta = Splat(delta_s);
-      RowScores<D>(qg, kt + lo * D, np - lo, pg + lo);
-      RowScores<D>(dg, vt + lo * D, np - lo, dp + lo);
-      for (int64_t j0 = lo; j0 < np; j0 += kChunk) {
-        const V pj = Mask<kSeg>(ExpV(Load(pg + j0) - l), j0, n, ids, id, 0.0f);
-        Store(pg + j0, pj);
-        Store(dsg + j0, pj * (Load(dp + j0) - delta));
-      }
-      float dqi[D];
-      WeightedSum<D>(dsg + lo, ks + lo * D, n - lo, dqi);
-      float* dqo = dq + row * D;
-      for (int d = 0; d < D; ++d) dqo[d] = dqi[d] * sh.scale;
-    }
+      WeightedSumN<D, NH>(ds + g0 * sp + lo, sp, ks + lo * D, n - lo, dqs + g0 * D);
+    });
+    Scale<D>(dqs, g_n, sh.scale, dq + row0 * D);
     // dk_j += sum_g ds_gj q_g and dv_j += sum_g p_gj dout_g: each accumulator tile is read and
     // written once per row for all G heads.
     for (int64_t j0 = lo; j0 < np; j0 += kChunk) {

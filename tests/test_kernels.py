@@ -60,13 +60,16 @@ def test_kernel_builds():
 
 
 # Sequence lengths below, at and across the 16- and 64-key vector blocks; every GQA group size
-# up to 4; each head-dim code path (8: tiles, 16 / 32 / 64: contiguous rows).
+# up to 4, and 6 (a run of four heads taken together, then two alone); each head-dim code path
+# (8: tiles, 16 / 32 / 64: contiguous rows, four heads at a time; 128: two at a time).
 SHAPES = [
     (2, 5, 4, 2, 8),
     (2, 16, 2, 2, 16),
     (1, 37, 4, 1, 16),
     (2, 64, 6, 3, 32),
     (1, 83, 8, 2, 64),
+    (1, 40, 6, 1, 16),
+    (1, 21, 4, 1, 128),
 ]
 
 

@@ -10,9 +10,12 @@
 // row's visible scores [0, i] are computed 16 keys per vector, softmaxed and reduced against
 // the values without an S x S matrix ever being written to memory. That is what makes this
 // faster than XLA:CPU's blockwise attention, which at head_dim 16 is bound by the passes over
-// its score blocks. The backward pass recomputes each row's probabilities from the saved
-// log-sum-exp and accumulates the key and value gradients of the G query heads that share a
-// KV head in one read-modify-write per tile. Work items are spread over XLA's intra-op thread
+// its score blocks. The G query heads that share the KV head are taken together, up to four at
+// a time (kHeads): every key and value vector a score or weighted-sum loop loads serves all of
+// them, which at head_dim 16 made the forward pass 0.77x and forward + backward 0.74x of one
+// head at a time (benchmarks/RESULTS.md). The backward pass recomputes each row's
+// probabilities from the saved log-sum-exp and accumulates the key and value gradients of the
+// G heads in one read-modify-write per tile. Work items are spread over XLA's intra-op thread
 // pool; the calling thread takes part.
 //
 // Packed sequences: the *Segmented handlers take one more input, segment ids int32 [B, S], and

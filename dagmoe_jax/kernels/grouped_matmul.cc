@@ -16,7 +16,10 @@
 // operand read through (row, contracted) strides, so the transposed products need no
 // transposed copy of the large operand. A work item is one (group, 32-column panel): it packs
 // its panel once and sweeps the group's row tiles; items are spread over XLA's intra-op
-// thread pool, the calling thread taking part.
+// thread pool, the calling thread taking part. The weight gradient reads its left operand
+// x_g^T down the columns of x_g, a new cache line each step of the contracted dimension, which
+// the hardware prefetcher does not fetch early enough: each step asks for the line kPrefetch
+// steps ahead (at the MoE-s shape that took the call from 29.0 to 22.3 ms, the forward's speed).
 
 #include <algorithm>
 #include <atomic>

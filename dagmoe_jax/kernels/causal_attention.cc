@@ -160,38 +160,6 @@ void ScatterTiles(const float* xt, const Shape& sh, int64_t b, int64_t kvh, floa
   }
 }
 
-// out[j] = sum_d w[d] * x_j[d] for j in [0, np) (np a multiple of kChunk; x tiled): a row of
-// scores q . k_j (or dout . v_j). Four tiles at a time, so that four independent accumulator
-// chains hide the FMA latency.
-template <int D>
-inline void RowScores(const float* w, const float* xt, int64_t np, float* out) {
-  constexpr int64_t kTile = D * kChunk;
-  int64_t j0 = 0;
-  for (; j0 + 4 * kChunk <= np; j0 += 4 * kChunk) {
-    V a0{}, a1{}, a2{}, a3{};
-    const float* tile = xt + j0 * D;
-#pragma GCC unroll 16
-    for (int d = 0; d < D; ++d) {
-      const float* row = tile + d * kChunk;
-      const V c = Splat(w[d]);
-      a0 += c * Load(row);
-      a1 += c * Load(row + kTile);
-      a2 += c * Load(row + 2 * kTile);
-      a3 += c * Load(row + 3 * kTile);
-    }
-    Store(out + j0, a0);
-    Store(out + j0 + kChunk, a1);
-    Store(out + j0 + 2 * kChunk, a2);
-    Store(out + j0 + 3 * kChunk, a3);
-  }
-  for (; j0 < np; j0 += kChunk) {
-    V a{};
-#pragma GCC unroll 16
-    for (int d = 0; d < D; ++d) a += Splat(w[d]) * Load(xt + j0 * D + d * kChunk);
-    Store(out + j0, a);
-  }
-}
-
 // out[d] = sum_j p[j] * x_j[d] for j in [0, np) (x tiled): the row's weighted sum of value (or
 // key) vectors, one vector accumulator per d (16 d at a time) so the chains are independent.
 template <int D>
@@ -212,52 +180,10 @@ inline void RowDots(const float* p, const float* xt, int64_t np, float* out) {
   }
 }
 
-// out[d] = sum_{j < n} p[j] * x_j[d] with x_j = rows + j * D (D a multiple of 16): one
-// broadcast FMA per key and vector of x_j, four keys in flight so the accumulator chains are
-// independent, and no horizontal sums.
-template <int D>
-inline void RowDotsRows(const float* p, const float* rows, int64_t n, float* out) {
-  constexpr int kVecs = D / kChunk;
-  constexpr int kUnroll = kVecs >= 4 ? 1 : 4 / kVecs;
-  V acc[kUnroll][kVecs] = {};
-  int64_t j = 0;
-  for (; j + kUnroll <= n; j += kUnroll) {
-#pragma GCC unroll 4
-    for (int u = 0; u < kUnroll; ++u) {
-      const V pj = Splat(p[j + u]);
-      const float* x = rows + (j + u) * D;
-#pragma GCC unroll 16
-      for (int c = 0; c < kVecs; ++c) acc[u][c] += pj * Load(x + c * kChunk);
-    }
-  }
-  for (; j < n; ++j) {
-    const V pj = Splat(p[j]);
-#pragma GCC unroll 16
-    for (int c = 0; c < kVecs; ++c) acc[0][c] += pj * Load(rows + j * D + c * kChunk);
-  }
-#pragma GCC unroll 16
-  for (int c = 0; c < kVecs; ++c) {
-    V s = acc[0][c];
-#pragma GCC unroll 4
-    for (int u = 1; u < kUnroll; ++u) s += acc[u][c];
-    Store(out + c * kChunk, s);
-  }
-}
-
-// WeightedSum reads contiguous rows when D is a multiple of 16 (no horizontal sums), tiles
+// WeightedSumN reads contiguous rows when D is a multiple of 16 (no horizontal sums), tiles
 // otherwise.
 template <int D>
 constexpr bool kSumsRows = D % kChunk == 0;
-
-// sum_j p[j] * x_j over the keys [0, n) a row sees, x in WeightedSum's layout (kSumsRows).
-template <int D>
-inline void WeightedSum(const float* p, const float* x, int64_t n, float* out) {
-  if constexpr (kSumsRows<D>) {
-    RowDotsRows<D>(p, x, n, out);
-  } else {
-    RowDots<D>(p, x, RoundUp(n), out);
-  }
-}
 
 // y[0 : rows * D] = x[0 : rows * D] * c (16 lanes at a time when D allows).
 template <int D>
@@ -285,13 +211,16 @@ inline float Dot(const float* x, const float* y) {
 }
 
 // Query heads of one KV head taken together: kHeads<D> heads share every key (or value) vector
-// a loop loads, which halves the loads per FMA at head_dim 16 (one row at a time, the loops
-// were bound by their loads, not their FMAs). Their accumulators fill at most 16 registers.
+// a loop loads, which at head_dim 16 cuts the loads per FMA to half or less (taking one head
+// at a time, the loops were bound by their loads, not their FMAs). Their accumulators fill at
+// most 16 registers.
 template <int D>
 constexpr int kHeads = D / kChunk >= 16 ? 1 : D / kChunk >= 8 ? 2 : 4;
 
 // out[h * os + j] = sum_d w[h * D + d] * x_j[d] for the NH vectors w_h, j in [0, np) (np a
-// multiple of kChunk; x tiled): RowScores for NH heads, each tile vector loaded once for all.
+// multiple of kChunk; x tiled): NH rows of scores q_h . k_j (or dout_h . v_j), four tiles at a
+// time so that the accumulator chains hide the FMA latency, each tile vector loaded once for
+// all NH heads.
 template <int D, int NH>
 inline void RowScoresN(const float* w, const float* xt, int64_t np, float* out, int64_t os) {
   constexpr int64_t kTile = D * kChunk;
@@ -331,7 +260,9 @@ inline void RowScoresN(const float* w, const float* xt, int64_t np, float* out, 
 }
 
 // out[h * D + d] = sum_{j < n} p[h * ps + j] * x_j[d] for NH heads, x_j = rows + j * D (D a
-// multiple of 16): RowDotsRows for NH heads, each row of x loaded once for all.
+// multiple of 16): one broadcast FMA per head, key and vector of x_j, each x_j loaded once for
+// all NH heads, keys unrolled so that at least 8 accumulator chains are independent, and no
+// horizontal sums.
 template <int D, int NH>
 inline void RowDotsRowsN(const float* p, int64_t ps, const float* rows, int64_t n, float* out) {
   constexpr int kVecs = D / kChunk;
@@ -372,7 +303,8 @@ inline void RowDotsRowsN(const float* p, int64_t ps, const float* rows, int64_t 
     }
 }
 
-// WeightedSum for NH heads: p_h = p + h * ps, out_h = out + h * D.
+// out_h = sum_j p_h[j] * x_j over the keys [0, n) a row sees, for NH heads (p_h = p + h * ps,
+// out_h = out + h * D), x in WeightedSumN's layout (kSumsRows).
 template <int D, int NH>
 inline void WeightedSumN(const float* p, int64_t ps, const float* x, int64_t n, float* out) {
   if constexpr (kSumsRows<D>) {
@@ -401,7 +333,7 @@ void ForwardItem(const float* q, const float* k, const float* v, const int32_t* 
   const int64_t g_n = sh.g;
   std::vector<float> scratch(2 * D * sp + g_n * sp + 2 * g_n * D);
   float* kt = scratch.data();
-  float* vs = kt + D * sp;  // the values in WeightedSum's layout
+  float* vs = kt + D * sp;  // the values in WeightedSumN's layout
   float* p = vs + D * sp;   // [G, SP]: the scores, then probabilities, of the row's G heads
   float* qs = p + g_n * sp;  // [G, D]: their scaled queries
   float* o = qs + g_n * D;   // [G, D]: their unnormalised outputs
@@ -486,7 +418,7 @@ void BackwardItem(const float* q, const float* k, const float* v, const int32_t*
   float* vt = kt + region;
   float* dkt = vt + region;  // tiles accumulating scale * sum_i ds_ij q_i
   float* dvt = dkt + region;  // tiles accumulating sum_i p_ij dout_i
-  float* kr = dvt + region;   // [SP, D]: the keys as rows, when WeightedSum reads rows
+  float* kr = dvt + region;   // [SP, D]: the keys as rows, when WeightedSumN reads rows
   float* p = kr + region;     // [G, SP]: probabilities of the G query heads of this row
   float* ds = p + g_n * sp + kChunk;   // [G, SP]: their score gradients
   float* dp = ds + g_n * sp + kChunk;  // [G, SP]: their dout . v_j
@@ -495,7 +427,7 @@ void BackwardItem(const float* q, const float* k, const float* v, const int32_t*
   float* dqs = dd + g_n * D;  // [G, D]: query gradients before the scale
   GatherTiles<D>(k, sh, b, kvh, kt);
   GatherTiles<D>(v, sh, b, kvh, vt);
-  const float* ks = kt;  // the keys in WeightedSum's layout
+  const float* ks = kt;  // the keys in WeightedSumN's layout
   if constexpr (kSumsRows<D>) {
     GatherRows<D>(k, sh, b, kvh, kr);
     ks = kr;

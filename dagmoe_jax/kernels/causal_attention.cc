@@ -440,7 +440,7 @@ void BackwardItem(const float* q, const float* k, const float* v, const int32_t*
     const int32_t* ids = kSeg ? segs.ids.data() : nullptr;
     const int64_t row0 = (b * sh.s + i) * sh.h + kvh * g_n;  // the row of head g = 0
     Scale<D>(q + row0 * D, g_n, sh.scale, qs);
-    Scale<D>(dout + row0 * D, g_n, 1.0f, dd);
+    std::memcpy(dd, dout + row0 * D, g_n * D * sizeof(float));
     ForHeadRuns<D>(g_n, [&](auto nh, int64_t g0) {
       constexpr int NH = decltype(nh)::value;
       RowScoresN<D, NH>(qs + g0 * D, kt + lo * D, np - lo, p + g0 * sp + lo, sp);

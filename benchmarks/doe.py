@@ -182,13 +182,13 @@ def forgetting(args, record, code_cfg, evals, log) -> dict:
     import optax
     from flax import nnx
 
-    from dagmoe_jax import runs
+    from dagmoe_jax import lifecycle
     from dagmoe_jax.data import eval_batches, make_tokenizer, train_dataset
     from dagmoe_jax.evaluation import evaluate
     from dagmoe_jax.model import extension_for
     from dagmoe_jax.train.step import make_train_step
 
-    loaded = runs.load_run(record["run_dir"], data_cfg=code_cfg, log=lambda _m: None)
+    loaded = lifecycle.load_run(record["run_dir"], data_cfg=code_cfg, log=lambda _m: None)
     model, tokenizer = loaded.model, make_tokenizer(code_cfg)
     annotate = extension_for(loaded.model_cfg).prepare_run(code_cfg, record["run_dir"],
                                                            save=False)

@@ -86,7 +86,7 @@ class Bench:
     def __init__(self, args, domains, log):
         from dagmoe_jax.config import ModelConfig
         from dagmoe_jax.data import DataConfig, make_tokenizer
-        from dagmoe_jax.runs.settle import settle
+        from dagmoe_jax.lifecycle.settle import settle
 
         self.args, self.domains, self.log = args, domains, log
         d = args.d_model
@@ -186,7 +186,7 @@ def statistics(bench, moe, domain_ids, tps_values):
 def run_seed(bench, seed):
     from flax import nnx
     from dagmoe_jax.model import Transformer
-    from dagmoe_jax.runs.settle import settle
+    from dagmoe_jax.lifecycle.settle import settle
     from dagmoe_jax.upcycle import dume, moerge
 
     a, log = bench.args, bench.log

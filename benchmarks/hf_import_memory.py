@@ -63,7 +63,7 @@ def measure(folder: str, mode: str) -> dict:
     from flax import nnx
 
     from dagmoe_jax.model import Transformer
-    from dagmoe_jax.runs.settle import settle
+    from dagmoe_jax.lifecycle.settle import settle
     from dagmoe_jax.upcycle import hf_llama
     from dagmoe_jax.upcycle.moerge import set_params
 

@@ -42,7 +42,7 @@ def run_one(args) -> None:
 
     from dagmoe_jax.gin_utils import load_model_config
     from dagmoe_jax.model import Transformer
-    from dagmoe_jax.runs.settle import settle
+    from dagmoe_jax.lifecycle.settle import settle
     from dagmoe_jax.train.step import cross_entropy, lm_loss, make_train_step
 
     def plain_loss(model, batch):

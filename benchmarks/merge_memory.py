@@ -35,7 +35,7 @@ def measure(folders, mode: str) -> dict:
     import jax
     from flax import nnx
 
-    from dagmoe_jax.runs.settle import settle
+    from dagmoe_jax.lifecycle.settle import settle
     from dagmoe_jax.upcycle import hf_llama, moerge, stream
 
     cfg = settle(moerge.dume_config(stream.read_configs(folders), len(folders)))

@@ -44,8 +44,8 @@ import numpy as np  # noqa: E402
 from dagmoe_jax.model.accounting import account  # noqa: E402
 from dagmoe_jax.gin_utils import load_model_config  # noqa: E402
 from dagmoe_jax.cli.launch import allocator, release_memory  # noqa: E402
-from dagmoe_jax.runs.settle import describe as describe_settled  # noqa: E402
-from dagmoe_jax.runs.settle import settle  # noqa: E402
+from dagmoe_jax.lifecycle.settle import describe as describe_settled  # noqa: E402
+from dagmoe_jax.lifecycle.settle import settle  # noqa: E402
 import step_throughput as bench  # noqa: E402
 
 MODEL_GIN = ("models/s.gin", "variants/moe.gin")

@@ -46,7 +46,7 @@ import numpy as np  # noqa: E402
 
 from dagmoe_jax.cli.launch import allocator  # noqa: E402
 from dagmoe_jax.gin_utils import load_model_config  # noqa: E402
-from dagmoe_jax.runs.settle import describe, settle  # noqa: E402
+from dagmoe_jax.lifecycle.settle import describe, settle  # noqa: E402
 from scaling import trace_events  # noqa: E402  (the profiler's events, as scaling.py reads them)
 from step_throughput import time_fn, train_step  # noqa: E402
 

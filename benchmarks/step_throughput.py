@@ -39,8 +39,8 @@ from dagmoe_jax.gin_utils import load_model_config  # noqa: E402
 from dagmoe_jax.cli.launch import allocator, release_memory  # noqa: E402
 from dagmoe_jax.model import Transformer  # noqa: E402
 from dagmoe_jax.model.aggregation import DAGAggregator  # noqa: E402
-from dagmoe_jax.runs.settle import describe as describe_settled  # noqa: E402
-from dagmoe_jax.runs.settle import settle  # noqa: E402
+from dagmoe_jax.lifecycle.settle import describe as describe_settled  # noqa: E402
+from dagmoe_jax.lifecycle.settle import settle  # noqa: E402
 from dagmoe_jax.model.experts import Experts  # noqa: E402
 from dagmoe_jax.train.step import make_train_step  # noqa: E402
 

@@ -245,7 +245,7 @@ class ExecutionConfig:
 
     Changing any of these changes neither the parameters nor, beyond floating-point rounding,
     the outputs, so a run may resume with them changed (on another machine, say). Each 'auto'
-    is settled once, when the run is built (:func:`dagmoe_jax.runs.settle.settle`), and printed.
+    is settled and printed once, when the run is built (:mod:`dagmoe_jax.lifecycle.settle`).
 
     remat: 'auto' (default: 'none' on CPU, 'full' on GPU / TPU), 'full' (recompute each layer
       in the backward pass; MaxText's default, for accelerator memory), 'dots' (save matmul
@@ -298,7 +298,7 @@ class ExecutionConfig:
 
     @property
     def unsettled(self) -> tuple:
-        """The fields still 'auto' (settled by :func:`dagmoe_jax.runs.settle.settle`)."""
+        """The fields still 'auto' (settled by :func:`dagmoe_jax.lifecycle.settle.settle`)."""
         auto = (("remat", self.remat == "auto"), ("scan_unroll", self.scan_unroll == 0),
                 ("attention", self.attention == "auto"),
                 ("grouped_matmul", self.grouped_matmul == "auto"),
@@ -323,7 +323,7 @@ class ModelConfig:
     norm_eps: epsilon of RMSNorm and of the DAG module's LayerNorm.
     init_std: standard deviation of the normal initialiser of every matrix.
     execution: how the model runs on a machine, not what it computes (``ExecutionConfig``;
-      every 'auto' there is settled by :func:`dagmoe_jax.runs.settle.settle` when the run is built).
+      every 'auto' there is settled by :mod:`dagmoe_jax.lifecycle.settle` at the run's build).
     param_dtype, compute_dtype: 'float32' or 'bfloat16' (master weights stay float32 by default).
     """
 
@@ -408,7 +408,7 @@ class ModelConfig:
 
     @property
     def unsettled(self) -> tuple:
-        """The fields still 'auto' (settled by :func:`dagmoe_jax.runs.settle.settle`): the
+        """The fields still 'auto' (settled by :func:`dagmoe_jax.lifecycle.settle.settle`): the
         execution fields and ``experts.dispatch``."""
         dispatch = ("experts.dispatch",) if self.experts.dispatch == "auto" else ()
         return self.execution.unsettled + dispatch

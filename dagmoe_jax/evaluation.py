@@ -22,7 +22,7 @@ from typing import Callable, Dict, Iterable, List, Optional
 
 import numpy as np
 
-from dagmoe_jax import runs
+from dagmoe_jax import lifecycle
 from dagmoe_jax.data import (DataConfig, eval_batches, exact_match, task_eval_batches,
                              task_names)
 from dagmoe_jax.model import Transformer, extension_for
@@ -36,7 +36,7 @@ def evaluate(model: Transformer, batches: Iterable[Dict[str, np.ndarray]]) -> Di
     ce_sum, tokens = 0.0, 0.0
     keys = extension_for(model.cfg).batch_keys
     for batch in batches:
-        out = eval_step(model, runs.replicated_batch(batch, keys))
+        out = eval_step(model, lifecycle.replicated_batch(batch, keys))
         ce_sum += float(out["ce_sum"])
         tokens += float(out["tokens"])
     if tokens == 0:
@@ -52,8 +52,8 @@ def task_accuracy(model: Transformer, batches: Iterable[Dict[str, np.ndarray]],
     right, total = np.zeros(len(names)), np.zeros(len(names))
     keys = extension_for(model.cfg).batch_keys
     for batch in batches:
-        predictions = np.asarray(eval_step(model, runs.replicated_batch(batch, keys))
-                                 ["predictions"])
+        predictions = np.asarray(eval_step(model, lifecycle.replicated_batch(batch, keys))
+                                      ["predictions"])
         correct = exact_match(predictions, batch["targets"], batch["mask"])
         np.add.at(right, batch["task_id"], correct)
         np.add.at(total, batch["task_id"], 1)
@@ -132,7 +132,7 @@ def evaluate_checkpoint(run_dir: str | Path, *, eval_source: str = "", eval_spli
     ``eval_source`` (a DataConfig source spec; empty = the run's own held-out split).
     ``data_overrides``: other DataConfig changes for the evaluation (from
     :func:`eval_data_overrides`), applied before ``eval_source`` / ``eval_split``."""
-    _, data_cfg, _, _ = runs.load_configs(run_dir)
+    _, data_cfg, _, _ = lifecycle.load_configs(run_dir)
     changes = dict(data_overrides or {})
     if eval_source:
         changes["eval_source"] = eval_source
@@ -142,8 +142,8 @@ def evaluate_checkpoint(run_dir: str | Path, *, eval_source: str = "", eval_spli
     # The devices here need not be the ones the run trained on: the checkpoint is restored
     # into this process's default mesh (all devices data-parallel).
     mesh = make_mesh(MeshConfig())
-    loaded = runs.load_run(run_dir, mesh=mesh, data_cfg=data_cfg, log=log)
-    runs.check_compatible(loaded.model_cfg, data_cfg, loaded.tokenizer)
+    loaded = lifecycle.load_run(run_dir, mesh=mesh, data_cfg=data_cfg, log=log)
+    lifecycle.check_compatible(loaded.model_cfg, data_cfg, loaded.tokenizer)
     for message in loaded.warnings:
         log(f"warning: {message}")
     train_cfg = dataclasses.replace(loaded.train_cfg, eval_batches=eval_batches_limit)

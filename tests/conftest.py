@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from dagmoe_jax.config import ExecutionConfig, ModelConfig  # noqa: E402
-from dagmoe_jax.runs.settle import settle  # noqa: E402
+from dagmoe_jax.lifecycle.settle import settle  # noqa: E402
 
 # Some backends run float32 matmuls at reduced precision by default (TF32 / bf16 passes on GPU and
 # TPU); the oracle comparisons (1e-5 relative) need true float32 products wherever they run.
@@ -44,7 +44,7 @@ def tiny_config(block: str = "moe", kind: str = "sum", *, settled: bool = True,
     at the top level (``attention='xla'``). Nested
     configs in ``overrides`` may be dicts of their fields (``router=dict(top_k=1)``).
     ``settled`` (default) settles the 'auto' fields for one device of this backend
-    (:func:`dagmoe_jax.runs.settle.settle`), as a run does before building the model.
+    (:func:`dagmoe_jax.lifecycle.settle.settle`), as a run does before building the model.
     """
     base = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                        ffn_hidden=64, max_seq_len=64, execution=ExecutionConfig(attention_block=8))

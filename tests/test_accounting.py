@@ -9,7 +9,7 @@ from dagmoe_jax.model.accounting import account
 from dagmoe_jax.config import ModelConfig, dag_params_per_layer, matched_shared_hidden
 from dagmoe_jax.gin_utils import load_model_config
 from dagmoe_jax.model import Transformer
-from dagmoe_jax.runs.settle import settle
+from dagmoe_jax.lifecycle.settle import settle
 from conftest import tiny_config
 
 

@@ -263,7 +263,7 @@ def test_harness_command_scores_a_train_py_run(smoke_run, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_cli_greedy_equals_library(smoke_run, capsys):
-    from dagmoe_jax.runs import load_run
+    from dagmoe_jax.lifecycle import load_run
     from dagmoe_jax.decoding.sample import main
 
     assert main([f"--run_dir={smoke_run}", "--prompt=edit ab =", "--max_new_tokens=6"]) == 0

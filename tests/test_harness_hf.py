@@ -35,7 +35,7 @@ from conftest import tiny_config, write_byte_level_tokenizer  # noqa: E402
 from dagmoe_jax.data import DataConfig  # noqa: E402
 from dagmoe_jax.harness.lm import DagmoeLM  # noqa: E402
 from dagmoe_jax.model import Transformer  # noqa: E402
-from dagmoe_jax.runs.settle import settle  # noqa: E402
+from dagmoe_jax.lifecycle.settle import settle  # noqa: E402
 from dagmoe_jax.upcycle.hf_llama import export_hf_llama  # noqa: E402
 
 TASKS_DIR = Path(__file__).resolve().parent / "harness_tasks"
@@ -50,7 +50,7 @@ RTOL = 2e-5
 
 def make_pair(root: Path):
     """(run directory, Hugging Face folder) of one random dense model and the tokenizer."""
-    from dagmoe_jax import runs
+    from dagmoe_jax import lifecycle
     from dagmoe_jax.train.config import OptimConfig, TrainConfig
 
     cfg = settle(RAW)
@@ -59,14 +59,14 @@ def make_pair(root: Path):
     tokenizer_json = write_byte_level_tokenizer(hf_dir, EOS, WINDOW)
 
     run_dir = root / "run"
-    runs.prepare_run_dir(run_dir)
+    lifecycle.prepare_run_dir(run_dir)
     data_cfg = DataConfig(tokenizer="hf", tokenizer_path=str(tokenizer_json), seq_len=WINDOW)
     train_cfg = TrainConfig(run_dir=str(run_dir), tensorboard=False)
     optim_cfg = OptimConfig()
-    runs.save_configs(run_dir, RAW, data_cfg, optim_cfg, train_cfg)
-    built, optimizer, _ = runs.build(cfg, optim_cfg, train_cfg)
+    lifecycle.save_configs(run_dir, RAW, data_cfg, optim_cfg, train_cfg)
+    built, optimizer, _ = lifecycle.build(cfg, optim_cfg, train_cfg)
     nnx.update(built, nnx.state(model, nnx.Param))
-    runs.save_initial_checkpoint(run_dir, built, optimizer, cfg, train_cfg, None)
+    lifecycle.save_initial_checkpoint(run_dir, built, optimizer, cfg, train_cfg, None)
     return run_dir, hf_dir
 
 

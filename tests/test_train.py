@@ -213,7 +213,7 @@ def test_bad_input_through_the_command_line_is_a_one_line_error(tmp_path):
 def test_gin_overrides_reach_the_model():
     from flax import nnx
     from dagmoe_jax.model import Transformer
-    from dagmoe_jax.runs.settle import settle
+    from dagmoe_jax.lifecycle.settle import settle
     model_cfg, data_cfg, optim_cfg, train_cfg = load_configs(
         ["train/smoke.gin"], ["AggregationConfig.dag_iters = 3", "DataConfig.seq_len = 32",
                               "OptimConfig.learning_rate = 0.5", "TrainConfig.steps = 7"])

@@ -10,7 +10,7 @@ from flax import nnx
 
 from conftest import tiny_config
 from dagmoe_jax.model import Transformer
-from dagmoe_jax.runs.settle import settle
+from dagmoe_jax.lifecycle.settle import settle
 from dagmoe_jax.upcycle import dume, moerge, ridge
 
 N = 3

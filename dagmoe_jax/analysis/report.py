@@ -20,10 +20,10 @@ import numpy as np
 
 from dagmoe_jax.analysis import plots
 from dagmoe_jax.analysis.collect import Collected, collect
-from dagmoe_jax.runs.paths import as_path, is_remote
+from dagmoe_jax.lifecycle.paths import as_path, is_remote
 from dagmoe_jax.data import eval_batches, parse_source
 from dagmoe_jax.model import extension_for
-from dagmoe_jax.runs import load_run
+from dagmoe_jax.lifecycle import load_run
 from dagmoe_jax.train.metrics import read_metrics
 
 PLOTS = ("expert_load", "coactivation", "edge_gates", "edge_gate_hist", "dropped_fraction",

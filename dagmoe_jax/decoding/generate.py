@@ -1,7 +1,7 @@
 """Batched autoregressive generation with a KV cache, for every block type.
 
 ``generate(model, prompts, max_new_tokens=...)`` continues a batch of prompts
-(``dagmoe_jax.runs.load_run`` loads a run directory's newest checkpoint for it);
+(``dagmoe_jax.lifecycle.load_run`` loads a run directory's newest checkpoint for it);
 ``python -m dagmoe_jax.decoding.sample`` is the command line. Design:
 
 * **Prompts of different lengths are right-padded.** Row b's token p sits at position p and at

@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     # Imported after argument parsing so that --help and argument errors are instant.
     from dagmoe_jax.decoding.generate import check_settings, generate
     from dagmoe_jax.model import extension_for
-    from dagmoe_jax.runs import load_run
+    from dagmoe_jax.lifecycle import load_run
 
     quiet_background_errors()
     try:

@@ -43,7 +43,7 @@ def run_dume(budget: DownstreamBudget, out_dir, *, stats_batches: int = 8,
              log: Callable[[str], None] = lambda _m: None) -> dict:
     """Steps 1-4 of the module docstring for every seed; the results dict."""
     # pylint: disable=import-outside-toplevel
-    from dagmoe_jax import runs
+    from dagmoe_jax import lifecycle
     from dagmoe_jax.upcycle import hf_llama, moerge
     from dagmoe_jax.upcycle.command import (build_dume, domain_batches, domain_data,
                                             load_dense, mixed_data, write_run)
@@ -70,7 +70,7 @@ def run_dume(budget: DownstreamBudget, out_dir, *, stats_batches: int = 8,
             records.append({"model": f"expert {domain}", "seed": seed, **scores})
             folder = root / "hf" / domain
             if not (folder / "config.json").is_file():
-                hf_llama.export_hf_llama(runs.load_run(expert_dir).model, folder)
+                hf_llama.export_hf_llama(lifecycle.load_run(expert_dir).model, folder)
             folders.append(folder)
             sources.append(configs[1].source)
         base = configs[1]
@@ -81,7 +81,7 @@ def run_dume(budget: DownstreamBudget, out_dir, *, stats_batches: int = 8,
             SimpleNamespace(model=averaged, model_cfg=averaged.cfg, tokenizer=tokenizer,
                             data_cfg=base, step=0), data["tasks"], columns)})
         merged_dir = root / "dume"
-        if not (merged_dir / runs.CHECKPOINT_DIR).exists():
+        if not (merged_dir / lifecycle.CHECKPOINT_DIR).exists():
             moe, moe_cfg, stats = build_dume(
                 dense, [lambda s=s: domain_batches(domain_data(base, s), stats_batches)
                         for s in sources], top_k=1)

@@ -31,7 +31,7 @@ from dagmoe_jax.experiments.scoring import (baseline_by_size, eval_seq_len, mode
 from dagmoe_jax.experiments.variants import LABELS, REFERENCE, VARIANTS, describe, variant_config
 from dagmoe_jax.gin_utils import load_configs
 from dagmoe_jax.data import make_tokenizer
-from dagmoe_jax.runs import load_run
+from dagmoe_jax.lifecycle import load_run
 from dagmoe_jax.train.loop import train
 
 BASE_GIN = "bench/reasoning.gin"

@@ -23,7 +23,7 @@ from dagmoe_jax.data import DataConfig
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.parallel import create_train_state, shard_batch
 from dagmoe_jax.parallel.axes import MeshLayout
-from dagmoe_jax.runs.settle import settle
+from dagmoe_jax.lifecycle.settle import settle
 from dagmoe_jax.train.config import OptimConfig, TrainConfig
 from dagmoe_jax.train.optim import TRAINABLE, check_trainable, make_optimizer, make_schedule
 
@@ -51,7 +51,7 @@ def build(model_cfg: ModelConfig, optim_cfg: OptimConfig, train_cfg: TrainConfig
     created directly sharded over ``mesh`` when one is given (optimizer state too).
 
     The model is built from ``model_cfg`` settled for this machine and mesh
-    (:func:`dagmoe_jax.runs.settle.settle`; ``model.cfg`` is the settled config)."""
+    (:func:`dagmoe_jax.lifecycle.settle.settle`; ``model.cfg`` is the settled config)."""
     tx = make_optimizer(optim_cfg, train_cfg.steps)
     check_trainable(model_cfg, train_cfg.trainable)
     wrt = TRAINABLE[train_cfg.trainable]

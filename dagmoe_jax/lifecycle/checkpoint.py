@@ -72,10 +72,11 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
-from dagmoe_jax.runs.checkpoint_files import (CHECKSUM_FILE, MAX_LISTED_DIFFS, IteratorSnapshot,
-                                              first_line, json_diffs, os_cause, shapes, show,
-                                              strip_values, verify_checksums, write_checksums)
-from dagmoe_jax.runs.paths import as_path, is_remote
+from dagmoe_jax.lifecycle.checkpoint_files import (CHECKSUM_FILE, MAX_LISTED_DIFFS,
+                                                   IteratorSnapshot, first_line, json_diffs,
+                                                   os_cause, shapes, show, strip_values,
+                                                   verify_checksums, write_checksums)
+from dagmoe_jax.lifecycle.paths import as_path, is_remote
 
 logger = logging.getLogger(__name__)
 

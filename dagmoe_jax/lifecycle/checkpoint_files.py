@@ -1,6 +1,6 @@
 """The files of a checkpoint step, and the one-line words for what went wrong with them.
 
-Helpers of :class:`dagmoe_jax.runs.checkpoint.Checkpointer`: the sha256 manifest of a committed
+Helpers of :class:`dagmoe_jax.lifecycle.checkpoint.Checkpointer`: the sha256 manifest of a committed
 step (written after Orbax's commit, checked before a restore), the frozen position of a grain
 iterator, an error's first line and operating-system cause, the paths and shapes of a state
 tree, and the differences between two JSON configs.
@@ -18,7 +18,7 @@ import jax
 from etils import epath
 from flax import traverse_util
 
-from dagmoe_jax.runs.paths import as_path
+from dagmoe_jax.lifecycle.paths import as_path
 
 CHECKSUM_FILE = "dagmoe_checksums.json"
 _MAX_ERROR_CHARS = 200

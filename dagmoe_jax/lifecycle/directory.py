@@ -30,10 +30,10 @@ from dagmoe_jax.parallel import activate
 from dagmoe_jax.config import ExecutionConfig, ModelConfig, execution_fields
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.parallel import MeshConfig
-from dagmoe_jax.runs.build import build, train_state
-from dagmoe_jax.runs.checkpoint import Checkpointer
-from dagmoe_jax.runs.checkpoint_files import flatten_json, json_diffs
-from dagmoe_jax.runs.paths import as_path, is_remote, run_path
+from dagmoe_jax.lifecycle.build import build, train_state
+from dagmoe_jax.lifecycle.checkpoint import Checkpointer
+from dagmoe_jax.lifecycle.checkpoint_files import flatten_json, json_diffs
+from dagmoe_jax.lifecycle.paths import as_path, is_remote, run_path
 from dagmoe_jax.train.config import OptimConfig, TrainConfig
 
 CONFIG_FILE = "config.json"
@@ -44,10 +44,10 @@ PathLike = Union[str, Path]
 
 def prepare_run_dir(run_dir: PathLike) -> epath.Path:
     """Create ``run_dir`` (and its parents) for a training run, or say in one line why it
-    cannot be: a cloud URI whose filesystem package is missing (:func:`dagmoe_jax.runs.paths.run_path`;
-    then nothing is written anywhere), it is a file, it lies under a file, or the filesystem
-    refuses (read-only, permissions, full). Local paths, ``file://`` and cloud URIs
-    (``gs://bucket/run``) all go through ``etils.epath``."""
+    cannot be: a cloud URI whose filesystem package is missing
+    (:func:`dagmoe_jax.lifecycle.paths.run_path`; then nothing is written anywhere), it is a
+    file, it lies under a file, or the filesystem refuses (read-only, permissions, full). Local
+    paths, ``file://`` and cloud URIs (``gs://bucket/run``) all go through ``etils.epath``."""
     path = run_path(run_dir)
     if path.exists() and not path.is_dir():
         raise ValueError(f"--run_dir={run_dir} is a file, not a directory: choose another path")

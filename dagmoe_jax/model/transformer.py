@@ -83,13 +83,13 @@ class DecoderLayer(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """The decoder for a settled ``cfg`` (:func:`dagmoe_jax.runs.settle.settle`: no 'auto' left),
-    its MoE dispatch placed on ``layout`` (None: one device)."""
+    """The decoder for a settled ``cfg`` (:func:`dagmoe_jax.lifecycle.settle.settle`: no 'auto'
+    left), its MoE dispatch placed on ``layout`` (None: one device)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layout: Optional[MeshLayout] = None):
         if cfg.unsettled:
             raise ValueError(f"ModelConfig fields {', '.join(cfg.unsettled)} are still 'auto': "
-                             f"build the model from dagmoe_jax.runs.settle.settle(cfg)")
+                             f"build the model from dagmoe_jax.lifecycle.settle.settle(cfg)")
         self.cfg = cfg
         pd = dtype_of(cfg.param_dtype)
         self.embed = make_param(rngs, normal(cfg.init_std), (cfg.vocab_size, cfg.d_model),

@@ -22,9 +22,9 @@ from typing import Callable
 import jax
 from flax import nnx
 
-from dagmoe_jax import runs
+from dagmoe_jax import lifecycle
 from dagmoe_jax.config import ModelConfig
-from dagmoe_jax.runs.checkpoint_files import flatten_json
+from dagmoe_jax.lifecycle.checkpoint_files import flatten_json
 
 HF_PREFIX = "hf:"
 
@@ -39,9 +39,9 @@ def _hf_folder(init_from: str) -> str:
 
 def _run_dir(init_from: str) -> str:
     path = os.path.expanduser(init_from)
-    if not os.path.isfile(os.path.join(path, runs.CONFIG_FILE)):
+    if not os.path.isfile(os.path.join(path, lifecycle.CONFIG_FILE)):
         raise ValueError(f"TrainConfig.init_from={init_from!r} is not a run directory (no "
-                         f"{runs.CONFIG_FILE}): give a train.py run directory, 'hf:<folder>' "
+                         f"{lifecycle.CONFIG_FILE}): give a train.py run directory, 'hf:<folder>' "
                          "for a Hugging Face model, or '' for a fresh start")
     return path
 
@@ -53,8 +53,8 @@ def source_model_config(init_from: str, model_cfg: ModelConfig) -> ModelConfig:
             model_config_from_hf, read_hf_config)
         source = model_config_from_hf(read_hf_config(_hf_folder(init_from)))
     else:
-        source = runs.load_configs(_run_dir(init_from))[0]
-    arch = lambda cfg: flatten_json(runs.architecture(dataclasses.asdict(cfg)))  # noqa: E731
+        source = lifecycle.load_configs(_run_dir(init_from))[0]
+    arch = lambda cfg: flatten_json(lifecycle.architecture(dataclasses.asdict(cfg)))  # noqa: E731
     default, given, have = arch(ModelConfig()), arch(model_cfg), arch(source)
     conflicts = [f"ModelConfig.{k}={given[k]!r} (the source has {have.get(k)!r})"
                  for k in sorted(given) if given[k] != default.get(k) and given[k] != have.get(k)]
@@ -71,7 +71,7 @@ def _source_params(init_from: str, log: Callable[[str], None]):
             load_hf_llama)
         model, _ = load_hf_llama(_hf_folder(init_from))
         return nnx.state(model, nnx.Param), "the Hugging Face checkpoint"
-    loaded = runs.load_run(_run_dir(init_from), log=log)
+    loaded = lifecycle.load_run(_run_dir(init_from), log=log)
     return nnx.state(loaded.model, nnx.Param), f"step {loaded.step}"
 
 

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import jax
 from flax import nnx
 
-from dagmoe_jax import runs
+from dagmoe_jax import lifecycle
 from dagmoe_jax.data import check_tokens
 from dagmoe_jax.parallel import activate
 from dagmoe_jax.train.step import eval_step
@@ -72,7 +72,7 @@ def stop_on_signals(flag: dict):
 class Trainer:
     """Steps ``model`` and ``optimizer`` with ``step_fn`` over ``data_iter`` (module docstring).
 
-    checkpointer: the run's :class:`~dagmoe_jax.runs.Checkpointer`; meta: what checkpoints
+    checkpointer: the run's :class:`~dagmoe_jax.lifecycle.Checkpointer`; meta: what checkpoints
     are saved with and checked against; vocab_size: batches with ids outside it are one-line
     errors; say: one-line reports (compilation, resume, stop reasons); run_dir: named in them;
     batch_keys: the per-token annotations of a model family the batches carry to the model.
@@ -101,11 +101,11 @@ class Trainer:
     def mesh_scope(self):
         return contextlib.nullcontext() if self.mesh is None else activate(self.mesh)
 
-    def restore_or_init(self, check: Callable[[runs.Restored], None] = lambda _r: None) -> int:
+    def restore_or_init(self, check: Callable[[lifecycle.Restored], None] = lambda _r: None) -> int:
         """Restore the newest readable checkpoint into the model, optimizer and data iterator
         and return its step, or 0 for a new run. ``check(restored)`` runs first and may refuse
         (raise) a checkpoint the run's configs must not continue."""
-        abstract = runs.abstract(runs.train_state(self.model, self.optimizer))
+        abstract = lifecycle.abstract(lifecycle.train_state(self.model, self.optimizer))
         with self.mesh_scope():
             restored = self.checkpointer.restore(abstract, data_iterator=self.data_iter,
                                                  expected_meta=self.meta)
@@ -136,7 +136,7 @@ class Trainer:
                 batch = next(self.data_iter)
                 if self.vocab_size is not None:
                     check_tokens(batch, self.vocab_size)
-                device_batch = runs.device_batch(batch, self.mesh, self.batch_keys)
+                device_batch = lifecycle.device_batch(batch, self.mesh, self.batch_keys)
                 if self.compile_seconds is None:
                     self.say(f"step {step}: compiling the training step...")
                 metrics = self.step_fn(self.model, self.optimizer, device_batch)
@@ -162,9 +162,9 @@ class Trainer:
                 force = bool(stop) or last
                 if force or self.checkpointer.should_save(step):  # gather the state only then
                     self.check_saveable(device_batch, step)
-                    self.checkpointer.save(step, runs.train_state(self.model, self.optimizer),
-                                           data_iterator=self.data_iter, meta=self.meta,
-                                           force=force)
+                    self.checkpointer.save(step, lifecycle.train_state(self.model, self.optimizer),
+                                                data_iterator=self.data_iter, meta=self.meta,
+                                                force=force)
                 if stop:
                     break
         self.checkpointer.wait()

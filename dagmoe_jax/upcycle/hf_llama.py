@@ -36,7 +36,7 @@ from flax import nnx
 from dagmoe_jax.config import ModelConfig, RopeScalingConfig
 from dagmoe_jax.upcycle.moerge import set_params, variable
 from dagmoe_jax.model import Transformer
-from dagmoe_jax.runs.settle import settle
+from dagmoe_jax.lifecycle.settle import settle
 
 PathLike = Union[str, Path]
 CONFIG_FILE = "config.json"
@@ -352,7 +352,7 @@ def load_hf_llama(path: PathLike, *, rngs: Optional[nnx.Rngs] = None, settle_fn=
 
     ``overrides``: ModelConfig fields to change (``param_dtype='bfloat16'``, ``max_seq_len``,
     ``attention``...). ``settle_fn``: settles the config for this machine (default
-    :func:`dagmoe_jax.runs.settle.settle`). Returns (model, ModelConfig before settling).
+    :func:`dagmoe_jax.lifecycle.settle.settle`). Returns (model, ModelConfig before settling).
     """
 
     hf = read_hf_config(path)

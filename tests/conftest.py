@@ -20,6 +20,11 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
 
+# With libtpu installed (.ci/run installs it for tests/test_compile.py) JAX would look for a
+# TPU on this machine, and libtpu print a multi-line error on every start; the suite runs on
+# the CPU, and compiles for TPU topologies through dagmoe_jax.compile (compile-only devices).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 import jax  # noqa: E402  (after XLA_FLAGS)
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -120,6 +120,23 @@ def _track_step(tokens):
     return {k: np.asarray(v, np.int32) for k, v in features.items()}
 
 
+def prefill(model: Transformer, tokens: jax.Array, lengths: jax.Array, features, *,
+            cache_len: int):
+    """The prefill of generation: the forward pass over right-padded prompts ``tokens`` [B, P]
+    into a fresh KV cache of ``cache_len`` slots; (logits at each row's last prompt token
+    [B, V], the filled cache). ``dagmoe_jax.compile`` compiles this for a TPU topology."""
+    cache = model.init_cache(tokens.shape[0], cache_len)
+    logits, aux = model(tokens, features=features, cache=cache, logit_positions=lengths - 1)
+    return logits, aux["cache"]
+
+
+def decode_step(model: Transformer, tok: jax.Array, cache, start: jax.Array, features=None):
+    """One decode step: each row's newest token ``tok`` [B] at position ``start`` [B] against
+    ``cache``; (logits [B, 1, V], the cache with that position written)."""
+    logits, aux = model(tok[:, None], features=features, cache=cache, start=start)
+    return logits, aux["cache"]
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy"))
 def _generate(graphdef, state, tokens, lengths, features, key, temperature, top_k, top_p,
               stop_tokens, pad_id, *, max_new_tokens: int, greedy: bool):
@@ -131,9 +148,7 @@ def _generate(graphdef, state, tokens, lengths, features, key, temperature, top_
     model = nnx.merge(graphdef, state)
     b, p = tokens.shape
     n = max_new_tokens
-    logits, aux = model(tokens, features=features, cache=model.init_cache(b, p + n - 1),
-                        logit_positions=lengths - 1)
-    cache = aux["cache"]
+    logits, cache = prefill(model, tokens, lengths, features, cache_len=p + n - 1)
     sample = functools.partial(_next_tokens, key=key, greedy=greedy, temperature=temperature,
                                top_k=top_k, top_p=top_p)
     step_features = (None if features is None else
@@ -161,9 +176,8 @@ def _generate(graphdef, state, tokens, lengths, features, key, temperature, top_
         step, params, tok, cache, out, count, finished = carry
         new = (None if step_features is None
                else io_callback(_track_step, step_features, tok, ordered=True))
-        logits, aux = nnx.merge(graphdef, params)(tok[:, None], features=new, cache=cache,
-                                                  start=lengths + step - 1)
-        cache = aux["cache"]
+        logits, cache = decode_step(nnx.merge(graphdef, params), tok, cache,
+                                    lengths + step - 1, new)
         tok, out, count, finished = record(step, sample(logits[:, 0], step=step), out, count,
                                            finished)
         return step + 1, params, tok, cache, out, count, finished

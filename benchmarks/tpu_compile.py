@@ -1,0 +1,114 @@
+"""The paper's models compiled by the TPU compiler on this host, side by side.
+
+Each row runs ``python -m dagmoe_jax.compile`` in its own process (the training step only) and
+reads its JSON: per-chip HBM, the compiler's flops and bytes, collective bytes, and the
+roofline estimate of the step with tokens/s and MFU (dagmoe_jax/compile/roofline.py). A
+``ratio`` column divides each row's estimated step time by the MoE + shared expert row of the
+same model and topology (the paper's parity baseline: DAG-MoE L 2 measured +4.49% on A100).
+
+    python benchmarks/tpu_compile.py                                  # s / m / l x 4 variants, v5p-8
+    python benchmarks/tpu_compile.py --models l --variants moe+shared "dag L2"
+    python benchmarks/tpu_compile.py --models l --variants "dag L2" --mesh "data=2,expert=2" \\
+        --mesh "data=1,fsdp=2,expert=2"                               # replicated vs FSDP
+    python benchmarks/tpu_compile.py --topology v5p:4x4x4 --batch 256 --mesh "data=16,expert=4"
+
+Compiling the l model takes 3-4 minutes per row on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+VARIANTS = {
+    "moe": ["variants/moe.gin"],
+    "moe+shared": ["variants/moe_shared_g128_l2.gin"],
+    "dag L2": ["variants/dag_g128_l2.gin"],
+    "coe": ["variants/coe_g128_l2.gin"],
+}
+
+
+def run_row(model: str, variant: str, topology: str, batch: int, seq: int, mesh: str,
+            extra) -> dict:
+    bindings = [f"--gin.ModelConfig.compute_dtype='bfloat16'",
+                f"--gin.DataConfig.batch_size={batch}", f"--gin.DataConfig.seq_len={seq}"]
+    for part in mesh.split(","):
+        if part.strip():
+            axis, size = part.split("=")
+            bindings.append(f"--gin.MeshConfig.{axis.strip()}={int(size)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "report.json"
+        cmd = [sys.executable, "-m", "dagmoe_jax.compile", f"--gin_file=models/{model}.gin",
+               *[f"--gin_file={g}" for g in VARIANTS[variant]], *bindings, *extra,
+               f"--topology={topology}", "--programs=train", f"--json={out}"]
+        tick = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        seconds = time.perf_counter() - tick
+        if proc.returncode != 0:
+            return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1],
+                    "wall": seconds}
+        report = json.loads(out.read_text())
+    report["wall"] = seconds
+    return report
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", nargs="+", default=["s", "m", "l"])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--topology", default="v5p:2x2x1")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--mesh", action="append", default=[],
+                   help="mesh sizes, e.g. 'data=2,expert=2' (repeatable; default that)")
+    p.add_argument("--binding", action="append", default=[],
+                   help="an extra gin binding for every row, e.g. ExecutionConfig.remat='dots'")
+    p.add_argument("--json", default="")
+    args = p.parse_args(argv)
+    meshes = args.mesh or ["data=2,expert=2"]
+    extra = [f"--gin.{b.replace(' ', '')}" for b in args.binding]
+    env_note = os.environ.get("XLA_FLAGS", "")
+    rows = []
+    print(f"{'model':<6}{'variant':<12}{'mesh':<26}{'GB/chip':>8}{'state':>7}{'TFLOP':>8}"
+          f"{'comp.TF':>8}{'GB acc':>8}{'coll GB':>8}{'ms/step':>9}{'tok/s':>10}{'MFU':>7}"
+          f"{'ratio':>7}{'wall s':>7}", flush=True)
+    for model in args.models:
+        baseline = {}
+        for mesh in meshes:
+            for variant in args.variants:
+                r = run_row(model, variant, args.topology, args.batch, args.seq, mesh, extra)
+                rows.append({"model": model, "variant": variant, "mesh": mesh, **r})
+                if "error" in r:
+                    print(f"{model:<6}{variant:<12}{mesh:<26}  {r['error']}", flush=True)
+                    continue
+                t = r["programs"]["train"]
+                m, f, e = t["memory_per_chip"], t["flops_per_chip"], t["estimate"]
+                coll = sum(c["bytes"] for c in t["collectives"].values())
+                if variant == "moe+shared":
+                    baseline[mesh] = e["seconds"]
+                ratio = (f"{e['seconds'] / baseline[mesh]:.3f}" if mesh in baseline else "")
+                print(f"{model:<6}{variant:<12}{mesh:<26}{m['total'] / 1e9:>8.1f}"
+                      f"{m['state'] / 1e9:>7.1f}{f['roofline_matmul'] / 1e12:>8.2f}"
+                      f"{f['compiler'] / 1e12:>8.2f}"
+                      f"{t['bytes_accessed_per_chip']['roofline_hbm'] / 1e9:>8.1f}"
+                      f"{coll / 1e9:>8.2f}{e['seconds'] * 1e3:>9.1f}"
+                      f"{e['tokens_per_second']:>10,.0f}{e['mfu']:>7.1%}{ratio:>7}"
+                      f"{r['wall']:>7.0f}", flush=True)
+    libtpu = next((r.get("libtpu") for r in rows if "libtpu" in r), "unknown")
+    print(f"topology {args.topology}, batch {args.batch} x {args.seq}, bf16, libtpu {libtpu}"
+          f"{', XLA_FLAGS=' + env_note if env_note else ''}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1, default=float))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

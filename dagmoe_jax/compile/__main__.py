@@ -1,0 +1,278 @@
+"""Compile a run for a TPU topology on this host, and report what each chip would hold and do.
+
+    python -m dagmoe_jax.compile --gin_file=models/l.gin --gin_file=variants/dag_g128_l2.gin \\
+        --gin.ModelConfig.compute_dtype="'bfloat16'" --gin.DataConfig.batch_size=32 \\
+        --gin.DataConfig.seq_len=2048 --gin.MeshConfig.expert=2 --topology=v5p:2x2x1
+
+(console script: ``dagmoe-compile``). It needs the TPU compiler, ``pip install
+'jax[tpu]==<jax>'``, and no TPU: the programs are compiled for the topology's devices with
+nothing materialised.
+
+Flags:
+  --gin_file=FILE, --gin.NAME.PARAM=VAL, --gin_bindings=...   train.py's configuration
+  --topology=NAME     v5p:2x2x1 (default), v5p:4x4x4, v5e:4x4, v6e:8x8, ...
+  --num_slices=N      N slices of that topology (multi-slice; data parallelism spans them)
+  --programs=LIST     of train,eval,prefill,decode (default all four)
+  --gen_batch=B --prompt_len=P --new_tokens=N   the generation programs' shapes
+                      (default 8 prompts of seq_len / 2 tokens, seq_len / 2 new ones)
+  --json=PATH         also write the report as JSON
+  --hlo_dir=DIR       also write each compiled program's HLO text
+  --search            compile the training step under every mesh the chips factor into
+                      (data / fsdp / expert / tensor) and the per-chip batch sizes of
+                      --batch_per_chip; print them ranked by estimated tokens/s and the gin
+                      bindings of the best
+  --batch_per_chip=LIST   per-chip batch sizes to search (default: the run's, half, double)
+  --search_budget=S   stop the search after S seconds (default 1800)
+
+Each program's report, per chip: parameters and optimizer state, temporaries and the total
+against the chip's HBM; model FLOPs (model.accounting), the compiler's flops and bytes
+accessed; each collective's count and bytes; the Mosaic kernels; and an estimated step time
+with tokens/s and MFU (a roofline of the compiled program: dagmoe_jax/compile/roofline.py and
+docs/design.md section 8).
+
+Exit status: 0 compiled (and fits), 2 invalid configuration, or a program that does not fit
+its chip's HBM (one line: by how much, and what to change).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from dagmoe_jax.cli import OneLineParser, gin_flag_bindings, quiet_background_errors, report_error
+
+
+def parse_args(argv):
+    parser = OneLineParser(add_help=False)
+    parser.add_argument("-h", "--help", action="store_true")
+    parser.add_argument("--gin_file", action="append", default=[])
+    parser.add_argument("--gin_bindings", action="append", default=[])
+    parser.add_argument("--topology", default="v5p:2x2x1")
+    parser.add_argument("--num_slices", type=int, default=1)
+    parser.add_argument("--programs", default="train,eval,prefill,decode")
+    parser.add_argument("--gen_batch", type=int, default=8)
+    parser.add_argument("--prompt_len", type=int, default=0)
+    parser.add_argument("--new_tokens", type=int, default=0)
+    parser.add_argument("--json", default="")
+    parser.add_argument("--hlo_dir", default="")
+    parser.add_argument("--search", action="store_true")
+    parser.add_argument("--batch_per_chip", default="")
+    parser.add_argument("--search_budget", type=float, default=1800.0)
+    args, rest = parser.parse_known_args(argv)
+    flags, unknown = gin_flag_bindings(rest)
+    if unknown:
+        raise ValueError(f"unknown argument {unknown[0]!r} (see python -m dagmoe_jax.compile "
+                         f"--help)")
+    args.bindings = list(args.gin_bindings) + flags
+    args.programs = tuple(p.strip() for p in args.programs.split(",") if p.strip())
+    return args
+
+
+def gb(x: float) -> str:
+    return f"{x / 1e9:.2f} GB"
+
+
+def describe(name: str, report, chip, topology: str, mesh_label: str) -> str:
+    """A program's report as a few lines (see the module docstring)."""
+    d = report.as_dict(chip)
+    m, f, e = d["memory_per_chip"], d["flops_per_chip"], d["estimate"]
+    lines = [f"{name} on {topology} ({mesh_label}), {report.tokens:,} tokens: compiled in "
+             f"{report.compile_seconds:.1f} s",
+             f"  memory per chip: state {gb(m['state'])}, temporaries {gb(m['temporaries'])}, "
+             f"total {gb(m['total'])} of {gb(m['hbm'])} HBM"
+             f"{'' if m['fits'] else ' (DOES NOT FIT)'}",
+             f"  per chip: model {f['model'] / 1e12:.3f} TFLOP, compiler {f['compiler'] / 1e12:.3f}"
+             f" TFLOP and {gb(d['bytes_accessed_per_chip']['compiler'])} accessed; roofline "
+             f"{f['roofline_matmul'] / 1e12:.3f} TFLOP of matmuls, "
+             f"{gb(d['bytes_accessed_per_chip']['roofline_hbm'])} of HBM traffic"]
+    if d["collectives"]:
+        lines.append("  collectives: " + ", ".join(
+            f"{k} {int(v['count'])} x = {gb(v['bytes'])}" for k, v in
+            sorted(d["collectives"].items())))
+    if d["kernels"]:
+        lines.append("  Mosaic kernels: " + ", ".join(
+            f"{k} {v}" for k, v in sorted(d["kernels"].items())))
+    lines.append(f"  estimate: {e['seconds'] * 1e3:.2f} ms (compute {e['compute_seconds'] * 1e3:.2f}"
+                 f" + collectives {e['collective_seconds'] * 1e3:.2f}; overlapped "
+                 f"{e['overlapped_seconds'] * 1e3:.2f}): {e['tokens_per_second']:,.0f} tokens/s, "
+                 f"MFU {e['mfu']:.1%}")
+    return "\n".join(lines)
+
+
+def oom_line(err, chip, topology: str) -> str:
+    """The one line for a program that does not fit."""
+    name, need, detail = err.args
+    what = {"train": "the training step", "eval": "the evaluation step",
+            "prefill": "generation's prefill", "decode": "a decode step"}[name]
+    fix = ("lower DataConfig.batch_size or raise TrainConfig.grad_accum, set "
+           "ExecutionConfig.remat='full', or shard parameters and optimizer state with "
+           "MeshConfig.fsdp" if name == "train" else
+           "lower DataConfig.batch_size or shard the parameters with MeshConfig.fsdp"
+           if name == "eval" else "lower --gen_batch, --prompt_len or --new_tokens, or shard "
+           "the parameters with MeshConfig.fsdp")
+    if need:
+        return (f"{what} does not fit a {chip.name} chip on {topology}: it needs at least "
+                f"{need / 1e9:.1f} GB, {(need - chip.hbm_bytes) / 1e9:.1f} GB over its "
+                f"{chip.hbm_bytes / 1e9:.1f} GB of HBM: {fix}")
+    return (f"{what} does not fit a {chip.name} chip on {topology} ({detail}): {fix}")
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+    except ValueError as err:
+        return report_error(err)
+    if args.help:
+        print(__doc__)
+        return 0
+    # the host's own backend stays the CPU: libtpu would otherwise look for a TPU here
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    quiet_background_errors()
+    try:
+        return _run(args)
+    except ValueError as err:          # OutOfMemory is one
+        return report_error(err)
+    except FileNotFoundError as err:
+        return report_error(err)
+
+
+def _run(args) -> int:
+    from dagmoe_jax.compile.chips import topology_devices
+    chip, devices = topology_devices(args.topology, args.num_slices)
+
+    from dagmoe_jax.compile.programs import (GenerationShape, OutOfMemory, compile_run,
+                                             mesh_over)
+    from dagmoe_jax.gin_utils import load_configs
+    model_cfg, data_cfg, optim_cfg, train_cfg = load_configs(args.gin_file or
+                                                             ["train/default.gin"],
+                                                             args.bindings)
+    if train_cfg.init_from:
+        from dagmoe_jax.train.init_from import source_model_config
+        model_cfg = source_model_config(train_cfg.init_from, model_cfg)
+    topology = args.topology + (f" x {args.num_slices} slices" if args.num_slices > 1 else "")
+    half = max(data_cfg.seq_len // 2, 1)
+    generation = GenerationShape(args.gen_batch, args.prompt_len or half,
+                                 args.new_tokens or half)
+    if args.search:
+        return _search(args, model_cfg, data_cfg, optim_cfg, train_cfg, chip, devices,
+                       topology)
+    import dataclasses
+    mesh_sizes = dataclasses.asdict(train_cfg.mesh)
+    mesh = mesh_over(devices, mesh_sizes, args.num_slices)
+    label = " x ".join(f"{a} {s}" for a, s in mesh.shape.items() if s > 1) or "1 chip"
+    print(f"compiling for {topology}: {len(devices)} {chip.name} chips, mesh {label}",
+          flush=True)
+    try:
+        settled, reports = compile_run(model_cfg, data_cfg, optim_cfg, train_cfg, mesh, chip,
+                                       programs=args.programs, generation=generation,
+                                       keep_hlo=bool(args.hlo_dir),
+                                       log=lambda m: print(m, flush=True))
+    except OutOfMemory as err:
+        raise ValueError(oom_line(err, chip, topology)) from None
+    from dagmoe_jax.lifecycle.settle import describe as describe_settled
+    print(f"model settled for tpu: {describe_settled(settled, model_cfg, backend='tpu')}")
+    for name, report in reports.items():
+        print(describe(name, report, chip, topology, label))
+    if args.hlo_dir:
+        out = Path(args.hlo_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        for name, report in reports.items():
+            (out / f"{name}.hlo.txt").write_text(report.hlo)
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "topology": args.topology, "num_slices": args.num_slices, "chip": chip.name,
+            "chips": len(devices), "mesh": dict(mesh.shape),
+            "libtpu": _libtpu_version(), "programs": {n: r.as_dict(chip)
+                                                      for n, r in reports.items()}},
+            indent=1, default=float))
+    unfit = [n for n, r in reports.items() if r.total_bytes > chip.hbm_bytes]
+    if unfit:
+        r = reports[unfit[0]]
+        raise ValueError(oom_line(OutOfMemory(unfit[0], r.total_bytes, ""), chip, topology))
+    return 0
+
+
+def _libtpu_version() -> str:
+    from importlib.metadata import version
+    try:
+        return version("libtpu")
+    except Exception:
+        return "unknown"
+
+
+def _search(args, model_cfg, data_cfg, optim_cfg, train_cfg, chip, devices, topology) -> int:
+    import dataclasses
+    from dagmoe_jax.compile.programs import OutOfMemory, compile_run, mesh_over
+    from dagmoe_jax.compile.search import Outcome, candidates, ranked, search
+    chips = len(devices)
+    own = train_cfg.mesh.resolve(chips)
+    if data_cfg.batch_size % chips:
+        raise ValueError(f"DataConfig.batch_size={data_cfg.batch_size} is not a multiple of "
+                         f"the {chips} chips")
+    run_batch = data_cfg.batch_size // chips
+    if args.batch_per_chip:
+        batches = sorted({int(b) for b in args.batch_per_chip.split(",") if b.strip()})
+    else:
+        batches = sorted({max(run_batch // 2, 1), run_batch, run_batch * 2})
+    todo = candidates(model_cfg, chips, batches, first=(own, run_batch),
+                      num_slices=args.num_slices)
+    print(f"searching {len(todo)} meshes x batches for {topology} ({chips} {chip.name} chips), "
+          f"budget {args.search_budget:.0f} s", flush=True)
+
+    def compile_one(candidate) -> Outcome:
+        data = dataclasses.replace(data_cfg, batch_size=candidate.batch_per_chip * chips)
+        try:
+            mesh = mesh_over(devices, candidate.mesh, args.num_slices)
+            _, reports = compile_run(model_cfg, data, optim_cfg, train_cfg, mesh, chip,
+                                     programs=("train",))
+        except OutOfMemory as err:
+            return Outcome(candidate, error="out of memory" + (
+                f" ({err.args[1] / 1e9:.1f} GB)" if err.args[1] else ""))
+        except ValueError as err:
+            return Outcome(candidate, error=str(err).splitlines()[0])
+        r = reports["train"]
+        d = r.as_dict(chip)["estimate"]
+        if r.total_bytes > chip.hbm_bytes:
+            return Outcome(candidate, error=f"out of memory ({r.total_bytes / 1e9:.1f} GB)",
+                           hbm_bytes=r.total_bytes)
+        return Outcome(candidate, d["seconds"], d["tokens_per_second"], d["mfu"],
+                       r.total_bytes)
+
+    outcomes = ranked(search(compile_one, todo, budget_seconds=args.search_budget,
+                             log=lambda m: print(m, flush=True)))
+    print(f"{'rank':<5}{'mesh':<36}{'batch/chip':>11}{'tokens/s':>14}{'MFU':>8}{'GB/chip':>9}")
+    for i, o in enumerate(outcomes):
+        if o.seconds:
+            print(f"{i + 1:<5}{o.candidate.label():<36}{o.candidate.batch_per_chip:>11}"
+                  f"{o.tokens_per_second:>14,.0f}{o.mfu:>8.1%}{o.hbm_bytes / 1e9:>9.1f}")
+        else:
+            print(f"{'-':<5}{o.candidate.label():<36}{o.candidate.batch_per_chip:>11}  {o.error}")
+    best = next((o for o in outcomes if o.seconds), None)
+    if args.json:
+        Path(args.json).write_text(json.dumps([{
+            "mesh": o.candidate.mesh, "batch_per_chip": o.candidate.batch_per_chip,
+            "seconds": o.seconds, "tokens_per_second": o.tokens_per_second, "mfu": o.mfu,
+            "hbm_bytes": o.hbm_bytes, "error": o.error} for o in outcomes], indent=1))
+    if best is None:
+        raise ValueError(f"no mesh and batch tried fits {topology}: lower the batch or raise "
+                         f"--search_budget")
+    own_outcome = next((o for o in outcomes if o.candidate.sizes == tuple(own)
+                        and o.candidate.batch_per_chip == run_batch and o.seconds), None)
+    speedup = (f", {best.tokens_per_second / own_outcome.tokens_per_second:.2f}x the run's own "
+               f"mesh" if own_outcome else "")
+    print(f"best: {best.candidate.label()}, batch {best.candidate.batch_per_chip}/chip"
+          f"{speedup}; gin bindings:")
+    for line in best.candidate.bindings(data_cfg.seq_len):
+        print(f"  {line}")
+    return 0
+
+
+def entry() -> int:
+    """The ``dagmoe-compile`` console script."""
+    return main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,357 @@
+"""The run's programs compiled ahead of time for a TPU topology, from a host that owns none.
+
+:func:`compile_run` takes a run's four configs (what ``python train.py`` reads from gin) and
+the compile-only devices of a topology (:func:`dagmoe_jax.compile.chips.topology_devices`) and
+compiles, with nothing materialised:
+
+* ``train``: the jitted step the training loop runs (``make_train_step`` with the run's
+  ``grad_accum``, trainable set and donation), on the model settled for TPU under the run's
+  mesh (:func:`dagmoe_jax.lifecycle.settle.settle`: remat, scanned layers, splash attention,
+  megablox gmm, the ragged all-to-all), its parameters and AdamW state abstract and sharded by
+  the mesh rules, the batch sharded over the batch axes as ``lifecycle.device_batch`` shards it;
+* ``eval``: ``eval_step`` on a replicated batch of ``DataConfig.batch_size`` rows, as the
+  evaluator feeds it;
+* ``prefill`` and ``decode``: generation's :func:`~dagmoe_jax.decoding.generate.prefill` over
+  prompts of ``prompt_len`` tokens and one :func:`~dagmoe_jax.decoding.generate.decode_step`
+  against a cache of ``prompt_len + new_tokens`` slots, with generation's dropless dispatch.
+
+Each gives a :class:`ProgramReport`: the compiler's memory analysis per chip, its flops and
+bytes, and this library's roofline (:mod:`dagmoe_jax.compile.roofline`) of the compiled HLO.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from dagmoe_jax.compile.chips import Chip
+from dagmoe_jax.compile.roofline import Cost, program_cost
+from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.data import DataConfig
+from dagmoe_jax.decoding.generate import DEFAULT_DISPATCH, decode_step, prefill
+from dagmoe_jax.lifecycle.build import MODEL_INPUTS
+from dagmoe_jax.lifecycle.settle import settle
+from dagmoe_jax.model import Transformer, extension_for
+from dagmoe_jax.model.accounting import account
+from dagmoe_jax.parallel import activate
+from dagmoe_jax.parallel.axes import DEFAULT_RULES, MeshLayout, logical_to_spec
+from dagmoe_jax.parallel.state import variable_spec
+from dagmoe_jax.train.config import OptimConfig, TrainConfig
+from dagmoe_jax.train.optim import TRAINABLE, check_trainable, make_optimizer
+from dagmoe_jax.train.step import eval_step, make_train_step
+
+PROGRAMS = ("train", "eval", "prefill", "decode")
+
+
+class OutOfMemory(ValueError):
+    """A program does not fit its chip's HBM (the compiler's word, or the memory analysis)."""
+
+
+@dataclasses.dataclass
+class ProgramReport:
+    """One compiled program, per chip (bytes, FLOPs, seconds)."""
+
+    name: str
+    compile_seconds: float
+    tokens: int                  # tokens the program processes, all chips together
+    state_bytes: float           # parameters (+ optimizer state for train) on one chip
+    argument_bytes: float
+    output_bytes: float
+    alias_bytes: float
+    temp_bytes: float
+    code_bytes: float
+    compiler_flops: float
+    compiler_bytes: float
+    model_flops: float           # model.accounting's FLOPs per chip (train: 3x forward)
+    cost: Cost
+    hlo: str = dataclasses.field(repr=False, default="")
+
+    @property
+    def total_bytes(self) -> float:
+        """HBM a chip holds at the program's peak: its arguments, temporaries, the outputs
+        that do not overwrite an argument, and its code."""
+        return (self.argument_bytes + self.temp_bytes + self.code_bytes
+                + max(self.output_bytes - self.alias_bytes, 0.0))
+
+    def as_dict(self, chip: Chip) -> dict:
+        seconds = self.cost.seconds
+        tokens_per_s = self.tokens / seconds if seconds else 0.0
+        return {
+            "compile_seconds": round(self.compile_seconds, 1),
+            "tokens": self.tokens,
+            "memory_per_chip": {
+                "state": self.state_bytes, "arguments": self.argument_bytes,
+                "outputs": self.output_bytes, "aliased": self.alias_bytes,
+                "temporaries": self.temp_bytes, "code": self.code_bytes,
+                "total": self.total_bytes, "hbm": chip.hbm_bytes,
+                "fits": self.total_bytes <= chip.hbm_bytes},
+            "flops_per_chip": {"model": self.model_flops, "compiler": self.compiler_flops,
+                               "roofline_matmul": self.cost.matmul_flops},
+            "bytes_accessed_per_chip": {"compiler": self.compiler_bytes,
+                                        "roofline_hbm": self.cost.hbm_bytes},
+            "collectives": self.cost.collectives,
+            "kernels": self.cost.kernels,
+            "estimate": {"seconds": seconds, "compute_seconds": self.cost.compute_seconds,
+                         "collective_seconds": self.cost.collective_seconds,
+                         "overlapped_seconds": self.cost.overlapped_seconds,
+                         "tokens_per_second": tokens_per_s,
+                         "mfu": (self.model_flops / (seconds * chip.peak_flops)
+                                 if seconds else 0.0)},
+            "slowest": [[s, what] for s, what in self.cost.slowest],
+        }
+
+
+def _abstract(obj, mesh) -> None:
+    """Give every variable of an abstract NNX object (``nnx.eval_shape``) the sharding its
+    logical names map to, in place."""
+    def shard(v):
+        value = v.get_value()
+        return v.replace(jax.ShapeDtypeStruct(value.shape, value.dtype,
+                                              sharding=NamedSharding(mesh, variable_spec(v))))
+    state = jax.tree.map(shard, nnx.state(obj), is_leaf=lambda x: isinstance(x, nnx.Variable))
+    nnx.update(obj, state)
+
+
+def state_bytes_per_chip(obj) -> float:
+    """Bytes of an abstract (sharded) NNX object's arrays that one chip holds."""
+    total = 0.0
+    for leaf in jax.tree.leaves(nnx.state(obj)):
+        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+        total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+    return total
+
+
+def abstract_train_state(model_cfg: ModelConfig, optim_cfg: OptimConfig,
+                         train_cfg: TrainConfig, mesh, backend: str = "tpu"):
+    """(model, optimizer) with abstract sharded arrays, the model settled for ``backend`` and
+    ``mesh`` exactly as ``lifecycle.build`` settles a run's."""
+    check_trainable(model_cfg, train_cfg.trainable)
+    layout = MeshLayout.of(mesh)
+    settled = settle(model_cfg, backend=backend, layout=layout)
+    tx = make_optimizer(optim_cfg, train_cfg.steps)
+    wrt = TRAINABLE[train_cfg.trainable]
+
+    def build():
+        model = Transformer(settled, rngs=nnx.Rngs(train_cfg.seed), layout=layout)
+        return model, nnx.Optimizer(model, tx, wrt=wrt)
+
+    with activate(mesh):
+        model, optimizer = nnx.eval_shape(build)
+    _abstract(model, mesh)
+    _abstract(optimizer, mesh)
+    return model, optimizer
+
+
+def _batch(model_cfg: ModelConfig, mesh, rows: int, seq: int, replicated: bool,
+           mask: bool) -> dict:
+    spec = PartitionSpec() if replicated else logical_to_spec(("batch", None), DEFAULT_RULES)
+    sharding = NamedSharding(mesh, spec)
+    tokens = jax.ShapeDtypeStruct((rows, seq), jnp.int32, sharding=sharding)
+    batch = {"inputs": tokens, "targets": tokens}
+    if mask:
+        batch["mask"] = jax.ShapeDtypeStruct((rows, seq), jnp.bool_, sharding=sharding)
+    for key in extension_for(model_cfg).batch_keys:
+        if key not in MODEL_INPUTS:
+            batch[key] = jax.ShapeDtypeStruct((rows, seq), jnp.int32, sharding=sharding)
+    return batch
+
+
+_OOM = re.compile(r"(?:Ran out of memory|RESOURCE_EXHAUSTED|exceeds?.*memory|Used ([\d.]+)([GMK])"
+                  r" of ([\d.]+)([GMK]) hbm)", re.IGNORECASE)
+
+
+def _compile(name: str, lowered_fn: Callable, chip: Chip):
+    """(compiled, seconds) or :class:`OutOfMemory` with the compiler's figures."""
+    tick = time.perf_counter()
+    try:
+        compiled = lowered_fn().compile()
+    except Exception as err:      # XLA's errors are JaxRuntimeError / XlaRuntimeError
+        text = str(err)
+        if _OOM.search(text):
+            # XLA:TPU: "the total memory required for HLO temporaries (256.96G) exceeds
+            # available HBM (95.74G)", or "Used 120.5G of 95.7G hbm"
+            scale = {"G": 2 ** 30, "M": 2 ** 20, "K": 2 ** 10}
+            used = (re.search(r"required for [^(]*\(([\d.]+)([GMK])\)", text)
+                    or re.search(r"Used ([\d.]+)([GMK]) of", text))
+            need = (float(used.group(1)) * scale[used.group(2)]) if used else None
+            raise OutOfMemory(name, need, text.strip().splitlines()[0][:300]) from None
+        raise
+    return compiled, time.perf_counter() - tick
+
+
+def _report(name: str, compiled, seconds: float, tokens: int, state: float, model_flops: float,
+            chip: Chip, devices: Sequence, keep_hlo: bool) -> ProgramReport:
+    memory = compiled.memory_analysis()
+    analysis = compiled.cost_analysis() or {}
+    if isinstance(analysis, list):
+        analysis = analysis[0] if analysis else {}
+    text = compiled.as_text()
+    slices = [getattr(d, "slice_index", 0) or 0 for d in devices]
+    cost = program_cost(text, chip, len(devices), slices if len(set(slices)) > 1 else None)
+    return ProgramReport(
+        name=name, compile_seconds=seconds, tokens=tokens, state_bytes=state,
+        argument_bytes=float(memory.argument_size_in_bytes),
+        output_bytes=float(memory.output_size_in_bytes),
+        alias_bytes=float(memory.alias_size_in_bytes),
+        temp_bytes=float(memory.temp_size_in_bytes),
+        code_bytes=float(memory.generated_code_size_in_bytes),
+        compiler_flops=float(analysis.get("flops", 0.0)),
+        compiler_bytes=float(analysis.get("bytes accessed", 0.0)),
+        model_flops=model_flops, cost=cost, hlo=text if keep_hlo else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationShape:
+    """The generation programs' shapes: ``batch`` prompts of ``prompt_len`` tokens, a cache of
+    ``prompt_len + new_tokens`` slots."""
+
+    batch: int = 8
+    prompt_len: int = 1024
+    new_tokens: int = 1024
+
+
+def compile_run(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
+                train_cfg: TrainConfig, mesh, chip: Chip, *,
+                programs: Sequence[str] = PROGRAMS,
+                generation: GenerationShape = GenerationShape(),
+                keep_hlo: bool = False,
+                log: Callable[[str], None] = lambda _m: None) -> Tuple[ModelConfig, Dict[str, ProgramReport]]:
+    """(the settled model config, {program name: its report}) for ``programs`` of the run on
+    ``mesh`` (a ``Mesh`` over a topology's compile-only devices). Raises :class:`OutOfMemory`
+    for a program the compiler cannot fit, ``ValueError`` for an impossible configuration."""
+    unknown = set(programs) - set(PROGRAMS)
+    if unknown:
+        raise ValueError(f"unknown program {sorted(unknown)[0]!r}: expected some of {PROGRAMS}")
+    devices = list(mesh.devices.flat)
+    chips = len(devices)
+    if data_cfg.batch_size % (train_cfg.grad_accum * 1):
+        raise ValueError(f"DataConfig.batch_size={data_cfg.batch_size} must be a multiple of "
+                         f"TrainConfig.grad_accum={train_cfg.grad_accum}")
+    layout = MeshLayout.of(mesh)
+    batch_shards = layout.size(_batch_axes()) if layout else 1
+    if data_cfg.batch_size % batch_shards:
+        raise ValueError(f"DataConfig.batch_size={data_cfg.batch_size} does not split over the "
+                         f"{batch_shards} chips of the batch mesh axes: use a multiple of "
+                         f"{batch_shards}")
+    model, optimizer = abstract_train_state(model_cfg, optim_cfg, train_cfg, mesh)
+    settled = model.cfg
+    params = state_bytes_per_chip(model)
+    acc = account(settled, data_cfg.seq_len)
+    reports: Dict[str, ProgramReport] = {}
+    rows, seq = data_cfg.batch_size, data_cfg.seq_len
+    train_tokens = rows * seq
+    if "train" in programs:
+        log(f"compiling the training step ({rows} x {seq} tokens, grad_accum "
+            f"{train_cfg.grad_accum})...")
+        step = make_train_step(grad_accum=train_cfg.grad_accum,
+                               wrt=TRAINABLE[train_cfg.trainable], donate=True)
+        batch = _batch(settled, mesh, rows, seq, replicated=False, mask=False)
+        with activate(mesh):
+            compiled, secs = _compile("train", lambda: step.lower(model, optimizer, batch), chip)
+        reports["train"] = _report(
+            "train", compiled, secs, train_tokens,
+            params + state_bytes_per_chip(optimizer),
+            acc.train_flops_per_token * train_tokens / chips, chip, devices, keep_hlo)
+    if "eval" in programs:
+        log(f"compiling the evaluation step ({rows} x {seq} tokens, replicated)...")
+        batch = _batch(settled, mesh, rows, seq, replicated=True, mask=True)
+        with activate(mesh):
+            compiled, secs = _compile("eval", lambda: eval_step.lower(model, batch), chip)
+        reports["eval"] = _report("eval", compiled, secs, train_tokens, params,
+                                  acc.train_flops_per_token / 3 * train_tokens / chips, chip,
+                                  devices, keep_hlo)
+    if "prefill" in programs or "decode" in programs:
+        reports.update(_compile_generation(model, settled, mesh, chip, generation, programs,
+                                           params, devices, keep_hlo, log))
+    return settled, reports
+
+
+def _batch_axes() -> Tuple[str, ...]:
+    spec = logical_to_spec(("batch",), DEFAULT_RULES)[0]
+    return (spec,) if isinstance(spec, str) else tuple(spec or ())
+
+
+def _compile_generation(model, settled, mesh, chip, shape: GenerationShape, programs, params,
+                        devices, keep_hlo, log) -> Dict[str, ProgramReport]:
+    """Prefill and one decode step with generation's dropless dispatch (same parameters)."""
+    if extension_for(settled).batch_keys:
+        log("generation programs skipped: this block family decodes with tracked features")
+        return {}
+    cfg = (settled if settled.block == "dense"
+           else settled.replace(experts=dict(dispatch=DEFAULT_DISPATCH)))
+    graphdef = nnx.graphdef(nnx.eval_shape(
+        lambda: Transformer(cfg, rngs=nnx.Rngs(0), layout=MeshLayout.of(mesh))))
+    state = nnx.state(model)
+    b, p = shape.batch, shape.prompt_len
+    cache_len = p + shape.new_tokens - 1
+    if cache_len > settled.max_seq_len:
+        raise ValueError(f"generation of {p} + {shape.new_tokens} tokens exceeds "
+                         f"ModelConfig.max_seq_len={settled.max_seq_len}: lower --prompt_len "
+                         f"or --new_tokens")
+    replicated = NamedSharding(mesh, PartitionSpec())
+    acc = account(cfg, cache_len)
+    forward_per_token = acc.train_flops_per_token / 3
+    out: Dict[str, ProgramReport] = {}
+    tokens = jax.ShapeDtypeStruct((b, p), jnp.int32, sharding=replicated)
+    lengths = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=replicated)
+
+    def run_prefill(state, tokens, lengths):
+        return prefill(nnx.merge(graphdef, state), tokens, lengths, None, cache_len=cache_len)
+
+    if "prefill" in programs:
+        log(f"compiling generation's prefill ({b} x {p} tokens)...")
+        with activate(mesh):
+            compiled, secs = _compile("prefill", lambda: jax.jit(run_prefill).lower(
+                state, tokens, lengths), chip)
+        out["prefill"] = _report("prefill", compiled, secs, b * p, params,
+                                 forward_per_token * b * p / len(devices), chip, devices,
+                                 keep_hlo)
+    if "decode" in programs:
+        log(f"compiling one decode step ({b} rows against {cache_len} cache slots)...")
+        with activate(mesh):
+            cache = jax.eval_shape(lambda s, t, n: run_prefill(s, t, n)[1], state, tokens,
+                                   lengths)
+            cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                sharding=replicated), cache)
+            tok = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=replicated)
+
+            def run_decode(state, tok, cache, start):
+                return decode_step(nnx.merge(graphdef, state), tok, cache, start)
+
+            compiled, secs = _compile("decode", lambda: jax.jit(run_decode, donate_argnums=2)
+                                      .lower(state, tok, cache, lengths), chip)
+        out["decode"] = _report("decode", compiled, secs, b, params,
+                                forward_per_token * b / len(devices), chip, devices, keep_hlo)
+    return out
+
+
+def mesh_over(devices: Sequence, sizes: Dict[str, int], num_slices: int = 1):
+    """A mesh ``data, fsdp, expert, tensor`` over a topology's devices (``sizes``: each
+    axis's size, -1 filled); with several slices the ``data`` axis spans them (each slice holds
+    ``data / num_slices`` of it and every other axis whole: only data parallelism crosses the
+    slower data-centre network)."""
+    from dagmoe_jax.parallel import MeshConfig, make_mesh
+    from dagmoe_jax.parallel.axes import MESH_AXES
+    cfg = MeshConfig(**sizes)
+    if num_slices == 1:
+        return make_mesh(cfg, devices)
+    resolved = cfg.resolve(len(devices))
+    data = resolved[0]
+    if data % num_slices:
+        raise ValueError(f"MeshConfig.data={data} must be a multiple of --num_slices="
+                         f"{num_slices}: data parallelism is what spans the slices")
+    from jax.experimental import mesh_utils
+    ici = (data // num_slices,) + tuple(resolved[1:])
+    dcn = (num_slices,) + (1,) * (len(resolved) - 1)
+    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
+    return jax.sharding.Mesh(grid, MESH_AXES,
+                             axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))

@@ -1,0 +1,121 @@
+"""Mesh search: compile a run's training step under many meshes and batch sizes, rank them.
+
+:func:`candidates` lists the factorisations of the chips into ``data x fsdp x expert x tensor``
+that the model admits (``expert`` divides the routed experts, ``tensor`` the KV heads and the
+expert hidden size, every batch axis divides the global batch), for each per-chip batch size
+asked for; :func:`search` compiles them in a stated order (the run's own mesh first, then by
+expert parallelism, FSDP and tensor parallelism ascending: the cheapest collectives first),
+skips what does not fit, and stops at a time budget. Each compilation is reported as it ends,
+and the results are ranked by estimated tokens/s among those that fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.parallel.axes import MESH_AXES
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    sizes: Tuple[int, int, int, int]      # data, fsdp, expert, tensor
+    batch_per_chip: int
+
+    @property
+    def mesh(self) -> Dict[str, int]:
+        return dict(zip(MESH_AXES, self.sizes))
+
+    def bindings(self, seq_len: int) -> List[str]:
+        chips = 1
+        for s in self.sizes:
+            chips *= s
+        return ([f"MeshConfig.{a} = {s}" for a, s in zip(MESH_AXES, self.sizes)]
+                + [f"DataConfig.batch_size = {self.batch_per_chip * chips}"])
+
+    def label(self) -> str:
+        return " x ".join(f"{a} {s}" for a, s in zip(MESH_AXES, self.sizes) if s > 1) or "1 chip"
+
+
+def factorisations(n: int, parts: int = 4) -> Iterator[Tuple[int, ...]]:
+    """Every ordered ``parts``-tuple of positive integers whose product is ``n``."""
+    if parts == 1:
+        yield (n,)
+        return
+    for d in range(1, n + 1):
+        if n % d == 0:
+            for rest in factorisations(n // d, parts - 1):
+                yield (d,) + rest
+
+
+def admits(cfg: ModelConfig, sizes: Sequence[int], global_batch: int) -> bool:
+    """Whether the model can run on a mesh of these axis sizes with this global batch."""
+    data, fsdp, expert, tensor = sizes
+    if cfg.block != "dense" and cfg.experts.num_experts % expert:
+        return False
+    if cfg.block == "dense" and expert > 1:
+        return False
+    if tensor > 1 and (cfg.num_kv_heads % tensor or cfg.num_heads % tensor
+                       or cfg.experts.expert_hidden % tensor or cfg.d_model % tensor):
+        return False
+    if fsdp > 1 and cfg.d_model % fsdp:
+        return False
+    return global_batch % (data * fsdp * expert) == 0
+
+
+def candidates(cfg: ModelConfig, chips: int, batches_per_chip: Sequence[int],
+               first: Optional[Tuple[Tuple[int, ...], int]] = None,
+               num_slices: int = 1) -> List[Candidate]:
+    """The meshes and per-chip batches to try, in search order (module docstring)."""
+    out = []
+    for sizes in factorisations(chips):
+        if sizes[0] % num_slices:
+            continue
+        for b in batches_per_chip:
+            if admits(cfg, sizes, b * chips):
+                out.append(Candidate(tuple(sizes), b))
+    out.sort(key=lambda c: (c.sizes[3], c.sizes[1], -c.sizes[2], c.batch_per_chip))
+    if first is not None:
+        head = Candidate(tuple(first[0]), first[1])
+        out = [head] + [c for c in out if c != head]
+    return out
+
+
+@dataclasses.dataclass
+class Outcome:
+    candidate: Candidate
+    seconds: Optional[float] = None        # estimated step time
+    tokens_per_second: float = 0.0
+    mfu: float = 0.0
+    hbm_bytes: float = 0.0
+    error: str = ""                        # 'out of memory: ...' or the compiler's word
+
+
+def search(compile_one: Callable[[Candidate], Outcome], todo: Sequence[Candidate], *,
+           budget_seconds: float, log: Callable[[str], None]) -> List[Outcome]:
+    """Compile ``todo`` in order until the budget is spent; outcomes in that order."""
+    start = time.perf_counter()
+    outcomes = []
+    for i, candidate in enumerate(todo):
+        elapsed = time.perf_counter() - start
+        if elapsed > budget_seconds:
+            log(f"search: time budget of {budget_seconds:.0f} s spent after {i} of {len(todo)} "
+                f"candidates (raise --search_budget to try the rest)")
+            break
+        tick = time.perf_counter()
+        outcome = compile_one(candidate)
+        outcomes.append(outcome)
+        what = (f"{outcome.tokens_per_second:,.0f} tokens/s, MFU {outcome.mfu:.1%}, "
+                f"{outcome.hbm_bytes / 1e9:.1f} GB/chip" if outcome.seconds else outcome.error)
+        log(f"search [{i + 1}/{len(todo)}] {candidate.label()}, batch {candidate.batch_per_chip}"
+            f"/chip: {what} ({time.perf_counter() - tick:.0f} s)")
+    return outcomes
+
+
+def ranked(outcomes: Sequence[Outcome]) -> List[Outcome]:
+    """Those that fit, fastest first, then the others."""
+    fit = sorted((o for o in outcomes if o.seconds), key=lambda o: -o.tokens_per_second)
+    return fit + [o for o in outcomes if not o.seconds]

@@ -1,0 +1,243 @@
+"""The pod path through the real TPU compiler (XLA:TPU and Mosaic, from the ``libtpu`` wheel that
+``.ci/run`` installs): the run's programs compiled for a v5p slice on this CPU, with nothing
+materialised (``dagmoe_jax.compile``).
+
+The suite's conftest sets ``jax_default_matmul_precision='highest'``, under which every Mosaic
+kernel once failed to compile ("Bad lhs type"): these compilations run under it on purpose.
+The roofline's HLO reading is checked on a hand-written module whose costs are known.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from conftest import tiny_config
+from dagmoe_jax.compile import roofline
+from dagmoe_jax.compile.chips import CHIPS, parse_topology, tpu_compiler_missing
+from dagmoe_jax.data import DataConfig
+from dagmoe_jax.train.config import OptimConfig, TrainConfig
+
+needs_tpu_compiler = pytest.mark.skipif(
+    tpu_compiler_missing() is not None,
+    reason="libtpu is not installed (pip install 'jax[tpu]==<jax>'; .ci/run installs it)")
+
+
+def small_dag(**overrides):
+    """A DAG-MoE whose dims take the Pallas kernels' 128 tiles (gmm) and splash's blocks."""
+    return tiny_config(settled=False, d_model=128, num_heads=4, num_kv_heads=2, max_seq_len=256,
+                       compute_dtype="bfloat16", aggregation=dict(kind="dag"),
+                       experts=dict(expert_hidden=128), **overrides)
+
+
+@pytest.fixture(scope="module")
+def v5p():
+    from dagmoe_jax.compile.chips import topology_devices
+    return topology_devices("v5p:2x2x1")
+
+
+@needs_tpu_compiler
+@pytest.mark.parametrize("mesh", [dict(data=1), dict(data=2, expert=2)], ids=["one", "mesh"])
+def test_tiny_dag_compiles_for_v5p(v5p, mesh):
+    from dagmoe_jax.compile.programs import compile_run, mesh_over
+    chip, devices = v5p
+    devices = devices[:1] if mesh == dict(data=1) else devices
+    mesh = mesh_over(devices, mesh)
+    settled, reports = compile_run(small_dag(), DataConfig(batch_size=8, seq_len=128),
+                                   OptimConfig(), TrainConfig(), mesh, chip,
+                                   programs=("train",), keep_hlo=True)
+    assert (settled.execution.attention, settled.execution.grouped_matmul) == ("splash", "gmm")
+    train = reports["train"]
+    # the Mosaic kernels, forward and backward, in the compiled program (2 layers, remat full)
+    kernels = train.cost.kernels
+    for name in ("gmm", "tgmm", "splash_mha_fwd", "splash_mha_dq", "splash_mha_dkv"):
+        assert kernels.get(name, 0) >= 2, (name, kernels)
+    assert 0 < train.total_bytes < chip.hbm_bytes
+    assert train.cost.seconds > 0 and train.cost.matmul_flops >= train.model_flops
+    collectives = train.cost.collectives
+    if len(devices) == 1:
+        assert not collectives
+    else:    # expert-parallel dispatch by the ragged all-to-all, gradients all-reduced
+        assert collectives["ragged-all-to-all"]["count"] >= 4
+        assert collectives["all-reduce"]["bytes"] > 0
+        expert_weights_sharded_by_the_rules(train.hlo, small_dag(), mesh)
+
+
+def expert_weights_sharded_by_the_rules(hlo: str, cfg, mesh) -> None:
+    """The compiled (SPMD-partitioned) step's entry parameters are one chip's shards: each
+    routed expert weight arrives as the shard its logical names map to under the mesh rules
+    (the ``expert`` axis over the mesh's expert axis), never whole."""
+    from dagmoe_jax.compile.programs import abstract_train_state
+    from dagmoe_jax.parallel.state import variable_spec
+    entry = hlo[hlo.index("ENTRY"):].split("\n", 1)[0]
+    model, _ = abstract_train_state(cfg, OptimConfig(), TrainConfig(), mesh)
+    checked = 0
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        names = var.get_metadata().get("out_sharding") or ()
+        if "expert" not in names:
+            continue
+        spec = variable_spec(var)
+        assert spec[names.index("expert")] == "expert", (path, spec)
+        value = var.get_value()
+        local = NamedSharding(mesh, spec).shard_shape(value.shape)
+        assert local != value.shape
+        text = lambda shape: f"f32[{','.join(map(str, shape))}]"  # noqa: E731
+        assert text(local) in entry and text(value.shape) not in entry, (path, local)
+        checked += 1
+    assert checked >= 3      # w_gate, w_up, w_down
+
+
+@needs_tpu_compiler
+def test_s_model_compiles_under_data_x_expert(v5p):
+    """The paper's s model (vocabulary 128,256, 32 experts of 256, top-4), train step only."""
+    from dagmoe_jax.compile.programs import compile_run, mesh_over
+    from dagmoe_jax.gin_utils import load_model_config
+    chip, devices = v5p
+    cfg = load_model_config(["models/s.gin", "variants/dag_g128_l2.gin"],
+                            ["ModelConfig.compute_dtype = 'bfloat16'"])
+    _, reports = compile_run(cfg, DataConfig(batch_size=4, seq_len=256), OptimConfig(),
+                             TrainConfig(), mesh_over(devices, dict(data=2, expert=2)), chip,
+                             programs=("train",))
+    train = reports["train"]
+    # float32 parameters and two AdamW moments: 12 bytes a parameter, of which each chip holds
+    # every one but half the routed experts' (32 experts over expert 2)
+    from dagmoe_jax.model.accounting import account
+    acc = account(cfg, 256)
+    per_chip = acc.total_params - acc.params["experts"] / 2
+    assert train.state_bytes == pytest.approx(12 * per_chip, rel=1e-3)
+    assert train.total_bytes < chip.hbm_bytes
+    assert {"gmm", "tgmm", "splash_mha_fwd"} <= set(train.cost.kernels)
+
+
+@needs_tpu_compiler
+def test_generation_and_eval_compile(v5p):
+    from dagmoe_jax.compile.programs import GenerationShape, compile_run, mesh_over
+    chip, devices = v5p
+    _, reports = compile_run(small_dag(), DataConfig(batch_size=4, seq_len=128), OptimConfig(),
+                             TrainConfig(), mesh_over(devices[:1], dict(data=1)), chip,
+                             programs=("eval", "prefill", "decode"),
+                             generation=GenerationShape(2, 128, 64))
+    assert set(reports) == {"eval", "prefill", "decode"}
+    assert "splash_mha_fwd" in reports["prefill"].cost.kernels
+    assert reports["decode"].tokens == 2 and reports["decode"].cost.seconds > 0
+
+
+@needs_tpu_compiler
+def test_oversized_batch_is_one_line(capsys):
+    from dagmoe_jax.compile.__main__ import main
+    code = main(["--gin_file=models/tiny.gin", "--gin.ModelConfig.compute_dtype='bfloat16'",
+                 "--gin.ModelConfig.d_model=1024", "--gin.DataConfig.batch_size=262144",
+                 "--gin.DataConfig.seq_len=128",
+                 "--gin.ModelConfig.max_seq_len=128", "--programs=train",
+                 "--topology=v5p:2x2x1", "--gin.MeshConfig.data=4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "does not fit a v5p chip" in err[0] and "GB over" in err[0], err[0]
+    assert "batch_size" in err[0] and "fsdp" in err[0]
+
+
+def test_bad_topology_is_one_line(capsys):
+    from dagmoe_jax.compile.__main__ import main
+    assert main(["--topology=v9x:2x2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "v5p:2x2x1" in err[0]
+    with pytest.raises(ValueError, match="3D"):
+        parse_topology("v5p:4x4")
+    assert parse_topology("v6e:8x8")[1] == (8, 8)
+
+
+HLO = """HloModule step, entry_computation_layout={()->f32[]}
+
+%fused_dot (p0: bf16[256,512], p1: bf16[512,1024]) -> bf16[256,1024] {
+  %p0 = bf16[256,512]{1,0} parameter(0)
+  %p1 = bf16[512,1024]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[256,1024]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%cond (param: (s32[], bf16[256,512])) -> pred[] {
+  %param = (s32[], bf16[256,512]{1,0}) parameter(0)
+  %gte = s32[] get-tuple-element(%param), index=0
+  %limit = s32[] constant(8)
+  ROOT %lt = pred[] compare(%gte, %limit), direction=LT
+}
+
+%body (param.1: (s32[], bf16[256,512])) -> (s32[], bf16[256,512]) {
+  %param.1 = (s32[], bf16[256,512]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%param.1), index=0
+  %x = bf16[256,512]{1,0} get-tuple-element(%param.1), index=1
+  %w = bf16[512,1024]{1,0} constant({...})
+  %f = bf16[256,1024]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_dot
+  %ag = bf16[1024,512]{1,0} all-gather(%x), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}
+  ROOT %t = (s32[], bf16[256,512]{1,0}) tuple(%i, %x)
+}
+
+ENTRY %main (a: bf16[256,512]) -> f32[] {
+  %a = bf16[256,512]{1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[256,512]{1,0}) tuple(%zero, %a)
+  %loop = (s32[], bf16[256,512]{1,0}) while(%init), condition=%cond, body=%body
+  %ar = f32[1024]{0} all-reduce(%a), channel_id=2, replica_groups=[2,2]<=[4], to_apply=%add
+  ROOT %c = f32[] constant(0)
+}
+"""
+
+
+def test_roofline_reads_a_known_module():
+    """8 trips of a fused 256x512 @ 512x1024 product and an all-gather over 4 chips, one
+    all-reduce over groups of 2: every figure by hand."""
+    chip = CHIPS["v5p"]
+    cost = roofline.program_cost(HLO, chip, devices=4)
+    flops = 8 * 2 * 256 * 512 * 1024
+    assert cost.matmul_flops == flops
+    fusion_bytes = 2 * (256 * 512 + 512 * 1024 + 256 * 1024)
+    # (plus the loop condition's compare: 9 bytes a trip)
+    assert cost.hbm_bytes == 8 * fusion_bytes + 8 * 9
+    assert cost.compute_seconds == pytest.approx(
+        8 * max(flops / 8 / chip.peak_flops, fusion_bytes / chip.hbm_bandwidth), rel=1e-4)
+    gathered = 8 * 2 * 1024 * 512 * 3 / 4
+    reduced = 2 * (2 * 256 * 512) * 1 / 2     # all-reduce: twice the operand, (n-1)/n, n = 2
+    assert cost.collectives["all-gather"] == {"count": 8, "bytes": gathered,
+                                              "seconds": gathered / chip.ring_bandwidth}
+    assert cost.collectives["all-reduce"]["bytes"] == reduced
+    assert cost.seconds == pytest.approx(cost.compute_seconds
+                                         + (gathered + reduced) / chip.ring_bandwidth)
+    assert cost.overlapped_seconds == max(cost.compute_seconds, cost.collective_seconds)
+    # across slices the same all-gather runs at the data-centre network's bandwidth
+    split = roofline.program_cost(HLO, chip, devices=4, slice_of=[0, 0, 1, 1])
+    assert split.collectives["all-gather"]["seconds"] == pytest.approx(
+        gathered / chip.dcn_bandwidth)
+    # the iota groups [2,2]<=[4] are {0,1} and {2,3}: within a slice each
+    assert split.collectives["all-reduce"]["seconds"] == pytest.approx(
+        reduced / chip.ring_bandwidth)
+    across = roofline.program_cost(HLO.replace("[2,2]<=[4]", "[2,2]<=[2,2]T(1,0)"), chip,
+                                   devices=4, slice_of=[0, 0, 1, 1])
+    assert across.collectives["all-reduce"]["seconds"] == pytest.approx(
+        reduced / chip.dcn_bandwidth)
+
+
+def test_kernel_families():
+    assert roofline.kernel_family("transpose_jvp_jit_tgmm___") == "tgmm"
+    assert roofline.kernel_family("jvp_jit_gmm__") == "gmm"
+    assert roofline.kernel_family("splash_mha_dkv_no_residuals") == "splash_mha_dkv"
+
+
+def test_search_candidates_respect_the_model():
+    from dagmoe_jax.compile.search import candidates, factorisations
+    assert len(list(factorisations(8))) == 20          # ordered 4-factorisations of 2^3
+    cfg = small_dag()          # 4 experts, 2 KV heads
+    found = candidates(cfg, 8, [1, 2], first=((8, 1, 1, 1), 2))
+    assert found[0].sizes == (8, 1, 1, 1) and found[0].batch_per_chip == 2
+    assert all(c.sizes[2] in (1, 2, 4) and c.sizes[3] in (1, 2) for c in found)
+    assert all(c.batch_per_chip * 8 % (c.sizes[0] * c.sizes[1] * c.sizes[2]) == 0
+               for c in found)
+    assert any(c.sizes == (2, 1, 4, 1) for c in found)
+    assert not any(c.sizes[2] == 8 or c.sizes[3] == 4 for c in found)
+    assert found[0].bindings(128) == ["MeshConfig.data = 8", "MeshConfig.fsdp = 1",
+                                      "MeshConfig.expert = 1", "MeshConfig.tensor = 1",
+                                      "DataConfig.batch_size = 16"]

@@ -3,7 +3,8 @@
 materialised (``dagmoe_jax.compile``).
 
 The suite's conftest sets ``jax_default_matmul_precision='highest'``, under which every Mosaic
-kernel once failed to compile ("Bad lhs type"): these compilations run under it on purpose.
+kernel fails to compile ("Bad lhs type"): these compilations run at the default precision, and
+settling the kernels under 'highest' is a one-line refusal (checked here).
 The roofline's HLO reading is checked on a hand-written module whose costs are known.
 """
 
@@ -23,6 +24,14 @@ from dagmoe_jax.compile import roofline
 from dagmoe_jax.compile.chips import CHIPS, parse_topology, tpu_compiler_missing
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.train.config import OptimConfig, TrainConfig
+
+@pytest.fixture(autouse=True)
+def default_precision():
+    """The conftest's 'highest' matmul precision off: the Pallas TPU kernels compile at the
+    default precision only (settle refuses them otherwise, test_compile.py checks that)."""
+    with jax.default_matmul_precision("default"):
+        yield
+
 
 needs_tpu_compiler = pytest.mark.skipif(
     tpu_compiler_missing() is not None,
@@ -140,6 +149,22 @@ def test_oversized_batch_is_one_line(capsys):
     assert code == 2 and len(err) == 1, err
     assert "does not fit a v5p chip" in err[0] and "GB over" in err[0], err[0]
     assert "batch_size" in err[0] and "fsdp" in err[0]
+
+
+def test_kernels_refused_under_highest_precision():
+    """Building a run (lifecycle.build, and the compile command's abstract state) refuses the
+    Pallas TPU kernels under 'highest' in one line."""
+    from dagmoe_jax.compile.programs import abstract_train_state
+    from dagmoe_jax.lifecycle.settle import check_kernel_precision
+    with jax.default_matmul_precision("highest"):
+        with pytest.raises(ValueError, match="Bad lhs type.*ExecutionConfig.attention='xla'"):
+            check_kernel_precision("splash", "ragged_dot", "tpu")
+        with pytest.raises(ValueError, match="megablox gmm"):
+            abstract_train_state(small_dag(attention="xla"), OptimConfig(), TrainConfig(),
+                                 jax.sharding.Mesh(jax.devices()[:1], ("data",)))
+        # XLA's own attention and ragged_dot take any precision; CPU is never refused
+        check_kernel_precision("xla", "ragged_dot", "tpu")
+        check_kernel_precision("splash", "gmm", "cpu")
 
 
 def test_bad_topology_is_one_line(capsys):

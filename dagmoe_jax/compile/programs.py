@@ -39,7 +39,7 @@ from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.decoding.generate import DEFAULT_DISPATCH, decode_step, prefill
 from dagmoe_jax.lifecycle.build import MODEL_INPUTS
-from dagmoe_jax.lifecycle.settle import settle
+from dagmoe_jax.lifecycle.settle import check_kernel_precision, settle
 from dagmoe_jax.model import Transformer, extension_for
 from dagmoe_jax.model.accounting import account
 from dagmoe_jax.parallel import activate
@@ -137,6 +137,8 @@ def abstract_train_state(model_cfg: ModelConfig, optim_cfg: OptimConfig,
     check_trainable(model_cfg, train_cfg.trainable)
     layout = MeshLayout.of(mesh)
     settled = settle(model_cfg, backend=backend, layout=layout)
+    check_kernel_precision(settled.execution.attention, settled.execution.grouped_matmul,
+                           backend)
     tx = make_optimizer(optim_cfg, train_cfg.steps)
     wrt = TRAINABLE[train_cfg.trainable]
 

@@ -32,37 +32,6 @@ Its backward pass reuses the tile with the contracted and output dimensions swap
 both (d_model and the expert hidden size) must be multiples of 128 (:func:`gmm_supported`)."""
 
 
-def kernel_precision(fn):
-    """``fn`` (a function of arrays that calls Pallas TPU kernels) with its kernels traced,
-    forward and backward, at the default matmul precision, whatever
-    ``jax_default_matmul_precision`` says around them.
-
-    ``lax.dot_general`` resolves a missing precision from that flag when it is traced, and
-    Mosaic compiles a bf16 x bf16 product only at the default precision: under the flag set
-    to 'highest' (as the CPU test suite sets it for its float32 oracles) every kernel failed
-    to compile with "Bad lhs type". The kernels multiply in the MXU's native precision
-    (f32 accumulation) either way; the flag keeps governing every product outside them. The
-    backward kernels are traced when the gradient is taken, outside this call, hence a
-    custom VJP whose backward calls the forward's ``jax.vjp`` under the same precision."""
-
-    @jax.custom_vjp
-    def wrapped(*args):
-        with jax.default_matmul_precision("default"):
-            return fn(*args)
-
-    def forward(*args):
-        with jax.default_matmul_precision("default"):
-            out, vjp = jax.vjp(fn, *args)
-        return out, vjp
-
-    def backward(vjp, cotangent):
-        with jax.default_matmul_precision("default"):
-            return vjp(cotangent)
-
-    wrapped.defvjp(forward, backward)
-    return wrapped
-
-
 def splash_supported(seq_len: int) -> bool:
     """Whether the splash kernel takes a sequence of ``seq_len`` positions (a multiple of
     :data:`SPLASH_BLOCK`); shorter or ragged ones (a sampling prompt) use XLA's attention."""
@@ -105,11 +74,11 @@ def splash_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     args = (heads_major(q * (1.0 / float(d) ** 0.5)).astype(q.dtype), heads_major(k),
             heads_major(v))
     if segment_ids is None:
-        out = kernel_precision(jax.vmap(kernel))(*args)
+        out = jax.vmap(kernel)(*args)
     else:
         segmented = lambda q, k, v, seg: kernel(  # noqa: E731
             q, k, v, segment_ids=splash.SegmentIds(q=seg, kv=seg))
-        out = kernel_precision(jax.vmap(segmented))(*args, jnp.asarray(segment_ids, jnp.int32))
+        out = jax.vmap(segmented)(*args, jnp.asarray(segment_ids, jnp.int32))
     return heads_major(out).astype(q.dtype)
 
 
@@ -133,7 +102,6 @@ def gmm_grouped_matmul(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, *,
     # both are zeroed here, as ragged_dot has them
     valid = (jnp.arange(m + (-m % tm)) < jnp.sum(sizes))[:, None]
     padded = jnp.where(valid, jnp.pad(lhs, ((0, -m % tm), (0, 0))), 0)
-    out = kernel_precision(lambda x, w, n: megablox_gmm(
-        x, w, n, lhs.dtype, tiling, None, None, False, interpret))(
-            padded, rhs, sizes.astype(jnp.int32))
+    out = megablox_gmm(padded, rhs, sizes.astype(jnp.int32), lhs.dtype, tiling, None, None,
+                       False, interpret)
     return jnp.where(valid, out, 0)[:m].astype(lhs.dtype)

@@ -23,7 +23,7 @@ from dagmoe_jax.data import DataConfig
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.parallel import create_train_state, shard_batch
 from dagmoe_jax.parallel.axes import MeshLayout
-from dagmoe_jax.lifecycle.settle import settle
+from dagmoe_jax.lifecycle.settle import check_kernel_precision, settle
 from dagmoe_jax.train.config import OptimConfig, TrainConfig
 from dagmoe_jax.train.optim import TRAINABLE, check_trainable, make_optimizer, make_schedule
 
@@ -57,6 +57,8 @@ def build(model_cfg: ModelConfig, optim_cfg: OptimConfig, train_cfg: TrainConfig
     wrt = TRAINABLE[train_cfg.trainable]
     layout = MeshLayout.of(mesh)
     settled = settle(model_cfg, layout=layout, log=log)
+    check_kernel_precision(settled.execution.attention, settled.execution.grouped_matmul,
+                           jax.default_backend())
 
     def new_model():
         return Transformer(settled, rngs=nnx.Rngs(train_cfg.seed), layout=layout)

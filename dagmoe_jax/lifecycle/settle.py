@@ -129,6 +129,27 @@ def settle_expert_exchange(name: str, backend: str) -> str:
     return "all_gather" if backend == "cpu" else "ragged_all_to_all"
 
 
+def check_kernel_precision(attention: str, grouped_matmul: str, backend: str) -> None:
+    """A one-line ``ValueError`` when the Pallas TPU kernels are settled while
+    ``jax_default_matmul_precision`` asks for float32 products: ``lax.dot_general`` takes its
+    precision from that flag when the kernels are traced, and Mosaic compiles bf16 products at
+    the default precision only (every kernel failed with "Bad lhs type", silently to the
+    library). The kernels' backward halves are traced when the gradient is taken, outside any
+    call of ours, so the flag cannot be overridden around them: the run is refused here."""
+    kernels = [k for k, used in (("splash attention", attention == "splash"),
+                                 ("megablox gmm", grouped_matmul == "gmm")) if used]
+    if backend != "tpu" or not kernels:
+        return
+    from jax._src import config as jax_config
+    precision = str(jax_config.default_matmul_precision.value or "default").lower()
+    if precision in ("highest", "float32", "tensorfloat32", "high", "bfloat16_3x"):
+        raise ValueError(
+            f"jax_default_matmul_precision={precision!r} is set, and the Pallas TPU kernels "
+            f"settled here ({' and '.join(kernels)}) do not compile under it (Mosaic: 'Bad lhs "
+            f"type'): unset it (or set it to 'default'), or bind ExecutionConfig.attention="
+            f"'xla' and ExecutionConfig.grouped_matmul='ragged_dot'")
+
+
 def settle(cfg: ModelConfig, *, backend: Optional[str] = None,
            layout: Optional[MeshLayout] = None,
            log: Callable[[str], None] = lambda _message: None) -> ModelConfig:

@@ -7,7 +7,8 @@ per chip, memory against HBM, FLOPs and bytes, collectives and a roofline step-t
 
 * :mod:`~dagmoe_jax.compile.chips`: the chips' datasheets and a topology's compile-only devices;
 * :mod:`~dagmoe_jax.compile.programs`: the run's programs, abstract and sharded, compiled;
-* :mod:`~dagmoe_jax.compile.roofline`: the compiled HLO read into collectives and an estimate;
+* :mod:`~dagmoe_jax.compile.hlo`: the compiled HLO text read into instructions and shapes;
+* :mod:`~dagmoe_jax.compile.roofline`: those costed into collectives and a step estimate;
 * :mod:`~dagmoe_jax.compile.search`: the mesh search.
 
 A tool: it depends on the run layer (model, train step, generation), nothing depends on it.

@@ -38,7 +38,7 @@ VARIANTS = {
 
 def run_row(model: str, variant: str, topology: str, batch: int, seq: int, mesh: str,
             extra) -> dict:
-    bindings = [f"--gin.ModelConfig.compute_dtype='bfloat16'",
+    bindings = ["--gin.ModelConfig.compute_dtype='bfloat16'",
                 f"--gin.DataConfig.batch_size={batch}", f"--gin.DataConfig.seq_len={seq}"]
     for part in mesh.split(","):
         if part.strip():

@@ -91,6 +91,42 @@ def gin_flag_bindings(args: Iterable[str]) -> Tuple[List[str], List[str]]:
     return bindings, unknown
 
 
+def gin_parser() -> OneLineParser:
+    """A command's parser with ``-h/--help`` and train.py's configuration flags, ``--gin_file``
+    and ``--gin_bindings`` (``--gin.NAME.PARAM=VAL`` flags are read by
+    :func:`parse_gin_command`)."""
+    parser = OneLineParser(add_help=False)
+    parser.add_argument("-h", "--help", action="store_true")
+    parser.add_argument("--gin_file", action="append", default=[])
+    parser.add_argument("--gin_bindings", action="append", default=[])
+    return parser
+
+
+def parse_gin_command(parser: argparse.ArgumentParser, argv, command: str):
+    """(args, gin bindings: ``--gin_bindings`` then the ``--gin.NAME.PARAM=VAL`` flags) of
+    ``argv``; any other unknown argument is a one-line ``ValueError`` naming ``command``'s
+    help."""
+    args, rest = parser.parse_known_args(argv)
+    flags, unknown = gin_flag_bindings(rest)
+    if unknown:
+        raise ValueError(f"unknown argument {unknown[0]!r} (see {command} --help)")
+    return args, list(args.gin_bindings) + flags
+
+
+def parse_or_report(parse_args: Callable, argv, doc: str) -> Tuple[Any, Optional[int]]:
+    """``(parse_args(argv), None)`` for a command's ``main`` (``argv`` None: the process's
+    arguments), or ``(None, exit code)`` when it is done already: invalid arguments reported
+    in one line (2), or ``--help`` answered with the command's ``doc`` (0)."""
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+    except ValueError as err:
+        return None, report_error(err)
+    if args.help:
+        print(doc)
+        return None, 0
+    return args, None
+
+
 def seed_list(text: str) -> tuple:
     """A benchmark's --seeds: a count ('3' -> (0, 1, 2)) or a list ('0,5' -> (0, 5))."""
     values = tuple(int(v) for v in text.split(",") if v.strip())

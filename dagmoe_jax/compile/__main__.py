@@ -36,19 +36,18 @@ its chip's HBM (one line: by how much, and what to change).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 from pathlib import Path
 
-from dagmoe_jax.cli import OneLineParser, gin_flag_bindings, quiet_background_errors, report_error
+from dagmoe_jax.cli import (gin_parser, parse_gin_command, parse_or_report,
+                           quiet_background_errors, report_error)
 
 
 def parse_args(argv):
-    parser = OneLineParser(add_help=False)
-    parser.add_argument("-h", "--help", action="store_true")
-    parser.add_argument("--gin_file", action="append", default=[])
-    parser.add_argument("--gin_bindings", action="append", default=[])
+    parser = gin_parser()
     parser.add_argument("--topology", default="v5p:2x2x1")
     parser.add_argument("--num_slices", type=int, default=1)
     parser.add_argument("--programs", default="train,eval,prefill,decode")
@@ -60,12 +59,7 @@ def parse_args(argv):
     parser.add_argument("--search", action="store_true")
     parser.add_argument("--batch_per_chip", default="")
     parser.add_argument("--search_budget", type=float, default=1800.0)
-    args, rest = parser.parse_known_args(argv)
-    flags, unknown = gin_flag_bindings(rest)
-    if unknown:
-        raise ValueError(f"unknown argument {unknown[0]!r} (see python -m dagmoe_jax.compile "
-                         f"--help)")
-    args.bindings = list(args.gin_bindings) + flags
+    args, args.bindings = parse_gin_command(parser, argv, "python -m dagmoe_jax.compile")
     args.programs = tuple(p.strip() for p in args.programs.split(",") if p.strip())
     return args
 
@@ -120,13 +114,9 @@ def oom_line(err, chip, topology: str) -> str:
 
 
 def main(argv=None) -> int:
-    try:
-        args = parse_args(sys.argv[1:] if argv is None else argv)
-    except ValueError as err:
-        return report_error(err)
-    if args.help:
-        print(__doc__)
-        return 0
+    args, code = parse_or_report(parse_args, argv, __doc__)
+    if args is None:
+        return code
     # the host's own backend stays the CPU: libtpu would otherwise look for a TPU here
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     quiet_background_errors()
@@ -143,10 +133,10 @@ def _run(args) -> int:
     chip, devices = topology_devices(args.topology, args.num_slices)
 
     from dagmoe_jax.compile.programs import (GenerationShape, OutOfMemory, compile_run,
-                                             mesh_over)
+                                             mesh_label, mesh_over)
     from dagmoe_jax.gin_utils import load_configs
-    model_cfg, data_cfg, optim_cfg, train_cfg = load_configs(args.gin_file or
-                                                             ["train/default.gin"],
+    from dagmoe_jax.train.__main__ import DEFAULT_GIN
+    model_cfg, data_cfg, optim_cfg, train_cfg = load_configs(args.gin_file or [DEFAULT_GIN],
                                                              args.bindings)
     if train_cfg.init_from:
         from dagmoe_jax.train.init_from import source_model_config
@@ -158,10 +148,8 @@ def _run(args) -> int:
     if args.search:
         return _search(args, model_cfg, data_cfg, optim_cfg, train_cfg, chip, devices,
                        topology)
-    import dataclasses
-    mesh_sizes = dataclasses.asdict(train_cfg.mesh)
-    mesh = mesh_over(devices, mesh_sizes, args.num_slices)
-    label = " x ".join(f"{a} {s}" for a, s in mesh.shape.items() if s > 1) or "1 chip"
+    mesh = mesh_over(devices, dataclasses.asdict(train_cfg.mesh), args.num_slices)
+    label = mesh_label(mesh.shape)
     print(f"compiling for {topology}: {len(devices)} {chip.name} chips, mesh {label}",
           flush=True)
     try:
@@ -203,7 +191,6 @@ def _libtpu_version() -> str:
 
 
 def _search(args, model_cfg, data_cfg, optim_cfg, train_cfg, chip, devices, topology) -> int:
-    import dataclasses
     from dagmoe_jax.compile.programs import OutOfMemory, compile_run, mesh_over
     from dagmoe_jax.compile.search import Outcome, candidates, ranked, search
     chips = len(devices)
@@ -264,7 +251,7 @@ def _search(args, model_cfg, data_cfg, optim_cfg, train_cfg, chip, devices, topo
                f"mesh" if own_outcome else "")
     print(f"best: {best.candidate.label()}, batch {best.candidate.batch_per_chip}/chip"
           f"{speedup}; gin bindings:")
-    for line in best.candidate.bindings(data_cfg.seq_len):
+    for line in best.candidate.bindings():
         print(f"  {line}")
     return 0
 

@@ -25,12 +25,12 @@ import dataclasses
 import math
 import re
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
+from jax.experimental import mesh_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dagmoe_jax.compile.chips import Chip
@@ -42,9 +42,9 @@ from dagmoe_jax.lifecycle.build import MODEL_INPUTS
 from dagmoe_jax.lifecycle.settle import check_kernel_precision, settle
 from dagmoe_jax.model import Transformer, extension_for
 from dagmoe_jax.model.accounting import account
-from dagmoe_jax.parallel import activate
-from dagmoe_jax.parallel.axes import DEFAULT_RULES, MeshLayout, logical_to_spec
-from dagmoe_jax.parallel.state import variable_spec
+from dagmoe_jax.parallel import MeshConfig, activate, make_mesh
+from dagmoe_jax.parallel.axes import MESH_AXES, MeshLayout
+from dagmoe_jax.parallel.state import batch_shards, batch_sharding, variable_spec
 from dagmoe_jax.train.config import OptimConfig, TrainConfig
 from dagmoe_jax.train.optim import TRAINABLE, check_trainable, make_optimizer
 from dagmoe_jax.train.step import eval_step, make_train_step
@@ -155,8 +155,10 @@ def abstract_train_state(model_cfg: ModelConfig, optim_cfg: OptimConfig,
 
 def _batch(model_cfg: ModelConfig, mesh, rows: int, seq: int, replicated: bool,
            mask: bool) -> dict:
-    spec = PartitionSpec() if replicated else logical_to_spec(("batch", None), DEFAULT_RULES)
-    sharding = NamedSharding(mesh, spec)
+    """An abstract batch as the loop feeds the model: rows over the batch axes, or (an
+    evaluation batch) replicated; with the family's per-token annotations."""
+    sharding = (NamedSharding(mesh, PartitionSpec()) if replicated
+                else batch_sharding(mesh, 2))
     tokens = jax.ShapeDtypeStruct((rows, seq), jnp.int32, sharding=sharding)
     batch = {"inputs": tokens, "targets": tokens}
     if mask:
@@ -167,8 +169,7 @@ def _batch(model_cfg: ModelConfig, mesh, rows: int, seq: int, replicated: bool,
     return batch
 
 
-_OOM = re.compile(r"(?:Ran out of memory|RESOURCE_EXHAUSTED|exceeds?.*memory|Used ([\d.]+)([GMK])"
-                  r" of ([\d.]+)([GMK]) hbm)", re.IGNORECASE)
+_OOM = re.compile(r"RESOURCE_EXHAUSTED|Ran out of memory|Used [\d.]+[GMK] of", re.IGNORECASE)
 
 
 def _compile(name: str, lowered_fn: Callable, chip: Chip):
@@ -226,7 +227,8 @@ def compile_run(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimCo
                 programs: Sequence[str] = PROGRAMS,
                 generation: GenerationShape = GenerationShape(),
                 keep_hlo: bool = False,
-                log: Callable[[str], None] = lambda _m: None) -> Tuple[ModelConfig, Dict[str, ProgramReport]]:
+                log: Callable[[str], None] = lambda _m: None
+                ) -> Tuple[ModelConfig, Dict[str, ProgramReport]]:
     """(the settled model config, {program name: its report}) for ``programs`` of the run on
     ``mesh`` (a ``Mesh`` over a topology's compile-only devices). Raises :class:`OutOfMemory`
     for a program the compiler cannot fit, ``ValueError`` for an impossible configuration."""
@@ -235,15 +237,10 @@ def compile_run(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimCo
         raise ValueError(f"unknown program {sorted(unknown)[0]!r}: expected some of {PROGRAMS}")
     devices = list(mesh.devices.flat)
     chips = len(devices)
-    if data_cfg.batch_size % (train_cfg.grad_accum * 1):
-        raise ValueError(f"DataConfig.batch_size={data_cfg.batch_size} must be a multiple of "
-                         f"TrainConfig.grad_accum={train_cfg.grad_accum}")
-    layout = MeshLayout.of(mesh)
-    batch_shards = layout.size(_batch_axes()) if layout else 1
-    if data_cfg.batch_size % batch_shards:
+    shards = batch_shards(mesh)      # (grad_accum's split is checked by the step itself)
+    if data_cfg.batch_size % shards:
         raise ValueError(f"DataConfig.batch_size={data_cfg.batch_size} does not split over the "
-                         f"{batch_shards} chips of the batch mesh axes: use a multiple of "
-                         f"{batch_shards}")
+                         f"{shards} chips of the batch mesh axes: use a multiple of {shards}")
     model, optimizer = abstract_train_state(model_cfg, optim_cfg, train_cfg, mesh)
     settled = model.cfg
     params = state_bytes_per_chip(model)
@@ -275,11 +272,6 @@ def compile_run(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimCo
         reports.update(_compile_generation(model, settled, mesh, chip, generation, programs,
                                            params, devices, keep_hlo, log))
     return settled, reports
-
-
-def _batch_axes() -> Tuple[str, ...]:
-    spec = logical_to_spec(("batch",), DEFAULT_RULES)[0]
-    return (spec,) if isinstance(spec, str) else tuple(spec or ())
 
 
 def _compile_generation(model, settled, mesh, chip, shape: GenerationShape, programs, params,
@@ -336,13 +328,16 @@ def _compile_generation(model, settled, mesh, chip, shape: GenerationShape, prog
     return out
 
 
+def mesh_label(sizes) -> str:
+    """'data 2 x expert 2' for a mesh's axis sizes (axes of size 1 left out)."""
+    return " x ".join(f"{a} {n}" for a, n in dict(sizes).items() if n > 1) or "1 chip"
+
+
 def mesh_over(devices: Sequence, sizes: Dict[str, int], num_slices: int = 1):
     """A mesh ``data, fsdp, expert, tensor`` over a topology's devices (``sizes``: each
     axis's size, -1 filled); with several slices the ``data`` axis spans them (each slice holds
     ``data / num_slices`` of it and every other axis whole: only data parallelism crosses the
     slower data-centre network)."""
-    from dagmoe_jax.parallel import MeshConfig, make_mesh
-    from dagmoe_jax.parallel.axes import MESH_AXES
     cfg = MeshConfig(**sizes)
     if num_slices == 1:
         return make_mesh(cfg, devices)
@@ -351,7 +346,6 @@ def mesh_over(devices: Sequence, sizes: Dict[str, int], num_slices: int = 1):
     if data % num_slices:
         raise ValueError(f"MeshConfig.data={data} must be a multiple of --num_slices="
                          f"{num_slices}: data parallelism is what spans the slices")
-    from jax.experimental import mesh_utils
     ici = (data // num_slices,) + tuple(resolved[1:])
     dcn = (num_slices,) + (1,) * (len(resolved) - 1)
     grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)

@@ -12,10 +12,11 @@ and the results are ranked by estimated tokens/s among those that fit.
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import math
 import time
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from dagmoe_jax.compile.programs import mesh_label
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.parallel.axes import MESH_AXES
 
@@ -29,15 +30,14 @@ class Candidate:
     def mesh(self) -> Dict[str, int]:
         return dict(zip(MESH_AXES, self.sizes))
 
-    def bindings(self, seq_len: int) -> List[str]:
-        chips = 1
-        for s in self.sizes:
-            chips *= s
+    def bindings(self) -> List[str]:
+        """The gin bindings that run this candidate."""
+        chips = math.prod(self.sizes)
         return ([f"MeshConfig.{a} = {s}" for a, s in zip(MESH_AXES, self.sizes)]
                 + [f"DataConfig.batch_size = {self.batch_per_chip * chips}"])
 
     def label(self) -> str:
-        return " x ".join(f"{a} {s}" for a, s in zip(MESH_AXES, self.sizes) if s > 1) or "1 chip"
+        return mesh_label(self.mesh)
 
 
 def factorisations(n: int, parts: int = 4) -> Iterator[Tuple[int, ...]]:

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import sys
 
-from dagmoe_jax.cli import USER_ERRORS, OneLineParser, quiet_background_errors, report_error
+from dagmoe_jax.cli import (USER_ERRORS, OneLineParser, parse_or_report,
+                           quiet_background_errors, report_error)
 
 INSTALL_HINT = ("lm-evaluation-harness is not installed: pip install 'dagmoe-jax[harness]' "
                 "(or pip install lm-eval==0.4.13)")
@@ -124,13 +125,9 @@ def evaluate(args, log=print) -> dict:
 
 
 def main(argv=None) -> int:
-    try:
-        args = parse_args(sys.argv[1:] if argv is None else argv)
-    except ValueError as err:
-        return report_error(err)
-    if args.help:
-        print(__doc__)
-        return 0
+    args, code = parse_or_report(parse_args, argv, __doc__)
+    if args is None:
+        return code
     try:
         import lm_eval.utils  # noqa: F401  pylint: disable=import-outside-toplevel
     except ImportError:

@@ -87,6 +87,17 @@ def batch_sharding(mesh: Mesh, ndim: int, rules=DEFAULT_RULES) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules))
 
 
+def batch_axes(rules=DEFAULT_RULES) -> Tuple[str, ...]:
+    """The mesh axes a batch's rows are sharded over (the ``batch`` rule)."""
+    spec = logical_to_spec(("batch",), rules)[0]
+    return (spec,) if isinstance(spec, str) else tuple(spec or ())
+
+
+def batch_shards(mesh, rules=DEFAULT_RULES) -> int:
+    """How many row shards a batch has on ``mesh``: the product of the batch axes' sizes."""
+    return int(np.prod([mesh.shape[a] for a in batch_axes(rules)]))
+
+
 def shard_batch(batch: Dict[str, np.ndarray], mesh: Mesh, rules=DEFAULT_RULES,
                 global_rows: Optional[int] = None) -> Dict[str, jax.Array]:
     """Global ``jax.Array`` s from this process's rows of every entry of ``batch``.
@@ -96,17 +107,15 @@ def shard_batch(batch: Dict[str, np.ndarray], mesh: Mesh, rules=DEFAULT_RULES,
     process count) sharded over the batch axes. A row count the batch axes do not divide is a
     one-line ``ValueError``.
     """
-    spec = logical_to_spec(("batch",), rules)[0]
-    axes = (spec,) if isinstance(spec, str) else tuple(spec or ())
-    shards = int(np.prod([mesh.shape[a] for a in axes]))
+    shards = batch_shards(mesh, rules)
     out = {}
     for key, value in batch.items():
         value = np.asarray(value)
         rows = global_rows or value.shape[0] * jax.process_count()
         if rows % shards:
             raise ValueError(f"batch[{key!r}] has {rows} rows, which the {shards} devices of the "
-                             f"batch mesh axes {axes} do not divide: expected a multiple of "
-                             f"{shards}")
+                             f"batch mesh axes {batch_axes(rules)} do not divide: expected a "
+                             f"multiple of {shards}")
         out[key] = jax.make_array_from_process_local_data(
             batch_sharding(mesh, value.ndim, rules), value, (rows,) + value.shape[1:])
     return out

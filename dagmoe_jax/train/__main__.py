@@ -36,16 +36,14 @@ from __future__ import annotations
 
 import sys
 
-from dagmoe_jax.cli import OneLineParser, gin_flag_bindings, quiet_background_errors, report_error
+from dagmoe_jax.cli import (gin_parser, parse_gin_command, parse_or_report,
+                           quiet_background_errors, report_error)
 
 DEFAULT_GIN = "train/default.gin"
 
 
 def parse_args(argv):
-    parser = OneLineParser(add_help=False)
-    parser.add_argument("-h", "--help", action="store_true")
-    parser.add_argument("--gin_file", action="append", default=[])
-    parser.add_argument("--gin_bindings", action="append", default=[])
+    parser = gin_parser()
     parser.add_argument("--run_dir", default="")
     parser.add_argument("--mode", default="train", choices=("train", "eval"))
     parser.add_argument("--eval_source", default="")
@@ -55,11 +53,7 @@ def parse_args(argv):
     parser.add_argument("--coordinator_address", default="")
     parser.add_argument("--num_processes", type=int, default=None)
     parser.add_argument("--process_id", type=int, default=None)
-    args, rest = parser.parse_known_args(argv)
-    flags, unknown = gin_flag_bindings(rest)
-    if unknown:
-        raise ValueError(f"unknown argument {unknown[0]!r} (see python train.py --help)")
-    args.user_bindings = list(args.gin_bindings) + flags
+    args, args.user_bindings = parse_gin_command(parser, argv, "python train.py")
     bindings = list(args.user_bindings)
     if args.run_dir:
         bindings.append(f"TrainConfig.run_dir = {args.run_dir!r}")
@@ -68,13 +62,9 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
-    try:
-        args = parse_args(sys.argv[1:] if argv is None else argv)
-    except ValueError as err:
-        return report_error(err)
-    if args.help:
-        print(__doc__)
-        return 0
+    args, code = parse_or_report(parse_args, argv, __doc__)
+    if args is None:
+        return code
 
     # Imported after argument parsing so that --help and argument errors are instant.
     import gin

@@ -44,7 +44,8 @@ import sys
 import time
 from pathlib import Path
 
-from dagmoe_jax.cli import USER_ERRORS, OneLineParser, quiet_background_errors, report_error
+from dagmoe_jax.cli import (USER_ERRORS, OneLineParser, parse_or_report,
+                           quiet_background_errors, report_error)
 
 
 def parse_args(argv):
@@ -157,13 +158,9 @@ def run(args) -> Path:
 
 
 def main(argv=None) -> int:
-    try:
-        args = parse_args(sys.argv[1:] if argv is None else argv)
-    except ValueError as err:
-        return report_error(err)
-    if args.help:
-        print(__doc__)
-        return 0
+    args, code = parse_or_report(parse_args, argv, __doc__)
+    if args is None:
+        return code
     quiet_background_errors()
     try:
         run(args)

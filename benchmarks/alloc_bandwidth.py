@@ -9,7 +9,7 @@ Compare
     python benchmarks/alloc_bandwidth.py          # TCMalloc when installed, else glibc tuned
     DAGMOE_TCMALLOC=0 DAGMOE_GLIBC_TUNE=0 python benchmarks/alloc_bandwidth.py   # glibc as it comes
 
-(this is what ``dagmoe_jax/cli/launch.py`` and README's CPU notes rest on).
+(this is what ``dagmoe_jax/cli/launch.py`` and docs/training.md's CPU notes rest on).
 """
 
 from __future__ import annotations

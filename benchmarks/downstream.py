@@ -23,7 +23,7 @@ Budget flags (defaults; --micro's in brackets): --variants moe,moe_shared,dag_l2
 --json OUT/downstream.json (or dume.json), --gin.CLASS.FIELD=VALUE (extra pre-training
 bindings).
 
-With the real datasets, the same pipeline is three commands (README: "Instruction
+With the real datasets, the same pipeline is three commands (docs/training.md: "Instruction
 fine-tuning" and "Downstream benchmarks"): train.py for pre-training, train.py with
 configs/finetune/dagmoe_paper.gin for fine-tuning, and python -m dagmoe_jax.harness with the
 paper's task names.

@@ -179,7 +179,7 @@ class AggregationConfig:
         as written.
       'literal': the block returns eq. 12's sum_i x_i^L, so the layer is h + x + ...: every DAG
         layer adds a whole RMSNorm(h) (norm ~sqrt(d)) to the stream, which no other block
-        does. Kept for comparison; it trains worse (README, quality benchmark).
+        does. Kept for comparison; it trains worse (docs/training.md, quality benchmark).
     """
 
     kind: str = "sum"

@@ -24,7 +24,7 @@ from dagmoe_jax.train.config import OptimConfig, TrainConfig
 @pytest.fixture(autouse=True)
 def default_precision():
     """The conftest's 'highest' matmul precision off: the Pallas TPU kernels compile at the
-    default precision only (settle refuses them otherwise, test_compile.py checks that)."""
+    default precision only (building refuses them otherwise: checked below)."""
     with jax.default_matmul_precision("default"):
         yield
 

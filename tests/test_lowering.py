@@ -32,14 +32,6 @@ from dagmoe_jax.parallel.axes import MeshLayout
 from dagmoe_jax.lifecycle.settle import settle
 from dagmoe_jax.train.step import make_train_step
 
-@pytest.fixture(autouse=True)
-def default_precision():
-    """The conftest's 'highest' matmul precision off: the Pallas TPU kernels compile at the
-    default precision only (settle refuses them otherwise, test_compile.py checks that)."""
-    with jax.default_matmul_precision("default"):
-        yield
-
-
 BACKEND = {"tpu": "tpu", "cuda": "gpu"}
 
 

@@ -2,8 +2,8 @@
 
 ``topology_devices('v5p:2x2x1')`` returns the compile-only devices of that slice
 (``jax.experimental.topologies.get_topology_desc``; the TPU compiler comes from the ``libtpu``
-wheel, ``pip install 'jax[tpu]==<jax>'``, and needs no TPU on the machine). ``chip_of`` names
-the datasheet figures the step-time estimate uses (:mod:`dagmoe_jax.compile.roofline`).
+wheel, ``pip install 'jax[tpu]==<jax>'``, and needs no TPU on the machine). :data:`CHIPS`
+holds the datasheet figures the step-time estimate uses (:mod:`dagmoe_jax.compile.roofline`).
 
 The figures are Google Cloud's published per-chip specifications ("TPU v5p", "TPU v5e",
 "TPU v6e" pages of the Cloud TPU documentation): bf16 peak, HBM capacity and bandwidth, the

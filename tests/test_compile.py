@@ -242,6 +242,123 @@ def test_roofline_reads_a_known_module():
         reduced / chip.dcn_bandwidth)
 
 
+GMM_HLO = """HloModule gmm, entry_computation_layout={()->bf16[512,128]}
+
+ENTRY %main (a: bf16[512,128], w: bf16[2,128,128], g: s32[2]) -> bf16[512,128] {
+  %a = bf16[512,128]{1,0} parameter(0)
+  %w = bf16[2,128,128]{2,1,0} parameter(1)
+  %g = s32[2]{0} parameter(2)
+  ROOT %gmm.7 = bf16[512,128]{1,0} custom-call(%a, %w, %g), custom_call_target="tpu_custom_call", backend_config={"custom_call_config":{"cost_estimate":{"flops":"16777216","transcendentals":"0"}}}
+}
+"""
+
+
+def test_grouped_matmul_flops_scale_by_occupancy():
+    """megablox gmm's cost estimate counts its whole (worst-case) buffer: 2 x 512 x 128 x 128
+    FLOPs; at occupancy 1/2 (two expert shards) the roofline counts half."""
+    chip = CHIPS["v5p"]
+    full = roofline.program_cost(GMM_HLO, chip, devices=1)
+    half = roofline.program_cost(GMM_HLO, chip, devices=1, gmm_occupancy=0.5)
+    assert full.kernels == {"gmm": 1} and full.matmul_flops == 2 * 512 * 128 * 128
+    assert half.matmul_flops == full.matmul_flops / 2 and half.hbm_bytes == full.hbm_bytes
+
+
+@needs_tpu_compiler
+def test_gmm_occupancy_of_a_mesh(v5p):
+    from dagmoe_jax.compile.programs import gmm_occupancy, mesh_over
+    from dagmoe_jax.lifecycle.settle import settle
+    from dagmoe_jax.parallel.axes import MeshLayout
+    _, devices = v5p
+    mesh = mesh_over(devices, dict(data=2, expert=2))
+    cfg = settle(small_dag(), backend="tpu", layout=MeshLayout.of(mesh))
+    assert cfg.experts.dispatch == "dropless"
+    assert gmm_occupancy(cfg, mesh, tokens=512) == 0.5
+    assert gmm_occupancy(cfg, mesh, tokens=3) == 1.0          # global-view fallback
+    assert gmm_occupancy(cfg, mesh_over(devices, dict(data=4)), tokens=512) == 1.0
+
+
+def _instruction(line: str, shapes: dict):
+    from dagmoe_jax.compile.hlo import parse_module
+    text = "HloModule m\n\nENTRY %main () -> f32[] {\n  " + line + "\n}\n"
+    computations, entry = parse_module(text)
+    return computations[entry][-1]
+
+
+def test_convolution_flops_count_only_taps_on_the_input():
+    """XLA:TPU's batched matmul as a convolution over the batch (the LM head's weight gradient
+    of a compiled step): window 8 padded 7 each side over an input of 1 position, so each of
+    the 8 outputs meets one tap: the dot's 2 x 1024 x 8 x 2048 x 128256, not 8 times that."""
+    shapes = {"a": "bf16[1024,128256,1]", "b": "bf16[8,2048,128256]"}
+    conv = _instruction("ROOT %c = bf16[1024,8,2048]{2,0,1} convolution(%a, %b), "
+                        "window={size=8 pad=7_7 rhs_reversal=1}, dim_labels=bf0_0oi->b0f",
+                        shapes)
+    assert roofline.dot_flops(conv, shapes) == 2 * 1024 * 8 * 2048 * 128256
+    # a plain 1-D convolution: input 10, window 3, no padding: 8 outputs of 3 taps each
+    shapes = {"x": "f32[2,10,4]", "k": "f32[3,4,5]"}
+    valid = _instruction("ROOT %c = f32[2,8,5]{2,1,0} convolution(%x, %k), window={size=3}, "
+                         "dim_labels=b0f_0io->b0f", shapes)
+    assert roofline.dot_flops(valid, shapes) == 2 * 2 * 5 * 4 * 8 * 3
+    # stride 2 with padding 1_1: outputs 0..4 see 2, 3, 3, 3, 3 taps (output 0 starts on pad)
+    strided = _instruction("ROOT %c = f32[2,5,5]{2,1,0} convolution(%x, %k), "
+                           "window={size=3 stride=2 pad=1_1}, dim_labels=b0f_0io->b0f", shapes)
+    assert roofline.dot_flops(strided, shapes) == 2 * 2 * 5 * 4 * (2 + 3 + 3 + 3 + 3)
+
+
+SLICED_HLO = """HloModule scan, entry_computation_layout={()->f32[]}
+
+%read_layer (p0: f32[8,256,256], p1: s32[], p2: f32[64,256]) -> f32[64,256] {
+  %p0 = f32[8,256,256]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %ds = f32[1,256,256]{2,1,0} dynamic-slice(%p0, %p1, %zero, %zero), dynamic_slice_sizes={1,256,256}
+  %w = f32[256,256]{1,0} bitcast(%ds)
+  %p2 = f32[64,256]{1,0} parameter(2)
+  ROOT %dot = f32[64,256]{1,0} dot(%p2, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%write_layer (q0: f32[8,64,256], q1: f32[1,64,256], q2: s32[]) -> f32[8,64,256] {
+  %q0 = f32[8,64,256]{2,1,0} parameter(0)
+  %q1 = f32[1,64,256]{2,1,0} parameter(1)
+  %q2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %dus = f32[8,64,256]{2,1,0} dynamic-update-slice(%q0, %q1, %q2, %z, %z)
+}
+
+ENTRY %main (w: f32[8,256,256], x: f32[64,256], i: s32[], y: f32[8,64,256], u: f32[1,64,256]) -> f32[] {
+  %w = f32[8,256,256]{2,1,0} parameter(0)
+  %x = f32[64,256]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %y = f32[8,64,256]{2,1,0} parameter(3)
+  %u = f32[1,64,256]{2,1,0} parameter(4)
+  %read = f32[64,256]{1,0} fusion(%w, %i, %x), kind=kOutput, calls=%read_layer
+  %write = f32[8,64,256]{2,1,0} fusion(%y, %u, %i), kind=kLoop, calls=%write_layer
+  ROOT %c = f32[] constant(0)
+}
+"""
+
+
+def test_sliced_buffers_count_their_slices():
+    """A fusion reading one layer of stacked weights by dynamic-slice reads that layer; one
+    writing a layer's slice in place writes the slice, not the stack."""
+    cost = roofline.program_cost(SLICED_HLO, CHIPS["v5p"], devices=1)
+    read = 4 * (256 * 256 + 1 + 64 * 256) + 4 * 64 * 256
+    write = 4 * (64 * 256 + 1) + 4 * 64 * 256
+    assert cost.hbm_bytes == read + write
+    assert cost.matmul_flops == 2 * 64 * 256 * 256
+
+
+def test_grouped_matmul_flops_from_shapes():
+    """A gmm / tgmm without a cost estimate (MaxText's): 2 M K N from its operands."""
+    shapes = {"x": "bf16[512,1024]", "w": "bf16[16,1024,256]", "g": "s32[16]",
+              "xt": "bf16[1024,512]", "dy": "bf16[512,256]"}
+    gmm = _instruction('ROOT %gmm.3 = bf16[512,256]{1,0} custom-call(%x, %w, %g), '
+                       'custom_call_target="tpu_custom_call"', shapes)
+    tgmm = _instruction('ROOT %tgmm.1 = bf16[16,1024,256]{2,1,0} custom-call(%xt, %dy, %g), '
+                        'custom_call_target="tpu_custom_call"', shapes)
+    assert roofline._mosaic_flops("gmm", gmm, shapes) == 2 * 512 * 1024 * 256
+    assert roofline._mosaic_flops("tgmm", tgmm, shapes, 0.5) == 512 * 1024 * 256
+
+
 def test_kernel_families():
     assert roofline.kernel_family("transpose_jvp_jit_tgmm___") == "tgmm"
     assert roofline.kernel_family("jvp_jit_gmm__") == "gmm"

@@ -42,6 +42,7 @@ from dagmoe_jax.lifecycle.build import MODEL_INPUTS
 from dagmoe_jax.lifecycle.settle import check_kernel_precision, settle
 from dagmoe_jax.model import Transformer, extension_for
 from dagmoe_jax.model.accounting import account
+from dagmoe_jax.model.expert_parallel import dispatch_axes
 from dagmoe_jax.parallel import MeshConfig, activate, make_mesh
 from dagmoe_jax.parallel.axes import MESH_AXES, MeshLayout
 from dagmoe_jax.parallel.state import batch_shards, batch_sharding, variable_spec
@@ -191,15 +192,32 @@ def _compile(name: str, lowered_fn: Callable, chip: Chip):
     return compiled, time.perf_counter() - tick
 
 
+def gmm_occupancy(cfg: ModelConfig, mesh, tokens: int) -> float:
+    """The expected share of a grouped matmul's rows that hold tokens
+    (:mod:`~dagmoe_jax.compile.roofline`, "Grouped matmuls"): ``1 / E`` for dropless dispatch
+    across ``E`` expert shards, whose receive buffers are sized for every token of the expert
+    group; 1 otherwise (no expert axis, capacity dispatch, or a token count the token axes do
+    not divide, which falls back to the global-view dispatch)."""
+    layout = MeshLayout.of(mesh)
+    if layout is None or cfg.block == "dense" or cfg.experts.dispatch != "dropless":
+        return 1.0
+    token_axes, experts, _ = dispatch_axes(layout)
+    if not experts or tokens % layout.size(token_axes):
+        return 1.0
+    return 1.0 / layout.size(experts)
+
+
 def _report(name: str, compiled, seconds: float, tokens: int, state: float, model_flops: float,
-            chip: Chip, devices: Sequence, keep_hlo: bool) -> ProgramReport:
+            chip: Chip, devices: Sequence, keep_hlo: bool,
+            occupancy: float = 1.0) -> ProgramReport:
     memory = compiled.memory_analysis()
     analysis = compiled.cost_analysis() or {}
     if isinstance(analysis, list):
         analysis = analysis[0] if analysis else {}
     text = compiled.as_text()
     slices = [getattr(d, "slice_index", 0) or 0 for d in devices]
-    cost = program_cost(text, chip, len(devices), slices if len(set(slices)) > 1 else None)
+    cost = program_cost(text, chip, len(devices), slices if len(set(slices)) > 1 else None,
+                        gmm_occupancy=occupancy)
     return ProgramReport(
         name=name, compile_seconds=seconds, tokens=tokens, state_bytes=state,
         argument_bytes=float(memory.argument_size_in_bytes),
@@ -259,7 +277,8 @@ def compile_run(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimCo
         reports["train"] = _report(
             "train", compiled, secs, train_tokens,
             params + state_bytes_per_chip(optimizer),
-            acc.train_flops_per_token * train_tokens / chips, chip, devices, keep_hlo)
+            acc.train_flops_per_token * train_tokens / chips, chip, devices, keep_hlo,
+            gmm_occupancy(settled, mesh, train_tokens // train_cfg.grad_accum))
     if "eval" in programs:
         log(f"compiling the evaluation step ({rows} x {seq} tokens, replicated)...")
         batch = _batch(settled, mesh, rows, seq, replicated=True, mask=True)
@@ -267,7 +286,7 @@ def compile_run(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimCo
             compiled, secs = _compile("eval", lambda: eval_step.lower(model, batch), chip)
         reports["eval"] = _report("eval", compiled, secs, train_tokens, params,
                                   acc.train_flops_per_token / 3 * train_tokens / chips, chip,
-                                  devices, keep_hlo)
+                                  devices, keep_hlo, gmm_occupancy(settled, mesh, train_tokens))
     if "prefill" in programs or "decode" in programs:
         reports.update(_compile_generation(model, settled, mesh, chip, generation, programs,
                                            params, devices, keep_hlo, log))
@@ -308,7 +327,7 @@ def _compile_generation(model, settled, mesh, chip, shape: GenerationShape, prog
                 state, tokens, lengths), chip)
         out["prefill"] = _report("prefill", compiled, secs, b * p, params,
                                  forward_per_token * b * p / len(devices), chip, devices,
-                                 keep_hlo)
+                                 keep_hlo, gmm_occupancy(cfg, mesh, b * p))
     if "decode" in programs:
         log(f"compiling one decode step ({b} rows against {cache_len} cache slots)...")
         with activate(mesh):
@@ -324,7 +343,8 @@ def _compile_generation(model, settled, mesh, chip, shape: GenerationShape, prog
             compiled, secs = _compile("decode", lambda: jax.jit(run_decode, donate_argnums=2)
                                       .lower(state, tok, cache, lengths), chip)
         out["decode"] = _report("decode", compiled, secs, b, params,
-                                forward_per_token * b / len(devices), chip, devices, keep_hlo)
+                                forward_per_token * b / len(devices), chip, devices, keep_hlo,
+                                gmm_occupancy(cfg, mesh, b))
     return out
 
 

@@ -12,13 +12,25 @@ The input is the text of the optimised HLO module the TPU compiler produced
   operations, partition / replica ids.
 * **Compute.** Each other instruction (a fusion, a copy, a Mosaic kernel, a lone dot) is a
   roofline of its own: ``max(flops / peak, bytes / HBM bandwidth)``, where ``bytes`` is its
-  operands' and results' sizes (a fusion reads its inputs and writes its outputs to HBM once)
+  operands' and results' sizes (a fusion reads its inputs and writes its outputs to HBM once;
+  a buffer it reads only through ``dynamic-slice`` counts its slices, one it updates in place
+  by ``dynamic-update-slice`` the update: a scanned layer's weights and stacked outputs)
   and ``flops`` the matrix products inside it: ``2 x output elements x contracted size`` for
-  each ``dot`` and ``convolution`` (of fused computations too). A Mosaic kernel
+  each ``dot``, and for a ``convolution`` only the kernel taps that land on the input
+  (XLA:TPU writes batched matmuls as convolutions over the batch, padded so each output
+  position meets one tap); fused computations' products count too. A Mosaic kernel
   (``tpu_custom_call``) counts the ``flops`` of its cost estimate when it carries one
-  (megablox ``gmm``); splash attention carries none, and its FLOPs are read from its shapes:
+  (megablox ``gmm``; a grouped matmul without one, ``2 M K N`` from its shapes), times the
+  expected share of its rows that hold tokens (``gmm_occupancy``; see below); splash attention
+  carries none, and its FLOPs are read from its shapes:
   ``4 B H S^2 D`` forward, ``6`` for ``dq`` and ``8`` for ``dkv``, times the share of the
   causal mask's key blocks it visits. Elementwise and reduction work counts as bytes only.
+* **Grouped matmuls.** Megablox ``gmm`` and ``tgmm`` run a dynamic grid over the row tiles
+  their group sizes cover, but their static cost estimate counts every row of the buffer they
+  are handed. Under expert parallelism that buffer is sized for the worst case (every token of
+  the ``E`` expert shards routed here: ``E x T_loc x k`` rows) while a balanced router fills
+  ``T_loc x k`` of them, so the caller passes ``gmm_occupancy = 1 / E`` and the kernels'
+  FLOPs are scaled by it (their bytes are not: an upper bound).
 * **Collectives.** A collective over a group of ``n`` chips moves, per chip, ``(n - 1) / n``
   of its buffer (all-gather: the result, reduce-scatter: the operand, all-to-all and the
   ragged all-to-all: the operand, all-reduce: twice the operand, as a reduce-scatter then an
@@ -52,25 +64,63 @@ _FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "part
          "replica-id", "after-all", "add-dependency", "opt-barrier", "iota"}
 
 
-def dot_flops(instruction: Instruction, shapes: Dict[str, str]) -> float:
-    """2 x output elements x contracted size of a ``dot`` (lhs contracting dims) or a
-    ``convolution`` (the kernel's input-feature and spatial dims)."""
-    out = math.prod(shape_dims(instruction.shape))
-    if instruction.op == "dot" and instruction.operands:
-        lhs = shape_dims(shapes.get(instruction.operands[0], ""))
-        dims = (attr(instruction.attrs, "lhs_contracting_dims") or "{}").strip("{}")
-        contracted = math.prod(lhs[int(d)] for d in dims.split(",")
-                               if d.strip() and int(d) < len(lhs))
-        return 2.0 * out * contracted
-    # convolution: dim_labels=b0f_0io->b0f; the kernel's i (per feature group already) and
-    # spatial sizes are contracted
+def _window_taps(size: int, window: int, out: int, pad_lo: int, stride: int) -> int:
+    """How many (output position, kernel tap) pairs of one spatial dimension land on the input
+    (not on padding): ``sum over o of #{k < window : 0 <= o * stride + k - pad_lo < size}``."""
+    return sum(max(0, min(window, size + pad_lo - o * stride) - max(0, pad_lo - o * stride))
+               for o in range(out))
+
+
+def _convolution_flops(instruction: Instruction, shapes: Dict[str, str]) -> float:
+    """2 x multiply-adds of a ``convolution``: per output batch and feature, the kernel's input
+    features times, in each spatial dimension, the kernel taps that land on the input. (XLA:TPU
+    writes batched matmuls as convolutions whose spatial dimensions are the batch, with a
+    window the batch's size padded to ``size - 1`` on each side: each output position meets one
+    tap, not ``size``.) Dilated windows count every tap (an upper bound)."""
     labels = (attr(instruction.attrs, "dim_labels") or "").split("_")
-    if len(instruction.operands) < 2 or len(labels) < 2:
+    if len(instruction.operands) < 2 or len(labels) < 2 or "->" not in labels[1]:
         return 0.0
+    lhs_labels, (kernel_labels, out_labels) = labels[0], labels[1].split("->")
+    lhs = shape_dims(shapes.get(instruction.operands[0], ""))
     kernel = shape_dims(shapes.get(instruction.operands[1], ""))
-    kernel_labels = labels[1].split("->")[0]
-    return 2.0 * out * math.prod(size for label, size in zip(kernel_labels, kernel)
-                                 if label != "o")
+    out = shape_dims(instruction.shape)
+    if len(lhs) != len(lhs_labels) or len(kernel) != len(kernel_labels) \
+            or len(out) != len(out_labels):
+        return 0.0
+    window = re.search(r"window=\{([^}]*)\}", instruction.attrs)
+    fields = dict(f.split("=", 1) for f in (window.group(1).split() if window else ())
+                  if "=" in f)
+    spatial = [c for c in kernel_labels if c.isdigit()]
+    pads = [p.split("_") for p in fields.get("pad", "").split("x")] if "pad" in fields else []
+    strides = fields.get("stride", "").split("x") if "stride" in fields else []
+    dilated = "lhs_dilate" in fields or "rhs_dilate" in fields
+    taps = 1
+    for n, digit in enumerate(spatial):
+        k = kernel[kernel_labels.index(digit)]
+        if dilated:
+            taps *= k * out[out_labels.index(digit)]
+            continue
+        pad_lo = int(pads[n][0]) if n < len(pads) else 0
+        stride = int(strides[n]) if n < len(strides) else 1
+        taps *= _window_taps(lhs[lhs_labels.index(digit)], k, out[out_labels.index(digit)],
+                             pad_lo, stride)
+    per_position = math.prod(size for label, size in zip(out_labels, out) if not label.isdigit())
+    return 2.0 * per_position * kernel[kernel_labels.index("i")] * taps
+
+
+def dot_flops(instruction: Instruction, shapes: Dict[str, str]) -> float:
+    """2 x output elements x contracted size of a ``dot`` (lhs contracting dims); a
+    ``convolution``'s by :func:`_convolution_flops`."""
+    if instruction.op != "dot":
+        return _convolution_flops(instruction, shapes)
+    if not instruction.operands:
+        return 0.0
+    out = math.prod(shape_dims(instruction.shape))
+    lhs = shape_dims(shapes.get(instruction.operands[0], ""))
+    dims = (attr(instruction.attrs, "lhs_contracting_dims") or "{}").strip("{}")
+    contracted = math.prod(lhs[int(d)] for d in dims.split(",")
+                           if d.strip() and int(d) < len(lhs))
+    return 2.0 * out * contracted
 
 
 def _splash_flops(kernel: str, instruction: Instruction, shapes: Dict[str, str]) -> float:
@@ -85,10 +135,33 @@ def _splash_flops(kernel: str, instruction: Instruction, shapes: Dict[str, str])
     return factor * b * h * s * s * d * (blocks + 1) / (2 * blocks)
 
 
-def _mosaic_flops(kernel: str, instruction: Instruction, shapes: Dict[str, str]) -> float:
+def _grouped_matmul_flops(kernel: str, instruction: Instruction,
+                          shapes: Dict[str, str]) -> float:
+    """A grouped matmul's FLOPs from its shapes, for kernels that carry no cost estimate:
+    ``gmm`` lhs [M, K] x rhs [G, K, N] -> [M, N] is ``2 M K N``; ``tgmm`` lhs [K, M] (or
+    [M, K]) x [M, N] -> [G, K, N] is ``2 K M N``, M the dimension its two matrices share."""
+    matrices = [d for d in (shape_dims(shapes.get(o, "")) for o in instruction.operands)
+                if len(d) == 2]
+    out = shape_dims(instruction.shape)
+    if kernel == "gmm" and matrices and len(out) == 2:
+        lhs = next((m for m in matrices if m[0] == out[0]), matrices[0])
+        return 2.0 * out[0] * out[1] * lhs[1]
+    if kernel == "tgmm" and len(matrices) >= 2 and len(out) == 3:
+        shared = set(matrices[0]) & set(matrices[1])
+        return 2.0 * out[1] * out[2] * max(shared) if shared else 0.0
+    return 0.0
+
+
+def _mosaic_flops(kernel: str, instruction: Instruction, shapes: Dict[str, str],
+                  gmm_occupancy: float = 1.0) -> float:
     """A Mosaic kernel's FLOPs: its cost estimate's (``"flops": ...`` in its backend config),
-    else splash's from its shapes, else 0."""
+    else a grouped matmul's or splash's from its shapes, else 0; ``gmm`` and ``tgmm`` times
+    ``gmm_occupancy``."""
     estimate = re.search(r'"flops"\s*:\s*"?(\d+)', instruction.attrs)
+    if kernel in ("gmm", "tgmm"):
+        flops = (float(estimate.group(1)) if estimate
+                 else _grouped_matmul_flops(kernel, instruction, shapes))
+        return flops * gmm_occupancy
     if estimate:
         return float(estimate.group(1))
     return _splash_flops(kernel, instruction, shapes) if "splash" in kernel else 0.0
@@ -144,9 +217,9 @@ class _Walker:
     """Walks a parsed module's computations into a :class:`Cost` (module docstring)."""
 
     def __init__(self, computations: Dict[str, List[Instruction]], chip: Chip, devices: int,
-                 slice_of: Optional[Sequence[int]]):
+                 slice_of: Optional[Sequence[int]], gmm_occupancy: float = 1.0):
         self.computations, self.chip, self.devices = computations, chip, devices
-        self.slice_of = slice_of
+        self.slice_of, self.gmm_occupancy = slice_of, gmm_occupancy
         self.index = {c: {i.name: i for i in instrs} for c, instrs in computations.items()}
         self.shapes = {c: {n: i.shape for n, i in names.items()}
                        for c, names in self.index.items()}
@@ -220,9 +293,48 @@ class _Walker:
                 self._compute(ins, shapes, times, cost)
         return cost
 
+    def moved_bytes(self, ins: Instruction, shapes) -> float:
+        """HBM bytes an instruction reads and writes: its operands and results, except that a
+        buffer read only through ``dynamic-slice`` reads its slices (a scanned layer's weights)
+        and a buffer updated in place by ``dynamic-update-slice`` moves only the update (a
+        scan's stacked outputs), alone or inside a fusion."""
+        if ins.op == "dynamic-slice":
+            return 2.0 * shape_bytes(ins.shape)
+        if ins.op == "dynamic-update-slice" and len(ins.operands) > 1:
+            return 2.0 * shape_bytes(shapes.get(ins.operands[1], ""))
+        operands = [shape_bytes(shapes.get(o, "")) for o in ins.operands]
+        result = shape_bytes(ins.shape)
+        if ins.op != "fusion":
+            return sum(operands) + result
+        body = self.computations.get(self.called(ins, "calls"), [])
+        inner = self.shapes.get(self.called(ins, "calls"), {})
+        users: Dict[str, List[Instruction]] = {}
+        for i in body:
+            for o in i.operands:
+                users.setdefault(o, []).append(i)
+        for i in body:
+            if i.op != "parameter" or not i.inner.strip().isdigit():
+                continue
+            n, uses = int(i.inner), users.get(i.name, [])
+            if n >= len(operands) or not uses:
+                continue
+            if all(u.op == "dynamic-slice" and u.operands[0] == i.name for u in uses):
+                operands[n] = sum(shape_bytes(u.shape) for u in uses)
+            elif all(u.op == "dynamic-update-slice" and u.operands[0] == i.name for u in uses):
+                operands[n] = 0.0
+        root = body[-1] if body else None
+        if root is not None:
+            parts = ([inner_ins for name in root.operands
+                      for inner_ins in body if inner_ins.name == name]
+                     if root.op == "tuple" else [root])
+            if any(p.op == "dynamic-update-slice" for p in parts):
+                result = sum(shape_bytes(inner.get(p.operands[1], "")) if
+                             p.op == "dynamic-update-slice" and len(p.operands) > 1
+                             else shape_bytes(p.shape) for p in parts)
+        return sum(operands) + result
+
     def _compute(self, ins: Instruction, shapes, times: float, cost: Cost) -> None:
-        nbytes = sum(shape_bytes(shapes.get(o, "")) for o in ins.operands) + shape_bytes(
-            ins.shape)
+        nbytes = self.moved_bytes(ins, shapes)
         flops = 0.0
         if ins.op == "fusion":
             flops = self.fused_flops(self.called(ins, "calls"))
@@ -233,7 +345,7 @@ class _Walker:
             m = re.search(r'kernel_name="?([\w]+)', ins.attrs)
             kernel = kernel_family(m.group(1) if m else ins.name)
             cost.kernels[kernel] = cost.kernels.get(kernel, 0) + int(times)
-            flops = _mosaic_flops(kernel, ins, shapes)
+            flops = _mosaic_flops(kernel, ins, shapes, self.gmm_occupancy)
         seconds = max(flops / self.chip.peak_flops, nbytes / self.chip.hbm_bandwidth)
         cost.compute_seconds += seconds * times
         cost.matmul_flops += flops * times
@@ -269,14 +381,16 @@ class _Walker:
 
 
 def program_cost(hlo_text: str, chip: Chip, devices: int,
-                 slice_of: Optional[Sequence[int]] = None, top: int = 10) -> Cost:
+                 slice_of: Optional[Sequence[int]] = None, top: int = 10,
+                 gmm_occupancy: float = 1.0) -> Cost:
     """The :class:`Cost` of one chip's compiled program (module docstring). ``devices``: the
     program's device count (a collective without replica groups spans them all); ``slice_of``:
     each device id's slice (multi-slice), so collectives across slices run at DCN speed;
-    ``top``: how many of the dearest instructions ``Cost.slowest`` keeps."""
+    ``top``: how many of the dearest instructions ``Cost.slowest`` keeps; ``gmm_occupancy``:
+    the expected share of a grouped matmul's rows that hold tokens (module docstring)."""
     computations, entry = parse_module(hlo_text)
     if not entry:
         raise ValueError("the compiled module has no ENTRY computation")
-    cost = _Walker(computations, chip, devices, slice_of).walk(entry, 1, Cost())
+    cost = _Walker(computations, chip, devices, slice_of, gmm_occupancy).walk(entry, 1, Cost())
     cost.slowest = sorted(cost.slowest, reverse=True)[:top]
     return cost

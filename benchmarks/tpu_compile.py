@@ -37,7 +37,7 @@ VARIANTS = {
 
 
 def run_row(model: str, variant: str, topology: str, batch: int, seq: int, mesh: str,
-            extra) -> dict:
+            extra, hlo_dir: str = "") -> dict:
     bindings = ["--gin.ModelConfig.compute_dtype='bfloat16'",
                 f"--gin.DataConfig.batch_size={batch}", f"--gin.DataConfig.seq_len={seq}"]
     for part in mesh.split(","):
@@ -49,6 +49,9 @@ def run_row(model: str, variant: str, topology: str, batch: int, seq: int, mesh:
         cmd = [sys.executable, "-m", "dagmoe_jax.compile", f"--gin_file=models/{model}.gin",
                *[f"--gin_file={g}" for g in VARIANTS[variant]], *bindings, *extra,
                f"--topology={topology}", "--programs=train", f"--json={out}"]
+        if hlo_dir:
+            row = f"{model}_{variant}_{mesh}".replace(" ", "").replace(",", "_")
+            cmd.append(f"--hlo_dir={Path(hlo_dir) / row}")
         tick = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         seconds = time.perf_counter() - tick
@@ -72,6 +75,7 @@ def main(argv=None) -> int:
     p.add_argument("--binding", action="append", default=[],
                    help="an extra gin binding for every row, e.g. ExecutionConfig.remat='dots'")
     p.add_argument("--json", default="")
+    p.add_argument("--hlo_dir", default="", help="keep each row's compiled HLO text here")
     args = p.parse_args(argv)
     meshes = args.mesh or ["data=2,expert=2"]
     extra = [f"--gin.{b.replace(' ', '')}" for b in args.binding]
@@ -84,7 +88,8 @@ def main(argv=None) -> int:
         baseline = {}
         for mesh in meshes:
             for variant in args.variants:
-                r = run_row(model, variant, args.topology, args.batch, args.seq, mesh, extra)
+                r = run_row(model, variant, args.topology, args.batch, args.seq, mesh, extra,
+                            args.hlo_dir)
                 rows.append({"model": model, "variant": variant, "mesh": mesh, **r})
                 if "error" in r:
                     print(f"{model:<6}{variant:<12}{mesh:<26}  {r['error']}", flush=True)

@@ -274,6 +274,14 @@ class ExecutionConfig:
       and False under a mesh, where the concatenation would move tensor-sharded weights.
     attention_block: query/key block size of the blockwise causal attention (64 measured
       fastest for the s model on the 2-core CPU: 32 and 128 were 5-10% slower).
+    loss_chunk: tokens per device in one chunk of the vocabulary-tiled loss
+      (:mod:`dagmoe_jax.train.tiled_loss`): 0 (default) means auto: 512 on CPU (its [512, V]
+      logits stay in cache-sized pieces), 4096 on GPU / TPU, where the LM head's three
+      products are compute-bound only above a few hundred tokens a chunk (each chunk reads the
+      head and reads and writes its float32 gradient: ``n / 2`` FLOP per byte against a v5p's
+      166; 512 tokens over a mesh's batch shards made the l model's head 3x its FLOPs' time
+      in the TPU compiler's program); its float32 logits are ``4 x n x V`` bytes (2.1 GB at
+      V = 128,256).
     """
 
     remat: str = "auto"
@@ -283,6 +291,7 @@ class ExecutionConfig:
     expert_exchange: str = "auto"
     fuse_gate_up: Optional[bool] = None
     attention_block: int = 64
+    loss_chunk: int = 0
 
     def __post_init__(self):
         c = "ExecutionConfig"
@@ -295,6 +304,8 @@ class ExecutionConfig:
         _check(self.fuse_gate_up in (None, True, False), c, "fuse_gate_up", self.fuse_gate_up,
                "True, False or None (auto)")
         _positive(c, "attention_block", self.attention_block)
+        _check(isinstance(self.loss_chunk, int) and self.loss_chunk >= 0, c, "loss_chunk",
+               self.loss_chunk, "an integer >= 0 (0 = auto)")
 
     @property
     def unsettled(self) -> tuple:
@@ -303,7 +314,8 @@ class ExecutionConfig:
                 ("attention", self.attention == "auto"),
                 ("grouped_matmul", self.grouped_matmul == "auto"),
                 ("expert_exchange", self.expert_exchange == "auto"),
-                ("fuse_gate_up", self.fuse_gate_up is None))
+                ("fuse_gate_up", self.fuse_gate_up is None),
+                ("loss_chunk", self.loss_chunk == 0))
         return tuple(name for name, is_auto in auto if is_auto)
 
 

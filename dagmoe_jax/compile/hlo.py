@@ -21,7 +21,7 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16"
                "s4": 0.5, "u4": 0.5, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3b11fnuz": 1,
                "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "token": 0}
 
-_ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
+ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
 
@@ -103,7 +103,7 @@ def parse_module(text: str) -> Tuple[Dict[str, List[Instruction]], str]:
 def shape_bytes(shape: str) -> float:
     """Bytes of every array in a shape text (a tuple's elements summed)."""
     total = 0.0
-    for dtype, dims in _ARRAY.findall(shape):
+    for dtype, dims in ARRAY.findall(shape):
         if dtype not in DTYPE_BYTES:
             continue
         total += DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
@@ -112,7 +112,7 @@ def shape_bytes(shape: str) -> float:
 
 def shape_dims(shape: str) -> List[int]:
     """The dimensions of the first array in a shape text."""
-    m = _ARRAY.search(shape)
+    m = ARRAY.search(shape)
     return [int(d) for d in m.group(2).split(",") if d] if m else []
 
 

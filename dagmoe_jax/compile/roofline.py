@@ -14,7 +14,9 @@ The input is the text of the optimised HLO module the TPU compiler produced
   roofline of its own: ``max(flops / peak, bytes / HBM bandwidth)``, where ``bytes`` is its
   operands' and results' sizes (a fusion reads its inputs and writes its outputs to HBM once;
   a buffer it reads only through ``dynamic-slice`` counts its slices, one it updates in place
-  by ``dynamic-update-slice`` the update: a scanned layer's weights and stacked outputs)
+  by ``dynamic-update-slice`` the update: a scanned layer's weights and stacked outputs; an
+  asynchronous ``call-start``, a gather or scatter offloaded to the SparseCore, reads and
+  writes its result, and its ``-update`` and ``-done`` halves are free)
   and ``flops`` the matrix products inside it: ``2 x output elements x contracted size`` for
   each ``dot``, and for a ``convolution`` only the kernel taps that land on the input
   (XLA:TPU writes batched matmuls as convolutions over the batch, padded so each output
@@ -54,14 +56,15 @@ import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from dagmoe_jax.compile.chips import Chip
-from dagmoe_jax.compile.hlo import (Instruction, attr, backend_config, constant_value,
+from dagmoe_jax.compile.hlo import (ARRAY, Instruction, attr, backend_config, constant_value,
                                     group_size, parse_module, shape_bytes, shape_dims)
 
 COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute",
                "ragged-all-to-all")
 
 _FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "partition-id",
-         "replica-id", "after-all", "add-dependency", "opt-barrier", "iota"}
+         "replica-id", "after-all", "add-dependency", "opt-barrier", "iota", "call-update",
+         "async-update"}
 
 
 def _window_taps(size: int, window: int, out: int, pad_lo: int, stride: int) -> int:
@@ -300,6 +303,13 @@ class _Walker:
         scan's stacked outputs), alone or inside a fusion."""
         if ins.op == "dynamic-slice":
             return 2.0 * shape_bytes(ins.shape)
+        if ins.op == "call-start":
+            # an asynchronous call (a gather or scatter offloaded to the SparseCore): shape
+            # ((operands...), result, context); it reads and writes what it returns
+            arrays = ARRAY.findall(ins.shape)
+            if len(arrays) > len(ins.operands):
+                dtype, dims = arrays[len(ins.operands)]
+                return 2.0 * shape_bytes(f"{dtype}[{dims}]")
         if ins.op == "dynamic-update-slice" and len(ins.operands) > 1:
             return 2.0 * shape_bytes(shapes.get(ins.operands[1], ""))
         operands = [shape_bytes(shapes.get(o, "")) for o in ins.operands]

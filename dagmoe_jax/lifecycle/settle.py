@@ -26,6 +26,9 @@ prints and saves:
 ``fuse_gate_up``   one [W_gate | W_up] matmul (and one [W_q | W_k | W_v]) on one device;
                    separate ones under a mesh (the concatenation would move tensor-sharded
                    weights)
+``loss_chunk``     tokens per device in a chunk of the vocabulary-tiled loss: 512 on CPU,
+                   4096 on GPU / TPU (where smaller chunks re-read the LM head and its float32
+                   gradient until the head is bound by HBM, not by its FLOPs)
 ``dispatch``       ``ExpertConfig.dispatch``: dropless (exact) where the grouped matmul
                    settled above is a kernel (``cpu_gmm``, ``gmm``): on CPU it makes the MoE-s
                    step about 0.87x of capacity dispatch's; capacity elsewhere (XLA:CPU's
@@ -150,6 +153,12 @@ def check_kernel_precision(attention: str, grouped_matmul: str, backend: str) ->
             f"'xla' and ExecutionConfig.grouped_matmul='ragged_dot'")
 
 
+def settle_loss_chunk(tokens: int, backend: str) -> int:
+    """``ExecutionConfig.loss_chunk``: tokens per device of a tiled-loss chunk (0 = auto: 512
+    on CPU, 4096 on GPU / TPU; its docstring says why)."""
+    return tokens or (512 if backend == "cpu" else 4096)
+
+
 def settle(cfg: ModelConfig, *, backend: Optional[str] = None,
            layout: Optional[MeshLayout] = None,
            log: Callable[[str], None] = lambda _message: None) -> ModelConfig:
@@ -177,7 +186,8 @@ def settle(cfg: ModelConfig, *, backend: Optional[str] = None,
             attention=attention,
             grouped_matmul=grouped_matmul,
             expert_exchange=settle_expert_exchange(ex.expert_exchange, backend),
-            fuse_gate_up=(layout is None) if ex.fuse_gate_up is None else ex.fuse_gate_up))
+            fuse_gate_up=(layout is None) if ex.fuse_gate_up is None else ex.fuse_gate_up,
+            loss_chunk=settle_loss_chunk(ex.loss_chunk, backend)))
 
 
 def describe(settled: ModelConfig, original: Optional[ModelConfig] = None,
@@ -196,7 +206,7 @@ def describe(settled: ModelConfig, original: Optional[ModelConfig] = None,
     dropless = settled.block != "dense" and settled.experts.dispatch == "dropless"
     dispatch = (f", dispatch {settled.experts.dispatch}" if settled.block != "dense" else "")
     return (f"attention {attention}, remat {ex.remat}, layers unrolled "
-            f"{ex.scan_unroll}/{settled.num_layers}, gate/up "
+            f"{ex.scan_unroll}/{settled.num_layers}, loss chunk {ex.loss_chunk} tokens, gate/up "
             f"{'fused' if ex.fuse_gate_up else 'separate'}{dispatch}"
             f"{', grouped matmul ' + ex.grouped_matmul if dropless else ''}"
             f"{', expert-parallel over ' + str(dict(layout.axis_sizes)) if layout else ''}"

@@ -21,7 +21,9 @@ from flax import nnx
 
 from dagmoe_jax.model import Transformer, extension_for
 from dagmoe_jax.parallel import constrain
-from dagmoe_jax.train.tiled_loss import tiled_cross_entropy, tiled_scores
+from dagmoe_jax.parallel.axes import active_batch_shards
+from dagmoe_jax.train.tiled_loss import (DEFAULT_CHUNK_TOKENS, tiled_cross_entropy,
+                                         tiled_scores)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
@@ -33,6 +35,13 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax
     return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
+def _chunk_tokens(model: Transformer) -> int:
+    """Tokens of the whole batch in one chunk of the tiled loss: the settled per-device
+    ``ExecutionConfig.loss_chunk`` (512 while unsettled) times the batch's shards on the active
+    mesh, since the loss sees the global batch."""
+    return (model.cfg.execution.loss_chunk or DEFAULT_CHUNK_TOKENS) * active_batch_shards()
+
+
 def lm_loss(model: Transformer, batch: Dict[str, jax.Array]) -> Tuple[jax.Array, dict]:
     """Next-token loss of ``batch['inputs']`` -> ``batch['targets']`` (``batch['mask']``
     optional, default all ones; ``batch['segments']`` optional: the segment ids [B, S] of packed
@@ -41,7 +50,8 @@ def lm_loss(model: Transformer, batch: Dict[str, jax.Array]) -> Tuple[jax.Array,
     h, aux = model(batch["inputs"], head=False, segment_ids=batch.get("segments"),
                    **extension.model_inputs(batch, train=True))
     mask = batch.get("mask", jnp.ones_like(batch["targets"], dtype=bool))
-    ce = tiled_cross_entropy(h, model.lm_head[...].astype(h.dtype), batch["targets"], mask)
+    ce = tiled_cross_entropy(h, model.lm_head[...].astype(h.dtype), batch["targets"], mask,
+                             chunk_tokens=_chunk_tokens(model))
     total, extra_metrics = extension.loss(ce, aux, batch)
     metrics = {"loss": total, "ce_loss": ce, "balance_loss": aux["balance_loss"],
                "z_loss": aux["z_loss"], "expert_load": aux["expert_load"],
@@ -112,7 +122,8 @@ def eval_step(model: Transformer, batch: Dict[str, jax.Array]) -> Dict[str, jax.
     ``batch['segments']`` optional, as in :func:`lm_loss`."""
     inputs = extension_for(model.cfg).model_inputs(batch, train=False)
     h, _ = model(batch["inputs"], head=False, segment_ids=batch.get("segments"), **inputs)
-    losses, predictions = tiled_scores(h, model.lm_head[...].astype(h.dtype), batch["targets"])
+    losses, predictions = tiled_scores(h, model.lm_head[...].astype(h.dtype), batch["targets"],
+                                       chunk_tokens=_chunk_tokens(model))
     mask = batch["mask"].astype(jnp.float32)
     return _replicated({"ce_sum": jnp.sum(losses * mask), "tokens": jnp.sum(mask),
                         "predictions": predictions})

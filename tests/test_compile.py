@@ -373,6 +373,30 @@ def test_kernel_families():
     assert roofline.kernel_family("splash_mha_dkv_no_residuals") == "splash_mha_dkv"
 
 
+def test_search_reuses_cached_outcomes(tmp_path):
+    """A search run again compiles only what it has not: cached outcomes come back without a
+    call and cost no budget; another configuration's key sees none of them."""
+    from dagmoe_jax.compile.search import Candidate, Outcome, OutcomeCache, search
+    todo = [Candidate((4, 1, 1, 1), 2), Candidate((2, 1, 2, 1), 2), Candidate((1, 1, 4, 1), 2)]
+    compiled = []
+
+    def compile_one(c):
+        compiled.append(c)
+        return (Outcome(c, error="out of memory") if c.sizes[2] == 4
+                else Outcome(c, 1.0 / c.sizes[2], 1000.0 * c.sizes[2], 0.1, 5e9))
+
+    first = search(compile_one, todo[:2], budget_seconds=60, log=lambda _m: None,
+                   cache=OutcomeCache(tmp_path, "run A"))
+    assert len(compiled) == 2
+    again = search(compile_one, todo, budget_seconds=60, log=lambda _m: None,
+                   cache=OutcomeCache(tmp_path, "run A"))
+    assert compiled[2:] == [todo[2]]             # only the new candidate compiled
+    assert again[:2] == first and again[2].error == "out of memory"
+    search(compile_one, todo[:1], budget_seconds=60, log=lambda _m: None,
+           cache=OutcomeCache(tmp_path, "run B"))
+    assert compiled[3:] == [todo[0]]
+
+
 def test_search_candidates_respect_the_model():
     from dagmoe_jax.compile.search import candidates, factorisations
     assert len(list(factorisations(8))) == 20          # ordered 4-factorisations of 2^3

@@ -23,6 +23,9 @@ Flags:
                       bindings of the best
   --batch_per_chip=LIST   per-chip batch sizes to search (default: the run's, half, double)
   --search_budget=S   stop the search after S seconds (default 1800)
+  --search_cache=DIR  where the search keeps each outcome, keyed by the configuration, the
+                      topology and libtpu's version, so a search run again compiles only what
+                      it has not (default ~/.cache/dagmoe_jax/compile; '' keeps nothing)
 
 Each program's report, per chip: parameters and optimizer state, temporaries and the total
 against the chip's HBM; model FLOPs (model.accounting), the compiler's flops and bytes
@@ -59,6 +62,8 @@ def parse_args(argv):
     parser.add_argument("--search", action="store_true")
     parser.add_argument("--batch_per_chip", default="")
     parser.add_argument("--search_budget", type=float, default=1800.0)
+    parser.add_argument("--search_cache", default=str(
+        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dagmoe_jax" / "compile"))
     args, args.bindings = parse_gin_command(parser, argv, "python -m dagmoe_jax.compile")
     args.programs = tuple(p.strip() for p in args.programs.split(",") if p.strip())
     return args
@@ -182,6 +187,16 @@ def _run(args) -> int:
     return 0
 
 
+def _source_digest() -> str:
+    """A hash of this library's Python sources: a cached search outcome is only as good as the
+    code that compiled it."""
+    import hashlib
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).resolve().parent.parent.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 def _libtpu_version() -> str:
     from importlib.metadata import version
     try:
@@ -192,7 +207,7 @@ def _libtpu_version() -> str:
 
 def _search(args, model_cfg, data_cfg, optim_cfg, train_cfg, chip, devices, topology) -> int:
     from dagmoe_jax.compile.programs import OutOfMemory, compile_run, mesh_over
-    from dagmoe_jax.compile.search import Outcome, candidates, ranked, search
+    from dagmoe_jax.compile.search import Outcome, OutcomeCache, candidates, ranked, search
     chips = len(devices)
     own = train_cfg.mesh.resolve(chips)
     if data_cfg.batch_size % chips:
@@ -227,8 +242,14 @@ def _search(args, model_cfg, data_cfg, optim_cfg, train_cfg, chip, devices, topo
         return Outcome(candidate, d["seconds"], d["tokens_per_second"], d["mfu"],
                        r.total_bytes)
 
+    train_fields = {f.name: getattr(train_cfg, f.name) for f in dataclasses.fields(train_cfg)
+                    if f.name != "mesh"}
+    fingerprint = "\n".join(repr(c) for c in (
+        model_cfg, data_cfg.seq_len, optim_cfg, train_fields, topology, args.num_slices,
+        _libtpu_version(), _source_digest()))
+    cache = OutcomeCache(args.search_cache, fingerprint) if args.search_cache else None
     outcomes = ranked(search(compile_one, todo, budget_seconds=args.search_budget,
-                             log=lambda m: print(m, flush=True)))
+                             log=lambda m: print(m, flush=True), cache=cache))
     print(f"{'rank':<5}{'mesh':<36}{'batch/chip':>11}{'tokens/s':>14}{'MFU':>8}{'GB/chip':>9}")
     for i, o in enumerate(outcomes):
         if o.seconds:

@@ -6,14 +6,20 @@ expert hidden size, every batch axis divides the global batch), for each per-chi
 asked for; :func:`search` compiles them in a stated order (the run's own mesh first, then by
 expert parallelism, FSDP and tensor parallelism ascending: the cheapest collectives first),
 skips what does not fit, and stops at a time budget. Each compilation is reported as it ends,
-and the results are ranked by estimated tokens/s among those that fit.
+and the results are ranked by estimated tokens/s among those that fit. :class:`OutcomeCache`
+keeps every outcome on disk under a fingerprint of the run's configuration, the topology and the
+compiler's version, so a search run again (with a larger budget, more batch sizes) compiles
+only what it has not yet.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import time
+from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from dagmoe_jax.compile.programs import mesh_label
@@ -94,12 +100,51 @@ class Outcome:
     error: str = ""                        # 'out of memory: ...' or the compiler's word
 
 
+class OutcomeCache:
+    """Search outcomes on disk (a JSON file per fingerprint under ``directory``): the
+    fingerprint is a hash of ``key``, the text of everything that decides a compiled program
+    but the mesh and batch (the run's configs, the topology, the compiler's version)."""
+
+    def __init__(self, directory, key: str):
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        self.path = Path(directory) / f"search-{digest}.json"
+        try:
+            self.entries = json.loads(self.path.read_text()) if self.path.exists() else {}
+        except (OSError, ValueError):
+            self.entries = {}          # unreadable: start afresh, overwritten on the next put
+
+    @staticmethod
+    def _key(candidate: Candidate) -> str:
+        return f"{'x'.join(map(str, candidate.sizes))}/{candidate.batch_per_chip}"
+
+    def get(self, candidate: Candidate) -> Optional[Outcome]:
+        entry = self.entries.get(self._key(candidate))
+        return None if entry is None else Outcome(candidate, **entry)
+
+    def put(self, outcome: Outcome) -> None:
+        fields = dataclasses.asdict(outcome)
+        fields.pop("candidate")
+        self.entries[self._key(outcome.candidate)] = fields
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.entries, indent=1))
+        tmp.replace(self.path)         # atomic: a search stopped mid-write keeps the last file
+
+
 def search(compile_one: Callable[[Candidate], Outcome], todo: Sequence[Candidate], *,
-           budget_seconds: float, log: Callable[[str], None]) -> List[Outcome]:
-    """Compile ``todo`` in order until the budget is spent; outcomes in that order."""
+           budget_seconds: float, log: Callable[[str], None],
+           cache: Optional[OutcomeCache] = None) -> List[Outcome]:
+    """Compile ``todo`` in order until the budget is spent; outcomes in that order. Outcomes
+    in ``cache`` are reused without compiling (and cost no budget); new ones are added."""
     start = time.perf_counter()
     outcomes = []
     for i, candidate in enumerate(todo):
+        known = cache.get(candidate) if cache is not None else None
+        if known is not None:
+            outcomes.append(known)
+            log(f"search [{i + 1}/{len(todo)}] {candidate.label()}, batch "
+                f"{candidate.batch_per_chip}/chip: {_said(known)} (compiled before)")
+            continue
         elapsed = time.perf_counter() - start
         if elapsed > budget_seconds:
             log(f"search: time budget of {budget_seconds:.0f} s spent after {i} of {len(todo)} "
@@ -108,11 +153,16 @@ def search(compile_one: Callable[[Candidate], Outcome], todo: Sequence[Candidate
         tick = time.perf_counter()
         outcome = compile_one(candidate)
         outcomes.append(outcome)
-        what = (f"{outcome.tokens_per_second:,.0f} tokens/s, MFU {outcome.mfu:.1%}, "
-                f"{outcome.hbm_bytes / 1e9:.1f} GB/chip" if outcome.seconds else outcome.error)
+        if cache is not None:
+            cache.put(outcome)
         log(f"search [{i + 1}/{len(todo)}] {candidate.label()}, batch {candidate.batch_per_chip}"
-            f"/chip: {what} ({time.perf_counter() - tick:.0f} s)")
+            f"/chip: {_said(outcome)} ({time.perf_counter() - tick:.0f} s)")
     return outcomes
+
+
+def _said(outcome: Outcome) -> str:
+    return (f"{outcome.tokens_per_second:,.0f} tokens/s, MFU {outcome.mfu:.1%}, "
+            f"{outcome.hbm_bytes / 1e9:.1f} GB/chip" if outcome.seconds else outcome.error)
 
 
 def ranked(outcomes: Sequence[Outcome]) -> List[Outcome]:

@@ -12,6 +12,7 @@ runs 'capacity' and 'dropless' across a device mesh with the same building block
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Tuple
 
@@ -37,25 +38,31 @@ def apply_experts(buffer: jax.Array, weights: ExpertWeights, fused: bool = True)
     return jax.vmap(lambda b, *w: swiglu(b, *w, fused=fused))(buffer, *weights)
 
 
-@jax.custom_vjp
-def take_rows(src: jax.Array, idx: jax.Array, inverse: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def take_rows(src: jax.Array, idx: jax.Array, inverse: jax.Array,
+              permutation: bool = False) -> jax.Array:
     """``src[idx]`` (rows; an out-of-range index gives a zero row) whose gradient is a gather too.
 
     ``idx`` must map rows one-to-one (a partial permutation, as dispatch and combine are), and
     ``inverse`` [src_rows, ...] lists for each source row the output rows that read it
     (out of range where none). The backward pass is then ``sum(dout[inverse], axis=1..)``, a
     gather, instead of the scatter-add autodiff would emit (slow on CPU, serialised on GPU).
+    ``permutation``: every index of ``idx`` and ``inverse`` is in range (a full permutation, as
+    the ragged exchange's are), so the gathers need no bounds select: on TPU the select after
+    each gather was a pass over the rows of its own.
     """
-    return src.at[idx].get(mode="fill", fill_value=0)
+    mode = "promise_in_bounds" if permutation else "fill"
+    return src.at[idx].get(mode=mode, fill_value=None if permutation else 0)
 
 
-def _take_rows_fwd(src, idx, inverse):
-    return take_rows(src, idx, inverse), inverse
+def _take_rows_fwd(src, idx, inverse, permutation):
+    return take_rows(src, idx, inverse, permutation), inverse
 
 
-def _take_rows_bwd(inverse, dout):
+def _take_rows_bwd(permutation, inverse, dout):
     flat = dout.reshape(-1, dout.shape[-1])
-    dsrc = flat.at[inverse].get(mode="fill", fill_value=0)
+    mode = "promise_in_bounds" if permutation else "fill"
+    dsrc = flat.at[inverse].get(mode=mode, fill_value=None if permutation else 0)
     dsrc = dsrc.reshape(inverse.shape[0], -1, flat.shape[-1]).sum(axis=1)
     return dsrc, None, None
 
@@ -145,10 +152,10 @@ def dropless_dispatch(x: jax.Array, indices: jax.Array, weights: ExpertWeights,
     flat = indices.reshape(-1)
     order = jnp.argsort(flat, stable=True)                         # sorted row -> assignment
     rank = jnp.argsort(order)                                      # assignment -> sorted row
-    xs = take_rows(x, order // k, rank.reshape(t, k))
+    xs = take_rows(x, order // k, rank.reshape(t, k), True)
     sizes = jnp.bincount(flat, length=n).astype(jnp.int32)
     ys = grouped_ffn(xs, weights, sizes, grouped_matmul)
-    out = take_rows(ys, rank.reshape(t, k), order)
+    out = take_rows(ys, rank.reshape(t, k), order, True)
     return out, jnp.ones((t, k), bool)
 
 

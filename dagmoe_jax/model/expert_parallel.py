@@ -151,7 +151,7 @@ def _ragged_exchange_shard(x, indices, weights, *, experts, hidden, grouped_matm
     flat = indices.reshape(-1)
     order = jnp.argsort(flat, stable=True)                   # sorted row -> assignment
     rank = jnp.argsort(order)                                # assignment -> sorted row
-    xs = take_rows(x, order // k, rank.reshape(t, k))        # [M, d], by global expert
+    xs = take_rows(x, order // k, rank.reshape(t, k), True)  # [M, d], by global expert
     counts = jnp.bincount(flat, length=e * n_local).astype(jnp.int32).reshape(e, n_local)
     send_sizes = jnp.sum(counts, axis=1)                     # rows for each expert shard
     input_offsets = jnp.cumsum(send_sizes) - send_sizes
@@ -171,14 +171,14 @@ def _ragged_exchange_shard(x, indices, weights, *, experts, hidden, grouped_matm
     key = jnp.where(jnp.arange(e * m) < jnp.sum(recv), expert_of, n_local)
     by_expert = jnp.argsort(key, stable=True)
     back = jnp.argsort(by_expert)
-    ys = grouped_ffn(take_rows(got, by_expert, back), weights, jnp.sum(recv, axis=0),
+    ys = grouped_ffn(take_rows(got, by_expert, back, True), weights, jnp.sum(recv, axis=0),
                      grouped_matmul)
-    ys = take_rows(ys, back, by_expert)                      # received order again
+    ys = take_rows(ys, back, by_expert, True)                # received order again
     recv_offsets = jnp.cumsum(recv_sizes) - recv_sizes
     home = jax.lax.all_to_all(input_offsets, experts, 0, 0, tiled=True)  # where rows came from
     returned = ragged_all_to_all(ys, jnp.zeros_like(xs), recv_offsets, recv_sizes, home,
                                  send_sizes, axis_name=experts)          # [M, d], sorted
-    out = take_rows(returned, rank.reshape(t, k), order)                # [T, K, d]
+    out = take_rows(returned, rank.reshape(t, k), order, True)          # [T, K, d]
     if hidden is not None:
         out = jax.lax.psum(out, hidden)
     return out, jnp.ones((t, k), bool)

@@ -6,13 +6,15 @@ roofline estimate of the step with tokens/s and MFU (dagmoe_jax/compile/roofline
 ``ratio`` column divides each row's estimated step time by the MoE + shared expert row of the
 same model and topology (the paper's parity baseline: DAG-MoE L 2 measured +4.49% on A100).
 
-    python benchmarks/tpu_compile.py                                  # s / m / l x 4 variants, v5p-8
-    python benchmarks/tpu_compile.py --models l --variants moe+shared "dag L2"
-    python benchmarks/tpu_compile.py --models l --variants "dag L2" --mesh "data=2,expert=2" \\
-        --mesh "data=1,fsdp=2,expert=2"                               # replicated vs FSDP
-    python benchmarks/tpu_compile.py --topology v5p:4x4x4 --batch 256 --mesh "data=16,expert=4"
+    python benchmarks/tpu_compile.py --models l --batch 512 --binding TrainConfig.grad_accum=16 \
+        --mesh "data=2,expert=2" --mesh "data=1,fsdp=2,expert=2"    # the paper's batch, v5p-8
+    python benchmarks/tpu_compile.py --models s m --batch 256 --binding TrainConfig.grad_accum=8
+    python benchmarks/tpu_compile.py --models l --variants moe --hlo_dir /tmp/hlo   # keep the HLO
 
-Compiling the l model's training step took 100-290 s a row on the 2-core CPU (RESULTS.md).
+The paper's batches are 256 (s, m) and 512 (l) sequences of 2,048 tokens; on v5p-8 they run as
+micro-batches of 32 (``TrainConfig.grad_accum``). Compiling the l model's training step took
+90-290 s a row on the 2-core CPU (RESULTS.md). ``benchmarks/maxtext_compile.py`` compiles
+MaxText's step beside ours.
 """
 
 from __future__ import annotations

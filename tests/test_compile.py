@@ -411,3 +411,31 @@ def test_search_candidates_respect_the_model():
     assert found[0].bindings() == ["MeshConfig.data = 8", "MeshConfig.fsdp = 1",
                                    "MeshConfig.expert = 1", "MeshConfig.tensor = 1",
                                    "DataConfig.batch_size = 16"]
+
+
+def test_maxtext_flags_describe_the_same_model():
+    """benchmarks/maxtext_compile.py hands MaxText the MoE-l shape and our mesh: a fair
+    comparison needs every dimension equal."""
+    import importlib.util
+    from pathlib import Path
+    from dagmoe_jax.gin_utils import load_model_config
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "maxtext_compile.py"
+    spec = importlib.util.spec_from_file_location("maxtext_compile", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cfg = load_model_config(["models/l.gin", "variants/moe.gin"])
+    flags = dict(f.split("=", 1) for f in bench.maxtext_flags(
+        cfg, 32, 2048, 4, bench.parse_mesh("data=2,expert=2"), "v5p:2x2x1"))
+    assert flags["compile_topology"] == "v5p-8" and flags["decoder_block"] == "mixtral"
+    assert {k: int(flags[k]) for k in ("base_emb_dim", "base_num_query_heads",
+                                       "base_num_kv_heads", "head_dim", "base_moe_mlp_dim",
+                                       "base_num_decoder_layers", "num_experts",
+                                       "num_experts_per_tok", "vocab_size",
+                                       "max_target_length", "per_device_batch_size",
+                                       "ici_data_parallelism", "ici_expert_parallelism",
+                                       "ici_fsdp_parallelism")} == {
+        "base_emb_dim": 1024, "base_num_query_heads": 32, "base_num_kv_heads": 8,
+        "head_dim": 32, "base_moe_mlp_dim": 512, "base_num_decoder_layers": 8,
+        "num_experts": 32, "num_experts_per_tok": 4, "vocab_size": 128256,
+        "max_target_length": 2048, "per_device_batch_size": 8, "ici_data_parallelism": 2,
+        "ici_expert_parallelism": 2, "ici_fsdp_parallelism": 1}

@@ -439,3 +439,15 @@ def test_maxtext_flags_describe_the_same_model():
         "num_experts": 32, "num_experts_per_tok": 4, "vocab_size": 128256,
         "max_target_length": 2048, "per_device_batch_size": 8, "ici_data_parallelism": 2,
         "ici_expert_parallelism": 2, "ici_fsdp_parallelism": 1}
+
+
+@needs_tpu_compiler
+def test_mesh_axes_that_split_a_torus_axis():
+    """32 expert shards over a 4x4x4 slice: no product of whole torus axes is 32, so the mesh
+    splits one (jax.make_mesh alone refuses)."""
+    from dagmoe_jax.compile.chips import topology_devices
+    from dagmoe_jax.compile.programs import mesh_over
+    _, devices = topology_devices("v5p:4x4x4")
+    mesh = mesh_over(devices, dict(data=2, expert=32))
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "expert": 32, "tensor": 1}
+    assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)

@@ -232,8 +232,9 @@ def _search(args, model_cfg, data_cfg, optim_cfg, train_cfg, chip, devices, topo
         except OutOfMemory as err:
             return Outcome(candidate, error="out of memory" + (
                 f" ({err.args[1] / 1e9:.1f} GB)" if err.args[1] else ""))
-        except ValueError as err:
-            return Outcome(candidate, error=str(err).splitlines()[0])
+        except Exception as err:     # the compiler's or JAX's word on this mesh: next one
+            text = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            return Outcome(candidate, error=text[:200])
         r = reports["train"]
         d = r.as_dict(chip)["estimate"]
         if r.total_bytes > chip.hbm_bytes:

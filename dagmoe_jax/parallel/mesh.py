@@ -13,6 +13,7 @@ from typing import Iterator, Optional, Sequence
 
 import jax
 from flax.core import spmd
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from dagmoe_jax.parallel.config import MeshConfig
@@ -21,11 +22,18 @@ from dagmoe_jax.parallel.axes import DEFAULT_RULES, MESH_AXES
 
 def make_mesh(cfg: MeshConfig = MeshConfig(), devices: Optional[Sequence] = None) -> Mesh:
     """A ``jax.sharding.Mesh`` over ``devices`` (default: all, every process) with axes
-    ``data, fsdp, expert, tensor``, all of type ``Auto`` (sharding by constraints, GSPMD)."""
+    ``data, fsdp, expert, tensor``, all of type ``Auto`` (sharding by constraints, GSPMD).
+
+    On a TPU torus an axis whose size is no product of whole physical axes (32 chips of a
+    4x4x4 slice) splits a physical axis, as ``mesh_utils`` allows when asked."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = cfg.resolve(len(devices))
-    return jax.make_mesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                         devices=devices)
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    try:
+        return jax.make_mesh(sizes, MESH_AXES, axis_types=axis_types, devices=devices)
+    except NotImplementedError:
+        grid = mesh_utils.create_device_mesh(sizes, devices, allow_split_physical_axes=True)
+        return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
 @contextlib.contextmanager

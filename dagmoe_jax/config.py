@@ -18,10 +18,8 @@ from typing import Optional
 
 from dagmoe_jax.budget import dag_params_per_layer, matched_shared_hidden  # noqa: F401
 from dagmoe_jax.doe.config import DoEConfig
-from dagmoe_jax.validate import check as _check
-from dagmoe_jax.validate import choice as _choice
-from dagmoe_jax.validate import nonnegative as _nonnegative
-from dagmoe_jax.validate import positive as _positive
+from dagmoe_jax.validate import (check as _check, choice as _choice, nonnegative as _nonnegative,
+                                 nonnegative_int as _nonnegative_int, positive as _positive)
 
 BLOCK_TYPES = ("dense", "moe", "coe", "doe")
 SCORE_FNS = ("sigmoid", "softmax")
@@ -274,14 +272,9 @@ class ExecutionConfig:
       and False under a mesh, where the concatenation would move tensor-sharded weights.
     attention_block: query/key block size of the blockwise causal attention (64 measured
       fastest for the s model on the 2-core CPU: 32 and 128 were 5-10% slower).
-    loss_chunk: tokens per device in one chunk of the vocabulary-tiled loss
-      (:mod:`dagmoe_jax.train.tiled_loss`): 0 (default) means auto: 512 on CPU (its [512, V]
-      logits stay in cache-sized pieces), 4096 on GPU / TPU, where the LM head's three
-      products are compute-bound only above a few hundred tokens a chunk (each chunk reads the
-      head and reads and writes its float32 gradient: ``n / 2`` FLOP per byte against a v5p's
-      166; 512 tokens over a mesh's batch shards made the l model's head 3x its FLOPs' time
-      in the TPU compiler's program); its float32 logits are ``4 x n x V`` bytes (2.1 GB at
-      V = 128,256).
+    loss_chunk: tokens per device in a chunk of the vocabulary-tiled loss; 0 (default) means
+      auto: 512 on CPU, 4096 on GPU / TPU, where smaller chunks re-read the LM head and its
+      float32 gradient until the head is bound by HBM (lifecycle/settle.py).
     """
 
     remat: str = "auto"
@@ -296,27 +289,21 @@ class ExecutionConfig:
     def __post_init__(self):
         c = "ExecutionConfig"
         _choice(c, "remat", self.remat, REMAT_POLICIES)
-        _check(isinstance(self.scan_unroll, int) and self.scan_unroll >= 0, c, "scan_unroll",
-               self.scan_unroll, "an integer >= 0 (0 = auto)")
+        _nonnegative_int(c, "scan_unroll", self.scan_unroll)
         _choice(c, "attention", self.attention, ATTENTION_IMPLS)
         _choice(c, "grouped_matmul", self.grouped_matmul, GROUPED_MATMULS)
         _choice(c, "expert_exchange", self.expert_exchange, EXPERT_EXCHANGES)
         _check(self.fuse_gate_up in (None, True, False), c, "fuse_gate_up", self.fuse_gate_up,
                "True, False or None (auto)")
         _positive(c, "attention_block", self.attention_block)
-        _check(isinstance(self.loss_chunk, int) and self.loss_chunk >= 0, c, "loss_chunk",
-               self.loss_chunk, "an integer >= 0 (0 = auto)")
+        _nonnegative_int(c, "loss_chunk", self.loss_chunk)
 
     @property
     def unsettled(self) -> tuple:
         """The fields still 'auto' (settled by :func:`dagmoe_jax.lifecycle.settle.settle`)."""
-        auto = (("remat", self.remat == "auto"), ("scan_unroll", self.scan_unroll == 0),
-                ("attention", self.attention == "auto"),
-                ("grouped_matmul", self.grouped_matmul == "auto"),
-                ("expert_exchange", self.expert_exchange == "auto"),
-                ("fuse_gate_up", self.fuse_gate_up is None),
-                ("loss_chunk", self.loss_chunk == 0))
-        return tuple(name for name, is_auto in auto if is_auto)
+        auto = {"remat": "auto", "scan_unroll": 0, "attention": "auto", "grouped_matmul": "auto",
+                "expert_exchange": "auto", "fuse_gate_up": None, "loss_chunk": 0}
+        return tuple(name for name, value in auto.items() if getattr(self, name) == value)
 
 
 @dataclasses.dataclass(frozen=True)

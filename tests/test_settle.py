@@ -23,7 +23,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dagmoe_jax"
 def test_settle_decides_every_auto_field_per_backend_and_layout():
     cfg = tiny_config(settled=False)
     assert set(cfg.unsettled) == {"remat", "scan_unroll", "attention", "grouped_matmul",
-                                  "expert_exchange", "fuse_gate_up", "experts.dispatch"}
+                                  "expert_exchange", "fuse_gate_up", "loss_chunk",
+                                  "experts.dispatch"}
     cpu = settle(cfg, backend="cpu")
     assert cpu.unsettled == ()
     ex = cpu.execution
@@ -33,6 +34,7 @@ def test_settle_decides_every_auto_field_per_backend_and_layout():
     # attention kernel does, which the line above asserts)
     assert (ex.grouped_matmul, cpu.experts.dispatch) == ("cpu_gmm", "dropless")
     assert "dispatch dropless" in describe(cpu, cfg, "cpu")
+    assert ex.loss_chunk == 512 and settle(cfg, backend="tpu").execution.loss_chunk == 4096
     gpu = settle(cfg.replace(compute_dtype="bfloat16"), backend="gpu")
     assert (gpu.execution.remat, gpu.execution.scan_unroll, gpu.execution.attention) == (
         "full", 1, "cudnn")
@@ -49,7 +51,8 @@ def test_settle_decides_every_auto_field_per_backend_and_layout():
     # what the user set explicitly is kept
     explicit = cfg.replace(execution=dict(remat="dots", scan_unroll=2, attention="xla",
                                           fuse_gate_up=False, grouped_matmul="gmm",
-                                          expert_exchange="ragged_all_to_all"),
+                                          expert_exchange="ragged_all_to_all",
+                                          loss_chunk=1024),
                            experts=dict(dispatch="capacity"))
     assert settle(explicit, backend="cpu") == explicit
     assert settle(cpu, backend="cpu") == cpu                  # idempotent
@@ -59,7 +62,7 @@ def test_settle_decides_every_auto_field_per_backend_and_layout():
 def test_an_unsettled_config_is_a_clear_error():
     with pytest.raises(ValueError, match=r"^ModelConfig fields remat, scan_unroll, attention, "
                                          r"grouped_matmul, expert_exchange, fuse_gate_up, "
-                                         r"experts.dispatch are still 'auto': build the model from "
+                                         r"loss_chunk, experts.dispatch are still 'auto': build the model from "
                                          r"dagmoe_jax.lifecycle.settle.settle\(cfg\)$"):
         Transformer(tiny_config(settled=False), rngs=nnx.Rngs(0))
 

@@ -302,6 +302,11 @@ def test_convolution_flops_count_only_taps_on_the_input():
     strided = _instruction("ROOT %c = f32[2,5,5]{2,1,0} convolution(%x, %k), "
                            "window={size=3 stride=2 pad=1_1}, dim_labels=b0f_0io->b0f", shapes)
     assert roofline.dot_flops(strided, shapes) == 2 * 2 * 5 * 4 * (2 + 3 + 3 + 3 + 3)
+    # two spatial dims, the kernel's labelled '1' before '0': the window's pad lists dim 0 first
+    shapes = {"x": "f32[2,10,1,4]", "k": "f32[1,3,4,5]"}
+    two = _instruction("ROOT %c = f32[2,10,1,5]{3,2,1,0} convolution(%x, %k), "
+                       "window={size=3x1 pad=1_1x0_0}, dim_labels=b01f_10io->b01f", shapes)
+    assert roofline.dot_flops(two, shapes) == 2 * 2 * 5 * 4 * (2 + 8 * 3 + 2)
 
 
 SLICED_HLO = """HloModule scan, entry_computation_layout={()->f32[]}

@@ -93,7 +93,7 @@ def _convolution_flops(instruction: Instruction, shapes: Dict[str, str]) -> floa
     window = re.search(r"window=\{([^}]*)\}", instruction.attrs)
     fields = dict(f.split("=", 1) for f in (window.group(1).split() if window else ())
                   if "=" in f)
-    spatial = [c for c in kernel_labels if c.isdigit()]
+    spatial = sorted((c for c in kernel_labels if c.isdigit()), key=int)   # window order
     pads = [p.split("_") for p in fields.get("pad", "").split("x")] if "pad" in fields else []
     strides = fields.get("stride", "").split("x") if "stride" in fields else []
     dilated = "lhs_dilate" in fields or "rhs_dilate" in fields

@@ -72,21 +72,6 @@ def constrain(x: jax.Array, names: Sequence[Optional[str]]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names, rules))
 
 
-def active_batch_shards() -> int:
-    """How many shards the ``batch`` rule splits a batch's rows into on the active mesh (1
-    outside one): what a global-view function multiplies a per-device size by."""
-    rules = spmd.get_logical_axis_rules()
-    mesh = jax.sharding.get_abstract_mesh()
-    if not rules or mesh is None or mesh.empty:
-        return 1
-    spec = logical_to_spec(("batch",), rules)[0]
-    axes = (spec,) if isinstance(spec, str) else tuple(spec or ())
-    shards = 1
-    for axis in axes:
-        shards *= int(mesh.shape[axis])
-    return shards
-
-
 @dataclasses.dataclass(frozen=True)
 class MeshLayout:
     """A device mesh (abstract: axis names, sizes and device kind) with the logical-axis rules

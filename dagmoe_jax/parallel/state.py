@@ -18,6 +18,7 @@ from typing import Callable, Dict, Optional, Tuple, TypeVar
 import jax
 import numpy as np
 from flax import nnx
+from flax.core import spmd
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dagmoe_jax.parallel.axes import DEFAULT_RULES, logical_to_spec
@@ -96,6 +97,16 @@ def batch_axes(rules=DEFAULT_RULES) -> Tuple[str, ...]:
 def batch_shards(mesh, rules=DEFAULT_RULES) -> int:
     """How many row shards a batch has on ``mesh``: the product of the batch axes' sizes."""
     return int(np.prod([mesh.shape[a] for a in batch_axes(rules)]))
+
+
+def active_batch_shards() -> int:
+    """:func:`batch_shards` of the active mesh and rules (1 outside :func:`activate`): what a
+    function that sees the global batch multiplies a per-device size by."""
+    rules = spmd.get_logical_axis_rules()
+    mesh = jax.sharding.get_abstract_mesh()
+    if not rules or mesh is None or mesh.empty:
+        return 1
+    return batch_shards(mesh, rules)
 
 
 def shard_batch(batch: Dict[str, np.ndarray], mesh: Mesh, rules=DEFAULT_RULES,

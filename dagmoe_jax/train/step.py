@@ -21,7 +21,7 @@ from flax import nnx
 
 from dagmoe_jax.model import Transformer, extension_for
 from dagmoe_jax.parallel import constrain
-from dagmoe_jax.parallel.axes import active_batch_shards
+from dagmoe_jax.parallel.state import active_batch_shards
 from dagmoe_jax.train.tiled_loss import (DEFAULT_CHUNK_TOKENS, tiled_cross_entropy,
                                          tiled_scores)
 

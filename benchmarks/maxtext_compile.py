@@ -29,26 +29,26 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tpu_compile import parse_mesh as parse_row_mesh
+from tpu_compile import run_row
+
 ROOT = Path(__file__).resolve().parent.parent
 MESH_FLAGS = {"data": "ici_data_parallelism", "fsdp": "ici_fsdp_parallelism",
               "expert": "ici_expert_parallelism", "tensor": "ici_tensor_parallelism"}
 
 
 def parse_mesh(text: str) -> dict:
-    sizes = {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
-    for part in text.split(","):
-        if part.strip():
-            axis, size = part.split("=")
-            sizes[axis.strip()] = int(size)
-    return sizes
+    """All four axes' sizes of a mesh text such as 'data=2,expert=2' (the others 1)."""
+    return {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1, **parse_row_mesh(text)}
 
 
 def maxtext_flags(cfg, batch: int, seq: int, chips: int, mesh: dict, topology: str) -> list:
     """MaxText's command-line overrides for ``cfg`` (a ModelConfig of the moe block)."""
-    accel = "v5p" if topology.startswith("v5p") else topology.split(":")[0]
-    cores = 2 if accel == "v5p" else 1
+    from dagmoe_jax.compile.chips import parse_topology      # (not in the side environment)
+    chip, _ = parse_topology(topology)
     flags = dict(
-        compile_topology=f"{accel}-{chips * cores}", compile_topology_num_slices=1,
+        compile_topology=f"{chip.name}-{chips * chip.cores_per_chip}",
+        compile_topology_num_slices=1,
         run_name="moe_l", base_output_directory=tempfile.gettempdir(),
         dataset_type="synthetic", enable_checkpointing="false", decoder_block="mixtral",
         base_emb_dim=cfg.d_model, base_num_query_heads=cfg.num_heads,
@@ -130,7 +130,6 @@ def main(argv=None) -> int:
     from dagmoe_jax.compile.roofline import program_cost
     from dagmoe_jax.gin_utils import load_model_config
     from dagmoe_jax.model.accounting import account
-    from tpu_compile import run_row
 
     chip, grid = parse_topology(args.topology)
     chips = 1

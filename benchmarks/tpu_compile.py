@@ -38,14 +38,21 @@ VARIANTS = {
 }
 
 
+def parse_mesh(text: str) -> dict:
+    """'data=2,expert=2' -> {'data': 2, 'expert': 2} (the axes named, in order)."""
+    sizes = {}
+    for part in text.split(","):
+        if part.strip():
+            axis, size = part.split("=")
+            sizes[axis.strip()] = int(size)
+    return sizes
+
+
 def run_row(model: str, variant: str, topology: str, batch: int, seq: int, mesh: str,
             extra, hlo_dir: str = "") -> dict:
     bindings = ["--gin.ModelConfig.compute_dtype='bfloat16'",
                 f"--gin.DataConfig.batch_size={batch}", f"--gin.DataConfig.seq_len={seq}"]
-    for part in mesh.split(","):
-        if part.strip():
-            axis, size = part.split("=")
-            bindings.append(f"--gin.MeshConfig.{axis.strip()}={int(size)}")
+    bindings += [f"--gin.MeshConfig.{axis}={size}" for axis, size in parse_mesh(mesh).items()]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
         cmd = [sys.executable, "-m", "dagmoe_jax.compile", f"--gin_file=models/{model}.gin",

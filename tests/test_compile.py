@@ -418,13 +418,14 @@ def test_search_candidates_respect_the_model():
                                    "DataConfig.batch_size = 16"]
 
 
-def test_maxtext_flags_describe_the_same_model():
+def test_maxtext_flags_describe_the_same_model(monkeypatch):
     """benchmarks/maxtext_compile.py hands MaxText the MoE-l shape and our mesh: a fair
     comparison needs every dimension equal."""
     import importlib.util
     from pathlib import Path
     from dagmoe_jax.gin_utils import load_model_config
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "maxtext_compile.py"
+    monkeypatch.syspath_prepend(str(path.parent))          # it imports benchmarks/tpu_compile
     spec = importlib.util.spec_from_file_location("maxtext_compile", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -227,6 +227,7 @@ class _Walker:
         self.shapes = {c: {n: i.shape for n, i in names.items()}
                        for c, names in self.index.items()}
         self._fused_flops: Dict[str, float] = {}
+        self._fusion_io: Dict[str, Tuple[Dict[int, float], Optional[float]]] = {}
 
     def called(self, ins: Instruction, key: str) -> str:
         return (attr(ins.attrs, key) or "").lstrip("%")
@@ -316,32 +317,44 @@ class _Walker:
         result = shape_bytes(ins.shape)
         if ins.op != "fusion":
             return sum(operands) + result
-        body = self.computations.get(self.called(ins, "calls"), [])
-        inner = self.shapes.get(self.called(ins, "calls"), {})
+        reads, writes = self.fusion_io(self.called(ins, "calls"))
+        for n, nbytes in reads.items():
+            if n < len(operands):
+                operands[n] = nbytes
+        return sum(operands) + (result if writes is None else writes)
+
+    def fusion_io(self, computation: str) -> Tuple[Dict[int, float], Optional[float]]:
+        """What a fused computation really moves, once per computation: (the bytes read from
+        each parameter only sliced or only updated in place, by parameter number; the bytes
+        written when its root updates a buffer in place, else None)."""
+        if computation in self._fusion_io:
+            return self._fusion_io[computation]
+        body = self.computations.get(computation, [])
+        names, inner = self.index.get(computation, {}), self.shapes.get(computation, {})
         users: Dict[str, List[Instruction]] = {}
         for i in body:
             for o in i.operands:
                 users.setdefault(o, []).append(i)
+        reads: Dict[int, float] = {}
         for i in body:
-            if i.op != "parameter" or not i.inner.strip().isdigit():
-                continue
-            n, uses = int(i.inner), users.get(i.name, [])
-            if n >= len(operands) or not uses:
+            uses = users.get(i.name, [])
+            if i.op != "parameter" or not i.inner.strip().isdigit() or not uses:
                 continue
             if all(u.op == "dynamic-slice" and u.operands[0] == i.name for u in uses):
-                operands[n] = sum(shape_bytes(u.shape) for u in uses)
+                reads[int(i.inner)] = sum(shape_bytes(u.shape) for u in uses)
             elif all(u.op == "dynamic-update-slice" and u.operands[0] == i.name for u in uses):
-                operands[n] = 0.0
-        root = body[-1] if body else None
-        if root is not None:
-            parts = ([inner_ins for name in root.operands
-                      for inner_ins in body if inner_ins.name == name]
-                     if root.op == "tuple" else [root])
+                reads[int(i.inner)] = 0.0
+        writes = None
+        if body:
+            root = body[-1]
+            parts = ([names[o] for o in root.operands if o in names] if root.op == "tuple"
+                     else [root])
             if any(p.op == "dynamic-update-slice" for p in parts):
-                result = sum(shape_bytes(inner.get(p.operands[1], "")) if
-                             p.op == "dynamic-update-slice" and len(p.operands) > 1
+                writes = sum(shape_bytes(inner.get(p.operands[1], ""))
+                             if p.op == "dynamic-update-slice" and len(p.operands) > 1
                              else shape_bytes(p.shape) for p in parts)
-        return sum(operands) + result
+        self._fusion_io[computation] = (reads, writes)
+        return reads, writes
 
     def _compute(self, ins: Instruction, shapes, times: float, cost: Cost) -> None:
         nbytes = self.moved_bytes(ins, shapes)

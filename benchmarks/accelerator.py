@@ -47,7 +47,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from dagmoe_jax.model.accounting import account  # noqa: E402
-from dagmoe_jax.gin_utils import load_model_config  # noqa: E402
+from dagmoe_jax.run.gin import load_model_config  # noqa: E402
 from step_throughput import matmul_rate, step_time  # noqa: E402  (benchmarks/)
 
 # name -> (model gin, variant gin). The s variants at d_g 128 and the l ones at 256 are the
@@ -148,9 +148,9 @@ def throughput_table(rows, peak, measured) -> str:
 def quality_run(args, deadline: float, out_dir: Path) -> dict:
     """MoE, MoE + shared and DAG-MoE L 2 on the offline standard-library corpus, one seed; a
     variant starts only before ``deadline`` (``time.monotonic()``)."""
-    from dagmoe_jax.experiments.corpus import build_stdlib_corpus, corpus_sources
-    from dagmoe_jax.experiments.quality import (PAPER_SOURCE, QualityBudget, format_report,
-                                         summarize, train_and_evaluate)
+    from experiments.corpus import build_stdlib_corpus, corpus_sources
+    from experiments.quality import (PAPER_SOURCE, QualityBudget, format_report,
+                                     summarize, train_and_evaluate)
 
     source, eval_source = corpus_sources(build_stdlib_corpus(out_dir / "corpus"))
     budget = QualityBudget(source=source, eval_source=eval_source, variants=QUALITY_VARIANTS,

@@ -9,7 +9,7 @@ Compare
     python benchmarks/alloc_bandwidth.py          # TCMalloc when installed, else glibc tuned
     DAGMOE_TCMALLOC=0 DAGMOE_GLIBC_TUNE=0 python benchmarks/alloc_bandwidth.py   # glibc as it comes
 
-(this is what ``dagmoe_jax/cli/launch.py`` and docs/training.md's CPU notes rest on).
+(this is what ``dagmoe_jax/run/allocator.py`` and docs/training.md's CPU notes rest on).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmarks
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from dagmoe_jax.cli.launch import allocator  # noqa: E402
+from dagmoe_jax.run.allocator import allocator  # noqa: E402
 from step_throughput import time_fn  # noqa: E402
 
 
@@ -48,6 +48,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from dagmoe_jax.cli.launch import configure_allocator
-    configure_allocator()  # TCMalloc when installed, else glibc tuned (dagmoe_jax/cli/launch.py)
+    from dagmoe_jax.run.allocator import configure_allocator
+    configure_allocator()  # TCMalloc when installed, else glibc tuned (dagmoe_jax/run/allocator.py)
     sys.exit(main())

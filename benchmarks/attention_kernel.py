@@ -24,7 +24,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from dagmoe_jax.kernels import fused_attention_unavailable  # noqa: E402
-from dagmoe_jax.cli.launch import allocator  # noqa: E402
+from dagmoe_jax.run.allocator import allocator  # noqa: E402
 from dagmoe_jax.model.attention import causal_attention  # noqa: E402
 from step_throughput import time_fn  # noqa: E402
 
@@ -79,6 +79,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from dagmoe_jax.cli.launch import configure_allocator
-    configure_allocator()  # TCMalloc when installed, else glibc tuned (dagmoe_jax/cli/launch.py)
+    from dagmoe_jax.run.allocator import configure_allocator
+    configure_allocator()  # TCMalloc when installed, else glibc tuned (dagmoe_jax/run/allocator.py)
     sys.exit(main())

@@ -7,7 +7,7 @@ forgetting probe, at equal total parameters on a mixed offline corpus, over seve
     python benchmarks/doe.py --variants dense,moe,doe_relu --seeds 2 --steps 400
     python benchmarks/doe.py --report runs/bench_doe/doe.json
 
-Corpus (nothing downloaded; dagmoe_jax/experiments/corpus.py): the docstrings of this Python's standard
+Corpus (nothing downloaded; benchmarks/experiments/corpus.py): the docstrings of this Python's standard
 library (programming documentation, many short records) mixed with the installed English manual
 pages of sections 5 and 7 (file formats and overviews, one record per page), each split by file
 into training and held-out text. Stage 1 (online LDA, --topics topics, on the first
@@ -50,7 +50,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dagmoe_jax.experiments.scoring import mean_std, paired_difference  # noqa: E402
+from experiments.scoring import mean_std, paired_difference  # noqa: E402
 
 VARIANTS = ("dense", "moe", "moe_active", "doe_softmax", "doe_relu", "doe_blocks", "doe_kl0.01",
             "doe_theta", "doe_a0", "doe_a0.01", "doe_a0.1", "doe_no_lda", "doe_k", "doe_q")
@@ -109,7 +109,7 @@ def model_config(variant: str, topics: int, seq_len: int):
 
 
 def corpus(out: Path, log):
-    from dagmoe_jax.experiments.corpus import build_manpage_corpus, build_stdlib_corpus
+    from experiments.corpus import build_manpage_corpus, build_stdlib_corpus
 
     stdlib = build_stdlib_corpus(out / "corpus")
     man = build_manpage_corpus(out / "corpus", sections=("5", "7"))
@@ -127,8 +127,8 @@ def data_config(args, source: str, eval_source: str, seed: int, topics_dir: str 
 
 
 def fit_stage1(args, out: Path, source: str, log) -> str:
-    from dagmoe_jax.doe.topics import TopicConfig, fit_topics
-    from dagmoe_jax.doe.topics.stage import training_documents
+    from dagmoe_jax.data.topics import TopicConfig, fit_topics
+    from dagmoe_jax.data.topics.stage import training_documents
 
     path = out / f"topics_k{args.topics}_d{args.lda_documents}"
     if not (path / "topics.npz").is_file():
@@ -156,9 +156,9 @@ def doe_metrics(run_dir: str) -> dict:
 
 def run_one(args, variant, seed, data_cfg, out: Path):
     from dagmoe_jax.model.accounting import account
-    from dagmoe_jax.train.config import TrainConfig
+    from dagmoe_jax.run.config import TrainConfig
     from dagmoe_jax.train.loop import train
-    from dagmoe_jax.train.config import OptimConfig
+    from dagmoe_jax.run.config import OptimConfig
 
     model_cfg = model_config(variant, args.topics, args.seq_len)
     run_dir = out / "runs" / f"{variant}_s{seed}"
@@ -182,13 +182,13 @@ def forgetting(args, record, code_cfg, evals, log) -> dict:
     import optax
     from flax import nnx
 
-    from dagmoe_jax import lifecycle
+    from dagmoe_jax import run as run_lib
     from dagmoe_jax.data import eval_batches, make_tokenizer, train_dataset
     from dagmoe_jax.evaluation import evaluate
-    from dagmoe_jax.model import extension_for
+    from dagmoe_jax.run.extensions import extension_for
     from dagmoe_jax.train.step import make_train_step
 
-    loaded = lifecycle.load_run(record["run_dir"], data_cfg=code_cfg, log=lambda _m: None)
+    loaded = run_lib.load_run(record["run_dir"], data_cfg=code_cfg, log=lambda _m: None)
     model, tokenizer = loaded.model, make_tokenizer(code_cfg)
     annotate = extension_for(loaded.model_cfg).prepare_run(code_cfg, record["run_dir"],
                                                            save=False)

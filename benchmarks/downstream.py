@@ -5,14 +5,14 @@
     python benchmarks/downstream.py --micro           # a quick end-to-end check of both
     python benchmarks/downstream.py --report runs/bench_downstream/downstream.json
 
-Table 2 in miniature (dagmoe_jax/experiments/downstream.py): MoE, MoE + shared expert and
+Table 2 in miniature (benchmarks/experiments/downstream.py): MoE, MoE + shared expert and
 DAG-MoE L 2 at equal parameters are pre-trained on the offline corpus (the standard library's
 docstrings, as benchmarks/quality.py), fine-tuned 3 epochs at a constant learning rate on an
-instruction set built offline (dagmoe_jax/experiments/instructions.py: six skills with exact
+instruction set built offline (benchmarks/experiments/instructions.py: six skills with exact
 answers, Alpaca records, the plain '### Instruction:' template, the loss on the responses), and
 scored before and after fine-tuning through lm-evaluation-harness on held-out problems
 (multiple choice: acc; generation: exact match) and on held-out corpus text (bits per byte).
---dume (dagmoe_jax/experiments/dume_reasoning.py): a dense model fine-tuned into a math and a
+--dume (benchmarks/experiments/dume_reasoning.py): a dense model fine-tuned into a math and a
 text expert, both saved in Hugging Face format, merged by DUME with router statistics from
 each domain's chat-formatted instructions, and scored against the experts and their average.
 
@@ -71,8 +71,8 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     # Imported after argument parsing so that --help and argument errors are instant.
-    from dagmoe_jax.experiments import downstream, dume_reasoning
-    from dagmoe_jax.experiments.corpus import build_stdlib_corpus, corpus_sources
+    from experiments import downstream, dume_reasoning
+    from experiments.corpus import build_stdlib_corpus, corpus_sources
 
     if args.report:
         try:
@@ -113,6 +113,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from dagmoe_jax.cli.launch import configure_allocator
-    configure_allocator()  # TCMalloc when installed, else glibc tuned (dagmoe_jax/cli/launch.py)
+    from dagmoe_jax.run.allocator import configure_allocator
+    configure_allocator()  # TCMalloc when installed, else glibc tuned (dagmoe_jax/run/allocator.py)
     sys.exit(main())

@@ -1,6 +1,6 @@
 """DUME benchmark (seed 004, Table 2 in miniature): dense experts merged without training.
 
-Three offline domains (nothing downloaded; dagmoe_jax/experiments/corpus.py): the docstrings of
+Three offline domains (nothing downloaded; benchmarks/experiments/corpus.py): the docstrings of
 Python's standard library, the installed manual pages and the C headers under /usr/include.
 Per seed: a dense seed model is trained on the mixed stream, three experts branch from it and
 train on one domain each; then every method is scored per domain as the paper does,
@@ -86,7 +86,7 @@ class Bench:
     def __init__(self, args, domains, log):
         from dagmoe_jax.config import ModelConfig
         from dagmoe_jax.data import DataConfig, make_tokenizer
-        from dagmoe_jax.lifecycle.settle import settle
+        from dagmoe_jax.run.settle import settle
 
         self.args, self.domains, self.log = args, domains, log
         d = args.d_model
@@ -117,9 +117,9 @@ class Bench:
         """``steps`` AdamW steps (cosine, 10 warm-up steps) of the ``trainable`` parameters."""
         import jax.numpy as jnp
         from flax import nnx
-        from dagmoe_jax.train.config import OptimConfig
-        from dagmoe_jax.train.optim import make_optimizer
-        from dagmoe_jax.train.optim import TRAINABLE
+        from dagmoe_jax.run.config import OptimConfig
+        from dagmoe_jax.run.optim import make_optimizer
+        from dagmoe_jax.run.optim import TRAINABLE
         from dagmoe_jax.train.step import make_train_step
         from dagmoe_jax.data.pipeline import train_dataset
 
@@ -186,7 +186,7 @@ def statistics(bench, moe, domain_ids, tps_values):
 def run_seed(bench, seed):
     from flax import nnx
     from dagmoe_jax.model import Transformer
-    from dagmoe_jax.lifecycle.settle import settle
+    from dagmoe_jax.run.settle import settle
     from dagmoe_jax.upcycle import dume, moerge
 
     a, log = bench.args, bench.log
@@ -329,8 +329,8 @@ def format_report(results):
 
 
 def run(args, out, log):
-    from dagmoe_jax.experiments.corpus import (build_c_header_corpus, build_manpage_corpus,
-                                        build_stdlib_corpus, corpus_sources)
+    from experiments.corpus import (build_c_header_corpus, build_manpage_corpus,
+                                    build_stdlib_corpus, corpus_sources)
     domains = []
     for name, build in (("stdlib_docs", build_stdlib_corpus), ("manpages", build_manpage_corpus),
                         ("c_headers", build_c_header_corpus)):

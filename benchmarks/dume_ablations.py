@@ -87,7 +87,7 @@ def run_seed(bench, seed):
     from flax import nnx
     from dagmoe_jax.config import matched_shared_hidden
     from dagmoe_jax.model import Transformer
-    from dagmoe_jax.lifecycle.settle import settle
+    from dagmoe_jax.run.settle import settle
     from dagmoe_jax.upcycle import dume, moerge
 
     a, log = bench.args, bench.log
@@ -167,9 +167,9 @@ def format_report(results):
 
 def run(args, out, log):
     from dagmoe_jax.config import ModelConfig
-    from dagmoe_jax.experiments.corpus import (build_c_header_corpus, build_manpage_corpus,
-                                               build_stdlib_corpus, corpus_sources)
-    from dagmoe_jax.lifecycle.settle import settle
+    from experiments.corpus import (build_c_header_corpus, build_manpage_corpus,
+                                    build_stdlib_corpus, corpus_sources)
+    from dagmoe_jax.run.settle import settle
     domains = []
     for name, build in (("stdlib_docs", build_stdlib_corpus), ("manpages", build_manpage_corpus),
                         ("c_headers", build_c_header_corpus)):

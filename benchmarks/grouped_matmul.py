@@ -28,7 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dagmoe_jax.gin_utils import load_model_config  # noqa: E402
+from dagmoe_jax.run.gin import load_model_config  # noqa: E402
 from dagmoe_jax.kernels.grouped_matmul import (cpu_grouped_matmul,  # noqa: E402
                                                grouped_matmul_unavailable)
 from step_throughput import step_time, time_fn  # noqa: E402
@@ -138,6 +138,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from dagmoe_jax.cli.launch import configure_allocator
-    configure_allocator()  # TCMalloc when installed, else glibc tuned (dagmoe_jax/cli/launch.py)
+    from dagmoe_jax.run.allocator import configure_allocator
+    configure_allocator()  # TCMalloc when installed, else glibc tuned (dagmoe_jax/run/allocator.py)
     main()

@@ -1,7 +1,7 @@
 """Peak host memory of importing a Hugging Face Llama checkpoint, against the checkpoint's size.
 
 The import builds the model abstractly (``nnx.eval_shape``) and places each parameter as it is
-read (:func:`dagmoe_jax.upcycle.hf_llama.load_hf_llama`), so it should need about the
+read (:func:`dagmoe_jax.hf.llama.load_hf_llama`), so it should need about the
 checkpoint's size, not twice (a randomly initialised model, then the checkpoint's copy). Each
 measurement runs in a fresh process: peak RSS (``ru_maxrss``) minus the RSS once JAX and the
 library are imported, side by side with the previous way (a concrete model, then overwritten).
@@ -63,9 +63,9 @@ def measure(folder: str, mode: str) -> dict:
     from flax import nnx
 
     from dagmoe_jax.model import Transformer
-    from dagmoe_jax.lifecycle.settle import settle
-    from dagmoe_jax.upcycle import hf_llama
-    from dagmoe_jax.upcycle.moerge import set_params
+    from dagmoe_jax.run.settle import settle
+    from dagmoe_jax.hf import llama as hf_llama
+    from dagmoe_jax.model.params import set_params
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if mode == "abstract":

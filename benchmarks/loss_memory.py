@@ -3,7 +3,7 @@ with and without donating the training state to the step.
 
 The plain loss projects every position to the vocabulary at once ([B, S, V] float32 logits,
 then ``optax.softmax_cross_entropy_with_integer_labels``: the loss of the code before
-``dagmoe_jax/train/tiled_loss.py``); the tiled loss applies the LM head a chunk of positions at
+``dagmoe_jax/model/tiled_loss.py``); the tiled loss applies the LM head a chunk of positions at
 a time. ``plain`` and ``tiled`` keep the old parameters and moments alive until the step's new
 ones are written (the code before); ``tiled_donated`` (the training loop's,
 ``make_train_step(donate=True)``) lets XLA write them in place. Each variant runs in its own process under ``/usr/bin/time -v``
@@ -40,9 +40,9 @@ def run_one(args) -> None:
     import optax
     from flax import nnx
 
-    from dagmoe_jax.gin_utils import load_model_config
+    from dagmoe_jax.run.gin import load_model_config
     from dagmoe_jax.model import Transformer
-    from dagmoe_jax.lifecycle.settle import settle
+    from dagmoe_jax.run.settle import settle
     from dagmoe_jax.train.step import cross_entropy, lm_loss, make_train_step
 
     def plain_loss(model, batch):
@@ -120,6 +120,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from dagmoe_jax.cli.launch import configure_allocator
-    configure_allocator()  # the allocator step_throughput.py uses (dagmoe_jax/cli/launch.py)
+    from dagmoe_jax.run.allocator import configure_allocator
+    configure_allocator()  # the allocator step_throughput.py uses (dagmoe_jax/run/allocator.py)
     main()

@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT))
     from dagmoe_jax.compile.chips import parse_topology
     from dagmoe_jax.compile.roofline import program_cost
-    from dagmoe_jax.gin_utils import load_model_config
+    from dagmoe_jax.run.gin import load_model_config
     from dagmoe_jax.model.accounting import account
 
     chip, grid = parse_topology(args.topology)

@@ -35,8 +35,9 @@ def measure(folders, mode: str) -> dict:
     import jax
     from flax import nnx
 
-    from dagmoe_jax.lifecycle.settle import settle
-    from dagmoe_jax.upcycle import hf_llama, moerge, stream
+    from dagmoe_jax.run.settle import settle
+    from dagmoe_jax.hf import llama as hf_llama
+    from dagmoe_jax.upcycle import moerge, stream
 
     cfg = settle(moerge.dume_config(stream.read_configs(folders), len(folders)))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

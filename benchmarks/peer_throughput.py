@@ -15,7 +15,7 @@ both alike. Reported: s/step, tokens/s and the ratio ours / OLMoE (> 1: ours is 
     # (--vocab 256 --steps 1 --rounds 1 took 93 s on a 2-core CPU, mostly OLMoE's steps)
     python benchmarks/peer_throughput.py --gin_binding "ExpertConfig.dispatch = 'capacity'"
     # OLMoE also under glibc's malloc as it comes, as a PyTorch user runs it (a child process
-    # per round: in this process it shares the allocator set-up of dagmoe_jax/cli/launch.py)
+    # per round: in this process it shares the allocator set-up of dagmoe_jax/run/allocator.py)
     python benchmarks/peer_throughput.py --olmoe_system_malloc
 
 torch and transformers are optional dependencies of this benchmark only:
@@ -42,10 +42,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dagmoe_jax.model.accounting import account  # noqa: E402
-from dagmoe_jax.gin_utils import load_model_config  # noqa: E402
-from dagmoe_jax.cli.launch import allocator, release_memory  # noqa: E402
-from dagmoe_jax.lifecycle.settle import describe as describe_settled  # noqa: E402
-from dagmoe_jax.lifecycle.settle import settle  # noqa: E402
+from dagmoe_jax.run.gin import load_model_config  # noqa: E402
+from dagmoe_jax.run.allocator import allocator, release_memory  # noqa: E402
+from dagmoe_jax.run.settle import describe as describe_settled  # noqa: E402
+from dagmoe_jax.run.settle import settle  # noqa: E402
 import step_throughput as bench  # noqa: E402
 
 MODEL_GIN = ("models/s.gin", "variants/moe.gin")
@@ -248,6 +248,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from dagmoe_jax.cli.launch import configure_allocator
-    configure_allocator()  # TCMalloc when installed, else glibc tuned (dagmoe_jax/cli/launch.py)
+    from dagmoe_jax.run.allocator import configure_allocator
+    configure_allocator()  # TCMalloc when installed, else glibc tuned (dagmoe_jax/run/allocator.py)
     sys.exit(main())

@@ -1,7 +1,7 @@
 """Quality benchmark: held-out perplexity of each variant at equal parameters and training tokens.
 
 Trains MoE, MoE + shared expert, DAG-MoE L 1/2/3, MLP mixing (at the budget and at the
-ablation's own size) and CoE (equal added parameters; see dagmoe_jax/experiments/variants.py) on the
+ablation's own size) and CoE (equal added parameters; see benchmarks/experiments/variants.py) on the
 same text for the same tokens, and prints held-out perplexity per variant in the paper's
 framing: the improvement over MoE without a shared expert, absolute and relative, paired by
 seed against MoE and against MoE + shared expert (whether each is beyond the seed spread), with
@@ -22,7 +22,7 @@ OUT/quality.json; --report re-prints one, --compare pairs a second run's variant
 
 Data: --data is any DataConfig source spec (text:<globs>, jsonl:<globs>, array_record:<globs>,
 tfds:<name>); --eval_data the held-out spec (default: DataConfig.heldout_fraction of --data's
-records). Without --data, --corpus picks an offline corpus (dagmoe_jax/experiments/corpus.py, nothing
+records). Without --data, --corpus picks an offline corpus (benchmarks/experiments/corpus.py, nothing
 downloaded): 'stdlib' (default), the docstrings of this Python's standard library (about 1.4 MB
 of English programming documentation, read with `ast`), or 'manpages', the installed English
 manual pages (sections 1, 5, 7, 8; tens of MB on a Debian machine), each split by file into
@@ -93,7 +93,7 @@ def parse_args(argv):
 def reprint(path: str, compare: str = "") -> int:
     """The table of a written quality.json, its summary recomputed from the runs; with
     ``compare``, a second run's variants against it, paired by seed."""
-    from dagmoe_jax.experiments.quality import compare_runs, format_ladder, format_report, summarize
+    from experiments.quality import compare_runs, format_ladder, format_report, summarize
     loaded = {}
     for name in filter(None, (path, compare)):
         try:
@@ -117,10 +117,10 @@ def main(argv=None) -> int:
     if args.report:
         return reprint(args.report, args.compare or "")
     # Imported after argument parsing so that --help and argument errors are instant.
-    from dagmoe_jax.experiments.corpus import build_manpage_corpus, build_stdlib_corpus, corpus_sources
-    from dagmoe_jax.experiments.quality import (QualityBudget, format_ladder, format_report,
-                                                ladder_budgets, parse_tokens, run_benchmark,
-                                                run_ladder)
+    from experiments.corpus import build_manpage_corpus, build_stdlib_corpus, corpus_sources
+    from experiments.quality import (QualityBudget, format_ladder, format_report,
+                                     ladder_budgets, parse_tokens, run_benchmark,
+                                     run_ladder)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -166,6 +166,6 @@ def main(argv=None) -> int:
                           format_report, extra={"corpus": None if corpus is None else corpus.__dict__})
 
 if __name__ == "__main__":
-    from dagmoe_jax.cli.launch import configure_allocator
-    configure_allocator()  # TCMalloc when installed, else glibc tuned (dagmoe_jax/cli/launch.py)
+    from dagmoe_jax.run.allocator import configure_allocator
+    configure_allocator()  # TCMalloc when installed, else glibc tuned (dagmoe_jax/run/allocator.py)
     sys.exit(main())

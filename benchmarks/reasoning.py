@@ -75,7 +75,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.report:
-        from dagmoe_jax.experiments.reasoning import format_report
+        from experiments.reasoning import format_report
         try:
             results = json.loads(Path(args.report).read_text())
             print(format_report(results))
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
             return report_error(ValueError(f"cannot read {args.report}: {err}"))
         return 0
     # Imported after argument parsing so that --help and argument errors are instant.
-    from dagmoe_jax.experiments.reasoning import ReasoningBudget, format_report, run_suite
+    from experiments.reasoning import ReasoningBudget, format_report, run_suite
 
     out = Path(args.out)
     try:
@@ -105,6 +105,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from dagmoe_jax.cli.launch import configure_allocator
-    configure_allocator()  # TCMalloc when installed, else glibc tuned (dagmoe_jax/cli/launch.py)
+    from dagmoe_jax.run.allocator import configure_allocator
+    configure_allocator()  # TCMalloc when installed, else glibc tuned (dagmoe_jax/run/allocator.py)
     sys.exit(main())

@@ -2,7 +2,7 @@
 
 For every device count and every mesh layout that fits it (dp N; ep N; dp 2 x ep N/2;
 fsdp N/4 x ep 2 x tp 2) it builds the model and its AdamW optimizer sharded over the mesh
-(``dagmoe_jax.lifecycle.build``, the optimizer of ``make_optimizer``) and compiles the jitted
+(``dagmoe_jax.run.build``, the optimizer of ``make_optimizer``) and compiles the jitted
 training step (forward + backward + update). Then it times all layouts in round-robin rounds
 (``--rounds`` of ``--steps`` steps; s/step is the best of them all, so a burst of load on a
 shared machine hits the layouts alike) and reports tokens/s, the speed-up over one device,
@@ -58,9 +58,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmarks
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dagmoe_jax.gin_utils import load_configs  # noqa: E402
+from dagmoe_jax.run.gin import load_configs  # noqa: E402
 from dagmoe_jax.parallel import MeshConfig, activate, make_mesh  # noqa: E402
-from dagmoe_jax.lifecycle import build, device_batch  # noqa: E402
+from dagmoe_jax.run import build, device_batch  # noqa: E402
 from dagmoe_jax.train.step import make_train_step  # noqa: E402
 from step_throughput import time_fn  # noqa: E402  (best of N blocking calls after a warm-up)
 

@@ -39,8 +39,8 @@ VIEWS = {"end to end": False, "per document": True}
 def run(args, out: Path) -> dict:
     # pylint: disable=import-outside-toplevel
     from dagmoe_jax.evaluation import evaluate_checkpoint
-    from dagmoe_jax.experiments.corpus import build_stdlib_corpus, corpus_sources
-    from dagmoe_jax.experiments.quality import QualityBudget, run_configs
+    from experiments.corpus import build_stdlib_corpus, corpus_sources
+    from experiments.quality import QualityBudget, run_configs
     from dagmoe_jax.train.loop import train
 
     source, eval_source = corpus_sources(build_stdlib_corpus(out / "corpus"))
@@ -73,7 +73,7 @@ def run(args, out: Path) -> dict:
 
 
 def format_report(results: dict) -> str:
-    from dagmoe_jax.experiments.scoring import mean_std, paired_difference  # pylint: disable=import-outside-toplevel
+    from experiments.scoring import mean_std, paired_difference  # pylint: disable=import-outside-toplevel
 
     records = results["records"]
     budget = results["budget"]
@@ -112,6 +112,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from dagmoe_jax.cli.launch import configure_allocator
+    from dagmoe_jax.run.allocator import configure_allocator
     configure_allocator()
     sys.exit(main())

@@ -44,9 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmarks
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dagmoe_jax.cli.launch import allocator  # noqa: E402
-from dagmoe_jax.gin_utils import load_model_config  # noqa: E402
-from dagmoe_jax.lifecycle.settle import describe, settle  # noqa: E402
+from dagmoe_jax.run.allocator import allocator  # noqa: E402
+from dagmoe_jax.run.gin import load_model_config  # noqa: E402
+from dagmoe_jax.run.settle import describe, settle  # noqa: E402
 from scaling import trace_events  # noqa: E402  (the profiler's events, as scaling.py reads them)
 from step_throughput import time_fn, train_step  # noqa: E402
 
@@ -220,6 +220,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from dagmoe_jax.cli.launch import configure_allocator
-    configure_allocator()  # TCMalloc when installed, else glibc tuned (dagmoe_jax/cli/launch.py)
+    from dagmoe_jax.run.allocator import configure_allocator
+    configure_allocator()  # TCMalloc when installed, else glibc tuned (dagmoe_jax/run/allocator.py)
     sys.exit(main())

@@ -35,12 +35,12 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from dagmoe_jax.model.accounting import account  # noqa: E402
-from dagmoe_jax.gin_utils import load_model_config  # noqa: E402
-from dagmoe_jax.cli.launch import allocator, release_memory  # noqa: E402
+from dagmoe_jax.run.gin import load_model_config  # noqa: E402
+from dagmoe_jax.run.allocator import allocator, release_memory  # noqa: E402
 from dagmoe_jax.model import Transformer  # noqa: E402
 from dagmoe_jax.model.aggregation import DAGAggregator  # noqa: E402
-from dagmoe_jax.lifecycle.settle import describe as describe_settled  # noqa: E402
-from dagmoe_jax.lifecycle.settle import settle  # noqa: E402
+from dagmoe_jax.run.settle import describe as describe_settled  # noqa: E402
+from dagmoe_jax.run.settle import settle  # noqa: E402
 from dagmoe_jax.model.experts import Experts  # noqa: E402
 from dagmoe_jax.train.step import make_train_step  # noqa: E402
 
@@ -201,6 +201,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from dagmoe_jax.cli.launch import configure_allocator
-    configure_allocator()  # TCMalloc when installed, else glibc tuned (dagmoe_jax/cli/launch.py)
+    from dagmoe_jax.run.allocator import configure_allocator
+    configure_allocator()  # TCMalloc when installed, else glibc tuned (dagmoe_jax/run/allocator.py)
     main()

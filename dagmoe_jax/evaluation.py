@@ -1,5 +1,7 @@
 """Held-out evaluation of a model or a run: its one home.
 
+* :func:`eval_step`: the jitted scoring of one batch (summed cross-entropy, token count, argmax
+  predictions) that every evaluation below runs;
 * :func:`evaluate`: token-weighted held-out cross-entropy (nats/token) and perplexity;
 * :func:`task_accuracy`: exact-answer accuracy on the synthetic DP tasks, overall and per task;
 * :class:`Evaluator`: both, on a data config's held-out batches built once (what the training
@@ -8,8 +10,7 @@
   held-out data or another source (``train.py --mode=eval``), with the DataConfig changes an
   evaluation may make (:func:`eval_data_overrides`).
 
-The benchmark drivers that train and compare models live apart, in
-:mod:`dagmoe_jax.experiments`.
+The benchmark drivers that train and compare models live apart, in ``benchmarks/experiments/``.
 """
 
 from __future__ import annotations
@@ -20,15 +21,34 @@ import math
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from dagmoe_jax import lifecycle
+from dagmoe_jax import run as run_lib
 from dagmoe_jax.data import (DataConfig, eval_batches, exact_match, task_eval_batches,
                              task_names)
-from dagmoe_jax.model import Transformer, extension_for
-from dagmoe_jax.parallel import MeshConfig, activate, make_mesh
-from dagmoe_jax.train.config import TrainConfig
-from dagmoe_jax.train.step import eval_step
+from dagmoe_jax.model import Transformer
+from dagmoe_jax.model.tiled_loss import chunk_tokens, tiled_scores
+from dagmoe_jax.parallel import MeshConfig, activate, make_mesh, replicated
+from dagmoe_jax.run.config import TrainConfig
+from dagmoe_jax.run.extensions import extension_for
+
+
+@nnx.jit
+def eval_step(model: Transformer, batch: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
+    """Summed cross-entropy and token count over ``batch['mask']``, and the argmax predictions
+    (for exact-answer scoring), from the LM head applied a chunk of positions at a time
+    (:func:`~dagmoe_jax.model.tiled_loss.tiled_scores`: no [B, S, V] logits);
+    ``batch['segments']`` optional, as in :func:`~dagmoe_jax.train.step.lm_loss`."""
+    inputs = extension_for(model.cfg).model_inputs(batch, train=False)
+    h, _ = model(batch["inputs"], head=False, segment_ids=batch.get("segments"), **inputs)
+    losses, predictions = tiled_scores(h, model.lm_head[...].astype(h.dtype), batch["targets"],
+                                       chunk_tokens=chunk_tokens(model.cfg))
+    mask = batch["mask"].astype(jnp.float32)
+    return replicated({"ce_sum": jnp.sum(losses * mask), "tokens": jnp.sum(mask),
+                        "predictions": predictions})
 
 
 def evaluate(model: Transformer, batches: Iterable[Dict[str, np.ndarray]]) -> Dict[str, float]:
@@ -36,7 +56,7 @@ def evaluate(model: Transformer, batches: Iterable[Dict[str, np.ndarray]]) -> Di
     ce_sum, tokens = 0.0, 0.0
     keys = extension_for(model.cfg).batch_keys
     for batch in batches:
-        out = eval_step(model, lifecycle.replicated_batch(batch, keys))
+        out = eval_step(model, run_lib.replicated_batch(batch, keys))
         ce_sum += float(out["ce_sum"])
         tokens += float(out["tokens"])
     if tokens == 0:
@@ -52,7 +72,7 @@ def task_accuracy(model: Transformer, batches: Iterable[Dict[str, np.ndarray]],
     right, total = np.zeros(len(names)), np.zeros(len(names))
     keys = extension_for(model.cfg).batch_keys
     for batch in batches:
-        predictions = np.asarray(eval_step(model, lifecycle.replicated_batch(batch, keys))
+        predictions = np.asarray(eval_step(model, run_lib.replicated_batch(batch, keys))
                                       ["predictions"])
         correct = exact_match(predictions, batch["targets"], batch["mask"])
         np.add.at(right, batch["task_id"], correct)
@@ -99,7 +119,7 @@ def format_eval(result: Dict[str, float]) -> str:
 
 # DataConfig fields an evaluation of a finished run may change: what is scored and how it is
 # read, not what the model was trained on or how text becomes tokens.
-EVAL_DATA_FIELDS = ("eval_source", "eval_split", "text_key", "tfds_data_dir", "tokenizer_path",
+EVAL_OVERRIDABLE_FIELDS = ("eval_source", "eval_split", "text_key", "tfds_data_dir", "tokenizer_path",
                     "seq_len", "batch_size", "num_synthetic_eval", "task_min_size",
                     "task_max_size", "worker_count")
 
@@ -107,16 +127,16 @@ EVAL_DATA_FIELDS = ("eval_source", "eval_split", "text_key", "tfds_data_dir", "t
 def eval_data_overrides(bindings: Iterable[str]) -> Dict[str, object]:
     """The DataConfig changes that ``--gin.DataConfig.field=value`` bindings ask of an
     evaluation (``--mode=eval``), as {field: value}. A binding of a field outside
-    :data:`EVAL_DATA_FIELDS` or of another class, and a value that is not a literal (an
+    :data:`EVAL_OVERRIDABLE_FIELDS` or of another class, and a value that is not a literal (an
     unquoted string), are one-line ``ValueError``s."""
     changes: Dict[str, object] = {}
     for binding in bindings:
         name, _, value = (part.strip() for part in binding.partition("="))
         cls, _, field = name.rpartition(".")
-        if cls != "DataConfig" or field not in EVAL_DATA_FIELDS:
+        if cls != "DataConfig" or field not in EVAL_OVERRIDABLE_FIELDS:
             raise ValueError(
                 f"--mode=eval takes the run's own config; of the bindings only DataConfig."
-                f"{{{','.join(EVAL_DATA_FIELDS)}}} apply at evaluation, not {name}")
+                f"{{{','.join(EVAL_OVERRIDABLE_FIELDS)}}} apply at evaluation, not {name}")
         try:
             changes[field] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
@@ -132,7 +152,7 @@ def evaluate_checkpoint(run_dir: str | Path, *, eval_source: str = "", eval_spli
     ``eval_source`` (a DataConfig source spec; empty = the run's own held-out split).
     ``data_overrides``: other DataConfig changes for the evaluation (from
     :func:`eval_data_overrides`), applied before ``eval_source`` / ``eval_split``."""
-    _, data_cfg, _, _ = lifecycle.load_configs(run_dir)
+    _, data_cfg, _, _ = run_lib.load_configs(run_dir)
     changes = dict(data_overrides or {})
     if eval_source:
         changes["eval_source"] = eval_source
@@ -142,8 +162,8 @@ def evaluate_checkpoint(run_dir: str | Path, *, eval_source: str = "", eval_spli
     # The devices here need not be the ones the run trained on: the checkpoint is restored
     # into this process's default mesh (all devices data-parallel).
     mesh = make_mesh(MeshConfig())
-    loaded = lifecycle.load_run(run_dir, mesh=mesh, data_cfg=data_cfg, log=log)
-    lifecycle.check_compatible(loaded.model_cfg, data_cfg, loaded.tokenizer)
+    loaded = run_lib.load_run(run_dir, mesh=mesh, data_cfg=data_cfg, log=log)
+    run_lib.check_compatible(loaded.model_cfg, data_cfg, loaded.tokenizer)
     for message in loaded.warnings:
         log(f"warning: {message}")
     train_cfg = dataclasses.replace(loaded.train_cfg, eval_batches=eval_batches_limit)

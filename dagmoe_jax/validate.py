@@ -56,3 +56,10 @@ def in_range(cls: str, field: str, value, low: float, high: float, *, low_open: 
         valid = (f"a number in {'(' if low_open else '['}{low}, {high}"
                  f"{')' if high_open else ']'}")
     check(ok, cls, field, value, valid)
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of ``err``'s message (its type name when the message is empty): what a
+    command prints as its one-line error."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
+from pathlib import Path
+
+# The benchmark drivers (benchmarks/experiments/) are not part of the package; the tests of their
+# building blocks import them as the benchmark scripts do, from the benchmarks folder.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 # Almost all of this suite's time is XLA compiling tiny programs; LLVM's optimisation passes are
 # about half of that on CPU. Level 0 halves the suite's wall time and changes no float semantics
@@ -30,7 +36,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from dagmoe_jax.config import ExecutionConfig, ModelConfig  # noqa: E402
-from dagmoe_jax.lifecycle.settle import settle  # noqa: E402
+from dagmoe_jax.run.settle import settle  # noqa: E402
 
 # Some backends run float32 matmuls at reduced precision by default (TF32 / bf16 passes on GPU and
 # TPU); the oracle comparisons (1e-5 relative) need true float32 products wherever they run.
@@ -49,7 +55,7 @@ def tiny_config(block: str = "moe", kind: str = "sum", *, settled: bool = True,
     at the top level (``attention='xla'``). Nested
     configs in ``overrides`` may be dicts of their fields (``router=dict(top_k=1)``).
     ``settled`` (default) settles the 'auto' fields for one device of this backend
-    (:func:`dagmoe_jax.lifecycle.settle.settle`), as a run does before building the model.
+    (:func:`dagmoe_jax.run.settle.settle`), as a run does before building the model.
     """
     base = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                        ffn_hidden=64, max_seq_len=64, execution=ExecutionConfig(attention_block=8))

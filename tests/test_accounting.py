@@ -7,9 +7,9 @@ from flax import nnx
 
 from dagmoe_jax.model.accounting import account
 from dagmoe_jax.config import ModelConfig, dag_params_per_layer, matched_shared_hidden
-from dagmoe_jax.gin_utils import load_model_config
+from dagmoe_jax.run.gin import load_model_config
 from dagmoe_jax.model import Transformer
-from dagmoe_jax.lifecycle.settle import settle
+from dagmoe_jax.run.settle import settle
 from conftest import tiny_config
 
 
@@ -98,8 +98,8 @@ def test_coe_variant_adds_exactly_the_dag_budget_on_the_quality_base():
     (50,176 in all; 54,016 with the d_r 65 that ignored the router). The edge-free DAG adds the
     same. Printed so the benchmark's counts can be read off the test log (-s)."""
     from dagmoe_jax.budget import coe_budget_residual
-    from dagmoe_jax.experiments.quality import BASE_GIN
-    from dagmoe_jax.experiments.variants import variant_config
+    from experiments.quality import BASE_GIN
+    from experiments.variants import variant_config
 
     base = load_model_config([BASE_GIN])
     total = {v: account(variant_config(base, v, 32)).total_params

@@ -16,9 +16,9 @@ import pytest
 from flax import nnx
 
 from dagmoe_jax.model import Transformer
-from dagmoe_jax.lifecycle.checkpoint import CheckpointMismatchError, Checkpointer, Restored
-from dagmoe_jax.train.config import OptimConfig
-from dagmoe_jax.train.optim import make_optimizer
+from dagmoe_jax.run.checkpoint import CheckpointMismatchError, Checkpointer, Restored
+from dagmoe_jax.run.config import OptimConfig
+from dagmoe_jax.run.optim import make_optimizer
 from dagmoe_jax.train.step import make_train_step
 
 # One transformation for every optimizer of this module (a new one would mean a new graph).
@@ -336,7 +336,7 @@ def test_empty_directory_restores_nothing(tmp_path):
 def test_a_flipped_byte_is_caught_by_the_checksums_and_falls_back(tmp_path):
     """Silent corruption (one byte of a data file flipped) loaded without error before the
     checksum manifest; now the step is unreadable like any other damage."""
-    from dagmoe_jax.lifecycle.checkpoint import CHECKSUM_FILE
+    from dagmoe_jax.run.checkpoint import CHECKSUM_FILE
     with Checkpointer(tmp_path, save_every=1) as ckpt:          # asynchronous saves
         for step in (1, 2):
             ckpt.save(step, {"w": jnp.arange(4096, dtype=jnp.float32) + step}, meta={})
@@ -374,7 +374,7 @@ def test_a_failed_background_save_is_one_error_and_never_a_step(tmp_path, file_s
     step, the OS's reason, where a rerun resumes) without waiting for another save, ``close``
     does not raise it twice, and the failed save never becomes a step."""
     from dagmoe_jax.cli import quiet_background_errors
-    from dagmoe_jax.lifecycle.checkpoint import CheckpointSaveError
+    from dagmoe_jax.run.checkpoint import CheckpointSaveError
 
     quiet_background_errors()
     ckpt = Checkpointer(tmp_path, save_every=1)
@@ -399,7 +399,7 @@ def test_a_failed_background_save_is_one_error_and_never_a_step(tmp_path, file_s
 
 
 def test_a_failed_synchronous_save_raises_at_once(tmp_path, file_size_limit):
-    from dagmoe_jax.lifecycle.checkpoint import CheckpointSaveError
+    from dagmoe_jax.run.checkpoint import CheckpointSaveError
 
     file_size_limit(64 * 1024)
     ckpt = Checkpointer(tmp_path, save_every=1, async_save=False)

@@ -19,8 +19,8 @@ import pytest
 from dagmoe_jax.cli import OneLineParser
 
 REPO = Path(__file__).resolve().parent.parent
-COMMANDS = ["dagmoe_jax.train.__main__", "dagmoe_jax.decoding.sample", "dagmoe_jax.analysis.__main__",
-            "dagmoe_jax.upcycle.__main__", "dagmoe_jax.doe.topics.__main__", "dagmoe_jax.cli.demo"]
+COMMANDS = ["dagmoe_jax.cli.train", "dagmoe_jax.cli.sample", "dagmoe_jax.analysis.__main__",
+            "dagmoe_jax.upcycle.__main__", "dagmoe_jax.cli.topics", "dagmoe_jax.cli.demo"]
 
 
 def one_line_error(capsys, module: str, argv) -> str:
@@ -39,15 +39,15 @@ def test_an_unknown_flag_is_one_line(capsys, module):
 
 
 @pytest.mark.parametrize("module, argv, fragment", [
-    ("dagmoe_jax.train.__main__", ["--mode=bogus"], "invalid choice: 'bogus'"),
-    ("dagmoe_jax.train.__main__", ["--eval_batches=many"], "invalid int value: 'many'"),
-    ("dagmoe_jax.decoding.sample", ["--run_dir=x"], "--prompt=TEXT is required"),
-    ("dagmoe_jax.decoding.sample", ["--run_dir=x", "--prompt=a", "--num_samples=0"],
+    ("dagmoe_jax.cli.train", ["--mode=bogus"], "invalid choice: 'bogus'"),
+    ("dagmoe_jax.cli.train", ["--eval_batches=many"], "invalid int value: 'many'"),
+    ("dagmoe_jax.cli.sample", ["--run_dir=x"], "--prompt=TEXT is required"),
+    ("dagmoe_jax.cli.sample", ["--run_dir=x", "--prompt=a", "--num_samples=0"],
      "--num_samples=0 is invalid"),
     ("dagmoe_jax.upcycle.__main__", ["--router=oracle"], "invalid choice: 'oracle'"),
     ("dagmoe_jax.upcycle.__main__", ["--dense=a"], "--run_dir is required"),
-    ("dagmoe_jax.doe.topics.__main__", [], "the following arguments are required: --out"),
-    ("dagmoe_jax.doe.topics.__main__", ["--out=x", "--max_iter=ten"], "invalid int value: 'ten'"),
+    ("dagmoe_jax.cli.topics", [], "the following arguments are required: --out"),
+    ("dagmoe_jax.cli.topics", ["--out=x", "--max_iter=ten"], "invalid int value: 'ten'"),
     ("dagmoe_jax.cli.demo", ["--steps=0"], "--steps=0 is invalid"),
     ("dagmoe_jax.cli.demo", ["--variant=no_such_variant.gin"], "no_such_variant.gin"),
 ])
@@ -77,8 +77,8 @@ def test_no_command_line_defines_its_own_parser_class():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("module", ["dagmoe_jax.train", "dagmoe_jax.decoding.sample", "dagmoe_jax.analysis",
-                                    "dagmoe_jax.upcycle", "dagmoe_jax.doe.topics", "dagmoe_jax.cli.demo"])
+@pytest.mark.parametrize("module", ["dagmoe_jax.cli.train", "dagmoe_jax.cli.sample", "dagmoe_jax.analysis",
+                                    "dagmoe_jax.upcycle", "dagmoe_jax.cli.topics", "dagmoe_jax.cli.demo"])
 def test_python_m_wiring(tmp_path, module):
     """``python -m`` runs the command's ``main`` and exits with its status."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}

@@ -26,10 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dagmoe_jax import lifecycle
+from dagmoe_jax import run as run_lib
 from dagmoe_jax.config import ExecutionConfig, ModelConfig
-from dagmoe_jax.gin_utils import load_configs
-from dagmoe_jax.lifecycle.checkpoint_files import write_checksums
+from dagmoe_jax.run.gin import load_configs
+from dagmoe_jax.run.checkpoint_files import write_checksums
 from dagmoe_jax.train.loop import train
 
 SMOKE = ["TrainConfig.steps = 2", "TrainConfig.save_every = 2", "TrainConfig.eval_every = 0",
@@ -65,7 +65,7 @@ def old_run(tmp_path_factory) -> Path:
 def test_the_legacy_config_reads_with_its_execution_fields_nested(old_run):
     blob = json.loads((old_run / "config.json").read_text())
     assert "remat" in blob["model"] and "execution" not in blob["model"]   # the old layout
-    model_cfg, _, _, _ = lifecycle.load_configs(old_run)
+    model_cfg, _, _, _ = run_lib.load_configs(old_run)
     assert model_cfg.execution == ExecutionConfig(**{f.name: blob["model"][f.name]
                                                      for f in dataclasses.fields(ExecutionConfig)})
     assert model_cfg == ModelConfig.from_dict(blob["model"])
@@ -73,7 +73,7 @@ def test_the_legacy_config_reads_with_its_execution_fields_nested(old_run):
 
 
 def test_a_checkpoint_written_before_the_restructure_loads(old_run):
-    loaded = lifecycle.load_run(old_run)
+    loaded = run_lib.load_run(old_run)
     assert loaded.step == 2 and not loaded.warnings
     tokens = jnp.asarray(np.arange(32).reshape(2, 16) % 256, jnp.int32)
     logits, _ = loaded.model(tokens)
@@ -83,7 +83,7 @@ def test_a_checkpoint_written_before_the_restructure_loads(old_run):
 def test_a_checkpoint_written_before_the_restructure_resumes(old_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(old_run, run_dir)
-    model_cfg, data_cfg, optim_cfg, train_cfg = lifecycle.load_configs(run_dir)
+    model_cfg, data_cfg, optim_cfg, train_cfg = run_lib.load_configs(run_dir)
     train_cfg = dataclasses.replace(train_cfg, run_dir=str(run_dir), steps=3, tensorboard=False)
     messages = []
     result = train(model_cfg, data_cfg, optim_cfg, train_cfg, progress=False,

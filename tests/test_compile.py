@@ -19,7 +19,7 @@ from conftest import tiny_config
 from dagmoe_jax.compile import roofline
 from dagmoe_jax.compile.chips import CHIPS, parse_topology, tpu_compiler_missing
 from dagmoe_jax.data import DataConfig
-from dagmoe_jax.train.config import OptimConfig, TrainConfig
+from dagmoe_jax.run.config import OptimConfig, TrainConfig
 
 @pytest.fixture(autouse=True)
 def default_precision():
@@ -102,7 +102,7 @@ def expert_weights_sharded_by_the_rules(hlo: str, cfg, mesh) -> None:
 def test_s_model_compiles_under_data_x_expert(v5p):
     """The paper's s model (vocabulary 128,256, 32 experts of 256, top-4), train step only."""
     from dagmoe_jax.compile.programs import compile_run, mesh_over
-    from dagmoe_jax.gin_utils import load_model_config
+    from dagmoe_jax.run.gin import load_model_config
     chip, devices = v5p
     cfg = load_model_config(["models/s.gin", "variants/dag_g128_l2.gin"],
                             ["ModelConfig.compute_dtype = 'bfloat16'"])
@@ -148,10 +148,10 @@ def test_oversized_batch_is_one_line(capsys):
 
 
 def test_kernels_refused_under_highest_precision():
-    """Building a run (lifecycle.build, and the compile command's abstract state) refuses the
+    """Building a run (run.build, and the compile command's abstract state) refuses the
     Pallas TPU kernels under 'highest' in one line."""
     from dagmoe_jax.compile.programs import abstract_train_state
-    from dagmoe_jax.lifecycle.settle import check_kernel_precision
+    from dagmoe_jax.run.settle import check_kernel_precision
     with jax.default_matmul_precision("highest"):
         with pytest.raises(ValueError, match="Bad lhs type.*ExecutionConfig.attention='xla'"):
             check_kernel_precision("splash", "ragged_dot", "tpu")
@@ -266,7 +266,7 @@ def test_grouped_matmul_flops_scale_by_occupancy():
 @needs_tpu_compiler
 def test_gmm_occupancy_of_a_mesh(v5p):
     from dagmoe_jax.compile.programs import gmm_occupancy, mesh_over
-    from dagmoe_jax.lifecycle.settle import settle
+    from dagmoe_jax.run.settle import settle
     from dagmoe_jax.parallel.axes import MeshLayout
     _, devices = v5p
     mesh = mesh_over(devices, dict(data=2, expert=2))
@@ -423,7 +423,7 @@ def test_maxtext_flags_describe_the_same_model(monkeypatch):
     comparison needs every dimension equal."""
     import importlib.util
     from pathlib import Path
-    from dagmoe_jax.gin_utils import load_model_config
+    from dagmoe_jax.run.gin import load_model_config
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "maxtext_compile.py"
     monkeypatch.syspath_prepend(str(path.parent))          # it imports benchmarks/tpu_compile
     spec = importlib.util.spec_from_file_location("maxtext_compile", path)

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dagmoe_jax.gin_utils import load_configs
+from dagmoe_jax.run.gin import load_configs
 from dagmoe_jax.parallel import MeshConfig
-from dagmoe_jax.lifecycle.checkpoint import Checkpointer
-from dagmoe_jax.lifecycle import abstract, build, train_state
+from dagmoe_jax.run.checkpoint import Checkpointer
+from dagmoe_jax.run import abstract, build, train_state
 from dagmoe_jax.train.loop import train
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dagmoe_jax import lifecycle
+from dagmoe_jax import run as run_lib
 from dagmoe_jax.config import ModelConfig
-from dagmoe_jax.gin_utils import load_configs
-from dagmoe_jax.train.config import OptimConfig, TrainConfig
+from dagmoe_jax.run.gin import load_configs
+from dagmoe_jax.run.config import OptimConfig, TrainConfig
 from dagmoe_jax.train.init_from import load_initial_params, source_model_config
 from dagmoe_jax.train.loop import train
 from dagmoe_jax.train.metrics import read_metrics
-from dagmoe_jax.train.optim import TRAINABLE, make_schedule
+from dagmoe_jax.run.optim import TRAINABLE, make_schedule
 from dagmoe_jax.train.step import make_train_step
 
 REPO = Path(__file__).resolve().parent.parent
@@ -43,9 +43,9 @@ def pretrained(tmp_path_factory) -> Path:
 
 def test_load_initial_params_equal_the_checkpoint(pretrained):
     model_cfg = source_model_config(str(pretrained), ModelConfig())
-    loaded = lifecycle.load_run(pretrained)
+    loaded = run_lib.load_run(pretrained)
     assert loaded.step == 2
-    model, _, _ = lifecycle.build(model_cfg, OptimConfig(), TrainConfig(seed=7))
+    model, _, _ = run_lib.build(model_cfg, OptimConfig(), TrainConfig(seed=7))
     fresh = flat_params(model)
     message = load_initial_params(model, str(pretrained))
     assert "step 2" in message
@@ -59,14 +59,14 @@ def test_init_from_a_hugging_face_folder(tmp_path):
     """'hf:<folder>': the architecture and the parameters of an exported Llama."""
     from conftest import tiny_config
     from dagmoe_jax.model import Transformer
-    from dagmoe_jax.upcycle.hf_llama import export_hf_llama
+    from dagmoe_jax.hf.llama import export_hf_llama
 
     dense = Transformer(tiny_config("dense", vocab_size=96), rngs=nnx.Rngs(3))
     folder = export_hf_llama(dense, tmp_path / "llama")
     init_from = f"hf:{folder}"
     model_cfg = source_model_config(init_from, ModelConfig())
     assert (model_cfg.block, model_cfg.vocab_size, model_cfg.num_kv_heads) == ("dense", 96, 2)
-    model, _, _ = lifecycle.build(model_cfg, OptimConfig(), TrainConfig(seed=7))
+    model, _, _ = run_lib.build(model_cfg, OptimConfig(), TrainConfig(seed=7))
     assert "the Hugging Face checkpoint" in load_initial_params(model, init_from)
     got, want = flat_params(model), flat_params(dense)
     assert got.keys() == want.keys()
@@ -93,12 +93,12 @@ def test_finetune_from_a_run_for_epochs(pretrained, tmp_path):
     assert len(records) == steps and all(r["trained_tokens"] > 0 for r in records)
     assert 0 < result.eval["loss"] < 10
     # the experts kept the pre-trained weights; the rest moved
-    before, after = lifecycle.load_run(pretrained).model, lifecycle.load_run(run_dir).model
+    before, after = run_lib.load_run(pretrained).model, run_lib.load_run(run_dir).model
     b, a = flat_params(before), flat_params(after)
     for path in b:
         same = np.array_equal(a[path], b[path])
         assert same == ("experts" in path), path
-    assert lifecycle.load_configs(run_dir)[3].steps == steps
+    assert run_lib.load_configs(run_dir)[3].steps == steps
 
 
 @pytest.mark.slow
@@ -133,7 +133,7 @@ def test_a_finetuning_run_resumed_mid_epoch_is_bit_exact(pretrained, tmp_path):
 
 def test_non_experts_freezes_the_experts(tiny):
     cfg = tiny()
-    model, optimizer, _ = lifecycle.build(cfg, OptimConfig(warmup_steps=0, schedule="constant"),
+    model, optimizer, _ = run_lib.build(cfg, OptimConfig(warmup_steps=0, schedule="constant"),
                                           TrainConfig(steps=3, trainable="non_experts"))
     before = flat_params(model)
     rng = np.random.default_rng(0)
@@ -177,4 +177,4 @@ def test_architecture_conflict_is_a_one_line_error(pretrained):
     with pytest.raises(ValueError, match=r"ModelConfig.d_model=128 \(the source has 64\)"):
         source_model_config(str(pretrained), ModelConfig(d_model=128))
     cfg = source_model_config(str(pretrained), ModelConfig())
-    assert cfg == lifecycle.load_configs(pretrained)[0].replace(execution=ModelConfig().execution)
+    assert cfg == run_lib.load_configs(pretrained)[0].replace(execution=ModelConfig().execution)

@@ -234,7 +234,7 @@ def smoke_run(tmp_path_factory):
 @pytest.mark.slow
 def test_cli_samples_from_a_checkpoint(smoke_run):
     prompt = "lis 3 1 4 1 5 ="
-    cmd = [sys.executable, "-m", "dagmoe_jax.decoding.sample", f"--run_dir={smoke_run}",
+    cmd = [sys.executable, "-m", "dagmoe_jax.cli.sample", f"--run_dir={smoke_run}",
            f"--prompt={prompt}",
            "--max_new_tokens", "12", "--temperature", "0.8", "--top_k", "20", "--top_p", "0.9",
            "--num_samples", "3", "--seed", "0"]
@@ -263,8 +263,8 @@ def test_harness_command_scores_a_train_py_run(smoke_run, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_cli_greedy_equals_library(smoke_run, capsys):
-    from dagmoe_jax.lifecycle import load_run
-    from dagmoe_jax.decoding.sample import main
+    from dagmoe_jax.run import load_run
+    from dagmoe_jax.cli.sample import main
 
     assert main([f"--run_dir={smoke_run}", "--prompt=edit ab =", "--max_new_tokens=6"]) == 0
     printed = capsys.readouterr().out.split(" ---\n", 1)[1].rstrip("\n")
@@ -284,7 +284,7 @@ def test_cli_greedy_equals_library(smoke_run, capsys):
     (["--prompt=x", "--bogus"], "unrecognized arguments"),
 ])
 def test_cli_errors_are_one_line(smoke_run, capsys, argv, match):
-    from dagmoe_jax.decoding.sample import main
+    from dagmoe_jax.cli.sample import main
 
     if not any(a.startswith("--run_dir") for a in argv):
         argv = [f"--run_dir={smoke_run}"] + argv

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from dagmoe_jax.model.accounting import account
-from dagmoe_jax.gin_utils import CONFIG_DIR, load_model_config
+from dagmoe_jax.run.gin import CONFIG_DIR, load_model_config
 
 MODELS = sorted(os.path.relpath(p, CONFIG_DIR) for p in glob.glob(str(CONFIG_DIR / "models/*.gin")))
 VARIANTS = sorted(os.path.relpath(p, CONFIG_DIR) for p in glob.glob(str(CONFIG_DIR / "variants/*.gin")))
@@ -106,7 +106,7 @@ def test_errors_are_one_line_and_name_the_culprit(files, bindings, needle):
 
 
 def test_training_configs_load_from_any_working_directory(tmp_path, monkeypatch):
-    from dagmoe_jax.gin_utils import load_configs
+    from dagmoe_jax.run.gin import load_configs
     monkeypatch.chdir(tmp_path)
     model, data, optim, train = load_configs(["configs/dagmoe_s.gin", "configs/cpu_small.gin"])
     # dagmoe_s: the paper's s model and recipe; cpu_small shrinks the trunk and the run.

@@ -21,7 +21,7 @@ from dagmoe_jax.data.tokenizers import ByteTokenizer
 from dagmoe_jax.decoding.generate import generate
 from dagmoe_jax.harness.scoring import Scorer, padded_width
 from dagmoe_jax.model import Transformer
-from dagmoe_jax.lifecycle.settle import settle
+from dagmoe_jax.run.settle import settle
 
 lm_eval = pytest.importorskip("lm_eval", reason="needs the [harness] extra (in requirements)")
 from dagmoe_jax.harness.lm import DagmoeLM, cut_at_stop  # noqa: E402
@@ -199,18 +199,18 @@ def test_local_tasks_through_simple_evaluate(model, tmp_path):
 def run_dir(tmp_path_factory, model):
     """A run directory holding ``model`` as its step-0 checkpoint (as the upcycle command
     writes one)."""
-    from dagmoe_jax import lifecycle
-    from dagmoe_jax.train.config import OptimConfig, TrainConfig
+    from dagmoe_jax import run as run_lib
+    from dagmoe_jax.run.config import OptimConfig, TrainConfig
 
     path = tmp_path_factory.mktemp("harness") / "run"
-    lifecycle.prepare_run_dir(path)
+    run_lib.prepare_run_dir(path)
     data_cfg = DataConfig(tokenizer="byte", seq_len=WINDOW)
     train_cfg = TrainConfig(run_dir=str(path), tensorboard=False)
     optim_cfg = OptimConfig()
-    lifecycle.save_configs(path, RAW, data_cfg, optim_cfg, train_cfg)
-    built, optimizer, _ = lifecycle.build(CFG, optim_cfg, train_cfg)
+    run_lib.save_configs(path, RAW, data_cfg, optim_cfg, train_cfg)
+    built, optimizer, _ = run_lib.build(CFG, optim_cfg, train_cfg)
     nnx.update(built, nnx.state(model, nnx.Param))
-    lifecycle.save_initial_checkpoint(path, built, optimizer, CFG, train_cfg, None)
+    run_lib.save_initial_checkpoint(path, built, optimizer, CFG, train_cfg, None)
     return path
 
 

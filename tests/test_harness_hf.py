@@ -1,5 +1,5 @@
 """lm-evaluation-harness against the real client: a dense model of the library, exported with
-:func:`dagmoe_jax.upcycle.hf_llama.export_hf_llama`, scored on the offline tasks of
+:func:`dagmoe_jax.hf.llama.export_hf_llama`, scored on the offline tasks of
 tests/harness_tasks by the harness's own Hugging Face model (``hf``, torch and transformers)
 and by ``dagmoe`` on a run directory of the same model, gives the same per-sample
 loglikelihoods, is_greedy flags, rolling loglikelihoods and greedy generations.
@@ -35,8 +35,8 @@ from conftest import tiny_config, write_byte_level_tokenizer  # noqa: E402
 from dagmoe_jax.data import DataConfig  # noqa: E402
 from dagmoe_jax.harness.lm import DagmoeLM  # noqa: E402
 from dagmoe_jax.model import Transformer  # noqa: E402
-from dagmoe_jax.lifecycle.settle import settle  # noqa: E402
-from dagmoe_jax.upcycle.hf_llama import export_hf_llama  # noqa: E402
+from dagmoe_jax.run.settle import settle  # noqa: E402
+from dagmoe_jax.hf.llama import export_hf_llama  # noqa: E402
 
 TASKS_DIR = Path(__file__).resolve().parent / "harness_tasks"
 TASKS = ["dagmoe_mc", "dagmoe_rolling", "dagmoe_gen"]
@@ -50,8 +50,8 @@ RTOL = 2e-5
 
 def make_pair(root: Path):
     """(run directory, Hugging Face folder) of one random dense model and the tokenizer."""
-    from dagmoe_jax import lifecycle
-    from dagmoe_jax.train.config import OptimConfig, TrainConfig
+    from dagmoe_jax import run as run_lib
+    from dagmoe_jax.run.config import OptimConfig, TrainConfig
 
     cfg = settle(RAW)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
@@ -59,14 +59,14 @@ def make_pair(root: Path):
     tokenizer_json = write_byte_level_tokenizer(hf_dir, EOS, WINDOW)
 
     run_dir = root / "run"
-    lifecycle.prepare_run_dir(run_dir)
+    run_lib.prepare_run_dir(run_dir)
     data_cfg = DataConfig(tokenizer="hf", tokenizer_path=str(tokenizer_json), seq_len=WINDOW)
     train_cfg = TrainConfig(run_dir=str(run_dir), tensorboard=False)
     optim_cfg = OptimConfig()
-    lifecycle.save_configs(run_dir, RAW, data_cfg, optim_cfg, train_cfg)
-    built, optimizer, _ = lifecycle.build(cfg, optim_cfg, train_cfg)
+    run_lib.save_configs(run_dir, RAW, data_cfg, optim_cfg, train_cfg)
+    built, optimizer, _ = run_lib.build(cfg, optim_cfg, train_cfg)
     nnx.update(built, nnx.state(model, nnx.Param))
-    lifecycle.save_initial_checkpoint(run_dir, built, optimizer, cfg, train_cfg, None)
+    run_lib.save_initial_checkpoint(run_dir, built, optimizer, cfg, train_cfg, None)
     return run_dir, hf_dir
 
 

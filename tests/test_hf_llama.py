@@ -1,4 +1,4 @@
-"""Hugging Face Llama import/export (dagmoe_jax/upcycle/hf_llama.py) against a NumPy Llama.
+"""Hugging Face Llama import/export (dagmoe_jax/hf/llama.py) against a NumPy Llama.
 
 The reference forward pass below is written from the Llama equations as Hugging Face's
 ``modeling_llama`` computes them (RMSNorm, rotate-half RoPE, repeat_kv grouped-query attention,
@@ -18,7 +18,7 @@ from safetensors.numpy import save_file
 
 from dagmoe_jax.model.attention import rope_inv_freq
 from dagmoe_jax.config import RopeScalingConfig
-from dagmoe_jax.upcycle import hf_llama
+from dagmoe_jax.hf import llama as hf_llama
 
 HF = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=32,
           intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,

@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from dagmoe_jax.decoding.generate import generate  # noqa: E402
-from dagmoe_jax.upcycle import hf_llama  # noqa: E402
+from dagmoe_jax.hf import llama as hf_llama  # noqa: E402
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16}

@@ -1,5 +1,7 @@
-"""The package's shape: no import cycle between dagmoe_jax modules (imports inside functions
-included: a function-level import is how a cycle hides) and no module over 450 lines.
+"""The package's shape: its packages depend downwards only, through four layers (core < data < run
+< tools; imports inside functions included: a function-level import is how a cycle hides, and
+only commands and optional dependencies may import inside a function), no import cycle between
+modules, ``import dagmoe_jax.model`` loads the core only, and no module is over 450 lines.
 
 Read with ``ast`` only (nothing is imported). ``from pkg import name`` counts as an import of
 the submodule ``pkg.name`` when that is a module, else of ``pkg`` (its ``__init__``). Optional
@@ -10,11 +12,30 @@ and do not count.
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Dict, List, Set
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dagmoe_jax"
 MAX_LINES = 450
+
+# Every top-level unit of the package (a subpackage or a module) with its layer and its rank: a
+# unit imports only units of lower rank. Within a layer the ranks say which package sits on which.
+LAYERS = {
+    "core": {"validate": 0, "budget": 0, "config": 1, "kernels": 2, "parallel": 2, "model": 3},
+    "data": {"data": 4},
+    "run": {"run": 5, "hf": 6, "evaluation": 6, "decoding": 6, "train": 7},
+    "tools": {"cli": 8, "analysis": 9, "upcycle": 10, "harness": 10, "compile": 10},
+}
+RANK = {unit: rank for units in LAYERS.values() for unit, rank in units.items()}
+LAYER_OF = {unit: layer for layer, units in LAYERS.items() for unit in units}
+
+# Modules that may import the package inside a function: the commands (their --help must not
+# wait for JAX), and the lm-eval adapter, which lm-eval registers before it is asked for a model.
+LAZY_IMPORTERS = ("dagmoe_jax.cli", "dagmoe_jax.harness.cli", "dagmoe_jax.harness.lm")
 
 
 def module_name(path: Path) -> str:
@@ -37,8 +58,10 @@ def _resolve_relative(current: str, is_package: bool, level: int, module: str | 
     return ".".join(base + ([module] if module else []))
 
 
-def imports_of(name: str, path: Path, modules: Dict[str, Path]) -> Set[str]:
-    """The dagmoe_jax modules ``name`` imports anywhere in its file (top level or not)."""
+def imports_of(name: str, path: Path, modules: Dict[str, Path], *,
+               in_functions: bool = False) -> Set[str]:
+    """The dagmoe_jax modules ``name`` imports anywhere in its file (top level or not; only
+    inside functions with ``in_functions``)."""
     found: Set[str] = set()
 
     def add(target: str) -> None:
@@ -49,7 +72,10 @@ def imports_of(name: str, path: Path, modules: Dict[str, Path]) -> Set[str]:
             found.add(target)
 
     tree = ast.parse(path.read_text(), filename=str(path))
-    for node in ast.walk(tree):
+    roots = [tree] if not in_functions else [
+        f for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    nodes = {id(n): n for root in roots for n in ast.walk(root)}.values()
+    for node in nodes:
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.split(".")[0] == "dagmoe_jax":
@@ -142,11 +168,61 @@ def test_the_graph_sees_function_level_and_from_imports():
     graph = import_graph()
     # train/__main__.py imports the loop inside main(); `from dagmoe_jax.model import X` is the
     # package; `from dagmoe_jax.upcycle import command` is the submodule.
-    assert "dagmoe_jax.train.loop" in graph["dagmoe_jax.train.__main__"]
+    assert "dagmoe_jax.train.loop" in graph["dagmoe_jax.cli.train"]
     assert "dagmoe_jax.upcycle.command" in graph["dagmoe_jax.upcycle.__main__"]
     assert "dagmoe_jax.model" in graph["dagmoe_jax.cli.demo"]
     assert find_cycles({"a": {"b"}, "b": {"c", "a"}, "c": {"b"}, "d": {"a"}}) == [["a", "b", "a"],
                                                                                  ["b", "c", "b"]]
+
+
+def unit_of(module: str) -> str:
+    """The top-level unit of a dagmoe_jax module ('model' for dagmoe_jax.model.router; the
+    package's own __init__ is 'config', the only thing it imports)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "config"
+
+
+def test_every_unit_has_a_layer():
+    units = {unit_of(m) for m in package_modules()}
+    assert units == set(RANK), f"units without a layer: {sorted(units - set(RANK))}; " \
+                               f"layers naming no unit: {sorted(set(RANK) - units)}"
+
+
+def test_packages_depend_downwards_only():
+    """No import, at any depth, of a unit of the same or a higher rank (a higher layer, or a
+    package beside or above in its own layer)."""
+    upward = sorted(f"{a} ({LAYER_OF[unit_of(a)]}) imports {b} ({LAYER_OF[unit_of(b)]})"
+                    for a, targets in import_graph().items() for b in targets
+                    if unit_of(a) != unit_of(b) and RANK[unit_of(b)] >= RANK[unit_of(a)])
+    assert not upward, "imports against the layers:\n" + "\n".join(upward)
+
+
+def test_the_layer_check_catches_an_upward_import():
+    graph = {"dagmoe_jax.model.router": {"dagmoe_jax.data.pipeline"}}
+    bad = [(a, b) for a, bs in graph.items() for b in bs if RANK[unit_of(b)] >= RANK[unit_of(a)]]
+    assert bad == [("dagmoe_jax.model.router", "dagmoe_jax.data.pipeline")]
+
+
+def test_imports_inside_functions_only_in_commands():
+    modules = package_modules()
+    lazy = sorted(f"{name} imports {target} inside a function"
+                  for name, path in modules.items()
+                  if not name.startswith(LAZY_IMPORTERS) and not name.endswith(".__main__")
+                  for target in imports_of(name, path, modules, in_functions=True))
+    assert not lazy, "\n".join(lazy)
+
+
+def test_importing_the_model_loads_the_core_only():
+    """``import dagmoe_jax.model`` loads nothing of data/, the run layer or the tools."""
+    code = ("import json, sys; import dagmoe_jax.model; "
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('dagmoe_jax'))))")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=PACKAGE.parent, timeout=120, check=True).stdout
+    loaded = json.loads(out.strip().splitlines()[-1])
+    assert "dagmoe_jax.model.transformer" in loaded
+    above = [m for m in loaded if LAYER_OF[unit_of(m)] != "core"]
+    assert not above, f"import dagmoe_jax.model loads {above}"
 
 
 def test_no_import_cycle_between_package_modules():

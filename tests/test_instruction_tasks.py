@@ -1,5 +1,5 @@
 """The offline instruction set and downstream tasks of the pipeline in miniature
-(dagmoe_jax/experiments/instructions.py): answers are right, distractors are wrong and
+(benchmarks/experiments/instructions.py): answers are right, distractors are wrong and
 distinct, evaluation prompts never repeat a training instruction, and the harness reads the
 task folder."""
 
@@ -11,8 +11,8 @@ import re
 import numpy as np
 import pytest
 
-from dagmoe_jax.experiments.instructions import (DOMAINS, SKILLS, draw, instruction_records,
-                                                 write_tasks)
+from experiments.instructions import (DOMAINS, SKILLS, draw, instruction_records,
+                                      write_tasks)
 
 
 def solve(instruction: str) -> str:
@@ -67,7 +67,7 @@ def test_dume_statistics_read_instruction_data_whole(tmp_path):
     """DUME's reasoning setting: an ``instruct:`` domain source gives the statistics pass its
     conversations in the chat format, every real token counted (prompts included)."""
     from dagmoe_jax.data import DataConfig
-    from dagmoe_jax.experiments.instructions import write_jsonl
+    from experiments.instructions import write_jsonl
     from dagmoe_jax.upcycle.command import domain_batches
 
     path = write_jsonl(tmp_path / "math.jsonl", instruction_records(DOMAINS["math"], 12))

@@ -1,4 +1,4 @@
-"""dagmoe_jax.cli.launch: when the entry points re-execute themselves with TCMalloc preloaded."""
+"""dagmoe_jax.run.allocator: when the entry points re-execute themselves with TCMalloc preloaded."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dagmoe_jax.cli.launch import (GLIBC_SWITCH, GLIBC_TUNED, SWITCH, allocator, find_tcmalloc,
-                                   tcmalloc_environment)
+from dagmoe_jax.run.allocator import (GLIBC_SWITCH, GLIBC_TUNED, SWITCH, allocator, find_tcmalloc,
+                                      tcmalloc_environment)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,7 +68,7 @@ SCRIPT = """
 import os, sys
 sys.path.insert(0, {root!r})
 print("start", os.getpid(), os.environ.get("LD_PRELOAD", ""), flush=True)
-from dagmoe_jax.cli.launch import reexec_with_tcmalloc
+from dagmoe_jax.run.allocator import reexec_with_tcmalloc
 reexec_with_tcmalloc()
 print("after", os.getpid(), sys.argv[1:], flush=True)
 """
@@ -118,7 +118,7 @@ def test_alloc_bandwidth_benchmark_prints_its_table():
 FAULTS = """
 import resource, sys
 sys.path.insert(0, {root!r})
-from dagmoe_jax.cli.launch import configure_allocator
+from dagmoe_jax.run.allocator import configure_allocator
 print(configure_allocator(), flush=True)
 import jax, jax.numpy as jnp
 def faults():

@@ -29,7 +29,7 @@ from conftest import tiny_config
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.parallel import MeshConfig, activate, make_mesh
 from dagmoe_jax.parallel.axes import MeshLayout
-from dagmoe_jax.lifecycle.settle import settle
+from dagmoe_jax.run.settle import settle
 from dagmoe_jax.train.step import make_train_step
 
 BACKEND = {"tpu": "tpu", "cuda": "gpu"}

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dagmoe_jax.data import train_records
-from dagmoe_jax.gin_utils import load_configs
+from dagmoe_jax.run.gin import load_configs
 from dagmoe_jax.train.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent

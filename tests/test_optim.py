@@ -11,9 +11,9 @@ import pytest
 from flax import nnx
 
 from dagmoe_jax.model import Transformer
-from dagmoe_jax.train.config import OptimConfig
-from dagmoe_jax.train.optim import (decay_mask, fitted_warmup, make_optimizer,
-                                   make_schedule, schedule_note)
+from dagmoe_jax.run.config import OptimConfig
+from dagmoe_jax.run.optim import (decay_mask, fitted_warmup, make_optimizer,
+                                  make_schedule, schedule_note)
 
 
 def lr_at(schedule, *steps):

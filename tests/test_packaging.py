@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from dagmoe_jax.gin_utils import load_configs
+from dagmoe_jax.run.gin import load_configs
 
 REPO = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
@@ -90,7 +90,7 @@ def test_gin_files_ship_as_package_data(installed, tmp_path):
     assert (installed / "dagmoe_jax/kernels/grouped_matmul.cc").is_file()
     assert (installed / "dagmoe_jax/kernels/cpu_common.h").is_file()
     # From a directory with no configs/, the shipped files resolve (and their includes).
-    code = ("import dagmoe_jax.gin_utils as g, sys; "
+    code = ("import dagmoe_jax.run.gin as g, sys; "
             "m, d, o, t = g.load_configs(['models/s.gin', 'configs/train/smoke.gin']); "
             "print(g.CONFIG_DIR); print(m.d_model, t.steps)")
     result = _run_installed(installed, tmp_path, code)

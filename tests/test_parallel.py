@@ -40,7 +40,7 @@ from dagmoe_jax.model.moe import MoEBlock
 from dagmoe_jax.parallel import (MeshConfig, activate, create_sharded, create_train_state,
                                  make_mesh, parallel_active, place_on_mesh, shard_batch)
 from dagmoe_jax.parallel.axes import MeshLayout
-from dagmoe_jax.lifecycle.settle import settle
+from dagmoe_jax.run.settle import settle
 from dagmoe_jax.train.step import make_train_step
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")

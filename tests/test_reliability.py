@@ -87,7 +87,7 @@ def test_diverged_parameters_are_never_saved_as_the_last_good_checkpoint(tmp_pat
     import jax.numpy as jnp
     import numpy as np
 
-    from dagmoe_jax.lifecycle import load_run
+    from dagmoe_jax.run import load_run
 
     run_dir = tmp_path / "run"
     result = run(run_dir, "--gin.OptimConfig.learning_rate=30.0", "--gin.OptimConfig.warmup_steps=0",
@@ -142,10 +142,10 @@ def test_bad_paths_and_files_are_one_line_errors(tmp_path, capsys):
     checkpoint (sampling and evaluating). The commands' ``main`` run in this process (what
     their console scripts call); test_a_bad_path_through_the_command_line_is_one_line runs one
     through ``python train.py``."""
-    from dagmoe_jax import lifecycle
-    from dagmoe_jax.gin_utils import load_configs
-    from dagmoe_jax.decoding.sample import main as sample_main
-    from dagmoe_jax.train.__main__ import main as train_main
+    from dagmoe_jax import run as run_lib
+    from dagmoe_jax.run.gin import load_configs
+    from dagmoe_jax.cli.sample import main as sample_main
+    from dagmoe_jax.cli.train import main as train_main
 
     a_file = tmp_path / "a_file"
     a_file.write_text("not a model\n")
@@ -153,7 +153,7 @@ def test_bad_paths_and_files_are_one_line_errors(tmp_path, capsys):
     run_dirs.mkdir()
     no_ckpt = tmp_path / "no_ckpt"
     no_ckpt.mkdir()
-    lifecycle.save_configs(no_ckpt, *load_configs(["train/smoke.gin"], TRAIN_BINDINGS))
+    run_lib.save_configs(no_ckpt, *load_configs(["train/smoke.gin"], TRAIN_BINDINGS))
     newer = tmp_path / "newer"
     newer.mkdir()
     blob = json.loads((no_ckpt / "config.json").read_text())
@@ -186,8 +186,8 @@ def test_bad_paths_and_files_are_one_line_errors(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_a_bad_path_through_the_command_line_is_one_line(tmp_path):
-    """One of the above through ``python -m dagmoe_jax.decoding.sample`` itself (the entry point)."""
-    result = subprocess.run([sys.executable, "-m", "dagmoe_jax.decoding.sample",
+    """One of the above through ``python -m dagmoe_jax.cli.sample`` itself (the entry point)."""
+    result = subprocess.run([sys.executable, "-m", "dagmoe_jax.cli.sample",
                              f"--run_dir={tmp_path / 'nowhere'}", "--prompt=a"],
                             capture_output=True, text=True, timeout=300, env=ENV, cwd=REPO)
     assert result.returncode == 2, result.stderr[-2000:]
@@ -422,15 +422,15 @@ def test_a_run_directory_on_a_read_only_file_system_is_one_line(read_only_dir):
 def test_a_refused_run_directory_is_one_line(tmp_path, monkeypatch):
     import errno
 
-    from dagmoe_jax import lifecycle
+    from dagmoe_jax import run as run_lib
 
     def refuse(self, *args, **kwargs):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
 
-    monkeypatch.setattr(type(lifecycle.paths.run_path(tmp_path)), "mkdir", refuse)
+    monkeypatch.setattr(type(run_lib.paths.run_path(tmp_path)), "mkdir", refuse)
     with pytest.raises(ValueError, match=rf"^cannot write the run directory {tmp_path}/run "
                                          r"\(Read-only file system\): choose a writable path$"):
-        lifecycle.prepare_run_dir(tmp_path / "run")
+        run_lib.prepare_run_dir(tmp_path / "run")
 
 
 def test_fields_newer_than_a_checkpoint_are_no_change_at_their_defaults():
@@ -439,19 +439,19 @@ def test_fields_newer_than_a_checkpoint_are_no_change_at_their_defaults():
     behaviour; any other value of it is a change."""
     import dataclasses
 
-    from dagmoe_jax import lifecycle
+    from dagmoe_jax import run as run_lib
     from dagmoe_jax.config import ModelConfig
-    from dagmoe_jax.lifecycle.checkpoint import json_diffs
+    from dagmoe_jax.run.checkpoint import json_diffs
 
     cfg = ModelConfig()
-    new = lifecycle.model_meta(cfg)
+    new = run_lib.model_meta(cfg)
     old = json.loads(json.dumps(new))
     del old["model_config"]["rope_scaling"], old["model_config"]["router"]["bias"]
     diffs = json_diffs(old, new, "")
     assert len(diffs) == 1 + len(dataclasses.asdict(cfg.rope_scaling))
-    assert lifecycle.resume_changes("/nonexistent", cfg, None, old) == ([], [])
+    assert run_lib.resume_changes("/nonexistent", cfg, None, old) == ([], [])
     biased = cfg.replace(router=dict(bias=True))
-    assert lifecycle.resume_changes("/nonexistent", biased, None, old) == (
+    assert run_lib.resume_changes("/nonexistent", biased, None, old) == (
         ["ModelConfig.router.bias (absent) -> true"], [])
-    assert lifecycle.resume_changes("/nonexistent", cfg.replace(execution=dict(remat="full")), None,
+    assert run_lib.resume_changes("/nonexistent", cfg.replace(execution=dict(remat="full")), None,
                                     old) == ([], [])

@@ -1,5 +1,5 @@
 """Every machine-dependent choice is settled once, before the model is built
-(dagmoe_jax.lifecycle.settle), and the model code never asks what machine it runs on."""
+(dagmoe_jax.run.settle), and the model code never asks what machine it runs on."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from conftest import tiny_config
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.parallel import MeshConfig, make_mesh
 from dagmoe_jax.parallel.axes import MeshLayout
-from dagmoe_jax.lifecycle.settle import describe, settle
+from dagmoe_jax.run.settle import describe, settle
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dagmoe_jax"
 
@@ -63,7 +63,7 @@ def test_an_unsettled_config_is_a_clear_error():
     with pytest.raises(ValueError, match=r"^ModelConfig fields remat, scan_unroll, attention, "
                                          r"grouped_matmul, expert_exchange, fuse_gate_up, "
                                          r"loss_chunk, experts.dispatch are still 'auto': build the model from "
-                                         r"dagmoe_jax.lifecycle.settle.settle\(cfg\)$"):
+                                         r"dagmoe_jax.run.settle.settle\(cfg\)$"):
         Transformer(tiny_config(settled=False), rngs=nnx.Rngs(0))
 
 

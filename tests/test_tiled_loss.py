@@ -12,7 +12,7 @@ from flax import nnx
 from conftest import tiny_config
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.train.step import cross_entropy, lm_loss
-from dagmoe_jax.train.tiled_loss import tiled_cross_entropy
+from dagmoe_jax.model.tiled_loss import tiled_cross_entropy
 
 
 def numpy_cross_entropy(h, w, targets, mask):
@@ -111,7 +111,7 @@ def test_bfloat16_inputs_accumulate_in_float32(rng):
 def test_tiled_scores_equal_the_whole_logits(rng, seq):
     """Evaluation's per-position loss and argmax, a chunk at a time, equal optax's loss and
     the argmax of the whole logits (a tied pair of logits included: the lower id wins)."""
-    from dagmoe_jax.train.tiled_loss import tiled_scores
+    from dagmoe_jax.model.tiled_loss import tiled_scores
 
     b, d, v = 3, 8, 50
     h = jnp.asarray(rng.standard_normal((b, seq, d)), jnp.float32)
@@ -128,7 +128,7 @@ def test_tiled_scores_equal_the_whole_logits(rng, seq):
 
 
 def test_eval_step_matches_the_model_logits():
-    from dagmoe_jax.train.step import eval_step
+    from dagmoe_jax.evaluation import eval_step
 
     cfg = tiny_config("moe", "dag")
     model = Transformer(cfg, rngs=nnx.Rngs(0))

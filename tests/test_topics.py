@@ -1,4 +1,4 @@
-"""DoE Stage 1 (dagmoe_jax.doe.topics): LDA labels, token-word alignment, causal input ids."""
+"""DoE Stage 1 (dagmoe_jax.data.topics): LDA labels, token-word alignment, causal input ids."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from dagmoe_jax.data.tokenizers import ByteTokenizer
-from dagmoe_jax.doe.topics import (TopicConfig, TopicModel, TopicTracker, fit_topics, piece_table,
-                               token_topics)
+from dagmoe_jax.data.topics import (TopicConfig, TopicModel, TopicTracker, fit_topics, piece_table,
+                                    token_topics)
 
 PLANTED = 4
 WORDS = [[f"{theme}{i}x" for i in "abcdefghij"] for theme in ("ocean", "flame", "stone", "cloud")]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dagmoe_jax.gin_utils import load_configs
+from dagmoe_jax.run.gin import load_configs
 from dagmoe_jax.train.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -169,7 +169,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(reference, tmp
 def _one_line_error(capsys, run_dir: Path, args, *fragments):
     """train.py's ``main`` in this process (what the console script calls): exit status 2 and
     one line on stderr holding each fragment."""
-    from dagmoe_jax.train.__main__ import main
+    from dagmoe_jax.cli.train import main
 
     code = main([*TRAIN[2:], f"--run_dir={run_dir}", *args])
     captured = capsys.readouterr()
@@ -213,7 +213,7 @@ def test_bad_input_through_the_command_line_is_a_one_line_error(tmp_path):
 def test_gin_overrides_reach_the_model():
     from flax import nnx
     from dagmoe_jax.model import Transformer
-    from dagmoe_jax.lifecycle.settle import settle
+    from dagmoe_jax.run.settle import settle
     model_cfg, data_cfg, optim_cfg, train_cfg = load_configs(
         ["train/smoke.gin"], ["AggregationConfig.dag_iters = 3", "DataConfig.seq_len = 32",
                               "OptimConfig.learning_rate = 0.5", "TrainConfig.steps = 7"])

@@ -10,7 +10,7 @@ from flax import nnx
 
 from conftest import tiny_config
 from dagmoe_jax.model import Transformer
-from dagmoe_jax.lifecycle.settle import settle
+from dagmoe_jax.run.settle import settle
 from dagmoe_jax.upcycle import dume, moerge, ridge
 
 N = 3
@@ -174,8 +174,8 @@ def test_bad_merges_are_one_line_errors():
 
 def test_router_only_training_moves_only_the_routers():
     import optax
-    from dagmoe_jax.train.config import TrainConfig
-    from dagmoe_jax.train.optim import TRAINABLE, check_trainable
+    from dagmoe_jax.run.config import TrainConfig
+    from dagmoe_jax.run.optim import TRAINABLE, check_trainable
     from dagmoe_jax.train.step import make_train_step
 
     moe = moerge.moerge(dense_models(), merged_config(2))
@@ -203,7 +203,7 @@ def test_router_and_gates_moves_exactly_the_routers_and_the_experts_w_gate(top_k
     """The authors' trainable set. At top_k = 1 the renormalised gate g / g of the one chosen
     expert is 1, so the router's gradient is exactly zero and only the w_gate move."""
     import optax
-    from dagmoe_jax.train.optim import TRAINABLE, check_trainable
+    from dagmoe_jax.run.optim import TRAINABLE, check_trainable
     from dagmoe_jax.train.step import make_train_step
     from dagmoe_jax.upcycle.command import default_trainable
 

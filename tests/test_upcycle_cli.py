@@ -12,7 +12,7 @@ import optax
 from flax import nnx
 
 from conftest import tiny_config
-from dagmoe_jax import lifecycle
+from dagmoe_jax import run as run_lib
 from dagmoe_jax.data import DataConfig, make_tokenizer
 from dagmoe_jax.data.pipeline import eval_batches, train_dataset
 from dagmoe_jax.model import Transformer
@@ -69,11 +69,11 @@ def test_upcycle_command_end_to_end(tmp_path, capsys):
     assert cli.main(argv) == 0
     assert "router gets no gradient" in capsys.readouterr().err    # the top-1 note, one line
     assert "TrainConfig.trainable = 'router_and_gates'" in (out / "resume.gin").read_text()
-    merged = lifecycle.load_run(out)
+    merged = run_lib.load_run(out)
     assert merged.model_cfg.block == "moe" and merged.model_cfg.router.bias
     assert (out / "resume.gin").is_file() and (out / "dume_stats" / "domain_2.npz").is_file()
 
-    experts = [lifecycle.load_run(d).model for d in dense_dirs]
+    experts = [run_lib.load_run(d).model for d in dense_dirs]
     averaged = moerge.average_models(experts)
     dume_ce = [ce(merged.model, e) for e in evals]
     avg_ce = [ce(averaged, e) for e in evals]

@@ -12,7 +12,7 @@ from flax import nnx
 from conftest import tiny_config
 from test_upcycle import N, dense_models, merged_config, tokens
 from dagmoe_jax.config import matched_shared_hidden
-from dagmoe_jax.train.optim import TRAINABLE, check_trainable
+from dagmoe_jax.run.optim import TRAINABLE, check_trainable
 from dagmoe_jax.train.step import make_train_step
 from dagmoe_jax.upcycle import dume, moerge
 

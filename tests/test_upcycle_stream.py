@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from test_hf_llama import HF, hf_tokenizer_json, random_checkpoint, write_checkpoint  # noqa
-from dagmoe_jax.lifecycle.settle import settle
-from dagmoe_jax.upcycle import hf_llama, moerge, stream
+from dagmoe_jax.run.settle import settle
+from dagmoe_jax.hf import llama as hf_llama
+from dagmoe_jax.upcycle import moerge, stream
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -47,7 +48,7 @@ def test_streaming_merge_refuses_a_wrong_expert_count_and_different_models(tmp_p
 
 
 def test_upcycle_command_streams_hugging_face_directories(tmp_path, hf_tokenizer_json):
-    from dagmoe_jax import lifecycle
+    from dagmoe_jax import run as run_lib
     from dagmoe_jax.upcycle import __main__ as cli
 
     hf = dict(HF, vocab_size=288)
@@ -62,7 +63,7 @@ def test_upcycle_command_streams_hugging_face_directories(tmp_path, hf_tokenizer
                                      * 30))
         argv += [f"--dense={paths[-1]}", f"--source=text:{text}"]
     assert cli.main(argv) == 0
-    merged = moerge.flat_params(lifecycle.load_run(tmp_path / "out").model)
+    merged = moerge.flat_params(run_lib.load_run(tmp_path / "out").model)
     want = moerge.flat_params(moerge.moerge(
         [hf_llama.load_hf_llama(p)[0] for p in paths],
         settle(moerge.dume_config(stream.read_configs(paths), 2, top_k=2))))

@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dagmoe_jax import lifecycle
+from dagmoe_jax import run as run_lib
 from dagmoe_jax.analysis import plots
 from dagmoe_jax.analysis.report import curve_series
-from dagmoe_jax.gin_utils import load_configs
-from dagmoe_jax.lifecycle import checkpoint_files as ckpt
+from dagmoe_jax.run.gin import load_configs
+from dagmoe_jax.run import checkpoint_files as ckpt
 from dagmoe_jax.train.metrics import METRICS_FILE, MetricsWriter, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -98,7 +98,7 @@ def test_eval_mode_honours_data_bindings(short_run):
 
 
 def _cli(argv, capsys):
-    from dagmoe_jax.train.__main__ import main
+    from dagmoe_jax.cli.train import main
     code = main(argv)
     captured = capsys.readouterr()
     return code, captured.err
@@ -179,12 +179,12 @@ def fake_gcs(tmp_path, monkeypatch, fresh_epath_filesystems):
 
 def test_run_dir_io_goes_through_epath_to_cloud_storage(fake_gcs):
     uri = "gs://bucket/runs/a"
-    path = lifecycle.prepare_run_dir(uri)
+    path = run_lib.prepare_run_dir(uri)
     assert str(path) == uri and (fake_gcs / "bucket/runs/a").is_dir()
     model, data, optim, train = load_configs(["train/smoke.gin"], [f"TrainConfig.run_dir = '{uri}'"])
-    lifecycle.save_configs(uri, model, data, optim, train)
+    run_lib.save_configs(uri, model, data, optim, train)
     assert json.loads((fake_gcs / "bucket/runs/a/config.json").read_text())["train"]["run_dir"] == uri
-    assert lifecycle.load_configs(uri) == (model, data, optim, train)
+    assert run_lib.load_configs(uri) == (model, data, optim, train)
     writer = MetricsWriter(uri, tensorboard=False)
     for step in (1, 2, 3):
         writer.write(step, {"loss": 1.0 / step, "dropped_fraction": np.array([0.5, 0.25])})
@@ -220,8 +220,8 @@ def test_tensorboard_in_a_bucket_without_its_client_stops_before_writing(fake_gc
 
 
 def test_file_uri_and_unknown_schemes(tmp_path):
-    from dagmoe_jax.lifecycle.paths import as_path
-    path = lifecycle.prepare_run_dir(f"file://{tmp_path}/r")
+    from dagmoe_jax.run.paths import as_path
+    path = run_lib.prepare_run_dir(f"file://{tmp_path}/r")
     assert (tmp_path / "r").is_dir() and str(path) == f"{tmp_path}/r"
     with pytest.raises(ValueError, match="the ftp:// scheme is not supported"):
         as_path("ftp://host/run")
@@ -298,7 +298,7 @@ def test_wandb_missing_is_one_line_before_anything_is_written(tmp_path, monkeypa
 def test_sentencepiece_sample_keeps_the_space_between_prompt_and_continuation(tmp_path):
     import sentencepiece as spm
     from dagmoe_jax.data.tokenizers import SentencePieceTokenizer
-    from dagmoe_jax.decoding.sample import sample_text
+    from dagmoe_jax.cli.sample import sample_text
 
     (tmp_path / "corpus.txt").write_text("\n".join(f"the quick brown fox {i} jumps over the "
                                                    f"lazy dog" for i in range(200)))

@@ -45,7 +45,7 @@ def main(argv=None) -> int:
             raise ValueError(f"--batches={args.batches} is invalid: expected an integer >= 1")
         quiet_background_errors()
         from dagmoe_jax.analysis.report import (  # pylint: disable=import-outside-toplevel
-            analyze_run, summary_lines)
+                                                analyze_run, summary_lines)
 
         results = analyze_run(args.run_dir, args.out, data=args.data, max_batches=args.batches)
     except (ValueError, FileNotFoundError) as err:

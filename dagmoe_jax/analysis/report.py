@@ -20,10 +20,11 @@ import numpy as np
 
 from dagmoe_jax.analysis import plots
 from dagmoe_jax.analysis.collect import Collected, collect
-from dagmoe_jax.lifecycle.paths import as_path, is_remote
+from dagmoe_jax.analysis.doe import gate_profile, plot_gate_profile
+from dagmoe_jax.run.paths import as_path, is_remote
 from dagmoe_jax.data import eval_batches, parse_source
-from dagmoe_jax.model import extension_for
-from dagmoe_jax.lifecycle import load_run
+from dagmoe_jax.run.extensions import extension_for
+from dagmoe_jax.run import load_run
 from dagmoe_jax.train.metrics import read_metrics
 
 PLOTS = ("expert_load", "coactivation", "edge_gates", "edge_gate_hist", "dropped_fraction",
@@ -188,8 +189,7 @@ def analyze_run(run_dir, out_dir, *, data: str = "", max_batches: int = 4) -> Li
 def analyze_doe(loaded, run_dir, out_dir, data: str, max_batches: int, label: str
                 ) -> List[PlotResult]:
     """A DoE run: the mean gate per LDA topic and layer (``doe_gates.png``,
-    :mod:`dagmoe_jax.doe.analysis`); the routed blocks' plots do not apply."""
-    from dagmoe_jax.doe.analysis import gate_profile, plot_gate_profile  # pylint: disable=import-outside-toplevel
+    :mod:`dagmoe_jax.analysis.doe`); the routed blocks' plots do not apply."""
 
 
     skipped = [PlotResult(n, None, "not a routed (MoE / CoE) block") for n in PLOTS[:5]]

@@ -12,14 +12,10 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
+from dagmoe_jax.validate import first_line
+
 # What a command-line tool reports as a one-line error (exit 2) instead of a traceback.
 USER_ERRORS = (ValueError, FileNotFoundError)
-
-
-def first_line(err: BaseException) -> str:
-    """The first line of ``err``'s message (its type name when the message is empty)."""
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def report_error(err: BaseException, code: int = 2) -> int:

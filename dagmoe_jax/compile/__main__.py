@@ -46,7 +46,7 @@ import sys
 from pathlib import Path
 
 from dagmoe_jax.cli import (gin_parser, parse_gin_command, parse_or_report,
-                           quiet_background_errors, report_error)
+                            quiet_background_errors, report_error)
 
 
 def parse_args(argv):
@@ -139,8 +139,8 @@ def _run(args) -> int:
 
     from dagmoe_jax.compile.programs import (GenerationShape, OutOfMemory, compile_run,
                                              mesh_label, mesh_over)
-    from dagmoe_jax.gin_utils import load_configs
-    from dagmoe_jax.train.__main__ import DEFAULT_GIN
+    from dagmoe_jax.run.gin import load_configs
+    from dagmoe_jax.cli.train import DEFAULT_GIN
     model_cfg, data_cfg, optim_cfg, train_cfg = load_configs(args.gin_file or [DEFAULT_GIN],
                                                              args.bindings)
     if train_cfg.init_from:
@@ -164,7 +164,7 @@ def _run(args) -> int:
                                        log=lambda m: print(m, flush=True))
     except OutOfMemory as err:
         raise ValueError(oom_line(err, chip, topology)) from None
-    from dagmoe_jax.lifecycle.settle import describe as describe_settled
+    from dagmoe_jax.run.settle import describe as describe_settled
     print(f"model settled for tpu: {describe_settled(settled, model_cfg, backend='tpu')}")
     for name, report in reports.items():
         print(describe(name, report, chip, topology, label))

@@ -6,9 +6,9 @@ compiles, with nothing materialised:
 
 * ``train``: the jitted step the training loop runs (``make_train_step`` with the run's
   ``grad_accum``, trainable set and donation), on the model settled for TPU under the run's
-  mesh (:func:`dagmoe_jax.lifecycle.settle.settle`: remat, scanned layers, splash attention,
+  mesh (:func:`dagmoe_jax.run.settle.settle`: remat, scanned layers, splash attention,
   megablox gmm, the ragged all-to-all), its parameters and AdamW state abstract and sharded by
-  the mesh rules, the batch sharded over the batch axes as ``lifecycle.device_batch`` shards it;
+  the mesh rules, the batch sharded over the batch axes as ``run.device_batch`` shards it;
 * ``eval``: ``eval_step`` on a replicated batch of ``DataConfig.batch_size`` rows, as the
   evaluator feeds it;
 * ``prefill`` and ``decode``: generation's :func:`~dagmoe_jax.decoding.generate.prefill` over
@@ -38,17 +38,19 @@ from dagmoe_jax.compile.roofline import Cost, program_cost
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.decoding.generate import DEFAULT_DISPATCH, decode_step, prefill
-from dagmoe_jax.lifecycle.build import MODEL_INPUTS
-from dagmoe_jax.lifecycle.settle import check_kernel_precision, settle
-from dagmoe_jax.model import Transformer, extension_for
+from dagmoe_jax.run.build import MODEL_INPUTS
+from dagmoe_jax.run.settle import check_kernel_precision, settle
+from dagmoe_jax.model import Transformer
+from dagmoe_jax.run.extensions import extension_for
 from dagmoe_jax.model.accounting import account
 from dagmoe_jax.model.expert_parallel import dispatch_axes
 from dagmoe_jax.parallel import MeshConfig, activate, make_mesh
 from dagmoe_jax.parallel.axes import MESH_AXES, MeshLayout
 from dagmoe_jax.parallel.state import batch_shards, batch_sharding, variable_spec
-from dagmoe_jax.train.config import OptimConfig, TrainConfig
-from dagmoe_jax.train.optim import TRAINABLE, check_trainable, make_optimizer
-from dagmoe_jax.train.step import eval_step, make_train_step
+from dagmoe_jax.run.config import OptimConfig, TrainConfig
+from dagmoe_jax.run.optim import TRAINABLE, check_trainable, make_optimizer
+from dagmoe_jax.evaluation import eval_step
+from dagmoe_jax.train.step import make_train_step
 
 PROGRAMS = ("train", "eval", "prefill", "decode")
 
@@ -134,7 +136,7 @@ def state_bytes_per_chip(obj) -> float:
 def abstract_train_state(model_cfg: ModelConfig, optim_cfg: OptimConfig,
                          train_cfg: TrainConfig, mesh, backend: str = "tpu"):
     """(model, optimizer) with abstract sharded arrays, the model settled for ``backend`` and
-    ``mesh`` exactly as ``lifecycle.build`` settles a run's."""
+    ``mesh`` exactly as ``run.build`` settles a run's."""
     check_trainable(model_cfg, train_cfg.trainable)
     layout = MeshLayout.of(mesh)
     settled = settle(model_cfg, backend=backend, layout=layout)

@@ -106,7 +106,7 @@ class DataConfig:
     task_min_size, task_max_size: synthetic problem sizes are uniform in this range (default
       4..12), for training and for evaluation.
     worker_count: grain worker processes for the training pipeline (default 0: in-process).
-    topics_dir: DoE only: a saved topic model (:mod:`dagmoe_jax.doe.topics`) to label the data
+    topics_dir: DoE only: a saved topic model (:mod:`dagmoe_jax.data.topics`) to label the data
       with; '' (default) fits online LDA on the training documents when the run starts. Either
       way the run keeps its copy in ``<run_dir>/topics`` and a resume uses that.
     """

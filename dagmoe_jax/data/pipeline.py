@@ -3,7 +3,7 @@
 Every batch is a dict of NumPy arrays: ``inputs`` and ``targets`` int32 [B, seq_len] (targets
 are the inputs shifted left by one within a window of seq_len + 1 tokens) and ``mask`` bool
 [B, seq_len] (False where the target is padding, or, for task batches, not an answer token).
-With an annotator (``annotate=``, :class:`dagmoe_jax.extensions.Annotator`: the per-token
+With an annotator (``annotate=``, :class:`dagmoe_jax.data.extension.Annotator`: the per-token
 arrays a model family reads, e.g. DoE's topic ids and labels) batches also carry each of its
 ``keys``, int32 [B, seq_len] aligned with ``inputs`` (its ``pad`` value where the input is
 padding), computed per record and packed, shuffled and checkpointed together with the tokens.
@@ -103,7 +103,7 @@ def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, process_index: int =
     With ``cfg.worker_count`` W > 0, W grain processes each read and pack every W-th record of
     this process and batches alternate between them: a different (equally valid) stream from
     W = 0 or 1, so a saved state resumes only with the same ``worker_count``. ``annotate``: an
-    :class:`~dagmoe_jax.extensions.Annotator` whose arrays every batch carries.
+    :class:`~dagmoe_jax.data.extension.Annotator` whose arrays every batch carries.
     """
     batch = local_batch_size(cfg, process_count)
     ds = train_records(cfg, process_index=process_index, process_count=process_count)

@@ -24,7 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
-from dagmoe_jax.cli import first_line
+from dagmoe_jax.validate import first_line
 from dagmoe_jax.data.config import DataConfig, parse_source
 from dagmoe_jax.data.tasks import generate
 

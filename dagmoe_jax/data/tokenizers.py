@@ -11,7 +11,7 @@ import abc
 import os
 from typing import Sequence
 
-from dagmoe_jax.cli import first_line
+from dagmoe_jax.validate import first_line
 from dagmoe_jax.data.config import DataConfig
 
 HF_EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<eos>")
@@ -46,7 +46,7 @@ class Tokenizer(abc.ABC):
 
     def piece_bytes(self) -> list[bytes]:
         """Each id's text as utf-8 bytes, decoded alone: DoE aligns tokens with words through
-        these (:mod:`dagmoe_jax.doe.topics.assign`)."""
+        these (:mod:`dagmoe_jax.data.topics.assign`)."""
         return [self.decode([i]).encode("utf-8") for i in range(self.vocab_size)]
 
 

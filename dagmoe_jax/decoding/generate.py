@@ -1,8 +1,8 @@
 """Batched autoregressive generation with a KV cache, for every block type.
 
 ``generate(model, prompts, max_new_tokens=...)`` continues a batch of prompts
-(``dagmoe_jax.lifecycle.load_run`` loads a run directory's newest checkpoint for it);
-``python -m dagmoe_jax.decoding.sample`` is the command line. Design:
+(``dagmoe_jax.run.load_run`` loads a run directory's newest checkpoint for it);
+``python -m dagmoe_jax.cli.sample`` is the command line. Design:
 
 * **Prompts of different lengths are right-padded.** Row b's token p sits at position p and at
   cache slot p, so every row's positions start at 0 exactly as in training and the prefill is the
@@ -33,7 +33,7 @@
   and the rest of its row is ``pad_id``.
 * **Tracked features**: a model family whose tokens carry features that depend on the text so
   far (DoE's causal topic ids) decodes with ``generate(..., features=tracker)``, a
-  :class:`~dagmoe_jax.extensions.FeatureTracker` (``extension_for(cfg).decoding_features(...)``)
+  :class:`~dagmoe_jax.data.extension.FeatureTracker` (``extension_for(cfg).decoding_features(...)``)
   that gives the prompt's features and, through an ordered host callback inside the same
   decoding loop, each new token's: one loop for every model.
 """
@@ -274,7 +274,7 @@ def generate(model: Transformer, prompts: Union[Sequence[Sequence[int]], np.ndar
     stop_tokens: ids that finish a row (kept as its last token). seed: the PRNG seed.
     pad_id: written after a row's stop token and used to pad the prompts.
     dispatch: the MoE / CoE dispatch used while generating ('dropless': exact, the default).
-    features: a :class:`~dagmoe_jax.extensions.FeatureTracker` for a model family whose tokens
+    features: a :class:`~dagmoe_jax.data.extension.FeatureTracker` for a model family whose tokens
       carry tracked features (a DoE model with topics:
       ``extension_for(cfg).decoding_features(run_dir, data_cfg, tokenizer)``).
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import sys
 
 from dagmoe_jax.cli import (USER_ERRORS, OneLineParser, parse_or_report,
-                           quiet_background_errors, report_error)
+                            quiet_background_errors, report_error)
 
 INSTALL_HINT = ("lm-evaluation-harness is not installed: pip install 'dagmoe-jax[harness]' "
                 "(or pip install lm-eval==0.4.13)")

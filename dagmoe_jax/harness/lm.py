@@ -57,7 +57,7 @@ class DagmoeLM(TemplateLM):
 
     run_dir: a run directory (``train.py``, the upcycle command, DUME merges): its newest
       checkpoint, tokenizer and model family. Or pass a loaded ``run``
-      (:class:`dagmoe_jax.lifecycle.LoadedRun`) from Python.
+      (:class:`dagmoe_jax.run.LoadedRun`) from Python.
     batch_size: rows per compiled call (default 8).
     max_length: the scoring window (default: the model's ``max_seq_len``).
     max_gen_toks: the generation length when a task gives none (default 256).
@@ -77,8 +77,8 @@ class DagmoeLM(TemplateLM):
         # Imported here: loading the model stack is slow, and the class must register fast.
         # pylint: disable=import-outside-toplevel
         import jax
-        from dagmoe_jax import lifecycle
-        from dagmoe_jax.model import extension_for
+        from dagmoe_jax import run as run_lib
+        from dagmoe_jax.run.extensions import extension_for
         from dagmoe_jax.parallel import MeshConfig, make_mesh
 
         if (run is None) == (run_dir is None):
@@ -88,7 +88,7 @@ class DagmoeLM(TemplateLM):
         device_mesh = (make_mesh(MeshConfig()) if mesh == "auto" and jax.device_count() > 1
                        else None)
         if run is None:
-            run = lifecycle.load_run(run_dir, mesh=device_mesh)
+            run = run_lib.load_run(run_dir, mesh=device_mesh)
         self.run, self.run_dir = run, None if run_dir is None else str(run_dir)
         self.tokenizer_obj = run.tokenizer
         features = None

@@ -27,7 +27,7 @@ Design, so that results never depend on how requests are batched:
   out of memory happens at once, not at the end.
 
 A model family whose tokens carry features (DoE's causal topic ids) passes its
-:class:`~dagmoe_jax.extensions.FeatureTracker`: scoring computes the features of each padded
+:class:`~dagmoe_jax.data.extension.FeatureTracker`: scoring computes the features of each padded
 batch from the same tracker that generation uses.
 """
 
@@ -70,7 +70,7 @@ class Scorer:
 
     batch_size: rows per compiled call (rounded up to a multiple of the mesh's devices).
     max_length: the longest input the model sees (default and maximum: its ``max_seq_len``).
-    features: the model family's :class:`~dagmoe_jax.extensions.FeatureTracker` (None: none).
+    features: the model family's :class:`~dagmoe_jax.data.extension.FeatureTracker` (None: none).
     mesh: run the calls inside this device mesh (rows sharded data-parallel; None: one device).
     dispatch: the MoE / CoE dispatch while scoring ('dropless', exact, is the default).
     progress: called with the number of rows finished after each batch.

@@ -11,7 +11,7 @@
   (``grouped_matmul='gmm'``); they run anywhere in the Pallas interpreter, which is how the CPU
   tests check them.
 
-GPUs need no kernel of ours: there :mod:`dagmoe_jax.lifecycle.settle` picks cuDNN's attention
+GPUs need no kernel of ours: there :mod:`dagmoe_jax.run.settle` picks cuDNN's attention
 ('cudnn', for 16-bit compute and the head sizes cuDNN takes; XLA's otherwise) and
 ``jax.lax.ragged_dot`` for the grouped matmul (cuDNN's grouped GEMM with scripts/gpu_env.sh).
 """

@@ -31,8 +31,8 @@ import dataclasses
 from typing import Dict
 
 from dagmoe_jax.config import ModelConfig, dag_params_per_layer
-from dagmoe_jax.doe.block import shared_param_counts
-from dagmoe_jax.doe.knowledge_blocks import active_blocks, block_hidden
+from dagmoe_jax.model.doe.block import shared_param_counts
+from dagmoe_jax.model.doe.knowledge_blocks import active_blocks, block_hidden
 
 COMPONENTS = ("embedding", "attention", "attention_scores", "norms", "dense_ffn", "router",
               "experts", "shared_experts", "aggregator", "dag_pairwise", "doe_embedding",

@@ -2,8 +2,8 @@
 
 Every block (dense SwiGLU, MoE with any aggregator and shared experts, Chain-of-Experts, DoE)
 is a module called the same way, ``block(inputs: BlockInputs) -> (out, BlockStats)``, and is
-registered by its ``ModelConfig.block`` name (:data:`BLOCKS`), so
-:class:`~dagmoe_jax.model.transformer.DecoderLayer` has no branch per block type.
+found by its ``ModelConfig.block`` name in one table (:data:`dagmoe_jax.model.transformer.BLOCKS`),
+so :class:`~dagmoe_jax.model.transformer.DecoderLayer` has no branch per block type.
 
 A block family that needs parameters outside the layer stack, or inputs beyond the normed
 stream (DoE's topic embedding and VAE bank, its per-layer noise keys), declares a *shared*
@@ -48,7 +48,7 @@ class BlockStats(NamedTuple):
     dropped_fraction: share of routed assignments capacity dispatch dropped;
     expert_load [N]: share of routing slots (or of gate mass) per expert;
     record: the intermediates analysis reads, when the block's ``record_intermediates`` is on;
-    extra: the family's own statistics (DoE: :class:`~dagmoe_jax.doe.block.DoEStats`).
+    extra: the family's own statistics (DoE: :class:`~dagmoe_jax.model.doe.block.DoEStats`).
     """
 
     balance_loss: jax.Array
@@ -72,14 +72,3 @@ def routed_stats(losses: dict, keep: jax.Array, expert_load: jax.Array,
     -3e-8, when nothing drops)."""
     dropped = jnp.mean(jnp.logical_not(keep).astype(jnp.float32))
     return BlockStats(losses["balance_loss"], losses["z_loss"], dropped, expert_load, record)
-
-
-BLOCKS: Dict[str, type] = {}
-
-
-def register_block(name: str):
-    """Class decorator: the block for ``ModelConfig.block == name``."""
-    def add(cls):
-        BLOCKS[name] = cls
-        return cls
-    return add

@@ -28,7 +28,7 @@ from flax import nnx
 
 from dagmoe_jax.config import ModelConfig, RouterConfig
 from dagmoe_jax.model.aggregation import weighted_sum
-from dagmoe_jax.model.block import BlockInputs, register_block, routed_stats
+from dagmoe_jax.model.block import BlockInputs, routed_stats
 from dagmoe_jax.model.moe import routed_experts, shared_experts
 from dagmoe_jax.model.router import Router
 from dagmoe_jax.parallel.axes import MeshLayout
@@ -63,7 +63,6 @@ def coe_router_config(cfg: ModelConfig) -> RouterConfig:
     return dataclasses.replace(cfg.router, score_fn=cfg.coe.score_fn)
 
 
-@register_block("coe")
 class CoEBlock(nnx.Module):
     """Chain-of-Experts: C iterations of routing, experts and the residual of ``residual``
     over the chain (module docstring); stats are the iterations' means, and with

@@ -10,8 +10,7 @@ from flax import nnx
 
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.model.aggregation import make_aggregator
-from dagmoe_jax.model.block import (BlockInputs, BlockStats, empty_stats, register_block,
-                                    routed_stats)
+from dagmoe_jax.model.block import BlockInputs, BlockStats, empty_stats, routed_stats
 from dagmoe_jax.model.experts import Experts
 from dagmoe_jax.model.layers import SwiGLU, dtype_of
 from dagmoe_jax.model.router import Router
@@ -34,7 +33,6 @@ def routed_experts(cfg: ModelConfig, layout: Optional[MeshLayout], *,
                    execution=cfg.execution, layout=layout, rngs=rngs)
 
 
-@register_block("dense")
 class DenseBlock(SwiGLU):
     """The dense block: one SwiGLU of ``ModelConfig.resolved_ffn_hidden`` (its parameters are
     the SwiGLU's own, so a dense layer's state paths are ``block/w_gate`` ...)."""
@@ -51,7 +49,6 @@ class DenseBlock(SwiGLU):
         return super().__call__(inputs.x), empty_stats(self.num_experts)
 
 
-@register_block("moe")
 class MoEBlock(nnx.Module):
     """y = Aggregate(x, g, E(x)) + sum of shared experts(x), for x [B, S, d].
 

@@ -29,16 +29,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dagmoe_jax.config import ModelConfig
-import dagmoe_jax.model.coe  # noqa: F401  (each module registers its blocks)
-import dagmoe_jax.doe.block  # noqa: F401
-import dagmoe_jax.model.moe  # noqa: F401
-from dagmoe_jax.extensions import Extension
 from dagmoe_jax.model.attention import Attention, KVCache, rope_angles
-from dagmoe_jax.model.block import BLOCKS, BlockContext, BlockInputs, BlockStats
+from dagmoe_jax.model.block import BlockContext, BlockInputs, BlockStats
+from dagmoe_jax.model.coe import CoEBlock
+from dagmoe_jax.model.doe.block import DoEBlock
 from dagmoe_jax.model.layers import RMSNorm, dtype_of, make_param, normal
 from dagmoe_jax.model.segments import check_segment_ids, segment_positions
 from dagmoe_jax.parallel import constrain
+from dagmoe_jax.model.moe import DenseBlock, MoEBlock
 from dagmoe_jax.parallel.axes import MeshLayout
+
+# The block of each ``ModelConfig.block`` (the block protocol: dagmoe_jax.model.block).
+BLOCKS = {"dense": DenseBlock, "moe": MoEBlock, "coe": CoEBlock, "doe": DoEBlock}
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -83,13 +85,13 @@ class DecoderLayer(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """The decoder for a settled ``cfg`` (:func:`dagmoe_jax.lifecycle.settle.settle`: no 'auto'
+    """The decoder for a settled ``cfg`` (:func:`dagmoe_jax.run.settle.settle`: no 'auto'
     left), its MoE dispatch placed on ``layout`` (None: one device)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layout: Optional[MeshLayout] = None):
         if cfg.unsettled:
             raise ValueError(f"ModelConfig fields {', '.join(cfg.unsettled)} are still 'auto': "
-                             f"build the model from dagmoe_jax.lifecycle.settle.settle(cfg)")
+                             f"build the model from dagmoe_jax.run.settle.settle(cfg)")
         self.cfg = cfg
         pd = dtype_of(cfg.param_dtype)
         self.embed = make_param(rngs, normal(cfg.init_std), (cfg.vocab_size, cfg.d_model),
@@ -124,14 +126,14 @@ class Transformer(nnx.Module):
         [B, S, V]; the LM head is the costliest matmul at a large vocabulary).
         ``head=False`` stops before the LM head and returns the final-normed hidden states
         [B, S, d] (compute dtype) in place of the logits: the training loss applies the head
-        itself, a chunk at a time (:func:`dagmoe_jax.train.tiled_loss.tiled_cross_entropy`
+        itself, a chunk at a time (:func:`dagmoe_jax.model.tiled_loss.tiled_cross_entropy`
         with ``self.lm_head``), so the [B, S, V] logits never exist.
 
         A block family with a shared module (:mod:`dagmoe_jax.model.block`; DoE) reads the
         batch's per-token ``features`` (DoE: ``{'topics': [B, S]}``, the causal input topic
         ids) and ``noise``, a key for its training noise (DoE's VAE sampling; without it the
         router uses z = mu). Its own statistics, stacked over layers, are ``aux['extra']``
-        (DoE: :class:`~dagmoe_jax.doe.block.DoEStats`).
+        (DoE: :class:`~dagmoe_jax.model.doe.block.DoEStats`).
 
         ``segment_ids`` int [B, S] packs several examples in a row (equal nonzero ids: one
         example, 0: padding; docs/design.md section 1): RoPE positions restart at 0 at each
@@ -207,12 +209,6 @@ class Transformer(nnx.Module):
         shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.resolved_head_dim)
         zeros = jnp.zeros(shape, dtype_of(cfg.compute_dtype))
         return KVCache(zeros, zeros)
-
-
-def extension_for(cfg: ModelConfig) -> Extension:
-    """The hooks of ``cfg``'s block family (:mod:`dagmoe_jax.extensions`; the no-op
-    :class:`~dagmoe_jax.extensions.Extension` for blocks that declare none)."""
-    return getattr(BLOCKS[cfg.block], "extension", Extension)(cfg)
 
 
 def summarize_stats(cfg: ModelConfig, stats: BlockStats) -> dict:

@@ -72,6 +72,12 @@ def constrain(x: jax.Array, names: Sequence[Optional[str]]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names, rules))
 
 
+def replicated(tree):
+    """Every array of ``tree`` replicated on every device of an active mesh (a no-op without
+    one), so that every process can read it on the host."""
+    return jax.tree.map(lambda x: constrain(x, (None,) * x.ndim), tree)
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshLayout:
     """A device mesh (abstract: axis names, sizes and device kind) with the logical-axis rules

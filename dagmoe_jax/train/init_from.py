@@ -3,7 +3,7 @@
 * ``''``: nothing (parameters initialised from ``TrainConfig.seed``);
 * a run directory (``train.py`` or upcycling): the parameters of its newest checkpoint;
 * ``hf:<folder>``: a Hugging Face Llama folder (``config.json`` + safetensors), imported by
-  :func:`~dagmoe_jax.upcycle.hf_llama.load_hf_llama`.
+  :func:`~dagmoe_jax.hf.llama.load_hf_llama`.
 
 :func:`source_model_config` gives the run's ModelConfig: the source's architecture with the
 execution fields (how the model runs) of the gin config; a gin binding that changes the
@@ -22,9 +22,10 @@ from typing import Callable
 import jax
 from flax import nnx
 
-from dagmoe_jax import lifecycle
+from dagmoe_jax import run as run_lib
 from dagmoe_jax.config import ModelConfig
-from dagmoe_jax.lifecycle.checkpoint_files import flatten_json
+from dagmoe_jax.hf.llama import load_hf_llama, model_config_from_hf, read_hf_config
+from dagmoe_jax.run.checkpoint_files import flatten_json
 
 HF_PREFIX = "hf:"
 
@@ -39,9 +40,9 @@ def _hf_folder(init_from: str) -> str:
 
 def _run_dir(init_from: str) -> str:
     path = os.path.expanduser(init_from)
-    if not os.path.isfile(os.path.join(path, lifecycle.CONFIG_FILE)):
+    if not os.path.isfile(os.path.join(path, run_lib.CONFIG_FILE)):
         raise ValueError(f"TrainConfig.init_from={init_from!r} is not a run directory (no "
-                         f"{lifecycle.CONFIG_FILE}): give a train.py run directory, 'hf:<folder>' "
+                         f"{run_lib.CONFIG_FILE}): give a train.py run directory, 'hf:<folder>' "
                          "for a Hugging Face model, or '' for a fresh start")
     return path
 
@@ -49,12 +50,10 @@ def _run_dir(init_from: str) -> str:
 def source_model_config(init_from: str, model_cfg: ModelConfig) -> ModelConfig:
     """The ModelConfig of a run initialised from ``init_from`` (module docstring)."""
     if init_from.startswith(HF_PREFIX):
-        from dagmoe_jax.upcycle.hf_llama import (  # pylint: disable=import-outside-toplevel
-            model_config_from_hf, read_hf_config)
         source = model_config_from_hf(read_hf_config(_hf_folder(init_from)))
     else:
-        source = lifecycle.load_configs(_run_dir(init_from))[0]
-    arch = lambda cfg: flatten_json(lifecycle.architecture(dataclasses.asdict(cfg)))  # noqa: E731
+        source = run_lib.load_configs(_run_dir(init_from))[0]
+    arch = lambda cfg: flatten_json(run_lib.architecture(dataclasses.asdict(cfg)))  # noqa: E731
     default, given, have = arch(ModelConfig()), arch(model_cfg), arch(source)
     conflicts = [f"ModelConfig.{k}={given[k]!r} (the source has {have.get(k)!r})"
                  for k in sorted(given) if given[k] != default.get(k) and given[k] != have.get(k)]
@@ -67,11 +66,9 @@ def source_model_config(init_from: str, model_cfg: ModelConfig) -> ModelConfig:
 
 def _source_params(init_from: str, log: Callable[[str], None]):
     if init_from.startswith(HF_PREFIX):
-        from dagmoe_jax.upcycle.hf_llama import (  # pylint: disable=import-outside-toplevel
-            load_hf_llama)
         model, _ = load_hf_llama(_hf_folder(init_from))
         return nnx.state(model, nnx.Param), "the Hugging Face checkpoint"
-    loaded = lifecycle.load_run(_run_dir(init_from), log=log)
+    loaded = run_lib.load_run(_run_dir(init_from), log=log)
     return nnx.state(loaded.model, nnx.Param), f"step {loaded.step}"
 
 

@@ -1,7 +1,7 @@
 """Training a run: ``train(...)`` runs (or resumes) the run in ``TrainConfig.run_dir``.
 
 It is what ``train.py`` calls, and it works from a notebook. The pieces are elsewhere: the
-run directory and the model are built by :mod:`dagmoe_jax.lifecycle`, stepped by a
+run directory and the model are built by :mod:`dagmoe_jax.run`, stepped by a
 :class:`~dagmoe_jax.train.trainer.Trainer` (resume, checkpoints, signals, divergence guards),
 reported by its hooks (:mod:`dagmoe_jax.train.hooks`) and evaluated by
 :mod:`dagmoe_jax.evaluation`.
@@ -14,22 +14,22 @@ from typing import Callable, Dict, Optional
 
 import jax
 
-from dagmoe_jax import lifecycle
-from dagmoe_jax.cli.launch import allocator
+from dagmoe_jax import run as run_lib
+from dagmoe_jax.run.allocator import allocator
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.data import DataConfig, make_tokenizer, train_dataset, unigram_entropy
 from dagmoe_jax.data.instruct import instruct_dataset, instruct_stats, is_instruct
 from dagmoe_jax.evaluation import Evaluator, format_eval
-from dagmoe_jax.model import extension_for
+from dagmoe_jax.run.extensions import extension_for
 from dagmoe_jax.parallel import make_mesh
 from dagmoe_jax.parallel.axes import MeshLayout
-from dagmoe_jax.lifecycle.paths import run_path
+from dagmoe_jax.run.paths import run_path
 from dagmoe_jax.train.hooks import EvalHook, ProgressHook
 from dagmoe_jax.train.metrics import (MetricsWriter, check_tensorboard_target, read_metrics,
                                       require_wandb)
-from dagmoe_jax.train.config import OptimConfig, TrainConfig
+from dagmoe_jax.run.config import OptimConfig, TrainConfig
 from dagmoe_jax.train.init_from import load_initial_params, source_model_config
-from dagmoe_jax.train.optim import TRAINABLE, schedule_note
+from dagmoe_jax.run.optim import TRAINABLE, schedule_note
 from dagmoe_jax.train.step import make_train_step
 from dagmoe_jax.train.trainer import (NonFiniteLossError, Trainer, on_main_process,
                                       stop_on_signals)
@@ -68,20 +68,21 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
     mesh = make_mesh(train_cfg.mesh)
     if schedule_note(optim_cfg, train_cfg.steps):
         say(schedule_note(optim_cfg, train_cfg.steps))
-    model, optimizer, schedule = lifecycle.build(model_cfg, optim_cfg, train_cfg, mesh, log=say)
+    model, optimizer, schedule = run_lib.build(model_cfg, optim_cfg, train_cfg, mesh, log=say)
     say(f"model settled for {jax.default_backend()}: "
-        f"{lifecycle.describe(model.cfg, model_cfg, layout=MeshLayout.of(mesh))}; "
+        f"{run_lib.describe(model.cfg, model_cfg, layout=MeshLayout.of(mesh))}; "
         f"host memory: {allocator()}")
-    checkpointer = lifecycle.Checkpointer(run_dir / lifecycle.CHECKPOINT_DIR,
+    checkpointer = run_lib.Checkpointer(run_dir / run_lib.CHECKPOINT_DIR,
                                                save_every=train_cfg.save_every,
                                                keep=train_cfg.keep_checkpoints,
                                                async_save=train_cfg.async_checkpoint)
     step_fn = make_train_step(grad_accum=train_cfg.grad_accum,
                               wrt=TRAINABLE[train_cfg.trainable], donate=True)
     trainer = Trainer(model, optimizer, step_fn, iter(dataset), checkpointer,
-                      total_steps=train_cfg.steps, mesh=mesh, meta=lifecycle.model_meta(model_cfg),
+                      total_steps=train_cfg.steps, mesh=mesh, meta=run_lib.model_meta(model_cfg),
                       vocab_size=model_cfg.vocab_size, run_dir=str(run_dir), say=say,
-                      batch_keys=extension_for(model_cfg).batch_keys)
+                      batch_keys=extension_for(model_cfg).batch_keys,
+                      sync_every=train_cfg.log_every)
     try:
         start = trainer.restore_or_init(
             check=lambda restored: _resume_policy(restored, run_dir, model_cfg, data_cfg,
@@ -92,13 +93,13 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
         checkpointer.close()
         raise
     if is_main:
-        lifecycle.save_configs(run_dir, model_cfg, data_cfg, optim_cfg, train_cfg,
+        run_lib.save_configs(run_dir, model_cfg, data_cfg, optim_cfg, train_cfg,
                                settled=model.cfg)
-        lifecycle.save_operative_gin(run_dir, operative_gin)
+        run_lib.save_operative_gin(run_dir, operative_gin)
     writer = MetricsWriter(run_dir, enabled=is_main, tensorboard=train_cfg.tensorboard,
                            resume_step=start, wandb_project=train_cfg.wandb_project,
                            wandb_mode=train_cfg.wandb_mode,
-                           config=lifecycle.configs_to_json(model_cfg, data_cfg, optim_cfg,
+                           config=run_lib.configs_to_json(model_cfg, data_cfg, optim_cfg,
                                                             train_cfg))
     bar = ProgressHook(writer, schedule, total_steps=train_cfg.steps,
                        tokens_per_step=data_cfg.batch_size * data_cfg.seq_len,
@@ -114,7 +115,7 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
             bar.close()
             if interrupted:
                 say(f"{stop['signal']} received: saved a checkpoint at step {step} in "
-                    f"{run_dir / lifecycle.CHECKPOINT_DIR}; run the same command again to resume")
+                    f"{run_dir / run_lib.CHECKPOINT_DIR}; run the same command again to resume")
             else:
                 with trainer.mesh_scope():
                     final_eval = evaluator(model)
@@ -165,9 +166,9 @@ def _prepare(model_cfg, data_cfg, train_cfg, is_main: bool):
             require_wandb()
         if train_cfg.tensorboard:
             check_tensorboard_target(train_cfg.run_dir)
-    run_dir = lifecycle.prepare_run_dir(train_cfg.run_dir)
+    run_dir = run_lib.prepare_run_dir(train_cfg.run_dir)
     tokenizer = make_tokenizer(data_cfg)
-    lifecycle.check_compatible(model_cfg, data_cfg, tokenizer)
+    run_lib.check_compatible(model_cfg, data_cfg, tokenizer)
     processes = jax.process_count()
     if data_cfg.batch_size % (train_cfg.grad_accum * processes):
         raise ValueError(f"DataConfig.batch_size={data_cfg.batch_size} must be a multiple of "
@@ -178,7 +179,7 @@ def _prepare(model_cfg, data_cfg, train_cfg, is_main: bool):
 def _resume_policy(restored, run_dir, model_cfg, data_cfg, train_cfg, say) -> None:
     """Refuse a checkpoint of another model unless ``TrainConfig.allow_model_change``; warn
     about an allowed model change and about data changes since the run last started."""
-    model_changes, data_changes = lifecycle.resume_changes(run_dir, model_cfg, data_cfg,
+    model_changes, data_changes = run_lib.resume_changes(run_dir, model_cfg, data_cfg,
                                                            restored.meta)
     if model_changes and not train_cfg.allow_model_change:
         raise ValueError(f"the model config differs from the checkpoint's in {run_dir}: "

@@ -28,7 +28,7 @@ from typing import Dict, List, Mapping, Optional, Protocol, runtime_checkable
 
 import numpy as np
 
-from dagmoe_jax.lifecycle.paths import as_path, is_remote, scheme
+from dagmoe_jax.run.paths import as_path, is_remote, scheme
 
 METRICS_FILE = "metrics.jsonl"
 WANDB_ID_FILE = "wandb_run_id"

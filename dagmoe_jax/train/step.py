@@ -1,12 +1,13 @@
-"""The language-modelling loss, the jitted training step and the jitted evaluation step.
+"""The language-modelling loss and the jitted training step (the evaluation step is
+:func:`dagmoe_jax.evaluation.eval_step`).
 
 loss = cross-entropy on non-padding tokens + aux_loss (balance + z-loss, weighted by the
 router config's coefficients; every block's auxiliary loss is in it). Each term is returned
 separately for logging. The training loss's cross-entropy is vocabulary-tiled
-(:mod:`dagmoe_jax.train.tiled_loss`): the model stops at its hidden states and the LM head runs
+(:mod:`dagmoe_jax.model.tiled_loss`): the model stops at its hidden states and the LM head runs
 a chunk of positions at a time, never holding the [B, S, V] logits. A block family with its
 own objective gives the model its extra inputs and turns the cross-entropy into its loss
-through its extension's hooks (:mod:`dagmoe_jax.extensions`: ``model_inputs``, ``loss``; their
+through its extension's hooks (:mod:`dagmoe_jax.data.extension`: ``model_inputs``, ``loss``; their
 metrics are logged beside these).
 """
 
@@ -19,27 +20,19 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from dagmoe_jax.model import Transformer, extension_for
-from dagmoe_jax.parallel import constrain
-from dagmoe_jax.parallel.state import active_batch_shards
-from dagmoe_jax.train.tiled_loss import (DEFAULT_CHUNK_TOKENS, tiled_cross_entropy,
-                                         tiled_scores)
+from dagmoe_jax.model import Transformer
+from dagmoe_jax.run.extensions import extension_for
+from dagmoe_jax.parallel import replicated
+from dagmoe_jax.model.tiled_loss import chunk_tokens, tiled_cross_entropy
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
     """Mean token cross-entropy over positions where ``mask`` is true (float32), from whole
-    logits: the plain version of :func:`~dagmoe_jax.train.tiled_loss.tiled_cross_entropy`
+    logits: the plain version of :func:`~dagmoe_jax.model.tiled_loss.tiled_cross_entropy`
     (its test oracle and the memory benchmark's baseline)."""
     losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
     mask = mask.astype(jnp.float32)
     return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-
-
-def _chunk_tokens(model: Transformer) -> int:
-    """Tokens of the whole batch in one chunk of the tiled loss: the settled per-device
-    ``ExecutionConfig.loss_chunk`` (512 while unsettled) times the batch's shards on the active
-    mesh, since the loss sees the global batch."""
-    return (model.cfg.execution.loss_chunk or DEFAULT_CHUNK_TOKENS) * active_batch_shards()
 
 
 def lm_loss(model: Transformer, batch: Dict[str, jax.Array]) -> Tuple[jax.Array, dict]:
@@ -51,7 +44,7 @@ def lm_loss(model: Transformer, batch: Dict[str, jax.Array]) -> Tuple[jax.Array,
                    **extension.model_inputs(batch, train=True))
     mask = batch.get("mask", jnp.ones_like(batch["targets"], dtype=bool))
     ce = tiled_cross_entropy(h, model.lm_head[...].astype(h.dtype), batch["targets"], mask,
-                             chunk_tokens=_chunk_tokens(model))
+                             chunk_tokens=chunk_tokens(model.cfg))
     total, extra_metrics = extension.loss(ce, aux, batch)
     metrics = {"loss": total, "ce_loss": ce, "balance_loss": aux["balance_loss"],
                "z_loss": aux["z_loss"], "expert_load": aux["expert_load"],
@@ -109,27 +102,6 @@ def make_train_step(loss_fn: Callable = lm_loss, grad_accum: int = 1,
             metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
         optimizer.update(model, grads)
         metrics["grad_norm"] = optax.tree.norm(grads)
-        return _replicated(metrics)
+        return replicated(metrics)
 
     return step
-
-
-@nnx.jit
-def eval_step(model: Transformer, batch: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
-    """Summed cross-entropy and token count over ``batch['mask']``, and the argmax predictions
-    (for exact-answer scoring), from the LM head applied a chunk of positions at a time
-    (:func:`~dagmoe_jax.train.tiled_loss.tiled_scores`: no [B, S, V] logits);
-    ``batch['segments']`` optional, as in :func:`lm_loss`."""
-    inputs = extension_for(model.cfg).model_inputs(batch, train=False)
-    h, _ = model(batch["inputs"], head=False, segment_ids=batch.get("segments"), **inputs)
-    losses, predictions = tiled_scores(h, model.lm_head[...].astype(h.dtype), batch["targets"],
-                                       chunk_tokens=_chunk_tokens(model))
-    mask = batch["mask"].astype(jnp.float32)
-    return _replicated({"ce_sum": jnp.sum(losses * mask), "tokens": jnp.sum(mask),
-                        "predictions": predictions})
-
-
-def _replicated(tree):
-    """Outputs replicated on every device of an active mesh (a no-op without one), so every
-    process can read them on the host."""
-    return jax.tree.map(lambda x: constrain(x, (None,) * x.ndim), tree)

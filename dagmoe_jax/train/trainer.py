@@ -28,10 +28,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import jax
 from flax import nnx
 
-from dagmoe_jax import lifecycle
+from dagmoe_jax import run as run_lib
 from dagmoe_jax.data import check_tokens
 from dagmoe_jax.parallel import activate
-from dagmoe_jax.train.step import eval_step
+from dagmoe_jax.evaluation import eval_step
 
 
 class NonFiniteLossError(RuntimeError):
@@ -40,14 +40,19 @@ class NonFiniteLossError(RuntimeError):
 
 @dataclasses.dataclass
 class StepInfo:
-    """What a hook sees after a step: its number, loss and metrics (on the device), the time
-    the step itself took (data, compute; not the hooks), and whether it is the last one."""
+    """What a hook sees after a step: its number, metrics (on the device), the time the step
+    itself took (data, dispatch, and on a step that waits for the device, the compute queued
+    since the last such step; not the hooks), and whether it is the last one. ``loss`` reads
+    the loss to the host: a hook that reads it every step makes every step wait."""
 
     step: int
-    loss: float
     metrics: Dict[str, Any]
     seconds: float
     last: bool
+
+    @property
+    def loss(self) -> float:
+        return float(self.metrics["loss"])
 
 
 @contextlib.contextmanager
@@ -72,22 +77,25 @@ def stop_on_signals(flag: dict):
 class Trainer:
     """Steps ``model`` and ``optimizer`` with ``step_fn`` over ``data_iter`` (module docstring).
 
-    checkpointer: the run's :class:`~dagmoe_jax.lifecycle.Checkpointer`; meta: what checkpoints
+    checkpointer: the run's :class:`~dagmoe_jax.run.Checkpointer`; meta: what checkpoints
     are saved with and checked against; vocab_size: batches with ids outside it are one-line
     errors; say: one-line reports (compilation, resume, stop reasons); run_dir: named in them;
-    batch_keys: the per-token annotations of a model family the batches carry to the model.
+    batch_keys: the per-token annotations of a model family the batches carry to the model;
+    sync_every: the host reads the losses (and stops at a non-finite one) every this many
+    steps, before every checkpoint and at the end, not every step: between two reads the
+    host queues steps while the device computes (``TrainConfig.log_every`` in a run).
     """
 
     def __init__(self, model, optimizer, step_fn: Callable, data_iter, checkpointer, *,
                  total_steps: int, mesh=None, meta: Optional[dict] = None,
                  vocab_size: Optional[int] = None, run_dir: str = "",
                  say: Callable[[str], None] = lambda _message: None,
-                 batch_keys: Tuple[str, ...] = ()):
+                 batch_keys: Tuple[str, ...] = (), sync_every: int = 1):
         self.model, self.optimizer, self.step_fn = model, optimizer, step_fn
         self.data_iter, self.checkpointer = data_iter, checkpointer
         self.total_steps, self.mesh, self.meta = total_steps, mesh, meta or {}
         self.vocab_size, self.run_dir, self.say = vocab_size, run_dir, say
-        self.batch_keys = batch_keys
+        self.batch_keys, self.sync_every = batch_keys, max(int(sync_every), 1)
         self.hooks: List[Tuple[int, Callable[[StepInfo], None]]] = []
         self.losses: Dict[int, float] = {}
         self.compile_seconds: Optional[float] = None
@@ -101,11 +109,11 @@ class Trainer:
     def mesh_scope(self):
         return contextlib.nullcontext() if self.mesh is None else activate(self.mesh)
 
-    def restore_or_init(self, check: Callable[[lifecycle.Restored], None] = lambda _r: None) -> int:
+    def restore_or_init(self, check: Callable[[run_lib.Restored], None] = lambda _r: None) -> int:
         """Restore the newest readable checkpoint into the model, optimizer and data iterator
         and return its step, or 0 for a new run. ``check(restored)`` runs first and may refuse
         (raise) a checkpoint the run's configs must not continue."""
-        abstract = lifecycle.abstract(lifecycle.train_state(self.model, self.optimizer))
+        abstract = run_lib.abstract(run_lib.train_state(self.model, self.optimizer))
         with self.mesh_scope():
             restored = self.checkpointer.restore(abstract, data_iterator=self.data_iter,
                                                  expected_meta=self.meta)
@@ -130,45 +138,56 @@ class Trainer:
         committed before this returns, so "saved" is said only once a save is on disk."""
         stop = {} if stop is None else stop
         step = start
+        pending: List[Tuple[int, Any]] = []     # (step, loss on the device) not yet read
         with self.mesh_scope():
             for step in range(start + 1, self.total_steps + 1):
                 tick = time.perf_counter()
                 batch = next(self.data_iter)
                 if self.vocab_size is not None:
                     check_tokens(batch, self.vocab_size)
-                device_batch = lifecycle.device_batch(batch, self.mesh, self.batch_keys)
+                device_batch = run_lib.device_batch(batch, self.mesh, self.batch_keys)
                 if self.compile_seconds is None:
                     self.say(f"step {step}: compiling the training step...")
                 metrics = self.step_fn(self.model, self.optimizer, device_batch)
                 if "mask" in device_batch:          # the loss is a mean over these tokens
                     metrics = {**metrics, "trained_tokens": _count(device_batch["mask"])}
-                loss = float(metrics["loss"])
+                pending.append((step, metrics["loss"]))
+                last = step == self.total_steps
+                force = bool(stop) or last
+                save = force or self.checkpointer.should_save(step)
+                if (save or self.compile_seconds is None or step % self.sync_every == 0):
+                    self._read_losses(pending)
+                    pending = []
                 seconds = time.perf_counter() - tick
                 if self.compile_seconds is None:
                     self.compile_seconds = seconds
                     self.say(f"step {step}: compiled the training step in {seconds:.1f} s")
-                if not math.isfinite(loss):
-                    raise NonFiniteLossError(
-                        f"loss is {loss} at step {step}: stopped without saving; the newest "
-                        f"checkpoint in {self.checkpointer.directory} is the last good one "
-                        f"(lower OptimConfig.learning_rate or raise grad clipping)")
-                self.losses[step] = loss
-                last = step == self.total_steps
-                info = StepInfo(step, loss, metrics, seconds, last)
+                info = StepInfo(step, metrics, seconds, last)
                 for every, hook in self.hooks:
                     if step % every == 0 or last:
                         hook(info)
                 self.checkpointer.check_for_errors()     # stop at a failed save, not later
-                force = bool(stop) or last
-                if force or self.checkpointer.should_save(step):  # gather the state only then
+                if save:                                 # gather the state only then
                     self.check_saveable(device_batch, step)
-                    self.checkpointer.save(step, lifecycle.train_state(self.model, self.optimizer),
+                    self.checkpointer.save(step, run_lib.train_state(self.model, self.optimizer),
                                                 data_iterator=self.data_iter, meta=self.meta,
                                                 force=force)
                 if stop:
                     break
         self.checkpointer.wait()
         return step, bool(stop)
+
+    def _read_losses(self, pending: List[Tuple[int, Any]]) -> None:
+        """Wait for the queued steps and read their losses; the first non-finite one stops the
+        run without saving (no checkpoint is written between two reads)."""
+        for step, loss in zip([s for s, _ in pending], jax.device_get([v for _, v in pending])):
+            loss = float(loss)
+            if not math.isfinite(loss):
+                raise NonFiniteLossError(
+                    f"loss is {loss} at step {step}: stopped without saving; the newest "
+                    f"checkpoint in {self.checkpointer.directory} is the last good one "
+                    f"(lower OptimConfig.learning_rate or raise grad clipping)")
+            self.losses[step] = loss
 
     def check_saveable(self, device_batch, step: int) -> None:
         """Refuse to checkpoint parameters that have diverged. The loss of step k is computed

@@ -32,7 +32,7 @@ Flags:
   --seq_len=N --batch_size=N  rows of the statistics pass and of later training (default: the
                          first dense run's; 256 and 16 for Hugging Face models)
 
-Then: python train.py --mode=eval --run_dir=DIR; python -m dagmoe_jax.decoding.sample --run_dir=DIR;
+Then: python train.py --mode=eval --run_dir=DIR; python -m dagmoe_jax.cli.sample --run_dir=DIR;
 python train.py --gin_file=DIR/resume.gin (DUME+ at top_k >= 2). Exit status 2 for invalid input
 (one line).
 """
@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 from dagmoe_jax.cli import (USER_ERRORS, OneLineParser, parse_or_report,
-                           quiet_background_errors, report_error)
+                            quiet_background_errors, report_error)
 
 
 def parse_args(argv):
@@ -97,7 +97,7 @@ def _check_args(args) -> None:
 
 def _base_data(args, base):
     from dagmoe_jax.data import DataConfig  # pylint: disable=import-outside-toplevel
-    from dagmoe_jax.upcycle.hf_llama import tokenizer_settings  # pylint: disable=import-outside-toplevel
+    from dagmoe_jax.hf.llama import tokenizer_settings  # pylint: disable=import-outside-toplevel
 
     if base is None:       # a Hugging Face model: its tokenizer.json and tokenizer_config.json
         path = args.tokenizer_path or str(Path(args.dense[0]) / "tokenizer.json")

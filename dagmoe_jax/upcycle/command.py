@@ -3,7 +3,7 @@
 :func:`load_dense` reads a dense model from a ``train.py`` run directory or a Hugging Face
 Llama directory; :func:`build_dume` merges N of them and solves the routers from one data
 source per domain; :func:`write_run` writes a run directory that ``train.py --mode=eval``,
-``python -m dagmoe_jax.decoding.sample`` and the analysis accept, and that ``train.py`` continues
+``python -m dagmoe_jax.cli.sample`` and the analysis accept, and that ``train.py`` continues
 (DUME+ router training, or DAG training after ``--dag_dim``) from its ``resume.gin``.
 Library code: progress goes to the ``progress`` callbacks, nothing is printed here.
 """
@@ -18,17 +18,18 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from flax import nnx
 
-from dagmoe_jax import lifecycle
+from dagmoe_jax import run as run_lib
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.data import DataConfig, make_tokenizer
 from dagmoe_jax.data.config import parse_source
 from dagmoe_jax.data.instruct import instruct_dataset, is_instruct
 from dagmoe_jax.data.pipeline import train_dataset
-from dagmoe_jax.lifecycle.settle import settle
-from dagmoe_jax.train.config import TrainConfig
-from dagmoe_jax.train.config import OptimConfig
+from dagmoe_jax.run.settle import settle
+from dagmoe_jax.run.config import TrainConfig
+from dagmoe_jax.run.config import OptimConfig
 from dagmoe_jax.upcycle import dume as dume_lib
-from dagmoe_jax.upcycle import hf_llama, moerge, stream
+from dagmoe_jax.hf import llama as hf_llama
+from dagmoe_jax.upcycle import moerge, stream
 from dagmoe_jax.upcycle.ridge import DEFAULT_LAMBDA, DomainStatistics
 
 STATS_DIR = "dume_stats"
@@ -76,8 +77,8 @@ def load_dense(path: str) -> DenseSource:
     if "model_type" in blob:
         model, cfg = hf_llama.load_hf_llama(directory)
         return DenseSource(model, cfg, None)
-    loaded = lifecycle.load_run(directory)
-    model_cfg = lifecycle.load_configs(directory)[0]
+    loaded = run_lib.load_run(directory)
+    model_cfg = run_lib.load_configs(directory)[0]
     if model_cfg.block != "dense":
         raise ValueError(f"{path} holds a block={model_cfg.block!r} model: DUME merges dense "
                          f"models (block='dense')")
@@ -189,19 +190,19 @@ def write_run(run_dir: str, model: nnx.Module, model_cfg: ModelConfig, data_cfg:
         trainable = default_trainable(model_cfg)
     if optim_cfg.warmup_steps >= steps:       # a short continuation: warm up within it
         optim_cfg = dataclasses.replace(optim_cfg, warmup_steps=steps - 1)
-    path = lifecycle.prepare_run_dir(run_dir)
-    if (path / lifecycle.CHECKPOINT_DIR).exists():
+    path = run_lib.prepare_run_dir(run_dir)
+    if (path / run_lib.CHECKPOINT_DIR).exists():
         raise ValueError(f"{path} already holds checkpoints: choose a new --run_dir")
     train_cfg = TrainConfig(run_dir=str(path), steps=steps, trainable=trainable,
                             save_every=max(1, steps))
-    built, optimizer, _ = lifecycle.build(model_cfg, optim_cfg, train_cfg)
+    built, optimizer, _ = run_lib.build(model_cfg, optim_cfg, train_cfg)
     moerge.set_params(built, moerge.flat_params(model))
     tokenizer = make_tokenizer(data_cfg)
     iterator = iter(instruct_dataset(data_cfg, tokenizer) if is_instruct(data_cfg)
                     else train_dataset(data_cfg, tokenizer))       # what resume.gin reads
-    lifecycle.save_initial_checkpoint(path, built, optimizer, model_cfg, train_cfg, iterator)
-    lifecycle.save_configs(path, model_cfg, data_cfg, optim_cfg, train_cfg, settled=built.cfg)
-    lifecycle.save_resume_gin(path, model_cfg, data_cfg, optim_cfg, train_cfg, name=RESUME_GIN)
+    run_lib.save_initial_checkpoint(path, built, optimizer, model_cfg, train_cfg, iterator)
+    run_lib.save_configs(path, model_cfg, data_cfg, optim_cfg, train_cfg, settled=built.cfg)
+    run_lib.save_resume_gin(path, model_cfg, data_cfg, optim_cfg, train_cfg, name=RESUME_GIN)
     if stats:
         (path / STATS_DIR).mkdir(exist_ok=True)
         for j, s in enumerate(stats):

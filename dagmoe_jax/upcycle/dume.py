@@ -27,7 +27,8 @@ from dagmoe_jax.analysis.collect import record
 from dagmoe_jax.model.attention import rope_angles
 from dagmoe_jax.model.layers import dtype_of, swiglu
 from dagmoe_jax.model.segments import segment_positions
-from dagmoe_jax.upcycle.moerge import check_dume_config, flat_params, set_params
+from dagmoe_jax.upcycle.moerge import (EXPERT_PREFIX, MLP_PREFIX, check_dume_config,
+                                       check_same_architecture, flat_params, set_params)
 from dagmoe_jax.upcycle.ridge import DEFAULT_LAMBDA, DomainStatistics, solve_routers
 from dagmoe_jax.model import Transformer
 
@@ -180,8 +181,6 @@ def add_expert(moe: nnx.Module, dense: nnx.Module, *, seed: int = 0,
     plain mean, DUME sec. 2.2): every layer's inputs change, so every domain needs fresh
     statistics (:func:`collect_statistics`) before :func:`dume`. The routers are random until
     :func:`dume` sets them."""
-    from dagmoe_jax.upcycle.moerge import EXPERT_PREFIX, MLP_PREFIX, check_same_architecture
-
     check_dume_config(moe.cfg)
     as_dense = moe.cfg.replace(block="dense", ffn_hidden=moe.cfg.experts.expert_hidden)
     check_same_architecture([as_dense, dense.cfg], ["the merged model", "the new model"])

@@ -13,12 +13,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence, Tuple
 
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from dagmoe_jax.config import AggregationConfig, ModelConfig, RouterConfig, execution_fields
 from dagmoe_jax.model import Transformer
+from dagmoe_jax.model.params import flat_params, set_params
 
 MLP_PREFIX = ("layers", "block")          # the dense block's w_gate / w_up / w_down
 EXPERT_PREFIX = ("layers", "block", "experts")
@@ -86,34 +86,6 @@ def check_same_architecture(cfgs: Sequence[ModelConfig], names: Sequence[str] = 
             if value != first[field]:
                 raise ValueError(f"{name} has ModelConfig.{field}={value!r} but {names[0]} has "
                                  f"{first[field]!r}: DUME merges models of one architecture")
-
-
-def flat_params(model: nnx.Module) -> dict:
-    """{path tuple: float32 NumPy array} of every parameter of ``model``."""
-    return {tuple(path): np.asarray(v[...], np.float32)
-            for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-
-
-def variable(model: nnx.Module, path: Sequence[str]):
-    """The parameter of ``model`` at attribute ``path`` (e.g. ``('layers', 'attn', 'w_q')``)."""
-    node = model
-    for part in path:
-        node = getattr(node, part)
-    return node
-
-
-def set_params(model: nnx.Module, params, source: str = "the merge") -> None:
-    """Write {path: array} (or (path, array) pairs, read one at a time) into ``model``'s
-    parameters (concrete, or abstract from ``nnx.eval_shape``), cast to their dtypes; a shape
-    mismatch is a one-line error naming the parameter and what gave the array (``source``)."""
-    for path, value in (params.items() if isinstance(params, dict) else params):
-        node = variable(model, path)
-        if tuple(node.shape) != tuple(np.shape(value)):
-            raise ValueError(f"parameter {'.'.join(path)} has shape {tuple(node.shape)}, "
-                             f"{source} gives {tuple(np.shape(value))}")
-        # ``value`` rather than ``[...]``: the model may be abstract (nnx.eval_shape), its
-        # parameters shapes only until set here.
-        node.set_value(jnp.asarray(np.asarray(value, dtype=node.dtype)))
 
 
 def merged_params(dense: Sequence[dict]) -> Tuple[dict, dict]:

@@ -24,9 +24,10 @@ from flax import nnx
 
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.model import Transformer
-from dagmoe_jax.upcycle import hf_llama
+from dagmoe_jax.hf import llama as hf_llama
+from dagmoe_jax.model.params import set_params, variable
 from dagmoe_jax.upcycle.moerge import (EXPERT_PREFIX, MLP_PREFIX, check_dume_config,
-                                       check_same_architecture, set_params, variable)
+                                       check_same_architecture)
 
 PathLike = Union[str, Path]
 

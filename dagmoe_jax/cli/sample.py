@@ -1,0 +1,113 @@
+"""Sample continuations of prompts from a trained run's newest checkpoint.
+
+    python -m dagmoe_jax.cli.sample --run_dir=runs/default --prompt="lis 3 1 4 1 5 ="
+    python -m dagmoe_jax.cli.sample --run_dir=runs/default --prompt="edit abca acb =" \\
+        --max_new_tokens 32 --temperature 0.8 --top_k 20 --top_p 0.9 --num_samples 4 --seed 0
+
+Flags:
+  --run_dir=DIR          a run directory written by train.py (its config.json and checkpoints)
+  --prompt=TEXT          the prompt (repeatable: several prompts are decoded as one batch)
+  --max_new_tokens=N     tokens to generate per sample (default 32)
+  --temperature=T        0 is greedy (the default); > 0 samples
+  --top_k=K              sample among the K most likely tokens (default 0: all)
+  --top_p=P              nucleus sampling: the smallest set of tokens with probability P (default 1)
+  --num_samples=N        samples per prompt (default 1)
+  --seed=S               PRNG seed (default 0): the same seed gives the same samples
+  --ignore_eos           do not stop at the tokenizer's EOS
+  --no_eos_prefix        do not put EOS before the prompt (training records follow an EOS, so
+                         by default the prompt starts as a record does)
+
+Prints one block per sample: the prompt followed by its continuation (EOS not shown).
+Exit status: 0 done, 2 invalid arguments, run directory or prompt (a one-line message).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from dagmoe_jax.cli import OneLineParser, quiet_background_errors, report_error
+
+
+def sample_text(tokenizer, prompt_ids, new_ids) -> str:
+    """The prompt and its continuation as one text, decoded together: a SentencePiece
+    continuation that starts a word begins with the word-boundary piece, which decodes to a
+    space only inside a text (decoded on its own, the space would be dropped)."""
+    return tokenizer.decode(list(prompt_ids) + list(new_ids))
+
+
+def parse_args(argv):
+    parser = OneLineParser(add_help=False)
+    parser.add_argument("-h", "--help", action="store_true")
+    parser.add_argument("--run_dir", default="")
+    parser.add_argument("--prompt", action="append", default=[])
+    parser.add_argument("--max_new_tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top_k", type=int, default=0)
+    parser.add_argument("--top_p", type=float, default=1.0)
+    parser.add_argument("--num_samples", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ignore_eos", action="store_true")
+    parser.add_argument("--no_eos_prefix", action="store_true")
+    args = parser.parse_args(argv)
+    if not args.help:
+        if not args.run_dir:
+            raise ValueError("--run_dir=DIR is required (a run directory written by train.py)")
+        if not args.prompt:
+            raise ValueError("--prompt=TEXT is required")
+        if args.num_samples < 1:
+            raise ValueError(f"--num_samples={args.num_samples} is invalid: expected an "
+                             f"integer >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.help:
+        print(__doc__)
+        return 0
+
+    # Imported after argument parsing so that --help and argument errors are instant.
+    from dagmoe_jax.decoding.generate import check_settings, generate
+    from dagmoe_jax.run.extensions import extension_for
+    from dagmoe_jax.run import load_run
+
+    quiet_background_errors()
+    try:
+        check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+        run = load_run(args.run_dir, log=lambda message: print(message, file=sys.stderr,
+                                                               flush=True))
+        for message in run.warnings:
+            print(f"warning: {message}", file=sys.stderr)
+        tok = run.tokenizer
+        prefix = [] if args.no_eos_prefix else [tok.eos_id]
+        prompts = [prefix + tok.encode(p) for p in args.prompt for _ in range(args.num_samples)]
+        longest = max(len(p) for p in prompts)
+        if longest > run.model_cfg.max_seq_len:
+            with_eos = "" if args.no_eos_prefix else " (with its EOS prefix)"
+            raise ValueError(f"the prompt is {longest} tokens long{with_eos} but the model's "
+                             f"max_seq_len is {run.model_cfg.max_seq_len}: shorten it")
+        print(f"run {args.run_dir} at step {run.step}: block={run.model_cfg.block} "
+              f"aggregation={run.model_cfg.aggregation.kind}, {run.data_cfg.tokenizer} tokenizer",
+              file=sys.stderr, flush=True)
+        features = extension_for(run.model_cfg).decoding_features(args.run_dir, run.data_cfg,
+                                                                  tok)
+        outputs = generate(run.model, prompts, max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                           stop_tokens=() if args.ignore_eos else (tok.eos_id,), seed=args.seed,
+                           pad_id=tok.pad_id, features=features)
+    except (ValueError, FileNotFoundError) as err:
+        return report_error(err)
+    for i, (prompt, new) in enumerate(zip(prompts, outputs)):
+        if not args.ignore_eos and new and new[-1] == tok.eos_id:
+            new = new[:-1]
+        text = sample_text(tok, prompt[len(prefix):], new)
+        print(f"--- sample {i} ---\n{text.rstrip(chr(10))}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Fit DoE's Stage 1 (online LDA) ahead of training and save it for ``DataConfig.topics_dir``.
+
+    python -m dagmoe_jax.cli.topics --gin_file=train/doe_smoke.gin \\
+        --gin.DataConfig.source="'text:notes/*.txt'" --out=topics/notes --max_documents=50000
+
+The training documents and K (``DoEConfig.num_topics``) come from the gin files and bindings, as
+for ``train.py``; the flags set the LDA fit (:class:`~dagmoe_jax.data.topics.TopicConfig`):
+--vocab_size, --min_df, --max_documents, --max_iter, --batch_size, --seed. Prints each topic's
+top words. Exit status: 0 done, 2 invalid arguments or data (a one-line message).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from dagmoe_jax.cli import USER_ERRORS, OneLineParser, gin_flag_bindings, report_error
+
+
+def main(argv=None) -> int:
+    from dagmoe_jax.data.topics.lda import TopicConfig  # pylint: disable=import-outside-toplevel
+
+    parser = OneLineParser(description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gin_file", action="append", default=[])
+    parser.add_argument("--out", required=True, help="directory to save the topic model in")
+    for field in dataclasses.fields(TopicConfig):
+        if field.name in ("vocab_size", "min_df", "max_documents", "max_iter", "batch_size", "seed"):
+            parser.add_argument(f"--{field.name}", type=int, default=field.default)
+    try:
+        args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    except ValueError as err:
+        return report_error(err)
+    bindings, unknown = gin_flag_bindings(rest)
+    if unknown:
+        return report_error(ValueError(f"unknown argument {unknown[0]!r}"))
+    try:
+        from dagmoe_jax.run.gin import load_configs  # pylint: disable=import-outside-toplevel
+        from dagmoe_jax.data.topics.lda import fit_topics  # pylint: disable=import-outside-toplevel
+        from dagmoe_jax.data.topics.stage import training_documents  # pylint: disable=import-outside-toplevel
+
+        model_cfg, data_cfg, _, _ = load_configs(args.gin_file, bindings)
+        cfg = TopicConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TopicConfig)
+                             if hasattr(args, f.name)})
+        docs = training_documents(data_cfg, cfg.max_documents)
+        print(f"fitting online LDA: {model_cfg.doe.num_topics} topics on {len(docs)} documents",
+              flush=True)
+        model = fit_topics(docs, model_cfg.doe.num_topics, cfg)
+        model.save(args.out)
+    except USER_ERRORS as err:
+        return report_error(err)
+    for k, words in enumerate(model.top_words(8)):
+        print(f"topic {k:>3}: {' '.join(words)}")
+    print(f"saved to {args.out} (train with --gin.DataConfig.topics_dir=\"'{args.out}'\")")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

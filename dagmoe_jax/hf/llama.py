@@ -1,0 +1,434 @@
+"""Hugging Face Llama checkpoints in and out of the library's dense Transformer, without torch.
+
+A Hugging Face Llama directory holds ``config.json`` and either ``model.safetensors`` or shards
+listed by ``model.safetensors.index.json``. :func:`load_hf_llama` reads the tensors lazily with
+the ``safetensors`` NumPy API (one tensor in host memory at a time; bfloat16 through
+``ml_dtypes``) into a ``block='dense'`` :class:`~dagmoe_jax.model.Transformer`;
+:func:`export_hf_llama` writes one back. The mapping (docs/design.md section 7):
+
+* ``nn.Linear`` weights are stored [out, in] and the library's matrices [in, out]: every
+  projection is transposed; q/k/v go to [d, heads, head_dim] (rows of ``q_proj`` are
+  head-major) and ``o_proj`` to [heads, head_dim, d].
+* RoPE: Hugging Face's ``rotate_half`` is the half-split layout of
+  :func:`~dagmoe_jax.model.attention.apply_rope`, so no permutation is needed.
+* ``tie_word_embeddings``: the LM head is ``embed_tokens`` transposed; export ties them again
+  when the two are equal.
+* ``rms_norm_eps``, ``head_dim``, ``intermediate_size`` and RoPE carry over to
+  ``ModelConfig``: ``rope_theta`` and the scaling ('default', 'linear', or Llama 3.1/3.2's
+  'llama3') in either layout transformers has written (:func:`rope_from_hf`: transformers 5's
+  ``rope_parameters``, 4.x's ``rope_scaling``); export writes both (:func:`rope_to_hf`).
+
+What the library's Llama cannot express (attention or MLP biases, a sliding window, another
+architecture, another activation or RoPE scaling, quantised weights) is a one-line
+``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy before safetensors reads one)
+import numpy as np
+from flax import nnx
+
+from dagmoe_jax.config import ModelConfig, RopeScalingConfig
+from dagmoe_jax.model.params import set_params, variable
+from dagmoe_jax.model import Transformer
+from dagmoe_jax.run.settle import settle
+
+PathLike = Union[str, Path]
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+
+# Tensors a Llama checkpoint may carry that hold no parameter (older exports store RoPE's
+# inverse frequencies, which config.json determines).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def read_hf_config(path: PathLike) -> dict:
+    """``config.json`` of a Hugging Face model directory, or a one-line error."""
+    file = Path(path) / CONFIG_FILE
+    if not file.is_file():
+        raise ValueError(f"{file} does not exist: pass a Hugging Face model directory "
+                         f"(config.json + model.safetensors)")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file} is not valid JSON ({err.msg}, line {err.lineno})") from None
+
+
+def tokenizer_settings(path: PathLike) -> Dict[str, str]:
+    """What a Hugging Face model directory's ``tokenizer_config.json`` says about its special
+    tokens: ``{'eos_token': ..., 'bos_token': ...}`` for those it names (a string, or a dict
+    with ``content``, as transformers writes added tokens); empty without the file."""
+    file = Path(path) / "tokenizer_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        blob = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file} is not valid JSON ({err.msg}, line {err.lineno})") from None
+    out = {}
+    for key in ("eos_token", "bos_token"):
+        value = blob.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str) and value:
+            out[key] = value
+    return out
+
+
+def _unsupported(field: str, value, why: str) -> ValueError:
+    return ValueError(f"Hugging Face config {field}={json.dumps(value)} is not supported: {why}")
+
+
+# The keys each supported rope_type may carry (Hugging Face's ``rope_parameters`` /
+# ``rope_scaling``); any other key, or another rope_type, is refused by name.
+ROPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings"),
+}
+_ROPE_COMMON = ("rope_type", "type", "rope_theta")
+
+
+def rope_from_hf(hf: dict) -> Tuple[float, RopeScalingConfig]:
+    """(rope_theta, ``RopeScalingConfig``) of a Hugging Face config, in every layout
+    ``transformers`` has written: ``rope_parameters`` (transformers 5: ``rope_type`` and
+    ``rope_theta`` inside it) or ``rope_scaling`` beside a top-level ``rope_theta`` (4.x), the
+    type as ``rope_type`` or ``type``. Supported: 'default', 'linear', 'llama3'; any other
+    type ('yarn', 'dynamic', 'longrope', ...), an unknown key, or the two layouts disagreeing is
+    a one-line error naming the field, never a silent default."""
+    params, legacy = hf.get("rope_parameters"), hf.get("rope_scaling")
+    field, entry = (("rope_parameters", params) if params is not None
+                    else ("rope_scaling", legacy))
+    entry = dict(entry or {})
+    if params is not None and legacy is not None:
+        for key, value in legacy.items():
+            if key in entry and entry[key] != value and key != "type":
+                raise ValueError(f"Hugging Face config rope_scaling.{key}={json.dumps(value)} "
+                                 f"disagrees with rope_parameters.{key}="
+                                 f"{json.dumps(entry[key])}: fix config.json")
+    theta = entry.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if "rope_theta" in entry and "rope_theta" in hf and float(hf["rope_theta"]) != float(theta):
+        raise ValueError(f"Hugging Face config rope_theta={hf['rope_theta']} disagrees with "
+                         f"{field}.rope_theta={theta}: fix config.json")
+    kind = entry.get("rope_type", entry.get("type", "default"))
+    if kind not in ROPE_KEYS:
+        raise _unsupported(f"{field}.rope_type", kind,
+                           f"supported RoPE types are {', '.join(ROPE_KEYS)}")
+    for key in entry:
+        if key not in ROPE_KEYS[kind] + _ROPE_COMMON:
+            raise _unsupported(f"{field}.{key}", entry[key],
+                               f"rope_type {kind!r} takes no such key (the library would "
+                               f"ignore it)")
+    try:
+        if kind == "linear":
+            return float(theta), RopeScalingConfig(kind="linear", factor=float(entry["factor"]))
+        if kind == "llama3":
+            return float(theta), RopeScalingConfig(
+                kind="llama3", factor=float(entry["factor"]),
+                low_freq_factor=float(entry["low_freq_factor"]),
+                high_freq_factor=float(entry["high_freq_factor"]),
+                original_max_position=int(entry["original_max_position_embeddings"]))
+    except KeyError as err:
+        raise ValueError(f"Hugging Face config {field} lacks {err.args[0]!r}, which rope_type "
+                         f"{kind!r} needs") from None
+    return float(theta), RopeScalingConfig()
+
+
+def rope_to_hf(cfg: ModelConfig) -> dict:
+    """The RoPE fields of an exported ``config.json``: ``rope_parameters`` (read by
+    transformers 5) and the same scaling as ``rope_scaling`` beside ``rope_theta`` (read by
+    transformers 4.x, which ignores ``rope_parameters``), so either version loads it."""
+    rs = cfg.rope_scaling
+    scaling = {"none": None, "linear": {"rope_type": "linear", "factor": rs.factor},
+               "llama3": {"rope_type": "llama3", "factor": rs.factor,
+                          "low_freq_factor": rs.low_freq_factor,
+                          "high_freq_factor": rs.high_freq_factor,
+                          "original_max_position_embeddings": rs.original_max_position}}[rs.kind]
+    params = {"rope_type": "default", **(scaling or {}), "rope_theta": cfg.rope_theta}
+    return {"rope_theta": cfg.rope_theta, "rope_scaling": scaling, "rope_parameters": params}
+
+
+# Every top-level config.json field the importer knows. READ: turned into the ModelConfig or
+# checked to be what the library's Llama computes (a bias, another activation, a sliding
+# window, partial RoPE, quantisation are refused by name). NO_EFFECT: fields that do not
+# change the forward pass of an imported model (bookkeeping, token ids, the storage dtype,
+# training-only dropout, Llama's pretraining_tp, which slices the same matmuls). Any other
+# field is refused by name: a field a newer transformers adds must be read here, or listed
+# as harmless, before it can be ignored (tests/test_hf_llama.py lists LlamaConfig's).
+READ_FIELDS = frozenset({
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+    "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings",
+    "hidden_act", "attention_bias", "mlp_bias", "sliding_window", "partial_rotary_factor",
+    "quantization_config"})
+NO_EFFECT_FIELDS = frozenset({
+    "_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype",
+    "bos_token_id", "eos_token_id", "pad_token_id", "attention_dropout", "initializer_range",
+    "pretraining_tp", "use_cache", "output_attentions", "output_hidden_states", "return_dict",
+    "is_encoder_decoder", "chunk_size_feed_forward", "id2label", "label2id", "problem_type"})
+
+
+def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
+    """The dense ``ModelConfig`` of a Hugging Face Llama ``config.json`` (``overrides``: other
+    ModelConfig fields, e.g. ``param_dtype``). Unsupported fields are one-line errors."""
+    model_type = hf.get("model_type")
+    if model_type != "llama":
+        raise _unsupported("model_type", model_type, "only 'llama' checkpoints can be imported")
+    unknown = sorted(set(hf) - READ_FIELDS - NO_EFFECT_FIELDS)
+    if unknown:
+        raise ValueError(f"Hugging Face config field {unknown[0]}={json.dumps(hf[unknown[0]])} "
+                         f"is unknown to the importer: it may change the model, so it is not "
+                         f"ignored (remove it from config.json if it does not)")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise _unsupported("hidden_act", hf["hidden_act"], "Llama's MLP is SwiGLU ('silu')")
+    for field in ("attention_bias", "mlp_bias"):
+        if hf.get(field):
+            raise _unsupported(field, hf[field], "the library's Llama has no linear biases")
+    if hf.get("sliding_window") is not None:
+        raise _unsupported("sliding_window", hf["sliding_window"],
+                           "the library's attention is full causal")
+    if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise _unsupported("partial_rotary_factor", hf["partial_rotary_factor"],
+                           "the library's RoPE rotates every head dimension")
+    if hf.get("quantization_config") is not None:
+        raise _unsupported("quantization_config", hf["quantization_config"].get("quant_method"),
+                           "import an unquantised (float32/bfloat16/float16) checkpoint")
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads"):
+        if not isinstance(hf.get(field), int):
+            raise ValueError(f"Hugging Face config {field} is missing or not an integer: is "
+                             f"this a Llama config.json?")
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    rope_theta, rope_scaling = rope_from_hf(hf)
+    fields = dict(
+        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"], num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim,
+        ffn_hidden=hf["intermediate_size"], block="dense",
+        max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+        rope_theta=rope_theta, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_scaling=rope_scaling)
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def hf_config_from_model(cfg: ModelConfig, *, tie_word_embeddings: bool,
+                         dtype: str = "float32") -> dict:
+    """The Hugging Face ``config.json`` of a dense ``cfg`` (:func:`export_hf_llama`)."""
+    if cfg.block != "dense":
+        raise ValueError(f"ModelConfig.block={cfg.block!r} cannot be exported as a Hugging Face "
+                         f"Llama: only block='dense' models can")
+    hf = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.resolved_ffn_hidden, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.resolved_head_dim, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+        "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": tie_word_embeddings, "torch_dtype": dtype, **rope_to_hf(cfg),
+    }
+    return hf
+
+
+class SafetensorsReader:
+    """Lazy access to the tensors of a Hugging Face model directory (single file or shards).
+
+    ``reader[name]`` opens the shard holding ``name`` and reads that tensor only; a shard named
+    by the index but absent from the directory is a one-line error when the reader is made.
+    """
+
+    def __init__(self, path: PathLike):
+        from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+        self._open = safe_open
+        path = Path(path)
+        index, single = path / INDEX_FILE, path / SINGLE_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError):
+                raise ValueError(f"{index} has no 'weight_map': is it a safetensors "
+                                 f"index?") from None
+            self.files = {name: path / shard for name, shard in weight_map.items()}
+            missing = sorted({str(f.name) for f in self.files.values() if not f.is_file()})
+            if missing:
+                raise ValueError(f"shard {missing[0]} listed in {index} is missing from {path}"
+                                 f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}"
+                                 f": download every shard")
+        elif single.is_file():
+            with safe_open(str(single), framework="numpy") as f:
+                self.files = {name: single for name in f.keys()}
+        else:
+            raise ValueError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}: only "
+                             f"safetensors checkpoints can be imported")
+
+    def keys(self) -> List[str]:
+        return list(self.files)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self.files:
+            raise ValueError(f"tensor {name} is missing from the checkpoint: is it a Llama "
+                             f"checkpoint of this config.json?")
+        with self._open(str(self.files[name]), framework="numpy") as f:
+            return f.get_tensor(name)
+
+
+def _layer_names(i: int) -> Dict[str, str]:
+    p = f"model.layers.{i}."
+    return {"attn_norm": p + "input_layernorm.weight", "q": p + "self_attn.q_proj.weight",
+            "k": p + "self_attn.k_proj.weight", "v": p + "self_attn.v_proj.weight",
+            "o": p + "self_attn.o_proj.weight", "block_norm": p + "post_attention_layernorm.weight",
+            "gate": p + "mlp.gate_proj.weight", "up": p + "mlp.up_proj.weight",
+            "down": p + "mlp.down_proj.weight"}
+
+
+def _check_names(reader: SafetensorsReader, cfg: ModelConfig, tied: bool) -> None:
+    """Refuse checkpoints with tensors this mapping would silently drop (biases, extra heads)."""
+    known = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not tied:
+        known.add("lm_head.weight")
+    for i in range(cfg.num_layers):
+        known.update(_layer_names(i).values())
+    extra = sorted(n for n in reader.keys()
+                   if n not in known and not n.endswith(_IGNORED_SUFFIXES))
+    if extra:
+        raise ValueError(f"checkpoint tensor {extra[0]} has no place in a Llama of this "
+                         f"config.json{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}"
+                         f": biases and other architectures are not supported")
+
+
+def _expect(name: str, array: np.ndarray, shape: Tuple[int, ...]) -> np.ndarray:
+    if tuple(array.shape) != tuple(shape):
+        raise ValueError(f"checkpoint tensor {name} has shape {tuple(array.shape)}, but "
+                         f"config.json implies {tuple(shape)}")
+    return array
+
+
+def hf_tensors_to_params(cfg: ModelConfig, get: Callable[[str], np.ndarray],
+                         tied: bool) -> Iterator[Tuple[Tuple[str, ...], np.ndarray]]:
+    """(library parameter path, float32 array) of a Llama checkpoint, one parameter at a time
+    (layer parameters stacked [layers, ...]); ``get(name)`` reads one Hugging Face tensor."""
+    d, h, kv, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+    f, v = cfg.resolved_ffn_hidden, cfg.vocab_size
+
+    def read(name, shape):
+        return _expect(name, get(name), shape).astype(np.float32, copy=False)
+
+    embed = read("model.embed_tokens.weight", (v, d))
+    yield ("embed",), embed
+    yield ("lm_head",), (embed if tied else read("lm_head.weight", (v, d))).T
+    del embed                      # a paused generator would otherwise hold it (stream.py)
+    yield ("final_norm", "scale"), read("model.norm.weight", (d,))
+    per_layer = {
+        ("attn_norm", "scale"): ("attn_norm", (d,), lambda w: w),
+        ("attn", "w_q"): ("q", (h * hd, d), lambda w: w.T.reshape(d, h, hd)),
+        ("attn", "w_k"): ("k", (kv * hd, d), lambda w: w.T.reshape(d, kv, hd)),
+        ("attn", "w_v"): ("v", (kv * hd, d), lambda w: w.T.reshape(d, kv, hd)),
+        ("attn", "w_o"): ("o", (d, h * hd), lambda w: w.T.reshape(h, hd, d)),
+        ("block_norm", "scale"): ("block_norm", (d,), lambda w: w),
+        ("block", "w_gate"): ("gate", (f, d), lambda w: w.T),
+        ("block", "w_up"): ("up", (f, d), lambda w: w.T),
+        ("block", "w_down"): ("down", (d, f), lambda w: w.T),
+    }
+    for path, (key, shape, to_ours) in per_layer.items():
+        yield ("layers",) + path, np.stack(
+            [to_ours(read(_layer_names(i)[key], shape)) for i in range(cfg.num_layers)])
+
+
+def load_hf_llama(path: PathLike, *, rngs: Optional[nnx.Rngs] = None, settle_fn=None,
+                  **overrides):
+    """A dense :class:`~dagmoe_jax.model.Transformer` holding a Hugging Face Llama checkpoint.
+
+    ``overrides``: ModelConfig fields to change (``param_dtype='bfloat16'``, ``max_seq_len``,
+    ``attention``...). ``settle_fn``: settles the config for this machine (default
+    :func:`dagmoe_jax.run.settle.settle`). Returns (model, ModelConfig before settling).
+    """
+
+    hf = read_hf_config(path)
+    cfg = model_config_from_hf(hf, **overrides)
+    reader = SafetensorsReader(path)
+    tied = bool(hf.get("tie_word_embeddings", False)) and "lm_head.weight" not in reader
+    _check_names(reader, cfg, tied)
+    settled = (settle_fn or settle)(cfg)
+    # Built abstractly (shapes only, no initialisation), each parameter then placed as it is
+    # read: importing needs about the model's size in memory, never a random model besides.
+    model = nnx.eval_shape(lambda: Transformer(settled, rngs=rngs or nnx.Rngs(0)))
+    set_params(model, hf_tensors_to_params(cfg, reader.__getitem__, tied),
+               source="the checkpoint")
+    return model, cfg
+
+
+def params_to_hf_tensors(model: nnx.Module, tied: bool) -> Iterator[Tuple[str, np.ndarray]]:
+    """(Hugging Face tensor name, float32 array) of a dense Transformer, the inverse of
+    :func:`hf_tensors_to_params`."""
+    cfg = model.cfg
+    d = cfg.d_model
+    arr = lambda path: np.asarray(variable(model, path)[...], dtype=np.float32)
+    yield "model.embed_tokens.weight", arr(("embed",))
+    if not tied:
+        yield "lm_head.weight", arr(("lm_head",)).T
+    yield "model.norm.weight", arr(("final_norm", "scale"))
+    stacked = {key: arr(("layers",) + path) for key, path in (
+        ("attn_norm", ("attn_norm", "scale")), ("q", ("attn", "w_q")), ("k", ("attn", "w_k")),
+        ("v", ("attn", "w_v")), ("o", ("attn", "w_o")), ("block_norm", ("block_norm", "scale")),
+        ("gate", ("block", "w_gate")), ("up", ("block", "w_up")), ("down", ("block", "w_down")))}
+    to_hf = {"attn_norm": lambda w: w, "block_norm": lambda w: w,
+             "q": lambda w: w.reshape(d, -1).T, "k": lambda w: w.reshape(d, -1).T,
+             "v": lambda w: w.reshape(d, -1).T, "o": lambda w: w.reshape(-1, d).T,
+             "gate": lambda w: w.T, "up": lambda w: w.T, "down": lambda w: w.T}
+    for i in range(cfg.num_layers):
+        for key, name in _layer_names(i).items():
+            yield name, np.ascontiguousarray(to_hf[key](stacked[key][i]))
+
+
+def export_hf_llama(model: nnx.Module, path: PathLike, *, dtype: str = "float32",
+                    max_shard_bytes: Optional[int] = None) -> Path:
+    """Write a dense Transformer as a Hugging Face Llama directory (``config.json`` and
+    ``model.safetensors``, or shards of at most ``max_shard_bytes`` with
+    ``model.safetensors.index.json``) in ``dtype`` ('float32' or 'bfloat16'). The LM head is
+    tied to the embedding when the two are equal. Returns the directory."""
+    from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype={dtype!r} is invalid: expected one of "
+                         f"{sorted(EXPORT_DTYPES)}")
+    cfg = model.cfg
+    embed = np.asarray(model.embed[...])
+    tied = bool(np.array_equal(embed.T, np.asarray(model.lm_head[...])))
+    hf = hf_config_from_model(cfg, tie_word_embeddings=tied, dtype=dtype)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    shards: List[Dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, value in params_to_hf_tensors(model, tied):
+        value = np.ascontiguousarray(value, dtype=EXPORT_DTYPES[dtype])
+        if max_shard_bytes is not None and shards[-1] and size + value.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += value.nbytes
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(out / SINGLE_FILE), metadata=meta)
+    else:
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / file), metadata=meta)
+            weight_map.update({name: file for name in shard})
+            total += sum(v.nbytes for v in shard.values())
+        (out / INDEX_FILE).write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    (out / CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
+    return out

@@ -1,0 +1,157 @@
+"""Cross-entropy through the LM head without the [tokens, vocab] logits (vocabulary-tiled loss).
+
+At Llama-3's 128,256-token vocabulary the float32 logits of a batch are the largest tensor of
+a training step (8 x 512 tokens: 2.1 GB, and autodiff keeps the softmax and the logits'
+cotangent beside them). :func:`tiled_cross_entropy` takes the final-normed hidden states
+instead (``Transformer(..., head=False)``) and the LM head's weight, and runs head and softmax
+a chunk of positions at a time inside a ``lax.scan``, so only one chunk's logits
+[B, chunk, V] ever exist.
+
+Its custom VJP computes the gradients in the same pass as the loss ("gradient in the forward",
+as Liger's fused linear cross-entropy does): the loss is a sum, so its cotangent is one scalar,
+and for each chunk
+
+    dlogits = w_t (softmax(logits_t) - onehot(target_t)),
+    dh_t = dlogits W^T,   dW += h^T dlogits
+
+are known once the chunk's logits are. The backward pass only scales the saved dh and dW by
+that scalar: the LM head's three matmuls (logits, dh, dW) are done once each, as autodiff of
+the plain loss does, with no recomputation of the logits. Evaluation without gradients runs the
+primal only (the loss, one matmul per chunk).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from dagmoe_jax.parallel import constrain
+from dagmoe_jax.parallel.state import active_batch_shards
+
+DEFAULT_CHUNK_TOKENS = 512
+"""Tokens (batch rows x positions) per chunk: 512 x 128,256 float32 logits are 263 MB, and a
+[512, d] x [d, V] matmul is still large enough to run at the machine's matmul rate."""
+
+
+def chunk_positions(batch: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> int:
+    """Positions per chunk so that a chunk of all ``batch`` rows holds about ``chunk_tokens``."""
+    return max(1, chunk_tokens // batch)
+
+
+def _chunks(x: jax.Array, c: int) -> jax.Array:
+    """[B, S, ...] -> [S / c, B, c, ...]: the scanned chunk axis first, rows kept (so a batch
+    sharding of the rows carries over to every chunk)."""
+    b, s = x.shape[:2]
+    return jnp.moveaxis(x.reshape(b, s // c, c, *x.shape[2:]), 1, 0)
+
+
+def _scan(h, w, targets, weights, c: int, with_grads: bool):
+    """The loss sum_t w_t (logsumexp(h_t W) - (h_t W)[target_t]) over chunks of ``c``
+    positions, and with ``with_grads`` its gradients dh [B, S, d] and dW [d, V]."""
+    d, v = w.shape
+
+    def body(dw, xs):
+        hc, tc, wc = xs                                               # [B,c,d], [B,c], [B,c]
+        rows = hc.reshape(-1, d)       # 2-D matmuls: XLA:CPU runs rank-3 weight gradients slowly
+        logits = jnp.dot(rows, w, preferred_element_type=jnp.float32).reshape(*tc.shape, v)
+        logits = constrain(logits, ("batch", "length", "vocab"))
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
+        loss = jnp.sum(wc * (lse - picked))
+        if not with_grads:
+            return dw, (loss, None)
+        onehot = jax.nn.one_hot(tc, v, dtype=jnp.float32)
+        dlogits = ((jnp.exp(logits - lse[..., None]) - onehot) * wc[..., None]).astype(w.dtype)
+        dlogits = dlogits.reshape(-1, v)
+        dh = jnp.dot(dlogits, w.T, preferred_element_type=jnp.float32).reshape(hc.shape)
+        dw = dw + jnp.dot(rows.T, dlogits, preferred_element_type=jnp.float32)
+        return constrain(dw, ("embed", "vocab")), (loss, dh.astype(hc.dtype))
+
+    dw0 = jnp.zeros((d, v), jnp.float32) if with_grads else None
+    xs = (_chunks(h, c), _chunks(targets, c), _chunks(weights, c))
+    dw, (losses, dh) = jax.lax.scan(body, dw0, xs)
+    if not with_grads:
+        return jnp.sum(losses), None, None
+    b, s = targets.shape
+    dh = jnp.moveaxis(dh, 0, 1).reshape(b, s, d)
+    return jnp.sum(losses), dh, dw.astype(w.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _tiled(h, w, targets, weights, c):
+    return _scan(h, w, targets, weights, c, with_grads=False)[0]
+
+
+def _tiled_fwd(h, w, targets, weights, c):
+    loss, dh, dw = _scan(h, w, targets, weights, c, with_grads=True)
+    return loss, (dh, dw)
+
+
+def _tiled_bwd(_c, saved, g):
+    dh, dw = saved
+    return (g * dh).astype(dh.dtype), (g * dw).astype(dw.dtype), None, None
+
+
+_tiled.defvjp(_tiled_fwd, _tiled_bwd)
+
+
+def tiled_cross_entropy(h: jax.Array, w: jax.Array, targets: jax.Array, mask: jax.Array,
+                        chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> jax.Array:
+    """Mean token cross-entropy of the logits ``h @ w`` over positions where ``mask`` is true,
+    computed a chunk of positions at a time (this module's docstring).
+
+    h [B, S, d]: final-normed hidden states (``Transformer(tokens, head=False)``); w [d, V]: the
+    LM head, in ``h``'s dtype (the products accumulate in float32, as the model's head does);
+    targets [B, S] int; mask [B, S]. Equals ``step.cross_entropy(h @ w, targets, mask)``, and
+    so do its gradients with respect to ``h`` and ``w``, to float32 rounding. Positions are
+    padded to a multiple of the chunk with zero weight.
+    """
+    b, s, _ = h.shape
+    mask = mask.astype(jnp.float32)
+    weights = mask / jnp.maximum(jnp.sum(mask), 1.0)
+    c = min(chunk_positions(b, chunk_tokens), s)
+    pad = -s % c
+    if pad:
+        h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, pad)))
+        weights = jnp.pad(weights, ((0, 0), (0, pad)))
+    return _tiled(h, w, targets.astype(jnp.int32), jax.lax.stop_gradient(weights), c)
+
+
+def tiled_scores(h: jax.Array, w: jax.Array, targets: jax.Array,
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple:
+    """Per-position cross-entropy [B, S] (float32) and argmax prediction [B, S] (int32) of the
+    logits ``h @ w``, a chunk of positions at a time: what evaluation needs, without the
+    [B, S, V] logits (at a 128K vocabulary a batch of 8 x 512 holds 2.1 GB of them, more than
+    the tiled training step's own transient memory). Equal to
+    ``optax.softmax_cross_entropy_with_integer_labels(h @ w, targets)`` and
+    ``argmax(h @ w, -1)`` (ties to the lowest id, as ``jnp.argmax``)."""
+    b, s, d = h.shape
+    v = w.shape[1]
+    c = min(chunk_positions(b, chunk_tokens), s)
+    pad = -s % c
+    if pad:
+        h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, pad)))
+
+    def chunk(xs):
+        hc, tc = xs                                                   # [B, c, d], [B, c]
+        logits = jnp.dot(hc.reshape(-1, d), w, preferred_element_type=jnp.float32)
+        logits = constrain(logits.reshape(*tc.shape, v), ("batch", "length", "vocab"))
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
+        return lse - picked, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    losses, predictions = jax.lax.map(chunk, (_chunks(h, c), _chunks(targets.astype(jnp.int32),
+                                                                        c)))
+    unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, s + pad)[:, :s]  # noqa: E731
+    return unchunk(losses), unchunk(predictions)
+
+
+def chunk_tokens(cfg) -> int:
+    """Tokens of the whole batch in one chunk of a model's tiled loss: the settled per-device
+    ``ExecutionConfig.loss_chunk`` of ``cfg`` (512 while unsettled) times the batch's shards on
+    the active mesh, since the loss sees the global batch."""
+    return (cfg.execution.loss_chunk or DEFAULT_CHUNK_TOKENS) * active_batch_shards()

@@ -1,0 +1,268 @@
+"""A run directory, read and written in one place.
+
+A run written by ``train.py`` (:func:`dagmoe_jax.train.loop.train`) or by the upcycling
+command (:mod:`dagmoe_jax.upcycle`) holds ``config.json`` (the
+four configs the run was started with, and the model config as settled on the machine that
+wrote it), ``checkpoints/`` (Orbax, model and optimizer state with the data iterator's
+position), ``metrics.jsonl`` and, when gin was used, ``operative_config.gin``. Training,
+evaluation, sampling, analysis and the benchmarks all go through the functions here:
+
+* :func:`save_configs` / :func:`load_configs`: ``config.json``;
+* :func:`load_run`: the newest readable checkpoint as a :class:`LoadedRun` (model, step,
+  configs, tokenizer), on one device or sharded over a mesh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Callable, List, Optional, Tuple, Union
+
+from etils import epath
+from flax import nnx
+
+from dagmoe_jax.validate import first_line
+from dagmoe_jax.data import make_tokenizer
+from dagmoe_jax.parallel import activate
+from dagmoe_jax.config import ExecutionConfig, ModelConfig, execution_fields
+from dagmoe_jax.data import DataConfig
+from dagmoe_jax.parallel import MeshConfig
+from dagmoe_jax.run.build import build, train_state
+from dagmoe_jax.run.checkpoint import Checkpointer
+from dagmoe_jax.run.checkpoint_files import flatten_json, json_diffs
+from dagmoe_jax.run.paths import as_path, is_remote, run_path
+from dagmoe_jax.run.config import OptimConfig, TrainConfig
+
+CONFIG_FILE = "config.json"
+CHECKPOINT_DIR = "checkpoints"
+OPERATIVE_GIN = "operative_config.gin"
+PathLike = Union[str, Path]
+
+
+def prepare_run_dir(run_dir: PathLike) -> epath.Path:
+    """Create ``run_dir`` (and its parents) for a training run, or say in one line why it
+    cannot be: a cloud URI whose filesystem package is missing
+    (:func:`dagmoe_jax.run.paths.run_path`; then nothing is written anywhere), it is a
+    file, it lies under a file, or the filesystem refuses (read-only, permissions, full). Local
+    paths, ``file://`` and cloud URIs (``gs://bucket/run``) all go through ``etils.epath``."""
+    path = run_path(run_dir)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--run_dir={run_dir} is a file, not a directory: choose another path")
+    if not is_remote(path):                   # object stores have no files above a "directory"
+        for parent in path.parents:
+            if parent.exists():
+                if not parent.is_dir():
+                    raise ValueError(f"--run_dir={run_dir} lies under {parent}, which is a file: "
+                                     f"choose another path")
+                break
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write_test.{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"cannot write the run directory {run_dir} ({err.strerror or err}): "
+                         f"choose a writable path") from None
+    return path
+
+
+def configs_to_json(model_cfg, data_cfg, optim_cfg, train_cfg,
+                    settled: Optional[ModelConfig] = None) -> dict:
+    """The JSON of ``config.json``: the four configs, plus the settled model config."""
+    blob = {"model": dataclasses.asdict(model_cfg), "data": dataclasses.asdict(data_cfg),
+            "optim": dataclasses.asdict(optim_cfg), "train": dataclasses.asdict(train_cfg)}
+    if settled is not None:
+        blob["settled_model"] = dataclasses.asdict(settled)
+    return blob
+
+
+def configs_from_json(blob: dict):
+    """(ModelConfig, DataConfig, OptimConfig, TrainConfig) from :func:`configs_to_json`'s
+    output (the settled model config, a record of one machine, is not read back)."""
+    train = dict(blob["train"])
+    train["mesh"] = MeshConfig(**train.get("mesh", {}))
+    return (ModelConfig.from_dict(blob["model"]), DataConfig(**blob["data"]),
+            OptimConfig(**blob["optim"]), TrainConfig(**train))
+
+
+def save_configs(run_dir: PathLike, model_cfg, data_cfg, optim_cfg, train_cfg,
+                 settled: Optional[ModelConfig] = None) -> epath.Path:
+    """Write ``run_dir/config.json``; returns its path."""
+    path = as_path(run_dir) / CONFIG_FILE
+    blob = configs_to_json(model_cfg, data_cfg, optim_cfg, train_cfg, settled)
+    path.write_text(json.dumps(blob, indent=2) + "\n")
+    return path
+
+
+def save_operative_gin(run_dir: PathLike, text: str) -> None:
+    """Write gin's operative config (every binding a run used) as ``operative_config.gin``."""
+    if text:
+        (as_path(run_dir) / OPERATIVE_GIN).write_text(text)
+
+
+def configs_to_gin(model_cfg, data_cfg, optim_cfg, train_cfg) -> str:
+    """gin bindings reproducing the four configs (for ``train.py --gin_file``)."""
+    lines = []
+
+    def bind(obj, name):
+        for field in dataclasses.fields(obj):
+            value = getattr(obj, field.name)
+            if dataclasses.is_dataclass(value):
+                sub = type(value).__name__
+                lines.append(f"{name}.{field.name} = @{sub}()")
+                bind(value, sub)
+            else:
+                lines.append(f"{name}.{field.name} = {value!r}")
+
+    for obj in (model_cfg, data_cfg, optim_cfg, train_cfg):
+        bind(obj, type(obj).__name__)
+    return "\n".join(lines) + "\n"
+
+
+def save_resume_gin(run_dir: PathLike, model_cfg, data_cfg, optim_cfg, train_cfg, *,
+                    name: str = "resume.gin") -> epath.Path:
+    """Write a gin file that continues the run (``train.py --gin_file=RUN/<name>``)."""
+    path = as_path(run_dir) / name
+    path.write_text(configs_to_gin(model_cfg, data_cfg, optim_cfg, train_cfg))
+    return path
+
+
+def save_initial_checkpoint(run_dir: PathLike, model, optimizer, model_cfg: ModelConfig,
+                            train_cfg: TrainConfig, data_iterator) -> None:
+    """Save ``model`` and ``optimizer`` as step 0 of a run that training continues (with the
+    data iterator's position), as a run made by another command than ``train.py`` starts."""
+    with Checkpointer(as_path(run_dir) / CHECKPOINT_DIR, save_every=train_cfg.save_every,
+                      keep=train_cfg.keep_checkpoints, async_save=False) as checkpointer:
+        checkpointer.save(0, train_state(model, optimizer), data_iterator=data_iterator,
+                          meta=model_meta(model_cfg), force=True)
+
+
+def load_configs(run_dir: PathLike):
+    """The four configs a run was started with (from its ``config.json``)."""
+    path = run_path(run_dir) / CONFIG_FILE
+    if not path.exists():
+        raise ValueError(f"{path} does not exist: is {run_dir} a run directory written by train.py?")
+    try:
+        return configs_from_json(json.loads(path.read_text()))
+    except (TypeError, KeyError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not a config this version of dagmoe_jax can read "
+                         f"({first_line(err)}): use the version that wrote the run, or fix the "
+                         f"file") from None
+
+
+def architecture(blob: dict) -> dict:
+    """A model config's JSON (``dataclasses.asdict``) without its execution fields: those of
+    :func:`~dagmoe_jax.config.execution_fields` and, in configs saved before
+    :class:`~dagmoe_jax.config.ExecutionConfig` existed, its fields at the top level. They
+    change how the model runs, not what it computes: a run may resume with them changed."""
+    skip = set(execution_fields()) | {f.name for f in dataclasses.fields(ExecutionConfig)}
+    return {k: v for k, v in blob.items() if k not in skip}
+
+
+# DataConfig fields that do not change the training stream (evaluation, workers): a resumed run may
+# change them.
+NON_STREAM_DATA_FIELDS = tuple(f"DataConfig.{name}" for name in
+                               ("eval_source", "eval_split", "num_synthetic_eval", "worker_count"))
+
+
+def _diff_key(diff: str) -> str:
+    """The dotted key a :func:`json_diffs` line is about."""
+    return diff.split(" ", 1)[0]
+
+
+def resume_changes(run_dir: PathLike, model_cfg: ModelConfig, data_cfg: DataConfig,
+                   saved_meta: dict) -> Tuple[List[str], List[str]]:
+    """What differs between a run's checkpoint and the configs it is being resumed with:
+    (architecture changes of the ModelConfig against the checkpoint's metadata ``saved_meta``
+    (:func:`model_meta`); DataConfig changes since the run's ``config.json`` was written).
+    Execution fields (:func:`architecture` drops them) are not changes. A field the
+    checkpoint lacks (written by an earlier version) is read at its default, which every new
+    field keeps equal to the behaviour before it existed."""
+    saved = architecture(saved_meta.get("model_config") or {})
+    expected = architecture(dataclasses.asdict(model_cfg))
+    with_defaults = {**flatten_json(architecture(dataclasses.asdict(ModelConfig()))),
+                     **flatten_json(saved)}
+    changed = {_diff_key(d) for d in json_diffs(with_defaults, expected, "model_config")}
+    model = ["ModelConfig." + d[len("model_config."):]
+             for d in json_diffs(saved, expected, "model_config")      # worded from the file
+             if _diff_key(d) in changed]
+    data = []
+    if (as_path(run_dir) / CONFIG_FILE).exists():
+        try:
+            _, old_data, _, _ = load_configs(run_dir)
+            data = [c for c in json_diffs(dataclasses.asdict(old_data),
+                                          dataclasses.asdict(data_cfg), "DataConfig")
+                    if _diff_key(c) not in NON_STREAM_DATA_FIELDS]
+        except ValueError:                           # another library version's config.json
+            data = ["config.json is not readable by this version"]
+    return model, data
+
+
+def model_meta(model_cfg: ModelConfig) -> dict:
+    """The metadata a checkpoint is saved with and checked against on restore."""
+    return {"model_config": dataclasses.asdict(model_cfg)}
+
+
+@dataclasses.dataclass
+class LoadedRun:
+    """A trained model from a run directory, with what is needed to talk to it.
+
+    model: the Transformer with the checkpoint's parameters (built from the settled config);
+    step: the checkpoint's step; model_cfg: the settled model config (``model.cfg``);
+    data_cfg, optim_cfg, train_cfg: the run's other configs; tokenizer: from ``data_cfg``;
+    warnings: messages about unreadable newer checkpoints that were skipped.
+    """
+
+    model: nnx.Module
+    step: int
+    model_cfg: ModelConfig
+    data_cfg: DataConfig
+    optim_cfg: OptimConfig
+    train_cfg: TrainConfig
+    tokenizer: object
+    warnings: List[str]
+
+
+def load_run(run_dir: PathLike, mesh=None, data_cfg: Optional[DataConfig] = None,
+             log: Callable[[str], None] = lambda _message: None) -> LoadedRun:
+    """Load the newest readable checkpoint of a ``train.py`` run directory, read-only: nothing
+    in the directory is changed, so a run may be evaluated or sampled while it trains.
+
+    mesh: None builds only abstract shapes (no initialisation) on one device; a mesh builds the
+    model and optimizer sharded over it (parameters restored into that layout, whatever mesh
+    the run trained on). The optimizer's state is read with the model's, since checkpoints
+    hold both. data_cfg: the data config to attach (default: the run's own), e.g. with another
+    evaluation source. log: hears about slow work while the model is settled (compiling the CPU
+    attention kernel). One-line ValueErrors for a missing run directory or config, and for a
+    run without checkpoints.
+    """
+    run_dir = run_path(run_dir)
+    if not run_dir.is_dir():
+        raise ValueError(f"run directory {run_dir} does not exist: pass the --run_dir of a "
+                         f"train.py run")
+    model_cfg, run_data_cfg, optim_cfg, train_cfg = load_configs(run_dir)
+    data_cfg = data_cfg or run_data_cfg
+    tokenizer = make_tokenizer(data_cfg)
+
+    def make():
+        model, optimizer, _ = build(model_cfg, optim_cfg, train_cfg, mesh, log=log)
+        return model, optimizer
+
+    # On one device only the shapes are built; on a mesh the sharded arrays themselves, whose
+    # shapes and shardings ``restore`` reads.
+    model, optimizer = nnx.eval_shape(make) if mesh is None else make()
+    abstract = train_state(model, optimizer)
+    with Checkpointer(run_dir / CHECKPOINT_DIR, save_every=train_cfg.save_every,
+                      keep=train_cfg.keep_checkpoints, async_save=False,
+                      read_only=True) as checkpointer, \
+            (contextlib.nullcontext() if mesh is None else activate(mesh)):
+        restored = checkpointer.restore(abstract, expected_meta=model_meta(model_cfg))
+    if restored is None:
+        raise ValueError(f"no checkpoint in {run_dir / CHECKPOINT_DIR}: train first")
+    nnx.update(model, restored.state["model"])
+    return LoadedRun(model=model, step=restored.step, model_cfg=model.cfg, data_cfg=data_cfg,
+                     optim_cfg=optim_cfg, train_cfg=train_cfg, tokenizer=tokenizer,
+                     warnings=list(restored.skipped))

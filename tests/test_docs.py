@@ -1,0 +1,102 @@
+"""The documents describe the code as it is: every module, file or folder they name exists.
+
+Read from the text only (nothing is imported): a dotted name ``dagmoe_jax.a.b.name`` must be a
+module of the package, or a name defined or imported in the module (or package ``__init__``) it
+ends in; a path ``dagmoe_jax/...``, ``benchmarks/...``, ``tests/...``, ``configs/...``,
+``docs/...`` or ``notebooks/...`` must exist; and every folder and module that design.md's
+layout (section 11) lists under ``dagmoe_jax/`` must exist.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import List
+
+REPO = Path(__file__).resolve().parent.parent
+DOCUMENTS = sorted([REPO / "README.md", *(REPO / "docs").glob("*.md"),
+                    REPO / "benchmarks" / "RESULTS.md"])
+DOTTED = re.compile(r"\bdagmoe_jax(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
+PATH = re.compile(r"(?<![\w/.])(?:dagmoe_jax|benchmarks|tests|configs|docs|notebooks)/[\w./*-]*[\w/*]")
+# Where an installed package keeps what a checkout keeps elsewhere (pyproject.toml's package-dir).
+INSTALLED = {"dagmoe_jax/configs": "configs"}
+
+
+def _defines(path: Path, name: str) -> bool:
+    return re.search(rf"\b{re.escape(name)}\b", path.read_text()) is not None
+
+
+def _exists(path: str) -> bool:
+    return any(REPO.glob(path)) if "*" in path else (REPO / path).exists()
+
+
+def dotted_problem(dotted: str) -> str:
+    """'' when ``dotted`` names a module of the package or a name in one; else what is wrong."""
+    parts = dotted.split(".")
+    here = REPO / parts[0]
+    for i, part in enumerate(parts[1:], start=1):
+        if (here / part).is_dir() and (here / part / "__init__.py").exists():
+            here = here / part
+        elif (here / f"{part}.py").exists():
+            module = here / f"{part}.py"
+            rest = parts[i + 1:]
+            if rest and not _defines(module, rest[0]):
+                return f"{dotted}: {'.'.join(parts[:i + 1])} has no {rest[0]}"
+            return ""
+        else:
+            init = here / "__init__.py"
+            if init.exists() and _defines(init, part) and part[0] != "_":
+                return ""
+            return f"{dotted}: no module or name {'.'.join(parts[:i + 1])}"
+    return ""
+
+
+def broken_references(text: str) -> List[str]:
+    problems = [p for d in sorted(set(DOTTED.findall(text))) if (p := dotted_problem(d))]
+    problems += [f"{p}: no such path" for p in sorted(set(PATH.findall(text)))
+                 if not _exists(INSTALLED.get(p.rstrip("/."), p.rstrip("/.")))]
+    return problems
+
+
+def layout_entries(design: str) -> List[str]:
+    """The folders and modules section 11 of design.md lists under dagmoe_jax/."""
+    block = design.split("## 11. Repository layout", 1)[1].split("```")[3]
+    entries, inside = [], False
+    for line in block.splitlines():
+        if line.startswith("dagmoe_jax/"):
+            inside = True
+            continue
+        if inside and line and not line.startswith(" "):
+            break
+        match = re.match(r"^  (\S+)", line)
+        if inside and match and (match.group(1).endswith("/") or match.group(1).endswith(".py")):
+            entries.append(match.group(1))
+    return entries
+
+
+def test_every_reference_in_the_documents_exists():
+    problems = [f"{doc.relative_to(REPO)}: {p}" for doc in DOCUMENTS
+                for p in broken_references(doc.read_text())]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_layout_lists_what_is_there():
+    entries = layout_entries((REPO / "docs" / "design.md").read_text())
+    assert "model/" in entries and "config/" in entries
+    missing = [e for e in entries if not (REPO / "dagmoe_jax" / e.rstrip("/")).exists()]
+    assert not missing, f"design.md's layout names what does not exist: {missing}"
+    units = {p.name for p in (REPO / "dagmoe_jax").iterdir()
+             if p.suffix == ".py" and p.name != "__init__.py"
+             or (p / "__init__.py").exists()}
+    unlisted = sorted(u for u in units if u not in {e.rstrip("/") for e in entries}
+                      and f"{u}/" not in entries)
+    assert not unlisted, f"design.md's layout leaves out {unlisted}"
+
+
+def test_the_checks_catch_a_stale_name():
+    assert broken_references("see `dagmoe_jax.lifecycle.settle` and dagmoe_jax/gin_utils.py") == [
+        "dagmoe_jax.lifecycle.settle: no module or name dagmoe_jax.lifecycle",
+        "dagmoe_jax/gin_utils.py: no such path"]
+    assert dotted_problem("dagmoe_jax.run.settle.no_such_function").endswith("has no no_such_function")
+    assert dotted_problem("dagmoe_jax.run.settle.settle") == ""
+    assert dotted_problem("dagmoe_jax.model.Transformer") == ""

@@ -1,0 +1,84 @@
+"""The Trainer's host reads: the losses are read every ``sync_every`` steps, before every
+checkpoint and at the end, not after every step; a non-finite loss still stops the run before
+anything is saved, naming the step that produced it."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from dagmoe_jax.train.trainer import NonFiniteLossError, Trainer
+
+
+class Loss:
+    """A step's loss that records when the host reads it."""
+    reads: list = []
+
+    def __init__(self, step: int, value: float):
+        self.step, self.value = step, value
+
+    def __float__(self):
+        Loss.reads.append(self.step)
+        return self.value
+
+
+class Checkpoints:
+    directory = "fake"
+
+    def __init__(self, save_at=()):
+        self.save_at, self.saved = set(save_at), []
+
+    def check_for_errors(self):
+        pass
+
+    def should_save(self, step):
+        return step in self.save_at
+
+    def save(self, step, *_args, **_kwargs):
+        self.saved.append(step)
+
+    def wait(self):
+        pass
+
+
+def _trainer(losses, checkpoints, sync_every):
+    calls = iter(range(1, len(losses) + 1))
+    step_fn = lambda _m, _o, _b: (lambda s: {"loss": Loss(s, losses[s - 1])})(next(calls))  # noqa: E731
+    batches = iter([{"inputs": np.zeros((1, 4), np.int32)}] * len(losses))
+    trainer = Trainer(None, None, step_fn, batches, checkpoints, total_steps=len(losses),
+                      sync_every=sync_every)
+    trainer.check_saveable = lambda *_a: None
+    Loss.reads = []
+    return trainer
+
+
+def test_losses_are_read_every_sync_every_steps_and_at_the_end():
+    checkpoints = Checkpoints(save_at={6})
+    trainer = _trainer([1.0] * 10, checkpoints, sync_every=4)
+    seen = []
+    trainer.add_hook(lambda info: seen.append(info.step), every=1)
+    assert trainer.run(0) == (10, False)
+    # step 1 (compile time), 4 (sync), 6 (before its checkpoint), 8 (sync), 10 (the last)
+    assert Loss.reads == list(range(1, 11)) and sorted(trainer.losses) == list(range(1, 11))
+    assert checkpoints.saved == [6, 10] and seen == list(range(1, 11))
+
+
+def test_reads_are_batched_between_syncs():
+    trainer = _trainer([1.0] * 8, Checkpoints(), sync_every=4)
+    order = []
+    trainer.add_hook(lambda info: order.append(("hook", info.step, len(Loss.reads))), every=1)
+    trainer.run(0)
+    # after step 2 and 3 nothing new was read; after step 4 steps 2..4 were
+    assert [n for _, _, n in order] == [1, 1, 1, 4, 4, 4, 4, 8]
+
+
+def test_a_non_finite_loss_stops_before_the_next_checkpoint():
+    losses = [1.0] * 10
+    losses[5] = math.nan                                     # step 6
+    checkpoints = Checkpoints(save_at={7})
+    trainer = _trainer(losses, checkpoints, sync_every=4)
+    with pytest.raises(NonFiniteLossError, match="at step 6: stopped without saving"):
+        trainer.run(0)
+    assert checkpoints.saved == [] and max(Loss.reads) == 6

@@ -82,3 +82,15 @@ def test_a_non_finite_loss_stops_before_the_next_checkpoint():
     with pytest.raises(NonFiniteLossError, match="at step 6: stopped without saving"):
         trainer.run(0)
     assert checkpoints.saved == [] and max(Loss.reads) == 6
+
+
+def test_a_signal_during_the_hooks_still_saves_that_step():
+    """SIGTERM may arrive at any moment of a step, the hooks included: the step it arrived in
+    is saved before the run returns."""
+    checkpoints = Checkpoints()
+    trainer = _trainer([1.0] * 10, checkpoints, sync_every=4)
+    stop = {}
+    trainer.add_hook(lambda info: stop.setdefault("signal", "SIGTERM") if info.step == 3
+                     else None, every=1)
+    assert trainer.run(0, stop) == (3, True)
+    assert checkpoints.saved == [3] and sorted(trainer.losses) == [1, 2, 3]

@@ -153,9 +153,7 @@ class Trainer:
                     metrics = {**metrics, "trained_tokens": _count(device_batch["mask"])}
                 pending.append((step, metrics["loss"]))
                 last = step == self.total_steps
-                force = bool(stop) or last
-                save = force or self.checkpointer.should_save(step)
-                if (save or self.compile_seconds is None or step % self.sync_every == 0):
+                if last or self.compile_seconds is None or step % self.sync_every == 0:
                     self._read_losses(pending)
                     pending = []
                 seconds = time.perf_counter() - tick
@@ -167,7 +165,10 @@ class Trainer:
                     if step % every == 0 or last:
                         hook(info)
                 self.checkpointer.check_for_errors()     # stop at a failed save, not later
-                if save:                                 # gather the state only then
+                force = bool(stop) or last               # after the hooks: a signal may come
+                if force or self.checkpointer.should_save(step):  # gather the state only then
+                    self._read_losses(pending)           # no save after a non-finite loss
+                    pending = []
                     self.check_saveable(device_batch, step)
                     self.checkpointer.save(step, run_lib.train_state(self.model, self.optimizer),
                                                 data_iterator=self.data_iter, meta=self.meta,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import pytest
 
 from conftest import tiny_config
@@ -89,3 +92,35 @@ def test_parity_helpers():
     assert dag_params_per_layer(512, 128, 2) == 2 * (2 * 512 * 128 + 4 * 128 * 128 + 2 * 512)
     assert matched_shared_hidden(512, 128, 2) == 256
     assert 3 * 512 * matched_shared_hidden(512, 128, 2) == 393216
+
+
+@pytest.mark.parametrize("retired, hint", [("auto", "dispatch='dropless' (exact, the default) or "
+                                                     "'capacity'"),
+                                           ("dense", "ExecutionConfig.grouped_matmul='einsum'")])
+def test_dispatch_is_architecture_and_retired_values_say_what_to_write(retired, hint):
+    """Whether experts drop tokens is saved and the same on every machine: no 'auto', and the
+    old every-expert oracle is now how dropless runs; a run saved with either migrates."""
+
+    with pytest.raises(ValueError, match=f"^ExpertConfig.dispatch='{retired}' is no longer a "
+                                         f"choice: .*{re.escape(hint)}$"):
+        ExpertConfig(dispatch=retired)
+    old = dataclasses.asdict(ModelConfig())
+    old["experts"]["dispatch"] = retired
+    migrated = ModelConfig.from_dict(old)
+    assert migrated.experts.dispatch == "dropless"
+    assert migrated.execution.grouped_matmul == ("einsum" if retired == "dense" else "auto")
+
+
+def test_fuse_gate_up_is_fuse_projections_in_old_runs_and_old_bindings():
+    """It fuses q/k/v as well as gate/up: renamed; a run saved with the old name reads, and a
+    binding of the old name says the new one."""
+    from dagmoe_jax.run.gin import load_model_config
+    old = dataclasses.asdict(ModelConfig())
+    old["execution"]["fuse_gate_up"] = old["execution"].pop("fuse_projections")
+    old["execution"]["fuse_gate_up"] = False
+    assert ModelConfig.from_dict(old).execution.fuse_projections is False
+    with pytest.raises(ValueError, match=r"ExecutionConfig.fuse_gate_up is now "
+                                         r"ExecutionConfig.fuse_projections: write that\)$"):
+        load_model_config(bindings=["ExecutionConfig.fuse_gate_up = False"])
+    assert load_model_config(
+        bindings=["ExecutionConfig.fuse_projections = False"]).execution.fuse_projections is False

@@ -13,7 +13,7 @@ from flax import nnx
 from conftest import tiny_config
 from dagmoe_jax.model.dispatch import (capacity_dispatch, capacity_slots, dense_dispatch, dispatch,
                                        dropless_dispatch, expert_capacity)
-from dagmoe_jax.config import ExpertConfig
+from dagmoe_jax.config import ExecutionConfig, ExpertConfig
 from dagmoe_jax.model.experts import Experts
 from dagmoe_jax.model.block import BlockInputs
 from dagmoe_jax.model.moe import MoEBlock
@@ -179,9 +179,11 @@ def test_capacity_priority_is_rank_major(rng):
 def test_moe_block_dispatch_modes_identical_without_drops(kind):
     x = jax.random.normal(jax.random.key(1), (2, 16, 32), jnp.float32)
     outs, stats = {}, {}
-    for mode in ("capacity", "dropless", "dense"):
+    for mode in ("capacity", "dropless", "einsum"):   # einsum: dropless, every expert everywhere
         cfg = tiny_config("moe", kind, init_std=0.2,   # O(1) expert outputs
-                          experts=dict(dispatch=mode, capacity_factor=4.0))
+                          experts=dict(dispatch="capacity" if mode == "capacity" else "dropless",
+                                       capacity_factor=4.0),
+                          **({"grouped_matmul": "einsum"} if mode == "einsum" else {}))
         block = MoEBlock(cfg, rngs=nnx.Rngs(0))                 # same seed: same parameters
         if kind == "dag":   # random W_up so the DAG's pairwise terms take part
             it = block.aggregator.iterations
@@ -189,7 +191,7 @@ def test_moe_block_dispatch_modes_identical_without_drops(kind):
         outs[mode], stats[mode] = nnx.jit(lambda b, v: b(BlockInputs(v)))(block, x)
     scale = float(jnp.abs(outs["capacity"]).max())
     assert scale > 0.1
-    for mode in ("dropless", "dense"):
+    for mode in ("dropless", "einsum"):
         # The three paths sum the same products in different orders (einsum, ragged_dot, vmap);
         # the DAG's nonlinear iterations can turn that into a few 1e-6 of the output's scale.
         np.testing.assert_allclose(np.asarray(outs[mode]), np.asarray(outs["capacity"]),
@@ -242,8 +244,9 @@ def test_moe_block_dropped_fraction(capacity_factor):
 
 
 def test_experts_module_shapes_and_dtype():
-    experts = Experts(ExpertConfig(num_experts=N, expert_hidden=H, dispatch="dense"), D,
-                      std=0.02, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    experts = Experts(ExpertConfig(num_experts=N, expert_hidden=H), D, std=0.02,
+                      dtype=jnp.float32, execution=ExecutionConfig(grouped_matmul="einsum"),
+                      rngs=nnx.Rngs(0))
     assert experts.w_gate.shape == (N, D, H)
     assert experts.w_up.shape == (N, D, H)
     assert experts.w_down.shape == (N, H, D)

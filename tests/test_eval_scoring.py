@@ -211,8 +211,8 @@ def test_model_predictor_padding_and_dispatch():
                         rngs=nnx.Rngs(0))
     batches = task_eval_batches(CFG, TOK, num_examples=5, size=4, batch_size=3, tasks=["lis"],
                                 seq_len=32)
-    padded = model_predictor(model, rows=4, dispatch="dense")
-    plain = model_predictor(model, dispatch="dense")
+    padded = model_predictor(model, rows=4, dispatch="dropless")
+    plain = model_predictor(model, dispatch="dropless")
     for batch in batches:                      # rows 3 and 2, both padded to 4
         got = padded(batch)
         assert got.shape == batch["targets"].shape

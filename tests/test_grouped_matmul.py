@@ -1,6 +1,6 @@
 """The CPU grouped matmul (dagmoe_jax/kernels/grouped_matmul.cc): values and both gradients
 against a float64 NumPy oracle (per-group x_g @ W_g), empty and ragged groups, bfloat16,
-the dropless MoE model with it against dense dispatch, where 'auto' picks it, and its errors.
+the dropless MoE model with it against the every-expert einsum, where 'auto' picks it, and its errors.
 
 The kernel needs a C++ compiler; where none is installed these tests skip, and dropless
 dispatch keeps running on ``jax.lax.ragged_dot`` (test_dispatch.py).
@@ -116,9 +116,8 @@ def test_dropless_model_with_the_kernel_equals_dense_dispatch():
         logits = m(tokens)[0]
         return jnp.mean(logits ** 2), logits
 
-    for mode, gm in (("dropless", "cpu_gmm"), ("dense", "ragged_dot")):
-        cfg = tiny_config("moe", "sum", init_std=0.2, grouped_matmul=gm,
-                          experts=dict(dispatch=mode))
+    for mode, gm in (("dropless", "cpu_gmm"), ("dense", "einsum")):
+        cfg = tiny_config("moe", "sum", init_std=0.2, grouped_matmul=gm)
         assert cfg.execution.grouped_matmul == gm
         model = Transformer(cfg, rngs=nnx.Rngs(0))
         (_, logits), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(model)

@@ -267,8 +267,7 @@ def test_loaded_run_scores_like_the_model(run_dir, model, rng):
     want = [reference(model, c, t) for c, t in pairs]
     np.testing.assert_allclose([g[0] for g in got], [w[0] for w in want], rtol=1e-5, atol=1e-4)
     # the run's config as trained, less what each machine settles for itself
-    assert lm.run.model_cfg.replace(execution=RAW.execution,
-                                    experts=dict(dispatch="auto")) == RAW
+    assert lm.run.model_cfg.replace(execution=RAW.execution) == RAW
 
 
 def test_chat_template_formats_prompts_as_fine_tuning_does(model):

@@ -218,7 +218,8 @@ def test_capacity_drops_per_device_group(meshes, mesh_name):
     """With drops, expert parallelism equals single-device capacity dispatch run on each
     device's tokens (its group) separately, and the dropped fraction counts those drops."""
     mesh = meshes[mesh_name]
-    cfg = tiny_config("moe", "sum", experts=dict(num_experts=N, capacity_factor=0.5),
+    cfg = tiny_config("moe", "sum", experts=dict(num_experts=N, capacity_factor=0.5,
+                                                  dispatch="capacity"),
                       router=dict(score_fn="softmax"), settled=False)
     cfg = settle(cfg, layout=MeshLayout.of(mesh))
     layout = MeshLayout.of(mesh)

@@ -22,7 +22,7 @@ from dagmoe_jax.run.settle import describe, settle
 N = 8
 
 # One device's reference choices, with the ragged all-to-all exchange.
-RAGGED = ExecutionConfig(fuse_gate_up=True, grouped_matmul="ragged_dot",
+RAGGED = ExecutionConfig(fuse_projections=True, grouped_matmul="ragged_dot",
                          expert_exchange="ragged_all_to_all")
 
 

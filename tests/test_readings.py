@@ -177,7 +177,7 @@ def test_coe_block_matches_numpy_with_its_softmax_router(score_fn):
     from dagmoe_jax.model.block import BlockInputs
     from dagmoe_jax.model.coe import CoEBlock
 
-    cfg = tiny_config("coe", experts=dict(dispatch="dense", num_shared=1),
+    cfg = tiny_config("coe", experts=dict(num_shared=1), grouped_matmul="einsum",
                       router=dict(top_k=4, score_fn="sigmoid"),
                       coe=dict(score_fn=score_fn if score_fn == "softmax" else None))
     block = CoEBlock(cfg, rngs=nnx.Rngs(0))

@@ -205,9 +205,11 @@ def test_a_full_disk_stops_the_run_at_the_failed_save_in_one_line(tmp_path):
     run_dir = tmp_path / "run"
     limited = [sys.executable, "-c", "import os, resource, sys; resource.setrlimit("
                "resource.RLIMIT_FSIZE, (200_000, 200_000)); os.execv(sys.argv[1], sys.argv[1:])"]
+    # no compilation cache: its writes would fail under the limit too (a warning of JAX's own)
+    env = {**ENV, "JAX_COMPILATION_CACHE_DIR": ""}
     result = subprocess.run([*limited, *TRAIN, f"--run_dir={run_dir}",
                              "--gin.TrainConfig.async_checkpoint=False"], capture_output=True,
-                            text=True, timeout=300, env=ENV, cwd=tmp_path)
+                            text=True, timeout=300, env=env, cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.strip() == (
         f"error: saving checkpoint step 10 in {run_dir / 'checkpoints'} failed ([Errno 27] File "

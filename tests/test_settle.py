@@ -23,34 +23,35 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dagmoe_jax"
 def test_settle_decides_every_auto_field_per_backend_and_layout():
     cfg = tiny_config(settled=False)
     assert set(cfg.unsettled) == {"remat", "scan_unroll", "attention", "grouped_matmul",
-                                  "expert_exchange", "fuse_gate_up", "loss_chunk",
-                                  "experts.dispatch"}
+                                  "expert_exchange", "fuse_projections", "loss_chunk"}
     cpu = settle(cfg, backend="cpu")
     assert cpu.unsettled == ()
     ex = cpu.execution
-    assert (ex.remat, ex.scan_unroll, ex.attention, ex.fuse_gate_up) == (
+    assert (ex.remat, ex.scan_unroll, ex.attention, ex.fuse_projections) == (
         "none", cfg.num_layers, "fused", True)
-    # dropless wherever the CPU grouped matmul kernel is (it builds wherever the fused
-    # attention kernel does, which the line above asserts)
+    # the CPU grouped matmul kernel (it builds wherever the fused attention kernel does, which
+    # the line above asserts)
     assert (ex.grouped_matmul, cpu.experts.dispatch) == ("cpu_gmm", "dropless")
     assert "dispatch dropless" in describe(cpu, cfg, "cpu")
     assert ex.loss_chunk == 512 and settle(cfg, backend="tpu").execution.loss_chunk == 4096
     gpu = settle(cfg.replace(compute_dtype="bfloat16"), backend="gpu")
     assert (gpu.execution.remat, gpu.execution.scan_unroll, gpu.execution.attention) == (
         "full", 1, "cudnn")
-    assert gpu.experts.dispatch == "capacity"                 # ragged_dot: not yet measured
     assert settle(cfg, backend="tpu").execution.attention == "splash"
-    assert settle(cfg, backend="tpu").experts.dispatch == "capacity"  # d 32: no megablox tile
+    # what the experts compute is architecture: dropless on every machine; only how it runs
+    assert gpu.execution.grouped_matmul == "ragged_dot"
+    assert settle(cfg, backend="tpu").execution.grouped_matmul == "ragged_dot"  # d 32: no tile
     tpu = settle(cfg.replace(d_model=128, experts=dict(expert_hidden=128)), backend="tpu")
-    assert (tpu.execution.grouped_matmul, tpu.experts.dispatch) == ("gmm", "dropless")
+    assert tpu.execution.grouped_matmul == "gmm"
+    assert {s.experts.dispatch for s in (cpu, gpu, tpu)} == {"dropless"}
     layout = MeshLayout.of(make_mesh(MeshConfig(data=2), jax.devices()[:2]))
     meshed = settle(cfg, backend="cpu", layout=layout)
-    assert (meshed.execution.attention, meshed.execution.fuse_gate_up) == ("blockwise", False)
-    assert meshed.experts.dispatch == "capacity"              # ragged_dot on a CPU mesh: slow
+    assert (meshed.execution.attention, meshed.execution.fuse_projections) == ("blockwise", False)
+    assert (meshed.experts.dispatch, meshed.execution.grouped_matmul) == ("dropless", "ragged_dot")
     assert "expert-parallel over {'data': 2" in describe(meshed, cfg, "cpu", layout)
     # what the user set explicitly is kept
     explicit = cfg.replace(execution=dict(remat="dots", scan_unroll=2, attention="xla",
-                                          fuse_gate_up=False, grouped_matmul="gmm",
+                                          fuse_projections=False, grouped_matmul="gmm",
                                           expert_exchange="ragged_all_to_all",
                                           loss_chunk=1024),
                            experts=dict(dispatch="capacity"))
@@ -61,22 +62,22 @@ def test_settle_decides_every_auto_field_per_backend_and_layout():
 
 def test_an_unsettled_config_is_a_clear_error():
     with pytest.raises(ValueError, match=r"^ModelConfig fields remat, scan_unroll, attention, "
-                                         r"grouped_matmul, expert_exchange, fuse_gate_up, "
-                                         r"loss_chunk, experts.dispatch are still 'auto': build the model from "
+                                         r"grouped_matmul, expert_exchange, fuse_projections, "
+                                         r"loss_chunk are still 'auto': build the model from "
                                          r"dagmoe_jax.run.settle.settle\(cfg\)$"):
         Transformer(tiny_config(settled=False), rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
 def test_gate_up_fusion_is_the_same_function(dispatch):
-    """fuse_gate_up ([W_gate | W_up] in the SwiGLUs, [W_q | W_k | W_v] in attention) changes
+    """fuse_projections ([W_gate | W_up] in the SwiGLUs, [W_q | W_k | W_v] in attention) changes
     neither the outputs nor the gradients beyond rounding."""
     tokens = jax.random.randint(jax.random.key(0), (2, 8), 0, 64)
     experts = dict(num_shared=1, dispatch=dispatch, capacity_factor=4.0)
     fused = Transformer(tiny_config("moe", "sum", experts=experts), rngs=nnx.Rngs(0))
-    plain = Transformer(tiny_config("moe", "sum", experts=experts, fuse_gate_up=False),
+    plain = Transformer(tiny_config("moe", "sum", experts=experts, fuse_projections=False),
                         rngs=nnx.Rngs(0))
-    assert fused.cfg.execution.fuse_gate_up and not plain.cfg.execution.fuse_gate_up
+    assert fused.cfg.execution.fuse_projections and not plain.cfg.execution.fuse_projections
     a, b = fused(tokens)[0], plain(tokens)[0]
     assert float(jnp.max(jnp.abs(a - b))) < 1e-5 * float(jnp.max(jnp.abs(a)))
     loss = lambda m: jnp.mean(m(tokens)[0] ** 2)  # noqa: E731

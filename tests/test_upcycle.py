@@ -161,7 +161,8 @@ def test_upcycled_dag_starts_equal_to_dume():
 def test_bad_merges_are_one_line_errors():
     dense = tiny_config("dense", settled=False)
     with pytest.raises(ValueError, match="dispatch='capacity' is invalid"):
-        moerge.dume_config(dense, N, dispatch="capacity")
+        moerge.check_dume_config(moerge.dume_config(dense, N).replace(
+            experts=dict(dispatch="capacity")))
     with pytest.raises(ValueError, match="top_k=4"):
         moerge.dume_config(dense, N, top_k=4)
     with pytest.raises(ValueError, match="DUME merges dense models"):

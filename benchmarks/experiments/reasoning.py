@@ -49,7 +49,7 @@ class ReasoningBudget:
     eval_examples: problems scored per task and size.
     dag_dim: d_g of the DAG-MoE L 2 module that sets every variant's added parameters.
     warmup_steps: learning-rate warm-up (the rest of the optimiser is the base gin file's).
-    eval_dispatch: expert dispatch while scoring ('dense' default: no capacity drops, so each
+    eval_dispatch: expert dispatch while scoring ('dropless' default: no capacity drops, so each
       problem's verdict is independent of the rest of its batch; see
       :func:`~experiments.scoring.model_predictor`). Training uses the model's own.
     base_gin, bindings: the base run (model trunk, optimiser) and extra gin bindings.
@@ -66,7 +66,7 @@ class ReasoningBudget:
     eval_examples: int = 128
     dag_dim: int = 32
     warmup_steps: int = 30
-    eval_dispatch: str = "dense"
+    eval_dispatch: str = "dropless"
     base_gin: str = BASE_GIN
     bindings: Tuple[str, ...] = ()
 

@@ -30,9 +30,8 @@ def model_predictor(model, rows: Optional[int] = None, dispatch: Optional[str] =
       predictions dropped), so a last partial batch does not compile the step again.
     dispatch: None runs the model as configured. With capacity dispatch (the benchmarks'
       configs) an expert's buffer is shared by every token of the batch, so what gets dropped,
-      and hence a problem's verdict, depends on the other rows (padding included). 'dense' (every expert
-      on every token; exact, cheap for small models) or 'dropless' (exact) score each problem
-      on its own, as generation does (:func:`dagmoe_jax.decoding.generate.decoding_model`).
+      and hence a problem's verdict, depends on the other rows (padding included). 'dropless'
+      (exact) scores each problem on its own, as generation does (:func:`dagmoe_jax.decoding.generate.decoding_model`).
     """
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 

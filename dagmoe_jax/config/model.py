@@ -18,12 +18,13 @@ from typing import Optional
 
 from dagmoe_jax.budget import dag_params_per_layer, matched_shared_hidden  # noqa: F401
 from dagmoe_jax.config.doe import DoEConfig
+from dagmoe_jax.config.execution import ExecutionConfig
 from dagmoe_jax.validate import (check as _check, choice as _choice, nonnegative as _nonnegative,
-                                 nonnegative_int as _nonnegative_int, positive as _positive)
+                                 positive as _positive)
 
 BLOCK_TYPES = ("dense", "moe", "coe", "doe")
 SCORE_FNS = ("sigmoid", "softmax")
-DISPATCH_MODES = ("auto", "capacity", "dropless", "dense")
+DISPATCH_MODES = ("dropless", "capacity")
 AGGREGATORS = ("sum", "dag", "mlp")
 EDGE_ACTIVATIONS = ("silu", "sigmoid")
 DAG_EDGES = ("all", "ranked", "self")
@@ -32,10 +33,12 @@ COE_RESIDUALS = ("inner", "outer", "init")
 COE_READINGS = ("once", "literal", "reference")
 BALANCE_LOADS = ("tokens", "slots")
 BALANCE_PROBS = ("softmax", "score_share")
-REMAT_POLICIES = ("auto", "none", "full", "dots")
-ATTENTION_IMPLS = ("auto", "xla", "blockwise", "fused", "cudnn", "splash")
-GROUPED_MATMULS = ("auto", "ragged_dot", "gmm", "cpu_gmm")
-EXPERT_EXCHANGES = ("auto", "all_gather", "ragged_all_to_all")
+# What ExpertConfig.dispatch values of earlier versions became (ModelConfig.from_dict migrates).
+RETIRED_DISPATCH = {
+    "auto": "whether experts drop tokens is architecture, the same on every machine: write "
+            "ExpertConfig.dispatch='dropless' (exact, the default) or 'capacity'",
+    "dense": "every expert on every token is now how dropless dispatch runs: write "
+             "ExpertConfig.dispatch='dropless' and ExecutionConfig.grouped_matmul='einsum'"}
 DTYPES = ("float32", "bfloat16")
 ROPE_SCALINGS = ("none", "llama3", "linear")
 
@@ -125,11 +128,10 @@ class ExpertConfig:
     expert_hidden: SwiGLU hidden size d_r of each routed expert (paper s: 256).
     num_shared: shared experts applied to every token (0 = none; the paper's parity baseline uses 1).
     shared_hidden: hidden size of each shared expert.
-    dispatch: 'auto' (default; settled when the run is built: 'dropless' where its grouped
-      matmul is a kernel, 'cpu_gmm' on CPU or 'gmm' on TPU, else 'capacity'), 'capacity' (einsum
-      over [N, C, d], overflow dropped), 'dropless' (sorted by expert, grouped matmuls; exact)
-      or 'dense' (every expert on every token; the test oracle). Pin one for a run that must
-      drop the same tokens on every machine.
+    dispatch: whether experts drop tokens, part of the architecture (saved, the same on every
+      machine): 'dropless' (default: every assignment computed; exact) or 'capacity' (C slots
+      per expert, the overflow dropped; einsum over [N, C, d]). How 'dropless' runs on a
+      machine is ``ExecutionConfig.grouped_matmul``.
     capacity_factor: C = ceil(capacity_factor * T * K / N) slots per expert for 'capacity'.
     """
 
@@ -137,7 +139,7 @@ class ExpertConfig:
     expert_hidden: int = 256
     num_shared: int = 0
     shared_hidden: int = 256
-    dispatch: str = "auto"
+    dispatch: str = "dropless"
     capacity_factor: float = 1.25
 
     def __post_init__(self):
@@ -146,6 +148,9 @@ class ExpertConfig:
         _check(isinstance(self.num_shared, int) and self.num_shared >= 0, "ExpertConfig", "num_shared",
                self.num_shared, "an integer >= 0")
         _positive("ExpertConfig", "shared_hidden", self.shared_hidden)
+        if self.dispatch in RETIRED_DISPATCH:
+            raise ValueError(f"ExpertConfig.dispatch={self.dispatch!r} is no longer a choice: "
+                             f"{RETIRED_DISPATCH[self.dispatch]}")
         _choice("ExpertConfig", "dispatch", self.dispatch, DISPATCH_MODES)
         _check(isinstance(self.capacity_factor, (int, float)) and self.capacity_factor > 0,
                "ExpertConfig", "capacity_factor", self.capacity_factor, "a number > 0")
@@ -235,75 +240,6 @@ class CoEConfig:
             _positive("CoEConfig", "top_k_per_iter", self.top_k_per_iter)
         _choice("CoEConfig", "residual", self.residual, COE_RESIDUALS)
         _choice("CoEConfig", "stream", self.stream, COE_READINGS)
-
-
-@dataclasses.dataclass(frozen=True)
-class ExecutionConfig:
-    """How the model runs on a machine, not what it computes (``ModelConfig.execution``).
-
-    Changing any of these changes neither the parameters nor, beyond floating-point rounding,
-    the outputs, so a run may resume with them changed (on another machine, say). Each 'auto'
-    is settled and printed once, when the run is built (:mod:`dagmoe_jax.run.settle`).
-
-    remat: 'auto' (default: 'none' on CPU, 'full' on GPU / TPU), 'full' (recompute each layer
-      in the backward pass; MaxText's default, for accelerator memory), 'dots' (save matmul
-      outputs only) or 'none' (store every activation).
-    scan_unroll: layers per iteration of the scanned layer loop (``jax.lax.scan``'s unroll);
-      0 (default) means auto: the whole stack unrolled on CPU, 1 (one compiled layer body)
-      elsewhere. The parameters stay stacked [layers, ...] either way.
-    attention: 'auto' (on CPU: the fused C++ kernel for float32 off-mesh when a C++ compiler
-      is available, else blockwise; on GPU cuDNN for bfloat16 compute and head dims cuDNN takes,
-      else XLA; on TPU splash), 'xla', 'blockwise', 'fused' (dagmoe_jax.kernels; CPU, float32,
-      single device), 'cudnn' or 'splash' (Pallas TPU kernel; sequences that are not a
-      multiple of 128 use XLA's attention).
-    grouped_matmul: the grouped matmul of 'dropless' dispatch: 'auto' (default: 'gmm' on TPU
-      when d_model and the expert hidden size are multiples of 128; on CPU off-mesh 'cpu_gmm'
-      when a C++ compiler is available; else 'ragged_dot'), 'ragged_dot'
-      (jax.lax.ragged_dot; on GPU fast with the cuDNN fusion of scripts/gpu_env.sh), 'gmm'
-      (megablox, Pallas TPU) or 'cpu_gmm' (dagmoe_jax.kernels C++ kernel; CPU, single
-      device; XLA:CPU's ragged_dot is 40-100x slower).
-    expert_exchange: how expert-parallel 'dropless' dispatch moves tokens between the expert
-      shards of a mesh: 'auto' (default: 'ragged_all_to_all' on GPU / TPU, 'all_gather' on
-      CPU, whose XLA does not implement the ragged collective), 'ragged_all_to_all' (each
-      assignment sent to its expert's device only) or 'all_gather' (every token to every
-      expert shard, outputs reduce-scattered back).
-    fuse_gate_up: one matmul against [W_gate | W_up] in SwiGLU and against [W_q | W_k | W_v]
-      in attention (CPU steps 3% and 8% faster); None (default) settles to True on one device
-      and False under a mesh, where the concatenation would move tensor-sharded weights.
-    attention_block: query/key block size of the blockwise causal attention (64 measured
-      fastest for the s model on the 2-core CPU: 32 and 128 were 5-10% slower).
-    loss_chunk: tokens per device in a chunk of the vocabulary-tiled loss; 0 (default) means
-      auto: 512 on CPU, 4096 on GPU / TPU, where smaller chunks re-read the LM head and its
-      float32 gradient until the head is bound by HBM (run/settle.py).
-    """
-
-    remat: str = "auto"
-    scan_unroll: int = 0
-    attention: str = "auto"
-    grouped_matmul: str = "auto"
-    expert_exchange: str = "auto"
-    fuse_gate_up: Optional[bool] = None
-    attention_block: int = 64
-    loss_chunk: int = 0
-
-    def __post_init__(self):
-        c = "ExecutionConfig"
-        _choice(c, "remat", self.remat, REMAT_POLICIES)
-        _nonnegative_int(c, "scan_unroll", self.scan_unroll)
-        _choice(c, "attention", self.attention, ATTENTION_IMPLS)
-        _choice(c, "grouped_matmul", self.grouped_matmul, GROUPED_MATMULS)
-        _choice(c, "expert_exchange", self.expert_exchange, EXPERT_EXCHANGES)
-        _check(self.fuse_gate_up in (None, True, False), c, "fuse_gate_up", self.fuse_gate_up,
-               "True, False or None (auto)")
-        _positive(c, "attention_block", self.attention_block)
-        _nonnegative_int(c, "loss_chunk", self.loss_chunk)
-
-    @property
-    def unsettled(self) -> tuple:
-        """The fields still 'auto' (settled by :func:`dagmoe_jax.run.settle.settle`)."""
-        auto = {"remat": "auto", "scan_unroll": 0, "attention": "auto", "grouped_matmul": "auto",
-                "expert_exchange": "auto", "fuse_gate_up": None, "loss_chunk": 0}
-        return tuple(name for name, value in auto.items() if getattr(self, name) == value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -407,10 +343,8 @@ class ModelConfig:
 
     @property
     def unsettled(self) -> tuple:
-        """The fields still 'auto' (settled by :func:`dagmoe_jax.run.settle.settle`): the
-        execution fields and ``experts.dispatch``."""
-        dispatch = ("experts.dispatch",) if self.experts.dispatch == "auto" else ()
-        return self.execution.unsettled + dispatch
+        """The execution fields still 'auto' (settled by :func:`dagmoe_jax.run.settle.settle`)."""
+        return self.execution.unsettled
 
     def replace(self, **changes) -> "ModelConfig":
         """A copy with fields changed; nested configs accept dicts of their own fields."""
@@ -419,21 +353,38 @@ class ModelConfig:
                 changes[name] = dataclasses.replace(getattr(self, name), **changes[name])
         return dataclasses.replace(self, **changes)
 
-    @classmethod
-    def from_dict(cls, blob: dict) -> "ModelConfig":
-        """The config of a JSON dict (``dataclasses.asdict`` of one, as ``config.json`` and the
-        checkpoints' metadata hold it): nested configs as dicts, absent fields at their
-        defaults (a run saved before the field existed), and the execution fields that runs
-        written before :class:`ExecutionConfig` existed kept at the top level moved into it.
-        A key that is no field raises ``TypeError``, as the constructor does."""
+    @staticmethod
+    def migrate(blob: dict) -> dict:
+        """A model config's JSON (``dataclasses.asdict`` of one) as this version writes it: the
+        execution fields that runs written before :class:`ExecutionConfig` existed kept at the
+        top level moved into it (``fuse_gate_up`` by its name now, ``fuse_projections``), and
+        the dispatch values of earlier versions migrated
+        (``'auto'``, what a CPU settled it to: ``'dropless'``; ``'dense'``: dropless run as
+        ``grouped_matmul='einsum'``)."""
         blob = dict(blob)
         legacy = {f.name: blob.pop(f.name) for f in dataclasses.fields(ExecutionConfig)
                   if f.name in blob}
         blob["execution"] = {**legacy, **(blob.get("execution") or {})}
+        if "fuse_gate_up" in blob["execution"]:                # its name before it fused q/k/v
+            blob["execution"]["fuse_projections"] = blob["execution"].pop("fuse_gate_up")
+        experts = dict(blob.get("experts") or {})
+        if experts.get("dispatch") in RETIRED_DISPATCH:
+            if (experts["dispatch"] == "dense"
+                    and blob["execution"].get("grouped_matmul", "auto") == "auto"):
+                blob["execution"]["grouped_matmul"] = "einsum"
+            blob["experts"] = {**experts, "dispatch": "dropless"}
+        return blob
+
+    @classmethod
+    def from_dict(cls, blob: dict) -> "ModelConfig":
+        """The config of a JSON dict (``dataclasses.asdict`` of one, as ``config.json`` and the
+        checkpoints' metadata hold it, of this version or an earlier one: :meth:`migrate`):
+        nested configs as dicts, absent fields at their defaults (a run saved before the field
+        existed). A key that is no field raises ``TypeError``, as the constructor does."""
+        blob = cls.migrate(blob)
         for name, nested in nested_configs(cls).items():
             blob[name] = nested(**(blob.get(name) or {}))
         return cls(**blob)
-
 
 def nested_configs(cls) -> dict:
     """{field name: config class} of a config dataclass's nested configs (found by walking

@@ -276,7 +276,7 @@ class Attention(nnx.Module):
         b, s, d = x.shape
         x2 = x.astype(self.dtype).reshape(b * s, d)
         ws = [w[...].astype(self.dtype).reshape(d, -1) for w in (self.w_q, self.w_k, self.w_v)]
-        if self.cfg.execution.fuse_gate_up:  # one matmul against [W_q | W_k | W_v] (config.py)
+        if self.cfg.execution.fuse_projections:  # one matmul against [W_q | W_k | W_v] (config.py)
             parts = jnp.split(x2 @ jnp.concatenate(ws, axis=1),
                               [ws[0].shape[1], ws[0].shape[1] + ws[1].shape[1]], axis=1)
         else:

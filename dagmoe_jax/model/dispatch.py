@@ -161,25 +161,24 @@ def dropless_dispatch(x: jax.Array, indices: jax.Array, weights: ExpertWeights,
 
 def dense_dispatch(x: jax.Array, indices: jax.Array, weights: ExpertWeights,
                    fused: bool = True):
-    """Every expert on every token, then pick the selected ones: the test oracle (N x the work)."""
+    """Every expert on every token, then pick the selected ones: dropless dispatch run as
+    ``grouped_matmul='einsum'``, the test oracle (N x the work)."""
     y = apply_experts(jnp.broadcast_to(x, (weights[0].shape[0],) + x.shape), weights,
                       fused)                                                          # [N,T,d]
     out = y[indices, jnp.arange(x.shape[0])[:, None]]
     return out, jnp.ones(indices.shape, bool)
 
 
-DISPATCH: dict[str, Callable] = {
-    "capacity": lambda x, i, w, cf, fused, _gm: capacity_dispatch(x, i, w, cf, fused),
-    "dropless": lambda x, i, w, _cf, _fused, gm: dropless_dispatch(x, i, w, gm),
-    "dense": lambda x, i, w, _cf, fused, _gm: dense_dispatch(x, i, w, fused),
-}
-
-
 def dispatch(mode: str, x, indices, weights: ExpertWeights, capacity_factor: float,
              fused: bool = True, grouped_matmul: str = "ragged_dot"):
     """Outputs [T, K, d] and keep mask [T, K] of the experts ``indices`` on tokens ``x`` [T, d]
-    with one device's dispatch ``mode``; ``fused`` as :func:`apply_experts`; ``grouped_matmul``
-    (dropless only) as :func:`grouped_ffn`."""
-    if mode not in DISPATCH:
-        raise ValueError(f"dispatch={mode!r} is invalid: expected one of {sorted(DISPATCH)}")
-    return DISPATCH[mode](x, indices, weights, capacity_factor, fused, grouped_matmul)
+    with one device's dispatch ``mode`` ('capacity' or 'dropless'); ``fused`` as
+    :func:`apply_experts`; ``grouped_matmul`` (dropless only): as :func:`grouped_ffn`, or
+    'einsum' (:func:`dense_dispatch`)."""
+    if mode == "capacity":
+        return capacity_dispatch(x, indices, weights, capacity_factor, fused)
+    if mode != "dropless":
+        raise ValueError(f"dispatch={mode!r} is invalid: expected 'capacity' or 'dropless'")
+    if grouped_matmul == "einsum":
+        return dense_dispatch(x, indices, weights, fused)
+    return dropless_dispatch(x, indices, weights, grouped_matmul)

@@ -195,8 +195,9 @@ def sharded_dispatch(mode: str, x: jax.Array, indices: jax.Array, weights: Exper
     ``ValueError``). A token count T the token axes do not divide (sampling a single sequence,
     an odd evaluation batch) falls back to the global-view single-device dispatch, which XLA
     partitions through the sharding constraints: correct, but not expert-parallel. ``fused``:
-    gate and up projections as one matmul (``ExecutionConfig.fuse_gate_up``, settled to False on a
-    mesh, where concatenating tensor-sharded weights would move them); ``grouped_matmul``: as
+    gate and up projections as one matmul (``ExecutionConfig.fuse_projections``, settled to
+    False on a mesh, where concatenating tensor-sharded weights would move them);
+    ``grouped_matmul``: as
     :func:`~dagmoe_jax.model.dispatch.grouped_ffn` (dropless); ``expert_exchange``: how
     dropless moves tokens between expert shards, 'all_gather' or 'ragged_all_to_all' (module
     docstring; with no expert axis nothing moves and this is unused).

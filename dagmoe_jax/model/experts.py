@@ -21,7 +21,7 @@ from dagmoe_jax.parallel.axes import MeshLayout
 
 
 # One device's choices, for experts built outside a settled model (tests, benchmarks).
-REFERENCE_EXECUTION = ExecutionConfig(fuse_gate_up=True, grouped_matmul="ragged_dot",
+REFERENCE_EXECUTION = ExecutionConfig(fuse_projections=True, grouped_matmul="ragged_dot",
                                       expert_exchange="all_gather")
 
 
@@ -30,10 +30,11 @@ class Experts(nnx.Module):
     the mesh's ``expert`` axis).
 
     cfg: the ``ExpertConfig`` (N = num_experts, d_r = expert_hidden; its ``dispatch``:
-    'capacity', 'dropless' or 'dense', with C = ceil(capacity_factor * T * K / N) for
-    'capacity'); execution: a settled ``ExecutionConfig`` (None: one device's reference
-    choices): its ``fuse_gate_up`` (as :func:`~dagmoe_jax.model.layers.swiglu`),
-    ``grouped_matmul`` ('ragged_dot' or 'gmm', for 'dropless') and ``expert_exchange``
+    'capacity' or 'dropless', with C = ceil(capacity_factor * T * K / N) for 'capacity');
+    execution: a settled ``ExecutionConfig`` (None: one device's reference choices): its
+    ``fuse_projections`` (as :func:`~dagmoe_jax.model.layers.swiglu`), ``grouped_matmul`` (how
+    'dropless' runs: 'ragged_dot', 'gmm', 'cpu_gmm', or 'einsum', one device's view under a
+    mesh too) and ``expert_exchange``
     ('all_gather' or 'ragged_all_to_all', how expert-parallel 'dropless' moves tokens);
     layout: the mesh to dispatch across (None: one device).
     """
@@ -45,7 +46,7 @@ class Experts(nnx.Module):
         num_experts, hidden = cfg.num_experts, cfg.expert_hidden
         self.dtype, self.mode, self.capacity_factor = dtype, cfg.dispatch, cfg.capacity_factor
         self.grouped_matmul, self.expert_exchange = ex.grouped_matmul, ex.expert_exchange
-        self.fuse_gate_up, self.layout = ex.fuse_gate_up, layout
+        self.fuse_projections, self.layout = ex.fuse_projections, layout
         init = normal(std)
         self.w_gate = make_param(rngs, init, (num_experts, d_model, hidden),
                                  ("expert", "embed", "expert_mlp"))
@@ -58,9 +59,10 @@ class Experts(nnx.Module):
         """Outputs [T, K, d] of the experts ``indices`` [T, K] on tokens ``x`` [T, d], and the
         keep mask [T, K] (False where capacity dropped the assignment)."""
         weights = tuple(w[...].astype(self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
-        if self.mode != "dense" and self.layout is not None:
+        einsum = self.mode == "dropless" and self.grouped_matmul == "einsum"
+        if not einsum and self.layout is not None:
             return sharded_dispatch(self.mode, x.astype(self.dtype), indices, weights,
-                                    self.capacity_factor, self.layout, self.fuse_gate_up,
+                                    self.capacity_factor, self.layout, self.fuse_projections,
                                     self.grouped_matmul, self.expert_exchange)
         return dispatch(self.mode, x.astype(self.dtype), indices, weights, self.capacity_factor,
-                        self.fuse_gate_up, self.grouped_matmul)
+                        self.fuse_projections, self.grouped_matmul)

@@ -43,8 +43,8 @@ def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, 
     ``[W_gate | W_up]`` (the same products, column by column): one pass over x and, in the
     backward pass, one input gradient of twice the depth instead of two and an add. Measured 3%
     faster for the whole training step of the s model on the 2-core CPU, concatenation
-    included. Under a multi-device mesh (``ExecutionConfig.fuse_gate_up`` settles to False there)
-    the two matmuls stay separate: concatenating weights sharded along their hidden axis
+    included. Under a multi-device mesh (``ExecutionConfig.fuse_projections`` settles to False
+    there) the two matmuls stay separate: concatenating weights sharded along their hidden axis
     (tensor parallelism) would move them between devices.
     """
     if not fused:
@@ -70,9 +70,9 @@ class SwiGLU(nnx.Module):
     the sum of the separate experts' outputs is exactly that FFN's output.
     """
 
-    def __init__(self, d_model: int, hidden: int, std: float, dtype, *, fuse_gate_up: bool = True,
-                 rngs: nnx.Rngs):
-        self.dtype, self.fuse_gate_up = dtype, fuse_gate_up
+    def __init__(self, d_model: int, hidden: int, std: float, dtype, *,
+                 fuse_projections: bool = True, rngs: nnx.Rngs):
+        self.dtype, self.fuse_projections = dtype, fuse_projections
         self.w_gate = make_param(rngs, normal(std), (d_model, hidden), ("embed", "mlp"))
         self.w_up = make_param(rngs, normal(std), (d_model, hidden), ("embed", "mlp"))
         self.w_down = make_param(rngs, normal(std), (hidden, d_model), ("mlp", "embed"))
@@ -80,4 +80,4 @@ class SwiGLU(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         c = lambda w: w[...].astype(self.dtype)
         return swiglu(x.astype(self.dtype), c(self.w_gate), c(self.w_up), c(self.w_down),
-                      fused=self.fuse_gate_up)
+                      fused=self.fuse_projections)

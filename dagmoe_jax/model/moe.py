@@ -23,7 +23,8 @@ def shared_experts(cfg: ModelConfig, *, rngs: nnx.Rngs) -> Optional[SwiGLU]:
     if e.num_shared == 0:
         return None
     return SwiGLU(cfg.d_model, e.num_shared * e.shared_hidden, cfg.init_std,
-                  dtype_of(cfg.compute_dtype), fuse_gate_up=cfg.execution.fuse_gate_up, rngs=rngs)
+                  dtype_of(cfg.compute_dtype), fuse_projections=cfg.execution.fuse_projections,
+                  rngs=rngs)
 
 
 def routed_experts(cfg: ModelConfig, layout: Optional[MeshLayout], *,
@@ -41,8 +42,8 @@ class DenseBlock(SwiGLU):
                  rngs: nnx.Rngs):
         del layout                           # nothing to dispatch
         super().__init__(cfg.d_model, cfg.resolved_ffn_hidden, cfg.init_std,
-                         dtype_of(cfg.compute_dtype), fuse_gate_up=cfg.execution.fuse_gate_up,
-                         rngs=rngs)
+                         dtype_of(cfg.compute_dtype),
+                         fuse_projections=cfg.execution.fuse_projections, rngs=rngs)
         self.num_experts = cfg.experts.num_experts
 
     def __call__(self, inputs: BlockInputs):

@@ -27,7 +27,7 @@ from flax import nnx
 from dagmoe_jax.validate import first_line
 from dagmoe_jax.data import make_tokenizer
 from dagmoe_jax.parallel import activate
-from dagmoe_jax.config import ExecutionConfig, ModelConfig, execution_fields
+from dagmoe_jax.config import DISPATCH_MODES, ExecutionConfig, ModelConfig, execution_fields
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.parallel import MeshConfig
 from dagmoe_jax.run.build import build, train_state
@@ -84,7 +84,12 @@ def configs_from_json(blob: dict):
     output (the settled model config, a record of one machine, is not read back)."""
     train = dict(blob["train"])
     train["mesh"] = MeshConfig(**train.get("mesh", {}))
-    return (ModelConfig.from_dict(blob["model"]), DataConfig(**blob["data"]),
+    model = dict(blob["model"])
+    saved_dispatch = ((blob.get("settled_model") or {}).get("experts") or {}).get("dispatch")
+    if (model.get("experts") or {}).get("dispatch") == "auto" and saved_dispatch in DISPATCH_MODES:
+        # written while dispatch was settled per machine: the run keeps what it trained with
+        model["experts"] = {**model["experts"], "dispatch": saved_dispatch}
+    return (ModelConfig.from_dict(model), DataConfig(**blob["data"]),
             OptimConfig(**blob["optim"]), TrainConfig(**train))
 
 
@@ -181,7 +186,7 @@ def resume_changes(run_dir: PathLike, model_cfg: ModelConfig, data_cfg: DataConf
     Execution fields (:func:`architecture` drops them) are not changes. A field the
     checkpoint lacks (written by an earlier version) is read at its default, which every new
     field keeps equal to the behaviour before it existed."""
-    saved = architecture(saved_meta.get("model_config") or {})
+    saved = architecture(ModelConfig.migrate(saved_meta.get("model_config") or {}))
     expected = architecture(dataclasses.asdict(model_cfg))
     with_defaults = {**flatten_json(architecture(dataclasses.asdict(ModelConfig()))),
                      **flatten_json(saved)}

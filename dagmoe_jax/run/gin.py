@@ -35,6 +35,9 @@ def _config_dir() -> Path:
 
 CONFIG_DIR = _config_dir()
 
+# Fields renamed since earlier versions: a binding of the old name fails with the new one.
+RENAMED = {"ExecutionConfig.fuse_gate_up": "ExecutionConfig.fuse_projections"}
+
 # External registration: gin configures its own wrappers of these, so bindings never leak into
 # ``ModelConfig(...)`` built in plain Python (tests, notebooks) after a gin file was parsed.
 _CONFIG_CLASSES = (*C.nested_configs(ModelConfig).values(), ModelConfig,
@@ -82,7 +85,10 @@ def parse_gin(files: Sequence[str] = (), bindings: Iterable[str] = ()) -> None:
             name, value = unquoted
             raise ValueError(f"gin binding {name} = {value}: a string needs quotes in gin: write "
                              f"--gin.{name}=\"'{value}'\"") from None
-        raise ValueError(f"gin configuration error: {first_line(err)}") from None
+        renamed = next((f"{old} is now {new}" for old, new in RENAMED.items()
+                        if old.split(".")[1] in str(err)), "")
+        raise ValueError(f"gin configuration error: {first_line(err)}"
+                         + (f" ({renamed}: write that)" if renamed else "")) from None
     finally:
         root.removeFilter(_quiet_include_probe)
 

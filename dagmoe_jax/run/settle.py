@@ -23,16 +23,12 @@ prints and saves:
                    the flag in scripts/gpu_env.sh)
 ``expert_exchange`` expert-parallel dropless dispatch: ``jax.lax.ragged_all_to_all`` on GPU and
                    TPU; the all-gather fallback on CPU (XLA:CPU has no ragged all-to-all)
-``fuse_gate_up``   one [W_gate | W_up] matmul (and one [W_q | W_k | W_v]) on one device;
+``fuse_projections`` one [W_gate | W_up] matmul (and one [W_q | W_k | W_v]) on one device;
                    separate ones under a mesh (the concatenation would move tensor-sharded
                    weights)
 ``loss_chunk``     tokens per device in a chunk of the vocabulary-tiled loss: 512 on CPU,
                    4096 on GPU / TPU (where smaller chunks re-read the LM head and its float32
                    gradient until the head is bound by HBM, not by its FLOPs)
-``dispatch``       ``ExpertConfig.dispatch``: dropless (exact) where the grouped matmul
-                   settled above is a kernel (``cpu_gmm``, ``gmm``): on CPU it makes the MoE-s
-                   step about 0.87x of capacity dispatch's; capacity elsewhere (XLA:CPU's
-                   ``ragged_dot`` under a mesh is 40-100x slower; GPU not yet measured)
 =================  =====================================================================
 
 The mesh enters as a :class:`~dagmoe_jax.parallel.axes.MeshLayout` (None for one device),
@@ -117,14 +113,6 @@ def settle_grouped_matmul(name: str, backend: str, d_model: int, hidden: int,
     return "ragged_dot"
 
 
-def settle_dispatch(name: str, grouped_matmul: str) -> str:
-    """'auto': 'dropless' when ``grouped_matmul`` (settled) is a kernel, 'cpu_gmm' or 'gmm';
-    'capacity' otherwise (see the module docstring)."""
-    if name != "auto":
-        return name
-    return "dropless" if grouped_matmul in ("cpu_gmm", "gmm") else "capacity"
-
-
 def settle_expert_exchange(name: str, backend: str) -> str:
     """'auto': 'ragged_all_to_all' on GPU / TPU, 'all_gather' on CPU (module docstring)."""
     if name != "auto":
@@ -179,14 +167,14 @@ def settle(cfg: ModelConfig, *, backend: Optional[str] = None,
     grouped_matmul = settle_grouped_matmul(ex.grouped_matmul, backend, cfg.d_model,
                                            cfg.experts.expert_hidden, layout)
     return cfg.replace(
-        experts=dict(dispatch=settle_dispatch(cfg.experts.dispatch, grouped_matmul)),
         execution=dict(
             remat=settle_remat(ex.remat, backend),
             scan_unroll=settle_scan_unroll(ex.scan_unroll, cfg.num_layers, backend),
             attention=attention,
             grouped_matmul=grouped_matmul,
             expert_exchange=settle_expert_exchange(ex.expert_exchange, backend),
-            fuse_gate_up=(layout is None) if ex.fuse_gate_up is None else ex.fuse_gate_up,
+            fuse_projections=(layout is None if ex.fuse_projections is None
+                              else ex.fuse_projections),
             loss_chunk=settle_loss_chunk(ex.loss_chunk, backend)))
 
 
@@ -207,7 +195,7 @@ def describe(settled: ModelConfig, original: Optional[ModelConfig] = None,
     dispatch = (f", dispatch {settled.experts.dispatch}" if settled.block != "dense" else "")
     return (f"attention {attention}, remat {ex.remat}, layers unrolled "
             f"{ex.scan_unroll}/{settled.num_layers}, loss chunk {ex.loss_chunk} tokens, gate/up "
-            f"{'fused' if ex.fuse_gate_up else 'separate'}{dispatch}"
+            f"{'fused' if ex.fuse_projections else 'separate'}{dispatch}"
             f"{', grouped matmul ' + ex.grouped_matmul if dropless else ''}"
             f"{', expert-parallel over ' + str(dict(layout.axis_sizes)) if layout else ''}"
             f"{' by ' + ex.expert_exchange if layout and dropless else ''}")

@@ -17,7 +17,6 @@ Flags:
   --lam=L                ridge lambda (default 1e-2, absolute)
   --stats_batches=N      batches per domain for the statistics (default 16)
   --tokens_per_sequence=N  only the first N tokens of each row count (default: all)
-  --dispatch=dropless|dense  (capacity is refused: it drops a one-domain batch's tokens)
   --dag_dim=G --dag_iters=L  also upcycle into a DAG-MoE (G > 0) that starts equal to DUME
   --steps=N              steps the written run trains for when continued (default 1000)
   --trainable=SET        what the continuation trains (TrainConfig.trainable): default 'router'
@@ -60,7 +59,6 @@ def parse_args(argv):
     p.add_argument("--lam", type=float, default=1e-2)
     p.add_argument("--stats_batches", type=int, default=16)
     p.add_argument("--tokens_per_sequence", type=int, default=None)
-    p.add_argument("--dispatch", default="dropless")
     p.add_argument("--dag_dim", type=int, default=0)
     p.add_argument("--dag_iters", type=int, default=2)
     p.add_argument("--steps", type=int, default=1000)
@@ -134,7 +132,7 @@ def run(args) -> Path:
     batches = [lambda d=d: command.domain_batches(d, args.stats_batches) for d in domains]
     moe, cfg, stats = command.build_dume(
         dense, batches, top_k=args.top_k, temperature=args.temperature, lam=args.lam,
-        dispatch=args.dispatch, tokens_per_sequence=args.tokens_per_sequence,
+        tokens_per_sequence=args.tokens_per_sequence,
         router=args.router, seed=args.seed, progress=progress)
     if args.dag_dim > 0:
         moe = dume.upcycle_to_dag(moe, dag_dim=args.dag_dim, dag_iters=args.dag_iters,

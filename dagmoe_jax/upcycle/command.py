@@ -128,7 +128,7 @@ def domain_batches(data_cfg: DataConfig, num_batches: int):
 def build_dume(dense: Sequence[Union[DenseSource, str]],
                batches_per_domain: Sequence[Callable[[], list]], *,
                top_k: int = 1, temperature: float = 1.0, lam: float = DEFAULT_LAMBDA,
-               dispatch: str = "dropless", tokens_per_sequence: Optional[int] = None,
+               tokens_per_sequence: Optional[int] = None,
                router: str = "dume", seed: int = 0,
                progress: Callable[[int, int, int], None] = lambda _d, _b, _t: None
                ) -> Tuple[nnx.Module, ModelConfig, List[DomainStatistics]]:
@@ -149,8 +149,7 @@ def build_dume(dense: Sequence[Union[DenseSource, str]],
     else:
         moerge.check_same_architecture([d.cfg for d in dense])
         dense_cfg = dense[0].cfg
-    cfg = moerge.dume_config(dense_cfg, len(dense), top_k=top_k, temperature=temperature,
-                             dispatch=dispatch)
+    cfg = moerge.dume_config(dense_cfg, len(dense), top_k=top_k, temperature=temperature)
     moe = (stream.moerge_hf(dense, settle(cfg), seed=seed) if streamed else
            moerge.moerge([d.model for d in dense], settle(cfg), seed=seed))
     stats: List[DomainStatistics] = []

@@ -68,7 +68,7 @@ def forced_forward(model: nnx.Module, tokens: jax.Array, expert: jax.Array, head
         inputs.append(x)
         e = layer.block.experts
         w = [getattr(e, n)[...][expert].astype(dt) for n in ("w_gate", "w_up", "w_down")]
-        y = swiglu(x.reshape(b * s, -1).astype(dt), *w, fused=cfg.execution.fuse_gate_up)
+        y = swiglu(x.reshape(b * s, -1).astype(dt), *w, fused=cfg.execution.fuse_projections)
         if layer.block.shared is not None:
             y = y + layer.block.shared(x.reshape(b * s, -1))
         h = layer.add_block_output(h, y.reshape(b, s, -1))

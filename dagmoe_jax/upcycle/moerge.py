@@ -25,13 +25,13 @@ EXPERT_PREFIX = ("layers", "block", "experts")
 
 
 def dume_config(dense: ModelConfig, num_experts: int, *, top_k: int = 1,
-                temperature: float = 1.0, dispatch: str = "dropless") -> ModelConfig:
+                temperature: float = 1.0) -> ModelConfig:
     """The MoE config of ``num_experts`` merged copies of the dense config ``dense``.
 
     top_k: experts per token (DUME's default 1: the dense models' forward cost; the authors'
-    ``--k``). temperature: T of the gate (the authors' ``--temp``, default 1). dispatch:
-    'dropless' or 'dense'. 'capacity' is refused: a batch of one domain sends nearly every
-    token to one expert, and fixed capacity would drop most of them. No balance or z-loss
+    ``--k``). temperature: T of the gate (the authors' ``--temp``, default 1). Dispatch is
+    dropless: a batch of one domain sends nearly every token to one expert, and capacity
+    dispatch would drop most of them. No balance or z-loss
     (the paper found load balancing had no effect on DUME+ / BTX and trains without it).
     """
     if dense.block != "dense":
@@ -39,10 +39,6 @@ def dume_config(dense: ModelConfig, num_experts: int, *, top_k: int = 1,
                          f"(block='dense')")
     if num_experts < 1:
         raise ValueError(f"DUME needs at least one dense model (got {num_experts})")
-    if dispatch == "capacity":
-        raise ValueError("ExpertConfig.dispatch='capacity' is invalid for a DUME model: a "
-                         "batch of one domain sends most tokens to one expert and capacity "
-                         "would drop them; use 'dropless' or 'dense'")
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"DUME top_k={top_k} is invalid: expected an integer in "
                          f"[1, {num_experts}] (the number of dense models)")
@@ -51,7 +47,7 @@ def dume_config(dense: ModelConfig, num_experts: int, *, top_k: int = 1,
         router=RouterConfig(score_fn="softmax", top_k=top_k, renormalize=True, bias=True,
                             temperature=temperature, balance_coef=0.0, z_loss_coef=0.0),
         experts=dict(num_experts=num_experts, expert_hidden=dense.resolved_ffn_hidden,
-                     num_shared=0, dispatch=dispatch),
+                     num_shared=0, dispatch="dropless"),
         aggregation=AggregationConfig(kind="sum"))
 
 
@@ -61,7 +57,7 @@ def check_dume_config(cfg: ModelConfig) -> None:
         raise ValueError(f"ModelConfig.block={cfg.block!r}: a DUME model is block='moe'")
     if cfg.experts.dispatch == "capacity":
         raise ValueError("ExpertConfig.dispatch='capacity' is invalid for a DUME model: use "
-                         "'dropless' or 'dense' (capacity drops a one-domain batch's tokens)")
+                         "'dropless' (capacity drops a one-domain batch's tokens)")
     if not cfg.router.bias:
         raise ValueError("RouterConfig.bias=False: a DUME router has a bias (the ridge "
                          "solution's last row); set bias=True")

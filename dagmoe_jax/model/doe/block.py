@@ -413,7 +413,7 @@ class DoEBlock(nnx.Module):
         else:
             e_context = compose_expert(gates, z_know)
             out = swiglu(jnp.concatenate([h_enr, e_context], axis=-1), c(self.w_gate),
-                         c(self.w_up), c(self.w_down), fused=cfg.execution.fuse_gate_up)
+                         c(self.w_up), c(self.w_down), fused=cfg.execution.fuse_projections)
             active = jnp.mean((g32 > 0).astype(jnp.float32))
         share = g32 / jnp.maximum(jnp.sum(g32, axis=-1, keepdims=True), 1e-9)
         zero = jnp.zeros((), jnp.float32)

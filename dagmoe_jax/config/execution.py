@@ -1,0 +1,86 @@
+"""How the model runs on a machine, not what it computes (``ModelConfig.execution``): every
+choice that depends on the backend or the mesh, each 'auto' settled once when the run is built
+(:mod:`dagmoe_jax.run.settle`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from dagmoe_jax.validate import (check as _check, choice as _choice,
+                                 nonnegative_int as _nonnegative_int, positive as _positive)
+
+REMAT_POLICIES = ("auto", "none", "full", "dots")
+ATTENTION_IMPLS = ("auto", "xla", "blockwise", "fused", "cudnn", "splash")
+GROUPED_MATMULS = ("auto", "ragged_dot", "gmm", "cpu_gmm", "einsum")
+EXPERT_EXCHANGES = ("auto", "all_gather", "ragged_all_to_all")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionConfig:
+    """How the model runs on a machine, not what it computes (``ModelConfig.execution``).
+
+    Changing any of these changes neither the parameters nor, beyond floating-point rounding,
+    the outputs, so a run may resume with them changed (on another machine, say). Each 'auto'
+    is settled and printed once, when the run is built (:mod:`dagmoe_jax.run.settle`).
+
+    remat: 'auto' (default: 'none' on CPU, 'full' on GPU / TPU), 'full' (recompute each layer
+      in the backward pass; MaxText's default, for accelerator memory), 'dots' (save matmul
+      outputs only) or 'none' (store every activation).
+    scan_unroll: layers per iteration of the scanned layer loop (``jax.lax.scan``'s unroll);
+      0 (default) means auto: the whole stack unrolled on CPU, 1 (one compiled layer body)
+      elsewhere. The parameters stay stacked [layers, ...] either way.
+    attention: 'auto' (on CPU: the fused C++ kernel for float32 off-mesh when a C++ compiler
+      is available, else blockwise; on GPU cuDNN for bfloat16 compute and head dims cuDNN takes,
+      else XLA; on TPU splash), 'xla', 'blockwise', 'fused' (dagmoe_jax.kernels; CPU, float32,
+      single device), 'cudnn' or 'splash' (Pallas TPU kernel; sequences that are not a
+      multiple of 128 use XLA's attention).
+    grouped_matmul: how 'dropless' dispatch runs its experts: 'auto' (default: 'gmm' on TPU
+      when d_model and the expert hidden size are multiples of 128; on CPU off-mesh 'cpu_gmm'
+      when a C++ compiler is available; else 'ragged_dot'), 'ragged_dot'
+      (jax.lax.ragged_dot; on GPU fast with the cuDNN fusion of scripts/gpu_env.sh), 'gmm'
+      (megablox, Pallas TPU), 'cpu_gmm' (dagmoe_jax.kernels C++ kernel; CPU, single
+      device; XLA:CPU's ragged_dot is 40-100x slower) or 'einsum' (every expert on every
+      token, then the selected ones: N times the work, the tests' oracle; one device's view).
+    expert_exchange: how expert-parallel 'dropless' dispatch moves tokens between the expert
+      shards of a mesh: 'auto' (default: 'ragged_all_to_all' on GPU / TPU, 'all_gather' on
+      CPU, whose XLA does not implement the ragged collective), 'ragged_all_to_all' (each
+      assignment sent to its expert's device only) or 'all_gather' (every token to every
+      expert shard, outputs reduce-scattered back).
+    fuse_projections: one matmul against [W_gate | W_up] in SwiGLU and against [W_q | W_k | W_v]
+      in attention (CPU steps 3% and 8% faster); None (default) settles to True on one device
+      and False under a mesh, where the concatenation would move tensor-sharded weights.
+    attention_block: query/key block size of the blockwise causal attention (64 measured
+      fastest for the s model on the 2-core CPU: 32 and 128 were 5-10% slower).
+    loss_chunk: tokens per device in a chunk of the vocabulary-tiled loss; 0 (default) means
+      auto: 512 on CPU, 4096 on GPU / TPU, where smaller chunks re-read the LM head and its
+      float32 gradient until the head is bound by HBM (run/settle.py).
+    """
+
+    remat: str = "auto"
+    scan_unroll: int = 0
+    attention: str = "auto"
+    grouped_matmul: str = "auto"
+    expert_exchange: str = "auto"
+    fuse_projections: Optional[bool] = None
+    attention_block: int = 64
+    loss_chunk: int = 0
+
+    def __post_init__(self):
+        c = "ExecutionConfig"
+        _choice(c, "remat", self.remat, REMAT_POLICIES)
+        _nonnegative_int(c, "scan_unroll", self.scan_unroll)
+        _choice(c, "attention", self.attention, ATTENTION_IMPLS)
+        _choice(c, "grouped_matmul", self.grouped_matmul, GROUPED_MATMULS)
+        _choice(c, "expert_exchange", self.expert_exchange, EXPERT_EXCHANGES)
+        _check(self.fuse_projections in (None, True, False), c, "fuse_projections",
+               self.fuse_projections, "True, False or None (auto)")
+        _positive(c, "attention_block", self.attention_block)
+        _nonnegative_int(c, "loss_chunk", self.loss_chunk)
+
+    @property
+    def unsettled(self) -> tuple:
+        """The fields still 'auto' (settled by :func:`dagmoe_jax.run.settle.settle`)."""
+        auto = {"remat": "auto", "scan_unroll": 0, "attention": "auto", "grouped_matmul": "auto",
+                "expert_exchange": "auto", "fuse_projections": None, "loss_chunk": 0}
+        return tuple(name for name, value in auto.items() if getattr(self, name) == value)

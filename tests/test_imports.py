@@ -3,7 +3,8 @@
 only commands and optional dependencies may import inside a function), no import cycle between
 modules, ``import dagmoe_jax.model`` loads the core only, and no module is over 450 lines.
 
-Read with ``ast`` only (nothing is imported). ``from pkg import name`` counts as an import of
+The graph is read with ``ast`` (nothing is imported; one test imports the model in a
+subprocess to see what it loads). ``from pkg import name`` counts as an import of
 the submodule ``pkg.name`` when that is a module, else of ``pkg`` (its ``__init__``). Optional
 heavy dependencies imported lazily (tensorboard, wandb, torch, ...) are not dagmoe_jax modules
 and do not count.

@@ -1,4 +1,4 @@
-"""Runs written by earlier versions of the library still load and resume.
+"""Runs written by earlier versions of the library still load, resume and sample.
 
 Before ``ExecutionConfig`` existed (commit 520a405), a run's ``config.json`` and its
 checkpoints' metadata kept ``remat``, ``attention``, ... at the top level of the model config.
@@ -13,6 +13,11 @@ steps, one checkpoint at step 2)::
 
 and rewrites both places into that layout (the execution fields moved up a level, the step's
 checksums rewritten to match), so no checkpoint is kept in the repository.
+
+The ``layout`` parameter adds the layout of 7ae9da1 (issue 32's starting point) to either:
+``ExpertConfig.dispatch='auto'`` in the model config (settled per machine; ``settled_model``
+and the checkpoint's metadata hold what it became) and ``ExecutionConfig.fuse_gate_up``, since
+renamed ``fuse_projections``.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import pytest
 from dagmoe_jax import run as run_lib
 from dagmoe_jax.config import ExecutionConfig, ModelConfig
 from dagmoe_jax.run.gin import load_configs
+from dagmoe_jax.decoding.generate import generate
 from dagmoe_jax.run.checkpoint_files import write_checksums
 from dagmoe_jax.train.loop import train
 
@@ -46,38 +52,74 @@ def legacy_model(model: dict) -> dict:
     return {**model, **execution}
 
 
+def model_7ae9da1(model: dict, dispatch: str = "auto") -> dict:
+    """A model config dict as 7ae9da1 wrote it: ``dispatch`` ('auto' in the config as given,
+    the settled value elsewhere) and ``fuse_gate_up`` by that name."""
+    model = json.loads(json.dumps(model))
+    model["experts"]["dispatch"] = dispatch
+    model["execution"]["fuse_gate_up"] = model["execution"].pop("fuse_projections")
+    return model
+
+
 @pytest.fixture(scope="module")
-def old_run(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("compat") / "run_520a405"
+def trained(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("compat") / "trained"
     train(*load_configs(["train/smoke.gin"], SMOKE + [f"TrainConfig.run_dir = '{run_dir}'"]),
           progress=False, log=lambda _m: None)
+    return run_dir
+
+
+@pytest.fixture(params=["520a405", "7ae9da1"])
+def old_run(request, trained, tmp_path) -> Path:
+    run_dir = tmp_path / f"run_{request.param}"
+    shutil.copytree(trained, run_dir)
     config = json.loads((run_dir / "config.json").read_text())
-    config["model"] = legacy_model(config["model"])
-    (run_dir / "config.json").write_text(json.dumps(config))
     step = run_dir / "checkpoints" / "2"
     meta = json.loads((step / "meta" / "metadata").read_text())
-    meta["model_config"] = legacy_model(meta["model_config"])
+    if request.param == "7ae9da1":
+        settled = "capacity"                 # what 'auto' became on a GPU (dropless on a CPU)
+        config["model"] = model_7ae9da1(config["model"])
+        config["settled_model"] = model_7ae9da1(config["settled_model"], settled)
+        meta["model_config"] = model_7ae9da1(meta["model_config"], settled)
+    else:
+        config["model"] = legacy_model(config["model"])
+        meta["model_config"] = legacy_model(meta["model_config"])
+    (run_dir / "config.json").write_text(json.dumps(config))
     (step / "meta" / "metadata").write_text(json.dumps(meta))
     write_checksums(step)
     return run_dir
 
 
-def test_the_legacy_config_reads_with_its_execution_fields_nested(old_run):
+def test_the_legacy_config_reads_migrated(old_run):
     blob = json.loads((old_run / "config.json").read_text())
-    assert "remat" in blob["model"] and "execution" not in blob["model"]   # the old layout
     model_cfg, _, _, _ = run_lib.load_configs(old_run)
-    assert model_cfg.execution == ExecutionConfig(**{f.name: blob["model"][f.name]
-                                                     for f in dataclasses.fields(ExecutionConfig)})
-    assert model_cfg == ModelConfig.from_dict(blob["model"])
+    if old_run.name == "run_520a405":       # the execution fields at the top level, nested now
+        assert "remat" in blob["model"] and "execution" not in blob["model"]
+        assert model_cfg.execution == ExecutionConfig(**{
+            f.name: blob["model"][f.name] for f in dataclasses.fields(ExecutionConfig)})
+        assert model_cfg == ModelConfig.from_dict(blob["model"])
+    else:                                   # dispatch 'auto' and fuse_gate_up, migrated
+        assert blob["model"]["experts"]["dispatch"] == "auto"
+        assert model_cfg.experts.dispatch == blob["settled_model"]["experts"]["dispatch"] == (
+            "capacity")
+        assert (model_cfg.execution.fuse_projections
+                == blob["model"]["execution"]["fuse_gate_up"])
     assert (model_cfg.d_model, model_cfg.aggregation.kind) == (16, "dag")
 
 
-def test_a_checkpoint_written_before_the_restructure_loads(old_run):
+def test_a_checkpoint_written_before_the_restructure_loads_and_samples(old_run, trained):
     loaded = run_lib.load_run(old_run)
     assert loaded.step == 2 and not loaded.warnings
+    expected = run_lib.load_run(trained).model_cfg
+    if old_run.name == "run_7ae9da1":       # the dispatch its GPU settled 'auto' to
+        expected = expected.replace(experts=dict(dispatch="capacity"))
+    assert loaded.model_cfg == expected
     tokens = jnp.asarray(np.arange(32).reshape(2, 16) % 256, jnp.int32)
     logits, _ = loaded.model(tokens)
     assert logits.shape == (2, 16, 256) and bool(jnp.all(jnp.isfinite(logits)))
+    prompt = [loaded.tokenizer.eos_id] + loaded.tokenizer.encode("lis 3 1 4 =")
+    out = generate(loaded.model, [prompt], max_new_tokens=4)[0]
+    assert len(out) == 4 and all(0 <= t < 256 for t in out)
 
 
 def test_a_checkpoint_written_before_the_restructure_resumes(old_run, tmp_path):

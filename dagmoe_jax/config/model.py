@@ -354,13 +354,14 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
     @staticmethod
-    def migrate(blob: dict) -> dict:
+    def migrate(blob: dict, settled: Optional[dict] = None) -> dict:
         """A model config's JSON (``dataclasses.asdict`` of one) as this version writes it: the
         execution fields that runs written before :class:`ExecutionConfig` existed kept at the
         top level moved into it (``fuse_gate_up`` by its name now, ``fuse_projections``), and
-        the dispatch values of earlier versions migrated
-        (``'auto'``, what a CPU settled it to: ``'dropless'``; ``'dense'``: dropless run as
-        ``grouped_matmul='einsum'``)."""
+        the dispatch values of earlier versions migrated: ``'auto'`` (settled per machine then)
+        to what ``settled`` (the same config as that machine settled it) records, else to
+        ``'dropless'``, what a CPU settled it to; ``'dense'`` to dropless run as
+        ``grouped_matmul='einsum'``."""
         blob = dict(blob)
         legacy = {f.name: blob.pop(f.name) for f in dataclasses.fields(ExecutionConfig)
                   if f.name in blob}
@@ -372,19 +373,23 @@ class ModelConfig:
             if (experts["dispatch"] == "dense"
                     and blob["execution"].get("grouped_matmul", "auto") == "auto"):
                 blob["execution"]["grouped_matmul"] = "einsum"
-            blob["experts"] = {**experts, "dispatch": "dropless"}
+            was = ((settled or {}).get("experts") or {}).get("dispatch")
+            blob["experts"] = {**experts, "dispatch": (
+                was if experts["dispatch"] == "auto" and was in DISPATCH_MODES else "dropless")}
         return blob
 
     @classmethod
-    def from_dict(cls, blob: dict) -> "ModelConfig":
+    def from_dict(cls, blob: dict, settled: Optional[dict] = None) -> "ModelConfig":
         """The config of a JSON dict (``dataclasses.asdict`` of one, as ``config.json`` and the
-        checkpoints' metadata hold it, of this version or an earlier one: :meth:`migrate`):
-        nested configs as dicts, absent fields at their defaults (a run saved before the field
-        existed). A key that is no field raises ``TypeError``, as the constructor does."""
-        blob = cls.migrate(blob)
+        checkpoints' metadata hold it, of this version or an earlier one: :meth:`migrate`, with
+        ``settled``): nested configs as dicts, absent fields at their defaults (a run saved
+        before the field existed). A key that is no field raises ``TypeError``, as the
+        constructor does."""
+        blob = cls.migrate(blob, settled)
         for name, nested in nested_configs(cls).items():
             blob[name] = nested(**(blob.get(name) or {}))
         return cls(**blob)
+
 
 def nested_configs(cls) -> dict:
     """{field name: config class} of a config dataclass's nested configs (found by walking

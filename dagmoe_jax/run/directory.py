@@ -27,7 +27,7 @@ from flax import nnx
 from dagmoe_jax.validate import first_line
 from dagmoe_jax.data import make_tokenizer
 from dagmoe_jax.parallel import activate
-from dagmoe_jax.config import DISPATCH_MODES, ExecutionConfig, ModelConfig, execution_fields
+from dagmoe_jax.config import ExecutionConfig, ModelConfig, execution_fields
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.parallel import MeshConfig
 from dagmoe_jax.run.build import build, train_state
@@ -81,16 +81,12 @@ def configs_to_json(model_cfg, data_cfg, optim_cfg, train_cfg,
 
 def configs_from_json(blob: dict):
     """(ModelConfig, DataConfig, OptimConfig, TrainConfig) from :func:`configs_to_json`'s
-    output (the settled model config, a record of one machine, is not read back)."""
+    output (the settled model config, a record of one machine, is read only to migrate what
+    earlier versions settled per machine: :meth:`ModelConfig.migrate`)."""
     train = dict(blob["train"])
     train["mesh"] = MeshConfig(**train.get("mesh", {}))
-    model = dict(blob["model"])
-    saved_dispatch = ((blob.get("settled_model") or {}).get("experts") or {}).get("dispatch")
-    if (model.get("experts") or {}).get("dispatch") == "auto" and saved_dispatch in DISPATCH_MODES:
-        # written while dispatch was settled per machine: the run keeps what it trained with
-        model["experts"] = {**model["experts"], "dispatch": saved_dispatch}
-    return (ModelConfig.from_dict(model), DataConfig(**blob["data"]),
-            OptimConfig(**blob["optim"]), TrainConfig(**train))
+    return (ModelConfig.from_dict(blob["model"], blob.get("settled_model")),
+            DataConfig(**blob["data"]), OptimConfig(**blob["optim"]), TrainConfig(**train))
 
 
 def save_configs(run_dir: PathLike, model_cfg, data_cfg, optim_cfg, train_cfg,

@@ -28,7 +28,7 @@ class Checkpoints:
     directory = "fake"
 
     def __init__(self, save_at=()):
-        self.save_at, self.saved = set(save_at), []
+        self.save_at, self.saved, self.read_at_save = set(save_at), [], []
 
     def check_for_errors(self):
         pass
@@ -38,6 +38,7 @@ class Checkpoints:
 
     def save(self, step, *_args, **_kwargs):
         self.saved.append(step)
+        self.read_at_save.append(len(Loss.reads))
 
     def wait(self):
         pass
@@ -63,6 +64,7 @@ def test_losses_are_read_every_sync_every_steps_and_at_the_end():
     # step 1 (compile time), 4 (sync), 6 (before its checkpoint), 8 (sync), 10 (the last)
     assert Loss.reads == list(range(1, 11)) and sorted(trainer.losses) == list(range(1, 11))
     assert checkpoints.saved == [6, 10] and seen == list(range(1, 11))
+    assert checkpoints.read_at_save == [6, 10]        # every loss up to a checkpoint read first
 
 
 def test_reads_are_batched_between_syncs():

@@ -61,9 +61,10 @@ class ProgressHook:
         shown = {k: f"{v:.2f}" for k, v in summarise_load(host.get("expert_load")).items()}
         if "tokens_per_sec" in host:
             shown["tok_s"] = f"{host['tokens_per_sec']:.0f}"
-        self.bar.set_postfix(loss=f"{info.loss:.3f}", **shown, refresh=False)
+        loss = float(host["loss"])                           # read with the metrics above
+        self.bar.set_postfix(loss=f"{loss:.3f}", **shown, refresh=False)
         if not self.show:
-            self.say(f"step {info.step}/{self.total}: loss {info.loss:.4f}, lr "
+            self.say(f"step {info.step}/{self.total}: loss {loss:.4f}, lr "
                      f"{host['learning_rate']:.3g}" + "".join(f", {k} {v}" for k, v in
                                                                 shown.items()) + self.eta())
         self.window_seconds, self.window_steps = 0.0, 0

@@ -155,7 +155,6 @@ class Trainer:
                 last = step == self.total_steps
                 if last or self.compile_seconds is None or step % self.sync_every == 0:
                     self._read_losses(pending)
-                    pending = []
                 seconds = time.perf_counter() - tick
                 if self.compile_seconds is None:
                     self.compile_seconds = seconds
@@ -168,7 +167,6 @@ class Trainer:
                 force = bool(stop) or last               # after the hooks: a signal may come
                 if force or self.checkpointer.should_save(step):  # gather the state only then
                     self._read_losses(pending)           # no save after a non-finite loss
-                    pending = []
                     self.check_saveable(device_batch, step)
                     self.checkpointer.save(step, run_lib.train_state(self.model, self.optimizer),
                                                 data_iterator=self.data_iter, meta=self.meta,
@@ -179,9 +177,12 @@ class Trainer:
         return step, bool(stop)
 
     def _read_losses(self, pending: List[Tuple[int, Any]]) -> None:
-        """Wait for the queued steps and read their losses; the first non-finite one stops the
-        run without saving (no checkpoint is written between two reads)."""
-        for step, loss in zip([s for s, _ in pending], jax.device_get([v for _, v in pending])):
+        """Wait for the queued steps and read their losses, emptying ``pending``; the first
+        non-finite one stops the run without saving (no checkpoint is written between two
+        reads)."""
+        steps, losses = [s for s, _ in pending], jax.device_get([v for _, v in pending])
+        pending.clear()
+        for step, loss in zip(steps, losses):
             loss = float(loss)
             if not math.isfinite(loss):
                 raise NonFiniteLossError(

@@ -119,9 +119,9 @@ def format_eval(result: Dict[str, float]) -> str:
 
 # DataConfig fields an evaluation of a finished run may change: what is scored and how it is
 # read, not what the model was trained on or how text becomes tokens.
-EVAL_OVERRIDABLE_FIELDS = ("eval_source", "eval_split", "text_key", "tfds_data_dir", "tokenizer_path",
-                    "seq_len", "batch_size", "num_synthetic_eval", "task_min_size",
-                    "task_max_size", "worker_count")
+EVAL_OVERRIDABLE_FIELDS = ("eval_source", "eval_split", "text_key", "tfds_data_dir",
+                           "tokenizer_path", "seq_len", "batch_size", "num_synthetic_eval",
+                           "task_min_size", "task_max_size", "worker_count")
 
 
 def eval_data_overrides(bindings: Iterable[str]) -> Dict[str, object]:

@@ -14,7 +14,8 @@ Expert-parallel token dispatch (``shard_map`` + all-to-all) is the model's own,
 mesh layout (:class:`~dagmoe_jax.parallel.axes.MeshLayout`).
 """
 
-from dagmoe_jax.parallel.axes import DEFAULT_RULES, MESH_AXES, constrain, logical_to_spec, replicated
+from dagmoe_jax.parallel.axes import (DEFAULT_RULES, MESH_AXES, constrain, logical_to_spec,
+                                      replicated)
 from dagmoe_jax.parallel.config import MeshConfig
 from dagmoe_jax.parallel.mesh import activate, make_mesh, parallel_active
 from dagmoe_jax.parallel.state import (batch_sharding, create_sharded, create_train_state,
@@ -22,4 +23,5 @@ from dagmoe_jax.parallel.state import (batch_sharding, create_sharded, create_tr
 
 __all__ = ["DEFAULT_RULES", "MESH_AXES", "MeshConfig", "activate", "batch_sharding", "constrain",
            "create_sharded", "create_train_state", "logical_to_spec", "make_mesh",
-           "parallel_active", "replicated", "place_on_mesh", "shard_batch", "state_specs", "variable_spec"]
+           "parallel_active", "place_on_mesh", "replicated", "shard_batch", "state_specs",
+           "variable_spec"]

@@ -29,6 +29,7 @@ from dagmoe_jax.run.config import TrainConfig
 from dagmoe_jax.run.config import OptimConfig
 from dagmoe_jax.upcycle import dume as dume_lib
 from dagmoe_jax.hf import llama as hf_llama
+from dagmoe_jax.model.params import flat_params, set_params
 from dagmoe_jax.upcycle import moerge, stream
 from dagmoe_jax.upcycle.ridge import DEFAULT_LAMBDA, DomainStatistics
 
@@ -195,7 +196,7 @@ def write_run(run_dir: str, model: nnx.Module, model_cfg: ModelConfig, data_cfg:
     train_cfg = TrainConfig(run_dir=str(path), steps=steps, trainable=trainable,
                             save_every=max(1, steps))
     built, optimizer, _ = run_lib.build(model_cfg, optim_cfg, train_cfg)
-    moerge.set_params(built, moerge.flat_params(model))
+    set_params(built, flat_params(model))
     tokenizer = make_tokenizer(data_cfg)
     iterator = iter(instruct_dataset(data_cfg, tokenizer) if is_instruct(data_cfg)
                     else train_dataset(data_cfg, tokenizer))       # what resume.gin reads

@@ -27,8 +27,9 @@ from dagmoe_jax.analysis.collect import record
 from dagmoe_jax.model.attention import rope_angles
 from dagmoe_jax.model.layers import dtype_of, swiglu
 from dagmoe_jax.model.segments import segment_positions
+from dagmoe_jax.model.params import flat_params, set_params
 from dagmoe_jax.upcycle.moerge import (EXPERT_PREFIX, MLP_PREFIX, check_dume_config,
-                                       check_same_architecture, flat_params, set_params)
+                                       check_same_architecture)
 from dagmoe_jax.upcycle.ridge import DEFAULT_LAMBDA, DomainStatistics, solve_routers
 from dagmoe_jax.model import Transformer
 

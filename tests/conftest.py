@@ -53,6 +53,15 @@ from dagmoe_jax.run.settle import settle  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+def single_device_env(**extra: str) -> dict:
+    """This environment for a subprocess (train.py, a command, a benchmark), minus the simulated
+    devices set above: one CPU device, as on a user's machine; the XLA optimisation level and
+    the compilation cache stay as the suite set them. ``extra``: more variables."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags), **extra}
+
+
 def tiny_config(block: str = "moe", kind: str = "sum", *, settled: bool = True,
                 **overrides) -> ModelConfig:
     """A model small enough to compile in a few seconds and run in milliseconds on 2 CPU cores.

@@ -6,7 +6,6 @@ checkpoint of a DAG-MoE and a CoE run."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import tiny_config
+from conftest import single_device_env, tiny_config
 from dagmoe_jax.analysis.collect import Collected, collect, gate_sparsity_counts, record
 from dagmoe_jax.analysis.report import summary, summary_lines
 from dagmoe_jax.model.aggregation import edge_mask
@@ -25,14 +24,6 @@ from dagmoe_jax.model import Transformer
 
 REPO = Path(__file__).resolve().parent.parent
 PNG = b"\x89PNG\r\n\x1a\n"
-
-
-def single_device_env() -> dict:
-    """This environment for a subprocess, minus the simulated devices tests/conftest.py adds
-    (the benchmarks and train.py run on one CPU device, as on a user's machine)."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags)}
 
 
 def randomized(cfg, seed=0, scale=0.3):

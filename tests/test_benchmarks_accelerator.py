@@ -5,12 +5,13 @@ table, the DAG / shared ratio from the measured times, the quality run and the J
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import single_device_env
 
 pytestmark = pytest.mark.slow          # subprocesses of benchmarks/accelerator.py
 
@@ -29,8 +30,7 @@ def test_datasheet_peaks_match_device_kinds():
 
 
 def test_the_accelerator_script_runs_at_micro_size(tmp_path):
-    # one device (conftest's eight dropped), and the suite's fast compiles (conftest's opt level)
-    env = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+    env = single_device_env()
     out_json = tmp_path / "out" / "accelerator.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "accelerator.py"), "--micro",
            "--variants", "moe+shared-s", "dag-s L2", "--json", str(out_json)]

@@ -10,22 +10,17 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import single_device_env
+
 pytestmark = pytest.mark.slow          # subprocesses of benchmarks/peer_throughput.py
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "peer_throughput.py"
-
-
-def _env() -> dict:
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    return {**os.environ, "XLA_FLAGS": " ".join(flags)}
 
 
 def _run(args, cwd, block=None) -> subprocess.CompletedProcess:
@@ -33,7 +28,7 @@ def _run(args, cwd, block=None) -> subprocess.CompletedProcess:
     prelude = f"sys.modules[{block!r}] = None; " if block else ""
     code = (f"import runpy, sys; {prelude}sys.argv = [{str(SCRIPT)!r}, *{list(args)!r}]; "
             f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')")
-    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=_env(), capture_output=True,
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=single_device_env(), capture_output=True,
                           text=True, timeout=120)
 
 

@@ -3,12 +3,13 @@ whole profile of a micro model's step."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import single_device_env
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -71,9 +72,7 @@ def test_instruction_seconds_average_over_executions():
 
 @pytest.mark.slow
 def test_micro_profile_prints_its_tables():
-    # one device (conftest's eight dropped), and the suite's fast compiles (conftest's opt level)
-    env = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0"}
-    env["DAGMOE_TCMALLOC"] = "0"
+    env = single_device_env(DAGMOE_TCMALLOC="0")
     cmd = [sys.executable, str(ROOT / "benchmarks" / "step_profile.py"), "--batch", "2",
            "--seq", "32", "--steps", "1", "--top", "5"]
     for b in ("ModelConfig.num_layers = 1", "ModelConfig.d_model = 64", "ModelConfig.num_heads = 4",

@@ -3,12 +3,13 @@ each variant at both ends of the run."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import single_device_env
 
 pytestmark = pytest.mark.slow          # a subprocess of benchmarks/step_throughput.py
 
@@ -20,9 +21,7 @@ MICRO = ["ModelConfig.num_layers = 1", "ModelConfig.d_model = 64", "ModelConfig.
 
 
 def test_step_throughput_rounds_alternate_and_keep_the_best():
-    # one device (conftest's eight dropped), and the suite's fast compiles (conftest's opt level)
-    env = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0"}
-    env["DAGMOE_TCMALLOC"] = "0"
+    env = single_device_env(DAGMOE_TCMALLOC="0")
     cmd = [sys.executable, str(ROOT / "benchmarks" / "step_throughput.py"), "--vocab", "256",
            "--batch", "2", "--seq", "32", "--steps", "1", "--rounds", "2",
            "--variants", "moe+shared", "dag L2"]

@@ -116,7 +116,7 @@ def test_fuse_gate_up_is_fuse_projections_in_old_runs_and_old_bindings():
     binding of the old name says the new one."""
     from dagmoe_jax.run.gin import load_model_config
     old = dataclasses.asdict(ModelConfig())
-    old["execution"]["fuse_gate_up"] = old["execution"].pop("fuse_projections")
+    del old["execution"]["fuse_projections"]
     old["execution"]["fuse_gate_up"] = False
     assert ModelConfig.from_dict(old).execution.fuse_projections is False
     with pytest.raises(ValueError, match=r"ExecutionConfig.fuse_gate_up is now "

@@ -5,24 +5,17 @@ test_eval_scoring.py)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import single_device_env
+
 pytestmark = pytest.mark.slow          # subprocesses of the benchmark drivers
 
 REPO = Path(__file__).resolve().parent.parent
-def single_device_env() -> dict:
-    """This environment for a subprocess, minus the simulated devices tests/conftest.py adds
-    (the benchmarks and train.py run on one CPU device, as on a user's machine)."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags)}
-
-
 
 def start(script: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(REPO / "benchmarks" / script), "--micro", *args],

@@ -9,7 +9,6 @@ program and the reference forward are compiled as few times as possible.
 from __future__ import annotations
 
 import functools
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import tiny_config
+from conftest import single_device_env, tiny_config
 from dagmoe_jax.decoding.generate import Generation, decoding_model, generate, sample_logits
 from dagmoe_jax.model import Transformer
 
@@ -207,16 +206,6 @@ def test_invalid_requests_are_one_line_errors():
 # ------------------------------------------------------------------------------ the CLI
 
 
-def subprocess_env() -> dict:
-    """This process's environment without conftest's simulated devices (one CPU device, as a
-    user's run would have; the XLA optimisation level stays as the suite set it)."""
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    env["XLA_FLAGS"] = " ".join(flags)
-    return env
-
-
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
     """A 2-step train.py run of the smoke config (the tiny DAG-MoE, byte tokenizer)."""
@@ -225,7 +214,7 @@ def smoke_run(tmp_path_factory):
            "--no_progress", "--gin.TrainConfig.steps=2", "--gin.OptimConfig.warmup_steps=0",
            "--gin.TrainConfig.task_eval_examples=0", "--gin.TrainConfig.eval_batches=1",
            "--gin.TrainConfig.tensorboard=False"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=subprocess_env(),
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=single_device_env(),
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return run_dir
@@ -238,7 +227,7 @@ def test_cli_samples_from_a_checkpoint(smoke_run):
            f"--prompt={prompt}",
            "--max_new_tokens", "12", "--temperature", "0.8", "--top_k", "20", "--top_p", "0.9",
            "--num_samples", "3", "--seed", "0"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=subprocess_env(),
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=single_device_env(),
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     blocks = proc.stdout.split("--- sample ")[1:]

@@ -3,10 +3,11 @@ shows what it promises: a falling loss, exact-answer scores, samples and the edg
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
+
+from conftest import single_device_env
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -19,10 +20,9 @@ def test_quickstart_notebook_executes(monkeypatch):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     # The kernel inherits this environment: one CPU device, as on a user's machine (without the
     # simulated devices tests/conftest.py adds for the sharding tests).
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    monkeypatch.setenv("XLA_FLAGS", " ".join(flags))
-    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    env = single_device_env()
+    for name in ("XLA_FLAGS", "JAX_PLATFORMS"):
+        monkeypatch.setenv(name, env[name])
     client = nbclient.NotebookClient(nb, timeout=240, kernel_name="python3",
                                      resources={"metadata": {"path": str(NOTEBOOK.parent)}})
     client.execute()

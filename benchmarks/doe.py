@@ -73,11 +73,12 @@ PAPER_FORGET = {"moe": "History 68.2 -> 62.1 (-6.1)", "doe_relu": "History 90.1 
 def model_config(variant: str, topics: int, seq_len: int):
     """The variant's ModelConfig, its FFN / expert width set for the dense model's total."""
     from dagmoe_jax.model.accounting import account
-    from dagmoe_jax.config import ModelConfig
+    from dagmoe_jax.config import (DenseConfig, DoEConfig, ExpertConfig, ModelConfig, MoEConfig,
+                                   RouterConfig)
 
     base = ModelConfig(vocab_size=256, d_model=D_MODEL, num_layers=LAYERS, num_heads=4,
-                       num_kv_heads=2, ffn_hidden=DENSE_HIDDEN, max_seq_len=max(seq_len, 64),
-                       block="dense")
+                       num_kv_heads=2, max_seq_len=max(seq_len, 64),
+                       block=DenseConfig(ffn_hidden=DENSE_HIDDEN))
     target, count = account(base).total_params, lambda a: a.total_params
     widths = range(8, 4 * DENSE_HIDDEN + 1, 8)
     if variant == "dense":
@@ -86,10 +87,10 @@ def model_config(variant: str, topics: int, seq_len: int):
         target = account(model_config("doe_relu", topics, seq_len)).total_active_params
         count, widths = (lambda a: a.total_active_params), range(8, 16 * DENSE_HIDDEN + 1, 8)
     if variant in ("moe", "moe_active"):
-        make = lambda h: base.replace(block="moe", router=dict(score_fn="softmax", top_k=2,
-                                                               balance_coef=0.01),
-                                      experts=dict(num_experts=8, expert_hidden=h,
-                                                   dispatch="capacity", capacity_factor=2.0))
+        make = lambda h: base.replace(block=MoEConfig(
+            router=RouterConfig(score_fn="softmax", top_k=2, balance_coef=0.01),
+            experts=ExpertConfig(num_experts=8, expert_hidden=h, dispatch="capacity",
+                                 capacity_factor=2.0)))
     else:
         doe = dict(num_topics=topics, topic_dim=16, vae_hidden=32, latent_dim=16)
         doe.update({"doe_softmax": dict(gate="softmax"), "doe_a0": dict(alpha=0.0),
@@ -99,10 +100,11 @@ def model_config(variant: str, topics: int, seq_len: int):
                     "doe_theta": dict(first_input="theta")}.get(variant, {}))
         if variant not in VARIANTS:
             raise ValueError(f"unknown variant {variant!r}: expected one of {', '.join(VARIANTS)}")
-        make = lambda h: base.replace(block="doe", doe=dict(doe, ffn_hidden=h))
+        make = lambda h: base.replace(block=DoEConfig(**doe, ffn_hidden=h))
         if variant == "doe_blocks":
             doe.update(expert="blocks", top_n=max(1, topics // 4))
-            make = lambda h: base.replace(block="doe", doe=dict(doe, block_hidden=h))
+            make = lambda h: base.replace(block=DoEConfig(**doe, ffn_hidden=DENSE_HIDDEN,
+                                                          block_hidden=h))
             widths = range(1, DENSE_HIDDEN + 1)
     best = min(widths, key=lambda h: abs(count(account(make(h))) - target))
     return make(best)

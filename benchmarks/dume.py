@@ -84,15 +84,16 @@ class Bench:
     """Models, data and jitted steps shared by every seed (one compilation each)."""
 
     def __init__(self, args, domains, log):
-        from dagmoe_jax.config import ModelConfig
+        from dagmoe_jax.config import DenseConfig, ModelConfig
         from dagmoe_jax.data import DataConfig, make_tokenizer
         from dagmoe_jax.run.settle import settle
 
         self.args, self.domains, self.log = args, domains, log
         d = args.d_model
         self.cfg = settle(ModelConfig(vocab_size=256, d_model=d, num_layers=args.layers,
-                                      num_heads=4, num_kv_heads=2, ffn_hidden=3 * d,
-                                      block="dense", max_seq_len=max(args.seq_len, 64),
+                                      num_heads=4, num_kv_heads=2,
+                                      block=DenseConfig(ffn_hidden=3 * d),
+                                      max_seq_len=max(args.seq_len, 64),
                                       rope_theta=10000.0))
         self.base = DataConfig(source=domains[0][1], seq_len=args.seq_len,
                                batch_size=args.batch, tokenizer="byte")

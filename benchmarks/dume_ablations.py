@@ -166,7 +166,7 @@ def format_report(results):
 
 
 def run(args, out, log):
-    from dagmoe_jax.config import ModelConfig
+    from dagmoe_jax.config import DenseConfig, ModelConfig
     from experiments.corpus import (build_c_header_corpus, build_manpage_corpus,
                                     build_stdlib_corpus, corpus_sources)
     from dagmoe_jax.run.settle import settle
@@ -178,7 +178,7 @@ def run(args, out, log):
     bench = bench_dume.Bench(args, domains, log)
     d = args.d_model
     bench.cfg = settle(ModelConfig(vocab_size=256, d_model=d, num_layers=args.layers,
-                                   num_heads=4, num_kv_heads=2, ffn_hidden=3 * d, block="dense",
+                                   num_heads=4, num_kv_heads=2, block=DenseConfig(ffn_hidden=3 * d),
                                    max_seq_len=max(args.seq_len, args.stats_seq_len, 64),
                                    rope_theta=10000.0))
     per_seed = [run_seed(bench, seed) for seed in range(args.seeds)]

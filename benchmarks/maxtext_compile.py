@@ -53,9 +53,9 @@ def maxtext_flags(cfg, batch: int, seq: int, chips: int, mesh: dict, topology: s
         dataset_type="synthetic", enable_checkpointing="false", decoder_block="mixtral",
         base_emb_dim=cfg.d_model, base_num_query_heads=cfg.num_heads,
         base_num_kv_heads=cfg.num_kv_heads, head_dim=cfg.d_model // cfg.num_heads,
-        base_mlp_dim=cfg.experts.expert_hidden, base_moe_mlp_dim=cfg.experts.expert_hidden,
-        base_num_decoder_layers=cfg.num_layers, num_experts=cfg.experts.num_experts,
-        num_experts_per_tok=cfg.router.top_k, vocab_size=cfg.vocab_size,
+        base_mlp_dim=cfg.block.experts.expert_hidden, base_moe_mlp_dim=cfg.block.experts.expert_hidden,
+        base_num_decoder_layers=cfg.num_layers, num_experts=cfg.block.experts.num_experts,
+        num_experts_per_tok=cfg.block.router.top_k, vocab_size=cfg.vocab_size,
         max_target_length=seq, per_device_batch_size=batch // chips,
         mlp_activations='["silu","linear"]')
     flags.update({MESH_FLAGS[axis]: size for axis, size in mesh.items()})

@@ -79,19 +79,19 @@ def import_peer():
 
 def olmoe_config(transformers, cfg, seq: int):
     """The OlmoeConfig of our ModelConfig ``cfg``: same shapes, same initialiser, same RoPE."""
-    if cfg.block != "moe" or cfg.aggregation.kind != "sum" or cfg.experts.num_shared:
+    if cfg.block.kind != "moe" or cfg.block.aggregation.kind != "sum" or cfg.block.experts.num_shared:
         raise SystemExit("OLMoE has no equivalent of this config: needs block 'moe', "
                          "aggregation 'sum' and no shared experts")
     if cfg.resolved_head_dim * cfg.num_heads != cfg.d_model:
         raise SystemExit("OLMoE needs head_dim = d_model / num_heads")
     return transformers.OlmoeConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.experts.expert_hidden,
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.block.experts.expert_hidden,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads, num_experts=cfg.experts.num_experts,
-        num_experts_per_tok=cfg.router.top_k, norm_topk_prob=cfg.router.renormalize,
+        num_key_value_heads=cfg.num_kv_heads, num_experts=cfg.block.experts.num_experts,
+        num_experts_per_tok=cfg.block.router.top_k, norm_topk_prob=cfg.block.router.renormalize,
         max_position_embeddings=max(cfg.max_seq_len, seq), rms_norm_eps=cfg.norm_eps,
         initializer_range=cfg.init_std, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        output_router_logits=True, router_aux_loss_coef=cfg.router.balance_coef,
+        output_router_logits=True, router_aux_loss_coef=cfg.block.router.balance_coef,
         tie_word_embeddings=False, use_cache=False, pad_token_id=None, bos_token_id=None, eos_token_id=None)
 
 
@@ -166,7 +166,7 @@ def table(rows) -> str:
 
 def notes(cfg, rows) -> str:
     """Parameter counts and the documented differences between the two models."""
-    e, kv_dim = cfg.experts, cfg.num_kv_heads * cfg.resolved_head_dim
+    e, kv_dim = cfg.block.experts, cfg.num_kv_heads * cfg.resolved_head_dim
     qk_norms = cfg.num_layers * (cfg.d_model + kv_dim)
     lines = ["parameters (ours = dagmoe_jax.model.accounting; OLMoE = sum of p.numel()):"]
     settled = settle(cfg)
@@ -175,13 +175,13 @@ def notes(cfg, rows) -> str:
         verdict = "= its q/k RMSNorm scales" if diff == qk_norms else "UNEXPECTED, not only q/k norms"
         lines.append(f"  vocab {r['vocab']:,}: ours {r['ours_params']:,}, OLMoE {r['olmoe_params']:,} "
                      f"(OLMoE - ours = {diff:,} {verdict}: {cfg.num_layers} x ({cfg.d_model} + {kv_dim}))")
-    e = settled.experts
+    e = settled.block.experts
     dispatch = (f"capacity dispatch (capacity factor {e.capacity_factor}, overflow tokens dropped)"
                 if e.dispatch == "capacity" else f"{e.dispatch} dispatch")
     lines += ["differences by design:",
               "  OLMoE: RMSNorm on q and k, softmax router, load-balancing loss only, dropless experts, "
               "no activation recomputation (PyTorch eager)",
-              f"  ours: no q/k norm, {cfg.router.score_fn} router, balance + z-loss, {dispatch}, "
+              f"  ours: no q/k norm, {cfg.block.router.score_fn} router, balance + z-loss, {dispatch}, "
               f"remat '{cfg.execution.remat}' (here: {REMAT_MEANING[settled.execution.remat]}), "
               f"attention '{cfg.execution.attention}' (here: {describe_settled(settled, cfg)})"]
     return "\n".join(lines)
@@ -236,7 +236,7 @@ def main(argv=None):
     print(f"\nOLMoE attention: {rows[0]['attn_implementation']}, experts: {rows[0]['experts_implementation']}, "
           f"torch threads: {torch.get_num_threads()}")
     print(f"model: d {cfg.d_model}, {cfg.num_layers} layers, {cfg.num_heads} heads / {cfg.num_kv_heads} kv, "
-          f"{cfg.experts.num_experts} experts of {cfg.experts.expert_hidden}, top-{cfg.router.top_k}\n")
+          f"{cfg.block.experts.num_experts} experts of {cfg.block.experts.expert_hidden}, top-{cfg.block.router.top_k}\n")
     print(table(rows) + "\n")
     print(notes(cfg, rows))
     print("\nversions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))

@@ -94,10 +94,10 @@ def misfit(model_cfg, mesh_cfg: MeshConfig, batch: int) -> Optional[str]:
     """Why ``mesh_cfg`` cannot run this model and batch (None if it can)."""
     tok = mesh_cfg.data * mesh_cfg.fsdp * mesh_cfg.expert
     checks = ((batch, tok, "batch rows"),
-              (model_cfg.experts.num_experts, mesh_cfg.expert, "experts"),
+              (model_cfg.block.experts.num_experts, mesh_cfg.expert, "experts"),
               (model_cfg.num_heads, mesh_cfg.tensor, "heads"),
               (model_cfg.num_kv_heads, mesh_cfg.tensor, "kv heads"),
-              (model_cfg.experts.expert_hidden, mesh_cfg.tensor, "expert hidden"),
+              (model_cfg.block.experts.expert_hidden, mesh_cfg.tensor, "expert hidden"),
               (model_cfg.vocab_size, mesh_cfg.tensor, "vocab"),
               (model_cfg.d_model, mesh_cfg.fsdp, "d_model"))
     for size, shards, what in checks:
@@ -327,8 +327,8 @@ def main(argv=None):
     print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}"
           + (f" (simulated: all share this machine's {os.cpu_count()} cores)" if simulated else ""))
     print(f"model {args.model} + {args.variant}: {model_cfg.num_layers} layers, d "
-          f"{model_cfg.d_model}, {model_cfg.experts.num_experts} experts top-"
-          f"{model_cfg.router.top_k}, {model_cfg.experts.dispatch} dispatch; batch {args.batch} "
+          f"{model_cfg.d_model}, {model_cfg.block.experts.num_experts} experts top-"
+          f"{model_cfg.block.router.top_k}, {model_cfg.block.experts.dispatch} dispatch; batch {args.batch} "
           f"x {args.seq} tokens; full AdamW step, best of {args.rounds} rounds x {args.steps} "
           f"steps\n")
 

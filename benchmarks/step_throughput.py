@@ -95,7 +95,7 @@ def component_rates(cfg, tokens: int, repeats: int):
     """Achieved FLOP/s (forward + backward) of the experts (dispatch included) and of the DAG
     module, on random inputs of ``tokens`` tokens."""
     cfg = settle(cfg)
-    d, k, e, a = cfg.d_model, cfg.router.top_k, cfg.experts, cfg.aggregation
+    d, k, e, a = cfg.d_model, cfg.block.router.top_k, cfg.block.experts, cfg.block.aggregation
     rngs = nnx.Rngs(0)
     experts = Experts(e, d, std=cfg.init_std, dtype=jnp.float32, execution=cfg.execution,
                       rngs=rngs)
@@ -196,7 +196,7 @@ def main(argv=None):
     t_exp, r_exp, t_dag, r_dag = component_rates(cfg, tokens, max(args.steps, 3))
     print(f"components (one layer, {tokens} tokens, forward + backward)")
     print(f"{'component':<28}{'s':>9}{'GFLOP/s':>10}{'vs experts':>12}")
-    print(f"{f'experts ({settle(cfg).experts.dispatch} dispatch)':<28}{t_exp:>9.4f}{r_exp / 1e9:>10.1f}{1.0:>11.2f}x")
+    print(f"{f'experts ({settle(cfg).block.experts.dispatch} dispatch)':<28}{t_exp:>9.4f}{r_exp / 1e9:>10.1f}{1.0:>11.2f}x")
     print(f"{f'DAG module d_g {args.dag_dim} L 2':<28}{t_dag:>9.4f}{r_dag / 1e9:>10.1f}{r_dag / r_exp:>11.2f}x")
 
 

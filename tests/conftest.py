@@ -45,7 +45,9 @@ import jax  # noqa: E402  (after XLA_FLAGS)
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from dagmoe_jax.config import ExecutionConfig, ModelConfig  # noqa: E402
+from dagmoe_jax.config import (AggregationConfig, CoEConfig, DenseConfig, DoEConfig,  # noqa: E402
+                               ExecutionConfig, ExpertConfig, ModelConfig, MoEConfig,
+                               RouterConfig)
 from dagmoe_jax.run.settle import settle  # noqa: E402
 
 # Some backends run float32 matmuls at reduced precision by default (TF32 / bf16 passes on GPU and
@@ -70,28 +72,33 @@ def tiny_config(block: str = "moe", kind: str = "sum", *, settled: bool = True,
     DAG/MLP hidden 16 with 2 iterations. Attention 'auto' is the fused C++ kernel here (CPU,
     float32, single device) and blockwise under a mesh; ``attention_block`` 8 is smaller than
     the test sequence lengths (16-32), so the blockwise attention really runs block by block
-    (test_kernels.py compares the two on the whole model). ExecutionConfig fields may be given
-    at the top level (``attention='xla'``). Nested
-    configs in ``overrides`` may be dicts of their fields (``router=dict(top_k=1)``).
-    ``settled`` (default) settles the 'auto' fields for one device of this backend
-    (:func:`dagmoe_jax.run.settle.settle`), as a run does before building the model.
+    (test_kernels.py compares the two on the whole model). The dense FFN (and DoE's output
+    FFN) is 64 wide. ExecutionConfig fields may be given at the top level
+    (``attention='xla'``), and the block family's parts by the part they configure, as dicts
+    of their fields: ``router=``, ``experts=``, ``aggregation=`` (MoE, CoE), ``coe=`` (the
+    chain's own fields), ``doe=`` and ``ffn_hidden=`` (dense); the parts another family has
+    are ignored. ``settled`` (default) settles the 'auto' fields for one device of this
+    backend (:func:`dagmoe_jax.run.settle.settle`), as a run does before building the model.
     """
     base = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                       ffn_hidden=64, max_seq_len=64, execution=ExecutionConfig(attention_block=8))
+                       max_seq_len=64, execution=ExecutionConfig(attention_block=8))
     execution = {f.name for f in dataclasses.fields(ExecutionConfig)}
+    parts = dict(router=dict(top_k=2),
+                 experts=dict(num_experts=4, expert_hidden=32, shared_hidden=32),
+                 aggregation=dict(kind=kind, dag_dim=16, dag_iters=2), coe={}, doe={})
+    for name in parts:
+        parts[name] = {**parts[name], **overrides.pop(name, {})}
+    ffn_hidden = overrides.pop("ffn_hidden", 64)
+    routed = dict(router=RouterConfig(**parts["router"]), experts=ExpertConfig(**parts["experts"]))
+    family = {"dense": lambda: DenseConfig(ffn_hidden=ffn_hidden),
+              "moe": lambda: MoEConfig(**routed, aggregation=AggregationConfig(**parts["aggregation"])),
+              "coe": lambda: CoEConfig(**parts["coe"], **routed),
+              "doe": lambda: DoEConfig(**{"ffn_hidden": ffn_hidden, **parts["doe"]})
+              }.get(block, lambda: block)()         # another name: ModelConfig says it is none
     overrides = {**{k: v for k, v in overrides.items() if k not in execution},
                  "execution": {**overrides.get("execution", {}),
                                **{k: v for k, v in overrides.items() if k in execution}}}
-    changes = dict(block=block,
-                   router=dict(top_k=2),
-                   experts=dict(num_experts=4, expert_hidden=32, shared_hidden=32),
-                   aggregation=dict(kind=kind, dag_dim=16, dag_iters=2))
-    for name, value in overrides.items():
-        if isinstance(value, dict) and isinstance(changes.get(name), dict):
-            changes[name] = {**changes[name], **value}
-        else:
-            changes[name] = value
-    cfg = base.replace(**changes)
+    cfg = base.replace(block=family, **overrides)
     return settle(cfg) if settled else cfg
 
 

@@ -22,7 +22,7 @@ def test_paper_parity_numbers():
     # DAG-MoE-l fine-tuning pair (Appendix B.2): d_g 256, L 2 <-> shared expert d_r 512.
     assert matched_shared_hidden(1024, 256, 2) == 512
     # MLP mixing at d_g 64: 98,304 parameters (the summary's "98K").
-    cfg = ModelConfig().replace(aggregation=dict(kind="mlp", dag_dim=64))
+    cfg = ModelConfig().replace(block=dict(aggregation=dict(kind="mlp", dag_dim=64)))
     assert account(cfg).params["aggregator"] == cfg.num_layers * 98_304
 
 
@@ -43,10 +43,10 @@ def test_dag_config_adds_its_parameters_per_layer():
                                                     ("moe", "mlp", 0, False),
                                                     ("coe", "sum", 1, False)])
 def test_param_count_matches_the_built_model(block, kind, shared, bias):
-    cfg = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                      block=block, max_seq_len=32).replace(
-        experts=dict(num_experts=4, expert_hidden=16, num_shared=shared, shared_hidden=8),
-        router=dict(top_k=2, bias=bias), aggregation=dict(kind=kind, dag_dim=8, dag_iters=2))
+    cfg = tiny_config(block, kind, settled=False, ffn_hidden=None,
+                      experts=dict(num_experts=4, expert_hidden=16, num_shared=shared,
+                                   shared_hidden=8),
+                      router=dict(top_k=2, bias=bias), aggregation=dict(dag_dim=8, dag_iters=2))
     model = Transformer(settle(cfg), rngs=nnx.Rngs(0))
     built = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert account(cfg).total_params == built
@@ -55,8 +55,8 @@ def test_param_count_matches_the_built_model(block, kind, shared, bias):
 def test_flops_by_hand_for_one_layer_moe():
     d, v, s, n, dr, k = 64, 100, 16, 8, 32, 2
     cfg = ModelConfig(vocab_size=v, d_model=d, num_layers=1, num_heads=4, num_kv_heads=2,
-                      max_seq_len=s).replace(experts=dict(num_experts=n, expert_hidden=dr),
-                                             router=dict(top_k=k))
+                      max_seq_len=s).replace(block=dict(
+                          experts=dict(num_experts=n, expert_hidden=dr), router=dict(top_k=k)))
     hd = d // 4
     fwd = (2 * (2 * d * d + 2 * d * 2 * hd)      # q, o and k, v projections
            + 2 * 4 * hd * (s + 1)                # causal scores + PV
@@ -68,7 +68,8 @@ def test_flops_by_hand_for_one_layer_moe():
 
 
 def test_dag_flops_follow_the_per_node_cost_model():
-    base = ModelConfig(num_layers=1).replace(aggregation=dict(kind="dag", dag_dim=128, dag_iters=2))
+    base = ModelConfig(num_layers=1).replace(
+        block=dict(aggregation=dict(kind="dag", dag_dim=128, dag_iters=2)))
     acc = account(base)
     k, d, dg = 4, 512, 128
     assert acc.flops["aggregator"] == pytest.approx(3 * 2 * k * (4 * d * dg + 8 * dg * dg))
@@ -85,10 +86,10 @@ def test_dag_readings_param_count_matches_the_built_model(edges, shared):
     built = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     acc = account(cfg)
     assert acc.total_params == built
-    a = cfg.aggregation
+    a = cfg.block.aggregation
     assert acc.params["aggregator"] == cfg.num_layers * (1 if shared else a.dag_iters) * (
         2 * cfg.d_model * a.dag_dim + 4 * a.dag_dim ** 2 + 2 * cfg.d_model)
-    pairs = cfg.router.top_k ** (1 if edges == "self" else 2)
+    pairs = cfg.block.router.top_k ** (1 if edges == "self" else 2)
     assert acc.flops["dag_pairwise"] == 3.0 * cfg.num_layers * a.dag_iters * 4 * pairs * a.dag_dim
 
 
@@ -108,5 +109,5 @@ def test_coe_variant_adds_exactly_the_dag_budget_on_the_quality_base():
     print(added)
     assert added["dag_l2"] == added["coe"] == added["dag_self"] == 50_176
     coe = variant_config(base, "coe", 32)
-    assert coe.experts.shared_hidden == 60
+    assert coe.block.experts.shared_hidden == 60
     assert coe_budget_residual(128, 32, 2, 16, 60) == 0

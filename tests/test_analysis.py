@@ -48,16 +48,16 @@ def test_recording_changes_nothing_and_matches_the_model_statistics(block, kind)
     np.testing.assert_allclose(np.asarray(kept["logits"]), np.asarray(logits), rtol=1e-5,
                                atol=1e-5)
     ids = np.asarray(kept["indices"])
-    c = cfg.coe.iterations if block == "coe" else 1
-    k = cfg.coe_top_k if block == "coe" else cfg.router.top_k
+    c = cfg.block.iterations if block == "coe" else 1
+    k = cfg.block.resolved_top_k if block == "coe" else cfg.block.router.top_k
     assert ids.shape == (cfg.num_layers, c, 32, k)
-    n = cfg.experts.num_experts
+    n = cfg.block.experts.num_experts
     load = np.stack([np.bincount(ids[l].reshape(-1), minlength=n) / ids[l].size
                      for l in range(cfg.num_layers)])
     np.testing.assert_allclose(load, np.asarray(aux["expert_load"]), rtol=1e-6)
     if kind == "dag":
-        assert kept["edge_gates"].shape == (cfg.num_layers, cfg.aggregation.dag_iters, 32, k, k,
-                                            cfg.aggregation.dag_dim)
+        assert kept["edge_gates"].shape == (cfg.num_layers, cfg.block.aggregation.dag_iters, 32, k, k,
+                                            cfg.block.aggregation.dag_dim)
     assert "intermediates" not in model(jnp.asarray(tokens))[1]     # switched off again
 
 
@@ -85,7 +85,7 @@ def test_edge_gates_match_numpy_on_one_layer():
          ("ln_scale", "ln_bias", "w_down", "w_edge", "w_node", "w_up")}
     nodes = inputs[0]
     t, k, _ = nodes.shape
-    for it in range(cfg.aggregation.dag_iters):
+    for it in range(cfg.block.aggregation.dag_iters):
         u = _layer_norm(nodes, p["ln_scale"][it], p["ln_bias"][it], cfg.norm_eps) @ p["w_down"][it]
         pairs = np.concatenate([np.repeat(u[:, :, None], k, axis=2),       # [u_i ; u_j]
                                 np.repeat(u[:, None, :], k, axis=1)], axis=-1)
@@ -93,7 +93,7 @@ def test_edge_gates_match_numpy_on_one_layer():
         np.testing.assert_allclose(gates[it], edge, rtol=1e-4, atol=1e-5)
         messages = (edge * (pairs @ p["w_node"][it])).sum(axis=2)          # eq. 10-11
         nodes = messages @ p["w_up"][it] + nodes                           # eq. 11
-        if it + 1 < cfg.aggregation.dag_iters:
+        if it + 1 < cfg.block.aggregation.dag_iters:
             np.testing.assert_allclose(inputs[it + 1], nodes, rtol=1e-4, atol=1e-4)
     assert np.abs(gates).mean() > 1e-3     # not a trivially zero comparison
 
@@ -107,7 +107,7 @@ def test_collect_statistics_are_consistent():
     stats = collect(model, [{"inputs": tokens, "mask": mask}])
     assert stats.tokens == 26
     np.testing.assert_allclose(stats.expert_load.sum(axis=1), 1.0)
-    k_t = cfg.coe_top_k
+    k_t = cfg.block.resolved_top_k
     # every kept token adds k_t x k_t expert pairs between consecutive iterations
     np.testing.assert_allclose(stats.coactivation.sum(axis=(2, 3)), 26 * k_t * k_t)
     assert stats.gate_mean is None
@@ -159,11 +159,11 @@ def test_collect_reports_the_edge_gate_sparsity_of_the_recorded_gates(edges):
     mask[0, 12:] = False
     stats = collect(randomized(cfg, seed=4), [{"inputs": tokens, "mask": mask}])
     gates = np.asarray(record(randomized(cfg, seed=4), tokens)["edge_gates"])[:, :, mask.ravel()]
-    pairs = edge_mask(cfg.router.top_k, edges)
+    pairs = edge_mask(cfg.block.router.top_k, edges)
     magnitude = np.abs(gates)[:, :, :, pairs]                          # [layers, L, T', P, dg]
     np.testing.assert_allclose(stats.gate_sparsity, (magnitude < 0.1).mean(axis=(2, 3, 4)))
     np.testing.assert_allclose(stats.pair_sparsity, (magnitude.mean(-1) < 0.1).mean(axis=(2, 3)))
-    assert stats.gate_sparsity.shape == (cfg.num_layers, cfg.aggregation.dag_iters)
+    assert stats.gate_sparsity.shape == (cfg.num_layers, cfg.block.aggregation.dag_iters)
     assert 0 < stats.gate_sparsity.mean() < 1
     if edges == "self":     # the recorded off-diagonal zeros are not edges and do not count
         assert np.all(np.asarray(gates)[:, :, :, ~pairs] == 0)

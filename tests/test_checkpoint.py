@@ -313,7 +313,7 @@ def test_different_architecture_is_a_mismatch_not_corruption(tmp_path, tiny):
     assert message.startswith(f"checkpoint step 10 in {tmp_path} was written for a different "
                               f"architecture: 0/layers/block/experts/w_down has shape "
                               f"(2, 8, 32, 32) there but (2, 4, 32, 32) in this config")
-    assert "also differs: model_config.experts.num_experts 8 -> 4" in message
+    assert "also differs: model_config.block.experts.num_experts 8 -> 4" in message
     assert message.endswith("(use the original config, or a new run dir)")
     assert sorted(os.listdir(tmp_path)) == ["10"]          # nothing moved aside
 

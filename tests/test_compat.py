@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 
 from dagmoe_jax import run as run_lib
-from dagmoe_jax.config import ExecutionConfig, ModelConfig
+from dagmoe_jax.config import CoEConfig, DoEConfig, ExecutionConfig, ModelConfig
 from dagmoe_jax.run.gin import load_configs
 from dagmoe_jax.decoding.generate import generate
 from dagmoe_jax.run.checkpoint_files import write_checksums
@@ -45,17 +45,33 @@ SMOKE = ["TrainConfig.steps = 2", "TrainConfig.save_every = 2", "TrainConfig.eva
          "ModelConfig.max_seq_len = 64"]
 
 
+def model_684ed26(model: dict) -> dict:
+    """A model config dict as versions before the block families' configs wrote it (684ed26
+    and earlier): the family's name in ``block``, and every family's fields beside it (the
+    other families' at their defaults)."""
+    model = json.loads(json.dumps(model))
+    block = model.pop("block")
+    del block["kind"]
+    coe = {k: v for k, v in dataclasses.asdict(CoEConfig()).items()
+           if k not in ("kind", "router", "experts")}
+    doe = {k: v for k, v in dataclasses.asdict(DoEConfig()).items() if k != "kind"}
+    return {**model, "block": "moe", "ffn_hidden": None, "router": block["router"],
+            "experts": block["experts"], "aggregation": block["aggregation"], "coe": coe,
+            "doe": doe}
+
+
 def legacy_model(model: dict) -> dict:
-    """A model config dict in the layout before ExecutionConfig: its fields at the top level."""
-    model = dict(model)
+    """A model config dict in the layout before ExecutionConfig (520a405): flat, and its
+    execution fields at the top level."""
+    model = model_684ed26(model)
     execution = model.pop("execution")
     return {**model, **execution}
 
 
 def model_7ae9da1(model: dict, dispatch: str = "auto") -> dict:
-    """A model config dict as 7ae9da1 wrote it: ``dispatch`` ('auto' in the config as given,
-    the settled value elsewhere) and ``fuse_gate_up`` by that name."""
-    model = json.loads(json.dumps(model))
+    """A model config dict as 7ae9da1 wrote it: flat, ``dispatch`` ('auto' in the config as
+    given, the settled value elsewhere) and ``fuse_gate_up`` by that name."""
+    model = model_684ed26(model)
     model["experts"]["dispatch"] = dispatch
     model["execution"]["fuse_gate_up"] = model["execution"].pop("fuse_projections")
     return model
@@ -69,7 +85,7 @@ def trained(tmp_path_factory) -> Path:
     return run_dir
 
 
-@pytest.fixture(params=["520a405", "7ae9da1"])
+@pytest.fixture(params=["520a405", "7ae9da1", "684ed26"])
 def old_run(request, trained, tmp_path) -> Path:
     run_dir = tmp_path / f"run_{request.param}"
     shutil.copytree(trained, run_dir)
@@ -81,6 +97,10 @@ def old_run(request, trained, tmp_path) -> Path:
         config["model"] = model_7ae9da1(config["model"])
         config["settled_model"] = model_7ae9da1(config["settled_model"], settled)
         meta["model_config"] = model_7ae9da1(meta["model_config"], settled)
+    elif request.param == "684ed26":
+        for key in ("model", "settled_model"):
+            config[key] = model_684ed26(config[key])
+        meta["model_config"] = model_684ed26(meta["model_config"])
     else:
         config["model"] = legacy_model(config["model"])
         meta["model_config"] = legacy_model(meta["model_config"])
@@ -98,13 +118,16 @@ def test_the_legacy_config_reads_migrated(old_run):
         assert model_cfg.execution == ExecutionConfig(**{
             f.name: blob["model"][f.name] for f in dataclasses.fields(ExecutionConfig)})
         assert model_cfg == ModelConfig.from_dict(blob["model"])
+    elif old_run.name == "run_684ed26":     # the block family's fields at the top level
+        assert blob["model"]["block"] == "moe" and "doe" in blob["model"]
+        assert model_cfg.block.router.top_k == blob["model"]["router"]["top_k"]
     else:                                   # dispatch 'auto' and fuse_gate_up, migrated
         assert blob["model"]["experts"]["dispatch"] == "auto"
-        assert model_cfg.experts.dispatch == blob["settled_model"]["experts"]["dispatch"] == (
+        assert model_cfg.block.experts.dispatch == blob["settled_model"]["experts"]["dispatch"] == (
             "capacity")
         assert (model_cfg.execution.fuse_projections
                 == blob["model"]["execution"]["fuse_gate_up"])
-    assert (model_cfg.d_model, model_cfg.aggregation.kind) == (16, "dag")
+    assert (model_cfg.d_model, model_cfg.block.aggregation.kind) == (16, "dag")
 
 
 def test_a_checkpoint_written_before_the_restructure_loads_and_samples(old_run, trained):
@@ -112,7 +135,7 @@ def test_a_checkpoint_written_before_the_restructure_loads_and_samples(old_run, 
     assert loaded.step == 2 and not loaded.warnings
     expected = run_lib.load_run(trained).model_cfg
     if old_run.name == "run_7ae9da1":       # the dispatch its GPU settled 'auto' to
-        expected = expected.replace(experts=dict(dispatch="capacity"))
+        expected = expected.replace(block=dict(experts=dict(dispatch="capacity")))
     assert loaded.model_cfg == expected
     tokens = jnp.asarray(np.arange(32).reshape(2, 16) % 256, jnp.int32)
     logits, _ = loaded.model(tokens)

@@ -271,7 +271,7 @@ def test_gmm_occupancy_of_a_mesh(v5p):
     _, devices = v5p
     mesh = mesh_over(devices, dict(data=2, expert=2))
     cfg = settle(small_dag(), backend="tpu", layout=MeshLayout.of(mesh))
-    assert cfg.experts.dispatch == "dropless"
+    assert cfg.block.experts.dispatch == "dropless"
     assert gmm_occupancy(cfg, mesh, tokens=512) == 0.5
     assert gmm_occupancy(cfg, mesh, tokens=3) == 1.0          # global-view fallback
     assert gmm_occupancy(cfg, mesh_over(devices, dict(data=4)), tokens=512) == 1.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 import pytest
@@ -35,7 +36,6 @@ INVALID = [
     ("capacity_factor<0", dict(experts=dict(capacity_factor=-1.0)), "capacity_factor"),
     ("negative_balance_coef", dict(router=dict(balance_coef=-0.01)), "balance_coef"),
     ("negative_z_loss_coef", dict(router=dict(z_loss_coef=-1e-3)), "z_loss_coef"),
-    ("coe_with_dag", dict(block="coe", aggregation=dict(kind="dag")), "kind"),
     ("coe_per_iter_top_k_0", dict(block="coe", router=dict(top_k=1), coe=dict(iterations=2)),
      "top_k_per_iter"),
     ("coe_top_k_per_iter>num_experts", dict(block="coe", coe=dict(top_k_per_iter=5)),
@@ -59,11 +59,12 @@ def test_valid_tiny_configs_build():
     for block, kind in [("dense", "sum"), ("moe", "sum"), ("moe", "dag"), ("moe", "mlp"),
                         ("coe", "sum")]:
         cfg = tiny_config(block, kind)
-        assert cfg.block == block and cfg.aggregation.kind == kind
+        assert cfg.block.kind == block
+        assert block != "moe" or cfg.block.aggregation.kind == kind
     # CoE with an explicit per-iteration top-k is fine even where top_k // iterations is 0.
     cfg = tiny_config("coe", router=dict(top_k=1), coe=dict(iterations=2, top_k_per_iter=1))
-    assert cfg.coe_top_k == 1
-    assert tiny_config("coe").coe_top_k == 1              # top_k 2 // 2 iterations
+    assert cfg.block.resolved_top_k == 1
+    assert tiny_config("coe").block.resolved_top_k == 1    # top_k 2 // 2 iterations
 
 
 def test_sub_config_errors_are_raised_directly():
@@ -75,16 +76,20 @@ def test_sub_config_errors_are_raised_directly():
         AggregationConfig(edge_act="tanh")
     with pytest.raises(ValueError, match="iterations"):
         CoEConfig(iterations=0)
-    with pytest.raises(ValueError, match="router"):
-        ModelConfig(router="not a config")
+    with pytest.raises(ValueError, match="^ModelConfig.block="):
+        ModelConfig(block=RouterConfig())
+    with pytest.raises(TypeError, match="aggregation"):       # the chain sums: no aggregation
+        CoEConfig(aggregation=AggregationConfig(kind="dag"))
 
 
 def test_replace_keeps_unchanged_nested_fields():
     cfg = tiny_config("moe", "dag")
-    new = cfg.replace(aggregation=dict(dag_iters=3))
-    assert new.aggregation.dag_iters == 3
-    assert new.aggregation.kind == "dag" and new.aggregation.dag_dim == cfg.aggregation.dag_dim
-    assert cfg.aggregation.dag_iters == 2                 # the original is untouched (frozen)
+    new = cfg.replace(block=dict(aggregation=dict(dag_iters=3)))
+    assert new.block.aggregation.dag_iters == 3
+    assert (new.block.aggregation.kind == "dag"
+            and new.block.aggregation.dag_dim == cfg.block.aggregation.dag_dim)
+    assert new.block.router == cfg.block.router
+    assert cfg.block.aggregation.dag_iters == 2                 # the original is untouched (frozen)
 
 
 def test_parity_helpers():
@@ -105,9 +110,9 @@ def test_dispatch_is_architecture_and_retired_values_say_what_to_write(retired, 
                                          f"choice: .*{re.escape(hint)}$"):
         ExpertConfig(dispatch=retired)
     old = dataclasses.asdict(ModelConfig())
-    old["experts"]["dispatch"] = retired
+    old["block"]["experts"]["dispatch"] = retired
     migrated = ModelConfig.from_dict(old)
-    assert migrated.experts.dispatch == "dropless"
+    assert migrated.block.experts.dispatch == "dropless"
     assert migrated.execution.grouped_matmul == ("einsum" if retired == "dense" else "auto")
 
 
@@ -119,8 +124,52 @@ def test_fuse_gate_up_is_fuse_projections_in_old_runs_and_old_bindings():
     del old["execution"]["fuse_projections"]
     old["execution"]["fuse_gate_up"] = False
     assert ModelConfig.from_dict(old).execution.fuse_projections is False
-    with pytest.raises(ValueError, match=r"ExecutionConfig.fuse_gate_up is now "
-                                         r"ExecutionConfig.fuse_projections: write that\)$"):
+    with pytest.raises(ValueError, match=r"\(ExecutionConfig.fuse_gate_up: it is "
+                                         r"ExecutionConfig.fuse_projections now\)$"):
         load_model_config(bindings=["ExecutionConfig.fuse_gate_up = False"])
     assert load_model_config(
         bindings=["ExecutionConfig.fuse_projections = False"]).execution.fuse_projections is False
+
+
+ROUTED_FIELDS = ("router", "experts", "aggregation", "num_experts", "top_k", "coe", "doe")
+
+
+def test_each_family_config_holds_only_its_own_fields():
+    """A dense model's config.json has no expert field, a DoE model's no router; each family's
+    JSON names its kind and reads back to the same config."""
+    dense = json.dumps(dataclasses.asdict(tiny_config("dense")))
+    assert not [f for f in ROUTED_FIELDS if f'"{f}"' in dense], dense
+    assert json.loads(dense)["block"] == {"kind": "dense", "ffn_hidden": 64}
+    doe = json.loads(json.dumps(dataclasses.asdict(tiny_config("doe"))))
+    assert doe["block"]["kind"] == "doe" and "router" not in doe["block"]
+    coe = json.loads(json.dumps(dataclasses.asdict(tiny_config("coe"))))
+    assert "aggregation" not in coe["block"] and coe["block"]["router"]["top_k"] == 2
+    for block in ("dense", "moe", "coe", "doe"):
+        cfg = tiny_config(block, "dag")
+        assert ModelConfig.from_dict(json.loads(json.dumps(dataclasses.asdict(cfg)))) == cfg
+
+
+def _flat(cfg: ModelConfig, ffn_hidden=64) -> dict:
+    """``cfg`` as config.json held it before ModelConfig.block held the family's config: the
+    family's name in ``block`` and every family's fields at the top level."""
+    blob = dataclasses.asdict(cfg)
+    block = blob.pop("block")
+    kind = block.pop("kind")
+    routed = {k: block.pop(k) for k in ("router", "experts", "aggregation") if k in block}
+    blob.update(block=kind, ffn_hidden=ffn_hidden,
+                router=routed.get("router", dataclasses.asdict(RouterConfig())),
+                experts=routed.get("experts", dataclasses.asdict(ExpertConfig())),
+                aggregation=routed.get("aggregation", {"kind": "sum"}),
+                coe=block if kind == "coe" else {}, doe=block if kind == "doe" else {})
+    return blob
+
+
+@pytest.mark.parametrize("block", ["dense", "moe", "coe", "doe"])
+def test_config_json_of_every_family_before_block_configs_migrates(block):
+    """The top-level router / experts / aggregation / coe / doe / ffn_hidden of earlier
+    versions move into the family's config; the other families' fields are dropped."""
+    cfg = tiny_config(block, "dag", settled=False)
+    assert ModelConfig.from_dict(_flat(cfg)) == cfg
+    if block == "doe":        # DoE's FFN defaulted to the model's ffn_hidden: it keeps that width
+        old = _flat(cfg.replace(block=dict(ffn_hidden=None)), ffn_hidden=96)
+        assert ModelConfig.from_dict(old).block.ffn_hidden == 96

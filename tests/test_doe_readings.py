@@ -156,7 +156,7 @@ def test_blocks_accounting_counts_active_slices():
 @pytest.mark.parametrize("scale", ["d_model", "topic_dim", "head_dim"])
 def test_knowledge_scale_matches_numpy(rng, scale):
     cfg, block, shared, x, signal, topic, inputs = make_block(rng, knowledge_scale=scale)
-    d_k = {"d_model": cfg.d_model, "topic_dim": cfg.doe.topic_dim,
+    d_k = {"d_model": cfg.d_model, "topic_dim": cfg.block.topic_dim,
            "head_dim": cfg.resolved_head_dim}[scale]
     assert D.knowledge_scale_dim(cfg) == d_k
     q = rng.normal(size=(2, 5, 16)).astype(np.float32)
@@ -182,7 +182,7 @@ def test_shared_knowledge_is_one_z_read_by_every_layer(rng):
                          D.DoELayerInputs(jnp.int32(1), jnp.asarray(False)), inputs)
     block.knowledge = nnx.Param(z)                   # the NumPy block reads Z from the block
     want, _, _ = blocks_block_numpy(block, shared, x.astype(np.float64), signal, 0.0, 1, K,
-                                    d_k=cfg.doe.topic_dim)
+                                    d_k=cfg.block.topic_dim)
     np.testing.assert_allclose(out, want, rtol=2e-4, atol=1e-6)
 
 

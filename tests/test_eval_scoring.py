@@ -176,8 +176,8 @@ def test_variants_add_equal_parameters():
     from dagmoe_jax.model.accounting import account
 
     base = ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                       max_seq_len=64).replace(experts=dict(num_experts=16, expert_hidden=32),
-                                               router=dict(top_k=4))
+                       max_seq_len=64).replace(block=dict(
+                           experts=dict(num_experts=16, expert_hidden=32), router=dict(top_k=4)))
     budget = budget_params(64, 32)
     assert budget == dag_params_per_layer(64, 32, 2)
     reference = account(variant_config(base, "moe", 32)).total_params
@@ -190,12 +190,12 @@ def test_variants_add_equal_parameters():
         if name == "dag_self":            # the DAG L 2 module's own parameters
             assert added == budget
         if name == "coe":                 # the second router counts in CoE's budget
-            shared = variant_config(base, name, 32).experts.shared_hidden
+            shared = variant_config(base, name, 32).block.experts.shared_hidden
             assert added - budget == coe_budget_residual(64, 32, 2, 16, shared) == -64
         assert abs(added - budget) <= 0.01 * budget, (name, added, budget)
-    assert variant_config(base, "dag_l1", 32).aggregation.dag_dim == matched_dag_dim(64, budget, 1)
-    assert variant_config(base, "coe", 32).coe_top_k == 2
-    assert variant_config(base, "moe", 32).aggregation.kind == "sum"
+    assert variant_config(base, "dag_l1", 32).block.aggregation.dag_dim == matched_dag_dim(64, budget, 1)
+    assert variant_config(base, "coe", 32).block.resolved_top_k == 2
+    assert variant_config(base, "moe", 32).block.aggregation.kind == "sum"
     with pytest.raises(ValueError, match="variant 'dag' is invalid"):
         variant_config(base, "dag", 32)
 

@@ -65,7 +65,7 @@ def test_init_from_a_hugging_face_folder(tmp_path):
     folder = export_hf_llama(dense, tmp_path / "llama")
     init_from = f"hf:{folder}"
     model_cfg = source_model_config(init_from, ModelConfig())
-    assert (model_cfg.block, model_cfg.vocab_size, model_cfg.num_kv_heads) == ("dense", 96, 2)
+    assert (model_cfg.block.kind, model_cfg.vocab_size, model_cfg.num_kv_heads) == ("dense", 96, 2)
     model, _, _ = run_lib.build(model_cfg, OptimConfig(), TrainConfig(seed=7))
     assert "the Hugging Face checkpoint" in load_initial_params(model, init_from)
     got, want = flat_params(model), flat_params(dense)

@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from dagmoe_jax.config import DenseConfig
 from dagmoe_jax.model.accounting import account
 from dagmoe_jax.run.gin import CONFIG_DIR, load_model_config
 
@@ -33,23 +34,23 @@ def test_every_variant_loads_and_shared_baselines_match_their_dag(model):
             added_shared = account(twin).total_params - account(moe).total_params
             # the shared expert's d_r is rounded to a multiple of 8: within 3 d * 4 per layer
             assert abs(added_dag - added_shared) <= cfg.num_layers * 3 * cfg.d_model * 4
-            assert cfg.aggregation.kind == "dag" and twin.experts.num_shared == 1
+            assert cfg.block.aggregation.kind == "dag" and twin.block.experts.num_shared == 1
 
 
 def test_table3_shapes():
     s = load_model_config(["models/s.gin", "variants/dag_g128_l2.gin"])
     assert (s.d_model, s.num_layers, s.num_heads, s.num_kv_heads) == (512, 4, 32, 8)
-    assert (s.experts.num_experts, s.experts.expert_hidden, s.router.top_k) == (32, 256, 4)
-    assert (s.aggregation.dag_dim, s.aggregation.dag_iters, s.vocab_size) == (128, 2, 128256)
+    assert (s.block.experts.num_experts, s.block.experts.expert_hidden, s.block.router.top_k) == (32, 256, 4)
+    assert (s.block.aggregation.dag_dim, s.block.aggregation.dag_iters, s.vocab_size) == (128, 2, 128256)
     f = load_model_config(["models/s_fine.gin"])
-    assert (f.experts.num_experts, f.experts.expert_hidden, f.router.top_k) == (64, 128, 8)
+    assert (f.block.experts.num_experts, f.block.experts.expert_hidden, f.block.router.top_k) == (64, 128, 8)
     m = load_model_config(["models/m.gin"])
     assert m.num_layers == 6
     big = load_model_config(["models/l.gin", "variants/moe_shared_g256_l2.gin"])
-    assert (big.d_model, big.num_layers, big.experts.expert_hidden, big.experts.shared_hidden) == (1024, 8, 512, 512)
+    assert (big.d_model, big.num_layers, big.block.experts.expert_hidden, big.block.experts.shared_hidden) == (1024, 8, 512, 512)
     coe = load_model_config(["models/s.gin", "variants/coe_g128_l2.gin"])
-    assert coe.block == "coe" and coe.coe_top_k == 2 and coe.coe.iterations == 2
-    assert (coe.experts.num_shared, coe.experts.shared_hidden) == (1, 247)
+    assert coe.block.kind == "coe" and coe.block.resolved_top_k == 2 and coe.block.iterations == 2
+    assert (coe.block.experts.num_shared, coe.block.experts.shared_hidden) == (1, 247)
 
 
 def test_coe_preset_is_the_equal_parameter_ablation():
@@ -69,21 +70,21 @@ def test_coe_preset_is_the_equal_parameter_ablation():
     assert abs(coe_added - dag_added) <= 1.5 * d          # the nearest d_r: within 3 d / 2
     assert coe_added == d * n + 3 * d * 247
     coe = load_model_config(["models/s.gin", "variants/coe_g128_l2.gin"])
-    assert coe.coe_top_k * coe.coe.iterations == coe.router.top_k
+    assert coe.block.resolved_top_k * coe.block.iterations == coe.block.router.top_k
 
 
 def test_bindings_override_files():
     cfg = load_model_config(["models/s.gin"], ["AggregationConfig.dag_iters = 3", "ModelConfig.vocab_size = 256"])
-    assert cfg.aggregation.dag_iters == 3 and cfg.vocab_size == 256
+    assert cfg.block.aggregation.dag_iters == 3 and cfg.vocab_size == 256
 
 
 def test_nested_configs_bind_with_or_without_their_wiring():
-    """``ExecutionConfig.remat = 'full'`` reaches ``ModelConfig.execution`` whether or not a
-    file wires ``ModelConfig.execution = @ExecutionConfig()`` (configs/base.gin does not); the
-    same holds for every nested config, found by walking ModelConfig's fields."""
+    """``ExecutionConfig.remat = 'full'`` reaches ``ModelConfig.execution`` with no file wiring
+    ``ModelConfig.execution = @ExecutionConfig()``; the same holds for every nested config,
+    the block family's parts included, found by walking the configs' fields."""
     bare = load_model_config([], ["ExecutionConfig.remat = 'full'", "RopeScalingConfig.kind = "
                                   "'llama3'", "RouterConfig.top_k = 1"])
-    assert (bare.execution.remat, bare.rope_scaling.kind, bare.router.top_k) == (
+    assert (bare.execution.remat, bare.rope_scaling.kind, bare.block.router.top_k) == (
         "full", "llama3", 1)
     wired = load_model_config(["models/s.gin", "gpu.gin"], ["ExecutionConfig.attention = 'xla'"])
     assert (wired.execution.remat, wired.execution.attention, wired.compute_dtype) == (
@@ -110,9 +111,31 @@ def test_training_configs_load_from_any_working_directory(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     model, data, optim, train = load_configs(["configs/dagmoe_s.gin", "configs/cpu_small.gin"])
     # dagmoe_s: the paper's s model and recipe; cpu_small shrinks the trunk and the run.
-    assert (model.d_model, model.aggregation.kind, model.aggregation.dag_dim) == (512, "dag", 128)
+    assert (model.d_model, model.block.aggregation.kind, model.block.aggregation.dag_dim) == (512, "dag", 128)
     assert (model.num_layers, model.vocab_size, data.seq_len, train.steps) == (2, 256, 256, 200)
     assert (optim.b2, optim.weight_decay, optim.schedule) == (0.999, 0.1, "wsd")
     model, data, optim, train = load_configs(["dagmoe_s"])
     assert (model.num_layers, data.seq_len, data.batch_size, optim.learning_rate,
             optim.warmup_steps, train.steps) == (4, 2048, 256, 5e-4, 2000, 23842)
+
+
+def test_the_bindings_users_write_keep_working_and_old_wiring_says_the_new_spelling():
+    """`--gin.RouterConfig.top_k=8`, `AggregationConfig.dag_iters=3` and the variant files
+    configure the family ``ModelConfig.block`` names; a binding of a field the family's config
+    holds now is one line that says what to write."""
+    cfg = load_model_config(["models/s.gin", "variants/dag_g128_l2.gin"],
+                            ["RouterConfig.top_k = 8", "AggregationConfig.dag_iters = 3"])
+    assert (cfg.block.kind, cfg.block.router.top_k, cfg.block.aggregation.dag_iters) == (
+        "moe", 8, 3)
+    coe = load_model_config(["models/s.gin", "variants/coe_g128_l2.gin"],
+                            ["RouterConfig.top_k = 8"])
+    assert (coe.block.kind, coe.block.router.top_k, coe.block.resolved_top_k) == ("coe", 8, 4)
+    dense = load_model_config(["models/tiny.gin"], ["ModelConfig.block = 'dense'",
+                                                    "DenseConfig.ffn_hidden = 96"])
+    assert dense.block == DenseConfig(ffn_hidden=96)
+    for old, new in [("ModelConfig.router = @RouterConfig()", "bind RouterConfig.<field>"),
+                     ("ModelConfig.ffn_hidden = 96", "DenseConfig.ffn_hidden"),
+                     ("ModelConfig.coe = @CoEConfig()", "ModelConfig.block = 'coe'")]:
+        with pytest.raises(ValueError) as err:
+            load_model_config(["models/tiny.gin"], [old])
+        assert new in str(err.value) and "\n" not in str(err.value), str(err.value)

@@ -140,7 +140,7 @@ def test_imported_logits_equal_numpy_llama(tmp_path, dtype, tied, scaling):
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[dtype]
     write_checkpoint(tmp_path / "ckpt", hf, tensors, np_dtype)
     model, cfg = hf_llama.load_hf_llama(tmp_path / "ckpt")
-    assert cfg.head_dim == 12 and cfg.ffn_hidden == 48 and cfg.norm_eps == 1e-5
+    assert cfg.head_dim == 12 and cfg.block.ffn_hidden == 48 and cfg.norm_eps == 1e-5
     assert cfg.rope_scaling.kind == ("llama3" if scaling else "none")
     tokens = np.random.default_rng(1).integers(0, 64, (2, 24))   # longer than the 16 original
     got = np.asarray(model(tokens)[0])
@@ -319,7 +319,7 @@ def test_upcycle_command_reads_hugging_face_directories(tmp_path, capsys):
 
     write_checkpoint(tmp_path / "hf", HF, random_checkpoint(HF))
     dense = load_dense(str(tmp_path / "hf"))
-    assert dense.cfg.block == "dense" and dense.data_cfg is None
+    assert dense.cfg.block.kind == "dense" and dense.data_cfg is None
     # without a tokenizer.json the command stops with one line naming it
     code = cli.main([f"--run_dir={tmp_path / 'out'}", f"--dense={tmp_path / 'hf'}",
                      "--source=text:x.txt"])

@@ -46,7 +46,7 @@ CONFIGS = {
     "coe-init": tiny_config("coe", experts=NO_DROP, coe=dict(residual="init")),
     "coe-shared-router": tiny_config("coe", experts=NO_DROP, coe=dict(shared_router=True)),
 }
-ROUTED = [name for name, cfg in CONFIGS.items() if cfg.block != "dense"]
+ROUTED = [name for name, cfg in CONFIGS.items() if cfg.block.kind != "dense"]
 
 
 def loss_fn(model, tokens):
@@ -225,12 +225,13 @@ def test_aux_outputs(harness):
     model = harness.model()
     _, aux = harness.forward(model, random_tokens(6, SEQ))
     assert set(aux) == {"balance_loss", "z_loss", "aux_loss", "expert_load", "dropped_fraction"}
-    layers, n = cfg.num_layers, cfg.experts.num_experts
+    layers = cfg.num_layers
+    n = cfg.block.experts.num_experts if cfg.block.kind != "dense" else 0   # no experts: [L, 0]
     assert aux["expert_load"].shape == (layers, n)
     assert aux["dropped_fraction"].shape == (layers,)
     assert aux["balance_loss"].shape == aux["z_loss"].shape == aux["aux_loss"].shape == ()
     load = np.asarray(aux["expert_load"])
-    if cfg.block == "dense":
+    if cfg.block.kind == "dense":
         for name in aux:
             np.testing.assert_array_equal(np.asarray(aux[name]), 0.0, err_msg=name)
         return
@@ -238,11 +239,11 @@ def test_aux_outputs(harness):
     assert np.all(load >= 0)
     np.testing.assert_array_equal(np.asarray(aux["dropped_fraction"]), 0.0)   # C = T * K
     np.testing.assert_allclose(float(aux["aux_loss"]),
-                               cfg.router.balance_coef * float(aux["balance_loss"])
-                               + cfg.router.z_loss_coef * float(aux["z_loss"]), rtol=1e-6)
+                               cfg.block.router.balance_coef * float(aux["balance_loss"])
+                               + cfg.block.router.z_loss_coef * float(aux["z_loss"]), rtol=1e-6)
     # Near-uniform routing at init: balance loss near its balanced value K (f over tokens, the
     # default RouterConfig.balance_load), z-loss near (log N)^2 because the logits are near 0.
-    k = cfg.coe_top_k if cfg.block == "coe" else cfg.router.top_k
+    k = cfg.block.resolved_top_k if cfg.block.kind == "coe" else cfg.block.router.top_k
     assert 0.8 * k < float(aux["balance_loss"]) < 1.5 * k
     np.testing.assert_allclose(float(aux["z_loss"]), np.log(n) ** 2, rtol=0.05)
 
@@ -380,7 +381,7 @@ def test_coe_block_matches_manual_chain(residual, shared_router, num_shared, sco
                       experts=dict(num_experts=8, num_shared=num_shared, capacity_factor=8.0),
                       coe=dict(iterations=2, residual=residual, shared_router=shared_router,
                                stream=stream))
-    assert cfg.coe_top_k == 2
+    assert cfg.block.resolved_top_k == 2
     block = CoEBlock(cfg, rngs=nnx.Rngs(3))
     assert len(block.routers) == (1 if shared_router else 2)
     x = jax.random.normal(jax.random.key(4), (2, 6, 32))

@@ -190,8 +190,8 @@ def test_coe_block_matches_numpy_with_its_softmax_router(score_fn):
     routers = [f64(r.w_router) for r in block.routers]
     experts = [f64(block.experts.w_gate), f64(block.experts.w_up), f64(block.experts.w_down)]
     shared = [f64(block.shared.w_gate), f64(block.shared.w_up), f64(block.shared.w_down)]
-    want = np_coe(x[0], routers, experts, shared, cfg.coe_top_k, score_fn)
-    other = np_coe(x[0], routers, experts, shared, cfg.coe_top_k,
+    want = np_coe(x[0], routers, experts, shared, cfg.block.resolved_top_k, score_fn)
+    other = np_coe(x[0], routers, experts, shared, cfg.block.resolved_top_k,
                    "sigmoid" if score_fn == "softmax" else "softmax")
     assert np.abs(other - want).max() > 1e-2 * np.abs(want).max()     # the router matters
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

@@ -59,18 +59,18 @@ def test_resume_refuses_a_model_change_that_keeps_the_shapes(short_run):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: the model config differs from the "
                                                    "checkpoint's in ")
-    assert "ModelConfig.router.top_k 2 -> 1" in lines[0] and "allow_model_change=True" in lines[0]
+    assert "ModelConfig.block.router.top_k 2 -> 1" in lines[0] and "allow_model_change=True" in lines[0]
     assert (short_run / "config.json").read_text() == before            # nothing overwritten
 
     allowed = run(short_run, "--gin.TrainConfig.steps=12", "--gin.RouterConfig.top_k=1",
                   "--gin.TrainConfig.allow_model_change=True", "--gin.DataConfig.seed=3")
     assert allowed.returncode == 0, allowed.stderr
     assert ("warning: resuming with a changed model (allow_model_change): "
-            "ModelConfig.router.top_k 2 -> 1") in allowed.stdout
+            "ModelConfig.block.router.top_k 2 -> 1") in allowed.stdout
     assert ("warning: DataConfig.seed 0 -> 3 since the run last started: the data position "
             "restored comes from the earlier pipeline") in allowed.stdout
     assert "resumed from step 10" in allowed.stdout
-    assert json.loads((short_run / "config.json").read_text())["model"]["router"]["top_k"] == 1
+    assert json.loads((short_run / "config.json").read_text())["model"]["block"]["router"]["top_k"] == 1
     assert max(r["step"] for r in read_metrics(short_run)) == 12
 
     done = run(short_run, "--gin.TrainConfig.steps=8", "--gin.RouterConfig.top_k=1",
@@ -448,12 +448,12 @@ def test_fields_newer_than_a_checkpoint_are_no_change_at_their_defaults():
     cfg = ModelConfig()
     new = run_lib.model_meta(cfg)
     old = json.loads(json.dumps(new))
-    del old["model_config"]["rope_scaling"], old["model_config"]["router"]["bias"]
+    del old["model_config"]["rope_scaling"], old["model_config"]["block"]["router"]["bias"]
     diffs = json_diffs(old, new, "")
     assert len(diffs) == 1 + len(dataclasses.asdict(cfg.rope_scaling))
     assert run_lib.resume_changes("/nonexistent", cfg, None, old) == ([], [])
-    biased = cfg.replace(router=dict(bias=True))
+    biased = cfg.replace(block=dict(router=dict(bias=True)))
     assert run_lib.resume_changes("/nonexistent", biased, None, old) == (
-        ["ModelConfig.router.bias (absent) -> true"], [])
+        ["ModelConfig.block.router.bias (absent) -> true"], [])
     assert run_lib.resume_changes("/nonexistent", cfg.replace(execution=dict(remat="full")), None,
                                     old) == ([], [])

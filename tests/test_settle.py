@@ -31,7 +31,7 @@ def test_settle_decides_every_auto_field_per_backend_and_layout():
         "none", cfg.num_layers, "fused", True)
     # the CPU grouped matmul kernel (it builds wherever the fused attention kernel does, which
     # the line above asserts)
-    assert (ex.grouped_matmul, cpu.experts.dispatch) == ("cpu_gmm", "dropless")
+    assert (ex.grouped_matmul, cpu.block.experts.dispatch) == ("cpu_gmm", "dropless")
     assert "dispatch dropless" in describe(cpu, cfg, "cpu")
     assert ex.loss_chunk == 512 and settle(cfg, backend="tpu").execution.loss_chunk == 4096
     gpu = settle(cfg.replace(compute_dtype="bfloat16"), backend="gpu")
@@ -41,20 +41,20 @@ def test_settle_decides_every_auto_field_per_backend_and_layout():
     # what the experts compute is architecture: dropless on every machine; only how it runs
     assert gpu.execution.grouped_matmul == "ragged_dot"
     assert settle(cfg, backend="tpu").execution.grouped_matmul == "ragged_dot"  # d 32: no tile
-    tpu = settle(cfg.replace(d_model=128, experts=dict(expert_hidden=128)), backend="tpu")
+    tpu = settle(cfg.replace(d_model=128, block=dict(experts=dict(expert_hidden=128))), backend="tpu")
     assert tpu.execution.grouped_matmul == "gmm"
-    assert {s.experts.dispatch for s in (cpu, gpu, tpu)} == {"dropless"}
+    assert {s.block.experts.dispatch for s in (cpu, gpu, tpu)} == {"dropless"}
     layout = MeshLayout.of(make_mesh(MeshConfig(data=2), jax.devices()[:2]))
     meshed = settle(cfg, backend="cpu", layout=layout)
     assert (meshed.execution.attention, meshed.execution.fuse_projections) == ("blockwise", False)
-    assert (meshed.experts.dispatch, meshed.execution.grouped_matmul) == ("dropless", "ragged_dot")
+    assert (meshed.block.experts.dispatch, meshed.execution.grouped_matmul) == ("dropless", "ragged_dot")
     assert "expert-parallel over {'data': 2" in describe(meshed, cfg, "cpu", layout)
     # what the user set explicitly is kept
     explicit = cfg.replace(execution=dict(remat="dots", scan_unroll=2, attention="xla",
                                           fuse_projections=False, grouped_matmul="gmm",
                                           expert_exchange="ragged_all_to_all",
                                           loss_chunk=1024),
-                           experts=dict(dispatch="capacity"))
+                           block=dict(experts=dict(dispatch="capacity")))
     assert settle(explicit, backend="cpu") == explicit
     assert settle(cpu, backend="cpu") == cpu                  # idempotent
     assert MeshLayout.of(make_mesh(MeshConfig(data=1), jax.devices()[:1])) is None

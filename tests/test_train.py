@@ -82,7 +82,7 @@ def test_train_end_to_end(reference):
     assert any("eval/loss" in r and r["step"] == 20 for r in records)   # periodic eval
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     config = json.loads((run_dir / "config.json").read_text())
-    assert config["model"]["aggregation"]["kind"] == "dag"
+    assert config["model"]["block"]["aggregation"]["kind"] == "dag"
     operative = (run_dir / "operative_config.gin").read_text()
     assert "ModelConfig.d_model = %D_MODEL" in operative and "TrainConfig.steps = 40" in operative
 
@@ -217,7 +217,7 @@ def test_gin_overrides_reach_the_model():
     model_cfg, data_cfg, optim_cfg, train_cfg = load_configs(
         ["train/smoke.gin"], ["AggregationConfig.dag_iters = 3", "DataConfig.seq_len = 32",
                               "OptimConfig.learning_rate = 0.5", "TrainConfig.steps = 7"])
-    assert (model_cfg.aggregation.dag_iters, data_cfg.seq_len, optim_cfg.learning_rate,
+    assert (model_cfg.block.aggregation.dag_iters, data_cfg.seq_len, optim_cfg.learning_rate,
             train_cfg.steps) == (3, 32, 0.5, 7)
     model = Transformer(settle(model_cfg), rngs=nnx.Rngs(0))
     w_down = model.layers.block.aggregator.iterations.w_down

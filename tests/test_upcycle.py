@@ -147,7 +147,7 @@ def test_upcycled_dag_starts_equal_to_dume():
         v = getattr(moe.layers.block.router, name)
         v[...] = jax.random.normal(jax.random.key(7), v.shape)
     dag = dume.upcycle_to_dag(moe, dag_dim=16, dag_iters=2)
-    assert dag.cfg.aggregation.kind == "dag"
+    assert dag.cfg.block.aggregation.kind == "dag"
     toks = tokens(3)
     want = np.asarray(moe(toks)[0])
     np.testing.assert_allclose(np.asarray(dag(toks)[0]), want, rtol=1e-5, atol=1e-5)
@@ -162,13 +162,13 @@ def test_bad_merges_are_one_line_errors():
     dense = tiny_config("dense", settled=False)
     with pytest.raises(ValueError, match="dispatch='capacity' is invalid"):
         moerge.check_dume_config(moerge.dume_config(dense, N).replace(
-            experts=dict(dispatch="capacity")))
+            block=dict(experts=dict(dispatch="capacity"))))
     with pytest.raises(ValueError, match="top_k=4"):
         moerge.dume_config(dense, N, top_k=4)
     with pytest.raises(ValueError, match="DUME merges dense models"):
         moerge.dume_config(tiny_config("moe", settled=False), N)
     other = Transformer(tiny_config("dense", ffn_hidden=48), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="ffn_hidden=48 but model 0 has 64") as err:
+    with pytest.raises(ValueError, match="ModelConfig.block.ffn_hidden=48 but model 0 has 64") as err:
         moerge.moerge(dense_models((0,)) + [other], merged_config(1))
     assert "\n" not in str(err.value)
 
@@ -234,7 +234,7 @@ def test_adding_a_domain_keeps_the_old_statistics_and_equals_a_fresh_solve():
     batches = [[{"inputs": np.asarray(tokens(20 + j))}] for j in range(N + 1)]
     old = [dume.collect_statistics(moe, batches[j], j) for j in range(N)]
     grown = dume.add_expert(moe, models[N])
-    assert grown.cfg.experts.num_experts == N + 1
+    assert grown.cfg.block.experts.num_experts == N + 1
     new = dume.collect_statistics(grown, batches[N], N)
     dume.dume(grown, old + [new])
     fresh = [dume.collect_statistics(grown, batches[j], j) for j in range(N + 1)]

@@ -70,7 +70,7 @@ def test_upcycle_command_end_to_end(tmp_path, capsys):
     assert "router gets no gradient" in capsys.readouterr().err    # the top-1 note, one line
     assert "TrainConfig.trainable = 'router_and_gates'" in (out / "resume.gin").read_text()
     merged = run_lib.load_run(out)
-    assert merged.model_cfg.block == "moe" and merged.model_cfg.router.bias
+    assert merged.model_cfg.block.kind == "moe" and merged.model_cfg.block.router.bias
     assert (out / "resume.gin").is_file() and (out / "dume_stats" / "domain_2.npz").is_file()
 
     experts = [run_lib.load_run(d).model for d in dense_dirs]

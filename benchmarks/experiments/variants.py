@@ -33,10 +33,11 @@ budget: the shared expert is d_r = (budget - d N) / (3 d) rounded
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, Tuple
 
 from dagmoe_jax.budget import matched_coe_shared_hidden
-from dagmoe_jax.config import ModelConfig, dag_params_per_layer
+from dagmoe_jax.config import CoEConfig, ModelConfig, MoEConfig, dag_params_per_layer
 
 VARIANTS: Tuple[str, ...] = ("moe", "moe_shared", "dag_l1", "dag_l2", "dag_l3", "mlp",
                              "mlp_small", "coe", "dag_self")
@@ -87,47 +88,50 @@ def variant_config(base: ModelConfig, name: str, dag_dim: int) -> ModelConfig:
     """
     if name not in VARIANTS:
         raise ValueError(f"variant {name!r} is invalid: expected one of {', '.join(VARIANTS)}")
-    d, k = base.d_model, base.router.top_k
+    d, k = base.d_model, base.block.router.top_k
     budget = budget_params(d, dag_dim)
-    plain = base.replace(block="moe", aggregation=dict(kind="sum"),
-                         experts=dict(num_shared=0))
+    plain = base.replace(block=MoEConfig(router=base.block.router, experts=dataclasses.replace(
+        base.block.experts, num_shared=0)))
     if name == "moe":
         return plain
     if name == "moe_shared":
-        return plain.replace(experts=dict(num_shared=1, shared_hidden=matched_hidden(d, budget)))
+        return plain.replace(block=dict(experts=dict(num_shared=1,
+                                                      shared_hidden=matched_hidden(d, budget))))
     if name == "dag_self":
-        return plain.replace(aggregation=dict(kind="dag", dag_iters=2, dag_dim=dag_dim,
-                                              dag_edges="self"))
+        return plain.replace(block=dict(aggregation=dict(kind="dag", dag_iters=2, dag_dim=dag_dim,
+                                                         dag_edges="self")))
     if name.startswith("dag_l"):
         iters = int(name[len("dag_l"):])
-        return plain.replace(aggregation=dict(kind="dag", dag_iters=iters,
-                                              dag_dim=matched_dag_dim(d, budget, iters)))
+        return plain.replace(block=dict(aggregation=dict(
+            kind="dag", dag_iters=iters, dag_dim=matched_dag_dim(d, budget, iters))))
     if name == "mlp":
-        return plain.replace(aggregation=dict(kind="mlp", dag_dim=matched_hidden(d, budget)))
+        return plain.replace(block=dict(aggregation=dict(kind="mlp",
+                                                         dag_dim=matched_hidden(d, budget))))
     if name == "mlp_small":
-        return plain.replace(aggregation=dict(kind="mlp", dag_dim=max(1, dag_dim // 2)))
+        return plain.replace(block=dict(aggregation=dict(kind="mlp", dag_dim=max(1, dag_dim // 2))))
     if k < 2:
         raise ValueError(f"variant 'coe' needs RouterConfig.top_k >= 2 (it is {k}): two CoE "
                          "iterations of top_k // 2 experts each")
-    hidden = matched_coe_shared_hidden(d, dag_dim, 2, base.experts.num_experts, 2,
-                                       base.router.bias)
-    return plain.replace(block="coe", coe=dict(iterations=2, top_k_per_iter=k // 2,
-                                               shared_router=False, residual="inner"),
-                         experts=dict(num_shared=1, shared_hidden=hidden))
+    hidden = matched_coe_shared_hidden(d, dag_dim, 2, base.block.experts.num_experts, 2,
+                                       base.block.router.bias)
+    return plain.replace(block=CoEConfig(
+        iterations=2, top_k_per_iter=k // 2, shared_router=False, residual="inner",
+        router=plain.block.router,
+        experts=dataclasses.replace(plain.block.experts, num_shared=1, shared_hidden=hidden)))
 
 
 def describe(cfg: ModelConfig) -> str:
     """A short description of a variant's block: 'dag d_g 50 L 1', 'sum + shared 87', ..."""
-    if cfg.block == "coe":
-        text = f"coe {cfg.coe.iterations} x {cfg.coe_top_k}"
-    elif cfg.aggregation.kind == "dag":
-        text = f"dag d_g {cfg.aggregation.dag_dim} L {cfg.aggregation.dag_iters}"
-        text += "" if cfg.aggregation.dag_edges == "all" else f" {cfg.aggregation.dag_edges}"
-        text += " shared" if cfg.aggregation.dag_shared_weights else ""
-    elif cfg.aggregation.kind == "mlp":
-        text = f"mlp d_g {cfg.aggregation.dag_dim}"
+    if cfg.block.kind == "coe":
+        text = f"coe {cfg.block.iterations} x {cfg.block.resolved_top_k}"
+    elif cfg.block.aggregation.kind == "dag":
+        text = f"dag d_g {cfg.block.aggregation.dag_dim} L {cfg.block.aggregation.dag_iters}"
+        text += "" if cfg.block.aggregation.dag_edges == "all" else f" {cfg.block.aggregation.dag_edges}"
+        text += " shared" if cfg.block.aggregation.dag_shared_weights else ""
+    elif cfg.block.aggregation.kind == "mlp":
+        text = f"mlp d_g {cfg.block.aggregation.dag_dim}"
     else:
-        text = f"sum top-{cfg.router.top_k}"
-    if cfg.experts.num_shared:
-        text += f" + shared d_r {cfg.experts.shared_hidden}"
+        text = f"sum top-{cfg.block.router.top_k}"
+    if cfg.block.experts.num_shared:
+        text += f" + shared d_r {cfg.block.experts.shared_hidden}"
     return text

@@ -59,7 +59,8 @@ def record(model, tokens, **inputs) -> Dict[str, object]:
 class Collected:
     """Statistics of a model's routing and DAG gates over the non-padding tokens of a dataset.
 
-    tokens: tokens analysed. block, aggregation: the model's block type and aggregator kind.
+    tokens: tokens analysed. block, aggregation: the model's block family and its aggregator
+      kind (None for families without one).
     expert_load [layers, N]: share of routing slots per expert (all iterations, for CoE).
     coactivation [layers, C - 1, N, N] or None: CoE only; entry (l, t, a, b) counts tokens that
     used expert a in iteration t and expert b in iteration t + 1 (CoE Figure 8).
@@ -76,7 +77,7 @@ class Collected:
 
     tokens: int
     block: str
-    aggregation: str
+    aggregation: Optional[str]
     expert_load: Optional[np.ndarray]
     coactivation: Optional[np.ndarray]
     gate_mean: Optional[np.ndarray]
@@ -94,15 +95,15 @@ def collect(model, batches: Iterable[Dict[str, np.ndarray]], max_samples: int = 
     Padding positions (``mask`` False) are left out of every statistic.
     """
     cfg = model.cfg
-    n = cfg.experts.num_experts
-    routed = cfg.block in ("moe", "coe")
+    routed = cfg.block.kind in ("moe", "coe")
+    n = cfg.block.experts.num_experts if routed else 0
     layers = cfg.num_layers
     load = np.zeros((layers, n)) if routed else None
     coact = None
-    if cfg.block == "coe" and cfg.coe.iterations > 1:
-        coact = np.zeros((layers, cfg.coe.iterations - 1, n, n))
-    is_dag = cfg.block == "moe" and cfg.aggregation.kind == "dag"
-    mask = edge_mask(cfg.router.top_k, cfg.aggregation.dag_edges)
+    if cfg.block.kind == "coe" and cfg.block.iterations > 1:
+        coact = np.zeros((layers, cfg.block.iterations - 1, n, n))
+    is_dag = cfg.block.kind == "moe" and cfg.block.aggregation.kind == "dag"
+    mask = edge_mask(cfg.block.router.top_k, cfg.block.aggregation.dag_edges) if is_dag else None
     g_sum = g_sq = None
     sparse = [0, 0, 0, 0]      # values below, pairs below, values, pairs
     samples: List[np.ndarray] = []
@@ -141,7 +142,8 @@ def collect(model, batches: Iterable[Dict[str, np.ndarray]], max_samples: int = 
         gate_mean = g_sum / count
         gate_std = np.sqrt(np.maximum(g_sq / count - gate_mean ** 2, 0.0))
         gate_samples = np.concatenate(samples, axis=2)[:, :, :max_samples]
-    return Collected(tokens=count, block=cfg.block, aggregation=cfg.aggregation.kind,
+    aggregation = cfg.block.aggregation.kind if cfg.block.kind == "moe" else None
+    return Collected(tokens=count, block=cfg.block.kind, aggregation=aggregation,
                      expert_load=load, coactivation=coact, gate_mean=gate_mean,
                      gate_std=gate_std, gate_samples=gate_samples,
                      gate_sparsity=gate_sparsity, pair_sparsity=pair_sparsity,

@@ -143,7 +143,7 @@ def write_plots(stats: Collected, records: List[dict], out_dir, label: str = "")
             f"{prefix}DAG edge-gate magnitude across tokens")))
     else:
         reason = (f"edge gates are for DAG-MoE runs (aggregation 'dag'); this is "
-                  f"'{stats.block}' / '{stats.aggregation}'")
+                  f"'{stats.block}'" + (f" / '{stats.aggregation}'" if stats.aggregation else ""))
         results += [PlotResult("edge_gates", None, reason),
                     PlotResult("edge_gate_hist", None, reason)]
     steps, fractions = dropped_series(records)
@@ -178,7 +178,7 @@ def analyze_run(run_dir, out_dir, *, data: str = "", max_batches: int = 4) -> Li
     path = as_path(run_dir)
     path = path if is_remote(path) else Path(os.path.abspath(path))
     label = f"{path.parent.name}/{path.name} @ step {loaded.step}"
-    if loaded.model_cfg.block == "doe":
+    if loaded.model_cfg.block.kind == "doe":
         return analyze_doe(loaded, run_dir, out_dir, data, max_batches, label)
     batches = analysis_batches(loaded.data_cfg, loaded.tokenizer, data, max_batches)
     stats = collect(loaded.model, batches)
@@ -198,7 +198,7 @@ def analyze_doe(loaded, run_dir, out_dir, data: str, max_batches: int, label: st
     if annotate is None:
         return skipped + [PlotResult("doe_gates", None, "a no-LDA DoE run has no topic labels")]
     batches = analysis_batches(loaded.data_cfg, loaded.tokenizer, data, max_batches, annotate)
-    profile = gate_profile(loaded.model, batches, loaded.model_cfg.doe.num_topics)
+    profile = gate_profile(loaded.model, batches, loaded.model_cfg.block.num_topics)
     path = plot_gate_profile(profile, Path(out_dir) / "doe_gates.png",
                              title=f"mean gate per LDA topic (rows) and layer, {label}")
     return skipped + [PlotResult("doe_gates", path)]

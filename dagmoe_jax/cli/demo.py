@@ -18,6 +18,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from dagmoe_jax.config.blocks import block_summary
 from dagmoe_jax.model.accounting import account
 from dagmoe_jax.cli import USER_ERRORS, OneLineParser, report_error
 from dagmoe_jax.run.gin import load_model_config
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
         cfg = load_model_config([args.model, args.variant])
     except USER_ERRORS as err:
         return report_error(err)
-    print(f"model {args.model} + {args.variant}: block={cfg.block} aggregation={cfg.aggregation.kind}")
+    print(f"model {args.model} + {args.variant}: {block_summary(cfg.block)}")
     print(account(cfg, 2 * args.half).table())
     cfg = settle(cfg, log=print)
     model = Transformer(cfg, rngs=nnx.Rngs(0))

@@ -71,6 +71,7 @@ def main(argv=None) -> int:
         return 0
 
     # Imported after argument parsing so that --help and argument errors are instant.
+    from dagmoe_jax.config.blocks import block_summary
     from dagmoe_jax.decoding.generate import check_settings, generate
     from dagmoe_jax.run.extensions import extension_for
     from dagmoe_jax.run import load_run
@@ -90,8 +91,8 @@ def main(argv=None) -> int:
             with_eos = "" if args.no_eos_prefix else " (with its EOS prefix)"
             raise ValueError(f"the prompt is {longest} tokens long{with_eos} but the model's "
                              f"max_seq_len is {run.model_cfg.max_seq_len}: shorten it")
-        print(f"run {args.run_dir} at step {run.step}: block={run.model_cfg.block} "
-              f"aggregation={run.model_cfg.aggregation.kind}, {run.data_cfg.tokenizer} tokenizer",
+        print(f"run {args.run_dir} at step {run.step}: {block_summary(run.model_cfg.block)}, "
+              f"{run.data_cfg.tokenizer} tokenizer",
               file=sys.stderr, flush=True)
         features = extension_for(run.model_cfg).decoding_features(args.run_dir, run.data_cfg,
                                                                   tok)

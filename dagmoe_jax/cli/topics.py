@@ -44,9 +44,9 @@ def main(argv=None) -> int:
         cfg = TopicConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TopicConfig)
                              if hasattr(args, f.name)})
         docs = training_documents(data_cfg, cfg.max_documents)
-        print(f"fitting online LDA: {model_cfg.doe.num_topics} topics on {len(docs)} documents",
+        print(f"fitting online LDA: {model_cfg.block.num_topics} topics on {len(docs)} documents",
               flush=True)
-        model = fit_topics(docs, model_cfg.doe.num_topics, cfg)
+        model = fit_topics(docs, model_cfg.block.num_topics, cfg)
         model.save(args.out)
     except USER_ERRORS as err:
         return report_error(err)

@@ -69,6 +69,7 @@ def main(argv=None) -> int:
     # Imported after argument parsing so that --help and argument errors are instant.
     import gin
     import jax
+    from dagmoe_jax.config.blocks import block_summary
     from dagmoe_jax.model.accounting import account
     from dagmoe_jax.run.gin import load_configs
     from dagmoe_jax.parallel.multihost import initialize
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
                   else f"{train_cfg.steps} steps")
         if jax.process_index() == 0:
             print(f"config: {' + '.join(files)}{' + bindings' if args.bindings else ''}; "
-                  f"block={shown.block} aggregation={shown.aggregation.kind}; "
+                  f"{block_summary(shown.block)}; "
                   f"{acc.total_params / 1e6:.2f}M params ({acc.total_active_params / 1e6:.2f}M "
                   f"active); {length} of {data_cfg.batch_size}x{data_cfg.seq_len} "
                   f"tokens from {data_cfg.source}; {jax.device_count()} devices in "

@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from dagmoe_jax.compile.chips import Chip
 from dagmoe_jax.compile.roofline import Cost, program_cost
-from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.config import ModelConfig, experts_of
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.decoding.generate import DEFAULT_DISPATCH, decode_step, prefill
 from dagmoe_jax.run.build import MODEL_INPUTS
@@ -201,7 +201,8 @@ def gmm_occupancy(cfg: ModelConfig, mesh, tokens: int) -> float:
     group; 1 otherwise (no expert axis, capacity dispatch, or a token count the token axes do
     not divide, which falls back to the global-view dispatch)."""
     layout = MeshLayout.of(mesh)
-    if layout is None or cfg.block == "dense" or cfg.experts.dispatch != "dropless":
+    experts = experts_of(cfg.block)
+    if layout is None or experts is None or experts.dispatch != "dropless":
         return 1.0
     token_axes, experts, _ = dispatch_axes(layout)
     if not experts or tokens % layout.size(token_axes):
@@ -301,8 +302,8 @@ def _compile_generation(model, settled, mesh, chip, shape: GenerationShape, prog
     if extension_for(settled).batch_keys:
         log("generation programs skipped: this block family decodes with tracked features")
         return {}
-    cfg = (settled if settled.block == "dense"
-           else settled.replace(experts=dict(dispatch=DEFAULT_DISPATCH)))
+    cfg = (settled if experts_of(settled.block) is None
+           else settled.replace(block=dict(experts=dict(dispatch=DEFAULT_DISPATCH))))
     graphdef = nnx.graphdef(nnx.eval_shape(
         lambda: Transformer(cfg, rngs=nnx.Rngs(0), layout=MeshLayout.of(mesh))))
     state = nnx.state(model)

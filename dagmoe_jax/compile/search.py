@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from dagmoe_jax.compile.programs import mesh_label
-from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.config import ModelConfig, experts_of
 from dagmoe_jax.parallel.axes import MESH_AXES
 
 
@@ -60,12 +60,13 @@ def factorisations(n: int, parts: int = 4) -> Iterator[Tuple[int, ...]]:
 def admits(cfg: ModelConfig, sizes: Sequence[int], global_batch: int) -> bool:
     """Whether the model can run on a mesh of these axis sizes with this global batch."""
     data, fsdp, expert, tensor = sizes
-    if cfg.block != "dense" and cfg.experts.num_experts % expert:
+    experts = experts_of(cfg.block)
+    if experts is not None and experts.num_experts % expert:
         return False
-    if cfg.block == "dense" and expert > 1:
+    if experts is None and expert > 1:
         return False
     if tensor > 1 and (cfg.num_kv_heads % tensor or cfg.num_heads % tensor
-                       or cfg.experts.expert_hidden % tensor or cfg.d_model % tensor):
+                       or (experts is not None and experts.expert_hidden % tensor) or cfg.d_model % tensor):
         return False
     if fsdp > 1 and cfg.d_model % fsdp:
         return False

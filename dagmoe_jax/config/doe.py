@@ -1,5 +1,5 @@
 """Validated configuration of Decoupling of Experts (docs/design.md section 6): the DoE block
-(``DoEConfig``, held by ``ModelConfig.doe``) and Stage 1's LDA (``TopicConfig``)."""
+(``DoEConfig``, the family config ``ModelConfig.block`` holds) and Stage 1's LDA (``TopicConfig``)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class DoEConfig:
     use_topics: False is the no-LDA ablation (Appendix E, "end to end"): the model ignores topic
       ids (every token gets the null id) and alpha must be 0 (there are no labels).
     ffn_hidden: hidden size of the block's output FFN([H_enriched ; e_context]) (input 2d);
-      None means ModelConfig.resolved_ffn_hidden.
+      None means Llama's 8/3 d_model rounded up to 128 (``ModelConfig.resolved_ffn_hidden``).
     expert: what an expert is (docs/design.md section 6). 'composed' (default): e = G^T Z
       (Appendix A.1) fed with H_enriched into one dense FFN, every weight active. 'blocks': each
       knowledge block owns an FFN slice (SwiGLU d -> block_hidden -> d) whose output is scaled
@@ -55,7 +55,7 @@ class DoEConfig:
       gates skipped): sec. 4.5's active parameters, Table 13's Top-N, Appendix I.3's isolation.
     top_n: with expert='blocks', the most blocks a token runs (its N largest gates; 0 = all K).
     block_hidden: with expert='blocks', the hidden width of one block's FFN slice; None means
-      (ffn_hidden or ModelConfig.resolved_ffn_hidden) // num_topics.
+      (ffn_hidden or its default) // num_topics.
     knowledge_scale: the sqrt(d_k) of eq. 2: 'd_model' (default; the width of Q and Z),
       'topic_dim' (Algorithm 1's d_k, the topic embedding's width) or 'head_dim'.
     shared_knowledge: False (default): every layer its own knowledge state Z; True: one Z
@@ -75,6 +75,7 @@ class DoEConfig:
       null id's one-hot, the default's input).
     """
 
+    kind: str = dataclasses.field(default="doe", init=False)
     num_topics: int = 128
     topic_dim: int = 64
     vae_hidden: int = 256

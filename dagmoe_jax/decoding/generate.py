@@ -50,7 +50,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import io_callback
 
-from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.config import ModelConfig, experts_of
 from dagmoe_jax.model import Transformer
 
 DEFAULT_DISPATCH = "dropless"
@@ -206,9 +206,11 @@ def decoding_model(model: Transformer, dispatch: str = DEFAULT_DISPATCH) -> Tran
     Returns ``model`` itself when nothing changes (a dense model, or the same dispatch).
     """
     cfg = model.cfg
-    if cfg.block == "dense" or cfg.experts.dispatch == dispatch:
+    experts = experts_of(cfg.block)
+    if experts is None or experts.dispatch == dispatch:
         return model
-    return nnx.merge(_graphdef_for(cfg.replace(experts=dict(dispatch=dispatch))), nnx.state(model))
+    return nnx.merge(_graphdef_for(cfg.replace(block=dict(experts=dict(dispatch=dispatch)))),
+                     nnx.state(model))
 
 
 def _as_batch(prompts, lengths, pad_id: int):

@@ -89,6 +89,7 @@ def evaluate(args, log=print) -> dict:
     import lm_eval
     from lm_eval.loggers import EvaluationTracker
 
+    from dagmoe_jax.config.blocks import block_summary
     from dagmoe_jax.harness.lm import DagmoeLM
     from dagmoe_jax.harness.tasks import task_manager as make_task_manager
 
@@ -102,7 +103,7 @@ def evaluate(args, log=print) -> dict:
     lm = DagmoeLM(run_dir=args.run_dir, batch_size=args.batch_size,
                   max_length=args.max_length, mesh=args.mesh, prefix_eos=args.prefix_eos,
                   seed=args.seed)
-    log(f"run {args.run_dir} at step {lm.run.step}: block={lm.run.model_cfg.block}, "
+    log(f"run {args.run_dir} at step {lm.run.step}: {block_summary(lm.run.model_cfg.block)}, "
         f"{lm.run.data_cfg.tokenizer} tokenizer, window {lm.max_length}, "
         f"batch {lm.scorer.batch_size}, mesh {'none' if lm.scorer.mesh is None else 'auto'}")
     tracker = EvaluationTracker(output_path=args.output_path) if args.output_path else None

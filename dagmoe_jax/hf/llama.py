@@ -33,7 +33,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy before safetensor
 import numpy as np
 from flax import nnx
 
-from dagmoe_jax.config import ModelConfig, RopeScalingConfig
+from dagmoe_jax.config import DenseConfig, ModelConfig, RopeScalingConfig
 from dagmoe_jax.model.params import set_params, variable
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.run.settle import settle
@@ -212,7 +212,7 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
         vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
         num_layers=hf["num_hidden_layers"], num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim,
-        ffn_hidden=hf["intermediate_size"], block="dense",
+        block=DenseConfig(ffn_hidden=hf["intermediate_size"]),
         max_seq_len=int(hf.get("max_position_embeddings", 2048)),
         rope_theta=rope_theta, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_scaling=rope_scaling)
@@ -223,8 +223,8 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
 def hf_config_from_model(cfg: ModelConfig, *, tie_word_embeddings: bool,
                          dtype: str = "float32") -> dict:
     """The Hugging Face ``config.json`` of a dense ``cfg`` (:func:`export_hf_llama`)."""
-    if cfg.block != "dense":
-        raise ValueError(f"ModelConfig.block={cfg.block!r} cannot be exported as a Hugging Face "
+    if cfg.block.kind != "dense":
+        raise ValueError(f"ModelConfig.block={cfg.block.kind!r} cannot be exported as a Hugging Face "
                          f"Llama: only block='dense' models can")
     hf = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",

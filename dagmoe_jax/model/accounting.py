@@ -72,8 +72,8 @@ class Accounting:
 
 def aggregator_params(cfg: ModelConfig) -> int:
     """Parameters of one layer's aggregator: the DAG module or the MLP mixer (0 for 'sum')."""
-    a = cfg.aggregation
-    if cfg.block != "moe" or a.kind == "sum":
+    a = getattr(cfg.block, "aggregation", None)        # only the MoE family aggregates
+    if a is None or a.kind == "sum":
         return 0
     if a.kind == "dag":
         return dag_params_per_layer(cfg.d_model, a.dag_dim, a.dag_iters, a.dag_shared_weights)
@@ -82,9 +82,10 @@ def aggregator_params(cfg: ModelConfig) -> int:
 
 def aggregator_forward_flops(cfg: ModelConfig) -> tuple[float, float]:
     """(matmul, pairwise) forward FLOPs per token of one layer's aggregator."""
-    a, d, k = cfg.aggregation, cfg.d_model, cfg.router.top_k
-    if cfg.block != "moe" or a.kind == "sum":
+    a = getattr(cfg.block, "aggregation", None)
+    if a is None or a.kind == "sum":
         return 0.0, 0.0
+    d, k = cfg.d_model, cfg.block.router.top_k
     if a.kind == "dag":
         dg, pairs = a.dag_dim, k if a.dag_edges == "self" else k * k   # 'self': K pairs
         return (a.dag_iters * k * (4 * d * dg + 8 * dg * dg),
@@ -97,19 +98,16 @@ def account(cfg: ModelConfig, seq_len: int | None = None) -> Accounting:
     s = seq_len or cfg.max_seq_len
     d, v, n_layers = cfg.d_model, cfg.vocab_size, cfg.num_layers
     h, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
-    e = cfg.experts
-    expert_p = 3 * d * e.expert_hidden
-    shared_p = e.num_shared * 3 * d * e.shared_hidden
     per_layer: Dict[str, int] = {"attention": 2 * d * h * hd + 2 * d * kv * hd, "norms": 2 * d}
     active: Dict[str, int] = dict(per_layer)
     fwd: Dict[str, float] = {"attention": 2.0 * per_layer["attention"],
                              "attention_scores": 2.0 * h * hd * (s + 1)}
-    if cfg.block == "dense":
+    if cfg.block.kind == "dense":
         per_layer["dense_ffn"] = active["dense_ffn"] = 3 * d * cfg.resolved_ffn_hidden
         fwd["dense_ffn"] = 2.0 * per_layer["dense_ffn"]
-    elif cfg.block == "doe":
-        c = cfg.doe
-        k, hid = c.num_topics, c.ffn_hidden or cfg.resolved_ffn_hidden
+    elif cfg.block.kind == "doe":
+        c = cfg.block
+        k, hid = c.num_topics, cfg.resolved_ffn_hidden
         per_layer["doe_knowledge"] = active["doe_knowledge"] = (
             d * d + (0 if c.shared_knowledge else k * d))
         per_layer["doe_router"] = active["doe_router"] = c.latent_dim * k + k
@@ -127,12 +125,15 @@ def account(cfg: ModelConfig, seq_len: int | None = None) -> Accounting:
                    doe_router=vae_fwd + 2.0 * c.latent_dim * k,
                    doe_ffn=2.0 * active["doe_ffn"])
     else:
-        if cfg.block == "coe":
-            steps, k = cfg.coe.iterations, cfg.coe_top_k
-            routers = 1 if cfg.coe.shared_router else steps   # a shared router runs once
+        e = cfg.block.experts
+        expert_p = 3 * d * e.expert_hidden
+        shared_p = e.num_shared * 3 * d * e.shared_hidden
+        if cfg.block.kind == "coe":
+            steps, k = cfg.block.iterations, cfg.block.resolved_top_k
+            routers = 1 if cfg.block.shared_router else steps   # a shared router runs once
         else:
-            steps, k, routers = 1, cfg.router.top_k, 1
-        per_layer["router"] = active["router"] = (routers * (d + int(cfg.router.bias))
+            steps, k, routers = 1, cfg.block.router.top_k, 1
+        per_layer["router"] = active["router"] = (routers * (d + int(cfg.block.router.bias))
                                                   * e.num_experts)
         per_layer["experts"] = e.num_experts * expert_p
         active["experts"] = min(e.num_experts, steps * k) * expert_p
@@ -151,15 +152,15 @@ def account(cfg: ModelConfig, seq_len: int | None = None) -> Accounting:
     params["lm_head"] = active_params["lm_head"] = d * v
     flops = {c: 3.0 * n_layers * f for c, f in fwd.items()}
     flops["lm_head"] = 3.0 * 2.0 * d * v
-    if cfg.block == "doe":
+    if cfg.block.kind == "doe":
         bank, embedding = shared_param_counts(cfg)
         params["doe_router"] += bank
         active_params["doe_router"] += bank
         params["doe_embedding"] = active_params["doe_embedding"] = embedding
-        if cfg.doe.shared_knowledge:                  # one Z for every layer
-            params["doe_knowledge"] += cfg.doe.num_topics * d
-            active_params["doe_knowledge"] += cfg.doe.num_topics * d
-        c = cfg.doe
+        if cfg.block.shared_knowledge:                  # one Z for every layer
+            params["doe_knowledge"] += cfg.block.num_topics * d
+            active_params["doe_knowledge"] += cfg.block.num_topics * d
+        c = cfg.block
         mixture = (c.num_topics + 1) * c.topic_dim if c.first_input == "theta" else 0
         flops["doe_embedding"] = 3.0 * 2.0 * ((d + c.topic_dim) * d + c.topic_dim * c.vae_hidden
                                               + mixture)

@@ -178,7 +178,7 @@ class DAGAggregator(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        agg = cfg.aggregation
+        agg = cfg.block.aggregation
         self.reading = agg.dag_residual
         self.record_intermediates = False     # analysis switches it on (Module.set_attributes)
         self.num_iters, self.shared = agg.dag_iters, agg.dag_shared_weights
@@ -228,7 +228,7 @@ def mlp_mix(s: jax.Array, w_1: jax.Array, w_2: jax.Array, w_3: jax.Array, eps: f
 
 class MLPMixer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        d, dg = cfg.d_model, cfg.aggregation.dag_dim
+        d, dg = cfg.d_model, cfg.block.aggregation.dag_dim
         self.eps = cfg.norm_eps
         self.w_1 = make_param(rngs, normal(cfg.init_std), (d, dg), ("embed", "dag"))
         self.w_2 = make_param(rngs, normal(cfg.init_std), (d, dg), ("embed", "dag"))
@@ -245,7 +245,7 @@ class SumAggregator(nnx.Module):
 
 
 def make_aggregator(cfg: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Module:
-    kind = cfg.aggregation.kind
+    kind = cfg.block.aggregation.kind
     if kind == "dag":
         return DAGAggregator(cfg, rngs=rngs)
     if kind == "mlp":

@@ -59,10 +59,10 @@ class BlockStats(NamedTuple):
     extra: Any = None
 
 
-def empty_stats(num_experts: int) -> BlockStats:
-    """The statistics of a block without routing: zeros."""
+def empty_stats() -> BlockStats:
+    """The statistics of a block without routing: zero losses, no expert load ([0])."""
     zero = jnp.zeros((), jnp.float32)
-    return BlockStats(zero, zero, zero, jnp.zeros((num_experts,), jnp.float32))
+    return BlockStats(zero, zero, zero, jnp.zeros((0,), jnp.float32))
 
 
 def routed_stats(losses: dict, keep: jax.Array, expert_load: jax.Array,

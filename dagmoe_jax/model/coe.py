@@ -19,14 +19,13 @@ so ``CoEConfig.stream`` decides how often x reaches the stream (:func:`coe_block
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dagmoe_jax.config import ModelConfig, RouterConfig
+from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.model.aggregation import weighted_sum
 from dagmoe_jax.model.block import BlockInputs, routed_stats
 from dagmoe_jax.model.moe import routed_experts, shared_experts
@@ -54,15 +53,6 @@ def coe_block_output(delta: jax.Array, x0: jax.Array, stream: str) -> jax.Array:
     return delta if stream == "once" else x0 + delta
 
 
-def coe_router_config(cfg: ModelConfig) -> RouterConfig:
-    """The iterations' router config: the model's, with ``CoEConfig.score_fn`` when set.
-    'softmax' is CoE eq. 7: g_t,i = s_t,i for the top K_t of s_t = Softmax(e_t^T x^(t-1))
-    over all N experts, not renormalised (the model's ``RouterConfig.renormalize``)."""
-    if cfg.coe.score_fn is None:
-        return cfg.router
-    return dataclasses.replace(cfg.router, score_fn=cfg.coe.score_fn)
-
-
 class CoEBlock(nnx.Module):
     """Chain-of-Experts: C iterations of routing, experts and the residual of ``residual``
     over the chain (module docstring); stats are the iterations' means, and with
@@ -70,13 +60,13 @@ class CoEBlock(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, layout: Optional[MeshLayout] = None, *,
                  rngs: nnx.Rngs):
-        c = cfg.coe
+        c = cfg.block
         self.iterations, self.residual, self.stream = c.iterations, c.residual, c.stream
         self.replaces_stream = c.stream == "reference"     # the layer's output is the block's
         self.shared_router = c.shared_router
         self.routers = nnx.List([
-            Router(coe_router_config(cfg), cfg.d_model, cfg.experts.num_experts, std=cfg.init_std,
-                   top_k=cfg.coe_top_k, rngs=rngs)
+            Router(c.iteration_router, cfg.d_model, c.experts.num_experts, std=cfg.init_std,
+                   top_k=c.resolved_top_k, rngs=rngs)
             for _ in range(1 if c.shared_router else c.iterations)])
         self.experts = routed_experts(cfg, layout, rngs=rngs)
         self.shared = shared_experts(cfg, rngs=rngs)

@@ -19,7 +19,7 @@ from dagmoe_jax.parallel.axes import MeshLayout
 
 def shared_experts(cfg: ModelConfig, *, rngs: nnx.Rngs) -> Optional[SwiGLU]:
     """``ExpertConfig.num_shared`` shared experts as one SwiGLU (None without any)."""
-    e = cfg.experts
+    e = cfg.block.experts
     if e.num_shared == 0:
         return None
     return SwiGLU(cfg.d_model, e.num_shared * e.shared_hidden, cfg.init_std,
@@ -30,7 +30,7 @@ def shared_experts(cfg: ModelConfig, *, rngs: nnx.Rngs) -> Optional[SwiGLU]:
 def routed_experts(cfg: ModelConfig, layout: Optional[MeshLayout], *,
                    rngs: nnx.Rngs) -> Experts:
     """The routed experts of ``cfg`` (a settled config), dispatched across ``layout``."""
-    return Experts(cfg.experts, cfg.d_model, std=cfg.init_std, dtype=dtype_of(cfg.compute_dtype),
+    return Experts(cfg.block.experts, cfg.d_model, std=cfg.init_std, dtype=dtype_of(cfg.compute_dtype),
                    execution=cfg.execution, layout=layout, rngs=rngs)
 
 
@@ -44,10 +44,9 @@ class DenseBlock(SwiGLU):
         super().__init__(cfg.d_model, cfg.resolved_ffn_hidden, cfg.init_std,
                          dtype_of(cfg.compute_dtype),
                          fuse_projections=cfg.execution.fuse_projections, rngs=rngs)
-        self.num_experts = cfg.experts.num_experts
 
     def __call__(self, inputs: BlockInputs):
-        return super().__call__(inputs.x), empty_stats(self.num_experts)
+        return super().__call__(inputs.x), empty_stats()
 
 
 class MoEBlock(nnx.Module):
@@ -59,7 +58,7 @@ class MoEBlock(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, layout: Optional[MeshLayout] = None, *,
                  rngs: nnx.Rngs):
-        self.router = Router(cfg.router, cfg.d_model, cfg.experts.num_experts,
+        self.router = Router(cfg.block.router, cfg.d_model, cfg.block.experts.num_experts,
                              std=cfg.init_std, rngs=rngs)
         self.experts = routed_experts(cfg, layout, rngs=rngs)
         self.aggregator = make_aggregator(cfg, rngs=rngs)

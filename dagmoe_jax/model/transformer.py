@@ -7,7 +7,8 @@
 * ``expert_load`` [layers, N]: share of routing slots per expert;
 * ``dropped_fraction`` [layers]: share of assignments that capacity dispatch dropped.
 
-A 'dense' model reports zeros for all of them. With the routed blocks' ``record_intermediates``
+A block family without a router (dense, DoE) reports zero losses, and a dense model an
+``expert_load`` of [layers, 0]. With the routed blocks' ``record_intermediates``
 flag on (``model.set_attributes(record_intermediates=True, raise_if_not_found=False)``), the
 dict also holds ``intermediates``, stacked over layers: ``indices`` [layers, C, T, K] (the
 routed expert ids in rank order; C = 1 except for CoE, one row per iteration) and, for the DAG,
@@ -62,7 +63,7 @@ class DecoderLayer(nnx.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         self.attn = Attention(cfg, layout, rngs=rngs)
         self.block_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
-        self.block = BLOCKS[cfg.block](cfg, layout, rngs=rngs)
+        self.block = BLOCKS[cfg.block.kind](cfg, layout, rngs=rngs)
 
     def __call__(self, h: jax.Array, sin: jax.Array, cos: jax.Array,
                  cache: Optional[KVCache] = None, start: Optional[jax.Array] = None,
@@ -106,9 +107,9 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         self.lm_head = make_param(rngs, normal(cfg.init_std), (cfg.d_model, cfg.vocab_size),
                                   ("embed", "vocab"), pd)
-        shared = getattr(BLOCKS[cfg.block], "shared", None)
+        shared = getattr(BLOCKS[cfg.block.kind], "shared", None)
         if shared is not None:            # the block family's parameters outside the layers
-            setattr(self, cfg.block, shared(cfg, rngs=rngs))
+            setattr(self, cfg.block.kind, shared(cfg, rngs=rngs))
 
     def __call__(self, tokens: jax.Array, *, cache: Optional[KVCache] = None,
                  start: Optional[jax.Array] = None, logit_positions: Optional[jax.Array] = None,
@@ -164,7 +165,7 @@ class Transformer(nnx.Module):
                                cfg.rope_scaling)
         h = self.embed[...].astype(dtype_of(cfg.compute_dtype))[tokens]
         per_layer = shared_inputs = None
-        shared = getattr(self, cfg.block, None)
+        shared = getattr(self, cfg.block.kind, None)
         if shared is not None:
             h, per_layer, shared_inputs = shared.prepare(tokens, h, self.embed[...], features,
                                                          noise, decoding=cache is not None)
@@ -215,10 +216,12 @@ def summarize_stats(cfg: ModelConfig, stats: BlockStats) -> dict:
     """Per-layer stats [layers, ...] -> the auxiliary dict documented in this module."""
     balance = jnp.mean(stats.balance_loss)
     z = jnp.mean(stats.z_loss)
+    router = getattr(cfg.block, "router", None)      # None: the family does not route
     return {
         "balance_loss": balance,
         "z_loss": z,
-        "aux_loss": cfg.router.balance_coef * balance + cfg.router.z_loss_coef * z,
+        "aux_loss": (router.balance_coef * balance + router.z_loss_coef * z if router
+                     else jnp.zeros((), jnp.float32)),
         "expert_load": stats.expert_load,
         "dropped_fraction": stats.dropped_fraction,
     }

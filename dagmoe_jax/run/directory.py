@@ -27,7 +27,7 @@ from flax import nnx
 from dagmoe_jax.validate import first_line
 from dagmoe_jax.data import make_tokenizer
 from dagmoe_jax.parallel import activate
-from dagmoe_jax.config import ExecutionConfig, ModelConfig, execution_fields
+from dagmoe_jax.config import BLOCK_CONFIGS, ExecutionConfig, ModelConfig, execution_fields
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.parallel import MeshConfig
 from dagmoe_jax.run.build import build, train_state
@@ -184,7 +184,9 @@ def resume_changes(run_dir: PathLike, model_cfg: ModelConfig, data_cfg: DataConf
     field keeps equal to the behaviour before it existed."""
     saved = architecture(ModelConfig.migrate(saved_meta.get("model_config") or {}))
     expected = architecture(dataclasses.asdict(model_cfg))
-    with_defaults = {**flatten_json(architecture(dataclasses.asdict(ModelConfig()))),
+    family = saved["block"].get("kind", "moe")        # the saved family's defaults
+    defaults = ModelConfig(block=family if family in BLOCK_CONFIGS else "moe")
+    with_defaults = {**flatten_json(architecture(dataclasses.asdict(defaults))),
                      **flatten_json(saved)}
     changed = {_diff_key(d) for d in json_diffs(with_defaults, expected, "model_config")}
     model = ["ModelConfig." + d[len("model_config."):]

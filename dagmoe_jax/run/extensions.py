@@ -15,4 +15,4 @@ EXTENSIONS = {"doe": DoEExtension}
 def extension_for(cfg: ModelConfig) -> Extension:
     """The hooks of ``cfg``'s block family (the no-op :class:`Extension` for a block without
     any)."""
-    return EXTENSIONS.get(cfg.block, Extension)(cfg)
+    return EXTENSIONS.get(cfg.block.kind, Extension)(cfg)

@@ -15,7 +15,7 @@ from typing import Iterable, Sequence, Tuple
 import gin
 
 from dagmoe_jax import config as C
-from dagmoe_jax.budget import matched_coe_shared_hidden
+from dagmoe_jax.budget import matched_coe_shared_hidden, matched_shared_hidden
 from dagmoe_jax.validate import first_line
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.data.config import DataConfig
@@ -35,15 +35,25 @@ def _config_dir() -> Path:
 
 CONFIG_DIR = _config_dir()
 
-# Fields renamed since earlier versions: a binding of the old name fails with the new one.
-RENAMED = {"ExecutionConfig.fuse_gate_up": "ExecutionConfig.fuse_projections"}
+# Bindings of earlier versions: a binding of the old name fails with what to write instead.
+RENAMED = {
+    "ExecutionConfig.fuse_gate_up": "it is ExecutionConfig.fuse_projections now",
+    **{f"ModelConfig.{field}": f"the block family's config holds it now: bind {cls}.<field> "
+                               f"(ModelConfig.block = 'moe' / 'coe' selects the family)"
+       for field, cls in (("router", "RouterConfig"), ("experts", "ExpertConfig"),
+                          ("aggregation", "AggregationConfig"))},
+    "ModelConfig.coe": "write ModelConfig.block = 'coe' and bind CoEConfig.<field>",
+    "ModelConfig.doe": "write ModelConfig.block = 'doe' and bind DoEConfig.<field>",
+    "ModelConfig.ffn_hidden": "the dense block's config holds it now: write "
+                              "DenseConfig.ffn_hidden (or DoEConfig.ffn_hidden)"}
 
 # External registration: gin configures its own wrappers of these, so bindings never leak into
 # ``ModelConfig(...)`` built in plain Python (tests, notebooks) after a gin file was parsed.
-_CONFIG_CLASSES = (*C.nested_configs(ModelConfig).values(), ModelConfig,
+_CONFIG_CLASSES = (C.RouterConfig, C.ExpertConfig, C.AggregationConfig,
+                   *C.BLOCK_CONFIGS.values(), C.RopeScalingConfig, C.ExecutionConfig, ModelConfig,
                    DataConfig, OptimConfig, TrainConfig, MeshConfig)
 _GIN = {cls.__name__: gin.external_configurable(cls, name=cls.__name__) for cls in _CONFIG_CLASSES}
-gin.external_configurable(C.matched_shared_hidden, name="matched_shared_hidden")
+gin.external_configurable(matched_shared_hidden, name="matched_shared_hidden")
 gin.external_configurable(matched_coe_shared_hidden, name="matched_coe_shared_hidden")
 
 
@@ -51,7 +61,8 @@ def _plain(value):
     """A gin-built config (an instance of gin's subclass) as the plain dataclass, recursively."""
     for cls in _CONFIG_CLASSES:
         if isinstance(value, cls):
-            return cls(**{f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(cls)})
+            return cls(**{f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(cls)
+                          if f.init})
     return value
 
 
@@ -85,12 +96,20 @@ def parse_gin(files: Sequence[str] = (), bindings: Iterable[str] = ()) -> None:
             name, value = unquoted
             raise ValueError(f"gin binding {name} = {value}: a string needs quotes in gin: write "
                              f"--gin.{name}=\"'{value}'\"") from None
-        renamed = next((f"{old} is now {new}" for old, new in RENAMED.items()
-                        if old.split(".")[1] in str(err)), "")
         raise ValueError(f"gin configuration error: {first_line(err)}"
-                         + (f" ({renamed}: write that)" if renamed else "")) from None
+                         + _renamed_hint(str(err))) from None
     finally:
         root.removeFilter(_quiet_include_probe)
+
+
+def _renamed_hint(message: str) -> str:
+    """`` (Cls.field: what to write instead)`` when a gin error is about a binding of an
+    earlier version (:data:`RENAMED`; gin names the class and the parameter), else ''."""
+    for old, new in RENAMED.items():
+        cls, field = old.split(".")
+        if f"'{cls}'" in message and f"'{field}'" in message:
+            return f" ({old}: {new})"
+    return ""
 
 
 def _unquoted_string(bindings: Iterable[str]):
@@ -122,16 +141,21 @@ def _build(name: str):
         raise ValueError(first_line(err)) from None
 
 
-def _build_model() -> ModelConfig:
-    """The gin-built ModelConfig; a nested config left at its default (``ModelConfig.execution``
-    not bound to ``@ExecutionConfig()``, say) is built from its own bindings
-    (``ExecutionConfig.remat = 'full'`` works with or without configs/base.gin's wiring)."""
-    model = _build("ModelConfig")
-    defaults = ModelConfig()
-    changes = {name: _build(cls.__name__) for name, cls in C.nested_configs(ModelConfig).items()
-               if getattr(model, name) == getattr(defaults, name)}
+def _build_tree(cls, built=None):
+    """``cls`` built from its gin bindings (or ``built``, a config gin built already), with
+    each nested config it holds built the same way: at its default, from its own class's
+    bindings. This is the one wiring mechanism: ``RouterConfig.top_k = 8`` configures the
+    block's router with no ``@RouterConfig()`` line. ``ModelConfig.block`` is the family its
+    name selects (``ModelConfig.block = 'coe'``; default 'moe'), built from that family's
+    bindings."""
+    config = _build(cls.__name__) if built is None else built
+    changes = {}
+    for name, nested in C.nested_configs(cls).items():
+        value = getattr(config, name)
+        nested = type(value) if name == "block" else nested
+        changes[name] = _build_tree(nested, None if value == nested() else value)
     try:
-        return model.replace(**changes)
+        return dataclasses.replace(config, **changes)
     except (ValueError, TypeError) as err:
         raise ValueError(first_line(err)) from None
 
@@ -139,7 +163,7 @@ def _build_model() -> ModelConfig:
 def load_model_config(files: Sequence[str] = (), bindings: Iterable[str] = ()) -> ModelConfig:
     """The :class:`ModelConfig` that ``files`` and ``bindings`` describe, validated."""
     parse_gin(files, bindings)
-    return _build_model()
+    return _build_tree(ModelConfig)
 
 
 def load_configs(files: Sequence[str] = (), bindings: Iterable[str] = ()
@@ -151,8 +175,6 @@ def load_configs(files: Sequence[str] = (), bindings: Iterable[str] = ()
     gin's operative config (``gin.operative_config_str()``) afterwards lists every binding used.
     """
     parse_gin(files, bindings)
-    model = _build_model()
-    data, optim, train = (_build(name) for name in ("DataConfig", "OptimConfig", "TrainConfig"))
-    if train.mesh == MeshConfig():        # `MeshConfig.expert = 4` without `TrainConfig.mesh = ...`
-        train = dataclasses.replace(train, mesh=_build("MeshConfig"))
+    model, data, optim, train = (_build_tree(cls) for cls in (ModelConfig, DataConfig, OptimConfig,
+                                                               TrainConfig))
     return model, data, optim, train

@@ -161,24 +161,24 @@ def check_trainable(model_cfg, trainable: str) -> None:
     always 1, so the router gets no gradient; DUME+ needs top_k >= 2); 'non_experts' or
     'router_and_gates' on a dense model (no routed experts). 'router_and_gates' at top_k = 1
     is allowed: its experts' ``w_gate`` still learn (the authors' top-1 runs)."""
-    if trainable in ("non_experts", "router_and_gates") and model_cfg.block == "dense":
+    if trainable in ("non_experts", "router_and_gates") and model_cfg.block.kind == "dense":
         raise ValueError(f"TrainConfig.trainable={trainable!r} on a dense model: it has no "
                          f"routed experts (use 'all')")
-    if trainable == "aggregator" and (model_cfg.block != "moe"
-                                      or model_cfg.aggregation.kind == "sum"):
+    if trainable == "aggregator" and (model_cfg.block.kind != "moe"
+                                      or model_cfg.block.aggregation.kind == "sum"):
         raise ValueError("TrainConfig.trainable='aggregator' needs a DAG or MLP aggregator "
                          "(AggregationConfig.kind='dag' or 'mlp'): this model has none")
-    if trainable == "shared" and (model_cfg.block != "moe"
-                                  or model_cfg.experts.num_shared == 0):
+    if trainable == "shared" and (model_cfg.block.kind != "moe"
+                                  or model_cfg.block.experts.num_shared == 0):
         raise ValueError("TrainConfig.trainable='shared' needs shared experts "
                          "(ExpertConfig.num_shared >= 1): this model has none")
     if trainable != "router":
         return
-    if model_cfg.block == "dense":
+    if model_cfg.block.kind == "dense":
         raise ValueError("TrainConfig.trainable='router' on a dense model: it has no router "
                          "(use 'all')")
-    r = model_cfg.router
-    if r.top_k == 1 and r.renormalize:
+    r = getattr(model_cfg.block, "router", None)
+    if r is not None and r.top_k == 1 and r.renormalize:
         raise ValueError("TrainConfig.trainable='router' with RouterConfig.top_k=1 and "
                          "renormalize=True: the gate is always 1, so the router gets no "
                          "gradient; use top_k >= 2 (DUME+)")

@@ -42,7 +42,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.config import ModelConfig, experts_of
 from dagmoe_jax.kernels.attention import fused_attention_unavailable, kernel_needs_build
 from dagmoe_jax.kernels.grouped_matmul import (grouped_matmul_needs_build,
                                                grouped_matmul_unavailable)
@@ -164,8 +164,10 @@ def settle(cfg: ModelConfig, *, backend: Optional[str] = None,
             and grouped_matmul_needs_build()):
         log("compiling the CPU grouped matmul kernel (about 5 s, once per machine)")
     attention, _ = settle_attention(ex.attention, backend, dtype, cfg.resolved_head_dim, layout)
+    experts = experts_of(cfg.block)               # None: no routed experts to multiply
     grouped_matmul = settle_grouped_matmul(ex.grouped_matmul, backend, cfg.d_model,
-                                           cfg.experts.expert_hidden, layout)
+                                           experts.expert_hidden if experts else cfg.d_model,
+                                           layout)
     return cfg.replace(
         execution=dict(
             remat=settle_remat(ex.remat, backend),
@@ -191,8 +193,9 @@ def describe(settled: ModelConfig, original: Optional[ModelConfig] = None,
         _, why = settle_attention("auto", backend, jnp.dtype(settled.compute_dtype),
                                   settled.resolved_head_dim, layout)
         attention += f" ({why})" if why else ""
-    dropless = settled.block != "dense" and settled.experts.dispatch == "dropless"
-    dispatch = (f", dispatch {settled.experts.dispatch}" if settled.block != "dense" else "")
+    experts = experts_of(settled.block)
+    dropless = experts is not None and experts.dispatch == "dropless"
+    dispatch = f", dispatch {experts.dispatch}" if experts else ""
     return (f"attention {attention}, remat {ex.remat}, layers unrolled "
             f"{ex.scan_unroll}/{settled.num_layers}, loss chunk {ex.loss_chunk} tokens, gate/up "
             f"{'fused' if ex.fuse_projections else 'separate'}{dispatch}"

@@ -92,9 +92,10 @@ def _per_layer_scalars(key: str, value, prefix: str):
     array = np.asarray(value, dtype=np.float64)
     if array.ndim == 0:
         return [(prefix + key, float(array))]
-    if key == "expert_load" and array.ndim == 2:
+    if key == "expert_load" and array.ndim == 2:    # [layers, 0] for a block without experts
         return [(f"{prefix}load_imbalance/layer_{layer}",
-                 float(load.max() / max(load.mean(), 1e-9))) for layer, load in enumerate(array)]
+                 float(load.max() / max(load.mean(), 1e-9))) for layer, load in enumerate(array)
+                if load.size]
     if array.ndim == 1:
         return [(f"{prefix}{key}/layer_{i}", float(item)) for i, item in enumerate(array)]
     return []
@@ -104,7 +105,7 @@ def _load_histograms(key: str, value, prefix: str):
     """(name, loads) per layer of an ``expert_load`` [layers, N] metric, for the histograms of
     TensorBoard and W&B; nothing for any other metric."""
     array = np.asarray(value, dtype=np.float64)
-    if key != "expert_load" or array.ndim != 2:
+    if key != "expert_load" or array.ndim != 2 or array.shape[1] == 0:
         return []
     return [(f"{prefix}expert_load/layer_{layer}", load) for layer, load in enumerate(array)]
 

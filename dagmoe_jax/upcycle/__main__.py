@@ -137,7 +137,7 @@ def run(args) -> Path:
     if args.dag_dim > 0:
         moe = dume.upcycle_to_dag(moe, dag_dim=args.dag_dim, dag_iters=args.dag_iters,
                                   seed=args.seed, fan_in=args.dag_init == "fan_in")
-        cfg = cfg.replace(aggregation=dataclasses.asdict(moe.cfg.aggregation))
+        cfg = cfg.replace(block=dict(aggregation=moe.cfg.block.aggregation))
     summary = {"dense": args.dense, "sources": args.source, "router": args.router,
                "top_k": args.top_k, "temperature": args.temperature, "lambda": args.lam,
                "tokens_per_domain": [s.tokens for s in stats],

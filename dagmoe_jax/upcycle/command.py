@@ -80,8 +80,8 @@ def load_dense(path: str) -> DenseSource:
         return DenseSource(model, cfg, None)
     loaded = run_lib.load_run(directory)
     model_cfg = run_lib.load_configs(directory)[0]
-    if model_cfg.block != "dense":
-        raise ValueError(f"{path} holds a block={model_cfg.block!r} model: DUME merges dense "
+    if model_cfg.block.kind != "dense":
+        raise ValueError(f"{path} holds a block={model_cfg.block.kind!r} model: DUME merges dense "
                          f"models (block='dense')")
     return DenseSource(loaded.model, model_cfg, loaded.data_cfg)
 
@@ -168,9 +168,9 @@ def default_trainable(model_cfg: ModelConfig) -> str:
     top_k >= 2; at top_k = 1 'router_and_gates' (the authors' set: the renormalised gate of the
     single chosen expert is 1, so the router gets no gradient and only the experts' ``w_gate``
     learn; :data:`TOP1_NOTE`); 'all' for a DAG (its aggregator starts inert)."""
-    if model_cfg.aggregation.kind != "sum":
+    if model_cfg.block.aggregation.kind != "sum":
         return "all"
-    return "router" if model_cfg.router.top_k >= 2 else "router_and_gates"
+    return "router" if model_cfg.block.router.top_k >= 2 else "router_and_gates"
 
 
 TOP1_NOTE = ("note: at --top_k=1 the softmax gate of the one chosen expert is always 1, so the "

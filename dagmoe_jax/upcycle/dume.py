@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dagmoe_jax.config import DenseConfig, block_summary
 from dagmoe_jax.analysis.collect import record
 from dagmoe_jax.model.attention import rope_angles
 from dagmoe_jax.model.layers import dtype_of, swiglu
@@ -50,10 +51,10 @@ def forced_forward(model: nnx.Module, tokens: jax.Array, expert: jax.Array, head
     [B, S]: packed examples (instruction data), as :class:`~dagmoe_jax.model.Transformer`
     takes them (positions restart, attention stays within an example)."""
     cfg = model.cfg
-    if cfg.block != "moe" or cfg.aggregation.kind != "sum":
+    if cfg.block.kind != "moe" or cfg.block.aggregation.kind != "sum":
         raise ValueError(f"forced routing needs a merged MoE with aggregation 'sum' (this is "
-                         f"block={cfg.block!r}, aggregation={cfg.aggregation.kind!r}): collect "
-                         f"statistics before upcycling into a DAG")
+                         f"{block_summary(cfg.block)}): collect statistics before upcycling "
+                         f"into a DAG")
     b, s = tokens.shape
     positions = jnp.arange(s)[None, :] if segment_ids is None else segment_positions(segment_ids)
     sin, cos = rope_angles(positions, cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -163,9 +164,9 @@ def dume(model: nnx.Module, stats: Sequence[DomainStatistics],
          lam: float = DEFAULT_LAMBDA) -> nnx.Module:
     """The MoE ``model`` with its routers set to DUME's closed-form solution (eqs. 6-7,
     normalised columns) for the per-domain ``stats`` in expert order; returns ``model``."""
-    if len(stats) != model.cfg.experts.num_experts:
+    if len(stats) != model.cfg.block.experts.num_experts:
         raise ValueError(f"{len(stats)} domains of statistics for "
-                         f"{model.cfg.experts.num_experts} experts: one domain per expert")
+                         f"{model.cfg.block.experts.num_experts} experts: one domain per expert")
     set_routers(model, *solve_routers(stats, lam))
     return model
 
@@ -183,10 +184,10 @@ def add_expert(moe: nnx.Module, dense: nnx.Module, *, seed: int = 0,
     statistics (:func:`collect_statistics`) before :func:`dume`. The routers are random until
     :func:`dume` sets them."""
     check_dume_config(moe.cfg)
-    as_dense = moe.cfg.replace(block="dense", ffn_hidden=moe.cfg.experts.expert_hidden)
+    as_dense = moe.cfg.replace(block=DenseConfig(ffn_hidden=moe.cfg.block.experts.expert_hidden))
     check_same_architecture([as_dense, dense.cfg], ["the merged model", "the new model"])
-    n = moe.cfg.experts.num_experts
-    cfg = moe.cfg.replace(experts=dict(num_experts=n + 1))
+    n = moe.cfg.block.experts.num_experts
+    cfg = moe.cfg.replace(block=dict(experts=dict(num_experts=n + 1)))
     grown = Transformer(cfg, rngs=nnx.Rngs(seed))
     params = {p: v for p, v in flat_params(moe).items() if "router" not in p}
     new = flat_params(dense)
@@ -220,9 +221,9 @@ def upcycle_to_dag(moe: nnx.Module, *, dag_dim: int = 128, dag_iters: int = 2,
     and W_node from N(0, 1 / fan-in) (:func:`redraw_fan_in`), so the messages have RMS ~1 and
     W_up's first steps move the output; the start is still exactly DUME (W_up = 0)."""
 
-    cfg = moe.cfg.replace(aggregation=dict(kind="dag", dag_dim=dag_dim, dag_iters=dag_iters,
-                                           **aggregation))
-    if cfg.aggregation.dag_residual != "once":
+    cfg = moe.cfg.replace(block=dict(aggregation=dict(kind="dag", dag_dim=dag_dim,
+                                                      dag_iters=dag_iters, **aggregation)))
+    if cfg.block.aggregation.dag_residual != "once":
         raise ValueError("AggregationConfig.dag_residual='literal' adds RMSNorm(h) to the "
                          "stream, so the upcycled model would not start equal to DUME: use "
                          "'once'")
@@ -241,7 +242,7 @@ def add_shared_expert(moe: nnx.Module, hidden: int, *, seed: int = 0,
     exactly equal to ``moe``; ``fan_in``: ``w_gate`` and ``w_up`` from N(0, 1 / d), as
     :func:`upcycle_to_dag`'s messages."""
     check_dume_config(moe.cfg)
-    cfg = moe.cfg.replace(experts=dict(num_shared=1, shared_hidden=hidden))
+    cfg = moe.cfg.replace(block=dict(experts=dict(num_shared=1, shared_hidden=hidden)))
     grown = Transformer(cfg, rngs=nnx.Rngs(seed))
     set_params(grown, flat_params(moe))
     down = SHARED_PREFIX + ("w_down",)

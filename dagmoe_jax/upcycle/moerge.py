@@ -16,7 +16,8 @@ from typing import Sequence, Tuple
 import numpy as np
 from flax import nnx
 
-from dagmoe_jax.config import AggregationConfig, ModelConfig, RouterConfig, execution_fields
+from dagmoe_jax.config import (AggregationConfig, ExpertConfig, ModelConfig, MoEConfig, RouterConfig,
+                               execution_fields)
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.model.params import flat_params, set_params
 
@@ -34,41 +35,41 @@ def dume_config(dense: ModelConfig, num_experts: int, *, top_k: int = 1,
     dispatch would drop most of them. No balance or z-loss
     (the paper found load balancing had no effect on DUME+ / BTX and trains without it).
     """
-    if dense.block != "dense":
-        raise ValueError(f"ModelConfig.block={dense.block!r}: DUME merges dense models "
+    if dense.block.kind != "dense":
+        raise ValueError(f"ModelConfig.block={dense.block.kind!r}: DUME merges dense models "
                          f"(block='dense')")
     if num_experts < 1:
         raise ValueError(f"DUME needs at least one dense model (got {num_experts})")
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"DUME top_k={top_k} is invalid: expected an integer in "
                          f"[1, {num_experts}] (the number of dense models)")
-    return dense.replace(
-        block="moe",
+    return dense.replace(block=MoEConfig(
         router=RouterConfig(score_fn="softmax", top_k=top_k, renormalize=True, bias=True,
                             temperature=temperature, balance_coef=0.0, z_loss_coef=0.0),
-        experts=dict(num_experts=num_experts, expert_hidden=dense.resolved_ffn_hidden,
-                     num_shared=0, dispatch="dropless"),
-        aggregation=AggregationConfig(kind="sum"))
+        experts=ExpertConfig(num_experts=num_experts, expert_hidden=dense.resolved_ffn_hidden,
+                             num_shared=0, dispatch="dropless"),
+        aggregation=AggregationConfig(kind="sum")))
 
 
 def check_dume_config(cfg: ModelConfig) -> None:
     """Refuse an MoE config DUME's routers and dispatch cannot run (one-line errors)."""
-    if cfg.block != "moe":
-        raise ValueError(f"ModelConfig.block={cfg.block!r}: a DUME model is block='moe'")
-    if cfg.experts.dispatch == "capacity":
+    if cfg.block.kind != "moe":
+        raise ValueError(f"ModelConfig.block={cfg.block.kind!r}: a DUME model is block='moe'")
+    if cfg.block.experts.dispatch == "capacity":
         raise ValueError("ExpertConfig.dispatch='capacity' is invalid for a DUME model: use "
                          "'dropless' (capacity drops a one-domain batch's tokens)")
-    if not cfg.router.bias:
+    if not cfg.block.router.bias:
         raise ValueError("RouterConfig.bias=False: a DUME router has a bias (the ridge "
                          "solution's last row); set bias=True")
 
 
 def architecture_fields(cfg: ModelConfig) -> dict:
-    """The fields of a dense config that decide its parameters' meaning (not how it runs)."""
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-            if f.name not in execution_fields() + ("param_dtype", "compute_dtype", "init_std",
-                                                 "router", "experts", "aggregation", "coe",
-                                                 "max_seq_len")}
+    """The fields of a dense config that decide its parameters' meaning (not how it runs), the
+    block's by their dotted names (``block.ffn_hidden``)."""
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+              if f.name not in execution_fields() + ("param_dtype", "compute_dtype", "init_std",
+                                                   "max_seq_len", "block")}
+    return {**fields, **{f"block.{k}": v for k, v in dataclasses.asdict(cfg.block).items()}}
 
 
 def check_same_architecture(cfgs: Sequence[ModelConfig], names: Sequence[str] = ()) -> None:
@@ -76,8 +77,8 @@ def check_same_architecture(cfgs: Sequence[ModelConfig], names: Sequence[str] = 
     names = list(names) or [f"model {i}" for i in range(len(cfgs))]
     first = architecture_fields(cfgs[0])
     for cfg, name in zip(cfgs[1:], names[1:]):
-        if cfg.block != "dense":
-            raise ValueError(f"{name} is block={cfg.block!r}: DUME merges dense models")
+        if cfg.block.kind != "dense":
+            raise ValueError(f"{name} is block={cfg.block.kind!r}: DUME merges dense models")
         for field, value in architecture_fields(cfg).items():
             if value != first[field]:
                 raise ValueError(f"{name} has ModelConfig.{field}={value!r} but {names[0]} has "
@@ -103,8 +104,8 @@ def moerge(models: Sequence[nnx.Module], cfg: ModelConfig, *, seed: int = 0) -> 
 
     check_same_architecture([m.cfg for m in models])
     check_dume_config(cfg)
-    if cfg.experts.num_experts != len(models):
-        raise ValueError(f"ExpertConfig.num_experts={cfg.experts.num_experts} but "
+    if cfg.block.experts.num_experts != len(models):
+        raise ValueError(f"ExpertConfig.num_experts={cfg.block.experts.num_experts} but "
                          f"{len(models)} dense models were given: one expert per model")
     moe = Transformer(cfg, rngs=nnx.Rngs(seed))
     shared, experts = merged_params([flat_params(m) for m in models])

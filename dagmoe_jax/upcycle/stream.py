@@ -54,8 +54,8 @@ def moerge_hf(paths: Sequence[PathLike], cfg: ModelConfig, *, seed: int = 0) -> 
     are drawn from ``seed`` (normal, ``init_std``; bias zero) until DUME sets them. Equals
     ``moerge`` of the loaded models in every merged parameter (tests/test_upcycle_stream.py)."""
     check_dume_config(cfg)
-    if cfg.experts.num_experts != len(paths):
-        raise ValueError(f"ExpertConfig.num_experts={cfg.experts.num_experts} but "
+    if cfg.block.experts.num_experts != len(paths):
+        raise ValueError(f"ExpertConfig.num_experts={cfg.block.experts.num_experts} but "
                          f"{len(paths)} checkpoints were given: one expert per model")
     dense = read_configs(paths)
     readers, tied = [], []
@@ -93,7 +93,7 @@ def moerge_hf(paths: Sequence[PathLike], cfg: ModelConfig, *, seed: int = 0) -> 
     router = ("layers", "block", "router")
     w = variable(model, router + ("w_router",))
     set_params(model, {router + ("w_router",): cfg.init_std * jax.random.normal(key, w.shape)})
-    if cfg.router.bias:
+    if cfg.block.router.bias:
         b = variable(model, router + ("b_router",))
         set_params(model, {router + ("b_router",): np.zeros(b.shape, np.float32)})
     return model

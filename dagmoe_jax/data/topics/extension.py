@@ -105,8 +105,8 @@ class DoEExtension(Extension):
         return objective.doe_objective(self.model_cfg, ce, aux, batch)
 
     def decoding_features(self, run_dir, data_cfg, tokenizer) -> Optional[TopicFeatures]:
-        if not self.model_cfg.doe.use_topics:
+        if not self.model_cfg.block.use_topics:
             return None
         topics = run_topics(self.model_cfg, data_cfg, run_dir, save=False)
         return TopicFeatures(topics, tokenizer.piece_bytes(),
-                             counts=self.model_cfg.doe.first_input == "theta")
+                             counts=self.model_cfg.block.first_input == "theta")

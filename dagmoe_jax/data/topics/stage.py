@@ -29,9 +29,9 @@ def training_documents(data_cfg, limit: int = 0) -> list:
 def run_topics(model_cfg, data_cfg, run_dir, *, log: Callable[[str], None] = lambda _m: None,
                save: bool = True, cfg: TopicConfig = TopicConfig()) -> Optional[TopicModel]:
     """The topic model of a DoE run (None for other models and the no-LDA ablation)."""
-    if model_cfg.block != "doe" or not model_cfg.doe.use_topics:
+    if model_cfg.block.kind != "doe" or not model_cfg.block.use_topics:
         return None
-    k = model_cfg.doe.num_topics
+    k = model_cfg.block.num_topics
     target = Path(run_dir) / RUN_TOPICS_DIR
     if (target / ARTIFACT_ARRAYS).is_file():
         model = TopicModel.load(str(target))

@@ -119,8 +119,8 @@ def knowledge_attention(q: jax.Array, z: jax.Array, d_k: Optional[int] = None) -
 def knowledge_scale_dim(cfg: ModelConfig) -> int:
     """The d_k of eq. 2 (``DoEConfig.knowledge_scale``): d_model, the topic embedding's width
     (Algorithm 1's d_k) or the attention head's width."""
-    return {"d_model": cfg.d_model, "topic_dim": cfg.doe.topic_dim,
-            "head_dim": cfg.resolved_head_dim}[cfg.doe.knowledge_scale]
+    return {"d_model": cfg.d_model, "topic_dim": cfg.block.topic_dim,
+            "head_dim": cfg.resolved_head_dim}[cfg.block.knowledge_scale]
 
 
 def enrich(h: jax.Array, attention_know: jax.Array) -> jax.Array:
@@ -211,7 +211,7 @@ def routing_signal(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, c
     """The router's attention signal [B, S, F] (``DoEConfig.signal``): the causal running mean
     of this call's values (keys, queries), or, when decoding over a KV cache, of the cached
     values (keys) up to each position."""
-    src = cfg.doe.signal
+    src = cfg.block.signal
     if cache is None or start is None:
         x = {"q": q, "k": k, "v": v}[src]
         return causal_running_mean(x.reshape(x.shape[0], x.shape[1], -1))
@@ -228,26 +228,26 @@ def vae_count(cfg: ModelConfig) -> int:
     """Entries of the VAE bank: one per layer ('per_layer'), else first / shared middle / last
     (fewer for 1 or 2 layers: one, or first and last)."""
     n = cfg.num_layers
-    return n if cfg.doe.vae_sharing == "per_layer" else min(n, 3)
+    return n if cfg.block.vae_sharing == "per_layer" else min(n, 3)
 
 
 def vae_index(cfg: ModelConfig) -> jax.Array:
     """The bank entry of each layer [layers] (hierarchical: 0, 1, ..., 1, last)."""
     n = cfg.num_layers
-    if cfg.doe.vae_sharing == "per_layer":
+    if cfg.block.vae_sharing == "per_layer":
         return jnp.arange(n, dtype=jnp.int32)
     idx = [0] + [1] * max(n - 2, 0) + ([min(n, 3) - 1] if n > 1 else [])
     return jnp.asarray(idx, jnp.int32)
 
 
 def signal_dim(cfg: ModelConfig) -> int:
-    heads = cfg.num_heads if cfg.doe.signal == "q" else cfg.num_kv_heads
+    heads = cfg.num_heads if cfg.block.signal == "q" else cfg.num_kv_heads
     return heads * cfg.resolved_head_dim
 
 
 def shared_param_counts(cfg: ModelConfig) -> tuple:
     """(VAE bank, topic embedding + W_in + W_t) parameter counts of :class:`DoEShared`."""
-    c, d = cfg.doe, cfg.d_model
+    c, d = cfg.block, cfg.d_model
     vh, dz = c.vae_hidden, c.latent_dim
     one_vae = d * vh + signal_dim(cfg) * vh + vh + 2 * (vh * dz + dz) + dz * d + d
     embedding = (c.num_topics + 1) * c.topic_dim + (d + c.topic_dim) * d + c.topic_dim * vh
@@ -257,13 +257,13 @@ def shared_param_counts(cfg: ModelConfig) -> tuple:
 def block_weight_shapes(cfg: ModelConfig) -> dict:
     """Each layer's FFN weights: the composed expert's SwiGLU over [H_enr ; e_context] (input 2d)
     or, with expert='blocks', the K knowledge blocks' slices [K, d, h_b] ... [K, h_b, d]."""
-    d, k = cfg.d_model, cfg.doe.num_topics
-    if cfg.doe.expert == "blocks":
+    d, k = cfg.d_model, cfg.block.num_topics
+    if cfg.block.expert == "blocks":
         hb = block_hidden(cfg)
         return {"block_gate": ((k, d, hb), (None, "embed", None)),
                 "block_up": ((k, d, hb), (None, "embed", None)),
                 "block_down": ((k, hb, d), (None, None, "embed"))}
-    hidden = cfg.doe.ffn_hidden or cfg.resolved_ffn_hidden
+    hidden = cfg.resolved_ffn_hidden
     return {"w_gate": ((2 * d, hidden), (None, "mlp")), "w_up": ((2 * d, hidden), (None, "mlp")),
             "w_down": ((hidden, d), ("mlp", "embed"))}
 
@@ -279,7 +279,7 @@ class DoEShared(nnx.Module):
     with ``shared_knowledge``, the one knowledge state Z [K, d] every layer reads."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        c = cfg.doe
+        c = cfg.block
         self.cfg = cfg
         d, dk, vh, dz, n = cfg.d_model, c.topic_dim, c.vae_hidden, c.latent_dim, vae_count(cfg)
         pd = dtype_of(cfg.param_dtype)
@@ -314,7 +314,7 @@ class DoEShared(nnx.Module):
         [B, S, K + 1] (:func:`causal_topic_mixture`); ``noise``: a key for the VAE's sampling
         (training; None: z = mu); ``decoding``: a KV cache is in use (no reconstruction
         target)."""
-        cfg, c = self.cfg, self.cfg.doe
+        cfg, c = self.cfg, self.cfg.block
         dt = dtype_of(cfg.compute_dtype)
         topics = None if features is None else features.get("topics")
         if not c.use_topics:
@@ -363,7 +363,7 @@ class DoEBlock(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, layout=None, *, rngs: nnx.Rngs):
         del layout                           # nothing to dispatch
-        c = cfg.doe
+        c = cfg.block
         d, k = cfg.d_model, c.num_topics
         pd = dtype_of(cfg.param_dtype)
         init = normal(cfg.init_std)
@@ -391,7 +391,7 @@ class DoEBlock(nnx.Module):
         cfg, dt = self.cfg, self.dtype
         c = lambda w: w[...].astype(dt)
         x = x.astype(dt)
-        z_know = shared.knowledge.astype(dt) if cfg.doe.shared_knowledge else c(self.knowledge)
+        z_know = shared.knowledge.astype(dt) if cfg.block.shared_knowledge else c(self.knowledge)
         h_enr = enrich(x, knowledge_attention(knowledge_queries(x, c(self.w_q)), z_know,
                                               knowledge_scale_dim(cfg)))
         vae = VAEBank(*(v[layer.index].astype(dt) for v in shared.vae))
@@ -401,9 +401,9 @@ class DoEBlock(nnx.Module):
         mu, logvar = vae_encode(pre, vae.w_mu, vae.b_mu, vae.w_lv, vae.b_lv)
         z = reparameterize(mu, logvar, layer.key)
         logits = z @ c(self.w_g) + c(self.b_g)
-        gates = gate_values(logits, cfg.doe.gate)
+        gates = gate_values(logits, cfg.block.gate)
         g32 = gates.astype(jnp.float32)
-        if cfg.doe.expert == "blocks":
+        if cfg.block.expert == "blocks":
             b, s, d = h_enr.shape
             weights = (c(self.block_gate), c(self.block_up), c(self.block_down))
             out, ids = sparse_blocks(h_enr.reshape(b * s, d), gates.reshape(b * s, -1),
@@ -418,7 +418,7 @@ class DoEBlock(nnx.Module):
         share = g32 / jnp.maximum(jnp.sum(g32, axis=-1, keepdims=True), 1e-9)
         zero = jnp.zeros((), jnp.float32)
         recon = zero
-        if cfg.doe.recon_coef > 0 and shared.recon_target is not None:
+        if cfg.block.recon_coef > 0 and shared.recon_target is not None:
             target = jax.lax.stop_gradient(jnp.where(layer.is_last, shared.recon_target, h_enr))
             pred = z @ vae.w_dec + vae.b_dec
             recon = jnp.mean(jnp.sum((pred.astype(jnp.float32) - target.astype(jnp.float32)) ** 2,

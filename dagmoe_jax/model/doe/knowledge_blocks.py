@@ -28,15 +28,15 @@ from dagmoe_jax.model.dispatch import dropless_dispatch
 def block_hidden(cfg: ModelConfig) -> int:
     """h_b, the hidden width of one knowledge block's FFN slice: ``DoEConfig.block_hidden``, or
     the dense FFN's hidden width (``ffn_hidden`` or the model's) split into K slices."""
-    c = cfg.doe
+    c = cfg.block
     if c.block_hidden is not None:
         return c.block_hidden
-    return max(1, (c.ffn_hidden or cfg.resolved_ffn_hidden) // c.num_topics)
+    return max(1, (cfg.resolved_ffn_hidden) // c.num_topics)
 
 
 def active_blocks(cfg: ModelConfig) -> int:
     """N, the most knowledge blocks one token runs (``top_n``, 0 meaning all K)."""
-    return cfg.doe.top_n or cfg.doe.num_topics
+    return cfg.block.top_n or cfg.block.num_topics
 
 
 def select_blocks(gates: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:

@@ -52,7 +52,7 @@ def noise_key(inputs: jax.Array, seed: int = 0) -> jax.Array:
 def model_inputs(cfg: ModelConfig, batch: dict, *, train: bool) -> dict:
     """Keyword inputs of ``Transformer.__call__`` for ``batch``: ``topics`` for a DoE model
     (and the training ``noise`` key when ``train``), nothing for other blocks."""
-    if cfg.block != "doe":
+    if cfg.block.kind != "doe":
         return {}
     extra = {"features": {"topics": batch.get("topics")}}
     if train:
@@ -67,7 +67,7 @@ def doe_objective(cfg: ModelConfig, ntp: jax.Array, aux: dict, batch: dict):
     optional) + the auxiliary router losses every block reports (zero for DoE). L_expert is the
     mean over layers of :func:`expert_loss` against ``batch['topic_labels']``.
     """
-    c, doe = cfg.doe, aux["extra"]
+    c, doe = cfg.block, aux["extra"]
     kl, recon = jnp.mean(doe.kl), jnp.mean(doe.recon)
     if c.use_topics and "topic_labels" in batch:
         labels = batch["topic_labels"]

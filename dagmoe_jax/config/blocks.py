@@ -1,0 +1,308 @@
+"""The block families' configs: what each kind of FFN block computes (docs/design.md
+sections 2-5).
+
+``ModelConfig.block`` holds one of them, and each holds only its own fields:
+
+* :class:`DenseConfig`: one SwiGLU (Llama's FFN);
+* :class:`MoEConfig`: a router, routed (and shared) experts and the aggregation of their
+  outputs (:class:`AggregationConfig`: the sum of eq. 1, DAG-MoE's DAG module, or an MLP);
+* :class:`CoEConfig`: Chain-of-Experts, a router and experts iterated;
+* :class:`~dagmoe_jax.config.doe.DoEConfig`: Decoupling of Experts (its own module).
+
+Every family config has a ``kind`` (its name in :data:`BLOCK_TYPES`, not an argument), which
+its JSON carries so that ``ModelConfig.from_dict`` knows which family a saved config is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from dagmoe_jax.config.doe import DoEConfig
+from dagmoe_jax.validate import (check as _check, choice as _choice, nonnegative as _nonnegative,
+                                 positive as _positive)
+
+BLOCK_TYPES = ("dense", "moe", "coe", "doe")
+SCORE_FNS = ("sigmoid", "softmax")
+DISPATCH_MODES = ("dropless", "capacity")
+AGGREGATORS = ("sum", "dag", "mlp")
+EDGE_ACTIVATIONS = ("silu", "sigmoid")
+DAG_EDGES = ("all", "ranked", "self")
+DAG_READINGS = ("once", "literal")
+COE_RESIDUALS = ("inner", "outer", "init")
+COE_READINGS = ("once", "literal", "reference")
+BALANCE_LOADS = ("tokens", "slots")
+BALANCE_PROBS = ("softmax", "score_share")
+# What ExpertConfig.dispatch values of earlier versions became (ModelConfig.from_dict migrates).
+RETIRED_DISPATCH = {
+    "auto": "whether experts drop tokens is architecture, the same on every machine: write "
+            "ExpertConfig.dispatch='dropless' (exact, the default) or 'capacity'",
+    "dense": "every expert on every token is now how dropless dispatch runs: write "
+             "ExpertConfig.dispatch='dropless' and ExecutionConfig.grouped_matmul='einsum'"}
+
+
+def default_ffn_hidden(d_model: int) -> int:
+    """Llama's FFN width for ``d_model``: 8/3 d rounded up to a multiple of 128."""
+    return -(-8 * d_model // (3 * 128)) * 128
+
+
+def block_summary(block) -> str:
+    """A block family config in a few words for progress lines: ``block=moe aggregation=dag``."""
+    aggregation = getattr(block, "aggregation", None)
+    return f"block={block.kind}" + (f" aggregation={aggregation.kind}" if aggregation else "")
+
+
+def experts_of(block) -> Optional["ExpertConfig"]:
+    """The routed experts' config of a family that routes tokens to experts (MoE, CoE), else
+    None (dense, DoE)."""
+    return getattr(block, "experts", None)
+
+
+def nested_configs(cls) -> dict:
+    """{field name: config class} of a config dataclass's nested configs (found by walking
+    ``dataclasses.fields``: each is a field whose default is built by its class)."""
+    return {f.name: f.default_factory for f in dataclasses.fields(cls)
+            if isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory)}
+
+
+def _nested(config) -> None:
+    """Check that each nested config field of ``config`` holds an instance of its class."""
+    name = type(config).__name__
+    for field, cls in nested_configs(type(config)).items():
+        _check(isinstance(getattr(config, field), cls), name, field, getattr(config, field),
+               f"a {cls.__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseConfig:
+    """The dense block: one SwiGLU (Llama's FFN; docs/design.md section 1).
+
+    ffn_hidden: its hidden size; None means 8/3 d_model rounded up to 128
+      (:func:`default_ffn_hidden`).
+    """
+
+    kind: str = dataclasses.field(default="dense", init=False)
+    ffn_hidden: Optional[int] = None
+
+    def __post_init__(self):
+        if self.ffn_hidden is not None:
+            _positive("DenseConfig", "ffn_hidden", self.ffn_hidden)
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    """Token-choice router (docs/design.md section 2).
+
+    score_fn: 'sigmoid' (DAG-MoE default) or 'softmax' (Switch, CoE reference code).
+    top_k: experts selected per token (K).
+    renormalize: divide the selected gates by their sum (off in DAG-MoE).
+    balance_coef: Switch balance-loss coefficient (paper: 0.01).
+    balance_load: f_i of the balance loss ``N sum_i f_i P_i``. 'tokens' (default; the paper's
+      training stack, Hugging Face's ``load_balancing_loss_func``): the share of tokens that
+      chose expert i, so f sums to K and the loss is K at balance. 'slots': the share of the
+      T * K routing slots, f sums to 1 and the loss is 1 at balance (K times less pressure at
+      the same coefficient; this library's convention before it followed the paper's stack).
+    balance_prob: P_i of the balance loss. 'softmax' (default; Hugging Face's function takes the
+      softmax of the router logits whatever the score function): mean over tokens of
+      softmax(z)_i. 'score_share': mean of s_i / sum_j s_j (equal to 'softmax' for softmax
+      scores; for sigmoid scores the share of each expert in the token's summed scores).
+    z_loss_coef: router z-loss coefficient (paper: 0.001).
+    bias: give the router a learned bias, logits ``x W + b`` (DUME sec. 2.2, where the ridge
+      solution's last row is the bias; off by default: DAG-MoE's router has none).
+    temperature: T of ``logits / T`` before the score function (DUME sec. 2.2; 1 = none).
+      DUME's gate softmax(top-k(logits / T)) is score_fn='softmax' with renormalize=True.
+    """
+
+    score_fn: str = "sigmoid"
+    top_k: int = 4
+    renormalize: bool = False
+    balance_coef: float = 0.01
+    balance_load: str = "tokens"
+    balance_prob: str = "softmax"
+    z_loss_coef: float = 0.001
+    bias: bool = False
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        _choice("RouterConfig", "score_fn", self.score_fn, SCORE_FNS)
+        _choice("RouterConfig", "balance_load", self.balance_load, BALANCE_LOADS)
+        _choice("RouterConfig", "balance_prob", self.balance_prob, BALANCE_PROBS)
+        _positive("RouterConfig", "top_k", self.top_k)
+        _nonnegative("RouterConfig", "balance_coef", self.balance_coef)
+        _nonnegative("RouterConfig", "z_loss_coef", self.z_loss_coef)
+        _check(isinstance(self.bias, bool), "RouterConfig", "bias", self.bias, "True or False")
+        _check(isinstance(self.temperature, (int, float)) and self.temperature > 0,
+               "RouterConfig", "temperature", self.temperature, "a number > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertConfig:
+    """Routed and shared experts and how tokens reach them (docs/design.md section 3).
+
+    num_experts: routed experts N (paper s: 32, or 64 fine-grained).
+    expert_hidden: SwiGLU hidden size d_r of each routed expert (paper s: 256).
+    num_shared: shared experts applied to every token (0 = none; the paper's parity baseline uses 1).
+    shared_hidden: hidden size of each shared expert.
+    dispatch: whether experts drop tokens, part of the architecture (saved, the same on every
+      machine): 'dropless' (default: every assignment computed; exact) or 'capacity' (C slots
+      per expert, the overflow dropped; einsum over [N, C, d]). How 'dropless' runs on a
+      machine is ``ExecutionConfig.grouped_matmul``.
+    capacity_factor: C = ceil(capacity_factor * T * K / N) slots per expert for 'capacity'.
+    """
+
+    num_experts: int = 32
+    expert_hidden: int = 256
+    num_shared: int = 0
+    shared_hidden: int = 256
+    dispatch: str = "dropless"
+    capacity_factor: float = 1.25
+
+    def __post_init__(self):
+        _positive("ExpertConfig", "num_experts", self.num_experts)
+        _positive("ExpertConfig", "expert_hidden", self.expert_hidden)
+        _check(isinstance(self.num_shared, int) and self.num_shared >= 0, "ExpertConfig", "num_shared",
+               self.num_shared, "an integer >= 0")
+        _positive("ExpertConfig", "shared_hidden", self.shared_hidden)
+        if self.dispatch in RETIRED_DISPATCH:
+            raise ValueError(f"ExpertConfig.dispatch={self.dispatch!r} is no longer a choice: "
+                             f"{RETIRED_DISPATCH[self.dispatch]}")
+        _choice("ExpertConfig", "dispatch", self.dispatch, DISPATCH_MODES)
+        _check(isinstance(self.capacity_factor, (int, float)) and self.capacity_factor > 0,
+               "ExpertConfig", "capacity_factor", self.capacity_factor, "a number > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class AggregationConfig:
+    """How the K expert outputs become the block output (docs/design.md section 4).
+
+    kind: 'sum' (eq. 1), 'dag' (DAG-MoE eq. 6-12) or 'mlp' (the MLP-mixing ablation).
+    dag_dim: hidden size d_g of the DAG module (and of the MLP mixer).
+    dag_iters: DAG iterations L (depth of the learned DAG).
+    edge_act: sigma of eq. 10: 'silu' (the paper: the experts' activation) or 'sigmoid'.
+    dag_edges: 'all' (eq. 9-11: node i aggregates from all K nodes of the previous depth) or
+      'ranked' (node i aggregates only from nodes the router ranked at or above it). With 'all'
+      the update of node i depends on x_i and the *set* of nodes, so the module's output does
+      not depend on the node order; 'ranked' makes the graph follow the router's ranking and
+      the output order-sensitive (our extension, not in the paper). 'self': the edge-free
+      ablation (ours): node i hears only itself, e_(i,i) * W_node [u_i; u_i], no message passing.
+    dag_shared_weights: False (default): each iteration has its own weights, as eq. 8-11's
+      superscript l writes them; True: one module applied in all L iterations, as the text's
+      "each iteration applies the same module" (DAG-MoE sec. 3.3) reads.
+    dag_residual: how the residual ``x / K`` of eq. 6 meets the decoder's own residual stream
+      (x = RMSNorm(h) is the block input, the layer computes h + block output):
+      'once' (default): x is counted once. The block returns sum_i x_i^L - x, the nodes'
+        updates without the residual that eq. 12 sums back in, so the layer is
+        h + sum_i (x_i^L - x / K); with W_up = 0 (its initialisation) this is exactly the MoE
+        layer h + sum_k g_k E_k(x). The nodes themselves, and so every equation's inputs, are
+        as written.
+      'literal': the block returns eq. 12's sum_i x_i^L, so the layer is h + x + ...: every DAG
+        layer adds a whole RMSNorm(h) (norm ~sqrt(d)) to the stream, which no other block
+        does. Kept for comparison; it trains worse (docs/training.md, quality benchmark).
+    """
+
+    kind: str = "sum"
+    dag_dim: int = 128
+    dag_iters: int = 2
+    edge_act: str = "silu"
+    dag_edges: str = "all"
+    dag_residual: str = "once"
+    dag_shared_weights: bool = False
+
+    def __post_init__(self):
+        _choice("AggregationConfig", "kind", self.kind, AGGREGATORS)
+        _positive("AggregationConfig", "dag_dim", self.dag_dim)
+        _positive("AggregationConfig", "dag_iters", self.dag_iters)
+        _choice("AggregationConfig", "edge_act", self.edge_act, EDGE_ACTIVATIONS)
+        _choice("AggregationConfig", "dag_edges", self.dag_edges, DAG_EDGES)
+        _choice("AggregationConfig", "dag_residual", self.dag_residual, DAG_READINGS)
+        _check(isinstance(self.dag_shared_weights, bool), "AggregationConfig",
+               "dag_shared_weights", self.dag_shared_weights, "True or False")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """The MoE block: router -> routed experts -> aggregation, plus shared experts
+    (docs/design.md sections 2-4). DAG-MoE is ``aggregation.kind='dag'``.
+
+    router, experts, aggregation: :class:`RouterConfig`, :class:`ExpertConfig`,
+      :class:`AggregationConfig` (defaults: the DAG-MoE paper's small model with eq. 1's sum).
+    """
+
+    kind: str = dataclasses.field(default="moe", init=False)
+    router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
+    experts: ExpertConfig = dataclasses.field(default_factory=ExpertConfig)
+    aggregation: AggregationConfig = dataclasses.field(default_factory=AggregationConfig)
+
+    def __post_init__(self):
+        _nested(self)
+        n = self.experts.num_experts
+        _check(self.router.top_k <= n, "RouterConfig", "top_k", self.router.top_k,
+               f"an integer in [1, num_experts={n}]")
+
+
+@dataclasses.dataclass(frozen=True)
+class CoEConfig:
+    """Chain-of-Experts block (docs/design.md section 5; CoE eq. 4-10).
+
+    iterations: communication steps C.
+    top_k_per_iter: experts per iteration K_t; None means router.top_k // iterations.
+    shared_router: reuse the first iteration's routing decision in every iteration (CoE eq. 8
+      ablation) instead of one router per iteration.
+    residual: 'inner' (eq. 5, default), 'outer' (eq. 9) or 'init' (eq. 10).
+    stream: how the chain's own residual (its output contains x^(0) = x = RMSNorm(h) in every
+      residual mode) meets the decoder's residual stream h:
+      'once' (default): the block returns its output minus x^(0), the experts' updates only, so
+        the layer is h + updates and equals the standard layer when the experts output zero.
+      'literal': the block returns the chain's output, so the layer is h + x + updates (x
+        counted twice, as in this library before the fix).
+      'reference': the CoE authors' code: the layer's output *is* the chain's output,
+        RMSNorm(h) + updates, replacing the stream h instead of adding to it.
+    score_fn: the iterations' routers' score function: None (default) ``router.score_fn``;
+      'softmax' is CoE eq. 7 (softmax over N, then top-K_t).
+    router, experts: the routers' and the routed (and shared) experts' configs, as the MoE
+      family's (the chain sums each iteration: it has no aggregation).
+    """
+
+    kind: str = dataclasses.field(default="coe", init=False)
+    iterations: int = 2
+    top_k_per_iter: Optional[int] = None
+    shared_router: bool = False
+    residual: str = "inner"
+    stream: str = "once"
+    score_fn: Optional[str] = None
+    router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
+    experts: ExpertConfig = dataclasses.field(default_factory=ExpertConfig)
+
+    def __post_init__(self):
+        _positive("CoEConfig", "iterations", self.iterations)
+        if self.score_fn is not None:
+            _choice("CoEConfig", "score_fn", self.score_fn, SCORE_FNS)
+        if self.top_k_per_iter is not None:
+            _positive("CoEConfig", "top_k_per_iter", self.top_k_per_iter)
+        _choice("CoEConfig", "residual", self.residual, COE_RESIDUALS)
+        _choice("CoEConfig", "stream", self.stream, COE_READINGS)
+        _nested(self)
+        k_t, n = self.resolved_top_k, self.experts.num_experts
+        _check(k_t >= 1, "CoEConfig", "top_k_per_iter", k_t,
+               f"an integer >= 1 (router.top_k={self.router.top_k} // "
+               f"iterations={self.iterations} is 0; set top_k_per_iter)")
+        _check(k_t <= n, "CoEConfig", "top_k_per_iter", k_t, f"an integer in [1, num_experts={n}]")
+
+    @property
+    def resolved_top_k(self) -> int:
+        """K_t, the experts per iteration (CoE eq. 7 uses K / C)."""
+        return self.top_k_per_iter if self.top_k_per_iter is not None else (
+            self.router.top_k // self.iterations)
+
+    @property
+    def iteration_router(self) -> RouterConfig:
+        """The iterations' routers' config: ``router`` with ``score_fn`` when it is set.
+        'softmax' is CoE eq. 7: g_t,i = s_t,i for the top K_t of s_t = Softmax(e_t^T x^(t-1))
+        over all N experts, not renormalised (``router.renormalize``)."""
+        if self.score_fn is None:
+            return self.router
+        return dataclasses.replace(self.router, score_fn=self.score_fn)
+
+
+# The config class of each ``ModelConfig.block`` kind.
+BLOCK_CONFIGS = {"dense": DenseConfig, "moe": MoEConfig, "coe": CoEConfig, "doe": DoEConfig}

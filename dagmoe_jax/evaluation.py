@@ -15,11 +15,10 @@ The benchmark drivers that train and compare models live apart, in ``benchmarks/
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import math
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -34,18 +33,30 @@ from dagmoe_jax.model.tiled_loss import chunk_tokens, tiled_scores
 from dagmoe_jax.parallel import MeshConfig, activate, make_mesh, replicated
 from dagmoe_jax.run.config import TrainConfig
 from dagmoe_jax.run.extensions import extension_for
+from dagmoe_jax.run.gin import binding_values
+
+
+def token_scores(model: Transformer, inputs: jax.Array, targets: jax.Array,
+                 **model_inputs) -> Tuple[jax.Array, jax.Array]:
+    """The one loglikelihood function (training's held-out loss, ``--mode=eval``, the
+    lm-eval harness): per position the cross-entropy -log p(targets | inputs so far) [B, S]
+    float32 and the argmax prediction [B, S] int32, from the LM head applied a chunk of
+    positions at a time (:func:`~dagmoe_jax.model.tiled_loss.tiled_scores`: no [B, S, V]
+    logits). ``model_inputs``: the model's other arguments (``segment_ids``, a family's
+    ``features``)."""
+    h, _ = model(inputs, head=False, **model_inputs)
+    return tiled_scores(h, model.lm_head[...].astype(h.dtype), targets,
+                        chunk_tokens=chunk_tokens(model.cfg))
 
 
 @nnx.jit
 def eval_step(model: Transformer, batch: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
-    """Summed cross-entropy and token count over ``batch['mask']``, and the argmax predictions
-    (for exact-answer scoring), from the LM head applied a chunk of positions at a time
-    (:func:`~dagmoe_jax.model.tiled_loss.tiled_scores`: no [B, S, V] logits);
-    ``batch['segments']`` optional, as in :func:`~dagmoe_jax.train.step.lm_loss`."""
+    """Summed cross-entropy (:func:`token_scores`) and token count over ``batch['mask']``, and
+    the argmax predictions (for exact-answer scoring); ``batch['segments']`` optional, as in
+    :func:`~dagmoe_jax.train.step.lm_loss`."""
     inputs = extension_for(model.cfg).model_inputs(batch, train=False)
-    h, _ = model(batch["inputs"], head=False, segment_ids=batch.get("segments"), **inputs)
-    losses, predictions = tiled_scores(h, model.lm_head[...].astype(h.dtype), batch["targets"],
-                                       chunk_tokens=chunk_tokens(model.cfg))
+    losses, predictions = token_scores(model, batch["inputs"], batch["targets"],
+                                       segment_ids=batch.get("segments"), **inputs)
     mask = batch["mask"].astype(jnp.float32)
     return replicated({"ce_sum": jnp.sum(losses * mask), "tokens": jnp.sum(mask),
                         "predictions": predictions})
@@ -126,22 +137,18 @@ EVAL_OVERRIDABLE_FIELDS = ("eval_source", "eval_split", "text_key", "tfds_data_d
 
 def eval_data_overrides(bindings: Iterable[str]) -> Dict[str, object]:
     """The DataConfig changes that ``--gin.DataConfig.field=value`` bindings ask of an
-    evaluation (``--mode=eval``), as {field: value}. A binding of a field outside
-    :data:`EVAL_OVERRIDABLE_FIELDS` or of another class, and a value that is not a literal (an
-    unquoted string), are one-line ``ValueError``s."""
+    evaluation (``--mode=eval``), as {field: value}, read by gin's parser
+    (:func:`~dagmoe_jax.run.gin.binding_values`). A binding of a field outside
+    :data:`EVAL_OVERRIDABLE_FIELDS` or of another class, and one gin cannot read (an unquoted
+    string), are one-line ``ValueError``s."""
     changes: Dict[str, object] = {}
-    for binding in bindings:
-        name, _, value = (part.strip() for part in binding.partition("="))
+    for name, value in binding_values(bindings):
         cls, _, field = name.rpartition(".")
         if cls != "DataConfig" or field not in EVAL_OVERRIDABLE_FIELDS:
             raise ValueError(
                 f"--mode=eval takes the run's own config; of the bindings only DataConfig."
                 f"{{{','.join(EVAL_OVERRIDABLE_FIELDS)}}} apply at evaluation, not {name}")
-        try:
-            changes[field] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            raise ValueError(f"gin binding {name} = {value}: a string needs quotes in gin: "
-                             f"write --gin.{name}=\"'{value}'\"") from None
+        changes[field] = value
     return changes
 
 

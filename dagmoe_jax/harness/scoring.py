@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dagmoe_jax.evaluation import token_scores
 from dagmoe_jax.decoding.generate import decoding_model, generate
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.parallel import activate
@@ -58,11 +59,10 @@ def padded_width(length: int, max_length: int) -> int:
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def _token_scores(graphdef, state, inputs, targets, features):
     """Per position: log p(targets | inputs so far) [B, S] float32 and whether the target is
-    the argmax [B, S] bool."""
-    logits, _ = nnx.merge(graphdef, state)(inputs, features=features)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    return picked, jnp.argmax(logits, axis=-1) == targets
+    the argmax [B, S] bool, from evaluation's loglikelihood function."""
+    losses, predictions = token_scores(nnx.merge(graphdef, state), inputs, targets,
+                                       features=features)
+    return -losses, predictions == targets
 
 
 class Scorer:

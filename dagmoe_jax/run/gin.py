@@ -10,9 +10,10 @@ import ast
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Iterable, Sequence, Tuple
+from typing import Iterable, List, Sequence, Tuple
 
 import gin
+from gin import config_parser
 
 from dagmoe_jax import config as C
 from dagmoe_jax.budget import matched_coe_shared_hidden, matched_shared_hidden
@@ -91,15 +92,34 @@ def parse_gin(files: Sequence[str] = (), bindings: Iterable[str] = ()) -> None:
     try:
         gin.parse_config_files_and_bindings(paths, list(bindings))
     except (ValueError, KeyError, SyntaxError, IOError) as err:
-        unquoted = _unquoted_string(bindings) if "malformed node" in str(err) else None
-        if unquoted:
-            name, value = unquoted
-            raise ValueError(f"gin binding {name} = {value}: a string needs quotes in gin: write "
-                             f"--gin.{name}=\"'{value}'\"") from None
-        raise ValueError(f"gin configuration error: {first_line(err)}"
-                         + _renamed_hint(str(err))) from None
+        raise _one_line(err, bindings) from None
     finally:
         root.removeFilter(_quiet_include_probe)
+
+
+def binding_values(bindings: Iterable[str]) -> List[Tuple[str, object]]:
+    """``("Class.param", value)`` of each binding, read by gin's own parser (a value as gin
+    reads it; no configurable is called and gin's state is untouched). A binding gin cannot
+    read is the one-line ``ValueError`` :func:`parse_gin` gives."""
+    bindings = list(bindings)
+    try:
+        statements = list(config_parser.ConfigParser("\n".join(bindings),
+                                                     gin.config.ParserDelegate()))
+    except (ValueError, SyntaxError) as err:
+        raise _one_line(err, bindings) from None
+    return [(f"{s.selector}.{s.arg_name}", s.value) for s in statements
+            if isinstance(s, config_parser.BindingStatement)]
+
+
+def _one_line(err: Exception, bindings: Iterable[str]) -> ValueError:
+    """gin's error as one line: what to write for an unquoted string or a binding of an
+    earlier version's name, else gin's first line."""
+    unquoted = _unquoted_string(bindings) if "malformed node" in str(err) else None
+    if unquoted:
+        name, value = unquoted
+        return ValueError(f"gin binding {name} = {value}: a string needs quotes in gin: write "
+                          f"--gin.{name}=\"'{value}'\"")
+    return ValueError(f"gin configuration error: {first_line(err)}" + _renamed_hint(str(err)))
 
 
 def _renamed_hint(message: str) -> str:

@@ -195,6 +195,16 @@ def test_check_tokens():
     assert "\n" not in str(err.value)
 
 
+def test_the_training_stream_checks_its_ids_against_the_model_vocabulary():
+    """The check runs where the batch is made (a grain step), not in the training loop: a
+    byte stream for a model of 100 ids fails at its first batch, in one line."""
+    batches = iter(train_dataset(SMALL, TOK, vocab_size=256))
+    assert next(batches)["inputs"].max() < 256
+    with pytest.raises(ValueError, match=r"outside \[0, vocab_size=100\)") as err:
+        next(iter(train_dataset(SMALL, TOK, vocab_size=100)))
+    assert "\n" not in str(err.value)
+
+
 def test_unigram_entropy_matches_direct_count(text_cfg):
     cfg = text_cfg.replace(seed=3)
     value = unigram_entropy(cfg, TOK, max_tokens=10**7)  # bound not reached: all records

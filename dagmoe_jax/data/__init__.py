@@ -8,9 +8,10 @@ endless, checkpointable training stream; ``eval_batches`` the held-out data;
 """
 
 from dagmoe_jax.data.config import DataConfig, parse_source
-from dagmoe_jax.data.pipeline import (check_tokens, eval_batches, exact_match, per_task_accuracy,
+from dagmoe_jax.data.pipeline import (eval_batches, exact_match, per_task_accuracy,
                                       task_eval_batches, task_names, train_dataset,
                                       unigram_entropy)
+from dagmoe_jax.data.tokenizers import check_tokens
 from dagmoe_jax.data.splits import eval_source, train_records, train_source
 from dagmoe_jax.data.tasks import TASKS, Example, generate
 from dagmoe_jax.data.tokenizers import (ByteTokenizer, HFTokenizer, SentencePieceTokenizer,

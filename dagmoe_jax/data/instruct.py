@@ -32,7 +32,7 @@ import numpy as np
 from dagmoe_jax.data.chat import ChatEncoder, hf_template
 from dagmoe_jax.data.config import DataConfig, check_process, local_batch_size, parse_source
 from dagmoe_jax.data.splits import eval_source, train_records
-from dagmoe_jax.data.tokenizers import Tokenizer
+from dagmoe_jax.data.tokenizers import CheckTokens, Tokenizer
 from dagmoe_jax.data.workers import _absl_flags_parsed, _exit_with_parent
 
 READ_OPTIONS = dict(num_threads=2, prefetch_buffer_size=64)
@@ -131,16 +131,20 @@ def _packed(ds: grain.MapDataset, cfg: DataConfig, batch: int, epochs: Optional[
 
 
 def instruct_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, epochs: Optional[int] = None,
-                     process_index: int = 0, process_count: int = 1) -> grain.IterDataset:
+                     process_index: int = 0, process_count: int = 1,
+                     vocab_size: Optional[int] = None) -> grain.IterDataset:
     """This process's SFT batches (module docstring): ``epochs`` passes over its training
     records (None: endless), each pass in a new order from ``cfg.seed`` (unless
     ``cfg.shuffle`` is False). Packing bins are flushed as a pass goes on, so the last batch
     of a pass may hold examples of the next. ``iter(ds)`` is checkpointable like
-    :func:`~dagmoe_jax.data.pipeline.train_dataset`'s (same ``worker_count`` to resume)."""
+    :func:`~dagmoe_jax.data.pipeline.train_dataset`'s (same ``worker_count`` to resume), and
+    its batches' ids are checked against ``vocab_size`` as theirs are."""
     batch = local_batch_size(cfg, process_count)
     records = train_records(cfg, process_index=process_index, process_count=process_count)
     encode = EncodeExample(chat_encoder(cfg, tokenizer), cfg.seq_len + 1)
     it = _packed(records, cfg, batch, epochs, encode)
+    if vocab_size is not None:
+        it = it.map(CheckTokens(vocab_size))
     if cfg.worker_count:
         _absl_flags_parsed()
         it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count),

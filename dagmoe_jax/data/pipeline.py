@@ -32,7 +32,7 @@ from dagmoe_jax.data.instruct import (EncodeExample, chat_encoder, instruct_eval
 from dagmoe_jax.data.sources import TASK_EVAL_STREAM
 from dagmoe_jax.data.splits import eval_source, train_records, train_source
 from dagmoe_jax.data.tasks import generate
-from dagmoe_jax.data.tokenizers import Tokenizer
+from dagmoe_jax.data.tokenizers import CheckTokens, Tokenizer, check_tokens
 from dagmoe_jax.data.workers import _absl_flags_parsed, _exit_with_parent
 
 # Threads that read + tokenize records ahead of the packer, and how far ahead they go.
@@ -90,7 +90,8 @@ class _Shift:
 
 
 def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, process_index: int = 0,
-                  process_count: int = 1, annotate=None) -> grain.IterDataset:
+                  process_count: int = 1, annotate=None,
+                  vocab_size: Optional[int] = None) -> grain.IterDataset:
     """The endless training stream of this process: batches of ``batch_size // process_count``.
 
     Records of this process (:func:`~dagmoe_jax.data.splits.train_records`) -> shuffled with
@@ -104,6 +105,8 @@ def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, process_index: int =
     this process and batches alternate between them: a different (equally valid) stream from
     W = 0 or 1, so a saved state resumes only with the same ``worker_count``. ``annotate``: an
     :class:`~dagmoe_jax.data.extension.Annotator` whose arrays every batch carries.
+    ``vocab_size`` (the model's): each batch's token ids are checked against it as the batch
+    is made (:class:`CheckTokens`).
     """
     batch = local_batch_size(cfg, process_count)
     ds = train_records(cfg, process_index=process_index, process_count=process_count)
@@ -114,6 +117,8 @@ def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, process_index: int =
     it = grain.experimental.ConcatThenSplitIterDataset(
         it, length_struct={k: cfg.seq_len + 1 for k in ("tokens",) + _annotation_keys(annotate)})
     it = it.map(_Shift(annotate, cfg.segment_packing)).batch(batch, drop_remainder=True)
+    if vocab_size is not None:
+        it = it.map(CheckTokens(vocab_size))
     if cfg.worker_count:
         _absl_flags_parsed()
         it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count),
@@ -302,17 +307,6 @@ def per_task_accuracy(correct: np.ndarray, task_id: np.ndarray, tasks: Sequence[
         if rows.any():
             result[name] = float(correct[rows].mean())
     return result
-
-
-def check_tokens(batch: dict, vocab_size: int) -> None:
-    """One-line ``ValueError`` if a token id of ``batch`` is outside [0, vocab_size)."""
-    for key in ("inputs", "targets"):
-        ids = np.asarray(batch[key])
-        if ids.size and (ids.max() >= vocab_size or ids.min() < 0):
-            bad = int(ids.max()) if ids.max() >= vocab_size else int(ids.min())
-            raise ValueError(f"batch[{key!r}] has token id {bad} (max {int(ids.max())}) outside "
-                             f"[0, vocab_size={vocab_size}): set ModelConfig.vocab_size >= "
-                             "tokenizer.vocab_size")
 
 
 _UNIGRAM_BASELINES: dict = {}

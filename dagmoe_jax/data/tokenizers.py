@@ -2,7 +2,9 @@
 
 All three share the small :class:`Tokenizer` interface the pipeline needs. Nothing is
 downloaded: SentencePiece and HF tokenizers are read from local files. They pickle by path (the
-file is read again on unpickling), so grain worker processes can use them.
+file is read again on unpickling), so grain worker processes can use them. :class:`CheckTokens`
+is the pipelines' last step: a batch with an id outside the model's vocabulary is a one-line
+error where it is made.
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ from __future__ import annotations
 import abc
 import os
 from typing import Sequence
+
+import grain
+import numpy as np
 
 from dagmoe_jax.validate import first_line
 from dagmoe_jax.data.config import DataConfig
@@ -206,3 +211,26 @@ def make_tokenizer(cfg: DataConfig) -> Tokenizer:
     if cfg.tokenizer == "sentencepiece":
         return SentencePieceTokenizer(cfg.tokenizer_path, cfg.eos_token)
     return HFTokenizer(cfg.tokenizer_path, cfg.eos_token)
+
+
+def check_tokens(batch: dict, vocab_size: int) -> None:
+    """One-line ``ValueError`` if a token id of ``batch`` is outside [0, vocab_size)."""
+    for key in ("inputs", "targets"):
+        ids = np.asarray(batch[key])
+        if ids.size and (ids.max() >= vocab_size or ids.min() < 0):
+            bad = int(ids.max()) if ids.max() >= vocab_size else int(ids.min())
+            raise ValueError(f"batch[{key!r}] has token id {bad} (max {int(ids.max())}) outside "
+                             f"[0, vocab_size={vocab_size}): set ModelConfig.vocab_size >= "
+                             "tokenizer.vocab_size")
+
+
+class CheckTokens(grain.transforms.Map):
+    """:func:`check_tokens` as a step of a batch pipeline: a batch with an id outside
+    [0, vocab_size) is a one-line error where the batch is made, not in the training loop."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def map(self, batch: dict) -> dict:
+        check_tokens(batch, self.vocab_size)
+        return batch

@@ -63,7 +63,7 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
         model_cfg = source_model_config(train_cfg.init_from, model_cfg)
     run_dir, tokenizer = _prepare(model_cfg, data_cfg, train_cfg, is_main)
     annotate = extension_for(model_cfg).prepare_run(data_cfg, run_dir, log=say, save=is_main)
-    dataset, train_cfg = _dataset(data_cfg, train_cfg, tokenizer, annotate, say)
+    dataset, train_cfg = _dataset(model_cfg, data_cfg, train_cfg, tokenizer, annotate, say)
     evaluator = Evaluator(data_cfg, train_cfg, tokenizer, annotate)
     mesh = make_mesh(train_cfg.mesh)
     if schedule_note(optim_cfg, train_cfg.steps):
@@ -80,7 +80,7 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
                               wrt=TRAINABLE[train_cfg.trainable], donate=True)
     trainer = Trainer(model, optimizer, step_fn, iter(dataset), checkpointer,
                       total_steps=train_cfg.steps, mesh=mesh, meta=run_lib.model_meta(model_cfg),
-                      vocab_size=model_cfg.vocab_size, run_dir=str(run_dir), say=say,
+                      run_dir=str(run_dir), say=say,
                       batch_keys=extension_for(model_cfg).batch_keys,
                       sync_every=train_cfg.log_every)
     try:
@@ -131,10 +131,12 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
                      interrupted=bool(stop), eval=final_eval, losses=trainer.losses)
 
 
-def _dataset(data_cfg, train_cfg, tokenizer, annotate, say):
+def _dataset(model_cfg, data_cfg, train_cfg, tokenizer, annotate, say):
     """(the training stream, train_cfg): an ``instruct:`` source's SFT batches, ``epochs``
-    passes (with ``steps`` derived and printed) or endless; else the pre-training stream."""
-    where = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    passes (with ``steps`` derived and printed) or endless; else the pre-training stream.
+    Either checks its batches' token ids against the model's vocabulary."""
+    where = dict(process_index=jax.process_index(), process_count=jax.process_count(),
+                 vocab_size=model_cfg.vocab_size)
     if not is_instruct(data_cfg):
         if train_cfg.epochs:
             raise ValueError(f"TrainConfig.epochs={train_cfg.epochs} needs an 'instruct:' "

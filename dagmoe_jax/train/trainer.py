@@ -29,7 +29,6 @@ import jax
 from flax import nnx
 
 from dagmoe_jax import run as run_lib
-from dagmoe_jax.data import check_tokens
 from dagmoe_jax.parallel import activate
 from dagmoe_jax.evaluation import eval_step
 
@@ -78,8 +77,7 @@ class Trainer:
     """Steps ``model`` and ``optimizer`` with ``step_fn`` over ``data_iter`` (module docstring).
 
     checkpointer: the run's :class:`~dagmoe_jax.run.Checkpointer`; meta: what checkpoints
-    are saved with and checked against; vocab_size: batches with ids outside it are one-line
-    errors; say: one-line reports (compilation, resume, stop reasons); run_dir: named in them;
+    are saved with and checked against; say: one-line reports (compilation, resume, stop reasons); run_dir: named in them;
     batch_keys: the per-token annotations of a model family the batches carry to the model;
     sync_every: the host reads the losses (and stops at a non-finite one) every this many
     steps, before every checkpoint and at the end, not every step: between two reads the
@@ -88,13 +86,13 @@ class Trainer:
 
     def __init__(self, model, optimizer, step_fn: Callable, data_iter, checkpointer, *,
                  total_steps: int, mesh=None, meta: Optional[dict] = None,
-                 vocab_size: Optional[int] = None, run_dir: str = "",
+                 run_dir: str = "",
                  say: Callable[[str], None] = lambda _message: None,
                  batch_keys: Tuple[str, ...] = (), sync_every: int = 1):
         self.model, self.optimizer, self.step_fn = model, optimizer, step_fn
         self.data_iter, self.checkpointer = data_iter, checkpointer
         self.total_steps, self.mesh, self.meta = total_steps, mesh, meta or {}
-        self.vocab_size, self.run_dir, self.say = vocab_size, run_dir, say
+        self.run_dir, self.say = run_dir, say
         self.batch_keys, self.sync_every = batch_keys, max(int(sync_every), 1)
         self.hooks: List[Tuple[int, Callable[[StepInfo], None]]] = []
         self.losses: Dict[int, float] = {}
@@ -143,8 +141,6 @@ class Trainer:
             for step in range(start + 1, self.total_steps + 1):
                 tick = time.perf_counter()
                 batch = next(self.data_iter)
-                if self.vocab_size is not None:
-                    check_tokens(batch, self.vocab_size)
                 device_batch = run_lib.device_batch(batch, self.mesh, self.batch_keys)
                 if self.compile_seconds is None:
                     self.say(f"step {step}: compiling the training step...")

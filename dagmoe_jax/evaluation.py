@@ -52,11 +52,11 @@ def token_scores(model: Transformer, inputs: jax.Array, targets: jax.Array,
 @nnx.jit
 def eval_step(model: Transformer, batch: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
     """Summed cross-entropy (:func:`token_scores`) and token count over ``batch['mask']``, and
-    the argmax predictions (for exact-answer scoring); ``batch['segments']`` optional, as in
+    the argmax predictions (for exact-answer scoring); ``batch['segment_ids']`` optional, as in
     :func:`~dagmoe_jax.train.step.lm_loss`."""
     inputs = extension_for(model.cfg).model_inputs(batch, train=False)
     losses, predictions = token_scores(model, batch["inputs"], batch["targets"],
-                                       segment_ids=batch.get("segments"), **inputs)
+                                       segment_ids=batch.get("segment_ids"), **inputs)
     mask = batch["mask"].astype(jnp.float32)
     return replicated({"ce_sum": jnp.sum(losses * mask), "tokens": jnp.sum(mask),
                         "predictions": predictions})

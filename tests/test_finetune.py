@@ -140,7 +140,7 @@ def test_non_experts_freezes_the_experts(tiny):
     tokens = rng.integers(1, cfg.vocab_size, (2, 17)).astype(np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
              "mask": np.ones((2, 16), bool),
-             "segments": np.repeat([[1] * 8 + [2] * 8], 2, axis=0).astype(np.int32)}
+             "segment_ids": np.repeat([[1] * 8 + [2] * 8], 2, axis=0).astype(np.int32)}
     step = make_train_step(wrt=TRAINABLE["non_experts"])
     step(model, optimizer, {k: jax.numpy.asarray(v) for k, v in batch.items()})
     after = flat_params(model)

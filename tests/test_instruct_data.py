@@ -206,7 +206,7 @@ def examples_of(batch, tokenizer) -> list:
     """Each packed example of a batch, decoded, with its mask checked against its bounds."""
     out = []
     for r in range(batch["inputs"].shape[0]):
-        seg, inputs = batch["segments"][r], batch["inputs"][r]
+        seg, inputs = batch["segment_ids"][r], batch["inputs"][r]
         full = np.append(inputs, batch["targets"][r][-1])
         ids = sorted(set(seg.tolist()) - {0})
         assert ids == list(range(1, len(ids) + 1))                  # segments 1..n, 0 = padding
@@ -228,7 +228,7 @@ def test_packing_keeps_examples_whole_and_masks_only_their_answers(tmp_path):
     cfg = sft_cfg(tmp_path)
     tok = make_tokenizer(cfg)
     batches = list(instruct_dataset(cfg, tok, epochs=1))
-    assert all(b["inputs"].shape == (3, 48) and b["segments"].dtype == np.int32
+    assert all(b["inputs"].shape == (3, 48) and b["segment_ids"].dtype == np.int32
                for b in batches)
     seen = [e for b in batches for e in examples_of(b, tok)]
     assert len(seen) == 21                                      # 23 records, 2 held out
@@ -298,8 +298,8 @@ def test_pretraining_segment_packing(tmp_path):
     it = iter(train_dataset(cfg, tok))
     plain = next(iter(train_dataset(cfg.replace(segment_packing=False), tok)))
     batch = next(it)
-    assert np.array_equal(batch["inputs"], plain["inputs"]) and "segments" not in plain
-    seg = batch["segments"]
+    assert np.array_equal(batch["inputs"], plain["inputs"]) and "segment_ids" not in plain
+    seg = batch["segment_ids"]
     assert seg.dtype == np.int32 and seg[:, 0].tolist() == [1, 1]
     for r in range(2):
         eos = np.flatnonzero(batch["inputs"][r] == tok.eos_id)
@@ -320,12 +320,12 @@ def test_pretraining_segment_packing_in_evaluation(tmp_path):
     tok = make_tokenizer(cfg)
     plain = eval_batches(cfg.replace(segment_packing=False), tok, max_batches=3)
     packed = eval_batches(cfg, tok, max_batches=3)
-    assert len(packed) == len(plain) and "segments" not in plain[0]
+    assert len(packed) == len(plain) and "segment_ids" not in plain[0]
     for a, b in zip(plain, packed):
         assert np.array_equal(a["inputs"], b["inputs"]) and np.array_equal(a["targets"],
                                                                            b["targets"])
         assert np.array_equal(b["mask"], a["mask"] & (b["inputs"] != tok.eos_id))
-        seg = b["segments"]
+        seg = b["segment_ids"]
         assert np.all(seg[:, 0] == 1)
         starts = np.flatnonzero(b["inputs"][0][:-1] == tok.eos_id) + 1
         assert all(seg[0, s] == seg[0, s - 1] + 1 for s in starts)

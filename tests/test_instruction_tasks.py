@@ -76,6 +76,6 @@ def test_dume_statistics_read_instruction_data_whole(tmp_path):
     batches = domain_batches(cfg, 2)
     assert len(batches) == 2
     for batch in batches:
-        assert np.array_equal(batch["mask"], batch["segments"] != 0)
+        assert np.array_equal(batch["mask"], batch["segment_ids"] != 0)
     text = bytes(int(t) for t in batches[0]["inputs"][0] if t).decode()
     assert text.startswith("### Instruction:\n")

@@ -1,7 +1,7 @@
 """Packed sequences (segment ids, docs/design.md section 1): RoPE positions restart per example,
 every attention implementation keeps attention inside each example (values and gradients), the
 whole model gives a packed example the logits it gets alone, segment_ids=None is unchanged, the
-training step carries a batch's "segments", decoding refuses them, and the segment-masked XLA
+training step carries a batch's "segment_ids", decoding refuses them, and the segment-masked XLA
 and cuDNN attention lower for CUDA."""
 
 from __future__ import annotations
@@ -219,11 +219,11 @@ def test_lm_loss_with_segments_trains_and_decoding_refuses_them():
     seg = np.stack([packed_layout([5, 7, 3], 16), packed_layout([16], 16)])
     tokens = np.asarray(jax.random.randint(jax.random.key(2), (2, 17), 1, 64), np.int32)
     host = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": seg > 0,
-            "segments": seg, "task": np.zeros(2)}
+            "segment_ids": seg, "task": np.zeros(2)}
     batch = device_batch(host)
-    assert sorted(batch) == ["inputs", "mask", "segments", "targets"]
+    assert sorted(batch) == ["inputs", "mask", "segment_ids", "targets"]
     (loss, metrics), grads = nnx.jit(nnx.value_and_grad(lm_loss, has_aux=True))(model, batch)
-    no_seg, _ = nnx.jit(lm_loss)(model, {k: v for k, v in batch.items() if k != "segments"})
+    no_seg, _ = nnx.jit(lm_loss)(model, {k: v for k, v in batch.items() if k != "segment_ids"})
     assert np.isfinite(float(loss)) and float(loss) != float(no_seg)
     leaves = jax.tree.leaves(nnx.state(grads))
     assert all(np.all(np.isfinite(np.asarray(g))) for g in leaves)

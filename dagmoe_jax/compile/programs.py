@@ -38,7 +38,7 @@ from dagmoe_jax.compile.roofline import Cost, program_cost
 from dagmoe_jax.config import ModelConfig, experts_of
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.decoding.generate import DEFAULT_DISPATCH, decode_step, prefill
-from dagmoe_jax.run.build import MODEL_INPUTS
+from dagmoe_jax.data.batch import MODEL_INPUTS
 from dagmoe_jax.run.settle import check_kernel_precision, settle
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.run.extensions import extension_for

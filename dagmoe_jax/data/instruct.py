@@ -10,7 +10,7 @@ reported by :func:`instruct_stats`). Examples are packed whole, first fit
 rows. Every batch holds:
 
 * ``inputs``, ``targets`` int32 [B, seq_len]: a row of seq_len + 1 packed tokens shifted;
-* ``segments`` int32 [B, seq_len]: the examples of a row numbered 1, 2, ... aligned with
+* ``segment_ids`` int32 [B, seq_len]: the examples of a row numbered 1, 2, ... aligned with
   ``inputs``, 0 on padding (the model confines attention within an example);
 * ``mask`` bool [B, seq_len]: True where the target is a trained token of the input's own
   example: never across two examples, never on padding.
@@ -85,7 +85,7 @@ class _Zeros:
 
 
 def shift_packed(tokens, segment_ids, weights=None) -> dict:
-    """A packed row (or rows) of seq_len + 1 -> ``inputs``, ``targets``, ``segments`` and
+    """A packed row (or rows) of seq_len + 1 -> ``inputs``, ``targets``, ``segment_ids`` and
     ``mask``: a target is trained iff it is in the input's own example (same nonzero segment
     id) and, with ``weights``, its weight is nonzero."""
     seg = np.asarray(segment_ids, np.int32)
@@ -94,7 +94,7 @@ def shift_packed(tokens, segment_ids, weights=None) -> dict:
         mask &= np.asarray(weights)[..., 1:] != 0
     return {"inputs": np.asarray(tokens[..., :-1], np.int32),
             "targets": np.asarray(tokens[..., 1:], np.int32), "mask": mask,
-            "segments": seg[..., :-1]}
+            "segment_ids": seg[..., :-1]}
 
 
 class _ShiftPacked:

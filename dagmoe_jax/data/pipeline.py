@@ -70,7 +70,7 @@ def _annotation_keys(annotate) -> tuple:
 class _Shift:
     """A packed window of seq_len + 1 -> inputs w[:-1], targets w[1:], the mask of real
     targets, and each annotation aligned with the inputs (its pad value on padding). With
-    ``segments`` (``DataConfig.segment_packing``) also ``segments`` (the window's documents
+    ``segments`` (``DataConfig.segment_packing``) also ``segment_ids`` (the window's documents
     numbered 1, 2, ..., 0 on padding; aligned with the inputs) and the mask drops the
     predictions across a document boundary."""
 
@@ -174,7 +174,7 @@ def eval_batches(cfg: DataConfig, tokenizer: Tokenizer, *, max_batches: Optional
     rows ``[process_index * B, (process_index + 1) * B)``, B = batch_size // process_count.
     Every process gets the same number of batches. ``max_batches`` stops after that many
     global batches. Deterministic; no shuffle. ``annotate``: as :func:`train_dataset`.
-    With ``segment_packing`` batches carry ``segments`` (the rows' documents numbered) and
+    With ``segment_packing`` batches carry ``segment_ids`` (the rows' documents numbered) and
     the mask drops predictions across documents. An ``instruct:`` source's evaluation
     batches are :func:`~dagmoe_jax.data.instruct.instruct_eval_batches`.
     """

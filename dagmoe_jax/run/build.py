@@ -20,6 +20,7 @@ from flax import nnx
 
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.data import DataConfig
+from dagmoe_jax.data.batch import MODEL_INPUTS
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.parallel import create_train_state, shard_batch
 from dagmoe_jax.parallel.axes import MeshLayout
@@ -27,11 +28,6 @@ from dagmoe_jax.run.settle import check_kernel_precision, settle
 from dagmoe_jax.run.config import OptimConfig, TrainConfig
 from dagmoe_jax.run.optim import TRAINABLE, check_trainable, make_optimizer, make_schedule
 
-# The entries of a host batch that the model and the losses read, besides the per-token
-# annotations of a model family (``extra_keys``); the others (task ids, the data pipeline's
-# bookkeeping) stay on the host. "segments" (the segment ids of packed examples, int32 [B, S])
-# travels only when a batch has it.
-MODEL_INPUTS = ("inputs", "targets", "mask", "segments")
 
 
 def check_compatible(model_cfg: ModelConfig, data_cfg: DataConfig, tokenizer) -> None:

@@ -37,10 +37,10 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax
 
 def lm_loss(model: Transformer, batch: Dict[str, jax.Array]) -> Tuple[jax.Array, dict]:
     """Next-token loss of ``batch['inputs']`` -> ``batch['targets']`` (``batch['mask']``
-    optional, default all ones; ``batch['segments']`` optional: the segment ids [B, S] of packed
+    optional, default all ones; ``batch['segment_ids']`` optional: the segment ids [B, S] of packed
     examples, the model's ``segment_ids``). Returns (total loss, metrics)."""
     extension = extension_for(model.cfg)
-    h, aux = model(batch["inputs"], head=False, segment_ids=batch.get("segments"),
+    h, aux = model(batch["inputs"], head=False, segment_ids=batch.get("segment_ids"),
                    **extension.model_inputs(batch, train=True))
     mask = batch.get("mask", jnp.ones_like(batch["targets"], dtype=bool))
     ce = tiled_cross_entropy(h, model.lm_head[...].astype(h.dtype), batch["targets"], mask,

@@ -115,7 +115,7 @@ def domain_batches(data_cfg: DataConfig, num_batches: int):
     (the router sees the prompt before it sees any reply)."""
     tokenizer = make_tokenizer(data_cfg)
     if is_instruct(data_cfg):
-        stream = ({**b, "mask": b["segments"] != 0}
+        stream = ({**b, "mask": b["segment_ids"] != 0}
                   for b in instruct_dataset(data_cfg, tokenizer, epochs=1))
     else:
         stream = iter(train_dataset(data_cfg, tokenizer))

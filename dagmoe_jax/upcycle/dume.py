@@ -132,7 +132,7 @@ def collect_statistics(model: nnx.Module, batches: Iterable[Batch], expert: int,
         jnp.zeros((cfg.num_layers, n), jnp.float32),) * 2
     tokens = stats.tokens
     for i, batch in enumerate(batches):
-        segments = batch.get("segments")
+        segments = batch.get("segment_ids")
         _, x = forced_forward(model, jnp.asarray(batch["inputs"]), jnp.int32(expert),
                               head=False,
                               segment_ids=None if segments is None else jnp.asarray(segments))

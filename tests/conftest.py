@@ -55,15 +55,6 @@ from dagmoe_jax.run.settle import settle  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
-def pytest_collection_modifyitems(config, items):
-    """The modules that hold slow tests (marked ``slow``) run first, each kept whole (its
-    module-scoped fixtures are built once per worker): xdist hands tests out in this order, so
-    the longest start early and the run does not end with one worker busy on a long test while
-    the other idles."""
-    slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.module.__name__ not in slow)
-
-
 def single_device_env(**extra: str) -> dict:
     """This environment for a subprocess (train.py, a command, a benchmark), minus the simulated
     devices set above: one CPU device, as on a user's machine; the XLA optimisation level and

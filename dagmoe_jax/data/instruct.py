@@ -22,7 +22,9 @@ is checkpointable (``get_state`` / ``set_state``) like the pre-training stream's
 
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
 import os
 from typing import Optional
 
@@ -31,6 +33,7 @@ import numpy as np
 
 from dagmoe_jax.data.chat import ChatEncoder, hf_template
 from dagmoe_jax.data.config import DataConfig, check_process, local_batch_size, parse_source
+from dagmoe_jax.data.packing import global_batches
 from dagmoe_jax.data.splits import eval_source, train_records
 from dagmoe_jax.data.tokenizers import CheckTokens, Tokenizer
 from dagmoe_jax.data.workers import _absl_flags_parsed, _exit_with_parent
@@ -185,32 +188,19 @@ def instruct_eval_batches(cfg: DataConfig, tokenizer: Tokenizer, *,
                           max_batches: Optional[int] = None, process_index: int = 0,
                           process_count: int = 1) -> list:
     """The evaluation conversations (:func:`~dagmoe_jax.data.splits.eval_source`) in order,
-    each truncated to seq_len + 1 tokens and packed whole into rows (next fit: a new row when
-    an example does not fit), grouped in global batches of ``batch_size`` rows (the last
-    filled with empty rows) of which this process keeps its block of rows. Same keys as
+    each truncated to seq_len + 1 tokens and packed whole into rows by grain's first-fit
+    packer with one bin (next fit: a new row when an example does not fit), grouped in global
+    batches of ``batch_size`` rows (the last filled with empty rows) of which this process
+    keeps its block of rows (:func:`~dagmoe_jax.data.packing.global_batches`). Same keys as
     :func:`instruct_dataset`; deterministic."""
     check_process(process_index, process_count)
-    local = local_batch_size(cfg, process_count)
-    records, width = eval_source(cfg), cfg.seq_len + 1
-    encode = EncodeExample(chat_encoder(cfg, tokenizer), width)
+    local_batch_size(cfg, process_count)
+    width = cfg.seq_len + 1
+    examples = grain.MapDataset.source(eval_source(cfg)).map(
+        EncodeExample(chat_encoder(cfg, tokenizer), width))
+    rows = grain.experimental.FirstFitPackIterDataset(       # one bin: next fit, in order
+        examples.to_iter_dataset(), length_struct={"tokens": width, "weights": width},
+        num_packing_bins=1, shuffle_bins=False).map(_ShiftPacked())
     limit = None if max_batches is None else int(max_batches) * cfg.batch_size
-    rows, fill = [], width
-    for i in range(len(records)):
-        ex = encode(records[i])
-        n = len(ex["tokens"])
-        if fill + n > width:
-            if limit is not None and len(rows) >= limit:
-                break
-            rows.append(np.zeros((3, width), np.int32))
-            fill = 0
-        row = rows[-1]
-        row[0, fill:fill + n], row[1, fill:fill + n] = ex["tokens"], ex["weights"]
-        row[2, fill:fill + n] = row[2].max() + 1
-        fill += n
-    while len(rows) % cfg.batch_size:
-        rows.append(np.zeros((3, width), np.int32))
-    batches = []
-    for b in range(0, len(rows), cfg.batch_size):
-        block = np.stack(rows[b + process_index * local:b + (process_index + 1) * local])
-        batches.append(shift_packed(block[:, 0], block[:, 2], block[:, 1]))
-    return batches
+    return global_batches(itertools.islice(rows, limit), cfg.batch_size, process_index,
+                          process_count, collections.defaultdict(int, mask=False))

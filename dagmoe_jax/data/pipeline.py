@@ -17,7 +17,9 @@ padding), computed per record and packed, shuffled and checkpointed together wit
 
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
 import math
 import numbers
 import os
@@ -27,6 +29,7 @@ import grain
 import numpy as np
 
 from dagmoe_jax.data.config import DataConfig, check_process, local_batch_size, parse_source
+from dagmoe_jax.data.packing import global_batches
 from dagmoe_jax.data.instruct import (EncodeExample, chat_encoder, instruct_eval_batches,
                                       is_instruct, shift_packed)
 from dagmoe_jax.data.sources import TASK_EVAL_STREAM
@@ -126,53 +129,17 @@ def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, process_index: int =
     return it
 
 
-def _rows_to_batches(rows: list, cfg_batch: int, seq_len: int, pad_id: int,
-                     process_index: int, process_count: int, pad: Optional[dict] = None) -> list:
-    """Group (tokens, n_valid, *annotations) windows into global batches (the last padded
-    with empty rows) and keep this process's contiguous block of rows of each; ``pad``: each
-    annotation's value on padding, in the order of the rows' annotations."""
-    pad = pad or {}
-    local = cfg_batch // process_count
-    batches = []
-    for b in range(0, len(rows), cfg_batch):
-        window = np.full((cfg_batch, seq_len + 1), pad_id, np.int32)
-        valid = np.zeros((cfg_batch,), np.int64)
-        extra = {k: np.full((cfg_batch, seq_len + 1), value, np.int32)
-                 for k, value in pad.items()}
-        for r, (tokens, n, *more) in enumerate(rows[b:b + cfg_batch]):
-            window[r, :n], valid[r] = tokens[:n], n
-            for k, values in zip(pad, more):
-                extra[k][r, :n] = values[:n]
-        mask = np.arange(1, seq_len + 1)[None, :] < valid[:, None]
-        block = slice(process_index * local, (process_index + 1) * local)
-        docs = extra.pop(_DOC, None)
-        batch = {"inputs": window[block, :-1], "targets": window[block, 1:], "mask": mask[block]}
-        batch.update({k: v[block, :-1] for k, v in extra.items()})
-        if docs is not None:          # segment_packing: documents numbered per row
-            batch.update(shift_packed(window[block], _renumber(docs[block])))
-        batches.append(batch)
-    return batches
-
-
-_DOC = "_document"      # eval_batches' per-token record number under segment_packing
-
-
-def _renumber(docs: np.ndarray) -> np.ndarray:
-    """Per-row record numbers [R, W] (0 = padding) -> segment ids 1, 2, ... per row."""
-    change = np.concatenate([np.ones_like(docs[:, :1]), docs[:, 1:] != docs[:, :-1]], axis=1)
-    return np.where(docs != 0, np.cumsum(change, axis=1), 0).astype(np.int32)
-
-
 def eval_batches(cfg: DataConfig, tokenizer: Tokenizer, *, max_batches: Optional[int] = None,
                  process_index: int = 0, process_count: int = 1, annotate=None) -> list:
     """The evaluation data (:func:`~dagmoe_jax.data.splits.eval_source`) as a list of batches.
 
     Records in order, each tokenized with EOS appended (after a long document's last piece),
-    packed end to end into windows of
-    seq_len + 1 (the last window padded, its padding masked), grouped into global batches of
-    ``batch_size`` rows (the last filled with fully masked rows) of which this process keeps
-    rows ``[process_index * B, (process_index + 1) * B)``, B = batch_size // process_count.
-    Every process gets the same number of batches. ``max_batches`` stops after that many
+    packed end to end into windows of seq_len + 1 by grain's concat-then-split packer, as the
+    training stream packs them (the last window padded, its padding masked), grouped into
+    global batches of ``batch_size`` rows (the last filled with fully masked rows) of which
+    this process keeps rows ``[process_index * B, (process_index + 1) * B)``, B = batch_size
+    // process_count (:func:`~dagmoe_jax.data.packing.global_batches`). Every process gets the
+    same number of batches. ``max_batches`` stops after that many
     global batches. Deterministic; no shuffle. ``annotate``: as :func:`train_dataset`.
     With ``segment_packing`` batches carry ``segment_ids`` (the rows' documents numbered) and
     the mask drops predictions across documents. An ``instruct:`` source's evaluation
@@ -183,33 +150,16 @@ def eval_batches(cfg: DataConfig, tokenizer: Tokenizer, *, max_batches: Optional
                                      process_index=process_index, process_count=process_count)
     check_process(process_index, process_count)
     local_batch_size(cfg, process_count)
-    records, width = eval_source(cfg), cfg.seq_len + 1
+    width = cfg.seq_len + 1
+    records = grain.MapDataset.source(eval_source(cfg)).map(_Encode(tokenizer, annotate))
+    windows = grain.experimental.ConcatThenSplitIterDataset(
+        records.to_iter_dataset(), length_struct={k: width for k in ("tokens",)
+                                                  + _annotation_keys(annotate)})
+    rows = windows.map(_Shift(annotate, cfg.segment_packing))
     limit = None if max_batches is None else int(max_batches) * cfg.batch_size
-    encode = _Encode(tokenizer, annotate)
-    keys = ("tokens",) + _annotation_keys(annotate) + ((_DOC,) if cfg.segment_packing else ())
-    rows, buf = [], {k: [] for k in keys}
-    for i in range(len(records)):
-        encoded = encode(records[i])
-        if cfg.segment_packing:
-            encoded[_DOC] = np.full(len(encoded["tokens"]), i + 1, np.int32)
-        for k, v in encoded.items():
-            buf[k].extend(np.asarray(v).tolist())
-        start = 0
-        while len(buf["tokens"]) - start >= width and (limit is None or len(rows) < limit):
-            rows.append((buf["tokens"][start:start + width], width,
-                         *[buf[k][start:start + width] for k in keys[1:]]))
-            start += width
-        for k in keys:
-            del buf[k][:start]
-        if limit is not None and len(rows) >= limit:
-            buf = {k: [] for k in keys}
-            break
-    if len(buf["tokens"]) > 1:
-        rows.append((buf["tokens"], len(buf["tokens"]), *[buf[k] for k in keys[1:]]))
-    pads = {} if annotate is None else dict(annotate.pad)
-    return _rows_to_batches(rows, cfg.batch_size, cfg.seq_len, tokenizer.pad_id,
-                            process_index, process_count,
-                            {k: pads.get(k, 0) for k in keys[1:]} or None)
+    fill = {"mask": False, **({} if annotate is None else dict(annotate.pad))}
+    return global_batches(itertools.islice(rows, limit), cfg.batch_size, process_index,
+                          process_count, collections.defaultdict(int, fill))
 
 
 def task_names(cfg: DataConfig) -> tuple:

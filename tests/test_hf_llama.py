@@ -219,6 +219,20 @@ def test_export_round_trip_sharded_and_bfloat16(tmp_path):
         emb, np.asarray(tied.embed[...]).astype(ml_dtypes.bfloat16))
 
 
+def test_a_library_config_exported_and_imported_is_the_same_config():
+    """Widths that are the defaults come back as the defaults (head_dim None, not d / h; the
+    dense FFN's None, not 8/3 d rounded), so a run and its own export compare equal
+    (DUME's architecture check, upcycle/moerge.py)."""
+    from conftest import tiny_config
+    from dagmoe_jax.upcycle import moerge
+    for cfg in (tiny_config("dense", ffn_hidden=None, settled=False),
+                tiny_config("dense", head_dim=12, ffn_hidden=48, settled=False)):
+        back = hf_llama.model_config_from_hf(hf_llama.hf_config_from_model(
+            cfg, tie_word_embeddings=False))
+        assert (back.head_dim, back.block) == (cfg.head_dim, cfg.block)
+        moerge.check_same_architecture([cfg, back])
+
+
 def test_llama3_rope_scaling_equals_its_formula():
     inv = 1.0 / 500000.0 ** (np.arange(0, 128, 2) / 128)
     scaling = RopeScalingConfig(kind="llama3", factor=8.0, low_freq_factor=1.0,

@@ -33,7 +33,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy before safetensor
 import numpy as np
 from flax import nnx
 
-from dagmoe_jax.config import DenseConfig, ModelConfig, RopeScalingConfig
+from dagmoe_jax.config import DenseConfig, ModelConfig, RopeScalingConfig, default_ffn_hidden
 from dagmoe_jax.model.params import set_params, variable
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.run.settle import settle
@@ -205,14 +205,16 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
         if not isinstance(hf.get(field), int):
             raise ValueError(f"Hugging Face config {field} is missing or not an integer: is "
                              f"this a Llama config.json?")
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    heads, d = hf["num_attention_heads"], hf["hidden_size"]
+    head_dim = hf.get("head_dim") or d // heads
+    ffn = hf["intermediate_size"]
     rope_theta, rope_scaling = rope_from_hf(hf)
-    fields = dict(
-        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
+    fields = dict(    # a width that is the default is written as the default (None)
+        vocab_size=hf["vocab_size"], d_model=d,
         num_layers=hf["num_hidden_layers"], num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim,
-        block=DenseConfig(ffn_hidden=hf["intermediate_size"]),
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=None if head_dim * heads == d else head_dim,
+        block=DenseConfig(ffn_hidden=None if ffn == default_ffn_hidden(d) else ffn),
         max_seq_len=int(hf.get("max_position_embeddings", 2048)),
         rope_theta=rope_theta, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_scaling=rope_scaling)

@@ -91,7 +91,8 @@ def tiny_config(block: str = "moe", kind: str = "sum", *, settled: bool = True,
     ffn_hidden = overrides.pop("ffn_hidden", 64)
     routed = dict(router=RouterConfig(**parts["router"]), experts=ExpertConfig(**parts["experts"]))
     family = {"dense": lambda: DenseConfig(ffn_hidden=ffn_hidden),
-              "moe": lambda: MoEConfig(**routed, aggregation=AggregationConfig(**parts["aggregation"])),
+              "moe": lambda: MoEConfig(**routed,
+                                       aggregation=AggregationConfig(**parts["aggregation"])),
               "coe": lambda: CoEConfig(**parts["coe"], **routed),
               "doe": lambda: DoEConfig(**{"ffn_hidden": ffn_hidden, **parts["doe"]})
               }.get(block, lambda: block)()         # another name: ModelConfig says it is none

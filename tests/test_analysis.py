@@ -56,8 +56,8 @@ def test_recording_changes_nothing_and_matches_the_model_statistics(block, kind)
                      for l in range(cfg.num_layers)])
     np.testing.assert_allclose(load, np.asarray(aux["expert_load"]), rtol=1e-6)
     if kind == "dag":
-        assert kept["edge_gates"].shape == (cfg.num_layers, cfg.block.aggregation.dag_iters, 32, k, k,
-                                            cfg.block.aggregation.dag_dim)
+        a = cfg.block.aggregation
+        assert kept["edge_gates"].shape == (cfg.num_layers, a.dag_iters, 32, k, k, a.dag_dim)
     assert "intermediates" not in model(jnp.asarray(tokens))[1]     # switched off again
 
 

@@ -193,7 +193,8 @@ def test_variants_add_equal_parameters():
             shared = variant_config(base, name, 32).block.experts.shared_hidden
             assert added - budget == coe_budget_residual(64, 32, 2, 16, shared) == -64
         assert abs(added - budget) <= 0.01 * budget, (name, added, budget)
-    assert variant_config(base, "dag_l1", 32).block.aggregation.dag_dim == matched_dag_dim(64, budget, 1)
+    assert (variant_config(base, "dag_l1", 32).block.aggregation.dag_dim
+            == matched_dag_dim(64, budget, 1))
     assert variant_config(base, "coe", 32).block.resolved_top_k == 2
     assert variant_config(base, "moe", 32).block.aggregation.kind == "sum"
     with pytest.raises(ValueError, match="variant 'dag' is invalid"):

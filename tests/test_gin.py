@@ -40,14 +40,17 @@ def test_every_variant_loads_and_shared_baselines_match_their_dag(model):
 def test_table3_shapes():
     s = load_model_config(["models/s.gin", "variants/dag_g128_l2.gin"])
     assert (s.d_model, s.num_layers, s.num_heads, s.num_kv_heads) == (512, 4, 32, 8)
-    assert (s.block.experts.num_experts, s.block.experts.expert_hidden, s.block.router.top_k) == (32, 256, 4)
-    assert (s.block.aggregation.dag_dim, s.block.aggregation.dag_iters, s.vocab_size) == (128, 2, 128256)
+    e, a = s.block.experts, s.block.aggregation
+    assert (e.num_experts, e.expert_hidden, s.block.router.top_k) == (32, 256, 4)
+    assert (a.dag_dim, a.dag_iters, s.vocab_size) == (128, 2, 128256)
     f = load_model_config(["models/s_fine.gin"])
-    assert (f.block.experts.num_experts, f.block.experts.expert_hidden, f.block.router.top_k) == (64, 128, 8)
+    e = f.block.experts
+    assert (e.num_experts, e.expert_hidden, f.block.router.top_k) == (64, 128, 8)
     m = load_model_config(["models/m.gin"])
     assert m.num_layers == 6
     big = load_model_config(["models/l.gin", "variants/moe_shared_g256_l2.gin"])
-    assert (big.d_model, big.num_layers, big.block.experts.expert_hidden, big.block.experts.shared_hidden) == (1024, 8, 512, 512)
+    e = big.block.experts
+    assert (big.d_model, big.num_layers, e.expert_hidden, e.shared_hidden) == (1024, 8, 512, 512)
     coe = load_model_config(["models/s.gin", "variants/coe_g128_l2.gin"])
     assert coe.block.kind == "coe" and coe.block.resolved_top_k == 2 and coe.block.iterations == 2
     assert (coe.block.experts.num_shared, coe.block.experts.shared_hidden) == (1, 247)
@@ -111,7 +114,8 @@ def test_training_configs_load_from_any_working_directory(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     model, data, optim, train = load_configs(["configs/dagmoe_s.gin", "configs/cpu_small.gin"])
     # dagmoe_s: the paper's s model and recipe; cpu_small shrinks the trunk and the run.
-    assert (model.d_model, model.block.aggregation.kind, model.block.aggregation.dag_dim) == (512, "dag", 128)
+    a = model.block.aggregation
+    assert (model.d_model, a.kind, a.dag_dim) == (512, "dag", 128)
     assert (model.num_layers, model.vocab_size, data.seq_len, train.steps) == (2, 256, 256, 200)
     assert (optim.b2, optim.weight_decay, optim.schedule) == (0.999, 0.1, "wsd")
     model, data, optim, train = load_configs(["dagmoe_s"])

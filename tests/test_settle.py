@@ -41,13 +41,15 @@ def test_settle_decides_every_auto_field_per_backend_and_layout():
     # what the experts compute is architecture: dropless on every machine; only how it runs
     assert gpu.execution.grouped_matmul == "ragged_dot"
     assert settle(cfg, backend="tpu").execution.grouped_matmul == "ragged_dot"  # d 32: no tile
-    tpu = settle(cfg.replace(d_model=128, block=dict(experts=dict(expert_hidden=128))), backend="tpu")
+    tpu = settle(cfg.replace(d_model=128, block=dict(experts=dict(expert_hidden=128))),
+                 backend="tpu")
     assert tpu.execution.grouped_matmul == "gmm"
     assert {s.block.experts.dispatch for s in (cpu, gpu, tpu)} == {"dropless"}
     layout = MeshLayout.of(make_mesh(MeshConfig(data=2), jax.devices()[:2]))
     meshed = settle(cfg, backend="cpu", layout=layout)
     assert (meshed.execution.attention, meshed.execution.fuse_projections) == ("blockwise", False)
-    assert (meshed.block.experts.dispatch, meshed.execution.grouped_matmul) == ("dropless", "ragged_dot")
+    assert (meshed.block.experts.dispatch, meshed.execution.grouped_matmul) == (
+        "dropless", "ragged_dot")
     assert "expert-parallel over {'data': 2" in describe(meshed, cfg, "cpu", layout)
     # what the user set explicitly is kept
     explicit = cfg.replace(execution=dict(remat="dots", scan_unroll=2, attention="xla",

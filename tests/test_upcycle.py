@@ -168,7 +168,8 @@ def test_bad_merges_are_one_line_errors():
     with pytest.raises(ValueError, match="DUME merges dense models"):
         moerge.dume_config(tiny_config("moe", settled=False), N)
     other = Transformer(tiny_config("dense", ffn_hidden=48), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="ModelConfig.block.ffn_hidden=48 but model 0 has 64") as err:
+    with pytest.raises(ValueError,
+                       match="ModelConfig.block.ffn_hidden=48 but model 0 has 64") as err:
         moerge.moerge(dense_models((0,)) + [other], merged_config(1))
     assert "\n" not in str(err.value)
 

@@ -66,7 +66,8 @@ def admits(cfg: ModelConfig, sizes: Sequence[int], global_batch: int) -> bool:
     if experts is None and expert > 1:
         return False
     if tensor > 1 and (cfg.num_kv_heads % tensor or cfg.num_heads % tensor
-                       or (experts is not None and experts.expert_hidden % tensor) or cfg.d_model % tensor):
+                       or (experts is not None and experts.expert_hidden % tensor)
+                       or cfg.d_model % tensor):
         return False
     if fsdp > 1 and cfg.d_model % fsdp:
         return False

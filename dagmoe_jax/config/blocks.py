@@ -141,7 +141,8 @@ class ExpertConfig:
 
     num_experts: routed experts N (paper s: 32, or 64 fine-grained).
     expert_hidden: SwiGLU hidden size d_r of each routed expert (paper s: 256).
-    num_shared: shared experts applied to every token (0 = none; the paper's parity baseline uses 1).
+    num_shared: shared experts applied to every token (0 = none; the paper's parity baseline
+      uses 1).
     shared_hidden: hidden size of each shared expert.
     dispatch: whether experts drop tokens, part of the architecture (saved, the same on every
       machine): 'dropless' (default: every assignment computed; exact) or 'capacity' (C slots
@@ -160,8 +161,8 @@ class ExpertConfig:
     def __post_init__(self):
         _positive("ExpertConfig", "num_experts", self.num_experts)
         _positive("ExpertConfig", "expert_hidden", self.expert_hidden)
-        _check(isinstance(self.num_shared, int) and self.num_shared >= 0, "ExpertConfig", "num_shared",
-               self.num_shared, "an integer >= 0")
+        _check(isinstance(self.num_shared, int) and self.num_shared >= 0, "ExpertConfig",
+               "num_shared", self.num_shared, "an integer >= 0")
         _positive("ExpertConfig", "shared_hidden", self.shared_hidden)
         if self.dispatch in RETIRED_DISPATCH:
             raise ValueError(f"ExpertConfig.dispatch={self.dispatch!r} is no longer a choice: "

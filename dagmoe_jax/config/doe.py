@@ -1,5 +1,6 @@
 """Validated configuration of Decoupling of Experts (docs/design.md section 6): the DoE block
-(``DoEConfig``, the family config ``ModelConfig.block`` holds) and Stage 1's LDA (``TopicConfig``)."""
+(``DoEConfig``, the family config ``ModelConfig.block`` holds) and Stage 1's LDA
+(``TopicConfig``)."""
 
 from __future__ import annotations
 

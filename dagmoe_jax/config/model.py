@@ -214,7 +214,8 @@ def _legacy_block(blob: dict) -> dict:
     if kind == "doe":                       # its FFN defaulted to the model's ffn_hidden
         doe = dict(blob.get("doe") or {})
         return {**doe, "kind": kind, "ffn_hidden": doe.get("ffn_hidden") or blob.get("ffn_hidden")}
-    routed = {"kind": kind, "router": blob.get("router") or {}, "experts": blob.get("experts") or {}}
+    routed = {"kind": kind, "router": blob.get("router") or {},
+              "experts": blob.get("experts") or {}}
     if kind == "coe":                       # the chain summed: its aggregation was always 'sum'
         return {**(blob.get("coe") or {}), **routed}
     return {**routed, "aggregation": blob.get("aggregation") or {}}

@@ -19,7 +19,8 @@ from dagmoe_jax.data.tasks import TASKS, Example, generate
 from dagmoe_jax.data.tokenizers import (ByteTokenizer, HFTokenizer, SentencePieceTokenizer,
                                         Tokenizer, make_tokenizer)
 
-__all__ = ["Batch", "MODEL_INPUTS", "DataConfig", "parse_source", "make_tokenizer", "Tokenizer", "ByteTokenizer",
+__all__ = ["Batch", "MODEL_INPUTS", "DataConfig", "parse_source", "make_tokenizer", "Tokenizer",
+           "ByteTokenizer",
            "SentencePieceTokenizer", "HFTokenizer", "train_dataset", "eval_batches",
            "task_eval_batches", "task_names", "exact_match", "per_task_accuracy",
            "check_tokens", "unigram_entropy", "train_records", "train_source", "eval_source",

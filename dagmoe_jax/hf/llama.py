@@ -226,8 +226,8 @@ def hf_config_from_model(cfg: ModelConfig, *, tie_word_embeddings: bool,
                          dtype: str = "float32") -> dict:
     """The Hugging Face ``config.json`` of a dense ``cfg`` (:func:`export_hf_llama`)."""
     if cfg.block.kind != "dense":
-        raise ValueError(f"ModelConfig.block={cfg.block.kind!r} cannot be exported as a Hugging Face "
-                         f"Llama: only block='dense' models can")
+        raise ValueError(f"ModelConfig.block={cfg.block.kind!r} cannot be exported as a Hugging "
+                         f"Face Llama: only block='dense' models can")
     hf = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,

@@ -30,8 +30,9 @@ def shared_experts(cfg: ModelConfig, *, rngs: nnx.Rngs) -> Optional[SwiGLU]:
 def routed_experts(cfg: ModelConfig, layout: Optional[MeshLayout], *,
                    rngs: nnx.Rngs) -> Experts:
     """The routed experts of ``cfg`` (a settled config), dispatched across ``layout``."""
-    return Experts(cfg.block.experts, cfg.d_model, std=cfg.init_std, dtype=dtype_of(cfg.compute_dtype),
-                   execution=cfg.execution, layout=layout, rngs=rngs)
+    return Experts(cfg.block.experts, cfg.d_model, std=cfg.init_std,
+                   dtype=dtype_of(cfg.compute_dtype), execution=cfg.execution, layout=layout,
+                   rngs=rngs)
 
 
 class DenseBlock(SwiGLU):

@@ -29,7 +29,6 @@ from dagmoe_jax.run.config import OptimConfig, TrainConfig
 from dagmoe_jax.run.optim import TRAINABLE, check_trainable, make_optimizer, make_schedule
 
 
-
 def check_compatible(model_cfg: ModelConfig, data_cfg: DataConfig, tokenizer) -> None:
     """One-line errors for a data setup the model cannot take."""
     if data_cfg.seq_len > model_cfg.max_seq_len:

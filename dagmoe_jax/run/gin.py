@@ -24,7 +24,6 @@ from dagmoe_jax.parallel.config import MeshConfig
 from dagmoe_jax.run.config import OptimConfig, TrainConfig
 
 
-
 def _config_dir() -> Path:
     """The gin files: ``dagmoe_jax/configs`` in an installed package (``pyproject.toml`` ships
     the repository's top-level ``configs/`` there), else ``configs/`` beside the package (a

@@ -77,7 +77,8 @@ class Trainer:
     """Steps ``model`` and ``optimizer`` with ``step_fn`` over ``data_iter`` (module docstring).
 
     checkpointer: the run's :class:`~dagmoe_jax.run.Checkpointer`; meta: what checkpoints
-    are saved with and checked against; say: one-line reports (compilation, resume, stop reasons); run_dir: named in them;
+    are saved with and checked against; say: one-line reports (compilation, resume, stop
+    reasons); run_dir: named in them;
     batch_keys: the per-token annotations of a model family the batches carry to the model;
     sync_every: the host reads the losses (and stops at a non-finite one) every this many
     steps, before every checkpoint and at the end, not every step: between two reads the

@@ -16,8 +16,8 @@ from typing import Sequence, Tuple
 import numpy as np
 from flax import nnx
 
-from dagmoe_jax.config import (AggregationConfig, ExpertConfig, ModelConfig, MoEConfig, RouterConfig,
-                               execution_fields)
+from dagmoe_jax.config import (AggregationConfig, ExpertConfig, ModelConfig, MoEConfig,
+                               RouterConfig, execution_fields)
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.model.params import flat_params, set_params
 

@@ -13,11 +13,10 @@ from dagmoe_jax.data.config import DataConfig, parse_source
 from dagmoe_jax.data.pipeline import (eval_batches, exact_match, per_task_accuracy,
                                       task_eval_batches, task_names, train_dataset,
                                       unigram_entropy)
-from dagmoe_jax.data.tokenizers import check_tokens
 from dagmoe_jax.data.splits import eval_source, train_records, train_source
 from dagmoe_jax.data.tasks import TASKS, Example, generate
 from dagmoe_jax.data.tokenizers import (ByteTokenizer, HFTokenizer, SentencePieceTokenizer,
-                                        Tokenizer, make_tokenizer)
+                                        Tokenizer, check_tokens, make_tokenizer)
 
 __all__ = ["Batch", "MODEL_INPUTS", "DataConfig", "parse_source", "make_tokenizer", "Tokenizer",
            "ByteTokenizer",

@@ -22,8 +22,6 @@ is checkpointable (``get_state`` / ``set_state``) like the pre-training stream's
 
 from __future__ import annotations
 
-import collections
-import functools
 import itertools
 import os
 from typing import Optional
@@ -35,8 +33,8 @@ from dagmoe_jax.data.chat import ChatEncoder, hf_template
 from dagmoe_jax.data.config import DataConfig, check_process, local_batch_size, parse_source
 from dagmoe_jax.data.packing import global_batches
 from dagmoe_jax.data.splits import eval_source, train_records
-from dagmoe_jax.data.tokenizers import CheckTokens, Tokenizer
-from dagmoe_jax.data.workers import _absl_flags_parsed, _exit_with_parent
+from dagmoe_jax.data.tokenizers import Tokenizer
+from dagmoe_jax.data.workers import finish_stream
 
 READ_OPTIONS = dict(num_threads=2, prefetch_buffer_size=64)
 
@@ -146,13 +144,7 @@ def instruct_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, epochs: Optional[
     records = train_records(cfg, process_index=process_index, process_count=process_count)
     encode = EncodeExample(chat_encoder(cfg, tokenizer), cfg.seq_len + 1)
     it = _packed(records, cfg, batch, epochs, encode)
-    if vocab_size is not None:
-        it = it.map(CheckTokens(vocab_size))
-    if cfg.worker_count:
-        _absl_flags_parsed()
-        it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count),
-                            worker_init_fn=functools.partial(_exit_with_parent, os.getpid()))
-    return it
+    return finish_stream(it, cfg.worker_count, vocab_size)
 
 
 def instruct_stats(cfg: DataConfig, tokenizer: Tokenizer, *, epochs: int,
@@ -203,4 +195,4 @@ def instruct_eval_batches(cfg: DataConfig, tokenizer: Tokenizer, *,
         num_packing_bins=1, shuffle_bins=False).map(_ShiftPacked())
     limit = None if max_batches is None else int(max_batches) * cfg.batch_size
     return global_batches(itertools.islice(rows, limit), cfg.batch_size, process_index,
-                          process_count, collections.defaultdict(int, mask=False))
+                          process_count)

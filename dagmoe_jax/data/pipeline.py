@@ -17,12 +17,10 @@ padding), computed per record and packed, shuffled and checkpointed together wit
 
 from __future__ import annotations
 
-import collections
 import functools
 import itertools
 import math
 import numbers
-import os
 from typing import Optional, Sequence, Union
 
 import grain
@@ -35,8 +33,8 @@ from dagmoe_jax.data.instruct import (EncodeExample, chat_encoder, instruct_eval
 from dagmoe_jax.data.sources import TASK_EVAL_STREAM
 from dagmoe_jax.data.splits import eval_source, train_records, train_source
 from dagmoe_jax.data.tasks import generate
-from dagmoe_jax.data.tokenizers import CheckTokens, Tokenizer, check_tokens
-from dagmoe_jax.data.workers import _absl_flags_parsed, _exit_with_parent
+from dagmoe_jax.data.tokenizers import Tokenizer, check_tokens
+from dagmoe_jax.data.workers import finish_stream
 
 # Threads that read + tokenize records ahead of the packer, and how far ahead they go.
 READ_OPTIONS = dict(num_threads=2, prefetch_buffer_size=64)
@@ -120,13 +118,7 @@ def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, process_index: int =
     it = grain.experimental.ConcatThenSplitIterDataset(
         it, length_struct={k: cfg.seq_len + 1 for k in ("tokens",) + _annotation_keys(annotate)})
     it = it.map(_Shift(annotate, cfg.segment_packing)).batch(batch, drop_remainder=True)
-    if vocab_size is not None:
-        it = it.map(CheckTokens(vocab_size))
-    if cfg.worker_count:
-        _absl_flags_parsed()
-        it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count),
-                            worker_init_fn=functools.partial(_exit_with_parent, os.getpid()))
-    return it
+    return finish_stream(it, cfg.worker_count, vocab_size)
 
 
 def eval_batches(cfg: DataConfig, tokenizer: Tokenizer, *, max_batches: Optional[int] = None,
@@ -157,9 +149,8 @@ def eval_batches(cfg: DataConfig, tokenizer: Tokenizer, *, max_batches: Optional
                                                   + _annotation_keys(annotate)})
     rows = windows.map(_Shift(annotate, cfg.segment_packing))
     limit = None if max_batches is None else int(max_batches) * cfg.batch_size
-    fill = {"mask": False, **({} if annotate is None else dict(annotate.pad))}
     return global_batches(itertools.islice(rows, limit), cfg.batch_size, process_index,
-                          process_count, collections.defaultdict(int, fill))
+                          process_count, None if annotate is None else dict(annotate.pad))
 
 
 def task_names(cfg: DataConfig) -> tuple:

@@ -1,11 +1,32 @@
-"""grain worker processes: what each needs when it starts (shared by the pre-training and
-the instruction pipelines)."""
+"""grain worker processes: what each needs when it starts, and the end every training stream
+shares (:func:`finish_stream`; the pre-training and the instruction pipelines)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
+from typing import Optional
+
+import grain
+
+from dagmoe_jax.data.tokenizers import CheckTokens
+
+
+def finish_stream(it: grain.IterDataset, worker_count: int,
+                  vocab_size: Optional[int] = None) -> grain.IterDataset:
+    """A training stream's last steps: its batches' token ids checked against ``vocab_size``
+    (the model's, :class:`~dagmoe_jax.data.tokenizers.CheckTokens`; None: not checked) and,
+    with ``worker_count`` W > 0, the stream made in W grain worker processes that exit when
+    this process is gone."""
+    if vocab_size is not None:
+        it = it.map(CheckTokens(vocab_size))
+    if worker_count:
+        _absl_flags_parsed()
+        it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count),
+                            worker_init_fn=functools.partial(_exit_with_parent, os.getpid()))
+    return it
 
 
 def _exit_with_parent(parent: int, worker: int, workers: int) -> None:

@@ -17,9 +17,11 @@ import numpy as np
 from flax import nnx
 
 from dagmoe_jax.config import (AggregationConfig, ExpertConfig, ModelConfig, MoEConfig,
-                               RouterConfig, execution_fields)
+                               RouterConfig)
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.model.params import flat_params, set_params
+from dagmoe_jax.run.checkpoint_files import flatten_json
+from dagmoe_jax.run.directory import architecture
 
 MLP_PREFIX = ("layers", "block")          # the dense block's w_gate / w_up / w_down
 EXPERT_PREFIX = ("layers", "block", "experts")
@@ -64,12 +66,12 @@ def check_dume_config(cfg: ModelConfig) -> None:
 
 
 def architecture_fields(cfg: ModelConfig) -> dict:
-    """The fields of a dense config that decide its parameters' meaning (not how it runs), the
-    block's by their dotted names (``block.ffn_hidden``)."""
-    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-              if f.name not in execution_fields() + ("param_dtype", "compute_dtype", "init_std",
-                                                   "max_seq_len", "block")}
-    return {**fields, **{f"block.{k}": v for k, v in dataclasses.asdict(cfg.block).items()}}
+    """The fields of a dense config that decide its parameters' meaning, by dotted name
+    (``block.ffn_hidden``): the run's architecture (:func:`~dagmoe_jax.run.directory.architecture`,
+    without the execution fields) less the dtypes, ``init_std`` and ``max_seq_len``."""
+    flat = flatten_json(architecture(dataclasses.asdict(cfg)))
+    return {k: v for k, v in flat.items()
+            if k not in ("param_dtype", "compute_dtype", "init_std", "max_seq_len")}
 
 
 def check_same_architecture(cfgs: Sequence[ModelConfig], names: Sequence[str] = ()) -> None:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dagmoe_jax.config import experts_of
 from dagmoe_jax.model.aggregation import edge_mask
 
 
@@ -95,8 +96,9 @@ def collect(model, batches: Iterable[Dict[str, np.ndarray]], max_samples: int = 
     Padding positions (``mask`` False) are left out of every statistic.
     """
     cfg = model.cfg
-    routed = cfg.block.kind in ("moe", "coe")
-    n = cfg.block.experts.num_experts if routed else 0
+    experts = experts_of(cfg.block)                    # None: the family does not route
+    routed = experts is not None
+    n = experts.num_experts if routed else 0
     layers = cfg.num_layers
     load = np.zeros((layers, n)) if routed else None
     coact = None

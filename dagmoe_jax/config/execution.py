@@ -80,7 +80,7 @@ class ExecutionConfig:
 
     @property
     def unsettled(self) -> tuple:
-        """The fields still 'auto' (settled by :func:`dagmoe_jax.run.settle.settle`)."""
-        auto = {"remat": "auto", "scan_unroll": 0, "attention": "auto", "grouped_matmul": "auto",
-                "expert_exchange": "auto", "fuse_projections": None, "loss_chunk": 0}
-        return tuple(name for name, value in auto.items() if getattr(self, name) == value)
+        """The fields still 'auto' (settled by :func:`dagmoe_jax.run.settle.settle`): every
+        field but ``attention_block`` (a size, not a choice) defaults to its 'auto'."""
+        return tuple(f.name for f in dataclasses.fields(self)
+                     if f.name != "attention_block" and getattr(self, f.name) == f.default)

@@ -31,7 +31,7 @@ def block_hidden(cfg: ModelConfig) -> int:
     c = cfg.block
     if c.block_hidden is not None:
         return c.block_hidden
-    return max(1, (cfg.resolved_ffn_hidden) // c.num_topics)
+    return max(1, cfg.resolved_ffn_hidden // c.num_topics)
 
 
 def active_blocks(cfg: ModelConfig) -> int:

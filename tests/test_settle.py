@@ -62,6 +62,16 @@ def test_settle_decides_every_auto_field_per_backend_and_layout():
     assert MeshLayout.of(make_mesh(MeshConfig(data=1), jax.devices()[:1])) is None
 
 
+
+def test_tpu_sizes_the_grouped_matmul_by_the_family_that_runs_it():
+    """megablox gmm takes 128-multiple widths only: DoE's knowledge blocks run their grouped
+    matmul at h_b, so h_b (not the missing experts' d_r, nor d_model) decides."""
+    def doe(block_hidden):
+        return tiny_config("doe", settled=False, d_model=128, num_heads=4, num_kv_heads=2,
+                           doe=dict(expert="blocks", num_topics=4, block_hidden=block_hidden))
+    assert settle(doe(128), backend="tpu").execution.grouped_matmul == "gmm"
+    assert settle(doe(100), backend="tpu").execution.grouped_matmul == "ragged_dot"
+
 def test_an_unsettled_config_is_a_clear_error():
     with pytest.raises(ValueError, match=r"^ModelConfig fields remat, scan_unroll, attention, "
                                          r"grouped_matmul, expert_exchange, fuse_projections, "

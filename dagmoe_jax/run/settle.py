@@ -47,6 +47,7 @@ from dagmoe_jax.kernels.attention import fused_attention_unavailable, kernel_nee
 from dagmoe_jax.kernels.grouped_matmul import (grouped_matmul_needs_build,
                                                grouped_matmul_unavailable)
 from dagmoe_jax.kernels.pallas import gmm_supported
+from dagmoe_jax.model.doe.knowledge_blocks import block_hidden
 from dagmoe_jax.parallel.axes import MeshLayout
 
 
@@ -147,6 +148,18 @@ def settle_loss_chunk(tokens: int, backend: str) -> int:
     return tokens or (512 if backend == "cpu" else 4096)
 
 
+def grouped_matmul_width(cfg: ModelConfig) -> int:
+    """The hidden width of the grouped matmuls the block family runs: the routed experts' d_r
+    (MoE, CoE), or one knowledge block's h_b (DoE's 'blocks' reading). A family that runs none
+    (dense, DoE's 'composed' reading) gets d_model: what it settles to is never used."""
+    experts = experts_of(cfg.block)
+    if experts is not None:
+        return experts.expert_hidden
+    if cfg.block.kind == "doe" and cfg.block.expert == "blocks":
+        return block_hidden(cfg)
+    return cfg.d_model
+
+
 def settle(cfg: ModelConfig, *, backend: Optional[str] = None,
            layout: Optional[MeshLayout] = None,
            log: Callable[[str], None] = lambda _message: None) -> ModelConfig:
@@ -164,10 +177,8 @@ def settle(cfg: ModelConfig, *, backend: Optional[str] = None,
             and grouped_matmul_needs_build()):
         log("compiling the CPU grouped matmul kernel (about 5 s, once per machine)")
     attention, _ = settle_attention(ex.attention, backend, dtype, cfg.resolved_head_dim, layout)
-    experts = experts_of(cfg.block)               # None: no routed experts to multiply
     grouped_matmul = settle_grouped_matmul(ex.grouped_matmul, backend, cfg.d_model,
-                                           experts.expert_hidden if experts else cfg.d_model,
-                                           layout)
+                                           grouped_matmul_width(cfg), layout)
     return cfg.replace(
         execution=dict(
             remat=settle_remat(ex.remat, backend),

@@ -46,16 +46,16 @@ SMOKE = ["TrainConfig.steps = 2", "TrainConfig.save_every = 2", "TrainConfig.eva
 
 
 def model_684ed26(model: dict) -> dict:
-    """A model config dict as versions before the block families' configs wrote it (684ed26
-    and earlier): the family's name in ``block``, and every family's fields beside it (the
-    other families' at their defaults)."""
+    """An MoE model's config dict (the runs here are) as versions before the block families'
+    configs wrote it (684ed26 and earlier): the family's name in ``block``, and every family's
+    fields beside it (the other families' at their defaults)."""
     model = json.loads(json.dumps(model))
     block = model.pop("block")
-    del block["kind"]
+    kind = block.pop("kind")
     coe = {k: v for k, v in dataclasses.asdict(CoEConfig()).items()
            if k not in ("kind", "router", "experts")}
     doe = {k: v for k, v in dataclasses.asdict(DoEConfig()).items() if k != "kind"}
-    return {**model, "block": "moe", "ffn_hidden": None, "router": block["router"],
+    return {**model, "block": kind, "ffn_hidden": None, "router": block["router"],
             "experts": block["experts"], "aggregation": block["aggregation"], "coe": coe,
             "doe": doe}
 

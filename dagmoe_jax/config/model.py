@@ -177,8 +177,8 @@ class ModelConfig:
             blob["execution"]["fuse_projections"] = blob["execution"].pop("fuse_gate_up")
         if isinstance(blob.get("block", "moe"), str):
             blob["block"] = _legacy_block(blob)
-        for name in _LEGACY_BLOCK_FIELDS:
-            blob.pop(name, None)
+            for name in _LEGACY_BLOCK_FIELDS:
+                blob.pop(name, None)
         experts = dict(blob["block"].get("experts") or {})
         if experts.get("dispatch") in RETIRED_DISPATCH:
             if (experts["dispatch"] == "dense"
@@ -234,13 +234,11 @@ def _build(cls, blob: dict):
 
 def _replace(config, changes: dict):
     """``dataclasses.replace`` that takes a dict for a nested config (the fields to change in
-    it) and, for ``ModelConfig.block``, a family's name."""
+    it); a family's name for ``block`` is the constructor's to read."""
     changes = dict(changes)
     for name, value in changes.items():
         current = getattr(config, name, None)
-        if name == "block" and isinstance(value, str):
-            changes[name] = BLOCK_CONFIGS[value]() if value in BLOCK_CONFIGS else value
-        elif isinstance(value, dict) and dataclasses.is_dataclass(current):
+        if isinstance(value, dict) and dataclasses.is_dataclass(current):
             changes[name] = _replace(current, value)
     return dataclasses.replace(config, **changes)
 

@@ -45,9 +45,7 @@ import jax  # noqa: E402  (after XLA_FLAGS)
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from dagmoe_jax.config import (AggregationConfig, CoEConfig, DenseConfig, DoEConfig,  # noqa: E402
-                               ExecutionConfig, ExpertConfig, ModelConfig, MoEConfig,
-                               RouterConfig)
+from dagmoe_jax.config import ExecutionConfig, ModelConfig  # noqa: E402
 from dagmoe_jax.run.settle import settle  # noqa: E402
 
 # Some backends run float32 matmuls at reduced precision by default (TF32 / bf16 passes on GPU and
@@ -83,23 +81,19 @@ def tiny_config(block: str = "moe", kind: str = "sum", *, settled: bool = True,
     base = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                        max_seq_len=64, execution=ExecutionConfig(attention_block=8))
     execution = {f.name for f in dataclasses.fields(ExecutionConfig)}
-    parts = dict(router=dict(top_k=2),
-                 experts=dict(num_experts=4, expert_hidden=32, shared_hidden=32),
-                 aggregation=dict(kind=kind, dag_dim=16, dag_iters=2), coe={}, doe={})
-    for name in parts:
-        parts[name] = {**parts[name], **overrides.pop(name, {})}
-    ffn_hidden = overrides.pop("ffn_hidden", 64)
-    routed = dict(router=RouterConfig(**parts["router"]), experts=ExpertConfig(**parts["experts"]))
-    family = {"dense": lambda: DenseConfig(ffn_hidden=ffn_hidden),
-              "moe": lambda: MoEConfig(**routed,
-                                       aggregation=AggregationConfig(**parts["aggregation"])),
-              "coe": lambda: CoEConfig(**parts["coe"], **routed),
-              "doe": lambda: DoEConfig(**{"ffn_hidden": ffn_hidden, **parts["doe"]})
-              }.get(block, lambda: block)()         # another name: ModelConfig says it is none
+    parts = {"router": {"top_k": 2, **overrides.pop("router", {})},
+             "experts": {"num_experts": 4, "expert_hidden": 32, "shared_hidden": 32,
+                         **overrides.pop("experts", {})},
+             "aggregation": {"kind": kind, "dag_dim": 16, "dag_iters": 2,
+                             **overrides.pop("aggregation", {})},
+             "ffn_hidden": overrides.pop("ffn_hidden", 64),
+             **overrides.pop("coe", {}), **overrides.pop("doe", {})}
+    base = base.replace(block=block)          # the family at its defaults (a bad name: one line)
+    own = {f.name for f in dataclasses.fields(base.block) if f.init}
     overrides = {**{k: v for k, v in overrides.items() if k not in execution},
                  "execution": {**overrides.get("execution", {}),
                                **{k: v for k, v in overrides.items() if k in execution}}}
-    cfg = base.replace(block=family, **overrides)
+    cfg = base.replace(block={k: v for k, v in parts.items() if k in own}, **overrides)
     return settle(cfg) if settled else cfg
 
 

@@ -122,16 +122,18 @@ def variant_config(base: ModelConfig, name: str, dag_dim: int) -> ModelConfig:
 
 def describe(cfg: ModelConfig) -> str:
     """A short description of a variant's block: 'dag d_g 50 L 1', 'sum + shared 87', ..."""
-    if cfg.block.kind == "coe":
-        text = f"coe {cfg.block.iterations} x {cfg.block.resolved_top_k}"
-    elif cfg.block.aggregation.kind == "dag":
-        text = f"dag d_g {cfg.block.aggregation.dag_dim} L {cfg.block.aggregation.dag_iters}"
-        text += "" if cfg.block.aggregation.dag_edges == "all" else f" {cfg.block.aggregation.dag_edges}"
-        text += " shared" if cfg.block.aggregation.dag_shared_weights else ""
-    elif cfg.block.aggregation.kind == "mlp":
-        text = f"mlp d_g {cfg.block.aggregation.dag_dim}"
+    block = cfg.block
+    if block.kind == "coe":
+        text = f"coe {block.iterations} x {block.resolved_top_k}"
+    elif block.aggregation.kind == "dag":
+        a = block.aggregation
+        text = f"dag d_g {a.dag_dim} L {a.dag_iters}"
+        text += "" if a.dag_edges == "all" else f" {a.dag_edges}"
+        text += " shared" if a.dag_shared_weights else ""
+    elif block.aggregation.kind == "mlp":
+        text = f"mlp d_g {block.aggregation.dag_dim}"
     else:
-        text = f"sum top-{cfg.block.router.top_k}"
-    if cfg.block.experts.num_shared:
-        text += f" + shared d_r {cfg.block.experts.shared_hidden}"
+        text = f"sum top-{block.router.top_k}"
+    if block.experts.num_shared:
+        text += f" + shared d_r {block.experts.shared_hidden}"
     return text

@@ -22,7 +22,6 @@ from dagmoe_jax.config.doe import DoEConfig
 from dagmoe_jax.validate import (check as _check, choice as _choice, nonnegative as _nonnegative,
                                  positive as _positive)
 
-BLOCK_TYPES = ("dense", "moe", "coe", "doe")
 SCORE_FNS = ("sigmoid", "softmax")
 DISPATCH_MODES = ("dropless", "capacity")
 AGGREGATORS = ("sum", "dag", "mlp")
@@ -305,5 +304,6 @@ class CoEConfig:
         return dataclasses.replace(self.router, score_fn=self.score_fn)
 
 
-# The config class of each ``ModelConfig.block`` kind.
-BLOCK_CONFIGS = {"dense": DenseConfig, "moe": MoEConfig, "coe": CoEConfig, "doe": DoEConfig}
+# The config class of each ``ModelConfig.block`` kind, and the kinds.
+BLOCK_CONFIGS = {cls.kind: cls for cls in (DenseConfig, MoEConfig, CoEConfig, DoEConfig)}
+BLOCK_TYPES = tuple(BLOCK_CONFIGS)

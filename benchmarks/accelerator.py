@@ -47,7 +47,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from dagmoe_jax.model.accounting import account  # noqa: E402
-from dagmoe_jax.run.gin import load_model_config  # noqa: E402
+from dagmoe_jax.run.gin import load_execution_config, load_model_config  # noqa: E402
 from step_throughput import matmul_rate, step_time  # noqa: E402  (benchmarks/)
 
 # name -> (model gin, variant gin). The s variants at d_g 128 and the l ones at 256 are the
@@ -92,9 +92,11 @@ def datasheet_peak(device_kind: str):
 
 
 def variant_config(name: str, vocab: int, micro: bool):
+    """(ModelConfig, ExecutionConfig) of variant ``name`` on gpu.gin."""
     model, variant = VARIANTS[name]
+    files = [model, variant, "gpu.gin"]
     bindings = [f"ModelConfig.vocab_size = {vocab}", *(MICRO_BINDINGS if micro else ())]
-    return load_model_config([model, variant, "gpu.gin"], bindings)
+    return load_model_config(files, bindings), load_execution_config(files, bindings)
 
 
 def peak_memory() -> int:
@@ -106,8 +108,8 @@ def peak_memory() -> int:
 
 def measure_one(name: str, vocab: int, batch: int, seq: int, steps: int, micro: bool) -> dict:
     """One variant's step time, throughput and peak memory (run in a process of its own)."""
-    cfg = variant_config(name, vocab, micro)
-    t = step_time(cfg, batch, seq, steps)
+    cfg, execution = variant_config(name, vocab, micro)
+    t = step_time(cfg, execution, batch, seq, steps)
     acc = account(cfg, seq)
     tokens = batch * seq
     return {"variant": name, "params": acc.total_params, "active_params": acc.total_active_params,

@@ -86,15 +86,14 @@ class Bench:
     def __init__(self, args, domains, log):
         from dagmoe_jax.config import DenseConfig, ModelConfig
         from dagmoe_jax.data import DataConfig, make_tokenizer
-        from dagmoe_jax.run.settle import settle
 
         self.args, self.domains, self.log = args, domains, log
         d = args.d_model
-        self.cfg = settle(ModelConfig(vocab_size=256, d_model=d, num_layers=args.layers,
-                                      num_heads=4, num_kv_heads=2,
-                                      block=DenseConfig(ffn_hidden=3 * d),
-                                      max_seq_len=max(args.seq_len, 64),
-                                      rope_theta=10000.0))
+        self.cfg = ModelConfig(vocab_size=256, d_model=d, num_layers=args.layers,
+                               num_heads=4, num_kv_heads=2,
+                               block=DenseConfig(ffn_hidden=3 * d),
+                               max_seq_len=max(args.seq_len, 64),
+                               rope_theta=10000.0)
         self.base = DataConfig(source=domains[0][1], seq_len=args.seq_len,
                                batch_size=args.batch, tokenizer="byte")
         self.tok = make_tokenizer(self.base)
@@ -190,36 +189,41 @@ def run_seed(bench, seed):
     from dagmoe_jax.run.settle import settle
     from dagmoe_jax.upcycle import dume, moerge
 
+    def merge(models, cfg):
+        """``models`` merged into the MoE ``cfg``, run as this machine settles it."""
+        return moerge.moerge(models, cfg, execution=settle(cfg), seed=seed)
+
     a, log = bench.args, bench.log
     n = len(bench.domains)
     sources = [train for _, train, _ in bench.domains]
     t0 = time.perf_counter()
-    seed_model = bench.train(Transformer(bench.cfg, rngs=nnx.Rngs(seed)),
+    seed_model = bench.train(Transformer(bench.cfg, execution=settle(bench.cfg),
+                                         rngs=nnx.Rngs(seed)),
                              bench.data(sources, seed), a.seed_steps, 3e-3)
     experts = [bench.train(nnx.clone(seed_model), bench.data([s], seed), a.expert_steps, 1e-3)
                for s in sources]
     log(f"seed {seed}: seed model and {n} experts trained ({time.perf_counter() - t0:.0f} s)")
     ce = {f"expert_{j}": bench.ces(e) for j, e in enumerate(experts)}
     ce["averaging"] = bench.ces(moerge.average_models(experts))
-    moe_cfg = {k: settle(moerge.dume_config(bench.cfg, n, top_k=k)) for k in (1, 2)}
-    oracle = moerge.moerge(experts, moe_cfg[2], seed=seed)
+    moe_cfg = {k: moerge.dume_config(bench.cfg, n, top_k=k) for k in (1, 2)}
+    oracle = merge(experts, moe_cfg[2])
     ce["oracle"] = bench.ces(oracle, oracle=True)
-    ce["random"] = bench.ces(moerge.moerge(experts, moe_cfg[1], seed=seed))
-    random_moe = moerge.moerge(experts, moe_cfg[2], seed=seed)
+    ce["random"] = bench.ces(merge(experts, moe_cfg[1]))
+    random_moe = merge(experts, moe_cfg[2])
     ce["random_k2"] = bench.ces(random_moe)
     mixed = bench.data(sources, seed + 1000)
     ce["btx"] = bench.ces(bench.train(random_moe, mixed, a.router_steps, 1e-3, "router"))
     stats = statistics(bench, oracle, range(n), TOKENS_PER_SEQUENCE)
     dume_models = {}
     for k in (1, 2):
-        m = moerge.moerge(experts, moe_cfg[k], seed=seed)
+        m = merge(experts, moe_cfg[k])
         dume_models[k] = dume.dume(m, stats[None])
         ce[f"dume_k{k}"] = bench.ces(dume_models[k])
     accuracy = np.stack([dume.routing_accuracy(dume_models[2], bench.heldout[d], d)
                          for d in range(n)])                                   # [domains, L]
     tokens = {}
     for t in TOKENS_PER_SEQUENCE[:-1]:
-        m = dume.dume(moerge.moerge(experts, moe_cfg[2], seed=seed), stats[t])
+        m = dume.dume(merge(experts, moe_cfg[2]), stats[t])
         tokens[str(t)] = bench.ces(m)
     tokens["all"] = ce["dume_k2"]
     dag = dume.upcycle_to_dag(nnx.clone(dume_models[2]), dag_dim=32, dag_iters=2, seed=seed)
@@ -233,8 +237,7 @@ def run_seed(bench, seed):
                                                          "all"))
     # adding the last domain to a model merged from the others: the old domains' statistics
     # (through the smaller merge, whose averaged weights the grown model keeps) are reused
-    first = moerge.moerge(experts[:-1], settle(moerge.dume_config(bench.cfg, n - 1, top_k=2)),
-                          seed=seed)
+    first = merge(experts[:-1], moerge.dume_config(bench.cfg, n - 1, top_k=2))
     old = statistics(bench, first, range(n - 1), (None,))[None]
     first = dume.dume(first, old)
     before = [bench.ce(first, d) for d in range(n - 1)]

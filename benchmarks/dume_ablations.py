@@ -94,14 +94,16 @@ def run_seed(bench, seed):
     n = len(bench.domains)
     sources = [train for _, train, _ in bench.domains]
     t0 = time.perf_counter()
-    seed_model = bench.train(Transformer(bench.cfg, rngs=nnx.Rngs(seed)),
+    seed_model = bench.train(Transformer(bench.cfg, execution=settle(bench.cfg),
+                                         rngs=nnx.Rngs(seed)),
                              bench.data(sources, seed), a.seed_steps, 3e-3)
     experts = [bench.train(nnx.clone(seed_model), bench.data([s], seed), a.expert_steps, 1e-3)
                for s in sources]
     log(f"seed {seed}: seed model and {n} experts trained ({time.perf_counter() - t0:.0f} s)")
     ce = {f"expert_{j}": bench.ces(e) for j, e in enumerate(experts)}
-    cfgs = {k: settle(moerge.dume_config(bench.cfg, n, top_k=k)) for k in range(1, n + 1)}
-    merged = {k: moerge.moerge(experts, c, seed=seed) for k, c in cfgs.items()}
+    cfgs = {k: moerge.dume_config(bench.cfg, n, top_k=k) for k in range(1, n + 1)}
+    merged = {k: moerge.moerge(experts, c, execution=settle(c), seed=seed)
+              for k, c in cfgs.items()}
     stats = bench_dume.statistics(bench, merged[1], range(n), (None,))[None]
     for k in cfgs:
         ce[f"dume_k{k}"] = bench.ces(dume.dume(merged[k], stats))
@@ -169,7 +171,6 @@ def run(args, out, log):
     from dagmoe_jax.config import DenseConfig, ModelConfig
     from experiments.corpus import (build_c_header_corpus, build_manpage_corpus,
                                     build_stdlib_corpus, corpus_sources)
-    from dagmoe_jax.run.settle import settle
     domains = []
     for name, build in (("stdlib_docs", build_stdlib_corpus), ("manpages", build_manpage_corpus),
                         ("c_headers", build_c_header_corpus)):
@@ -177,10 +178,10 @@ def run(args, out, log):
         domains.append((name, train, held))
     bench = bench_dume.Bench(args, domains, log)
     d = args.d_model
-    bench.cfg = settle(ModelConfig(vocab_size=256, d_model=d, num_layers=args.layers,
-                                   num_heads=4, num_kv_heads=2, block=DenseConfig(ffn_hidden=3 * d),
-                                   max_seq_len=max(args.seq_len, args.stats_seq_len, 64),
-                                   rope_theta=10000.0))
+    bench.cfg = ModelConfig(vocab_size=256, d_model=d, num_layers=args.layers,
+                            num_heads=4, num_kv_heads=2, block=DenseConfig(ffn_hidden=3 * d),
+                            max_seq_len=max(args.seq_len, args.stats_seq_len, 64),
+                            rope_theta=10000.0)
     per_seed = [run_seed(bench, seed) for seed in range(args.seeds)]
     return {"seeds": args.seeds, "budget": {k: getattr(args, k) for k in DEFAULTS},
             "per_seed": per_seed, "summary": summarise(per_seed, domains)}

@@ -28,7 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dagmoe_jax.run.gin import load_model_config  # noqa: E402
+from dagmoe_jax.run.gin import load_execution_config, load_model_config  # noqa: E402
 from dagmoe_jax.kernels.grouped_matmul import (cpu_grouped_matmul,  # noqa: E402
                                                grouped_matmul_unavailable)
 from step_throughput import step_time, time_fn  # noqa: E402
@@ -82,8 +82,9 @@ def step_table(model: str, gin: list, bindings: list, batch: int, seq: int, step
     best = {}
     for r in range(rounds):
         for name in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
-            cfg = load_model_config([model, *gin], [*bindings, *variants[name]])
-            t = step_time(cfg, batch, seq, steps)
+            files, named = [model, *gin], [*bindings, *variants[name]]
+            cfg, execution = load_model_config(files, named), load_execution_config(files, named)
+            t = step_time(cfg, execution, batch, seq, steps)
             best[name] = min(best.get(name, t), t)
             print(f"  measured {name}, round {r + 1}: {t:.3f} s/step", flush=True)
     return [(name, best[name]) for name in variants]

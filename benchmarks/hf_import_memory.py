@@ -74,7 +74,7 @@ def measure(folder: str, mode: str) -> dict:
         hf = hf_llama.read_hf_config(folder)
         cfg = hf_llama.model_config_from_hf(hf)
         reader = hf_llama.SafetensorsReader(folder)
-        model = Transformer(settle(cfg), rngs=nnx.Rngs(0))
+        model = Transformer(cfg, execution=settle(cfg), rngs=nnx.Rngs(0))
         set_params(model, hf_llama.hf_tensors_to_params(cfg, reader.__getitem__, False))
     params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -40,7 +40,7 @@ def run_one(args) -> None:
     import optax
     from flax import nnx
 
-    from dagmoe_jax.run.gin import load_model_config
+    from dagmoe_jax.run.gin import load_execution_config, load_model_config
     from dagmoe_jax.model import Transformer
     from dagmoe_jax.run.settle import settle
     from dagmoe_jax.train.step import cross_entropy, lm_loss, make_train_step
@@ -51,9 +51,10 @@ def run_one(args) -> None:
         ce = cross_entropy(logits, batch["targets"], mask)
         return ce + aux["aux_loss"], {"ce_loss": ce}
 
-    cfg = settle(load_model_config([args.model, args.variant_gin],
-                                   [f"ModelConfig.vocab_size = {args.vocab}"]))
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    files, bindings = [args.model, args.variant_gin], [f"ModelConfig.vocab_size = {args.vocab}"]
+    cfg = load_model_config(files, bindings)
+    execution = settle(cfg, load_execution_config(files, bindings))
+    model = Transformer(cfg, execution=execution, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
     step = make_train_step(plain_loss if args.one == "plain" else lm_loss,
                            donate=args.one == "tiled_donated")

@@ -39,12 +39,14 @@ def measure(folders, mode: str) -> dict:
     from dagmoe_jax.hf import llama as hf_llama
     from dagmoe_jax.upcycle import moerge, stream
 
-    cfg = settle(moerge.dume_config(stream.read_configs(folders), len(folders)))
+    cfg = moerge.dume_config(stream.read_configs(folders), len(folders))
+    execution = settle(cfg)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if mode == "stream":
-        model = stream.moerge_hf(folders, cfg)
+        model = stream.moerge_hf(folders, cfg, execution=execution)
     else:
-        model = moerge.moerge([hf_llama.load_hf_llama(f)[0] for f in folders], cfg)
+        model = moerge.moerge([hf_llama.load_hf_llama(f)[0] for f in folders], cfg,
+                              execution=execution)
     merged = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"mode": mode, "baseline": before, "peak": peak, "model_bytes": merged}

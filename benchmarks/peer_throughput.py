@@ -42,7 +42,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dagmoe_jax.model.accounting import account  # noqa: E402
-from dagmoe_jax.run.gin import load_model_config  # noqa: E402
+from dagmoe_jax.run.gin import load_execution_config, load_model_config  # noqa: E402
 from dagmoe_jax.run.allocator import allocator, release_memory  # noqa: E402
 from dagmoe_jax.run.settle import describe as describe_settled  # noqa: E402
 from dagmoe_jax.run.settle import settle  # noqa: E402
@@ -127,12 +127,13 @@ def olmoe_in_system_malloc(args, vocab: int) -> float:
     return float(out.stdout.split("OLMOE_SECONDS")[-1].split()[0])
 
 
-def measure(bench, peer, cfg, args) -> dict:
-    """Best s/step of ours and of OLMoE over ``args.rounds`` alternating rounds (and of OLMoE
-    under the system malloc in a child process, with ``--olmoe_system_malloc``)."""
+def measure(bench, peer, cfg, execution, args) -> dict:
+    """Best s/step of ours (``cfg`` run as ``execution``) and of OLMoE over ``args.rounds``
+    alternating rounds (and of OLMoE under the system malloc in a child process, with
+    ``--olmoe_system_malloc``)."""
     ours, theirs, system = math.inf, math.inf, math.inf
     for _ in range(args.rounds):
-        ours = min(ours, bench.step_time(cfg, args.batch, args.seq, args.steps))
+        ours = min(ours, bench.step_time(cfg, execution, args.batch, args.seq, args.steps))
         release_memory()
         model, step = build_olmoe(peer, cfg, args.batch, args.seq)
         theirs = min(theirs, bench.time_fn(step, args.steps))
@@ -164,26 +165,28 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
-def notes(cfg, rows) -> str:
-    """Parameter counts and the documented differences between the two models."""
+def notes(cfg, execution, rows) -> str:
+    """Parameter counts and the documented differences between the two models (ours ``cfg``
+    run as ``execution``)."""
     e, kv_dim = cfg.block.experts, cfg.num_kv_heads * cfg.resolved_head_dim
     qk_norms = cfg.num_layers * (cfg.d_model + kv_dim)
     lines = ["parameters (ours = dagmoe_jax.model.accounting; OLMoE = sum of p.numel()):"]
-    settled = settle(cfg)
+    settled = settle(cfg, execution)
     for r in rows:
         diff = r["olmoe_params"] - r["ours_params"]
         verdict = "= its q/k RMSNorm scales" if diff == qk_norms else "UNEXPECTED, not only q/k norms"
         lines.append(f"  vocab {r['vocab']:,}: ours {r['ours_params']:,}, OLMoE {r['olmoe_params']:,} "
                      f"(OLMoE - ours = {diff:,} {verdict}: {cfg.num_layers} x ({cfg.d_model} + {kv_dim}))")
-    e = settled.block.experts
+    e = cfg.block.experts
     dispatch = (f"capacity dispatch (capacity factor {e.capacity_factor}, overflow tokens dropped)"
                 if e.dispatch == "capacity" else f"{e.dispatch} dispatch")
     lines += ["differences by design:",
               "  OLMoE: RMSNorm on q and k, softmax router, load-balancing loss only, dropless experts, "
               "no activation recomputation (PyTorch eager)",
               f"  ours: no q/k norm, {cfg.block.router.score_fn} router, balance + z-loss, {dispatch}, "
-              f"remat '{cfg.execution.remat}' (here: {REMAT_MEANING[settled.execution.remat]}), "
-              f"attention '{cfg.execution.attention}' (here: {describe_settled(settled, cfg)})"]
+              f"remat '{execution.remat}' (here: {REMAT_MEANING[settled.remat]}), "
+              f"attention '{execution.attention}' "
+              f"(here: {describe_settled(cfg, settled, execution)})"]
     return "\n".join(lines)
 
 
@@ -229,16 +232,18 @@ def main(argv=None):
     print(f"ours: {jax.devices()[0].device_kind} ({jax.default_backend()}); OLMoE: torch CPU, "
           f"{torch.get_num_threads()} threads; allocator (both): {allocator()}")
     print(f"batch {args.batch} x {args.seq} tokens, best of {args.steps} steps x {args.rounds} rounds\n")
-    rows, cfg = [], None
+    rows, cfg, execution = [], None, None
     for vocab in args.vocab:
-        cfg = load_model_config(MODEL_GIN, [*bindings, f"ModelConfig.vocab_size = {vocab}"])
-        rows.append(measure(bench, peer, cfg, args))
+        named = [*bindings, f"ModelConfig.vocab_size = {vocab}"]
+        cfg = load_model_config(MODEL_GIN, named)
+        execution = load_execution_config(MODEL_GIN, named)
+        rows.append(measure(bench, peer, cfg, execution, args))
     print(f"\nOLMoE attention: {rows[0]['attn_implementation']}, experts: {rows[0]['experts_implementation']}, "
           f"torch threads: {torch.get_num_threads()}")
     print(f"model: d {cfg.d_model}, {cfg.num_layers} layers, {cfg.num_heads} heads / {cfg.num_kv_heads} kv, "
           f"{cfg.block.experts.num_experts} experts of {cfg.block.experts.expert_hidden}, top-{cfg.block.router.top_k}\n")
     print(table(rows) + "\n")
-    print(notes(cfg, rows))
+    print(notes(cfg, execution, rows))
     print("\nversions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     if args.json:
         meta = dict(batch=args.batch, seq=args.seq, steps=args.steps, rounds=args.rounds,

@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent.parent
 
 # Run inside each checkout: {variant: optimised HLO text without debug information}.
 PROBE = r"""
-import json, re, sys
+import inspect, json, re, sys
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/benchmarks"]
 from step_throughput import VARIANTS, train_step
 from dagmoe_jax.run.gin import load_model_config
@@ -38,7 +38,10 @@ out = {}
 for name in json.loads(sys.argv[2]):
     cfg = load_model_config(["models/s.gin", VARIANTS[name].format(g=128)],
                             ["ModelConfig.vocab_size = 256"])
-    step, model, optimizer, data = train_step(cfg, 8, 512)
+    # train_step takes the execution config (None: every choice 'auto') since it left the
+    # ModelConfig; a checkout from before then takes the ModelConfig alone.
+    run = (cfg, None) if "execution" in inspect.signature(train_step).parameters else (cfg,)
+    step, model, optimizer, data = train_step(*run, 8, 512)
     text = step.lower(model, optimizer, data).compile().as_text()
     text = re.sub(r", metadata=\{[^}]*\}", "", text)                 # op names, source lines
     text = re.sub(r"^HloModule [^,]*", "HloModule", text, flags=re.M)

@@ -45,7 +45,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dagmoe_jax.run.allocator import allocator  # noqa: E402
-from dagmoe_jax.run.gin import load_model_config  # noqa: E402
+from dagmoe_jax.run.gin import load_execution_config, load_model_config  # noqa: E402
 from dagmoe_jax.run.settle import describe, settle  # noqa: E402
 from scaling import trace_events  # noqa: E402  (the profiler's events, as scaling.py reads them)
 from step_throughput import time_fn, train_step  # noqa: E402
@@ -151,9 +151,10 @@ def instruction_seconds(events: List[dict],
     return dict(per), float(np.mean(spans))
 
 
-def profile_step(cfg, batch: int, seq: int, steps: int):
-    """(step seconds, {instruction: seconds}, span, instructions, computations) of ``cfg``."""
-    step, model, optimizer, data = train_step(cfg, batch, seq)
+def profile_step(cfg, execution, batch: int, seq: int, steps: int):
+    """(step seconds, {instruction: seconds}, span, instructions, computations) of ``cfg``
+    run as ``execution``."""
+    step, model, optimizer, data = train_step(cfg, execution, batch, seq)
     run = lambda: jax.block_until_ready(step(model, optimizer, data))  # noqa: E731
     seconds = time_fn(run, steps)
     text = step.lower(model, optimizer, data).compile().as_text()
@@ -179,14 +180,15 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3, help="timed and profiled steps")
     p.add_argument("--top", type=int, default=15, help="slowest instructions listed")
     args = p.parse_args(argv)
-    cfg = load_model_config([args.model, *(args.gin or ["variants/moe.gin"])],
-                            [*args.binding, f"ModelConfig.vocab_size = {args.vocab}"])
-    settled = settle(cfg, log=print)
+    files = [args.model, *(args.gin or ["variants/moe.gin"])]
+    bindings = [*args.binding, f"ModelConfig.vocab_size = {args.vocab}"]
+    cfg, execution = load_model_config(files, bindings), load_execution_config(files, bindings)
+    settled = settle(cfg, execution, log=print)
     print(f"device: {jax.devices()[0].device_kind}  allocator: {allocator()}  model: "
-          f"{describe(settled, cfg)}\nbatch {args.batch} x {args.seq} tokens, vocab {args.vocab}, "
-          f"{args.steps} steps")
-    seconds, per, span, instructions, computations = profile_step(settled, args.batch, args.seq,
-                                                                  args.steps)
+          f"{describe(cfg, settled, execution)}\nbatch {args.batch} x {args.seq} tokens, "
+          f"vocab {args.vocab}, {args.steps} steps")
+    seconds, per, span, instructions, computations = profile_step(cfg, settled, args.batch,
+                                                                  args.seq, args.steps)
     by_cat = collections.defaultdict(float)
     count = collections.Counter()
     for name, t in per.items():

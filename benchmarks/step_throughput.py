@@ -35,7 +35,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from dagmoe_jax.model.accounting import account  # noqa: E402
-from dagmoe_jax.run.gin import load_model_config  # noqa: E402
+from dagmoe_jax.run.gin import load_execution_config, load_model_config  # noqa: E402
 from dagmoe_jax.run.allocator import allocator, release_memory  # noqa: E402
 from dagmoe_jax.model import Transformer  # noqa: E402
 from dagmoe_jax.model.aggregation import DAGAggregator  # noqa: E402
@@ -76,29 +76,34 @@ def matmul_rate(n: int = 2048, repeats: int = 5, dtype=jnp.float32) -> float:
     return 2 * n ** 3 / time_fn(lambda: f(a, a).block_until_ready(), repeats)
 
 
-def train_step(cfg, batch: int, seq: int):
-    """(step, model, optimizer, data): the jitted AdamW training step of ``cfg`` (settled here)
-    on a fixed batch of random tokens; ``step(model, optimizer, data)`` runs one step."""
-    model = Transformer(settle(cfg), rngs=nnx.Rngs(0))
+def load(files, bindings=()):
+    """(ModelConfig, ExecutionConfig): what the gin ``files`` and ``bindings`` describe."""
+    return load_model_config(files, bindings), load_execution_config(files, bindings)
+
+
+def train_step(cfg, execution, batch: int, seq: int):
+    """(step, model, optimizer, data): the jitted AdamW training step of ``cfg`` run as
+    ``execution`` (settled here) on a fixed batch of random tokens; ``step(model, optimizer,
+    data)`` runs one step."""
+    model = Transformer(cfg, execution=settle(cfg, execution), rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, seq + 1)), jnp.int32)
     return make_train_step(), model, optimizer, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
-def step_time(cfg, batch: int, seq: int, steps: int) -> float:
-    step, model, optimizer, data = train_step(cfg, batch, seq)
+def step_time(cfg, execution, batch: int, seq: int, steps: int) -> float:
+    step, model, optimizer, data = train_step(cfg, execution, batch, seq)
     return time_fn(lambda: jax.block_until_ready(step(model, optimizer, data)), steps)
 
 
-def component_rates(cfg, tokens: int, repeats: int):
-    """Achieved FLOP/s (forward + backward) of the experts (dispatch included) and of the DAG
-    module, on random inputs of ``tokens`` tokens."""
-    cfg = settle(cfg)
+def component_rates(cfg, execution, tokens: int, repeats: int):
+    """Achieved FLOP/s (forward + backward) of the experts (dispatch included; run as
+    ``execution``, settled here) and of the DAG module, on random inputs of ``tokens`` tokens."""
     d, k, e, a = cfg.d_model, cfg.block.router.top_k, cfg.block.experts, cfg.block.aggregation
     rngs = nnx.Rngs(0)
-    experts = Experts(e, d, std=cfg.init_std, dtype=jnp.float32, execution=cfg.execution,
-                      rngs=rngs)
+    experts = Experts(e, d, std=cfg.init_std, dtype=jnp.float32,
+                      execution=settle(cfg, execution), rngs=rngs)
     dag = DAGAggregator(cfg, rngs=rngs)
     w_up = dag.iterations.w_up  # random, so the backward pass is not trivially zero
     w_up[...] = 0.02 * jax.random.normal(jax.random.key(1), w_up.shape)
@@ -148,35 +153,36 @@ def main(argv=None):
     if args.components_only:
         args.vocab = []
 
-    probe = load_model_config([args.model, *args.gin])
+    probe, probe_execution = load([args.model, *args.gin])
     dtype = jnp.dtype(probe.compute_dtype)
     n = 2048 if jax.devices()[0].platform == "cpu" else 8192
     rate = lambda: matmul_rate(n, dtype=dtype)  # noqa: E731
     peak = rate()
+    settled = settle(probe, probe_execution, log=print)
     print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}  "
           f"{dtype.name} {n}^3 matmul: {peak / 1e9:.1f} GFLOP/s  allocator: {allocator()}  "
-          f"model: {describe_settled(settle(probe, log=print), probe)}")
+          f"model: {describe_settled(probe, settled, probe_execution)}")
     print(f"batch {args.batch} x {args.seq} tokens, best of {args.steps} timed steps per variant"
           f"{f' and of {args.rounds} rounds' if args.rounds > 1 else ''}\n")
     tokens = args.batch * args.seq
     tables = {}
     for vocab in args.vocab:
-        cfgs = {name: load_model_config([args.model, VARIANTS[name].format(g=args.dag_dim), *args.gin],
-                                        [*args.binding, f"ModelConfig.vocab_size = {vocab}"])
+        runs = {name: load([args.model, VARIANTS[name].format(g=args.dag_dim), *args.gin],
+                           [*args.binding, f"ModelConfig.vocab_size = {vocab}"])
                 for name in args.variants}
         best = {}
         for r in range(args.rounds):
             # Odd rounds go in reverse: a variant's position in the process matters (memory
             # state after the models before it), so two rounds give each variant both ends.
             for name in (args.variants if r % 2 == 0 else args.variants[::-1]):
-                t = step_time(cfgs[name], args.batch, args.seq, args.steps)
+                t = step_time(*runs[name], args.batch, args.seq, args.steps)
                 release_memory()
                 peak = max(peak, rate())  # the machine's speed drifts: keep the best rate seen
                 best[name] = min(best.get(name, t), t)
                 print(f"  measured {name} @ vocab {vocab}, round {r + 1}: {t:.3f} s/step", flush=True)
         rows = tables[vocab] = []
         for name in args.variants:
-            acc, t = account(cfgs[name], args.seq), best[name]
+            acc, t = account(runs[name][0], args.seq), best[name]
             rows.append((name, acc.total_params, t, tokens / t, acc.train_flops_per_token * tokens / t))
     print(f"\nhighest {dtype.name} matmul rate seen in this run: {peak / 1e9:.1f} GFLOP/s "
           f"('of matmul', i.e. MFU against the measured rate, divides by it)")
@@ -191,12 +197,13 @@ def main(argv=None):
                   f"{fps / peak:>10.1%}{ratio:>26}")
     print()
 
-    cfg = load_model_config([args.model, f"variants/dag_g{args.dag_dim}_l2.gin", *args.gin],
-                            args.binding)
-    t_exp, r_exp, t_dag, r_dag = component_rates(cfg, tokens, max(args.steps, 3))
+    cfg, execution = load([args.model, f"variants/dag_g{args.dag_dim}_l2.gin", *args.gin],
+                          args.binding)
+    t_exp, r_exp, t_dag, r_dag = component_rates(cfg, execution, tokens, max(args.steps, 3))
     print(f"components (one layer, {tokens} tokens, forward + backward)")
     print(f"{'component':<28}{'s':>9}{'GFLOP/s':>10}{'vs experts':>12}")
-    print(f"{f'experts ({settle(cfg).block.experts.dispatch} dispatch)':<28}{t_exp:>9.4f}{r_exp / 1e9:>10.1f}{1.0:>11.2f}x")
+    experts = f"experts ({cfg.block.experts.dispatch} dispatch)"
+    print(f"{experts:<28}{t_exp:>9.4f}{r_exp / 1e9:>10.1f}{1.0:>11.2f}x")
     print(f"{f'DAG module d_g {args.dag_dim} L 2':<28}{t_dag:>9.4f}{r_dag / 1e9:>10.1f}{r_dag / r_exp:>11.2f}x")
 
 

@@ -46,7 +46,7 @@ def token_scores(model: Transformer, inputs: jax.Array, targets: jax.Array,
     ``features``)."""
     h, _ = model(inputs, head=False, **model_inputs)
     return tiled_scores(h, model.lm_head[...].astype(h.dtype), targets,
-                        chunk_tokens=chunk_tokens(model.cfg))
+                        chunk_tokens=chunk_tokens(model.execution))
 
 
 @nnx.jit

@@ -62,25 +62,18 @@ def single_device_env(**extra: str) -> dict:
     return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags), **extra}
 
 
-def tiny_config(block: str = "moe", kind: str = "sum", *, settled: bool = True,
-                **overrides) -> ModelConfig:
+def tiny_config(block: str = "moe", kind: str = "sum", **overrides) -> ModelConfig:
     """A model small enough to compile in a few seconds and run in milliseconds on 2 CPU cores.
 
     d_model 32, 2 layers, 4 heads over 2 KV heads (GQA), vocab 64, 4 experts with top-2,
-    DAG/MLP hidden 16 with 2 iterations. Attention 'auto' is the fused C++ kernel here (CPU,
-    float32, single device) and blockwise under a mesh; ``attention_block`` 8 is smaller than
-    the test sequence lengths (16-32), so the blockwise attention really runs block by block
-    (test_kernels.py compares the two on the whole model). The dense FFN (and DoE's output
-    FFN) is 64 wide. ExecutionConfig fields may be given at the top level
-    (``attention='xla'``), and the block family's parts by the part they configure, as dicts
-    of their fields: ``router=``, ``experts=``, ``aggregation=`` (MoE, CoE), ``coe=`` (the
-    chain's own fields), ``doe=`` and ``ffn_hidden=`` (dense); the parts another family has
-    are ignored. ``settled`` (default) settles the 'auto' fields for one device of this
-    backend (:func:`dagmoe_jax.run.settle.settle`), as a run does before building the model.
+    DAG/MLP hidden 16 with 2 iterations. The dense FFN (and DoE's output FFN) is 64 wide. The
+    block family's parts are given by the part they configure, as dicts of their fields:
+    ``router=``, ``experts=``, ``aggregation=`` (MoE, CoE), ``coe=`` (the chain's own fields),
+    ``doe=`` and ``ffn_hidden=`` (dense); the parts another family has are ignored. How it
+    runs is :func:`tiny_execution`'s (:func:`make_model` builds it).
     """
     base = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                       max_seq_len=64, execution=ExecutionConfig(attention_block=8))
-    execution = {f.name for f in dataclasses.fields(ExecutionConfig)}
+                       max_seq_len=64)
     parts = {"router": {"top_k": 2, **overrides.pop("router", {})},
              "experts": {"num_experts": 4, "expert_hidden": 32, "shared_hidden": 32,
                          **overrides.pop("experts", {})},
@@ -90,11 +83,26 @@ def tiny_config(block: str = "moe", kind: str = "sum", *, settled: bool = True,
              **overrides.pop("coe", {}), **overrides.pop("doe", {})}
     base = base.replace(block=block)          # the family at its defaults (a bad name: one line)
     own = {f.name for f in dataclasses.fields(base.block) if f.init}
-    overrides = {**{k: v for k, v in overrides.items() if k not in execution},
-                 "execution": {**overrides.get("execution", {}),
-                               **{k: v for k, v in overrides.items() if k in execution}}}
-    cfg = base.replace(block={k: v for k, v in parts.items() if k in own}, **overrides)
-    return settle(cfg) if settled else cfg
+    return base.replace(block={k: v for k, v in parts.items() if k in own}, **overrides)
+
+
+def tiny_execution(cfg: ModelConfig, layout=None, **fields) -> ExecutionConfig:
+    """How the tests run ``cfg``: ``ExecutionConfig(**fields)`` settled for one device of this
+    backend (or ``layout``), as a run settles it. Attention 'auto' is the fused C++ kernel here
+    (CPU, float32, single device) and blockwise under a mesh; ``attention_block`` 8 (unless
+    given) is smaller than the test sequence lengths (16-32), so the blockwise attention really
+    runs block by block (test_kernels.py compares the two on the whole model)."""
+    return settle(cfg, ExecutionConfig(**{"attention_block": 8, **fields}), layout=layout)
+
+
+def make_model(cfg: ModelConfig, *, seed: int = 0, layout=None, **execution):
+    """``Transformer(cfg)`` initialised from ``seed``, run as :func:`tiny_execution` settles
+    ``execution`` (``ExecutionConfig`` fields) for it, its dispatch over ``layout``."""
+    from flax import nnx
+
+    from dagmoe_jax.model import Transformer
+    return Transformer(cfg, execution=tiny_execution(cfg, layout, **execution),
+                       rngs=nnx.Rngs(seed), layout=layout)
 
 
 @pytest.fixture

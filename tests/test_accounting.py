@@ -8,9 +8,7 @@ from flax import nnx
 from dagmoe_jax.model.accounting import account
 from dagmoe_jax.config import ModelConfig, dag_params_per_layer, matched_shared_hidden
 from dagmoe_jax.run.gin import load_model_config
-from dagmoe_jax.model import Transformer
-from dagmoe_jax.run.settle import settle
-from conftest import tiny_config
+from conftest import make_model, tiny_config
 
 
 def test_paper_parity_numbers():
@@ -43,11 +41,11 @@ def test_dag_config_adds_its_parameters_per_layer():
                                                     ("moe", "mlp", 0, False),
                                                     ("coe", "sum", 1, False)])
 def test_param_count_matches_the_built_model(block, kind, shared, bias):
-    cfg = tiny_config(block, kind, settled=False, ffn_hidden=None,
+    cfg = tiny_config(block, kind, ffn_hidden=None,
                       experts=dict(num_experts=4, expert_hidden=16, num_shared=shared,
                                    shared_hidden=8),
                       router=dict(top_k=2, bias=bias), aggregation=dict(dag_dim=8, dag_iters=2))
-    model = Transformer(settle(cfg), rngs=nnx.Rngs(0))
+    model = make_model(cfg)
     built = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert account(cfg).total_params == built
 
@@ -82,7 +80,7 @@ def test_dag_readings_param_count_matches_the_built_model(edges, shared):
     """dag_shared_weights counts one module (not L); the edge-free ablation has the DAG's own
     parameters and K (not K^2) pairs of elementwise work."""
     cfg = tiny_config("moe", "dag", aggregation=dict(dag_edges=edges, dag_shared_weights=shared))
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    model = make_model(cfg)
     built = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     acc = account(cfg)
     assert acc.total_params == built

@@ -16,11 +16,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import single_device_env, tiny_config
+from conftest import make_model, single_device_env, tiny_config
 from dagmoe_jax.analysis.collect import Collected, collect, gate_sparsity_counts, record
 from dagmoe_jax.analysis.report import summary, summary_lines
 from dagmoe_jax.model.aggregation import edge_mask
-from dagmoe_jax.model import Transformer
 
 REPO = Path(__file__).resolve().parent.parent
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -28,7 +27,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 def randomized(cfg, seed=0, scale=0.3):
     """A model whose every parameter is random (W_up too, so the DAG changes the output)."""
-    model = Transformer(cfg, rngs=nnx.Rngs(seed))
+    model = make_model(cfg, seed=seed)
     rng = np.random.default_rng(seed)
     noisy = jax.tree.map(lambda x: x + scale * rng.standard_normal(x.shape).astype(x.dtype),
                          nnx.state(model, nnx.Param))

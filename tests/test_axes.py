@@ -5,8 +5,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from conftest import tiny_config
-from dagmoe_jax.model import Transformer
+from conftest import make_model, tiny_config
 from dagmoe_jax.parallel import DEFAULT_RULES, constrain, logical_to_spec
 
 KNOWN = {name for name, _ in DEFAULT_RULES}
@@ -15,7 +14,7 @@ KNOWN = {name for name, _ in DEFAULT_RULES}
 @pytest.mark.parametrize("block,kind,shared", [("dense", "sum", 0), ("moe", "dag", 1), ("moe", "mlp", 0),
                                                ("coe", "sum", 1)])
 def test_every_parameter_has_logical_names_of_its_rank(block, kind, shared):
-    model = Transformer(tiny_config(block, kind, experts=dict(num_shared=shared)), rngs=nnx.Rngs(0))
+    model = make_model(tiny_config(block, kind, experts=dict(num_shared=shared)))
     seen = 0
     for path, var in nnx.iter_graph(model):
         if isinstance(var, nnx.Param):
@@ -27,7 +26,7 @@ def test_every_parameter_has_logical_names_of_its_rank(block, kind, shared):
 
 
 def test_expert_router_and_dag_names():
-    model = Transformer(tiny_config("moe", "dag"), rngs=nnx.Rngs(0))
+    model = make_model(tiny_config("moe", "dag"))
     block = model.layers.block
     assert block.experts.w_gate.get_metadata()["out_sharding"] == ("layers", "expert", "embed", "expert_mlp")
     assert block.experts.w_down.get_metadata()["out_sharding"] == ("layers", "expert", "expert_mlp", "embed")

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dagmoe_jax.model import Transformer
 from dagmoe_jax.run.checkpoint import CheckpointMismatchError, Checkpointer, Restored
 from dagmoe_jax.run.config import OptimConfig
 from dagmoe_jax.run.optim import make_optimizer
 from dagmoe_jax.train.step import make_train_step
+from conftest import make_model
 
 # One transformation for every optimizer of this module (a new one would mean a new graph).
 TX = make_optimizer(OptimConfig(learning_rate=1e-2, schedule="constant", warmup_steps=0), 100)
@@ -27,7 +27,7 @@ TX = make_optimizer(OptimConfig(learning_rate=1e-2, schedule="constant", warmup_
 
 def make_train_state(cfg, seed=0, updates=0):
     """A model and its optimizer after ``updates`` AdamW steps with random gradients."""
-    model = Transformer(cfg, rngs=nnx.Rngs(seed))
+    model = make_model(cfg, seed=seed)
     optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
     key = jax.random.key(seed + 1)
     for _ in range(updates):
@@ -44,7 +44,7 @@ def make_train_state(cfg, seed=0, updates=0):
 def abstract_train_state(cfg):
     return nnx.state(nnx.eval_shape(
         lambda: (lambda m: (m, nnx.Optimizer(m, TX, wrt=nnx.Param)))(
-            Transformer(cfg, rngs=nnx.Rngs(0)))))
+            make_model(cfg))))
 
 
 def host_copy(tree):

@@ -14,10 +14,12 @@ steps, one checkpoint at step 2)::
 and rewrites both places into that layout (the execution fields moved up a level, the step's
 checksums rewritten to match), so no checkpoint is kept in the repository.
 
-The ``layout`` parameter adds the layout of 7ae9da1 (issue 32's starting point) to either:
+The ``old_run`` fixture's other layouts: 7ae9da1 (issue 32's starting point):
 ``ExpertConfig.dispatch='auto'`` in the model config (settled per machine; ``settled_model``
 and the checkpoint's metadata hold what it became) and ``ExecutionConfig.fuse_gate_up``, since
-renamed ``fuse_projections``.
+renamed ``fuse_projections``; 684ed26, the last with every block family's fields flat in the
+model config; 7ae8cf5, the last with the ``ExecutionConfig`` inside the model config
+(``ModelConfig.execution``) instead of beside the mesh (``TrainConfig.execution``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ SMOKE = ["TrainConfig.steps = 2", "TrainConfig.save_every = 2", "TrainConfig.eva
          "DataConfig.num_synthetic = 64", "ModelConfig.d_model = 16",
          "AggregationConfig.dag_dim = 8", "ExpertConfig.expert_hidden = 16",
          "ModelConfig.max_seq_len = 64"]
+
+
+def with_execution(model: dict, execution: dict) -> dict:
+    """A model config dict as versions up to 7ae8cf5 wrote it: with ``execution`` inside."""
+    return {**json.loads(json.dumps(model)), "execution": dict(execution)}
 
 
 def model_684ed26(model: dict) -> dict:
@@ -85,13 +92,17 @@ def trained(tmp_path_factory) -> Path:
     return run_dir
 
 
-@pytest.fixture(params=["520a405", "7ae9da1", "684ed26"])
+@pytest.fixture(params=["520a405", "7ae9da1", "684ed26", "7ae8cf5"])
 def old_run(request, trained, tmp_path) -> Path:
     run_dir = tmp_path / f"run_{request.param}"
     shutil.copytree(trained, run_dir)
     config = json.loads((run_dir / "config.json").read_text())
     step = run_dir / "checkpoints" / "2"
     meta = json.loads((step / "meta" / "metadata").read_text())
+    execution, settled = config["train"].pop("execution"), config.pop("settled_execution")
+    config["settled_model"] = with_execution(config["model"], settled)
+    config["model"] = with_execution(config["model"], execution)
+    meta["model_config"] = with_execution(meta["model_config"], execution)
     if request.param == "7ae9da1":
         settled = "capacity"                 # what 'auto' became on a GPU (dropless on a CPU)
         config["model"] = model_7ae9da1(config["model"])
@@ -101,7 +112,8 @@ def old_run(request, trained, tmp_path) -> Path:
         for key in ("model", "settled_model"):
             config[key] = model_684ed26(config[key])
         meta["model_config"] = model_684ed26(meta["model_config"])
-    else:
+    elif request.param == "520a405":
+        del config["settled_model"]
         config["model"] = legacy_model(config["model"])
         meta["model_config"] = legacy_model(meta["model_config"])
     (run_dir / "config.json").write_text(json.dumps(config))
@@ -112,12 +124,16 @@ def old_run(request, trained, tmp_path) -> Path:
 
 def test_the_legacy_config_reads_migrated(old_run):
     blob = json.loads((old_run / "config.json").read_text())
-    model_cfg, _, _, _ = run_lib.load_configs(old_run)
-    if old_run.name == "run_520a405":       # the execution fields at the top level, nested now
+    model_cfg, _, _, train_cfg = run_lib.load_configs(old_run)
+    if old_run.name == "run_520a405":       # the execution fields at the top level: beside the mesh
         assert "remat" in blob["model"] and "execution" not in blob["model"]
-        assert model_cfg.execution == ExecutionConfig(**{
+        assert train_cfg.execution == ExecutionConfig(**{
             f.name: blob["model"][f.name] for f in dataclasses.fields(ExecutionConfig)})
         assert model_cfg == ModelConfig.from_dict(blob["model"])
+    elif old_run.name == "run_7ae8cf5":     # the execution inside the model config: beside the mesh
+        assert "execution" in blob["model"] and "execution" not in blob["train"]
+        assert train_cfg.execution == ExecutionConfig(**blob["model"]["execution"])
+        assert "execution" not in dataclasses.asdict(model_cfg)
     elif old_run.name == "run_684ed26":     # the block family's fields at the top level
         assert blob["model"]["block"] == "moe" and "doe" in blob["model"]
         assert model_cfg.block.router.top_k == blob["model"]["router"]["top_k"]
@@ -125,7 +141,7 @@ def test_the_legacy_config_reads_migrated(old_run):
         assert blob["model"]["experts"]["dispatch"] == "auto"
         assert model_cfg.block.experts.dispatch == blob["settled_model"]["experts"]["dispatch"] == (
             "capacity")
-        assert (model_cfg.execution.fuse_projections
+        assert (train_cfg.execution.fuse_projections
                 == blob["model"]["execution"]["fuse_gate_up"])
     assert (model_cfg.d_model, model_cfg.block.aggregation.kind) == (16, "dag")
 

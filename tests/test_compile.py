@@ -19,6 +19,7 @@ from conftest import tiny_config
 from dagmoe_jax.compile import roofline
 from dagmoe_jax.compile.chips import CHIPS, parse_topology, tpu_compiler_missing
 from dagmoe_jax.data import DataConfig
+from dagmoe_jax.config import ExecutionConfig
 from dagmoe_jax.run.config import OptimConfig, TrainConfig
 
 @pytest.fixture(autouse=True)
@@ -36,7 +37,7 @@ needs_tpu_compiler = pytest.mark.skipif(
 
 def small_dag(**overrides):
     """A DAG-MoE whose dims take the Pallas kernels' 128 tiles (gmm) and splash's blocks."""
-    return tiny_config(settled=False, d_model=128, num_heads=4, num_kv_heads=2, max_seq_len=256,
+    return tiny_config(d_model=128, num_heads=4, num_kv_heads=2, max_seq_len=256,
                        compute_dtype="bfloat16", aggregation=dict(kind="dag"),
                        experts=dict(expert_hidden=128), **overrides)
 
@@ -57,7 +58,7 @@ def test_tiny_dag_compiles_for_v5p(v5p, mesh):
     settled, reports = compile_run(small_dag(), DataConfig(batch_size=8, seq_len=128),
                                    OptimConfig(), TrainConfig(), mesh, chip,
                                    programs=("train",), keep_hlo=True)
-    assert (settled.execution.attention, settled.execution.grouped_matmul) == ("splash", "gmm")
+    assert (settled.attention, settled.grouped_matmul) == ("splash", "gmm")
     train = reports["train"]
     # the Mosaic kernels, forward and backward, in the compiled program (2 layers, remat full)
     kernels = train.cost.kernels
@@ -156,7 +157,8 @@ def test_kernels_refused_under_highest_precision():
         with pytest.raises(ValueError, match="Bad lhs type.*ExecutionConfig.attention='xla'"):
             check_kernel_precision("splash", "ragged_dot", "tpu")
         with pytest.raises(ValueError, match="megablox gmm"):
-            abstract_train_state(small_dag(attention="xla"), OptimConfig(), TrainConfig(),
+            abstract_train_state(small_dag(), OptimConfig(),
+                                 TrainConfig(execution=ExecutionConfig(attention="xla")),
                                  jax.sharding.Mesh(jax.devices()[:1], ("data",)))
         # XLA's own attention and ragged_dot take any precision; CPU is never refused
         check_kernel_precision("xla", "ragged_dot", "tpu")
@@ -266,11 +268,9 @@ def test_grouped_matmul_flops_scale_by_occupancy():
 @needs_tpu_compiler
 def test_gmm_occupancy_of_a_mesh(v5p):
     from dagmoe_jax.compile.programs import gmm_occupancy, mesh_over
-    from dagmoe_jax.run.settle import settle
-    from dagmoe_jax.parallel.axes import MeshLayout
     _, devices = v5p
     mesh = mesh_over(devices, dict(data=2, expert=2))
-    cfg = settle(small_dag(), backend="tpu", layout=MeshLayout.of(mesh))
+    cfg = small_dag()
     assert cfg.block.experts.dispatch == "dropless"
     assert gmm_occupancy(cfg, mesh, tokens=512) == 0.5
     assert gmm_occupancy(cfg, mesh, tokens=3) == 1.0          # global-view fallback

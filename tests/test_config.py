@@ -9,8 +9,9 @@ import re
 import pytest
 
 from conftest import tiny_config
-from dagmoe_jax.config import (AggregationConfig, CoEConfig, ExpertConfig, ModelConfig,
-                               RouterConfig, dag_params_per_layer, matched_shared_hidden)
+from dagmoe_jax.config import (AggregationConfig, CoEConfig, ExecutionConfig, ExpertConfig,
+                               ModelConfig, RouterConfig, dag_params_per_layer,
+                               matched_shared_hidden)
 
 INVALID = [
     # (id, overrides for tiny_config, field name the message must contain)
@@ -30,8 +31,6 @@ INVALID = [
     ("dag_shared_weights_not_bool", dict(aggregation=dict(dag_shared_weights=1)),
      "dag_shared_weights"),
     ("bad_coe_score_fn", dict(block="coe", coe=dict(score_fn="relu")), "score_fn"),
-    ("bad_remat", dict(remat="some"), "remat"),
-    ("negative_scan_unroll", dict(scan_unroll=-1), "scan_unroll"),
     ("capacity_factor=0", dict(experts=dict(capacity_factor=0.0)), "capacity_factor"),
     ("capacity_factor<0", dict(experts=dict(capacity_factor=-1.0)), "capacity_factor"),
     ("negative_balance_coef", dict(router=dict(balance_coef=-0.01)), "balance_coef"),
@@ -44,7 +43,6 @@ INVALID = [
     ("odd_head_dim_derived", dict(d_model=36, num_heads=4, num_kv_heads=2), "head_dim"),
     ("num_experts=0", dict(experts=dict(num_experts=0)), "num_experts"),
     ("negative_num_shared", dict(experts=dict(num_shared=-1)), "num_shared"),
-    ("bad_attention", dict(attention="flash"), "attention"),
     ("bad_dtype", dict(compute_dtype="float16"), "compute_dtype"),
 ]
 
@@ -53,6 +51,19 @@ INVALID = [
 def test_invalid_config_raises_naming_the_field(overrides, field):
     with pytest.raises(ValueError, match=rf"\b{field}\b"):
         tiny_config(**overrides)
+
+
+INVALID_EXECUTION = [("bad_remat", dict(remat="some"), "remat"),
+                     ("negative_scan_unroll", dict(scan_unroll=-1), "scan_unroll"),
+                     ("bad_attention", dict(attention="flash"), "attention"),
+                     ("bad_grouped_matmul", dict(grouped_matmul="loop"), "grouped_matmul")]
+
+
+@pytest.mark.parametrize("fields,field", [c[1:] for c in INVALID_EXECUTION],
+                         ids=[c[0] for c in INVALID_EXECUTION])
+def test_invalid_execution_config_raises_naming_the_field(fields, field):
+    with pytest.raises(ValueError, match=rf"^ExecutionConfig.{field}="):
+        ExecutionConfig(**fields)
 
 
 def test_valid_tiny_configs_build():
@@ -113,22 +124,44 @@ def test_dispatch_is_architecture_and_retired_values_say_what_to_write(retired, 
     old["block"]["experts"]["dispatch"] = retired
     migrated = ModelConfig.from_dict(old)
     assert migrated.block.experts.dispatch == "dropless"
-    assert migrated.execution.grouped_matmul == ("einsum" if retired == "dense" else "auto")
+    assert ModelConfig.saved_execution(old).get("grouped_matmul") == (
+        "einsum" if retired == "dense" else None)
 
 
 def test_fuse_gate_up_is_fuse_projections_in_old_runs_and_old_bindings():
     """It fuses q/k/v as well as gate/up: renamed; a run saved with the old name reads, and a
     binding of the old name says the new one."""
-    from dagmoe_jax.run.gin import load_model_config
-    old = dataclasses.asdict(ModelConfig())
-    del old["execution"]["fuse_projections"]
-    old["execution"]["fuse_gate_up"] = False
-    assert ModelConfig.from_dict(old).execution.fuse_projections is False
+    from dagmoe_jax.run.gin import load_execution_config
+    old = {**dataclasses.asdict(ModelConfig()), "execution": {"fuse_gate_up": False}}
+    assert ModelConfig.saved_execution(old) == {"fuse_projections": False}
+    assert "execution" not in ModelConfig.migrate(old)
     with pytest.raises(ValueError, match=r"\(ExecutionConfig.fuse_gate_up: it is "
                                          r"ExecutionConfig.fuse_projections now\)$"):
-        load_model_config(bindings=["ExecutionConfig.fuse_gate_up = False"])
-    assert load_model_config(
-        bindings=["ExecutionConfig.fuse_projections = False"]).execution.fuse_projections is False
+        load_execution_config(bindings=["ExecutionConfig.fuse_gate_up = False"])
+    assert load_execution_config(
+        bindings=["ExecutionConfig.fuse_projections = False"]).fuse_projections is False
+
+
+def test_execution_sits_beside_the_mesh_not_in_the_model_config():
+    """How the model runs is the run's (``TrainConfig.execution``), never the architecture's:
+    an old binding of ``ModelConfig.execution`` says where it went, and a run's config.json of
+    the previous layout (the execution inside the model config) moves it there."""
+    from dagmoe_jax.run import configs_from_json, configs_to_json
+    from dagmoe_jax.run.config import OptimConfig, TrainConfig
+    from dagmoe_jax.run.gin import load_configs
+    from dagmoe_jax.data import DataConfig
+
+    assert "execution" not in {f.name for f in dataclasses.fields(ModelConfig)}
+    _, _, _, train = load_configs(bindings=["ExecutionConfig.remat = 'dots'"])
+    assert train.execution == ExecutionConfig(remat="dots")
+    with pytest.raises(ValueError, match=r"\(ModelConfig.execution: it is TrainConfig.execution "
+                                         r"now"):
+        load_configs(bindings=["ModelConfig.execution = @ExecutionConfig()"])
+    blob = configs_to_json(ModelConfig(), DataConfig(), OptimConfig(), TrainConfig())
+    blob["model"]["execution"] = blob["train"].pop("execution")
+    blob["model"]["execution"]["attention"] = "xla"
+    model, _, _, train = configs_from_json(blob)
+    assert model == ModelConfig() and train.execution == ExecutionConfig(attention="xla")
 
 
 ROUTED_FIELDS = ("router", "experts", "aggregation", "num_experts", "top_k", "coe", "doe")
@@ -168,7 +201,7 @@ def _flat(cfg: ModelConfig, ffn_hidden=64) -> dict:
 def test_config_json_of_every_family_before_block_configs_migrates(block):
     """The top-level router / experts / aggregation / coe / doe / ffn_hidden of earlier
     versions move into the family's config; the other families' fields are dropped."""
-    cfg = tiny_config(block, "dag", settled=False)
+    cfg = tiny_config(block, "dag")
     assert ModelConfig.from_dict(_flat(cfg)) == cfg
     if block == "doe":        # DoE's FFN defaulted to the model's ffn_hidden: it keeps that width
         old = _flat(cfg.replace(block=dict(ffn_hidden=None)), ffn_hidden=96)

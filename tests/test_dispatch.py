@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import tiny_config
+from conftest import tiny_config, tiny_execution
 from dagmoe_jax.model.dispatch import (capacity_dispatch, capacity_slots, dense_dispatch, dispatch,
                                        dropless_dispatch, expert_capacity)
 from dagmoe_jax.config import ExecutionConfig, ExpertConfig
@@ -182,9 +182,10 @@ def test_moe_block_dispatch_modes_identical_without_drops(kind):
     for mode in ("capacity", "dropless", "einsum"):   # einsum: dropless, every expert everywhere
         cfg = tiny_config("moe", kind, init_std=0.2,   # O(1) expert outputs
                           experts=dict(dispatch="capacity" if mode == "capacity" else "dropless",
-                                       capacity_factor=4.0),
-                          **({"grouped_matmul": "einsum"} if mode == "einsum" else {}))
-        block = MoEBlock(cfg, rngs=nnx.Rngs(0))                 # same seed: same parameters
+                                       capacity_factor=4.0))
+        execution = tiny_execution(cfg, **({"grouped_matmul": "einsum"} if mode == "einsum"
+                                           else {}))
+        block = MoEBlock(cfg, execution, rngs=nnx.Rngs(0))        # same seed: same parameters
         if kind == "dag":   # random W_up so the DAG's pairwise terms take part
             it = block.aggregator.iterations
             it.w_up[...] = 0.2 * jax.random.normal(jax.random.key(2), it.w_up.shape)
@@ -221,7 +222,7 @@ def np_rank_major_keep(indices, n, capacity):
 def test_moe_block_dropped_fraction(capacity_factor):
     cfg = tiny_config("moe", "sum", init_std=0.2,
                       experts=dict(dispatch="capacity", capacity_factor=capacity_factor))
-    block = MoEBlock(cfg, rngs=nnx.Rngs(0))
+    block = MoEBlock(cfg, tiny_execution(cfg), rngs=nnx.Rngs(0))
     # Inputs with a positive mean and a raised first router column push most tokens onto
     # expert 0, so that capacity really binds.
     block.router.w_router[...] = block.router.w_router[...].at[:, 0].add(0.3)

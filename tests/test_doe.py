@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import tiny_config
+from conftest import make_model, tiny_config, tiny_execution
 from dagmoe_jax.config import DoEConfig
 from dagmoe_jax.data.tokenizers import ByteTokenizer
 from dagmoe_jax.decoding.generate import generate
-from dagmoe_jax.model import Transformer
 from dagmoe_jax.model.doe import block as D
 from dagmoe_jax.model.doe import objective
 from dagmoe_jax.data.topics.extension import TopicFeatures
@@ -87,7 +86,8 @@ def block_numpy(block, shared, x, signal, topic_term, index):
 def test_block_matches_numpy_and_evaluation_uses_the_mean(rng, index):
     cfg = doe_config(recon_coef=0.5)
     rngs = nnx.Rngs(0)
-    block, shared = D.DoEBlock(cfg, rngs=rngs), D.DoEShared(cfg, rngs=rngs)
+    block = D.DoEBlock(cfg, tiny_execution(cfg), rngs=rngs)
+    shared = D.DoEShared(cfg, rngs=rngs)
     x = rng.normal(size=(2, 6, cfg.d_model)).astype(np.float32)
     signal = rng.normal(size=(2, 6, D.signal_dim(cfg))).astype(np.float32)
     topic_term = rng.normal(size=(2, 6, 16)).astype(np.float32)
@@ -147,14 +147,14 @@ def test_expert_loss_masks_null_and_matches_numpy(rng):
 
 def test_shared_vae_exists_once():
     cfg = doe_config(layers=4)
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: make_model(cfg))
     assert model.doe.vae_w_mu.shape[0] == 3                      # first, shared middle, last
     np.testing.assert_array_equal(D.vae_index(cfg), [0, 1, 1, 2])
     vae_params = [p for p, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))
                   if any("vae_" in str(k) for k in p)]
     assert vae_params and all(p[0] == "doe" for p in vae_params)   # none inside the layers
     per_layer = doe_config(layers=4, vae_sharing="per_layer")
-    assert nnx.eval_shape(lambda: Transformer(per_layer, rngs=nnx.Rngs(0))).doe.vae_w_mu.shape[0] == 4
+    assert nnx.eval_shape(lambda: make_model(per_layer)).doe.vae_w_mu.shape[0] == 4
     np.testing.assert_array_equal(D.vae_index(per_layer), [0, 1, 2, 3])
 
 
@@ -164,7 +164,7 @@ def test_config_and_input_errors():
     with pytest.raises(ValueError, match="DoEConfig.gate"):
         DoEConfig(gate="sigmoid")
     with pytest.raises(ValueError, match=r"needs features=\{.topics.: \[B, S\]\}"):
-        nnx.eval_shape(lambda: Transformer(doe_config(), rngs=nnx.Rngs(0))(
+        nnx.eval_shape(lambda: make_model(doe_config())(
             jnp.zeros((1, 4), jnp.int32)))
 
 
@@ -181,7 +181,7 @@ def test_causal_end_to_end_and_kv_cache_decoding(lda):
     text = b"ocean wave salt tide, flame ember smoke ash heat reef tide!"
     other = b"flame ash heat heat, ocean reef tide salt wave wave ember!!"
     cfg = doe_config()
-    model = Transformer(cfg, rngs=nnx.Rngs(1))
+    model = make_model(cfg, seed=1)
     forward = nnx.jit(lambda m, tok, top: m(tok, features={"topics": top})[0])
     t = 30
     rows, tops = [], []
@@ -219,7 +219,7 @@ def batch_of(lda, cfg):
 
 def test_alpha_zero_gives_plain_next_token_gradients(lda):
     cfg = doe_config(alpha=0.0)
-    model = Transformer(cfg, rngs=nnx.Rngs(2))
+    model = make_model(cfg, seed=2)
     batch = batch_of(lda, cfg)
     assert np.any(np.asarray(batch["topic_labels"]) != K)
 
@@ -248,7 +248,7 @@ def test_accounting_counts_every_doe_parameter(doe):
     from dagmoe_jax.model.accounting import account
 
     cfg = doe_config(layers=4, **doe)
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: make_model(cfg))
     count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     acc = account(cfg)
     assert acc.total_params == count
@@ -261,7 +261,7 @@ def test_gate_profile_groups_gates_by_label(tmp_path, rng):
     from dagmoe_jax.analysis.doe import gate_profile, plot_gate_profile, specialisation
 
     cfg = doe_config(layers=2)
-    model = Transformer(cfg, rngs=nnx.Rngs(4))
+    model = make_model(cfg, seed=4)
     batch = {"inputs": rng.integers(0, 256, (2, 12)), "topics": rng.integers(0, K + 1, (2, 12)),
              "topic_labels": rng.integers(-1, K + 1, (2, 12))}
     profile = gate_profile(model, [batch], K)

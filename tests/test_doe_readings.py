@@ -13,9 +13,9 @@ from flax import nnx
 from dagmoe_jax.config import DoEConfig
 from dagmoe_jax.model.doe import block as D
 from dagmoe_jax.model.doe import knowledge_blocks as KB
-from dagmoe_jax.model import Transformer
 from dagmoe_jax.model.accounting import account
 from test_doe import K, doe_config, silu, softmax
+from conftest import make_model, tiny_execution
 
 
 def swiglu_np(x, wg, wu, wd):
@@ -91,7 +91,8 @@ def blocks_block_numpy(block, shared, x, signal, topic_term, index, n, d_k=None)
 def make_block(rng, **doe):
     cfg = doe_config(**doe)
     rngs = nnx.Rngs(0)
-    block, shared = D.DoEBlock(cfg, rngs=rngs), D.DoEShared(cfg, rngs=rngs)
+    block = D.DoEBlock(cfg, tiny_execution(cfg), rngs=rngs)
+    shared = D.DoEShared(cfg, rngs=rngs)
     x = rng.normal(size=(2, 6, cfg.d_model)).astype(np.float32)
     signal = rng.normal(size=(2, 6, D.signal_dim(cfg))).astype(np.float32)
     topic = rng.normal(size=(2, 6, 16)).astype(np.float32)
@@ -142,7 +143,7 @@ def test_a_zero_gate_gives_its_block_zero_gradient(rng, expert):
 
 def test_blocks_accounting_counts_active_slices():
     cfg = doe_config(layers=4, expert="blocks", top_n=2, block_hidden=6, shared_knowledge=True)
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: make_model(cfg))
     count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     acc = account(cfg)
     assert acc.total_params == count
@@ -168,12 +169,13 @@ def test_knowledge_scale_matches_numpy(rng, scale):
 def test_shared_knowledge_is_one_z_read_by_every_layer(rng):
     cfg = doe_config(layers=3, shared_knowledge=True, expert="blocks",
                      knowledge_scale="topic_dim")
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: make_model(cfg))
     paths = [p for p, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))
              if p[-1] == "knowledge"]
     assert paths == [("doe", "knowledge")]
     rngs = nnx.Rngs(0)
-    block, shared = D.DoEBlock(cfg, rngs=rngs), D.DoEShared(cfg, rngs=rngs)
+    block = D.DoEBlock(cfg, tiny_execution(cfg), rngs=rngs)
+    shared = D.DoEShared(cfg, rngs=rngs)
     x = rng.normal(size=(2, 6, cfg.d_model)).astype(np.float32)
     signal = rng.normal(size=(2, 6, D.signal_dim(cfg))).astype(np.float32)
     z = jnp.asarray(rng.normal(size=(K, cfg.d_model)), jnp.float32)
@@ -224,7 +226,7 @@ def test_alpha_teaches_the_routers_the_lda_labels(doe):
     labels = np.asarray(batch["topic_labels"])
     results = {}
     for alpha in (0.0, 0.5):
-        model = Transformer(doe_config(layers=2, alpha=alpha, **doe), rngs=nnx.Rngs(1))
+        model = make_model(doe_config(layers=2, alpha=alpha, **doe), seed=1)
         graph, params, rest = nnx.split(model, nnx.Param, ...)
         tx = optax.adam(1e-2)
         opt = tx.init(params)

@@ -16,10 +16,9 @@ from dagmoe_jax.decoding.generate import generate
 from dagmoe_jax.model.doe import block as D
 from dagmoe_jax.data.topics.extension import TopicFeatures
 from dagmoe_jax.data.topics import piece_table, token_topics
-from dagmoe_jax.model import Transformer
 from dagmoe_jax.model.accounting import account
 from dagmoe_jax.train.step import lm_loss
-from conftest import tiny_config
+from conftest import make_model, tiny_config
 from test_doe import DOE, K, doe_config, lda  # noqa: F401  (lda: the module's fitted topic fixture)
 
 
@@ -62,7 +61,7 @@ def test_gradient_reaches_every_seen_row_of_e_know(rng):
 
     # end to end: the language-model loss reaches E_know, and through the theta path too
     cfg = doe_config(layers=2, first_input="theta")
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    model = make_model(cfg)
     tokens = rng.integers(0, 256, (2, 13))
     ids = rng.integers(0, K + 1, (2, 12))
     batch = {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:]),
@@ -103,7 +102,7 @@ def theta_model(rng, seed=1):
     half starts at zero."""
     cfg = tiny_config("doe", num_layers=3, vocab_size=256, init_std=0.2,
                       doe={**DOE, "first_input": "theta"})
-    model = Transformer(cfg, rngs=nnx.Rngs(seed))
+    model = make_model(cfg, seed=seed)
     p = model.doe.w_in
     p[...] = jnp.asarray(rng.normal(size=p.shape) * 0.3, p[...].dtype)
     return model
@@ -176,7 +175,7 @@ def test_kv_cache_generation_equals_the_full_forward_pass(lda, rng):  # noqa: F8
 
 def test_theta_decoding_without_counts_and_config_errors(rng):
     cfg = doe_config(first_input="theta")
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    model = make_model(cfg)
     tokens = jnp.zeros((1, 4), jnp.int32)
     topics = {"topics": jnp.full((1, 4), K, jnp.int32)}
     with pytest.raises(ValueError, match=r"first_input='theta' decodes over a KV cache only"):

@@ -18,6 +18,7 @@ from experiments.scoring import (accuracy_by_size, eval_seq_len, majority_baseli
                                  seed_statistics)
 from experiments.variants import (VARIANTS, budget_params, matched_dag_dim,
                                   variant_config)
+from conftest import make_model
 
 TOK = ByteTokenizer()
 CFG = DataConfig(source="synthetic:lis,edit_distance,lcs", seq_len=64)
@@ -202,14 +203,10 @@ def test_variants_add_equal_parameters():
 
 
 def test_model_predictor_padding_and_dispatch():
-    from flax import nnx
-
     from conftest import tiny_config
     from experiments.scoring import model_predictor
-    from dagmoe_jax.model import Transformer
 
-    model = Transformer(tiny_config("moe", "dag", vocab_size=256, max_seq_len=64),
-                        rngs=nnx.Rngs(0))
+    model = make_model(tiny_config("moe", "dag", vocab_size=256, max_seq_len=64))
     batches = task_eval_batches(CFG, TOK, num_examples=5, size=4, batch_size=3, tasks=["lis"],
                                 seq_len=32)
     padded = model_predictor(model, rows=4, dispatch="dropless")

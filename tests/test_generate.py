@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import single_device_env, tiny_config
+from conftest import make_model, single_device_env, tiny_config
 from dagmoe_jax.decoding.generate import Generation, decoding_model, generate, sample_logits
 from dagmoe_jax.model import Transformer
 
@@ -44,7 +44,7 @@ PROMPTS = [[5, 17, 3, 44, 9], [60, 2]]        # different lengths: the second is
 def model_for(name: str) -> Transformer:
     """A model whose zero-initialised aggregator outputs (DAG W_up, MLP W_3) are randomised, so
     the DAG / MLP modules really contribute to the logits being compared."""
-    model = Transformer(CONFIGS[name], rngs=nnx.Rngs(0))
+    model = make_model(CONFIGS[name])
     key = jax.random.key(1)
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Param) and "aggregator" in path and path[-1] in ("w_up", "w_3"):

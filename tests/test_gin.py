@@ -7,7 +7,7 @@ import pytest
 
 from dagmoe_jax.config import DenseConfig
 from dagmoe_jax.model.accounting import account
-from dagmoe_jax.run.gin import CONFIG_DIR, load_model_config
+from dagmoe_jax.run.gin import CONFIG_DIR, load_configs, load_execution_config, load_model_config
 
 MODELS = sorted(os.path.relpath(p, CONFIG_DIR) for p in glob.glob(str(CONFIG_DIR / "models/*.gin")))
 VARIANTS = sorted(os.path.relpath(p, CONFIG_DIR) for p in glob.glob(str(CONFIG_DIR / "variants/*.gin")))
@@ -82,18 +82,21 @@ def test_bindings_override_files():
 
 
 def test_nested_configs_bind_with_or_without_their_wiring():
-    """``ExecutionConfig.remat = 'full'`` reaches ``ModelConfig.execution`` with no file wiring
-    ``ModelConfig.execution = @ExecutionConfig()``; the same holds for every nested config,
+    """``ExecutionConfig.remat = 'full'`` reaches ``TrainConfig.execution`` with no file wiring
+    ``TrainConfig.execution = @ExecutionConfig()``; the same holds for every nested config,
     the block family's parts included, found by walking the configs' fields."""
-    bare = load_model_config([], ["ExecutionConfig.remat = 'full'", "RopeScalingConfig.kind = "
-                                  "'llama3'", "RouterConfig.top_k = 1"])
-    assert (bare.execution.remat, bare.rope_scaling.kind, bare.block.router.top_k) == (
-        "full", "llama3", 1)
+    bindings = ["ExecutionConfig.remat = 'full'", "RopeScalingConfig.kind = 'llama3'",
+                "RouterConfig.top_k = 1", "MeshConfig.data = 2"]
+    bare, _, _, train = load_configs([], bindings)
+    assert (train.execution.remat, bare.rope_scaling.kind, bare.block.router.top_k,
+            train.mesh.data) == ("full", "llama3", 1, 2)
     wired = load_model_config(["models/s.gin", "gpu.gin"], ["ExecutionConfig.attention = 'xla'"])
-    assert (wired.execution.remat, wired.execution.attention, wired.compute_dtype) == (
+    execution = load_execution_config(["models/s.gin", "gpu.gin"],
+                                      ["ExecutionConfig.attention = 'xla'"])
+    assert (execution.remat, execution.attention, wired.compute_dtype) == (
         "dots", "xla", "bfloat16")
     with pytest.raises(ValueError, match="ExecutionConfig.*remat"):
-        load_model_config([], ["ExecutionConfig.remat = 'some'"])
+        load_execution_config([], ["ExecutionConfig.remat = 'some'"])
 
 
 @pytest.mark.parametrize("files,bindings,needle", [

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import tiny_config
+from conftest import make_model, tiny_config
 from dagmoe_jax.kernels import build as kbuild
 from dagmoe_jax.kernels import grouped_matmul as kgmm
 from dagmoe_jax.kernels.grouped_matmul import cpu_grouped_matmul, grouped_matmul_unavailable
-from dagmoe_jax.model import Transformer
 from dagmoe_jax.parallel import MeshConfig, make_mesh
 from dagmoe_jax.parallel.axes import MeshLayout
+from dagmoe_jax.config import ExecutionConfig
 from dagmoe_jax.run.settle import settle, settle_grouped_matmul
 
 pytestmark = pytest.mark.skipif(kbuild.compiler() is None,
@@ -117,9 +117,8 @@ def test_dropless_model_with_the_kernel_equals_dense_dispatch():
         return jnp.mean(logits ** 2), logits
 
     for mode, gm in (("dropless", "cpu_gmm"), ("dense", "einsum")):
-        cfg = tiny_config("moe", "sum", init_std=0.2, grouped_matmul=gm)
-        assert cfg.execution.grouped_matmul == gm
-        model = Transformer(cfg, rngs=nnx.Rngs(0))
+        model = make_model(tiny_config("moe", "sum", init_std=0.2), grouped_matmul=gm)
+        assert model.execution.grouped_matmul == gm
         (_, logits), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(model)
         results[mode] = (np.asarray(logits), jax.tree.leaves(nnx.state(grads)))
     (la, ga), (lb, gb) = results["dropless"], results["dense"]
@@ -137,13 +136,12 @@ def test_auto_picks_the_kernel_on_cpu_off_mesh_only():
     assert settle_grouped_matmul("ragged_dot", "cpu", 32, 32) == "ragged_dot"
     assert settle_grouped_matmul("auto", "gpu", 32, 32) == "ragged_dot"
     assert settle_grouped_matmul("auto", "tpu", 128, 256) == "gmm"
-    assert tiny_config().execution.grouped_matmul == "cpu_gmm"
+    assert settle(tiny_config()).grouped_matmul == "cpu_gmm"
     layout = MeshLayout.of(make_mesh(MeshConfig(data=2), jax.devices()[:2]))
-    assert settle(tiny_config(settled=False), layout=layout).execution.grouped_matmul == (
-        "ragged_dot")
+    assert settle(tiny_config(), layout=layout).grouped_matmul == "ragged_dot"
     with pytest.raises(ValueError, match="^ExecutionConfig.grouped_matmul='cpu_gmm' runs on a "
                                          "single device only"):
-        settle(tiny_config(grouped_matmul="cpu_gmm", settled=False), layout=layout)
+        settle(tiny_config(), ExecutionConfig(grouped_matmul="cpu_gmm"), layout=layout)
 
 
 def test_auto_falls_back_when_the_kernel_cannot_build(monkeypatch):

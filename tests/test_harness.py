@@ -15,13 +15,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import tiny_config, write_byte_level_tokenizer
+from conftest import make_model, tiny_config, write_byte_level_tokenizer
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.data.tokenizers import ByteTokenizer
 from dagmoe_jax.decoding.generate import generate
 from dagmoe_jax.harness.scoring import Scorer, padded_width
-from dagmoe_jax.model import Transformer
-from dagmoe_jax.run.settle import settle
 
 lm_eval = pytest.importorskip("lm_eval", reason="needs the [harness] extra (in requirements)")
 from dagmoe_jax.harness.lm import DagmoeLM, cut_at_stop  # noqa: E402
@@ -31,16 +29,16 @@ WINDOW = 32
 # A MoE whose capacity dispatch would drop tokens (factor 1): the scorer's dropless routing is
 # what makes rows independent of their batch.
 RAW = tiny_config("moe", "dag", vocab_size=256, max_seq_len=WINDOW, init_std=0.2,
-                  experts=dict(capacity_factor=1.0, num_shared=1), settled=False)
-CFG = settle(RAW)
+                  experts=dict(capacity_factor=1.0, num_shared=1))
+CFG = RAW
 
 
-GRAPHDEF = nnx.graphdef(nnx.eval_shape(lambda: Transformer(CFG, rngs=nnx.Rngs(0))))
+GRAPHDEF = nnx.graphdef(nnx.eval_shape(lambda: make_model(CFG)))
 
 
 @pytest.fixture(scope="module")
 def model():
-    return Transformer(CFG, rngs=nnx.Rngs(0))
+    return make_model(CFG)
 
 
 def fake_run(model):
@@ -266,8 +264,8 @@ def test_loaded_run_scores_like_the_model(run_dir, model, rng):
     got = lm._loglikelihood_tokens(requests, disable_tqdm=True)
     want = [reference(model, c, t) for c, t in pairs]
     np.testing.assert_allclose([g[0] for g in got], [w[0] for w in want], rtol=1e-5, atol=1e-4)
-    # the run's config as trained, less what each machine settles for itself
-    assert lm.run.model_cfg.replace(execution=RAW.execution) == RAW
+    # the run's model config as trained (how it runs is the run's train config's, settled here)
+    assert lm.run.model_cfg == RAW and not lm.run.model.execution.unsettled
 
 
 def test_chat_template_formats_prompts_as_fine_tuning_does(model):

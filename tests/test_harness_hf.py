@@ -31,18 +31,16 @@ from flax import nnx  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from conftest import tiny_config, write_byte_level_tokenizer  # noqa: E402
+from conftest import make_model, tiny_config, write_byte_level_tokenizer  # noqa: E402
 from dagmoe_jax.data import DataConfig  # noqa: E402
 from dagmoe_jax.harness.lm import DagmoeLM  # noqa: E402
-from dagmoe_jax.model import Transformer  # noqa: E402
-from dagmoe_jax.run.settle import settle  # noqa: E402
 from dagmoe_jax.hf.llama import export_hf_llama  # noqa: E402
 
 TASKS_DIR = Path(__file__).resolve().parent / "harness_tasks"
 TASKS = ["dagmoe_mc", "dagmoe_rolling", "dagmoe_gen"]
 WINDOW = 32             # the model's max_seq_len: the rolling window on both sides
 EOS = "</s>"
-RAW = tiny_config("dense", vocab_size=257, max_seq_len=WINDOW, init_std=0.2, settled=False)
+RAW = tiny_config("dense", vocab_size=257, max_seq_len=WINDOW, init_std=0.2)
 # Measured: at most 2.8e-07 relative on any sample (RESULTS.md); the bound leaves margin for
 # other BLAS builds and still fails on any real difference of semantics.
 RTOL = 2e-5
@@ -53,8 +51,8 @@ def make_pair(root: Path):
     from dagmoe_jax import run as run_lib
     from dagmoe_jax.run.config import OptimConfig, TrainConfig
 
-    cfg = settle(RAW)
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    cfg = RAW
+    model = make_model(cfg)
     hf_dir = export_hf_llama(model, root / "hf")
     tokenizer_json = write_byte_level_tokenizer(hf_dir, EOS, WINDOW)
 

@@ -225,8 +225,8 @@ def test_a_library_config_exported_and_imported_is_the_same_config():
     (DUME's architecture check, upcycle/moerge.py)."""
     from conftest import tiny_config
     from dagmoe_jax.upcycle import moerge
-    for cfg in (tiny_config("dense", ffn_hidden=None, settled=False),
-                tiny_config("dense", head_dim=12, ffn_hidden=48, settled=False)):
+    for cfg in (tiny_config("dense", ffn_hidden=None),
+                tiny_config("dense", head_dim=12, ffn_hidden=48)):
         back = hf_llama.model_config_from_hf(hf_llama.hf_config_from_model(
             cfg, tie_word_embeddings=False))
         assert (back.head_dim, back.block) == (cfg.head_dim, cfg.block)

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import tiny_config
+from conftest import make_model, tiny_config
+from dagmoe_jax.config import ExecutionConfig
 from dagmoe_jax.kernels import build as kbuild
 from dagmoe_jax.kernels import attention as kattn
 from dagmoe_jax.kernels import fused_attention_unavailable, fused_causal_attention
-from dagmoe_jax.model import Transformer
 from dagmoe_jax.model.attention import blockwise_causal_attention, causal_attention_reference
 from dagmoe_jax.parallel import MeshConfig, make_mesh
 from dagmoe_jax.parallel.axes import MeshLayout
@@ -150,23 +150,23 @@ def test_auto_picks_fused_off_mesh_and_blockwise_on_a_mesh():
     assert settle_attention("auto", "gpu", bf16, 16, None) == ("cudnn", "")
     assert settle_attention("auto", "gpu", f32, 16, None)[0] == "xla"
     assert settle_attention("auto", "tpu", bf16, 16, None) == ("splash", "")
-    assert tiny_config().execution.attention == "fused"
-    assert tiny_config(attention="xla").execution.attention == "xla"
-    unsettled = tiny_config(compute_dtype="bfloat16", settled=False)
-    assert describe_settled(settle(unsettled), unsettled).startswith(
+    assert settle(tiny_config()).attention == "fused"
+    assert settle(tiny_config(), ExecutionConfig(attention="xla")).attention == "xla"
+    bf16_cfg = tiny_config(compute_dtype="bfloat16")
+    assert describe_settled(bf16_cfg, settle(bf16_cfg), ExecutionConfig()).startswith(
         "attention blockwise (the fused attention kernel takes float32 only (got bfloat16))")
     layout = MeshLayout.of(make_mesh(MeshConfig(data=2), jax.devices()[:2]))
-    assert settle(tiny_config(settled=False), layout=layout).execution.attention == "blockwise"
+    assert settle(tiny_config(), layout=layout).attention == "blockwise"
     with pytest.raises(ValueError, match="single device only"):
-        settle(tiny_config(attention="fused", settled=False), layout=layout)
+        settle(tiny_config(), ExecutionConfig(attention="fused"), layout=layout)
 
 
 def test_auto_falls_back_when_the_kernel_cannot_build(monkeypatch):
     monkeypatch.setattr(kattn, "_load", lambda: "no C++ compiler found (install g++ or set CXX)")
     assert settle_attention("auto", "cpu", jnp.dtype(jnp.float32), 16, None) == (
         "blockwise", "no C++ compiler found (install g++ or set CXX)")
-    unsettled = tiny_config(settled=False)
-    assert describe_settled(settle(unsettled), unsettled).startswith(
+    cfg = tiny_config()
+    assert describe_settled(cfg, settle(cfg), ExecutionConfig()).startswith(
         "attention blockwise (no C++ compiler found (install g++ or set CXX))")
     q, k, v = random_qkv(2, 1, 8, 2, 1, 8)
     with pytest.raises(ValueError, match="no C\\+\\+ compiler.*use ExecutionConfig.attention="
@@ -195,8 +195,8 @@ def test_model_with_fused_attention_matches_blockwise():
     tokens = jax.random.randint(jax.random.key(0), (2, 24), 0, 64)
     results = {}
     for impl in ("fused", "blockwise"):
-        model = Transformer(tiny_config("moe", "dag", attention=impl,
-                                        experts=dict(capacity_factor=4.0)), rngs=nnx.Rngs(0))
+        model = make_model(tiny_config("moe", "dag", experts=dict(capacity_factor=4.0)),
+                           attention=impl)
         loss = lambda m: jnp.mean(m(tokens)[0] ** 2)
         value, grads = nnx.jit(nnx.value_and_grad(loss))(model)
         results[impl] = (float(value), jax.tree.leaves(nnx.state(grads)))

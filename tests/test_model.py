@@ -18,8 +18,7 @@ import optax
 import pytest
 from flax import nnx
 
-from conftest import tiny_config
-from dagmoe_jax.model import Transformer
+from conftest import make_model, tiny_config, tiny_execution
 from dagmoe_jax.model.attention import blockwise_causal_attention, causal_attention_reference
 from dagmoe_jax.model.block import BlockInputs
 from dagmoe_jax.model.coe import CoEBlock
@@ -84,15 +83,16 @@ class Harness:
     # One optax transformation per harness: it is static data of the optimizer's graph, and a
     # new adamw() (new closures) would be a new graph and so a new trace.
     tx: object = dataclasses.field(default_factory=lambda: optax.adamw(1e-2))
+    execution: dict = dataclasses.field(default_factory=dict)   # ExecutionConfig fields
 
     def model(self, seed=0):
-        return Transformer(self.cfg, rngs=nnx.Rngs(seed))
+        return make_model(self.cfg, seed=seed, **self.execution)
 
     def optimizer(self, model):
         return nnx.Optimizer(model, self.tx, wrt=nnx.Param)
 
 
-def make_harness(cfg):
+def make_harness(cfg, execution=None):
     traces = {"forward": 0, "train_step": 0}
 
     @nnx.jit
@@ -107,16 +107,16 @@ def make_harness(cfg):
         optimizer.update(model, grads)
         return loss, grads
 
-    return Harness(cfg, forward, train_step, traces)
+    return Harness(cfg, forward, train_step, traces, execution=execution or {})
 
 
 _HARNESSES: dict = {}
 
 
-def get_harness(name, cfg=None):
+def get_harness(name, cfg=None, execution=None):
     """One harness (two compiled functions) per configuration name for the whole session."""
     if name not in _HARNESSES:
-        _HARNESSES[name] = make_harness(cfg if cfg is not None else CONFIGS[name])
+        _HARNESSES[name] = make_harness(cfg if cfg is not None else CONFIGS[name], execution)
     return _HARNESSES[name]
 
 
@@ -250,7 +250,7 @@ def test_aux_outputs(harness):
 
 def test_dropped_fraction_reported_per_layer():
     cfg = tiny_config("moe", "sum", experts=dict(capacity_factor=0.25, dispatch="capacity"))
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    model = make_model(cfg)
     _, aux = nnx.jit(lambda m, t: m(t))(model, random_tokens(7, SEQ))
     dropped = np.asarray(aux["dropped_fraction"])
     # C = ceil(0.25 * 32 * 2 / 4) = 4 slots per expert hold at most 16 of the 64 assignments.
@@ -318,7 +318,7 @@ def test_remat_policies_and_layer_loops_match():
     tokens = random_tokens(8)
     for name, changes in {"auto": {}, **LAYER_LOOPS}.items():
         h = get_harness("moe-dag" if name == "auto" else f"moe-dag-{name}",
-                        CONFIGS["moe-dag"].replace(execution=changes))
+                        CONFIGS["moe-dag"], changes)
         model = h.model()                                   # same seed: same parameters
         randomize_zero_inits(model)
         loss, grads = h.train_step(model, h.optimizer(model), tokens)   # pre-update values
@@ -382,7 +382,7 @@ def test_coe_block_matches_manual_chain(residual, shared_router, num_shared, sco
                       coe=dict(iterations=2, residual=residual, shared_router=shared_router,
                                stream=stream))
     assert cfg.block.resolved_top_k == 2
-    block = CoEBlock(cfg, rngs=nnx.Rngs(3))
+    block = CoEBlock(cfg, tiny_execution(cfg), rngs=nnx.Rngs(3))
     assert len(block.routers) == (1 if shared_router else 2)
     x = jax.random.normal(jax.random.key(4), (2, 6, 32))
     y, stats = nnx.jit(lambda blk, v: blk(BlockInputs(v)))(block, x)
@@ -409,7 +409,7 @@ def test_moe_block_matches_manual(kind, num_shared):
     """y = Aggregate(x, g, E(x)) + shared(x), with the routing and experts recomputed by hand."""
     cfg = tiny_config("moe", kind, init_std=0.2, router=dict(top_k=3),
                       experts=dict(num_experts=6, num_shared=num_shared, capacity_factor=6.0))
-    block = MoEBlock(cfg, rngs=nnx.Rngs(5))
+    block = MoEBlock(cfg, tiny_execution(cfg), rngs=nnx.Rngs(5))
     if kind != "sum":   # random zero-initialised projection, so the aggregator does something
         var = block.aggregator.iterations.w_up if kind == "dag" else block.aggregator.w_3
         var[...] = 0.2 * jax.random.normal(jax.random.key(6), var.shape)
@@ -435,4 +435,4 @@ def test_moe_block_matches_manual(kind, num_shared):
 def test_too_long_sequence_is_a_clear_error():
     cfg = tiny_config("moe", "sum", max_seq_len=16)
     with pytest.raises(ValueError, match="max_seq_len=16"):
-        Transformer(cfg, rngs=nnx.Rngs(0))(jnp.zeros((1, 17), jnp.int32))
+        make_model(cfg)(jnp.zeros((1, 17), jnp.int32))

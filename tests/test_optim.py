@@ -10,10 +10,10 @@ import optax
 import pytest
 from flax import nnx
 
-from dagmoe_jax.model import Transformer
 from dagmoe_jax.run.config import OptimConfig
 from dagmoe_jax.run.optim import (decay_mask, fitted_warmup, make_optimizer,
                                   make_schedule, schedule_note)
+from conftest import make_model
 
 
 def lr_at(schedule, *steps):
@@ -110,7 +110,7 @@ def leaf_paths(tree):
 
 
 def test_decay_mask_excludes_exactly_norms_and_biases(tiny):
-    model = Transformer(tiny(block="moe", kind="dag", experts=dict(num_shared=1)), rngs=nnx.Rngs(0))
+    model = make_model(tiny(block="moe", kind="dag", experts=dict(num_shared=1)))
     params = nnx.state(model, nnx.Param)
     mask = leaf_paths(decay_mask(params))
     assert set(mask) == set(leaf_paths(params))
@@ -125,7 +125,7 @@ def test_decay_mask_excludes_exactly_norms_and_biases(tiny):
 
 def test_weight_decay_skips_norms_with_zero_grads(tiny):
     """One update with zero gradients: Adam's step is 0, so only decoupled decay moves params."""
-    model = Transformer(tiny(block="moe", kind="dag", experts=dict(num_shared=1)), rngs=nnx.Rngs(0))
+    model = make_model(tiny(block="moe", kind="dag", experts=dict(num_shared=1)))
     lr, wd = 0.1, 0.1
     tx = make_optimizer(OptimConfig(learning_rate=lr, schedule="constant", warmup_steps=0,
                                     weight_decay=wd), total_steps=10)

@@ -109,12 +109,11 @@ def test_settle_picks_the_accelerator_kernels():
     assert settle_grouped_matmul("auto", "tpu", 512, 96) == "ragged_dot"    # not 128-tiled
     assert settle_grouped_matmul("auto", "gpu", 512, 256) == "ragged_dot"
     assert settle_grouped_matmul("ragged_dot", "tpu", 512, 256) == "ragged_dot"
-    cfg = tiny_config(settled=False, d_model=128, experts=dict(expert_hidden=128,
-                                                              dispatch="dropless"))
+    cfg = tiny_config(d_model=128, experts=dict(expert_hidden=128, dispatch="dropless"))
     tpu = settle(cfg, backend="tpu")
-    assert (tpu.execution.attention, tpu.execution.grouped_matmul) == ("splash", "gmm")
-    assert describe(tpu, cfg, "tpu").startswith("attention splash, remat full")
-    assert "grouped matmul gmm" in describe(tpu, cfg, "tpu")
+    assert (tpu.attention, tpu.grouped_matmul) == ("splash", "gmm")
+    assert describe(cfg, tpu, None, "tpu").startswith("attention splash, remat full")
+    assert "grouped matmul gmm" in describe(cfg, tpu, None, "tpu")
     # on CPU the C++ grouped matmul where it builds (tests/test_grouped_matmul.py)
     cpu_kernel = "cpu_gmm" if grouped_matmul_unavailable("cpu") is None else "ragged_dot"
-    assert settle(cfg, backend="cpu").execution.grouped_matmul == cpu_kernel
+    assert settle(cfg, backend="cpu").grouped_matmul == cpu_kernel

@@ -30,7 +30,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from conftest import tiny_config
+from conftest import make_model, tiny_config, tiny_execution
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.model.dispatch import capacity_dispatch
 from dagmoe_jax.config import ExpertConfig
@@ -40,7 +40,6 @@ from dagmoe_jax.model.moe import MoEBlock
 from dagmoe_jax.parallel import (MeshConfig, activate, create_sharded, create_train_state,
                                  make_mesh, parallel_active, place_on_mesh, shard_batch)
 from dagmoe_jax.parallel.axes import MeshLayout
-from dagmoe_jax.run.settle import settle
 from dagmoe_jax.train.step import make_train_step
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
@@ -53,13 +52,13 @@ MESHES = {
     "fsdp2_ep2_tp2": MeshConfig(data=1, fsdp=2, expert=2, tensor=2),
 }
 VARIANTS = {   # unsettled: each test settles them for its layout, as a run does
-    "moe_capacity": lambda: tiny_config("moe", "sum", settled=False,
+    "moe_capacity": lambda: tiny_config("moe", "sum",
                                         experts=dict(num_experts=N, capacity_factor=N)),
-    "moe_dropless": lambda: tiny_config("moe", "sum", settled=False,
+    "moe_dropless": lambda: tiny_config("moe", "sum",
                                         experts=dict(num_experts=N, dispatch="dropless")),
-    "dag": lambda: tiny_config("moe", "dag", settled=False,
+    "dag": lambda: tiny_config("moe", "dag",
                                experts=dict(num_experts=N, num_shared=1, capacity_factor=N)),
-    "coe": lambda: tiny_config("coe", "sum", settled=False,
+    "coe": lambda: tiny_config("coe", "sum",
                                experts=dict(num_experts=N, dispatch="dropless")),
 }
 TX = optax.sgd(1.0, momentum=0.5)   # first step: new params = params - grads; momentum = grads
@@ -77,11 +76,10 @@ def host(tree):
     return jax.tree.map(np.asarray, jax.device_get(tree))
 
 
-def make_model(variant: str, mesh=None) -> Transformer:
+def variant_model(variant: str, mesh=None) -> Transformer:
     """The variant's model, built for ``mesh`` (None: one device) as a run builds it."""
     layout = MeshLayout.of(mesh)
-    model = Transformer(settle(VARIANTS[variant](), layout=layout), rngs=nnx.Rngs(0),
-                        layout=layout)
+    model = make_model(VARIANTS[variant](), layout=layout)
     if variant == "dag":   # w_up starts at zero, which would leave the DAG without gradients
         w_up = model.layers.block.aggregator.iterations.w_up
         w_up[...] = 0.05 * jax.random.normal(jax.random.key(7), w_up.shape)
@@ -94,7 +92,7 @@ _REFERENCE: dict = {}
 def reference(variant: str) -> dict:
     """Initial params, metrics, updated params and momentum of one single-device step (cached)."""
     if variant not in _REFERENCE:
-        model = make_model(variant)
+        model = variant_model(variant)
         optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
         params0 = host(nnx.state(model, nnx.Param))
         batch = {k: jnp.asarray(v) for k, v in make_batch().items()}
@@ -155,7 +153,7 @@ def meshes():
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 def test_sharded_step_matches_single_device(meshes, mesh_name, variant):
     mesh, ref = meshes[mesh_name], reference(variant)
-    model = make_model(variant, mesh)           # the reference's starting point
+    model = variant_model(variant, mesh)           # the reference's starting point
     optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
     place_on_mesh((model, optimizer), mesh)     # (create_train_state: test_sharded_init_...)
     with activate(mesh):
@@ -178,9 +176,9 @@ def test_sharded_init_is_sharded_and_matches_eager(meshes):
     """create_train_state: parameters and Adam moments born sharded, values as eager init."""
     mesh = meshes["fsdp2_ep2_tp2"]
     layout = MeshLayout.of(mesh)
-    cfg = settle(VARIANTS["dag"](), layout=layout)
+    cfg = VARIANTS["dag"]()
     model, optimizer = create_train_state(
-        lambda: Transformer(cfg, rngs=nnx.Rngs(0), layout=layout), optax.adamw(1e-3), mesh)
+        lambda: make_model(cfg, layout=layout), optax.adamw(1e-3), mesh)
     params = nnx.state(model, nnx.Param)
     adam = optimizer.opt_state[0]
     check_shardings(mesh, params, adam.mu, adam.nu)
@@ -188,7 +186,7 @@ def test_sharded_init_is_sharded_and_matches_eager(meshes):
     assert w.sharding.spec == P(None, "expert", "fsdp", "tensor")
     assert {s.data.shape for s in w.addressable_shards} == {(2, N // 2, 16, 16)}
     assert optimizer.step[...].sharding.is_fully_replicated
-    eager = host(nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param))
+    eager = host(nnx.state(make_model(cfg), nnx.Param))
     assert_tree_close(host(params), eager, eager, "init", rtol=1e-6)   # last-bit differences
 
 
@@ -220,10 +218,10 @@ def test_capacity_drops_per_device_group(meshes, mesh_name):
     mesh = meshes[mesh_name]
     cfg = tiny_config("moe", "sum", experts=dict(num_experts=N, capacity_factor=0.5,
                                                   dispatch="capacity"),
-                      router=dict(score_fn="softmax"), settled=False)
-    cfg = settle(cfg, layout=MeshLayout.of(mesh))
+                      router=dict(score_fn="softmax"))
     layout = MeshLayout.of(mesh)
-    block = create_sharded(lambda: MoEBlock(cfg, layout, rngs=nnx.Rngs(1)), mesh)
+    block = create_sharded(lambda: MoEBlock(cfg, tiny_execution(cfg, layout), layout,
+                                            rngs=nnx.Rngs(1)), mesh)
     x = jax.random.normal(jax.random.key(0), (8, 16, 32)) * 3.0
 
     @nnx.jit

@@ -16,8 +16,7 @@ import jax
 import pytest
 from flax import nnx
 
-from conftest import tiny_config
-from dagmoe_jax.model import Transformer
+from conftest import make_model, tiny_config
 
 RECORDED = json.loads((Path(__file__).resolve().parent / "fixtures"
                        / "param_paths_520a405.json").read_text())
@@ -33,8 +32,7 @@ CASES = {"dense": ("dense", "sum", {}),
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_parameter_paths_are_those_earlier_checkpoints_hold(name):
     block, kind, overrides = CASES[name]
-    model = nnx.eval_shape(lambda: Transformer(tiny_config(block, kind, **overrides),
-                                               rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: make_model(tiny_config(block, kind, **overrides)))
     leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model))
     paths = sorted(f"{jax.tree_util.keystr(p, simple=True, separator='/')} {tuple(leaf.shape)}"
                    for p, leaf in leaves)

@@ -101,11 +101,11 @@ def test_the_ragged_exchange_is_what_the_sharded_dispatch_traces():
 def test_settle_picks_the_exchange_per_backend():
     mesh = make_mesh(MeshConfig(data=2, expert=4))
     layout = MeshLayout.of(mesh)
-    cfg = tiny_config(settled=False, experts=dict(dispatch="dropless"))
-    assert settle(cfg, backend="gpu", layout=layout).execution.expert_exchange == "ragged_all_to_all"
-    assert settle(cfg, backend="tpu", layout=layout).execution.expert_exchange == "ragged_all_to_all"
+    cfg = tiny_config(experts=dict(dispatch="dropless"))
+    assert settle(cfg, backend="gpu", layout=layout).expert_exchange == "ragged_all_to_all"
+    assert settle(cfg, backend="tpu", layout=layout).expert_exchange == "ragged_all_to_all"
     cpu = settle(cfg, backend="cpu", layout=layout)
-    assert cpu.execution.expert_exchange == "all_gather"
-    assert describe(cpu, cfg, "cpu", layout).endswith("by all_gather")
-    chosen = cfg.replace(execution=dict(expert_exchange="all_gather"))
-    assert settle(chosen, backend="gpu").execution.expert_exchange == "all_gather"
+    assert cpu.expert_exchange == "all_gather"
+    assert describe(cfg, cpu, None, "cpu", layout).endswith("by all_gather")
+    chosen = ExecutionConfig(expert_exchange="all_gather")
+    assert settle(cfg, chosen, backend="gpu").expert_exchange == "all_gather"

@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import tiny_config
-from dagmoe_jax.model import Transformer
+from conftest import make_model, tiny_config, tiny_execution
 from dagmoe_jax.model.attention import rope_angles
 
 NO_DROP = dict(capacity_factor=4.0)   # C = T * K: nothing is dropped, so routing is per token
@@ -67,8 +66,8 @@ def stream_norms(model, toks):
 
 def test_dag_moe_with_zero_w_up_equals_moe_logits():
     moe_cfg = tiny_config("moe", "sum", experts=NO_DROP)
-    moe = Transformer(moe_cfg, rngs=nnx.Rngs(0))
-    dag = Transformer(tiny_config("moe", "dag", experts=NO_DROP), rngs=nnx.Rngs(1))
+    moe = make_model(moe_cfg)
+    dag = make_model(tiny_config("moe", "dag", experts=NO_DROP), seed=1)
     assert copy_shared_weights(moe, dag) == len(variables(moe))        # every MoE weight
     assert np.all(np.asarray(dag.layers.block.aggregator.iterations.w_up[...]) == 0)
     toks = tokens()
@@ -77,9 +76,8 @@ def test_dag_moe_with_zero_w_up_equals_moe_logits():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
     # The literal reading (x counted twice) is a different model from the first step on.
-    literal = Transformer(tiny_config("moe", "dag", experts=NO_DROP,
-                                      aggregation=dict(dag_residual="literal")),
-                          rngs=nnx.Rngs(1))
+    literal = make_model(tiny_config("moe", "dag", experts=NO_DROP,
+                                      aggregation=dict(dag_residual="literal")), seed=1)
     copy_shared_weights(moe, literal)
     assert np.abs(logits(literal, toks) - want).max() > 100 * np.abs(got - want).max() + 1e-3
 
@@ -92,12 +90,10 @@ def test_dag_moe_with_zero_w_up_equals_moe_logits():
 @pytest.mark.parametrize("residual", ["inner", "outer", "init"])
 def test_coe_with_zero_experts_equals_the_standard_layer(residual):
     """Experts outputting zero: the CoE layer ('once') is the layer h + 0, as MoE's is."""
-    moe = Transformer(tiny_config("moe", "sum", experts=NO_DROP), rngs=nnx.Rngs(0))
-    coe = Transformer(tiny_config("coe", experts=NO_DROP, coe=dict(residual=residual)),
-                      rngs=nnx.Rngs(1))
-    literal = Transformer(tiny_config("coe", experts=NO_DROP,
-                                      coe=dict(residual=residual, stream="literal")),
-                          rngs=nnx.Rngs(1))
+    moe = make_model(tiny_config("moe", "sum", experts=NO_DROP))
+    coe = make_model(tiny_config("coe", experts=NO_DROP, coe=dict(residual=residual)), seed=1)
+    literal = make_model(tiny_config("coe", experts=NO_DROP,
+                                      coe=dict(residual=residual, stream="literal")), seed=1)
     for model in (moe, coe, literal):
         model.layers.block.experts.w_down[...] = jnp.zeros_like(model.layers.block.experts.w_down[...])
     copy_shared_weights(moe, coe)
@@ -113,7 +109,7 @@ def test_coe_reference_reading_replaces_the_stream():
     """The CoE authors' decoder: h <- RMSNorm(h) + updates. With zero experts, each layer's
     output is the block norm of its input (after attention), a unit-RMS stream."""
     cfg = tiny_config("coe", experts=NO_DROP, coe=dict(stream="reference"))
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    model = make_model(cfg)
     model.layers.block.experts.w_down[...] = jnp.zeros_like(model.layers.block.experts.w_down[...])
     norms = stream_norms(model, tokens(4))
     # RMSNorm with unit scale: ||h|| = sqrt(d) after every layer, up to its eps (1e-5 against
@@ -137,14 +133,13 @@ def test_residual_stream_keeps_moe_size_at_init_for_every_block():
     """Finding 1 of the fidelity review: with x counted twice, each DAG layer added a whole
     RMSNorm(h) (norm sqrt(d)) to a stream whose other updates are ~0.1; this would catch it."""
     toks = tokens(5)
-    moe = stream_norms(Transformer(tiny_config("moe", "sum", experts=NO_DROP),
-                                   rngs=nnx.Rngs(0)), toks)
+    moe = stream_norms(make_model(tiny_config("moe", "sum", experts=NO_DROP)), toks)
     for name, cfg in BLOCKS.items():
-        norms = stream_norms(Transformer(cfg, rngs=nnx.Rngs(0)), toks)
+        norms = stream_norms(make_model(cfg), toks)
         ratio = norms / moe
         assert np.all((ratio > 1 / 3) & (ratio < 3)), (name, norms, moe)
     literal = tiny_config("moe", "dag", experts=NO_DROP, aggregation=dict(dag_residual="literal"))
-    norms = stream_norms(Transformer(literal, rngs=nnx.Rngs(0)), toks)
+    norms = stream_norms(make_model(literal), toks)
     assert np.all(norms / moe > 10), (norms, moe)
 
 
@@ -177,10 +172,9 @@ def test_coe_block_matches_numpy_with_its_softmax_router(score_fn):
     from dagmoe_jax.model.block import BlockInputs
     from dagmoe_jax.model.coe import CoEBlock
 
-    cfg = tiny_config("coe", experts=dict(num_shared=1), grouped_matmul="einsum",
-                      router=dict(top_k=4, score_fn="sigmoid"),
+    cfg = tiny_config("coe", experts=dict(num_shared=1), router=dict(top_k=4, score_fn="sigmoid"),
                       coe=dict(score_fn=score_fn if score_fn == "softmax" else None))
-    block = CoEBlock(cfg, rngs=nnx.Rngs(0))
+    block = CoEBlock(cfg, tiny_execution(cfg, grouped_matmul="einsum"), rngs=nnx.Rngs(0))
     rng = np.random.default_rng(5)
     for _, var in variables(block).items():                  # O(1) random weights everywhere
         var[...] = jnp.asarray(rng.normal(scale=0.3, size=var.shape).astype(np.float32))

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from conftest import tiny_config
+from conftest import make_model, tiny_config
+from dagmoe_jax.config import ExecutionConfig
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.parallel import MeshConfig, make_mesh
 from dagmoe_jax.parallel.axes import MeshLayout
@@ -21,63 +22,59 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dagmoe_jax"
 
 
 def test_settle_decides_every_auto_field_per_backend_and_layout():
-    cfg = tiny_config(settled=False)
-    assert set(cfg.unsettled) == {"remat", "scan_unroll", "attention", "grouped_matmul",
-                                  "expert_exchange", "fuse_projections", "loss_chunk"}
-    cpu = settle(cfg, backend="cpu")
-    assert cpu.unsettled == ()
-    ex = cpu.execution
+    cfg = tiny_config()
+    assert set(ExecutionConfig().unsettled) == {"remat", "scan_unroll", "attention",
+                                                "grouped_matmul", "expert_exchange",
+                                                "fuse_projections", "loss_chunk"}
+    ex = settle(cfg, backend="cpu")
+    assert ex.unsettled == ()
     assert (ex.remat, ex.scan_unroll, ex.attention, ex.fuse_projections) == (
         "none", cfg.num_layers, "fused", True)
     # the CPU grouped matmul kernel (it builds wherever the fused attention kernel does, which
     # the line above asserts)
-    assert (ex.grouped_matmul, cpu.block.experts.dispatch) == ("cpu_gmm", "dropless")
-    assert "dispatch dropless" in describe(cpu, cfg, "cpu")
-    assert ex.loss_chunk == 512 and settle(cfg, backend="tpu").execution.loss_chunk == 4096
+    assert ex.grouped_matmul == "cpu_gmm"
+    assert "dispatch dropless" in describe(cfg, ex, ExecutionConfig(), "cpu")
+    assert ex.loss_chunk == 512 and settle(cfg, backend="tpu").loss_chunk == 4096
     gpu = settle(cfg.replace(compute_dtype="bfloat16"), backend="gpu")
-    assert (gpu.execution.remat, gpu.execution.scan_unroll, gpu.execution.attention) == (
-        "full", 1, "cudnn")
-    assert settle(cfg, backend="tpu").execution.attention == "splash"
-    # what the experts compute is architecture: dropless on every machine; only how it runs
-    assert gpu.execution.grouped_matmul == "ragged_dot"
-    assert settle(cfg, backend="tpu").execution.grouped_matmul == "ragged_dot"  # d 32: no tile
+    assert (gpu.remat, gpu.scan_unroll, gpu.attention) == ("full", 1, "cudnn")
+    assert settle(cfg, backend="tpu").attention == "splash"
+    # what the experts compute is architecture (the model config, unchanged); only how it runs
+    assert gpu.grouped_matmul == "ragged_dot"
+    assert settle(cfg, backend="tpu").grouped_matmul == "ragged_dot"  # d 32: no tile
     tpu = settle(cfg.replace(d_model=128, block=dict(experts=dict(expert_hidden=128))),
                  backend="tpu")
-    assert tpu.execution.grouped_matmul == "gmm"
-    assert {s.block.experts.dispatch for s in (cpu, gpu, tpu)} == {"dropless"}
+    assert tpu.grouped_matmul == "gmm"
     layout = MeshLayout.of(make_mesh(MeshConfig(data=2), jax.devices()[:2]))
     meshed = settle(cfg, backend="cpu", layout=layout)
-    assert (meshed.execution.attention, meshed.execution.fuse_projections) == ("blockwise", False)
-    assert (meshed.block.experts.dispatch, meshed.execution.grouped_matmul) == (
-        "dropless", "ragged_dot")
-    assert "expert-parallel over {'data': 2" in describe(meshed, cfg, "cpu", layout)
+    assert (meshed.attention, meshed.fuse_projections, meshed.grouped_matmul) == (
+        "blockwise", False, "ragged_dot")
+    assert "expert-parallel over {'data': 2" in describe(cfg, meshed, None, "cpu", layout)
     # what the user set explicitly is kept
-    explicit = cfg.replace(execution=dict(remat="dots", scan_unroll=2, attention="xla",
-                                          fuse_projections=False, grouped_matmul="gmm",
-                                          expert_exchange="ragged_all_to_all",
-                                          loss_chunk=1024),
-                           block=dict(experts=dict(dispatch="capacity")))
-    assert settle(explicit, backend="cpu") == explicit
-    assert settle(cpu, backend="cpu") == cpu                  # idempotent
+    explicit = ExecutionConfig(remat="dots", scan_unroll=2, attention="xla",
+                               fuse_projections=False, grouped_matmul="gmm",
+                               expert_exchange="ragged_all_to_all", loss_chunk=1024)
+    assert settle(cfg, explicit, backend="cpu") == explicit
+    assert settle(cfg, ex, backend="cpu") == ex                  # idempotent
     assert MeshLayout.of(make_mesh(MeshConfig(data=1), jax.devices()[:1])) is None
-
 
 
 def test_tpu_sizes_the_grouped_matmul_by_the_family_that_runs_it():
     """megablox gmm takes 128-multiple widths only: DoE's knowledge blocks run their grouped
     matmul at h_b, so h_b (not the missing experts' d_r, nor d_model) decides."""
     def doe(block_hidden):
-        return tiny_config("doe", settled=False, d_model=128, num_heads=4, num_kv_heads=2,
+        return tiny_config("doe", d_model=128, num_heads=4, num_kv_heads=2,
                            doe=dict(expert="blocks", num_topics=4, block_hidden=block_hidden))
-    assert settle(doe(128), backend="tpu").execution.grouped_matmul == "gmm"
-    assert settle(doe(100), backend="tpu").execution.grouped_matmul == "ragged_dot"
+    assert settle(doe(128), backend="tpu").grouped_matmul == "gmm"
+    assert settle(doe(100), backend="tpu").grouped_matmul == "ragged_dot"
 
-def test_an_unsettled_config_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"^ModelConfig fields remat, scan_unroll, attention, "
-                                         r"grouped_matmul, expert_exchange, fuse_projections, "
-                                         r"loss_chunk are still 'auto': build the model from "
-                                         r"dagmoe_jax.run.settle.settle\(cfg\)$"):
-        Transformer(tiny_config(settled=False), rngs=nnx.Rngs(0))
+
+def test_an_unsettled_execution_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"^ExecutionConfig fields remat, scan_unroll, "
+                                         r"attention, grouped_matmul, expert_exchange, "
+                                         r"fuse_projections, loss_chunk are still 'auto': build "
+                                         r"the model with execution=dagmoe_jax.run.settle."
+                                         r"settle\(cfg, execution\)$"):
+        Transformer(tiny_config(), execution=ExecutionConfig(), rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
@@ -85,11 +82,10 @@ def test_gate_up_fusion_is_the_same_function(dispatch):
     """fuse_projections ([W_gate | W_up] in the SwiGLUs, [W_q | W_k | W_v] in attention) changes
     neither the outputs nor the gradients beyond rounding."""
     tokens = jax.random.randint(jax.random.key(0), (2, 8), 0, 64)
-    experts = dict(num_shared=1, dispatch=dispatch, capacity_factor=4.0)
-    fused = Transformer(tiny_config("moe", "sum", experts=experts), rngs=nnx.Rngs(0))
-    plain = Transformer(tiny_config("moe", "sum", experts=experts, fuse_projections=False),
-                        rngs=nnx.Rngs(0))
-    assert fused.cfg.execution.fuse_projections and not plain.cfg.execution.fuse_projections
+    cfg = tiny_config("moe", "sum", experts=dict(num_shared=1, dispatch=dispatch,
+                                                 capacity_factor=4.0))
+    fused, plain = make_model(cfg), make_model(cfg, fuse_projections=False)
+    assert fused.execution.fuse_projections and not plain.execution.fuse_projections
     a, b = fused(tokens)[0], plain(tokens)[0]
     assert float(jnp.max(jnp.abs(a - b))) < 1e-5 * float(jnp.max(jnp.abs(a)))
     loss = lambda m: jnp.mean(m(tokens)[0] ** 2)  # noqa: E731

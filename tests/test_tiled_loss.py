@@ -9,8 +9,7 @@ import optax
 import pytest
 from flax import nnx
 
-from conftest import tiny_config
-from dagmoe_jax.model import Transformer
+from conftest import make_model, tiny_config
 from dagmoe_jax.train.step import cross_entropy, lm_loss
 from dagmoe_jax.model.tiled_loss import tiled_cross_entropy
 
@@ -57,7 +56,7 @@ def test_training_loss_matches_logits_path():
     """lm_loss (hidden states + tiled head) gives the loss and parameter gradients of the plain
     loss on the model's own logits."""
     cfg = tiny_config("moe")
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    model = make_model(cfg)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 17)), jnp.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
              "mask": jnp.arange(16)[None, :] < jnp.array([[16], [11]])}
@@ -131,7 +130,7 @@ def test_eval_step_matches_the_model_logits():
     from dagmoe_jax.evaluation import eval_step
 
     cfg = tiny_config("moe", "dag")
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    model = make_model(cfg)
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 17)), jnp.int32)
     mask = jnp.arange(16)[None, :] < jnp.array([[16], [9]])
     out = eval_step(model, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask})

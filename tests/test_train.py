@@ -17,6 +17,7 @@ import pytest
 
 from dagmoe_jax.run.gin import load_configs
 from dagmoe_jax.train.metrics import read_metrics
+from conftest import make_model
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = [sys.executable, str(REPO / "train.py"), "--gin_file=train/smoke.gin", "--no_progress"]
@@ -211,15 +212,12 @@ def test_bad_input_through_the_command_line_is_a_one_line_error(tmp_path):
 
 
 def test_gin_overrides_reach_the_model():
-    from flax import nnx
-    from dagmoe_jax.model import Transformer
-    from dagmoe_jax.run.settle import settle
     model_cfg, data_cfg, optim_cfg, train_cfg = load_configs(
         ["train/smoke.gin"], ["AggregationConfig.dag_iters = 3", "DataConfig.seq_len = 32",
                               "OptimConfig.learning_rate = 0.5", "TrainConfig.steps = 7"])
     assert (model_cfg.block.aggregation.dag_iters, data_cfg.seq_len, optim_cfg.learning_rate,
             train_cfg.steps) == (3, 32, 0.5, 7)
-    model = Transformer(settle(model_cfg), rngs=nnx.Rngs(0))
+    model = make_model(model_cfg)
     w_down = model.layers.block.aggregator.iterations.w_down
     assert w_down.shape[:2] == (2, 3)                              # [layers, L, d, d_g]
 
@@ -230,19 +228,17 @@ def test_gradient_accumulation_matches_the_full_batch(tiny):
     import numpy as np
     import optax
     from flax import nnx
-    from dagmoe_jax.model import Transformer
     from dagmoe_jax.train.step import make_train_step
     # The router losses are not linear in the batch (the load is a batch statistic), so they are
     # off here: with them on, accumulation legitimately differs from one big batch.
-    cfg = tiny("moe", "dag", grouped_matmul="einsum",
-               router=dict(balance_coef=0.0, z_loss_coef=0.0))
+    cfg = tiny("moe", "dag", router=dict(balance_coef=0.0, z_loss_coef=0.0))
     rng = np.random.default_rng(0)
     batch = {"inputs": jnp.asarray(rng.integers(0, 64, (8, 16)), jnp.int32),
              "targets": jnp.asarray(rng.integers(0, 64, (8, 16)), jnp.int32),
              "mask": jnp.ones((8, 16), bool)}
     params, metrics = [], []
     for accum in (1, 4):
-        model = Transformer(cfg, rngs=nnx.Rngs(0))
+        model = make_model(cfg, grouped_matmul="einsum")
         optimizer = nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
         metrics.append(make_train_step(grad_accum=accum)(model, optimizer, batch))
         params.append(nnx.state(model, nnx.Param))

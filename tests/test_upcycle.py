@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import tiny_config
-from dagmoe_jax.model import Transformer
+from conftest import make_model, tiny_config
 from dagmoe_jax.run.settle import settle
 from dagmoe_jax.upcycle import dume, moerge, ridge
 
@@ -18,11 +17,16 @@ N = 3
 
 def dense_models(seeds=(0, 1, 2)):
     cfg = tiny_config("dense")
-    return [Transformer(cfg, rngs=nnx.Rngs(s)) for s in seeds]
+    return [make_model(cfg, seed=s) for s in seeds]
 
 
 def merged_config(top_k=1, **kw):
-    return settle(moerge.dume_config(tiny_config("dense", settled=False), N, top_k=top_k, **kw))
+    return moerge.dume_config(tiny_config("dense"), N, top_k=top_k, **kw)
+
+
+def merge(models, cfg, **kw):
+    """``moerge.moerge`` run as the upcycling command runs it (settled for this machine)."""
+    return moerge.moerge(models, cfg, execution=settle(cfg), **kw)
 
 
 def tokens(seed=0, shape=(2, 16)):
@@ -32,7 +36,7 @@ def tokens(seed=0, shape=(2, 16)):
 @pytest.mark.parametrize("top_k", [1, 2, 3])
 def test_identical_dense_models_merge_into_an_equal_moe(top_k):
     model = dense_models((5,))[0]
-    moe = moerge.moerge([model] * N, merged_config(top_k), seed=top_k)
+    moe = merge([model] * N, merged_config(top_k), seed=top_k)
     # any router: softmax gates over identical experts sum to one
     w = moe.layers.block.router.w_router
     w[...] = jax.random.normal(jax.random.key(top_k), w.shape)
@@ -43,7 +47,7 @@ def test_identical_dense_models_merge_into_an_equal_moe(top_k):
 
 def test_oracle_routing_equals_each_dense_model_with_the_shared_weights():
     models = dense_models()
-    moe = moerge.moerge(models, merged_config(2))
+    moe = merge(models, merged_config(2))
     shared, _ = moerge.merged_params([moerge.flat_params(m) for m in models])
     toks = tokens(1)
     for j, model in enumerate(models):
@@ -61,7 +65,7 @@ def test_oracle_routing_equals_each_dense_model_with_the_shared_weights():
 def test_forced_forward_keeps_packed_examples_apart():
     """Instruction statistics come in packed rows: with segment ids each example's MLP inputs
     are those of the example alone."""
-    moe = moerge.moerge(dense_models(), merged_config(1))
+    moe = merge(dense_models(), merged_config(1))
     toks = np.asarray(tokens(3, (1, 16)))
     segments = np.asarray([[1] * 6 + [2] * 7 + [0] * 3], np.int32)
     _, packed = dume.forced_forward(moe, jnp.asarray(toks), jnp.int32(0),
@@ -76,7 +80,7 @@ def test_forced_forward_keeps_packed_examples_apart():
 
 def test_statistics_pass_matches_the_forced_inputs_and_masks_padding():
     models = dense_models()
-    moe = moerge.moerge(models, merged_config(1))
+    moe = merge(models, merged_config(1))
     toks = np.asarray(tokens(2, (2, 16)))
     mask = np.ones((2, 16), bool)
     mask[1, 10:] = False
@@ -99,7 +103,7 @@ def test_device_statistics_equal_the_float64_host_ones_within_float32_rounding()
     errs by at most gamma_n |x|.|y| (Higham, Accuracy and Stability, eq. 3.5; gamma_n =
     n u / (1 - n u), u = 2^-24), n = one batch's tokens, since compensation keeps the sum over
     batches at ~u; this is the size of the forward pass's own float32 rounding of x."""
-    moe = moerge.moerge(dense_models(), merged_config(1))
+    moe = merge(dense_models(), merged_config(1))
     batches = []
     for i in range(12):
         toks = np.asarray(tokens(30 + i, (2, 16)))
@@ -129,7 +133,7 @@ def test_device_statistics_equal_the_float64_host_ones_within_float32_rounding()
 
 def test_dume_routers_are_the_normalised_ridge_solution():
     models = dense_models()
-    moe = moerge.moerge(models, merged_config(1))
+    moe = merge(models, merged_config(1))
     stats = [dume.collect_statistics(moe, [{"inputs": np.asarray(tokens(10 + j))}], j)
              for j in range(N)]
     dume.dume(moe, stats)
@@ -142,7 +146,7 @@ def test_dume_routers_are_the_normalised_ridge_solution():
 
 def test_upcycled_dag_starts_equal_to_dume():
     models = dense_models()
-    moe = moerge.moerge(models, merged_config(2))
+    moe = merge(models, merged_config(2))
     for name in ("w_router", "b_router"):
         v = getattr(moe.layers.block.router, name)
         v[...] = jax.random.normal(jax.random.key(7), v.shape)
@@ -159,18 +163,18 @@ def test_upcycled_dag_starts_equal_to_dume():
 
 
 def test_bad_merges_are_one_line_errors():
-    dense = tiny_config("dense", settled=False)
+    dense = tiny_config("dense")
     with pytest.raises(ValueError, match="dispatch='capacity' is invalid"):
         moerge.check_dume_config(moerge.dume_config(dense, N).replace(
             block=dict(experts=dict(dispatch="capacity"))))
     with pytest.raises(ValueError, match="top_k=4"):
         moerge.dume_config(dense, N, top_k=4)
     with pytest.raises(ValueError, match="DUME merges dense models"):
-        moerge.dume_config(tiny_config("moe", settled=False), N)
-    other = Transformer(tiny_config("dense", ffn_hidden=48), rngs=nnx.Rngs(0))
+        moerge.dume_config(tiny_config("moe"), N)
+    other = make_model(tiny_config("dense", ffn_hidden=48))
     with pytest.raises(ValueError,
                        match="ModelConfig.block.ffn_hidden=48 but model 0 has 64") as err:
-        moerge.moerge(dense_models((0,)) + [other], merged_config(1))
+        merge(dense_models((0,)) + [other], merged_config(1))
     assert "\n" not in str(err.value)
 
 
@@ -180,7 +184,7 @@ def test_router_only_training_moves_only_the_routers():
     from dagmoe_jax.run.optim import TRAINABLE, check_trainable
     from dagmoe_jax.train.step import make_train_step
 
-    moe = moerge.moerge(dense_models(), merged_config(2))
+    moe = merge(dense_models(), merged_config(2))
     before = moerge.flat_params(moe)
     optimizer = nnx.Optimizer(moe, optax.adam(1e-2), wrt=TRAINABLE["router"])
     step = make_train_step(wrt=TRAINABLE["router"])
@@ -209,7 +213,7 @@ def test_router_and_gates_moves_exactly_the_routers_and_the_experts_w_gate(top_k
     from dagmoe_jax.train.step import make_train_step
     from dagmoe_jax.upcycle.command import default_trainable
 
-    moe = moerge.moerge(dense_models(), merged_config(top_k))
+    moe = merge(dense_models(), merged_config(top_k))
     before = moerge.flat_params(moe)
     wrt = TRAINABLE["router_and_gates"]
     optimizer = nnx.Optimizer(moe, optax.adam(1e-2), wrt=wrt)
@@ -231,7 +235,7 @@ def test_router_and_gates_moves_exactly_the_routers_and_the_experts_w_gate(top_k
 
 def test_adding_a_domain_keeps_the_old_statistics_and_equals_a_fresh_solve():
     models = dense_models((0, 1, 2, 3))
-    moe = moerge.moerge(models[:N], merged_config(1))
+    moe = merge(models[:N], merged_config(1))
     batches = [[{"inputs": np.asarray(tokens(20 + j))}] for j in range(N + 1)]
     old = [dume.collect_statistics(moe, batches[j], j) for j in range(N)]
     grown = dume.add_expert(moe, models[N])
@@ -254,10 +258,9 @@ def test_adding_a_domain_keeps_the_old_statistics_and_equals_a_fresh_solve():
 
 def test_adding_a_domain_with_reaveraging_equals_merging_all_models_afresh():
     models = dense_models((0, 1, 2, 3))
-    moe = moerge.moerge(models[:N], merged_config(2))
+    moe = merge(models[:N], merged_config(2))
     grown = dume.add_expert(moe, models[N], reaverage=True)
-    fresh = moerge.moerge(models, settle(moerge.dume_config(
-        tiny_config("dense", settled=False), N + 1, top_k=2)))
+    fresh = merge(models, moerge.dume_config(tiny_config("dense"), N + 1, top_k=2))
     got, want = moerge.flat_params(grown), moerge.flat_params(fresh)
     for path, value in want.items():
         if "router" not in path:          # float32 mean of a float32 mean: ~1 ulp

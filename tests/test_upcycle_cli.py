@@ -11,11 +11,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from conftest import tiny_config
+from conftest import make_model, tiny_config
 from dagmoe_jax import run as run_lib
 from dagmoe_jax.data import DataConfig, make_tokenizer
 from dagmoe_jax.data.pipeline import eval_batches, train_dataset
-from dagmoe_jax.model import Transformer
 from dagmoe_jax.evaluation import evaluate
 from dagmoe_jax.train.step import make_train_step
 from dagmoe_jax.upcycle import __main__ as cli
@@ -51,7 +50,7 @@ def test_upcycle_command_end_to_end(tmp_path, capsys):
     dense_dirs, evals = [], []
     for j, source in enumerate(sources):          # branch three experts from one seed model
         data = dataclasses.replace(base, source=source)
-        model = Transformer(cfg, rngs=nnx.Rngs(0))
+        model = make_model(cfg)
         opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
         it = iter(train_dataset(data, tok))
         for _ in range(60):

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from conftest import tiny_config
-from test_upcycle import N, dense_models, merged_config, tokens
+from test_upcycle import N, dense_models, merge, merged_config, tokens
 from dagmoe_jax.config import matched_shared_hidden
 from dagmoe_jax.run.optim import TRAINABLE, check_trainable
 from dagmoe_jax.train.step import make_train_step
@@ -45,7 +45,7 @@ def train(model, trainable, steps=25, lr=1e-2):
 
 
 def dume_k2():
-    moe = moerge.moerge(dense_models(), merged_config(2))
+    moe = merge(dense_models(), merged_config(2))
     stats = [dume.collect_statistics(moe, [{"inputs": np.asarray(tokens(40 + j))}], j)
              for j in range(N)]
     return dume.dume(moe, stats)

@@ -21,9 +21,9 @@ def test_streaming_merge_equals_the_in_memory_merge(tmp_path, tied):
         paths.append(tmp_path / f"m{j}")
         write_checkpoint(paths[-1], hf, random_checkpoint(hf, seed=j))
     dense = [hf_llama.load_hf_llama(p)[0] for p in paths]
-    cfg = settle(moerge.dume_config(stream.read_configs(paths), 3, top_k=2))
-    want = moerge.flat_params(moerge.moerge(dense, cfg))
-    model = stream.moerge_hf(paths, cfg, seed=1)
+    cfg = moerge.dume_config(stream.read_configs(paths), 3, top_k=2)
+    want = moerge.flat_params(moerge.moerge(dense, cfg, execution=settle(cfg)))
+    model = stream.moerge_hf(paths, cfg, execution=settle(cfg), seed=1)
     leaves = jax.tree.leaves(model)
     assert all(isinstance(x, jax.Array) for x in leaves)           # nothing left abstract
     got = moerge.flat_params(model)
@@ -39,9 +39,9 @@ def test_streaming_merge_refuses_a_wrong_expert_count_and_different_models(tmp_p
     write_checkpoint(tmp_path / "a", HF, random_checkpoint(HF))
     other = dict(HF, intermediate_size=40)
     write_checkpoint(tmp_path / "b", other, random_checkpoint(other))
-    cfg = settle(moerge.dume_config(stream.read_configs([tmp_path / "a"]), 1))
+    cfg = moerge.dume_config(stream.read_configs([tmp_path / "a"]), 1)
     with pytest.raises(ValueError, match="one expert per model"):
-        stream.moerge_hf([tmp_path / "a"] * 2, cfg)
+        stream.moerge_hf([tmp_path / "a"] * 2, cfg, execution=settle(cfg))
     with pytest.raises(ValueError, match="ffn_hidden") as err:
         stream.read_configs([tmp_path / "a", tmp_path / "b"])
     assert "\n" not in str(err.value)
@@ -64,9 +64,9 @@ def test_upcycle_command_streams_hugging_face_directories(tmp_path, hf_tokenizer
         argv += [f"--dense={paths[-1]}", f"--source=text:{text}"]
     assert cli.main(argv) == 0
     merged = moerge.flat_params(run_lib.load_run(tmp_path / "out").model)
-    want = moerge.flat_params(moerge.moerge(
-        [hf_llama.load_hf_llama(p)[0] for p in paths],
-        settle(moerge.dume_config(stream.read_configs(paths), 2, top_k=2))))
+    cfg = moerge.dume_config(stream.read_configs(paths), 2, top_k=2)
+    want = moerge.flat_params(moerge.moerge([hf_llama.load_hf_llama(p)[0] for p in paths], cfg,
+                                            execution=settle(cfg)))
     for path, value in want.items():
         if "router" not in path:
             np.testing.assert_array_equal(merged[path], value, err_msg=str(path))

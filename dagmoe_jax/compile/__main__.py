@@ -158,14 +158,15 @@ def _run(args) -> int:
     print(f"compiling for {topology}: {len(devices)} {chip.name} chips, mesh {label}",
           flush=True)
     try:
-        settled, reports = compile_run(model_cfg, data_cfg, optim_cfg, train_cfg, mesh, chip,
+        execution, reports = compile_run(model_cfg, data_cfg, optim_cfg, train_cfg, mesh, chip,
                                        programs=args.programs, generation=generation,
                                        keep_hlo=bool(args.hlo_dir),
                                        log=lambda m: print(m, flush=True))
     except OutOfMemory as err:
         raise ValueError(oom_line(err, chip, topology)) from None
     from dagmoe_jax.run.settle import describe as describe_settled
-    print(f"model settled for tpu: {describe_settled(settled, model_cfg, backend='tpu')}")
+    print(f"model settled for tpu: "
+          f"{describe_settled(model_cfg, execution, train_cfg.execution, backend='tpu')}")
     for name, report in reports.items():
         print(describe(name, report, chip, topology, label))
     if args.hlo_dir:

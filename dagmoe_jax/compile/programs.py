@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from dagmoe_jax.compile.chips import Chip
 from dagmoe_jax.compile.roofline import Cost, program_cost
-from dagmoe_jax.config import ModelConfig, experts_of
+from dagmoe_jax.config import ExecutionConfig, ModelConfig, experts_of
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.decoding.generate import DEFAULT_DISPATCH, decode_step, prefill
 from dagmoe_jax.data.batch import MODEL_INPUTS
@@ -135,18 +135,19 @@ def state_bytes_per_chip(obj) -> float:
 
 def abstract_train_state(model_cfg: ModelConfig, optim_cfg: OptimConfig,
                          train_cfg: TrainConfig, mesh, backend: str = "tpu"):
-    """(model, optimizer) with abstract sharded arrays, the model settled for ``backend`` and
-    ``mesh`` exactly as ``run.build`` settles a run's."""
+    """(model, optimizer) with abstract sharded arrays, the model running as
+    ``train_cfg.execution`` settled for ``backend`` and ``mesh`` exactly as ``run.build``
+    settles a run's."""
     check_trainable(model_cfg, train_cfg.trainable)
     layout = MeshLayout.of(mesh)
-    settled = settle(model_cfg, backend=backend, layout=layout)
-    check_kernel_precision(settled.execution.attention, settled.execution.grouped_matmul,
-                           backend)
+    execution = settle(model_cfg, train_cfg.execution, backend=backend, layout=layout)
+    check_kernel_precision(execution.attention, execution.grouped_matmul, backend)
     tx = make_optimizer(optim_cfg, train_cfg.steps)
     wrt = TRAINABLE[train_cfg.trainable]
 
     def build():
-        model = Transformer(settled, rngs=nnx.Rngs(train_cfg.seed), layout=layout)
+        model = Transformer(model_cfg, execution=execution, rngs=nnx.Rngs(train_cfg.seed),
+                            layout=layout)
         return model, nnx.Optimizer(model, tx, wrt=wrt)
 
     with activate(mesh):
@@ -249,8 +250,8 @@ def compile_run(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimCo
                 generation: GenerationShape = GenerationShape(),
                 keep_hlo: bool = False,
                 log: Callable[[str], None] = lambda _m: None
-                ) -> Tuple[ModelConfig, Dict[str, ProgramReport]]:
-    """(the settled model config, {program name: its report}) for ``programs`` of the run on
+                ) -> Tuple[ExecutionConfig, Dict[str, ProgramReport]]:
+    """(the settled execution config, {program name: its report}) for ``programs`` of the run on
     ``mesh`` (a ``Mesh`` over a topology's compile-only devices). Raises :class:`OutOfMemory`
     for a program the compiler cannot fit, ``ValueError`` for an impossible configuration."""
     unknown = set(programs) - set(PROGRAMS)
@@ -263,9 +264,9 @@ def compile_run(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimCo
         raise ValueError(f"DataConfig.batch_size={data_cfg.batch_size} does not split over the "
                          f"{shards} chips of the batch mesh axes: use a multiple of {shards}")
     model, optimizer = abstract_train_state(model_cfg, optim_cfg, train_cfg, mesh)
-    settled = model.cfg
+    cfg = model_cfg
     params = state_bytes_per_chip(model)
-    acc = account(settled, data_cfg.seq_len)
+    acc = account(cfg, data_cfg.seq_len)
     reports: Dict[str, ProgramReport] = {}
     rows, seq = data_cfg.batch_size, data_cfg.seq_len
     train_tokens = rows * seq
@@ -274,38 +275,40 @@ def compile_run(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimCo
             f"{train_cfg.grad_accum})...")
         step = make_train_step(grad_accum=train_cfg.grad_accum,
                                wrt=TRAINABLE[train_cfg.trainable], donate=True)
-        batch = _batch(settled, mesh, rows, seq, replicated=False, mask=False)
+        batch = _batch(cfg, mesh, rows, seq, replicated=False, mask=False)
         with activate(mesh):
             compiled, secs = _compile("train", lambda: step.lower(model, optimizer, batch), chip)
         reports["train"] = _report(
             "train", compiled, secs, train_tokens,
             params + state_bytes_per_chip(optimizer),
             acc.train_flops_per_token * train_tokens / chips, chip, devices, keep_hlo,
-            gmm_occupancy(settled, mesh, train_tokens // train_cfg.grad_accum))
+            gmm_occupancy(cfg, mesh, train_tokens // train_cfg.grad_accum))
     if "eval" in programs:
         log(f"compiling the evaluation step ({rows} x {seq} tokens, replicated)...")
-        batch = _batch(settled, mesh, rows, seq, replicated=True, mask=True)
+        batch = _batch(cfg, mesh, rows, seq, replicated=True, mask=True)
         with activate(mesh):
             compiled, secs = _compile("eval", lambda: eval_step.lower(model, batch), chip)
         reports["eval"] = _report("eval", compiled, secs, train_tokens, params,
                                   acc.train_flops_per_token / 3 * train_tokens / chips, chip,
-                                  devices, keep_hlo, gmm_occupancy(settled, mesh, train_tokens))
+                                  devices, keep_hlo, gmm_occupancy(cfg, mesh, train_tokens))
     if "prefill" in programs or "decode" in programs:
-        reports.update(_compile_generation(model, settled, mesh, chip, generation, programs,
-                                           params, devices, keep_hlo, log))
-    return settled, reports
+        reports.update(_compile_generation(model, mesh, chip, generation, programs, params,
+                                           devices, keep_hlo, log))
+    return model.execution, reports
 
 
-def _compile_generation(model, settled, mesh, chip, shape: GenerationShape, programs, params,
+def _compile_generation(model, mesh, chip, shape: GenerationShape, programs, params,
                         devices, keep_hlo, log) -> Dict[str, ProgramReport]:
     """Prefill and one decode step with generation's dropless dispatch (same parameters)."""
+    settled = model.cfg
     if extension_for(settled).batch_keys:
         log("generation programs skipped: this block family decodes with tracked features")
         return {}
     cfg = (settled if experts_of(settled.block) is None
            else settled.replace(block=dict(experts=dict(dispatch=DEFAULT_DISPATCH))))
     graphdef = nnx.graphdef(nnx.eval_shape(
-        lambda: Transformer(cfg, rngs=nnx.Rngs(0), layout=MeshLayout.of(mesh))))
+        lambda: Transformer(cfg, execution=model.execution, rngs=nnx.Rngs(0),
+                            layout=MeshLayout.of(mesh))))
     state = nnx.state(model)
     b, p = shape.batch, shape.prompt_len
     cache_len = p + shape.new_tokens - 1

@@ -1,8 +1,9 @@
 """Validated configuration of the model, exposed to gin: what is computed.
 
-* :mod:`~dagmoe_jax.config.model`: ``ModelConfig`` (the decoder, attention's RoPE scaling, and
-  :mod:`~dagmoe_jax.config.execution` ``ExecutionConfig``: how the model runs on a machine,
-  settled when the run is built);
+* :mod:`~dagmoe_jax.config.model`: ``ModelConfig`` (the decoder and attention's RoPE scaling);
+* :mod:`~dagmoe_jax.config.execution`: ``ExecutionConfig``, how the model runs on a machine
+  rather than what it computes (a run holds it beside the mesh, ``TrainConfig.execution``,
+  and settles it when the run is built);
 * :mod:`~dagmoe_jax.config.blocks`: the block families' configs ``ModelConfig.block`` holds:
   dense, MoE (router, experts, aggregation) and Chain-of-Experts;
 * :mod:`~dagmoe_jax.config.doe`: the Decoupling-of-Experts family (``DoEConfig``) and its
@@ -25,7 +26,7 @@ from dagmoe_jax.config.doe import (DOE_GATES, DOE_SIGNALS, DOE_VAE_SHARING, DOE_
 from dagmoe_jax.config.execution import (ATTENTION_IMPLS, EXPERT_EXCHANGES, GROUPED_MATMULS,
                                          REMAT_POLICIES, ExecutionConfig)
 from dagmoe_jax.config.model import (DTYPES, ROPE_SCALINGS, BlockConfig, ModelConfig,
-                                     RopeScalingConfig, execution_fields)
+                                     RopeScalingConfig)
 
 __all__ = ["AGGREGATORS", "ATTENTION_IMPLS", "AggregationConfig", "BALANCE_LOADS",
            "BALANCE_PROBS", "BLOCK_CONFIGS", "BLOCK_TYPES", "BlockConfig", "COE_READINGS",
@@ -35,6 +36,5 @@ __all__ = ["AGGREGATORS", "ATTENTION_IMPLS", "AggregationConfig", "BALANCE_LOADS
            "EXPERT_EXCHANGES", "ExecutionConfig", "ExpertConfig", "GROUPED_MATMULS",
            "ModelConfig", "MoEConfig", "REMAT_POLICIES", "RETIRED_DISPATCH", "ROPE_SCALINGS",
            "RopeScalingConfig", "RouterConfig", "SCORE_FNS", "TopicConfig",
-           "block_summary", "dag_params_per_layer", "default_ffn_hidden", "execution_fields",
-           "experts_of",
+           "block_summary", "dag_params_per_layer", "default_ffn_hidden", "experts_of",
            "matched_shared_hidden", "nested_configs"]

@@ -1,6 +1,7 @@
-"""How the model runs on a machine, not what it computes (``ModelConfig.execution``): every
-choice that depends on the backend or the mesh, each 'auto' settled once when the run is built
-(:mod:`dagmoe_jax.run.settle`)."""
+"""How the model runs on a machine, not what it computes: every choice that depends on the
+backend or the mesh, in one ``ExecutionConfig`` beside the mesh (``TrainConfig.execution``),
+each 'auto' settled once when the run is built (:func:`dagmoe_jax.run.settle.settle`, which
+returns the concrete config the model is built with: ``Transformer(cfg, execution=...)``)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ EXPERT_EXCHANGES = ("auto", "all_gather", "ragged_all_to_all")
 
 @dataclasses.dataclass(frozen=True)
 class ExecutionConfig:
-    """How the model runs on a machine, not what it computes (``ModelConfig.execution``).
+    """How the model runs on a machine, not what it computes (``TrainConfig.execution``).
 
     Changing any of these changes neither the parameters nor, beyond floating-point rounding,
     the outputs, so a run may resume with them changed (on another machine, say). Each 'auto'

@@ -30,6 +30,9 @@ BlockConfig = Union[DenseConfig, MoEConfig, CoEConfig, DoEConfig]
 # The fields each block family held at the top level of a ModelConfig before ModelConfig.block
 # held the family's config (ModelConfig.migrate moves them).
 _LEGACY_BLOCK_FIELDS = ("router", "experts", "aggregation", "coe", "doe", "ffn_hidden")
+# The keys of the execution choices a model config held before they moved beside the mesh.
+_SAVED_EXECUTION_KEYS = ("execution", "fuse_gate_up",
+                         *(f.name for f in dataclasses.fields(ExecutionConfig)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +68,9 @@ class RopeScalingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Llama-3 style decoder (DAG-MoE Appendix B.1) with a choice of FFN block.
+    """Llama-3 style decoder (DAG-MoE Appendix B.1) with a choice of FFN block: what is
+    computed. How it runs on a machine is an ``ExecutionConfig`` beside the mesh
+    (``TrainConfig.execution``), not a field here.
 
     vocab_size: embedding and LM-head rows (256 = bytes; the paper used Llama-3's 128,256).
     d_model, num_layers, num_heads, num_kv_heads: Table 3 (s: 512, 4, 32, 8).
@@ -80,8 +85,6 @@ class ModelConfig:
     rope_scaling: RoPE frequency scaling (``RopeScalingConfig``; default none, as DAG-MoE).
     norm_eps: epsilon of RMSNorm and of the DAG module's LayerNorm.
     init_std: standard deviation of the normal initialiser of every matrix.
-    execution: how the model runs on a machine, not what it computes (``ExecutionConfig``;
-      every 'auto' there is settled by :mod:`dagmoe_jax.run.settle` at the run's build).
     param_dtype, compute_dtype: 'float32' or 'bfloat16' (master weights stay float32 by default).
     """
 
@@ -99,8 +102,6 @@ class ModelConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     rope_scaling: RopeScalingConfig = dataclasses.field(default_factory=RopeScalingConfig)
-    execution: ExecutionConfig = dataclasses.field(default_factory=ExecutionConfig,
-                                                   metadata={"execution": True})
 
     def __post_init__(self):
         c = "ModelConfig"
@@ -142,11 +143,6 @@ class ModelConfig:
         Llama's 8/3 d_model rounded up to 128."""
         return getattr(self.block, "ffn_hidden", None) or default_ffn_hidden(self.d_model)
 
-    @property
-    def unsettled(self) -> tuple:
-        """The execution fields still 'auto' (settled by :func:`dagmoe_jax.run.settle.settle`)."""
-        return self.execution.unsettled
-
     def replace(self, **changes) -> "ModelConfig":
         """A copy with fields changed. A nested config (``block`` included) accepts a dict of
         the fields to change in it, at any depth (``block={"router": {"top_k": 2}}``), and
@@ -157,38 +153,46 @@ class ModelConfig:
     def migrate(blob: dict, settled: Optional[dict] = None) -> dict:
         """A model config's JSON (``dataclasses.asdict`` of one) as this version writes it:
 
-        * the execution fields that runs written before :class:`ExecutionConfig` existed kept
-          at the top level moved into it (``fuse_gate_up`` by its name now,
-          ``fuse_projections``);
+        * without the execution choices earlier versions kept in it (at the top level, then in
+          ``execution``): they sit beside the mesh now (:meth:`saved_execution` reads them);
         * the block family's fields, which every config held at the top level before
           ``block`` held the family's config (``block: 'moe'`` beside ``router``,
           ``experts``, ``aggregation``, ``coe``, ``doe`` and ``ffn_hidden``), moved into it,
           the other families' dropped;
         * the dispatch values of earlier versions: ``'auto'`` (settled per machine then) to
           what ``settled`` (the same config as that machine settled it) records, else to
-          ``'dropless'``, what a CPU settled it to; ``'dense'`` to dropless run as
-          ``grouped_matmul='einsum'``.
+          ``'dropless'``, what a CPU settled it to; ``'dense'`` to ``'dropless'`` (run as
+          ``grouped_matmul='einsum'``: :meth:`saved_execution`).
         """
-        blob = dict(blob)
-        legacy = {f.name: blob.pop(f.name) for f in dataclasses.fields(ExecutionConfig)
-                  if f.name in blob}
-        blob["execution"] = {**legacy, **(blob.get("execution") or {})}
-        if "fuse_gate_up" in blob["execution"]:                # its name before it fused q/k/v
-            blob["execution"]["fuse_projections"] = blob["execution"].pop("fuse_gate_up")
+        blob = {k: v for k, v in blob.items() if k not in _SAVED_EXECUTION_KEYS}
         if isinstance(blob.get("block", "moe"), str):
             blob["block"] = _legacy_block(blob)
             for name in _LEGACY_BLOCK_FIELDS:
                 blob.pop(name, None)
         experts = dict(blob["block"].get("experts") or {})
         if experts.get("dispatch") in RETIRED_DISPATCH:
-            if (experts["dispatch"] == "dense"
-                    and blob["execution"].get("grouped_matmul", "auto") == "auto"):
-                blob["execution"]["grouped_matmul"] = "einsum"
             was = ((ModelConfig.migrate(settled)["block"] if settled else {}).get("experts")
                    or {}).get("dispatch")
             blob["block"] = {**blob["block"], "experts": {**experts, "dispatch": (
                 was if experts["dispatch"] == "auto" and was in DISPATCH_MODES else "dropless")}}
         return blob
+
+    @staticmethod
+    def saved_execution(blob: dict) -> dict:
+        """The execution choices (``ExecutionConfig`` fields) a model config's JSON of an
+        earlier version holds: at its top level (before ``ExecutionConfig`` existed), in its
+        ``execution`` (before it moved beside the mesh), ``fuse_gate_up`` by its name now
+        (``fuse_projections``), and ``grouped_matmul='einsum'`` for the retired ``'dense'``
+        dispatch (every expert on every token). Empty for this version's configs."""
+        saved = {k: blob[k] for k in _SAVED_EXECUTION_KEYS if k in blob and k != "execution"}
+        saved.update(blob.get("execution") or {})
+        if "fuse_gate_up" in saved:                          # its name before it fused q/k/v
+            saved["fuse_projections"] = saved.pop("fuse_gate_up")
+        block = blob.get("block")
+        experts = (block.get("experts") if isinstance(block, dict) else blob.get("experts")) or {}
+        if experts.get("dispatch") == "dense" and saved.get("grouped_matmul", "auto") == "auto":
+            saved["grouped_matmul"] = "einsum"
+        return saved
 
     @classmethod
     def from_dict(cls, blob: dict, settled: Optional[dict] = None) -> "ModelConfig":
@@ -241,10 +245,3 @@ def _replace(config, changes: dict):
         if isinstance(value, dict) and dataclasses.is_dataclass(current):
             changes[name] = _replace(current, value)
     return dataclasses.replace(config, **changes)
-
-
-def execution_fields(cls=None) -> tuple:
-    """The names of ``cls``'s (default ModelConfig's) fields that hold execution choices
-    (field metadata ``{"execution": True}``): a run may resume with them changed."""
-    return tuple(f.name for f in dataclasses.fields(cls or ModelConfig)
-                 if f.metadata.get("execution"))

@@ -50,7 +50,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import io_callback
 
-from dagmoe_jax.config import ModelConfig, experts_of
+from dagmoe_jax.config import ExecutionConfig, ModelConfig, experts_of
 from dagmoe_jax.model import Transformer
 
 DEFAULT_DISPATCH = "dropless"
@@ -196,8 +196,9 @@ def _padded_ids(ids: Sequence[int]) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=32)
-def _graphdef_for(cfg: ModelConfig):
-    return nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+def _graphdef_for(cfg: ModelConfig, execution: ExecutionConfig):
+    return nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, execution=execution,
+                                                           rngs=nnx.Rngs(0))))
 
 
 def decoding_model(model: Transformer, dispatch: str = DEFAULT_DISPATCH) -> Transformer:
@@ -209,8 +210,8 @@ def decoding_model(model: Transformer, dispatch: str = DEFAULT_DISPATCH) -> Tran
     experts = experts_of(cfg.block)
     if experts is None or experts.dispatch == dispatch:
         return model
-    return nnx.merge(_graphdef_for(cfg.replace(block=dict(experts=dict(dispatch=dispatch)))),
-                     nnx.state(model))
+    return nnx.merge(_graphdef_for(cfg.replace(block=dict(experts=dict(dispatch=dispatch))),
+                                   model.execution), nnx.state(model))
 
 
 def _as_batch(prompts, lengths, pad_id: int):

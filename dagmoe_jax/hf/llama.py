@@ -33,7 +33,8 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy before safetensor
 import numpy as np
 from flax import nnx
 
-from dagmoe_jax.config import DenseConfig, ModelConfig, RopeScalingConfig, default_ffn_hidden
+from dagmoe_jax.config import (DenseConfig, ExecutionConfig, ModelConfig, RopeScalingConfig,
+                               default_ffn_hidden)
 from dagmoe_jax.model.params import set_params, variable
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.run.settle import settle
@@ -348,13 +349,13 @@ def hf_tensors_to_params(cfg: ModelConfig, get: Callable[[str], np.ndarray],
             [to_ours(read(_layer_names(i)[key], shape)) for i in range(cfg.num_layers)])
 
 
-def load_hf_llama(path: PathLike, *, rngs: Optional[nnx.Rngs] = None, settle_fn=None,
-                  **overrides):
+def load_hf_llama(path: PathLike, *, rngs: Optional[nnx.Rngs] = None,
+                  execution: Optional[ExecutionConfig] = None, **overrides):
     """A dense :class:`~dagmoe_jax.model.Transformer` holding a Hugging Face Llama checkpoint.
 
-    ``overrides``: ModelConfig fields to change (``param_dtype='bfloat16'``, ``max_seq_len``,
-    ``attention``...). ``settle_fn``: settles the config for this machine (default
-    :func:`dagmoe_jax.run.settle.settle`). Returns (model, ModelConfig before settling).
+    ``overrides``: ModelConfig fields to change (``param_dtype='bfloat16'``, ``max_seq_len``...).
+    ``execution``: how it runs (default every choice 'auto'), settled for this machine
+    (:func:`dagmoe_jax.run.settle.settle`; ``model.execution``). Returns (model, ModelConfig).
     """
 
     hf = read_hf_config(path)
@@ -362,10 +363,10 @@ def load_hf_llama(path: PathLike, *, rngs: Optional[nnx.Rngs] = None, settle_fn=
     reader = SafetensorsReader(path)
     tied = bool(hf.get("tie_word_embeddings", False)) and "lm_head.weight" not in reader
     _check_names(reader, cfg, tied)
-    settled = (settle_fn or settle)(cfg)
+    settled = settle(cfg, execution)
     # Built abstractly (shapes only, no initialisation), each parameter then placed as it is
     # read: importing needs about the model's size in memory, never a random model besides.
-    model = nnx.eval_shape(lambda: Transformer(settled, rngs=rngs or nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Transformer(cfg, execution=settled, rngs=rngs or nnx.Rngs(0)))
     set_params(model, hf_tensors_to_params(cfg, reader.__getitem__, tied),
                source="the checkpoint")
     return model, cfg

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.config import ExecutionConfig, ModelConfig
 from dagmoe_jax.model.layers import dtype_of, make_param, normal
 from dagmoe_jax.model.segments import segment_mask
 from dagmoe_jax.kernels.attention import fused_causal_attention
@@ -185,7 +185,7 @@ def causal_attention(q, k, v, impl: str, block: int, layout: Optional[MeshLayout
             return sharded_splash_attention(q, k, v, layout, segment_ids)
     if impl == "auto":
         raise ValueError("ExecutionConfig.attention='auto' reached the model unsettled: build the "
-                         "model from dagmoe_jax.run.settle.settle(cfg)")
+                         "model with execution=dagmoe_jax.run.settle.settle(cfg, execution)")
     implementation = "cudnn" if impl == "cudnn" else "xla"
     if segment_ids is None:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True,
@@ -255,13 +255,15 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array)
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention: H query heads share KV heads in groups of H / KV; ``layout``:
-    the mesh a Pallas kernel ('splash') runs on shard by shard (None: one device)."""
+    """Grouped-query attention: H query heads share KV heads in groups of H / KV;
+    ``execution``: the settled kernel (``attention``, ``attention_block``) and whether q, k, v
+    are one matmul (``fuse_projections``); ``layout``: the mesh a Pallas kernel ('splash')
+    runs on shard by shard (None: one device)."""
 
-    def __init__(self, cfg: ModelConfig, layout: Optional[MeshLayout] = None, *,
-                 rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, execution: ExecutionConfig,
+                 layout: Optional[MeshLayout] = None, *, rngs: nnx.Rngs):
         d, h, kv, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
-        self.cfg, self.layout = cfg, layout
+        self.cfg, self.execution, self.layout = cfg, execution, layout
         self.dtype = dtype_of(cfg.compute_dtype)
         pd = dtype_of(cfg.param_dtype)
         init = normal(cfg.init_std)
@@ -276,7 +278,7 @@ class Attention(nnx.Module):
         b, s, d = x.shape
         x2 = x.astype(self.dtype).reshape(b * s, d)
         ws = [w[...].astype(self.dtype).reshape(d, -1) for w in (self.w_q, self.w_k, self.w_v)]
-        if self.cfg.execution.fuse_projections:  # one matmul against [W_q | W_k | W_v] (config.py)
+        if self.execution.fuse_projections:  # one matmul against [W_q | W_k | W_v] (config.py)
             parts = jnp.split(x2 @ jnp.concatenate(ws, axis=1),
                               [ws[0].shape[1], ws[0].shape[1] + ws[1].shape[1]], axis=1)
         else:
@@ -318,7 +320,7 @@ class Attention(nnx.Module):
             first = jnp.zeros((x.shape[0],), jnp.int32) if start is None else start
             cache = KVCache(write_cache(cache.k, k, first), write_cache(cache.v, v, first))
         if cache is None or start is None:
-            ex = self.cfg.execution
+            ex = self.execution
             o = causal_attention(q, k, v, ex.attention, ex.attention_block, self.layout,
                                  segment_ids)
         else:

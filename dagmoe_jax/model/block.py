@@ -3,7 +3,9 @@
 Every block (dense SwiGLU, MoE with any aggregator and shared experts, Chain-of-Experts, DoE)
 is a module called the same way, ``block(inputs: BlockInputs) -> (out, BlockStats)``, and is
 found by its ``ModelConfig.block`` name in one table (:data:`dagmoe_jax.model.transformer.BLOCKS`),
-so :class:`~dagmoe_jax.model.transformer.DecoderLayer` has no branch per block type.
+so :class:`~dagmoe_jax.model.transformer.DecoderLayer` has no branch per block type. It is built
+as ``Block(cfg, execution, layout, rngs=...)``: the model config, how it runs on this machine
+(a settled ``ExecutionConfig``) and the mesh its dispatch spans (None: one device).
 
 A block family that needs parameters outside the layer stack, or inputs beyond the normed
 stream (DoE's topic embedding and VAE bank, its per-layer noise keys), declares a *shared*

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.config import ExecutionConfig, ModelConfig
 from dagmoe_jax.model.aggregation import weighted_sum
 from dagmoe_jax.model.block import BlockInputs, routed_stats
 from dagmoe_jax.model.moe import routed_experts, shared_experts
@@ -58,8 +58,8 @@ class CoEBlock(nnx.Module):
     over the chain (module docstring); stats are the iterations' means, and with
     ``record_intermediates`` on the record holds the expert ids of every iteration [C, T, K]."""
 
-    def __init__(self, cfg: ModelConfig, layout: Optional[MeshLayout] = None, *,
-                 rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, execution: ExecutionConfig,
+                 layout: Optional[MeshLayout] = None, *, rngs: nnx.Rngs):
         c = cfg.block
         self.iterations, self.residual, self.stream = c.iterations, c.residual, c.stream
         self.replaces_stream = c.stream == "reference"     # the layer's output is the block's
@@ -68,8 +68,8 @@ class CoEBlock(nnx.Module):
             Router(c.iteration_router, cfg.d_model, c.experts.num_experts, std=cfg.init_std,
                    top_k=c.resolved_top_k, rngs=rngs)
             for _ in range(1 if c.shared_router else c.iterations)])
-        self.experts = routed_experts(cfg, layout, rngs=rngs)
-        self.shared = shared_experts(cfg, rngs=rngs)
+        self.experts = routed_experts(cfg, execution, layout, rngs=rngs)
+        self.shared = shared_experts(cfg, execution, rngs=rngs)
         self.record_intermediates = False     # analysis switches it on (Module.set_attributes)
 
     def __call__(self, inputs: BlockInputs):

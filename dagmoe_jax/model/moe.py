@@ -8,7 +8,7 @@ from typing import Optional
 import jax
 from flax import nnx
 
-from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.config import ExecutionConfig, ModelConfig
 from dagmoe_jax.model.aggregation import make_aggregator
 from dagmoe_jax.model.block import BlockInputs, BlockStats, empty_stats, routed_stats
 from dagmoe_jax.model.experts import Experts
@@ -17,21 +17,23 @@ from dagmoe_jax.model.router import Router
 from dagmoe_jax.parallel.axes import MeshLayout
 
 
-def shared_experts(cfg: ModelConfig, *, rngs: nnx.Rngs) -> Optional[SwiGLU]:
+def shared_experts(cfg: ModelConfig, execution: ExecutionConfig, *,
+                   rngs: nnx.Rngs) -> Optional[SwiGLU]:
     """``ExpertConfig.num_shared`` shared experts as one SwiGLU (None without any)."""
     e = cfg.block.experts
     if e.num_shared == 0:
         return None
     return SwiGLU(cfg.d_model, e.num_shared * e.shared_hidden, cfg.init_std,
-                  dtype_of(cfg.compute_dtype), fuse_projections=cfg.execution.fuse_projections,
+                  dtype_of(cfg.compute_dtype), fuse_projections=execution.fuse_projections,
                   rngs=rngs)
 
 
-def routed_experts(cfg: ModelConfig, layout: Optional[MeshLayout], *,
-                   rngs: nnx.Rngs) -> Experts:
-    """The routed experts of ``cfg`` (a settled config), dispatched across ``layout``."""
+def routed_experts(cfg: ModelConfig, execution: ExecutionConfig, layout: Optional[MeshLayout],
+                   *, rngs: nnx.Rngs) -> Experts:
+    """The routed experts of ``cfg``, run as ``execution`` (settled), dispatched across
+    ``layout``."""
     return Experts(cfg.block.experts, cfg.d_model, std=cfg.init_std,
-                   dtype=dtype_of(cfg.compute_dtype), execution=cfg.execution, layout=layout,
+                   dtype=dtype_of(cfg.compute_dtype), execution=execution, layout=layout,
                    rngs=rngs)
 
 
@@ -39,12 +41,12 @@ class DenseBlock(SwiGLU):
     """The dense block: one SwiGLU of ``ModelConfig.resolved_ffn_hidden`` (its parameters are
     the SwiGLU's own, so a dense layer's state paths are ``block/w_gate`` ...)."""
 
-    def __init__(self, cfg: ModelConfig, layout: Optional[MeshLayout] = None, *,
-                 rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, execution: ExecutionConfig,
+                 layout: Optional[MeshLayout] = None, *, rngs: nnx.Rngs):
         del layout                           # nothing to dispatch
         super().__init__(cfg.d_model, cfg.resolved_ffn_hidden, cfg.init_std,
                          dtype_of(cfg.compute_dtype),
-                         fuse_projections=cfg.execution.fuse_projections, rngs=rngs)
+                         fuse_projections=execution.fuse_projections, rngs=rngs)
 
     def __call__(self, inputs: BlockInputs):
         return super().__call__(inputs.x), empty_stats()
@@ -57,13 +59,13 @@ class MoEBlock(nnx.Module):
     ``indices`` [1, T, K] (rank order) and the aggregator's own record (the DAG's edge gates).
     """
 
-    def __init__(self, cfg: ModelConfig, layout: Optional[MeshLayout] = None, *,
-                 rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, execution: ExecutionConfig,
+                 layout: Optional[MeshLayout] = None, *, rngs: nnx.Rngs):
         self.router = Router(cfg.block.router, cfg.d_model, cfg.block.experts.num_experts,
                              std=cfg.init_std, rngs=rngs)
-        self.experts = routed_experts(cfg, layout, rngs=rngs)
+        self.experts = routed_experts(cfg, execution, layout, rngs=rngs)
         self.aggregator = make_aggregator(cfg, rngs=rngs)
-        self.shared = shared_experts(cfg, rngs=rngs)
+        self.shared = shared_experts(cfg, execution, rngs=rngs)
         self.record_intermediates = False     # analysis switches it on (Module.set_attributes)
 
     def __call__(self, inputs: BlockInputs) -> tuple[jax.Array, BlockStats]:

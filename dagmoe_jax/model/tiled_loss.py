@@ -150,8 +150,8 @@ def tiled_scores(h: jax.Array, w: jax.Array, targets: jax.Array,
     return unchunk(losses), unchunk(predictions)
 
 
-def chunk_tokens(cfg) -> int:
-    """Tokens of the whole batch in one chunk of a model's tiled loss: the settled per-device
-    ``ExecutionConfig.loss_chunk`` of ``cfg`` (512 while unsettled) times the batch's shards on
-    the active mesh, since the loss sees the global batch."""
-    return (cfg.execution.loss_chunk or DEFAULT_CHUNK_TOKENS) * active_batch_shards()
+def chunk_tokens(execution) -> int:
+    """Tokens of the whole batch in one chunk of a model's tiled loss: the per-device
+    ``loss_chunk`` of the model's settled ``execution`` (512 while unsettled) times the
+    batch's shards on the active mesh, since the loss sees the global batch."""
+    return (execution.loss_chunk or DEFAULT_CHUNK_TOKENS) * active_batch_shards()

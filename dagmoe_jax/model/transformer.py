@@ -1,6 +1,8 @@
 """The Llama-3 style decoder (DAG-MoE Appendix B.1) with scanned layers.
 
-``Transformer(cfg, rngs=...)(tokens)`` returns float32 logits [B, S, V] and an auxiliary dict:
+``Transformer(cfg, execution=..., rngs=...)(tokens)`` returns float32 logits [B, S, V] and an
+auxiliary dict (``cfg``: what is computed; ``execution``: how, a settled
+:class:`~dagmoe_jax.config.ExecutionConfig`, :func:`dagmoe_jax.run.settle.settle`):
 
 * ``balance_loss``, ``z_loss``: unweighted router losses, averaged over layers (and CoE steps);
 * ``aux_loss``: ``balance_coef * balance_loss + z_loss_coef * z_loss``, ready to add to the loss;
@@ -29,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.config import ExecutionConfig, ModelConfig
 from dagmoe_jax.model.attention import Attention, KVCache, rope_angles
 from dagmoe_jax.model.block import BlockContext, BlockInputs, BlockStats
 from dagmoe_jax.model.coe import CoEBlock
@@ -57,13 +59,13 @@ class DecoderLayer(nnx.Module):
     updates, replaces h instead of adding to it.
     """
 
-    def __init__(self, cfg: ModelConfig, layout: Optional[MeshLayout] = None, *,
-                 rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, execution: ExecutionConfig,
+                 layout: Optional[MeshLayout] = None, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
-        self.attn = Attention(cfg, layout, rngs=rngs)
+        self.attn = Attention(cfg, execution, layout, rngs=rngs)
         self.block_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
-        self.block = BLOCKS[cfg.block.kind](cfg, layout, rngs=rngs)
+        self.block = BLOCKS[cfg.block.kind](cfg, execution, layout, rngs=rngs)
 
     def __call__(self, h: jax.Array, sin: jax.Array, cos: jax.Array,
                  cache: Optional[KVCache] = None, start: Optional[jax.Array] = None,
@@ -86,14 +88,17 @@ class DecoderLayer(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """The decoder for a settled ``cfg`` (:func:`dagmoe_jax.run.settle.settle`: no 'auto'
-    left), its MoE dispatch placed on ``layout`` (None: one device)."""
+    """The decoder ``cfg`` describes, run as ``execution`` (settled for this machine:
+    :func:`dagmoe_jax.run.settle.settle`, no 'auto' left), its MoE dispatch placed on
+    ``layout`` (None: one device)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layout: Optional[MeshLayout] = None):
-        if cfg.unsettled:
-            raise ValueError(f"ModelConfig fields {', '.join(cfg.unsettled)} are still 'auto': "
-                             f"build the model from dagmoe_jax.run.settle.settle(cfg)")
-        self.cfg = cfg
+    def __init__(self, cfg: ModelConfig, *, execution: ExecutionConfig, rngs: nnx.Rngs,
+                 layout: Optional[MeshLayout] = None):
+        if execution.unsettled:
+            raise ValueError(f"ExecutionConfig fields {', '.join(execution.unsettled)} are "
+                             f"still 'auto': build the model with "
+                             f"execution=dagmoe_jax.run.settle.settle(cfg, execution)")
+        self.cfg, self.execution = cfg, execution
         pd = dtype_of(cfg.param_dtype)
         self.embed = make_param(rngs, normal(cfg.init_std), (cfg.vocab_size, cfg.d_model),
                                 ("vocab", "embed"), pd)
@@ -101,7 +106,7 @@ class Transformer(nnx.Module):
         @nnx.split_rngs(splits=cfg.num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_layers(r):
-            return DecoderLayer(cfg, layout, rngs=r)
+            return DecoderLayer(cfg, execution, layout, rngs=r)
 
         self.layers = make_layers(rngs)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
@@ -177,11 +182,12 @@ class Transformer(nnx.Module):
             h, stats, layer_cache = layer(h, sin, cos, layer_cache, start, context, segment_ids)
             return h, (stats, layer_cache)
 
-        if cfg.execution.remat != "none":
-            body = nnx.remat(body, policy=REMAT_POLICIES[cfg.execution.remat], prevent_cse=False)
+        ex = self.execution
+        if ex.remat != "none":
+            body = nnx.remat(body, policy=REMAT_POLICIES[ex.remat], prevent_cse=False)
 
         @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, None), out_axes=(nnx.Carry, 0),
-                  unroll=cfg.execution.scan_unroll,
+                  unroll=ex.scan_unroll,
                   transform_metadata={nnx.PARTITION_NAME: "layers"})
         def run(h, layer, layer_cache, layer_inputs, shared_inputs):
             return body(h, layer, layer_cache, layer_inputs, shared_inputs)

@@ -9,8 +9,8 @@ it, never the other way round):
   :mod:`~dagmoe_jax.run.optim` the optimiser they describe;
 * :mod:`~dagmoe_jax.run.extensions`: each block family's hooks into the run (DoE's topics);
 * :mod:`~dagmoe_jax.run.allocator`: the process's memory allocator (tcmalloc, glibc tuning);
-* :mod:`~dagmoe_jax.run.settle`: every 'auto' of ``ModelConfig.execution`` decided once,
-  from (config, backend, mesh);
+* :mod:`~dagmoe_jax.run.settle`: every 'auto' of an ``ExecutionConfig``
+  (``TrainConfig.execution``) decided once, from (model config, backend, mesh);
 * :mod:`~dagmoe_jax.run.build`: the settled model and its (sharded) train state, batches
   on the devices;
 * :mod:`~dagmoe_jax.run.directory`: the run directory (``config.json``, gin files, the
@@ -26,7 +26,7 @@ from dagmoe_jax.run.build import (MODEL_INPUTS, abstract, build, check_compatibl
 from dagmoe_jax.run.checkpoint import (Checkpointer, CheckpointMismatchError,
                                        CheckpointSaveError, Restored)
 from dagmoe_jax.run.directory import (CHECKPOINT_DIR, CONFIG_FILE, NON_STREAM_DATA_FIELDS,
-                                      OPERATIVE_GIN, LoadedRun, architecture,
+                                      OPERATIVE_GIN, LoadedRun,
                                       configs_from_json, configs_to_gin, configs_to_json,
                                       load_configs, load_run, model_meta, prepare_run_dir,
                                       resume_changes, save_configs, save_initial_checkpoint,
@@ -36,7 +36,7 @@ from dagmoe_jax.run.settle import describe, settle
 
 __all__ = ["CHECKPOINT_DIR", "CONFIG_FILE", "CheckpointMismatchError", "CheckpointSaveError",
            "Checkpointer", "LoadedRun", "MODEL_INPUTS", "NON_STREAM_DATA_FIELDS",
-           "OPERATIVE_GIN", "Restored", "abstract", "architecture", "build", "check_compatible",
+           "OPERATIVE_GIN", "Restored", "abstract", "build", "check_compatible",
            "configs_from_json", "configs_to_gin", "configs_to_json", "describe", "device_batch",
            "extension_for", "load_configs", "load_run", "model_meta", "prepare_run_dir",
            "replicated_batch", "resume_changes", "save_configs", "save_initial_checkpoint",

@@ -45,18 +45,18 @@ def build(model_cfg: ModelConfig, optim_cfg: OptimConfig, train_cfg: TrainConfig
     """(model, optimizer, schedule) for a run: parameters initialised from ``train_cfg.seed``,
     created directly sharded over ``mesh`` when one is given (optimizer state too).
 
-    The model is built from ``model_cfg`` settled for this machine and mesh
-    (:func:`dagmoe_jax.run.settle.settle`; ``model.cfg`` is the settled config)."""
+    The model runs as ``train_cfg.execution`` settled for ``model_cfg`` on this machine and
+    mesh (:func:`dagmoe_jax.run.settle.settle`; ``model.execution`` is the settled config)."""
     tx = make_optimizer(optim_cfg, train_cfg.steps)
     check_trainable(model_cfg, train_cfg.trainable)
     wrt = TRAINABLE[train_cfg.trainable]
     layout = MeshLayout.of(mesh)
-    settled = settle(model_cfg, layout=layout, log=log)
-    check_kernel_precision(settled.execution.attention, settled.execution.grouped_matmul,
-                           jax.default_backend())
+    execution = settle(model_cfg, train_cfg.execution, layout=layout, log=log)
+    check_kernel_precision(execution.attention, execution.grouped_matmul, jax.default_backend())
 
     def new_model():
-        return Transformer(settled, rngs=nnx.Rngs(train_cfg.seed), layout=layout)
+        return Transformer(model_cfg, execution=execution, rngs=nnx.Rngs(train_cfg.seed),
+                           layout=layout)
     if mesh is None:
         model = new_model()
         optimizer = nnx.Optimizer(model, tx, wrt=wrt)

@@ -17,6 +17,7 @@ from dagmoe_jax.validate import choice as _choice
 from dagmoe_jax.validate import in_range as _in_range
 from dagmoe_jax.validate import nonnegative_int as _nonnegative_int
 from dagmoe_jax.validate import positive as _positive
+from dagmoe_jax.config.execution import ExecutionConfig
 from dagmoe_jax.parallel.config import MeshConfig
 
 SCHEDULES = ("wsd", "cosine", "constant")
@@ -50,6 +51,10 @@ class TrainConfig:
     wandb_mode: 'online' (default) or 'offline' (no network; ``wandb sync`` uploads later).
     mesh: the device mesh (``MeshConfig``: data / fsdp / expert / tensor sizes; default all
         devices data-parallel). Bind it in gin as ``MeshConfig.expert = 4``.
+    execution: how the model runs on this machine and mesh (``ExecutionConfig``: remat,
+        attention and grouped-matmul kernels, ...; default every choice 'auto', settled and
+        printed when the run is built). Not architecture: a run may resume, be evaluated or
+        sampled with it changed. Bind it in gin as ``ExecutionConfig.remat = 'dots'``.
     allow_model_change: resume a run whose checkpoint was written with a different ModelConfig
         (array shapes must still match; fields such as ``top_k`` or ``score_fn`` keep them).
         Off by default: such a resume is a one-line error naming the fields, since it silently
@@ -90,6 +95,7 @@ class TrainConfig:
     wandb_project: str = ""
     wandb_mode: str = "online"
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    execution: ExecutionConfig = dataclasses.field(default_factory=ExecutionConfig)
     allow_model_change: bool = False
     trainable: str = "all"
     init_from: str = ""
@@ -102,6 +108,8 @@ class TrainConfig:
             _nonnegative_int("TrainConfig", name, getattr(self, name))
         _check(isinstance(self.mesh, MeshConfig), "TrainConfig", "mesh", self.mesh,
                "a MeshConfig")
+        _check(isinstance(self.execution, ExecutionConfig), "TrainConfig", "execution",
+               self.execution, "an ExecutionConfig")
         _check(isinstance(self.allow_model_change, bool), "TrainConfig", "allow_model_change",
                self.allow_model_change, "True or False")
         _check(isinstance(self.wandb_project, str), "TrainConfig", "wandb_project",

@@ -2,8 +2,8 @@
 
 A run written by ``train.py`` (:func:`dagmoe_jax.train.loop.train`) or by the upcycling
 command (:mod:`dagmoe_jax.upcycle`) holds ``config.json`` (the
-four configs the run was started with, and the model config as settled on the machine that
-wrote it), ``checkpoints/`` (Orbax, model and optimizer state with the data iterator's
+four configs the run was started with, and the execution config as settled on the machine
+that wrote it), ``checkpoints/`` (Orbax, model and optimizer state with the data iterator's
 position), ``metrics.jsonl`` and, when gin was used, ``operative_config.gin``. Training,
 evaluation, sampling, analysis and the benchmarks all go through the functions here:
 
@@ -27,7 +27,7 @@ from flax import nnx
 from dagmoe_jax.validate import first_line
 from dagmoe_jax.data import make_tokenizer
 from dagmoe_jax.parallel import activate
-from dagmoe_jax.config import BLOCK_CONFIGS, ExecutionConfig, ModelConfig, execution_fields
+from dagmoe_jax.config import BLOCK_CONFIGS, ExecutionConfig, ModelConfig
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.parallel import MeshConfig
 from dagmoe_jax.run.build import build, train_state
@@ -70,27 +70,32 @@ def prepare_run_dir(run_dir: PathLike) -> epath.Path:
 
 
 def configs_to_json(model_cfg, data_cfg, optim_cfg, train_cfg,
-                    settled: Optional[ModelConfig] = None) -> dict:
-    """The JSON of ``config.json``: the four configs, plus the settled model config."""
+                    settled: Optional[ExecutionConfig] = None) -> dict:
+    """The JSON of ``config.json``: the four configs, plus the execution config as this
+    machine settled ``train_cfg.execution`` (a record: a run reads its own ``execution``)."""
     blob = {"model": dataclasses.asdict(model_cfg), "data": dataclasses.asdict(data_cfg),
             "optim": dataclasses.asdict(optim_cfg), "train": dataclasses.asdict(train_cfg)}
     if settled is not None:
-        blob["settled_model"] = dataclasses.asdict(settled)
+        blob["settled_execution"] = dataclasses.asdict(settled)
     return blob
 
 
 def configs_from_json(blob: dict):
     """(ModelConfig, DataConfig, OptimConfig, TrainConfig) from :func:`configs_to_json`'s
-    output (the settled model config, a record of one machine, is read only to migrate what
-    earlier versions settled per machine: :meth:`ModelConfig.migrate`)."""
+    output, or an earlier version's: the execution choices earlier versions kept in the model
+    config move to ``TrainConfig.execution`` (:meth:`ModelConfig.saved_execution`), and their
+    settled model config, a record of one machine, is read only to migrate what they settled
+    per machine (:meth:`ModelConfig.migrate`)."""
     train = dict(blob["train"])
     train["mesh"] = MeshConfig(**train.get("mesh", {}))
+    train["execution"] = ExecutionConfig(**{**ModelConfig.saved_execution(blob["model"]),
+                                            **train.get("execution", {})})
     return (ModelConfig.from_dict(blob["model"], blob.get("settled_model")),
             DataConfig(**blob["data"]), OptimConfig(**blob["optim"]), TrainConfig(**train))
 
 
 def save_configs(run_dir: PathLike, model_cfg, data_cfg, optim_cfg, train_cfg,
-                 settled: Optional[ModelConfig] = None) -> epath.Path:
+                 settled: Optional[ExecutionConfig] = None) -> epath.Path:
     """Write ``run_dir/config.json``; returns its path."""
     path = as_path(run_dir) / CONFIG_FILE
     blob = configs_to_json(model_cfg, data_cfg, optim_cfg, train_cfg, settled)
@@ -154,15 +159,6 @@ def load_configs(run_dir: PathLike):
                          f"file") from None
 
 
-def architecture(blob: dict) -> dict:
-    """A model config's JSON (``dataclasses.asdict``) without its execution fields: those of
-    :func:`~dagmoe_jax.config.execution_fields` and, in configs saved before
-    :class:`~dagmoe_jax.config.ExecutionConfig` existed, its fields at the top level. They
-    change how the model runs, not what it computes: a run may resume with them changed."""
-    skip = set(execution_fields()) | {f.name for f in dataclasses.fields(ExecutionConfig)}
-    return {k: v for k, v in blob.items() if k not in skip}
-
-
 # DataConfig fields that do not change the training stream (evaluation, workers): a resumed run may
 # change them.
 NON_STREAM_DATA_FIELDS = tuple(f"DataConfig.{name}" for name in
@@ -179,15 +175,15 @@ def resume_changes(run_dir: PathLike, model_cfg: ModelConfig, data_cfg: DataConf
     """What differs between a run's checkpoint and the configs it is being resumed with:
     (architecture changes of the ModelConfig against the checkpoint's metadata ``saved_meta``
     (:func:`model_meta`); DataConfig changes since the run's ``config.json`` was written).
-    Execution fields (:func:`architecture` drops them) are not changes. A field the
-    checkpoint lacks (written by an earlier version) is read at its default, which every new
-    field keeps equal to the behaviour before it existed."""
-    saved = architecture(ModelConfig.migrate(saved_meta.get("model_config") or {}))
-    expected = architecture(dataclasses.asdict(model_cfg))
+    Execution choices an earlier version saved with the model (:meth:`ModelConfig.migrate`
+    drops them) are not changes. A field the checkpoint lacks (written by an earlier version)
+    is read at its default, which every new field keeps equal to the behaviour before it
+    existed."""
+    saved = ModelConfig.migrate(saved_meta.get("model_config") or {})
+    expected = dataclasses.asdict(model_cfg)
     family = saved["block"].get("kind", "moe")        # the saved family's defaults
     defaults = ModelConfig(block=family if family in BLOCK_CONFIGS else "moe")
-    with_defaults = {**flatten_json(architecture(dataclasses.asdict(defaults))),
-                     **flatten_json(saved)}
+    with_defaults = {**flatten_json(dataclasses.asdict(defaults)), **flatten_json(saved)}
     changed = {_diff_key(d) for d in json_diffs(with_defaults, expected, "model_config")}
     model = ["ModelConfig." + d[len("model_config."):]
              for d in json_diffs(saved, expected, "model_config")      # worded from the file
@@ -213,8 +209,9 @@ def model_meta(model_cfg: ModelConfig) -> dict:
 class LoadedRun:
     """A trained model from a run directory, with what is needed to talk to it.
 
-    model: the Transformer with the checkpoint's parameters (built from the settled config);
-    step: the checkpoint's step; model_cfg: the settled model config (``model.cfg``);
+    model: the Transformer with the checkpoint's parameters (running as the run's
+    ``train_cfg.execution`` settled for this machine: ``model.execution``);
+    step: the checkpoint's step; model_cfg: the model config (``model.cfg``);
     data_cfg, optim_cfg, train_cfg: the run's other configs; tokenizer: from ``data_cfg``;
     warnings: messages about unreadable newer checkpoints that were skipped.
     """

@@ -1,7 +1,9 @@
 """Loading configs from gin files and bindings (T5X style).
 
-``load_model_config`` gives the :class:`ModelConfig` alone (notebooks, benchmarks);
-``load_configs`` gives all four configs of a training run (model, data, optimiser, loop).
+``load_model_config`` gives the :class:`ModelConfig` alone (notebooks, benchmarks) and
+``load_execution_config`` how it runs (``ExecutionConfig``); ``load_configs`` gives all four
+configs of a training run (model, data, optimiser, loop; the loop's holds the mesh and the
+execution config).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ CONFIG_DIR = _config_dir()
 # Bindings of earlier versions: a binding of the old name fails with what to write instead.
 RENAMED = {
     "ExecutionConfig.fuse_gate_up": "it is ExecutionConfig.fuse_projections now",
+    "ModelConfig.execution": "it is TrainConfig.execution now, beside the mesh (bind "
+                             "ExecutionConfig.<field> as before)",
     **{f"ModelConfig.{field}": f"the block family's config holds it now: bind {cls}.<field> "
                                f"(ModelConfig.block = 'moe' / 'coe' selects the family)"
        for field, cls in (("router", "RouterConfig"), ("experts", "ExpertConfig"),
@@ -185,11 +189,20 @@ def load_model_config(files: Sequence[str] = (), bindings: Iterable[str] = ()) -
     return _build_tree(ModelConfig)
 
 
+def load_execution_config(files: Sequence[str] = (),
+                          bindings: Iterable[str] = ()) -> C.ExecutionConfig:
+    """The :class:`ExecutionConfig` that ``files`` and ``bindings`` describe, validated (what
+    ``TrainConfig.execution`` holds in a run; 'auto' fields stay for ``settle``)."""
+    parse_gin(files, bindings)
+    return _build_tree(C.ExecutionConfig)
+
+
 def load_configs(files: Sequence[str] = (), bindings: Iterable[str] = ()
                  ) -> Tuple[ModelConfig, DataConfig, OptimConfig, TrainConfig]:
     """(ModelConfig, DataConfig, OptimConfig, TrainConfig) for a training run, validated.
 
-    ``MeshConfig`` bindings land in ``TrainConfig.mesh``.
+    ``MeshConfig`` and ``ExecutionConfig`` bindings land in ``TrainConfig.mesh`` and
+    ``TrainConfig.execution``.
 
     gin's operative config (``gin.operative_config_str()``) afterwards lists every binding used.
     """

@@ -1,10 +1,11 @@
-"""Settle every 'auto' of a model config once, when the run is built.
+"""Settle every 'auto' of how a model runs once, when the run is built.
 
 The model code (``dagmoe_jax/model``) never asks what machine it runs on: no backend query,
-no look at the active mesh. Every choice that depends on the machine is a field of
-``ModelConfig.execution`` (:class:`~dagmoe_jax.config.ExecutionConfig`) left 'auto' by the user
-and decided here, from (config, backend, mesh layout), into a concrete config that the run
-prints and saves:
+no look at the active mesh. Every choice that depends on the machine is a field of an
+:class:`~dagmoe_jax.config.ExecutionConfig` (a run's ``TrainConfig.execution``, beside its
+mesh) left 'auto' by the user and decided here, from (model config, backend, mesh layout), into
+a concrete ``ExecutionConfig`` that the run prints and saves, and builds the model with
+(``Transformer(cfg, execution=settle(cfg, execution))``):
 
 =================  =====================================================================
 ``remat``          'none' on CPU (memory is plentiful, recomputing costs ~15%), 'full' on
@@ -42,7 +43,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from dagmoe_jax.config import ModelConfig, experts_of
+from dagmoe_jax.config import ExecutionConfig, ModelConfig, experts_of
 from dagmoe_jax.kernels.attention import fused_attention_unavailable, kernel_needs_build
 from dagmoe_jax.kernels.grouped_matmul import (grouped_matmul_needs_build,
                                                grouped_matmul_unavailable)
@@ -160,16 +161,17 @@ def grouped_matmul_width(cfg: ModelConfig) -> int:
     return cfg.d_model
 
 
-def settle(cfg: ModelConfig, *, backend: Optional[str] = None,
-           layout: Optional[MeshLayout] = None,
-           log: Callable[[str], None] = lambda _message: None) -> ModelConfig:
-    """``cfg`` with every 'auto' decided for ``backend`` (default: JAX's default backend) and
-    ``layout`` (None: one device). Fields already concrete are kept (an impossible one, such as
-    'fused' attention under a mesh, is a one-line ``ValueError``). ``log`` hears about slow
-    work done here (compiling the CPU attention kernel)."""
+def settle(cfg: ModelConfig, execution: Optional[ExecutionConfig] = None, *,
+           backend: Optional[str] = None, layout: Optional[MeshLayout] = None,
+           log: Callable[[str], None] = lambda _message: None) -> ExecutionConfig:
+    """``execution`` (default: every choice 'auto') with every 'auto' decided for the model
+    ``cfg`` on ``backend`` (default: JAX's default backend) and ``layout`` (None: one device).
+    Fields already concrete are kept (an impossible one, such as 'fused' attention under a
+    mesh, is a one-line ``ValueError``). ``log`` hears about slow work done here (compiling
+    the CPU kernels)."""
     backend = backend or jax.default_backend()
     dtype = jnp.dtype(cfg.compute_dtype)
-    ex = cfg.execution
+    ex = execution or ExecutionConfig()
     if (ex.attention in ("auto", "fused") and backend == "cpu" and layout is None
             and dtype == jnp.float32 and kernel_needs_build()):
         log("compiling the fused CPU attention kernel (about 10 s, once per machine)")
@@ -179,36 +181,36 @@ def settle(cfg: ModelConfig, *, backend: Optional[str] = None,
     attention, _ = settle_attention(ex.attention, backend, dtype, cfg.resolved_head_dim, layout)
     grouped_matmul = settle_grouped_matmul(ex.grouped_matmul, backend, cfg.d_model,
                                            grouped_matmul_width(cfg), layout)
-    return cfg.replace(
-        execution=dict(
-            remat=settle_remat(ex.remat, backend),
-            scan_unroll=settle_scan_unroll(ex.scan_unroll, cfg.num_layers, backend),
-            attention=attention,
-            grouped_matmul=grouped_matmul,
-            expert_exchange=settle_expert_exchange(ex.expert_exchange, backend),
-            fuse_projections=(layout is None if ex.fuse_projections is None
-                              else ex.fuse_projections),
-            loss_chunk=settle_loss_chunk(ex.loss_chunk, backend)))
+    return ExecutionConfig(
+        remat=settle_remat(ex.remat, backend),
+        scan_unroll=settle_scan_unroll(ex.scan_unroll, cfg.num_layers, backend),
+        attention=attention,
+        grouped_matmul=grouped_matmul,
+        expert_exchange=settle_expert_exchange(ex.expert_exchange, backend),
+        fuse_projections=layout is None if ex.fuse_projections is None else ex.fuse_projections,
+        attention_block=ex.attention_block,
+        loss_chunk=settle_loss_chunk(ex.loss_chunk, backend))
 
 
-def describe(settled: ModelConfig, original: Optional[ModelConfig] = None,
-             backend: Optional[str] = None, layout: Optional[MeshLayout] = None) -> str:
-    """One line for logs: what the machine-dependent fields are, why 'auto' attention fell back
-    (to blockwise from the fused CPU kernel, to XLA from cuDNN), and the grouped matmul of
-    dropless dispatch."""
+def describe(cfg: ModelConfig, settled: ExecutionConfig,
+             requested: Optional[ExecutionConfig] = None, backend: Optional[str] = None,
+             layout: Optional[MeshLayout] = None) -> str:
+    """One line for logs: how the model ``cfg`` runs (``settled``), why attention that was
+    'auto' in ``requested`` fell back (to blockwise from the fused CPU kernel, to XLA from
+    cuDNN), and the grouped matmul of dropless dispatch."""
     backend = backend or jax.default_backend()
-    ex = settled.execution
+    ex = settled
     attention = ex.attention
-    if (original is not None and original.execution.attention == "auto"
+    if (requested is not None and requested.attention == "auto"
             and attention in ("blockwise", "xla")):
-        _, why = settle_attention("auto", backend, jnp.dtype(settled.compute_dtype),
-                                  settled.resolved_head_dim, layout)
+        _, why = settle_attention("auto", backend, jnp.dtype(cfg.compute_dtype),
+                                  cfg.resolved_head_dim, layout)
         attention += f" ({why})" if why else ""
-    experts = experts_of(settled.block)
+    experts = experts_of(cfg.block)
     dropless = experts is not None and experts.dispatch == "dropless"
     dispatch = f", dispatch {experts.dispatch}" if experts else ""
     return (f"attention {attention}, remat {ex.remat}, layers unrolled "
-            f"{ex.scan_unroll}/{settled.num_layers}, loss chunk {ex.loss_chunk} tokens, gate/up "
+            f"{ex.scan_unroll}/{cfg.num_layers}, loss chunk {ex.loss_chunk} tokens, gate/up "
             f"{'fused' if ex.fuse_projections else 'separate'}{dispatch}"
             f"{', grouped matmul ' + ex.grouped_matmul if dropless else ''}"
             f"{', expert-parallel over ' + str(dict(layout.axis_sizes)) if layout else ''}"

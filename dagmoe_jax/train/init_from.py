@@ -5,8 +5,8 @@
 * ``hf:<folder>``: a Hugging Face Llama folder (``config.json`` + safetensors), imported by
   :func:`~dagmoe_jax.hf.llama.load_hf_llama`.
 
-:func:`source_model_config` gives the run's ModelConfig: the source's architecture with the
-execution fields (how the model runs) of the gin config; a gin binding that changes the
+:func:`source_model_config` gives the run's ModelConfig: the source's (how the model runs,
+``TrainConfig.execution``, stays the gin config's); a gin binding that changes the
 architecture (a field differing from both ModelConfig's default and the source's value) is a
 one-line error. :func:`load_initial_params` copies the source's parameters into the freshly
 built (possibly sharded) model; the optimiser keeps its fresh state. Both are one-line
@@ -53,7 +53,7 @@ def source_model_config(init_from: str, model_cfg: ModelConfig) -> ModelConfig:
         source = model_config_from_hf(read_hf_config(_hf_folder(init_from)))
     else:
         source = run_lib.load_configs(_run_dir(init_from))[0]
-    arch = lambda cfg: flatten_json(run_lib.architecture(dataclasses.asdict(cfg)))  # noqa: E731
+    arch = lambda cfg: flatten_json(dataclasses.asdict(cfg))  # noqa: E731
     default, given, have = arch(ModelConfig()), arch(model_cfg), arch(source)
     conflicts = [f"ModelConfig.{k}={given[k]!r} (the source has {have.get(k)!r})"
                  for k in sorted(given) if given[k] != default.get(k) and given[k] != have.get(k)]
@@ -61,7 +61,7 @@ def source_model_config(init_from: str, model_cfg: ModelConfig) -> ModelConfig:
         raise ValueError(f"TrainConfig.init_from={init_from!r} has another architecture than "
                          f"the gin config: {'; '.join(conflicts)}: drop those bindings (the "
                          "model comes from the source)")
-    return source.replace(execution=model_cfg.execution)
+    return source
 
 
 def _source_params(init_from: str, log: Callable[[str], None]):

@@ -69,9 +69,9 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
     if schedule_note(optim_cfg, train_cfg.steps):
         say(schedule_note(optim_cfg, train_cfg.steps))
     model, optimizer, schedule = run_lib.build(model_cfg, optim_cfg, train_cfg, mesh, log=say)
-    say(f"model settled for {jax.default_backend()}: "
-        f"{run_lib.describe(model.cfg, model_cfg, layout=MeshLayout.of(mesh))}; "
-        f"host memory: {allocator()}")
+    how = run_lib.describe(model_cfg, model.execution, train_cfg.execution,
+                           layout=MeshLayout.of(mesh))
+    say(f"model settled for {jax.default_backend()}: {how}; host memory: {allocator()}")
     checkpointer = run_lib.Checkpointer(run_dir / run_lib.CHECKPOINT_DIR,
                                                save_every=train_cfg.save_every,
                                                keep=train_cfg.keep_checkpoints,
@@ -94,7 +94,7 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
         raise
     if is_main:
         run_lib.save_configs(run_dir, model_cfg, data_cfg, optim_cfg, train_cfg,
-                               settled=model.cfg)
+                             settled=model.execution)
         run_lib.save_operative_gin(run_dir, operative_gin)
     writer = MetricsWriter(run_dir, enabled=is_main, tensorboard=train_cfg.tensorboard,
                            resume_step=start, wandb_project=train_cfg.wandb_project,

@@ -44,7 +44,7 @@ def lm_loss(model: Transformer, batch: Dict[str, jax.Array]) -> Tuple[jax.Array,
                    **extension.model_inputs(batch, train=True))
     mask = batch.get("mask", jnp.ones_like(batch["targets"], dtype=bool))
     ce = tiled_cross_entropy(h, model.lm_head[...].astype(h.dtype), batch["targets"], mask,
-                             chunk_tokens=chunk_tokens(model.cfg))
+                             chunk_tokens=chunk_tokens(model.execution))
     total, extra_metrics = extension.loss(ce, aux, batch)
     metrics = {"loss": total, "ce_loss": ce, "balance_loss": aux["balance_loss"],
                "z_loss": aux["z_loss"], "expert_load": aux["expert_load"],

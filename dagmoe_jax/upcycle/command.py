@@ -138,7 +138,7 @@ def build_dume(dense: Sequence[Union[DenseSource, str]],
     Hugging Face directories merged one tensor at a time (:func:`stream.moerge_hf`, about the
     experts' summed size in memory). ``batches_per_domain[j]()`` gives
     domain j's statistics batches; ``progress(domain, batches, tokens)`` hears after each.
-    Returns (model, unsettled MoE config, per-domain statistics; empty for 'random')."""
+    Returns (model, MoE config, per-domain statistics; empty for 'random')."""
     if router not in ("dume", "random"):
         raise ValueError(f"router={router!r} is invalid: expected 'dume' or 'random'")
     if len(batches_per_domain) != len(dense):
@@ -151,8 +151,9 @@ def build_dume(dense: Sequence[Union[DenseSource, str]],
         moerge.check_same_architecture([d.cfg for d in dense])
         dense_cfg = dense[0].cfg
     cfg = moerge.dume_config(dense_cfg, len(dense), top_k=top_k, temperature=temperature)
-    moe = (stream.moerge_hf(dense, settle(cfg), seed=seed) if streamed else
-           moerge.moerge([d.model for d in dense], settle(cfg), seed=seed))
+    execution = settle(cfg)
+    moe = (stream.moerge_hf(dense, cfg, execution=execution, seed=seed) if streamed else
+           moerge.moerge([d.model for d in dense], cfg, execution=execution, seed=seed))
     stats: List[DomainStatistics] = []
     if router == "dume":
         for j, batches in enumerate(batches_per_domain):
@@ -201,7 +202,7 @@ def write_run(run_dir: str, model: nnx.Module, model_cfg: ModelConfig, data_cfg:
     iterator = iter(instruct_dataset(data_cfg, tokenizer) if is_instruct(data_cfg)
                     else train_dataset(data_cfg, tokenizer))       # what resume.gin reads
     run_lib.save_initial_checkpoint(path, built, optimizer, model_cfg, train_cfg, iterator)
-    run_lib.save_configs(path, model_cfg, data_cfg, optim_cfg, train_cfg, settled=built.cfg)
+    run_lib.save_configs(path, model_cfg, data_cfg, optim_cfg, train_cfg, settled=built.execution)
     run_lib.save_resume_gin(path, model_cfg, data_cfg, optim_cfg, train_cfg, name=RESUME_GIN)
     if stats:
         (path / STATS_DIR).mkdir(exist_ok=True)

@@ -70,7 +70,7 @@ def forced_forward(model: nnx.Module, tokens: jax.Array, expert: jax.Array, head
         inputs.append(x)
         e = layer.block.experts
         w = [getattr(e, n)[...][expert].astype(dt) for n in ("w_gate", "w_up", "w_down")]
-        y = swiglu(x.reshape(b * s, -1).astype(dt), *w, fused=cfg.execution.fuse_projections)
+        y = swiglu(x.reshape(b * s, -1).astype(dt), *w, fused=model.execution.fuse_projections)
         if layer.block.shared is not None:
             y = y + layer.block.shared(x.reshape(b * s, -1))
         h = layer.add_block_output(h, y.reshape(b, s, -1))
@@ -188,7 +188,7 @@ def add_expert(moe: nnx.Module, dense: nnx.Module, *, seed: int = 0,
     check_same_architecture([as_dense, dense.cfg], ["the merged model", "the new model"])
     n = moe.cfg.block.experts.num_experts
     cfg = moe.cfg.replace(block=dict(experts=dict(num_experts=n + 1)))
-    grown = Transformer(cfg, rngs=nnx.Rngs(seed))
+    grown = Transformer(cfg, execution=moe.execution, rngs=nnx.Rngs(seed))
     params = {p: v for p, v in flat_params(moe).items() if "router" not in p}
     new = flat_params(dense)
     if reaverage:
@@ -227,7 +227,7 @@ def upcycle_to_dag(moe: nnx.Module, *, dag_dim: int = 128, dag_iters: int = 2,
         raise ValueError("AggregationConfig.dag_residual='literal' adds RMSNorm(h) to the "
                          "stream, so the upcycled model would not start equal to DUME: use "
                          "'once'")
-    dag = Transformer(cfg, rngs=nnx.Rngs(seed))
+    dag = Transformer(cfg, execution=moe.execution, rngs=nnx.Rngs(seed))
     set_params(dag, flat_params(moe))
     if fan_in:
         redraw_fan_in(dag, [DAG_PREFIX + (n,) for n in ("w_down", "w_edge", "w_node")], seed)
@@ -243,7 +243,7 @@ def add_shared_expert(moe: nnx.Module, hidden: int, *, seed: int = 0,
     :func:`upcycle_to_dag`'s messages."""
     check_dume_config(moe.cfg)
     cfg = moe.cfg.replace(block=dict(experts=dict(num_shared=1, shared_hidden=hidden)))
-    grown = Transformer(cfg, rngs=nnx.Rngs(seed))
+    grown = Transformer(cfg, execution=moe.execution, rngs=nnx.Rngs(seed))
     set_params(grown, flat_params(moe))
     down = SHARED_PREFIX + ("w_down",)
     set_params(grown, {down: np.zeros(flat_params(grown)[down].shape, np.float32)})

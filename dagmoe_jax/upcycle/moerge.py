@@ -16,12 +16,11 @@ from typing import Sequence, Tuple
 import numpy as np
 from flax import nnx
 
-from dagmoe_jax.config import (AggregationConfig, ExpertConfig, ModelConfig, MoEConfig,
-                               RouterConfig)
+from dagmoe_jax.config import (AggregationConfig, ExecutionConfig, ExpertConfig, ModelConfig,
+                               MoEConfig, RouterConfig)
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.model.params import flat_params, set_params
 from dagmoe_jax.run.checkpoint_files import flatten_json
-from dagmoe_jax.run.directory import architecture
 
 MLP_PREFIX = ("layers", "block")          # the dense block's w_gate / w_up / w_down
 EXPERT_PREFIX = ("layers", "block", "experts")
@@ -67,9 +66,9 @@ def check_dume_config(cfg: ModelConfig) -> None:
 
 def architecture_fields(cfg: ModelConfig) -> dict:
     """The fields of a dense config that decide its parameters' meaning, by dotted name
-    (``block.ffn_hidden``): the run's architecture (:func:`~dagmoe_jax.run.directory.architecture`,
-    without the execution fields) less the dtypes, ``init_std`` and ``max_seq_len``."""
-    flat = flatten_json(architecture(dataclasses.asdict(cfg)))
+    (``block.ffn_hidden``): the model config less the dtypes, ``init_std`` and
+    ``max_seq_len``."""
+    flat = flatten_json(dataclasses.asdict(cfg))
     return {k: v for k, v in flat.items()
             if k not in ("param_dtype", "compute_dtype", "init_std", "max_seq_len")}
 
@@ -100,16 +99,18 @@ def merged_params(dense: Sequence[dict]) -> Tuple[dict, dict]:
     return shared, experts
 
 
-def moerge(models: Sequence[nnx.Module], cfg: ModelConfig, *, seed: int = 0) -> nnx.Module:
-    """The MoE ``cfg`` (a settled :func:`dume_config` of the models' config) holding N dense
-    ``models`` merged (DUME sec. 2.2), its routers initialised at random from ``seed``."""
+def moerge(models: Sequence[nnx.Module], cfg: ModelConfig, *, execution: ExecutionConfig,
+           seed: int = 0) -> nnx.Module:
+    """The MoE ``cfg`` (a :func:`dume_config` of the models' config), run as ``execution``
+    (settled for ``cfg``: :func:`dagmoe_jax.run.settle.settle`), holding N dense ``models``
+    merged (DUME sec. 2.2), its routers initialised at random from ``seed``."""
 
     check_same_architecture([m.cfg for m in models])
     check_dume_config(cfg)
     if cfg.block.experts.num_experts != len(models):
         raise ValueError(f"ExpertConfig.num_experts={cfg.block.experts.num_experts} but "
                          f"{len(models)} dense models were given: one expert per model")
-    moe = Transformer(cfg, rngs=nnx.Rngs(seed))
+    moe = Transformer(cfg, execution=execution, rngs=nnx.Rngs(seed))
     shared, experts = merged_params([flat_params(m) for m in models])
     set_params(moe, {**shared, **experts})
     return moe

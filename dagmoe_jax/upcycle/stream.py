@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.config import ExecutionConfig, ModelConfig
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.hf import llama as hf_llama
 from dagmoe_jax.model.params import set_params, variable
@@ -46,9 +46,10 @@ def read_configs(paths: Sequence[PathLike]) -> ModelConfig:
     return cfgs[0]
 
 
-def moerge_hf(paths: Sequence[PathLike], cfg: ModelConfig, *, seed: int = 0) -> nnx.Module:
-    """The MoE ``cfg`` (a settled :func:`~dagmoe_jax.upcycle.moerge.dume_config` of the
-    checkpoints' config, one expert per path) merged from Hugging Face Llama directories
+def moerge_hf(paths: Sequence[PathLike], cfg: ModelConfig, *, execution: ExecutionConfig,
+              seed: int = 0) -> nnx.Module:
+    """The MoE ``cfg`` (a :func:`~dagmoe_jax.upcycle.moerge.dume_config` of the checkpoints'
+    config, one expert per path; run as ``execution``, settled for it) merged from Hugging Face Llama directories
     ``paths`` without loading any of them whole: every non-MLP parameter the float64 mean of
     the N models' (DUME eq. 4's shared weights), layer l's MLP of model j expert j. The routers
     are drawn from ``seed`` (normal, ``init_std``; bias zero) until DUME sets them. Equals
@@ -64,7 +65,7 @@ def moerge_hf(paths: Sequence[PathLike], cfg: ModelConfig, *, seed: int = 0) -> 
         hf = hf_llama.read_hf_config(p)
         tied.append(bool(hf.get("tie_word_embeddings", False)) and "lm_head.weight" not in reader)
         readers.append(reader)
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))
+    model = nnx.eval_shape(lambda: Transformer(cfg, execution=execution, rngs=nnx.Rngs(seed)))
     streams = [hf_llama.hf_tensors_to_params(dense, r.__getitem__, t)
                for r, t in zip(readers, tied)]
     while True:

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.config import ExecutionConfig, ModelConfig
 from dagmoe_jax.model.doe.knowledge_blocks import active_blocks, block_hidden, sparse_blocks
 from dagmoe_jax.model.block import BlockInputs, BlockStats
 from dagmoe_jax.model.layers import dtype_of, make_param, normal, swiglu
@@ -361,13 +361,16 @@ class DoEBlock(nnx.Module):
 
     shared = DoEShared                   # the Transformer builds one as ``model.doe``
 
-    def __init__(self, cfg: ModelConfig, layout=None, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, execution: ExecutionConfig, layout=None, *,
+                 rngs: nnx.Rngs):
         del layout                           # nothing to dispatch
         c = cfg.block
         d, k = cfg.d_model, c.num_topics
         pd = dtype_of(cfg.param_dtype)
         init = normal(cfg.init_std)
         self.cfg, self.dtype = cfg, dtype_of(cfg.compute_dtype)
+        self.grouped_matmul = execution.grouped_matmul
+        self.fuse_projections = execution.fuse_projections
         self.w_q = make_param(rngs, init, (d, d), ("embed", None), pd)
         if not c.shared_knowledge:
             self.knowledge = make_param(rngs, init, (k, d), (None, "embed"), pd)
@@ -407,13 +410,13 @@ class DoEBlock(nnx.Module):
             b, s, d = h_enr.shape
             weights = (c(self.block_gate), c(self.block_up), c(self.block_down))
             out, ids = sparse_blocks(h_enr.reshape(b * s, d), gates.reshape(b * s, -1),
-                                     weights, active_blocks(cfg), cfg.execution.grouped_matmul)
+                                     weights, active_blocks(cfg), self.grouped_matmul)
             out = out.reshape(b, s, d)
             active = jnp.mean(jnp.sum(ids < gates.shape[-1], axis=-1)) / gates.shape[-1]
         else:
             e_context = compose_expert(gates, z_know)
             out = swiglu(jnp.concatenate([h_enr, e_context], axis=-1), c(self.w_gate),
-                         c(self.w_up), c(self.w_down), fused=cfg.execution.fuse_projections)
+                         c(self.w_up), c(self.w_down), fused=self.fuse_projections)
             active = jnp.mean((g32 > 0).astype(jnp.float32))
         share = g32 / jnp.maximum(jnp.sum(g32, axis=-1, keepdims=True), 1e-9)
         zero = jnp.zeros((), jnp.float32)

@@ -47,7 +47,7 @@ def default_ffn_hidden(d_model: int) -> int:
 
 def block_summary(block) -> str:
     """A block family config in a few words for progress lines: ``block=moe aggregation=dag``."""
-    aggregation = getattr(block, "aggregation", None)
+    aggregation = aggregation_of(block)
     return f"block={block.kind}" + (f" aggregation={aggregation.kind}" if aggregation else "")
 
 
@@ -55,6 +55,18 @@ def experts_of(block) -> Optional["ExpertConfig"]:
     """The routed experts' config of a family that routes tokens to experts (MoE, CoE), else
     None (dense, DoE)."""
     return getattr(block, "experts", None)
+
+
+def router_of(block) -> Optional["RouterConfig"]:
+    """The router's config of a family that routes (MoE, CoE: its losses' coefficients, top-k),
+    else None (dense, DoE)."""
+    return getattr(block, "router", None)
+
+
+def aggregation_of(block) -> Optional["AggregationConfig"]:
+    """How the routed experts' outputs are combined (sum, DAG, MLP) in the family that
+    aggregates (MoE), else None (dense, DoE, and CoE, whose chain sums)."""
+    return getattr(block, "aggregation", None)
 
 
 def nested_configs(cls) -> dict:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict
 
-from dagmoe_jax.config import ModelConfig, dag_params_per_layer
+from dagmoe_jax.config import ModelConfig, aggregation_of, dag_params_per_layer
 from dagmoe_jax.model.doe.block import shared_param_counts
 from dagmoe_jax.model.doe.knowledge_blocks import active_blocks, block_hidden
 
@@ -72,7 +72,7 @@ class Accounting:
 
 def aggregator_params(cfg: ModelConfig) -> int:
     """Parameters of one layer's aggregator: the DAG module or the MLP mixer (0 for 'sum')."""
-    a = getattr(cfg.block, "aggregation", None)        # only the MoE family aggregates
+    a = aggregation_of(cfg.block)
     if a is None or a.kind == "sum":
         return 0
     if a.kind == "dag":
@@ -82,7 +82,7 @@ def aggregator_params(cfg: ModelConfig) -> int:
 
 def aggregator_forward_flops(cfg: ModelConfig) -> tuple[float, float]:
     """(matmul, pairwise) forward FLOPs per token of one layer's aggregator."""
-    a = getattr(cfg.block, "aggregation", None)
+    a = aggregation_of(cfg.block)
     if a is None or a.kind == "sum":
         return 0.0, 0.0
     d, k = cfg.d_model, cfg.block.router.top_k

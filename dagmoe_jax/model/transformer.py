@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dagmoe_jax.config import ExecutionConfig, ModelConfig
+from dagmoe_jax.config import ExecutionConfig, ModelConfig, router_of
 from dagmoe_jax.model.attention import Attention, KVCache, rope_angles
 from dagmoe_jax.model.block import BlockContext, BlockInputs, BlockStats
 from dagmoe_jax.model.coe import CoEBlock
@@ -222,7 +222,7 @@ def summarize_stats(cfg: ModelConfig, stats: BlockStats) -> dict:
     """Per-layer stats [layers, ...] -> the auxiliary dict documented in this module."""
     balance = jnp.mean(stats.balance_loss)
     z = jnp.mean(stats.z_loss)
-    router = getattr(cfg.block, "router", None)      # None: the family does not route
+    router = router_of(cfg.block)                    # None: the family does not route
     return {
         "balance_loss": balance,
         "z_loss": z,

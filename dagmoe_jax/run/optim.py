@@ -31,6 +31,7 @@ import jax
 import optax
 from flax import nnx
 
+from dagmoe_jax.config import router_of
 from dagmoe_jax.run.config import OptimConfig
 
 
@@ -177,7 +178,7 @@ def check_trainable(model_cfg, trainable: str) -> None:
     if model_cfg.block.kind == "dense":
         raise ValueError("TrainConfig.trainable='router' on a dense model: it has no router "
                          "(use 'all')")
-    r = getattr(model_cfg.block, "router", None)
+    r = router_of(model_cfg.block)
     if r is not None and r.top_k == 1 and r.renormalize:
         raise ValueError("TrainConfig.trainable='router' with RouterConfig.top_k=1 and "
                          "renormalize=True: the gate is always 1, so the router gets no "

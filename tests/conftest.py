@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import tempfile
@@ -60,6 +61,28 @@ def single_device_env(**extra: str) -> dict:
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
     return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags), **extra}
+
+
+def build_once(tmp_path_factory, name: str, build):
+    """``build(directory)``'s result (JSON-able), built once for the whole run: under xdist by
+    the first worker that asks, the others waiting on a file lock and reading it back
+    (pytest-xdist's recipe for a fixture that should run once); without xdist, here. What
+    ``build`` writes in ``directory`` is shared by every worker's tests: they must only read
+    it (copy it to change it). A module fixture that builds a run takes 15-30 s, which each
+    worker running one of its tests would otherwise pay again."""
+    from filelock import FileLock
+
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return build(tmp_path_factory.mktemp(name))
+    root = tmp_path_factory.getbasetemp().parent          # shared by every worker of the run
+    directory, done = root / f"shared-{name}", root / f"shared-{name}.json"
+    with FileLock(str(root / f"shared-{name}.lock")):
+        if done.is_file():
+            return json.loads(done.read_text())
+        directory.mkdir(exist_ok=True)
+        value = build(directory)
+        done.write_text(json.dumps(value))
+        return value
 
 
 def tiny_config(block: str = "moe", kind: str = "sum", **overrides) -> ModelConfig:

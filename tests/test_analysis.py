@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import make_model, single_device_env, tiny_config
+from conftest import build_once, make_model, single_device_env, tiny_config
 from dagmoe_jax.analysis.collect import Collected, collect, gate_sparsity_counts, record
 from dagmoe_jax.analysis.report import summary, summary_lines
 from dagmoe_jax.model.aggregation import edge_mask
@@ -170,8 +170,13 @@ def test_collect_reports_the_edge_gate_sparsity_of_the_recorded_gates(edges):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Two 4-step smoke runs trained side by side: the smoke DAG-MoE and a CoE variant."""
-    root = tmp_path_factory.mktemp("analysis")
+    """Two 4-step smoke runs trained side by side: the smoke DAG-MoE and a CoE variant (built
+    once for the whole run: conftest.build_once)."""
+    return {name: Path(path) for name, path in
+            build_once(tmp_path_factory, "analysis", _train_runs).items()}
+
+
+def _train_runs(root: Path) -> dict:
     specs = {"dag": [], "coe": ["--gin_file=variants/coe_g128_l2.gin"]}
     procs = {}
     for name, extra in specs.items():
@@ -185,7 +190,7 @@ def runs(tmp_path_factory):
     for name, proc in procs.items():
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err
-    return {name: root / name for name in specs}
+    return {name: str(root / name) for name in specs}
 
 
 def analyze(run_dir: Path, out: Path, *args) -> subprocess.Popen:

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import build_once
 from dagmoe_jax import run as run_lib
 from dagmoe_jax.config import CoEConfig, DoEConfig, ExecutionConfig, ModelConfig
 from dagmoe_jax.run.gin import load_configs
@@ -86,10 +87,14 @@ def model_7ae9da1(model: dict, dispatch: str = "auto") -> dict:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("compat") / "trained"
-    train(*load_configs(["train/smoke.gin"], SMOKE + [f"TrainConfig.run_dir = '{run_dir}'"]),
-          progress=False, log=lambda _m: None)
-    return run_dir
+    """The run of this version that each layout is written from (built once for the whole
+    run: conftest.build_once; the fixtures below copy it)."""
+    def build(root: Path) -> str:
+        run_dir = root / "trained"
+        train(*load_configs(["train/smoke.gin"], SMOKE + [f"TrainConfig.run_dir = '{run_dir}'"]),
+              progress=False, log=lambda _m: None)
+        return str(root / "trained")
+    return Path(build_once(tmp_path_factory, "compat", build))
 
 
 @pytest.fixture(params=["520a405", "7ae9da1", "684ed26", "7ae8cf5"])

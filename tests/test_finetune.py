@@ -22,7 +22,7 @@ from dagmoe_jax.train.loop import train
 from dagmoe_jax.train.metrics import read_metrics
 from dagmoe_jax.run.optim import TRAINABLE, make_schedule
 from dagmoe_jax.train.step import make_train_step
-from conftest import make_model
+from conftest import build_once, make_model
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "tests" / "fixtures" / "instruct_tiny.jsonl"
@@ -34,12 +34,14 @@ def flat_params(model) -> dict:
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("pre") / "run"
-    configs = load_configs(["train/smoke.gin"], [
-        "TrainConfig.steps = 2", f"TrainConfig.run_dir = '{run_dir}'",
-        "TrainConfig.task_eval_examples = 0", "TrainConfig.tensorboard = False"])
-    train(*configs, progress=False, log=lambda _m: None)
-    return run_dir
+    """A 2-step smoke run (built once for the whole run: conftest.build_once)."""
+    def build(root: Path) -> str:
+        configs = load_configs(["train/smoke.gin"], [
+            "TrainConfig.steps = 2", f"TrainConfig.run_dir = '{root / 'run'}'",
+            "TrainConfig.task_eval_examples = 0", "TrainConfig.tensorboard = False"])
+        train(*configs, progress=False, log=lambda _m: None)
+        return str(root / "run")
+    return Path(build_once(tmp_path_factory, "pretrained", build))
 
 
 def test_load_initial_params_equal_the_checkpoint(pretrained):

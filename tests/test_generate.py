@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import make_model, single_device_env, tiny_config
+from conftest import build_once, make_model, single_device_env, tiny_config
 from dagmoe_jax.decoding.generate import Generation, decoding_model, generate, sample_logits
 from dagmoe_jax.model import Transformer
 
@@ -208,8 +208,13 @@ def test_invalid_requests_are_one_line_errors():
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
-    """A 2-step train.py run of the smoke config (the tiny DAG-MoE, byte tokenizer)."""
-    run_dir = tmp_path_factory.mktemp("run") / "smoke"
+    """A 2-step train.py run of the smoke config (the tiny DAG-MoE, byte tokenizer), built
+    once for the whole run (conftest.build_once)."""
+    return Path(build_once(tmp_path_factory, "smoke_run", _smoke_run))
+
+
+def _smoke_run(root: Path) -> str:
+    run_dir = root / "smoke"
     cmd = [sys.executable, "train.py", "--gin_file=train/smoke.gin", f"--run_dir={run_dir}",
            "--no_progress", "--gin.TrainConfig.steps=2", "--gin.OptimConfig.warmup_steps=0",
            "--gin.TrainConfig.task_eval_examples=0", "--gin.TrainConfig.eval_batches=1",
@@ -217,7 +222,7 @@ def smoke_run(tmp_path_factory):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=single_device_env(),
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return run_dir
+    return str(run_dir)
 
 
 @pytest.mark.slow

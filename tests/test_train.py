@@ -11,13 +11,14 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
 
 from dagmoe_jax.run.gin import load_configs
 from dagmoe_jax.train.metrics import read_metrics
-from conftest import make_model
+from conftest import build_once, make_model
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = [sys.executable, str(REPO / "train.py"), "--gin_file=train/smoke.gin", "--no_progress"]
@@ -57,11 +58,14 @@ def checkpoint_steps(run_dir: Path) -> list:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> tuple:
-    """One uninterrupted 40-step smoke run (shared: the other tests compare with it)."""
-    run_dir = tmp_path_factory.mktemp("ref") / "run"
-    result = run(run_dir)
-    assert result.returncode == 0, result.stderr
-    return run_dir, result
+    """One uninterrupted 40-step smoke run (shared: the other tests compare with it; built
+    once for the whole run, conftest.build_once): (run_dir, its output)."""
+    def build(root: Path) -> list:
+        result = run(root / "run")
+        assert result.returncode == 0, result.stderr
+        return [str(root / "run"), result.stdout]
+    run_dir, stdout = build_once(tmp_path_factory, "reference", build)
+    return Path(run_dir), types.SimpleNamespace(stdout=stdout)
 
 
 @pytest.mark.slow

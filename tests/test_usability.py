@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import build_once
 from dagmoe_jax import run as run_lib
 from dagmoe_jax.analysis import plots
 from dagmoe_jax.analysis.report import curve_series
@@ -35,8 +36,14 @@ SHORT = [sys.executable, str(REPO / "train.py"), "--gin_file=train/smoke.gin", "
 
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory):
-    """(run_dir, first run, second start of the finished run, eval with bindings)."""
-    run_dir = tmp_path_factory.mktemp("short") / "run"
+    """(run_dir, first run, second start of the finished run, eval with bindings): their
+    outputs, built once for the whole run (conftest.build_once)."""
+    run_dir, first, again, evaluated = build_once(tmp_path_factory, "usability", _short_run)
+    return Path(run_dir), first, again, evaluated
+
+
+def _short_run(root: Path) -> list:
+    run_dir = root / "run"
     first = subprocess.run([*SHORT, f"--run_dir={run_dir}"], capture_output=True, text=True,
                            env=ENV, timeout=300)
     assert first.returncode == 0, first.stderr
@@ -51,7 +58,7 @@ def short_run(tmp_path_factory):
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err
         done.append(out)
-    return run_dir, first.stdout, done[0], done[1]
+    return [str(run_dir), first.stdout, done[0], done[1]]
 
 
 @pytest.mark.slow

@@ -1,0 +1,102 @@
+"""Export a trained dense run as a Hugging Face Llama directory, its tokenizer included.
+
+    python -m dagmoe_jax.cli.export --run_dir=runs/dense --out=exports/dense
+    dagmoe-export --run_dir=runs/dense --out=exports/dense --dtype=bfloat16 --max_shard_mb=2000
+
+Flags:
+  --run_dir=DIR       a train.py run directory of a dense model (ModelConfig.block = 'dense')
+  --out=DIR           the Hugging Face directory to write (it must not exist, or be empty)
+  --dtype=NAME        float32 (default) or bfloat16 weights
+  --max_shard_mb=N    safetensors shards of at most N MB with an index (default: one file)
+
+Writes ``config.json`` and ``model.safetensors`` (:func:`dagmoe_jax.hf.llama.export_hf_llama`:
+the newest checkpoint's parameters, the LM head tied when it equals the embedding) and the
+run's tokenizer (:mod:`dagmoe_jax.hf.tokenizer`: for the byte tokenizer a ``tokenizer.json``
+that gives exactly its ids). The directory is written beside ``--out`` and moved there when
+complete, so an interrupted export leaves nothing at ``--out``. ``transformers``,
+``train.py --gin.TrainConfig.init_from='hf:DIR'`` and ``dagmoe-upcycle --dense=DIR`` read it.
+Exit status: 0 done, 2 invalid arguments or run directory (a one-line message).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+from dagmoe_jax.cli import OneLineParser, quiet_background_errors, report_error
+
+DTYPES = ("float32", "bfloat16")
+
+
+def parse_args(argv):
+    parser = OneLineParser(add_help=False)
+    parser.add_argument("-h", "--help", action="store_true")
+    parser.add_argument("--run_dir", default="")
+    parser.add_argument("--out", default="")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max_shard_mb", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.help:
+        return args
+    if not args.run_dir or not args.out:
+        raise ValueError("--run_dir=DIR (a dense train.py run) and --out=DIR are required")
+    if args.dtype not in DTYPES:
+        raise ValueError(f"--dtype={args.dtype} is invalid: expected one of {', '.join(DTYPES)}")
+    if args.max_shard_mb < 0:
+        raise ValueError(f"--max_shard_mb={args.max_shard_mb} is invalid: expected >= 0")
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--out={args.out} already exists and is not an empty directory: "
+                         f"choose a new path")
+    return args
+
+
+def export_run(run_dir: str, out: str, *, dtype: str = "float32", max_shard_mb: int = 0,
+               log=print) -> Path:
+    """Export ``run_dir``'s newest checkpoint and tokenizer into ``out`` (module docstring);
+    returns ``out``. One-line ``ValueError`` for a run that is not dense."""
+    from dagmoe_jax.hf.llama import export_hf_llama
+    from dagmoe_jax.hf.tokenizer import export_tokenizer
+    from dagmoe_jax.run import load_run
+
+    loaded = load_run(run_dir)
+    if loaded.model_cfg.block.kind != "dense":
+        raise ValueError(f"{run_dir} holds a block={loaded.model_cfg.block.kind!r} model: a "
+                         f"Hugging Face Llama is dense (ModelConfig.block = 'dense')")
+    target = Path(out)
+    partial = target.with_name(f".{target.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        export_hf_llama(loaded.model, partial, dtype=dtype,
+                        max_shard_bytes=max_shard_mb * 2 ** 20 or None)
+        files = export_tokenizer(loaded.data_cfg, partial)
+        if target.exists():
+            target.rmdir()                       # empty (parse_args checked)
+        partial.rename(target)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    log(f"exported step {loaded.step} of {run_dir} to {target} ({dtype} weights, "
+        f"tokenizer: {', '.join(files)})")
+    return target
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+    except ValueError as err:
+        return report_error(err)
+    if args.help:
+        print(__doc__)
+        return 0
+    quiet_background_errors()
+    try:
+        export_run(args.run_dir, args.out, dtype=args.dtype, max_shard_mb=args.max_shard_mb)
+    except (ValueError, FileNotFoundError) as err:
+        return report_error(err)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -75,7 +75,7 @@ def test_a_dense_run_exports_as_the_same_model_with_its_tokenizer(tmp_path, caps
     assert not list(tmp_path.glob(".export.partial*"))
 
 
-def test_a_run_and_its_own_export_upcycle_together(tmp_path):
+def test_a_run_and_its_own_export_upcycle_together(tmp_path, monkeypatch):
     run_dir, data = write_dense_run(tmp_path)
     (tmp_path / "second").mkdir()
     other, _ = write_dense_run(tmp_path / "second", seed=1)
@@ -91,11 +91,14 @@ def test_a_run_and_its_own_export_upcycle_together(tmp_path):
     # both exports alone (no run directory): the exported tokenizer.json is the byte tokenizer
     again = tmp_path / "export2"
     assert export_cli.main([f"--run_dir={run_dir}", f"--out={again}"]) == 0
-    both = [f"--run_dir={tmp_path / 'dume2'}", "--stats_batches=1", "--steps=1", "--top_k=2",
-            f"--dense={again}", f"--source={data.source}", f"--dense={out}",
+    monkeypatch.chdir(tmp_path)                          # the folders given relative to it
+    both = ["--run_dir=dume2", "--stats_batches=1", "--steps=1", "--top_k=2",
+            f"--dense={again.name}", f"--source={data.source}", f"--dense={out.name}",
             f"--source={data.source}"]
     assert upcycle_cli.main(both) == 0
     assert run_lib.load_run(tmp_path / "dume2").tokenizer.encode("ab") == [97, 98]
+    recorded = run_lib.load_configs(tmp_path / "dume2")[1].tokenizer_path
+    assert recorded == str(again.resolve() / "tokenizer.json")    # readable from anywhere
 
 
 @pytest.mark.parametrize("argv, needle", [

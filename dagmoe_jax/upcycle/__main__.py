@@ -103,7 +103,9 @@ def _base_data(args, base):
             raise ValueError(f"{path} does not exist: pass --tokenizer_path=tokenizer.json of "
                              f"the Hugging Face models")
         eos = tokenizer_settings(Path(path).parent).get("eos_token", "")
-        base = DataConfig(tokenizer="hf", tokenizer_path=path, eos_token=eos)
+        # absolute: the run it writes is scored and sampled from any working directory
+        base = DataConfig(tokenizer="hf", tokenizer_path=str(Path(path).expanduser().resolve()),
+                          eos_token=eos)
     changes = {k: v for k, v in (("seq_len", args.seq_len), ("batch_size", args.batch_size)) if v}
     return dataclasses.replace(base, **changes)
 

@@ -28,26 +28,22 @@ def finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-@pytest.fixture(scope="module")
-def started(tmp_path_factory):
-    """Both micro benchmarks, started side by side (each is mostly single-threaded compiling)."""
-    root = tmp_path_factory.mktemp("bench")
-    procs = {"reasoning": start("reasoning.py", "--variants=moe,dag_l1",
-                                f"--out={root / 'reasoning'}"),
-             "quality": start("quality.py", "--variants=moe,coe", f"--out={root / 'quality'}"),
-             "downstream": start("downstream.py", "--variants=moe_shared,dag_l2",
-                                 f"--out={root / 'downstream'}")}
-    yield root, procs
-    for proc in procs.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+# Each test starts its own benchmark: a module fixture starting all three would run each of them
+# once per xdist worker that runs one of these tests (twice, on the suite's two workers).
+ARGS = {"reasoning": ("reasoning.py", "--variants=moe,dag_l1"),
+        "quality": ("quality.py", "--variants=moe,coe"),
+        "downstream": ("downstream.py", "--variants=moe_shared,dag_l2")}
 
 
-def test_reasoning_micro_end_to_end(started):
-    root, procs = started
+def run_micro(name: str, root: Path) -> subprocess.CompletedProcess:
+    script, variants = ARGS[name]
+    return finish(start(script, variants, f"--out={root / name}"))
+
+
+def test_reasoning_micro_end_to_end(tmp_path):
+    root = tmp_path
     out = root / "reasoning"
-    result = finish(procs["reasoning"])
+    result = run_micro("reasoning", root)
     assert result.returncode == 0, result.stderr[-2000:]
     results = json.loads((out / "reasoning.json").read_text())
     assert results["budget"]["tasks"] == ["lis"] and results["budget"]["sizes"] == [4, 8, 14]
@@ -67,10 +63,10 @@ def test_reasoning_micro_end_to_end(started):
     assert bad.returncode == 2 and "variant 'dag' is invalid" in bad.stderr
 
 
-def test_quality_micro_end_to_end(started):
-    root, procs = started
+def test_quality_micro_end_to_end(tmp_path):
+    root = tmp_path
     out = root / "quality"
-    result = finish(procs["quality"])
+    result = run_micro("quality", root)
     assert result.returncode == 0, result.stderr[-2000:]
     results = json.loads((out / "quality.json").read_text())
     corpus = results["corpus"]
@@ -97,12 +93,12 @@ def test_quality_micro_end_to_end(started):
     assert len(table) == 2 and all(line in result.stdout for line in table)
 
 
-def test_downstream_micro_end_to_end(started):
+def test_downstream_micro_end_to_end(tmp_path):
     """Pre-training, fine-tuning and harness scoring of two variants, then DUME's setting in
     the same output folder (its corpus and tasks reused)."""
-    root, procs = started
+    root = tmp_path
     out = root / "downstream"
-    result = finish(procs["downstream"])
+    result = run_micro("downstream", root)
     assert result.returncode == 0, result.stderr[-2000:]
     results = json.loads((out / "downstream.json").read_text())
     records = results["records"]

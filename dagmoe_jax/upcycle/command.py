@@ -45,7 +45,7 @@ ROUTER_OPTIM = OptimConfig(learning_rate=1e-4, schedule="cosine", warmup_steps=1
 
 @dataclasses.dataclass
 class DenseSource:
-    """A dense model read by :func:`load_dense`: the model, its (unsettled) config, and the
+    """A dense model read by :func:`load_dense`: the model, its model config, and the
     DataConfig it was trained with (None for a Hugging Face directory)."""
 
     model: nnx.Module

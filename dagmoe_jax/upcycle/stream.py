@@ -39,7 +39,7 @@ def _place_expert(stacked: jax.Array, j: jax.Array, value: jax.Array) -> jax.Arr
 
 
 def read_configs(paths: Sequence[PathLike]) -> ModelConfig:
-    """The (unsettled) dense config shared by the Hugging Face checkpoints ``paths``; a
+    """The dense model config shared by the Hugging Face checkpoints ``paths``; a
     one-line error naming the first field that differs."""
     cfgs = [hf_llama.model_config_from_hf(hf_llama.read_hf_config(p)) for p in paths]
     check_same_architecture(cfgs, [str(p) for p in paths])

@@ -94,8 +94,7 @@ def test_quality_micro_end_to_end(tmp_path):
 
 
 def test_downstream_micro_end_to_end(tmp_path):
-    """Pre-training, fine-tuning and harness scoring of two variants, then DUME's setting in
-    the same output folder (its corpus and tasks reused)."""
+    """Pre-training, fine-tuning and harness scoring of two variants."""
     root = tmp_path
     out = root / "downstream"
     result = run_micro("downstream", root)
@@ -113,6 +112,11 @@ def test_downstream_micro_end_to_end(tmp_path):
     assert "| DAG-MoE L 2 | fine-tuned |" in result.stdout
     assert "Seed-paired difference from MoE + shared expert" in result.stdout
 
+
+def test_dume_reasoning_micro_end_to_end(tmp_path):
+    """DUME's setting on its own (its corpus built as the pipeline builds it): a test of its
+    own, so that the two halves of downstream.py run on both workers."""
+    out = tmp_path / "downstream"
     dume = subprocess.run([sys.executable, str(REPO / "benchmarks" / "downstream.py"), "--micro",
                            "--dume", f"--out={out}"], capture_output=True, text=True,
                           env=single_device_env(), cwd=REPO, timeout=400)

@@ -128,3 +128,15 @@ def test_a_routed_run_or_a_used_out_dir_is_refused(tmp_path, capsys):
     assert export_cli.main([f"--run_dir={moe_dir}", f"--out={tmp_path / 'x'}"]) == 2
     assert "holds a block='moe' model" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_an_interrupted_export_leaves_nothing(tmp_path, capsys, monkeypatch):
+    run_dir, _ = write_dense_run(tmp_path)
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr("dagmoe_jax.hf.tokenizer.export_tokenizer", interrupted)
+    assert export_cli.main([f"--run_dir={run_dir}", f"--out={tmp_path / 'x'}"]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"stopped: nothing was written at {tmp_path / 'x'}"]
+    assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".x.partial"))

@@ -15,7 +15,8 @@ run's tokenizer (:mod:`dagmoe_jax.hf.tokenizer`: for the byte tokenizer a ``toke
 that gives exactly its ids). The directory is written beside ``--out`` and moved there when
 complete, so an interrupted export leaves nothing at ``--out``. ``transformers``,
 ``train.py --gin.TrainConfig.init_from='hf:DIR'`` and ``dagmoe-upcycle --dense=DIR`` read it.
-Exit status: 0 done, 2 invalid arguments or run directory (a one-line message).
+Exit status: 0 done, 2 invalid arguments or run directory (a one-line message), 130 when
+interrupted (Ctrl-C: the partial folder is removed).
 """
 
 from __future__ import annotations
@@ -93,6 +94,9 @@ def main(argv=None) -> int:
     quiet_background_errors()
     try:
         export_run(args.run_dir, args.out, dtype=args.dtype, max_shard_mb=args.max_shard_mb)
+    except KeyboardInterrupt:
+        print(f"stopped: nothing was written at {args.out}", file=sys.stderr)
+        return 130
     except (ValueError, FileNotFoundError) as err:
         return report_error(err)
     return 0

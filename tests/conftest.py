@@ -148,15 +148,11 @@ def write_byte_level_tokenizer(folder, eos: str = "</s>", model_max_length: int 
     import json
     from pathlib import Path
 
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken
 
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
-    others = [b for b in range(256) if b not in printable]
-    vocab = {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
+    from dagmoe_jax.hf.tokenizer import byte_level_tokenizer
+
+    tok = byte_level_tokenizer()
     tok.add_special_tokens([AddedToken(eos, special=True)])
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -45,15 +45,21 @@ def byte_spelling() -> Dict[int, str]:
     return spelling
 
 
-def byte_tokenizer_json(path: Path) -> None:
-    """Write the ``tokenizer.json`` of the byte tokenizer (module docstring) to ``path``."""
+def byte_level_tokenizer():
+    """A ``tokenizers.Tokenizer`` whose ids 0-255 are the utf-8 bytes (module docstring):
+    byte-level BPE without merges, no special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415
 
     spelling = byte_spelling()
     tokenizer = Tokenizer(models.BPE(vocab={spelling[b]: b for b in range(256)}, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.save(str(path))
+    return tokenizer
+
+
+def byte_tokenizer_json(path: Path) -> None:
+    """Write the ``tokenizer.json`` of the byte tokenizer (module docstring) to ``path``."""
+    byte_level_tokenizer().save(str(path))
 
 
 def export_tokenizer(data_cfg: DataConfig, out: Path) -> List[str]:

@@ -2,7 +2,8 @@
 
 * :mod:`~dagmoe_jax.cli.train` (``train.py``, ``dagmoe-train``), :mod:`~dagmoe_jax.cli.sample`
   (``dagmoe-sample``), :mod:`~dagmoe_jax.cli.export` (``dagmoe-export``),
-  :mod:`~dagmoe_jax.cli.topics` (DoE's Stage 1 alone) and :mod:`~dagmoe_jax.cli.demo`; the tools' own commands are their packages' ``__main__``;
+  :mod:`~dagmoe_jax.cli.topics` (DoE's Stage 1 alone) and :mod:`~dagmoe_jax.cli.demo`; the
+  tools' own commands are their packages' ``__main__``;
 * here: flag parsing, one-line errors (exit 2) and the benchmarks' report helpers, shared by
   ``train.py``, the ``python -m`` tools and the benchmarks (import-light: JAX only inside
   :func:`run_and_report`). The library below never imports this package.

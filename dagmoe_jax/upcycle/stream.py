@@ -49,9 +49,10 @@ def read_configs(paths: Sequence[PathLike]) -> ModelConfig:
 def moerge_hf(paths: Sequence[PathLike], cfg: ModelConfig, *, execution: ExecutionConfig,
               seed: int = 0) -> nnx.Module:
     """The MoE ``cfg`` (a :func:`~dagmoe_jax.upcycle.moerge.dume_config` of the checkpoints'
-    config, one expert per path; run as ``execution``, settled for it) merged from Hugging Face Llama directories
-    ``paths`` without loading any of them whole: every non-MLP parameter the float64 mean of
-    the N models' (DUME eq. 4's shared weights), layer l's MLP of model j expert j. The routers
+    config, one expert per path; run as ``execution``, settled for it) merged from Hugging
+    Face Llama directories ``paths`` without loading any of them whole: every non-MLP
+    parameter the float64 mean of the N models' (DUME eq. 4's shared weights), layer l's MLP
+    of model j expert j. The routers
     are drawn from ``seed`` (normal, ``init_std``; bias zero) until DUME sets them. Equals
     ``moerge`` of the loaded models in every merged parameter (tests/test_upcycle_stream.py)."""
     check_dume_config(cfg)

@@ -46,7 +46,10 @@ import jax  # noqa: E402  (after XLA_FLAGS)
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from flax import nnx  # noqa: E402
+
 from dagmoe_jax.config import ExecutionConfig, ModelConfig  # noqa: E402
+from dagmoe_jax.model import Transformer  # noqa: E402
 from dagmoe_jax.run.settle import settle  # noqa: E402
 
 # Some backends run float32 matmuls at reduced precision by default (TF32 / bf16 passes on GPU and
@@ -121,9 +124,6 @@ def tiny_execution(cfg: ModelConfig, layout=None, **fields) -> ExecutionConfig:
 def make_model(cfg: ModelConfig, *, seed: int = 0, layout=None, **execution):
     """``Transformer(cfg)`` initialised from ``seed``, run as :func:`tiny_execution` settles
     ``execution`` (``ExecutionConfig`` fields) for it, its dispatch over ``layout``."""
-    from flax import nnx
-
-    from dagmoe_jax.model import Transformer
     return Transformer(cfg, execution=tiny_execution(cfg, layout, **execution),
                        rngs=nnx.Rngs(seed), layout=layout)
 

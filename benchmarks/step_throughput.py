@@ -98,13 +98,12 @@ def step_time(cfg, execution, batch: int, seq: int, steps: int) -> float:
 
 
 def component_rates(cfg, execution, tokens: int, repeats: int):
-    """Achieved FLOP/s (forward + backward) of the experts (dispatch included; run as
-    ``execution``, settled here) and of the DAG module, on random inputs of ``tokens`` tokens."""
+    """Achieved FLOP/s (forward + backward) of the experts (dispatch included) and of the DAG
+    module, both run as ``execution`` (settled here), on random inputs of ``tokens`` tokens."""
     d, k, e, a = cfg.d_model, cfg.block.router.top_k, cfg.block.experts, cfg.block.aggregation
-    rngs = nnx.Rngs(0)
-    experts = Experts(e, d, std=cfg.init_std, dtype=jnp.float32,
-                      execution=settle(cfg, execution), rngs=rngs)
-    dag = DAGAggregator(cfg, rngs=rngs)
+    rngs, settled = nnx.Rngs(0), settle(cfg, execution)
+    experts = Experts(e, d, std=cfg.init_std, dtype=jnp.float32, execution=settled, rngs=rngs)
+    dag = DAGAggregator(cfg, settled, rngs=rngs)
     w_up = dag.iterations.w_up  # random, so the backward pass is not trivially zero
     w_up[...] = 0.02 * jax.random.normal(jax.random.key(1), w_up.shape)
     x = jax.random.normal(jax.random.key(2), (tokens, d))

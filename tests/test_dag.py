@@ -16,9 +16,11 @@ import pytest
 from flax import nnx
 
 from conftest import tiny_config
-from dagmoe_jax.config import dag_params_per_layer
+from dagmoe_jax.config import ExecutionConfig, dag_params_per_layer
+from dagmoe_jax.kernels.dag_module import fused_dag_messages, fused_layer_norm
 from dagmoe_jax.model.aggregation import (DAGAggregator, MLPMixer, dag_initial_nodes, dag_iteration,
-                                          dag_readout, mlp_mix, weighted_sum)
+                                          dag_node_update, dag_readout, dag_summed_update,
+                                          mlp_mix, weighted_sum)
 
 D, DG, K, T = 32, 16, 3, 5
 EPS = 1e-5
@@ -135,12 +137,16 @@ def to_paper_layout(lib_params):
             for l in range(lib_params["w_up"].shape[0])]
 
 
-def make_dag(iters, edge_act, lib_params=None, edges="all", reading="once", shared=False):
+def make_dag(iters, edge_act, lib_params=None, edges="all", reading="once", shared=False,
+             fused=False):
+    """The DAG module with ``lib_params``; ``fused``: its messages by the C++ kernel
+    (``ExecutionConfig.dag_module='fused'``), else by XLA's pair tensor."""
     cfg = tiny_config("moe", "dag", d_model=D, norm_eps=EPS,
                       aggregation=dict(dag_dim=DG, dag_iters=iters, edge_act=edge_act,
                                        dag_edges=edges, dag_residual=reading,
                                        dag_shared_weights=shared))
-    module = DAGAggregator(cfg, rngs=nnx.Rngs(0))
+    execution = ExecutionConfig(dag_module="fused" if fused else "xla")
+    module = DAGAggregator(cfg, execution, rngs=nnx.Rngs(0))
     if lib_params is not None:
         for name, value in lib_params.items():
             var = getattr(module.iterations, name)
@@ -156,16 +162,17 @@ def rel_err(a, b):
 
 # ----------------------------------------------------------------------------- tests
 
+@pytest.mark.parametrize("fused", [False, True], ids=["xla", "fused"])
 @pytest.mark.parametrize("edge_act", ["silu", "sigmoid"])
 @pytest.mark.parametrize("iters,reading", [(1, "once"), (2, "literal"), (3, "once")])
-def test_dag_module_matches_numpy_paper_transcription(edge_act, iters, reading):
+def test_dag_module_matches_numpy_paper_transcription(edge_act, iters, reading, fused):
     rng = np.random.default_rng(10 * iters + (edge_act == "sigmoid"))
     x, gates, expert_out = random_inputs(rng)
     params = random_lib_params(rng, iters)
     expected = np_dag_moe(x, gates, expert_out, to_paper_layout(params), edge_act,
                           reading=reading)
 
-    module = make_dag(iters, edge_act, params, reading=reading)
+    module = make_dag(iters, edge_act, params, reading=reading, fused=fused)
     got = module(jnp.asarray(x), jnp.asarray(gates), jnp.asarray(expert_out))[0]
     assert got.shape == (T, D) and got.dtype == jnp.float32
     # The DAG really contributes something beyond the weighted sum (+ residual) here, so the
@@ -210,20 +217,22 @@ def test_dag_module_matches_naive_pair_tensor_jax(edge_act):
     assert rel_err(got, naive) < 1e-5
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["xla", "fused"])
 @pytest.mark.parametrize("iters", [1, 2])
-def test_zero_init_is_weighted_sum_under_each_reading(iters):
+def test_zero_init_is_weighted_sum_under_each_reading(iters, fused):
     """W_up = 0 (its initialisation): the 'once' block is exactly the weighted sum of eq. 1,
     so a DAG-MoE layer starts as the MoE layer; 'literal' adds x on top (eq. 6 + eq. 12)."""
     rng = np.random.default_rng(3)
     x, gates, expert_out = (jnp.asarray(a) for a in random_inputs(rng, k=4))
     s = np.asarray(weighted_sum(gates, expert_out))
-    once = make_dag(iters, "silu")                           # fresh: w_up zero-initialised
+    once = make_dag(iters, "silu", fused=fused)              # fresh: w_up zero-initialised
     assert np.all(np.asarray(once.iterations.w_up[...]) == 0)
     got = np.asarray(once(x, gates, expert_out)[0])
     # With W_up = 0 every iteration adds an exact 0.0 to the carried updates g_k E_k, so the
     # output is sum_k g_k E_k summed by jnp.sum instead of einsum: a few ulps at most.
     np.testing.assert_allclose(got, s, rtol=0, atol=1e-6 * np.abs(s).max())
-    literal = np.asarray(make_dag(iters, "silu", reading="literal")(x, gates, expert_out)[0])
+    literal = np.asarray(make_dag(iters, "silu", reading="literal", fused=fused)(
+        x, gates, expert_out)[0])
     expected = s + np.asarray(x)
     np.testing.assert_allclose(literal, expected, rtol=0, atol=1e-6 * np.abs(expected).max())
     updates, residual = dag_initial_nodes(x, gates, expert_out)
@@ -328,15 +337,16 @@ def test_mlp_mixer_matches_numpy():
                            EPS), expected) < 1e-5
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["xla", "fused"])
 @pytest.mark.parametrize("iters", [1, 2])
-def test_ranked_edges_match_numpy_and_make_the_output_order_sensitive(iters):
+def test_ranked_edges_match_numpy_and_make_the_output_order_sensitive(iters, fused):
     """dag_edges='ranked' (our extension): node i aggregates only from nodes j <= i in the
     router's rank order, so unlike eq. 9-11 as written the output depends on the node order:
     swapping two selected experts changes the DAG output but not the weighted sum."""
     rng = np.random.default_rng(21)
     x, gates, expert_out = random_inputs(rng, k=4)
     params = random_lib_params(rng, iters)
-    module = make_dag(iters, "silu", params, edges="ranked")
+    module = make_dag(iters, "silu", params, edges="ranked", fused=fused)
     got = module(jnp.asarray(x), jnp.asarray(gates), jnp.asarray(expert_out))[0]
     want = np_dag_moe(x, gates, expert_out, to_paper_layout(params), "silu", edges="ranked")
     assert rel_err(got, want) < 1e-5
@@ -364,14 +374,15 @@ def loss_grads(module, x, gates, expert_out):
     return jax.grad(loss)(params)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["xla", "fused"])
 @pytest.mark.parametrize("iters", [1, 2, 3])
-def test_shared_weights_match_numpy_with_tied_weights(iters):
+def test_shared_weights_match_numpy_with_tied_weights(iters, fused):
     """dag_shared_weights=True: one module applied in every iteration ("each iteration applies
     the same module", DAG-MoE sec. 3.3), eq. 6-12 with W^l = W for all l."""
     rng = np.random.default_rng(40 + iters)
     x, gates, expert_out = random_inputs(rng, k=4)
     one = {n: v[0] for n, v in random_lib_params(rng, 1).items()}         # unstacked
-    module = make_dag(iters, "silu", one, shared=True)
+    module = make_dag(iters, "silu", one, shared=True, fused=fused)
     assert module.iterations.w_down.shape == (D, DG)
     n_params = sum(v.size for v in jax.tree.leaves(nnx.state(module, nnx.Param)))
     assert n_params == dag_params_per_layer(D, DG, iters, shared=True) == 2 * D * DG \
@@ -398,13 +409,14 @@ def test_shared_weights_equal_per_iteration_weights_that_are_identical():
                                rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["xla", "fused"])
 @pytest.mark.parametrize("iters", [1, 2])
-def test_edge_free_ablation_matches_numpy(iters):
+def test_edge_free_ablation_matches_numpy(iters, fused):
     """dag_edges='self' (ours): eq. 7-11 on the self pair (i, i) only, no message passing."""
     rng = np.random.default_rng(50 + iters)
     x, gates, expert_out = random_inputs(rng, k=4)
     params = random_lib_params(rng, iters)
-    module = make_dag(iters, "silu", params, edges="self")
+    module = make_dag(iters, "silu", params, edges="self", fused=fused)
     got = module(jnp.asarray(x), jnp.asarray(gates), jnp.asarray(expert_out))[0]
     want = np_dag_moe(x, gates, expert_out, to_paper_layout(params), "silu", edges="self")
     trivial = np.asarray(weighted_sum(jnp.asarray(gates), jnp.asarray(expert_out)))
@@ -444,3 +456,62 @@ def test_readings_start_as_the_weighted_sum_and_train(edges, shared):
     grads = loss_grads(module, x, gates, expert_out)
     assert float(jnp.abs(grads["iterations"]["w_up"][...]).max()) > 1e-3
     assert float(jnp.abs(grads["iterations"]["w_down"][...]).max()) == 0.0
+
+
+# ----------------------------------------------------------------------------- how it runs
+
+@pytest.mark.parametrize("edges", ["all", "ranked", "self"])
+@pytest.mark.parametrize("edge_act", ["silu", "sigmoid"])
+def test_fused_messages_equal_xla_values_and_gradients(edges, edge_act):
+    """ExecutionConfig.dag_module='fused' (the C++ kernels: the LayerNorm, and the messages that
+    never build the pair tensor and recompute the gates in their backward pass) is the same
+    function as XLA's:
+    outputs and the gradients of every parameter and input agree to float32 rounding."""
+    rng = np.random.default_rng(70)
+    x, gates, expert_out = (jnp.asarray(a) for a in random_inputs(rng, t=37, k=4))
+    params = random_lib_params(rng, 2)
+    xla, fused = (make_dag(2, edge_act, params, edges=edges, fused=f) for f in (False, True))
+
+    def loss(module, x, gates, expert_out):
+        return jnp.sum(jnp.sin(module(x, gates, expert_out)[0]))
+
+    grad = nnx.grad(loss, argnums=(0, 1, 2, 3))
+    got, want = grad(fused, x, gates, expert_out), grad(xla, x, gates, expert_out)
+    assert rel_err(fused(x, gates, expert_out)[0], xla(x, gates, expert_out)[0]) < 1e-6
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert float(jnp.max(jnp.abs(b))) > 0
+        assert rel_err(a, b) < 1e-5
+
+
+def test_the_last_iteration_reads_out_the_summed_messages():
+    """dag_summed_update applies W_up once to the messages summed over the nodes: the same as
+    summing the K node updates of eq. 11 (W_up is linear), in values and gradients."""
+    rng = np.random.default_rng(71)
+    lp = {n: jnp.asarray(v[0]) for n, v in random_lib_params(rng, 1).items()}
+    args = (lp["ln_scale"], lp["ln_bias"], lp["w_down"], lp["w_edge"], lp["w_node"], lp["w_up"])
+    nodes = jnp.asarray(rng.normal(size=(T, 4, D)).astype(np.float32))
+
+    def summed(nodes, *w):
+        return dag_summed_update(nodes, *w, edge_act="silu", eps=EPS)
+
+    def per_node(nodes, *w):
+        return jnp.sum(dag_node_update(nodes, *w, edge_act="silu", eps=EPS), axis=1)
+
+    assert summed(nodes, *args).shape == (T, D)
+    assert rel_err(summed(nodes, *args), per_node(nodes, *args)) < 1e-6
+    ct = jnp.asarray(rng.normal(size=(T, D)).astype(np.float32))
+    g_sum = jax.vjp(summed, nodes, *args)[1](ct)
+    g_node = jax.vjp(per_node, nodes, *args)[1](ct)
+    for a, b in zip(g_sum, g_node):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_the_kernels_refuse_what_they_cannot_run_in_one_line():
+    with pytest.raises(ValueError, match=r"^the DAG module kernels take float32 only \(got "
+                                         r"bfloat16\); use ExecutionConfig.dag_module='xla' "
+                                         r"instead$"):
+        fused_layer_norm(jnp.ones((4, 32), jnp.bfloat16), jnp.ones(32), jnp.zeros(32), EPS)
+    with pytest.raises(ValueError, match=r"take d_g a multiple of 16 \(got 12\)"):
+        fused_dag_messages(jnp.ones((2, 3, 48)))
+    with pytest.raises(ValueError, match=r"expected proj \[T, K, 4 d_g\], got \(2, 50\)"):
+        fused_dag_messages(jnp.ones((2, 50)))

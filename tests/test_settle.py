@@ -25,7 +25,8 @@ def test_settle_decides_every_auto_field_per_backend_and_layout():
     cfg = tiny_config()
     assert set(ExecutionConfig().unsettled) == {"remat", "scan_unroll", "attention",
                                                 "grouped_matmul", "expert_exchange",
-                                                "fuse_projections", "loss_chunk"}
+                                                "fuse_projections", "dag_module",
+                                                "loss_chunk"}
     ex = settle(cfg, backend="cpu")
     assert ex.unsettled == ()
     assert (ex.remat, ex.scan_unroll, ex.attention, ex.fuse_projections) == (
@@ -52,10 +53,34 @@ def test_settle_decides_every_auto_field_per_backend_and_layout():
     # what the user set explicitly is kept
     explicit = ExecutionConfig(remat="dots", scan_unroll=2, attention="xla",
                                fuse_projections=False, grouped_matmul="gmm",
-                               expert_exchange="ragged_all_to_all", loss_chunk=1024)
+                               expert_exchange="ragged_all_to_all", dag_module="xla",
+                               loss_chunk=1024)
     assert settle(cfg, explicit, backend="cpu") == explicit
     assert settle(cfg, ex, backend="cpu") == ex                  # idempotent
     assert MeshLayout.of(make_mesh(MeshConfig(data=1), jax.devices()[:1])) is None
+
+
+def test_dag_module_run_in_the_cpu_kernel_only_where_it_can():
+    """'auto' is the C++ kernel for a DAG model on one CPU device in float32 with d_g a multiple
+    of 16; XLA's pair tensor everywhere else (and for models without a DAG module, where the
+    choice is never used); an explicit 'fused' under a mesh is one line."""
+    dag = tiny_config("moe", "dag", aggregation=dict(dag_dim=16))
+    assert settle(dag, backend="cpu").dag_module == "fused"
+    assert "DAG module fused" in describe(dag, settle(dag, backend="cpu"), None, "cpu")
+    assert "DAG module" not in describe(tiny_config(), settle(tiny_config(), backend="cpu"),
+                                          None, "cpu")
+    for other in (dag.replace(block=dict(aggregation=dict(dag_dim=12))),
+                  dag.replace(compute_dtype="bfloat16"), tiny_config("moe", "sum")):
+        assert settle(other, backend="cpu").dag_module == "xla"
+    for backend in ("gpu", "tpu"):
+        assert settle(dag, backend=backend).dag_module == "xla"
+    layout = MeshLayout.of(make_mesh(MeshConfig(data=2), jax.devices()[:2]))
+    assert settle(dag, backend="cpu", layout=layout).dag_module == "xla"
+    with pytest.raises(ValueError, match=r"^ExecutionConfig.dag_module='fused' runs on a "
+                                         r"single device only; use 'auto' or 'xla' under a "
+                                         r"device mesh$"):
+        settle(dag, ExecutionConfig(dag_module="fused"), backend="cpu", layout=layout)
+    assert settle(dag, ExecutionConfig(dag_module="xla"), backend="cpu").dag_module == "xla"
 
 
 def test_tpu_sizes_the_grouped_matmul_by_the_family_that_runs_it():
@@ -71,7 +96,8 @@ def test_tpu_sizes_the_grouped_matmul_by_the_family_that_runs_it():
 def test_an_unsettled_execution_is_a_clear_error():
     with pytest.raises(ValueError, match=r"^ExecutionConfig fields remat, scan_unroll, "
                                          r"attention, grouped_matmul, expert_exchange, "
-                                         r"fuse_projections, loss_chunk are still 'auto': build "
+                                         r"fuse_projections, dag_module, loss_chunk are still "
+                                         r"'auto': build "
                                          r"the model with execution=dagmoe_jax.run.settle."
                                          r"settle\(cfg, execution\)$"):
         Transformer(tiny_config(), execution=ExecutionConfig(), rngs=nnx.Rngs(0))

@@ -15,6 +15,7 @@ REMAT_POLICIES = ("auto", "none", "full", "dots")
 ATTENTION_IMPLS = ("auto", "xla", "blockwise", "fused", "cudnn", "splash")
 GROUPED_MATMULS = ("auto", "ragged_dot", "gmm", "cpu_gmm", "einsum")
 EXPERT_EXCHANGES = ("auto", "all_gather", "ragged_all_to_all")
+DAG_MODULES = ("auto", "xla", "fused")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,12 @@ class ExecutionConfig:
     fuse_projections: one matmul against [W_gate | W_up] in SwiGLU and against [W_q | W_k | W_v]
       in attention (CPU steps 3% and 8% faster); None (default) settles to True on one device
       and False under a mesh, where the concatenation would move tensor-sharded weights.
+    dag_module: how the DAG module's elementwise work (DAG-MoE eq. 7's LayerNorm, eq. 9-10's
+      pairwise messages summed over the senders) runs: 'auto' (default: 'fused' on CPU for
+      float32 on one device when a C++ compiler is available and d_model and d_g are
+      multiples of 16, else 'xla'), 'xla' (the K x K pair tensor built by XLA) or 'fused'
+      (dagmoe_jax.kernels C++ kernels, which never build the pair tensor; CPU, float32,
+      single device).
     attention_block: query/key block size of the blockwise causal attention (64 measured
       fastest for the s model on the 2-core CPU: 32 and 128 were 5-10% slower).
     loss_chunk: tokens per device in a chunk of the vocabulary-tiled loss; 0 (default) means
@@ -64,6 +71,7 @@ class ExecutionConfig:
     grouped_matmul: str = "auto"
     expert_exchange: str = "auto"
     fuse_projections: Optional[bool] = None
+    dag_module: str = "auto"
     attention_block: int = 64
     loss_chunk: int = 0
 
@@ -74,6 +82,7 @@ class ExecutionConfig:
         _choice(c, "attention", self.attention, ATTENTION_IMPLS)
         _choice(c, "grouped_matmul", self.grouped_matmul, GROUPED_MATMULS)
         _choice(c, "expert_exchange", self.expert_exchange, EXPERT_EXCHANGES)
+        _choice(c, "dag_module", self.dag_module, DAG_MODULES)
         _check(self.fuse_projections in (None, True, False), c, "fuse_projections",
                self.fuse_projections, "True, False or None (auto)")
         _positive(c, "attention_block", self.attention_block)

@@ -48,7 +48,6 @@ namespace {
 // extensions, so the same source builds for whatever -march=native finds).
 #include "cpu_common.h"  // V, Load, Store, Splat, ParallelFor
 
-typedef int32_t VI __attribute__((vector_size(64)));
 typedef int32_t VIUnaligned __attribute__((vector_size(64), aligned(4)));
 constexpr int64_t kChunk = 16;  // keys per vector
 
@@ -75,21 +74,6 @@ inline float HMax(V x) {
   return Reduce(x, [](auto a, auto b) { return a > b ? a : b; });
 }
 
-// exp(x), lane-wise, for the x <= ~0 this file needs (Cephes expf: range reduction by ln 2 and
-// a degree-6 polynomial, relative error about 1e-7; inputs below -87 give exp(-87)).
-inline V ExpV(V x) {
-  const V lo = Splat(-87.0f), magic = Splat(12582912.0f);  // 1.5 * 2^23: rounds to integers
-  x = x < lo ? lo : x;
-  const V t = x * 1.44269504088896341f + magic;
-  const V n = t - magic;
-  const V r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  const V z = r * r;
-  const V y = (((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r +
-                 4.1665795894e-2f) * r + 1.6666665459e-1f) * r + 5.0000001201e-1f) * z +
-              r + 1.0f;
-  const VI bits = ((VI)t - (VI)magic + 127) << 23;  // 2^n
-  return y * (V)bits;
-}
 
 // One batch row's segment ids, for the segmented handlers: ids padded to SP entries (the pad
 // lanes are past every row's n and masked anyway) and, for each query, the first key of its

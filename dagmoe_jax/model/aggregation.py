@@ -16,12 +16,15 @@ each iteration's edge gates e_(i,j) [L, T, K, K, d_g] and input nodes [L, T, K, 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.config import ExecutionConfig, ModelConfig
+from dagmoe_jax.kernels.dag_module import fused_dag_messages, fused_layer_norm
 from dagmoe_jax.model.layers import make_param, normal
 from dagmoe_jax.parallel import constrain
 
@@ -54,7 +57,7 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> j
 
 
 def dag_messages(u: jax.Array, w_edge: jax.Array, w_node: jax.Array, edge_act: str,
-                 edges: str = "all", with_edges: bool = False):
+                 edges: str = "all", with_edges: bool = False, fused: bool = False):
     """DAG-MoE eq. 9-10 summed over j as eq. 11 needs: sum_j e_(i,j) * W_node [u_i; u_j].
 
     ``u`` [T, K, d_g] are the down-projected nodes (eq. 8). The pair [u_i; u_j] of eq. 9 is never
@@ -62,11 +65,25 @@ def dag_messages(u: jax.Array, w_edge: jax.Array, w_node: jax.Array, edge_act: s
     projected once ([T*K, 4 d_g] in one matmul) and the K x K pairs are a broadcast add.
     ``edges='ranked'`` keeps only the pairs j <= i (node i hears the nodes ranked above it).
     ``with_edges`` also returns the edge gates e_(i,j) [T, K, K, d_g] (entry (t, i, j) gates the
-    message node j sends to node i).
+    message node j sends to node i). ``fused`` (``ExecutionConfig.dag_module='fused'``) sums
+    the pairs in the C++ kernel of :mod:`dagmoe_jax.kernels.dag_module`, which never builds
+    the [T, K, K, d_g] pair tensor; with ``with_edges`` the pairs are always built here.
     """
     t, k, dg = u.shape
     w_pair = jnp.concatenate([w_edge[:dg], w_node[:dg], w_edge[dg:], w_node[dg:]], axis=1)
     proj = (u.reshape(t * k, dg) @ w_pair.astype(u.dtype)).reshape(t, k, 4 * dg)
+    if fused and not with_edges:
+        return fused_dag_messages(proj, edges, edge_act)
+    return dag_pair_messages(proj, edge_act, edges, with_edges)
+
+
+def dag_pair_messages(proj: jax.Array, edge_act: str, edges: str = "all",
+                      with_edges: bool = False):
+    """DAG-MoE eq. 10 summed over j, from the projected nodes ``proj`` [T, K, 4 d_g] =
+    [e_i | n_i | e_j | n_j] (u_i times W_edge's and W_node's receiver and sender halves):
+    sum_j act(e_i + e_j) * (n_i + n_j) [T, K, d_g], the K x K pairs as a broadcast add
+    (and the edge gates [T, K, K, d_g], ``with_edges``); :func:`dag_messages` says the rest."""
+    k = proj.shape[1]
     e_i, n_i, e_j, n_j = jnp.split(proj, 4, axis=-1)
     if edges == "self":
         return dag_self_messages(e_i, n_i, e_j, n_j, edge_act, with_edges)
@@ -97,22 +114,52 @@ def edge_mask(k: int, edges: str) -> np.ndarray:
     return np.eye(k, dtype=bool) if edges == "self" else np.ones((k, k), bool)
 
 
-def dag_node_update(nodes: jax.Array, ln_scale, ln_bias, w_down, w_edge, w_node, w_up,
-                    edge_act: str, eps: float, edges: str = "all", with_edges: bool = False):
-    """DAG-MoE eq. 7-11 without eq. 11's residual term: W_up^l sum_j m_(i,j) for nodes
-    x^{l-1} [T, K, d], so that x_i^l = x_i^{l-1} + this (and the edge gates, ``with_edges``).
+def dag_node_messages(nodes: jax.Array, ln_scale, ln_bias, w_down, w_edge, w_node,
+                      edge_act: str, eps: float, edges: str = "all", with_edges: bool = False,
+                      fused: bool = False):
+    """DAG-MoE eq. 7-10 summed over j: sum_j m_(i,j) [T, K, d_g] for nodes x^{l-1} [T, K, d]
+    (and the edge gates, ``with_edges``). ``fused`` (``ExecutionConfig.dag_module='fused'``)
+    runs eq. 7's LayerNorm and eq. 10's pairs in the C++ kernels of
+    :mod:`dagmoe_jax.kernels.dag_module` (see :func:`dag_messages`).
 
     Matmuls run on [T*K, .] matrices: a rank-3 operand would make the weight gradient a
     contraction over two axes, which XLA on CPU runs at a third of the 2-D rate.
     """
     t, k, d = nodes.shape
-    dtype = nodes.dtype
-    flat = nodes.reshape(t * k, d)
-    u = layer_norm(flat, ln_scale, ln_bias, eps) @ w_down.astype(dtype)           # eq. 7-8
-    msg = dag_messages(u.reshape(t, k, -1), w_edge, w_node, edge_act, edges,
-                       with_edges)                                                 # eq. 9-10
+    norm = fused_layer_norm if fused else layer_norm
+    u = norm(nodes.reshape(t * k, d), ln_scale, ln_bias, eps) @ w_down.astype(nodes.dtype)
+    return dag_messages(u.reshape(t, k, -1), w_edge, w_node, edge_act, edges, with_edges,
+                        fused)                                                     # eq. 7-10
+
+
+def dag_node_update(nodes: jax.Array, ln_scale, ln_bias, w_down, w_edge, w_node, w_up,
+                    edge_act: str, eps: float, edges: str = "all", with_edges: bool = False,
+                    fused: bool = False):
+    """DAG-MoE eq. 7-11 without eq. 11's residual term: W_up^l sum_j m_(i,j) for nodes
+    x^{l-1} [T, K, d], so that x_i^l = x_i^{l-1} + this (and the edge gates, ``with_edges``)."""
+    t, k, d = nodes.shape
+    msg = dag_node_messages(nodes, ln_scale, ln_bias, w_down, w_edge, w_node, edge_act, eps,
+                            edges, with_edges, fused)
     msg, edge = msg if with_edges else (msg, None)
-    update = (msg.reshape(t * k, -1) @ w_up.astype(dtype)).reshape(t, k, d)       # eq. 11
+    update = (msg.reshape(t * k, -1) @ w_up.astype(nodes.dtype)).reshape(t, k, d)  # eq. 11
+    return (update, edge) if with_edges else update
+
+
+def dag_summed_update(nodes: jax.Array, ln_scale, ln_bias, w_down, w_edge, w_node, w_up,
+                      edge_act: str, eps: float, edges: str = "all", with_edges: bool = False,
+                      fused: bool = False):
+    """The last iteration's node updates summed over the nodes, as eq. 12 reads them out:
+    sum_i W_up^L sum_j m_(i,j) [T, d] for nodes x^{L-1} [T, K, d] (and the edge gates,
+    ``with_edges``).
+
+    W_up is linear, so it is applied once to the summed messages, W_up^L (sum_i sum_j m_(i,j)),
+    instead of to each of the K nodes: the last iteration's up-projection costs 1/K of the
+    others', forward and backward, and its [T, K, d] output is never built.
+    """
+    msg = dag_node_messages(nodes, ln_scale, ln_bias, w_down, w_edge, w_node, edge_act, eps,
+                            edges, with_edges, fused)
+    msg, edge = msg if with_edges else (msg, None)
+    update = jnp.sum(msg, axis=1) @ w_up.astype(nodes.dtype)                       # eq. 11-12
     return (update, edge) if with_edges else update
 
 
@@ -128,8 +175,9 @@ def dag_readout(nodes: jax.Array) -> jax.Array:
     return jnp.sum(nodes, axis=1)
 
 
-def dag_block_output(updates: jax.Array, x: jax.Array, reading: str) -> jax.Array:
-    """The DAG block's output from the nodes' updates r_i^L = x_i^L - x / K [T, K, d].
+def dag_block_output(summed_updates: jax.Array, x: jax.Array, reading: str) -> jax.Array:
+    """The DAG block's output from the nodes' summed updates sum_i r_i^L [T, d], where
+    r_i^L = x_i^L - x / K.
 
     Eq. 12's y = sum_i x_i^L equals sum_i r_i^L + x. ``reading='literal'`` returns that;
     'once' (``AggregationConfig.dag_residual``) returns sum_i r_i^L = y - x, because the
@@ -137,16 +185,16 @@ def dag_block_output(updates: jax.Array, x: jax.Array, reading: str) -> jax.Arra
     added to the stream a second time. Computed from the updates, not as y - x, so that with
     W_up = 0 it is the weighted sum of eq. 1 with no cancellation error in any dtype.
     """
-    y = dag_readout(updates)
-    return y + x if reading == "literal" else y
+    return summed_updates + x if reading == "literal" else summed_updates
+
+
+PARAM_NAMES = ("ln_scale", "ln_bias", "w_down", "w_edge", "w_node", "w_up")
 
 
 class DAGIteration(nnx.Module):
     """The parameters of one DAG iteration; stacked L times by :class:`DAGAggregator`."""
 
-    def __init__(self, d: int, dg: int, std: float, edge_act: str, eps: float, edges: str, *,
-                 rngs: nnx.Rngs):
-        self.edge_act, self.eps, self.edges = edge_act, eps, edges
+    def __init__(self, d: int, dg: int, std: float, *, rngs: nnx.Rngs):
         self.ln_scale = make_param(rngs, nnx.initializers.ones, (d,), ("embed",))
         self.ln_bias = make_param(rngs, nnx.initializers.zeros, (d,), ("embed",))
         self.w_down = make_param(rngs, normal(std), (d, dg), ("embed", "dag"))
@@ -154,64 +202,76 @@ class DAGIteration(nnx.Module):
         self.w_node = make_param(rngs, normal(std), (2 * dg, dg), (None, "dag"))
         self.w_up = make_param(rngs, nnx.initializers.zeros, (dg, d), ("dag", "embed"))  # zero init
 
-    def __call__(self, nodes: jax.Array, record: bool = False):
-        """Eq. 7-11's update W_up sum_j m_(i,j) of nodes [T, K, d] (the caller adds x_i^{l-1}),
-        and ``record``: the edge gates and input nodes, or nothing."""
-        out = dag_node_update(nodes, self.ln_scale[...], self.ln_bias[...], self.w_down[...],
-                              self.w_edge[...], self.w_node[...], self.w_up[...],
-                              self.edge_act, self.eps, self.edges, with_edges=record)
-        update, edge = out if record else (out, None)
-        kept = {"edge_gates": edge, "dag_inputs": nodes} if record else {}
-        return constrain(update, ("batch", "nodes", "embed")), kept
+    def weights(self) -> dict:
+        """The parameters' values by name ([L, ...] when stacked)."""
+        return {name: getattr(self, name)[...] for name in PARAM_NAMES}
 
 
 class DAGAggregator(nnx.Module):
-    """DAG-MoE eq. 6-12: initial nodes, L scanned iterations, sum readout.
+    """DAG-MoE eq. 6-12: initial nodes, L iterations, sum readout.
 
     ``iterations`` holds each iteration's weights stacked [L, ...], or with
     ``AggregationConfig.dag_shared_weights`` one unstacked set that every iteration applies.
+    Iterations 1 .. L-1 are a scanned loop (``jax.lax.scan``, unrolled) over the stacked
+    weights; the L-th is computed together with the readout (:func:`dag_summed_update`), which
+    needs only the nodes' sum.
 
     The nodes are carried as x_i^l = r_i^l + x / K: the scan's carry is the updates r_i^l
     (r_i^0 = g_i E_i(x), eq. 6's expert term) and each iteration sees the whole node, so every
     equation runs on exactly the nodes the paper defines; :func:`dag_block_output` then counts
     the residual once or twice (``AggregationConfig.dag_residual``).
+
+    ``execution.dag_module`` (a settled :class:`~dagmoe_jax.config.ExecutionConfig`; None:
+    'xla') says how the LayerNorm and the pairwise messages run: 'fused' by the C++ kernels,
+    'xla' by XLA.
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, execution: Optional[ExecutionConfig] = None, *,
+                 rngs: nnx.Rngs):
         agg = cfg.block.aggregation
-        self.reading = agg.dag_residual
+        self.reading, self.edge_act, self.edges = agg.dag_residual, agg.edge_act, agg.dag_edges
+        self.eps = cfg.norm_eps
+        self.fused = execution is not None and execution.dag_module == "fused"
         self.record_intermediates = False     # analysis switches it on (Module.set_attributes)
         self.num_iters, self.shared = agg.dag_iters, agg.dag_shared_weights
         if self.shared:                       # one module for all L iterations (unstacked)
-            self.iterations = DAGIteration(cfg.d_model, agg.dag_dim, cfg.init_std, agg.edge_act,
-                                           cfg.norm_eps, agg.dag_edges, rngs=rngs)
+            self.iterations = DAGIteration(cfg.d_model, agg.dag_dim, cfg.init_std, rngs=rngs)
             return
 
         @nnx.split_rngs(splits=agg.dag_iters)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "dag_iters"})
         def make(r):
-            return DAGIteration(cfg.d_model, agg.dag_dim, cfg.init_std, agg.edge_act,
-                                cfg.norm_eps, agg.dag_edges, rngs=r)
+            return DAGIteration(cfg.d_model, agg.dag_dim, cfg.init_std, rngs=r)
 
         self.iterations = make(rngs)
 
     def __call__(self, x, gates, expert_out):
         updates, residual = dag_initial_nodes(x, gates, expert_out)              # eq. 6
-
         record = self.record_intermediates
+        options = dict(edge_act=self.edge_act, eps=self.eps, edges=self.edges,
+                       with_edges=record, fused=self.fused)
+        weights = self.iterations.weights()
+        head = {n: w[:-1] for n, w in weights.items()} if not self.shared else None
+        last = {n: w[-1] for n, w in weights.items()} if not self.shared else weights
 
-        def step(updates, iteration):
-            update, kept = iteration(updates + residual, record)                 # eq. 7-11
-            return updates + update, kept
+        def step(updates, w):                                                    # eq. 7-11
+            nodes = updates + residual
+            out = dag_node_update(nodes, **(weights if self.shared else w), **options)
+            update, edge = out if record else (out, None)
+            update = constrain(update, ("batch", "nodes", "embed"))
+            return updates + update, ({"edge_gates": edge, "dag_inputs": nodes} if record
+                                      else {})
 
-        if self.shared:       # the same weights in every iteration: broadcast, not scanned over
-            step = nnx.scan(step, in_axes=(nnx.Carry, None), out_axes=(nnx.Carry, 0),
-                            length=self.num_iters, unroll=True)
-        else:
-            step = nnx.scan(step, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), unroll=True,
-                            transform_metadata={nnx.PARTITION_NAME: "dag_iters"})
-        updates, kept = step(updates, self.iterations)
-        return dag_block_output(updates, x.astype(expert_out.dtype), self.reading), kept
+        updates, kept = jax.lax.scan(step, updates, head, length=self.num_iters - 1,
+                                     unroll=True)
+        nodes = updates + residual                                                # x^{L-1}
+        out = dag_summed_update(nodes, **last, **options)                        # eq. 7-12
+        update, edge = out if record else (out, None)
+        summed = dag_readout(updates) + constrain(update, ("batch", "embed"))
+        if record:
+            kept = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), kept,
+                                {"edge_gates": edge, "dag_inputs": nodes})
+        return dag_block_output(summed, x.astype(expert_out.dtype), self.reading), kept
 
 
 def mlp_mix(s: jax.Array, w_1: jax.Array, w_2: jax.Array, w_3: jax.Array, eps: float) -> jax.Array:
@@ -244,10 +304,11 @@ class SumAggregator(nnx.Module):
         return weighted_sum(gates, expert_out), {}
 
 
-def make_aggregator(cfg: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Module:
+def make_aggregator(cfg: ModelConfig, execution: Optional[ExecutionConfig] = None, *,
+                    rngs: nnx.Rngs) -> nnx.Module:
     kind = cfg.block.aggregation.kind
     if kind == "dag":
-        return DAGAggregator(cfg, rngs=rngs)
+        return DAGAggregator(cfg, execution, rngs=rngs)
     if kind == "mlp":
         return MLPMixer(cfg, rngs=rngs)
     return SumAggregator()

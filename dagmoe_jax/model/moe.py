@@ -64,7 +64,7 @@ class MoEBlock(nnx.Module):
         self.router = Router(cfg.block.router, cfg.d_model, cfg.block.experts.num_experts,
                              std=cfg.init_std, rngs=rngs)
         self.experts = routed_experts(cfg, execution, layout, rngs=rngs)
-        self.aggregator = make_aggregator(cfg, rngs=rngs)
+        self.aggregator = make_aggregator(cfg, execution, rngs=rngs)
         self.shared = shared_experts(cfg, execution, rngs=rngs)
         self.record_intermediates = False     # analysis switches it on (Module.set_attributes)
 

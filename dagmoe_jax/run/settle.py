@@ -27,6 +27,9 @@ a concrete ``ExecutionConfig`` that the run prints and saves, and builds the mod
 ``fuse_projections`` one [W_gate | W_up] matmul (and one [W_q | W_k | W_v]) on one device;
                    separate ones under a mesh (the concatenation would move tensor-sharded
                    weights)
+``dag_module``     the DAG module's LayerNorm and pairwise messages: the C++ kernels on CPU
+                   for float32 on one device with d and d_g multiples of 16 and a working
+                   compiler (compiled here the first time), else XLA's (the pair tensor)
 ``loss_chunk``     tokens per device in a chunk of the vocabulary-tiled loss: 512 on CPU,
                    4096 on GPU / TPU (where smaller chunks re-read the LM head and its float32
                    gradient until the head is bound by HBM, not by its FLOPs)
@@ -43,8 +46,9 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from dagmoe_jax.config import ExecutionConfig, ModelConfig, experts_of
+from dagmoe_jax.config import ExecutionConfig, ModelConfig, aggregation_of, experts_of
 from dagmoe_jax.kernels.attention import fused_attention_unavailable, kernel_needs_build
+from dagmoe_jax.kernels.dag_module import dag_module_needs_build, dag_module_unavailable
 from dagmoe_jax.kernels.grouped_matmul import (grouped_matmul_needs_build,
                                                grouped_matmul_unavailable)
 from dagmoe_jax.kernels.pallas import gmm_supported
@@ -122,6 +126,29 @@ def settle_expert_exchange(name: str, backend: str) -> str:
     return "all_gather" if backend == "cpu" else "ragged_all_to_all"
 
 
+def uses_dag(cfg: ModelConfig) -> bool:
+    """Whether the model ``cfg`` aggregates its experts with the DAG module."""
+    agg = aggregation_of(cfg.block)
+    return agg is not None and agg.kind == "dag"
+
+
+def settle_dag_module(name: str, cfg: ModelConfig, backend: str, dtype,
+                      layout: Optional[MeshLayout]) -> str:
+    """'auto': 'fused' (the C++ kernels, built here on first use) on CPU for float32 on one
+    device when the model has a DAG module of d and d_g multiples of 16, else 'xla'. An
+    explicit 'fused' under a multi-device mesh is a one-line ``ValueError``."""
+    if name == "fused" and layout is not None:
+        raise ValueError("ExecutionConfig.dag_module='fused' runs on a single device only; "
+                         "use 'auto' or 'xla' under a device mesh")
+    if name != "auto":
+        return name
+    if backend != "cpu" or layout is not None or not uses_dag(cfg):
+        return "xla"
+    reason = dag_module_unavailable(cfg.d_model, aggregation_of(cfg.block).dag_dim, dtype,
+                                    backend)
+    return "fused" if reason is None else "xla"
+
+
 def check_kernel_precision(attention: str, grouped_matmul: str, backend: str) -> None:
     """A one-line ``ValueError`` when the Pallas TPU kernels are settled while
     ``jax_default_matmul_precision`` asks for float32 products: ``lax.dot_general`` takes its
@@ -178,6 +205,9 @@ def settle(cfg: ModelConfig, execution: Optional[ExecutionConfig] = None, *,
     if (ex.grouped_matmul == "auto" and backend == "cpu" and layout is None
             and grouped_matmul_needs_build()):
         log("compiling the CPU grouped matmul kernel (about 5 s, once per machine)")
+    if (ex.dag_module == "auto" and backend == "cpu" and layout is None and uses_dag(cfg)
+            and dtype == jnp.float32 and dag_module_needs_build()):
+        log("compiling the CPU DAG module kernels (about 5 s, once per machine)")
     attention, _ = settle_attention(ex.attention, backend, dtype, cfg.resolved_head_dim, layout)
     grouped_matmul = settle_grouped_matmul(ex.grouped_matmul, backend, cfg.d_model,
                                            grouped_matmul_width(cfg), layout)
@@ -188,6 +218,7 @@ def settle(cfg: ModelConfig, execution: Optional[ExecutionConfig] = None, *,
         grouped_matmul=grouped_matmul,
         expert_exchange=settle_expert_exchange(ex.expert_exchange, backend),
         fuse_projections=layout is None if ex.fuse_projections is None else ex.fuse_projections,
+        dag_module=settle_dag_module(ex.dag_module, cfg, backend, dtype, layout),
         attention_block=ex.attention_block,
         loss_chunk=settle_loss_chunk(ex.loss_chunk, backend))
 
@@ -197,7 +228,7 @@ def describe(cfg: ModelConfig, settled: ExecutionConfig,
              layout: Optional[MeshLayout] = None) -> str:
     """One line for logs: how the model ``cfg`` runs (``settled``), why attention that was
     'auto' in ``requested`` fell back (to blockwise from the fused CPU kernel, to XLA from
-    cuDNN), and the grouped matmul of dropless dispatch."""
+    cuDNN), the grouped matmul of dropless dispatch and how the DAG module runs."""
     backend = backend or jax.default_backend()
     ex = settled
     attention = ex.attention
@@ -213,5 +244,6 @@ def describe(cfg: ModelConfig, settled: ExecutionConfig,
             f"{ex.scan_unroll}/{cfg.num_layers}, loss chunk {ex.loss_chunk} tokens, gate/up "
             f"{'fused' if ex.fuse_projections else 'separate'}{dispatch}"
             f"{', grouped matmul ' + ex.grouped_matmul if dropless else ''}"
+            f"{', DAG module ' + ex.dag_module if uses_dag(cfg) else ''}"
             f"{', expert-parallel over ' + str(dict(layout.axis_sizes)) if layout else ''}"
             f"{' by ' + ex.expert_exchange if layout and dropless else ''}")

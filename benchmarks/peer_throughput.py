@@ -290,9 +290,9 @@ def setup_table(side_info) -> str:
     return "\n".join(lines)
 
 
-def notes(cfg, execution, ours, rows) -> str:
-    """Parameter counts and the documented differences between the two models (ours ``cfg``
-    run as ``execution``; ``ours``: a record of our child)."""
+def notes(cfg, ours, rows) -> str:
+    """Parameter counts and the documented differences between the two models (``cfg``: our
+    ModelConfig; ``ours``: a record of our child, with how it settled remat and attention)."""
     kv_dim = cfg.num_kv_heads * cfg.resolved_head_dim
     qk_norms = cfg.num_layers * (cfg.d_model + kv_dim)
     lines = ["parameters (ours = dagmoe_jax.model.accounting; OLMoE = sum of p.numel()):"]
@@ -362,12 +362,11 @@ def main(argv=None):
     bindings = [*(TINY_BINDINGS if args.tiny else ()), *args.gin_binding]
     print(f"each side in its own process (parent pid {os.getpid()}); batch {args.batch} x "
           f"{args.seq} tokens, best of {args.steps} steps x {args.rounds} rounds\n")
-    rows, runs, cfg, execution = [], [], None, None
+    rows, runs, cfg = [], [], None
     with tempfile.TemporaryDirectory(prefix="peer_throughput_") as tmp:
         for vocab in args.vocab:
             named = [*bindings, f"ModelConfig.vocab_size = {vocab}"]
             cfg = load_model_config(MODEL_GIN, named)
-            execution = load_execution_config(MODEL_GIN, named)
             check_olmoe_equivalent(cfg)
             row, vocab_runs = measure(args, vocab, Path(tmp))
             rows.append(row)
@@ -383,7 +382,7 @@ def main(argv=None):
           f"top-{cfg.block.router.top_k}\n")
     print(table(rows) + "\n")
     print(setup_table(side_info) + "\n")
-    print(notes(cfg, execution, ours, rows))
+    print(notes(cfg, ours, rows))
     print("\nversions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     if args.json:
         meta = dict(batch=args.batch, seq=args.seq, steps=args.steps, rounds=args.rounds,

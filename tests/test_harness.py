@@ -248,6 +248,47 @@ def test_cli_errors_are_one_line(run_dir, capsys, argv, match):
     assert err.startswith("error: ") and match in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("value", ["0,1234,1234,1234", "42", "None", "1,2,3", "0,None,8,52",
+                                   " 7 , none ,3,4"])
+def test_seed_flag_reads_as_lm_eval_run_reads_it(value):
+    """--seed is lm_eval run's: the same four seeds for every spelling, the same default."""
+    from lm_eval._cli.run import _int_or_none_list_arg_type
+
+    from dagmoe_jax.harness.cli import DEFAULT_SEEDS, parse_args, seeds
+
+    want = _int_or_none_list_arg_type(3, 4, DEFAULT_SEEDS, value)
+    assert seeds(value) == want
+    assert parse_args(["--run_dir=x", "--tasks=a"]).seed == [0, 1234, 1234, 1234] == \
+        _int_or_none_list_arg_type(3, 4, DEFAULT_SEEDS, DEFAULT_SEEDS)
+    for bad in ("1,2", "1,2,3,4,5", "x"):
+        with pytest.raises(ValueError, match=r"^--seed=.* is invalid: "):
+            seeds(bad)
+
+
+def test_the_seeds_reach_the_harness_and_the_sampler(run_dir, monkeypatch):
+    """lm_eval run's default seeds (few-shot 1234) reach simple_evaluate, so few-shot contexts
+    are the ones a published lm-eval number used; the torch slot seeds sampled generation."""
+    import lm_eval
+
+    from dagmoe_jax.harness.cli import evaluate, parse_args
+
+    seen = {}
+
+    def fake(**kwargs):
+        seen.update(kwargs)
+        return {"results": {}}
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", fake)
+    evaluate(parse_args([f"--run_dir={run_dir}", "--tasks=dagmoe_mc",
+                         f"--include_path={TASKS}"]), log=lambda _m: None)
+    assert (seen["random_seed"], seen["numpy_random_seed"], seen["torch_random_seed"],
+            seen["fewshot_random_seed"]) == (0, 1234, 1234, 1234)
+    assert seen["model"].seed == 1234
+    evaluate(parse_args([f"--run_dir={run_dir}", "--tasks=dagmoe_mc", "--seed=5",
+                         f"--include_path={TASKS}"]), log=lambda _m: None)
+    assert seen["fewshot_random_seed"] == seen["random_seed"] == 5 == seen["model"].seed
+
+
 def test_cli_without_the_harness_says_how_to_install(monkeypatch, capsys):
     from dagmoe_jax.harness import cli
 

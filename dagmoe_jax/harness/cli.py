@@ -19,7 +19,9 @@ Flags (the harness's own, as ``lm_eval run`` spells them):
                           into one user turn instead of a conversation
   --system_instruction=S  a system message before every prompt
   --gen_kwargs=K=V,...    override generation settings (max_gen_toks, temperature, do_sample)
-  --seed=N                the harness's sampling seeds and the generation seed (default 0)
+  --seed=S                the seeds as ``lm_eval run`` reads them: python,numpy,torch,fewshot
+                          (default 0,1234,1234,1234, lm_eval's; one integer sets all four,
+                          'None' leaves one unset); the torch slot seeds sampled generation
   --prefix_eos            put the EOS id before every context and prompt
   --mesh=auto|none        data-parallel over every device (auto, default) or one device
   --bootstrap_iters=N     bootstrap resamples for the standard errors (default 100000)
@@ -37,6 +39,32 @@ from dagmoe_jax.cli import (USER_ERRORS, OneLineParser, parse_or_report,
 
 INSTALL_HINT = ("lm-evaluation-harness is not installed: pip install 'dagmoe-jax[harness]' "
                 "(or pip install lm-eval==0.4.13)")
+
+
+DEFAULT_SEEDS = "0,1234,1234,1234"   # lm_eval run's --seed: python, numpy, torch, few-shot
+
+
+def seeds(text: str) -> list:
+    """``--seed`` as ``lm_eval run`` parses it: one integer (or 'None') for all four slots
+    (python, numpy, torch, few-shot), or three or four comma-separated ones, a missing fourth
+    taken from :data:`DEFAULT_SEEDS`."""
+    def one(item: str):
+        item = item.strip().lower()
+        if item == "none":
+            return None
+        try:
+            return int(item)
+        except ValueError:
+            raise ValueError(f"--seed={text} is invalid: {item!r} is not an integer or None "
+                             f"(expected N or python,numpy,torch,fewshot)") from None
+
+    items = [one(v) for v in text.split(",")]
+    if len(items) == 1:
+        return items * 4
+    if not 3 <= len(items) <= 4:
+        raise ValueError(f"--seed={text} is invalid: expected one value or 3-4 comma-separated "
+                         f"values (python,numpy,torch,fewshot)")
+    return items + [one(v) for v in DEFAULT_SEEDS.split(",")][len(items):]
 
 
 def _bool(text: str) -> bool:
@@ -61,7 +89,7 @@ def parse_args(argv):
     parser.add_argument("--fewshot_as_multiturn", type=_bool, default=True)
     parser.add_argument("--system_instruction", default=None)
     parser.add_argument("--gen_kwargs", default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", default=DEFAULT_SEEDS)
     parser.add_argument("--prefix_eos", action="store_true")
     parser.add_argument("--mesh", choices=("auto", "none"), default="auto")
     parser.add_argument("--bootstrap_iters", type=int, default=100000)
@@ -79,6 +107,7 @@ def parse_args(argv):
             raise ValueError(f"--limit={args.limit} is invalid: expected > 0")
         if args.limit is not None and args.limit >= 1:
             args.limit = int(args.limit)
+        args.seed = seeds(args.seed)
     return args
 
 
@@ -102,7 +131,7 @@ def evaluate(args, log=print) -> dict:
                          f"(lm_eval ls tasks lists them; --include_path adds a folder)")
     lm = DagmoeLM(run_dir=args.run_dir, batch_size=args.batch_size,
                   max_length=args.max_length, mesh=args.mesh, prefix_eos=args.prefix_eos,
-                  seed=args.seed)
+                  seed=args.seed[2] or 0)
     log(f"run {args.run_dir} at step {lm.run.step}: {block_summary(lm.run.model_cfg.block)}, "
         f"{lm.run.data_cfg.tokenizer} tokenizer, window {lm.max_length}, "
         f"batch {lm.scorer.batch_size}, mesh {'none' if lm.scorer.mesh is None else 'auto'}")
@@ -114,8 +143,9 @@ def evaluate(args, log=print) -> dict:
         apply_chat_template=args.apply_chat_template,
         fewshot_as_multiturn=args.fewshot_as_multiturn if args.apply_chat_template else False,
         gen_kwargs=args.gen_kwargs, task_manager=task_manager,
-        bootstrap_iters=args.bootstrap_iters, random_seed=args.seed,
-        numpy_random_seed=args.seed, fewshot_random_seed=args.seed)
+        bootstrap_iters=args.bootstrap_iters, random_seed=args.seed[0],
+        numpy_random_seed=args.seed[1], torch_random_seed=args.seed[2],
+        fewshot_random_seed=args.seed[3])
     samples = results.pop("samples", None)
     if tracker is not None:
         tracker.save_results_aggregated(results=results, samples=samples)

@@ -86,6 +86,49 @@ def test_field_mappings(fmt, record, expected):
     assert [(m["role"], m["content"]) for m in to_messages(record, fmt, "x")] == expected
 
 
+SLIMORCA = {"conversations": [  # a SlimOrca record as the dataset ships it
+    {"from": "system", "value": "You are an AI assistant.", "weight": None},
+    {"from": "human", "value": "What is 2 + 2?", "weight": 0.0},
+    {"from": "gpt", "value": "4.", "weight": 1.0}]}
+
+
+@pytest.mark.parametrize("fmt", ["sharegpt", "auto"])
+def test_sharegpt_turns_map_their_roles_as_llamafactory_does(fmt):
+    """ShareGPT (SlimOrca: conversations of {from, value}) reads as LlamaFactory's sharegpt
+    format maps its tags: system, human -> user, gpt -> assistant; 'auto' tells it from
+    OpenAI-style {role, content} by its turns' keys."""
+    assert [(m["role"], m["content"]) for m in to_messages(SLIMORCA, fmt, "x")] == [
+        ("system", "You are an AI assistant."), ("user", "What is 2 + 2?"), ("assistant", "4.")]
+    assert to_messages({"conversations": CHAT}, "auto", "x") == CHAT
+
+
+def test_sharegpt_turns_of_other_roles_are_refused_by_name():
+    tool = {"conversations": [{"from": "human", "value": "q"},
+                              {"from": "function_call", "value": "{}"},
+                              {"from": "gpt", "value": "a"}]}
+    with pytest.raises(ValueError, match=r"^f line 3: ShareGPT role 'function_call' \(turn 1\) "
+                                         r"is not supported: only human, gpt, system turns"):
+        to_messages(tool, "sharegpt", "f line 3")
+    with pytest.raises(ValueError, match=r"turn 0 is not a ShareGPT \{'from', 'value': str\}"):
+        to_messages({"conversations": [{"from": "human"}]}, "sharegpt", "f line 1")
+    with pytest.raises(ValueError, match="with an assistant turn"):
+        to_messages({"conversations": [{"from": "human", "value": "q"}]}, "sharegpt", "f")
+
+
+def test_a_sharegpt_file_packs_into_trained_examples(tmp_path):
+    """A SlimOrca-style jsonl file becomes packed rows whose trained tokens are the answers."""
+    records = [{"conversations": [{"from": "human", "value": f"Q{i}?"},
+                                  {"from": "gpt", "value": f"A{i}!"}]} for i in range(20)]
+    cfg = DataConfig(source=f"instruct:{write_jsonl(tmp_path / 's.jsonl', records)}",
+                     seq_len=48, batch_size=3, seed=3, heldout_fraction=0.1)
+    tok = make_tokenizer(cfg)
+    batches = list(instruct_dataset(cfg, tok, epochs=1))
+    seen = [e for b in batches for e in examples_of(b, tok)]
+    assert len(seen) == 18 and all(t.startswith("### Instruction:\nQ") for t in seen)
+    for b in batches:
+        assert set(tok.decode(b["targets"][b["mask"]])) <= set("A0123456789!\x00")
+
+
 def test_missing_field_is_a_one_line_error_naming_file_line_and_mapping(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "a", "output": "b"},
                                               {"instruction": "a", "response": "b"}])

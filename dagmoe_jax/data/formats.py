@@ -8,7 +8,9 @@ from __future__ import annotations
 PRESETS = {"alpaca": ("instruction", "output", "input", None),
            "metamath": ("query", "response", None, None),
            "prompt_response": ("prompt", "response", None, "system")}
-FORMATS = ("auto", "messages", *PRESETS, "fields:<prompt>,<response>[,<system>]")
+FORMATS = ("auto", "messages", "sharegpt", *PRESETS, "fields:<prompt>,<response>[,<system>]")
+# ShareGPT's turn tags (``from``) -> chat roles, as LlamaFactory's sharegpt format reads them
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 
 
 def fields_of(fmt: str) -> list:

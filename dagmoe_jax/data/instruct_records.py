@@ -10,10 +10,13 @@ says how a record becomes a conversation (:data:`FORMATS`):
 * ``'metamath'``: ``query``, ``response`` (MetaMathQA);
 * ``'prompt_response'``: ``prompt``, ``response``, optional ``system``;
 * ``'messages'``: ``messages``, a list of ``{'role': 'system' | 'user' | 'assistant',
-  'content': str}`` (chat datasets; ``conversations`` is read too);
+  'content': str}`` (OpenAI-style chat datasets; ``conversations`` is read too);
+* ``'sharegpt'``: ``conversations``, a list of ``{'from': 'system' | 'human' | 'gpt',
+  'value': str}`` (ShareGPT: SlimOrca, ...; the roles as LlamaFactory's sharegpt format maps
+  them, any other, such as a tool's turn, refused by name);
 * ``'fields:<prompt>,<response>[,<system>]'``: any other field names;
-* ``'auto'`` (default): per record, the first of messages, alpaca, metamath,
-  prompt_response whose fields the record has.
+* ``'auto'`` (default): per record, the first of messages (or sharegpt, when the turns have
+  ``from`` / ``value``), alpaca, metamath, prompt_response whose fields the record has.
 
 A record missing a field is a one-line ``ValueError`` naming the file, the line (the row of
 a Parquet file) and the mapping to use. All records are read when the source opens.
@@ -25,12 +28,13 @@ import json
 from typing import List, Optional, Sequence, Tuple
 
 from dagmoe_jax.data.chat import check_messages
-from dagmoe_jax.data.formats import PRESETS, fields_of
+from dagmoe_jax.data.formats import PRESETS, SHAREGPT_ROLES, fields_of
 from dagmoe_jax.data.sources import expand_globs
 
 _HELP = ("set DataConfig.instruct_format to the records' mapping: 'alpaca' (instruction/input/"
          "output), 'metamath' (query/response), 'prompt_response' (prompt/response), "
-         "'messages' (a list of {role, content}) or 'fields:<prompt>,<response>[,<system>]'")
+         "'messages' (a list of {role, content}), 'sharegpt' (conversations of {from, value}) "
+         "or 'fields:<prompt>,<response>[,<system>]'")
 
 
 def _mapping(fmt: str) -> Tuple[str, str, Optional[str], Optional[str]]:
@@ -42,7 +46,9 @@ def _mapping(fmt: str) -> Tuple[str, str, Optional[str], Optional[str]]:
 
 def _detect(record: dict) -> str:
     if "messages" in record or "conversations" in record:
-        return "messages"
+        turns = record.get("messages", record.get("conversations"))
+        first = turns[0] if isinstance(turns, (list, tuple)) and turns else None
+        return "sharegpt" if isinstance(first, dict) and "from" in first else "messages"
     for name, (prompt, response, _, _) in PRESETS.items():
         if prompt in record and response in record:
             return name
@@ -63,6 +69,8 @@ def to_messages(record, fmt: str, where: str) -> List[dict]:
         if messages is None:
             raise ValueError(f"{where}: no 'messages' field: {_HELP}")
         return check_messages(messages, where)
+    if fmt == "sharegpt":
+        return sharegpt_messages(record.get("conversations", record.get("messages")), where)
     prompt, response, extra, system = _mapping(fmt)
     for name in (prompt, response):
         if not isinstance(record.get(name), str):
@@ -76,6 +84,27 @@ def to_messages(record, fmt: str, where: str) -> List[dict]:
     if system and isinstance(record.get(system), str) and record[system]:
         messages.insert(0, {"role": "system", "content": record[system]})
     return messages
+
+
+def sharegpt_messages(turns, where: str) -> List[dict]:
+    """ShareGPT ``turns`` (``[{'from', 'value'}]``) as ``{'role', 'content'}`` messages, the
+    roles by :data:`~dagmoe_jax.data.formats.SHAREGPT_ROLES` (human -> user, gpt -> assistant,
+    system -> system); other keys of a turn (SlimOrca's ``weight``) are ignored. A turn of any
+    other role is a one-line ``ValueError`` that names it."""
+    if not isinstance(turns, (list, tuple)) or not turns:
+        raise ValueError(f"{where}: no 'conversations' list of ShareGPT turns: {_HELP}")
+    messages = []
+    for i, turn in enumerate(turns):
+        if not (isinstance(turn, dict) and isinstance(turn.get("value"), str)):
+            raise ValueError(f"{where}: turn {i} is not a ShareGPT {{'from', 'value': str}} "
+                             f"turn: {_HELP}")
+        role = SHAREGPT_ROLES.get(turn.get("from"))
+        if role is None:
+            raise ValueError(f"{where}: ShareGPT role {turn.get('from')!r} (turn {i}) is not "
+                             f"supported: only {', '.join(SHAREGPT_ROLES)} turns train here "
+                             f"(drop or rewrite the others)")
+        messages.append({"role": role, "content": turn["value"]})
+    return check_messages(messages, where)
 
 
 def _rows(path: str):

@@ -29,9 +29,11 @@ def test_datasheet_peaks_match_device_kinds():
     assert datasheet_peak("cpu") is None
 
 
-def test_the_accelerator_script_runs_at_micro_size(tmp_path):
+def test_the_accelerator_script_runs_at_micro_size(tmp_path, stdlib_corpus):
     env = single_device_env()
     out_json = tmp_path / "out" / "accelerator.json"
+    # the quality run's corpus, built once for the run (conftest.stdlib_corpus)
+    stdlib_corpus(out_json.parent / "accelerator_runs" / "corpus")
     cmd = [sys.executable, str(ROOT / "benchmarks" / "accelerator.py"), "--micro",
            "--variants", "moe+shared-s", "dag-s L2", "--json", str(out_json)]
     out = subprocess.run(cmd, env=env, text=True, capture_output=True, timeout=900,

@@ -63,9 +63,10 @@ def test_reasoning_micro_end_to_end(tmp_path):
     assert bad.returncode == 2 and "variant 'dag' is invalid" in bad.stderr
 
 
-def test_quality_micro_end_to_end(tmp_path):
+def test_quality_micro_end_to_end(tmp_path, stdlib_corpus):
     root = tmp_path
     out = root / "quality"
+    stdlib_corpus(out / "corpus")       # built once for the run (conftest)
     result = run_micro("quality", root)
     assert result.returncode == 0, result.stderr[-2000:]
     results = json.loads((out / "quality.json").read_text())
@@ -93,10 +94,11 @@ def test_quality_micro_end_to_end(tmp_path):
     assert len(table) == 2 and all(line in result.stdout for line in table)
 
 
-def test_downstream_micro_end_to_end(tmp_path):
+def test_downstream_micro_end_to_end(tmp_path, stdlib_corpus):
     """Pre-training, fine-tuning and harness scoring of two variants."""
     root = tmp_path
     out = root / "downstream"
+    stdlib_corpus(out / "corpus")
     result = run_micro("downstream", root)
     assert result.returncode == 0, result.stderr[-2000:]
     results = json.loads((out / "downstream.json").read_text())
@@ -113,10 +115,11 @@ def test_downstream_micro_end_to_end(tmp_path):
     assert "Seed-paired difference from MoE + shared expert" in result.stdout
 
 
-def test_dume_reasoning_micro_end_to_end(tmp_path):
+def test_dume_reasoning_micro_end_to_end(tmp_path, stdlib_corpus):
     """DUME's setting on its own (its corpus built as the pipeline builds it): a test of its
     own, so that the two halves of downstream.py run on both workers."""
     out = tmp_path / "downstream"
+    stdlib_corpus(out / "corpus")
     dume = subprocess.run([sys.executable, str(REPO / "benchmarks" / "downstream.py"), "--micro",
                            "--dume", f"--out={out}"], capture_output=True, text=True,
                           env=single_device_env(), cwd=REPO, timeout=400)

@@ -36,6 +36,13 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(
     Path(tempfile.gettempdir())
     / f"dagmoe-test-jax-cache-{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}"))
+# JAX caches only programs that took a second or more to compile by default; most of this suite's
+# take 0.1-1 s (a smoke run's init and eval steps, the tiny models' forward and gradient
+# programs, which fresh models of one structure compile again in the same process) and were
+# compiled again by every process and test that needed them. Caching every program over 0.1 s
+# cut the subprocess-heavy files (test_train, test_usability, test_finetune) by a quarter and
+# test_model + test_router by a third; it changes no program.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
 # With libtpu installed (.ci/run installs it for tests/test_compile.py) JAX would look for a
 # TPU on this machine, and libtpu print a multi-line error on every start; the suite runs on

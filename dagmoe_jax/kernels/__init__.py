@@ -5,7 +5,10 @@
   ``ExecutionConfig.attention='auto'`` settles to on CPU for float32 when a C++ compiler is
   available ('fused'); :mod:`.grouped_matmul`, dropless dispatch's grouped matmul in C++ (one
   GEMM per expert group, forward and both gradients, built and cached the same way): what
-  ``ExecutionConfig.grouped_matmul='auto'`` settles to on CPU off-mesh ('cpu_gmm').
+  ``ExecutionConfig.grouped_matmul='auto'`` settles to on CPU off-mesh ('cpu_gmm');
+  :mod:`.dag_module`, the DAG module's LayerNorm and pairwise messages in C++ (the messages
+  without the K x K pair tensor): what ``ExecutionConfig.dag_module='auto'`` settles to on CPU
+  for float32 off-mesh ('fused').
 * TPU, :mod:`.pallas`: JAX's Pallas TPU kernels wrapped for this model's layouts, the splash
   attention (``attention='splash'``) and megablox's grouped matmul for dropless dispatch
   (``grouped_matmul='gmm'``); they run anywhere in the Pallas interpreter, which is how the CPU
@@ -19,7 +22,10 @@ GPUs need no kernel of ours: there :mod:`dagmoe_jax.run.settle` picks cuDNN's at
 from dagmoe_jax.kernels.attention import (SUPPORTED_HEAD_DIMS, fused_attention_unavailable,
                                           fused_causal_attention)
 
+from dagmoe_jax.kernels.dag_module import (dag_module_unavailable, fused_dag_messages,
+                                           fused_layer_norm)
 from dagmoe_jax.kernels.grouped_matmul import cpu_grouped_matmul, grouped_matmul_unavailable
 
-__all__ = ["SUPPORTED_HEAD_DIMS", "cpu_grouped_matmul", "fused_attention_unavailable",
-           "fused_causal_attention", "grouped_matmul_unavailable"]
+__all__ = ["SUPPORTED_HEAD_DIMS", "cpu_grouped_matmul", "dag_module_unavailable",
+           "fused_attention_unavailable", "fused_causal_attention", "fused_dag_messages",
+           "fused_layer_norm", "grouped_matmul_unavailable"]

@@ -1,7 +1,8 @@
-// Shared by the CPU kernels (causal_attention.cc, grouped_matmul.cc, dag_messages.cc): 16-float
+// Shared by the CPU kernels (causal_attention.cc, grouped_matmul.cc, dag_module.cc): 16-float
 // vectors, a vector exp and a parallel loop over XLA's intra-op thread pool. Included inside
-// each kernel's anonymous namespace, after "xla/ffi/api/ffi.h" and `namespace ffi = xla::ffi;`. The build cache key
-// (kernels/build.py) covers this file, so editing it rebuilds every kernel.
+// each kernel's anonymous namespace, after "xla/ffi/api/ffi.h" and
+// `namespace ffi = xla::ffi;`. The build cache key (kernels/build.py) covers this file, so
+// editing it rebuilds every kernel.
 
 typedef float V __attribute__((vector_size(64)));
 typedef float VUnaligned __attribute__((vector_size(64), aligned(4)));

@@ -1,8 +1,9 @@
 """Aggregators: how the K selected expert outputs become the block output (docs/design.md section 4).
 
 * ``sum``: the standard weighted sum (DAG-MoE eq. 1).
-* ``dag``: the DAG learning module (DAG-MoE eq. 6-12), L iterations scanned over stacked
-  per-iteration parameters ``w_down [L, d, d_g]``, ``w_edge [L, 2 d_g, d_g]``,
+* ``dag``: the DAG learning module (DAG-MoE eq. 6-12), L iterations over stacked
+  per-iteration parameters (the first L-1 scanned, the last computed with the readout)
+  ``w_down [L, d, d_g]``, ``w_edge [L, 2 d_g, d_g]``,
   ``w_node [L, 2 d_g, d_g]``, ``w_up [L, d_g, d]`` and LayerNorm ``ln_scale, ln_bias [L, d]``
   (one unstacked set with ``dag_shared_weights``); ``dag_edges='self'`` is the edge-free
   ablation (each node's update from itself only).

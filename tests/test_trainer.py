@@ -96,3 +96,32 @@ def test_a_signal_during_the_hooks_still_saves_that_step():
                      else None, every=1)
     assert trainer.run(0, stop) == (3, True)
     assert checkpoints.saved == [3] and sorted(trainer.losses) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("disable", [False, True])
+def test_progress_lines_say_the_eta_even_when_tqdm_is_disabled(monkeypatch, disable):
+    """Without the bar (``progress=False``) each logged line ends with the ETA, counted from
+    the steps since the bar started; with ``TQDM_DISABLE=1`` tqdm disables the bar, which then
+    keeps no start step (the ETA read off it failed: int - None)."""
+    from dagmoe_jax.train import hooks
+    from dagmoe_jax.train.trainer import StepInfo
+
+    class Disabled(hooks.tqdm):          # as TQDM_DISABLE=1 makes every bar
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "disable": True})
+
+    if disable:
+        monkeypatch.setattr(hooks, "tqdm", Disabled)
+    lines = []
+
+    class Writer:
+        def write(self, step, host):
+            pass
+
+    hook = hooks.ProgressHook(Writer(), lambda _s: 1e-3, total_steps=10, tokens_per_step=8,
+                              log_every=2, show=False, say=lines.append)
+    for step in range(1, 5):
+        hook(StepInfo(step=step, metrics={"loss": np.float32(2.5)}, seconds=0.01,
+                      last=False))
+    assert [line.split(":")[0] for line in lines] == ["step 2/10", "step 4/10"]
+    assert all("loss 2.5000" in line and ", ETA " in line for line in lines)

@@ -14,7 +14,8 @@ checkpoint saves.
 from __future__ import annotations
 
 import io
-from typing import Callable, Dict, Optional
+import time
+from typing import Callable, Optional
 
 import jax
 from tqdm.auto import tqdm
@@ -38,12 +39,15 @@ class ProgressHook:
             tokens_per_step, log_every, show, say)
         self.bar: Optional[tqdm] = None
         self.window_seconds, self.window_steps = 0.0, 0
+        self.first_step, self.step, self.started = 0, 0, 0.0
 
     def __call__(self, info: StepInfo) -> None:
+        self.step = info.step
         if self.bar is None:               # the first step, compiled: the bar starts here
             self.bar = tqdm(total=self.total, initial=info.step, unit="step",
                             dynamic_ncols=True, mininterval=1.0, smoothing=0.1,
                             file=None if self.show else io.StringIO())
+            self.first_step, self.started = info.step, time.perf_counter()
         else:
             self.bar.update(1)
             self.window_seconds += info.seconds
@@ -70,13 +74,14 @@ class ProgressHook:
         self.window_seconds, self.window_steps = 0.0, 0
 
     def eta(self) -> str:
-        """', ETA 01:05' from the bar's steps and time since it started ('' before a step has
-        run under it, and at the end)."""
-        info: Dict = self.bar.format_dict
-        done, left = info["n"] - info["initial"], self.total - info["n"]
-        if done <= 0 or left <= 0 or info["elapsed"] <= 0:
+        """', ETA 01:05' from the steps and time since the bar started ('' before a step has
+        run under it, and at the end). Counted here, not read off the bar: a bar that tqdm
+        disables (``TQDM_DISABLE=1``) keeps no start step."""
+        done, left = self.step - self.first_step, self.total - self.step
+        elapsed = time.perf_counter() - self.started
+        if done <= 0 or left <= 0 or elapsed <= 0:
             return ""
-        return f", ETA {tqdm.format_interval(info['elapsed'] / done * left)}"
+        return f", ETA {tqdm.format_interval(elapsed / done * left)}"
 
     def write(self, text: str) -> None:
         """A line above the bar (or a plain line without it)."""

@@ -8,11 +8,10 @@ Conventions (stated so the numbers can be checked by hand):
   visible context (S + 1) / 2.
 * Routed experts count the K experts a token uses (C * K_t for CoE), not capacity padding.
 * The DAG module projects every node once (its pair tensor is never built): per token and
-  iteration K (2 d d_g + 8 d_g^2) matmul FLOPs down to the messages, and K 2 d_g d for W_up in
-  iterations 1 .. L-1 but 2 d_g d in the last, which applies W_up once to the messages summed
-  over the nodes (eq. 12 reads out only their sum); plus K^2 d_g pairwise elementwise work
-  counted as 4 FLOPs per element (two broadcast adds, one product, one sum; the activation not
-  counted),
+  iteration K (4 d d_g + 8 d_g^2) matmul FLOPs (the CPU kernels' path applies the last
+  iteration's W_up once to the summed messages, K times fewer of its 2 K d_g d: an
+  implementation's saving, not counted here), plus K^2 d_g pairwise elementwise work counted as
+  4 FLOPs per element (two broadcast adds, one product, one sum; the activation not counted),
   reported separately as ``dag_pairwise`` (K d_g with ``dag_edges='self'``, the self pairs).
   ``dag_shared_weights`` counts the module's parameters once and its FLOPs L times.
 * Active parameters per token count each distinct weight a token touches once.
@@ -91,8 +90,7 @@ def aggregator_forward_flops(cfg: ModelConfig) -> tuple[float, float]:
     d, k = cfg.d_model, cfg.block.router.top_k
     if a.kind == "dag":
         dg, pairs = a.dag_dim, k if a.dag_edges == "self" else k * k   # 'self': K pairs
-        up = ((a.dag_iters - 1) * k + 1) * 2 * dg * d            # the last W_up: summed nodes
-        return (a.dag_iters * k * (2 * d * dg + 8 * dg * dg) + up,
+        return (a.dag_iters * k * (4 * d * dg + 8 * dg * dg),
                 a.dag_iters * 4 * pairs * dg)
     return 6.0 * d * a.dag_dim, 0.0
 

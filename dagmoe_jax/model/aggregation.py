@@ -1,8 +1,8 @@
 """Aggregators: how the K selected expert outputs become the block output (docs/design.md section 4).
 
 * ``sum``: the standard weighted sum (DAG-MoE eq. 1).
-* ``dag``: the DAG learning module (DAG-MoE eq. 6-12), L iterations over stacked
-  per-iteration parameters (the first L-1 scanned, the last computed with the readout)
+* ``dag``: the DAG learning module (DAG-MoE eq. 6-12), L iterations scanned over stacked
+  per-iteration parameters (with the CPU kernels the last is computed with the readout)
   ``w_down [L, d, d_g]``, ``w_edge [L, 2 d_g, d_g]``,
   ``w_node [L, 2 d_g, d_g]``, ``w_up [L, d_g, d]`` and LayerNorm ``ln_scale, ln_bias [L, d]``
   (one unstacked set with ``dag_shared_weights``); ``dag_edges='self'`` is the edge-free
@@ -213,9 +213,12 @@ class DAGAggregator(nnx.Module):
 
     ``iterations`` holds each iteration's weights stacked [L, ...], or with
     ``AggregationConfig.dag_shared_weights`` one unstacked set that every iteration applies.
-    Iterations 1 .. L-1 are a scanned loop (``jax.lax.scan``, unrolled) over the stacked
-    weights; the L-th is computed together with the readout (:func:`dag_summed_update`), which
-    needs only the nodes' sum.
+    The L iterations are a scanned loop (``nnx.scan``, unrolled) over the iteration modules.
+    With the CPU kernels (``fused``) iterations 1 .. L-1 are scanned over the stacked weights
+    and the L-th is computed together with the readout (:func:`dag_summed_update`), which needs
+    only the nodes' sum: W_up once on the summed messages. (On TPU that split of the loop
+    cost 0.6 GB more temporaries a chip for DAG-MoE-l, benchmarks/RESULTS.md, so the XLA path
+    keeps the one scan.)
 
     The nodes are carried as x_i^l = r_i^l + x / K: the scan's carry is the updates r_i^l
     (r_i^0 = g_i E_i(x), eq. 6's expert term) and each iteration sees the whole node, so every
@@ -251,20 +254,29 @@ class DAGAggregator(nnx.Module):
         record = self.record_intermediates
         options = dict(edge_act=self.edge_act, eps=self.eps, edges=self.edges,
                        with_edges=record, fused=self.fused)
-        weights = self.iterations.weights()
-        head = {n: w[:-1] for n, w in weights.items()} if not self.shared else None
-        last = {n: w[-1] for n, w in weights.items()} if not self.shared else weights
-
         def step(updates, w):                                                    # eq. 7-11
             nodes = updates + residual
-            out = dag_node_update(nodes, **(weights if self.shared else w), **options)
+            out = dag_node_update(nodes, **w, **options)
             update, edge = out if record else (out, None)
             update = constrain(update, ("batch", "nodes", "embed"))
             return updates + update, ({"edge_gates": edge, "dag_inputs": nodes} if record
                                       else {})
 
-        updates, kept = jax.lax.scan(step, updates, head, length=self.num_iters - 1,
-                                     unroll=True)
+        if not self.fused:        # all L iterations scanned over the iteration modules
+            body = lambda updates, iteration: step(updates, iteration.weights())  # noqa: E731
+            scan = (nnx.scan(body, in_axes=(nnx.Carry, None), out_axes=(nnx.Carry, 0),
+                             length=self.num_iters, unroll=True) if self.shared else
+                    nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0),
+                             unroll=True, transform_metadata={nnx.PARTITION_NAME: "dag_iters"}))
+            updates, kept = scan(updates, self.iterations)
+            return dag_block_output(dag_readout(updates), x.astype(expert_out.dtype),
+                                    self.reading), kept
+
+        weights = self.iterations.weights()
+        head = {n: w[:-1] for n, w in weights.items()} if not self.shared else None
+        last = {n: w[-1] for n, w in weights.items()} if not self.shared else weights
+        updates, kept = jax.lax.scan(lambda u, w: step(u, weights if self.shared else w),
+                                     updates, head, length=self.num_iters - 1, unroll=True)
         nodes = updates + residual                                                # x^{L-1}
         out = dag_summed_update(nodes, **last, **options)                        # eq. 7-12
         update, edge = out if record else (out, None)

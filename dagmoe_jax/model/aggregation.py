@@ -254,6 +254,7 @@ class DAGAggregator(nnx.Module):
         record = self.record_intermediates
         options = dict(edge_act=self.edge_act, eps=self.eps, edges=self.edges,
                        with_edges=record, fused=self.fused)
+
         def step(updates, w):                                                    # eq. 7-11
             nodes = updates + residual
             out = dag_node_update(nodes, **w, **options)

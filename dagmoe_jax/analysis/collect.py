@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dagmoe_jax.config import experts_of
+from dagmoe_jax.config import dag_aggregation_of, experts_of
 from dagmoe_jax.model.aggregation import edge_mask
 
 
@@ -104,8 +104,9 @@ def collect(model, batches: Iterable[Dict[str, np.ndarray]], max_samples: int = 
     coact = None
     if cfg.block.kind == "coe" and cfg.block.iterations > 1:
         coact = np.zeros((layers, cfg.block.iterations - 1, n, n))
-    is_dag = cfg.block.kind == "moe" and cfg.block.aggregation.kind == "dag"
-    mask = edge_mask(cfg.block.router.top_k, cfg.block.aggregation.dag_edges) if is_dag else None
+    dag = dag_aggregation_of(cfg.block)
+    is_dag = dag is not None
+    mask = edge_mask(cfg.block.router.top_k, dag.dag_edges) if is_dag else None
     g_sum = g_sq = None
     sparse = [0, 0, 0, 0]      # values below, pairs below, values, pairs
     samples: List[np.ndarray] = []

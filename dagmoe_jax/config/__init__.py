@@ -19,7 +19,8 @@ from dagmoe_jax.config.blocks import (AGGREGATORS, BALANCE_LOADS, BALANCE_PROBS,
                                       DAG_READINGS, DISPATCH_MODES, EDGE_ACTIVATIONS,
                                       RETIRED_DISPATCH, SCORE_FNS, AggregationConfig, CoEConfig,
                                       DenseConfig, ExpertConfig, MoEConfig, RouterConfig,
-                                      aggregation_of, block_summary, default_ffn_hidden,
+                                      aggregation_of, block_summary, dag_aggregation_of,
+                                      default_ffn_hidden,
                                       experts_of, nested_configs, router_of)
 from dagmoe_jax.config.doe import (DOE_GATES, DOE_SIGNALS, DOE_VAE_SHARING, DOE_EXPERTS,
                                    DOE_KNOWLEDGE_SCALES, DOE_FIRST_INPUTS, DoEConfig, TopicConfig)
@@ -36,5 +37,6 @@ __all__ = ["AGGREGATORS", "ATTENTION_IMPLS", "AggregationConfig", "BALANCE_LOADS
            "EXPERT_EXCHANGES", "ExecutionConfig", "ExpertConfig", "GROUPED_MATMULS",
            "ModelConfig", "MoEConfig", "REMAT_POLICIES", "RETIRED_DISPATCH", "ROPE_SCALINGS",
            "RopeScalingConfig", "RouterConfig", "SCORE_FNS", "TopicConfig",
-           "aggregation_of", "block_summary", "dag_params_per_layer", "default_ffn_hidden",
+           "aggregation_of", "block_summary", "dag_aggregation_of", "dag_params_per_layer",
+           "default_ffn_hidden",
            "experts_of", "matched_shared_hidden", "nested_configs", "router_of"]

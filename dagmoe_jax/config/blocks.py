@@ -69,6 +69,13 @@ def aggregation_of(block) -> Optional["AggregationConfig"]:
     return getattr(block, "aggregation", None)
 
 
+def dag_aggregation_of(block) -> Optional["AggregationConfig"]:
+    """The aggregation config when the family aggregates its experts with the DAG module
+    (DAG-MoE eq. 6-12), else None."""
+    agg = aggregation_of(block)
+    return agg if agg is not None and agg.kind == "dag" else None
+
+
 def nested_configs(cls) -> dict:
     """{field name: config class} of a config dataclass's nested configs (found by walking
     ``dataclasses.fields``: each is a field whose default is built by its class)."""

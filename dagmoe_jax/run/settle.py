@@ -46,7 +46,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from dagmoe_jax.config import ExecutionConfig, ModelConfig, aggregation_of, experts_of
+from dagmoe_jax.config import ExecutionConfig, ModelConfig, dag_aggregation_of, experts_of
 from dagmoe_jax.kernels.attention import fused_attention_unavailable, kernel_needs_build
 from dagmoe_jax.kernels.dag_module import dag_module_needs_build, dag_module_unavailable
 from dagmoe_jax.kernels.grouped_matmul import (grouped_matmul_needs_build,
@@ -126,12 +126,6 @@ def settle_expert_exchange(name: str, backend: str) -> str:
     return "all_gather" if backend == "cpu" else "ragged_all_to_all"
 
 
-def uses_dag(cfg: ModelConfig) -> bool:
-    """Whether the model ``cfg`` aggregates its experts with the DAG module."""
-    agg = aggregation_of(cfg.block)
-    return agg is not None and agg.kind == "dag"
-
-
 def settle_dag_module(name: str, cfg: ModelConfig, backend: str, dtype,
                       layout: Optional[MeshLayout]) -> str:
     """'auto': 'fused' (the C++ kernels, built here on first use) on CPU for float32 on one
@@ -142,10 +136,10 @@ def settle_dag_module(name: str, cfg: ModelConfig, backend: str, dtype,
                          "use 'auto' or 'xla' under a device mesh")
     if name != "auto":
         return name
-    if backend != "cpu" or layout is not None or not uses_dag(cfg):
+    dag = dag_aggregation_of(cfg.block)
+    if backend != "cpu" or layout is not None or dag is None:
         return "xla"
-    reason = dag_module_unavailable(cfg.d_model, aggregation_of(cfg.block).dag_dim, dtype,
-                                    backend)
+    reason = dag_module_unavailable(cfg.d_model, dag.dag_dim, dtype, backend)
     return "fused" if reason is None else "xla"
 
 
@@ -205,8 +199,8 @@ def settle(cfg: ModelConfig, execution: Optional[ExecutionConfig] = None, *,
     if (ex.grouped_matmul == "auto" and backend == "cpu" and layout is None
             and grouped_matmul_needs_build()):
         log("compiling the CPU grouped matmul kernel (about 5 s, once per machine)")
-    if (ex.dag_module == "auto" and backend == "cpu" and layout is None and uses_dag(cfg)
-            and dtype == jnp.float32 and dag_module_needs_build()):
+    if (ex.dag_module == "auto" and backend == "cpu" and layout is None
+            and dag_aggregation_of(cfg.block) is not None and dtype == jnp.float32 and dag_module_needs_build()):
         log("compiling the CPU DAG module kernels (about 5 s, once per machine)")
     attention, _ = settle_attention(ex.attention, backend, dtype, cfg.resolved_head_dim, layout)
     grouped_matmul = settle_grouped_matmul(ex.grouped_matmul, backend, cfg.d_model,
@@ -244,6 +238,6 @@ def describe(cfg: ModelConfig, settled: ExecutionConfig,
             f"{ex.scan_unroll}/{cfg.num_layers}, loss chunk {ex.loss_chunk} tokens, gate/up "
             f"{'fused' if ex.fuse_projections else 'separate'}{dispatch}"
             f"{', grouped matmul ' + ex.grouped_matmul if dropless else ''}"
-            f"{', DAG module ' + ex.dag_module if uses_dag(cfg) else ''}"
+            f"{', DAG module ' + ex.dag_module if dag_aggregation_of(cfg.block) else ''}"
             f"{', expert-parallel over ' + str(dict(layout.axis_sizes)) if layout else ''}"
             f"{' by ' + ex.expert_exchange if layout and dropless else ''}")

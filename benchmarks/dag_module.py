@@ -95,7 +95,7 @@ def module_row(name: str, cfg, dag_module: str, t: int):
     gates = jax.random.uniform(keys[2], (t, k))
     fn = lambda p, x, g, o: nnx.merge(graphdef, p)(x, g, o)[0]  # noqa: E731
     d, dg, iters = cfg.d_model, a.dag_dim, a.dag_iters
-    # model.accounting's count (the kernel path computes 3/4 of the last W_up's less at K 4)
+    # model.accounting's count; the kernels' path applies the last W_up to the summed messages
     flops = t * iters * k * (4 * d * dg + 8 * dg * dg)
     return name, fn, (params, x, gates, out), flops
 

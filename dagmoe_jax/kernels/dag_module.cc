@@ -172,7 +172,8 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> proj,
   return ffi::Error::Success();
 }
 
-constexpr int64_t kRows = 64;  // LayerNorm rows per work item (one dparams block)
+// LayerNorm rows per work item (one dparams block): LAYER_NORM_ROWS in dag_module.py
+constexpr int64_t kRows = 64;
 
 inline float HSum(V x) {
   float s = 0.0f;

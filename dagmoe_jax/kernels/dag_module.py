@@ -38,7 +38,7 @@ _TARGETS = {"dagmoe_dag_messages": "DagmoeDagMessages",
             "dagmoe_layer_norm_bwd": "DagmoeLayerNormBwd"}
 EDGES = {"all": 0, "ranked": 1, "self": 2}      # the messages kernel's ``edges`` attribute
 ACTIVATIONS = {"silu": 0, "sigmoid": 1}          # its ``act`` attribute
-LAYER_NORM_ROWS = 64                             # rows per block of the LayerNorm's dparams
+LAYER_NORM_ROWS = 64       # rows per block of the LayerNorm's dparams: dag_module.cc's kRows
 
 
 @functools.lru_cache(maxsize=None)

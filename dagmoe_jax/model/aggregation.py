@@ -135,33 +135,29 @@ def dag_node_messages(nodes: jax.Array, ln_scale, ln_bias, w_down, w_edge, w_nod
 
 def dag_node_update(nodes: jax.Array, ln_scale, ln_bias, w_down, w_edge, w_node, w_up,
                     edge_act: str, eps: float, edges: str = "all", with_edges: bool = False,
-                    fused: bool = False):
+                    fused: bool = False, summed: bool = False):
     """DAG-MoE eq. 7-11 without eq. 11's residual term: W_up^l sum_j m_(i,j) for nodes
-    x^{l-1} [T, K, d], so that x_i^l = x_i^{l-1} + this (and the edge gates, ``with_edges``)."""
+    x^{l-1} [T, K, d], so that x_i^l = x_i^{l-1} + this (and the edge gates, ``with_edges``).
+
+    ``summed``: the updates summed over the nodes, as eq. 12 reads the last iteration out,
+    sum_i W_up^L sum_j m_(i,j) [T, d]. W_up is linear, so it is applied once to the summed
+    messages, W_up^L (sum_i sum_j m_(i,j)), instead of to each of the K nodes: that
+    up-projection costs 1/K, forward and backward, and its [T, K, d] output is never built.
+    """
     t, k, d = nodes.shape
     msg = dag_node_messages(nodes, ln_scale, ln_bias, w_down, w_edge, w_node, edge_act, eps,
                             edges, with_edges, fused)
     msg, edge = msg if with_edges else (msg, None)
-    update = (msg.reshape(t * k, -1) @ w_up.astype(nodes.dtype)).reshape(t, k, d)  # eq. 11
+    w = w_up.astype(nodes.dtype)
+    update = (jnp.sum(msg, axis=1) @ w if summed                                   # eq. 11-12
+              else (msg.reshape(t * k, -1) @ w).reshape(t, k, d))                  # eq. 11
     return (update, edge) if with_edges else update
 
 
-def dag_summed_update(nodes: jax.Array, ln_scale, ln_bias, w_down, w_edge, w_node, w_up,
-                      edge_act: str, eps: float, edges: str = "all", with_edges: bool = False,
-                      fused: bool = False):
-    """The last iteration's node updates summed over the nodes, as eq. 12 reads them out:
-    sum_i W_up^L sum_j m_(i,j) [T, d] for nodes x^{L-1} [T, K, d] (and the edge gates,
-    ``with_edges``).
-
-    W_up is linear, so it is applied once to the summed messages, W_up^L (sum_i sum_j m_(i,j)),
-    instead of to each of the K nodes: the last iteration's up-projection costs 1/K of the
-    others', forward and backward, and its [T, K, d] output is never built.
-    """
-    msg = dag_node_messages(nodes, ln_scale, ln_bias, w_down, w_edge, w_node, edge_act, eps,
-                            edges, with_edges, fused)
-    msg, edge = msg if with_edges else (msg, None)
-    update = jnp.sum(msg, axis=1) @ w_up.astype(nodes.dtype)                       # eq. 11-12
-    return (update, edge) if with_edges else update
+def dag_summed_update(nodes: jax.Array, *weights, **options):
+    """:func:`dag_node_update` with ``summed=True``: the last iteration's updates summed over
+    the nodes [T, d], W_up applied once to the summed messages."""
+    return dag_node_update(nodes, *weights, summed=True, **options)
 
 
 def dag_iteration(nodes: jax.Array, ln_scale, ln_bias, w_down, w_edge, w_node, w_up,

@@ -60,7 +60,7 @@ def test_settle_decides_every_auto_field_per_backend_and_layout():
     assert MeshLayout.of(make_mesh(MeshConfig(data=1), jax.devices()[:1])) is None
 
 
-def test_dag_module_run_in_the_cpu_kernel_only_where_it_can():
+def test_the_dag_module_runs_in_the_cpu_kernels_only_where_they_can():
     """'auto' is the C++ kernel for a DAG model on one CPU device in float32 with d_g a multiple
     of 16; XLA's pair tensor everywhere else (and for models without a DAG module, where the
     choice is never used); an explicit 'fused' under a mesh is one line."""

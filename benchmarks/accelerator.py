@@ -60,6 +60,7 @@ VARIANTS = {
     "dag-l L2": ("models/l.gin", "variants/dag_g256_l2.gin"),
 }
 RATIO = ("dag-s L2", "moe+shared-s")
+DEVICE = "device"                             # the child that reads the device and its matmul rate
 PAPER_RATIO_L2 = 1.0449                       # DAG-MoE summary: +4.49% wall clock at L 2, A100
 QUALITY_VARIANTS = ("moe", "moe_shared", "dag_l2")
 # The quality run's model on an accelerator: the s shape (Table 3) on bench/quality.gin's
@@ -118,14 +119,30 @@ def measure_one(name: str, vocab: int, batch: int, seq: int, steps: int, micro: 
             "peak_memory_bytes": peak_memory()}
 
 
+def device_info() -> dict:
+    """The default device and its measured bf16 matmul rate (run in a process of its own)."""
+    device = jax.devices()[0]
+    n = 1024 if device.platform == "cpu" else 8192
+    return {"variant": DEVICE, "device": device.device_kind, "platform": device.platform,
+            "device_count": jax.device_count(), "matmul_n": n,
+            "measured_bf16_matmul_flops": matmul_rate(n, dtype=jnp.bfloat16)}
+
+
 def run_one_in_subprocess(name: str, args) -> dict:
+    """``measure_one`` (or ``device_info`` for DEVICE) in a child process. The parent never
+    opens the accelerator before its children are done: a GPU process preallocates most of the
+    device's memory when its backend starts, so a parent holding the backend leaves its
+    children too little (on an H200 every variant ran out of memory)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", name, "--vocab",
            str(args.vocab), "--batch", str(args.batch), "--seq", str(args.seq), "--steps",
            str(args.steps)] + (["--micro"] if args.micro else [])
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode or not lines:
-        tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        lines = out.stderr.strip().splitlines() or ["no output"]
+        # the exception's own line, not JAX's "removed its internal frames" note after it
+        tail = next((line for line in reversed(lines) if "Error" in line.split(":")[0]),
+                    lines[-1])
         return {"variant": name, "error": tail}
     return json.loads(lines[-1])
 
@@ -203,24 +220,27 @@ def main(argv=None) -> int:
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.one:
-        print(json.dumps(measure_one(args.one, args.vocab, args.batch, args.seq, args.steps,
+        print(json.dumps(device_info() if args.one == DEVICE else
+                         measure_one(args.one, args.vocab, args.batch, args.seq, args.steps,
                                      args.micro)))
         return 0
 
     start = time.monotonic()
-    device = jax.devices()[0]
+    info = run_one_in_subprocess(DEVICE, args)
+    if "error" in info:
+        print(f"the device could not be read: {info['error']}", file=sys.stderr)
+        return 2
     json_path = Path(args.json or (Path(os.environ["OUT"]) / "accelerator.json"
                                    if os.environ.get("OUT") else
                                    "runs/accelerator/accelerator.json"))
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    peak = datasheet_peak(device.device_kind)
-    n = 1024 if device.platform == "cpu" else 8192
-    measured = matmul_rate(n, dtype=jnp.bfloat16)
-    report = {"device": device.device_kind, "platform": device.platform,
-              "device_count": jax.device_count(), "datasheet_bf16_flops": peak,
+    peak = datasheet_peak(info["device"])
+    measured, n = info["measured_bf16_matmul_flops"], info["matmul_n"]
+    report = {"device": info["device"], "platform": info["platform"],
+              "device_count": info["device_count"], "datasheet_bf16_flops": peak,
               "measured_bf16_matmul_flops": measured, "vocab": args.vocab,
               "batch": args.batch, "seq": args.seq, "steps": args.steps, "variants": []}
-    print(f"device: {device.device_kind} ({device.platform}) x{jax.device_count()}; "
+    print(f"device: {info['device']} ({info['platform']}) x{info['device_count']}; "
           f"bf16 datasheet peak {f'{peak / 1e12:.0f} TFLOP/s' if peak else 'unknown'}, "
           f"{n}^3 bf16 matmul measured {measured / 1e12:.2f} TFLOP/s")
     print(f"vocabulary {args.vocab}, {args.batch} x {args.seq} tokens per step, best of "

@@ -196,3 +196,45 @@ def write_byte_level_tokenizer(folder, eos: str = "</s>", model_max_length: int 
         "add_bos_token": False, "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length}, indent=2) + "\n")
     return folder / "tokenizer.json"
+
+
+# The tokenizer kinds that change how lm-eval's hf model turns text into ids (HFLM's BOS and
+# EOS handling): tests/test_harness_hf.py scores each against it, tests/test_harness.py checks
+# the same ids without torch.
+SPECIAL_TOKENIZER_KINDS = ("no_bos", "bos_added", "bos_named", "eos_ids")
+
+
+def write_special_tokenizer(folder, kind: str, model_max_length: int = 2048):
+    """A byte-level Hugging Face tokenizer of ``kind`` in ``folder``; returns tokenizer.json.
+
+    Ids 0-255 are the utf-8 bytes; ``</s>`` = 256 (EOS), ``<s>`` = 257 and ``<|eot|>`` = 258 are
+    special tokens. ``no_bos``: no BOS named. ``bos_added``: ``<s>`` named BOS and added by
+    the tokenizer.json's post-processor (as Llama 3's: no ``add_bos_token``, the file decides).
+    ``bos_named``: ``<s>`` named BOS, not added. ``eos_ids``: as ``no_bos``, with a
+    ``generation_config.json`` listing 256 and 258 as EOS ids."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import AddedToken, processors
+
+    from dagmoe_jax.hf.tokenizer import byte_level_tokenizer
+
+    if kind not in SPECIAL_TOKENIZER_KINDS:
+        raise ValueError(f"unknown tokenizer kind {kind!r}")
+    tok = byte_level_tokenizer()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("</s>", "<s>", "<|eot|>")])
+    if kind == "bos_added":
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 257)])
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>",
+              "clean_up_tokenization_spaces": False, "model_max_length": model_max_length}
+    if kind in ("bos_added", "bos_named"):
+        config["bos_token"] = "<s>"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if kind == "eos_ids":
+        (folder / "generation_config.json").write_text(
+            json.dumps({"eos_token_id": [256, 258]}) + "\n")
+    return folder / "tokenizer.json"

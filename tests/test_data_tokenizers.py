@@ -5,6 +5,7 @@ import pickle
 import numpy as np
 import pytest
 
+from conftest import SPECIAL_TOKENIZER_KINDS, write_special_tokenizer
 from dagmoe_jax.data import (DataConfig, check_tokens, make_tokenizer, task_eval_batches,
                              train_dataset, train_source)
 from dagmoe_jax.data.tasks import parse
@@ -81,6 +82,50 @@ def test_hf_round_trip(hf_json):
                                          r"DataConfig.eos_token") as err:
         HFTokenizer(hf_json, eos_token="<eos>")
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kind", SPECIAL_TOKENIZER_KINDS)
+def test_hf_special_tokens_are_read_as_transformers_reads_them(tmp_path, kind):
+    """BOS and EOS from tokenizer_config.json, added only when asked (then by the file's own
+    post-processor), and left out of decoded text when asked: what lm-eval's hf model gets
+    from AutoTokenizer (tests/test_harness_hf.py checks against it where torch is installed)."""
+    tok = HFTokenizer(str(write_special_tokenizer(tmp_path, kind)))
+    assert tok.eos_id == 256
+    assert tok.bos_id == (257 if kind in ("bos_added", "bos_named") else None)
+    assert tok.special_ids == {256, 257, 258}
+    body = list("hé".encode("utf-8"))
+    assert tok.encode("hé") == body                           # training: nothing added
+    assert tok.encode("hé", add_special_tokens=True) == (
+        [257] + body if kind == "bos_added" else body)
+    ids = [257, *body, 258, 256]
+    assert tok.decode(ids, skip_special_tokens=True) == "hé"
+    assert tok.decode(ids) == "<s>hé<|eot|></s>"
+
+
+def test_hf_eos_is_tokenizer_configs_before_the_usual_names(tmp_path):
+    """An EOS named by tokenizer_config.json wins over '</s>' in the vocabulary (Llama 3
+    names '<|end_of_text|>'; transformers reads the file); DataConfig.eos_token over both."""
+    import json
+
+    path = write_special_tokenizer(tmp_path, "no_bos")
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                                "eos_token": "<|eot|>"}))
+    assert HFTokenizer(str(path)).eos_id == 258
+    assert HFTokenizer(str(path), eos_token="</s>").eos_id == 256
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"tokenizer_config.json is not valid JSON") as err:
+        HFTokenizer(str(path))
+    assert "\n" not in str(err.value)
+
+
+def test_byte_and_sentencepiece_special_tokens(sp_model):
+    byte = ByteTokenizer()
+    assert byte.bos_id is None and byte.encode("a", add_special_tokens=True) == [97]
+    assert byte.decode([97, 0], skip_special_tokens=True) == "a" and byte.decode([97, 0]) == "a\x00"
+    sp = SentencePieceTokenizer(sp_model)
+    assert sp.bos_id is not None and sp.bos_id in sp.special_ids and sp.eos_id in sp.special_ids
+    assert sp.encode("the fox", add_special_tokens=True) == [sp.bos_id] + sp.encode("the fox")
 
 
 @pytest.mark.parametrize("kind", ["sentencepiece", "hf"])

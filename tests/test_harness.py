@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import make_model, tiny_config, write_byte_level_tokenizer
+from conftest import (SPECIAL_TOKENIZER_KINDS, make_model, tiny_config,
+                      write_byte_level_tokenizer, write_special_tokenizer)
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.data.tokenizers import ByteTokenizer
 from dagmoe_jax.decoding.generate import generate
@@ -358,3 +359,123 @@ def test_local_tasks_skip_indexing_the_harness_library(monkeypatch):
     assert built == [False, False, True]
     task_manager(None, ["hellaswag"])
     assert built == [False, False, True, True]
+
+
+def special_run(model, tmp_path, kind):
+    """``fake_run(model)`` reading a byte-level Hugging Face tokenizer of ``kind``
+    (conftest.write_special_tokenizer): BOS, EOS ids and generation_config.json as an imported
+    model's folder has them."""
+    from dagmoe_jax.data.tokenizers import HFTokenizer
+
+    path = str(write_special_tokenizer(tmp_path / kind, kind))
+    return SimpleNamespace(model=model, model_cfg=model.cfg, tokenizer=HFTokenizer(path),
+                           data_cfg=DataConfig(tokenizer="hf", tokenizer_path=path), step=0)
+
+
+@pytest.mark.parametrize("kind", SPECIAL_TOKENIZER_KINDS)
+def test_text_becomes_ids_as_hflm_makes_them(model, tmp_path, kind):
+    """HFLM's rules (lm_eval/models/huggingface.py), written out: the document prefix is BOS
+    when the tokenizer names one, else EOS; texts get what the tokenizer's post-processing
+    adds, unless add_bos_token says otherwise or the text starts with the prefix's text;
+    generation stops at every EOS id of generation_config.json. tests/test_harness_hf.py
+    checks the same against lm-eval's hf model itself where torch is installed."""
+    bos = kind in ("bos_added", "bos_named")
+    body = list(b"sort 3 1 =")
+    lm = DagmoeLM(run=special_run(model, tmp_path, kind), batch_size=2, mesh="none")
+    assert (lm.eot_token_id, lm.prefix_token_id) == (256, 257 if bos else 256)
+    added = [257] + body if kind == "bos_added" else body
+    assert lm.tok_encode("sort 3 1 =") == lm.prompt_encode("sort 3 1 =") == added
+    assert lm.tok_encode("sort 3 1 =", add_special_tokens=False) == body
+    # '<s>' in the text is the special token; a text starting with BOS gets no second one
+    assert lm.tok_encode("<s>sort 3 1 =") == lm.prompt_encode("<s>sort 3 1 =") == [257] + body
+    assert lm.stop_token_ids() == ((256, 258) if kind == "eos_ids" else (256,))
+    assert lm.tok_decode([257, *body, 256]) == "sort 3 1 ="              # skips specials
+    override = DagmoeLM(run=special_run(model, tmp_path, kind), batch_size=2, mesh="none",
+                        add_bos_token="false", prefix_token_id=258)
+    assert override.tok_encode("sort 3 1 =") == body and override.prefix_token_id == 258
+
+
+def test_chat_prompts_also_stop_at_the_end_of_turn(model, tmp_path):
+    """Prompts rendered with the run's chat template stop at the token that ends an assistant
+    turn there (fine-tuning trained it), besides the EOS ids."""
+    import json
+
+    run = special_run(model, tmp_path, "no_bos")
+    folder = Path(run.data_cfg.tokenizer_path).parent
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.update(eos_token="<|eot|>", chat_template=(
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    run.tokenizer = type(run.tokenizer)(run.data_cfg.tokenizer_path)
+    lm = DagmoeLM(run=run, batch_size=2, mesh="none")
+    assert lm.stop_token_ids() == (258,)                 # the file's EOS is <|eot|> now
+    run.data_cfg = DataConfig(tokenizer="hf", tokenizer_path=run.data_cfg.tokenizer_path,
+                              eos_token="</s>")
+    run.tokenizer = type(run.tokenizer)(run.data_cfg.tokenizer_path, "</s>")
+    lm = DagmoeLM(run=run, batch_size=2, mesh="none")
+    assert lm.stop_token_ids() == (256,)
+    lm.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert lm.stop_token_ids() == (256, 258)
+
+
+@pytest.mark.parametrize("args, match", [
+    ({"pretrained": "x"}, "model argument pretrained='x' is refused: this model reads a run"),
+    ({"trust_remote_code": True}, "model argument trust_remote_code=True is refused"),
+    ({"load_in_8bit": True}, "load_in_8bit=True is refused: it is not an argument"),
+    ({"dtype": "float16"}, "dtype='float16' is refused: this run computes in float32"),
+])
+def test_model_arguments_are_read_or_refused_by_name(model, args, match):
+    with pytest.raises(ValueError, match=match) as err:
+        DagmoeLM(run=fake_run(model), batch_size=2, mesh="none", **args)
+    assert "\n" not in str(err.value)
+    lm = DagmoeLM(run=fake_run(model), batch_size=2, mesh="none", dtype="float32",
+                  device="cuda:0", max_batch_size=None)
+    assert lm.scorer.batch_size == 2
+
+
+def test_auto_batch_size_is_the_largest_that_fits(model):
+    """'auto' compiles the scoring call and keeps the largest power of two within the
+    memory budget; the bytes it counts grow with the rows."""
+    scorer = Scorer(model, batch_size=1, max_length=WINDOW)
+    sizes = [scorer.call_bytes(rows) for rows in (1, 8, 32)]
+    assert sizes[0] < sizes[1] < sizes[2]
+    assert scorer.fit_batch_size(32, budget=sizes[1]) == 8
+    assert scorer.fit_batch_size(32, budget=sizes[1] - 1) == 4
+    assert scorer.fit_batch_size(32, budget=0) == 1
+    assert scorer.fit_batch_size(20, budget=sizes[2]) == 16
+    lm = DagmoeLM(run=fake_run(model), batch_size="auto:4", max_batch_size=4, mesh="none")
+    assert lm.scorer.batch_size == 4
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--batch_size=0"], "--batch_size=0 is invalid: expected an integer >= 1 or auto"),
+    (["--batch_size=big"], "--batch_size=big is invalid"),
+    (["--model_args=trust_remote_code=True"], "trust_remote_code=True is refused"),
+    (["--model_args=run_dir=/x"], "--model_args run_dir=... is refused: pass --run_dir"),
+    (["--model_args=nonsense"], "model argument nonsense='' is refused: it is not an"),
+])
+def test_cli_model_arguments_are_one_line(run_dir, capsys, argv, match):
+    from dagmoe_jax.harness.cli import main
+
+    assert main([f"--run_dir={run_dir}", "--tasks=dagmoe_mc", f"--include_path={TASKS}",
+                 *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and match in err and err.count("\n") == 1
+
+
+def test_cli_batch_size_auto(run_dir, monkeypatch, capsys):
+    import lm_eval
+
+    from dagmoe_jax.harness.cli import evaluate, parse_args
+
+    seen = {}
+    monkeypatch.setattr(lm_eval, "simple_evaluate",
+                        lambda **kwargs: seen.update(kwargs) or {"results": {}})
+    logged = []
+    evaluate(parse_args([f"--run_dir={run_dir}", "--tasks=dagmoe_mc", "--batch_size=auto",
+                         "--max_batch_size=4", "--model_args=add_bos_token=False", "--mesh=none",
+                         f"--include_path={TASKS}"]), log=logged.append)
+    assert seen["model"].scorer.batch_size == seen["batch_size"] == 4
+    assert seen["model"].add_bos_token is False
+    assert any("batch size auto: 4 rows" in line for line in logged)

@@ -10,8 +10,9 @@ error where it is made.
 from __future__ import annotations
 
 import abc
+import json
 import os
-from typing import Sequence
+from typing import Optional, Sequence
 
 import grain
 import numpy as np
@@ -41,13 +42,25 @@ class Tokenizer(abc.ABC):
     def pad_id(self) -> int:
         """Id written at padding positions (never a target: the mask is False there)."""
 
-    @abc.abstractmethod
-    def encode(self, text: str) -> list[int]:
-        """Ids of ``text`` (no EOS / BOS added)."""
+    @property
+    def bos_id(self) -> Optional[int]:
+        """The beginning-of-sequence id the tokenizer names, or None (the default: none)."""
+        return None
+
+    @property
+    def special_ids(self) -> frozenset:
+        """Ids that ``decode(..., skip_special_tokens=True)`` leaves out (default: EOS)."""
+        return frozenset({self.eos_id})
 
     @abc.abstractmethod
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``."""
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Ids of ``text``. With ``add_special_tokens`` (default False, what training uses) the
+        tokenizer's own post-processing adds what it adds (a Llama 3 tokenizer.json its BOS;
+        ``transformers``' default); without it, nothing is added."""
+
+    @abc.abstractmethod
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``; ``skip_special_tokens`` leaves out :attr:`special_ids`."""
 
     def piece_bytes(self) -> list[bytes]:
         """Each id's text as utf-8 bytes, decoded alone: DoE aligns tokens with words through
@@ -62,13 +75,16 @@ class ByteTokenizer(Tokenizer):
     eos_id = 0
     pad_id = 0
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        del add_special_tokens          # nothing to add: no BOS, and EOS ends records only
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """utf-8 decode with errors='replace'; ids outside [0, 256) (a model's vocabulary may be
-        larger) also decode to U+FFFD. EOS decodes to '\x00'."""
-        data = bytes(int(i) if 0 <= int(i) < 256 else 0xFF for i in ids)  # 0xFF: never utf-8
+        larger) also decode to U+FFFD. EOS decodes to '\x00' (left out with
+        ``skip_special_tokens``)."""
+        ids = [int(i) for i in ids if not (skip_special_tokens and int(i) == self.eos_id)]
+        data = bytes(i if 0 <= i < 256 else 0xFF for i in ids)  # 0xFF: never utf-8
         return data.decode("utf-8", errors="replace")
 
     def piece_bytes(self) -> list[bytes]:
@@ -150,11 +166,27 @@ class SentencePieceTokenizer(_FromFile):
         self._eos_id = eos
         pad = int(self._sp.pad_id())
         self._pad_id = pad if pad >= 0 else eos
+        self._special_ids = frozenset(i for i in range(self._vocab_size)
+                                      if self._sp.is_control(i))
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._sp.encode(text, out_type=int))
+    @property
+    def bos_id(self) -> Optional[int]:
+        bos = int(self._sp.bos_id())
+        return bos if bos >= 0 else None
 
-    def decode(self, ids: Sequence[int]) -> str:
+    @property
+    def special_ids(self) -> frozenset:
+        return self._special_ids
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Ids of ``text``; ``add_special_tokens`` puts the model's BOS first (as
+        ``transformers``' LlamaTokenizer does by default), where it has one."""
+        ids = list(self._sp.encode(text, out_type=int))
+        return [self.bos_id] + ids if add_special_tokens and self.bos_id is not None else ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """SentencePiece's decoding, which leaves control pieces (BOS, EOS) out either way."""
+        del skip_special_tokens
         return self._sp.decode([int(i) for i in ids])
 
     def piece_bytes(self) -> list[bytes]:
@@ -172,12 +204,36 @@ class SentencePieceTokenizer(_FromFile):
         return out
 
 
-class HFTokenizer(_FromFile):
-    """A HuggingFace ``tokenizers`` tokenizer.json.
+def folder_config(tokenizer_path: str, name: str) -> dict:
+    """The JSON file ``name`` (``tokenizer_config.json``, ``generation_config.json``) of the
+    Hugging Face folder holding ``tokenizer_path``, or {} when there is none."""
+    path = os.path.join(os.path.dirname(os.path.abspath(os.path.expanduser(tokenizer_path))),
+                        name)
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            blob = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON ({err.msg}, line {err.lineno}): fix or "
+                         "remove it") from None
+    return blob if isinstance(blob, dict) else {}
 
-    EOS: ``eos_token`` if given, else the first of ``HF_EOS_CANDIDATES`` in the vocabulary.
-    Pad: the first of ``HF_PAD_CANDIDATES`` in the vocabulary, else EOS. ``encode`` adds no
-    special tokens (the pipeline appends EOS itself).
+
+def _token_name(value) -> str:
+    """A ``tokenizer_config.json`` token entry (a string or ``{'content': ...}``) as text."""
+    return str(value.get("content", "")) if isinstance(value, dict) else str(value or "")
+
+
+class HFTokenizer(_FromFile):
+    """A HuggingFace ``tokenizers`` tokenizer.json, with its folder's special tokens read as
+    ``transformers`` reads them.
+
+    EOS: ``eos_token`` if given, else the ``eos_token`` of ``tokenizer_config.json`` beside the
+    file, else the first of ``HF_EOS_CANDIDATES`` in the vocabulary. BOS: that file's
+    ``bos_token`` (None without one). Pad: the first of ``HF_PAD_CANDIDATES`` in the
+    vocabulary, else EOS. ``encode`` adds no special tokens unless asked (the pipeline appends
+    EOS itself); asked, the tokenizer.json's post-processor adds its own (a Llama 3 BOS).
     """
 
     KIND = "Hugging Face tokenizer.json"
@@ -188,7 +244,10 @@ class HFTokenizer(_FromFile):
         self._tok = tokenizers.Tokenizer.from_file(self._path)
         self._vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         vocab = self._tok.get_vocab(with_added_tokens=True)
-        names = (self._eos_token,) if self._eos_token else HF_EOS_CANDIDATES
+        config = folder_config(self._path, "tokenizer_config.json")
+        named_eos = _token_name(config.get("eos_token"))
+        names = ((self._eos_token,) if self._eos_token else
+                 (named_eos,) if named_eos in vocab else HF_EOS_CANDIDATES)
         eos = next((vocab[n] for n in names if n in vocab), None)
         if eos is None:
             raise ValueError(f"the tokenizer {self._path} has no EOS token among "
@@ -196,12 +255,24 @@ class HFTokenizer(_FromFile):
                              "of its tokens")
         self._eos_id = int(eos)
         self._pad_id = int(next((vocab[n] for n in HF_PAD_CANDIDATES if n in vocab), eos))
+        bos = _token_name(config.get("bos_token"))
+        self._bos_id = int(vocab[bos]) if bos in vocab else None
+        self._special_ids = frozenset(
+            int(i) for i, token in self._tok.get_added_tokens_decoder().items() if token.special)
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+    @property
+    def bos_id(self) -> Optional[int]:
+        return self._bos_id
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+    @property
+    def special_ids(self) -> frozenset:
+        return self._special_ids
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
 
 def make_tokenizer(cfg: DataConfig) -> Tokenizer:

@@ -9,7 +9,12 @@ Flags (the harness's own, as ``lm_eval run`` spells them):
   --tasks=T1,T2           task or group names (``lm_eval ls tasks`` lists the harness's)
   --num_fewshot=N         few-shot examples per prompt (default: each task's own)
   --limit=N               only the first N documents of each task (N < 1: that fraction)
-  --batch_size=N          rows per compiled call (default 8)
+  --batch_size=N|auto     rows per compiled call (default 8); auto: the largest power of two
+                          up to --max_batch_size whose compiled call fits the device's memory
+  --max_batch_size=N      the most rows auto may choose (default 64, lm_eval's)
+  --model_args=K=V,...    the model's arguments as lm_eval spells them: add_bos_token,
+                          prefix_token_id, dtype, max_gen_toks (HFLM's; trust_remote_code and
+                          pretrained are refused, by name); the flags above take precedence
   --max_length=N          the scoring window (default: the model's max_seq_len)
   --include_path=DIR      also read task YAML files from DIR (local or offline tasks)
   --output_path=PATH      write the harness's results JSON (and samples) under PATH
@@ -67,6 +72,33 @@ def seeds(text: str) -> list:
     return items + [one(v) for v in DEFAULT_SEEDS.split(",")][len(items):]
 
 
+def batch_size(text: str):
+    """``--batch_size`` as ``lm_eval run`` takes it: an integer >= 1, 'auto' or 'auto:N' (the
+    harness's re-detection N times over; here the size is chosen once, from the compiled
+    program's memory, so 'auto:N' is 'auto')."""
+    if text == "auto" or text.startswith("auto:"):
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"--batch_size={text} is invalid: expected an integer >= 1 or auto")
+    return value
+
+
+def model_args(text: str) -> dict:
+    """``--model_args`` as lm_eval parses it (``K=V,K=V``, values typed as it types them)."""
+    if not text.strip():
+        return {}
+    from lm_eval.utils import simple_parse_args_string  # pylint: disable=import-outside-toplevel
+    try:
+        return simple_parse_args_string(text)
+    except ValueError:
+        raise ValueError(f"--model_args={text} is invalid: expected KEY=VALUE pairs separated "
+                         "by commas") from None
+
+
 def _bool(text: str) -> bool:
     if text.lower() not in ("true", "false", "1", "0"):
         raise ValueError(f"expected true or false, got {text!r}")
@@ -80,7 +112,9 @@ def parse_args(argv):
     parser.add_argument("--tasks", default="")
     parser.add_argument("--num_fewshot", type=int, default=None)
     parser.add_argument("--limit", type=float, default=None)
-    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--batch_size", default="8")
+    parser.add_argument("--max_batch_size", type=int, default=64)
+    parser.add_argument("--model_args", default="")
     parser.add_argument("--max_length", type=int, default=None)
     parser.add_argument("--include_path", default=None)
     parser.add_argument("--output_path", default=None)
@@ -101,8 +135,10 @@ def parse_args(argv):
             raise ValueError("--tasks=T1,T2 is required (lm_eval ls tasks lists them)")
         if args.log_samples and not args.output_path:
             raise ValueError("--log_samples needs --output_path=PATH to write the samples to")
-        if args.batch_size < 1:
-            raise ValueError(f"--batch_size={args.batch_size} is invalid: expected >= 1")
+        args.batch_size = batch_size(args.batch_size)
+        if args.max_batch_size < 1:
+            raise ValueError(f"--max_batch_size={args.max_batch_size} is invalid: expected >= 1")
+        args.model_args = model_args(args.model_args)
         if args.limit is not None and args.limit <= 0:
             raise ValueError(f"--limit={args.limit} is invalid: expected > 0")
         if args.limit is not None and args.limit >= 1:
@@ -129,16 +165,24 @@ def evaluate(args, log=print) -> dict:
         where = f" or in {args.include_path}" if args.include_path else ""
         raise ValueError(f"unknown task {unknown[0]!r}: not among the harness's tasks{where} "
                          f"(lm_eval ls tasks lists them; --include_path adds a folder)")
-    lm = DagmoeLM(run_dir=args.run_dir, batch_size=args.batch_size,
-                  max_length=args.max_length, mesh=args.mesh, prefix_eos=args.prefix_eos,
-                  seed=args.seed[2] or 0)
+    options = dict(args.model_args)
+    if "run_dir" in options:
+        raise ValueError("--model_args run_dir=... is refused: pass --run_dir=DIR")
+    options.update(batch_size=args.batch_size, max_batch_size=args.max_batch_size,
+                   mesh=args.mesh, prefix_eos=args.prefix_eos, seed=args.seed[2] or 0)
+    if args.max_length is not None:
+        options["max_length"] = args.max_length
+    lm = DagmoeLM(run_dir=args.run_dir, **options)
+    if args.batch_size == "auto":
+        log(f"batch size auto: {lm.scorer.batch_size} rows (the largest that fits, at most "
+            f"{args.max_batch_size})")
     log(f"run {args.run_dir} at step {lm.run.step}: {block_summary(lm.run.model_cfg.block)}, "
         f"{lm.run.data_cfg.tokenizer} tokenizer, window {lm.max_length}, "
         f"batch {lm.scorer.batch_size}, mesh {'none' if lm.scorer.mesh is None else 'auto'}")
     tracker = EvaluationTracker(output_path=args.output_path) if args.output_path else None
     results = lm_eval.simple_evaluate(
         model=lm, tasks=tasks, num_fewshot=args.num_fewshot, limit=args.limit,
-        batch_size=args.batch_size, log_samples=args.log_samples,
+        batch_size=lm.scorer.batch_size, log_samples=args.log_samples,
         evaluation_tracker=tracker, system_instruction=args.system_instruction,
         apply_chat_template=args.apply_chat_template,
         fewshot_as_multiturn=args.fewshot_as_multiturn if args.apply_chat_template else False,

@@ -6,19 +6,27 @@
 
 The three request types, as the harness's Hugging Face model (``HFLM``) defines them:
 
+* Tokens as HFLM makes them. A text is encoded with the tokenizer's own post-processing (a
+  Llama 3 tokenizer.json adds its BOS; ``add_bos_token`` true or false overrides it, as HFLM
+  passes it on as ``add_special_tokens``), except a text that already starts with the document
+  prefix's text. The document prefix (``prefix_token_id``) is the tokenizer's BOS where its
+  ``tokenizer_config.json`` names one, else its EOS.
 * ``loglikelihood``: the harness splits each (context, continuation) text pair into ids
   (trailing spaces of the context move to the continuation; the continuation's ids are those of
-  ``context + continuation`` after the context's), an empty context becomes the EOS id
-  (``prefix_token_id``), and :meth:`Scorer.loglikelihood` scores them in batches, longest
-  first, truncating from the left what exceeds the window.
+  ``context + continuation`` after the context's), an empty context becomes the document
+  prefix, and :meth:`Scorer.loglikelihood` scores them in batches, longest first, truncating
+  from the left what exceeds the window.
 * ``loglikelihood_rolling``: the text's ids in the harness's own disjoint windows of
   ``max_length`` tokens (``lm_eval.utils.get_rolling_token_windows`` with a context of 1 and
-  the EOS id before the first token), each window scored as a loglikelihood request; their sum.
+  the document prefix before the first token), each window scored as a loglikelihood request;
+  their sum.
 * ``generate_until``: greedy (``do_sample`` false or temperature 0, the default) or sampled
-  KV-cache decoding of up to ``max_gen_toks`` tokens, stopping at the EOS token; the text is
-  then cut at the first of the request's ``until`` strings and the EOS token's text (which
-  ordinary tokens may spell). Requests sharing generation settings run together in batches,
-  longest prompt first.
+  KV-cache decoding of up to ``max_gen_toks`` tokens. A row stops at the tokenizer's EOS, at
+  every ``eos_token_id`` of the ``generation_config.json`` beside the tokenizer (as
+  ``transformers``' ``generate`` does), and, when the prompts were rendered with the run's chat
+  template, at the template's end-of-turn token. The text is decoded without special tokens
+  and cut at the first of the request's ``until`` strings and the EOS token's text. Requests
+  sharing generation settings run together in batches, longest prompt first.
 
 Every block type works (dense, MoE with any aggregation, CoE, DoE with its topics tracked from
 the prompt, DUME-merged and upcycled models: they are run directories like any other), on one
@@ -51,6 +59,19 @@ def _flag(value) -> bool:
     return bool(value)
 
 
+# HFLM's model arguments this model reads the same way, and those it refuses (with why).
+REFUSED_ARGS = {
+    "pretrained": "this model reads a run directory: pass run_dir=DIR (an imported Hugging "
+                  "Face model is one: python -m dagmoe_jax.hf import)",
+    "trust_remote_code": "a run's model is the library's own code; there is no remote code "
+                         "to trust",
+    "parallelize": "spread a model over devices with mesh='auto'",
+    "peft": "merge adapters before importing the model",
+    "revision": "runs are local directories with no revisions",
+}
+DTYPES = ("auto", "float32", "bfloat16")
+
+
 @register_model("dagmoe")
 class DagmoeLM(TemplateLM):
     """A dagmoe_jax model for lm-evaluation-harness.
@@ -58,22 +79,37 @@ class DagmoeLM(TemplateLM):
     run_dir: a run directory (``train.py``, the upcycle command, DUME merges): its newest
       checkpoint, tokenizer and model family. Or pass a loaded ``run``
       (:class:`dagmoe_jax.run.LoadedRun`) from Python.
-    batch_size: rows per compiled call (default 8).
+    batch_size: rows per compiled call (default 8), or 'auto': the largest power of two up to
+      ``max_batch_size`` (default 64) whose compiled scoring call at the full window fits the
+      device's memory (:meth:`Scorer.fit_batch_size`).
     max_length: the scoring window (default: the model's ``max_seq_len``).
     max_gen_toks: the generation length when a task gives none (default 256).
+    add_bos_token: as HFLM's: None (default) lets the tokenizer's post-processing decide, True
+      or False adds or leaves out its special tokens on every encoded text.
+    prefix_token_id: the id before a document scored from its start (rolling, empty context);
+      default the tokenizer's BOS, else its EOS (HFLM's).
+    dtype: 'auto' (default) or the run's compute dtype; another is refused (the run's
+      ``ModelConfig.compute_dtype`` decides).
     mesh: 'auto' (default: data-parallel over every device when there is more than one) or
       'none' (one device).
-    prefix_eos: put the EOS id before every context and prompt (default false, as the
-      harness's Hugging Face model adds no BOS; a run trained on EOS-separated records may
-      score better with it).
+    prefix_eos: put the EOS id before every context and prompt (default false; the library's
+      own option, not HFLM's: a run trained on EOS-separated records may score better with it).
     seed: the sampling seed of ``generate_until`` requests that sample.
+    device: accepted and unused (JAX places the model); HFLM's other arguments are refused by
+      name (:data:`REFUSED_ARGS`), and any unknown one is an error, never ignored.
     """
 
     def __init__(self, run_dir: Optional[str] = None, *, run=None, batch_size=8,
                  max_length=None, max_gen_toks=DEFAULT_MAX_GEN_TOKS, mesh: str = "auto",
-                 prefix_eos=False, seed=0, **unused):
+                 add_bos_token=None, prefix_token_id=None, dtype="auto", prefix_eos=False,
+                 seed=0, device=None, max_batch_size=None, **others):
         super().__init__()
-        del unused        # the harness passes device / max_batch_size, which mean nothing here
+        del device        # the harness passes its own --device; JAX places the model
+        for name in others:
+            why = REFUSED_ARGS.get(name, "it is not an argument of the dagmoe model (run_dir, "
+                                   "batch_size, max_length, max_gen_toks, add_bos_token, "
+                                   "prefix_token_id, dtype, mesh, prefix_eos, seed)")
+            raise ValueError(f"model argument {name}={others[name]!r} is refused: {why}")
         # Imported here: loading the model stack is slow, and the class must register fast.
         # pylint: disable=import-outside-toplevel
         import jax
@@ -90,20 +126,29 @@ class DagmoeLM(TemplateLM):
         if run is None:
             run = run_lib.load_run(run_dir, mesh=device_mesh)
         self.run, self.run_dir = run, None if run_dir is None else str(run_dir)
+        compute = str(run.model_cfg.compute_dtype)
+        if str(dtype) not in ("auto", compute):
+            raise ValueError(f"dtype={dtype!r} is refused: this run computes in {compute} "
+                             f"(ModelConfig.compute_dtype); pass dtype=auto or {compute}")
         self.tokenizer_obj = run.tokenizer
         features = None
         if self.run_dir is not None:
             features = extension_for(run.model_cfg).decoding_features(
                 self.run_dir, run.data_cfg, run.tokenizer)
-        if batch_size == "auto":
-            batch_size = 8
-        self.scorer = Scorer(run.model, batch_size=int(batch_size),
+        auto_batch = str(batch_size).startswith("auto")     # lm_eval's auto or auto:N
+        self.scorer = Scorer(run.model, batch_size=1 if auto_batch else int(batch_size),
                              max_length=None if max_length is None else int(max_length),
                              features=features, mesh=device_mesh)
+        if auto_batch:
+            self.scorer.batch_size = self.scorer.fit_batch_size(
+                64 if max_batch_size is None else int(max_batch_size))
         self.max_gen_toks = int(max_gen_toks)
+        self.add_bos_token = None if add_bos_token is None else _flag(add_bos_token)
+        self.custom_prefix_token_id = None if prefix_token_id is None else int(prefix_token_id)
         self.prefix_eos = _flag(prefix_eos)
         self.seed = int(seed)
         self._chat = None
+        self.chat_applied = False       # set when the harness renders a prompt as a chat
 
     # -------------------------------------------------------------------------- tokenization
 
@@ -112,16 +157,62 @@ class DagmoeLM(TemplateLM):
         return self.tokenizer_obj.eos_id
 
     @property
+    def prefix_token_id(self) -> int:
+        """HFLM's: the given id, else the tokenizer's BOS, else its EOS."""
+        if self.custom_prefix_token_id is not None:
+            return self.custom_prefix_token_id
+        bos = self.tokenizer_obj.bos_id
+        return self.eot_token_id if bos is None else bos
+
+    @property
     def max_length(self) -> int:
         return self.scorer.max_length
 
-    def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> List[int]:
-        """The tokenizer's ids of ``string`` (the library's tokenizers add no BOS / EOS)."""
-        del add_special_tokens, kwargs
-        return self.tokenizer_obj.encode(string)
+    def tok_encode(self, string: str, add_special_tokens=None, left_truncate_len=None,
+                   **kwargs) -> List[int]:
+        """The ids of ``string`` as HFLM's ``tok_encode`` makes them: ``add_special_tokens``,
+        else ``add_bos_token``, else the tokenizer's default (its post-processing), except
+        that a string starting with the document prefix's text gets nothing added."""
+        del kwargs
+        special = add_special_tokens if add_special_tokens is not None else self.add_bos_token
+        if add_special_tokens is None and string.startswith(
+                self.tok_decode([self.prefix_token_id], skip_special_tokens=False)):
+            special = False
+        ids = self.tokenizer_obj.encode(string, add_special_tokens=special is not False)
+        return ids[-left_truncate_len:] if left_truncate_len else ids
 
-    def tok_decode(self, tokens) -> str:
-        return self.tokenizer_obj.decode(list(tokens))
+    def prompt_encode(self, string: str) -> List[int]:
+        """A generation prompt's ids as HFLM's ``tok_batch_encode`` makes them: nothing added
+        when it starts with the BOS token's text, else ``add_bos_token``, else the tokenizer's
+        default."""
+        bos = self.tokenizer_obj.bos_id
+        if bos is not None and string.startswith(self.tok_decode([bos],
+                                                                 skip_special_tokens=False)):
+            special = False
+        else:
+            special = self.add_bos_token is not False
+        return self.tokenizer_obj.encode(string, add_special_tokens=special)
+
+    def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
+        """Text of ``tokens`` (HFLM's default leaves special tokens out)."""
+        tokens = [tokens] if isinstance(tokens, int) else list(tokens)
+        return self.tokenizer_obj.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+    def stop_token_ids(self) -> Tuple[int, ...]:
+        """The ids that end a generated row: EOS, every ``eos_token_id`` of the
+        ``generation_config.json`` beside a Hugging Face tokenizer, and the chat template's
+        end-of-turn token when the prompts were rendered with it."""
+        # pylint: disable-next=import-outside-toplevel
+        from dagmoe_jax.data.tokenizers import folder_config
+        stops = [self.eot_token_id]
+        data_cfg = self.run.data_cfg
+        if data_cfg.tokenizer == "hf":
+            extra = folder_config(data_cfg.tokenizer_path, "generation_config.json").get(
+                "eos_token_id")
+            stops += [extra] if isinstance(extra, int) else list(extra or ())
+        if self.chat_applied:
+            stops.append(self.chat_encoder.end_id)
+        return tuple(dict.fromkeys(int(i) for i in stops))
 
     def _prefixed(self, context: List[int]) -> List[int]:
         return [self.eot_token_id] + context if self.prefix_eos else context
@@ -169,10 +260,11 @@ class DagmoeLM(TemplateLM):
         bar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0,
                    desc="Running generate_until requests")
         collator = Collator([req.args for req in requests],
-                            sort_fn=lambda args: (-len(self.tok_encode(args[0])), args[0]),
+                            sort_fn=lambda args: (-len(self.prompt_encode(args[0])), args[0]),
                             group_by="gen_kwargs", group_fn=lambda args: args[1])
         results = []
-        eos_text = self.tok_decode([self.eot_token_id])
+        eos_text = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
+        stops = self.stop_token_ids()
         for chunk in collator.get_batched(n=0):
             contexts, all_kwargs = zip(*chunk)
             kwargs = dict(all_kwargs[0])
@@ -186,15 +278,15 @@ class DagmoeLM(TemplateLM):
                 temperature = 0.0
             top_k = int(kwargs.pop("top_k", 0) or 0)
             top_p = float(kwargs.pop("top_p", 1.0) or 1.0)
-            prompts = [self._prefixed(self.tok_encode(c)) or [self.eot_token_id]
+            prompts = [self._prefixed(self.prompt_encode(c)) or [self.prefix_token_id]
                        for c in contexts]
             outputs = self.scorer.generate(
-                prompts, max_new_tokens=max_gen, stop_tokens=(self.eot_token_id,),
+                prompts, max_new_tokens=max_gen, stop_tokens=stops,
                 temperature=temperature, top_k=top_k, top_p=top_p, seed=self.seed,
                 pad_id=self.tokenizer_obj.pad_id)
             for context, kw, ids in zip(contexts, all_kwargs, outputs):
-                if ids and ids[-1] == self.eot_token_id:
-                    ids = ids[:-1]
+                # As HFLM: the stop token stays in the ids; decoding without special tokens
+                # drops it, and the EOS text among the stop strings cuts what spells it.
                 text = cut_at_stop(self.tok_decode(ids), until)
                 results.append(text)
                 self.cache_hook.add_partial("generate_until", (context, kw), text)
@@ -229,8 +321,9 @@ class DagmoeLM(TemplateLM):
         """``chat_history`` rendered as fine-tuning renders a conversation (the plain
         template ends an assistant turn with the EOS token's text)."""
         encoder = self.chat_encoder
+        self.chat_applied = True
         if encoder.template is None:
-            eos = self.tok_decode([self.eot_token_id])
+            eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
             return "".join(encoder.render([m], False) + (eos if m["role"] == "assistant"
                                                           else "")
                            for m in chat_history) + (

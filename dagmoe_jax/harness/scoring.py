@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import jax
@@ -63,6 +64,21 @@ def _token_scores(graphdef, state, inputs, targets, features):
     losses, predictions = token_scores(nnx.merge(graphdef, state), inputs, targets,
                                        features=features)
     return -losses, predictions == targets
+
+
+def free_device_bytes(fraction: float = 0.9) -> int:
+    """``fraction`` of the memory free on the first device: what its allocator reports on a GPU
+    or TPU, the host's available memory (``MemAvailable``) on CPU."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(fraction * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f
+                             if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return int(fraction * available)
 
 
 class Scorer:
@@ -103,6 +119,38 @@ class Scorer:
         if bad:
             raise ValueError(f"{what} has token id {bad[0]} outside the model's vocabulary "
                              f"[0, {self.vocab_size}): the tokenizer does not match the model")
+
+    def call_bytes(self, rows: int) -> int:
+        """Device bytes one scoring call of ``rows`` rows at the full window needs (arguments,
+        outputs and temporaries of the compiled program, per device: a mesh's rows are
+        counted on one device)."""
+        devices = 1 if self.mesh is None else self.mesh.size
+        per_device = max(rows // devices, 1)
+        ids = jax.ShapeDtypeStruct((per_device, self.max_length), jnp.int32)
+        features = None
+        if self.features is not None:
+            features = {k: jax.ShapeDtypeStruct(np.shape(v), jnp.int32) for k, v in
+                        self.features.prompt(np.zeros(ids.shape, np.int32),
+                                             np.ones((per_device,), np.int32)).items()}
+        memory = _token_scores.lower(self.graphdef, self.state, ids, ids,
+                                     features).compile().memory_analysis()
+        return int(memory.argument_size_in_bytes + memory.output_size_in_bytes
+                   + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
+
+    def fit_batch_size(self, largest: int = 64, budget: Optional[int] = None) -> int:
+        """The largest power of two up to ``largest`` rows (a multiple of the mesh's devices)
+        whose scoring call at the full window (:meth:`call_bytes`) fits ``budget`` bytes
+        (default: :func:`free_device_bytes`); the smallest when none does. What the harness's
+        ``batch_size='auto'`` asks for: a size chosen from the compiled program's memory, not
+        by running out of it."""
+        if largest < 1:
+            raise ValueError(f"max_batch_size={largest} is invalid: expected >= 1")
+        devices = 1 if self.mesh is None else self.mesh.size
+        budget = free_device_bytes() if budget is None else budget
+        rows = 1 << (int(largest).bit_length() - 1)
+        while rows > 1 and self.call_bytes(-(-rows // devices) * devices) > budget:
+            rows //= 2
+        return -(-rows // devices) * devices
 
     def token_scores(self, rows: Sequence[Sequence[int]]) -> List[Tuple[np.ndarray, np.ndarray]]:
         """For each row of ids (2 to ``max_length + 1`` of them): the log-probability of ids[i

@@ -420,10 +420,10 @@ def test_chat_prompts_also_stop_at_the_end_of_turn(model, tmp_path):
 
 
 @pytest.mark.parametrize("args, match", [
-    ({"pretrained": "x"}, "model argument pretrained='x' is refused: this model reads a run"),
     ({"trust_remote_code": True}, "model argument trust_remote_code=True is refused"),
     ({"load_in_8bit": True}, "load_in_8bit=True is refused: it is not an argument"),
-    ({"dtype": "float16"}, "dtype='float16' is refused: this run computes in float32"),
+    ({"dtype": "float16"}, "dtype='float16' is refused: expected one of auto, float32, bf"),
+    ({"pretrained": "/x"}, r"needs exactly one of run_dir \(a run directory\) and run"),
 ])
 def test_model_arguments_are_read_or_refused_by_name(model, args, match):
     with pytest.raises(ValueError, match=match) as err:
@@ -479,3 +479,45 @@ def test_cli_batch_size_auto(run_dir, monkeypatch, capsys):
     assert seen["model"].scorer.batch_size == seen["batch_size"] == 4
     assert seen["model"].add_bos_token is False
     assert any("batch size auto: 4 rows" in line for line in logged)
+
+
+def test_a_hugging_face_folder_scores_as_its_imported_run(tmp_path):
+    """run_dir='hf:FOLDER' (or HFLM's pretrained=FOLDER) scores the folder as it is, with its
+    own tokenizer.json: the same loglikelihoods as a run directory holding the same model and
+    tokenizer; bfloat16 compute, when asked, changes them only by its rounding."""
+    from dagmoe_jax import run as run_lib
+    from dagmoe_jax.hf.llama import export_hf_llama
+    from dagmoe_jax.run.config import OptimConfig, TrainConfig
+
+    cfg = tiny_config("dense", vocab_size=259, max_seq_len=WINDOW, init_std=0.2)
+    dense = make_model(cfg)
+    folder = export_hf_llama(dense, tmp_path / "hf")
+    with pytest.raises(ValueError, match=r"tokenizer.json does not exist: a Hugging Face "):
+        DagmoeLM(run_dir=f"hf:{folder}", mesh="none")
+    with pytest.raises(ValueError, match=r"config.json does not exist"):
+        DagmoeLM(pretrained=str(tmp_path / "nothing"), mesh="none")
+    tokenizer_json = write_special_tokenizer(folder, "bos_added", WINDOW)
+    run_dir = tmp_path / "run"
+    run_lib.prepare_run_dir(run_dir)
+    train_cfg = TrainConfig(run_dir=str(run_dir), tensorboard=False)
+    run_lib.save_configs(run_dir, cfg, DataConfig(tokenizer="hf", seq_len=WINDOW,
+                                                  tokenizer_path=str(tokenizer_json)),
+                         OptimConfig(), train_cfg)
+    built, optimizer, _ = run_lib.build(cfg, OptimConfig(), train_cfg)
+    nnx.update(built, nnx.state(dense, nnx.Param))
+    run_lib.save_initial_checkpoint(run_dir, built, optimizer, cfg, train_cfg, None)
+
+    requests = [(None, [257, 5, 6, 7], [8, 9]), (None, [257] + list(range(40, 70)), [3])]
+    from_run = DagmoeLM(run_dir=str(run_dir), batch_size=2, mesh="none")
+    want = from_run._loglikelihood_tokens(requests, disable_tqdm=True)
+    for lm in (DagmoeLM(run_dir=f"hf:{folder}", batch_size=2, mesh="none"),
+               DagmoeLM(pretrained=str(folder), batch_size=2),       # mesh auto: 8 devices
+               ):
+        assert lm.prefix_token_id == 257 and lm.tok_encode("ab") == [257, 97, 98]
+        got = lm._loglikelihood_tokens(requests, disable_tqdm=True)
+        np.testing.assert_allclose([g[0] for g in got], [w[0] for w in want], rtol=1e-5)
+    bf16 = DagmoeLM(run_dir=f"hf:{folder}", batch_size=2, mesh="none", dtype="bfloat16")
+    assert bf16.scorer.model.cfg.compute_dtype == "bfloat16"
+    got = [g[0] for g in bf16._loglikelihood_tokens(requests, disable_tqdm=True)]
+    assert got != [w[0] for w in want]
+    np.testing.assert_allclose(got, [w[0] for w in want], rtol=0.05)

@@ -40,6 +40,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from typing import List, NamedTuple, Optional, Sequence, Union
@@ -212,6 +213,20 @@ def decoding_model(model: Transformer, dispatch: str = DEFAULT_DISPATCH) -> Tran
         return model
     return nnx.merge(_graphdef_for(cfg.replace(block=dict(experts=dict(dispatch=dispatch))),
                                    model.execution), nnx.state(model))
+
+
+def computing_in(model: Transformer, dtype: str) -> Transformer:
+    """``model`` computing in ``dtype`` ('float32', 'bfloat16'; the same parameter arrays, the
+    LM head's products still accumulated in float32), its execution settled again for that
+    dtype (the CPU kernels run float32 only). Returns ``model`` itself when nothing changes."""
+    cfg = model.cfg
+    if jnp.dtype(cfg.compute_dtype) == jnp.dtype(dtype):
+        return model
+    from dagmoe_jax.run.settle import settle  # pylint: disable=import-outside-toplevel
+    new = cfg.replace(compute_dtype=str(dtype))
+    execution = settle(new, dataclasses.replace(model.execution, attention="auto",
+                                                grouped_matmul="auto", dag_module="auto"))
+    return nnx.merge(_graphdef_for(new, execution), nnx.state(model))
 
 
 def _as_batch(prompts, lengths, pad_id: int):

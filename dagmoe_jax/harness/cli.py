@@ -5,7 +5,8 @@
     python -m dagmoe_jax.harness --run_dir R --tasks dagmoe_mc --include_path tests/harness_tasks
 
 Flags (the harness's own, as ``lm_eval run`` spells them):
-  --run_dir=DIR           a run directory (train.py, the upcycle command, a DUME merge)
+  --run_dir=DIR           a run directory (train.py, the upcycle command, a DUME merge), or
+                          hf:FOLDER, a Hugging Face Llama folder with its tokenizer.json
   --tasks=T1,T2           task or group names (``lm_eval ls tasks`` lists the harness's)
   --num_fewshot=N         few-shot examples per prompt (default: each task's own)
   --limit=N               only the first N documents of each task (N < 1: that fraction)
@@ -13,8 +14,9 @@ Flags (the harness's own, as ``lm_eval run`` spells them):
                           up to --max_batch_size whose compiled call fits the device's memory
   --max_batch_size=N      the most rows auto may choose (default 64, lm_eval's)
   --model_args=K=V,...    the model's arguments as lm_eval spells them: add_bos_token,
-                          prefix_token_id, dtype, max_gen_toks (HFLM's; trust_remote_code and
-                          pretrained are refused, by name); the flags above take precedence
+                          prefix_token_id, dtype (float32 or bfloat16 compute), max_gen_toks
+                          (HFLM's; trust_remote_code is refused, by name); the flags above
+                          take precedence
   --max_length=N          the scoring window (default: the model's max_seq_len)
   --include_path=DIR      also read task YAML files from DIR (local or offline tasks)
   --output_path=PATH      write the harness's results JSON (and samples) under PATH
@@ -130,7 +132,8 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if not args.help:
         if not args.run_dir:
-            raise ValueError("--run_dir=DIR is required (a run directory written by train.py)")
+            raise ValueError("--run_dir=DIR is required (a run directory written by train.py, "
+                             "or hf:FOLDER)")
         if not args.tasks:
             raise ValueError("--tasks=T1,T2 is required (lm_eval ls tasks lists them)")
         if args.log_samples and not args.output_path:

@@ -61,8 +61,6 @@ def _flag(value) -> bool:
 
 # HFLM's model arguments this model reads the same way, and those it refuses (with why).
 REFUSED_ARGS = {
-    "pretrained": "this model reads a run directory: pass run_dir=DIR (an imported Hugging "
-                  "Face model is one: python -m dagmoe_jax.hf import)",
     "trust_remote_code": "a run's model is the library's own code; there is no remote code "
                          "to trust",
     "parallelize": "spread a model over devices with mesh='auto'",
@@ -77,7 +75,9 @@ class DagmoeLM(TemplateLM):
     """A dagmoe_jax model for lm-evaluation-harness.
 
     run_dir: a run directory (``train.py``, the upcycle command, DUME merges): its newest
-      checkpoint, tokenizer and model family. Or pass a loaded ``run``
+      checkpoint, tokenizer and model family; or ``hf:FOLDER``, a Hugging Face Llama folder
+      with its tokenizer.json (:func:`dagmoe_jax.hf.llama.load_hf_run`), which ``pretrained=
+      FOLDER`` also names, as for HFLM. Or pass a loaded ``run``
       (:class:`dagmoe_jax.run.LoadedRun`) from Python.
     batch_size: rows per compiled call (default 8), or 'auto': the largest power of two up to
       ``max_batch_size`` (default 64) whose compiled scoring call at the full window fits the
@@ -88,8 +88,9 @@ class DagmoeLM(TemplateLM):
       or False adds or leaves out its special tokens on every encoded text.
     prefix_token_id: the id before a document scored from its start (rolling, empty context);
       default the tokenizer's BOS, else its EOS (HFLM's).
-    dtype: 'auto' (default) or the run's compute dtype; another is refused (the run's
-      ``ModelConfig.compute_dtype`` decides).
+    dtype: 'auto' (default: the run's ``ModelConfig.compute_dtype``), 'float32' or
+      'bfloat16': the dtype the model computes in while scoring and generating (the
+      parameters stay as stored; the LM head's products accumulate in float32 either way).
     mesh: 'auto' (default: data-parallel over every device when there is more than one) or
       'none' (one device).
     prefix_eos: put the EOS id before every context and prompt (default false; the library's
@@ -102,41 +103,54 @@ class DagmoeLM(TemplateLM):
     def __init__(self, run_dir: Optional[str] = None, *, run=None, batch_size=8,
                  max_length=None, max_gen_toks=DEFAULT_MAX_GEN_TOKS, mesh: str = "auto",
                  add_bos_token=None, prefix_token_id=None, dtype="auto", prefix_eos=False,
-                 seed=0, device=None, max_batch_size=None, **others):
+                 seed=0, pretrained=None, device=None, max_batch_size=None, **others):
         super().__init__()
         del device        # the harness passes its own --device; JAX places the model
         for name in others:
             why = REFUSED_ARGS.get(name, "it is not an argument of the dagmoe model (run_dir, "
-                                   "batch_size, max_length, max_gen_toks, add_bos_token, "
-                                   "prefix_token_id, dtype, mesh, prefix_eos, seed)")
+                                   "pretrained, batch_size, max_length, max_gen_toks, "
+                                   "add_bos_token, prefix_token_id, dtype, mesh, prefix_eos, "
+                                   "seed)")
             raise ValueError(f"model argument {name}={others[name]!r} is refused: {why}")
         # Imported here: loading the model stack is slow, and the class must register fast.
         # pylint: disable=import-outside-toplevel
         import jax
         from dagmoe_jax import run as run_lib
+        from dagmoe_jax.decoding.generate import computing_in
+        from dagmoe_jax.hf.llama import HF_PREFIX, load_hf_run
+        from dagmoe_jax.parallel import MeshConfig, make_mesh, place_on_mesh
         from dagmoe_jax.run.extensions import extension_for
-        from dagmoe_jax.parallel import MeshConfig, make_mesh
 
+        if pretrained is not None:
+            if run_dir is not None:
+                raise ValueError("DagmoeLM takes one of run_dir and pretrained (a Hugging Face "
+                                 "folder, the same as run_dir=hf:FOLDER)")
+            run_dir = HF_PREFIX + str(pretrained)
         if (run is None) == (run_dir is None):
             raise ValueError("DagmoeLM needs exactly one of run_dir (a run directory) and run")
         if str(mesh) not in ("auto", "none"):
             raise ValueError(f"mesh={mesh!r} is invalid: expected 'auto' or 'none'")
+        if str(dtype) not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is refused: expected one of "
+                             f"{', '.join(DTYPES)} (the dtype the model computes in)")
         device_mesh = (make_mesh(MeshConfig()) if mesh == "auto" and jax.device_count() > 1
                        else None)
-        if run is None:
+        hf_folder = run is None and str(run_dir).startswith(HF_PREFIX)
+        if hf_folder:
+            run = load_hf_run(str(run_dir)[len(HF_PREFIX):])
+            if device_mesh is not None:    # one replica of the parameters on every device
+                place_on_mesh(run.model, device_mesh)
+        elif run is None:
             run = run_lib.load_run(run_dir, mesh=device_mesh)
         self.run, self.run_dir = run, None if run_dir is None else str(run_dir)
-        compute = str(run.model_cfg.compute_dtype)
-        if str(dtype) not in ("auto", compute):
-            raise ValueError(f"dtype={dtype!r} is refused: this run computes in {compute} "
-                             f"(ModelConfig.compute_dtype); pass dtype=auto or {compute}")
         self.tokenizer_obj = run.tokenizer
         features = None
-        if self.run_dir is not None:
+        if self.run_dir is not None and not hf_folder:
             features = extension_for(run.model_cfg).decoding_features(
                 self.run_dir, run.data_cfg, run.tokenizer)
         auto_batch = str(batch_size).startswith("auto")     # lm_eval's auto or auto:N
-        self.scorer = Scorer(run.model, batch_size=1 if auto_batch else int(batch_size),
+        model = run.model if str(dtype) == "auto" else computing_in(run.model, str(dtype))
+        self.scorer = Scorer(model, batch_size=1 if auto_batch else int(batch_size),
                              max_length=None if max_length is None else int(max_length),
                              features=features, mesh=device_mesh)
         if auto_batch:

@@ -521,3 +521,82 @@ def test_a_hugging_face_folder_scores_as_its_imported_run(tmp_path):
     got = [g[0] for g in bf16._loglikelihood_tokens(requests, disable_tqdm=True)]
     assert got != [w[0] for w in want]
     np.testing.assert_allclose(got, [w[0] for w in want], rtol=0.05)
+
+
+def bad_task_folder(tmp_path, data: str, extra_yaml: str = "") -> Path:
+    """tests/harness_tasks' dagmoe_mc in a folder of its own, reading ``data`` as mc.jsonl."""
+    import shutil
+
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    shutil.copy(TASKS / "data.py", folder / "data.py")
+    (folder / "dagmoe_mc.yaml").write_text((TASKS / "dagmoe_mc.yaml").read_text() + extra_yaml)
+    (folder / "mc.jsonl").write_text(data)
+    return folder
+
+
+@pytest.mark.parametrize("data, extra, match", [
+    ("", "", "task 'dagmoe_mc' has no documents: its data file or split is empty"),
+    ('{"question": "x", "choices": ["a", \n', "", "task 'dagmoe_mc' could not be loaded: "),
+    ('{"question": "x", "choices": ["a", "b"]}\n', "",
+     "task 'dagmoe_mc': document 0 has no valid answer (its target is 'label' for 2 choices)"),
+    ('{"question": "x", "choices": ["a", "b"], "label": 1}\n', "unsafe_code: true\n",
+     "task 'dagmoe_mc' runs the model's generated code: pass --confirm_run_unsafe_code"),
+])
+def test_bad_task_data_is_one_line_naming_the_task(run_dir, tmp_path, capsys, data, extra,
+                                                   match):
+    from dagmoe_jax.harness.cli import main
+
+    folder = bad_task_folder(tmp_path, data, extra)
+    assert main([f"--run_dir={run_dir}", "--tasks=dagmoe_mc", f"--include_path={folder}",
+                 "--mesh=none"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and match in err and err.count("\n") == 1
+
+
+def test_a_missing_include_path_is_one_line(run_dir, tmp_path, capsys):
+    from dagmoe_jax.harness.cli import main
+
+    assert main([f"--run_dir={run_dir}", "--tasks=dagmoe_mc",
+                 f"--include_path={tmp_path / 'nope'}"]) == 2
+    err = capsys.readouterr().err
+    assert "is not a folder: point it at the folder of your task YAML files" in err
+    assert err.count("\n") == 1
+
+
+def test_a_hub_task_offline_fails_at_once_naming_its_dataset(tmp_path, monkeypatch):
+    """When the Hub is unreachable the clients read their caches only: a dataset that is not
+    cached is one line naming it and how to get it, within seconds, not after retries."""
+    import time
+
+    import datasets.config
+    import huggingface_hub.constants
+
+    from dagmoe_jax.harness import tasks as harness_tasks
+
+    for module, name in ((huggingface_hub.constants, "HF_HUB_OFFLINE"),
+                         (datasets.config, "HF_HUB_OFFLINE"),
+                         (datasets.config, "HF_DATASETS_OFFLINE")):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, getattr(module, name))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))      # an empty cache
+    monkeypatch.setattr(harness_tasks, "hub_reachable", lambda timeout=3.0: False)
+    folder = tmp_path / "hub_tasks"
+    folder.mkdir()
+    (folder / "hub_mc.yaml").write_text(
+        "task: hub_mc\ndataset_path: dagmoe-nonexistent/never-cached\noutput_type: "
+        "multiple_choice\ntest_split: test\ndoc_to_text: '{{question}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: label\n")
+    manager = harness_tasks.task_manager(str(folder), ["hub_mc"])
+    manager.dagmoe_local_only = False          # as if the task came from the Hub library
+    start = time.monotonic()
+    with pytest.raises(ValueError) as err:
+        harness_tasks.load_tasks(manager, ["hub_mc"])
+    assert time.monotonic() - start < 20
+    message = str(err.value)
+    assert message.startswith("task 'hub_mc' needs its dataset 'dagmoe-nonexistent/never-"
+                              "cached', which is not in the local cache and the Hugging Face "
+                              "Hub is not reachable from here: huggingface-cli download")
+    assert "\n" not in message

@@ -30,6 +30,8 @@ Flags (the harness's own, as ``lm_eval run`` spells them):
                           (default 0,1234,1234,1234, lm_eval's; one integer sets all four,
                           'None' leaves one unset); the torch slot seeds sampled generation
   --prefix_eos            put the EOS id before every context and prompt
+  --confirm_run_unsafe_code
+                          let tasks run the model's code (HumanEval, MBPP), as lm_eval asks
   --mesh=auto|none        data-parallel over every device (auto, default) or one device
   --bootstrap_iters=N     bootstrap resamples for the standard errors (default 100000)
 
@@ -127,6 +129,7 @@ def parse_args(argv):
     parser.add_argument("--gen_kwargs", default=None)
     parser.add_argument("--seed", default=DEFAULT_SEEDS)
     parser.add_argument("--prefix_eos", action="store_true")
+    parser.add_argument("--confirm_run_unsafe_code", action="store_true")
     parser.add_argument("--mesh", choices=("auto", "none"), default="auto")
     parser.add_argument("--bootstrap_iters", type=int, default=100000)
     args = parser.parse_args(argv)
@@ -159,6 +162,7 @@ def evaluate(args, log=print) -> dict:
 
     from dagmoe_jax.config.blocks import block_summary
     from dagmoe_jax.harness.lm import DagmoeLM
+    from dagmoe_jax.harness.tasks import load_tasks
     from dagmoe_jax.harness.tasks import task_manager as make_task_manager
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -168,6 +172,8 @@ def evaluate(args, log=print) -> dict:
         where = f" or in {args.include_path}" if args.include_path else ""
         raise ValueError(f"unknown task {unknown[0]!r}: not among the harness's tasks{where} "
                          f"(lm_eval ls tasks lists them; --include_path adds a folder)")
+    # every bad task is one line now, before the model loads
+    load_tasks(task_manager, tasks, args.confirm_run_unsafe_code)
     options = dict(args.model_args)
     if "run_dir" in options:
         raise ValueError("--model_args run_dir=... is refused: pass --run_dir=DIR")
@@ -192,7 +198,8 @@ def evaluate(args, log=print) -> dict:
         gen_kwargs=args.gen_kwargs, task_manager=task_manager,
         bootstrap_iters=args.bootstrap_iters, random_seed=args.seed[0],
         numpy_random_seed=args.seed[1], torch_random_seed=args.seed[2],
-        fewshot_random_seed=args.seed[3])
+        fewshot_random_seed=args.seed[3],
+        confirm_run_unsafe_code=args.confirm_run_unsafe_code)
     samples = results.pop("samples", None)
     if tracker is not None:
         tracker.save_results_aggregated(results=results, samples=samples)

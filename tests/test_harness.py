@@ -600,3 +600,31 @@ def test_a_hub_task_offline_fails_at_once_naming_its_dataset(tmp_path, monkeypat
                               "cached', which is not in the local cache and the Hugging Face "
                               "Hub is not reachable from here: huggingface-cli download")
     assert "\n" not in message
+
+
+PROTOCOLS = {   # group -> {task: shots} as the papers state them (configs/eval/*.yaml)
+    "dagmoe_table2": {"piqa": 0, "arc_easy": 0, "hellaswag": 10, "gpqa_main_zeroshot": 0,
+                      "lambada_openai": 0, "mmlu": 5, "bbh_zeroshot": 0},
+    "coe_zeroshot": {"arc_easy": 0, "hellaswag": 0, "piqa": 0},
+    "doe_zeroshot": {"mmlu": 0, "arc_challenge": 0, "hellaswag": 0, "gsm8k": 0, "humaneval": 0},
+    "dume_reasoning": {"humaneval": 0, "gsm8k": 5, "dume_m_arc": None, "ifeval": 0},
+}
+
+
+def test_the_papers_protocols_are_lm_eval_groups_of_known_tasks():
+    """configs/eval's groups index in lm-eval, name only tasks lm-eval has, and fix the shots
+    the papers state (the datasets themselves are not loaded: nothing downloads here)."""
+    import yaml
+    from lm_eval.tasks import TaskManager
+
+    folder = Path(__file__).resolve().parent.parent / "configs" / "eval"
+    manager = TaskManager(include_path=str(folder))
+    for group, shots in PROTOCOLS.items():
+        assert group in manager.all_groups
+        cfg = yaml.safe_load((folder / f"{group}.yaml").read_text())
+        got = {(t if isinstance(t, str) else t["task"]):
+               (None if isinstance(t, str) else t.get("num_fewshot")) for t in cfg["task"]}
+        assert got == shots
+        assert all(name in manager.all_tasks for name in got)
+    m_arc = yaml.safe_load((folder / "dume_m_arc.yaml").read_text())["task"]
+    assert len(m_arc) == 30 and all(name in manager.all_tasks for name in m_arc)

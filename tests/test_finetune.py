@@ -180,3 +180,101 @@ def test_architecture_conflict_is_a_one_line_error(pretrained):
         source_model_config(str(pretrained), ModelConfig(d_model=128))
     cfg = source_model_config(str(pretrained), ModelConfig())
     assert cfg == run_lib.load_configs(pretrained)[0]
+
+
+@pytest.fixture(scope="module")
+def hf_source(tmp_path_factory) -> Path:
+    """A step-0 run of a dense model (vocabulary 259) reading text with a Hugging Face
+    tokenizer (conftest.write_special_tokenizer: BOS <s> named, EOS </s>)."""
+    from conftest import tiny_config, write_special_tokenizer
+    from dagmoe_jax.data import DataConfig
+
+    root = tmp_path_factory.mktemp("hf_source")
+    tokenizer_json = write_special_tokenizer(root / "tokenizer", "bos_named")
+    cfg = tiny_config("dense", vocab_size=259, max_seq_len=64)
+    run_dir = root / "run"
+    run_lib.prepare_run_dir(run_dir)
+    train_cfg = TrainConfig(run_dir=str(run_dir), tensorboard=False)
+    run_lib.save_configs(run_dir, cfg, DataConfig(tokenizer="hf", seq_len=64,
+                                                  tokenizer_path=str(tokenizer_json)),
+                         OptimConfig(), train_cfg)
+    built, optimizer, _ = run_lib.build(cfg, OptimConfig(), train_cfg)
+    run_lib.save_initial_checkpoint(run_dir, built, optimizer, cfg, train_cfg, None)
+    return run_dir
+
+
+def test_a_finetuned_run_reads_text_with_its_sources_tokenizer(hf_source, tmp_path):
+    """`python train.py` fine-tuning a run that read text with a Hugging Face tokenizer trains
+    with that tokenizer without any tokenizer binding, and its config.json says so."""
+    import json
+
+    run_dir = tmp_path / "sft"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "--gin_file=finetune/smoke.gin",
+         f"--run_dir={run_dir}", "--no_progress",
+         f"--gin.TrainConfig.init_from='{hf_source}'", "--gin.TrainConfig.steps=2",
+         f"--gin.DataConfig.source='instruct:{DATA}'", "--gin.DataConfig.seq_len=64",
+         "--gin.TrainConfig.epochs=0", "--gin.TrainConfig.tensorboard=False",
+         "--gin.TrainConfig.task_eval_examples=0", "--gin.DataConfig.batch_size=8"],
+        capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-2000:]
+    blob = json.loads((run_dir / "config.json").read_text())
+    source = json.loads((hf_source / "config.json").read_text())
+    assert blob["data"]["tokenizer"] == "hf"
+    assert blob["data"]["tokenizer_path"] == source["data"]["tokenizer_path"]
+    assert blob["tokenizer"]["sha256"] == source["tokenizer"]["sha256"] != ""
+    assert f"tokenizer: hf {source['data']['tokenizer_path']} (from {hf_source})" in result.stdout
+    assert run_lib.load_run(run_dir).tokenizer.bos_id == 257
+
+
+def test_another_tokenizer_for_a_finetuned_run_is_one_line_unless_meant(hf_source, tmp_path):
+    from dagmoe_jax.data import DataConfig
+    from dagmoe_jax.train.init_from import source_data_config
+
+    mine = DataConfig(tokenizer="sentencepiece", tokenizer_path=str(tmp_path / "x.model"))
+    with pytest.raises(ValueError, match=r"was trained with another tokenizer than the gin "
+                                         r"config's: DataConfig.tokenizer='sentencepiece' "
+                                         r"\(the source has 'hf'\)") as err:
+        source_data_config(str(hf_source), mine)
+    assert "tokenizer_from_source=False" in str(err.value) and "\n" not in str(err.value)
+    assert source_data_config(str(hf_source), mine, tokenizer_from_source=False) is mine
+    inherited = source_data_config(str(hf_source), DataConfig(seq_len=64))
+    assert (inherited.tokenizer, inherited.seq_len) == ("hf", 64)
+
+
+def test_a_hugging_face_source_lends_its_tokenizer_json(tmp_path):
+    from conftest import tiny_config, write_special_tokenizer
+    from dagmoe_jax.data import DataConfig
+    from dagmoe_jax.hf.llama import export_hf_llama
+    from dagmoe_jax.train.init_from import source_data_config
+
+    folder = export_hf_llama(make_model(tiny_config("dense", vocab_size=259)), tmp_path / "hf")
+    with pytest.raises(ValueError, match="has neither tokenizer.json nor tokenizer.model"):
+        source_data_config(f"hf:{folder}", DataConfig())
+    write_special_tokenizer(folder, "bos_added")
+    got = source_data_config(f"hf:{folder}", DataConfig())
+    assert (got.tokenizer, got.tokenizer_path) == ("hf", str(folder / "tokenizer.json"))
+
+
+def test_reading_a_run_with_another_tokenizer_file_is_refused(hf_source, tmp_path):
+    """The run's config.json records its tokenizer file's SHA-256: evaluation, sampling and
+    the harness (load_run) refuse a file that changed, or another tokenizer."""
+    import dataclasses
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(hf_source, copy)
+    data_cfg = run_lib.load_configs(copy)[1]
+    with pytest.raises(ValueError, match=r"trained with the 'hf' tokenizer, not 'byte'"):
+        run_lib.load_run(copy, data_cfg=dataclasses.replace(data_cfg, tokenizer="byte",
+                                                            tokenizer_path=""))
+    tokenizer_json = Path(data_cfg.tokenizer_path)
+    other = tmp_path / "other" / "tokenizer.json"
+    other.parent.mkdir()
+    shutil.copy(tokenizer_json.parent / "tokenizer_config.json", other.parent)
+    other.write_text(tokenizer_json.read_text().replace('"<|eot|>"', '"<|end|>"'))
+    with pytest.raises(ValueError, match=r"is not the file it trained with: restore") as err:
+        run_lib.load_run(copy, data_cfg=dataclasses.replace(data_cfg,
+                                                            tokenizer_path=str(other)))
+    assert "\n" not in str(err.value)
+    assert run_lib.load_run(copy).tokenizer.eos_id == 256

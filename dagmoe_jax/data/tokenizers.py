@@ -275,6 +275,44 @@ class HFTokenizer(_FromFile):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
 
+def tokenizer_record(cfg: DataConfig) -> dict:
+    """What a run records of the tokenizer it trains with (``config.json``'s ``tokenizer``):
+    its kind, the absolute path of its file and the file's SHA-256 ('' for the byte tokenizer,
+    or where the file cannot be read)."""
+    path = os.path.abspath(os.path.expanduser(cfg.tokenizer_path)) if cfg.tokenizer_path else ""
+    return {"tokenizer": cfg.tokenizer, "path": path, "sha256": file_sha256(path)}
+
+
+def file_sha256(path: str) -> str:
+    """The SHA-256 of the file at ``path`` in hex ('' when there is none)."""
+    import hashlib  # pylint: disable=import-outside-toplevel
+    if not path or not os.path.isfile(path):
+        return ""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_tokenizer_record(record: dict, cfg: DataConfig, where: str) -> None:
+    """One-line ValueError when ``cfg`` reads text with another tokenizer than ``record``
+    (:func:`tokenizer_record` of the run at ``where``) says the run trained with."""
+    if not record:
+        return                              # a run of an earlier version recorded none
+    now = tokenizer_record(cfg)
+    if now["tokenizer"] != record.get("tokenizer"):
+        raise ValueError(f"the run at {where} trained with the {record.get('tokenizer')!r} "
+                         f"tokenizer, not {now['tokenizer']!r}: read it with its own (drop the "
+                         "tokenizer override)")
+    if record.get("sha256") and now["sha256"] != record["sha256"]:
+        what = (f"{now['path']} is not the file it trained with" if now["sha256"] else
+                f"{now['path'] or record.get('path')} does not exist")
+        raise ValueError(f"the run at {where} trained with the tokenizer file "
+                         f"{record.get('path')} (sha256 {record['sha256'][:12]}...), but {what}: "
+                         "restore that file, or point DataConfig.tokenizer_path at a copy of it")
+
+
 def make_tokenizer(cfg: DataConfig) -> Tokenizer:
     """The tokenizer ``cfg.tokenizer`` names, read from ``cfg.tokenizer_path`` if it needs one."""
     if cfg.tokenizer == "byte":

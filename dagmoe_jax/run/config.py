@@ -75,6 +75,11 @@ class TrainConfig:
         model's architecture is the source's (a gin binding that changes it is a one-line
         error; execution fields may change), the optimiser starts fresh, and a run resumed
         from its own checkpoint ignores it. See :mod:`dagmoe_jax.train.init_from`.
+    tokenizer_from_source: with ``init_from`` set, the run reads text with the source's
+        tokenizer (True, default): ``DataConfig.tokenizer``, ``tokenizer_path``, ``eos_token``
+        and ``chat_template`` come from the source run's config (a ``hf:`` folder: its
+        tokenizer.json or tokenizer.model), and a gin binding naming another is a one-line
+        error. False keeps the gin config's tokenizer, on purpose (a new vocabulary).
     epochs: 0 (default): train ``steps`` steps (the data repeats as long as needed). N > 0
         (an ``instruct:`` source only): N passes over the training records; ``steps`` is
         derived from the packed batch count of N passes (printed), the value bound ignored.
@@ -99,6 +104,7 @@ class TrainConfig:
     allow_model_change: bool = False
     trainable: str = "all"
     init_from: str = ""
+    tokenizer_from_source: bool = True
     epochs: int = 0
 
     def __post_init__(self):
@@ -119,6 +125,8 @@ class TrainConfig:
         _choice("TrainConfig", "trainable", self.trainable, TRAINABLE_SETS)
         _check(isinstance(self.init_from, str), "TrainConfig", "init_from", self.init_from,
                "'' (fresh), a run directory or 'hf:<folder>'")
+        _check(isinstance(self.tokenizer_from_source, bool), "TrainConfig",
+               "tokenizer_from_source", self.tokenizer_from_source, "True or False")
         _check(isinstance(self.run_dir, str) and self.run_dir.strip() != "", "TrainConfig",
                "run_dir", self.run_dir, "a non-empty directory path")
 

@@ -26,6 +26,7 @@ from flax import nnx
 
 from dagmoe_jax.validate import first_line
 from dagmoe_jax.data import make_tokenizer
+from dagmoe_jax.data.tokenizers import check_tokenizer_record, tokenizer_record
 from dagmoe_jax.parallel import activate
 from dagmoe_jax.config import BLOCK_CONFIGS, ExecutionConfig, ModelConfig
 from dagmoe_jax.data import DataConfig
@@ -74,7 +75,8 @@ def configs_to_json(model_cfg, data_cfg, optim_cfg, train_cfg,
     """The JSON of ``config.json``: the four configs, plus the execution config as this
     machine settled ``train_cfg.execution`` (a record: a run reads its own ``execution``)."""
     blob = {"model": dataclasses.asdict(model_cfg), "data": dataclasses.asdict(data_cfg),
-            "optim": dataclasses.asdict(optim_cfg), "train": dataclasses.asdict(train_cfg)}
+            "optim": dataclasses.asdict(optim_cfg), "train": dataclasses.asdict(train_cfg),
+            "tokenizer": tokenizer_record(data_cfg)}
     if settled is not None:
         blob["settled_execution"] = dataclasses.asdict(settled)
     return blob
@@ -245,6 +247,8 @@ def load_run(run_dir: PathLike, mesh=None, data_cfg: Optional[DataConfig] = None
                          f"train.py run")
     model_cfg, run_data_cfg, optim_cfg, train_cfg = load_configs(run_dir)
     data_cfg = data_cfg or run_data_cfg
+    check_tokenizer_record(json.loads((run_dir / CONFIG_FILE).read_text()).get("tokenizer"),
+                           data_cfg, str(run_dir))
     tokenizer = make_tokenizer(data_cfg)
 
     def make():

@@ -5,6 +5,9 @@
 * ``hf:<folder>``: a Hugging Face Llama folder (``config.json`` + safetensors), imported by
   :func:`~dagmoe_jax.hf.llama.load_hf_llama`.
 
+:func:`source_data_config` gives the run's tokenizer: the source's (its BOS, EOS and chat
+template with it), unless ``TrainConfig.tokenizer_from_source`` is False; a gin binding naming
+another tokenizer is otherwise a one-line error.
 :func:`source_model_config` gives the run's ModelConfig: the source's (how the model runs,
 ``TrainConfig.execution``, stays the gin config's); a gin binding that changes the
 architecture (a field differing from both ModelConfig's default and the source's value) is a
@@ -24,6 +27,7 @@ from flax import nnx
 
 from dagmoe_jax import run as run_lib
 from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.data import DataConfig
 from dagmoe_jax.hf.llama import load_hf_llama, model_config_from_hf, read_hf_config
 from dagmoe_jax.run.checkpoint_files import flatten_json
 
@@ -62,6 +66,62 @@ def source_model_config(init_from: str, model_cfg: ModelConfig) -> ModelConfig:
                          f"the gin config: {'; '.join(conflicts)}: drop those bindings (the "
                          "model comes from the source)")
     return source
+
+
+# The DataConfig fields that say how text becomes ids: a fine-tuned run reads them from its
+# source (TrainConfig.tokenizer_from_source).
+TOKENIZER_FIELDS = ("tokenizer", "tokenizer_path", "eos_token", "chat_template")
+
+
+def _source_tokenizer(init_from: str) -> dict:
+    """The tokenizer fields of ``init_from``'s DataConfig: a run's own (its path made absolute,
+    relative paths read from the run directory), or a Hugging Face folder's tokenizer.json
+    (else its SentencePiece tokenizer.model)."""
+    if init_from.startswith(HF_PREFIX):
+        folder = os.path.abspath(_hf_folder(init_from))
+        for name, kind in (("tokenizer.json", "hf"), ("tokenizer.model", "sentencepiece")):
+            if os.path.isfile(os.path.join(folder, name)):
+                return {"tokenizer": kind, "tokenizer_path": os.path.join(folder, name),
+                        "eos_token": "", "chat_template": "auto"}
+        raise ValueError(f"TrainConfig.init_from={init_from!r}: {folder} has neither "
+                         "tokenizer.json nor tokenizer.model, so the run cannot read text as "
+                         "the model was trained to: save the tokenizer into the folder, or set "
+                         "TrainConfig.tokenizer_from_source=False and bind DataConfig.tokenizer")
+    run_dir = _run_dir(init_from)
+    source = run_lib.load_configs(run_dir)[1]
+    fields = {name: getattr(source, name) for name in TOKENIZER_FIELDS}
+    path = fields["tokenizer_path"]
+    if path and not os.path.isabs(os.path.expanduser(path)):
+        beside = os.path.join(run_dir, path)
+        fields["tokenizer_path"] = os.path.abspath(beside if os.path.exists(beside) else path)
+    return fields
+
+
+def source_data_config(init_from: str, data_cfg: DataConfig,
+                       tokenizer_from_source: bool = True) -> DataConfig:
+    """``data_cfg`` with ``init_from``'s tokenizer (:data:`TOKENIZER_FIELDS`). A field bound in
+    ``data_cfg`` (not its default) that differs from the source's is a one-line error, unless
+    ``tokenizer_from_source`` is False, which keeps ``data_cfg`` as it is."""
+    if not init_from or not tokenizer_from_source:
+        return data_cfg
+    source, default = _source_tokenizer(init_from), DataConfig()
+    conflicts = [f"DataConfig.{k}={getattr(data_cfg, k)!r} (the source has {v!r})"
+                 for k, v in source.items()
+                 if getattr(data_cfg, k) != getattr(default, k) and getattr(data_cfg, k) != v
+                 and not (k == "tokenizer_path" and _same_file(getattr(data_cfg, k), v))]
+    if conflicts:
+        raise ValueError(f"TrainConfig.init_from={init_from!r} was trained with another "
+                         f"tokenizer than the gin config's: {'; '.join(conflicts)}: drop those "
+                         "bindings (the run reads text as its source did), or set "
+                         "TrainConfig.tokenizer_from_source=False to train with another one")
+    return dataclasses.replace(data_cfg, **source)
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(os.path.expanduser(a), os.path.expanduser(b))
+    except OSError:
+        return False
 
 
 def _source_params(init_from: str, log: Callable[[str], None]):

@@ -28,7 +28,8 @@ from dagmoe_jax.train.hooks import EvalHook, ProgressHook
 from dagmoe_jax.train.metrics import (MetricsWriter, check_tensorboard_target, read_metrics,
                                       require_wandb)
 from dagmoe_jax.run.config import OptimConfig, TrainConfig
-from dagmoe_jax.train.init_from import load_initial_params, source_model_config
+from dagmoe_jax.train.init_from import (load_initial_params, source_data_config,
+                                         source_model_config)
 from dagmoe_jax.run.optim import TRAINABLE, schedule_note
 from dagmoe_jax.train.step import make_train_step
 from dagmoe_jax.train.trainer import (NonFiniteLossError, Trainer, on_main_process,
@@ -61,6 +62,10 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
     say, is_main = on_main_process(log), jax.process_index() == 0
     if train_cfg.init_from:
         model_cfg = source_model_config(train_cfg.init_from, model_cfg)
+        data_cfg = source_data_config(train_cfg.init_from, data_cfg,
+                                      train_cfg.tokenizer_from_source)
+        say(f"tokenizer: {data_cfg.tokenizer}{' ' + data_cfg.tokenizer_path if data_cfg.tokenizer_path else ''}"
+            f" ({'from ' + train_cfg.init_from if train_cfg.tokenizer_from_source else 'the gin config'})")
     run_dir, tokenizer = _prepare(model_cfg, data_cfg, train_cfg, is_main)
     annotate = extension_for(model_cfg).prepare_run(data_cfg, run_dir, log=say, save=is_main)
     dataset, train_cfg = _dataset(model_cfg, data_cfg, train_cfg, tokenizer, annotate, say)

@@ -298,6 +298,27 @@ def test_epochs_cover_every_example_once_each_in_a_new_order(tmp_path):
     assert other != stream[:21]
 
 
+def test_packing_off_puts_one_example_per_row(tmp_path):
+    """DataConfig.packing = False (LlamaFactory's default): every row holds one whole example,
+    padded, so N examples over 3 epochs at batch B are ceil(3N / B) steps, each example seen
+    once an epoch, with the same mask as when packed."""
+    import math
+
+    cfg = sft_cfg(tmp_path, packing=False, seq_len=128)     # room for 3 packed a row
+    tok = make_tokenizer(cfg)
+    batches = list(instruct_dataset(cfg, tok, epochs=3))
+    stats = instruct_stats(cfg, tok, epochs=3)
+    assert len(batches) == stats["batches"] == math.ceil(3 * 21 / 3) == 21
+    rows = [(b["segment_ids"][r], b) for b in batches for r in range(3)]
+    assert all(set(seg.tolist()) <= {0, 1} for seg, _ in rows)
+    stream = [e for b in batches for e in examples_of(b, tok)]
+    assert len(stream) == 63 and Counter(Counter(stream).values()) == {3: 21}
+    packed = list(instruct_dataset(cfg.replace(packing=True), tok, epochs=3))
+    assert len(packed) < len(batches)
+    assert sum(int(b["mask"].sum()) for b in batches) == sum(int(b["mask"].sum())
+                                                             for b in packed)
+
+
 def test_long_examples_are_truncated_and_counted(tmp_path):
     cfg = sft_cfg(tmp_path, seq_len=24)
     tok = make_tokenizer(cfg)

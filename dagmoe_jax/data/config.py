@@ -109,6 +109,10 @@ class DataConfig:
     topics_dir: DoE only: a saved topic model (:mod:`dagmoe_jax.data.topics`) to label the data
       with; '' (default) fits online LDA on the training documents when the run starts. Either
       way the run keeps its copy in ``<run_dir>/topics`` and a resume uses that.
+    packing: ``instruct:`` sources only: True (default) packs whole examples first fit into
+      rows of seq_len + 1 (segment ids keep them apart); False puts one example per row, padded
+      (LlamaFactory's default, so ``batch_size`` counts examples: N examples over E epochs are
+      ceil(E N / batch_size) steps).
     """
 
     source: str = "synthetic:lis,edit_distance"
@@ -133,6 +137,7 @@ class DataConfig:
     worker_count: int = 0
     topics_dir: str = ""
     segment_packing: bool = False
+    packing: bool = True
     instruct_format: str = "auto"
     chat_template: str = "auto"
 
@@ -169,6 +174,7 @@ class DataConfig:
         _str("topics_dir", self.topics_dir, nonempty=False)
         _check(isinstance(self.segment_packing, bool), "segment_packing", self.segment_packing,
                "True or False")
+        _check(isinstance(self.packing, bool), "packing", self.packing, "True or False")
         _check(check_format(self.instruct_format), "instruct_format", self.instruct_format,
                "one of " + ", ".join(map(repr, FORMATS)))
         _str("chat_template", self.chat_template)

@@ -7,7 +7,8 @@ weights (1 on the assistant's tokens and the EOS ending each assistant turn). An
 longer than ``seq_len + 1`` tokens is truncated to its first ``seq_len + 1`` (the count is
 reported by :func:`instruct_stats`). Examples are packed whole, first fit
 (``grain.experimental.FirstFitPackIterDataset``, one bin per batch row), never split across
-rows. Every batch holds:
+rows; with ``DataConfig.packing = False`` each row holds one example, padded. Every batch
+holds:
 
 * ``inputs``, ``targets`` int32 [B, seq_len]: a row of seq_len + 1 packed tokens shifted;
 * ``segment_ids`` int32 [B, seq_len]: the examples of a row numbered 1, 2, ... aligned with
@@ -118,16 +119,35 @@ class _FillBatch:
                 for k, v in batch.items()}
 
 
+class _PadExample:
+    """An example -> a row of ``width`` tokens holding it alone (segment 1), padded with
+    segment 0: the unpacked row of ``DataConfig.packing = False``."""
+
+    def __init__(self, width: int):
+        self.width = int(width)
+
+    def __call__(self, ex: dict) -> dict:
+        n = len(ex["tokens"])
+        pad = lambda x: np.pad(np.asarray(x, np.int32), (0, self.width - n))  # noqa: E731
+        return {"tokens": pad(ex["tokens"]), "weights": pad(ex["weights"]),
+                "tokens_segment_ids": pad(np.ones(n, np.int32))}
+
+
 def _packed(ds: grain.MapDataset, cfg: DataConfig, batch: int, epochs: Optional[int],
             encode) -> grain.IterDataset:
+    """Batches of ``epochs`` passes over ``ds``: examples packed first fit into rows, or one
+    per row when ``cfg.packing`` is False."""
     if cfg.shuffle:
         ds = ds.shuffle(seed=cfg.seed)
     ds = ds.repeat(epochs).map(encode)
-    it = ds.to_iter_dataset(grain.ReadOptions(**READ_OPTIONS))
     width = cfg.seq_len + 1
-    it = grain.experimental.FirstFitPackIterDataset(
-        it, length_struct={"tokens": width, "weights": width}, num_packing_bins=batch,
-        seed=cfg.seed, shuffle_bins=cfg.shuffle)
+    if not cfg.packing:
+        ds = ds.map(_PadExample(width))
+    it = ds.to_iter_dataset(grain.ReadOptions(**READ_OPTIONS))
+    if cfg.packing:
+        it = grain.experimental.FirstFitPackIterDataset(
+            it, length_struct={"tokens": width, "weights": width}, num_packing_bins=batch,
+            seed=cfg.seed, shuffle_bins=cfg.shuffle)
     return it.map(_ShiftPacked()).batch(batch, drop_remainder=False).map(_FillBatch(batch))
 
 

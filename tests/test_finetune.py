@@ -278,3 +278,25 @@ def test_reading_a_run_with_another_tokenizer_file_is_refused(hf_source, tmp_pat
                                                             tokenizer_path=str(other)))
     assert "\n" not in str(err.value)
     assert run_lib.load_run(copy).tokenizer.eos_id == 256
+
+
+def test_a_dataset_with_nothing_to_train_exits_2_and_writes_nothing(tmp_path):
+    """Every example longer than seq_len + 1 (cut before its answer): one line, exit 2, and
+    no run directory (it is created only once the data is found trainable)."""
+    import json
+
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps({"instruction": "why? " * 40, "output": "because"}) + "\n"
+                            for _ in range(12)))
+    run_dir = tmp_path / "runs" / "sft"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "--gin_file=finetune/smoke.gin",
+         f"--run_dir={run_dir}", "--no_progress", f"--gin.DataConfig.source='instruct:{data}'",
+         "--gin.DataConfig.seq_len=32", "--gin.DataConfig.batch_size=8"],
+        capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: no example of instruct:")
+    assert "within seq_len + 1 = 33 tokens (11 of 11 examples are longer" in lines[0]
+    assert "raise DataConfig.seq_len" in lines[0]
+    assert not run_dir.exists()

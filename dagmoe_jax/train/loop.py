@@ -9,7 +9,11 @@ reported by its hooks (:mod:`dagmoe_jax.train.hooks`) and evaluated by
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import shutil
+from pathlib import Path
 from typing import Callable, Dict, Optional
 
 import jax
@@ -64,43 +68,48 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
         model_cfg = source_model_config(train_cfg.init_from, model_cfg)
         data_cfg = source_data_config(train_cfg.init_from, data_cfg,
                                       train_cfg.tokenizer_from_source)
-        say(f"tokenizer: {data_cfg.tokenizer}{' ' + data_cfg.tokenizer_path if data_cfg.tokenizer_path else ''}"
-            f" ({'from ' + train_cfg.init_from if train_cfg.tokenizer_from_source else 'the gin config'})")
-    run_dir, tokenizer = _prepare(model_cfg, data_cfg, train_cfg, is_main)
-    annotate = extension_for(model_cfg).prepare_run(data_cfg, run_dir, log=say, save=is_main)
-    dataset, train_cfg = _dataset(model_cfg, data_cfg, train_cfg, tokenizer, annotate, say)
-    evaluator = Evaluator(data_cfg, train_cfg, tokenizer, annotate)
-    mesh = make_mesh(train_cfg.mesh)
-    if schedule_note(optim_cfg, train_cfg.steps):
-        say(schedule_note(optim_cfg, train_cfg.steps))
-    model, optimizer, schedule = run_lib.build(model_cfg, optim_cfg, train_cfg, mesh, log=say)
-    how = run_lib.describe(model_cfg, model.execution, train_cfg.execution,
-                           layout=MeshLayout.of(mesh))
-    say(f"model settled for {jax.default_backend()}: {how}; host memory: {allocator()}")
-    checkpointer = run_lib.Checkpointer(run_dir / run_lib.CHECKPOINT_DIR,
-                                               save_every=train_cfg.save_every,
-                                               keep=train_cfg.keep_checkpoints,
-                                               async_save=train_cfg.async_checkpoint)
-    step_fn = make_train_step(grad_accum=train_cfg.grad_accum,
-                              wrt=TRAINABLE[train_cfg.trainable], donate=True)
-    trainer = Trainer(model, optimizer, step_fn, iter(dataset), checkpointer,
-                      total_steps=train_cfg.steps, mesh=mesh, meta=run_lib.model_meta(model_cfg),
-                      run_dir=str(run_dir), say=say,
-                      batch_keys=extension_for(model_cfg).batch_keys,
-                      sync_every=train_cfg.log_every)
-    try:
-        start = trainer.restore_or_init(
-            check=lambda restored: _resume_policy(restored, run_dir, model_cfg, data_cfg,
-                                                  train_cfg, say))
-        if start == 0 and train_cfg.init_from:
-            say(load_initial_params(model, train_cfg.init_from, log=say))
-    except ValueError:
-        checkpointer.close()
-        raise
-    if is_main:
-        run_lib.save_configs(run_dir, model_cfg, data_cfg, optim_cfg, train_cfg,
-                             settled=model.execution)
-        run_lib.save_operative_gin(run_dir, operative_gin)
+        origin = ("from " + train_cfg.init_from if train_cfg.tokenizer_from_source
+                  else "the gin config")
+        say(f"tokenizer: {data_cfg.tokenizer}"
+            f"{' ' + data_cfg.tokenizer_path if data_cfg.tokenizer_path else ''} ({origin})")
+    # Until the run's config is written, a failure (bad data, a signal) removes the run
+    # directory this call created: no empty or half-made run is left behind.
+    with _new_run_directory(train_cfg.run_dir, remove=is_main):
+        run_dir, tokenizer = _prepare(model_cfg, data_cfg, train_cfg, is_main)
+        annotate = extension_for(model_cfg).prepare_run(data_cfg, run_dir, log=say, save=is_main)
+        dataset, train_cfg = _dataset(model_cfg, data_cfg, train_cfg, tokenizer, annotate, say)
+        evaluator = Evaluator(data_cfg, train_cfg, tokenizer, annotate)
+        mesh = make_mesh(train_cfg.mesh)
+        if schedule_note(optim_cfg, train_cfg.steps):
+            say(schedule_note(optim_cfg, train_cfg.steps))
+        model, optimizer, schedule = run_lib.build(model_cfg, optim_cfg, train_cfg, mesh, log=say)
+        how = run_lib.describe(model_cfg, model.execution, train_cfg.execution,
+                               layout=MeshLayout.of(mesh))
+        say(f"model settled for {jax.default_backend()}: {how}; host memory: {allocator()}")
+        checkpointer = run_lib.Checkpointer(run_dir / run_lib.CHECKPOINT_DIR,
+                                            save_every=train_cfg.save_every,
+                                            keep=train_cfg.keep_checkpoints,
+                                            async_save=train_cfg.async_checkpoint)
+        step_fn = make_train_step(grad_accum=train_cfg.grad_accum,
+                                  wrt=TRAINABLE[train_cfg.trainable], donate=True)
+        trainer = Trainer(model, optimizer, step_fn, iter(dataset), checkpointer,
+                          total_steps=train_cfg.steps, mesh=mesh,
+                          meta=run_lib.model_meta(model_cfg), run_dir=str(run_dir), say=say,
+                          batch_keys=extension_for(model_cfg).batch_keys,
+                          sync_every=train_cfg.log_every)
+        try:
+            start = trainer.restore_or_init(
+                check=lambda restored: _resume_policy(restored, run_dir, model_cfg, data_cfg,
+                                                      train_cfg, say))
+            if start == 0 and train_cfg.init_from:
+                say(load_initial_params(model, train_cfg.init_from, log=say))
+        except BaseException:
+            checkpointer.close()
+            raise
+        if is_main:
+            run_lib.save_configs(run_dir, model_cfg, data_cfg, optim_cfg, train_cfg,
+                                 settled=model.execution)
+            run_lib.save_operative_gin(run_dir, operative_gin)
     writer = MetricsWriter(run_dir, enabled=is_main, tensorboard=train_cfg.tensorboard,
                            resume_step=start, wandb_project=train_cfg.wandb_project,
                            wandb_mode=train_cfg.wandb_mode,
@@ -136,6 +145,22 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
                      interrupted=bool(stop), eval=final_eval, losses=trainer.losses)
 
 
+@contextlib.contextmanager
+def _new_run_directory(path: str, remove: bool):
+    """Within: an exception (a signal's KeyboardInterrupt too) removes the run directory
+    ``path`` when it did not exist before (``remove``: this process is the one that writes),
+    so that a run that never started leaves nothing behind. A directory that existed (a run
+    to resume) is never touched."""
+    target = Path(os.path.expanduser(path))
+    existed = target.exists()
+    try:
+        yield
+    except BaseException:
+        if remove and not existed and target.is_dir():
+            shutil.rmtree(target, ignore_errors=True)
+        raise
+
+
 def _dataset(model_cfg, data_cfg, train_cfg, tokenizer, annotate, say):
     """(the training stream, train_cfg): an ``instruct:`` source's SFT batches, ``epochs``
     passes (with ``steps`` derived and printed) or endless; else the pre-training stream.
@@ -152,14 +177,21 @@ def _dataset(model_cfg, data_cfg, train_cfg, tokenizer, annotate, say):
         raise ValueError("an 'instruct:' DataConfig.source cannot feed a model family with "
                          "per-token annotations (DoE): use a pre-training source")
     epochs = train_cfg.epochs or None
-    if epochs:
-        stats = instruct_stats(data_cfg, tokenizer, epochs=epochs,
-                               process_count=where["process_count"])
-        train_cfg = dataclasses.replace(train_cfg, steps=max(1, stats["batches"]))
-        say(f"fine-tuning data: {stats['examples']:,} examples ({stats['truncated']:,} "
+    stats = instruct_stats(data_cfg, tokenizer, epochs=epochs or 1,
+                           process_count=where["process_count"])
+    if stats["trained_tokens"] == 0:
+        raise ValueError(f"no example of {data_cfg.source} has a trained token within "
+                         f"seq_len + 1 = {data_cfg.seq_len + 1} tokens ({stats['truncated']:,} "
+                         f"of {stats['examples']:,} examples are longer, cut before their "
+                         "answers): raise DataConfig.seq_len or shorten the prompts")
+    what = (f"fine-tuning data: {stats['examples']:,} examples ({stats['truncated']:,} "
             f"truncated to seq_len + 1 = {data_cfg.seq_len + 1} tokens), "
-            f"{stats['trained_tokens']:,} trained tokens per epoch: {epochs} epochs = "
-            f"{train_cfg.steps:,} steps of {data_cfg.batch_size} rows")
+            f"{stats['trained_tokens']:,} trained tokens per epoch")
+    if epochs:
+        train_cfg = dataclasses.replace(train_cfg, steps=max(1, stats["batches"]))
+        what += (f": {epochs} epochs = {train_cfg.steps:,} steps of {data_cfg.batch_size} "
+                 f"{'rows' if data_cfg.packing else 'examples'}")
+    say(what)
     return instruct_dataset(data_cfg, tokenizer, epochs=epochs, **where), train_cfg
 
 

@@ -237,9 +237,14 @@ def test_gradient_accumulation_matches_the_full_batch(tiny):
     # off here: with them on, accumulation legitimately differs from one big batch.
     cfg = tiny("moe", "dag", router=dict(balance_coef=0.0, z_loss_coef=0.0))
     rng = np.random.default_rng(0)
+    # Uneven masks (answer-only fine-tuning): the micro-batches hold 2, 9, 30 and 64 trained
+    # tokens, so averaging their means would weight a token of the first 32x one of the last.
+    mask = np.zeros((8, 16), bool)
+    for row, n in enumerate((1, 1, 4, 5, 14, 16, 16, 16)):
+        mask[row, :n] = True
     batch = {"inputs": jnp.asarray(rng.integers(0, 64, (8, 16)), jnp.int32),
              "targets": jnp.asarray(rng.integers(0, 64, (8, 16)), jnp.int32),
-             "mask": jnp.ones((8, 16), bool)}
+             "mask": jnp.asarray(mask)}
     params, metrics = [], []
     for accum in (1, 4):
         model = make_model(cfg, grouped_matmul="einsum")
@@ -251,5 +256,16 @@ def test_gradient_accumulation_matches_the_full_batch(tiny):
     moved = jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))),
                                          params[0], params[1]))
     assert max(moved) < 1e-5
+    # The same micro-batches averaged by their means (the step before) give another gradient.
+    from dagmoe_jax.train import step as step_lib
+    model = make_model(cfg, grouped_matmul="einsum")
+    grad = lambda part: nnx.grad(lambda m: step_lib.lm_loss(m, part)[0])(model)  # noqa: E731
+    full = grad(batch)
+    means = [grad({k: v[2 * i:2 * i + 2] for k, v in batch.items()}) for i in range(4)]
+    averaged = jax.tree.map(lambda *g: sum(g) / 4, *means)
+    gaps = jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))),
+                                        nnx.state(full, nnx.Param),
+                                        nnx.state(averaged, nnx.Param)))
+    assert max(gaps) > 100 * 1e-5 / 0.5
     with pytest.raises(ValueError, match="grad_accum=3"):
         make_train_step(grad_accum=3)(model, optimizer, batch)

@@ -293,3 +293,47 @@ def test_a_prefill_cache_shorter_than_the_prompt_is_a_clear_error():
     with pytest.raises(ValueError, match=r"the cache has 4 slots, fewer than the prompts' 8 "
                                          r"tokens: make it with init_cache"):
         model(tokens, cache=model.init_cache(2, 4))
+
+
+@pytest.mark.slow
+def test_cli_chat_renders_the_prompt_as_fine_tuning_did(smoke_run, capsys):
+    """--chat: the prompt as a user turn of the run's template (the plain one for a byte
+    tokenizer) with the assistant's header; --show_prompt prints it; the answer equals the
+    library's generation from those ids, stopping at the end of turn."""
+    from dagmoe_jax.cli.sample import chat_prompt, main
+    from dagmoe_jax.data.instruct import chat_encoder
+    from dagmoe_jax.run import load_run
+
+    assert main([f"--run_dir={smoke_run}", "--prompt=edit ab", "--chat", "--show_prompt",
+                 "--system=be brief", "--max_new_tokens=6"]) == 0
+    out = capsys.readouterr().out
+    rendered = "be brief\n\n### Instruction:\nedit ab\n\n### Response:\n"
+    assert out.startswith(f"--- prompt 0 ---\n{rendered}\n--- sample 0 ---\n")
+    run = load_run(smoke_run)
+    encoder = chat_encoder(run.data_cfg, run.tokenizer)
+    ids, text = chat_prompt(encoder, "edit ab", "be brief")
+    assert text == rendered
+    new = generate(run.model, [ids], max_new_tokens=6, stop_tokens=[encoder.end_id])[0]
+    new = new[:-1] if new and new[-1] == encoder.end_id else new
+    assert out.split("--- sample 0 ---\n", 1)[1].rstrip("\n") == \
+        run.tokenizer.decode(new).rstrip("\n")
+    assert main([f"--run_dir={smoke_run}", "--prompt=x", "--system=s"]) == 2
+    assert "--system needs --chat" in capsys.readouterr().err
+
+
+def test_a_chat_prompt_is_the_start_of_the_conversation_fine_tuning_trains():
+    """The ids --chat decodes from are exactly the first ids of the trained conversation with
+    an answer (the same pieces, tokenized the same way), for a jinja template too."""
+    from dagmoe_jax.cli.sample import chat_prompt
+    from dagmoe_jax.data.chat import ChatEncoder
+    from dagmoe_jax.data.tokenizers import ByteTokenizer
+
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}"
+                "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    for encoder in (ChatEncoder(ByteTokenizer()), ChatEncoder(ByteTokenizer(), template)):
+        ids, _ = chat_prompt(encoder, "2+2?", "math")
+        full, weights = encoder.encode([{"role": "system", "content": "math"},
+                                        {"role": "user", "content": "2+2?"},
+                                        {"role": "assistant", "content": "4"}])
+        assert full[:len(ids)] == ids and not any(weights[:len(ids)])
+        assert any(weights[len(ids):])

@@ -16,8 +16,15 @@ Flags:
   --ignore_eos           do not stop at the tokenizer's EOS
   --no_eos_prefix        do not put EOS before the prompt (training records follow an EOS, so
                          by default the prompt starts as a record does)
+  --chat                 the prompt is a user turn, rendered with the run's chat template as
+                         fine-tuning rendered its data (the tokenizer's own template, or the
+                         plain '### Instruction:' one), ending with the assistant's turn
+                         header; decoding stops at the template's end of turn
+  --system=TEXT          with --chat: a system message before the user turn
+  --show_prompt          print each rendered prompt (its exact text) before its samples
 
-Prints one block per sample: the prompt followed by its continuation (EOS not shown).
+Prints one block per sample: the prompt followed by its continuation (EOS not shown); with
+--chat, the assistant's answer alone.
 Exit status: 0 done, 2 invalid arguments, run directory or prompt (a one-line message).
 """
 
@@ -48,6 +55,9 @@ def parse_args(argv):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ignore_eos", action="store_true")
     parser.add_argument("--no_eos_prefix", action="store_true")
+    parser.add_argument("--chat", action="store_true")
+    parser.add_argument("--system", default=None)
+    parser.add_argument("--show_prompt", action="store_true")
     args = parser.parse_args(argv)
     if not args.help:
         if not args.run_dir:
@@ -57,7 +67,21 @@ def parse_args(argv):
         if args.num_samples < 1:
             raise ValueError(f"--num_samples={args.num_samples} is invalid: expected an "
                              f"integer >= 1")
+        if args.system is not None and not args.chat:
+            raise ValueError("--system needs --chat (a system message is a turn of the chat "
+                             "template)")
     return args
+
+
+def chat_prompt(encoder, prompt: str, system=None):
+    """(ids, text) of ``prompt`` as a user turn (after ``system``'s, when given) followed by the
+    assistant's turn header, tokenized piece by piece as fine-tuning tokenizes a conversation
+    (:meth:`dagmoe_jax.data.chat.ChatEncoder.encode`), so the ids are those it trained on."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": prompt}]
+    ids, _ = encoder.encode(messages)
+    turns, text = encoder.render(messages), encoder.render(messages, add_generation_prompt=True)
+    return ids + encoder.tokenizer.encode(text[len(turns):]), text
 
 
 def main(argv=None) -> int:
@@ -84,8 +108,19 @@ def main(argv=None) -> int:
         for message in run.warnings:
             print(f"warning: {message}", file=sys.stderr)
         tok = run.tokenizer
-        prefix = [] if args.no_eos_prefix else [tok.eos_id]
-        prompts = [prefix + tok.encode(p) for p in args.prompt for _ in range(args.num_samples)]
+        stops = (tok.eos_id,)
+        if args.chat:
+            from dagmoe_jax.data.instruct import chat_encoder  # pylint: disable=import-outside-toplevel
+            encoder = chat_encoder(run.data_cfg, tok)
+            rendered = [chat_prompt(encoder, p, args.system) for p in args.prompt]
+            prefix, stops = [], tuple(dict.fromkeys((tok.eos_id, encoder.end_id)))
+            texts = [text for _, text in rendered]
+            prompts = [ids for ids, _ in rendered for _ in range(args.num_samples)]
+        else:
+            prefix = [] if args.no_eos_prefix else [tok.eos_id]
+            texts = list(args.prompt)
+            prompts = [prefix + tok.encode(p) for p in args.prompt
+                       for _ in range(args.num_samples)]
         longest = max(len(p) for p in prompts)
         if longest > run.model_cfg.max_seq_len:
             with_eos = "" if args.no_eos_prefix else " (with its EOS prefix)"
@@ -98,14 +133,17 @@ def main(argv=None) -> int:
                                                                   tok)
         outputs = generate(run.model, prompts, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                           stop_tokens=() if args.ignore_eos else (tok.eos_id,), seed=args.seed,
+                           stop_tokens=() if args.ignore_eos else stops, seed=args.seed,
                            pad_id=tok.pad_id, features=features)
     except (ValueError, FileNotFoundError) as err:
         return report_error(err)
     for i, (prompt, new) in enumerate(zip(prompts, outputs)):
-        if not args.ignore_eos and new and new[-1] == tok.eos_id:
+        if args.show_prompt and i % args.num_samples == 0:
+            print(f"--- prompt {i // args.num_samples} ---\n{texts[i // args.num_samples]}",
+                  flush=True)
+        if not args.ignore_eos and new and new[-1] in stops:
             new = new[:-1]
-        text = sample_text(tok, prompt[len(prefix):], new)
+        text = tok.decode(new) if args.chat else sample_text(tok, prompt[len(prefix):], new)
         print(f"--- sample {i} ---\n{text.rstrip(chr(10))}", flush=True)
     return 0
 

@@ -29,7 +29,7 @@ def test_parse_source():
 
 
 @pytest.mark.parametrize("spec, match", [
-    ("parquet:x", r"DataConfig.source='parquet:x' is invalid: expected 'synthetic:"),
+    ("csv:x", r"DataConfig.source='csv:x' is invalid: expected 'synthetic:"),
     ("nocolon", r"DataConfig.source='nocolon' is invalid"),
     ("text:", r"expected a non-empty argument after 'text:'"),
     ("tfds: ", r"expected a non-empty argument after 'tfds:'"),

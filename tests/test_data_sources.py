@@ -206,3 +206,65 @@ def test_binary_or_latin1_text_is_trained_on_with_a_warning(tmp_path, monkeypatc
         f"-t utf-8) or leave it out",
         f"{binary} looks binary (a NUL byte at offset 4), not text: leave it out of "
         f"DataConfig.source"]
+
+
+def _parquet(path, texts, **columns):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": texts, **columns}), str(path), row_group_size=7)
+    return path
+
+
+def test_parquet_is_read_by_column(tmp_path):
+    a = _parquet(tmp_path / "a.parquet", [f"alpha {i}" for i in range(20)], id=list(range(20)))
+    b = _parquet(tmp_path / "b.parquet", [f"beta {i}" for i in range(5)], id=list(range(5)))
+    cfg = DataConfig(source=f"parquet:{tmp_path}/*.parquet", heldout_fraction=0.2)
+    src = open_source(cfg, "source")
+    assert len(src) == 25 and src[0] == "alpha 0" and src[19] == "alpha 19"
+    assert src[20] == "beta 0" and [src[i] for i in (8, 7, 6)] == ["alpha 8", "alpha 7", "alpha 6"]
+    assert len(train_source(cfg)) + len(eval_source(cfg)) == 25
+    batch = next(iter(train_dataset(cfg.replace(seq_len=16, batch_size=2), make_tokenizer(cfg))))
+    assert batch["inputs"].shape == (2, 16)
+    _raises(r"a.parquet has no column DataConfig.text_key='body' \(columns: 'text', 'id'\): "
+            r"set text_key", lambda: open_source(cfg.replace(text_key="body"), "source"))
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    _raises(r"bad.parquet is not a Parquet file",
+            lambda: open_source(cfg.replace(source=f"parquet:{tmp_path}/bad.parquet"), "source"))
+    del a, b
+
+
+def test_a_mixture_draws_by_weight_and_resumes_exactly(tmp_path):
+    """CoE's 1:1 mixture: over 10,000 records each source within 2% of its weight, a small
+    source repeating rather than cutting the large one short; a saved iterator resumes with
+    the same batches; evaluation mixes the components' held-out records alike."""
+    from collections import Counter
+
+    from dagmoe_jax.data.splits import mixed_train_records
+
+    _parquet(tmp_path / "web.parquet", [f"web page {i}" for i in range(3000)])
+    (tmp_path / "math.jsonl").write_text("".join(json.dumps({"text": f"math {i}"}) + "\n"
+                                                 for i in range(200)))
+    spec = f"mix:1*parquet:{tmp_path}/web.parquet,1*jsonl:{tmp_path}/math.jsonl"
+    cfg = DataConfig(source=spec, seq_len=16, batch_size=2)
+    records = mixed_train_records(cfg)
+    counts = Counter(records[i].split()[0] for i in range(10_000))
+    assert abs(counts["web"] - 5000) <= 200 and abs(counts["math"] - 5000) <= 200
+    assert len({records[i] for i in range(10_000) if records[i].startswith("web")}) > 2000
+    ds = train_dataset(cfg, make_tokenizer(cfg))
+    it = iter(ds)
+    for _ in range(5):
+        next(it)
+    state = it.get_state()
+    want = [next(it)["inputs"] for _ in range(3)]
+    again = iter(train_dataset(cfg, make_tokenizer(cfg)))
+    again.set_state(state)
+    assert all(np.array_equal(a, next(again)["inputs"]) for a in want)
+    held = Counter(eval_source(cfg)[i].split()[0] for i in range(len(eval_source(cfg))))
+    assert held["web"] == held["math"] == 10               # 5% of math's 200, as many of web
+    uneven = mixed_train_records(cfg.replace(source=spec.replace("1*parquet", "3*parquet")))
+    share = sum(uneven[i].startswith("web") for i in range(10_000)) / 10_000
+    assert abs(share - 0.75) < 0.02
+    _raises(r"mixed sources of kinds .* \(not 'instruct'\)",
+            lambda: DataConfig(source=f"mix:1*instruct:{tmp_path}/math.jsonl"))
+    _raises(r"a weight first", lambda: DataConfig(source=f"mix:jsonl:{tmp_path}/math.jsonl"))

@@ -300,3 +300,23 @@ def test_a_dataset_with_nothing_to_train_exits_2_and_writes_nothing(tmp_path):
     assert "within seq_len + 1 = 33 tokens (11 of 11 examples are longer" in lines[0]
     assert "raise DataConfig.seq_len" in lines[0]
     assert not run_dir.exists()
+
+
+def test_a_chat_template_is_inherited_only_where_the_source_chose_one(hf_source, tmp_path):
+    import json
+    import shutil
+
+    from dagmoe_jax.data import DataConfig
+    from dagmoe_jax.train.init_from import source_data_config
+
+    plain = source_data_config(str(hf_source), DataConfig(chat_template="plain"))
+    assert plain.chat_template == "plain"                  # the pre-trained run chose none
+    chose = tmp_path / "sft_run"
+    shutil.copytree(hf_source, chose)
+    blob = json.loads((chose / "config.json").read_text())
+    blob["data"]["chat_template"] = "plain"
+    (chose / "config.json").write_text(json.dumps(blob))
+    assert source_data_config(str(chose), DataConfig()).chat_template == "plain"
+    with pytest.raises(ValueError, match=r"DataConfig.chat_template='x.jinja' \(the source has "
+                                         r"'plain'\)"):
+        source_data_config(str(chose), DataConfig(chat_template="x.jinja"))

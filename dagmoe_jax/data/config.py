@@ -9,17 +9,20 @@ one-line ``ValueError`` naming the field and what it accepts. Sources are spec s
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from dagmoe_jax.validate import check
 
 from dagmoe_jax.data.formats import FORMATS, check_format
 from dagmoe_jax.data.tasks import TASKS
 
-SOURCE_KINDS = ("synthetic", "text", "jsonl", "array_record", "tfds", "instruct")
+SOURCE_KINDS = ("synthetic", "text", "jsonl", "parquet", "array_record", "tfds", "instruct",
+                "mix")
+MIXABLE = ("synthetic", "text", "jsonl", "parquet", "array_record", "tfds")
 TOKENIZERS = ("byte", "sentencepiece", "hf")
 _SOURCE_HELP = ("'synthetic:<task>[,<task>...]', 'text:<glob>[,<glob>...]', "
-                "'jsonl:<glob>[,...]', 'array_record:<glob>[,...]', 'tfds:<name>' or "
-                "'instruct:<glob>[,...]'")
+                "'jsonl:<glob>[,...]', 'parquet:<glob>[,...]', 'array_record:<glob>[,...]', "
+                "'tfds:<name>', 'instruct:<glob>[,...]' or 'mix:<w>*<spec>,<w>*<spec>[,...]'")
 CHAT_TEMPLATES = ("auto", "plain")
 
 
@@ -43,11 +46,15 @@ def parse_source(spec: str, field: str = "source") -> tuple[str, tuple[str, ...]
 
     ``synthetic``, ``text``, ``jsonl`` and ``array_record`` take comma-separated arguments (task
     names or file globs; so paths cannot contain commas); ``tfds`` takes one dataset name
-    (which may itself contain commas, e.g. builder keyword arguments). Task names are checked
-    against :data:`~dagmoe_jax.data.tasks.TASKS`. Errors name ``DataConfig.<field>``.
+    (which may itself contain commas, e.g. builder keyword arguments); ``mix`` takes weighted
+    sources (:func:`mix_components`), returned as ``'<weight>*<spec>'`` strings. Task names
+    are checked against :data:`~dagmoe_jax.data.tasks.TASKS`. Errors name
+    ``DataConfig.<field>``.
     """
     kind, sep, rest = spec.partition(":") if isinstance(spec, str) else ("", "", "")
     _check(bool(sep) and kind in SOURCE_KINDS, field, spec, _SOURCE_HELP)
+    if kind == "mix":
+        return kind, tuple(f"{w!r}*{s}" for w, s in mix_components(rest, field, spec))
     if kind == "tfds":
         args = (rest.strip(),) if rest.strip() else ()
     else:
@@ -60,6 +67,35 @@ def parse_source(spec: str, field: str = "source") -> tuple[str, tuple[str, ...]
     return kind, args
 
 
+def mix_components(rest: str, field: str = "source", spec: str = "") -> list:
+    """[(weight, source spec)] of a ``mix:`` spec's argument ``rest``: comma-separated
+    ``<weight>*<spec>`` items (a comma inside a component's own arguments stays with it), the
+    weights positive and normalised to sum to 1, each spec a pre-training source
+    (:data:`MIXABLE`), e.g. ``0.5*parquet:slimpajama/*.parquet,0.5*jsonl:metamath/*.jsonl``."""
+    items = []
+    for piece in rest.split(","):
+        head = piece.split("*", 1)[0].strip()
+        try:
+            weight = float(head) if "*" in piece else None
+        except ValueError:
+            weight = None
+        if weight is None:
+            _check(bool(items) and bool(piece.strip()), field, spec,
+                   "'mix:<weight>*<source>,<weight>*<source>...' (a weight first)")
+            items[-1][1] += "," + piece
+        else:
+            items.append([weight, piece.split("*", 1)[1].strip()])
+    _check(len(items) >= 1, field, spec, "at least one '<weight>*<source>' after 'mix:'")
+    total = sum(w for w, _ in items)
+    for weight, sub in items:
+        _check(weight > 0 and math.isfinite(weight), field, spec,
+               f"positive weights (got {weight:g})")
+        kind = parse_source(sub, field)[0]
+        _check(kind in MIXABLE, field, spec,
+               f"mixed sources of kinds {', '.join(MIXABLE)} (not {kind!r})")
+    return [(w / total, sub) for w, sub in items]
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Where the text comes from, how it is tokenized, and how it is batched.
@@ -68,6 +104,11 @@ class DataConfig:
       ``synthetic:<tasks>`` (built-in DP tasks, :mod:`dagmoe_jax.data.tasks`),
       ``text:<globs>`` (plain text files; documents separated by blank lines),
       ``jsonl:<globs>`` (one JSON object per line, text under ``text_key``),
+      ``parquet:<globs>`` (column ``text_key`` of Parquet files, the Hub's format),
+      ``mix:<w>*<spec>,<w>*<spec>...`` (pre-training sources drawn in proportion to their
+      weights, each shuffled and repeated on its own, e.g. CoE's 1:1
+      ``mix:0.5*parquet:slimpajama/*.parquet,0.5*jsonl:metamath/*.jsonl``; evaluation reads
+      each component's held-out records in the same proportions),
       ``array_record:<globs>`` (each record utf-8 text, or a JSON object with ``text_key``),
       ``tfds:<name>`` (a TFDS dataset already prepared in ``tfds_data_dir``; its ``text_key``
       feature, bytes decoded as utf-8), ``instruct:<globs>`` (instruction records in JSON-lines,

@@ -31,7 +31,8 @@ from dagmoe_jax.data.packing import global_batches
 from dagmoe_jax.data.instruct import (EncodeExample, chat_encoder, instruct_eval_batches,
                                       is_instruct, shift_packed)
 from dagmoe_jax.data.sources import TASK_EVAL_STREAM
-from dagmoe_jax.data.splits import eval_source, train_records, train_source
+from dagmoe_jax.data.splits import (eval_source, mixed_train_records, mixture,
+                                    train_records, train_source)
 from dagmoe_jax.data.tasks import generate
 from dagmoe_jax.data.tokenizers import Tokenizer, check_tokens
 from dagmoe_jax.data.workers import finish_stream
@@ -96,7 +97,8 @@ def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, process_index: int =
     """The endless training stream of this process: batches of ``batch_size // process_count``.
 
     Records of this process (:func:`~dagmoe_jax.data.splits.train_records`) -> shuffled with
-    ``cfg.seed`` (a new order each epoch) and repeated forever -> tokenized with EOS appended
+    ``cfg.seed`` (a new order each epoch) and repeated forever (a ``mix:`` source: each
+    component so, then drawn by weight, :func:`~dagmoe_jax.data.splits.mixed_train_records`) -> tokenized with EOS appended
     -> packed end to end (``ConcatThenSplitIterDataset``) into windows of seq_len + 1 -> inputs
     w[:-1], targets w[1:] -> batched. ``iter(ds)`` is a grain ``DatasetIterator``: save its
     ``get_state()`` (or use ``grain.checkpoint.CheckpointSave`` with Orbax) and ``set_state`` an
@@ -110,10 +112,14 @@ def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, process_index: int =
     is made (:class:`CheckTokens`).
     """
     batch = local_batch_size(cfg, process_count)
-    ds = train_records(cfg, process_index=process_index, process_count=process_count)
-    if cfg.shuffle:
-        ds = ds.shuffle(seed=cfg.seed)
-    ds = ds.repeat().map(_Encode(tokenizer, annotate))
+    if mixture(cfg):
+        ds = mixed_train_records(cfg, process_index=process_index, process_count=process_count)
+    else:
+        ds = train_records(cfg, process_index=process_index, process_count=process_count)
+        if cfg.shuffle:
+            ds = ds.shuffle(seed=cfg.seed)
+        ds = ds.repeat()
+    ds = ds.map(_Encode(tokenizer, annotate))
     it = ds.to_iter_dataset(grain.ReadOptions(**READ_OPTIONS))
     it = grain.experimental.ConcatThenSplitIterDataset(
         it, length_struct={k: cfg.seq_len + 1 for k in ("tokens",) + _annotation_keys(annotate)})

@@ -26,6 +26,7 @@ import numpy as np
 
 from dagmoe_jax.validate import first_line
 from dagmoe_jax.data.config import DataConfig, parse_source
+from dagmoe_jax.data.parquet import ParquetSource
 from dagmoe_jax.data.tasks import generate
 
 logger = logging.getLogger(__name__)
@@ -389,6 +390,8 @@ def open_source(cfg: DataConfig, field: str, *, split: str = "", stream: int = T
             src = TextSource(files)
         elif kind == "jsonl":
             src = JsonlSource(files, cfg.text_key, where)
+        elif kind == "parquet":
+            src = ParquetSource(files, cfg.text_key, where)   # data/parquet.py
         else:
             src = ArrayRecordSource(files, cfg.text_key, where)
     if len(src) == 0:

@@ -25,6 +25,36 @@ def open_source(cfg: DataConfig, field: str, **kwargs):
     return _open_text(cfg, field, **kwargs)
 
 
+def mixture(cfg: DataConfig):
+    """[(weight, DataConfig of the component)] of a ``mix:`` source, else None."""
+    kind, args = parse_source(cfg.source)
+    if kind != "mix":
+        return None
+    return [(float(item.split("*", 1)[0]), cfg.replace(source=item.split("*", 1)[1]))
+            for item in args]
+
+
+def _mixed(parts, weights) -> grain.MapDataset:
+    return grain.MapDataset.mix([grain.MapDataset.source(p) if not isinstance(
+        p, grain.MapDataset) else p for p in parts], list(weights))
+
+
+def mixed_train_records(cfg: DataConfig, *, process_index: int = 0,
+                        process_count: int = 1) -> grain.MapDataset:
+    """The endless training records of a ``mix:`` source for this process: each component's
+    records (:func:`train_records`), shuffled with its own seed (``cfg.seed`` + its position)
+    unless ``cfg.shuffle`` is False, repeated forever, and drawn in proportion to the weights
+    by ``grain.MapDataset.mix``: deterministic, index-based, so a saved iterator state
+    resumes exactly, and a small component repeats rather than cutting the large one short."""
+    parts = []
+    for c, (_, sub) in enumerate(mixture(cfg)):
+        records = train_records(sub, process_index=process_index, process_count=process_count)
+        if cfg.shuffle:
+            records = records.shuffle(seed=(cfg.seed + c) % 2**32)
+        parts.append(records.repeat())
+    return _mixed(parts, [w for w, _ in mixture(cfg)])
+
+
 def heldout_count(num_records: int, fraction: float) -> int:
     """Records held out of ``num_records``: ``max(1, round(fraction * num_records))``."""
     return max(1, int(round(fraction * num_records)))
@@ -73,7 +103,8 @@ class TrainView(HeldOutView):
 
 def _holds_out(cfg: DataConfig) -> bool:
     """Whether evaluation uses held-out records of ``source`` (rather than other data)."""
-    return not cfg.eval_source and not cfg.eval_split and parse_source(cfg.source)[0] != "synthetic"
+    return (not cfg.eval_source and not cfg.eval_split
+            and parse_source(cfg.source)[0] not in ("synthetic", "mix"))
 
 
 def _split_views(cfg: DataConfig):
@@ -89,6 +120,9 @@ def _split_views(cfg: DataConfig):
 def train_source(cfg: DataConfig):
     """All training records (every process's): ``source`` minus the held-out records when
     evaluation holds records out, else all of ``source`` (split ``cfg.split`` for TFDS)."""
+    if mixture(cfg):        # each component's own, once, in proportion (a finite mixture)
+        return _mixed([train_source(sub) for _, sub in mixture(cfg)],
+                      [w for w, _ in mixture(cfg)])
     if _holds_out(cfg):
         return _split_views(cfg)[0]
     return open_source(cfg, "source", stream=TRAIN_STREAM)
@@ -103,6 +137,9 @@ def eval_source(cfg: DataConfig):
                            stream=HELDOUT_STREAM)
     if cfg.eval_split:
         return open_source(cfg, "source", split=cfg.eval_split)
+    if mixture(cfg):        # each component's held-out records, in proportion
+        return _mixed([eval_source(sub) for _, sub in mixture(cfg)],
+                      [w for w, _ in mixture(cfg)])
     if parse_source(cfg.source)[0] == "synthetic":
         return open_source(cfg, "source", stream=HELDOUT_STREAM)
     return _split_views(cfg)[1]

@@ -53,6 +53,7 @@ from jax.experimental import io_callback
 
 from dagmoe_jax.config import ExecutionConfig, ModelConfig, experts_of
 from dagmoe_jax.model import Transformer
+from dagmoe_jax.run.settle import settle
 
 DEFAULT_DISPATCH = "dropless"
 
@@ -222,7 +223,6 @@ def computing_in(model: Transformer, dtype: str) -> Transformer:
     cfg = model.cfg
     if jnp.dtype(cfg.compute_dtype) == jnp.dtype(dtype):
         return model
-    from dagmoe_jax.run.settle import settle  # pylint: disable=import-outside-toplevel
     new = cfg.replace(compute_dtype=str(dtype))
     execution = settle(new, dataclasses.replace(model.execution, attention="auto",
                                                 grouped_matmul="auto", dag_module="auto"))

@@ -76,7 +76,7 @@ class DagmoeLM(TemplateLM):
 
     run_dir: a run directory (``train.py``, the upcycle command, DUME merges): its newest
       checkpoint, tokenizer and model family; or ``hf:FOLDER``, a Hugging Face Llama folder
-      with its tokenizer.json (:func:`dagmoe_jax.hf.llama.load_hf_run`), which ``pretrained=
+      with its tokenizer.json (:func:`dagmoe_jax.hf.run.load_hf_run`), which ``pretrained=
       FOLDER`` also names, as for HFLM. Or pass a loaded ``run``
       (:class:`dagmoe_jax.run.LoadedRun`) from Python.
     batch_size: rows per compiled call (default 8), or 'auto': the largest power of two up to
@@ -117,7 +117,7 @@ class DagmoeLM(TemplateLM):
         import jax
         from dagmoe_jax import run as run_lib
         from dagmoe_jax.decoding.generate import computing_in
-        from dagmoe_jax.hf.llama import HF_PREFIX, load_hf_run
+        from dagmoe_jax.hf.run import HF_PREFIX, load_hf_run
         from dagmoe_jax.parallel import MeshConfig, make_mesh, place_on_mesh
         from dagmoe_jax.run.extensions import extension_for
 

@@ -372,36 +372,6 @@ def load_hf_llama(path: PathLike, *, rngs: Optional[nnx.Rngs] = None,
     return model, cfg
 
 
-HF_PREFIX = "hf:"
-
-
-def load_hf_run(path: PathLike, *, execution: Optional[ExecutionConfig] = None, **overrides):
-    """A Hugging Face Llama folder as a :class:`~dagmoe_jax.run.LoadedRun` (step 0): the model
-    of :func:`load_hf_llama` with the folder's ``tokenizer.json`` (its BOS, EOS and chat
-    template read from ``tokenizer_config.json``, as for a run trained with it), so that what
-    reads a run directory (the harness's ``run_dir='hf:FOLDER'``, sampling) reads the folder
-    as it is. One-line ValueError without a ``tokenizer.json``."""
-    # pylint: disable=import-outside-toplevel
-    from dagmoe_jax.data import DataConfig
-    from dagmoe_jax.data.tokenizers import make_tokenizer
-    from dagmoe_jax.run.config import OptimConfig, TrainConfig
-    from dagmoe_jax.run.directory import LoadedRun
-
-    folder = Path(str(path)).expanduser().resolve()
-    read_hf_config(folder)                  # a one-line error first where it is no model
-    tokenizer_json = folder / "tokenizer.json"
-    if not tokenizer_json.is_file():
-        raise ValueError(f"{tokenizer_json} does not exist: a Hugging Face folder is scored with "
-                         "its own tokenizer.json (save it with the model: "
-                         "tokenizer.save_pretrained(folder))")
-    model, cfg = load_hf_llama(folder, execution=execution, **overrides)
-    data_cfg = DataConfig(tokenizer="hf", tokenizer_path=str(tokenizer_json),
-                          seq_len=min(cfg.max_seq_len, DataConfig().seq_len))
-    return LoadedRun(model=model, step=0, model_cfg=cfg, data_cfg=data_cfg,
-                     optim_cfg=OptimConfig(), train_cfg=TrainConfig(),
-                     tokenizer=make_tokenizer(data_cfg), warnings=[])
-
-
 def params_to_hf_tensors(model: nnx.Module, tied: bool) -> Iterator[Tuple[str, np.ndarray]]:
     """(Hugging Face tensor name, float32 array) of a dense Transformer, the inverse of
     :func:`hf_tensors_to_params`."""

@@ -101,10 +101,15 @@ def source_data_config(init_from: str, data_cfg: DataConfig,
                        tokenizer_from_source: bool = True) -> DataConfig:
     """``data_cfg`` with ``init_from``'s tokenizer (:data:`TOKENIZER_FIELDS`). A field bound in
     ``data_cfg`` (not its default) that differs from the source's is a one-line error, unless
-    ``tokenizer_from_source`` is False, which keeps ``data_cfg`` as it is."""
+    ``tokenizer_from_source`` is False, which keeps ``data_cfg`` as it is. The chat template
+    is the source's only where the source chose one (a pre-trained run's 'auto' leaves this
+    run's own)."""
     if not init_from or not tokenizer_from_source:
         return data_cfg
     source, default = _source_tokenizer(init_from), DataConfig()
+    if source["chat_template"] == default.chat_template:
+        # A source that chose no template (a pre-trained run) leaves the choice to this run.
+        source["chat_template"] = data_cfg.chat_template
     conflicts = [f"DataConfig.{k}={getattr(data_cfg, k)!r} (the source has {v!r})"
                  for k, v in source.items()
                  if getattr(data_cfg, k) != getattr(default, k) and getattr(data_cfg, k) != v

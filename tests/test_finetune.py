@@ -281,7 +281,8 @@ def test_reading_a_run_with_another_tokenizer_file_is_refused(hf_source, tmp_pat
 
 
 def test_a_dataset_with_nothing_to_train_exits_2_and_writes_nothing(tmp_path):
-    """Every example longer than seq_len + 1 (cut before its answer): one line, exit 2, and
+    """Every example longer than seq_len + 1 and cut from its head before its answer: one line,
+    exit 2, and
     no run directory (it is created only once the data is found trainable)."""
     import json
 
@@ -292,7 +293,8 @@ def test_a_dataset_with_nothing_to_train_exits_2_and_writes_nothing(tmp_path):
     result = subprocess.run(
         [sys.executable, str(REPO / "train.py"), "--gin_file=finetune/smoke.gin",
          f"--run_dir={run_dir}", "--no_progress", f"--gin.DataConfig.source='instruct:{data}'",
-         "--gin.DataConfig.seq_len=32", "--gin.DataConfig.batch_size=8"],
+         "--gin.DataConfig.seq_len=32", "--gin.DataConfig.batch_size=8",
+         "--gin.DataConfig.truncation='head'"],     # (LlamaFactory's cut would keep answers)
         capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()

@@ -319,6 +319,42 @@ def test_packing_off_puts_one_example_per_row(tmp_path):
                                                              for b in packed)
 
 
+def test_llamafactory_truncation_keeps_a_share_of_each_answer():
+    """truncate_example('llamafactory') cuts turn by turn with LlamaFactory's infer_seqlen
+    (transcribed here from data/processor/processor_utils.py): a long prompt keeps the answer,
+    long both are cut in proportion, a later turn gets what the earlier ones left."""
+    from dagmoe_jax.data.instruct import infer_seqlen, truncate_example
+
+    def theirs(source_len, target_len, cutoff_len):          # LlamaFactory's, as written
+        if target_len * 2 < cutoff_len:
+            max_target_len = cutoff_len
+        elif source_len * 2 < cutoff_len:
+            max_target_len = cutoff_len - source_len
+        else:
+            max_target_len = int(cutoff_len * (target_len / (source_len + target_len)))
+        new_target_len = min(max_target_len, target_len)
+        max_source_len = max(cutoff_len - new_target_len, 0)
+        return min(max_source_len, source_len), new_target_len
+
+    for s_len, t_len, cut in [(100, 10, 64), (10, 100, 64), (80, 60, 64), (5, 5, 64),
+                              (64, 64, 64), (1, 200, 3)]:
+        assert infer_seqlen(s_len, t_len, cut) == theirs(s_len, t_len, cut)
+    # one turn: a 100-token prompt, a 10-token answer, 64 tokens: the answer survives whole
+    ids, w = list(range(110)), [0] * 100 + [1] * 10
+    got_ids, got_w = truncate_example(ids, w, 64, "llamafactory")
+    assert got_ids == list(range(54)) + list(range(100, 110)) and sum(got_w) == 10
+    assert truncate_example(ids, w, 64, "head") == (ids[:64], w[:64])     # no answer left
+    # two turns: the second gets what the first left
+    ids2 = list(range(50))
+    w2 = [0] * 10 + [1] * 10 + [0] * 20 + [1] * 10
+    got_ids, got_w = truncate_example(ids2, w2, 30, "llamafactory")
+    s1, t1 = theirs(10, 10, 30)
+    s2, t2 = theirs(20, 10, 30 - s1 - t1)
+    assert len(got_ids) == s1 + t1 + s2 + t2 <= 30
+    assert got_ids[:s1 + t1] == list(range(s1)) + list(range(10, 10 + t1))
+    assert truncate_example(ids2, w2, 60, "llamafactory") == (ids2, w2)   # fits: untouched
+
+
 def test_long_examples_are_truncated_and_counted(tmp_path):
     cfg = sft_cfg(tmp_path, seq_len=24)
     tok = make_tokenizer(cfg)

@@ -154,6 +154,10 @@ class DataConfig:
       rows of seq_len + 1 (segment ids keep them apart); False puts one example per row, padded
       (LlamaFactory's default, so ``batch_size`` counts examples: N examples over E epochs are
       ceil(E N / batch_size) steps).
+    truncation: ``instruct:`` sources only: how an example longer than seq_len + 1 tokens is
+      cut: 'llamafactory' (default) turn by turn, each turn's prompt and answer shortened in
+      proportion as LlamaFactory's ``infer_seqlen`` does, so a long prompt keeps a share of
+      its answer; 'head' keeps its first seq_len + 1 tokens.
     """
 
     source: str = "synthetic:lis,edit_distance"
@@ -179,6 +183,7 @@ class DataConfig:
     topics_dir: str = ""
     segment_packing: bool = False
     packing: bool = True
+    truncation: str = "llamafactory"
     instruct_format: str = "auto"
     chat_template: str = "auto"
 
@@ -216,6 +221,8 @@ class DataConfig:
         _check(isinstance(self.segment_packing, bool), "segment_packing", self.segment_packing,
                "True or False")
         _check(isinstance(self.packing, bool), "packing", self.packing, "True or False")
+        _check(self.truncation in ("head", "llamafactory"), "truncation", self.truncation,
+               "'head' or 'llamafactory'")
         _check(check_format(self.instruct_format), "instruct_format", self.instruct_format,
                "one of " + ", ".join(map(repr, FORMATS)))
         _str("chat_template", self.chat_template)

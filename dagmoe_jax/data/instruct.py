@@ -4,8 +4,9 @@ assistant's tokens only.
 An ``instruct:`` source's records (:mod:`~dagmoe_jax.data.instruct_records`) are formatted
 and tokenized by :class:`~dagmoe_jax.data.chat.ChatEncoder` into token ids and 0/1 loss
 weights (1 on the assistant's tokens and the EOS ending each assistant turn). An example
-longer than ``seq_len + 1`` tokens is truncated to its first ``seq_len + 1`` (the count is
-reported by :func:`instruct_stats`). Examples are packed whole, first fit
+longer than ``seq_len + 1`` tokens is cut as ``DataConfig.truncation`` says (the count is
+reported by :func:`instruct_stats`): its first ``seq_len + 1`` tokens ('head'), or turn by
+turn as LlamaFactory cuts, prompt and answer in proportion ('llamafactory'). Examples are packed whole, first fit
 (``grain.experimental.FirstFitPackIterDataset``, one bin per batch row), never split across
 rows; with ``DataConfig.packing = False`` each row holds one example, padded. Every batch
 holds:
@@ -66,17 +67,73 @@ def chat_encoder(cfg: DataConfig, tokenizer: Tokenizer) -> ChatEncoder:
     return ChatEncoder(tokenizer)
 
 
-class EncodeExample:
-    """conversation -> {'tokens', 'weights'} int32, truncated to ``max_len`` tokens (a
-    picklable grain map function)."""
+TRUNCATIONS = ("head", "llamafactory")
 
-    def __init__(self, encoder: ChatEncoder, max_len: int):
-        self.encoder, self.max_len = encoder, int(max_len)
+
+def infer_seqlen(source_len: int, target_len: int, cutoff_len: int) -> tuple:
+    """(source, target) lengths kept of a turn within ``cutoff_len`` tokens, as LlamaFactory
+    (``data/processor/processor_utils.py``) decides: a short answer is kept whole and the
+    prompt cut, a short prompt is kept whole and the answer cut, else both in proportion."""
+    if target_len * 2 < cutoff_len:
+        max_target_len = cutoff_len
+    elif source_len * 2 < cutoff_len:
+        max_target_len = cutoff_len - source_len
+    else:
+        max_target_len = int(cutoff_len * (target_len / (source_len + target_len)))
+    new_target_len = min(max_target_len, target_len)
+    new_source_len = min(max(cutoff_len - new_target_len, 0), source_len)
+    return new_source_len, new_target_len
+
+
+def turns(weights) -> list:
+    """[(start, source_end, end)] of a tokenized conversation: each turn's untrained tokens
+    (the prompt, the template's headers) [start, source_end) and its trained ones (the answer
+    up to its last trained token) [source_end, end); a last turn with no answer has
+    source_end == end."""
+    w = np.asarray(weights) != 0
+    out, start, n = [], 0, len(w)
+    while start < n:
+        first = start + int(np.argmax(w[start:])) if w[start:].any() else n
+        end = first
+        while end < n and w[end]:
+            end += 1
+        out.append((start, first, end))
+        start = end
+    return out
+
+
+def truncate_example(ids, weights, max_len: int, how: str = "head") -> tuple:
+    """(ids, weights) of a tokenized conversation cut to at most ``max_len`` tokens: 'head'
+    keeps the first ``max_len``; 'llamafactory' cuts turn by turn as LlamaFactory's
+    supervised processor does (each turn's prompt and answer shortened by
+    :func:`infer_seqlen` within what the earlier turns left, each kept from its start), so a
+    long prompt keeps a share of its answer."""
+    ids, weights = list(ids), list(weights)
+    if len(ids) <= max_len or how == "head":
+        return ids[:max_len], weights[:max_len]
+    kept_ids, kept_w, left = [], [], max_len
+    for start, source_end, end in turns(weights):
+        if left <= 0:
+            break
+        s, t = infer_seqlen(source_end - start, end - source_end, left)
+        keep = list(range(start, start + s)) + list(range(source_end, source_end + t))
+        kept_ids += [ids[i] for i in keep]
+        kept_w += [weights[i] for i in keep]
+        left -= s + t
+    return kept_ids, kept_w
+
+
+class EncodeExample:
+    """conversation -> {'tokens', 'weights'} int32, cut to ``max_len`` tokens as
+    ``truncation`` says (:func:`truncate_example`; a picklable grain map function)."""
+
+    def __init__(self, encoder: ChatEncoder, max_len: int, truncation: str = "head"):
+        self.encoder, self.max_len, self.truncation = encoder, int(max_len), truncation
 
     def __call__(self, messages) -> dict:
-        ids, weights = self.encoder.encode(messages)
-        return {"tokens": np.asarray(ids[:self.max_len], np.int32),
-                "weights": np.asarray(weights[:self.max_len], np.int32)}
+        ids, weights = truncate_example(*self.encoder.encode(messages), self.max_len,
+                                        self.truncation)
+        return {"tokens": np.asarray(ids, np.int32), "weights": np.asarray(weights, np.int32)}
 
 
 class _Zeros:
@@ -162,7 +219,7 @@ def instruct_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, epochs: Optional[
     its batches' ids are checked against ``vocab_size`` as theirs are."""
     batch = local_batch_size(cfg, process_count)
     records = train_records(cfg, process_index=process_index, process_count=process_count)
-    encode = EncodeExample(chat_encoder(cfg, tokenizer), cfg.seq_len + 1)
+    encode = EncodeExample(chat_encoder(cfg, tokenizer), cfg.seq_len + 1, cfg.truncation)
     it = _packed(records, cfg, batch, epochs, encode)
     return finish_stream(it, cfg.worker_count, vocab_size)
 
@@ -183,10 +240,12 @@ def instruct_stats(cfg: DataConfig, tokenizer: Tokenizer, *, epochs: int,
         lengths = []
         for i in range(len(records)):
             ex = encode(records[i])
-            n = min(len(ex["tokens"]), cfg.seq_len + 1)
+            ids, weights = truncate_example(ex["tokens"], ex["weights"], cfg.seq_len + 1,
+                                            cfg.truncation)
+            n = len(ids)
             lengths.append(n)
             stats["truncated"] += int(len(ex["tokens"]) > n)
-            stats["trained_tokens"] += int(ex["weights"][1:n].sum())
+            stats["trained_tokens"] += int(np.sum(weights[1:]))
             stats["tokens"] += n
         stats["examples"] += len(lengths)
         shapes = _packed(grain.MapDataset.source(np.asarray(lengths)), cfg.replace(
@@ -209,7 +268,7 @@ def instruct_eval_batches(cfg: DataConfig, tokenizer: Tokenizer, *,
     local_batch_size(cfg, process_count)
     width = cfg.seq_len + 1
     examples = grain.MapDataset.source(eval_source(cfg)).map(
-        EncodeExample(chat_encoder(cfg, tokenizer), width))
+        EncodeExample(chat_encoder(cfg, tokenizer), width, cfg.truncation))
     rows = grain.experimental.FirstFitPackIterDataset(       # one bin: next fit, in order
         examples.to_iter_dataset(), length_struct={"tokens": width, "weights": width},
         num_packing_bins=1, shuffle_bins=False).map(_ShiftPacked())

@@ -279,7 +279,7 @@ def _unigram_entropy(cfg: DataConfig, tokenizer: Tokenizer, max_tokens: int) -> 
     counts, total = np.zeros(vocab, np.int64), 0
     records = grain.MapDataset.source(train_source(cfg)).shuffle(seed=cfg.seed)
     if is_instruct(cfg):
-        encode = EncodeExample(chat_encoder(cfg, tokenizer), cfg.seq_len + 1)
+        encode = EncodeExample(chat_encoder(cfg, tokenizer), cfg.seq_len + 1, cfg.truncation)
     else:
         encode = functools.partial(encode_record, tokenizer)
     for i in range(len(records)):

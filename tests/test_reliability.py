@@ -460,3 +460,88 @@ def test_fields_newer_than_a_checkpoint_are_no_change_at_their_defaults():
     # how an earlier version ran it (the execution it kept in the model config) is no change
     old["model_config"]["execution"] = {"remat": "full", "attention": "xla"}
     assert run_lib.resume_changes("/nonexistent", cfg, None, old) == ([], [])
+
+
+def _train_until(run_dir: Path, marker: str, *args: str):
+    """A train.py process (stdout and stderr read line by line in threads) and a function that
+    waits until ``marker`` is in its stdout (True) or the process ends (False)."""
+    import threading
+    import time
+
+    proc = subprocess.Popen([*TRAIN, f"--run_dir={run_dir}", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=run_dir.parent)
+    seen = {"out": [], "err": []}
+
+    def pump(stream, into):
+        for line in stream:
+            into.append(line)
+    threads = [threading.Thread(target=pump, args=(proc.stdout, seen["out"]), daemon=True),
+               threading.Thread(target=pump, args=(proc.stderr, seen["err"]), daemon=True)]
+    for t in threads:
+        t.start()
+
+    def wait(timeout=240.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(marker in line for line in seen["out"]):
+                return True
+            if proc.poll() is not None:
+                return False
+            time.sleep(0.05)
+        raise AssertionError(f"no {marker!r} within {timeout} s: {''.join(seen['err'])[-2000:]}")
+
+    def finish():
+        proc.wait(timeout=240)
+        for t in threads:
+            t.join(timeout=10)
+        return proc.returncode, "".join(seen["out"]), "".join(seen["err"])
+    return proc, wait, finish
+
+
+@pytest.mark.slow
+def test_a_signal_at_any_moment_is_one_clean_stop(tmp_path):
+    """SIGINT while the libraries load and the run starts: exit 130, one line, no run
+    directory. SIGINT while step 1 compiles: the step finishes, is saved, exit 0. SIGTERM mid
+    run: saved and resumed, and the resumed run's losses are the uninterrupted run's, bit for
+    bit."""
+    import signal
+    import time
+
+    # start-up: while the libraries load, and once the configuration is read
+    for marker in (None, "config:"):
+        run_dir = tmp_path / f"startup_{marker is None}"
+        proc, wait, finish = _train_until(run_dir, marker or "\0")
+        if marker is None:
+            time.sleep(1.0)
+        else:
+            assert wait()
+        proc.send_signal(signal.SIGINT)
+        code, out, err = finish()
+        lines = err.strip().splitlines()
+        assert code == 130 and len(lines) == 1, err[-3000:]
+        assert lines[0].startswith("error: SIGINT received before training began")
+        assert not run_dir.exists()
+    # while the first step compiles: it completes, is checkpointed and the run stops cleanly
+    compiled = tmp_path / "compile"
+    proc, wait, finish = _train_until(compiled, "step 1: compiling the training step")
+    assert wait()
+    proc.send_signal(signal.SIGINT)
+    code, out, err = finish()
+    assert code == 0 and "Traceback" not in err, err[-3000:]
+    assert "SIGINT received: saved a checkpoint at step 1" in out
+    # mid-run, then resumed: the losses equal an uninterrupted run's
+    steps = ["--gin.TrainConfig.steps=12", "--gin.TrainConfig.eval_every=0",
+             "--gin.TrainConfig.save_every=100"]
+    whole = tmp_path / "whole"
+    assert run(whole, *steps).returncode == 0
+    cut = tmp_path / "cut"
+    proc, wait, finish = _train_until(cut, "compiled the training step", *steps)
+    assert wait()
+    while proc.poll() is None and len(read_metrics(cut)) < 5:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = finish()
+    assert code == 0 and "SIGTERM received: saved a checkpoint" in out, err[-3000:]
+    assert run(cut, *steps).returncode == 0
+    loss = lambda d: {r["step"]: r["loss"] for r in read_metrics(d) if "loss" in r}  # noqa: E731
+    assert loss(cut) == loss(whole) and len(loss(whole)) == 12

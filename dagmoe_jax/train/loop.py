@@ -36,10 +36,11 @@ from dagmoe_jax.train.init_from import (load_initial_params, source_data_config,
                                          source_model_config)
 from dagmoe_jax.run.optim import TRAINABLE, schedule_note
 from dagmoe_jax.train.step import make_train_step
-from dagmoe_jax.train.trainer import (NonFiniteLossError, Trainer, on_main_process,
+from dagmoe_jax.train.trainer import (Interrupted, NonFiniteLossError, Trainer,
+                                      check_interrupted, interrupt_on_signals, on_main_process,
                                       stop_on_signals)
 
-__all__ = ["NonFiniteLossError", "RunResult", "train"]
+__all__ = ["Interrupted", "NonFiniteLossError", "RunResult", "train"]
 
 
 @dataclasses.dataclass
@@ -56,12 +57,17 @@ class RunResult:
 
 def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
           train_cfg: TrainConfig, *, progress: bool = True,
-          log: Callable[[str], None] = print, operative_gin: str = "") -> RunResult:
+          log: Callable[[str], None] = print, operative_gin: str = "",
+          signals: Optional[dict] = None) -> RunResult:
     """Train (or resume) the run in ``train_cfg.run_dir``; returns a :class:`RunResult`.
 
     ``log`` receives one-line reports (resume, evaluations, stop reasons); the progress bar
     shows step, loss, tokens/s and ETA. Raises
-    :class:`~dagmoe_jax.train.trainer.NonFiniteLossError` on a NaN/inf loss.
+    :class:`~dagmoe_jax.train.trainer.NonFiniteLossError` on a NaN/inf loss, and
+    :class:`~dagmoe_jax.train.trainer.Interrupted` for SIGINT / SIGTERM before the first step.
+    ``signals``: where a command's own signal handler recorded a signal received before this
+    call (its exception may have been swallowed by a library's callback): one there stops the
+    run before anything is written.
     """
     say, is_main = on_main_process(log), jax.process_index() == 0
     if train_cfg.init_from:
@@ -72,77 +78,110 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
                   else "the gin config")
         say(f"tokenizer: {data_cfg.tokenizer}"
             f"{' ' + data_cfg.tokenizer_path if data_cfg.tokenizer_path else ''} ({origin})")
-    # Until the run's config is written, a failure (bad data, a signal) removes the run
-    # directory this call created: no empty or half-made run is left behind.
-    with _new_run_directory(train_cfg.run_dir, remove=is_main):
-        run_dir, tokenizer = _prepare(model_cfg, data_cfg, train_cfg, is_main)
-        annotate = extension_for(model_cfg).prepare_run(data_cfg, run_dir, log=say, save=is_main)
-        dataset, train_cfg = _dataset(model_cfg, data_cfg, train_cfg, tokenizer, annotate, say)
-        evaluator = Evaluator(data_cfg, train_cfg, tokenizer, annotate)
-        mesh = make_mesh(train_cfg.mesh)
-        if schedule_note(optim_cfg, train_cfg.steps):
-            say(schedule_note(optim_cfg, train_cfg.steps))
-        model, optimizer, schedule = run_lib.build(model_cfg, optim_cfg, train_cfg, mesh, log=say)
-        how = run_lib.describe(model_cfg, model.execution, train_cfg.execution,
-                               layout=MeshLayout.of(mesh))
-        say(f"model settled for {jax.default_backend()}: {how}; host memory: {allocator()}")
-        checkpointer = run_lib.Checkpointer(run_dir / run_lib.CHECKPOINT_DIR,
-                                            save_every=train_cfg.save_every,
-                                            keep=train_cfg.keep_checkpoints,
-                                            async_save=train_cfg.async_checkpoint)
-        step_fn = make_train_step(grad_accum=train_cfg.grad_accum,
-                                  wrt=TRAINABLE[train_cfg.trainable], donate=True)
-        trainer = Trainer(model, optimizer, step_fn, iter(dataset), checkpointer,
-                          total_steps=train_cfg.steps, mesh=mesh,
-                          meta=run_lib.model_meta(model_cfg), run_dir=str(run_dir), say=say,
-                          batch_keys=extension_for(model_cfg).batch_keys,
-                          sync_every=train_cfg.log_every)
-        try:
-            start = trainer.restore_or_init(
-                check=lambda restored: _resume_policy(restored, run_dir, model_cfg, data_cfg,
-                                                      train_cfg, say))
-            if start == 0 and train_cfg.init_from:
-                say(load_initial_params(model, train_cfg.init_from, log=say))
-        except BaseException:
-            checkpointer.close()
-            raise
-        if is_main:
-            run_lib.save_configs(run_dir, model_cfg, data_cfg, optim_cfg, train_cfg,
-                                 settled=model.execution)
-            run_lib.save_operative_gin(run_dir, operative_gin)
-    writer = MetricsWriter(run_dir, enabled=is_main, tensorboard=train_cfg.tensorboard,
-                           resume_step=start, wandb_project=train_cfg.wandb_project,
-                           wandb_mode=train_cfg.wandb_mode,
-                           config=run_lib.configs_to_json(model_cfg, data_cfg, optim_cfg,
-                                                            train_cfg))
-    bar = ProgressHook(writer, schedule, total_steps=train_cfg.steps,
-                       tokens_per_step=data_cfg.batch_size * data_cfg.seq_len,
-                       log_every=train_cfg.log_every, show=progress and is_main, say=say)
-    trainer.add_hook(bar)
-    trainer.add_hook(EvalHook(evaluator, model, writer, bar), every=train_cfg.eval_every)
-    stop, step, final_eval = {}, start, {}
-    # SIGTERM / SIGINT only set ``stop`` from here until the last checkpoint has committed and
-    # the final evaluation is done, so a second signal cannot kill a save in flight.
+    # SIGTERM / SIGINT: until the run's config is written they interrupt at once (nothing is
+    # worth saving yet), and a failure or a signal removes the run directory this call
+    # created, so no empty or half-made run is left behind; from then on they only set
+    # ``stop``: the step in flight finishes, a checkpoint is saved and committed, and further
+    # signals cannot kill that save.
+    stop: dict = {} if signals is None else signals
+    check_interrupted(stop)
     with stop_on_signals(stop):
+        with interrupt_on_signals(stop), _new_run_directory(train_cfg.run_dir, remove=is_main):
+            run = _start(model_cfg, data_cfg, optim_cfg, train_cfg, is_main, say)
+            try:
+                check_interrupted(stop)        # a signal a library callback swallowed
+                if is_main:
+                    run_lib.save_configs(run.run_dir, model_cfg, data_cfg, optim_cfg,
+                                         run.train_cfg, settled=run.model.execution)
+                    run_lib.save_operative_gin(run.run_dir, operative_gin)
+            except BaseException:
+                run.trainer.checkpointer.close()
+                raise
+        train_cfg, trainer, start = run.train_cfg, run.trainer, run.start
+        writer = MetricsWriter(run.run_dir, enabled=is_main, tensorboard=train_cfg.tensorboard,
+                               resume_step=start, wandb_project=train_cfg.wandb_project,
+                               wandb_mode=train_cfg.wandb_mode,
+                               config=run_lib.configs_to_json(model_cfg, data_cfg, optim_cfg,
+                                                                train_cfg))
+        bar = ProgressHook(writer, run.schedule, total_steps=train_cfg.steps,
+                           tokens_per_step=data_cfg.batch_size * data_cfg.seq_len,
+                           log_every=train_cfg.log_every, show=progress and is_main, say=say)
+        trainer.add_hook(bar)
+        trainer.add_hook(EvalHook(run.evaluator, run.model, writer, bar),
+                         every=train_cfg.eval_every)
+        step, final_eval = start, {}
         try:
             step, interrupted = trainer.run(start, stop)
             bar.close()
             if interrupted:
                 say(f"{stop['signal']} received: saved a checkpoint at step {step} in "
-                    f"{run_dir / run_lib.CHECKPOINT_DIR}; run the same command again to resume")
+                    f"{run.run_dir / run_lib.CHECKPOINT_DIR}; run the same command again to "
+                    "resume")
             else:
                 with trainer.mesh_scope():
-                    final_eval = evaluator(model)
-                if step > start or not _has_eval_record(run_dir, step):
+                    final_eval = run.evaluator(run.model)
+                if step > start or not _has_eval_record(run.run_dir, step):
                     writer.write(step, final_eval, prefix="eval/")   # not again on re-evaluation
-                final_eval["unigram_baseline"] = unigram_entropy(data_cfg, tokenizer)
+                final_eval["unigram_baseline"] = unigram_entropy(data_cfg, run.tokenizer)
                 say(f"final eval at step {step}: " + format_eval(final_eval))
         finally:
             bar.close()
-            checkpointer.close()                 # waits for (and checksums) a pending save
+            trainer.checkpointer.close()         # waits for (and checksums) a pending save
             writer.close()
-    return RunResult(run_dir=str(run_dir), step=step, resumed_from=start or None,
+    return RunResult(run_dir=str(run.run_dir), step=step, resumed_from=start or None,
                      interrupted=bool(stop), eval=final_eval, losses=trainer.losses)
+
+
+@dataclasses.dataclass
+class _Started:
+    """What :func:`_start` made of a run: its directory, tokenizer, settled train config, model,
+    evaluation, schedule, the trainer and the step it starts from."""
+
+    run_dir: Path
+    tokenizer: object
+    train_cfg: TrainConfig
+    model: object
+    evaluator: Evaluator
+    schedule: object
+    trainer: Trainer
+    start: int
+
+
+def _start(model_cfg, data_cfg, optim_cfg, train_cfg, is_main: bool, say) -> _Started:
+    """Everything before the first step: the run directory, the data (checked), the model,
+    the checkpointer, and the resumed or initial state."""
+    run_dir, tokenizer = _prepare(model_cfg, data_cfg, train_cfg, is_main)
+    annotate = extension_for(model_cfg).prepare_run(data_cfg, run_dir, log=say, save=is_main)
+    dataset, train_cfg = _dataset(model_cfg, data_cfg, train_cfg, tokenizer, annotate, say)
+    evaluator = Evaluator(data_cfg, train_cfg, tokenizer, annotate)
+    mesh = make_mesh(train_cfg.mesh)
+    if schedule_note(optim_cfg, train_cfg.steps):
+        say(schedule_note(optim_cfg, train_cfg.steps))
+    model, optimizer, schedule = run_lib.build(model_cfg, optim_cfg, train_cfg, mesh, log=say)
+    how = run_lib.describe(model_cfg, model.execution, train_cfg.execution,
+                           layout=MeshLayout.of(mesh))
+    say(f"model settled for {jax.default_backend()}: {how}; host memory: {allocator()}")
+    checkpointer = run_lib.Checkpointer(run_dir / run_lib.CHECKPOINT_DIR,
+                                        save_every=train_cfg.save_every,
+                                        keep=train_cfg.keep_checkpoints,
+                                        async_save=train_cfg.async_checkpoint)
+    step_fn = make_train_step(grad_accum=train_cfg.grad_accum,
+                              wrt=TRAINABLE[train_cfg.trainable], donate=True)
+    trainer = Trainer(model, optimizer, step_fn, iter(dataset), checkpointer,
+                      total_steps=train_cfg.steps, mesh=mesh, meta=run_lib.model_meta(model_cfg),
+                      run_dir=str(run_dir), say=say,
+                      batch_keys=extension_for(model_cfg).batch_keys,
+                      sync_every=train_cfg.log_every)
+    try:
+        start = trainer.restore_or_init(
+            check=lambda restored: _resume_policy(restored, run_dir, model_cfg, data_cfg,
+                                                  train_cfg, say))
+        if start == 0 and train_cfg.init_from:
+            say(load_initial_params(model, train_cfg.init_from, log=say))
+    except BaseException:
+        checkpointer.close()
+        raise
+    return _Started(run_dir, tokenizer, train_cfg, model, evaluator, schedule, trainer, start)
 
 
 @contextlib.contextmanager

@@ -106,3 +106,30 @@ def test_upcycle_command_end_to_end(tmp_path, capsys):
         assert cli.main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err[-1].startswith("error:") and message in err[-1], err
+
+
+def test_statistics_read_prompts_as_the_authors_do(tmp_path):
+    """--stats_text=prompts: each example's prompt alone (the user turn: no template, no
+    answer), with the BOS the tokenizer adds, its first N tokens a row of its own, at most M
+    examples; the mask counts each example's real tokens once."""
+    import json
+
+    from conftest import write_special_tokenizer
+
+    records = [{"instruction": f"question {i}" + " more" * i, "output": "ANSWER " * 9}
+               for i in range(10)]
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tokenizer_json = write_special_tokenizer(tmp_path / "tok", "bos_added")
+    data = DataConfig(source=f"instruct:{path}", tokenizer="hf",
+                      tokenizer_path=str(tokenizer_json), heldout_fraction=0.1)
+    batches = command.prompt_batches(data, max_examples=6, max_tokens=20, rows=4)
+    rows = [b["inputs"][r][b["mask"][r]].tolist() for b in batches for r in range(4)
+            if b["mask"][r].any()]
+    assert len(rows) == 6 and all(b["inputs"].shape[0] == 4 for b in batches)
+    assert all(row[0] == 257 and len(row) <= 20 for row in rows)          # BOS, first 20
+    texts = [bytes(row[1:]).decode() for row in rows]
+    # the training records (record 0 is held out), in order
+    assert texts == [(f"question {i}" + " more" * i)[:19] for i in range(1, 7)]
+    assert not any("ANSWER" in t or "###" in t for t in texts)
+    assert command.prompt_text("a plain document") == "a plain document"

@@ -13,10 +13,24 @@ Flags:
   --router=dume|random   dume (default): closed-form ridge routers (DUME eqs. 2-7);
                          random: a random router (the random-routing baseline; BTX's start)
   --top_k=K              experts per token (default 1, the dense models' cost)
-  --temperature=T        softmax temperature of the gate (default 1)
+  --temperature=T        softmax temperature of the gate (default 1; the authors' reasoning
+                         scripts use 0.1, their language-modelling ones 1)
   --lam=L                ridge lambda (default 1e-2, absolute)
-  --stats_batches=N      batches per domain for the statistics (default 16)
-  --tokens_per_sequence=N  only the first N tokens of each row count (default: all)
+  --stats_text=prompts|stream
+                         what the statistics read (DUME eq. 7). prompts (default; the
+                         authors' reading, gensyn-ai/dume reasoning_generate_dume_params.py):
+                         each example's prompt alone (an instruction record's user turn, a
+                         text record's text), with the BOS the tokenizer adds, its first
+                         --stats_tokens tokens a row of its own, the first --stats_examples
+                         examples of the source (name the evaluated split itself as --source
+                         for their use_test_distribution). stream: the domain's training
+                         stream as train.py reads it (conversations rendered in the chat
+                         template and packed, every token counted; --stats_batches batches)
+  --stats_examples=N     prompts: examples per domain (default 2048, the authors')
+  --stats_tokens=N       prompts: the first N tokens of each example (default 1024, the
+                         authors' --num_dume_tokens)
+  --stats_batches=N      stream: batches per domain for the statistics (default 16)
+  --tokens_per_sequence=N  stream: only the first N tokens of each row count (default: all)
   --dag_dim=G --dag_iters=L  also upcycle into a DAG-MoE (G > 0) that starts equal to DUME
   --steps=N              steps the written run trains for when continued (default 1000)
   --trainable=SET        what the continuation trains (TrainConfig.trainable): default 'router'
@@ -28,8 +42,8 @@ Flags:
                          are ~1e-3 and barely train) or N(0, 1/fan-in) (W_up stays 0)
   --tokenizer_path=FILE  tokenizer.json for Hugging Face models (default: DIR/tokenizer.json
                          of the first --dense)
-  --seq_len=N --batch_size=N  rows of the statistics pass and of later training (default: the
-                         first dense run's; 256 and 16 for Hugging Face models)
+  --seq_len=N --batch_size=N  rows of the stream statistics and of later training (default:
+                         the first dense run's; 1024 and 16 for Hugging Face models)
 
 Then: python train.py --mode=eval --run_dir=DIR; python -m dagmoe_jax.cli.sample --run_dir=DIR;
 python train.py --gin_file=DIR/resume.gin (DUME+ at top_k >= 2). Exit status 2 for invalid input
@@ -57,6 +71,9 @@ def parse_args(argv):
     p.add_argument("--top_k", type=int, default=1)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lam", type=float, default=1e-2)
+    p.add_argument("--stats_text", default="prompts", choices=("prompts", "stream"))
+    p.add_argument("--stats_examples", type=int, default=2048)
+    p.add_argument("--stats_tokens", type=int, default=1024)
     p.add_argument("--stats_batches", type=int, default=16)
     p.add_argument("--tokens_per_sequence", type=int, default=None)
     p.add_argument("--dag_dim", type=int, default=0)
@@ -83,8 +100,9 @@ def _check_args(args) -> None:
                          f"specs: give one --source per --dense, in the same order")
     if (Path(args.run_dir) / "checkpoints").exists():
         raise ValueError(f"{args.run_dir} already holds checkpoints: choose a new --run_dir")
-    if args.stats_batches < 1:
-        raise ValueError(f"--stats_batches={args.stats_batches} is invalid: expected >= 1")
+    for name in ("stats_batches", "stats_examples", "stats_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name}={getattr(args, name)} is invalid: expected >= 1")
     if args.steps < 1:
         raise ValueError(f"--steps={args.steps} is invalid: expected >= 1")
     if args.trainable == "router" and args.top_k == 1:
@@ -105,7 +123,7 @@ def _base_data(args, base):
         eos = tokenizer_settings(Path(path).parent).get("eos_token", "")
         # absolute: the run it writes is scored and sampled from any working directory
         base = DataConfig(tokenizer="hf", tokenizer_path=str(Path(path).expanduser().resolve()),
-                          eos_token=eos)
+                          eos_token=eos, seq_len=1024)      # the authors' context length
     changes = {k: v for k, v in (("seq_len", args.seq_len), ("batch_size", args.batch_size)) if v}
     return dataclasses.replace(base, **changes)
 
@@ -126,16 +144,24 @@ def run(args) -> Path:
         base = _base_data(args, dense[0].data_cfg)
     domains = [command.domain_data(base, s) for s in args.source]
 
-    def progress(j, b, t):
-        print(f"\rstatistics: domain {j + 1}/{len(domains)} ({args.source[j]}): batch "
-              f"{b}/{args.stats_batches}, {t} tokens, {time.perf_counter() - start:.0f} s",
-              end="" if b < args.stats_batches else "\n", file=sys.stderr, flush=True)
+    prompts = args.stats_text == "prompts"
+    if prompts:
+        batches = [lambda d=d: command.prompt_batches(d, max_examples=args.stats_examples,
+                                                      max_tokens=args.stats_tokens)
+                   for d in domains]
+    else:
+        batches = [lambda d=d: command.domain_batches(d, args.stats_batches) for d in domains]
 
-    batches = [lambda d=d: command.domain_batches(d, args.stats_batches) for d in domains]
+    def progress(j, b, t):
+        print(f"\rstatistics: domain {j + 1}/{len(domains)} ({args.source[j]}): batch {b}, "
+              f"{t} tokens, {time.perf_counter() - start:.0f} s", end="", file=sys.stderr,
+              flush=True)
+
     moe, cfg, stats = command.build_dume(
         dense, batches, top_k=args.top_k, temperature=args.temperature, lam=args.lam,
-        tokens_per_sequence=args.tokens_per_sequence,
+        tokens_per_sequence=None if prompts else args.tokens_per_sequence,
         router=args.router, seed=args.seed, progress=progress)
+    print(file=sys.stderr, flush=True)
     if args.dag_dim > 0:
         moe = dume.upcycle_to_dag(moe, dag_dim=args.dag_dim, dag_iters=args.dag_iters,
                                   seed=args.seed, fan_in=args.dag_init == "fan_in")
@@ -143,7 +169,11 @@ def run(args) -> Path:
     summary = {"dense": args.dense, "sources": args.source, "router": args.router,
                "top_k": args.top_k, "temperature": args.temperature, "lambda": args.lam,
                "tokens_per_domain": [s.tokens for s in stats],
-               "tokens_per_sequence": args.tokens_per_sequence, "dag_dim": args.dag_dim}
+               "stats_text": args.stats_text,
+               "stats_examples": args.stats_examples if prompts else None,
+               "stats_tokens": args.stats_tokens if prompts else None,
+               "tokens_per_sequence": None if prompts else args.tokens_per_sequence,
+               "dag_dim": args.dag_dim}
     trainable = args.trainable or command.default_trainable(cfg)
     if not args.trainable and trainable == "router_and_gates":
         print(command.TOP1_NOTE, file=sys.stderr, flush=True)

@@ -16,11 +16,12 @@ import json
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 from flax import nnx
 
 from dagmoe_jax import run as run_lib
 from dagmoe_jax.config import ModelConfig
-from dagmoe_jax.data import DataConfig, make_tokenizer
+from dagmoe_jax.data import DataConfig, make_tokenizer, train_records
 from dagmoe_jax.data.config import parse_source
 from dagmoe_jax.data.instruct import instruct_dataset, is_instruct
 from dagmoe_jax.data.pipeline import train_dataset
@@ -123,6 +124,52 @@ def domain_batches(data_cfg: DataConfig, num_batches: int):
     if not batches:
         raise ValueError(f"DataConfig.source={data_cfg.source!r} gave no batches: a domain "
                          f"needs data for its statistics")
+    return batches
+
+
+STATS_EXAMPLES = 2048     # the authors' --max_num_samples (reasoning_generate_dume_params.py)
+STATS_TOKENS = 1024       # the authors' --num_dume_tokens: the first tokens of each example
+
+
+def prompt_text(record) -> str:
+    """The text DUME's authors collect statistics from (``utils.get_context``): an instruction
+    record's first user turn (Alpaca's instruction and input, a question, a prompt), not the
+    template or the answer; a pre-training record's text as it is."""
+    if isinstance(record, str):
+        return record
+    return next((m["content"] for m in record if m["role"] == "user"), "")
+
+
+def prompt_batches(data_cfg: DataConfig, *, max_examples: int = STATS_EXAMPLES,
+                   max_tokens: int = STATS_TOKENS, rows: int = 4) -> list:
+    """Statistics batches as the authors collect them (``reasoning_generate_dume_params.py``):
+    the first ``max_examples`` records of the domain's source (its training records; the
+    evaluated split itself when ``--source`` names it, the authors' ``use_test_distribution``),
+    each record's prompt text alone (:func:`prompt_text`) tokenized with what the tokenizer
+    adds (a Llama 3 tokenizer its BOS), its first ``max_tokens`` tokens one row of its own,
+    ``rows`` examples per batch, right-padded with a mask, so every example counts its own
+    tokens. (The authors' padded positions are EOS tokens their pass also runs through; the
+    mask here counts real tokens only.)"""
+    tokenizer = make_tokenizer(data_cfg)
+    records = train_records(data_cfg.replace(shuffle=False))
+    ids = []
+    for i in range(min(len(records), max_examples)):
+        row = tokenizer.encode(prompt_text(records[i]), add_special_tokens=True)[:max_tokens]
+        if row:
+            ids.append(row)
+    if not ids:
+        raise ValueError(f"DataConfig.source={data_cfg.source!r} has no prompt text: a domain "
+                         "needs data for its statistics")
+    batches = []
+    for start in range(0, len(ids), rows):
+        chunk = ids[start:start + rows]
+        # few compiled shapes: every batch has ``rows`` rows, its width a power of two
+        width = min(max(16, 1 << (max(map(len, chunk)) - 1).bit_length()), max_tokens)
+        inputs = np.full((rows, width), tokenizer.pad_id, np.int32)
+        mask = np.zeros((rows, width), bool)
+        for r, row in enumerate(chunk):
+            inputs[r, :len(row)], mask[r, :len(row)] = row, True
+        batches.append({"inputs": inputs, "mask": mask})
     return batches
 
 

@@ -31,9 +31,10 @@ def dume_config(dense: ModelConfig, num_experts: int, *, top_k: int = 1,
     """The MoE config of ``num_experts`` merged copies of the dense config ``dense``.
 
     top_k: experts per token (DUME's default 1: the dense models' forward cost; the authors'
-    ``--k``). temperature: T of the gate (the authors' ``--temp``, default 1). Dispatch is
-    dropless: a batch of one domain sends nearly every token to one expert, and capacity
-    dispatch would drop most of them. No balance or z-loss
+    ``--k``). temperature: T of the gate (the authors' ``--temp``: 1 in their
+    language-modelling scripts, 0.1 in the reasoning ones). Dispatch is dropless: a batch of
+    one domain sends nearly every token to one expert, and capacity dispatch would drop most
+    of them. No balance or z-loss
     (the paper found load balancing had no effect on DUME+ / BTX and trains without it).
     """
     if dense.block.kind != "dense":

@@ -206,3 +206,20 @@ def test_config_json_of_every_family_before_block_configs_migrates(block):
     if block == "doe":        # DoE's FFN defaulted to the model's ffn_hidden: it keeps that width
         old = _flat(cfg.replace(block=dict(ffn_hidden=None)), ffn_hidden=96)
         assert ModelConfig.from_dict(old).block.ffn_hidden == 96
+
+
+def test_a_run_written_before_llamafactory_truncation_reads_as_it_trained():
+    """DataConfig.truncation came with the default 'llamafactory'; a config.json without the
+    field (an earlier version's run) reads 'head', how that run cut its examples, so resuming
+    it changes nothing; a new run's config.json keeps its own value."""
+    import dataclasses
+
+    from dagmoe_jax.data import DataConfig
+    from dagmoe_jax.run.config import OptimConfig, TrainConfig
+    from dagmoe_jax.run.directory import configs_from_json, configs_to_json
+
+    blob = configs_to_json(ModelConfig(), DataConfig(), OptimConfig(), TrainConfig())
+    assert configs_from_json(blob)[1].truncation == "llamafactory"
+    del blob["data"]["truncation"]
+    assert configs_from_json(blob)[1].truncation == "head"
+    assert dataclasses.replace(configs_from_json(blob)[1], truncation="llamafactory") == DataConfig()

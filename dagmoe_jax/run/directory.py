@@ -92,8 +92,11 @@ def configs_from_json(blob: dict):
     train["mesh"] = MeshConfig(**train.get("mesh", {}))
     train["execution"] = ExecutionConfig(**{**ModelConfig.saved_execution(blob["model"]),
                                             **train.get("execution", {})})
+    # A field added with a default that changes what an old run did is read as that run did:
+    # truncation arrived as 'llamafactory'; runs written before it cut their examples' heads.
+    data = {"truncation": "head", **blob["data"]}
     return (ModelConfig.from_dict(blob["model"], blob.get("settled_model")),
-            DataConfig(**blob["data"]), OptimConfig(**blob["optim"]), TrainConfig(**train))
+            DataConfig(**data), OptimConfig(**blob["optim"]), TrainConfig(**train))
 
 
 def save_configs(run_dir: PathLike, model_cfg, data_cfg, optim_cfg, train_cfg,

@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from dagmoe_jax import run as run_lib
+from dagmoe_jax.data.splits import has_eval_data
 from dagmoe_jax.data import (DataConfig, eval_batches, exact_match, task_eval_batches,
                              task_names)
 from dagmoe_jax.model import Transformer
@@ -100,8 +101,11 @@ class Evaluator:
 
     def __init__(self, data_cfg: DataConfig, train_cfg: TrainConfig, tokenizer, annotate=None):
         # Every process evaluates the whole (small) held-out set, replicated on its devices.
-        self.batches = eval_batches(data_cfg, tokenizer, max_batches=train_cfg.eval_batches or None,
-                                    annotate=annotate)
+        # None: no evaluation data (DataConfig.heldout_fraction = 0 and no eval_source).
+        self.batches = (eval_batches(data_cfg, tokenizer,
+                                     max_batches=train_cfg.eval_batches or None,
+                                     annotate=annotate)
+                        if has_eval_data(data_cfg) else None)
         self.task_batches, self.task_names = [], []
         kind = data_cfg.source.split(":", 1)[0]
         if train_cfg.task_eval_examples and kind == "synthetic" and not data_cfg.eval_source:
@@ -110,7 +114,14 @@ class Evaluator:
                                                   num_examples=train_cfg.task_eval_examples,
                                                   batch_size=data_cfg.batch_size)
 
+    @property
+    def enabled(self) -> bool:
+        """Whether there is held-out data to evaluate."""
+        return self.batches is not None
+
     def __call__(self, model) -> Dict[str, float]:
+        if not self.enabled:
+            return {}
         result = evaluate(model, self.batches)
         if self.task_batches:
             result.update(task_accuracy(model, self.task_batches, self.task_names))
@@ -166,6 +177,9 @@ def evaluate_checkpoint(run_dir: str | Path, *, eval_source: str = "", eval_spli
     if eval_split:
         changes["eval_split"] = eval_split
     data_cfg = dataclasses.replace(data_cfg, **changes)
+    if not has_eval_data(data_cfg):
+        raise ValueError(f"the run at {run_dir} trained on all of its data (heldout_fraction "
+                         "0): pass --eval_source=SPEC to evaluate it")
     # The devices here need not be the ones the run trained on: the checkpoint is restored
     # into this process's default mesh (all devices data-parallel).
     mesh = make_mesh(MeshConfig())

@@ -45,7 +45,8 @@ def test_bad_source_specs(spec, match):
     (dict(eval_source="bogus:1"), r"DataConfig.eval_source='bogus:1' is invalid"),
     (dict(eval_split="validation"), r"DataConfig.eval_split='validation' is invalid: expected "
                                     r"'' unless the eval data is a tfds source"),
-    (dict(heldout_fraction=0.0), r"DataConfig.heldout_fraction=0.0 is invalid"),
+    (dict(heldout_fraction=-0.1),
+     r"DataConfig.heldout_fraction=-0.1 is invalid: expected a number in \[0, 1\)"),
     (dict(heldout_fraction=1), r"DataConfig.heldout_fraction=1 is invalid"),
     (dict(tokenizer="wordpiece"), r"DataConfig.tokenizer='wordpiece' is invalid"),
     (dict(tokenizer="hf"), r"DataConfig.tokenizer_path='' is invalid: expected the path"),

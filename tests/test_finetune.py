@@ -322,3 +322,34 @@ def test_a_chat_template_is_inherited_only_where_the_source_chose_one(hf_source,
     with pytest.raises(ValueError, match=r"DataConfig.chat_template='x.jinja' \(the source has "
                                          r"'plain'\)"):
         source_data_config(str(chose), DataConfig(chat_template="x.jinja"))
+
+
+@pytest.mark.slow
+def test_no_hold_out_trains_on_every_example(tmp_path):
+    """DataConfig.heldout_fraction = 0 (LlamaFactory's and the paper's: all data trains):
+    every example is in the epoch, the run trains and says it has no held-out evaluation, and
+    --mode=eval asks for an --eval_source in one line."""
+    from dagmoe_jax.data import DataConfig, make_tokenizer
+    from dagmoe_jax.data.instruct import instruct_stats
+
+    data = DataConfig(source=f"instruct:{DATA}", seq_len=128, batch_size=8)
+    tok = make_tokenizer(data)
+    held, every = (instruct_stats(data.replace(heldout_fraction=f), tok, epochs=1)["examples"]
+                   for f in (0.05, 0.0))
+    assert every > held
+    run_dir = tmp_path / "sft"
+    messages = []
+    configs = load_configs(["finetune/smoke.gin"], [
+        f"DataConfig.source = 'instruct:{DATA}'", "DataConfig.heldout_fraction = 0.0",
+        f"TrainConfig.run_dir = '{run_dir}'", "TrainConfig.epochs = 1",
+        "TrainConfig.tensorboard = False", "TrainConfig.eval_every = 2",
+        "DataConfig.batch_size = 8"])
+    result = train(*configs, progress=False, log=messages.append)
+    text = "\n".join(messages)
+    assert f"fine-tuning data: {every} examples" in text
+    assert "no held-out evaluation" in text and result.eval == {} and result.step >= 2
+    from dagmoe_jax.evaluation import evaluate_checkpoint      # what --mode=eval runs
+    with pytest.raises(ValueError, match=r"trained on all of its data \(heldout_fraction 0\): "
+                                         r"pass --eval_source=SPEC") as err:
+        evaluate_checkpoint(str(run_dir))
+    assert "\n" not in str(err.value)

@@ -122,8 +122,9 @@ class DataConfig:
       ``heldout_fraction`` of ``split`` instead. Only for a ``tfds`` source / eval_source.
     heldout_fraction: fraction of the records of ``source`` held out for evaluation when
       neither ``eval_source`` nor ``eval_split`` is set (default 0.05; at least one record;
-      always the same, evenly spaced records, independent of ``seed``). Not used for
-      ``synthetic`` sources.
+      always the same, evenly spaced records, independent of ``seed``). 0: every record
+      trains (as LlamaFactory and the DAG-MoE paper fine-tune) and, without ``eval_source``,
+      the run has no held-out evaluation. Not used for ``synthetic`` sources.
     text_key: the JSON key / TFDS feature holding the text (default 'text').
     tfds_data_dir: TFDS ``data_dir``; '' (default) means TFDS's default (``$TFDS_DATA_DIR`` or
       ``~/tensorflow_datasets``). Nothing is ever downloaded.
@@ -197,8 +198,8 @@ class DataConfig:
                f"'' unless the eval data is a tfds source (it is {eval_kind!r})")
         _check(isinstance(self.heldout_fraction, (int, float))
                and not isinstance(self.heldout_fraction, bool)
-               and 0 < self.heldout_fraction < 1, "heldout_fraction", self.heldout_fraction,
-               "a number in (0, 1)")
+               and 0 <= self.heldout_fraction < 1, "heldout_fraction", self.heldout_fraction,
+               "a number in [0, 1) (0: no hold-out)")
         _str("text_key", self.text_key)
         _str("tfds_data_dir", self.tfds_data_dir, nonempty=False)
         _check(self.tokenizer in TOKENIZERS, "tokenizer", self.tokenizer,

@@ -103,8 +103,15 @@ class TrainView(HeldOutView):
 
 def _holds_out(cfg: DataConfig) -> bool:
     """Whether evaluation uses held-out records of ``source`` (rather than other data)."""
-    return (not cfg.eval_source and not cfg.eval_split
+    return (not cfg.eval_source and not cfg.eval_split and cfg.heldout_fraction > 0
             and parse_source(cfg.source)[0] not in ("synthetic", "mix"))
+
+
+def has_eval_data(cfg: DataConfig) -> bool:
+    """Whether ``cfg`` has evaluation data: an ``eval_source`` or ``eval_split``, a synthetic
+    source's held-out stream, or held-out records (``heldout_fraction`` > 0)."""
+    return bool(cfg.eval_source or cfg.eval_split or cfg.heldout_fraction > 0
+                or parse_source(cfg.source)[0] == "synthetic")
 
 
 def _split_views(cfg: DataConfig):
@@ -131,7 +138,11 @@ def train_source(cfg: DataConfig):
 def eval_source(cfg: DataConfig):
     """The evaluation records: ``eval_source`` if set (TFDS split ``eval_split or split``),
     else split ``eval_split`` of a TFDS ``source``, else the synthetic held-out stream, else
-    the held-out records of ``source``."""
+    the held-out records of ``source`` (a one-line error when ``heldout_fraction`` is 0:
+    :func:`has_eval_data` says so beforehand)."""
+    if not has_eval_data(cfg):
+        raise ValueError(f"DataConfig.source={cfg.source!r} has no evaluation data: "
+                         "heldout_fraction is 0 and no eval_source is set; set one of them")
     if cfg.eval_source:
         return open_source(cfg, "eval_source", split=cfg.eval_split or cfg.split,
                            stream=HELDOUT_STREAM)

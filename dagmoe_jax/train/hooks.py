@@ -104,8 +104,8 @@ class EvalHook:
                                                                   progress)
 
     def __call__(self, info: StepInfo) -> None:
-        if info.last:                      # the run's final evaluation scores the last step
-            return
+        if info.last or not getattr(self.evaluator, "enabled", True):
+            return                         # the final evaluation scores the last step
         result = self.evaluator(self.model)
         self.writer.write(info.step, result, prefix="eval/")
         self.progress.write(f"step {info.step}: " + format_eval(result))

@@ -117,6 +117,9 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
                 say(f"{stop['signal']} received: saved a checkpoint at step {step} in "
                     f"{run.run_dir / run_lib.CHECKPOINT_DIR}; run the same command again to "
                     "resume")
+            elif not run.evaluator.enabled:
+                say(f"trained to step {step}; no held-out evaluation "
+                    "(DataConfig.heldout_fraction = 0 and no eval_source)")
             else:
                 with trainer.mesh_scope():
                     final_eval = run.evaluator(run.model)

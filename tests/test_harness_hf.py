@@ -32,7 +32,9 @@ import pytest
 if __name__ == "__main__":          # as a script: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="the peer tests need torch and transformers "
+                            "(pip install -r benchmarks/requirements-peer.txt), which CI "
+                            "does not install: README")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate", reason="the harness's hf model needs accelerate")
 lm_eval = pytest.importorskip("lm_eval", reason="needs the [harness] extra (in requirements)")

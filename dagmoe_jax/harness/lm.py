@@ -138,7 +138,7 @@ class DagmoeLM(TemplateLM):
         hf_folder = run is None and str(run_dir).startswith(HF_PREFIX)
         if hf_folder:
             run = load_hf_run(str(run_dir)[len(HF_PREFIX):])
-            if device_mesh is not None:    # one replica of the parameters on every device
+            if device_mesh is not None:    # the parameters in their logical shardings
                 place_on_mesh(run.model, device_mesh)
         elif run is None:
             run = run_lib.load_run(run_dir, mesh=device_mesh)

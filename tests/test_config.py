@@ -222,4 +222,5 @@ def test_a_run_written_before_llamafactory_truncation_reads_as_it_trained():
     assert configs_from_json(blob)[1].truncation == "llamafactory"
     del blob["data"]["truncation"]
     assert configs_from_json(blob)[1].truncation == "head"
-    assert dataclasses.replace(configs_from_json(blob)[1], truncation="llamafactory") == DataConfig()
+    read = configs_from_json(blob)[1]
+    assert dataclasses.replace(read, truncation="llamafactory") == DataConfig()

@@ -110,7 +110,8 @@ def main(argv=None) -> int:
         tok = run.tokenizer
         stops = (tok.eos_id,)
         if args.chat:
-            from dagmoe_jax.data.instruct import chat_encoder  # pylint: disable=import-outside-toplevel
+            # pylint: disable-next=import-outside-toplevel
+            from dagmoe_jax.data.instruct import chat_encoder
             encoder = chat_encoder(run.data_cfg, tok)
             rendered = [chat_prompt(encoder, p, args.system) for p in args.prompt]
             prefix, stops = [], tuple(dict.fromkeys((tok.eos_id, encoder.end_id)))

@@ -6,10 +6,10 @@ and tokenized by :class:`~dagmoe_jax.data.chat.ChatEncoder` into token ids and 0
 weights (1 on the assistant's tokens and the EOS ending each assistant turn). An example
 longer than ``seq_len + 1`` tokens is cut as ``DataConfig.truncation`` says (the count is
 reported by :func:`instruct_stats`): its first ``seq_len + 1`` tokens ('head'), or turn by
-turn as LlamaFactory cuts, prompt and answer in proportion ('llamafactory'). Examples are packed whole, first fit
-(``grain.experimental.FirstFitPackIterDataset``, one bin per batch row), never split across
-rows; with ``DataConfig.packing = False`` each row holds one example, padded. Every batch
-holds:
+turn as LlamaFactory cuts, prompt and answer in proportion ('llamafactory'). Examples are
+packed whole, first fit (``grain.experimental.FirstFitPackIterDataset``, one bin per batch
+row), never split across rows; with ``DataConfig.packing = False`` each row holds one
+example, padded. Every batch holds:
 
 * ``inputs``, ``targets`` int32 [B, seq_len]: a row of seq_len + 1 packed tokens shifted;
 * ``segment_ids`` int32 [B, seq_len]: the examples of a row numbered 1, 2, ... aligned with

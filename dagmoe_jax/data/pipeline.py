@@ -98,8 +98,8 @@ def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, process_index: int =
 
     Records of this process (:func:`~dagmoe_jax.data.splits.train_records`) -> shuffled with
     ``cfg.seed`` (a new order each epoch) and repeated forever (a ``mix:`` source: each
-    component so, then drawn by weight, :func:`~dagmoe_jax.data.splits.mixed_train_records`) -> tokenized with EOS appended
-    -> packed end to end (``ConcatThenSplitIterDataset``) into windows of seq_len + 1 -> inputs
+    component so, then drawn by weight, :func:`~dagmoe_jax.data.splits.mixed_train_records`)
+    -> tokenized with EOS appended -> packed end to end (``ConcatThenSplitIterDataset``) into windows of seq_len + 1 -> inputs
     w[:-1], targets w[1:] -> batched. ``iter(ds)`` is a grain ``DatasetIterator``: save its
     ``get_state()`` (or use ``grain.checkpoint.CheckpointSave`` with Orbax) and ``set_state`` an
     iterator of an identically built dataset to continue with exactly the same batches.

@@ -8,13 +8,14 @@ import os
 import signal
 import sys
 
+from dagmoe_jax.train.signals import stopped_before_training  # standard library only
+
 
 def _stop_at_once(signum, frame):
     """Until the command installs its own handlers: a signal ends it in one line (nothing
     has been written yet)."""
     del frame
-    sys.stderr.write(f"error: {signal.Signals(signum).name} received before training began: "
-                     "stopped, and the run directory is as it was (a new one is not created)\n")
+    sys.stderr.write(stopped_before_training(signal.Signals(signum).name) + "\n")
     os._exit(130)
 
 

@@ -34,11 +34,11 @@ Exit status: 0 done or interrupted and saved (SIGTERM / Ctrl-C), 1 non-finite lo
 
 from __future__ import annotations
 
-import signal
 import sys
 
 from dagmoe_jax.cli import (gin_parser, parse_gin_command, parse_or_report,
                             quiet_background_errors, report_error)
+from dagmoe_jax.train.signals import on_signals, stopped_before_training
 
 DEFAULT_GIN = "train/default.gin"
 
@@ -67,56 +67,18 @@ def main(argv=None) -> int:
     if args is None:
         return code
     # From here a signal is one line at any moment: while the libraries load and the run
-    # starts it interrupts (train() removes a run directory it created), and once training
-    # runs train() turns it into a checkpoint and a clean stop.
+    # starts it interrupts (train() removes a run directory it created; one a library's
+    # callback swallowed is in ``signals`` for train() to stop at), and once training runs
+    # train() turns it into a checkpoint and a clean stop.
     signals: dict = {}
-    previous = _interrupt_on_signals(signals)
     try:
-        return _main(args, signals)
-    except KeyboardInterrupt as err:      # a signal before the first step (train.Interrupted)
+        with on_signals(signals, interrupt=True):
+            return _main(args, signals)
+    except KeyboardInterrupt as err:      # a signal before the first step (Interrupted)
         name = str(err) or "SIGINT"
         print(f"error: {name} received: the evaluation stopped" if args.mode == "eval" else
-              f"error: {name} received before training began: stopped, and the run directory "
-              "is as it was (a new one is not created)", file=sys.stderr)
+              stopped_before_training(name), file=sys.stderr)
         return 130
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _interrupt_on_signals(signals: dict) -> dict:
-    """SIGINT and SIGTERM record their name in ``signals`` (train() stops at one found there:
-    a library's garbage-collection callback can swallow the exception) and raise
-    KeyboardInterrupt (named after the signal) in the main thread; returns the handlers they
-    replace."""
-    def interrupt(signum, frame):
-        signals.setdefault("signal", signal.Signals(signum).name)
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-    quiet_swallowed_interrupts()
-    previous = {}
-    try:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, interrupt)
-    except ValueError:             # not the main thread
-        pass
-    return previous
-
-
-def quiet_swallowed_interrupts() -> None:
-    """A KeyboardInterrupt raised inside a garbage-collection callback or a finalizer is
-    'ignored' by Python with a traceback on stderr; the signal handlers here record the signal
-    as well, so it is acted on at the next phase: print nothing for it (other unraisable
-    exceptions are reported as before)."""
-    previous = sys.unraisablehook
-    if getattr(previous, "quiet_interrupts", False):
-        return
-
-    def hook(unraisable):
-        if not (isinstance(unraisable.exc_type, type)
-                and issubclass(unraisable.exc_type, KeyboardInterrupt)):
-            previous(unraisable)
-    hook.quiet_interrupts = True
-    sys.unraisablehook = hook
 
 
 def _main(args, signals: dict) -> int:

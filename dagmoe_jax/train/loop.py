@@ -36,9 +36,8 @@ from dagmoe_jax.train.init_from import (load_initial_params, source_data_config,
                                          source_model_config)
 from dagmoe_jax.run.optim import TRAINABLE, schedule_note
 from dagmoe_jax.train.step import make_train_step
-from dagmoe_jax.train.trainer import (Interrupted, NonFiniteLossError, Trainer,
-                                      check_interrupted, interrupt_on_signals, on_main_process,
-                                      stop_on_signals)
+from dagmoe_jax.train.signals import Interrupted, check_interrupted, on_signals
+from dagmoe_jax.train.trainer import NonFiniteLossError, Trainer, on_main_process
 
 __all__ = ["Interrupted", "NonFiniteLossError", "RunResult", "train"]
 
@@ -64,7 +63,7 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
     ``log`` receives one-line reports (resume, evaluations, stop reasons); the progress bar
     shows step, loss, tokens/s and ETA. Raises
     :class:`~dagmoe_jax.train.trainer.NonFiniteLossError` on a NaN/inf loss, and
-    :class:`~dagmoe_jax.train.trainer.Interrupted` for SIGINT / SIGTERM before the first step.
+    :class:`~dagmoe_jax.train.signals.Interrupted` for SIGINT / SIGTERM before the first step.
     ``signals``: where a command's own signal handler recorded a signal received before this
     call (its exception may have been swallowed by a library's callback): one there stops the
     run before anything is written.
@@ -85,8 +84,9 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
     # signals cannot kill that save.
     stop: dict = {} if signals is None else signals
     check_interrupted(stop)
-    with stop_on_signals(stop):
-        with interrupt_on_signals(stop), _new_run_directory(train_cfg.run_dir, remove=is_main):
+    with on_signals(stop):
+        with on_signals(stop, interrupt=True), _new_run_directory(train_cfg.run_dir,
+                                                                   remove=is_main):
             run = _start(model_cfg, data_cfg, optim_cfg, train_cfg, is_main, say)
             try:
                 check_interrupted(stop)        # a signal a library callback swallowed

@@ -54,59 +54,6 @@ class StepInfo:
         return float(self.metrics["loss"])
 
 
-class Interrupted(KeyboardInterrupt):
-    """A run stopped by SIGINT / SIGTERM before its training began: nothing of it is kept."""
-
-
-@contextlib.contextmanager
-def interrupt_on_signals(flag: dict):
-    """SIGTERM / SIGINT record the first one's name in ``flag['signal']`` and interrupt at once
-    (:class:`Interrupted`, a KeyboardInterrupt), for the start of a run, when nothing is yet
-    worth saving. A signal whose exception some callback swallowed (a garbage-collection
-    callback of a library can) is still in ``flag``: :func:`check_interrupted` raises it at the
-    next phase."""
-    def handler(signum, frame):
-        name = signal.Signals(signum).name
-        flag.setdefault("signal", name)
-        raise Interrupted(name)
-    previous = {}
-    try:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            previous[sig] = signal.signal(sig, handler)
-    except ValueError:  # not the main thread: no handlers
-        pass
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
-def check_interrupted(flag: dict) -> None:
-    """Raise :class:`Interrupted` when a signal was recorded in ``flag``."""
-    if flag.get("signal"):
-        raise Interrupted(flag["signal"])
-
-
-@contextlib.contextmanager
-def stop_on_signals(flag: dict):
-    """SIGTERM / SIGINT set ``flag['signal']`` (the first one's name) instead of killing the
-    process (main thread); further signals change nothing until the block is left."""
-    def handler(signum, frame):
-        flag.setdefault("signal", signal.Signals(signum).name)
-    previous = {}
-    try:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            previous[sig] = signal.signal(sig, handler)
-    except ValueError:  # not the main thread (e.g. some notebook runners): no handlers
-        pass
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
 class Trainer:
     """Steps ``model`` and ``optimizer`` with ``step_fn`` over ``data_iter`` (module docstring).
 

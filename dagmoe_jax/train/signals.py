@@ -1,0 +1,74 @@
+"""SIGINT / SIGTERM during a run: recorded in a flag, and either interrupting at once (while a
+run starts, nothing is worth saving) or only recorded (while it trains, the loop saves and
+stops). One mechanism for the command line and :func:`~dagmoe_jax.train.loop.train`.
+
+Standard library only, so a command can install it before the heavy imports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+
+
+class Interrupted(KeyboardInterrupt):
+    """A run stopped by SIGINT / SIGTERM before its training began: nothing of it is kept."""
+
+
+def stopped_before_training(name: str) -> str:
+    """The one line a command prints for a signal ``name`` before training began."""
+    return (f"error: {name} received before training began: stopped, and the run directory "
+            "is as it was (a new one is not created)")
+
+
+@contextlib.contextmanager
+def on_signals(flag: dict, *, interrupt: bool = False):
+    """Within: SIGTERM / SIGINT record the first one's name in ``flag['signal']``; with
+    ``interrupt`` they also raise :class:`Interrupted` (a KeyboardInterrupt) at once, else
+    further signals change nothing until the block is left (a save in flight finishes). An
+    interrupt some library callback swallowed (a garbage-collection callback can) stays in
+    ``flag`` for :func:`check_interrupted`, and Python's 'ignored' traceback for it is not
+    printed. Outside the main thread (some notebook runners) no handler is installed."""
+    def handler(signum, frame):
+        del frame
+        name = signal.Signals(signum).name
+        flag.setdefault("signal", name)
+        if interrupt:
+            raise Interrupted(name)
+    if interrupt:
+        _quiet_swallowed_interrupts()
+    previous = {}
+    try:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, handler)
+    except ValueError:
+        pass
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def check_interrupted(flag: dict) -> None:
+    """Raise :class:`Interrupted` when a signal was recorded in ``flag``."""
+    if flag.get("signal"):
+        raise Interrupted(flag["signal"])
+
+
+def _quiet_swallowed_interrupts() -> None:
+    """Python reports a KeyboardInterrupt raised inside a garbage-collection callback or a
+    finalizer as 'ignored', with a traceback on stderr; :func:`on_signals` records the signal
+    too, so it is acted on at the next phase: print nothing for it (other unraisable
+    exceptions are reported as before)."""
+    previous = sys.unraisablehook
+    if getattr(previous, "quiet_interrupts", False):
+        return
+
+    def hook(unraisable):
+        if not (isinstance(unraisable.exc_type, type)
+                and issubclass(unraisable.exc_type, KeyboardInterrupt)):
+            previous(unraisable)
+    hook.quiet_interrupts = True
+    sys.unraisablehook = hook

@@ -35,18 +35,11 @@ import json
 import os
 from typing import List, Optional, Sequence, Tuple
 
-from dagmoe_jax.data.tokenizers import Tokenizer
+from dagmoe_jax.data.tokenizers import Tokenizer, folder_config, token_text
 
 ROLES = ("system", "user", "assistant")
 PLAIN = {"system": ("", "\n\n"), "user": ("### Instruction:\n", "\n\n"),
          "assistant": ("### Response:\n", "")}
-
-
-def _token_text(value) -> str:
-    """A ``tokenizer_config.json`` token entry (a string or ``{'content': ...}``) as text."""
-    if isinstance(value, dict):
-        return str(value.get("content", ""))
-    return "" if value is None else str(value)
 
 
 def hf_template(tokenizer_path: str) -> Tuple[Optional[str], str, str]:
@@ -54,20 +47,16 @@ def hf_template(tokenizer_path: str) -> Tuple[Optional[str], str, str]:
     ``tokenizer_path``: ``tokenizer_config.json``'s ``chat_template`` (a string, or the one
     named 'default' of a list), else a ``chat_template.jinja`` file beside it."""
     folder = os.path.dirname(os.path.abspath(os.path.expanduser(tokenizer_path)))
-    config, template = {}, None
-    path = os.path.join(folder, "tokenizer_config.json")
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-        template = config.get("chat_template")
-        if isinstance(template, list):
-            named = {t.get("name"): t.get("template") for t in template}
-            template = named.get("default")
+    config = folder_config(folder, "tokenizer_config.json")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default")
     jinja_file = os.path.join(folder, "chat_template.jinja")
     if template is None and os.path.isfile(jinja_file):
         with open(jinja_file, encoding="utf-8") as f:
             template = f.read()
-    return template, _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
+    return template, token_text(config.get("bos_token")), token_text(config.get("eos_token"))
 
 
 def compile_template(source: str):

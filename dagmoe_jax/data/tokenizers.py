@@ -10,6 +10,7 @@ error where it is made.
 from __future__ import annotations
 
 import abc
+import hashlib
 import json
 import os
 from typing import Optional, Sequence
@@ -204,11 +205,11 @@ class SentencePieceTokenizer(_FromFile):
         return out
 
 
-def folder_config(tokenizer_path: str, name: str) -> dict:
+def folder_config(folder: str, name: str) -> dict:
     """The JSON file ``name`` (``tokenizer_config.json``, ``generation_config.json``) of the
-    Hugging Face folder holding ``tokenizer_path``, or {} when there is none."""
-    path = os.path.join(os.path.dirname(os.path.abspath(os.path.expanduser(tokenizer_path))),
-                        name)
+    Hugging Face folder ``folder``, or {} when there is none (a one-line error when it is not
+    valid JSON)."""
+    path = os.path.join(os.path.expanduser(str(folder)), name)
     if not os.path.isfile(path):
         return {}
     try:
@@ -220,9 +221,12 @@ def folder_config(tokenizer_path: str, name: str) -> dict:
     return blob if isinstance(blob, dict) else {}
 
 
-def _token_name(value) -> str:
-    """A ``tokenizer_config.json`` token entry (a string or ``{'content': ...}``) as text."""
-    return str(value.get("content", "")) if isinstance(value, dict) else str(value or "")
+def token_text(value) -> str:
+    """A ``tokenizer_config.json`` token entry (a string, or ``{'content': ...}`` as
+    transformers writes added tokens) as text ('' for none)."""
+    if isinstance(value, dict):
+        return str(value.get("content", ""))
+    return "" if value is None else str(value)
 
 
 class HFTokenizer(_FromFile):
@@ -244,8 +248,9 @@ class HFTokenizer(_FromFile):
         self._tok = tokenizers.Tokenizer.from_file(self._path)
         self._vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         vocab = self._tok.get_vocab(with_added_tokens=True)
-        config = folder_config(self._path, "tokenizer_config.json")
-        named_eos = _token_name(config.get("eos_token"))
+        config = folder_config(os.path.dirname(os.path.abspath(self._path)),
+                               "tokenizer_config.json")
+        named_eos = token_text(config.get("eos_token"))
         names = ((self._eos_token,) if self._eos_token else
                  (named_eos,) if named_eos in vocab else HF_EOS_CANDIDATES)
         eos = next((vocab[n] for n in names if n in vocab), None)
@@ -255,7 +260,7 @@ class HFTokenizer(_FromFile):
                              "of its tokens")
         self._eos_id = int(eos)
         self._pad_id = int(next((vocab[n] for n in HF_PAD_CANDIDATES if n in vocab), eos))
-        bos = _token_name(config.get("bos_token"))
+        bos = token_text(config.get("bos_token"))
         self._bos_id = int(vocab[bos]) if bos in vocab else None
         self._special_ids = frozenset(
             int(i) for i, token in self._tok.get_added_tokens_decoder().items() if token.special)
@@ -285,7 +290,6 @@ def tokenizer_record(cfg: DataConfig) -> dict:
 
 def file_sha256(path: str) -> str:
     """The SHA-256 of the file at ``path`` in hex ('' when there is none)."""
-    import hashlib  # pylint: disable=import-outside-toplevel
     if not path or not os.path.isfile(path):
         return ""
     digest = hashlib.sha256()

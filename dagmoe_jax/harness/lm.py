@@ -36,6 +36,7 @@ device or sharded data-parallel over all of them (``mesh='auto'`` with more than
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import List, Optional, Tuple
 
@@ -221,8 +222,9 @@ class DagmoeLM(TemplateLM):
         stops = [self.eot_token_id]
         data_cfg = self.run.data_cfg
         if data_cfg.tokenizer == "hf":
-            extra = folder_config(data_cfg.tokenizer_path, "generation_config.json").get(
-                "eos_token_id")
+            folder = os.path.dirname(os.path.abspath(os.path.expanduser(
+                data_cfg.tokenizer_path)))
+            extra = folder_config(folder, "generation_config.json").get("eos_token_id")
             stops += [extra] if isinstance(extra, int) else list(extra or ())
         if self.chat_applied:
             stops.append(self.chat_encoder.end_id)

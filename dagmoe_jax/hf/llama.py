@@ -35,6 +35,7 @@ from flax import nnx
 
 from dagmoe_jax.config import (DenseConfig, ExecutionConfig, ModelConfig, RopeScalingConfig,
                                default_ffn_hidden)
+from dagmoe_jax.data.tokenizers import folder_config, token_text
 from dagmoe_jax.model.params import set_params, variable
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.run.settle import settle
@@ -66,20 +67,9 @@ def tokenizer_settings(path: PathLike) -> Dict[str, str]:
     """What a Hugging Face model directory's ``tokenizer_config.json`` says about its special
     tokens: ``{'eos_token': ..., 'bos_token': ...}`` for those it names (a string, or a dict
     with ``content``, as transformers writes added tokens); empty without the file."""
-    file = Path(path) / "tokenizer_config.json"
-    if not file.is_file():
-        return {}
-    try:
-        blob = json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{file} is not valid JSON ({err.msg}, line {err.lineno})") from None
-    out = {}
-    for key in ("eos_token", "bos_token"):
-        value = blob.get(key)
-        value = value.get("content") if isinstance(value, dict) else value
-        if isinstance(value, str) and value:
-            out[key] = value
-    return out
+    blob = folder_config(str(path), "tokenizer_config.json")
+    texts = {key: token_text(blob.get(key)) for key in ("eos_token", "bos_token")}
+    return {key: text for key, text in texts.items() if text}
 
 
 def _unsupported(field: str, value, why: str) -> ValueError:

@@ -23,6 +23,7 @@ primal only (the loss, one matmul per chunk).
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -98,9 +99,12 @@ _tiled.defvjp(_tiled_fwd, _tiled_bwd)
 
 
 def tiled_cross_entropy(h: jax.Array, w: jax.Array, targets: jax.Array, mask: jax.Array,
-                        chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> jax.Array:
+                        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                        tokens: Optional[jax.Array] = None) -> jax.Array:
     """Mean token cross-entropy of the logits ``h @ w`` over positions where ``mask`` is true,
-    computed a chunk of positions at a time (this module's docstring).
+    computed a chunk of positions at a time (this module's docstring). ``tokens``: the count
+    the summed cross-entropy is divided by (default: the mask's; a micro-batch of gradient
+    accumulation passes its share of the whole batch's, so every token weighs the same).
 
     h [B, S, d]: final-normed hidden states (``Transformer(tokens, head=False)``); w [d, V]: the
     LM head, in ``h``'s dtype (the products accumulate in float32, as the model's head does);
@@ -110,7 +114,7 @@ def tiled_cross_entropy(h: jax.Array, w: jax.Array, targets: jax.Array, mask: ja
     """
     b, s, _ = h.shape
     mask = mask.astype(jnp.float32)
-    weights = mask / jnp.maximum(jnp.sum(mask), 1.0)
+    weights = mask / (jnp.maximum(jnp.sum(mask), 1.0) if tokens is None else tokens)
     c = min(chunk_positions(b, chunk_tokens), s)
     pad = -s % c
     if pad:

@@ -151,17 +151,22 @@ def save_initial_checkpoint(run_dir: PathLike, model, optimizer, model_cfg: Mode
                           meta=model_meta(model_cfg), force=True)
 
 
-def load_configs(run_dir: PathLike):
-    """The four configs a run was started with (from its ``config.json``)."""
+def load_configs(run_dir: PathLike, with_record: bool = False):
+    """The four configs a run was started with (from its ``config.json``); with
+    ``with_record``, also the file's record of the tokenizer the run trained with
+    (:func:`~dagmoe_jax.data.tokenizers.tokenizer_record`; None for an earlier version's run),
+    from the same read of the file."""
     path = run_path(run_dir) / CONFIG_FILE
     if not path.exists():
         raise ValueError(f"{path} does not exist: is {run_dir} a run directory written by train.py?")
     try:
-        return configs_from_json(json.loads(path.read_text()))
+        blob = json.loads(path.read_text())
+        configs = configs_from_json(blob)
     except (TypeError, KeyError, json.JSONDecodeError) as err:
         raise ValueError(f"{path} is not a config this version of dagmoe_jax can read "
                          f"({first_line(err)}): use the version that wrote the run, or fix the "
                          f"file") from None
+    return (*configs, blob.get("tokenizer")) if with_record else configs
 
 
 # DataConfig fields that do not change the training stream (evaluation, workers): a resumed run may
@@ -248,10 +253,10 @@ def load_run(run_dir: PathLike, mesh=None, data_cfg: Optional[DataConfig] = None
     if not run_dir.is_dir():
         raise ValueError(f"run directory {run_dir} does not exist: pass the --run_dir of a "
                          f"train.py run")
-    model_cfg, run_data_cfg, optim_cfg, train_cfg = load_configs(run_dir)
+    model_cfg, run_data_cfg, optim_cfg, train_cfg, record = load_configs(run_dir,
+                                                                          with_record=True)
     data_cfg = data_cfg or run_data_cfg
-    check_tokenizer_record(json.loads((run_dir / CONFIG_FILE).read_text()).get("tokenizer"),
-                           data_cfg, str(run_dir))
+    check_tokenizer_record(record, data_cfg, str(run_dir))
     tokenizer = make_tokenizer(data_cfg)
 
     def make():

@@ -38,18 +38,17 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax
 def lm_loss(model: Transformer, batch: Dict[str, jax.Array]) -> Tuple[jax.Array, dict]:
     """Next-token loss of ``batch['inputs']`` -> ``batch['targets']`` (``batch['mask']``
     optional, default all ones; ``batch['segment_ids']`` optional: the segment ids [B, S] of packed
-    examples, the model's ``segment_ids``; ``batch['ce_scale']`` optional: a scalar weighting the
-    cross-entropy, what gradient accumulation gives each micro-batch). Returns (total loss,
-    metrics)."""
+    examples, the model's ``segment_ids``; ``batch['ce_tokens']`` optional: the token count the
+    cross-entropy's sum is divided by, what gradient accumulation gives each micro-batch).
+    Returns (total loss, metrics)."""
     extension = extension_for(model.cfg)
     h, aux = model(batch["inputs"], head=False, segment_ids=batch.get("segment_ids"),
                    **extension.model_inputs(batch, train=True))
     mask = batch.get("mask", jnp.ones_like(batch["targets"], dtype=bool))
     ce = tiled_cross_entropy(h, model.lm_head[...].astype(h.dtype), batch["targets"], mask,
-                             chunk_tokens=chunk_tokens(model.execution))
+                             chunk_tokens=chunk_tokens(model.execution),
+                             tokens=batch.get("ce_tokens"))
     total, extra_metrics = extension.loss(ce, aux, batch)
-    if "ce_scale" in batch:       # a micro-batch's share of the batch's tokens (make_train_step)
-        total, ce = total + (batch["ce_scale"] - 1.0) * ce, batch["ce_scale"] * ce
     metrics = {"loss": total, "ce_loss": ce, "balance_loss": aux["balance_loss"],
                "z_loss": aux["z_loss"], "expert_load": aux["expert_load"],
                "dropped_fraction": aux["dropped_fraction"], **extra_metrics}
@@ -83,10 +82,10 @@ def make_train_step(loss_fn: Callable = lm_loss, grad_accum: int = 1,
 
     With ``grad_accum`` > 1 the batch is cut into that many micro-batches whose gradients a
     ``lax.scan`` sums (one micro-batch's activations live at a time); the optimiser sees their
-    mean, with each micro-batch's cross-entropy weighted by its share of the batch's trained
-    tokens (``mask``), so every token counts once, as in one big batch (Hugging Face's
-    ``num_items_in_batch`` since transformers 4.46, which LlamaFactory runs); the metrics are
-    micro-batch means of those weighted terms. Across data-parallel shards the loss is already
+    mean, each micro-batch's cross-entropy summed over its tokens and divided by the whole
+    batch's trained-token count over ``grad_accum`` (``mask``), so every token counts once, as
+    in one big batch (Hugging Face's ``num_items_in_batch`` since transformers 4.46, which
+    LlamaFactory runs); the metrics are micro-batch means of those terms. Across data-parallel shards the loss is already
     the global batch's token mean (the mask is summed over the global array).
     """
 
@@ -107,9 +106,8 @@ def make_train_step(loss_fn: Callable = lm_loss, grad_accum: int = 1,
             zeros = jax.tree.map(jnp.zeros_like, params)
             micro = _split_micro(batch, grad_accum)
             if "mask" in micro:    # each trained token counts once, whatever its micro-batch
-                tokens = jnp.sum(micro["mask"].astype(jnp.float32),
-                                 axis=tuple(range(1, micro["mask"].ndim)))
-                micro["ce_scale"] = tokens * grad_accum / jnp.maximum(jnp.sum(tokens), 1.0)
+                share = jnp.maximum(jnp.sum(micro["mask"].astype(jnp.float32)), 1.0) / grad_accum
+                micro["ce_tokens"] = jnp.full((grad_accum,), share)
             grads, metrics = jax.lax.scan(micro_step, zeros, micro)
             grads = jax.tree.map(lambda g: g / grad_accum, grads)
             metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)

@@ -30,6 +30,7 @@ from flax import nnx  # noqa: E402
 
 from dagmoe_jax.decoding.generate import computing_in, decoding_model  # noqa: E402
 from dagmoe_jax.evaluation import token_scores  # noqa: E402
+from dagmoe_jax.harness.scoring import program_bytes  # noqa: E402
 from dagmoe_jax.model import Transformer  # noqa: E402
 from dagmoe_jax.run.gin import load_model_config  # noqa: E402
 from dagmoe_jax.run.settle import settle  # noqa: E402
@@ -61,10 +62,9 @@ def model_for(args, dtype: str):
 
 
 def compiled_bytes(fn, graphdef, state, batch: int, seq: int) -> int:
+    """What the harness's batch_size='auto' counts (:func:`program_bytes`) for ``fn``."""
     ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-    m = jax.jit(fn, static_argnums=0).lower(graphdef, state, ids, ids).compile().memory_analysis()
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-               - m.alias_size_in_bytes)
+    return program_bytes(jax.jit(fn, static_argnums=0).lower(graphdef, state, ids, ids).compile())
 
 
 def main(argv=None) -> int:

@@ -37,6 +37,16 @@ from dagmoe_jax.run.extensions import extension_for
 from dagmoe_jax.run.gin import binding_values
 
 
+MIN_WIDTH = 16
+
+
+def padded_width(length: int, max_length: int) -> int:
+    """The compiled width for a batch whose longest row has ``length`` inputs: the next power
+    of two (at least :data:`MIN_WIDTH`), capped at ``max_length`` (few compiled shapes serve
+    every row: the harness's scoring, DUME's prompt statistics)."""
+    return min(max(MIN_WIDTH, 1 << max(length - 1, 0).bit_length()), max_length)
+
+
 def token_scores(model: Transformer, inputs: jax.Array, targets: jax.Array,
                  **model_inputs) -> Tuple[jax.Array, jax.Array]:
     """The one loglikelihood function (training's held-out loss, ``--mode=eval``, the

@@ -24,6 +24,7 @@ _SOURCE_HELP = ("'synthetic:<task>[,<task>...]', 'text:<glob>[,<glob>...]', "
                 "'jsonl:<glob>[,...]', 'parquet:<glob>[,...]', 'array_record:<glob>[,...]', "
                 "'tfds:<name>', 'instruct:<glob>[,...]' or 'mix:<w>*<spec>,<w>*<spec>[,...]'")
 CHAT_TEMPLATES = ("auto", "plain")
+TRUNCATIONS = ("head", "llamafactory")          # data.instruct.truncate_example
 
 
 def _check(ok: bool, field: str, value, valid: str) -> None:
@@ -222,8 +223,8 @@ class DataConfig:
         _check(isinstance(self.segment_packing, bool), "segment_packing", self.segment_packing,
                "True or False")
         _check(isinstance(self.packing, bool), "packing", self.packing, "True or False")
-        _check(self.truncation in ("head", "llamafactory"), "truncation", self.truncation,
-               "'head' or 'llamafactory'")
+        _check(self.truncation in TRUNCATIONS, "truncation", self.truncation,
+               " or ".join(map(repr, TRUNCATIONS)))
         _check(check_format(self.instruct_format), "instruct_format", self.instruct_format,
                "one of " + ", ".join(map(repr, FORMATS)))
         _str("chat_template", self.chat_template)

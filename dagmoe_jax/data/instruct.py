@@ -67,9 +67,6 @@ def chat_encoder(cfg: DataConfig, tokenizer: Tokenizer) -> ChatEncoder:
     return ChatEncoder(tokenizer)
 
 
-TRUNCATIONS = ("head", "llamafactory")
-
-
 def infer_seqlen(source_len: int, target_len: int, cutoff_len: int) -> tuple:
     """(source, target) lengths kept of a turn within ``cutoff_len`` tokens, as LlamaFactory
     (``data/processor/processor_utils.py``) decides: a short answer is kept whole and the

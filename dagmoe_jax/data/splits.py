@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import grain
 
-from dagmoe_jax.data.config import DataConfig, check_process, parse_source
+from dagmoe_jax.data.config import (DataConfig, check_process, mix_components,
+                                    parse_source)
 from dagmoe_jax.data.instruct_records import open_instruct
 from dagmoe_jax.data.sources import HELDOUT_STREAM, TRAIN_STREAM
 from dagmoe_jax.data.sources import open_source as _open_text
@@ -26,17 +27,19 @@ def open_source(cfg: DataConfig, field: str, **kwargs):
 
 
 def mixture(cfg: DataConfig):
-    """[(weight, DataConfig of the component)] of a ``mix:`` source, else None."""
-    kind, args = parse_source(cfg.source)
+    """[(weight, DataConfig of the component)] of a ``mix:`` source
+    (:func:`~dagmoe_jax.data.config.mix_components`), else None."""
+    kind, _, rest = cfg.source.partition(":")
     if kind != "mix":
         return None
-    return [(float(item.split("*", 1)[0]), cfg.replace(source=item.split("*", 1)[1]))
-            for item in args]
+    return [(w, cfg.replace(source=spec)) for w, spec in mix_components(rest)]
 
 
-def _mixed(parts, weights) -> grain.MapDataset:
-    return grain.MapDataset.mix([grain.MapDataset.source(p) if not isinstance(
-        p, grain.MapDataset) else p for p in parts], list(weights))
+def _mixed(components, parts) -> grain.MapDataset:
+    """``parts`` (one record source per component of :func:`mixture`) drawn by weight."""
+    return grain.MapDataset.mix([p if isinstance(p, grain.MapDataset) else
+                                 grain.MapDataset.source(p) for p in parts],
+                                [w for w, _ in components])
 
 
 def mixed_train_records(cfg: DataConfig, *, process_index: int = 0,
@@ -46,13 +49,13 @@ def mixed_train_records(cfg: DataConfig, *, process_index: int = 0,
     unless ``cfg.shuffle`` is False, repeated forever, and drawn in proportion to the weights
     by ``grain.MapDataset.mix``: deterministic, index-based, so a saved iterator state
     resumes exactly, and a small component repeats rather than cutting the large one short."""
-    parts = []
-    for c, (_, sub) in enumerate(mixture(cfg)):
+    components, parts = mixture(cfg), []
+    for c, (_, sub) in enumerate(components):
         records = train_records(sub, process_index=process_index, process_count=process_count)
         if cfg.shuffle:
             records = records.shuffle(seed=(cfg.seed + c) % 2**32)
         parts.append(records.repeat())
-    return _mixed(parts, [w for w, _ in mixture(cfg)])
+    return _mixed(components, parts)
 
 
 def heldout_count(num_records: int, fraction: float) -> int:
@@ -127,9 +130,9 @@ def _split_views(cfg: DataConfig):
 def train_source(cfg: DataConfig):
     """All training records (every process's): ``source`` minus the held-out records when
     evaluation holds records out, else all of ``source`` (split ``cfg.split`` for TFDS)."""
-    if mixture(cfg):        # each component's own, once, in proportion (a finite mixture)
-        return _mixed([train_source(sub) for _, sub in mixture(cfg)],
-                      [w for w, _ in mixture(cfg)])
+    components = mixture(cfg)
+    if components:          # each component's own, once, in proportion (a finite mixture)
+        return _mixed(components, [train_source(sub) for _, sub in components])
     if _holds_out(cfg):
         return _split_views(cfg)[0]
     return open_source(cfg, "source", stream=TRAIN_STREAM)
@@ -148,9 +151,9 @@ def eval_source(cfg: DataConfig):
                            stream=HELDOUT_STREAM)
     if cfg.eval_split:
         return open_source(cfg, "source", split=cfg.eval_split)
-    if mixture(cfg):        # each component's held-out records, in proportion
-        return _mixed([eval_source(sub) for _, sub in mixture(cfg)],
-                      [w for w, _ in mixture(cfg)])
+    components = mixture(cfg)
+    if components:          # each component's held-out records, in proportion
+        return _mixed(components, [eval_source(sub) for _, sub in components])
     if parse_source(cfg.source)[0] == "synthetic":
         return open_source(cfg, "source", stream=HELDOUT_STREAM)
     return _split_views(cfg)[1]

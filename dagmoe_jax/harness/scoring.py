@@ -43,18 +43,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dagmoe_jax.evaluation import token_scores
+from dagmoe_jax.evaluation import padded_width, token_scores
 from dagmoe_jax.decoding.generate import decoding_model, generate
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.parallel import activate
 
-MIN_WIDTH = 16
-
-
-def padded_width(length: int, max_length: int) -> int:
-    """The compiled width for a batch whose longest row has ``length`` inputs: the next power
-    of two (at least :data:`MIN_WIDTH`), capped at ``max_length``."""
-    return min(max(MIN_WIDTH, 1 << max(length - 1, 0).bit_length()), max_length)
+def program_bytes(compiled) -> int:
+    """Device bytes a compiled program needs (``memory_analysis()``): its arguments, outputs
+    and temporaries, less the outputs written over arguments."""
+    memory = compiled.memory_analysis()
+    return int(memory.argument_size_in_bytes + memory.output_size_in_bytes
+               + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -132,10 +131,8 @@ class Scorer:
             features = {k: jax.ShapeDtypeStruct(np.shape(v), jnp.int32) for k, v in
                         self.features.prompt(np.zeros(ids.shape, np.int32),
                                              np.ones((per_device,), np.int32)).items()}
-        memory = _token_scores.lower(self.graphdef, self.state, ids, ids,
-                                     features).compile().memory_analysis()
-        return int(memory.argument_size_in_bytes + memory.output_size_in_bytes
-                   + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
+        return program_bytes(_token_scores.lower(self.graphdef, self.state, ids, ids,
+                                                 features).compile())
 
     def fit_batch_size(self, largest: int = 64, budget: Optional[int] = None) -> int:
         """The largest power of two up to ``largest`` rows (a multiple of the mesh's devices)

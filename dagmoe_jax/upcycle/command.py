@@ -29,6 +29,7 @@ from dagmoe_jax.run.settle import settle
 from dagmoe_jax.run.config import TrainConfig
 from dagmoe_jax.run.config import OptimConfig
 from dagmoe_jax.upcycle import dume as dume_lib
+from dagmoe_jax.evaluation import padded_width
 from dagmoe_jax.hf import llama as hf_llama
 from dagmoe_jax.model.params import flat_params, set_params
 from dagmoe_jax.upcycle import moerge, stream
@@ -164,7 +165,7 @@ def prompt_batches(data_cfg: DataConfig, *, max_examples: int = STATS_EXAMPLES,
     for start in range(0, len(ids), rows):
         chunk = ids[start:start + rows]
         # few compiled shapes: every batch has ``rows`` rows, its width a power of two
-        width = min(max(16, 1 << (max(map(len, chunk)) - 1).bit_length()), max_tokens)
+        width = padded_width(max(map(len, chunk)), max_tokens)
         inputs = np.full((rows, width), tokenizer.pad_id, np.int32)
         mask = np.zeros((rows, width), bool)
         for r, row in enumerate(chunk):

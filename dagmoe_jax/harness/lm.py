@@ -163,6 +163,7 @@ class DagmoeLM(TemplateLM):
         self.prefix_eos = _flag(prefix_eos)
         self.seed = int(seed)
         self._chat = None
+        self._texts = {}                # token id -> its text (the prefixes tok_encode checks)
         self.chat_applied = False       # set when the harness renders a prompt as a chat
 
     # -------------------------------------------------------------------------- tokenization
@@ -189,24 +190,31 @@ class DagmoeLM(TemplateLM):
         else ``add_bos_token``, else the tokenizer's default (its post-processing), except
         that a string starting with the document prefix's text gets nothing added."""
         del kwargs
-        special = add_special_tokens if add_special_tokens is not None else self.add_bos_token
-        if add_special_tokens is None and string.startswith(
-                self.tok_decode([self.prefix_token_id], skip_special_tokens=False)):
-            special = False
-        ids = self.tokenizer_obj.encode(string, add_special_tokens=special is not False)
+        if add_special_tokens is not None:
+            special = add_special_tokens
+        else:
+            special = self._special(string, self.prefix_token_id)
+        ids = self.tokenizer_obj.encode(string, add_special_tokens=special)
         return ids[-left_truncate_len:] if left_truncate_len else ids
 
     def prompt_encode(self, string: str) -> List[int]:
-        """A generation prompt's ids as HFLM's ``tok_batch_encode`` makes them: nothing added
-        when it starts with the BOS token's text, else ``add_bos_token``, else the tokenizer's
-        default."""
-        bos = self.tokenizer_obj.bos_id
-        if bos is not None and string.startswith(self.tok_decode([bos],
-                                                                 skip_special_tokens=False)):
-            special = False
-        else:
-            special = self.add_bos_token is not False
-        return self.tokenizer_obj.encode(string, add_special_tokens=special)
+        """A generation prompt's ids as HFLM's ``tok_batch_encode`` makes them: as
+        :meth:`tok_encode`, but the prefix that suppresses the special tokens is the BOS
+        token's text only."""
+        return self.tokenizer_obj.encode(string, add_special_tokens=self._special(
+            string, self.tokenizer_obj.bos_id))
+
+    def _special(self, string: str, prefix_id: Optional[int]) -> bool:
+        """HFLM's choice of ``add_special_tokens`` for ``string``: False when it already starts
+        with the text of ``prefix_id``, else ``add_bos_token``, else the tokenizer's default
+        (True: its post-processing)."""
+        if prefix_id is not None:
+            if prefix_id not in self._texts:
+                self._texts[prefix_id] = self.tok_decode([prefix_id],
+                                                         skip_special_tokens=False)
+            if string.startswith(self._texts[prefix_id]):
+                return False
+        return self.add_bos_token is not False
 
     def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
         """Text of ``tokens`` (HFLM's default leaves special tokens out)."""
@@ -275,8 +283,14 @@ class DagmoeLM(TemplateLM):
         """Continuations of each request's context, cut at its ``until`` strings."""
         bar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0,
                    desc="Running generate_until requests")
+        encoded = {}        # each context encoded once: for the order and for the prompt
+
+        def ids_of(context: str) -> List[int]:
+            if context not in encoded:
+                encoded[context] = self.prompt_encode(context)
+            return encoded[context]
         collator = Collator([req.args for req in requests],
-                            sort_fn=lambda args: (-len(self.prompt_encode(args[0])), args[0]),
+                            sort_fn=lambda args: (-len(ids_of(args[0])), args[0]),
                             group_by="gen_kwargs", group_fn=lambda args: args[1])
         results = []
         eos_text = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
@@ -294,8 +308,7 @@ class DagmoeLM(TemplateLM):
                 temperature = 0.0
             top_k = int(kwargs.pop("top_k", 0) or 0)
             top_p = float(kwargs.pop("top_p", 1.0) or 1.0)
-            prompts = [self._prefixed(self.prompt_encode(c)) or [self.prefix_token_id]
-                       for c in contexts]
+            prompts = [self._prefixed(ids_of(c)) or [self.prefix_token_id] for c in contexts]
             outputs = self.scorer.generate(
                 prompts, max_new_tokens=max_gen, stop_tokens=stops,
                 temperature=temperature, top_k=top_k, top_p=top_p, seed=self.seed,

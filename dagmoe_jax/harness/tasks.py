@@ -93,9 +93,13 @@ def _why(manager, name: str, err: BaseException, offline: bool) -> str:
         return (f"task {name!r} needs {what}, which is not in the local cache and {where}: "
                 f"{fix} where there is network, then run with HF_HOME set to that cache")
     if isinstance(err, (StopIteration, IndexError)):
-        return (f"task {name!r} has no documents: its data file or split is empty (fill it, "
-                "or check the task's data files and test_split)")
+        return _no_documents(name)
     return f"task {name!r} could not be loaded: {first_line(err)}"
+
+
+def _no_documents(name: str) -> str:
+    return (f"task {name!r} has no documents: its data file or split is empty (fill it, or "
+            "check the task's data files and test_split)")
 
 
 def _leaves(tree):
@@ -111,8 +115,7 @@ def check_documents(name: str, task) -> None:
     multiple-choice document's answer names none of its choices."""
     docs = task.eval_docs
     if len(docs) == 0:
-        raise ValueError(f"task {name!r} has no documents: its data file or split is empty "
-                         "(fill it, or check the task's data files and test_split)")
+        raise ValueError(_no_documents(name))
     if task.OUTPUT_TYPE != "multiple_choice":
         return
     for index, doc in enumerate(docs):
@@ -138,17 +141,19 @@ def load_tasks(manager, tasks: Sequence[str], confirm_run_unsafe_code: bool = Fa
     if offline:
         go_offline()
     # load_task_or_group is what simple_evaluate calls (its deprecation is lm-eval's own)
-    warnings.filterwarnings("ignore", message="Use TaskManager.load", category=DeprecationWarning)
-    try:
-        built = manager.load_task_or_group(tasks)
-    except Exception as err:  # noqa: BLE001 -- lm-eval and datasets raise anything
-        for name in tasks:     # which one?
-            try:
-                manager.load_task_or_group([name])
-            except Exception as one:  # noqa: BLE001
-                raise ValueError(_why(manager, name, one, offline)) from None
-        raise ValueError(f"tasks {', '.join(tasks)} could not be loaded: "
-                         f"{first_line(err)}") from None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Use TaskManager.load",
+                                category=DeprecationWarning)
+        try:
+            built = manager.load_task_or_group(tasks)
+        except Exception as err:  # noqa: BLE001 -- lm-eval and datasets raise anything
+            for name in tasks:     # which one?
+                try:
+                    manager.load_task_or_group([name])
+                except Exception as one:  # noqa: BLE001
+                    raise ValueError(_why(manager, name, one, offline)) from None
+            raise ValueError(f"tasks {', '.join(tasks)} could not be loaded: "
+                             f"{first_line(err)}") from None
     for name, task in _leaves(built):
         name = getattr(name, "group_name", str(name))
         if getattr(task, "UNSAFE_CODE", False) and not confirm_run_unsafe_code:

@@ -200,7 +200,8 @@ def settle(cfg: ModelConfig, execution: Optional[ExecutionConfig] = None, *,
             and grouped_matmul_needs_build()):
         log("compiling the CPU grouped matmul kernel (about 5 s, once per machine)")
     if (ex.dag_module == "auto" and backend == "cpu" and layout is None
-            and dag_aggregation_of(cfg.block) is not None and dtype == jnp.float32 and dag_module_needs_build()):
+            and dag_aggregation_of(cfg.block) is not None and dtype == jnp.float32
+            and dag_module_needs_build()):
         log("compiling the CPU DAG module kernels (about 5 s, once per machine)")
     attention, _ = settle_attention(ex.attention, backend, dtype, cfg.resolved_head_dim, layout)
     grouped_matmul = settle_grouped_matmul(ex.grouped_matmul, backend, cfg.d_model,

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import signal
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -113,8 +112,8 @@ class Trainer:
     def run(self, start: int, stop: Optional[dict] = None) -> Tuple[int, bool]:
         """Train from ``start`` to ``total_steps``; (the last step reached, interrupted).
 
-        ``stop``: the flag dict that SIGTERM / SIGINT set (:func:`stop_on_signals`): the step
-        in progress finishes, a checkpoint is saved and the run returns. Checkpoints are
+        ``stop``: the flag dict that SIGTERM / SIGINT set
+        (:func:`~dagmoe_jax.train.signals.on_signals`): the step in progress finishes, a checkpoint is saved and the run returns. Checkpoints are
         committed before this returns, so "saved" is said only once a save is on disk."""
         stop = {} if stop is None else stop
         step = start

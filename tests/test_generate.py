@@ -188,6 +188,33 @@ def test_stop_tokens_finish_rows():
     assert first == [g[:1] for g in greedy]
 
 
+def test_a_stop_rule_finishes_rows_inside_the_loop():
+    """``stop_when`` sees each live row's generated ids so far and finishes the row at the
+    token it holds for (kept), independently of the other rows; the decode loop ends once every
+    row is done, so the rule is asked no more than each row's length times."""
+    model = model_for("moe-dag")
+    greedy = generate(model, PROMPTS, max_new_tokens=8)
+    target = greedy[0][2]
+    seen = []
+
+    def rule(ids):
+        seen.append(list(ids))
+        return ids[-1] == target or len(ids) == 4
+    out = generate(model, np.array([PROMPTS[0], PROMPTS[1] + [0, 0, 0]]), [5, 2],
+                   max_new_tokens=8, stop_when=rule, pad_id=63)
+    for row, ids in enumerate(greedy):
+        n = next(i + 1 for i, t in enumerate(ids) if t == target or i == 3)
+        assert out.as_lists()[row] == ids[:n] and out.finished[row]
+        assert (out.tokens[row, n:] == 63).all()
+        assert [s for s in seen if s == ids[:len(s)]] and max(
+            len(s) for s in seen if s == ids[:len(s)]) == n
+    assert len(seen) == sum(out.lengths)
+    # the rule with stop tokens: whichever comes first ends the row
+    both = generate(model, PROMPTS, max_new_tokens=8, stop_tokens=[greedy[1][0]],
+                    stop_when=lambda ids: len(ids) == 3)
+    assert both == [greedy[0][:3], greedy[1][:1]]
+
+
 def test_invalid_requests_are_one_line_errors():
     model = model_for("dense")
     for kwargs, match in [
@@ -271,11 +298,30 @@ def test_cli_greedy_equals_library(smoke_run, capsys):
 
 
 @pytest.mark.slow
+def test_cli_stop_strings_end_samples(smoke_run, capsys):
+    """--stop: the sample is the greedy continuation up to the stop text, and decoding ended
+    at the token that completed it (--max_new_tokens is not reached)."""
+    from dagmoe_jax.cli.sample import main
+    from dagmoe_jax.run import load_run
+
+    run = load_run(smoke_run)
+    tok = run.tokenizer
+    new = generate(run.model, [[tok.eos_id] + tok.encode("edit ab =")], max_new_tokens=12)[0]
+    text = tok.decode(new)
+    stop = text[2:4] if len(text) > 4 else text[-1]
+    assert main([f"--run_dir={smoke_run}", "--prompt=edit ab =", "--max_new_tokens=12",
+                 "--ignore_eos", f"--stop={stop}"]) == 0
+    printed = capsys.readouterr().out.split(" ---\n", 1)[1].rstrip("\n")
+    assert printed == ("edit ab =" + text.split(stop)[0]).rstrip("\n")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, match", [
     (["--run_dir=/nonexistent/run", "--prompt=x"], "does not exist"),
     (["--prompt=" + "a" * 200], "max_seq_len is 128"),
     (["--prompt=x", "--top_k=-1"], "top_k=-1 is invalid"),
     (["--prompt=x", "--bogus"], "unrecognized arguments"),
+    (["--prompt=x", "--stop="], "--stop= is empty"),
 ])
 def test_cli_errors_are_one_line(smoke_run, capsys, argv, match):
     from dagmoe_jax.cli.sample import main

@@ -141,9 +141,20 @@ def test_generation_stops_at_the_stop_string_and_equals_generate(model):
     stop = texts[0][3] if len(texts[0]) > 3 else "\x00"
     requests = [SimpleNamespace(args=(c, {"until": [stop], "max_gen_toks": 10}))
                 for c in contexts]
+    decoded, scorer_generate = {}, lm.scorer.generate
+
+    def spy(prompts, **kwargs):
+        out = scorer_generate(prompts, **kwargs)
+        decoded.update((tuple(p), ids) for p, ids in zip(prompts, out))
+        return out
+    lm.scorer.generate = spy
     got = lm.generate_until(requests, disable_tqdm=True)
     assert got == [cut_at_stop(t, [stop]) for t in texts]
     assert stop not in got[0] and len(got[0]) <= 3
+    # decoding ended inside the loop, at the token that completed the stop string
+    row = decoded[tuple(ByteTokenizer().encode(contexts[0]))]
+    assert stop in ByteTokenizer().decode(row) and stop not in ByteTokenizer().decode(row[:-1])
+    assert len(row) < 10
 
 
 def test_generation_is_cut_at_the_eos_text(model, tmp_path, monkeypatch):

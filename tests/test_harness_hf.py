@@ -46,7 +46,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from conftest import (SPECIAL_TOKENIZER_KINDS, make_model, tiny_config,  # noqa: E402
                       write_special_tokenizer)
 from dagmoe_jax.data import DataConfig  # noqa: E402
-from dagmoe_jax.harness.lm import DagmoeLM  # noqa: E402
+from dagmoe_jax.harness.lm import DagmoeLM, cut_at_stop  # noqa: E402
 from dagmoe_jax.hf.llama import export_hf_llama  # noqa: E402
 
 TASKS_DIR = Path(__file__).resolve().parent / "harness_tasks"
@@ -60,14 +60,15 @@ RAW = tiny_config("dense", vocab_size=259, max_seq_len=WINDOW, init_std=0.2)
 RTOL = 1e-6
 
 
-def make_pair(root: Path, kind: str = "no_bos"):
-    """(run directory, Hugging Face folder) of one random dense model and the tokenizer."""
+def make_pair(root: Path, kind: str = "no_bos", emit_eot: bool = False):
+    """(run directory, Hugging Face folder) of one random dense model and the tokenizer; the
+    model emits ``<|eot|>`` for ``kind='eos_ids'`` or ``emit_eot``."""
     from dagmoe_jax import run as run_lib
     from dagmoe_jax.run.config import OptimConfig, TrainConfig
 
     cfg = RAW
     model = make_model(cfg)
-    if kind == "eos_ids":
+    if kind == "eos_ids" or emit_eot:
         # <|eot|> scores 1.5x what byte 'e' scores: greedy decoding emits it where it would
         # emit 'e' (on the generation task's prompts, within the first few tokens).
         head = model.lm_head[...]
@@ -197,6 +198,48 @@ def test_rolling_loglikelihoods_agree(measured):
 def test_greedy_generations_agree(measured):
     mine, theirs = measured["gen"]
     assert mine == theirs and any(mine)
+
+
+def test_the_stop_string_rule_is_lm_evals(pair):
+    """:class:`StopStrings` decides as lm-eval's ``MultiTokenEOSCriteria`` (what HFLM hands to
+    ``generate``) on the same generated ids, for strings of one and several tokens, a special
+    token's text and a multi-byte character, each side with its own tokenizer."""
+    from lm_eval.models.utils_hf import MultiTokenEOSCriteria
+
+    from dagmoe_jax.harness.lm import StopStrings
+
+    ours, theirs, _ = pair
+    rng = np.random.default_rng(0)
+    alphabet = [ord(c) for c in "ab\n<|>e"] + [0xC3, 0xA9, 256, 257, 258]
+    for until in (["\n"], ["\n\n", "ab"], ["<|eot|>"], ["é", "e<"]):
+        rule = StopStrings(until, lambda t: ours.tokenizer_obj.encode(t, add_special_tokens=False),
+                           lambda ids: ours.tok_decode(ids, skip_special_tokens=False))
+        decisions = []
+        for _ in range(60):
+            ids = rng.choice(alphabet, rng.integers(1, 9)).tolist()
+            want = any(MultiTokenEOSCriteria(t, theirs.tokenizer, 0, 1)(torch.tensor([ids]), None)
+                       for t in until)
+            assert rule(ids) == want, (until, ids)
+            decisions.append(want)
+        assert any(decisions) and not all(decisions)
+
+
+def test_a_special_tokens_stop_string_ends_generation_as_in_hflm(tmp_path):
+    """A stop string spelt by a special token that is no EOS id (``<|eot|>`` here): HFLM stops
+    where its rule sees the token's text, and the text it returns (special tokens skipped) ends
+    there. Decoding on to ``max_gen_toks`` and cutting afterwards would return more text."""
+    from types import SimpleNamespace
+
+    ours, theirs = models(*make_pair(tmp_path, "no_bos", emit_eot=True))
+    contexts = ["The tree", "Hello there", "one, two"]
+    requests = [SimpleNamespace(args=(c, {"until": ["<|eot|>"], "max_gen_toks": 12}))
+                for c in contexts]
+    mine = ours.generate_until(requests, disable_tqdm=True)
+    their = theirs.generate_until(requests, disable_tqdm=True)
+    assert mine == their
+    # decoded to max_gen_toks and cut afterwards (the adapter before), the texts differ
+    full = ours.scorer.generate([ours.prompt_encode(c) for c in contexts], max_new_tokens=12)
+    assert [cut_at_stop(ours.tok_decode(ids), ["<|eot|>"]) for ids in full] != mine
 
 
 def direct_requests(ours, theirs):

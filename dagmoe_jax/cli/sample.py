@@ -14,6 +14,9 @@ Flags:
   --num_samples=N        samples per prompt (default 1)
   --seed=S               PRNG seed (default 0): the same seed gives the same samples
   --ignore_eos           do not stop at the tokenizer's EOS
+  --stop=TEXT            end a sample once its new text contains TEXT, shown without it
+                         (repeatable; decoding stops there, it does not run on to
+                         --max_new_tokens)
   --no_eos_prefix        do not put EOS before the prompt (training records follow an EOS, so
                          by default the prompt starts as a record does)
   --chat                 the prompt is a user turn, rendered with the run's chat template as
@@ -42,6 +45,20 @@ def sample_text(tokenizer, prompt_ids, new_ids) -> str:
     return tokenizer.decode(list(prompt_ids) + list(new_ids))
 
 
+def stop_rule(tokenizer, stops):
+    """``generate``'s ``stop_when`` for the ``--stop`` strings (None without any): a row ends
+    once the text of its new ids contains one of them."""
+    if not stops:
+        return None
+    return lambda ids: any(s in tokenizer.decode(ids) for s in stops)
+
+
+def cut_continuation(text: str, start: int, stops) -> str:
+    """``text`` up to the first ``--stop`` string found at or after character ``start``."""
+    ends = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return text[:min(ends)] if ends else text
+
+
 def parse_args(argv):
     parser = OneLineParser(add_help=False)
     parser.add_argument("-h", "--help", action="store_true")
@@ -54,6 +71,7 @@ def parse_args(argv):
     parser.add_argument("--num_samples", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ignore_eos", action="store_true")
+    parser.add_argument("--stop", action="append", default=[])
     parser.add_argument("--no_eos_prefix", action="store_true")
     parser.add_argument("--chat", action="store_true")
     parser.add_argument("--system", default=None)
@@ -67,6 +85,8 @@ def parse_args(argv):
         if args.num_samples < 1:
             raise ValueError(f"--num_samples={args.num_samples} is invalid: expected an "
                              f"integer >= 1")
+        if "" in args.stop:
+            raise ValueError("--stop= is empty: give the text that ends a sample")
         if args.system is not None and not args.chat:
             raise ValueError("--system needs --chat (a system message is a turn of the chat "
                              "template)")
@@ -135,7 +155,8 @@ def main(argv=None) -> int:
         outputs = generate(run.model, prompts, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                            stop_tokens=() if args.ignore_eos else stops, seed=args.seed,
-                           pad_id=tok.pad_id, features=features)
+                           pad_id=tok.pad_id, features=features,
+                           stop_when=stop_rule(tok, args.stop))
     except (ValueError, FileNotFoundError) as err:
         return report_error(err)
     for i, (prompt, new) in enumerate(zip(prompts, outputs)):
@@ -144,7 +165,12 @@ def main(argv=None) -> int:
                   flush=True)
         if not args.ignore_eos and new and new[-1] in stops:
             new = new[:-1]
-        text = tok.decode(new) if args.chat else sample_text(tok, prompt[len(prefix):], new)
+        if args.chat:
+            text = cut_continuation(tok.decode(new), 0, args.stop)
+        else:
+            start = len(tok.decode(prompt[len(prefix):]))
+            text = cut_continuation(sample_text(tok, prompt[len(prefix):], new), start,
+                                    args.stop)
         print(f"--- sample {i} ---\n{text.rstrip(chr(10))}", flush=True)
     return 0
 

@@ -31,6 +31,10 @@
   Ties rank the lower token id first, so ``top_k=1`` or a tiny ``top_p`` is exactly greedy.
 * **Stop tokens**: a row that emits one is finished; the stop token is kept as its last token
   and the rest of its row is ``pad_id``.
+* **Stop rules on the text** (``stop_when``): a host predicate on a row's generated ids so far,
+  asked after each new token of a live row through an ordered host callback inside the same
+  loop; True finishes the row as a stop token does. The harness gives lm-eval's stop-string
+  rule, so decoding ends at a stop string instead of running on to ``max_new_tokens``.
 * **Tracked features**: a model family whose tokens carry features that depend on the text so
   far (DoE's causal topic ids) decodes with ``generate(..., features=tracker)``, a
   :class:`~dagmoe_jax.data.extension.FeatureTracker` (``extension_for(cfg).decoding_features(...)``)
@@ -43,7 +47,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-from typing import List, NamedTuple, Optional, Sequence, Union
+from typing import Callable, List, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -110,9 +114,9 @@ def _next_tokens(logits, key, step, greedy: bool, temperature, top_k, top_p):
 # ------------------------------------------------------------------------------ the decoding loop
 
 
-# The feature tracker of the generate call in progress, read by the decoding loop's host
-# callback (one tracked generation at a time: the lock is held for the whole call).
-_TRACKING = {"tracker": None}
+# The feature tracker and the stop rule of the generate call in progress, read by the decoding
+# loop's host callbacks (one such generation at a time: the lock is held for the whole call).
+_TRACKING = {"tracker": None, "stops": None}
 _TRACKING_LOCK = threading.Lock()
 
 
@@ -120,6 +124,32 @@ def _track_step(tokens):
     """Host callback: the features of the tokens just generated (the active tracker's)."""
     features = _TRACKING["tracker"].step(np.asarray(tokens))
     return {k: np.asarray(v, np.int32) for k, v in features.items()}
+
+
+class RowStops:
+    """The host side of ``generate(..., stop_when=...)``: each row's generated ids so far, and
+    whether ``stop_when`` has finished it.
+
+    ``step(tokens, live)`` appends ``tokens[b]`` to every row ``b`` that was still live when it
+    emitted it and asks ``stop_when(ids)`` of that row; it returns which rows are finished.
+    """
+
+    def __init__(self, stop_when: Callable[[List[int]], bool], batch: int):
+        self.stop_when = stop_when
+        self.ids: List[List[int]] = [[] for _ in range(batch)]
+        self.stopped = np.zeros((batch,), bool)
+
+    def step(self, tokens, live) -> np.ndarray:
+        """Record one token per live row; the rows ``stop_when`` has finished, [B] bool."""
+        for b in np.flatnonzero(np.asarray(live) & ~self.stopped):
+            self.ids[b].append(int(tokens[b]))
+            self.stopped[b] = bool(self.stop_when(self.ids[b]))
+        return self.stopped.copy()
+
+
+def _stop_step(tokens, live):
+    """Host callback: which rows the active stop rule has finished."""
+    return _TRACKING["stops"].step(np.asarray(tokens), np.asarray(live))
 
 
 def prefill(model: Transformer, tokens: jax.Array, lengths: jax.Array, features, *,
@@ -139,14 +169,16 @@ def decode_step(model: Transformer, tok: jax.Array, cache, start: jax.Array, fea
     return logits, aux["cache"]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy"))
+@functools.partial(jax.jit,
+                   static_argnames=("graphdef", "max_new_tokens", "greedy", "ask_stops"))
 def _generate(graphdef, state, tokens, lengths, features, key, temperature, top_k, top_p,
-              stop_tokens, pad_id, *, max_new_tokens: int, greedy: bool):
+              stop_tokens, pad_id, *, max_new_tokens: int, greedy: bool, ask_stops: bool):
     """Prefill + while_loop of decode steps; returns (tokens [B, N], lengths [B], finished [B]).
 
     ``features``: the prompt's tracked features (None: the model has none); each decode step
     then asks the active tracker for the new tokens' features through an ordered host
-    callback, in the loop itself."""
+    callback, in the loop itself. ``ask_stops``: after each token, the active
+    :class:`RowStops` says (another ordered callback) which rows its rule has finished."""
     model = nnx.merge(graphdef, state)
     b, p = tokens.shape
     n = max_new_tokens
@@ -161,7 +193,11 @@ def _generate(graphdef, state, tokens, lengths, features, key, temperature, top_
         tok = jnp.where(finished, pad_id, tok)
         out = out.at[:, step].set(tok)
         count = jnp.where(finished, count, step + 1)
+        live = ~finished
         finished = finished | jnp.any(tok[:, None] == stop_tokens[None, :], axis=-1)
+        if ask_stops:
+            finished = finished | io_callback(_stop_step, jax.ShapeDtypeStruct((b,), bool),
+                                              tok, live, ordered=True)
         return tok, out, count, finished
 
     out = jnp.full((b, n), pad_id, jnp.int32)
@@ -283,7 +319,8 @@ def generate(model: Transformer, prompts: Union[Sequence[Sequence[int]], np.ndar
              lengths: Optional[Sequence[int]] = None, *, max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              stop_tokens: Sequence[int] = (), seed: int = 0, pad_id: int = 0,
-             dispatch: str = DEFAULT_DISPATCH, features=None):
+             dispatch: str = DEFAULT_DISPATCH, features=None,
+             stop_when: Optional[Callable[[List[int]], bool]] = None):
     """Continue each prompt by up to ``max_new_tokens`` tokens (module docstring: the design).
 
     prompts: a list of token-id lists (any lengths), or an integer array [B, S] with ``lengths``
@@ -295,6 +332,9 @@ def generate(model: Transformer, prompts: Union[Sequence[Sequence[int]], np.ndar
     features: a :class:`~dagmoe_jax.data.extension.FeatureTracker` for a model family whose tokens
       carry tracked features (a DoE model with topics:
       ``extension_for(cfg).decoding_features(run_dir, data_cfg, tokenizer)``).
+    stop_when: a predicate on a row's generated ids so far (a list, the newest last), asked on
+      the host after each of its tokens; True finishes the row, its last token kept (e.g. a
+      stop string's rule: ``dagmoe_jax.harness.lm.StopStrings``). None: none.
 
     Returns, for a list of prompts, a list of generated-token lists (each cut after its stop
     token); for an array, a :class:`Generation` (tokens [B, max_new_tokens], lengths, finished).
@@ -329,6 +369,7 @@ def generate(model: Transformer, prompts: Union[Sequence[Sequence[int]], np.ndar
     prompts = np.where(valid, tokens, pad_id)
     with _TRACKING_LOCK:
         _TRACKING["tracker"] = features
+        _TRACKING["stops"] = None if stop_when is None else RowStops(stop_when, len(prompts))
         try:
             prompt_features = (None if features is None else
                                {k: jnp.asarray(v, jnp.int32)
@@ -337,9 +378,10 @@ def generate(model: Transformer, prompts: Union[Sequence[Sequence[int]], np.ndar
                 graphdef, state, jnp.asarray(prompts, jnp.int32), jnp.asarray(lens, jnp.int32),
                 prompt_features, jax.random.key(seed), jnp.float32(max(temperature, 1e-6)),
                 jnp.int32(top_k), jnp.float32(top_p), _padded_ids(stop_tokens),
-                jnp.int32(pad_id), max_new_tokens=int(max_new_tokens), greedy=temperature == 0)
+                jnp.int32(pad_id), max_new_tokens=int(max_new_tokens), greedy=temperature == 0,
+                ask_stops=stop_when is not None)
             out, count, finished = jax.block_until_ready((out, count, finished))
         finally:
-            _TRACKING["tracker"] = None
+            _TRACKING["tracker"] = _TRACKING["stops"] = None
     result = Generation(np.asarray(out), np.asarray(count), np.asarray(finished))
     return result.as_lists() if as_list else result

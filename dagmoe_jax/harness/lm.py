@@ -24,9 +24,11 @@ The three request types, as the harness's Hugging Face model (``HFLM``) defines 
   KV-cache decoding of up to ``max_gen_toks`` tokens. A row stops at the tokenizer's EOS, at
   every ``eos_token_id`` of the ``generation_config.json`` beside the tokenizer (as
   ``transformers``' ``generate`` does), and, when the prompts were rendered with the run's chat
-  template, at the template's end-of-turn token. The text is decoded without special tokens
-  and cut at the first of the request's ``until`` strings and the EOS token's text. Requests
-  sharing generation settings run together in batches, longest prompt first.
+  template, at the template's end-of-turn token; and, inside the decoding loop, once a stop
+  string (the request's ``until`` and the EOS token's text) appears as lm-eval's own rule
+  finds it (:class:`StopStrings`). The text is decoded without special tokens and cut at the
+  first stop string. Requests sharing generation settings run together in batches, longest
+  prompt first.
 
 Every block type works (dense, MoE with any aggregation, CoE, DoE with its topics tracked from
 the prompt, DUME-merged and upcycled models: they are run directories like any other), on one
@@ -38,7 +40,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -312,7 +314,9 @@ class DagmoeLM(TemplateLM):
             outputs = self.scorer.generate(
                 prompts, max_new_tokens=max_gen, stop_tokens=stops,
                 temperature=temperature, top_k=top_k, top_p=top_p, seed=self.seed,
-                pad_id=self.tokenizer_obj.pad_id)
+                pad_id=self.tokenizer_obj.pad_id, stop_when=StopStrings(
+                    until, lambda s: self.tokenizer_obj.encode(s, add_special_tokens=False),
+                    lambda ids: self.tok_decode(ids, skip_special_tokens=False)))
             for context, kw, ids in zip(contexts, all_kwargs, outputs):
                 # As HFLM: the stop token stays in the ids; decoding without special tokens
                 # drops it, and the EOS text among the stop strings cuts what spells it.
@@ -358,6 +362,23 @@ class DagmoeLM(TemplateLM):
                            for m in chat_history) + (
                 encoder.render([], True) if add_generation_prompt else "")
         return encoder.render(chat_history, add_generation_prompt)
+
+
+class StopStrings:
+    """lm-eval's stop-string rule (``MultiTokenEOSCriteria``, which HFLM hands to
+    ``transformers``' ``generate``), for one row: the row is finished once the text of its
+    last ``len(encode(s)) + 2`` generated ids, decoded with the special tokens, contains a stop
+    string ``s``. HFLM stops a batch when every row has met one string; row by row, as here, is
+    what it does at its default ``batch_size=1``. What the row says is then cut at the first
+    stop string (:func:`cut_at_stop`), as before: only the tokens decoded after it are saved."""
+
+    def __init__(self, until: Sequence[str], encode: Callable[[str], List[int]],
+                 decode: Callable[[List[int]], str]):
+        self.windows = [(s, len(encode(s)) + 2) for s in until if s]
+        self.decode = decode
+
+    def __call__(self, ids: List[int]) -> bool:
+        return any(s in self.decode(ids[-n:]) for s, n in self.windows)
 
 
 def cut_at_stop(text: str, until: List[str]) -> str:

@@ -203,10 +203,12 @@ class Scorer:
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                  stop_tokens: Sequence[int] = (), temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, pad_id: int = 0) -> List[List[int]]:
-        """Up to ``max_new_tokens`` new ids for each prompt (cut after a stop token), by
-        :func:`dagmoe_jax.decoding.generate` in batches of ``batch_size`` (the last one padded
-        with copies of its first prompt, whose outputs are dropped). A prompt longer than
+                 top_p: float = 1.0, seed: int = 0, pad_id: int = 0,
+                 stop_when=None) -> List[List[int]]:
+        """Up to ``max_new_tokens`` new ids for each prompt (cut after a stop token, or after
+        the token for which ``stop_when`` holds), by :func:`dagmoe_jax.decoding.generate` in
+        batches of ``batch_size`` (the last one padded with copies of its first prompt, whose
+        outputs are dropped). A prompt longer than
         ``max_length - max_new_tokens`` keeps its last tokens, so prompt and continuation fit
         the model's window."""
         keep = max(self.max_length - max_new_tokens, 1)
@@ -224,7 +226,8 @@ class Scorer:
                 result = generate(self.model, filled, max_new_tokens=new,
                                   temperature=temperature, top_k=top_k, top_p=top_p,
                                   stop_tokens=stop_tokens, seed=seed + start, pad_id=pad_id,
-                                  dispatch=self.dispatch, features=self.features)
+                                  dispatch=self.dispatch, features=self.features,
+                                  stop_when=stop_when)
                 out.extend(result[:len(chunk)])
                 self.progress(len(chunk))
         return out

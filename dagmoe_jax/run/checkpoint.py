@@ -10,7 +10,10 @@ three items, written together and finalised atomically by Orbax:
   mismatch, not as corruption);
 * ``data``: the grain iterator's position (``grain.checkpoint.CheckpointSave``), captured when
   ``save`` is called, so the loop may keep advancing the iterator while the save runs;
-* ``meta``: a JSON-able dict (the model config, anything else; ``ocp.args.JsonSave``).
+* ``meta``: a JSON-able dict (the model config, anything else; ``ocp.args.JsonSave``). A
+  dict state saved in part (``{'model': ...}`` without ``'optimizer'``) lists its keys in the
+  meta's ``state_keys``; ``restore`` then reads those keys only, into the same keys of the
+  abstract state, and ``Restored.state`` lacks the others.
 
 Typical loop::
 
@@ -74,7 +77,7 @@ import orbax.checkpoint as ocp
 
 from dagmoe_jax.run.checkpoint_files import (CHECKSUM_FILE, MAX_LISTED_DIFFS,
                                              IteratorSnapshot, cause_line, json_diffs,
-                                             os_cause, shapes, show, strip_values,
+                                             os_cause, saved_part, shapes, show, strip_values,
                                              verify_checksums, write_checksums)
 from dagmoe_jax.run.paths import as_path, is_remote
 
@@ -321,6 +324,10 @@ class Checkpointer:
         expected_meta: compared with the saved meta: a differing ``model_config`` is named in a
           ``CheckpointMismatchError``; otherwise the differences are listed in ``meta_diffs``.
 
+        A step saved in part (meta ``state_keys``) restores only those keys of a dict
+        ``abstract_state``, each cast to the abstract leaf's dtype (a bfloat16 array saved,
+        a float32 one restored).
+
         Returns None when the directory holds no checkpoint. Raises ``CheckpointMismatchError``
         for a different architecture and ``ValueError`` when no step is readable.
         """
@@ -343,13 +350,14 @@ class Checkpointer:
             except Exception as err:  # noqa: BLE001 -- any read failure makes the step unusable
                 failures.append((step, cause_line(err)))
                 continue
-            self._check_architecture(step, tree_metadata, abstract_state, meta, expected_meta)
+            part = saved_part(abstract_state, meta)
+            self._check_architecture(step, tree_metadata, part, meta, expected_meta)
             try:
                 verify_checksums(as_path(self.directory) / str(step))
             except (ValueError, OSError) as err:
                 failures.append((step, cause_line(err)))
                 continue
-            items = {STATE_ITEM: ocp.args.StandardRestore(abstract_state)}
+            items = {STATE_ITEM: ocp.args.StandardRestore(part)}
             if data_iterator is not None:
                 items[DATA_ITEM] = grain.checkpoint.CheckpointRestore(data_iterator)
             try:

@@ -21,6 +21,9 @@ from flax import traverse_util
 from dagmoe_jax.run.paths import as_path
 
 CHECKSUM_FILE = "dagmoe_checksums.json"
+# A checkpoint's meta key listing the top-level keys of a dict state it holds when it holds
+# only some of them (an upcycled run's step 0: its model, no optimizer state).
+STATE_KEYS = "state_keys"
 _MAX_ERROR_CHARS = 200
 MAX_LISTED_DIFFS = 6
 
@@ -183,3 +186,12 @@ def json_diffs(saved: Any, expected: Any, prefix: str) -> List[str]:
         if key not in want and not any(w.startswith(key + ".") for w in want):
             out.append(f"{key} {json.dumps(have[key])} -> (absent)")
     return out
+
+
+def saved_part(abstract_state: Any, meta: Any) -> Any:
+    """The part of ``abstract_state`` a step holds: the top-level keys its ``meta`` lists
+    under :data:`STATE_KEYS` (a dict state saved in part), else all of it."""
+    keys = meta.get(STATE_KEYS) if isinstance(meta, dict) else None
+    if keys is None or not isinstance(abstract_state, dict):
+        return abstract_state
+    return {k: v for k, v in abstract_state.items() if k in keys}

@@ -33,7 +33,7 @@ from dagmoe_jax.data import DataConfig
 from dagmoe_jax.parallel import MeshConfig
 from dagmoe_jax.run.build import build, train_state
 from dagmoe_jax.run.checkpoint import Checkpointer
-from dagmoe_jax.run.checkpoint_files import flatten_json, json_diffs
+from dagmoe_jax.run.checkpoint_files import STATE_KEYS, flatten_json, json_diffs
 from dagmoe_jax.run.paths import as_path, is_remote, run_path
 from dagmoe_jax.run.config import OptimConfig, TrainConfig
 
@@ -120,6 +120,8 @@ def configs_to_gin(model_cfg, data_cfg, optim_cfg, train_cfg) -> str:
 
     def bind(obj, name):
         for field in dataclasses.fields(obj):
+            if not field.init:        # derived, not an argument (a block config's ``kind``)
+                continue
             value = getattr(obj, field.name)
             if dataclasses.is_dataclass(value):
                 sub = type(value).__name__
@@ -144,11 +146,20 @@ def save_resume_gin(run_dir: PathLike, model_cfg, data_cfg, optim_cfg, train_cfg
 def save_initial_checkpoint(run_dir: PathLike, model, optimizer, model_cfg: ModelConfig,
                             train_cfg: TrainConfig, data_iterator) -> None:
     """Save ``model`` and ``optimizer`` as step 0 of a run that training continues (with the
-    data iterator's position), as a run made by another command than ``train.py`` starts."""
+    data iterator's position), as a run made by another command than ``train.py`` starts.
+    ``optimizer=None``: the model's state alone (meta ``state_keys=['model']``), written from
+    ``model``'s own arrays, whatever their dtype (bfloat16 ones are cast to the model's dtype
+    when read); the run that resumes it creates fresh optimizer state, and evaluation,
+    sampling and ``init_from`` read it like any checkpoint. No second copy of the model is
+    made here."""
+    if optimizer is None:
+        state = {"model": nnx.state(model)}
+        meta = {**model_meta(model_cfg), STATE_KEYS: ["model"]}
+    else:
+        state, meta = train_state(model, optimizer), model_meta(model_cfg)
     with Checkpointer(as_path(run_dir) / CHECKPOINT_DIR, save_every=train_cfg.save_every,
                       keep=train_cfg.keep_checkpoints, async_save=False) as checkpointer:
-        checkpointer.save(0, train_state(model, optimizer), data_iterator=data_iterator,
-                          meta=model_meta(model_cfg), force=True)
+        checkpointer.save(0, state, data_iterator=data_iterator, meta=meta, force=True)
 
 
 def load_configs(run_dir: PathLike, with_record: bool = False):
@@ -243,8 +254,8 @@ def load_run(run_dir: PathLike, mesh=None, data_cfg: Optional[DataConfig] = None
 
     mesh: None builds only abstract shapes (no initialisation) on one device; a mesh builds the
     model and optimizer sharded over it (parameters restored into that layout, whatever mesh
-    the run trained on). The optimizer's state is read with the model's, since checkpoints
-    hold both. data_cfg: the data config to attach (default: the run's own), e.g. with another
+    the run trained on). The optimizer's state is read with the model's where the checkpoint
+    holds it (an upcycled run's step 0 holds the model alone). data_cfg: the data config to attach (default: the run's own), e.g. with another
     evaluation source. log: hears about slow work while the model is settled (compiling the CPU
     attention kernel). One-line ValueErrors for a missing run directory or config, and for a
     run without checkpoints.

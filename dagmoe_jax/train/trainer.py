@@ -90,7 +90,8 @@ class Trainer:
 
     def restore_or_init(self, check: Callable[[run_lib.Restored], None] = lambda _r: None) -> int:
         """Restore the newest readable checkpoint into the model, optimizer and data iterator
-        and return its step, or 0 for a new run. ``check(restored)`` runs first and may refuse
+        and return its step, or 0 for a new run. A checkpoint of the parameters alone (the
+        upcycling command's step 0) leaves the optimizer's fresh state as built. ``check(restored)`` runs first and may refuse
         (raise) a checkpoint the run's configs must not continue."""
         abstract = run_lib.abstract(run_lib.train_state(self.model, self.optimizer))
         with self.mesh_scope():
@@ -102,8 +103,11 @@ class Trainer:
             self.say(f"warning: {message}")
         check(restored)
         nnx.update(self.model, restored.state["model"])
-        nnx.update(self.optimizer, restored.state["optimizer"])
-        self.say(f"resumed from step {restored.step} in {self.run_dir}")
+        fresh = "optimizer" not in restored.state        # an upcycled run's step 0
+        if not fresh:
+            nnx.update(self.optimizer, restored.state["optimizer"])
+        self.say(f"resumed from step {restored.step} in {self.run_dir}"
+                 + (" (parameters only: fresh optimizer state)" if fresh else ""))
         if restored.step >= self.total_steps:
             self.say(f"warning: the checkpoint is at step {restored.step} and TrainConfig.steps="
                      f"{self.total_steps}: nothing left to train (raise steps to continue)")

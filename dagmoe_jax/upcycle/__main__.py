@@ -44,6 +44,19 @@ Flags:
                          of the first --dense)
   --seq_len=N --batch_size=N  rows of the stream statistics and of later training (default:
                          the first dense run's; 1024 and 16 for Hugging Face models)
+  --dtype=float32|bfloat16  what the merged parameters are held in (default float32).
+                         bfloat16: half the memory; the statistics pass reads the bfloat16
+                         weights (computing in float32) and accumulates X~^T X~ in float32; the
+                         checkpoint holds the bfloat16 parameters, which evaluation and the
+                         resuming run read into float32 master weights
+
+Memory: with Hugging Face --dense directories (merged one tensor at a time) the command's peak
+host memory is the merged MoE (its shared weights once, every expert's MLP) plus the per-domain
+statistics (float64, layers x (d+1)^2 each) plus one parameter's transient copies: at most
+1.3x the experts' summed float32 size, 0.7x with --dtype=bfloat16 (benchmarks/merge_memory.py,
+benchmarks/RESULTS.md). The run is written from the merged parameters without building a
+second model; its step 0 holds no optimizer state (train.py creates it when it resumes).
+Dense train.py runs are loaded whole first (their summed size on top).
 
 Then: python train.py --mode=eval --run_dir=DIR; python -m dagmoe_jax.cli.sample --run_dir=DIR;
 python train.py --gin_file=DIR/resume.gin (DUME+ at top_k >= 2). Exit status 2 for invalid input
@@ -87,6 +100,7 @@ def parse_args(argv):
     p.add_argument("--seq_len", type=int, default=0)
     p.add_argument("--batch_size", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     return p.parse_args(argv)
 
 
@@ -160,7 +174,7 @@ def run(args) -> Path:
     moe, cfg, stats = command.build_dume(
         dense, batches, top_k=args.top_k, temperature=args.temperature, lam=args.lam,
         tokens_per_sequence=None if prompts else args.tokens_per_sequence,
-        router=args.router, seed=args.seed, progress=progress)
+        router=args.router, seed=args.seed, dtype=args.dtype, progress=progress)
     print(file=sys.stderr, flush=True)
     if args.dag_dim > 0:
         moe = dume.upcycle_to_dag(moe, dag_dim=args.dag_dim, dag_iters=args.dag_iters,
@@ -173,7 +187,7 @@ def run(args) -> Path:
                "stats_examples": args.stats_examples if prompts else None,
                "stats_tokens": args.stats_tokens if prompts else None,
                "tokens_per_sequence": None if prompts else args.tokens_per_sequence,
-               "dag_dim": args.dag_dim}
+               "dag_dim": args.dag_dim, "dtype": args.dtype}
     trainable = args.trainable or command.default_trainable(cfg)
     if not args.trainable and trainable == "router_and_gates":
         print(command.TOP1_NOTE, file=sys.stderr, flush=True)

@@ -28,13 +28,14 @@ from dagmoe_jax.data.pipeline import train_dataset
 from dagmoe_jax.run.settle import settle
 from dagmoe_jax.run.config import TrainConfig
 from dagmoe_jax.run.config import OptimConfig
+from dagmoe_jax.run.optim import check_trainable
 from dagmoe_jax.upcycle import dume as dume_lib
 from dagmoe_jax.evaluation import padded_width
 from dagmoe_jax.hf import llama as hf_llama
-from dagmoe_jax.model.params import flat_params, set_params
 from dagmoe_jax.upcycle import moerge, stream
 from dagmoe_jax.upcycle.ridge import DEFAULT_LAMBDA, DomainStatistics
 
+MERGE_DTYPES = ("float32", "bfloat16")    # what build_dume holds the merged parameters in
 STATS_DIR = "dume_stats"
 SUMMARY_FILE = "dume.json"
 RESUME_GIN = "resume.gin"
@@ -178,17 +179,26 @@ def build_dume(dense: Sequence[Union[DenseSource, str]],
                batches_per_domain: Sequence[Callable[[], list]], *,
                top_k: int = 1, temperature: float = 1.0, lam: float = DEFAULT_LAMBDA,
                tokens_per_sequence: Optional[int] = None,
-               router: str = "dume", seed: int = 0,
+               router: str = "dume", seed: int = 0, dtype: str = "float32",
                progress: Callable[[int, int, int], None] = lambda _d, _b, _t: None
                ) -> Tuple[nnx.Module, ModelConfig, List[DomainStatistics]]:
     """The merged MoE of ``dense`` with DUME routers (``router='dume'``) or random ones
     ('random': the random-routing baseline and BTX's start). ``dense``: loaded models, or
-    Hugging Face directories merged one tensor at a time (:func:`stream.moerge_hf`, about the
-    experts' summed size in memory). ``batches_per_domain[j]()`` gives
+    Hugging Face directories merged one tensor at a time (:func:`stream.moerge_hf`: the merged
+    MoE plus one parameter's transient copies in memory). ``batches_per_domain[j]()`` gives
     domain j's statistics batches; ``progress(domain, batches, tokens)`` hears after each.
-    Returns (model, MoE config, per-domain statistics; empty for 'random')."""
+    ``dtype='bfloat16'``: the merged parameters are held in bfloat16 (half the memory; the
+    shared means are taken in float64, then rounded); the statistics pass runs those weights
+    in the config's compute dtype (float32, each layer's weights cast inside the pass), so its
+    MLP inputs are the bfloat16 model's, accumulated into ``X~^T X~`` in float32 as always
+    (:func:`dume_lib.accumulate_on_device`). (Computing the pass in bfloat16 as well moved
+    the tests' routers ten times further from the float32 upcycle's, for no memory.) Returns
+    (model, MoE config, per-domain statistics; empty for 'random'); the config is the float32
+    one a run is written with (the model's own ``cfg`` has ``param_dtype=dtype``)."""
     if router not in ("dume", "random"):
         raise ValueError(f"router={router!r} is invalid: expected 'dume' or 'random'")
+    if dtype not in MERGE_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is invalid: expected one of {MERGE_DTYPES}")
     if len(batches_per_domain) != len(dense):
         raise ValueError(f"{len(dense)} dense models but {len(batches_per_domain)} data "
                          f"sources: give one source per model")
@@ -199,9 +209,10 @@ def build_dume(dense: Sequence[Union[DenseSource, str]],
         moerge.check_same_architecture([d.cfg for d in dense])
         dense_cfg = dense[0].cfg
     cfg = moerge.dume_config(dense_cfg, len(dense), top_k=top_k, temperature=temperature)
-    execution = settle(cfg)
-    moe = (stream.moerge_hf(dense, cfg, execution=execution, seed=seed) if streamed else
-           moerge.moerge([d.model for d in dense], cfg, execution=execution, seed=seed))
+    held = cfg if dtype == "float32" else cfg.replace(param_dtype=dtype)
+    execution = settle(held)
+    moe = (stream.moerge_hf(dense, held, execution=execution, seed=seed) if streamed else
+           moerge.moerge([d.model for d in dense], held, execution=execution, seed=seed))
     stats: List[DomainStatistics] = []
     if router == "dume":
         for j, batches in enumerate(batches_per_domain):
@@ -231,12 +242,20 @@ def write_run(run_dir: str, model: nnx.Module, model_cfg: ModelConfig, data_cfg:
               *, steps: int = 1000, trainable: Optional[str] = None,
               optim_cfg: OptimConfig = ROUTER_OPTIM, stats: Sequence[DomainStatistics] = (),
               summary: Optional[dict] = None) -> Path:
-    """A run directory holding ``model`` as step 0 (with its optimizer state and the mixed
-    data stream's position), ``config.json``, the per-domain statistics, ``dume.json`` and
-    ``resume.gin`` (``train.py --gin_file=RUN/resume.gin`` trains it for ``steps`` steps).
-    ``trainable`` (``TrainConfig.trainable``): default :func:`default_trainable`."""
+    """A run directory holding ``model``'s parameters as step 0 (with the mixed data stream's
+    position), ``config.json``, the per-domain statistics, ``dume.json`` and ``resume.gin``
+    (``train.py --gin_file=RUN/resume.gin`` trains it for ``steps`` steps).
+    ``trainable`` (``TrainConfig.trainable``): default :func:`default_trainable`.
+
+    The checkpoint is written from ``model``'s own arrays: no second model and no optimizer
+    state are built (the run that resumes creates its optimizer state fresh,
+    :func:`dagmoe_jax.run.save_initial_checkpoint`), so writing adds no model-sized memory.
+    ``model`` may hold bfloat16 parameters (``--dtype=bfloat16``): they are written as they
+    are, and the run reading them casts them to ``model_cfg.param_dtype`` (float32 master
+    weights). ``model_cfg`` is the configuration the run is written with."""
     if trainable is None:
         trainable = default_trainable(model_cfg)
+    check_trainable(model_cfg, trainable)
     if optim_cfg.warmup_steps >= steps:       # a short continuation: warm up within it
         optim_cfg = dataclasses.replace(optim_cfg, warmup_steps=steps - 1)
     path = run_lib.prepare_run_dir(run_dir)
@@ -244,13 +263,12 @@ def write_run(run_dir: str, model: nnx.Module, model_cfg: ModelConfig, data_cfg:
         raise ValueError(f"{path} already holds checkpoints: choose a new --run_dir")
     train_cfg = TrainConfig(run_dir=str(path), steps=steps, trainable=trainable,
                             save_every=max(1, steps))
-    built, optimizer, _ = run_lib.build(model_cfg, optim_cfg, train_cfg)
-    set_params(built, flat_params(model))
     tokenizer = make_tokenizer(data_cfg)
     iterator = iter(instruct_dataset(data_cfg, tokenizer) if is_instruct(data_cfg)
                     else train_dataset(data_cfg, tokenizer))       # what resume.gin reads
-    run_lib.save_initial_checkpoint(path, built, optimizer, model_cfg, train_cfg, iterator)
-    run_lib.save_configs(path, model_cfg, data_cfg, optim_cfg, train_cfg, settled=built.execution)
+    run_lib.save_initial_checkpoint(path, model, None, model_cfg, train_cfg, iterator)
+    run_lib.save_configs(path, model_cfg, data_cfg, optim_cfg, train_cfg,
+                         settled=model.execution)
     run_lib.save_resume_gin(path, model_cfg, data_cfg, optim_cfg, train_cfg, name=RESUME_GIN)
     if stats:
         (path / STATS_DIR).mkdir(exist_ok=True)

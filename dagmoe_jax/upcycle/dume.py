@@ -119,8 +119,9 @@ def collect_statistics(model: nnx.Module, batches: Iterable[Batch], expert: int,
                        ) -> DomainStatistics:
     """One domain's ridge statistics (DUME eq. 7): ``batches`` (dicts with 'inputs' [B, S] and
     optionally 'mask') through ``model`` forced to ``expert``, every layer's MLP inputs
-    accumulated on the device (:func:`accumulate_on_device`, compensated float32; only the
-    [layers, d+1, d+1] sums reach the host, once, as float64). ``on_host=True``: each batch's
+    accumulated on the device (:func:`accumulate_on_device`, compensated float32, whatever
+    the model's compute dtype; only the [layers, d+1, d+1] sums reach the host, once, added
+    to the float64 statistics a layer at a time). ``on_host=True``: each batch's
     inputs copied to the host and accumulated in float64 NumPy (the reference). ``stats``:
     statistics to add to (a domain seen in several passes); ``progress(batches, tokens)``
     hears after every batch."""
@@ -146,9 +147,10 @@ def collect_statistics(model: nnx.Module, batches: Iterable[Batch], expert: int,
             tokens += int(mask.sum())
         progress(i + 1, tokens)
     if not on_host:
-        host = [np.asarray(a, np.float64) for a in sums]
-        stats.gram += host[0] - host[1]            # Kahan: the carry is what the sum lacks
-        stats.total += host[2] - host[3]
+        host = [np.asarray(a) for a in sums]       # float32; float64 one layer at a time
+        for layer in range(cfg.num_layers):        # Kahan: the carry is what the sum lacks
+            stats.gram[layer] += host[0][layer].astype(np.float64) - host[1][layer]
+            stats.total[layer] += host[2][layer].astype(np.float64) - host[3][layer]
         stats.tokens = tokens
     return stats
 

@@ -7,8 +7,9 @@ size at once (over 100 GB for four 3B experts). :func:`moerge_hf` builds the MoE
 a shared parameter is a float64 running sum over the models (one model's tensor read at a
 time), then its mean placed; an expert weight [layers, N, ...] starts as zeros on the device
 and model j's slice is written in place (a donated jitted update). The host then holds the
-merged model plus one parameter's float64 sum and one model's tensor. Measured by
-``benchmarks/merge_memory.py``.
+merged model plus one parameter's float64 sum and one model's tensor. A ``cfg`` with
+``param_dtype='bfloat16'`` holds the merged model in bfloat16 (the means still float64, then
+rounded). ``benchmarks/merge_memory.py`` measures the whole upcycling command around it.
 """
 
 from __future__ import annotations

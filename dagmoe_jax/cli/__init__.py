@@ -2,6 +2,7 @@
 
 * :mod:`~dagmoe_jax.cli.train` (``train.py``, ``dagmoe-train``), :mod:`~dagmoe_jax.cli.sample`
   (``dagmoe-sample``), :mod:`~dagmoe_jax.cli.export` (``dagmoe-export``),
+  :mod:`~dagmoe_jax.cli.hf_import` (``dagmoe-import``),
   :mod:`~dagmoe_jax.cli.topics` (DoE's Stage 1 alone) and :mod:`~dagmoe_jax.cli.demo`; the
   tools' own commands are their packages' ``__main__``;
 * here: flag parsing, one-line errors (exit 2) and the benchmarks' report helpers, shared by

@@ -326,7 +326,8 @@ class Checkpointer:
 
         A step saved in part (meta ``state_keys``) restores only those keys of a dict
         ``abstract_state``, each cast to the abstract leaf's dtype (a bfloat16 array saved,
-        a float32 one restored).
+        a float32 one restored); when it holds no data position, ``data_iterator`` is left
+        at its start.
 
         Returns None when the directory holds no checkpoint. Raises ``CheckpointMismatchError``
         for a different architecture and ``ValueError`` when no step is readable.
@@ -358,7 +359,11 @@ class Checkpointer:
                 failures.append((step, cause_line(err)))
                 continue
             items = {STATE_ITEM: ocp.args.StandardRestore(part)}
-            if data_iterator is not None:
+            # A step saved in part by another command (an import, an upcycle) may hold no data
+            # position: the iterator then starts where it is, at the beginning of its data.
+            if data_iterator is not None and not (
+                    part is not abstract_state
+                    and not (as_path(self.directory) / str(step) / DATA_ITEM).exists()):
                 items[DATA_ITEM] = grain.checkpoint.CheckpointRestore(data_iterator)
             try:
                 restored = self._manager.restore(step, args=ocp.args.Composite(**items))

@@ -1,0 +1,148 @@
+"""Import a Hugging Face Llama folder as a dense run directory.
+
+    python -m dagmoe_jax.cli.hf_import --hf=models/Llama-3.2-1B --run_dir=runs/llama1b
+    dagmoe-import --hf=models/Llama-3.2-1B --run_dir=runs/llama1b --seq_len=2048 \\
+        --source='text:corpus/*.txt' --steps=2000
+
+Flags:
+  --hf=DIR            a Hugging Face Llama folder: config.json, model.safetensors (or shards
+                      with their index) and tokenizer.json (tokenizer_config.json,
+                      generation_config.json and a chat template beside it are kept)
+  --run_dir=DIR       the run directory to write (it must not exist, or be empty)
+  --seq_len=N         the run's sequence length (default 1024, at most the model's context)
+  --batch_size=N      its batch size (default 16)
+  --source=SPEC       its data source (a DataConfig source spec; default DataConfig's)
+  --steps=N           steps ``resume.gin`` trains for (default 1000)
+
+Writes a run like any other: the model as a dense block (``ModelConfig.block = 'dense'``: no
+router, no statistics) from :func:`dagmoe_jax.hf.llama.load_hf_llama`, read a tensor at a time;
+step 0 holds the parameters alone (the run that continues creates the optimizer's state);
+``config.json`` with the tokenizer's files copied into ``DIR/tokenizer/`` (recorded by absolute
+path and SHA-256, so the run does not depend on the folder afterwards); ``resume.gin``. Then::
+
+    python train.py --gin_file=DIR/resume.gin          # continue pre-training it
+    python train.py --gin.TrainConfig.init_from="'DIR'" ...   # fine-tune from it
+    python -m dagmoe_jax.harness --run_dir=DIR ...     # score it; dagmoe-sample, dagmoe-export,
+    python -m dagmoe_jax.upcycle --dense=DIR ...       # and upcycle it, as any dense run
+
+Exit status: 0 done, 2 invalid arguments or folder (a one-line message), 130 when interrupted;
+a failed or interrupted import removes what it wrote.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+from dagmoe_jax.cli import OneLineParser, quiet_background_errors, report_error
+
+# The tokenizer's files copied beside it (those that exist): what transformers and
+# dagmoe_jax.data.tokenizers read of a Hugging Face tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja", "chat_template.json")
+TOKENIZER_DIR = "tokenizer"
+DEFAULT_SEQ_LEN = 1024
+
+
+def parse_args(argv):
+    parser = OneLineParser(add_help=False)
+    parser.add_argument("-h", "--help", action="store_true")
+    parser.add_argument("--hf", default="")
+    parser.add_argument("--run_dir", default="")
+    parser.add_argument("--seq_len", type=int, default=0)
+    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--source", default=None)
+    parser.add_argument("--steps", type=int, default=1000)
+    args = parser.parse_args(argv)
+    if args.help:
+        return args
+    if not args.hf or not args.run_dir:
+        raise ValueError("--hf=DIR (a Hugging Face Llama folder) and --run_dir=DIR are required")
+    for name in ("seq_len", "batch_size", "steps"):
+        value = getattr(args, name)
+        if value < (0 if name == "seq_len" else 1):
+            raise ValueError(f"--{name}={value} is invalid: expected an integer >= 1")
+    out = Path(args.run_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--run_dir={args.run_dir} already exists and is not an empty "
+                         f"directory: choose a new path")
+    return args
+
+
+def import_hf(folder: str, run_dir: str, *, seq_len: int = 0, batch_size: int = 16,
+              source=None, steps: int = 1000, log=print) -> Path:
+    """Write ``folder`` (a Hugging Face Llama) as the dense run ``run_dir`` (module docstring);
+    returns the run's path. One-line ``ValueError`` for a folder that is no Llama or has no
+    ``tokenizer.json``, and for a ``seq_len`` beyond the model's context."""
+    # pylint: disable=import-outside-toplevel
+    from dagmoe_jax import run as run_lib
+    from dagmoe_jax.data import DataConfig
+    from dagmoe_jax.hf.llama import load_hf_llama, read_hf_config
+    from dagmoe_jax.run.config import OptimConfig, TrainConfig
+
+    source_dir = Path(folder).expanduser().resolve()
+    read_hf_config(source_dir)                   # one line where it is no model
+    if not (source_dir / "tokenizer.json").is_file():
+        raise ValueError(f"{source_dir / 'tokenizer.json'} does not exist: a run keeps its "
+                         f"model's tokenizer (save it with the model: "
+                         f"tokenizer.save_pretrained(folder))")
+    target = Path(run_dir).expanduser().resolve()
+    existed = target.exists()
+    path = run_lib.prepare_run_dir(target)
+    try:
+        tokenizer_dir = target / TOKENIZER_DIR
+        tokenizer_dir.mkdir()
+        copied = [name for name in TOKENIZER_FILES if (source_dir / name).is_file()]
+        for name in copied:
+            shutil.copyfile(source_dir / name, tokenizer_dir / name)
+        model, model_cfg = load_hf_llama(source_dir)
+        seq_len = seq_len or min(DEFAULT_SEQ_LEN, model_cfg.max_seq_len)
+        data_cfg = DataConfig(
+            tokenizer="hf", tokenizer_path=str(tokenizer_dir / "tokenizer.json"),
+            seq_len=seq_len, batch_size=batch_size,
+            **({} if source is None else {"source": source}))
+        if seq_len > model_cfg.max_seq_len:
+            raise ValueError(f"--seq_len={seq_len} is longer than the model's context "
+                             f"({model_cfg.max_seq_len} positions): at most that")
+        optim_cfg = OptimConfig()
+        train_cfg = TrainConfig(run_dir=str(target), steps=steps, save_every=steps)
+        run_lib.save_initial_checkpoint(path, model, None, model_cfg, train_cfg, None)
+        run_lib.save_resume_gin(path, model_cfg, data_cfg, optim_cfg, train_cfg)
+        run_lib.save_configs(path, model_cfg, data_cfg, optim_cfg, train_cfg,
+                             settled=model.execution)      # last: the run is complete
+    except BaseException:
+        if existed:                                        # it was empty: empty it again
+            for child in target.iterdir():
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+        else:
+            shutil.rmtree(target, ignore_errors=True)
+        raise
+    log(f"imported {source_dir} into {target}: dense, {model_cfg.num_layers} layers, d_model "
+        f"{model_cfg.d_model}, vocabulary {model_cfg.vocab_size}; tokenizer files: "
+        f"{', '.join(copied)}")
+    return target
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+    except ValueError as err:
+        return report_error(err)
+    if args.help:
+        print(__doc__)
+        return 0
+    quiet_background_errors()
+    try:
+        import_hf(args.hf, args.run_dir, seq_len=args.seq_len, batch_size=args.batch_size,
+                  source=args.source, steps=args.steps)
+    except KeyboardInterrupt:
+        print(f"stopped: nothing was written at {args.run_dir}", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError) as err:
+        return report_error(err)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -157,6 +157,18 @@ def test_generation_stops_at_the_stop_string_and_equals_generate(model):
     assert len(row) < 10
 
 
+def test_stop_strings_end_rows_alike_on_a_mesh(model):
+    """The stop rule's host callback reads rows sharded over the devices' data axis: the
+    generations equal those of one device."""
+    requests = [SimpleNamespace(args=(c, {"until": ["e", "\n"], "max_gen_toks": 10}))
+                for c in ("add 3 4 =", "sort 9 1 =", "x", "hello")]
+    one = DagmoeLM(run=fake_run(model), batch_size=2, mesh="none")
+    many = DagmoeLM(run=fake_run(model), batch_size=2, mesh="auto")
+    assert many.scorer.mesh is not None and many.scorer.mesh.size > 1
+    assert many.generate_until(requests, disable_tqdm=True) == one.generate_until(
+        requests, disable_tqdm=True)
+
+
 def test_generation_is_cut_at_the_eos_text(model, tmp_path, monkeypatch):
     """As the harness's hf model does, the EOS token's text is one more stop string: a
     continuation whose ordinary tokens spell it (the bytes of '</s>') ends there."""

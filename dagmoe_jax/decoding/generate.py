@@ -147,6 +147,17 @@ class RowStops:
         return self.stopped.copy()
 
 
+def _gathered(*arrays):
+    """``arrays`` replicated over the active mesh's devices (unchanged off a mesh): what a host
+    callback reads from device 0 is then already whole there, so the partitioner does not
+    rematerialise a sharded row array for it in every decode step."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or mesh.size == 1:
+        return arrays
+    return tuple(jax.lax.with_sharding_constraint(a, jax.sharding.PartitionSpec())
+                 for a in arrays)
+
+
 def _stop_step(tokens, live):
     """Host callback: which rows the active stop rule has finished."""
     return _TRACKING["stops"].step(np.asarray(tokens), np.asarray(live))
@@ -197,7 +208,7 @@ def _generate(graphdef, state, tokens, lengths, features, key, temperature, top_
         finished = finished | jnp.any(tok[:, None] == stop_tokens[None, :], axis=-1)
         if ask_stops:
             finished = finished | io_callback(_stop_step, jax.ShapeDtypeStruct((b,), bool),
-                                              tok, live, ordered=True)
+                                              *_gathered(tok, live), ordered=True)
         return tok, out, count, finished
 
     out = jnp.full((b, n), pad_id, jnp.int32)
@@ -213,7 +224,7 @@ def _generate(graphdef, state, tokens, lengths, features, key, temperature, top_
         # the parameters ride in the carry: nnx needs them traced at the loop's level
         step, params, tok, cache, out, count, finished = carry
         new = (None if step_features is None
-               else io_callback(_track_step, step_features, tok, ordered=True))
+               else io_callback(_track_step, step_features, *_gathered(tok), ordered=True))
         logits, cache = decode_step(nnx.merge(graphdef, params), tok, cache,
                                     lengths + step - 1, new)
         tok, out, count, finished = record(step, sample(logits[:, 0], step=step), out, count,

@@ -1,86 +1,144 @@
-"""Peak host memory of MoErging four Hugging Face Llama checkpoints, against their summed size.
+"""Peak host memory of the whole DUME upcycling command, against the experts' summed size.
 
-DUME merges N dense experts into one MoE (seed 004, sec. 2.2). ``moerge`` (in memory) loads
-every model, copies each to float32 NumPy and stacks the experts before writing the MoE;
-``stream`` (:func:`dagmoe_jax.upcycle.stream.moerge_hf`) builds the MoE abstractly and fills it
-from the safetensors one parameter at a time. Each measurement runs in a fresh process: peak
-RSS (``ru_maxrss``) minus the RSS once JAX and the library are imported; the merged MoE itself
-is about the sum of the checkpoints less (N - 1) copies of the shared (non-MLP) weights.
+Runs ``python -m dagmoe_jax.upcycle`` end to end (merge of N Hugging Face Llama checkpoints
+one tensor at a time, the statistics pass over one text domain per expert, the ridge routers,
+the run directory written) as a child process at top-1 with the default trainable set, in
+float32 and with ``--dtype=bfloat16``, at two sizes. Its peak RSS is the child's own
+(``os.wait4``'s rusage, as ``/usr/bin/time`` reads it), less the peak of a child that only
+imports the library and JAX (the baseline). The promise: at most 1.3x the experts' summed
+float32 size, 0.7x in bfloat16.
 
-    python benchmarks/merge_memory.py                       # four ~150 MB float32 checkpoints
-    python benchmarks/merge_memory.py --d_model 1024 --ffn 2816 --vocab 16000
+The extrapolation to four Llama 3.2 3B experts adds up what the command holds, by formula
+(the merged MoE: shared weights once, N experts' MLPs, in the merge's dtype; N domains'
+float64 statistics, layers x ((d+1)^2 + d+1) each; the device's float32 Kahan sums of one
+domain; the largest transient, a shared parameter's float64 sum plus one float32 tensor, or
+one expert tensor placed), checks that sum against the two measured sizes, and applies it with
+the larger size's unexplained remainder added in proportion to the experts' size (it grew with
+the size: mostly Orbax's host copy of the arrays it writes, and XLA's buffers of the
+statistics pass).
 
-The checkpoints are written to a temporary directory and deleted afterwards.
+    python benchmarks/merge_memory.py                  # two sizes, float32 and bfloat16
+
+The checkpoints, texts and run directories are written to a temporary directory and deleted.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import resource
+import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from hf_import_memory import write_checkpoint  # noqa: E402
 
+SIZES = ((768, 4, 2048, 8000), (1024, 8, 2816, 16000))     # d, layers, ffn, vocabulary
+LLAMA_3B = dict(d=3072, layers=28, ffn=8192, vocab=128256, heads=24, kv=8, head_dim=128,
+                tied=True)                                    # Llama 3.2 3B
+BASELINE = "import jax, jax.numpy as jnp; import dagmoe_jax.upcycle.command; jnp.zeros(1)"
 
-def measure(folders, mode: str) -> dict:
-    """In this (fresh) process: RSS after imports, then peak RSS after merging ``folders``."""
-    import jax
-    from flax import nnx
 
-    from dagmoe_jax.run.settle import settle
-    from dagmoe_jax.hf import llama as hf_llama
-    from dagmoe_jax.upcycle import moerge, stream
+def child_peak(argv, env=None) -> int:
+    """Peak RSS in bytes of the child process ``argv`` (its own rusage, not this process's)."""
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    out, err = proc.stdout.read().decode(), proc.stderr.read().decode()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(argv[:4])} failed ({proc.returncode}): {err[-2000:]}{out}")
+    return usage.ru_maxrss * 1024                      # Linux reports KiB
 
-    cfg = moerge.dume_config(stream.read_configs(folders), len(folders))
-    execution = settle(cfg)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    if mode == "stream":
-        model = stream.moerge_hf(folders, cfg, execution=execution)
-    else:
-        model = moerge.moerge([hf_llama.load_hf_llama(f)[0] for f in folders], cfg,
-                              execution=execution)
-    merged = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"mode": mode, "baseline": before, "peak": peak, "model_bytes": merged}
+
+def write_tokenizer(path: Path, vocab: int) -> Path:
+    """A byte-level BPE tokenizer.json of at most ``vocab`` tokens (the experts' vocabulary)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["merging experts one tensor at a time"] * 4, trainers.BpeTrainer(
+        vocab_size=min(vocab, 300), special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    return path
+
+
+def shapes(d, layers, ffn, vocab, heads=None, kv=None, head_dim=64, tied=False):
+    """(one expert's float32 bytes, the merged MoE's parameters less the experts' MLPs,
+    one MLP's parameters, the largest shared parameter, one layer-stacked MLP tensor)."""
+    heads, kv = heads or d // 64, kv or d // 256
+    attn = layers * (2 * d * heads * head_dim + 2 * d * kv * head_dim + 2 * d) + d
+    embed = vocab * d
+    mlp = layers * 3 * d * ffn
+    expert = 4 * (embed * (1 if tied else 2) + attn + mlp)         # float32 bytes
+    return expert, 2 * embed + attn, mlp, embed, layers * d * ffn
+
+
+def predicted(size, experts: int, dtype_bytes: int) -> dict:
+    """What the command holds at its peak, by formula (module docstring), in bytes."""
+    expert, shared, mlp, largest, stacked = shapes(**size)
+    d, layers = size["d"], size["layers"]
+    parts = {"merged MoE": (shared + experts * mlp + layers * (d + 1) * experts) * dtype_bytes,
+             "statistics (float64)": experts * layers * ((d + 1) ** 2 + d + 1) * 8,
+             "Kahan sums (float32)": 2 * layers * ((d + 1) ** 2 + d + 1) * 4,
+             "largest transient": max(largest * 12, stacked * 8)}
+    return parts
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--experts", type=int, default=4)
-    p.add_argument("--d_model", type=int, default=768)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=2048)
-    p.add_argument("--vocab", type=int, default=8000)
-    p.add_argument("--one", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.one:
-        print(json.dumps(measure(args.one[1:], args.one[0])))
-        return 0
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    baseline = child_peak([sys.executable, "-c", BASELINE], env)
+    print(f"baseline (a child importing jax and dagmoe_jax.upcycle): {baseline / 2**20:.0f} "
+          f"MiB peak RSS\n")
+    print(f"{'size':<34}{'dtype':<10}{'peak - baseline':>16}{'/ experts':>11}"
+          f"{'formula':>10}{'remainder':>11}")
+    remainder = {}
     with tempfile.TemporaryDirectory() as tmp:
-        folders = [str(Path(tmp) / f"expert{j}") for j in range(args.experts)]
-        size = sum(write_checkpoint(Path(f), args.d_model, args.layers, args.ffn, args.vocab)
-                   for f in folders)
-        print(f"{args.experts} checkpoints: {size / 2**20:.0f} MiB float32 safetensors in all "
-              f"(d {args.d_model}, {args.layers} layers, ffn {args.ffn}, vocabulary "
-              f"{args.vocab})\n")
-        print(f"{'merge':<36}{'peak - baseline':>16}{'/ checkpoints':>15}{'merged MoE':>14}")
-        for mode, label in (("stream", "stream (moerge_hf)"),
-                            ("memory", "in memory (load all, then moerge)")):
-            out = subprocess.run([sys.executable, __file__, "--one", mode] + folders,
-                                 capture_output=True, text=True, check=True, cwd=ROOT)
-            r = json.loads(out.stdout.strip().splitlines()[-1])
-            grown = r["peak"] - r["baseline"]
-            print(f"{label:<36}{grown / 2**20:>12.0f} MiB{grown / size:>14.2f}x"
-                  f"{r['model_bytes'] / 2**20:>10.0f} MiB", flush=True)
+        for d, layers, ffn, vocab in SIZES:
+            size = dict(d=d, layers=layers, ffn=ffn, vocab=vocab)
+            root = Path(tmp) / f"d{d}"
+            folders = [root / f"expert{j}" for j in range(args.experts)]
+            experts = sum(write_checkpoint(f, d, layers, ffn, vocab) for f in folders)
+            largest = experts
+            tokenizer = write_tokenizer(root / "tok" / "tokenizer.json", vocab)
+            command = [sys.executable, "-m", "dagmoe_jax.upcycle", f"--tokenizer_path={tokenizer}",
+                       "--stats_text=stream", "--stats_batches=2", "--seq_len=256",
+                       "--batch_size=4", "--steps=10"]
+            for j, folder in enumerate(folders):
+                text = root / f"domain{j}.txt"
+                text.write_text(f"domain {j} text, merged one tensor at a time. " * 2000)
+                command += [f"--dense={folder}", f"--source=text:{text}"]
+            print(f"{args.experts} x (d {d}, {layers} layers, ffn {ffn}, vocab {vocab}): "
+                  f"{experts / 2**20:.0f} MiB", flush=True)
+            for dtype, nbytes in (("float32", 4), ("bfloat16", 2)):
+                peak = child_peak(command + [f"--run_dir={root / dtype}", f"--dtype={dtype}"], env)
+                grown = peak - baseline
+                formula = sum(predicted(size, args.experts, nbytes).values())
+                remainder[dtype] = grown - formula
+                print(f"{'':<34}{dtype:<10}{grown / 2**20:>12.0f} MiB{grown / experts:>10.2f}x"
+                      f"{formula / 2**20:>6.0f} MiB{remainder[dtype] / 2**20:>7.0f} MiB",
+                      flush=True)
+    print(f"\nextrapolated to {args.experts} Llama 3.2 3B experts (d 3072, 28 layers, ffn 8192, "
+          f"vocabulary 128256, tied):")
+    experts = shapes(**LLAMA_3B)[0] * args.experts
+    print(f"  experts' summed float32 size: {experts / 1e9:.1f} GB")
+    for dtype, nbytes in (("float32", 4), ("bfloat16", 2)):
+        parts = predicted(LLAMA_3B, args.experts, nbytes)
+        share = max(remainder[dtype], 0) / largest          # grows with the size: scaled
+        total = sum(parts.values()) + share * experts
+        shown = " + ".join(f"{v / 1e9:.1f} ({k})" for k, v in parts.items())
+        print(f"  {dtype}: {shown} + {share:.2f} x {experts / 1e9:.1f} (the larger size's "
+              f"remainder, {share:.2f}x its experts) = {total / 1e9:.1f} GB = "
+              f"{total / experts:.2f}x")
     return 0
 
 

@@ -39,7 +39,6 @@ DAG_PREFIX = ("layers", "block", "aggregator", "iterations")
 SHARED_PREFIX = ("layers", "block", "shared")
 
 
-@functools.partial(nnx.jit, static_argnames="head")
 def forced_forward(model: nnx.Module, tokens: jax.Array, expert: jax.Array, head: bool = True,
                    segment_ids: Optional[jax.Array] = None):
     """Logits [B, S, V] of the MoE ``model`` with every token of every layer sent to expert
@@ -49,7 +48,16 @@ def forced_forward(model: nnx.Module, tokens: jax.Array, expert: jax.Array, head
     dense model ``expert`` run with those weights (the paper's Oracle). ``head=False`` (the
     statistics pass) returns None for the logits and skips the LM head. ``segment_ids``
     [B, S]: packed examples (instruction data), as :class:`~dagmoe_jax.model.Transformer`
-    takes them (positions restart, attention stays within an example)."""
+    takes them (positions restart, attention stays within an example). Jitted over the
+    model's split state, which it only reads: no copy of the model is made or returned."""
+    graphdef, state = nnx.split(model)
+    return _forced_forward(graphdef, state, tokens, expert, head, segment_ids)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _forced_forward(graphdef, state, tokens, expert, head, segment_ids):
+    """:func:`forced_forward` of the model ``nnx.merge(graphdef, state)``."""
+    model = nnx.merge(graphdef, state)
     cfg = model.cfg
     if cfg.block.kind != "moe" or cfg.block.aggregation.kind != "sum":
         raise ValueError(f"forced routing needs a merged MoE with aggregation 'sum' (this is "
@@ -61,24 +69,27 @@ def forced_forward(model: nnx.Module, tokens: jax.Array, expert: jax.Array, head
     dt = dtype_of(cfg.compute_dtype)
     h = model.embed[...].astype(dt)[tokens]
     graphdef, stacked = nnx.split(model.layers)
-    inputs = []
-    for layer_index in range(cfg.num_layers):
-        layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[layer_index], stacked))
+
+    def one_layer(h, layer_state):
+        # a scan over the stacked layers: one layer's weights sliced at a time (a loop over
+        # static slices let XLA materialise every layer's slice at once, a second model)
+        layer = nnx.merge(graphdef, layer_state)
         a, _ = layer.attn(layer.attn_norm(h), sin, cos, segment_ids=segment_ids)
-        h = h + a
+        h = (h + a).astype(dt)
         x = layer.block_norm(h)
-        inputs.append(x)
         e = layer.block.experts
         w = [getattr(e, n)[...][expert].astype(dt) for n in ("w_gate", "w_up", "w_down")]
         y = swiglu(x.reshape(b * s, -1).astype(dt), *w, fused=model.execution.fuse_projections)
         if layer.block.shared is not None:
             y = y + layer.block.shared(x.reshape(b * s, -1))
-        h = layer.add_block_output(h, y.reshape(b, s, -1))
+        return layer.add_block_output(h, y.reshape(b, s, -1)).astype(dt), x
+
+    h, inputs = jax.lax.scan(one_layer, h, stacked)
     if not head:
-        return None, jnp.stack(inputs)
+        return None, inputs
     h = model.final_norm(h)
     logits = jnp.dot(h, model.lm_head[...].astype(h.dtype), preferred_element_type=jnp.float32)
-    return logits, jnp.stack(inputs)
+    return logits, inputs
 
 
 def token_mask(batch: Batch, tokens_per_sequence: Optional[int] = None) -> np.ndarray:

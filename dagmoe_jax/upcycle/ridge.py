@@ -77,7 +77,9 @@ def normal_equations(stats: Sequence[DomainStatistics]) -> Tuple[np.ndarray, np.
         if s.tokens == 0:
             raise ValueError(f"domain {j} has no tokens in its statistics: give it data "
                              f"(a non-empty source, with non-padding tokens)")
-    a = np.sum([s.gram for s in stats], axis=0)
+    a = stats[0].gram.copy()           # summed in place: no [N, layers, d+1, d+1] stack
+    for s in stats[1:]:
+        a += s.gram
     b = np.stack([s.total for s in stats], axis=-1)
     return a, b
 
@@ -86,9 +88,10 @@ def ridge_solve(a: np.ndarray, b: np.ndarray, lam: float = DEFAULT_LAMBDA) -> np
     """W~ = (A + lambda I)^-1 B (DUME eq. 2 / 6) for A [..., n, n], B [..., n, N], float64."""
     if not lam > 0:
         raise ValueError(f"ridge lambda={lam} is invalid: expected a number > 0")
-    a = np.asarray(a, np.float64)
-    eye = np.eye(a.shape[-1], dtype=np.float64)
-    return np.linalg.solve(a + lam * eye, np.asarray(b, np.float64))
+    a = np.array(a, np.float64)           # one copy, regularised in place
+    diagonal = np.einsum("...ii->...i", a)
+    diagonal += lam
+    return np.linalg.solve(a, np.asarray(b, np.float64))
 
 
 def split_and_normalise(w_tilde: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:

@@ -368,9 +368,10 @@ class StopStrings:
     """lm-eval's stop-string rule (``MultiTokenEOSCriteria``, which HFLM hands to
     ``transformers``' ``generate``), for one row: the row is finished once the text of its
     last ``len(encode(s)) + 2`` generated ids, decoded with the special tokens, contains a stop
-    string ``s``. HFLM stops a batch when every row has met one string; row by row, as here, is
-    what it does at its default ``batch_size=1``. What the row says is then cut at the first
-    stop string (:func:`cut_at_stop`), as before: only the tokens decoded after it are saved."""
+    string ``s``. In a batch, HFLM stops only once every row has met the same string (so a
+    row's text can depend on its neighbours); row by row, as here, is what it does at its
+    default ``batch_size=1``. The row's text is then cut at the first stop string
+    (:func:`cut_at_stop`), as before; the tokens after the stop are no longer decoded."""
 
     def __init__(self, until: Sequence[str], encode: Callable[[str], List[int]],
                  decode: Callable[[List[int]], str]):

@@ -8,14 +8,16 @@ float32 and with ``--dtype=bfloat16``, at two sizes. Its peak RSS is the child's
 imports the library and JAX (the baseline). The promise: at most 1.3x the experts' summed
 float32 size, 0.7x in bfloat16.
 
-The extrapolation to four Llama 3.2 3B experts adds up what the command holds, by formula
-(the merged MoE: shared weights once, N experts' MLPs, in the merge's dtype; N domains'
-float64 statistics, layers x ((d+1)^2 + d+1) each; the device's float32 Kahan sums of one
-domain; the largest transient, a shared parameter's float64 sum plus one float32 tensor, or
-one expert tensor placed), checks that sum against the two measured sizes, and applies it with
-the larger size's unexplained remainder added in proportion to the experts' size (it grew with
-the size: mostly Orbax's host copy of the arrays it writes, and XLA's buffers of the
-statistics pass).
+The child runs the command's own ``main`` with the run directory's write watched: its peak
+before the write ("before write") and the write's own growth ("write": Orbax encodes the
+arrays it writes, at most ``INITIAL_SAVE_GB`` GB of them at once,
+``dagmoe_jax/run/directory.py``). The extrapolation to four Llama 3.2 3B experts adds up what
+the command holds, by formula (the merged MoE: shared weights once, N experts' MLPs, in the
+merge's dtype; N domains' float64 statistics, layers x ((d+1)^2 + d+1) each; the device's
+float32 Kahan sums of one domain; the largest transient, a shared parameter's float64 sum plus
+one float32 tensor, or one expert tensor placed; the write, at most its bound), all as if held
+at once, plus the larger size's remainder before the write (what the formula leaves
+unexplained, XLA's buffers of the statistics pass) in proportion to the experts' size.
 
     python benchmarks/merge_memory.py                  # two sizes, float32 and bfloat16
 
@@ -25,6 +27,7 @@ The checkpoints, texts and run directories are written to a temporary directory 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -32,14 +35,35 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from hf_import_memory import write_checkpoint  # noqa: E402
+
+from dagmoe_jax.run.directory import INITIAL_SAVE_GB  # noqa: E402
 
 SIZES = ((768, 4, 2048, 8000), (1024, 8, 2816, 16000))     # d, layers, ffn, vocabulary
 LLAMA_3B = dict(d=3072, layers=28, ffn=8192, vocab=128256, heads=24, kv=8, head_dim=128,
                 tied=True)                                    # Llama 3.2 3B
 BASELINE = "import jax, jax.numpy as jnp; import dagmoe_jax.upcycle.command; jnp.zeros(1)"
+# The command itself (its main, end to end), with the run directory's write watched: the
+# process's peak RSS before it (VmHWM) and its own growth (VmHWM reset by clear_refs, then read
+# after), written as JSON to the file named by the first argument.
+COMMAND = """
+import json, sys
+from dagmoe_jax import run as run_lib
+from dagmoe_jax.upcycle import __main__ as cli, command
+def status(key):
+    return int(open('/proc/self/status').read().split(key + ':')[1].split()[0]) * 1024
+def watched(*args, save=run_lib.save_initial_checkpoint, **kwargs):
+    before, at = status('VmHWM'), status('VmRSS')
+    open('/proc/self/clear_refs', 'w').write('5')
+    save(*args, **kwargs)
+    json.dump({'before_write': before, 'at_write': at, 'write': status('VmHWM') - at},
+              open(sys.argv[1], 'w'))
+command.run_lib.save_initial_checkpoint = watched
+sys.exit(cli.main(sys.argv[2:]))
+"""
 
 
 def child_peak(argv, env=None) -> int:
@@ -100,7 +124,7 @@ def main(argv=None) -> int:
     print(f"baseline (a child importing jax and dagmoe_jax.upcycle): {baseline / 2**20:.0f} "
           f"MiB peak RSS\n")
     print(f"{'size':<34}{'dtype':<10}{'peak - baseline':>16}{'/ experts':>11}"
-          f"{'formula':>10}{'remainder':>11}")
+          f"{'before write':>14}{'write':>10}{'formula':>10}{'remainder':>11}")
     remainder = {}
     with tempfile.TemporaryDirectory() as tmp:
         for d, layers, ffn, vocab in SIZES:
@@ -110,9 +134,8 @@ def main(argv=None) -> int:
             experts = sum(write_checkpoint(f, d, layers, ffn, vocab) for f in folders)
             largest = experts
             tokenizer = write_tokenizer(root / "tok" / "tokenizer.json", vocab)
-            command = [sys.executable, "-m", "dagmoe_jax.upcycle", f"--tokenizer_path={tokenizer}",
-                       "--stats_text=stream", "--stats_batches=2", "--seq_len=256",
-                       "--batch_size=4", "--steps=10"]
+            command = [f"--tokenizer_path={tokenizer}", "--stats_text=stream",
+                       "--stats_batches=2", "--seq_len=256", "--batch_size=4", "--steps=10"]
             for j, folder in enumerate(folders):
                 text = root / f"domain{j}.txt"
                 text.write_text(f"domain {j} text, merged one tensor at a time. " * 2000)
@@ -120,13 +143,17 @@ def main(argv=None) -> int:
             print(f"{args.experts} x (d {d}, {layers} layers, ffn {ffn}, vocab {vocab}): "
                   f"{experts / 2**20:.0f} MiB", flush=True)
             for dtype, nbytes in (("float32", 4), ("bfloat16", 2)):
-                peak = child_peak(command + [f"--run_dir={root / dtype}", f"--dtype={dtype}"], env)
+                stages = root / f"{dtype}.json"
+                peak = child_peak([sys.executable, "-c", COMMAND, str(stages), *command,
+                                   f"--run_dir={root / dtype}", f"--dtype={dtype}"], env)
+                watched = json.loads(stages.read_text())
                 grown = peak - baseline
                 formula = sum(predicted(size, args.experts, nbytes).values())
-                remainder[dtype] = grown - formula
+                remainder[dtype] = watched["before_write"] - baseline - formula
                 print(f"{'':<34}{dtype:<10}{grown / 2**20:>12.0f} MiB{grown / experts:>10.2f}x"
-                      f"{formula / 2**20:>6.0f} MiB{remainder[dtype] / 2**20:>7.0f} MiB",
-                      flush=True)
+                      f"{(watched['before_write'] - baseline) / 2**20:>10.0f} MiB"
+                      f"{watched['write'] / 2**20:>6.0f} MiB{formula / 2**20:>6.0f} MiB"
+                      f"{remainder[dtype] / 2**20:>7.0f} MiB", flush=True)
     print(f"\nextrapolated to {args.experts} Llama 3.2 3B experts (d 3072, 28 layers, ffn 8192, "
           f"vocabulary 128256, tied):")
     experts = shapes(**LLAMA_3B)[0] * args.experts
@@ -134,10 +161,11 @@ def main(argv=None) -> int:
     for dtype, nbytes in (("float32", 4), ("bfloat16", 2)):
         parts = predicted(LLAMA_3B, args.experts, nbytes)
         share = max(remainder[dtype], 0) / largest          # grows with the size: scaled
+        parts["the write, bounded"] = min(parts["merged MoE"], INITIAL_SAVE_GB * 2 ** 30)
         total = sum(parts.values()) + share * experts
         shown = " + ".join(f"{v / 1e9:.1f} ({k})" for k, v in parts.items())
         print(f"  {dtype}: {shown} + {share:.2f} x {experts / 1e9:.1f} (the larger size's "
-              f"remainder, {share:.2f}x its experts) = {total / 1e9:.1f} GB = "
+              f"remainder before the write, {share:.2f}x its experts) = {total / 1e9:.1f} GB = "
               f"{total / experts:.2f}x")
     return 0
 

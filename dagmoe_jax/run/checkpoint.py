@@ -138,7 +138,7 @@ class Checkpointer:
     """
 
     def __init__(self, directory, *, save_every: int, keep: int = 3, async_save: bool = True,
-                 read_only: bool = False):
+                 read_only: bool = False, save_concurrent_gb: Optional[int] = None):
         for name, value in (("save_every", save_every), ("keep", keep)):
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise ValueError(f"Checkpointer.{name}={value!r} is invalid: "
@@ -152,8 +152,13 @@ class Checkpointer:
         self._pending: Optional[int] = None    # the step of the save in flight
         self._failed = False                   # a save failed and was reported
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-        registry.add(STATE_ITEM, ocp.args.StandardSave)
-        registry.add(STATE_ITEM, ocp.args.StandardRestore)
+        # Orbax holds the encoded chunks of up to save_concurrent_gb (its default: 96) GB of
+        # arrays in memory at once while writing them: a bound for saves whose caller must
+        # stay within a memory budget (a run's step 0 written beside the model it holds).
+        state_handler = (None if save_concurrent_gb is None else
+                         ocp.StandardCheckpointHandler(save_concurrent_gb=save_concurrent_gb))
+        registry.add(STATE_ITEM, ocp.args.StandardSave, state_handler)
+        registry.add(STATE_ITEM, ocp.args.StandardRestore, state_handler)
         registry.add(META_ITEM, ocp.args.JsonSave)
         registry.add(META_ITEM, ocp.args.JsonRestore)
         registry.add(DATA_ITEM, grain.checkpoint.CheckpointSave)

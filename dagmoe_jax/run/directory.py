@@ -39,6 +39,9 @@ from dagmoe_jax.run.config import OptimConfig, TrainConfig
 
 CONFIG_FILE = "config.json"
 CHECKPOINT_DIR = "checkpoints"
+# GB of arrays Orbax encodes at once while writing a step 0 beside the model it holds (an
+# upcycle's merged MoE, an import): its default, 96, holds a copy of all of a smaller model.
+INITIAL_SAVE_GB = 1
 OPERATIVE_GIN = "operative_config.gin"
 PathLike = Union[str, Path]
 
@@ -151,14 +154,15 @@ def save_initial_checkpoint(run_dir: PathLike, model, optimizer, model_cfg: Mode
     ``model``'s own arrays, whatever their dtype (bfloat16 ones are cast to the model's dtype
     when read); the run that resumes it creates fresh optimizer state, and evaluation,
     sampling and ``init_from`` read it like any checkpoint. No second copy of the model is
-    made here."""
+    made here, and Orbax encodes at most :data:`INITIAL_SAVE_GB` GB of it at once."""
     if optimizer is None:
         state = {"model": nnx.state(model)}
         meta = {**model_meta(model_cfg), STATE_KEYS: ["model"]}
     else:
         state, meta = train_state(model, optimizer), model_meta(model_cfg)
     with Checkpointer(as_path(run_dir) / CHECKPOINT_DIR, save_every=train_cfg.save_every,
-                      keep=train_cfg.keep_checkpoints, async_save=False) as checkpointer:
+                      keep=train_cfg.keep_checkpoints, async_save=False,
+                      save_concurrent_gb=INITIAL_SAVE_GB) as checkpointer:
         checkpointer.save(0, state, data_iterator=data_iterator, meta=meta, force=True)
 
 

@@ -436,3 +436,23 @@ def test_too_long_sequence_is_a_clear_error():
     cfg = tiny_config("moe", "sum", max_seq_len=16)
     with pytest.raises(ValueError, match="max_seq_len=16"):
         make_model(cfg)(jnp.zeros((1, 17), jnp.int32))
+
+
+@pytest.mark.parametrize("block, aggregation", [("dense", None), ("moe", "dag"),
+                                                ("moe", "mlp"), ("coe", None)])
+def test_param_dtype_is_every_matrix_dtype(block, aggregation):
+    """``ModelConfig.param_dtype='bfloat16'`` stores every matrix in bfloat16 (the experts, the
+    dense and shared FFNs, the aggregators' matrices, attention, embeddings); norm scales and
+    biases and the routers stay float32; the model still runs and computes in its
+    ``compute_dtype``."""
+    cfg = (tiny_config(block, aggregation, experts=dict(num_shared=1)) if aggregation
+           else tiny_config(block))
+    model = make_model(cfg.replace(param_dtype="bfloat16"))
+    dtypes = {jax.tree_util.keystr(path): x.dtype for path, x in
+              jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]}
+    kept = {k for k, dt in dtypes.items() if dt == jnp.float32}
+    assert kept and all(("norm" in k or "ln_" in k or "router" in k) for k in kept), kept
+    assert all(dt == jnp.bfloat16 for k, dt in dtypes.items() if k not in kept)
+    assert any("expert" in k or "w_gate" in k for k in dtypes if k not in kept)
+    logits = model(jnp.zeros((2, 8), jnp.int32))[0]
+    assert logits.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(logits)))

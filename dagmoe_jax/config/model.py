@@ -86,6 +86,8 @@ class ModelConfig:
     norm_eps: epsilon of RMSNorm and of the DAG module's LayerNorm.
     init_std: standard deviation of the normal initialiser of every matrix.
     param_dtype, compute_dtype: 'float32' or 'bfloat16' (master weights stay float32 by default).
+      param_dtype is every matrix's (embedding, attention, experts, dense and shared FFNs,
+      the DAG and MLP aggregators, DoE's); norm scales and the router stay float32.
     """
 
     vocab_size: int = 256

@@ -26,7 +26,7 @@ from flax import nnx
 
 from dagmoe_jax.config import ExecutionConfig, ModelConfig
 from dagmoe_jax.kernels.dag_module import fused_dag_messages, fused_layer_norm
-from dagmoe_jax.model.layers import make_param, normal
+from dagmoe_jax.model.layers import dtype_of, make_param, normal
 from dagmoe_jax.parallel import constrain
 
 EDGE_ACTIVATIONS = {"silu": jax.nn.silu, "sigmoid": jax.nn.sigmoid}
@@ -191,13 +191,16 @@ PARAM_NAMES = ("ln_scale", "ln_bias", "w_down", "w_edge", "w_node", "w_up")
 class DAGIteration(nnx.Module):
     """The parameters of one DAG iteration; stacked L times by :class:`DAGAggregator`."""
 
-    def __init__(self, d: int, dg: int, std: float, *, rngs: nnx.Rngs):
+    def __init__(self, d: int, dg: int, std: float, *, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        pd = param_dtype                      # the matrices; the LayerNorm stays float32
         self.ln_scale = make_param(rngs, nnx.initializers.ones, (d,), ("embed",))
         self.ln_bias = make_param(rngs, nnx.initializers.zeros, (d,), ("embed",))
-        self.w_down = make_param(rngs, normal(std), (d, dg), ("embed", "dag"))
-        self.w_edge = make_param(rngs, normal(std), (2 * dg, dg), (None, "dag"))
-        self.w_node = make_param(rngs, normal(std), (2 * dg, dg), (None, "dag"))
-        self.w_up = make_param(rngs, nnx.initializers.zeros, (dg, d), ("dag", "embed"))  # zero init
+        self.w_down = make_param(rngs, normal(std), (d, dg), ("embed", "dag"), pd)
+        self.w_edge = make_param(rngs, normal(std), (2 * dg, dg), (None, "dag"), pd)
+        self.w_node = make_param(rngs, normal(std), (2 * dg, dg), (None, "dag"), pd)
+        self.w_up = make_param(rngs, nnx.initializers.zeros, (dg, d), ("dag", "embed"),
+                               pd)                                             # zero init
 
     def weights(self) -> dict:
         """The parameters' values by name ([L, ...] when stacked)."""
@@ -235,13 +238,15 @@ class DAGAggregator(nnx.Module):
         self.record_intermediates = False     # analysis switches it on (Module.set_attributes)
         self.num_iters, self.shared = agg.dag_iters, agg.dag_shared_weights
         if self.shared:                       # one module for all L iterations (unstacked)
-            self.iterations = DAGIteration(cfg.d_model, agg.dag_dim, cfg.init_std, rngs=rngs)
+            self.iterations = DAGIteration(cfg.d_model, agg.dag_dim, cfg.init_std,
+                                           param_dtype=dtype_of(cfg.param_dtype), rngs=rngs)
             return
 
         @nnx.split_rngs(splits=agg.dag_iters)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "dag_iters"})
         def make(r):
-            return DAGIteration(cfg.d_model, agg.dag_dim, cfg.init_std, rngs=r)
+            return DAGIteration(cfg.d_model, agg.dag_dim, cfg.init_std,
+                                param_dtype=dtype_of(cfg.param_dtype), rngs=r)
 
         self.iterations = make(rngs)
 
@@ -300,9 +305,10 @@ class MLPMixer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, dg = cfg.d_model, cfg.block.aggregation.dag_dim
         self.eps = cfg.norm_eps
-        self.w_1 = make_param(rngs, normal(cfg.init_std), (d, dg), ("embed", "dag"))
-        self.w_2 = make_param(rngs, normal(cfg.init_std), (d, dg), ("embed", "dag"))
-        self.w_3 = make_param(rngs, nnx.initializers.zeros, (dg, d), ("dag", "embed"))
+        pd = dtype_of(cfg.param_dtype)
+        self.w_1 = make_param(rngs, normal(cfg.init_std), (d, dg), ("embed", "dag"), pd)
+        self.w_2 = make_param(rngs, normal(cfg.init_std), (d, dg), ("embed", "dag"), pd)
+        self.w_3 = make_param(rngs, nnx.initializers.zeros, (dg, d), ("dag", "embed"), pd)
 
     def __call__(self, x, gates, expert_out):
         return mlp_mix(weighted_sum(gates, expert_out), self.w_1[...], self.w_2[...], self.w_3[...],

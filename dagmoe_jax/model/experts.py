@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from dagmoe_jax.config import ExecutionConfig, ExpertConfig
@@ -41,7 +42,8 @@ class Experts(nnx.Module):
 
     def __init__(self, cfg: ExpertConfig, d_model: int, *, std: float, dtype,
                  execution: Optional[ExecutionConfig] = None,
-                 layout: Optional[MeshLayout] = None, rngs: nnx.Rngs):
+                 layout: Optional[MeshLayout] = None, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         ex = execution or REFERENCE_EXECUTION
         num_experts, hidden = cfg.num_experts, cfg.expert_hidden
         self.dtype, self.mode, self.capacity_factor = dtype, cfg.dispatch, cfg.capacity_factor
@@ -49,11 +51,11 @@ class Experts(nnx.Module):
         self.fuse_projections, self.layout = ex.fuse_projections, layout
         init = normal(std)
         self.w_gate = make_param(rngs, init, (num_experts, d_model, hidden),
-                                 ("expert", "embed", "expert_mlp"))
+                                 ("expert", "embed", "expert_mlp"), param_dtype)
         self.w_up = make_param(rngs, init, (num_experts, d_model, hidden),
-                               ("expert", "embed", "expert_mlp"))
+                               ("expert", "embed", "expert_mlp"), param_dtype)
         self.w_down = make_param(rngs, init, (num_experts, hidden, d_model),
-                                 ("expert", "expert_mlp", "embed"))
+                                 ("expert", "expert_mlp", "embed"), param_dtype)
 
     def __call__(self, x: jax.Array, indices: jax.Array):
         """Outputs [T, K, d] of the experts ``indices`` [T, K] on tokens ``x`` [T, d], and the

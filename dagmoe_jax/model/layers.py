@@ -71,11 +71,12 @@ class SwiGLU(nnx.Module):
     """
 
     def __init__(self, d_model: int, hidden: int, std: float, dtype, *,
-                 fuse_projections: bool = True, rngs: nnx.Rngs):
+                 fuse_projections: bool = True, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.dtype, self.fuse_projections = dtype, fuse_projections
-        self.w_gate = make_param(rngs, normal(std), (d_model, hidden), ("embed", "mlp"))
-        self.w_up = make_param(rngs, normal(std), (d_model, hidden), ("embed", "mlp"))
-        self.w_down = make_param(rngs, normal(std), (hidden, d_model), ("mlp", "embed"))
+        init, pd = normal(std), param_dtype
+        self.w_gate = make_param(rngs, init, (d_model, hidden), ("embed", "mlp"), pd)
+        self.w_up = make_param(rngs, init, (d_model, hidden), ("embed", "mlp"), pd)
+        self.w_down = make_param(rngs, init, (hidden, d_model), ("mlp", "embed"), pd)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         c = lambda w: w[...].astype(self.dtype)

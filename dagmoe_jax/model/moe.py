@@ -25,7 +25,7 @@ def shared_experts(cfg: ModelConfig, execution: ExecutionConfig, *,
         return None
     return SwiGLU(cfg.d_model, e.num_shared * e.shared_hidden, cfg.init_std,
                   dtype_of(cfg.compute_dtype), fuse_projections=execution.fuse_projections,
-                  rngs=rngs)
+                  param_dtype=dtype_of(cfg.param_dtype), rngs=rngs)
 
 
 def routed_experts(cfg: ModelConfig, execution: ExecutionConfig, layout: Optional[MeshLayout],
@@ -34,7 +34,7 @@ def routed_experts(cfg: ModelConfig, execution: ExecutionConfig, layout: Optiona
     ``layout``."""
     return Experts(cfg.block.experts, cfg.d_model, std=cfg.init_std,
                    dtype=dtype_of(cfg.compute_dtype), execution=execution, layout=layout,
-                   rngs=rngs)
+                   param_dtype=dtype_of(cfg.param_dtype), rngs=rngs)
 
 
 class DenseBlock(SwiGLU):
@@ -46,7 +46,8 @@ class DenseBlock(SwiGLU):
         del layout                           # nothing to dispatch
         super().__init__(cfg.d_model, cfg.resolved_ffn_hidden, cfg.init_std,
                          dtype_of(cfg.compute_dtype),
-                         fuse_projections=execution.fuse_projections, rngs=rngs)
+                         fuse_projections=execution.fuse_projections,
+                         param_dtype=dtype_of(cfg.param_dtype), rngs=rngs)
 
     def __call__(self, inputs: BlockInputs):
         return super().__call__(inputs.x), empty_stats()

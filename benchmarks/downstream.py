@@ -45,9 +45,10 @@ from dagmoe_jax.cli import (add_budget_flags, fill_budget_defaults, gin_flag_bin
 
 DEFAULTS = dict(variants="moe,moe_shared,dag_l2", seeds="3", steps=400, batch=16, seq_len=128,
                 dag_dim=32, sft_records=1200, sft_epochs=3, sft_lr=1e-3, eval_per_skill=24,
-                rolling_docs=32, stats_batches=8, out="runs/bench_downstream")
+                rolling_docs=32, stats_batches=8, router_steps=60, router_lr=1e-3,
+                out="runs/bench_downstream")
 MICRO = dict(seeds="1", steps=8, batch=4, seq_len=64, sft_records=48, sft_epochs=1,
-             eval_per_skill=2, rolling_docs=2, stats_batches=2,
+             eval_per_skill=2, rolling_docs=2, stats_batches=2, router_steps=2,
              out="runs/bench_downstream_micro")
 
 
@@ -103,7 +104,9 @@ def main(argv=None) -> int:
         print(f"DUME reasoning setting: seeds {budget.seeds}; runs in {out / 'dume'}", flush=True)
         return run_and_report(out, args.json, "dume.json",
                               lambda: dume_reasoning.run_dume(
-                                  budget, out, stats_batches=args.stats_batches, log=log),
+                                  budget, out, stats_batches=args.stats_batches,
+                                  router_steps=args.router_steps, router_lr=args.router_lr,
+                                  log=log),
                               dume_reasoning.format_report)
     print(f"downstream pipeline: {', '.join(budget.variants)} x seeds {budget.seeds}; runs in "
           f"{out / 'runs'}", flush=True)

@@ -68,6 +68,7 @@ def normalised(records: List[dict], domains: Sequence[str], columns: Sequence[st
 
 
 def _cell(values: Sequence[float], scale: float = 1.0, digits: int = 3) -> str:
+    """``mean ± std`` of ``scale * values`` ('n/a' for none)."""
     if not values:
         return "n/a"
     mean, std = mean_std([scale * v for v in values])

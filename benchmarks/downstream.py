@@ -13,7 +13,7 @@ answers, Alpaca records, the plain '### Instruction:' template, the loss on the 
 scored before and after fine-tuning through lm-evaluation-harness on held-out problems
 (multiple choice: acc; generation: exact match) and on held-out corpus text (bits per byte).
 --dume (benchmarks/experiments/dume_reasoning.py, its table dume_table.py): DUME's Table 3 in
-miniature. A dense model is fine-tuned into four experts (arithmetic, ordering, spelling,
+miniature. A dense model is fine-tuned into four experts (numbers, ordering, spelling,
 counting: two skills each), saved in Hugging Face format and merged; rows: each expert, the
 oracle (the experts' diagonal, and the merged model forced to each domain's expert), parameter
 averaging, random routing k 1, DUME k 1 from the authors' prompt statistics and from the packed

@@ -133,7 +133,7 @@ def test_dume_reasoning_micro_end_to_end(tmp_path, stdlib_corpus):
     assert [r["model"] for r in merged["records"]] == [
         m for m in every if m != "oracle (diagonal)"]          # the diagonal: from the experts
     seed0 = out / "dume" / "seed0"
-    hf = seed0 / "hf" / "arithmetic"
+    hf = seed0 / "hf" / "numbers"
     assert json.loads((hf / "config.json").read_text())["model_type"] == "llama"
     assert (seed0 / "dume_k1" / "dume_stats" / "domain_3.npz").is_file()
     for trained, trainable in (("dume_plus", "router"), ("btx", "router"),

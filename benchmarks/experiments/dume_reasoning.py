@@ -7,7 +7,7 @@ per seed:
 
 1. a dense model is pre-trained on the corpus (the downstream pipeline's budget);
 2. it is fine-tuned into **four experts**, one per domain of
-   :data:`experiments.instructions.DUME_DOMAINS` (arithmetic: add, subtract; ordering: max,
+   :data:`experiments.instructions.DUME_DOMAINS` (numbers: next, previous; ordering: max,
    sort; spelling: reverse, upper; counting: count, length), each **saved in Hugging Face
    Llama format** (:func:`dagmoe_jax.hf.llama.export_hf_llama`) and merged from those folders;
 3. the rows of the paper's table are built from the four folders

@@ -2,15 +2,17 @@
 
 The seeds fine-tune on Alpaca-style instruction data (DAG-MoE Q3: Alpaca, MetaMathQA, ...) and
 score multiple-choice and generation benchmarks. Neither can be downloaded here, so this module
-writes small stand-ins from eight skills whose answers are computed exactly. The pipeline's six
-form two domains (:data:`DOMAINS`); DUME's four-expert table splits all eight into four
-(:data:`DUME_DOMAINS`; the DUME setting needs experts that differ):
+writes small stand-ins from nine skills whose answers are computed exactly. The pipeline's six
+form two domains (:data:`DOMAINS`); DUME's four-expert table uses eight of them in four domains
+of two (:data:`DUME_DOMAINS`; the DUME setting needs experts that differ, each good at its own
+domain: ``add`` is left out there, its expert stayed at chance at the pipeline's budget):
 
 ======== ====== ========== ===========================================  ================
 skill    domain DUME       instruction                                  response
 ======== ====== ========== ===========================================  ================
-add      math   arithmetic ``Add 23 and 48.``                           ``71``
-subtract        arithmetic ``Subtract 23 from 48.``                     ``25``
+add      math              ``Add 23 and 48.``                           ``71``
+next            numbers    ``What number comes after 347?``             ``348``
+previous        numbers    ``What number comes before 347?``            ``346``
 max      math   ordering   ``Which is the largest: 4, 9, 2?``           ``9``
 sort     math   ordering   ``Sort the digits 7 3 9 1 in increasing...`` ``1 3 7 9``
 reverse  text   spelling   ``Reverse the word "qcable".``               ``elbacq``
@@ -44,11 +46,11 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz"
 DOMAINS: Dict[str, Tuple[str, ...]] = {"math": ("add", "max", "sort"),
                                        "text": ("reverse", "count", "upper")}
 SKILLS: Tuple[str, ...] = DOMAINS["math"] + DOMAINS["text"]
-DUME_DOMAINS: Dict[str, Tuple[str, ...]] = {"arithmetic": ("add", "subtract"),
+DUME_DOMAINS: Dict[str, Tuple[str, ...]] = {"numbers": ("next", "previous"),
                                             "ordering": ("max", "sort"),
                                             "spelling": ("reverse", "upper"),
                                             "counting": ("count", "length")}
-ALL_SKILLS: Tuple[str, ...] = sum(DUME_DOMAINS.values(), ())
+ALL_SKILLS: Tuple[str, ...] = SKILLS + ("next", "previous", "length")
 
 
 def _digits(rng, n):
@@ -62,12 +64,14 @@ def draw(skill: str, rng: np.random.Generator) -> Tuple[str, str, List[str]]:
         right = a + b
         wrong = {right + d for d in (-10, -1, 1, 10, 2, -2)} - {right}
         return f"Add {a} and {b}.", str(right), [str(w) for w in _pick(rng, sorted(wrong))]
-    if skill == "subtract":
-        a, b = sorted(int(x) for x in rng.integers(10, 90, 2))
-        right = b - a
-        wrong = {right + d for d in (-10, -1, 1, 10, 2, -2)} - {right}
-        return (f"Subtract {a} from {b}.", str(right),
-                [str(w) for w in _pick(rng, sorted(wrong))])
+    if skill in ("next", "previous"):
+        n = int(rng.integers(100, 1000))
+        step = 1 if skill == "next" else -1
+        right = n + step
+        wrong = {n - step, n, n + 2 * step, n + 10 * step, n + 11 * step, n + 101 * step}
+        word = "after" if skill == "next" else "before"
+        return (f"What number comes {word} {n}?", str(right),
+                [str(w) for w in _pick(rng, sorted(wrong - {right}))])
     if skill == "max":
         xs = _digits(rng, 3)
         return (f"Which is the largest: {', '.join(map(str, xs))}?", str(max(xs)),

@@ -17,8 +17,8 @@ per seed:
      own expert) and the paper's reading, the merged model (averaged non-MLP weights) with
      every layer forced to the domain's expert (:func:`oracle_model`);
    * **parameter averaging** (:func:`dagmoe_jax.upcycle.moerge.average_models`);
-   * **random routing**, top-1 (``build_dume(router='random')``: the routers keep their
-     random initialisation);
+   * **random routing**, top-1 (the merged model's routers left at their random
+     initialisation, as ``build_dume(router='random')`` leaves them);
    * **DUME** top-1 and top-2, routers solved from the authors' statistics reading
      (:func:`dagmoe_jax.upcycle.command.prompt_batches`: each training record's prompt text
      alone, the tokenizer's BOS (the byte tokenizer has none), its first 1,024 tokens, at most

@@ -12,16 +12,20 @@ instruction set built offline (benchmarks/experiments/instructions.py: six skill
 answers, Alpaca records, the plain '### Instruction:' template, the loss on the responses), and
 scored before and after fine-tuning through lm-evaluation-harness on held-out problems
 (multiple choice: acc; generation: exact match) and on held-out corpus text (bits per byte).
---dume (benchmarks/experiments/dume_reasoning.py): a dense model fine-tuned into a math and a
-text expert, both saved in Hugging Face format, merged by DUME with router statistics from
-each domain's chat-formatted instructions, and scored against the experts and their average.
+--dume (benchmarks/experiments/dume_reasoning.py, its table dume_table.py): DUME's Table 3 in
+miniature. A dense model is fine-tuned into four experts (numbers, ordering, spelling,
+counting: two skills each), saved in Hugging Face format and merged; rows: each expert, the
+oracle (the experts' diagonal, and the merged model forced to each domain's expert), parameter
+averaging, random routing k 1, DUME k 1 from the authors' prompt statistics and from the packed
+chat stream, DUME k 2, DUME+, BTX and the upcycled DAG (the last three trained --router_steps
+steps), with the paper's normalised average.
 
 Budget flags (defaults; --micro's in brackets): --variants moe,moe_shared,dag_l2, --seeds 3
 [1], --steps 400 [8], --batch 16 [4], --seq_len 128 [64], --dag_dim 32, --sft_records 1200
 [48], --sft_epochs 3 [1], --sft_lr 1e-3, --eval_per_skill 24 [2], --rolling_docs 32 [2],
---stats_batches 8 [2] (--dume), --out runs/bench_downstream [runs/bench_downstream_micro],
---json OUT/downstream.json (or dume.json), --gin.CLASS.FIELD=VALUE (extra pre-training
-bindings).
+--stats_batches 8 [2], --router_steps 60 [2], --router_lr 1e-3 (the last three: --dume),
+--out runs/bench_downstream [runs/bench_downstream_micro], --json OUT/downstream.json (or
+dume.json), --gin.CLASS.FIELD=VALUE (extra pre-training bindings).
 
 With the real datasets, the same pipeline is three commands (docs/training.md: "Instruction
 fine-tuning" and "Downstream benchmarks"): train.py for pre-training, train.py with
@@ -45,9 +49,10 @@ from dagmoe_jax.cli import (add_budget_flags, fill_budget_defaults, gin_flag_bin
 
 DEFAULTS = dict(variants="moe,moe_shared,dag_l2", seeds="3", steps=400, batch=16, seq_len=128,
                 dag_dim=32, sft_records=1200, sft_epochs=3, sft_lr=1e-3, eval_per_skill=24,
-                rolling_docs=32, stats_batches=8, out="runs/bench_downstream")
+                rolling_docs=32, stats_batches=8, router_steps=60, router_lr=1e-3,
+                out="runs/bench_downstream")
 MICRO = dict(seeds="1", steps=8, batch=4, seq_len=64, sft_records=48, sft_epochs=1,
-             eval_per_skill=2, rolling_docs=2, stats_batches=2,
+             eval_per_skill=2, rolling_docs=2, stats_batches=2, router_steps=2,
              out="runs/bench_downstream_micro")
 
 
@@ -103,7 +108,9 @@ def main(argv=None) -> int:
         print(f"DUME reasoning setting: seeds {budget.seeds}; runs in {out / 'dume'}", flush=True)
         return run_and_report(out, args.json, "dume.json",
                               lambda: dume_reasoning.run_dume(
-                                  budget, out, stats_batches=args.stats_batches, log=log),
+                                  budget, out, stats_batches=args.stats_batches,
+                                  router_steps=args.router_steps, router_lr=args.router_lr,
+                                  log=log),
                               dume_reasoning.format_report)
     print(f"downstream pipeline: {', '.join(budget.variants)} x seeds {budget.seeds}; runs in "
           f"{out / 'runs'}", flush=True)

@@ -116,8 +116,12 @@ def test_downstream_micro_end_to_end(tmp_path, stdlib_corpus):
 
 
 def test_dume_reasoning_micro_end_to_end(tmp_path, stdlib_corpus):
-    """DUME's setting on its own (its corpus built as the pipeline builds it): a test of its
-    own, so that the two halves of downstream.py run on both workers."""
+    """DUME's Table 3 in miniature on its own (its corpus built as the pipeline builds it): four
+    experts, every row of the table, the normalised average; a test of its own, so that the two
+    halves of downstream.py run on both workers."""
+    from experiments.dume_table import rows
+    from experiments.instructions import DUME_DOMAINS
+
     out = tmp_path / "downstream"
     stdlib_corpus(out / "corpus")
     dume = subprocess.run([sys.executable, str(REPO / "benchmarks" / "downstream.py"), "--micro",
@@ -125,12 +129,22 @@ def test_dume_reasoning_micro_end_to_end(tmp_path, stdlib_corpus):
                           env=single_device_env(), cwd=REPO, timeout=400)
     assert dume.returncode == 0, dume.stderr[-2000:]
     merged = json.loads((out / "dume.json").read_text())
-    assert [r["model"] for r in merged["records"]] == ["expert math", "expert text", "average",
-                                                       "DUME"]
-    hf = out / "dume" / "seed0" / "hf" / "math"
+    every = rows(DUME_DOMAINS)
+    assert [r["model"] for r in merged["records"]] == [
+        m for m in every if m != "oracle (diagonal)"]          # the diagonal: from the experts
+    seed0 = out / "dume" / "seed0"
+    hf = seed0 / "hf" / "numbers"
     assert json.loads((hf / "config.json").read_text())["model_type"] == "llama"
-    assert (out / "dume" / "seed0" / "dume" / "dume_stats" / "domain_1.npz").is_file()
+    assert (seed0 / "dume_k1" / "dume_stats" / "domain_3.npz").is_file()
+    for trained, trainable in (("dume_plus", "router"), ("btx", "router"),
+                               ("dag", "aggregator")):
+        config = json.loads((seed0 / trained / "config.json").read_text())
+        assert config["train"]["trainable"] == trainable
+        assert (seed0 / trained / "checkpoints" / str(merged["router_steps"])).is_dir()
     again = subprocess.run([sys.executable, str(REPO / "benchmarks" / "downstream.py"),
                             f"--report={out / 'dume.json'}"], capture_output=True, text=True,
                            env=single_device_env(), cwd=REPO, timeout=120)
-    assert again.returncode == 0 and "| DUME |" in again.stdout
+    assert again.returncode == 0
+    assert "| norm. avg |" in again.stdout
+    for model in every:
+        assert f"| {model} |" in again.stdout, model

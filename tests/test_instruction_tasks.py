@@ -11,8 +11,8 @@ import re
 import numpy as np
 import pytest
 
-from experiments.instructions import (DOMAINS, SKILLS, draw, instruction_records,
-                                      write_tasks)
+from experiments.instructions import (ALL_SKILLS, DOMAINS, DUME_DOMAINS, SKILLS, draw,
+                                      instruction_records, write_tasks)
 
 
 def solve(instruction: str) -> str:
@@ -27,12 +27,16 @@ def solve(instruction: str) -> str:
         return m[1][::-1]
     if m := re.fullmatch(r'How many times does "(\w)" appear in "(\w+)"\?', instruction):
         return str(m[2].count(m[1]))
+    if m := re.fullmatch(r"What number comes (after|before) (\d+)\?", instruction):
+        return str(int(m[2]) + (1 if m[1] == "after" else -1))
+    if m := re.fullmatch(r'How many letters are in "(\w+)"\?', instruction):
+        return str(len(m[1]))
     if m := re.fullmatch(r'Write "(\w+)" in capital letters\.', instruction):
         return m[1].upper()
     raise AssertionError(instruction)
 
 
-@pytest.mark.parametrize("skill", SKILLS)
+@pytest.mark.parametrize("skill", ALL_SKILLS)
 def test_answers_are_right_and_distractors_wrong(skill):
     rng = np.random.default_rng(0)
     for _ in range(50):
@@ -61,6 +65,23 @@ def test_records_and_tasks(tmp_path):
     local = TaskManager(include_path=str(tmp_path), include_defaults=False)
     assert set(sum(names.values(), [])) <= set(local.all_tasks)
     del lm_eval
+
+
+def test_dume_domains_tasks(tmp_path):
+    """DUME's four domains: every skill once, two per domain, a task pair per domain; the
+    pipeline's two domains keep their six skills."""
+    assert len(ALL_SKILLS) == len(set(ALL_SKILLS)) and set(SKILLS) < set(ALL_SKILLS)
+    assert set(sum(DUME_DOMAINS.values(), ())) <= set(ALL_SKILLS)
+    assert all(len(skills) == 2 for skills in DUME_DOMAINS.values())
+    records = instruction_records(sum(DUME_DOMAINS.values(), ()), 80, seed=0)
+    names = write_tasks(tmp_path, lambda i: i, per_skill=3, exclude=records,
+                        domains=DUME_DOMAINS)
+    assert list(names) == list(DUME_DOMAINS)
+    for domain, skills in DUME_DOMAINS.items():
+        docs = [json.loads(line) for line in
+                (tmp_path / f"instruct_{domain}_gen.jsonl").read_text().splitlines()]
+        assert sorted({d["skill"] for d in docs}) == sorted(skills)
+        assert all(solve(d["prompt"]) == d["answer"] for d in docs)
 
 
 def test_dume_statistics_read_instruction_data_whole(tmp_path):

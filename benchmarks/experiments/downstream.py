@@ -97,26 +97,29 @@ def plain_prompt(instruction: str) -> str:
                                                add_generation_prompt=True)
 
 
-def prepare_data(budget: DownstreamBudget, out: Path) -> dict:
+def prepare_data(budget: DownstreamBudget, out: Path, domains=None) -> dict:
     """Write the instruction sets (all skills; and one per domain, for DUME) and the task
-    folder; returns their paths and the task names by column."""
+    folder; returns their paths and the task names by column. ``domains``: skills by domain
+    (default :data:`~experiments.instructions.DOMAINS`)."""
     from dagmoe_jax.data import DataConfig  # pylint: disable=import-outside-toplevel
     from dagmoe_jax.data.splits import eval_source  # pylint: disable=import-outside-toplevel
 
+    domains = domains or DOMAINS
     data = out / "data"
     records = instruction_records(SKILLS, budget.sft_records, seed=0)
     paths = {"all": write_jsonl(data / "sft_all.jsonl", records)}
-    for domain, skills in DOMAINS.items():
+    for domain, skills in domains.items():
         domain_records = instruction_records(skills, budget.sft_records // 2, seed=0)
         paths[domain] = write_jsonl(data / f"sft_{domain}.jsonl", domain_records)
         records = records + domain_records
-    write_tasks(out / "tasks", plain_prompt, per_skill=budget.eval_per_skill, exclude=records)
+    write_tasks(out / "tasks", plain_prompt, per_skill=budget.eval_per_skill, exclude=records,
+                domains=domains)
     heldout = eval_source(DataConfig(source=budget.source, eval_source=budget.eval_source))
     docs = [{"text": str(heldout[i])} for i in range(min(budget.rolling_docs, len(heldout)))]
     write_jsonl(out / "tasks" / f"{ROLLING_TASK}.jsonl", docs)
     (out / "tasks" / f"{ROLLING_TASK}.yaml").write_text(ROLLING_YAML.format(
         name=ROLLING_TASK, data=(out / "tasks" / f"{ROLLING_TASK}.jsonl").resolve()))
-    columns = {f"{d} {kind}": f"instruct_{d}_{kind.lower()}" for d in DOMAINS
+    columns = {f"{d} {kind}": f"instruct_{d}_{kind.lower()}" for d in domains
                for kind in ("MC", "gen")}
     columns["text bpb"] = ROLLING_TASK
     return {"sft": {k: str(v) for k, v in paths.items()}, "tasks": str(out / "tasks"),

@@ -2,19 +2,24 @@
 
 The seeds fine-tune on Alpaca-style instruction data (DAG-MoE Q3: Alpaca, MetaMathQA, ...) and
 score multiple-choice and generation benchmarks. Neither can be downloaded here, so this module
-writes small stand-ins from six skills whose answers are computed exactly, in two domains (the
-DUME setting needs experts that differ):
+writes small stand-ins from nine skills whose answers are computed exactly. The pipeline's six
+form two domains (:data:`DOMAINS`); DUME's four-expert table uses eight of them in four domains
+of two (:data:`DUME_DOMAINS`; the DUME setting needs experts that differ, each good at its own
+domain: ``add`` is left out there, its expert stayed at chance at the pipeline's budget):
 
-======== ====== ===========================================  ================
-skill    domain instruction                                  response
-======== ====== ===========================================  ================
-add      math   ``Add 23 and 48.``                           ``71``
-max      math   ``Which is the largest: 4, 9, 2?``           ``9``
-sort     math   ``Sort the digits 7 3 9 1 in increasing...`` ``1 3 7 9``
-reverse  text   ``Reverse the word "qcable".``               ``elbacq``
-count    text   ``How many times does "a" appear in "..."?`` ``3``
-upper    text   ``Write "rivet" in capital letters.``        ``RIVET``
-======== ====== ===========================================  ================
+======== ====== ========== ===========================================  ================
+skill    domain DUME       instruction                                  response
+======== ====== ========== ===========================================  ================
+add      math              ``Add 23 and 48.``                           ``71``
+next            numbers    ``What number comes after 347?``             ``348``
+previous        numbers    ``What number comes before 347?``            ``346``
+max      math   ordering   ``Which is the largest: 4, 9, 2?``           ``9``
+sort     math   ordering   ``Sort the digits 7 3 9 1 in increasing...`` ``1 3 7 9``
+reverse  text   spelling   ``Reverse the word "qcable".``               ``elbacq``
+upper    text   spelling   ``Write "rivet" in capital letters.``        ``RIVET``
+count    text   counting   ``How many times does "a" appear in "..."?`` ``3``
+length          counting   ``How many letters are in "rivet"?``         ``5``
+======== ====== ========== ===========================================  ================
 
 * :func:`instruction_records`: Alpaca records (``instruction``, ``input``, ``output``) of some
   skills, for fine-tuning (``write_jsonl``).
@@ -33,7 +38,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -41,6 +46,11 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz"
 DOMAINS: Dict[str, Tuple[str, ...]] = {"math": ("add", "max", "sort"),
                                        "text": ("reverse", "count", "upper")}
 SKILLS: Tuple[str, ...] = DOMAINS["math"] + DOMAINS["text"]
+DUME_DOMAINS: Dict[str, Tuple[str, ...]] = {"numbers": ("next", "previous"),
+                                            "ordering": ("max", "sort"),
+                                            "spelling": ("reverse", "upper"),
+                                            "counting": ("count", "length")}
+ALL_SKILLS: Tuple[str, ...] = SKILLS + ("next", "previous", "length")
 
 
 def _digits(rng, n):
@@ -54,6 +64,14 @@ def draw(skill: str, rng: np.random.Generator) -> Tuple[str, str, List[str]]:
         right = a + b
         wrong = {right + d for d in (-10, -1, 1, 10, 2, -2)} - {right}
         return f"Add {a} and {b}.", str(right), [str(w) for w in _pick(rng, sorted(wrong))]
+    if skill in ("next", "previous"):
+        n = int(rng.integers(100, 1000))
+        step = 1 if skill == "next" else -1
+        right = n + step
+        wrong = {n - step, n, n + 2 * step, n + 10 * step, n + 11 * step, n + 101 * step}
+        word = "after" if skill == "next" else "before"
+        return (f"What number comes {word} {n}?", str(right),
+                [str(w) for w in _pick(rng, sorted(wrong - {right}))])
     if skill == "max":
         xs = _digits(rng, 3)
         return (f"Which is the largest: {', '.join(map(str, xs))}?", str(max(xs)),
@@ -82,10 +100,15 @@ def draw(skill: str, rng: np.random.Generator) -> Tuple[str, str, List[str]]:
         right = word.count(letter)
         return (f'How many times does "{letter}" appear in "{word}"?', str(right),
                 [str(w) for w in _pick(rng, [x for x in range(0, 6) if x != right])])
+    if skill == "length":
+        word = "".join(rng.choice(list(LETTERS), int(rng.integers(3, 10))))
+        right = len(word)
+        return (f'How many letters are in "{word}"?', str(right),
+                [str(w) for w in _pick(rng, [x for x in range(2, 11) if x != right])])
     if skill == "upper":
         others = [word.capitalize(), word, word.upper()[:-1] + word[-1]]
         return f'Write "{word}" in capital letters.', word.upper(), others
-    raise ValueError(f"skill {skill!r} is invalid: expected one of {', '.join(SKILLS)}")
+    raise ValueError(f"skill {skill!r} is invalid: expected one of {', '.join(ALL_SKILLS)}")
 
 
 def _pick(rng, values: Sequence, n: int = 3) -> list:
@@ -158,16 +181,18 @@ metadata:
 
 
 def write_tasks(out_dir, render: Callable[[str], str], *, per_skill: int = 24, seed: int = 1,
-                exclude: Iterable[dict] = ()) -> Dict[str, List[str]]:
+                exclude: Iterable[dict] = (),
+                domains: Optional[Dict[str, Tuple[str, ...]]] = None) -> Dict[str, List[str]]:
     """Write the evaluation tasks into ``out_dir`` (module docstring) and return their names by
     domain, ``{'math': ['instruct_math_mc', 'instruct_math_gen'], 'text': [...]}``.
-    ``exclude``: training records whose instructions the tasks must not contain."""
+    ``exclude``: training records whose instructions the tasks must not contain. ``domains``:
+    skills by domain (default :data:`DOMAINS`; :data:`DUME_DOMAINS` for DUME's table)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     seen = {r["instruction"] for r in exclude}
     rng = np.random.default_rng(seed)
     names: Dict[str, List[str]] = {}
-    for domain, skills in DOMAINS.items():
+    for domain, skills in (domains or DOMAINS).items():
         mc, gen = [], []
         for skill in skills:
             found, tries = 0, 0

@@ -147,7 +147,9 @@ def main(argv=None) -> int:
                 peak = child_peak([sys.executable, "-c", COMMAND, str(stages), *command,
                                    f"--run_dir={root / dtype}", f"--dtype={dtype}"], env)
                 watched = json.loads(stages.read_text())
-                grown = peak - baseline
+                # resetting VmHWM resets the rusage peak too: the command's peak is the larger
+                # of the peak before the write and the one since
+                grown = max(peak, watched["before_write"]) - baseline
                 formula = sum(predicted(size, args.experts, nbytes).values())
                 remainder[dtype] = watched["before_write"] - baseline - formula
                 print(f"{'':<34}{dtype:<10}{grown / 2**20:>12.0f} MiB{grown / experts:>10.2f}x"

@@ -48,48 +48,68 @@ def forced_forward(model: nnx.Module, tokens: jax.Array, expert: jax.Array, head
     dense model ``expert`` run with those weights (the paper's Oracle). ``head=False`` (the
     statistics pass) returns None for the logits and skips the LM head. ``segment_ids``
     [B, S]: packed examples (instruction data), as :class:`~dagmoe_jax.model.Transformer`
-    takes them (positions restart, attention stays within an example). Jitted over the
-    model's split state, which it only reads: no copy of the model is made or returned."""
-    graphdef, state = nnx.split(model)
-    return _forced_forward(graphdef, state, tokens, expert, head, segment_ids)
+    takes them (positions restart, attention stays within an example).
 
-
-@functools.partial(jax.jit, static_argnums=(0, 4))
-def _forced_forward(graphdef, state, tokens, expert, head, segment_ids):
-    """:func:`forced_forward` of the model ``nnx.merge(graphdef, state)``."""
-    model = nnx.merge(graphdef, state)
+    Memory: the model's state is only read, and the layers run one at a time, each a jitted
+    call on that layer's slice of the stacked weights. A scan over the stacked layers inside
+    one program let XLA:CPU convert every layer's bfloat16 weights to float32 at once (a
+    float32 copy of the model as temporaries); a loop over static slices inside the program
+    materialised every slice at once."""
     cfg = model.cfg
     if cfg.block.kind != "moe" or cfg.block.aggregation.kind != "sum":
         raise ValueError(f"forced routing needs a merged MoE with aggregation 'sum' (this is "
                          f"{block_summary(cfg.block)}): collect statistics before upcycling "
                          f"into a DAG")
-    b, s = tokens.shape
-    positions = jnp.arange(s)[None, :] if segment_ids is None else segment_positions(segment_ids)
-    sin, cos = rope_angles(positions, cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
-    dt = dtype_of(cfg.compute_dtype)
-    h = model.embed[...].astype(dt)[tokens]
-    graphdef, stacked = nnx.split(model.layers)
-
-    def one_layer(h, layer_state):
-        # a scan over the stacked layers: one layer's weights sliced at a time (a loop over
-        # static slices let XLA materialise every layer's slice at once, a second model)
-        layer = nnx.merge(graphdef, layer_state)
-        a, _ = layer.attn(layer.attn_norm(h), sin, cos, segment_ids=segment_ids)
-        h = (h + a).astype(dt)
-        x = layer.block_norm(h)
-        e = layer.block.experts
-        w = [getattr(e, n)[...][expert].astype(dt) for n in ("w_gate", "w_up", "w_down")]
-        y = swiglu(x.reshape(b * s, -1).astype(dt), *w, fused=model.execution.fuse_projections)
-        if layer.block.shared is not None:
-            y = y + layer.block.shared(x.reshape(b * s, -1))
-        return layer.add_block_output(h, y.reshape(b, s, -1)).astype(dt), x
-
-    h, inputs = jax.lax.scan(one_layer, h, stacked)
+    graphdef, state = nnx.split(model)
+    layers_graphdef, stacked = nnx.split(model.layers)
+    h, sin, cos = _embedded(graphdef, state, tokens, segment_ids)
+    inputs = []
+    for index in range(cfg.num_layers):
+        layer_state = jax.tree.map(lambda a, i=index: a[i], stacked)
+        h, x = _forced_layer(layers_graphdef, layer_state, h, sin, cos, expert, segment_ids)
+        inputs.append(x)
+    inputs = jnp.stack(inputs)
     if not head:
         return None, inputs
+    return _head(graphdef, state, h), inputs
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _embedded(graphdef, state, tokens, segment_ids):
+    """(the embedded ``tokens`` in the compute dtype, RoPE's sin and cos) of the model
+    ``nnx.merge(graphdef, state)``."""
+    model = nnx.merge(graphdef, state)
+    cfg = model.cfg
+    positions = (jnp.arange(tokens.shape[1])[None, :] if segment_ids is None
+                 else segment_positions(segment_ids))
+    sin, cos = rope_angles(positions, cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
+    return model.embed[...].astype(dtype_of(cfg.compute_dtype))[tokens], sin, cos
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forced_layer(graphdef, layer_state, h, sin, cos, expert, segment_ids):
+    """One decoder layer (``nnx.merge(graphdef, layer_state)``) with its MLP input routed to
+    ``expert``: (the layer's output, its MLP input x)."""
+    layer = nnx.merge(graphdef, layer_state)
+    dt = h.dtype
+    b, s, _ = h.shape
+    a, _ = layer.attn(layer.attn_norm(h), sin, cos, segment_ids=segment_ids)
+    h = (h + a).astype(dt)
+    x = layer.block_norm(h)
+    e = layer.block.experts
+    w = [getattr(e, n)[...][expert].astype(dt) for n in ("w_gate", "w_up", "w_down")]
+    y = swiglu(x.reshape(b * s, -1).astype(dt), *w, fused=e.fuse_projections)
+    if layer.block.shared is not None:
+        y = y + layer.block.shared(x.reshape(b * s, -1))
+    return layer.add_block_output(h, y.reshape(b, s, -1)).astype(dt), x
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _head(graphdef, state, h):
+    """The logits of the final hidden states ``h`` (float32)."""
+    model = nnx.merge(graphdef, state)
     h = model.final_norm(h)
-    logits = jnp.dot(h, model.lm_head[...].astype(h.dtype), preferred_element_type=jnp.float32)
-    return logits, inputs
+    return jnp.dot(h, model.lm_head[...].astype(h.dtype), preferred_element_type=jnp.float32)
 
 
 def token_mask(batch: Batch, tokens_per_sequence: Optional[int] = None) -> np.ndarray:

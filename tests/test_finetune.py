@@ -343,7 +343,10 @@ def test_no_hold_out_trains_on_every_example(tmp_path):
         f"DataConfig.source = 'instruct:{DATA}'", "DataConfig.heldout_fraction = 0.0",
         f"TrainConfig.run_dir = '{run_dir}'", "TrainConfig.epochs = 1",
         "TrainConfig.tensorboard = False", "TrainConfig.eval_every = 2",
-        "DataConfig.batch_size = 8"])
+        "DataConfig.batch_size = 8",
+        # a small model: the path under test is the data's, and the tests' 8 CPU devices run
+        # the default model's dropless experts through XLA's slow ragged_dot
+        "ModelConfig.d_model = 64", "ModelConfig.num_layers = 2"])
     result = train(*configs, progress=False, log=messages.append)
     text = "\n".join(messages)
     assert f"fine-tuning data: {every} examples" in text

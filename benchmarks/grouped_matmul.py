@@ -69,6 +69,39 @@ def matmul_table(tokens: int, top_k: int, experts: int, d: int, hidden: int,
     return [(name, *t) for name, t in times.items()]
 
 
+def products_table(tokens: int, top_k: int, experts: int, d: int, hidden: int,
+                   repeats: int) -> list:
+    """Rows (name, s) of the kernel's three custom calls alone at the grouped matmul's shape
+    (forward, input gradient, weight gradient) and of the float32 2048^3 matmul, timed in
+    alternating rounds, each keeping its best."""
+    from dagmoe_jax.kernels.grouped_matmul import _call  # pylint: disable=import-outside-toplevel
+
+    rng = np.random.default_rng(0)
+    m = tokens * top_k
+    sizes = jnp.asarray(np.bincount(rng.integers(0, experts, m), minlength=experts), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((experts, d, hidden)), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((m, hidden)), jnp.float32)
+    a = jnp.asarray(rng.standard_normal((2048, 2048)), jnp.float32)
+    calls = {     # operands passed in: closed-over arrays would be constant-folded
+        "forward x_g W_g": (jax.jit(lambda x, w, s: _call("dagmoe_gmm", (m, hidden), x, w, s)),
+                            (x, w, sizes)),
+        "input grad dy_g W_g^T": (
+            jax.jit(lambda dy, w, s: _call("dagmoe_gmm_t", (m, d), dy, w, s)), (dy, w, sizes)),
+        "weight grad x_g^T dy_g": (
+            jax.jit(lambda x, dy, s: _call("dagmoe_tgmm", (experts, d, hidden), x, dy, s)),
+            (x, dy, sizes)),
+        "matmul 2048^3": (jax.jit(lambda a: a @ a), (a,)),
+    }
+    best = {}
+    for r in range(4):
+        for name in (list(calls) if r % 2 == 0 else list(calls)[::-1]):
+            f, operands = calls[name]
+            t = time_fn(lambda f=f, o=operands: jax.block_until_ready(f(*o)), repeats)
+            best[name] = min(best.get(name, t), t)
+    return list(best.items())
+
+
 def step_table(model: str, gin: list, bindings: list, batch: int, seq: int, steps: int,
                rounds: int, ragged: bool) -> list:
     """Rows (name, s/step) of the model's training step with capacity dispatch and dropless
@@ -127,6 +160,14 @@ def main(argv=None):
               f"{both / kernel[2]:>10.2f}x")
     print("(GFLOP/s counts the dropless FLOPs, 3 x 2 M d d_r, for every route; 'vs kernel' is "
           "the forward + backward time over the kernel's)\n")
+    products = products_table(args.tokens, args.top_k, args.experts, args.d_model, args.hidden,
+                              args.repeats)
+    rate = 2 * 2048 ** 3 / dict(products)["matmul 2048^3"]
+    print(f"{'the kernel alone':<24}{'s':>9}{'GFLOP/s':>9}{'of matmul':>11}")
+    for name, t in products:
+        gflops = (2 * 2048 ** 3 if name.startswith("matmul") else flops) / t / 1e9
+        print(f"{name:<24}{t:>9.4f}{gflops:>9.1f}{gflops * 1e9 / rate:>10.1%}")
+    print()
     if args.model:
         bindings = [*args.binding, f"ModelConfig.vocab_size = {args.vocab}"]
         steps = step_table(args.model, args.gin, bindings, args.batch, args.seq, args.steps,

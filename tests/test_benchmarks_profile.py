@@ -96,3 +96,18 @@ def test_micro_profile_prints_its_tables():
              for line in out.stdout.split("| custom call |")[1].split("slowest")[0].splitlines()
              if line.startswith("| dagmoe_")}
     assert {calls.get(t) for t in ("dagmoe_gmm", "dagmoe_gmm_t", "dagmoe_tgmm")} == {3}
+
+
+def test_grouped_matmul_products_table_times_each_call_beside_the_matmul():
+    """benchmarks/grouped_matmul.py's table of the kernel's three custom calls alone: one row
+    each and the 2048^3 matmul's, every time positive (operands are passed, not closed over:
+    a closed-over matmul was constant-folded to nothing)."""
+    if grouped_matmul_unavailable("cpu") is not None:
+        pytest.skip("the CPU grouped matmul kernel cannot be built here")
+    import grouped_matmul
+
+    rows = dict(grouped_matmul.products_table(64, 2, 4, 32, 16, repeats=1))
+    assert list(rows) == ["forward x_g W_g", "input grad dy_g W_g^T",
+                          "weight grad x_g^T dy_g", "matmul 2048^3"]
+    assert all(t > 0 for t in rows.values())
+    assert rows["matmul 2048^3"] > 1e-3          # 17 GFLOP cannot take under a millisecond

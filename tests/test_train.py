@@ -269,3 +269,27 @@ def test_gradient_accumulation_matches_the_full_batch(tiny):
     assert max(gaps) > 100 * 1e-5 / 0.5
     with pytest.raises(ValueError, match="grad_accum=3"):
         make_train_step(grad_accum=3)(model, optimizer, batch)
+
+
+def test_a_relative_tokenizer_path_is_recorded_absolute(tmp_path, monkeypatch):
+    """A run trained with a tokenizer path relative to where it ran records it absolute, so
+    the run is read from any working directory (issue 34: paths a run records are absolute)."""
+    from conftest import write_special_tokenizer
+    from dagmoe_jax.run import load_run
+    from dagmoe_jax.train.loop import train
+
+    write_special_tokenizer(tmp_path / "tok", "no_bos")
+    (tmp_path / "corpus.txt").write_text("hello there, a tiny corpus of text.\n\n" * 100)
+    monkeypatch.chdir(tmp_path)
+    configs = load_configs(["train/smoke.gin"], [
+        "DataConfig.tokenizer = 'hf'", "DataConfig.tokenizer_path = 'tok/tokenizer.json'",
+        "DataConfig.source = 'text:corpus.txt'", "DataConfig.batch_size = 8",
+        "ModelConfig.vocab_size = 259", "ModelConfig.d_model = 64", "ModelConfig.num_layers = 2",
+        "TrainConfig.steps = 1", "TrainConfig.run_dir = 'run'", "TrainConfig.tensorboard = False"])
+    train(*configs, progress=False, log=lambda _m: None)
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())["data"]
+    assert recorded["tokenizer_path"] == str(tmp_path / "tok" / "tokenizer.json")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert load_run(tmp_path / "run").tokenizer.encode("hi") == [104, 105]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 from dagmoe_jax.validate import check
 
@@ -228,6 +229,16 @@ class DataConfig:
         _check(check_format(self.instruct_format), "instruct_format", self.instruct_format,
                "one of " + ", ".join(map(repr, FORMATS)))
         _str("chat_template", self.chat_template)
+
+    def with_absolute_paths(self) -> "DataConfig":
+        """This config with a relative ``tokenizer_path`` made absolute (``~`` expanded), as a
+        run records it, so that the run is read from any working directory. Cloud paths and
+        an empty path are kept."""
+        path = self.tokenizer_path
+        if not path or "://" in path:
+            return self
+        absolute = os.path.abspath(os.path.expanduser(path))
+        return self if absolute == path else self.replace(tokenizer_path=absolute)
 
     def replace(self, **changes) -> "DataConfig":
         """A copy with fields changed (validated again)."""

@@ -69,6 +69,7 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
     run before anything is written.
     """
     say, is_main = on_main_process(log), jax.process_index() == 0
+    data_cfg = data_cfg.with_absolute_paths()    # the run is read from any directory
     if train_cfg.init_from:
         model_cfg = source_model_config(train_cfg.init_from, model_cfg)
         data_cfg = source_data_config(train_cfg.init_from, data_cfg,

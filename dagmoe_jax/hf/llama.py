@@ -318,10 +318,11 @@ def hf_tensors_to_params(cfg: ModelConfig, get: Callable[[str], np.ndarray],
     def read(name, shape):
         return _expect(name, get(name), shape).astype(np.float32, copy=False)
 
-    embed = read("model.embed_tokens.weight", (v, d))
-    yield ("embed",), embed
-    yield ("lm_head",), (embed if tied else read("lm_head.weight", (v, d))).T
-    del embed                      # a paused generator would otherwise hold it (stream.py)
+    # Each array is yielded as read, never kept in this generator's frame: the streaming merge
+    # (upcycle/stream.py) pauses one generator per model, and a kept embedding would hold one
+    # vocabulary-sized array per model at once. A tied head reads the embedding again.
+    yield ("embed",), read("model.embed_tokens.weight", (v, d))
+    yield ("lm_head",), read("model.embed_tokens.weight" if tied else "lm_head.weight", (v, d)).T
     yield ("final_norm", "scale"), read("model.norm.weight", (d,))
     per_layer = {
         ("attn_norm", "scale"): ("attn_norm", (d,), lambda w: w),

@@ -11,13 +11,16 @@ float32 size, 0.7x in bfloat16.
 The child runs the command's own ``main`` with the run directory's write watched: its peak
 before the write ("before write") and the write's own growth ("write": Orbax encodes the
 arrays it writes, at most ``INITIAL_SAVE_GB`` GB of them at once,
-``dagmoe_jax/run/directory.py``). The extrapolation to four Llama 3.2 3B experts adds up what
-the command holds, by formula (the merged MoE: shared weights once, N experts' MLPs, in the
-merge's dtype; N domains' float64 statistics, layers x ((d+1)^2 + d+1) each; the device's
-float32 Kahan sums of one domain; the largest transient, a shared parameter's float64 sum plus
-one float32 tensor, or one expert tensor placed; the write, at most its bound), all as if held
-at once, plus the larger size's remainder before the write (what the formula leaves
-unexplained, XLA's buffers of the statistics pass) in proportion to the experts' size.
+``dagmoe_jax/run/directory.py``). The extrapolation to four Llama 3.2 3B experts takes what the
+command holds in each phase, by formula (:func:`phases`: the merge holds the merged MoE, shared
+weights once and N experts' MLPs in the merge's dtype, plus its largest transient, a shared
+parameter's float64 sum plus one float32 tensor, or one stacked expert tensor read; the
+statistics pass holds the merged MoE, N domains' float64 statistics, layers x ((d+1)^2 + d+1)
+each, and the device's float32 Kahan sums of one domain; the write adds at most its bound),
+the largest of them, plus the remainder the formula leaves unexplained before the write (XLA's
+buffers, the allocator's slack): the line through the two measured sizes where it grows with
+the size, else the larger of the two as a fixed cost. The sum of every part at once is
+printed beside it as an upper bound.
 
     python benchmarks/merge_memory.py                  # two sizes, float32 and bfloat16
 
@@ -114,6 +117,27 @@ def predicted(size, experts: int, dtype_bytes: int) -> dict:
     return parts
 
 
+def phases(size, experts: int, dtype_bytes: int) -> dict:
+    """What the command holds in each of its phases before the write, by formula, in bytes:
+    the merge (the merged MoE filling up, plus its largest transient) and the statistics
+    pass (the merged MoE, the float64 statistics and the device's Kahan sums). Large arrays
+    are freed back to the system between them (glibc serves them by mmap), so the phases'
+    transients do not add up."""
+    parts = predicted(size, experts, dtype_bytes)
+    return {"merge": parts["merged MoE"] + parts["largest transient"],
+            "statistics": parts["merged MoE"] + parts["statistics (float64)"]
+                          + parts["Kahan sums (float32)"]}
+
+
+def extrapolated_remainder(points, size: float) -> float:
+    """The remainder at experts' size ``size`` from the measured (size, remainder) ``points``:
+    the line through them where it rises, else the largest measured (a remainder that does
+    not grow with the size is a fixed cost)."""
+    (s1, r1), (s2, r2) = sorted(points)[-2:]
+    slope = (r2 - r1) / (s2 - s1)
+    return r2 + slope * (size - s2) if slope > 0 else max(r1, r2)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -125,7 +149,8 @@ def main(argv=None) -> int:
           f"MiB peak RSS\n")
     print(f"{'size':<34}{'dtype':<10}{'peak - baseline':>16}{'/ experts':>11}"
           f"{'before write':>14}{'write':>10}{'formula':>10}{'remainder':>11}")
-    remainder = {}
+    remainder = {"float32": [], "bfloat16": []}
+    writes = {"float32": 0, "bfloat16": 0}
     with tempfile.TemporaryDirectory() as tmp:
         for d, layers, ffn, vocab in SIZES:
             size = dict(d=d, layers=layers, ffn=ffn, vocab=vocab)
@@ -150,25 +175,37 @@ def main(argv=None) -> int:
                 # resetting VmHWM resets the rusage peak too: the command's peak is the larger
                 # of the peak before the write and the one since
                 grown = max(peak, watched["before_write"]) - baseline
-                formula = sum(predicted(size, args.experts, nbytes).values())
-                remainder[dtype] = watched["before_write"] - baseline - formula
+                formula = max(phases(size, args.experts, nbytes).values())
+                left = watched["before_write"] - baseline - formula
+                remainder[dtype].append((experts, left))
+                writes[dtype] = watched["write"]          # the larger size's, last
                 print(f"{'':<34}{dtype:<10}{grown / 2**20:>12.0f} MiB{grown / experts:>10.2f}x"
                       f"{(watched['before_write'] - baseline) / 2**20:>10.0f} MiB"
                       f"{watched['write'] / 2**20:>6.0f} MiB{formula / 2**20:>6.0f} MiB"
-                      f"{remainder[dtype] / 2**20:>7.0f} MiB", flush=True)
+                      f"{left / 2**20:>7.0f} MiB", flush=True)
     print(f"\nextrapolated to {args.experts} Llama 3.2 3B experts (d 3072, 28 layers, ffn 8192, "
           f"vocabulary 128256, tied):")
     experts = shapes(**LLAMA_3B)[0] * args.experts
     print(f"  experts' summed float32 size: {experts / 1e9:.1f} GB")
     for dtype, nbytes in (("float32", 4), ("bfloat16", 2)):
         parts = predicted(LLAMA_3B, args.experts, nbytes)
-        share = max(remainder[dtype], 0) / largest          # grows with the size: scaled
-        parts["the write, bounded"] = min(parts["merged MoE"], INITIAL_SAVE_GB * 2 ** 30)
-        total = sum(parts.values()) + share * experts
-        shown = " + ".join(f"{v / 1e9:.1f} ({k})" for k, v in parts.items())
-        print(f"  {dtype}: {shown} + {share:.2f} x {experts / 1e9:.1f} (the larger size's "
-              f"remainder before the write, {share:.2f}x its experts) = {total / 1e9:.1f} GB = "
-              f"{total / experts:.2f}x")
+        phase = phases(LLAMA_3B, args.experts, nbytes)
+        # at most the bound's worth of arrays in flight, plus what the larger size measured
+        # beyond it (Orbax's own buffers)
+        write = min(parts["merged MoE"], max(INITIAL_SAVE_GB * 2 ** 30, writes[dtype]))
+        left = max(extrapolated_remainder(remainder[dtype], experts), 0)
+        total = max(phase["merge"], phase["statistics"] + write) + left
+        every = sum(parts.values()) + write + left
+        print(f"  {dtype}: merge {phase['merge'] / 1e9:.1f} GB (the merged MoE "
+              f"{parts['merged MoE'] / 1e9:.1f} + largest transient "
+              f"{parts['largest transient'] / 1e9:.1f}); statistics "
+              f"{phase['statistics'] / 1e9:.1f} GB (+ float64 statistics "
+              f"{parts['statistics (float64)'] / 1e9:.1f} + Kahan sums "
+              f"{parts['Kahan sums (float32)'] / 1e9:.1f}) + the write, bounded, "
+              f"{write / 1e9:.1f}; remainder {left / 1e9:.1f} GB")
+        print(f"    peak = max(merge, statistics + write) + remainder = {total / 1e9:.1f} GB = "
+              f"{total / experts:.2f}x   (every part at once: {every / 1e9:.1f} GB = "
+              f"{every / experts:.2f}x)")
     return 0
 
 

@@ -157,7 +157,6 @@ def main(argv=None) -> int:
             root = Path(tmp) / f"d{d}"
             folders = [root / f"expert{j}" for j in range(args.experts)]
             experts = sum(write_checkpoint(f, d, layers, ffn, vocab) for f in folders)
-            largest = experts
             tokenizer = write_tokenizer(root / "tok" / "tokenizer.json", vocab)
             command = [f"--tokenizer_path={tokenizer}", "--stats_text=stream",
                        "--stats_batches=2", "--seq_len=256", "--batch_size=4", "--steps=10"]

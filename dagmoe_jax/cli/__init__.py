@@ -132,6 +132,35 @@ def parse_or_report(parse_args: Callable, argv, doc: str) -> Tuple[Any, Optional
     return args, None
 
 
+def check_new_directory(flag: str, path: str) -> None:
+    """One-line ValueError unless ``path`` (the value of ``--flag``) is absent or an empty
+    directory: a command that writes a directory never writes over anything."""
+    out = Path(path)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--{flag}={path} already exists and is not an empty directory: "
+                         f"choose a new path")
+
+
+def write_command(parse_args: Callable, argv, doc: str, work: Callable[[Any], Any],
+                  target: Callable[[Any], str]) -> int:
+    """The ``main`` of a command that writes one directory (export, import): arguments as
+    :func:`parse_or_report` reads them, then ``work(args)``; a user error is one line (2),
+    Ctrl-C says nothing was written at ``target(args)`` (130; ``work`` removes what it wrote),
+    success is 0."""
+    args, code = parse_or_report(parse_args, argv, doc)
+    if code is not None:
+        return code
+    quiet_background_errors()
+    try:
+        work(args)
+    except KeyboardInterrupt:
+        print(f"stopped: nothing was written at {target(args)}", file=sys.stderr)
+        return 130
+    except USER_ERRORS as err:
+        return report_error(err)
+    return 0
+
+
 def seed_list(text: str) -> tuple:
     """A benchmark's --seeds: a count ('3' -> (0, 1, 2)) or a list ('0,5' -> (0, 5))."""
     values = tuple(int(v) for v in text.split(",") if v.strip())

@@ -25,7 +25,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from dagmoe_jax.cli import OneLineParser, quiet_background_errors, report_error
+from dagmoe_jax.cli import OneLineParser, check_new_directory, write_command
 
 DTYPES = ("float32", "bfloat16")
 
@@ -46,10 +46,7 @@ def parse_args(argv):
         raise ValueError(f"--dtype={args.dtype} is invalid: expected one of {', '.join(DTYPES)}")
     if args.max_shard_mb < 0:
         raise ValueError(f"--max_shard_mb={args.max_shard_mb} is invalid: expected >= 0")
-    out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"--out={args.out} already exists and is not an empty directory: "
-                         f"choose a new path")
+    check_new_directory("out", args.out)
     return args
 
 
@@ -84,22 +81,8 @@ def export_run(run_dir: str, out: str, *, dtype: str = "float32", max_shard_mb: 
 
 
 def main(argv=None) -> int:
-    try:
-        args = parse_args(sys.argv[1:] if argv is None else argv)
-    except ValueError as err:
-        return report_error(err)
-    if args.help:
-        print(__doc__)
-        return 0
-    quiet_background_errors()
-    try:
-        export_run(args.run_dir, args.out, dtype=args.dtype, max_shard_mb=args.max_shard_mb)
-    except KeyboardInterrupt:
-        print(f"stopped: nothing was written at {args.out}", file=sys.stderr)
-        return 130
-    except (ValueError, FileNotFoundError) as err:
-        return report_error(err)
-    return 0
+    return write_command(parse_args, argv, __doc__, lambda a: export_run(
+        a.run_dir, a.out, dtype=a.dtype, max_shard_mb=a.max_shard_mb), lambda a: a.out)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from dagmoe_jax.cli import OneLineParser, quiet_background_errors, report_error
+from dagmoe_jax.cli import OneLineParser, check_new_directory, write_command
 
 # The tokenizer's files copied beside it (those that exist): what transformers and
 # dagmoe_jax.data.tokenizers read of a Hugging Face tokenizer.
@@ -63,10 +63,7 @@ def parse_args(argv):
         value = getattr(args, name)
         if value < (0 if name == "seq_len" else 1):
             raise ValueError(f"--{name}={value} is invalid: expected an integer >= 1")
-    out = Path(args.run_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"--run_dir={args.run_dir} already exists and is not an empty "
-                         f"directory: choose a new path")
+    check_new_directory("run_dir", args.run_dir)
     return args
 
 
@@ -125,23 +122,9 @@ def import_hf(folder: str, run_dir: str, *, seq_len: int = 0, batch_size: int = 
 
 
 def main(argv=None) -> int:
-    try:
-        args = parse_args(sys.argv[1:] if argv is None else argv)
-    except ValueError as err:
-        return report_error(err)
-    if args.help:
-        print(__doc__)
-        return 0
-    quiet_background_errors()
-    try:
-        import_hf(args.hf, args.run_dir, seq_len=args.seq_len, batch_size=args.batch_size,
-                  source=args.source, steps=args.steps)
-    except KeyboardInterrupt:
-        print(f"stopped: nothing was written at {args.run_dir}", file=sys.stderr)
-        return 130
-    except (ValueError, FileNotFoundError) as err:
-        return report_error(err)
-    return 0
+    return write_command(parse_args, argv, __doc__, lambda a: import_hf(
+        a.hf, a.run_dir, seq_len=a.seq_len, batch_size=a.batch_size, source=a.source,
+        steps=a.steps), lambda a: a.run_dir)
 
 
 if __name__ == "__main__":

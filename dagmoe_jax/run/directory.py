@@ -259,10 +259,11 @@ def load_run(run_dir: PathLike, mesh=None, data_cfg: Optional[DataConfig] = None
     mesh: None builds only abstract shapes (no initialisation) on one device; a mesh builds the
     model and optimizer sharded over it (parameters restored into that layout, whatever mesh
     the run trained on). The optimizer's state is read with the model's where the checkpoint
-    holds it (an upcycled run's step 0 holds the model alone). data_cfg: the data config to attach (default: the run's own), e.g. with another
-    evaluation source. log: hears about slow work while the model is settled (compiling the CPU
-    attention kernel). One-line ValueErrors for a missing run directory or config, and for a
-    run without checkpoints.
+    holds it (an upcycled or imported run's step 0 holds the model alone). data_cfg: the data
+    config to attach (default: the run's own), e.g. with another evaluation source. log:
+    hears about slow work while the model is settled (compiling the CPU attention kernel).
+    One-line ValueErrors for a missing run directory or config, and for a run without
+    checkpoints.
     """
     run_dir = run_path(run_dir)
     if not run_dir.is_dir():

@@ -91,8 +91,9 @@ class Trainer:
     def restore_or_init(self, check: Callable[[run_lib.Restored], None] = lambda _r: None) -> int:
         """Restore the newest readable checkpoint into the model, optimizer and data iterator
         and return its step, or 0 for a new run. A checkpoint of the parameters alone (the
-        upcycling command's step 0) leaves the optimizer's fresh state as built. ``check(restored)`` runs first and may refuse
-        (raise) a checkpoint the run's configs must not continue."""
+        step 0 of an upcycle or an import) leaves the optimizer's fresh state as built.
+        ``check(restored)`` runs first and may refuse (raise) a checkpoint the run's configs
+        must not continue."""
         abstract = run_lib.abstract(run_lib.train_state(self.model, self.optimizer))
         with self.mesh_scope():
             restored = self.checkpointer.restore(abstract, data_iterator=self.data_iter,

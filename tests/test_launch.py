@@ -156,3 +156,37 @@ def test_tuned_glibc_reuses_freed_memory_without_page_faults(tmp_path, tune):
     else:
         assert name == "system malloc"
         assert int(faults) > 10 * 16384 * 0.9
+
+
+TRIM = """
+import ctypes, resource, sys
+sys.path.insert(0, {root!r})
+from dagmoe_jax.run.allocator import tune_glibc_malloc
+assert tune_glibc_malloc()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+size = (2 << 30) + (256 << 20)           # over 2^31 - 1, the largest trim threshold an int sets
+faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(2):
+    block = libc.malloc(size)
+    before = faults()
+    ctypes.memset(block, 1, size)
+    touched = faults() - before
+    libc.free(block)                      # the heap's top: trimmed unless trimming is off
+print(touched)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt is Linux-only")
+def test_tuned_glibc_never_trims_even_over_two_gigabytes(tmp_path):
+    """A step whose temporaries free more than 2 GB at the heap's top (DAG-MoE-s at L 3) had
+    that memory handed back and faulted in again every step: the largest threshold an int can
+    set is 2^31 - 1. Tuned, glibc never trims: the second 2.25 GB block faults nothing in."""
+    script = tmp_path / "trim.py"
+    script.write_text(TRIM.format(root=str(ROOT)))
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "XLA_FLAGS")}
+    out = subprocess.run([sys.executable, str(script)], env=env, text=True, capture_output=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.strip()) < 1000          # 589,824 pages if the heap were trimmed

@@ -36,6 +36,10 @@ SWITCH = "DAGMOE_TCMALLOC"
 GLIBC_SWITCH = "DAGMOE_GLIBC_TUNE"
 # mallopt parameters (glibc's malloc.h)
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
+# mallopt takes an int; glibc stores the trim threshold as a size_t, so -1 is SIZE_MAX: never
+# trim. The largest int, 2^31 - 1, trimmed any free top of the heap over 2 GB, which a step
+# whose temporaries exceed that (DAG-MoE-s at L 3) handed back and faulted in again every step.
+NEVER_TRIM = -1
 GLIBC_TUNED = "glibc malloc, tuned (one arena, no mmap, no trim)"
 _glibc_tuned = False
 LIBRARY_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
@@ -108,7 +112,7 @@ def tune_glibc_malloc(environ: Mapping[str, str] = os.environ) -> bool:
     if libc is None or environ.get(GLIBC_SWITCH, "") == "0":
         return False
     done = (libc.mallopt(M_ARENA_MAX, 1) == 1 and libc.mallopt(M_MMAP_MAX, 0) == 1
-            and libc.mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1) == 1)
+            and libc.mallopt(M_TRIM_THRESHOLD, NEVER_TRIM) == 1)
     _glibc_tuned = _glibc_tuned or done
     return done
 

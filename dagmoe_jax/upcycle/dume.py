@@ -50,11 +50,12 @@ def forced_forward(model: nnx.Module, tokens: jax.Array, expert: jax.Array, head
     [B, S]: packed examples (instruction data), as :class:`~dagmoe_jax.model.Transformer`
     takes them (positions restart, attention stays within an example).
 
-    Memory: the model's state is only read, and the layers run one at a time, each a jitted
-    call on that layer's slice of the stacked weights. A scan over the stacked layers inside
-    one program let XLA:CPU convert every layer's bfloat16 weights to float32 at once (a
-    float32 copy of the model as temporaries); a loop over static slices inside the program
-    materialised every slice at once."""
+    Memory: the model's state is only read, and the layers run one at a time, each a call of
+    one jitted program that takes the stacked weights and the layer's index and slices them
+    itself (no copy of a layer's weights is made outside it). A scan over the stacked layers
+    inside one program let XLA:CPU convert every layer's bfloat16 weights to float32 at once
+    (a float32 copy of the model as temporaries); a loop over static slices inside the
+    program materialised every slice at once."""
     cfg = model.cfg
     if cfg.block.kind != "moe" or cfg.block.aggregation.kind != "sum":
         raise ValueError(f"forced routing needs a merged MoE with aggregation 'sum' (this is "
@@ -65,8 +66,8 @@ def forced_forward(model: nnx.Module, tokens: jax.Array, expert: jax.Array, head
     h, sin, cos = _embedded(graphdef, state, tokens, segment_ids)
     inputs = []
     for index in range(cfg.num_layers):
-        layer_state = jax.tree.map(lambda a, i=index: a[i], stacked)
-        h, x = _forced_layer(layers_graphdef, layer_state, h, sin, cos, expert, segment_ids)
+        h, x = _forced_layer(layers_graphdef, stacked, jnp.int32(index), h, sin, cos, expert,
+                             segment_ids)
         inputs.append(x)
     inputs = jnp.stack(inputs)
     if not head:
@@ -87,10 +88,11 @@ def _embedded(graphdef, state, tokens, segment_ids):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _forced_layer(graphdef, layer_state, h, sin, cos, expert, segment_ids):
-    """One decoder layer (``nnx.merge(graphdef, layer_state)``) with its MLP input routed to
-    ``expert``: (the layer's output, its MLP input x)."""
-    layer = nnx.merge(graphdef, layer_state)
+def _forced_layer(graphdef, stacked, index, h, sin, cos, expert, segment_ids):
+    """Decoder layer ``index`` of the stacked layers ``nnx.merge(graphdef, stacked)`` with its
+    MLP input routed to ``expert``: (the layer's output, its MLP input x)."""
+    layer = nnx.merge(graphdef, jax.tree.map(
+        lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), stacked))
     dt = h.dtype
     b, s, _ = h.shape
     a, _ = layer.attn(layer.attn_norm(h), sin, cos, segment_ids=segment_ids)

@@ -75,15 +75,17 @@ def import_hf(folder: str, run_dir: str, *, seq_len: int = 0, batch_size: int = 
     # pylint: disable=import-outside-toplevel
     from dagmoe_jax import run as run_lib
     from dagmoe_jax.data import DataConfig
-    from dagmoe_jax.hf.llama import load_hf_llama, read_hf_config
+    from dagmoe_jax.hf.llama import load_hf_llama, model_config_from_hf, read_hf_config
+    from dagmoe_jax.hf.run import folder_tokenizer
     from dagmoe_jax.run.config import OptimConfig, TrainConfig
 
     source_dir = Path(folder).expanduser().resolve()
-    read_hf_config(source_dir)                   # one line where it is no model
-    if not (source_dir / "tokenizer.json").is_file():
-        raise ValueError(f"{source_dir / 'tokenizer.json'} does not exist: a run keeps its "
-                         f"model's tokenizer (save it with the model: "
-                         f"tokenizer.save_pretrained(folder))")
+    folder_tokenizer(source_dir)
+    context = model_config_from_hf(read_hf_config(source_dir)).max_seq_len
+    seq_len = seq_len or min(DEFAULT_SEQ_LEN, context)
+    if seq_len > context:                        # before anything is read or written
+        raise ValueError(f"--seq_len={seq_len} is longer than the model's context "
+                         f"({context} positions): at most that")
     target = Path(run_dir).expanduser().resolve()
     existed = target.exists()
     path = run_lib.prepare_run_dir(target)
@@ -94,14 +96,10 @@ def import_hf(folder: str, run_dir: str, *, seq_len: int = 0, batch_size: int = 
         for name in copied:
             shutil.copyfile(source_dir / name, tokenizer_dir / name)
         model, model_cfg = load_hf_llama(source_dir)
-        seq_len = seq_len or min(DEFAULT_SEQ_LEN, model_cfg.max_seq_len)
         data_cfg = DataConfig(
             tokenizer="hf", tokenizer_path=str(tokenizer_dir / "tokenizer.json"),
             seq_len=seq_len, batch_size=batch_size,
             **({} if source is None else {"source": source}))
-        if seq_len > model_cfg.max_seq_len:
-            raise ValueError(f"--seq_len={seq_len} is longer than the model's context "
-                             f"({model_cfg.max_seq_len} positions): at most that")
         optim_cfg = OptimConfig()
         train_cfg = TrainConfig(run_dir=str(target), steps=steps, save_every=steps)
         run_lib.save_initial_checkpoint(path, model, None, model_cfg, train_cfg, None)

@@ -17,6 +17,19 @@ from dagmoe_jax.run.directory import LoadedRun
 HF_PREFIX = "hf:"
 
 
+def folder_tokenizer(folder: Path) -> Path:
+    """The ``tokenizer.json`` of the Hugging Face Llama ``folder``, which a run made of it
+    reads text with; a one-line ValueError where the folder is no model (its ``config.json``)
+    or has no ``tokenizer.json``."""
+    read_hf_config(folder)
+    tokenizer_json = folder / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        raise ValueError(f"{tokenizer_json} does not exist: a Hugging Face folder is read with "
+                         "its own tokenizer.json (save it with the model: "
+                         "tokenizer.save_pretrained(folder))")
+    return tokenizer_json
+
+
 def load_hf_run(path: PathLike, *, execution: Optional[ExecutionConfig] = None, **overrides):
     """A Hugging Face Llama folder as a :class:`~dagmoe_jax.run.LoadedRun` (step 0): the model
     of :func:`load_hf_llama` with the folder's ``tokenizer.json`` (its BOS, EOS and chat
@@ -24,12 +37,7 @@ def load_hf_run(path: PathLike, *, execution: Optional[ExecutionConfig] = None, 
     reads a run directory (the harness's ``run_dir='hf:FOLDER'``, sampling) reads the folder
     as it is. One-line ValueError without a ``tokenizer.json``."""
     folder = Path(str(path)).expanduser().resolve()
-    read_hf_config(folder)                  # a one-line error first where it is no model
-    tokenizer_json = folder / "tokenizer.json"
-    if not tokenizer_json.is_file():
-        raise ValueError(f"{tokenizer_json} does not exist: a Hugging Face folder is scored with "
-                         "its own tokenizer.json (save it with the model: "
-                         "tokenizer.save_pretrained(folder))")
+    tokenizer_json = folder_tokenizer(folder)
     model, cfg = load_hf_llama(folder, execution=execution, **overrides)
     data_cfg = DataConfig(tokenizer="hf", tokenizer_path=str(tokenizer_json),
                           seq_len=min(cfg.max_seq_len, DataConfig().seq_len))

@@ -206,14 +206,13 @@ def test_the_stop_string_rule_is_lm_evals(pair):
     token's text and a multi-byte character, each side with its own tokenizer."""
     from lm_eval.models.utils_hf import MultiTokenEOSCriteria
 
-    from dagmoe_jax.harness.lm import StopStrings
+    from dagmoe_jax.decoding.generate import StopStrings
 
     ours, theirs, _ = pair
     rng = np.random.default_rng(0)
     alphabet = [ord(c) for c in "ab\n<|>e"] + [0xC3, 0xA9, 256, 257, 258]
     for until in (["\n"], ["\n\n", "ab"], ["<|eot|>"], ["é", "e<"]):
-        rule = StopStrings(until, lambda t: ours.tokenizer_obj.encode(t, add_special_tokens=False),
-                           lambda ids: ours.tok_decode(ids, skip_special_tokens=False))
+        rule = StopStrings(until, ours.tokenizer_obj)
         decisions = []
         for _ in range(60):
             ids = rng.choice(alphabet, rng.integers(1, 9)).tolist()

@@ -14,7 +14,8 @@ Flags:
   --num_samples=N        samples per prompt (default 1)
   --seed=S               PRNG seed (default 0): the same seed gives the same samples
   --ignore_eos           do not stop at the tokenizer's EOS
-  --stop=TEXT            end a sample once its new text contains TEXT, shown without it
+  --stop=TEXT            end a sample once its new text contains TEXT (lm-eval's stop-string
+                         rule, decoding.generate.StopStrings), shown without it
                          (repeatable; decoding stops there, it does not run on to
                          --max_new_tokens)
   --no_eos_prefix        do not put EOS before the prompt (training records follow an EOS, so
@@ -43,14 +44,6 @@ def sample_text(tokenizer, prompt_ids, new_ids) -> str:
     continuation that starts a word begins with the word-boundary piece, which decodes to a
     space only inside a text (decoded on its own, the space would be dropped)."""
     return tokenizer.decode(list(prompt_ids) + list(new_ids))
-
-
-def stop_rule(tokenizer, stops):
-    """``generate``'s ``stop_when`` for the ``--stop`` strings (None without any): a row ends
-    once the text of its new ids contains one of them."""
-    if not stops:
-        return None
-    return lambda ids: any(s in tokenizer.decode(ids) for s in stops)
 
 
 def cut_continuation(text: str, start: int, stops) -> str:
@@ -116,7 +109,7 @@ def main(argv=None) -> int:
 
     # Imported after argument parsing so that --help and argument errors are instant.
     from dagmoe_jax.config.blocks import block_summary
-    from dagmoe_jax.decoding.generate import check_settings, generate
+    from dagmoe_jax.decoding.generate import StopStrings, check_settings, generate
     from dagmoe_jax.run.extensions import extension_for
     from dagmoe_jax.run import load_run
 
@@ -156,7 +149,7 @@ def main(argv=None) -> int:
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                            stop_tokens=() if args.ignore_eos else stops, seed=args.seed,
                            pad_id=tok.pad_id, features=features,
-                           stop_when=stop_rule(tok, args.stop))
+                           stop_when=StopStrings(args.stop, tok) if args.stop else None)
     except (ValueError, FileNotFoundError) as err:
         return report_error(err)
     for i, (prompt, new) in enumerate(zip(prompts, outputs)):

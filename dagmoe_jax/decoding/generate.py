@@ -147,6 +147,23 @@ class RowStops:
         return self.stopped.copy()
 
 
+class StopStrings:
+    """A ``stop_when`` rule for stop strings, lm-eval's own (``MultiTokenEOSCriteria``, which
+    its Hugging Face model hands to ``transformers``' ``generate``): a row is finished once the
+    text of its last ``len(tokenizer.encode(s)) + 2`` generated ids, decoded with the special
+    tokens, contains a stop string ``s`` of ``until``. In a batch, lm-eval stops only once
+    every row has met the same string (so a row's text can depend on its neighbours); row by
+    row, as here, is what it does at its default ``batch_size=1``. The caller cuts the text at
+    the first stop string; the tokens after the stop are not decoded."""
+
+    def __init__(self, until: Sequence[str], tokenizer):
+        self.windows = [(s, len(tokenizer.encode(s)) + 2) for s in until if s]
+        self.decode = tokenizer.decode
+
+    def __call__(self, ids: List[int]) -> bool:
+        return any(s in self.decode(ids[-n:]) for s, n in self.windows)
+
+
 def _gathered(*arrays):
     """``arrays`` replicated over the active mesh's devices (unchanged off a mesh): what a host
     callback reads from device 0 is then already whole there, so the partitioner does not
@@ -345,7 +362,7 @@ def generate(model: Transformer, prompts: Union[Sequence[Sequence[int]], np.ndar
       ``extension_for(cfg).decoding_features(run_dir, data_cfg, tokenizer)``).
     stop_when: a predicate on a row's generated ids so far (a list, the newest last), asked on
       the host after each of its tokens; True finishes the row, its last token kept (e.g. a
-      stop string's rule: ``dagmoe_jax.harness.lm.StopStrings``). None: none.
+      stop string's rule: :class:`StopStrings`). None: none.
 
     Returns, for a list of prompts, a list of generated-token lists (each cut after its stop
     token); for an array, a :class:`Generation` (tokens [B, max_new_tokens], lengths, finished).

@@ -26,9 +26,9 @@ The three request types, as the harness's Hugging Face model (``HFLM``) defines 
   ``transformers``' ``generate`` does), and, when the prompts were rendered with the run's chat
   template, at the template's end-of-turn token; and, inside the decoding loop, once a stop
   string (the request's ``until`` and the EOS token's text) appears as lm-eval's own rule
-  finds it (:class:`StopStrings`). The text is decoded without special tokens and cut at the
-  first stop string. Requests sharing generation settings run together in batches, longest
-  prompt first.
+  finds it (:class:`~dagmoe_jax.decoding.generate.StopStrings`). The text is decoded without
+  special tokens and cut at the first stop string. Requests sharing generation settings run
+  together in batches, longest prompt first.
 
 Every block type works (dense, MoE with any aggregation, CoE, DoE with its topics tracked from
 the prompt, DUME-merged and upcycled models: they are run directories like any other), on one
@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -48,6 +48,7 @@ from lm_eval.models.utils import Collator
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from dagmoe_jax.decoding.generate import StopStrings
 from dagmoe_jax.harness.scoring import Scorer
 
 DEFAULT_MAX_GEN_TOKS = 256
@@ -314,9 +315,8 @@ class DagmoeLM(TemplateLM):
             outputs = self.scorer.generate(
                 prompts, max_new_tokens=max_gen, stop_tokens=stops,
                 temperature=temperature, top_k=top_k, top_p=top_p, seed=self.seed,
-                pad_id=self.tokenizer_obj.pad_id, stop_when=StopStrings(
-                    until, lambda s: self.tokenizer_obj.encode(s, add_special_tokens=False),
-                    lambda ids: self.tok_decode(ids, skip_special_tokens=False)))
+                pad_id=self.tokenizer_obj.pad_id,
+                stop_when=StopStrings(until, self.tokenizer_obj))
             for context, kw, ids in zip(contexts, all_kwargs, outputs):
                 # As HFLM: the stop token stays in the ids; decoding without special tokens
                 # drops it, and the EOS text among the stop strings cuts what spells it.
@@ -362,24 +362,6 @@ class DagmoeLM(TemplateLM):
                            for m in chat_history) + (
                 encoder.render([], True) if add_generation_prompt else "")
         return encoder.render(chat_history, add_generation_prompt)
-
-
-class StopStrings:
-    """lm-eval's stop-string rule (``MultiTokenEOSCriteria``, which HFLM hands to
-    ``transformers``' ``generate``), for one row: the row is finished once the text of its
-    last ``len(encode(s)) + 2`` generated ids, decoded with the special tokens, contains a stop
-    string ``s``. In a batch, HFLM stops only once every row has met the same string (so a
-    row's text can depend on its neighbours); row by row, as here, is what it does at its
-    default ``batch_size=1``. The row's text is then cut at the first stop string
-    (:func:`cut_at_stop`), as before; the tokens after the stop are no longer decoded."""
-
-    def __init__(self, until: Sequence[str], encode: Callable[[str], List[int]],
-                 decode: Callable[[List[int]], str]):
-        self.windows = [(s, len(encode(s)) + 2) for s in until if s]
-        self.decode = decode
-
-    def __call__(self, ids: List[int]) -> bool:
-        return any(s in self.decode(ids[-n:]) for s, n in self.windows)
 
 
 def cut_at_stop(text: str, until: List[str]) -> str:

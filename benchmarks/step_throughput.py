@@ -22,6 +22,7 @@ aggregates (forward + backward) to compare their achieved FLOP/s.
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import time
 from pathlib import Path
@@ -92,9 +93,21 @@ def train_step(cfg, execution, batch: int, seq: int):
     return make_train_step(), model, optimizer, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
-def step_time(cfg, execution, batch: int, seq: int, steps: int) -> float:
+def step_time(cfg, execution, batch: int, seq: int, steps: int, faults=None) -> float:
+    """Best time of ``steps`` timed training steps (after a warm-up); ``faults``: a list that
+    gets the fewest minor page faults one timed step took (a step that faults its buffers in
+    again every time is slowed by the allocator, not its arithmetic)."""
     step, model, optimizer, data = train_step(cfg, execution, batch, seq)
-    return time_fn(lambda: jax.block_until_ready(step(model, optimizer, data)), steps)
+    counts = []
+
+    def one():
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        jax.block_until_ready(step(model, optimizer, data))
+        counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    t = time_fn(one, steps)
+    if faults is not None:
+        faults.append(min(counts[1:]))            # the warm-up call excluded
+    return t
 
 
 def component_rates(cfg, execution, tokens: int, repeats: int):
@@ -174,11 +187,13 @@ def main(argv=None):
             # Odd rounds go in reverse: a variant's position in the process matters (memory
             # state after the models before it), so two rounds give each variant both ends.
             for name in (args.variants if r % 2 == 0 else args.variants[::-1]):
-                t = step_time(*runs[name], args.batch, args.seq, args.steps)
+                faults = []
+                t = step_time(*runs[name], args.batch, args.seq, args.steps, faults)
                 release_memory()
                 peak = max(peak, rate())  # the machine's speed drifts: keep the best rate seen
                 best[name] = min(best.get(name, t), t)
-                print(f"  measured {name} @ vocab {vocab}, round {r + 1}: {t:.3f} s/step", flush=True)
+                print(f"  measured {name} @ vocab {vocab}, round {r + 1}: {t:.3f} s/step, "
+                      f"{faults[0]:,} minor page faults a step", flush=True)
         rows = tables[vocab] = []
         for name in args.variants:
             acc, t = account(runs[name][0], args.seq), best[name]

@@ -1,6 +1,7 @@
 """The CPU grouped matmul (dagmoe_jax/kernels/grouped_matmul.cc): values and both gradients
 against a float64 NumPy oracle (per-group x_g @ W_g), empty and ragged groups, bfloat16,
-the dropless MoE model with it against the every-expert einsum, where 'auto' picks it, and its errors.
+the dropless MoE model with it against the every-expert einsum, where 'auto' picks it, and its errors;
+the dense product whose weight gradient runs in the same kernel file (``cpu_dense_matmul``).
 
 The kernel needs a C++ compiler; where none is installed these tests skip, and dropless
 dispatch keeps running on ``jax.lax.ragged_dot`` (test_dispatch.py).
@@ -17,7 +18,8 @@ from flax import nnx
 from conftest import make_model, tiny_config
 from dagmoe_jax.kernels import build as kbuild
 from dagmoe_jax.kernels import grouped_matmul as kgmm
-from dagmoe_jax.kernels.grouped_matmul import cpu_grouped_matmul, grouped_matmul_unavailable
+from dagmoe_jax.kernels.grouped_matmul import (cpu_dense_matmul, cpu_grouped_matmul,
+                                               grouped_matmul_unavailable)
 from dagmoe_jax.parallel import MeshConfig, make_mesh
 from dagmoe_jax.parallel.axes import MeshLayout
 from dagmoe_jax.config import ExecutionConfig
@@ -105,6 +107,37 @@ def test_bfloat16_operands():
         # float32 accumulation, one rounding to bfloat16 (8 bits of mantissa)
         np.testing.assert_allclose(np.asarray(a, np.float32), b, rtol=2e-2,
                                    atol=2e-2 * np.abs(b).max(), err_msg=name)
+
+
+# (T, K, N): contractions shorter than, equal to and across the kernel's 256-row blocks (one
+# range per thread), K off its 8-row tiles, N off its 32-column panels.
+DENSE_CASES = [(1, 3, 5), (37, 19, 45), (256, 8, 32), (300, 13, 45), (1000, 77, 100),
+               (2049, 128, 64)]
+
+
+@pytest.mark.parametrize("t,k,n", DENSE_CASES)
+def test_dense_matmul_weight_gradient_matches_numpy(t, k, n):
+    """cpu_dense_matmul: x @ w and both gradients against float64 NumPy; the weight gradient
+    x^T dy is the kernel's (DagmoeWgrad), the rest XLA's."""
+    r = np.random.default_rng(t + k + n)
+    x, w, dy = (jnp.asarray(r.standard_normal(s), jnp.float32) for s in ((t, k), (k, n), (t, n)))
+    out, vjp = jax.vjp(jax.jit(cpu_dense_matmul), x, w)
+    dx, dw = jax.jit(vjp)(dy)
+    x64, w64, dy64 = (np.asarray(a, np.float64) for a in (x, w, dy))
+    for name, a, b in (("out", out, x64 @ w64), ("dx", dx, dy64 @ w64.T), ("dw", dw, x64.T @ dy64)):
+        assert a.shape == b.shape and a.dtype == jnp.float32, name
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=2e-5 * np.sqrt(t), err_msg=name)
+
+
+def test_dense_matmul_bfloat16_and_errors():
+    r = np.random.default_rng(0)
+    x, w = (jnp.asarray(r.standard_normal(s), jnp.bfloat16) for s in ((300, 24), (24, 40)))
+    dw = jax.grad(lambda w: jnp.sum(cpu_dense_matmul(x, w).astype(jnp.float32)))(w)
+    assert dw.dtype == jnp.bfloat16
+    want = np.asarray(x, np.float64).T @ np.ones((300, 40))
+    np.testing.assert_allclose(np.asarray(dw, np.float32), want, rtol=2e-2, atol=0.3)
+    with pytest.raises(ValueError, match="dense matmul: expected x"):
+        cpu_dense_matmul(x, w.T)
 
 
 def test_dropless_model_with_the_kernel_equals_dense_dispatch():

@@ -14,6 +14,9 @@ for ``ExecutionConfig.dag_module='fused'``:
   inside YNNPACK fusions, at a third of this kernel's speed; the backward pass recomputes the
   normalised rows from the saved mean and 1 / std.
 
+The module's projections (eq. 8, 9 and 11) use :func:`~dagmoe_jax.kernels.grouped_matmul.
+cpu_dense_matmul` on the same path, for their weight gradients; so 'fused' needs that kernel too.
+
 float32, d_g and d multiples of 16, CPU only; compiled on first use by
 :mod:`dagmoe_jax.kernels.build` like the other CPU kernels, and
 :func:`dag_module_unavailable` says why it cannot be used where it cannot.
@@ -30,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dagmoe_jax.kernels.build import compiler, is_built, load_ffi_targets
+from dagmoe_jax.kernels.grouped_matmul import grouped_matmul_unavailable
 
 SOURCE = Path(__file__).with_name("dag_module.cc")
 _TARGETS = {"dagmoe_dag_messages": "DagmoeDagMessages",
@@ -66,7 +70,7 @@ def dag_module_unavailable(d_model: Optional[int] = None, dag_dim: Optional[int]
     for name, width in (("d_model", d_model), ("d_g", dag_dim)):
         if width is not None and width % 16:
             return f"the DAG module kernels take {name} a multiple of 16 (got {width})"
-    return _load()
+    return _load() or grouped_matmul_unavailable(backend)   # cpu_dense_matmul's kernel too
 
 
 def _check(width_name: str, width: int, dtype) -> None:

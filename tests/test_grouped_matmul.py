@@ -1,7 +1,7 @@
 """The CPU grouped matmul (dagmoe_jax/kernels/grouped_matmul.cc): values and both gradients
 against a float64 NumPy oracle (per-group x_g @ W_g), empty and ragged groups, bfloat16,
-the dropless MoE model with it against the every-expert einsum, where 'auto' picks it, and its errors;
-the dense product whose weight gradient runs in the same kernel file (``cpu_dense_matmul``).
+the dropless MoE model with it against the every-expert einsum, where 'auto' picks it, and its
+errors; the dense product whose weight gradient runs in the same kernel file (``cpu_dense_matmul``).
 
 The kernel needs a C++ compiler; where none is installed these tests skip, and dropless
 dispatch keeps running on ``jax.lax.ragged_dot`` (test_dispatch.py).
@@ -126,7 +126,8 @@ def test_dense_matmul_weight_gradient_matches_numpy(t, k, n):
     x64, w64, dy64 = (np.asarray(a, np.float64) for a in (x, w, dy))
     for name, a, b in (("out", out, x64 @ w64), ("dx", dx, dy64 @ w64.T), ("dw", dw, x64.T @ dy64)):
         assert a.shape == b.shape and a.dtype == jnp.float32, name
-        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=2e-5 * np.sqrt(t), err_msg=name)
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=2e-5 * np.sqrt(t),
+                                   err_msg=name)
 
 
 def test_dense_matmul_bfloat16_and_errors():

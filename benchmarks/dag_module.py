@@ -4,8 +4,8 @@ At one layer of the paper's s model (T = batch x seq tokens, K = top-k nodes, d,
 times each of DAG-MoE eq. 6-12 alone, forward + backward (the vector-Jacobian product of a
 random cotangent, which runs the forward too), on random inputs of the shapes the module
 feeds it, then the whole module as XLA alone runs it ('xla') and as the library runs it on
-CPU ('fused': the C++ kernels for eq. 7's LayerNorm and eq. 10's pairwise messages), and the
-routed experts of the same layer.
+CPU ('fused': the C++ kernels for eq. 7's LayerNorm and eq. 10's pairwise messages, and the
+weight gradients of eq. 8, 9 and 11's projections), and the routed experts of the same layer.
 Each row prints its matmul FLOPs (forward + backward = 3x forward) and the time those would
 take at this machine's float32 matmul rate measured in the same run; the elementwise rows
 have no matmul FLOPs, so their whole time is overhead against that ideal.
@@ -41,12 +41,19 @@ from dagmoe_jax.run.settle import settle  # noqa: E402
 from step_throughput import matmul_rate, time_fn  # noqa: E402
 
 
-def vjp_fn(fn):
-    """A jitted function of ``args`` that runs ``fn`` forward and back (cotangent 0.1 ones)."""
-    def run(*args):
-        out, pullback = jax.vjp(fn, *args)
-        return pullback(jax.tree.map(lambda o: jnp.full_like(o, 0.1), out))
-    return jax.jit(run)
+def vjp_fn(fn, args):
+    """(a jitted function of (cotangent, *args) that runs ``fn`` forward and back, a random
+    cotangent of ``fn``'s output). The cotangent is an argument: a constant one would let XLA
+    fold it into the products (a weight gradient x^T c becomes a column sum)."""
+    leaves, tree = jax.tree.flatten(jax.eval_shape(fn, *args))
+    keys = jax.random.split(jax.random.key(7), len(leaves))
+    cot = jax.tree.unflatten(tree, [0.1 * jax.random.normal(k, a.shape, a.dtype)
+                                    for k, a in zip(keys, leaves)])
+
+    def run(cot, *args):
+        _, pullback = jax.vjp(fn, *args)
+        return pullback(cot)
+    return jax.jit(run), cot
 
 
 def equation_rows(t: int, k: int, d: int, dg: int, edge_act: str):
@@ -60,23 +67,36 @@ def equation_rows(t: int, k: int, d: int, dg: int, edge_act: str):
     u, proj, msg = rand(t, k, dg), 10 * rand(t, k, 4 * dg), rand(t, k, dg)
     flat = nodes.reshape(t * k, d)
 
-    def pair_projection(u, w_edge, w_node):
-        w = jnp.concatenate([w_edge[:dg], w_node[:dg], w_edge[dg:], w_node[dg:]], axis=1)
-        return u.reshape(t * k, dg) @ w
+    def pair_projection(fused):
+        def fn(u, w_edge, w_node):
+            w = jnp.concatenate([w_edge[:dg], w_node[:dg], w_edge[dg:], w_node[dg:]], axis=1)
+            return agg.project(u.reshape(t * k, dg), w, fused)
+        return fn
 
-    return [
+    rows = [
         ("eq. 6 initial nodes", agg.dag_initial_nodes, (x, gates, expert_out), 0),
         ("eq. 7 LayerNorm, XLA", lambda f, s, b: agg.layer_norm(f, s, b, 1e-5),
          (flat, scale, bias), 0),
         ("eq. 7 LayerNorm, kernel", lambda f, s, b: fused_layer_norm(f, s, b, 1e-5),
-         (flat, scale, bias), 0),
-        ("eq. 8 W_down", lambda f, w: f @ w, (flat, w_down), 2 * t * k * d * dg),
-        ("eq. 9 pair projection", pair_projection, (u, w_edge, w_node), 2 * t * k * dg * 4 * dg),
+         (flat, scale, bias), 0)]
+    for how, fused in (("XLA", False), ("kernel", True)):    # kernel: the weight gradient's
+        rows.append((f"eq. 8 W_down, {how}", lambda f, w, fu=fused: agg.project(f, w, fu),
+                     (flat, w_down), 2 * t * k * d * dg))
+    for how, fused in (("XLA", False), ("kernel", True)):
+        rows.append((f"eq. 9 pair projection, {how}", pair_projection(fused),
+                     (u, w_edge, w_node), 2 * t * k * dg * 4 * dg))
+    rows += [
         ("eq. 10 messages, XLA", lambda p: agg.dag_pair_messages(p, edge_act), (proj,), 0),
-        ("eq. 10 messages, kernel", lambda p: fused_dag_messages(p, "all", edge_act), (proj,), 0),
-        ("eq. 11 W_up per node", lambda m, w: m.reshape(t * k, dg) @ w, (msg, w_up),
-         2 * t * k * dg * d),
-        ("eq. 11-12 W_up summed", lambda m, w: jnp.sum(m, axis=1) @ w, (msg, w_up), 2 * t * dg * d),
+        ("eq. 10 messages, kernel", lambda p: fused_dag_messages(p, "all", edge_act), (proj,), 0)]
+    for how, fused in (("XLA", False), ("kernel", True)):
+        rows.append((f"eq. 11 W_up per node, {how}",
+                     lambda m, w, fu=fused: agg.project(m.reshape(t * k, dg), w, fu),
+                     (msg, w_up), 2 * t * k * dg * d))
+    for how, fused in (("XLA", False), ("kernel", True)):
+        rows.append((f"eq. 11-12 W_up summed, {how}",
+                     lambda m, w, fu=fused: agg.project(jnp.sum(m, axis=1), w, fu),
+                     (msg, w_up), 2 * t * dg * d))
+    return rows + [
         ("eq. 12 readout", agg.dag_readout, (nodes,), 0),
     ]
 
@@ -140,7 +160,7 @@ def main(argv=None) -> int:
     rows += [module_row(f"DAG module L {a.dag_iters}, XLA", cfg, "xla", t),
              module_row(f"DAG module L {a.dag_iters}, kernel", cfg, "fused", t),
              experts_row(cfg, execution, t)]
-    fns = [vjp_fn(fn) for _, fn, _, _ in rows]
+    fns = [vjp_fn(fn, a) for _, fn, a, _ in rows]
     rate = matmul_rate(2048)
     print(f"device: {jax.devices()[0].device_kind}  allocator: {allocator()}  float32 2048^3 "
           f"matmul: {rate / 1e9:.1f} GFLOP/s")
@@ -151,16 +171,17 @@ def main(argv=None) -> int:
     for r in range(args.rounds):
         order = range(len(rows)) if r % 2 == 0 else reversed(range(len(rows)))
         for i in order:
-            sec = time_fn(lambda: jax.block_until_ready(fns[i](*rows[i][2])), args.repeats)
+            run, cot = fns[i]
+            sec = time_fn(lambda: jax.block_until_ready(run(cot, *rows[i][2])), args.repeats)
             best[i] = min(best[i], sec)
         rate = max(rate, matmul_rate(2048))
-    print(f"{'part':<28}{'ms':>9}{'GFLOP':>8}{'ideal ms':>10}{'GFLOP/s':>9}{'of matmul':>11}")
+    print(f"{'part':<34}{'ms':>9}{'GFLOP':>8}{'ideal ms':>10}{'GFLOP/s':>9}{'of matmul':>11}")
     for (name, _, _, fwd), sec in zip(rows, best):
         flops = 3 * fwd
         ideal = flops / rate
         gfs = f"{flops / sec / 1e9:>9.1f}" if flops else f"{'-':>9}"
         share = f"{ideal / sec:>10.1%}" if flops else f"{'-':>10}"
-        print(f"{name:<28}{sec * 1e3:>9.1f}{flops / 1e9:>8.2f}{ideal * 1e3:>10.1f}{gfs}{share}")
+        print(f"{name:<34}{sec * 1e3:>9.1f}{flops / 1e9:>8.2f}{ideal * 1e3:>10.1f}{gfs}{share}")
     print(f"\nhighest float32 matmul rate seen: {rate / 1e9:.1f} GFLOP/s ('of matmul' divides "
           f"by it)")
     return 0

@@ -124,13 +124,16 @@ def component_rates(cfg, execution, tokens: int, repeats: int):
     gates = jax.random.uniform(jax.random.key(3), (tokens, k))
     out = jax.random.normal(jax.random.key(4), (tokens, k, d))
 
+    # Gradients of every float input too, as inside a model: without x's, the experts skipped
+    # their input-gradient products (2 of their 9) and read 1.3x faster than they run in a step.
     @nnx.jit
     def experts_step(m, x):
-        return nnx.grad(lambda m, x: jnp.sum(m(x, idx)[0] ** 2))(m, x)
+        return nnx.grad(lambda m, x: jnp.sum(m(x, idx)[0] ** 2), argnums=(0, 1))(m, x)
 
     @nnx.jit
     def dag_step(m, x, g, o):
-        return nnx.grad(lambda m, x, g, o: jnp.sum(m(x, g, o)[0] ** 2), argnums=(0, 2, 3))(m, x, g, o)
+        return nnx.grad(lambda m, x, g, o: jnp.sum(m(x, g, o)[0] ** 2),
+                        argnums=(0, 1, 2, 3))(m, x, g, o)
 
     t_exp = time_fn(lambda: jax.block_until_ready(experts_step(experts, x)), repeats)
     t_dag = time_fn(lambda: jax.block_until_ready(dag_step(dag, x, gates, out)), repeats)

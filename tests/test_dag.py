@@ -138,14 +138,15 @@ def to_paper_layout(lib_params):
 
 
 def make_dag(iters, edge_act, lib_params=None, edges="all", reading="once", shared=False,
-             fused=False):
-    """The DAG module with ``lib_params``; ``fused``: its messages by the C++ kernel
-    (``ExecutionConfig.dag_module='fused'``), else by XLA's pair tensor."""
+             mode="xla"):
+    """The DAG module with ``lib_params``, run as ``ExecutionConfig.dag_module=mode``: 'fused'
+    (the C++ kernels), 'xla' (XLA's pair tensor, projections on [T*K, .] rows) or 'xla_rank3'
+    (the same on the [T, K, .] node arrays, TPU's)."""
     cfg = tiny_config("moe", "dag", d_model=D, norm_eps=EPS,
                       aggregation=dict(dag_dim=DG, dag_iters=iters, edge_act=edge_act,
                                        dag_edges=edges, dag_residual=reading,
                                        dag_shared_weights=shared))
-    execution = ExecutionConfig(dag_module="fused" if fused else "xla")
+    execution = ExecutionConfig(dag_module=mode)
     module = DAGAggregator(cfg, execution, rngs=nnx.Rngs(0))
     if lib_params is not None:
         for name, value in lib_params.items():
@@ -162,17 +163,19 @@ def rel_err(a, b):
 
 # ----------------------------------------------------------------------------- tests
 
-@pytest.mark.parametrize("fused", [False, True], ids=["xla", "fused"])
+MODES = ["xla", "xla_rank3", "fused"]      # ExecutionConfig.dag_module: every test runs each
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("edge_act", ["silu", "sigmoid"])
 @pytest.mark.parametrize("iters,reading", [(1, "once"), (2, "literal"), (3, "once")])
-def test_dag_module_matches_numpy_paper_transcription(edge_act, iters, reading, fused):
+def test_dag_module_matches_numpy_paper_transcription(edge_act, iters, reading, mode):
     rng = np.random.default_rng(10 * iters + (edge_act == "sigmoid"))
     x, gates, expert_out = random_inputs(rng)
     params = random_lib_params(rng, iters)
     expected = np_dag_moe(x, gates, expert_out, to_paper_layout(params), edge_act,
                           reading=reading)
 
-    module = make_dag(iters, edge_act, params, reading=reading, fused=fused)
+    module = make_dag(iters, edge_act, params, reading=reading, mode=mode)
     got = module(jnp.asarray(x), jnp.asarray(gates), jnp.asarray(expert_out))[0]
     assert got.shape == (T, D) and got.dtype == jnp.float32
     # The DAG really contributes something beyond the weighted sum (+ residual) here, so the
@@ -217,21 +220,21 @@ def test_dag_module_matches_naive_pair_tensor_jax(edge_act):
     assert rel_err(got, naive) < 1e-5
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["xla", "fused"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("iters", [1, 2])
-def test_zero_init_is_weighted_sum_under_each_reading(iters, fused):
+def test_zero_init_is_weighted_sum_under_each_reading(iters, mode):
     """W_up = 0 (its initialisation): the 'once' block is exactly the weighted sum of eq. 1,
     so a DAG-MoE layer starts as the MoE layer; 'literal' adds x on top (eq. 6 + eq. 12)."""
     rng = np.random.default_rng(3)
     x, gates, expert_out = (jnp.asarray(a) for a in random_inputs(rng, k=4))
     s = np.asarray(weighted_sum(gates, expert_out))
-    once = make_dag(iters, "silu", fused=fused)              # fresh: w_up zero-initialised
+    once = make_dag(iters, "silu", mode=mode)              # fresh: w_up zero-initialised
     assert np.all(np.asarray(once.iterations.w_up[...]) == 0)
     got = np.asarray(once(x, gates, expert_out)[0])
     # With W_up = 0 every iteration adds an exact 0.0 to the carried updates g_k E_k, so the
     # output is sum_k g_k E_k summed by jnp.sum instead of einsum: a few ulps at most.
     np.testing.assert_allclose(got, s, rtol=0, atol=1e-6 * np.abs(s).max())
-    literal = np.asarray(make_dag(iters, "silu", reading="literal", fused=fused)(
+    literal = np.asarray(make_dag(iters, "silu", reading="literal", mode=mode)(
         x, gates, expert_out)[0])
     expected = s + np.asarray(x)
     np.testing.assert_allclose(literal, expected, rtol=0, atol=1e-6 * np.abs(expected).max())
@@ -337,16 +340,16 @@ def test_mlp_mixer_matches_numpy():
                            EPS), expected) < 1e-5
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["xla", "fused"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("iters", [1, 2])
-def test_ranked_edges_match_numpy_and_make_the_output_order_sensitive(iters, fused):
+def test_ranked_edges_match_numpy_and_make_the_output_order_sensitive(iters, mode):
     """dag_edges='ranked' (our extension): node i aggregates only from nodes j <= i in the
     router's rank order, so unlike eq. 9-11 as written the output depends on the node order:
     swapping two selected experts changes the DAG output but not the weighted sum."""
     rng = np.random.default_rng(21)
     x, gates, expert_out = random_inputs(rng, k=4)
     params = random_lib_params(rng, iters)
-    module = make_dag(iters, "silu", params, edges="ranked", fused=fused)
+    module = make_dag(iters, "silu", params, edges="ranked", mode=mode)
     got = module(jnp.asarray(x), jnp.asarray(gates), jnp.asarray(expert_out))[0]
     want = np_dag_moe(x, gates, expert_out, to_paper_layout(params), "silu", edges="ranked")
     assert rel_err(got, want) < 1e-5
@@ -374,15 +377,15 @@ def loss_grads(module, x, gates, expert_out):
     return jax.grad(loss)(params)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["xla", "fused"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("iters", [1, 2, 3])
-def test_shared_weights_match_numpy_with_tied_weights(iters, fused):
+def test_shared_weights_match_numpy_with_tied_weights(iters, mode):
     """dag_shared_weights=True: one module applied in every iteration ("each iteration applies
     the same module", DAG-MoE sec. 3.3), eq. 6-12 with W^l = W for all l."""
     rng = np.random.default_rng(40 + iters)
     x, gates, expert_out = random_inputs(rng, k=4)
     one = {n: v[0] for n, v in random_lib_params(rng, 1).items()}         # unstacked
-    module = make_dag(iters, "silu", one, shared=True, fused=fused)
+    module = make_dag(iters, "silu", one, shared=True, mode=mode)
     assert module.iterations.w_down.shape == (D, DG)
     n_params = sum(v.size for v in jax.tree.leaves(nnx.state(module, nnx.Param)))
     assert n_params == dag_params_per_layer(D, DG, iters, shared=True) == 2 * D * DG \
@@ -409,14 +412,14 @@ def test_shared_weights_equal_per_iteration_weights_that_are_identical():
                                rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["xla", "fused"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("iters", [1, 2])
-def test_edge_free_ablation_matches_numpy(iters, fused):
+def test_edge_free_ablation_matches_numpy(iters, mode):
     """dag_edges='self' (ours): eq. 7-11 on the self pair (i, i) only, no message passing."""
     rng = np.random.default_rng(50 + iters)
     x, gates, expert_out = random_inputs(rng, k=4)
     params = random_lib_params(rng, iters)
-    module = make_dag(iters, "silu", params, edges="self", fused=fused)
+    module = make_dag(iters, "silu", params, edges="self", mode=mode)
     got = module(jnp.asarray(x), jnp.asarray(gates), jnp.asarray(expert_out))[0]
     want = np_dag_moe(x, gates, expert_out, to_paper_layout(params), "silu", edges="self")
     trivial = np.asarray(weighted_sum(jnp.asarray(gates), jnp.asarray(expert_out)))
@@ -470,7 +473,7 @@ def test_fused_messages_equal_xla_values_and_gradients(edges, edge_act):
     rng = np.random.default_rng(70)
     x, gates, expert_out = (jnp.asarray(a) for a in random_inputs(rng, t=37, k=4))
     params = random_lib_params(rng, 2)
-    xla, fused = (make_dag(2, edge_act, params, edges=edges, fused=f) for f in (False, True))
+    xla, fused = (make_dag(2, edge_act, params, edges=edges, mode=m) for m in ("xla", "fused"))
 
     def loss(module, x, gates, expert_out):
         return jnp.sum(jnp.sin(module(x, gates, expert_out)[0]))

@@ -62,8 +62,9 @@ def test_settle_decides_every_auto_field_per_backend_and_layout():
 
 def test_the_dag_module_runs_in_the_cpu_kernels_only_where_they_can():
     """'auto' is the C++ kernel for a DAG model on one CPU device in float32 with d_g a multiple
-    of 16; XLA's pair tensor everywhere else (and for models without a DAG module, where the
-    choice is never used); an explicit 'fused' under a mesh is one line."""
+    of 16; on TPU XLA's with the node axis kept; XLA's pair tensor everywhere else (and for
+    models without a DAG module, where the choice is never used); an explicit 'fused' under a
+    mesh is one line."""
     dag = tiny_config("moe", "dag", aggregation=dict(dag_dim=16))
     assert settle(dag, backend="cpu").dag_module == "fused"
     assert "DAG module fused" in describe(dag, settle(dag, backend="cpu"), None, "cpu")
@@ -72,15 +73,18 @@ def test_the_dag_module_runs_in_the_cpu_kernels_only_where_they_can():
     for other in (dag.replace(block=dict(aggregation=dict(dag_dim=12))),
                   dag.replace(compute_dtype="bfloat16"), tiny_config("moe", "sum")):
         assert settle(other, backend="cpu").dag_module == "xla"
-    for backend in ("gpu", "tpu"):
-        assert settle(dag, backend=backend).dag_module == "xla"
+    assert settle(dag, backend="gpu").dag_module == "xla"
+    assert settle(dag, backend="tpu").dag_module == "xla_rank3"  # no [T*K, .] relayout copies
+    assert settle(tiny_config(), backend="tpu").dag_module == "xla"   # no DAG module
     layout = MeshLayout.of(make_mesh(MeshConfig(data=2), jax.devices()[:2]))
     assert settle(dag, backend="cpu", layout=layout).dag_module == "xla"
     with pytest.raises(ValueError, match=r"^ExecutionConfig.dag_module='fused' runs on a "
                                          r"single device only; use 'auto' or 'xla' under a "
                                          r"device mesh$"):
         settle(dag, ExecutionConfig(dag_module="fused"), backend="cpu", layout=layout)
-    assert settle(dag, ExecutionConfig(dag_module="xla"), backend="cpu").dag_module == "xla"
+    for explicit in ("xla", "xla_rank3"):
+        assert settle(dag, ExecutionConfig(dag_module=explicit), backend="cpu").dag_module == \
+            explicit
 
 
 def test_tpu_sizes_the_grouped_matmul_by_the_family_that_runs_it():

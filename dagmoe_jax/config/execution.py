@@ -15,7 +15,7 @@ REMAT_POLICIES = ("auto", "none", "full", "dots")
 ATTENTION_IMPLS = ("auto", "xla", "blockwise", "fused", "cudnn", "splash")
 GROUPED_MATMULS = ("auto", "ragged_dot", "gmm", "cpu_gmm", "einsum")
 EXPERT_EXCHANGES = ("auto", "all_gather", "ragged_all_to_all")
-DAG_MODULES = ("auto", "xla", "fused")
+DAG_MODULES = ("auto", "xla", "xla_rank3", "fused")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,12 +52,15 @@ class ExecutionConfig:
     fuse_projections: one matmul against [W_gate | W_up] in SwiGLU and against [W_q | W_k | W_v]
       in attention (CPU steps 3% and 8% faster); None (default) settles to True on one device
       and False under a mesh, where the concatenation would move tensor-sharded weights.
-    dag_module: how the DAG module's elementwise work (DAG-MoE eq. 7's LayerNorm, eq. 9-10's
-      pairwise messages summed over the senders) runs: 'auto' (default: 'fused' on CPU for
-      float32 on one device when a C++ compiler is available and d_model and d_g are
-      multiples of 16, else 'xla'), 'xla' (the K x K pair tensor built by XLA) or 'fused'
-      (dagmoe_jax.kernels C++ kernels, which never build the pair tensor; CPU, float32,
-      single device).
+    dag_module: how the DAG module (DAG-MoE eq. 7's LayerNorm, eq. 9-10's pairwise messages
+      summed over the senders, the projections of eq. 8, 9 and 11) runs: 'auto' (default:
+      'fused' on CPU for float32 on one device when a C++ compiler is available and d_model
+      and d_g are multiples of 16, 'xla_rank3' on TPU, else 'xla'), 'xla' (the K x K pair
+      tensor built by XLA, the projections on [T*K, .] rows: free reshapes on CPU and GPU),
+      'xla_rank3' (the same with the projections on the [T, K, .] node arrays as they are:
+      on TPU the reshape to rows is a copy between tiled layouts) or 'fused'
+      (dagmoe_jax.kernels C++ kernels, which never build the pair tensor and run the
+      projections' weight gradients; CPU, float32, single device).
     attention_block: query/key block size of the blockwise causal attention (64 measured
       fastest for the s model on the 2-core CPU: 32 and 128 were 5-10% slower).
     loss_chunk: tokens per device in a chunk of the vocabulary-tiled loss; 0 (default) means

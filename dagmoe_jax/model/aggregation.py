@@ -58,16 +58,29 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> j
     return y.astype(x.dtype)
 
 
-def project(x: jax.Array, w: jax.Array, fused: bool = False) -> jax.Array:
-    """``x [N, a] @ w [a, b]`` in ``x``'s dtype, the DAG module's projections (eq. 8, 9, 11).
-    ``fused``: the weight gradient by the C++ kernel (:func:`cpu_dense_matmul`), which runs it
-    at about twice XLA:CPU's speed at the module's shapes."""
+def project(x: jax.Array, w: jax.Array, fused: bool = False, flat: bool = True) -> jax.Array:
+    """``x [..., a] @ w [a, b]`` in ``x``'s dtype, the DAG module's projections (eq. 8, 9, 11).
+
+    ``flat``: on the rows of ``x`` as one [N, a] matrix (``ExecutionConfig.dag_module`` 'xla'
+    and 'fused'). On CPU and GPU that reshape is free, and with the node axis kept XLA:CPU runs
+    the weight gradient, a contraction over two axes, 1.45x slower (the XLA module, measured).
+    ``fused`` (the CPU kernels' path) also runs the weight gradient in the C++ kernel
+    (:func:`cpu_dense_matmul`), about twice XLA:CPU's speed at the module's shapes.
+    ``flat=False`` ('xla_rank3', TPU's): an einsum on ``x`` as it is, for on TPU the
+    [T, K, d] -> [T*K, d] reshape is a copy between tiled layouts (K = 4 rows fill half of an
+    8-row tile), which the compiled DAG-MoE-l step paid at every projection.
+    """
     w = w.astype(x.dtype)
-    return cpu_dense_matmul(x, w) if fused else x @ w
+    if not (flat or fused):
+        return jnp.einsum("...a,ab->...b", x, w)
+    rows = x.reshape(-1, x.shape[-1])
+    out = cpu_dense_matmul(rows, w) if fused else rows @ w
+    return out.reshape(*x.shape[:-1], w.shape[-1])
 
 
 def dag_messages(u: jax.Array, w_edge: jax.Array, w_node: jax.Array, edge_act: str,
-                 edges: str = "all", with_edges: bool = False, fused: bool = False):
+                 edges: str = "all", with_edges: bool = False, fused: bool = False,
+                 flat: bool = True):
     """DAG-MoE eq. 9-10 summed over j as eq. 11 needs: sum_j e_(i,j) * W_node [u_i; u_j].
 
     ``u`` [T, K, d_g] are the down-projected nodes (eq. 8). The pair [u_i; u_j] of eq. 9 is never
@@ -78,10 +91,11 @@ def dag_messages(u: jax.Array, w_edge: jax.Array, w_node: jax.Array, edge_act: s
     message node j sends to node i). ``fused`` (``ExecutionConfig.dag_module='fused'``) sums
     the pairs in the C++ kernel of :mod:`dagmoe_jax.kernels.dag_module`, which never builds
     the [T, K, K, d_g] pair tensor; with ``with_edges`` the pairs are always built here.
+    ``flat``: see :func:`project`.
     """
-    t, k, dg = u.shape
+    dg = u.shape[-1]
     w_pair = jnp.concatenate([w_edge[:dg], w_node[:dg], w_edge[dg:], w_node[dg:]], axis=1)
-    proj = project(u.reshape(t * k, dg), w_pair, fused).reshape(t, k, 4 * dg)
+    proj = project(u, w_pair, fused, flat)                                     # [T, K, 4 d_g]
     if fused and not with_edges:
         return fused_dag_messages(proj, edges, edge_act)
     return dag_pair_messages(proj, edge_act, edges, with_edges)
@@ -126,25 +140,25 @@ def edge_mask(k: int, edges: str) -> np.ndarray:
 
 def dag_node_messages(nodes: jax.Array, ln_scale, ln_bias, w_down, w_edge, w_node,
                       edge_act: str, eps: float, edges: str = "all", with_edges: bool = False,
-                      fused: bool = False):
+                      fused: bool = False, flat: bool = True):
     """DAG-MoE eq. 7-10 summed over j: sum_j m_(i,j) [T, K, d_g] for nodes x^{l-1} [T, K, d]
     (and the edge gates, ``with_edges``). ``fused`` (``ExecutionConfig.dag_module='fused'``)
     runs eq. 7's LayerNorm and eq. 10's pairs in the C++ kernels of
-    :mod:`dagmoe_jax.kernels.dag_module` (see :func:`dag_messages`).
-
-    Matmuls run on [T*K, .] matrices: a rank-3 operand would make the weight gradient a
-    contraction over two axes, which XLA on CPU runs at a third of the 2-D rate.
+    :mod:`dagmoe_jax.kernels.dag_module` (see :func:`dag_messages`), and the projections'
+    weight gradients in another (see :func:`project`, which says what ``flat`` does).
     """
     t, k, d = nodes.shape
     norm = fused_layer_norm if fused else layer_norm
-    u = project(norm(nodes.reshape(t * k, d), ln_scale, ln_bias, eps), w_down, fused)  # eq. 8
-    return dag_messages(u.reshape(t, k, -1), w_edge, w_node, edge_act, edges, with_edges,
-                        fused)                                                     # eq. 7-10
+    rows = nodes.reshape(t * k, d) if flat or fused else nodes
+    u = project(norm(rows, ln_scale, ln_bias, eps), w_down, fused, flat)           # eq. 7-8
+    u = u.reshape(t, k, -1)
+    return dag_messages(u, w_edge, w_node, edge_act, edges, with_edges, fused,
+                        flat)                                                      # eq. 9-10
 
 
 def dag_node_update(nodes: jax.Array, ln_scale, ln_bias, w_down, w_edge, w_node, w_up,
                     edge_act: str, eps: float, edges: str = "all", with_edges: bool = False,
-                    fused: bool = False, summed: bool = False):
+                    fused: bool = False, summed: bool = False, flat: bool = True):
     """DAG-MoE eq. 7-11 without eq. 11's residual term: W_up^l sum_j m_(i,j) for nodes
     x^{l-1} [T, K, d], so that x_i^l = x_i^{l-1} + this (and the edge gates, ``with_edges``).
 
@@ -153,12 +167,10 @@ def dag_node_update(nodes: jax.Array, ln_scale, ln_bias, w_down, w_edge, w_node,
     messages, W_up^L (sum_i sum_j m_(i,j)), instead of to each of the K nodes: that
     up-projection costs 1/K, forward and backward, and its [T, K, d] output is never built.
     """
-    t, k, d = nodes.shape
     msg = dag_node_messages(nodes, ln_scale, ln_bias, w_down, w_edge, w_node, edge_act, eps,
-                            edges, with_edges, fused)
+                            edges, with_edges, fused, flat)
     msg, edge = msg if with_edges else (msg, None)
-    update = (project(jnp.sum(msg, axis=1), w_up, fused) if summed                 # eq. 11-12
-              else project(msg.reshape(t * k, -1), w_up, fused).reshape(t, k, d))  # eq. 11
+    update = project(jnp.sum(msg, axis=1) if summed else msg, w_up, fused, flat)    # eq. 11(-12)
     return (update, edge) if with_edges else update
 
 
@@ -233,8 +245,8 @@ class DAGAggregator(nnx.Module):
     the residual once or twice (``AggregationConfig.dag_residual``).
 
     ``execution.dag_module`` (a settled :class:`~dagmoe_jax.config.ExecutionConfig`; None:
-    'xla') says how the LayerNorm and the pairwise messages run: 'fused' by the C++ kernels,
-    'xla' by XLA.
+    'xla') says how the LayerNorm, the pairwise messages and the projections run: 'fused' by
+    the C++ kernels, 'xla' and 'xla_rank3' by XLA (see :func:`project`).
     """
 
     def __init__(self, cfg: ModelConfig, execution: Optional[ExecutionConfig] = None, *,
@@ -243,6 +255,7 @@ class DAGAggregator(nnx.Module):
         self.reading, self.edge_act, self.edges = agg.dag_residual, agg.edge_act, agg.dag_edges
         self.eps = cfg.norm_eps
         self.fused = execution is not None and execution.dag_module == "fused"
+        self.flat = execution is None or execution.dag_module != "xla_rank3"
         self.record_intermediates = False     # analysis switches it on (Module.set_attributes)
         self.num_iters, self.shared = agg.dag_iters, agg.dag_shared_weights
         if self.shared:                       # one module for all L iterations (unstacked)
@@ -262,7 +275,7 @@ class DAGAggregator(nnx.Module):
         updates, residual = dag_initial_nodes(x, gates, expert_out)              # eq. 6
         record = self.record_intermediates
         options = dict(edge_act=self.edge_act, eps=self.eps, edges=self.edges,
-                       with_edges=record, fused=self.fused)
+                       with_edges=record, fused=self.fused, flat=self.flat)
 
         def step(updates, w):                                                    # eq. 7-11
             nodes = updates + residual

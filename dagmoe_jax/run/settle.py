@@ -27,9 +27,11 @@ a concrete ``ExecutionConfig`` that the run prints and saves, and builds the mod
 ``fuse_projections`` one [W_gate | W_up] matmul (and one [W_q | W_k | W_v]) on one device;
                    separate ones under a mesh (the concatenation would move tensor-sharded
                    weights)
-``dag_module``     the DAG module's LayerNorm and pairwise messages: the C++ kernels on CPU
-                   for float32 on one device with d and d_g multiples of 16 and a working
-                   compiler (compiled here the first time), else XLA's (the pair tensor)
+``dag_module``     the DAG module's LayerNorm, pairwise messages and projections: the C++
+                   kernels on CPU for float32 on one device with d and d_g multiples of 16
+                   and a working compiler (compiled here the first time); on TPU XLA's with
+                   the projections on the [T, K, .] node arrays ('xla_rank3': there the
+                   reshape to [T*K, .] rows is a relayout copy); else XLA's ('xla')
 ``loss_chunk``     tokens per device in a chunk of the vocabulary-tiled loss: 512 on CPU,
                    4096 on GPU / TPU (where smaller chunks re-read the LM head and its float32
                    gradient until the head is bound by HBM, not by its FLOPs)
@@ -129,14 +131,17 @@ def settle_expert_exchange(name: str, backend: str) -> str:
 def settle_dag_module(name: str, cfg: ModelConfig, backend: str, dtype,
                       layout: Optional[MeshLayout]) -> str:
     """'auto': 'fused' (the C++ kernels, built here on first use) on CPU for float32 on one
-    device when the model has a DAG module of d and d_g multiples of 16, else 'xla'. An
-    explicit 'fused' under a multi-device mesh is a one-line ``ValueError``."""
+    device when the model has a DAG module of d and d_g multiples of 16, 'xla_rank3' on TPU
+    (18% less HBM traffic in the compiled DAG-MoE-l step, benchmarks/RESULTS.md), else
+    'xla'. An explicit 'fused' under a multi-device mesh is a one-line ``ValueError``."""
     if name == "fused" and layout is not None:
         raise ValueError("ExecutionConfig.dag_module='fused' runs on a single device only; "
                          "use 'auto' or 'xla' under a device mesh")
     if name != "auto":
         return name
     dag = dag_aggregation_of(cfg.block)
+    if backend == "tpu" and dag is not None:
+        return "xla_rank3"
     if backend != "cpu" or layout is not None or dag is None:
         return "xla"
     reason = dag_module_unavailable(cfg.d_model, dag.dag_dim, dtype, backend)

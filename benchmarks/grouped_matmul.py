@@ -7,7 +7,10 @@ groups (the same FLOPs: "matmul speed"), the same einsum over capacity buffers (
 path's matmul, capacity_factor x the rows) and, with --ragged_dot, XLA's ``ragged_dot`` (slow:
 about a minute at MoE-s size). Table 2 (with --model): a full AdamW training step of the model
 (benchmarks/step_throughput.py's ``step_time``) with capacity dispatch and with dropless
-dispatch on each grouped matmul, in alternating rounds, each keeping its best time.
+dispatch on each grouped matmul, in alternating rounds, each keeping its best time. Between
+them, the kernel's three custom calls alone, and the dense weight gradient x^T dy at the DAG
+module's projection shapes (T * K rows into [d, d_g] and [d_g, 4 d_g]; T rows into [d_g, d]):
+XLA's against the kernel's ``DagmoeWgrad`` (``cpu_weight_gradient``).
 
     python benchmarks/grouped_matmul.py                                  # MoE-s shapes, table 1
     python benchmarks/grouped_matmul.py --model models/s.gin --rounds 2  # and the MoE-s step
@@ -30,7 +33,7 @@ import numpy as np  # noqa: E402
 
 from dagmoe_jax.run.gin import load_execution_config, load_model_config  # noqa: E402
 from dagmoe_jax.kernels.grouped_matmul import (cpu_grouped_matmul,  # noqa: E402
-                                               grouped_matmul_unavailable)
+                                               cpu_weight_gradient, grouped_matmul_unavailable)
 from step_throughput import step_time, time_fn  # noqa: E402
 
 
@@ -102,6 +105,30 @@ def products_table(tokens: int, top_k: int, experts: int, d: int, hidden: int,
     return list(best.items())
 
 
+def weight_gradient_table(tokens: int, top_k: int, d: int, dag_dim: int, repeats: int) -> list:
+    """Rows (projection [T, K]^T [T, N], XLA s, kernel s, FLOPs) of x^T dy at the DAG module's
+    weight-gradient shapes (module docstring), XLA's and the kernel's in alternating rounds,
+    each keeping its best."""
+    rng = np.random.default_rng(1)
+    m = tokens * top_k
+    shapes = {"eq. 8 W_down": (m, d, dag_dim), "eq. 9 W_pair": (m, dag_dim, 4 * dag_dim),
+              "eq. 11 W_up": (m, dag_dim, d), "eq. 11-12 W_up summed": (tokens, dag_dim, d)}
+    xla = jax.jit(lambda x, dy: x.T @ dy)
+    rows = []
+    for label, (t, k, n) in shapes.items():
+        x = jnp.asarray(rng.standard_normal((t, k)), jnp.float32)
+        dy = jnp.asarray(rng.standard_normal((t, n)), jnp.float32)
+        best = {}
+        for r in range(4):
+            for name, f in ((("xla", xla), ("kernel", cpu_weight_gradient)) if r % 2 == 0
+                            else (("kernel", cpu_weight_gradient), ("xla", xla))):
+                s = time_fn(lambda f=f: jax.block_until_ready(f(x, dy)), repeats)
+                best[name] = min(best.get(name, s), s)
+        rows.append((f"{label} [{t}, {k}]^T [{t}, {n}]", best["xla"], best["kernel"],
+                     2 * t * k * n))
+    return rows
+
+
 def step_table(model: str, gin: list, bindings: list, batch: int, seq: int, steps: int,
                rounds: int, ragged: bool) -> list:
     """Rows (name, s/step) of the model's training step with capacity dispatch and dropless
@@ -132,6 +159,7 @@ def main(argv=None):
     p.add_argument("--d_model", type=int, default=512)
     p.add_argument("--hidden", type=int, default=256, help="expert hidden size d_r")
     p.add_argument("--capacity_factor", type=float, default=1.25)
+    p.add_argument("--dag_dim", type=int, default=128, help="d_g of the weight-gradient table")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per route (best of)")
     p.add_argument("--ragged_dot", action="store_true", help="time jax.lax.ragged_dot too")
     p.add_argument("--model", help="model gin file for table 2 (e.g. models/s.gin)")
@@ -167,7 +195,13 @@ def main(argv=None):
     for name, t in products:
         gflops = (2 * 2048 ** 3 if name.startswith("matmul") else flops) / t / 1e9
         print(f"{name:<24}{t:>9.4f}{gflops:>9.1f}{gflops * 1e9 / rate:>10.1%}")
-    print()
+    print(f"\n{'dense weight grad x^T dy':<52}{'XLA s':>9}{'kernel s':>10}{'XLA':>8}"
+          f"{'kernel':>8}{'XLA/kernel':>12}")
+    for shape, xla, kernel, fl in weight_gradient_table(args.tokens, args.top_k, args.d_model,
+                                                        args.dag_dim, args.repeats):
+        print(f"{shape:<52}{xla:>9.4f}{kernel:>10.4f}{fl / xla / rate:>8.1%}"
+              f"{fl / kernel / rate:>8.1%}{xla / kernel:>11.2f}x")
+    print("(XLA, kernel: each one's rate as a share of the 2048^3 matmul's)\n")
     if args.model:
         bindings = [*args.binding, f"ModelConfig.vocab_size = {args.vocab}"]
         steps = step_table(args.model, args.gin, bindings, args.batch, args.seq, args.steps,

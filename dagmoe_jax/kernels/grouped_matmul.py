@@ -9,8 +9,8 @@ custom call per product: the forward pass (``lhs_g @ rhs[g]``), the input gradie
 empty group), tied together by a custom VJP. ``ExecutionConfig.grouped_matmul='cpu_gmm'``.
 
 :func:`cpu_dense_matmul` is a dense layer ``x @ w`` whose weight gradient ``x^T dy`` runs in the
-same kernel file: XLA:CPU contracts thousands of rows into a small [K, N] at 40-65% of its
-matmul rate (the DAG module's projections), the kernel at 80-95%.
+same kernel file: XLA:CPU contracts thousands of rows into a small [K, N] at 40-70% of its
+matmul rate (the DAG module's projections), the kernel at 80-90% (benchmarks/grouped_matmul.py).
 
 float32 arithmetic (bfloat16 operands are widened, the result rounded back), CPU only; the
 kernel is compiled on first use by :mod:`dagmoe_jax.kernels.build`, like the attention
@@ -123,6 +123,18 @@ def cpu_dense_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     return _dense(x, w)
 
 
+def cpu_weight_gradient(x: jax.Array, dy: jax.Array) -> jax.Array:
+    """``x [T, K]^T @ dy [T, N]`` -> float32 [K, N] by the kernel (``DagmoeWgrad``), the weight
+    gradient of :func:`cpu_dense_matmul`; operands are widened to float32."""
+    if x.ndim != 2 or dy.ndim != 2 or x.shape[0] != dy.shape[0]:
+        raise ValueError(f"weight gradient: expected x [T, K] and dy [T, N], got "
+                         f"{tuple(x.shape)} and {tuple(dy.shape)}")
+    return jax.ffi.ffi_call("dagmoe_wgrad", jax.ShapeDtypeStruct((x.shape[1], dy.shape[1]),
+                                                                 jnp.float32),
+                            vmap_method="sequential")(x.astype(jnp.float32),
+                                                      dy.astype(jnp.float32))
+
+
 @jax.custom_vjp
 def _dense(x, w):
     return x @ w
@@ -134,10 +146,7 @@ def _dense_fwd(x, w):
 
 def _dense_bwd(res, dy):
     x, w = res
-    dw = jax.ffi.ffi_call("dagmoe_wgrad", jax.ShapeDtypeStruct(w.shape, jnp.float32),
-                          vmap_method="sequential")(x.astype(jnp.float32),
-                                                    dy.astype(jnp.float32))
-    return (dy @ w.T).astype(x.dtype), dw.astype(w.dtype)
+    return (dy @ w.T).astype(x.dtype), cpu_weight_gradient(x, dy).astype(w.dtype)
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)

@@ -5,7 +5,9 @@
   ``ExecutionConfig.attention='auto'`` settles to on CPU for float32 when a C++ compiler is
   available ('fused'); :mod:`.grouped_matmul`, dropless dispatch's grouped matmul in C++ (one
   GEMM per expert group, forward and both gradients, built and cached the same way): what
-  ``ExecutionConfig.grouped_matmul='auto'`` settles to on CPU off-mesh ('cpu_gmm');
+  ``ExecutionConfig.grouped_matmul='auto'`` settles to on CPU off-mesh ('cpu_gmm'), and in the
+  same C++ file a dense layer's weight gradient (``cpu_dense_matmul``, ``cpu_weight_gradient``),
+  which the DAG module's projections use on CPU;
   :mod:`.dag_module`, the DAG module's LayerNorm and pairwise messages in C++ (the messages
   without the K x K pair tensor): what ``ExecutionConfig.dag_module='auto'`` settles to on CPU
   for float32 off-mesh ('fused').
@@ -24,8 +26,10 @@ from dagmoe_jax.kernels.attention import (SUPPORTED_HEAD_DIMS, fused_attention_u
 
 from dagmoe_jax.kernels.dag_module import (dag_module_unavailable, fused_dag_messages,
                                            fused_layer_norm)
-from dagmoe_jax.kernels.grouped_matmul import cpu_grouped_matmul, grouped_matmul_unavailable
+from dagmoe_jax.kernels.grouped_matmul import (cpu_dense_matmul, cpu_grouped_matmul,
+                                               cpu_weight_gradient, grouped_matmul_unavailable)
 
-__all__ = ["SUPPORTED_HEAD_DIMS", "cpu_grouped_matmul", "dag_module_unavailable",
+__all__ = ["SUPPORTED_HEAD_DIMS", "cpu_dense_matmul", "cpu_grouped_matmul",
+           "cpu_weight_gradient", "dag_module_unavailable",
            "fused_attention_unavailable", "fused_causal_attention", "fused_dag_messages",
            "fused_layer_norm", "grouped_matmul_unavailable"]

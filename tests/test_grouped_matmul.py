@@ -69,6 +69,8 @@ CASES = [
     (100, 64, 70, [17, 31, 0, 9, 43]),
     (9, 8, 16, [0, 0, 0]),
     (200, 40, 96, [1, 7, 8, 9, 63, 64, 48, 0]),
+    # 40 groups: the weight gradient's one-item-per-group path (at least 4 groups a thread)
+    (700, 24, 40, [0, 3, 31, 0, 17, 1] * 6 + [300, 0, 0, 5]),
 ]
 
 

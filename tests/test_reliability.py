@@ -138,6 +138,20 @@ def test_repeated_signals_wait_for_the_save_they_asked_for(tmp_path):
     assert again.returncode == 0 and f"resumed from step {stopped}" in again.stdout
 
 
+def test_the_command_ignores_signals_once_it_is_over():
+    """After the command returns, SIGTERM / SIGINT are ignored for the interpreter's shutdown:
+    Python resets handlers to the default there, and a late SIGTERM (a supervisor repeating
+    itself) killed a run that had stopped cleanly with -15. The entry point runs in a child;
+    a bad flag makes it return at once."""
+    code = ("import signal, sys; from dagmoe_jax.cli.train import entry; "
+            "sys.argv = ['train.py', '--no_such_flag']; rc = entry(); "
+            "print(rc, signal.getsignal(signal.SIGTERM) is signal.SIG_IGN, "
+            "signal.getsignal(signal.SIGINT) is signal.SIG_IGN)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV,
+                         cwd=REPO, timeout=120)
+    assert out.stdout.split() == ["2", "True", "True"], out.stderr
+
+
 def test_bad_paths_and_files_are_one_line_errors(tmp_path, capsys):
     """Each of these printed a traceback: a run dir under a file or equal to one, a tokenizer
     path that is not a tokenizer, a config.json from another version, a run with no

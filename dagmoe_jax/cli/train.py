@@ -34,6 +34,7 @@ Exit status: 0 done or interrupted and saved (SIGTERM / Ctrl-C), 1 non-finite lo
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from dagmoe_jax.cli import (gin_parser, parse_gin_command, parse_or_report,
@@ -137,7 +138,14 @@ def entry() -> int:
     faster step on CPU, dagmoe_jax/run/allocator.py)."""
     from dagmoe_jax.run.allocator import configure_allocator
     configure_allocator()
-    return main()
+    code = main()
+    # The command is over. Python resets its signal handlers to the default while the
+    # interpreter shuts down (seconds, as JAX's threads are torn down), and a SIGTERM that
+    # arrived then killed a run that had already stopped cleanly (exit -15 instead of 0).
+    # Ignored signals are left alone by the shutdown.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    return code
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ its best time, so that drift of the machine during the run reaches every row ali
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -67,35 +68,33 @@ def equation_rows(t: int, k: int, d: int, dg: int, edge_act: str):
     u, proj, msg = rand(t, k, dg), 10 * rand(t, k, 4 * dg), rand(t, k, dg)
     flat = nodes.reshape(t * k, d)
 
-    def pair_projection(fused):
-        def fn(u, w_edge, w_node):
-            w = jnp.concatenate([w_edge[:dg], w_node[:dg], w_edge[dg:], w_node[dg:]], axis=1)
-            return agg.project(u.reshape(t * k, dg), w, fused)
-        return fn
+    def pair_projection(u, w_edge, w_node, fused):
+        w = jnp.concatenate([w_edge[:dg], w_node[:dg], w_edge[dg:], w_node[dg:]], axis=1)
+        return agg.project(u.reshape(t * k, dg), w, fused)
+
+    def both(name, fn, args, flops):
+        """A projection's rows with XLA's weight gradient and with the kernel's."""
+        return [(f"{name}, {how}", functools.partial(fn, fused=fused), args, flops)
+                for how, fused in (("XLA", False), ("kernel", True))]
 
     rows = [
         ("eq. 6 initial nodes", agg.dag_initial_nodes, (x, gates, expert_out), 0),
         ("eq. 7 LayerNorm, XLA", lambda f, s, b: agg.layer_norm(f, s, b, 1e-5),
          (flat, scale, bias), 0),
         ("eq. 7 LayerNorm, kernel", lambda f, s, b: fused_layer_norm(f, s, b, 1e-5),
-         (flat, scale, bias), 0)]
-    for how, fused in (("XLA", False), ("kernel", True)):    # kernel: the weight gradient's
-        rows.append((f"eq. 8 W_down, {how}", lambda f, w, fu=fused: agg.project(f, w, fu),
-                     (flat, w_down), 2 * t * k * d * dg))
-    for how, fused in (("XLA", False), ("kernel", True)):
-        rows.append((f"eq. 9 pair projection, {how}", pair_projection(fused),
-                     (u, w_edge, w_node), 2 * t * k * dg * 4 * dg))
-    rows += [
+         (flat, scale, bias), 0),
+        *both("eq. 8 W_down", agg.project, (flat, w_down), 2 * t * k * d * dg),
+        *both("eq. 9 pair projection", pair_projection, (u, w_edge, w_node),
+              2 * t * k * dg * 4 * dg),
         ("eq. 10 messages, XLA", lambda p: agg.dag_pair_messages(p, edge_act), (proj,), 0),
-        ("eq. 10 messages, kernel", lambda p: fused_dag_messages(p, "all", edge_act), (proj,), 0)]
-    for how, fused in (("XLA", False), ("kernel", True)):
-        rows.append((f"eq. 11 W_up per node, {how}",
-                     lambda m, w, fu=fused: agg.project(m.reshape(t * k, dg), w, fu),
-                     (msg, w_up), 2 * t * k * dg * d))
-    for how, fused in (("XLA", False), ("kernel", True)):
-        rows.append((f"eq. 11-12 W_up summed, {how}",
-                     lambda m, w, fu=fused: agg.project(jnp.sum(m, axis=1), w, fu),
-                     (msg, w_up), 2 * t * dg * d))
+        ("eq. 10 messages, kernel", lambda p: fused_dag_messages(p, "all", edge_act), (proj,), 0),
+        *both("eq. 11 W_up per node",
+              lambda m, w, fused: agg.project(m.reshape(t * k, dg), w, fused), (msg, w_up),
+              2 * t * k * dg * d),
+        *both("eq. 11-12 W_up summed",
+              lambda m, w, fused: agg.project(jnp.sum(m, axis=1), w, fused), (msg, w_up),
+              2 * t * dg * d),
+    ]
     return rows + [
         ("eq. 12 readout", agg.dag_readout, (nodes,), 0),
     ]

@@ -128,3 +128,25 @@ def test_grouped_matmul_weight_gradient_table_times_both_sides():
                                     "eq. 11-12 W_up summed [16, 16]^T [16, 32]"]
     assert all(xla > 0 and kernel > 0 for _, xla, kernel, _ in rows)
     assert rows[0][3] == 2 * 64 * 32 * 16
+
+
+def test_dag_module_benchmark_backs_each_projection_both_ways_with_a_random_cotangent():
+    """benchmarks/dag_module.py: every projection row comes with XLA's weight gradient and the
+    kernel's, which agree; the cotangent is random (a constant one let XLA fold each weight
+    gradient into a column sum, and the table read those products as fast)."""
+    if grouped_matmul_unavailable("cpu") is not None:
+        pytest.skip("the CPU grouped matmul kernel cannot be built here")
+    import jax.numpy as jnp
+    import numpy as np
+    import dag_module
+
+    rows = {name: (fn, args) for name, fn, args, _ in dag_module.equation_rows(8, 4, 32, 16,
+                                                                                "silu")}
+    for eq in ("eq. 8 W_down", "eq. 9 pair projection", "eq. 11 W_up per node",
+               "eq. 11-12 W_up summed"):
+        (xla_fn, args), (kernel_fn, _) = rows[f"{eq}, XLA"], rows[f"{eq}, kernel"]
+        run, cot = dag_module.vjp_fn(xla_fn, args)
+        assert float(jnp.std(cot)) > 0.01, eq
+        want, got = run(cot, *args), dag_module.vjp_fn(kernel_fn, args)[0](cot, *args)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)

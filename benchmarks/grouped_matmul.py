@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from dagmoe_jax.run.gin import load_execution_config, load_model_config  # noqa: E402
 from dagmoe_jax.kernels.grouped_matmul import (cpu_grouped_matmul,  # noqa: E402
                                                cpu_weight_gradient, grouped_matmul_unavailable)
-from step_throughput import step_time, time_fn  # noqa: E402
+from step_throughput import best_alternating, step_time, time_fn  # noqa: E402
 
 
 def matmul_table(tokens: int, top_k: int, experts: int, d: int, hidden: int,
@@ -96,13 +96,8 @@ def products_table(tokens: int, top_k: int, experts: int, d: int, hidden: int,
             (x, dy, sizes)),
         "matmul 2048^3": (jax.jit(lambda a: a @ a), (a,)),
     }
-    best = {}
-    for r in range(4):
-        for name in (list(calls) if r % 2 == 0 else list(calls)[::-1]):
-            f, operands = calls[name]
-            t = time_fn(lambda f=f, o=operands: jax.block_until_ready(f(*o)), repeats)
-            best[name] = min(best.get(name, t), t)
-    return list(best.items())
+    return list(best_alternating({name: lambda f=f, o=o: jax.block_until_ready(f(*o))
+                                  for name, (f, o) in calls.items()}, repeats).items())
 
 
 def weight_gradient_table(tokens: int, top_k: int, d: int, dag_dim: int, repeats: int) -> list:
@@ -118,12 +113,9 @@ def weight_gradient_table(tokens: int, top_k: int, d: int, dag_dim: int, repeats
     for label, (t, k, n) in shapes.items():
         x = jnp.asarray(rng.standard_normal((t, k)), jnp.float32)
         dy = jnp.asarray(rng.standard_normal((t, n)), jnp.float32)
-        best = {}
-        for r in range(4):
-            for name, f in ((("xla", xla), ("kernel", cpu_weight_gradient)) if r % 2 == 0
-                            else (("kernel", cpu_weight_gradient), ("xla", xla))):
-                s = time_fn(lambda f=f: jax.block_until_ready(f(x, dy)), repeats)
-                best[name] = min(best.get(name, s), s)
+        best = best_alternating({name: lambda f=f: jax.block_until_ready(f(x, dy))
+                                 for name, f in (("xla", xla), ("kernel", cpu_weight_gradient))},
+                                repeats)
         rows.append((f"{label} [{t}, {k}]^T [{t}, {n}]", best["xla"], best["kernel"],
                      2 * t * k * n))
     return rows

@@ -150,3 +150,16 @@ def test_dag_module_benchmark_backs_each_projection_both_ways_with_a_random_cota
         want, got = run(cot, *args), dag_module.vjp_fn(kernel_fn, args)[0](cot, *args)
         for a, b in zip(got, want):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_best_alternating_reverses_odd_rounds_and_keeps_each_best():
+    """step_throughput.best_alternating, which the grouped-matmul tables time with: odd rounds
+    in reverse order (each call after time_fn's warm-up), every name's best time returned in
+    the given order."""
+    import step_throughput
+
+    calls = []
+    best = step_throughput.best_alternating({n: (lambda n=n: calls.append(n)) for n in "ab"},
+                                            repeats=1, rounds=2)
+    assert calls == list("aabbbbaa")
+    assert list(best) == ["a", "b"] and all(t >= 0 for t in best.values())

@@ -366,9 +366,10 @@ class Checkpointer:
             items = {STATE_ITEM: ocp.args.StandardRestore(part)}
             # A step saved in part by another command (an import, an upcycle) may hold no data
             # position: the iterator then starts where it is, at the beginning of its data.
-            in_part = part is not abstract_state
-            has_data = (as_path(self.directory) / str(step) / DATA_ITEM).exists()
-            if data_iterator is not None and (has_data or not in_part):
+            # (the directory is asked only then: on a bucket each question is a request)
+            whole = part is abstract_state
+            if data_iterator is not None and (
+                    whole or (as_path(self.directory) / str(step) / DATA_ITEM).exists()):
                 items[DATA_ITEM] = grain.checkpoint.CheckpointRestore(data_iterator)
             try:
                 restored = self._manager.restore(step, args=ocp.args.Composite(**items))

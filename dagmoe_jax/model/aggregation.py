@@ -149,6 +149,8 @@ def dag_node_messages(nodes: jax.Array, ln_scale, ln_bias, w_down, w_edge, w_nod
     """
     t, k, d = nodes.shape
     norm = fused_layer_norm if fused else layer_norm
+    # the LayerNorm on the rows its projection takes (project's condition), so that 'xla' and
+    # 'fused' keep the programs they had before 'xla_rank3' existed
     rows = nodes.reshape(t * k, d) if flat or fused else nodes
     u = project(norm(rows, ln_scale, ln_bias, eps), w_down, fused, flat)           # eq. 7-8
     u = u.reshape(t, k, -1)

@@ -308,6 +308,18 @@ inline void ForHeadRuns(int64_t g_n, const F& body) {
   for (; g0 < g_n; ++g0) body(std::integral_constant<int, 1>(), g0);
 }
 
+// A query row's G heads are G * D contiguous floats, but consecutive rows are H * D floats
+// apart (2 KB at the s shape) with thousands of cycles of key loops between them, and the
+// hardware prefetcher did not follow: the first read of each row missed the cache, about a
+// fifth of the forward and a quarter of the backward pass's time (perf annotate). Each row
+// now asks for the rows kAhead query rows on (kWrite: rows it will write).
+constexpr int64_t kAhead = 4;
+
+template <int D, int kWrite = 0>
+inline void PrefetchRow(const float* x, int64_t g_n) {
+  for (int64_t t = 0; t < g_n * D; t += kChunk) __builtin_prefetch(x + t, kWrite);
+}
+
 template <int D, bool kSeg>
 void ForwardItem(const float* q, const float* k, const float* v, const int32_t* seg,
                  float* out, float* lse, const Shape& sh, int64_t item) {
@@ -334,6 +346,11 @@ void ForwardItem(const float* q, const float* k, const float* v, const int32_t* 
     if constexpr (kSeg) lo = segs.from[i], id = segs.ids[i];
     const int32_t* ids = kSeg ? segs.ids.data() : nullptr;
     const int64_t row0 = (b * sh.s + i) * sh.h + kvh * g_n;  // the row of head g = 0
+    if (i + kAhead < sh.s) {
+      const int64_t ahead = row0 + kAhead * sh.h;
+      PrefetchRow<D>(q + ahead * D, g_n);
+      PrefetchRow<D, 1>(out + ahead * D, g_n);
+    }
     Scale<D>(q + row0 * D, g_n, sh.scale, qs);
     ForHeadRuns<D>(g_n, [&](auto nh, int64_t g0) {
       constexpr int NH = decltype(nh)::value;
@@ -423,6 +440,13 @@ void BackwardItem(const float* q, const float* k, const float* v, const int32_t*
     if constexpr (kSeg) lo = segs.from[i], id = segs.ids[i];
     const int32_t* ids = kSeg ? segs.ids.data() : nullptr;
     const int64_t row0 = (b * sh.s + i) * sh.h + kvh * g_n;  // the row of head g = 0
+    if (i + kAhead < sh.s) {
+      const int64_t ahead = row0 + kAhead * sh.h;
+      PrefetchRow<D>(q + ahead * D, g_n);
+      PrefetchRow<D>(dout + ahead * D, g_n);
+      PrefetchRow<D>(out + ahead * D, g_n);
+      PrefetchRow<D, 1>(dq + ahead * D, g_n);
+    }
     Scale<D>(q + row0 * D, g_n, sh.scale, qs);
     std::memcpy(dd, dout + row0 * D, g_n * D * sizeof(float));
     ForHeadRuns<D>(g_n, [&](auto nh, int64_t g0) {

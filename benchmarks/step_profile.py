@@ -26,15 +26,29 @@ other          everything else
 Times are wall time per step summed over instructions (XLA:CPU runs nearly all of them one after
 another, so the sum is close to the step; the table prints both). Instructions are the compiled
 program's, so the categories follow what XLA fused, not the Python code.
+
+The trace inflates what it measures (its instructions sum to about 1.5x the untraced step, and
+independent instructions overlap, each on fewer threads). ``--perf SECONDS`` measures the other
+way: it runs untraced steps while ``perf record -a`` samples every CPU for SECONDS, and splits
+the samples by the code they land in (:data:`PERF_GROUPS`): the C++ kernels, XLA's generated
+loops (every fusion: elementwise, optimizer, copies), XLA's matmul libraries, the OS (idle
+included) and the rest, as CPU seconds per step. It needs ``perf`` (Debian's ``linux-perf``) and
+the right to sample the system (root, or ``kernel.perf_event_paranoid`` <= 0).
+
+    python benchmarks/step_profile.py --perf 15             # MoE-s, ~1 min
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import re
+import shutil
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -54,6 +68,21 @@ CATEGORIES = ("matmul", "attention", "grouped mm", "optimizer", "weight copy", "
               "elementwise", "other")
 MOVES = ("slice", "concatenate", "copy", "transpose", "gather", "scatter", "dynamic-slice",
          "dynamic-update-slice", "pad", "reverse")
+
+# perf's samples by where they land: (group, library pattern, symbol pattern), first match wins.
+PERF_GROUPS = (
+    ("grouped matmul kernel", r"^grouped_matmul-", ""),
+    ("attention kernel", r"^causal_attention-", ""),
+    ("DAG kernels", r"^dag_module-", ""),
+    ("XLA generated loops (fusions)", r"^\[JIT\]", ""),
+    ("XLA matmul libraries", r"^libjax_common", r"^(ynn::dot|Eigen::internal::(gebp|gemm))"),
+    ("XLA runtime and other library code", r"^libjax_common", ""),
+    ("idle", r"^\[kernel", r"(safe_halt|idle|mwait)"),
+    ("OS kernel", r"^\[kernel", ""),
+    ("libc (malloc, memcpy)", r"^libc[.-]", ""),
+    ("Python", r"^libpython", ""),
+)
+_PERF_LINE = re.compile(r"^\s*([\d.]+)%\s+(\S+(?: tid \d+)?)\s+\[[.k]\]\s+(.*?)\s*$")
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S.*?)\s([a-z][a-z0-9\-]*)\((.*)$")
 _COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
@@ -151,6 +180,56 @@ def instruction_seconds(events: List[dict],
     return dict(per), float(np.mean(spans))
 
 
+def perf_groups(report: str) -> Dict[str, float]:
+    """{group: percent of samples} from ``perf report --sort dso,sym`` text; samples no group
+    of :data:`PERF_GROUPS` takes count as 'other'."""
+    out = collections.defaultdict(float)
+    for line in report.splitlines():
+        m = _PERF_LINE.match(line)
+        if not m:
+            continue
+        share, dso, sym = float(m.group(1)), m.group(2), m.group(3)
+        group = next((g for g, lib, pattern in PERF_GROUPS
+                      if re.search(lib, dso) and re.search(pattern, sym)), "other")
+        out[group] += share
+    return dict(out)
+
+
+def perf_step(cfg, execution, batch: int, seq: int, seconds: float):
+    """(steps run, wall seconds, {group: percent}) of untraced steps sampled by ``perf record
+    -a`` for ``seconds`` after three warm-up steps."""
+    step, model, optimizer, data = train_step(cfg, execution, batch, seq)
+    for _ in range(3):
+        jax.block_until_ready(step(model, optimizer, data))
+    with tempfile.TemporaryDirectory() as tmp:
+        record = subprocess.Popen(["perf", "record", "-a", "-e", "cpu-clock", "-q", "-o",
+                                   f"{tmp}/perf.data", "--", "sleep", str(seconds)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        start, steps = time.perf_counter(), 0
+        while record.poll() is None:
+            jax.block_until_ready(step(model, optimizer, data))
+            steps += 1
+        wall = time.perf_counter() - start
+        if record.returncode != 0:
+            raise RuntimeError(f"perf record failed: {record.stderr.read().strip()[:300]}")
+        report = subprocess.run(["perf", "report", "-i", f"{tmp}/perf.data", "--stdio",
+                                 "--no-children", "--sort", "dso,sym"],
+                                capture_output=True, text=True, check=True).stdout
+    return steps, wall, perf_groups(report)
+
+
+def print_perf(steps: int, wall: float, groups: Dict[str, float]) -> None:
+    cpus = os.cpu_count()  # perf -a samples every CPU
+    per_step = wall / max(steps, 1)
+    print(f"\n{steps} untraced steps in {wall:.1f} s ({per_step:.3f} s/step), sampled on all "
+          f"{cpus} CPUs by perf: {cpus * per_step:.2f} CPU s a step\n")
+    print("| where | CPU s/step | share |\n|---|---:|---:|")
+    for group in [g for g, _, _ in PERF_GROUPS] + ["other"]:
+        if group in groups:
+            share = groups[group] / 100
+            print(f"| {group} | {share * cpus * per_step:.3f} | {share:.1%} |")
+
+
 def profile_step(cfg, execution, batch: int, seq: int, steps: int):
     """(step seconds, {instruction: seconds}, span, instructions, computations) of ``cfg``
     run as ``execution``."""
@@ -179,14 +258,27 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--steps", type=int, default=3, help="timed and profiled steps")
     p.add_argument("--top", type=int, default=15, help="slowest instructions listed")
+    p.add_argument("--perf", type=float, default=0, metavar="SECONDS",
+                   help="instead of the trace: sample untraced steps with perf for SECONDS")
     args = p.parse_args(argv)
+    if args.perf and shutil.which("perf") is None:
+        print("step_profile.py: --perf needs the perf tool (Debian: apt install linux-perf)",
+              file=sys.stderr)
+        return 2
     files = [args.model, *(args.gin or ["variants/moe.gin"])]
     bindings = [*args.binding, f"ModelConfig.vocab_size = {args.vocab}"]
     cfg, execution = load_model_config(files, bindings), load_execution_config(files, bindings)
     settled = settle(cfg, execution, log=print)
     print(f"device: {jax.devices()[0].device_kind}  allocator: {allocator()}  model: "
           f"{describe(cfg, settled, execution)}\nbatch {args.batch} x {args.seq} tokens, "
-          f"vocab {args.vocab}, {args.steps} steps")
+          f"vocab {args.vocab}" + ("" if args.perf else f", {args.steps} steps"))
+    if args.perf:
+        try:
+            print_perf(*perf_step(cfg, settled, args.batch, args.seq, args.perf))
+        except (RuntimeError, subprocess.CalledProcessError) as e:
+            print(f"step_profile.py: {e}", file=sys.stderr)
+            return 2
+        return 0
     seconds, per, span, instructions, computations = profile_step(cfg, settled, args.batch,
                                                                   args.seq, args.steps)
     by_cat = collections.defaultdict(float)
@@ -198,7 +290,7 @@ def main(argv=None) -> int:
     total = sum(per.values())
     print(f"\nstep {seconds:.3f} s (best of {args.steps}, untraced); traced: instructions sum "
           f"{total:.3f} s, span {span:.3f} s\n")
-    print(f"| category | s/step | share | instructions |\n|---|---:|---:|---:|")
+    print("| category | s/step | share | instructions |\n|---|---:|---:|---:|")
     for cat in CATEGORIES:
         if count[cat]:
             print(f"| {cat} | {by_cat[cat]:.3f} | {by_cat[cat] / total:.1%} | {count[cat]} |")

@@ -70,6 +70,46 @@ def test_instruction_seconds_average_over_executions():
         step_profile.instruction_seconds(events[-1:])
 
 
+# `perf report --stdio --no-children --sort dso,sym` as perf 6 prints it (shortened).
+PERF_REPORT = """# Samples: 38K of event 'cpu-clock'
+#
+# Overhead  Shared Object                         Symbol
+# ........  ....................................  ......
+#
+    22.10%  grouped_matmul-92bb01a6282cde78.so    [.] (anonymous namespace)::Tile<8, false>
+    11.09%  libjax_common.so                      [.] ynn::dot_fp32_5x64x1_1x16x1_avx512
+     5.41%  causal_attention-15c8518cb160e17f.so  [.] (anonymous namespace)::BackwardItem<16, false>
+     1.87%  libjax_common.so                      [.] Eigen::internal::gemm_pack_colmajor_block
+     1.27%  [kernel.kallsyms]                     [k] pv_native_safe_halt
+     0.70%  libc.so.6                             [.] _int_malloc
+     0.58%  [kernel.kallsyms]                     [k] exc_page_fault
+     0.51%  dag_module-63f95afe3835b947.so        [.] (anonymous namespace)::LayerNormBackward
+     0.38%  libpython3.11.so.1.0                  [.] gc_collect_main
+     0.25%  [JIT] tid 18289                       [.] 0x00007ff5838f4172
+     0.24%  [JIT] tid 18289                       [.] 0x00007ff5838f423c
+     0.17%  libjax_common.so                      [.] absl::internal_any_invocable::LocalInvoker
+     0.15%  libm.so.6                             [.] __sincosf_fma
+"""
+
+
+def test_perf_samples_are_grouped_by_the_code_they_land_in():
+    groups = step_profile.perf_groups(PERF_REPORT)
+    assert groups == pytest.approx({
+        "grouped matmul kernel": 22.10, "XLA matmul libraries": 11.09 + 1.87,
+        "attention kernel": 5.41, "idle": 1.27, "libc (malloc, memcpy)": 0.70,
+        "OS kernel": 0.58, "DAG kernels": 0.51, "Python": 0.38,
+        "XLA generated loops (fusions)": 0.25 + 0.24,
+        "XLA runtime and other library code": 0.17, "other": 0.15})
+    assert set(groups) <= {g for g, _, _ in step_profile.PERF_GROUPS} | {"other"}
+
+
+def test_perf_mode_without_perf_is_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(step_profile.shutil, "which", lambda name: None)
+    assert step_profile.main(["--perf", "5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "linux-perf" in err
+
+
 @pytest.mark.slow
 def test_micro_profile_prints_its_tables():
     env = single_device_env(DAGMOE_TCMALLOC="0")

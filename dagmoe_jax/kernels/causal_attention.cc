@@ -97,6 +97,9 @@ inline Segments RowSegments(const int32_t* seg, int64_t s, int64_t sp) {
 // [0, n) (with kSeg: and whose key is in segment `id`), `hidden` in the others.
 template <bool kSeg>
 inline V Mask(V x, int64_t j0, int64_t n, const int32_t* ids, int32_t id, float hidden) {
+  if constexpr (!kSeg) {
+    if (j0 + kChunk <= n) return x;  // a whole chunk below the diagonal: every lane visible
+  }
   VI keep = (Iota() + static_cast<float>(j0)) < static_cast<float>(n);
   if constexpr (kSeg) keep &= *reinterpret_cast<const VIUnaligned*>(ids + j0) == id;
   return keep ? x : Splat(hidden);

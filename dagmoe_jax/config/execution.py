@@ -52,6 +52,7 @@ class ExecutionConfig:
     fuse_projections: one matmul against [W_gate | W_up] in SwiGLU and against [W_q | W_k | W_v]
       in attention (CPU steps 3% and 8% faster); None (default) settles to True on one device
       and False under a mesh, where the concatenation would move tensor-sharded weights.
+      Dropless dispatch's grouped matmuls run gate and up apart either way.
     dag_module: how the DAG module (DAG-MoE eq. 7's LayerNorm, eq. 9-10's pairwise messages
       summed over the senders, the projections of eq. 8, 9 and 11) runs: 'auto' (default:
       'fused' on CPU for float32 on one device when a C++ compiler is available and d_model

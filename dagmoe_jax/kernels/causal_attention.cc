@@ -220,7 +220,12 @@ inline void RowScoresN(const float* w, const float* xt, int64_t np, float* out, 
     for (int d = 0; d < D; ++d) {
       V x[kT];
 #pragma GCC unroll 4
-      for (int t = 0; t < kT; ++t) x[t] = Load(tile + d * kChunk + t * kTile);
+      for (int t = 0; t < kT; ++t) {
+        x[t] = Load(tile + d * kChunk + t * kTile);
+        // Keep the tile vector in a register: GCC otherwise folds its load into each of the NH
+        // FMAs that use it, NH loads where one will do, and the loop was bound by its loads.
+        asm("" : "+v"(x[t]));
+      }
 #pragma GCC unroll 4
       for (int h = 0; h < NH; ++h) {
         const V c = Splat(w[h * D + d]);

@@ -204,6 +204,17 @@ inline float Dot(const float* x, const float* y) {
 template <int D>
 constexpr int kHeads = D / kChunk >= 16 ? 1 : D / kChunk >= 8 ? 2 : 4;
 
+// Keeps x in a register at this point: GCC otherwise folds a vector's load into each FMA that
+// uses it (RowScoresN: NH loads where one will do, and the loop was bound by its loads). Only
+// where a V is one register (AVX-512); elsewhere the compiler decides as before.
+inline void InRegister(V& x) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(x));
+#else
+  (void)x;
+#endif
+}
+
 // out[h * os + j] = sum_d w[h * D + d] * x_j[d] for the NH vectors w_h, j in [0, np) (np a
 // multiple of kChunk; x tiled): NH rows of scores q_h . k_j (or dout_h . v_j), four tiles at a
 // time so that the accumulator chains hide the FMA latency, each tile vector loaded once for
@@ -222,9 +233,7 @@ inline void RowScoresN(const float* w, const float* xt, int64_t np, float* out, 
 #pragma GCC unroll 4
       for (int t = 0; t < kT; ++t) {
         x[t] = Load(tile + d * kChunk + t * kTile);
-        // Keep the tile vector in a register: GCC otherwise folds its load into each of the NH
-        // FMAs that use it, NH loads where one will do, and the loop was bound by its loads.
-        asm("" : "+v"(x[t]));
+        InRegister(x[t]);
       }
 #pragma GCC unroll 4
       for (int h = 0; h < NH; ++h) {

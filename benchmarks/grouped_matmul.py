@@ -9,7 +9,8 @@ about a minute at MoE-s size). Table 2 (with --model): a full AdamW training ste
 (benchmarks/step_throughput.py's ``step_time``) with capacity dispatch and with dropless
 dispatch on each grouped matmul, in alternating rounds, each keeping its best time. Between
 them, the kernel's three custom calls alone, and the dense weight gradient x^T dy at the DAG
-module's projection shapes (T * K rows into [d, d_g] and [d_g, 4 d_g]; T rows into [d_g, d]):
+module's projection shapes (T * K rows into [d, d_g] and [d_g, 4 d_g]; T rows into [d_g, d]),
+and at two every MoE step has (T rows into the router's [d, N] and attention's W_o [d, d]):
 XLA's against the kernel's ``DagmoeWgrad`` (``cpu_weight_gradient``).
 
     python benchmarks/grouped_matmul.py                                  # MoE-s shapes, table 1
@@ -100,14 +101,16 @@ def products_table(tokens: int, top_k: int, experts: int, d: int, hidden: int,
                                   for name, (f, o) in calls.items()}, repeats).items())
 
 
-def weight_gradient_table(tokens: int, top_k: int, d: int, dag_dim: int, repeats: int) -> list:
+def weight_gradient_table(tokens: int, top_k: int, d: int, dag_dim: int, repeats: int,
+                          experts: int = 32) -> list:
     """Rows (projection [T, K]^T [T, N], XLA s, kernel s, FLOPs) of x^T dy at the DAG module's
-    weight-gradient shapes (module docstring), XLA's and the kernel's in alternating rounds,
-    each keeping its best."""
+    weight-gradient shapes and the router's and W_o's (module docstring), XLA's and the
+    kernel's in alternating rounds, each keeping its best."""
     rng = np.random.default_rng(1)
     m = tokens * top_k
     shapes = {"eq. 8 W_down": (m, d, dag_dim), "eq. 9 W_pair": (m, dag_dim, 4 * dag_dim),
-              "eq. 11 W_up": (m, dag_dim, d), "eq. 11-12 W_up summed": (tokens, dag_dim, d)}
+              "eq. 11 W_up": (m, dag_dim, d), "eq. 11-12 W_up summed": (tokens, dag_dim, d),
+              "router W_router": (tokens, d, experts), "attention W_o": (tokens, d, d)}
     xla = jax.jit(lambda x, dy: x.T @ dy)
     rows = []
     for label, (t, k, n) in shapes.items():
@@ -190,7 +193,7 @@ def main(argv=None):
     print(f"\n{'dense weight grad x^T dy':<52}{'XLA s':>9}{'kernel s':>10}{'XLA':>8}"
           f"{'kernel':>8}{'XLA/kernel':>12}")
     for shape, xla, kernel, fl in weight_gradient_table(args.tokens, args.top_k, args.d_model,
-                                                        args.dag_dim, args.repeats):
+                                                        args.dag_dim, args.repeats, args.experts):
         print(f"{shape:<52}{xla:>9.4f}{kernel:>10.4f}{fl / xla / rate:>8.1%}"
               f"{fl / kernel / rate:>8.1%}{xla / kernel:>11.2f}x")
     print("(XLA, kernel: each one's rate as a share of the 2048^3 matmul's)\n")

@@ -155,17 +155,19 @@ def test_grouped_matmul_products_table_times_each_call_beside_the_matmul():
 
 def test_grouped_matmul_weight_gradient_table_times_both_sides():
     """benchmarks/grouped_matmul.py's dense weight-gradient table: the DAG module's four shapes
-    (T K rows into [d, d_g], [d_g, 4 d_g], [d_g, d]; T rows into [d_g, d]), XLA and the kernel
-    each timed, FLOPs 2 T K N."""
+    (T K rows into [d, d_g], [d_g, 4 d_g], [d_g, d]; T rows into [d_g, d]) and the router's and
+    W_o's (T rows into [d, N], [d, d]), XLA and the kernel each timed, FLOPs 2 T K N."""
     if grouped_matmul_unavailable("cpu") is not None:
         pytest.skip("the CPU grouped matmul kernel cannot be built here")
     import grouped_matmul
 
-    rows = grouped_matmul.weight_gradient_table(16, 4, 32, 16, repeats=1)
+    rows = grouped_matmul.weight_gradient_table(16, 4, 32, 16, repeats=1, experts=8)
     assert [r[0] for r in rows] == ["eq. 8 W_down [64, 32]^T [64, 16]",
                                     "eq. 9 W_pair [64, 16]^T [64, 64]",
                                     "eq. 11 W_up [64, 16]^T [64, 32]",
-                                    "eq. 11-12 W_up summed [16, 16]^T [16, 32]"]
+                                    "eq. 11-12 W_up summed [16, 16]^T [16, 32]",
+                                    "router W_router [16, 32]^T [16, 8]",
+                                    "attention W_o [16, 32]^T [16, 32]"]
     assert all(xla > 0 and kernel > 0 for _, xla, kernel, _ in rows)
     assert rows[0][3] == 2 * 64 * 32 * 16
 

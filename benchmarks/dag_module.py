@@ -77,7 +77,7 @@ def equation_rows(t: int, k: int, d: int, dg: int, edge_act: str):
         return [(f"{name}, {how}", functools.partial(fn, fused=fused), args, flops)
                 for how, fused in (("XLA", False), ("kernel", True))]
 
-    rows = [
+    return [
         ("eq. 6 initial nodes", agg.dag_initial_nodes, (x, gates, expert_out), 0),
         ("eq. 7 LayerNorm, XLA", lambda f, s, b: agg.layer_norm(f, s, b, 1e-5),
          (flat, scale, bias), 0),
@@ -94,8 +94,6 @@ def equation_rows(t: int, k: int, d: int, dg: int, edge_act: str):
         *both("eq. 11-12 W_up summed",
               lambda m, w, fused: agg.project(jnp.sum(m, axis=1), w, fused), (msg, w_up),
               2 * t * dg * d),
-    ]
-    return rows + [
         ("eq. 12 readout", agg.dag_readout, (nodes,), 0),
     ]
 

@@ -1,16 +1,23 @@
-"""Compile a run for a TPU topology on this host, and report what each chip would hold and do.
+"""Compile a run for a TPU topology or an NVIDIA GPU on this host, and report what each chip
+would hold and do.
 
     python -m dagmoe_jax.compile --gin_file=models/l.gin --gin_file=variants/dag_g128_l2.gin \\
         --gin.ModelConfig.compute_dtype="'bfloat16'" --gin.DataConfig.batch_size=32 \\
         --gin.DataConfig.seq_len=2048 --gin.MeshConfig.expert=2 --topology=v5p:2x2x1
+    python -m dagmoe_jax.compile --gin_file=models/s.gin \\
+        --gin.ModelConfig.compute_dtype="'bfloat16'" --topology=h100
 
-(console script: ``dagmoe-compile``). It needs the TPU compiler, ``pip install
-'jax[tpu]==<jax>'``, and no TPU: the programs are compiled for the topology's devices with
-nothing materialised.
+(console script: ``dagmoe-compile``). A TPU topology needs the TPU compiler, ``pip install
+'jax[tpu]==<jax>'``; a GPU one the CUDA plugin, ``pip install --no-deps
+jax-cuda13-plugin==<jax> jax-cuda13-pjrt==<jax>`` (requirements-gpu-compile.txt), and CUDA's
+``ptxas``. Neither needs the accelerator: the programs are compiled for the topology's devices
+with nothing materialised (a GPU's without autotuning: the program's structure, memory and
+kernels are the GPU's, its GEMM tilings the compiler's defaults).
 
 Flags:
   --gin_file=FILE, --gin.NAME.PARAM=VAL, --gin_bindings=...   train.py's configuration
-  --topology=NAME     v5p:2x2x1 (default), v5p:4x4x4, v5e:4x4, v6e:8x8, ...
+  --topology=NAME     v5p:2x2x1 (default), v5p:4x4x4, v5e:4x4, v6e:8x8, ...; h100, h200,
+                      a100, h100:8 (one 8-GPU node)
   --num_slices=N      N slices of that topology (multi-slice; data parallelism spans them)
   --programs=LIST     of train,eval,prefill,decode (default all four)
   --gen_batch=B --prompt_len=P --new_tokens=N   the generation programs' shapes
@@ -91,7 +98,7 @@ def describe(name: str, report, chip, topology: str, mesh_label: str) -> str:
             f"{k} {int(v['count'])} x = {gb(v['bytes'])}" for k, v in
             sorted(d["collectives"].items())))
     if d["kernels"]:
-        lines.append("  Mosaic kernels: " + ", ".join(
+        lines.append("  kernels: " + ", ".join(
             f"{k} {v}" for k, v in sorted(d["kernels"].items())))
     lines.append(f"  estimate: {e['seconds'] * 1e3:.2f} ms (compute {e['compute_seconds'] * 1e3:.2f}"
                  f" + collectives {e['collective_seconds'] * 1e3:.2f}; overlapped "
@@ -165,8 +172,9 @@ def _run(args) -> int:
     except OutOfMemory as err:
         raise ValueError(oom_line(err, chip, topology)) from None
     from dagmoe_jax.run.settle import describe as describe_settled
-    print(f"model settled for tpu: "
-          f"{describe_settled(model_cfg, execution, train_cfg.execution, backend='tpu')}")
+    settled = describe_settled(model_cfg, execution, train_cfg.execution,
+                               backend=chip.platform, device=devices[0])
+    print(f"model settled for {chip.platform}: {settled}")
     for name, report in reports.items():
         print(describe(name, report, chip, topology, label))
     if args.hlo_dir:
@@ -178,7 +186,7 @@ def _run(args) -> int:
         Path(args.json).write_text(json.dumps({
             "topology": args.topology, "num_slices": args.num_slices, "chip": chip.name,
             "chips": len(devices), "mesh": dict(mesh.shape),
-            "libtpu": _libtpu_version(), "programs": {n: r.as_dict(chip)
+            "compiler": _compiler_version(chip), "programs": {n: r.as_dict(chip)
                                                       for n, r in reports.items()}},
             indent=1, default=float))
     unfit = [n for n, r in reports.items() if r.total_bytes > chip.hbm_bytes]
@@ -196,6 +204,18 @@ def _source_digest() -> str:
     for path in sorted(Path(__file__).resolve().parent.parent.rglob("*.py")):
         digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+def _compiler_version(chip) -> str:
+    """'libtpu X' for a TPU target, 'jaxlib X with jax-cuda13-plugin Y' for a GPU one."""
+    from importlib.metadata import version
+    if chip.platform == "tpu":
+        return f"libtpu {_libtpu_version()}"
+    try:
+        plugin = version("jax-cuda13-plugin")
+    except Exception:
+        plugin = "unknown"
+    return f"jaxlib {version('jaxlib')} with jax-cuda13-plugin {plugin}"
 
 
 def _libtpu_version() -> str:
@@ -248,7 +268,7 @@ def _search(args, model_cfg, data_cfg, optim_cfg, train_cfg, chip, devices, topo
                     if f.name != "mesh"}
     fingerprint = "\n".join(repr(c) for c in (
         model_cfg, data_cfg.seq_len, optim_cfg, train_fields, topology, args.num_slices,
-        _libtpu_version(), _source_digest()))
+        _compiler_version(chip), _source_digest()))
     cache = OutcomeCache(args.search_cache, fingerprint) if args.search_cache else None
     outcomes = ranked(search(compile_one, todo, budget_seconds=args.search_budget,
                              log=lambda m: print(m, flush=True), cache=cache))

@@ -1,14 +1,24 @@
-"""TPU chips by their datasheets, and the devices of a topology compiled for from this host.
+"""TPU chips and NVIDIA GPUs by their datasheets, and the devices of a topology compiled for
+from this host.
 
-``topology_devices('v5p:2x2x1')`` returns the compile-only devices of that slice
+``topology_devices('v5p:2x2x1')`` returns the compile-only devices of that TPU slice
 (``jax.experimental.topologies.get_topology_desc``; the TPU compiler comes from the ``libtpu``
-wheel, ``pip install 'jax[tpu]==<jax>'``, and needs no TPU on the machine). :data:`CHIPS`
-holds the datasheet figures the step-time estimate uses (:mod:`dagmoe_jax.compile.roofline`).
+wheel, ``pip install 'jax[tpu]==<jax>'``, and needs no TPU on the machine);
+``topology_devices('h100')`` (or 'h100:8', one 8-GPU node; 'h200', 'a100') those of NVIDIA
+GPUs, compiled by XLA:GPU from the CUDA plugin (``jax-cuda13-plugin`` and ``jax-cuda13-pjrt``
+of the pinned jax, installed without their nvidia-* wheels) and CUDA's ``ptxas``, for the
+target described by a ``GpuTargetConfigProto`` shipped in ``gpu_targets/`` (SM count, shared
+memory, compute capability: what the compiler and the kernels tile for). :data:`CHIPS` holds
+the datasheet figures the step-time estimate uses (:mod:`dagmoe_jax.compile.roofline`).
 
-The figures are Google Cloud's published per-chip specifications ("TPU v5p", "TPU v5e",
+The TPU figures are Google Cloud's published per-chip specifications ("TPU v5p", "TPU v5e",
 "TPU v6e" pages of the Cloud TPU documentation): bf16 peak, HBM capacity and bandwidth, the
 bidirectional inter-chip interconnect (ICI) bandwidth per chip and the number of ICI ports,
-and the data-centre network (DCN) bandwidth per chip that multi-slice collectives cross.
+and the data-centre network (DCN) bandwidth per chip that multi-slice collectives cross. The
+GPU figures are NVIDIA's datasheets for the SXM parts (dense bf16 Tensor Core peak, HBM, NVLink
+bandwidth per GPU in both directions, which collectives within a node cross; the InfiniBand
+NIC per GPU of a DGX / HGX node between nodes); the HBM is the device memory the target
+reports.
 """
 
 from __future__ import annotations
@@ -16,7 +26,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Dict, List, Tuple
+import shutil
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,8 +41,10 @@ class Chip:
     hbm_bandwidth: float
     ici_bandwidth: float     # bidirectional, all ports together
     ici_ports: int           # torus links per chip (3D torus: 6, 2D torus: 4)
-    dcn_bandwidth: float     # per chip, between slices
+    dcn_bandwidth: float     # per chip, between slices (GPUs: between nodes)
     cores_per_chip: int      # TensorCores: the v5p-N accelerator type counts cores
+    platform: str = "tpu"    # 'tpu' or 'gpu'
+    sm_count: int = 0        # GPUs: streaming multiprocessors
 
     @property
     def ring_bandwidth(self) -> float:
@@ -53,19 +67,43 @@ CHIPS: Dict[str, Chip] = {
     # 918 TFLOP/s bf16; 32 GB HBM at 1,638 GB/s; ICI 800 GB/s bidirectional, 2D torus; DCN
     # taken as v5e's per chip (the page gives none); 1 TensorCore
     "v6e": Chip("v6e", 918e12, 32 * GB, 1638 * GB, 800 * GB, 4, 25e9 / 8, 1),
+    # NVIDIA H100 SXM5: 989 TFLOP/s dense bf16; 80 GB HBM3 at 3.35 TB/s; NVLink 4 at 900 GB/s
+    # per GPU (both directions, 18 links to the NVSwitches: a ring gets half each way);
+    # 400 Gb/s InfiniBand per GPU; 132 SMs, sm_90
+    "h100": Chip("h100", 989e12, 84942979072, 3350 * GB, 900 * GB, 2, 400e9 / 8, 1, "gpu",
+                 132),
+    # NVIDIA H200 SXM: the H100's compute with 141 GB HBM3e at 4.8 TB/s
+    "h200": Chip("h200", 989e12, 150754820096, 4800 * GB, 900 * GB, 2, 400e9 / 8, 1, "gpu",
+                 132),
+    # NVIDIA A100 SXM4 80GB: 312 TFLOP/s dense bf16; HBM2e at 2,039 GB/s; NVLink 3 at 600 GB/s
+    # per GPU; 200 Gb/s InfiniBand per GPU; 108 SMs, sm_80
+    "a100": Chip("a100", 312e12, 85198045184, 2039 * GB, 600 * GB, 2, 200e9 / 8, 1, "gpu",
+                 108),
 }
 
+GPUS_PER_NODE = 8
+"""The most GPUs one topology name describes ('h100:8': one HGX node, NVLink between all)."""
+
 _TOPOLOGY = re.compile(r"^(v5p|v5e|v6e):(\d+(?:x\d+){1,2})$")
+_GPU_TOPOLOGY = re.compile(r"^(h100|h200|a100)(?::(\d+))?$")
 
 
 def parse_topology(name: str) -> Tuple[Chip, Tuple[int, ...]]:
-    """(chip, chip grid) of a topology name such as 'v5p:2x2x1' or 'v6e:8x8'; a one-line
-    ``ValueError`` for anything else."""
+    """(chip, chip grid) of a topology name such as 'v5p:2x2x1', 'v6e:8x8', 'h100' or 'h100:8'
+    (a GPU's grid is its GPU count); a one-line ``ValueError`` for anything else."""
+    gpu = _GPU_TOPOLOGY.match(name.strip())
+    if gpu:
+        count = int(gpu.group(2) or 1)
+        if not 1 <= count <= GPUS_PER_NODE:
+            raise ValueError(f"--topology={name!r}: one node holds 1 to {GPUS_PER_NODE} GPUs")
+        return CHIPS[gpu.group(1)], (count,)
     match = _TOPOLOGY.match(name.strip())
     if not match:
-        raise ValueError(f"--topology={name!r} is not a TPU topology this command knows: "
-                         f"expected {'|'.join(CHIPS)}:AxB[xC], e.g. v5p:2x2x1, v5p:4x4x4, "
-                         f"v5e:4x4, v6e:8x8")
+        tpus = "|".join(c for c, chip in CHIPS.items() if chip.platform == "tpu")
+        gpus = "|".join(c for c, chip in CHIPS.items() if chip.platform == "gpu")
+        raise ValueError(f"--topology={name!r} is not a topology this command knows: "
+                         f"expected {tpus}:AxB[xC] (e.g. v5p:2x2x1, v5p:4x4x4, v5e:4x4, "
+                         f"v6e:8x8) or {gpus}[:GPUS] (e.g. h100, h100:8, a100)")
     chip = CHIPS[match.group(1)]
     grid = tuple(int(x) for x in match.group(2).split("x"))
     if chip.ici_ports == 6 and len(grid) != 3 or chip.ici_ports == 4 and len(grid) != 2:
@@ -102,12 +140,78 @@ def tpu_compiler_missing() -> str | None:
     return None
 
 
+def gpu_target_config(chip: Chip) -> str:
+    """The ``GpuTargetConfigProto`` (text form) of a GPU chip, shipped in ``gpu_targets/``."""
+    return (Path(__file__).with_name("gpu_targets") / f"{chip.name}.txtpb").read_text()
+
+
+def ptxas_path() -> Optional[str]:
+    """CUDA's ``ptxas`` (on PATH, under ``CUDA_HOME`` / /usr/local/cuda, or in the
+    ``nvidia-cuda-nvcc`` wheel), which XLA:GPU runs on every kernel it compiles; None when
+    there is none."""
+    found = shutil.which("ptxas")
+    if found:
+        return found
+    homes = [os.environ.get("CUDA_HOME", ""), os.environ.get("CUDA_PATH", ""), "/usr/local/cuda"]
+    try:
+        import nvidia.cuda_nvcc as nvcc   # the nvidia-cuda-nvcc wheel
+        homes += list(getattr(nvcc, "__path__", []))
+    except ImportError:
+        pass
+    for home in filter(None, homes):
+        candidate = Path(home) / "bin" / "ptxas"
+        if candidate.is_file():
+            return str(candidate)
+    return None
+
+
+def gpu_compiler_missing() -> Optional[str]:
+    """Why XLA:GPU cannot compile here (None when the CUDA plugin and ``ptxas`` are there)."""
+    import jax
+    try:
+        import jax_plugins.xla_cuda13  # noqa: F401
+    except ImportError:
+        return (f"the GPU compiler is not installed: pip install --no-deps "
+                f"jax-cuda13-plugin=={jax.__version__} jax-cuda13-pjrt=={jax.__version__} "
+                f"(requirements-gpu-compile.txt; no GPU or nvidia-* wheels needed)")
+    if ptxas_path() is None:
+        return ("CUDA's ptxas is not found (XLA:GPU assembles every kernel with it): install "
+                "the CUDA toolkit, put its bin/ on PATH or set CUDA_HOME, or pip install "
+                "nvidia-cuda-nvcc")
+    return None
+
+
+def gpu_devices(chip: Chip, count: int) -> List:
+    """Compile-only devices of ``count`` GPUs of ``chip`` in one node (the process's own
+    backend stays the CPU: JAX_PLATFORMS=cpu keeps the plugin from looking for a GPU)."""
+    missing = gpu_compiler_missing()
+    if missing:
+        raise ValueError(missing)
+    ptxas = ptxas_path()
+    if ptxas and not shutil.which("ptxas"):   # XLA looks for it on PATH and in CUDA homes
+        os.environ["PATH"] = f"{Path(ptxas).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    from jax.experimental import topologies
+    try:
+        topology = topologies.get_topology_desc(platform="cuda",
+                                                target_config=gpu_target_config(chip),
+                                                topology=f"1x1x{count}")
+    except Exception as err:
+        raise ValueError(f"the CUDA plugin cannot describe {count} x {chip.name}: "
+                         f"{str(err).splitlines()[0]}") from None
+    return list(topology.devices)
+
+
 def topology_devices(name: str, num_slices: int = 1) -> Tuple[Chip, List]:
-    """(chip, compile-only devices) of ``num_slices`` slices of topology ``name``; one-line
-    ``ValueError`` when the name is unknown or the TPU compiler is missing."""
+    """(chip, compile-only devices) of ``num_slices`` slices of topology ``name`` (GPUs: one
+    node); one-line ``ValueError`` when the name is unknown or its compiler is missing."""
     chip, grid = parse_topology(name)
     if num_slices < 1:
         raise ValueError(f"--num_slices={num_slices} is invalid: expected an integer >= 1")
+    if chip.platform == "gpu":
+        if num_slices > 1:
+            raise ValueError(f"--num_slices={num_slices}: a GPU topology is one node "
+                             f"(--topology={chip.name}:{GPUS_PER_NODE})")
+        return chip, gpu_devices(chip, grid[0])
     missing = tpu_compiler_missing()
     if missing:
         raise ValueError(missing)

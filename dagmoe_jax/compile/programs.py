@@ -21,11 +21,12 @@ bytes, and this library's roofline (:mod:`dagmoe_jax.compile.roofline`) of the c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
 import time
-from typing import Callable, Dict, Sequence, Tuple
+from typing import Callable, Dict, Iterator, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from dagmoe_jax.compile.chips import Chip
 from dagmoe_jax.compile.roofline import Cost, program_cost
 from dagmoe_jax.config import ExecutionConfig, ModelConfig, experts_of
+from dagmoe_jax.kernels.gpu_grouped_matmul import mosaic_gpu_target
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.decoding.generate import DEFAULT_DISPATCH, decode_step, prefill
 from dagmoe_jax.data.batch import MODEL_INPUTS
@@ -136,11 +138,12 @@ def state_bytes_per_chip(obj) -> float:
 def abstract_train_state(model_cfg: ModelConfig, optim_cfg: OptimConfig,
                          train_cfg: TrainConfig, mesh, backend: str = "tpu"):
     """(model, optimizer) with abstract sharded arrays, the model running as
-    ``train_cfg.execution`` settled for ``backend`` and ``mesh`` exactly as ``run.build``
-    settles a run's."""
+    ``train_cfg.execution`` settled for ``backend`` and ``mesh`` (on GPU, for the compute
+    capability of the mesh's devices) exactly as ``run.build`` settles a run's."""
     check_trainable(model_cfg, train_cfg.trainable)
     layout = MeshLayout.of(mesh)
-    execution = settle(model_cfg, train_cfg.execution, backend=backend, layout=layout)
+    execution = settle(model_cfg, train_cfg.execution, backend=backend, layout=layout,
+                       device=mesh.devices.flat[0])
     check_kernel_precision(execution.attention, execution.grouped_matmul, backend)
     tx = make_optimizer(optim_cfg, train_cfg.steps)
     wrt = TRAINABLE[train_cfg.trainable]
@@ -176,11 +179,25 @@ def _batch(model_cfg: ModelConfig, mesh, rows: int, seq: int, replicated: bool,
 _OOM = re.compile(r"RESOURCE_EXHAUSTED|Ran out of memory|Used [\d.]+[GMK] of", re.IGNORECASE)
 
 
-def _compile(name: str, lowered_fn: Callable, chip: Chip):
-    """(compiled, seconds) or :class:`OutOfMemory` with the compiler's figures."""
+@contextlib.contextmanager
+def _tracing_for(chip: Chip, device) -> Iterator[None]:
+    """Trace for ``chip`` from this host: on a GPU target, JAX's default device is the
+    target's (Pallas Triton kernels lower for the default device) and the Mosaic GPU weight
+    gradient sizes its grid for the target's SMs; a TPU needs nothing."""
+    if chip.platform != "gpu":
+        yield
+        return
+    with jax.default_device(device), mosaic_gpu_target(chip.sm_count):
+        yield
+
+
+def _compile(name: str, lowered_fn: Callable, chip: Chip, device=None):
+    """(compiled, seconds) or :class:`OutOfMemory` with the compiler's figures; ``device``:
+    one of the target's devices (:func:`_tracing_for`)."""
     tick = time.perf_counter()
     try:
-        compiled = lowered_fn().compile()
+        with _tracing_for(chip, device):
+            compiled = lowered_fn().compile()
     except Exception as err:      # XLA's errors are JaxRuntimeError / XlaRuntimeError
         text = str(err)
         if _OOM.search(text):
@@ -234,6 +251,31 @@ def _report(name: str, compiled, seconds: float, tokens: int, state: float, mode
         model_flops=model_flops, cost=cost, hlo=text if keep_hlo else "")
 
 
+def cudnn_missing() -> bool:
+    """Whether cuDNN cannot be loaded in this process (no GPU machine: the CUDA plugin is
+    installed without its nvidia-* wheels)."""
+    try:
+        from jax._src.lib import cuda_versions
+        return cuda_versions is None or not cuda_versions.cudnn_get_version()
+    except Exception:
+        return True
+
+
+def deviceless_execution(train_cfg: TrainConfig, chip: Chip,
+                         log: Callable[[str], None] = lambda _m: None) -> TrainConfig:
+    """``train_cfg`` as it can be compiled for ``chip`` from this host: for a GPU target
+    without cuDNN here, attention that would settle to cuDNN's flash kernel ('auto' or
+    'cudnn') is compiled as XLA's (cuDNN builds its kernels at compile time from the library
+    itself), which ``log`` says; anything else unchanged."""
+    ex = train_cfg.execution
+    if chip.platform != "gpu" or ex.attention not in ("auto", "cudnn") or not cudnn_missing():
+        return train_cfg
+    log("attention compiled as XLA's: cuDNN's flash attention needs the cuDNN library at "
+        "compile time, which a host without a GPU lacks (a GPU run settles to it; this "
+        "program's attention costs more than that run's)")
+    return dataclasses.replace(train_cfg, execution=dataclasses.replace(ex, attention="xla"))
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerationShape:
     """The generation programs' shapes: ``batch`` prompts of ``prompt_len`` tokens, a cache of
@@ -259,11 +301,13 @@ def compile_run(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimCo
         raise ValueError(f"unknown program {sorted(unknown)[0]!r}: expected some of {PROGRAMS}")
     devices = list(mesh.devices.flat)
     chips = len(devices)
+    train_cfg = deviceless_execution(train_cfg, chip, log)
     shards = batch_shards(mesh)      # (grad_accum's split is checked by the step itself)
     if data_cfg.batch_size % shards:
         raise ValueError(f"DataConfig.batch_size={data_cfg.batch_size} does not split over the "
                          f"{shards} chips of the batch mesh axes: use a multiple of {shards}")
-    model, optimizer = abstract_train_state(model_cfg, optim_cfg, train_cfg, mesh)
+    model, optimizer = abstract_train_state(model_cfg, optim_cfg, train_cfg, mesh,
+                                            backend=chip.platform)
     cfg = model_cfg
     params = state_bytes_per_chip(model)
     acc = account(cfg, data_cfg.seq_len)
@@ -277,7 +321,8 @@ def compile_run(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimCo
                                wrt=TRAINABLE[train_cfg.trainable], donate=True)
         batch = _batch(cfg, mesh, rows, seq, replicated=False, mask=False)
         with activate(mesh):
-            compiled, secs = _compile("train", lambda: step.lower(model, optimizer, batch), chip)
+            compiled, secs = _compile("train", lambda: step.lower(model, optimizer, batch), chip,
+                                     devices[0])
         reports["train"] = _report(
             "train", compiled, secs, train_tokens,
             params + state_bytes_per_chip(optimizer),
@@ -287,7 +332,8 @@ def compile_run(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimCo
         log(f"compiling the evaluation step ({rows} x {seq} tokens, replicated)...")
         batch = _batch(cfg, mesh, rows, seq, replicated=True, mask=True)
         with activate(mesh):
-            compiled, secs = _compile("eval", lambda: eval_step.lower(model, batch), chip)
+            compiled, secs = _compile("eval", lambda: eval_step.lower(model, batch), chip,
+                                     devices[0])
         reports["eval"] = _report("eval", compiled, secs, train_tokens, params,
                                   acc.train_flops_per_token / 3 * train_tokens / chips, chip,
                                   devices, keep_hlo, gmm_occupancy(cfg, mesh, train_tokens))
@@ -330,7 +376,7 @@ def _compile_generation(model, mesh, chip, shape: GenerationShape, programs, par
         log(f"compiling generation's prefill ({b} x {p} tokens)...")
         with activate(mesh):
             compiled, secs = _compile("prefill", lambda: jax.jit(run_prefill).lower(
-                state, tokens, lengths), chip)
+                state, tokens, lengths), chip, devices[0])
         out["prefill"] = _report("prefill", compiled, secs, b * p, params,
                                  forward_per_token * b * p / len(devices), chip, devices,
                                  keep_hlo, gmm_occupancy(cfg, mesh, b * p))
@@ -347,7 +393,8 @@ def _compile_generation(model, mesh, chip, shape: GenerationShape, programs, par
                 return decode_step(nnx.merge(graphdef, state), tok, cache, start)
 
             compiled, secs = _compile("decode", lambda: jax.jit(run_decode, donate_argnums=2)
-                                      .lower(state, tok, cache, lengths), chip)
+                                      .lower(state, tok, cache, lengths), chip,
+                                      devices[0])
         out["decode"] = _report("decode", compiled, secs, b, params,
                                 forward_per_token * b / len(devices), chip, devices, keep_hlo,
                                 gmm_occupancy(cfg, mesh, b))

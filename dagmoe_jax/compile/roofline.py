@@ -27,6 +27,10 @@ The input is the text of the optimised HLO module the TPU compiler produced
   carries none, and its FLOPs are read from its shapes:
   ``4 B H S^2 D`` forward, ``6`` for ``dq`` and ``8`` for ``dkv``, times the share of the
   causal mask's key blocks it visits. Elementwise and reduction work counts as bytes only.
+* **GPU kernels.** A Pallas kernel on GPU (a ``mosaic_gpu_v2`` or ``__gpu$xla.gpu.triton``
+  custom call) is named by its library and shapes ('mgpu gmm', 'triton tgmm'); a grouped
+  matmul counts ``2 M K N`` FLOPs from its shapes times ``gmm_occupancy``. XLA:GPU's own GEMMs
+  are fusions whose ``dot`` counts as any fused product.
 * **Grouped matmuls.** Megablox ``gmm`` and ``tgmm`` run a dynamic grid over the row tiles
   their group sizes cover, but their static cost estimate counts every row of the buffer they
   are handed. Under expert parallelism that buffer is sized for the worst case (every token of
@@ -150,9 +154,28 @@ def _grouped_matmul_flops(kernel: str, instruction: Instruction,
         lhs = next((m for m in matrices if m[0] == out[0]), matrices[0])
         return 2.0 * out[0] * out[1] * lhs[1]
     if kernel == "tgmm" and len(matrices) >= 2 and len(out) == 3:
+        if matrices[0][0] == matrices[1][0]:          # x [M, K] and dy [M, N]: the GPU kernels'
+            return 2.0 * out[1] * out[2] * matrices[0][0]
         shared = set(matrices[0]) & set(matrices[1])
         return 2.0 * out[1] * out[2] * max(shared) if shared else 0.0
     return 0.0
+
+
+GPU_KERNEL_CALLS = {"mosaic_gpu_v2": "mgpu", "__gpu$xla.gpu.triton": "triton"}
+"""Custom-call targets of Pallas kernels on GPU -> the kernel library's name."""
+
+
+def gpu_kernel_family(target: str, instruction: Instruction, shapes: Dict[str, str]) -> str:
+    """A GPU Pallas kernel's name: '<library> gmm' for a grouped matmul ([M, N] out of [M, K]
+    and [G, K, N]), '<library> tgmm' for its weight gradient ([G, K, N] out of two [M, .])."""
+    library = GPU_KERNEL_CALLS[target]
+    ranks = [len(shape_dims(shapes.get(o, ""))) for o in instruction.operands]
+    out = len(shape_dims(instruction.shape))
+    if out == 2 and 3 in ranks and 2 in ranks:
+        return f"{library} gmm"
+    if out == 3 and ranks.count(2) >= 2:
+        return f"{library} tgmm"
+    return library + " " + re.sub(r"[.]\d+$", "", instruction.name)
 
 
 def _mosaic_flops(kernel: str, instruction: Instruction, shapes: Dict[str, str],
@@ -369,6 +392,14 @@ class _Walker:
             kernel = kernel_family(m.group(1) if m else ins.name)
             cost.kernels[kernel] = cost.kernels.get(kernel, 0) + int(times)
             flops = _mosaic_flops(kernel, ins, shapes, self.gmm_occupancy)
+        elif ins.op == "custom-call" and (attr(ins.attrs, "custom_call_target") or ""
+                                          ).strip('"') in GPU_KERNEL_CALLS:
+            kernel = gpu_kernel_family(attr(ins.attrs, "custom_call_target").strip('"'), ins,
+                                       shapes)
+            cost.kernels[kernel] = cost.kernels.get(kernel, 0) + int(times)
+            family = kernel.split(" ")[-1]
+            flops = (_grouped_matmul_flops(family, ins, shapes) * self.gmm_occupancy
+                     if family in ("gmm", "tgmm") else 0.0)
         seconds = max(flops / self.chip.peak_flops, nbytes / self.chip.hbm_bandwidth)
         cost.compute_seconds += seconds * times
         cost.matmul_flops += flops * times

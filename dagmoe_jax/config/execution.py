@@ -13,7 +13,7 @@ from dagmoe_jax.validate import (check as _check, choice as _choice,
 
 REMAT_POLICIES = ("auto", "none", "full", "dots")
 ATTENTION_IMPLS = ("auto", "xla", "blockwise", "fused", "cudnn", "splash")
-GROUPED_MATMULS = ("auto", "ragged_dot", "gmm", "cpu_gmm", "einsum")
+GROUPED_MATMULS = ("auto", "ragged_dot", "gmm", "cpu_gmm", "mgpu", "triton", "einsum")
 EXPERT_EXCHANGES = ("auto", "all_gather", "ragged_all_to_all")
 DAG_MODULES = ("auto", "xla", "xla_rank3", "fused")
 
@@ -38,12 +38,16 @@ class ExecutionConfig:
       single device), 'cudnn' or 'splash' (Pallas TPU kernel; sequences that are not a
       multiple of 128 use XLA's attention).
     grouped_matmul: how 'dropless' dispatch runs its experts: 'auto' (default: 'gmm' on TPU
-      when d_model and the expert hidden size are multiples of 128; on CPU off-mesh 'cpu_gmm'
-      when a C++ compiler is available; else 'ragged_dot'), 'ragged_dot'
-      (jax.lax.ragged_dot; on GPU fast with the cuDNN fusion of scripts/gpu_env.sh), 'gmm'
-      (megablox, Pallas TPU), 'cpu_gmm' (dagmoe_jax.kernels C++ kernel; CPU, single
-      device; XLA:CPU's ragged_dot is 40-100x slower) or 'einsum' (every expert on every
-      token, then the selected ones: N times the work, the tests' oracle; one device's view).
+      when d_model and the expert hidden size are multiples of 128; on GPU 'mgpu' on Hopper
+      (sm90) and 'triton' on Ampere and newer (sm80+) where the dtype and dims allow, else
+      'ragged_dot'; on CPU off-mesh 'cpu_gmm' when a C++ compiler is available; else
+      'ragged_dot'), 'ragged_dot' (jax.lax.ragged_dot; XLA:GPU rewrites it into a dense dot
+      over zero-padded groups), 'gmm' (megablox, Pallas TPU), 'mgpu' (JAX's Mosaic GPU
+      kernels, Hopper, 16-bit, dims multiples of 64), 'triton' (this library's Pallas Triton
+      kernel, sm80+, dims multiples of 16), 'cpu_gmm' (dagmoe_jax.kernels C++ kernel; CPU,
+      single device; XLA:CPU's ragged_dot is 40-100x slower) or 'einsum' (every expert on
+      every token, then the selected ones: N times the work, the tests' oracle; one device's
+      view).
     expert_exchange: how expert-parallel 'dropless' dispatch moves tokens between the expert
       shards of a mesh: 'auto' (default: 'ragged_all_to_all' on GPU / TPU, 'all_gather' on
       CPU, whose XLA does not implement the ragged collective), 'ragged_all_to_all' (each

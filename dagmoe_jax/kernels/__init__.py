@@ -16,9 +16,12 @@
   (``grouped_matmul='gmm'``); they run anywhere in the Pallas interpreter, which is how the CPU
   tests check them.
 
-GPUs need no kernel of ours: there :mod:`dagmoe_jax.run.settle` picks cuDNN's attention
-('cudnn', for 16-bit compute and the head sizes cuDNN takes; XLA's otherwise) and
-``jax.lax.ragged_dot`` for the grouped matmul (cuDNN's grouped GEMM with scripts/gpu_env.sh).
+* GPU, :mod:`.gpu_grouped_matmul`: dropless dispatch's grouped matmul without XLA:GPU's dense
+  rewrite of ``ragged_dot``: JAX's Mosaic GPU kernels on Hopper (:mod:`.mgpu_grouped_matmul`,
+  ``grouped_matmul='mgpu'``) and a Pallas Triton kernel of ours on Ampere and newer
+  (:mod:`.triton_grouped_matmul`, ``'triton'``), each a custom VJP over forward, input and
+  weight gradient (:mod:`.grouped_vjp`); both run in their interpreters on CPU, which is how
+  the tests check them. Attention on GPU is cuDNN's ('cudnn') or XLA's.
 """
 
 from dagmoe_jax.kernels.attention import (SUPPORTED_HEAD_DIMS, fused_attention_unavailable,

@@ -19,6 +19,7 @@ from typing import Callable, Tuple
 import jax
 import jax.numpy as jnp
 
+from dagmoe_jax.kernels.gpu_grouped_matmul import mgpu_grouped_matmul, triton_grouped_matmul
 from dagmoe_jax.kernels.grouped_matmul import cpu_grouped_matmul
 from dagmoe_jax.kernels.pallas import gmm_grouped_matmul
 from dagmoe_jax.model.layers import swiglu
@@ -125,6 +126,8 @@ GROUPED_MATMUL: dict[str, Callable] = {
     "ragged_dot": jax.lax.ragged_dot,
     "gmm": gmm_grouped_matmul,
     "cpu_gmm": cpu_grouped_matmul,
+    "mgpu": mgpu_grouped_matmul,
+    "triton": triton_grouped_matmul,
 }
 """The settled ``ExecutionConfig.grouped_matmul`` -> ``f(lhs [M, k], rhs [N, k, n], sizes [N])``."""
 

@@ -225,10 +225,12 @@ def sharded_dispatch(mode: str, x: jax.Array, indices: jax.Array, weights: Exper
                          f"'capacity' or 'dropless'")
     tok, exp, hid = _axis(tokens), _axis(experts), _axis(hidden)
     w_in, w_out = P(exp, None, hid), P(exp, hid, None)
-    # megablox gmm's pallas_call declares outputs without varying-across-mesh types, which
-    # shard_map's type check refuses: it runs unchecked (the collectives are the same)
+    # the Pallas kernels (megablox gmm, the GPU kernels) declare outputs without
+    # varying-across-mesh types, which shard_map's type check refuses: they run unchecked
+    # (the collectives are the same)
     fn = jax.shard_map(body, mesh=layout.mesh,
                        in_specs=(P(tok, None), P(tok, None), (w_in, w_in, w_out)),
                        out_specs=(P(tok, None, None), P(tok, None)),
-                       check_vma=not (mode == "dropless" and grouped_matmul == "gmm"))
+                       check_vma=not (mode == "dropless"
+                                      and grouped_matmul in ("gmm", "mgpu", "triton")))
     return fn(x, indices, tuple(weights))

@@ -17,11 +17,14 @@ a concrete ``ExecutionConfig`` that the run prints and saves, and builds the mod
                    16-bit compute and a head dim cuDNN's flash kernel takes (a multiple of 8,
                    at most 128), else XLA's; TPU: the Pallas splash kernel
 ``grouped_matmul`` dropless dispatch's grouped matmul: megablox ``gmm`` (Pallas) on TPU when
-                   d_model and the expert hidden size are multiples of its 128 tile; on CPU
+                   d_model and the expert hidden size are multiples of its 128 tile; on GPU
+                   JAX's Mosaic GPU kernels ``mgpu`` on Hopper (sm90) for 16-bit compute and
+                   dims multiples of 64, else this library's Pallas Triton kernel ``triton``
+                   on sm80 and newer (dims multiples of 16), else ``jax.lax.ragged_dot``
+                   (which XLA:GPU rewrites into a dense dot over zero-padded groups); on CPU
                    (one device, a working compiler) the C++ kernel ``cpu_gmm``, compiled here
                    the first time (XLA:CPU's ``ragged_dot`` is 40-100x slower); else
-                   ``jax.lax.ragged_dot`` (on GPU, XLA lowers it to cuDNN's grouped GEMM with
-                   the flag in scripts/gpu_env.sh)
+                   ``jax.lax.ragged_dot``
 ``expert_exchange`` expert-parallel dropless dispatch: ``jax.lax.ragged_all_to_all`` on GPU and
                    TPU; the all-gather fallback on CPU (XLA:CPU has no ragged all-to-all)
 ``fuse_projections`` one [W_gate | W_up] matmul (and one [W_q | W_k | W_v]) on one device;
@@ -51,6 +54,7 @@ import jax.numpy as jnp
 from dagmoe_jax.config import ExecutionConfig, ModelConfig, dag_aggregation_of, experts_of
 from dagmoe_jax.kernels.attention import fused_attention_unavailable, kernel_needs_build
 from dagmoe_jax.kernels.dag_module import dag_module_needs_build, dag_module_unavailable
+from dagmoe_jax.kernels.gpu_grouped_matmul import mgpu_unsupported, triton_unsupported
 from dagmoe_jax.kernels.grouped_matmul import (grouped_matmul_needs_build,
                                                grouped_matmul_unavailable)
 from dagmoe_jax.kernels.pallas import gmm_supported
@@ -103,10 +107,50 @@ def settle_attention(name: str, backend: str, dtype, head_dim: int,
     return "xla", ""
 
 
+def gpu_capability(device=None) -> Optional[tuple]:
+    """(major, minor) CUDA compute capability of ``device`` (default: JAX's first device), or
+    None when it is not an NVIDIA GPU (or does not say)."""
+    device = device if device is not None else jax.devices()[0]
+    text = getattr(device, "compute_capability", None)
+    if device.platform != "gpu" or not text:
+        return None
+    try:
+        major, minor = (int(part) for part in str(text).split(".")[:2])
+    except ValueError:
+        return None
+    return major, minor
+
+
+def settle_gpu_grouped_matmul(capability: Optional[tuple], d_model: int, hidden: int,
+                              dtype) -> tuple:
+    """(implementation, why) of 'auto' on an NVIDIA GPU of compute ``capability``: 'mgpu' on
+    Hopper (9.0) where the Mosaic GPU kernels take the dtype and dims; 'triton' on 8.0 and
+    newer where the Triton kernel takes them; else 'ragged_dot', ``why`` saying why."""
+    if capability is None:
+        return "ragged_dot", "the GPU's compute capability is unknown"
+    reasons = []
+    if capability[0] == 9:
+        reason = mgpu_unsupported(d_model, hidden, dtype)
+        if reason is None:
+            return "mgpu", ""
+        reasons.append(reason)
+    if capability >= (8, 0):
+        reason = triton_unsupported(d_model, hidden, dtype)
+        if reason is None:
+            return "triton", ""
+        reasons.append(reason)
+    else:
+        reasons.append(f"the GPU kernels need compute capability 8.0 or newer (this GPU: "
+                       f"{capability[0]}.{capability[1]})")
+    return "ragged_dot", "; ".join(reasons)
+
+
 def settle_grouped_matmul(name: str, backend: str, d_model: int, hidden: int,
-                          layout: Optional[MeshLayout] = None) -> str:
+                          layout: Optional[MeshLayout] = None, dtype=jnp.bfloat16,
+                          capability: Optional[tuple] = None) -> str:
     """'auto': megablox 'gmm' on TPU when both expert dims are multiples of its 128 tile; on
-    CPU off-mesh 'cpu_gmm' when the C++ kernel builds (it is built here on first use);
+    GPU :func:`settle_gpu_grouped_matmul` for the device's compute ``capability``; on CPU
+    off-mesh 'cpu_gmm' when the C++ kernel builds (it is built here on first use);
     'ragged_dot' otherwise (see the module docstring). An explicit 'cpu_gmm' under a
     multi-device mesh is a one-line ``ValueError``."""
     if name == "cpu_gmm" and layout is not None:
@@ -116,6 +160,8 @@ def settle_grouped_matmul(name: str, backend: str, d_model: int, hidden: int,
         return name
     if backend == "tpu" and gmm_supported(d_model, hidden):
         return "gmm"
+    if backend == "gpu":
+        return settle_gpu_grouped_matmul(capability, d_model, hidden, dtype)[0]
     if backend == "cpu" and layout is None and grouped_matmul_unavailable(backend) is None:
         return "cpu_gmm"
     return "ragged_dot"
@@ -189,9 +235,12 @@ def grouped_matmul_width(cfg: ModelConfig) -> int:
 
 def settle(cfg: ModelConfig, execution: Optional[ExecutionConfig] = None, *,
            backend: Optional[str] = None, layout: Optional[MeshLayout] = None,
+           device=None,
            log: Callable[[str], None] = lambda _message: None) -> ExecutionConfig:
     """``execution`` (default: every choice 'auto') with every 'auto' decided for the model
-    ``cfg`` on ``backend`` (default: JAX's default backend) and ``layout`` (None: one device).
+    ``cfg`` on ``backend`` (default: JAX's default backend) and ``layout`` (None: one device);
+    ``device`` (default: JAX's first device) is asked for its compute capability on GPU (a
+    compile-only device of a GPU topology when compiling for one from another host).
     Fields already concrete are kept (an impossible one, such as 'fused' attention under a
     mesh, is a one-line ``ValueError``). ``log`` hears about slow work done here (compiling
     the CPU kernels)."""
@@ -209,8 +258,10 @@ def settle(cfg: ModelConfig, execution: Optional[ExecutionConfig] = None, *,
             and dag_module_needs_build()):
         log("compiling the CPU DAG module kernels (about 5 s, once per machine)")
     attention, _ = settle_attention(ex.attention, backend, dtype, cfg.resolved_head_dim, layout)
+    capability = gpu_capability(device) if backend == "gpu" else None
     grouped_matmul = settle_grouped_matmul(ex.grouped_matmul, backend, cfg.d_model,
-                                           grouped_matmul_width(cfg), layout)
+                                           grouped_matmul_width(cfg), layout, dtype,
+                                           capability)
     return ExecutionConfig(
         remat=settle_remat(ex.remat, backend),
         scan_unroll=settle_scan_unroll(ex.scan_unroll, cfg.num_layers, backend),
@@ -225,10 +276,11 @@ def settle(cfg: ModelConfig, execution: Optional[ExecutionConfig] = None, *,
 
 def describe(cfg: ModelConfig, settled: ExecutionConfig,
              requested: Optional[ExecutionConfig] = None, backend: Optional[str] = None,
-             layout: Optional[MeshLayout] = None) -> str:
+             layout: Optional[MeshLayout] = None, device=None) -> str:
     """One line for logs: how the model ``cfg`` runs (``settled``), why attention that was
     'auto' in ``requested`` fell back (to blockwise from the fused CPU kernel, to XLA from
-    cuDNN), the grouped matmul of dropless dispatch and how the DAG module runs."""
+    cuDNN), the grouped matmul of dropless dispatch (and on GPU why an 'auto' one fell back
+    to ``ragged_dot``; ``device`` as :func:`settle`'s) and how the DAG module runs."""
     backend = backend or jax.default_backend()
     ex = settled
     attention = ex.attention
@@ -240,10 +292,17 @@ def describe(cfg: ModelConfig, settled: ExecutionConfig,
     experts = experts_of(cfg.block)
     dropless = experts is not None and experts.dispatch == "dropless"
     dispatch = f", dispatch {experts.dispatch}" if experts else ""
+    grouped = ex.grouped_matmul
+    if (dropless and backend == "gpu" and grouped == "ragged_dot" and requested is not None
+            and requested.grouped_matmul == "auto"):
+        _, why = settle_gpu_grouped_matmul(gpu_capability(device), cfg.d_model,
+                                           grouped_matmul_width(cfg),
+                                           jnp.dtype(cfg.compute_dtype))
+        grouped += f" ({why})"
     return (f"attention {attention}, remat {ex.remat}, layers unrolled "
             f"{ex.scan_unroll}/{cfg.num_layers}, loss chunk {ex.loss_chunk} tokens, "
             f"projections {'fused' if ex.fuse_projections else 'separate'}{dispatch}"
-            f"{', grouped matmul ' + ex.grouped_matmul if dropless else ''}"
+            f"{', grouped matmul ' + grouped if dropless else ''}"
             f"{', DAG module ' + ex.dag_module if dag_aggregation_of(cfg.block) else ''}"
             f"{', expert-parallel over ' + str(dict(layout.axis_sizes)) if layout else ''}"
             f"{' by ' + ex.expert_exchange if layout and dropless else ''}")

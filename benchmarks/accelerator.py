@@ -10,13 +10,18 @@ table in benchmarks/RESULTS.md with the device named.
 What it measures, in bf16 compute with float32 master weights (configs/gpu.gin) at the
 Llama-3 vocabulary (128,256), batch x sequence tokens per step (default 16 x 1024):
 
+0. on a GPU, ``benchmarks/gpu_check.py`` first (its own process): the grouped-matmul kernels'
+   numerics on the device against ``ragged_dot`` at a skewed routing, and their tiles timed;
 1. the device and its datasheet bf16 peak, next to the bf16 matmul rate measured here;
 2. for MoE-s, MoE-s + shared expert (d_r matched to the DAG module, the paper's parity
-   baseline), DAG-MoE-s L 2 (d_g 128) and the l model as MoE and DAG-MoE L 2 (d_g 256): the
-   best step time of a full AdamW training step, tokens/s, model FLOP/s
+   baseline), DAG-MoE-s L 2 (d_g 128) and the l model as MoE and DAG-MoE L 2 (d_g 256), all
+   dropless with ``ExecutionConfig`` 'auto' (the GPU grouped matmuls), and MoE-s and MoE-l
+   with ``dispatch='capacity'`` (factor 1.25: drops tokens, the speed to beat): the best step
+   time of a full AdamW training step, tokens/s, model FLOP/s
    (:mod:`dagmoe_jax.model.accounting`), MFU against the datasheet peak and against the measured
-   matmul rate, and peak device memory. Each variant runs in its own process, so its peak
-   memory is its own;
+   matmul rate, peak device memory, and beside each the step the library's roofline estimates
+   from the same compiled program (:mod:`dagmoe_jax.compile.roofline`, the card's datasheet).
+   Each variant runs in its own process, so its peak memory is its own;
 3. DAG-MoE-s L 2 / MoE-s + shared step ratio (the DAG-MoE paper: +4.49% at L 2 on an A100);
 4. with the time left, a short quality run: MoE, MoE + shared and DAG-MoE L 2 (d_g 128) of
    the s shape trained on the same tokens (600 steps x 32 x 512, 9.8M) of an offline corpus
@@ -48,7 +53,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from dagmoe_jax.model.accounting import account  # noqa: E402
 from dagmoe_jax.run.gin import load_execution_config, load_model_config  # noqa: E402
-from step_throughput import matmul_rate, step_time  # noqa: E402  (benchmarks/)
+from step_throughput import matmul_rate, time_fn, train_step  # noqa: E402  (benchmarks/)
 
 # name -> (model gin, variant gin). The s variants at d_g 128 and the l ones at 256 are the
 # paper's (DAG-MoE Appendix B.2).
@@ -58,7 +63,11 @@ VARIANTS = {
     "dag-s L2": ("models/s.gin", "variants/dag_g128_l2.gin"),
     "moe-l": ("models/l.gin", "variants/moe.gin"),
     "dag-l L2": ("models/l.gin", "variants/dag_g256_l2.gin"),
+    "moe-s cap": ("models/s.gin", "variants/moe.gin"),
+    "moe-l cap": ("models/l.gin", "variants/moe.gin"),
 }
+CAPACITY = ("ExpertConfig.dispatch = 'capacity'", "ExpertConfig.capacity_factor = 1.25")
+"""The bindings of the '... cap' variants: capacity dispatch, the speed dropless must match."""
 RATIO = ("dag-s L2", "moe+shared-s")
 DEVICE = "device"                             # the child that reads the device and its matmul rate
 PAPER_RATIO_L2 = 1.0449                       # DAG-MoE summary: +4.49% wall clock at L 2, A100
@@ -96,7 +105,8 @@ def variant_config(name: str, vocab: int, micro: bool):
     """(ModelConfig, ExecutionConfig) of variant ``name`` on gpu.gin."""
     model, variant = VARIANTS[name]
     files = [model, variant, "gpu.gin"]
-    bindings = [f"ModelConfig.vocab_size = {vocab}", *(MICRO_BINDINGS if micro else ())]
+    bindings = [f"ModelConfig.vocab_size = {vocab}", *(MICRO_BINDINGS if micro else ()),
+                *(CAPACITY if name.endswith(" cap") else ())]
     return load_model_config(files, bindings), load_execution_config(files, bindings)
 
 
@@ -107,16 +117,32 @@ def peak_memory() -> int:
     return int(stats.get("peak_bytes_in_use", 0))
 
 
+def estimated_step(step, model, optimizer, data) -> dict:
+    """The roofline's step time of the compiled ``step`` on this device's card (None off the
+    cards the compile tool knows), the grouped-matmul kernels it holds, and the card."""
+    from dagmoe_jax.compile.chips import CHIPS
+    from dagmoe_jax.compile.roofline import program_cost
+    kind = jax.devices()[0].device_kind.lower()
+    chip = next((c for name, c in CHIPS.items() if c.platform == "gpu" and name in kind), None)
+    if chip is None or "pcie" in kind:
+        return {"estimate_s": None}
+    cost = program_cost(step.lower(model, optimizer, data).compile().as_text(), chip, 1)
+    return {"estimate_s": cost.seconds, "card": chip.name, "kernels": cost.kernels}
+
+
 def measure_one(name: str, vocab: int, batch: int, seq: int, steps: int, micro: bool) -> dict:
-    """One variant's step time, throughput and peak memory (run in a process of its own)."""
+    """One variant's step time, throughput, peak memory and the roofline's estimate of the
+    same step (run in a process of its own)."""
     cfg, execution = variant_config(name, vocab, micro)
-    t = step_time(cfg, execution, batch, seq, steps)
+    step, model, optimizer, data = train_step(cfg, execution, batch, seq)
+    t = time_fn(lambda: jax.block_until_ready(step(model, optimizer, data)), steps)
     acc = account(cfg, seq)
     tokens = batch * seq
     return {"variant": name, "params": acc.total_params, "active_params": acc.total_active_params,
+            "grouped_matmul": model.execution.grouped_matmul,
             "s_per_step": t, "tokens_per_s": tokens / t,
             "model_flops_per_s": acc.train_flops_per_token * tokens / t,
-            "peak_memory_bytes": peak_memory()}
+            "peak_memory_bytes": peak_memory(), **estimated_step(step, model, optimizer, data)}
 
 
 def device_info() -> dict:
@@ -149,7 +175,7 @@ def run_one_in_subprocess(name: str, args) -> dict:
 
 def throughput_table(rows, peak, measured) -> str:
     head = (f"{'variant':<14}{'params':>15}{'s/step':>9}{'tokens/s':>12}{'TFLOP/s':>9}"
-            f"{'MFU':>8}{'of matmul':>11}{'peak mem':>11}")
+            f"{'MFU':>8}{'of matmul':>11}{'peak mem':>11}{'estimate':>10}")
     lines = [head]
     for r in rows:
         if "error" in r:
@@ -158,9 +184,10 @@ def throughput_table(rows, peak, measured) -> str:
         fps = r["model_flops_per_s"]
         mfu = f"{fps / peak:.1%}" if peak else "-"
         mem = f"{r['peak_memory_bytes'] / 2**30:.1f} GiB" if r["peak_memory_bytes"] else "-"
+        estimate = f"{r['estimate_s']:.3f}" if r.get("estimate_s") else "-"
         lines.append(f"{r['variant']:<14}{r['params']:>15,}{r['s_per_step']:>9.3f}"
                      f"{r['tokens_per_s']:>12,.0f}{fps / 1e12:>9.1f}{mfu:>8}"
-                     f"{fps / measured:>10.1%}{mem:>11}")
+                     f"{fps / measured:>10.1%}{mem:>11}{estimate:>10}")
     return "\n".join(lines)
 
 
@@ -227,6 +254,12 @@ def main(argv=None) -> int:
 
     start = time.monotonic()
     info = run_one_in_subprocess(DEVICE, args)
+    if "error" not in info and info["platform"] == "gpu":
+        print("GPU kernels first (benchmarks/gpu_check.py):", flush=True)
+        check = subprocess.run([sys.executable, str(HERE / "gpu_check.py")], check=False)
+        if check.returncode:
+            print(f"  gpu_check.py exited {check.returncode}: the table below uses kernels "
+                  f"it did not pass", flush=True)
     if "error" in info:
         print(f"the device could not be read: {info['error']}", file=sys.stderr)
         return 2

@@ -35,13 +35,18 @@ def test_the_accelerator_script_runs_at_micro_size(tmp_path, stdlib_corpus):
     # the quality run's corpus, built once for the run (conftest.stdlib_corpus)
     stdlib_corpus(out_json.parent / "accelerator_runs" / "corpus")
     cmd = [sys.executable, str(ROOT / "benchmarks" / "accelerator.py"), "--micro",
-           "--variants", "moe+shared-s", "dag-s L2", "--json", str(out_json)]
+           "--variants", "moe+shared-s", "dag-s L2", "moe-s cap", "--json", str(out_json)]
     out = subprocess.run(cmd, env=env, text=True, capture_output=True, timeout=900,
                          cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out_json.read_text())
     rows = {r["variant"]: r for r in report["variants"]}
-    assert set(rows) == {"moe+shared-s", "dag-s L2"} and set(rows) <= set(VARIANTS)
+    assert set(rows) == {"moe+shared-s", "dag-s L2", "moe-s cap"} and set(rows) <= set(VARIANTS)
+    # the capacity variant runs the same model with capacity dispatch (no grouped matmul's
+    # choice matters there); the dropless ones 'auto' (on CPU, the C++ kernel or ragged_dot)
+    assert rows["moe-s cap"]["params"] < rows["moe+shared-s"]["params"]
+    assert rows["dag-s L2"]["grouped_matmul"] in ("cpu_gmm", "ragged_dot")
+    assert all(r["estimate_s"] is None for r in rows.values())     # no GPU card on a CPU
     for row in rows.values():
         assert "error" not in row, row
         assert row["s_per_step"] > 0 and row["tokens_per_s"] == pytest.approx(
@@ -51,8 +56,25 @@ def test_the_accelerator_script_runs_at_micro_size(tmp_path, stdlib_corpus):
     assert f"{ratio:.4f}x" in out.stdout
     table = [line for line in out.stdout.splitlines()
              if line.startswith(("moe+shared-s ", "dag-s L2 ")) and " / " not in line]
+    rows.pop("moe-s cap")
     assert len(table) == 2 and all(f"{rows[name]['params']:,}" in line
                                    for name, line in zip(("moe+shared-s", "dag-s L2"), table))
     quality = {r["variant"]: r for r in report["quality"]["runs"]}
     assert set(quality) == {"moe", "moe_shared", "dag_l2"}
     assert all(0 < r["loss"] < 10 for r in quality.values())
+
+
+def test_gpu_check_runs_in_the_interpreters(tmp_path):
+    """benchmarks/gpu_check.py --interpret: the on-device numerics check, run by the kernels'
+    interpreters on CPU at a tiny shape (the Mosaic GPU kernels where this jax interprets
+    their backward pass)."""
+    out_json = tmp_path / "gpu_check.json"
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"),
+                          "--interpret", "--json", str(out_json)], env=single_device_env(),
+                         text=True, capture_output=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    report = json.loads(out_json.read_text())
+    checked = {r["kernel"]: r for r in report["numerics"]}
+    assert "triton" in checked and all(r["ok"] for r in checked.values())
+    assert all(0 < err < 3e-2 for r in checked.values() for err in r["errors"].values())
+    assert "triton tiny (512, 128, 128, 4): forward" in out.stdout

@@ -153,15 +153,17 @@ def _pad_rows(x: jax.Array, multiple: int) -> jax.Array:
     return jnp.pad(x, ((0, extra), (0, 0))) if extra else x
 
 
-def _triton_product(x, w, sizes, *, transpose_rhs: bool, interpret: bool):
+def triton_product(x, w, sizes, *, transpose_rhs: bool = False, interpret: bool = False,
+                   blocks: Optional[TritonBlocks] = None):
     """``x [M, C] @ w[g]`` ([G, C, N]) or, with ``transpose_rhs``, ``@ w[g]^T`` ([G, N, C]),
-    by :func:`_gmm_kernel`; rows past sum(sizes) are zeros."""
+    by :func:`_gmm_kernel` with ``blocks`` (default :func:`triton_blocks`'s; the GPU check
+    times others); rows past sum(sizes) are zeros. Not differentiable: the forward half."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
     m, c = x.shape
     groups = w.shape[0]
     n = w.shape[1] if transpose_rhs else w.shape[2]
-    blocks = triton_blocks(m, c, n, jnp.dtype(x.dtype).itemsize)
+    blocks = blocks or triton_blocks(m, c, n, jnp.dtype(x.dtype).itemsize)
     xp = _pad_rows(x, blocks.block_m)
     m_pad = xp.shape[0]
     plan = _tile_plan(sizes, m_pad, blocks.block_m)
@@ -177,13 +179,15 @@ def _triton_product(x, w, sizes, *, transpose_rhs: bool, interpret: bool):
     return out[:m] if m_pad != m else out
 
 
-def _triton_weight_grad(x, dy, sizes, *, interpret: bool):
-    """[G, K, N]: ``x_g^T @ dy_g`` per group by :func:`_tgmm_kernel`."""
+def triton_weight_grad(x, dy, sizes, *, interpret: bool = False,
+                       blocks: Optional[TritonBlocks] = None):
+    """[G, K, N]: ``x_g^T @ dy_g`` per group by :func:`_tgmm_kernel` with ``blocks`` (default
+    :func:`triton_weight_blocks`'s)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
     k, n = x.shape[1], dy.shape[1]
     groups = sizes.shape[0]
-    blocks = triton_weight_blocks(k, n, jnp.dtype(x.dtype).itemsize)
+    blocks = blocks or triton_weight_blocks(k, n, jnp.dtype(x.dtype).itemsize)
     xp, dyp = _pad_rows(x, blocks.block_m), _pad_rows(dy, blocks.block_m)
     ends = jnp.cumsum(sizes.astype(jnp.int32))
     kernel = functools.partial(_tgmm_kernel, blocks=blocks)
@@ -202,9 +206,9 @@ def _triton_weight_grad(x, dy, sizes, *, interpret: bool):
 @functools.lru_cache(maxsize=None)
 def _triton_impl(interpret: bool) -> Callable:
     return grouped_vjp(
-        functools.partial(_triton_product, transpose_rhs=False, interpret=interpret),
-        functools.partial(_triton_product, transpose_rhs=True, interpret=interpret),
-        functools.partial(_triton_weight_grad, interpret=interpret))
+        functools.partial(triton_product, transpose_rhs=False, interpret=interpret),
+        functools.partial(triton_product, transpose_rhs=True, interpret=interpret),
+        functools.partial(triton_weight_grad, interpret=interpret))
 
 
 def triton_grouped_matmul(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, *,

@@ -1,0 +1,257 @@
+"""The GPU grouped matmuls on the device, before anything else is timed: numerics, then tiles.
+
+    python benchmarks/gpu_check.py               # on a GPU (about 2 minutes)
+    python benchmarks/gpu_check.py --interpret   # on CPU: the numerics, in the kernels'
+                                                 # interpreters, at a tiny shape (about 30 s)
+
+1. **Numerics.** Each kernel the device runs (``'mgpu'`` on Hopper, ``'triton'`` on sm80 and
+   newer; both in ``--interpret``) computes the forward pass, the input gradient and the weight
+   gradient of dropless dispatch's grouped matmul at a skewed routing (expert g takes a share
+   of the rows proportional to 1 / (g + 1), expert 1 none, and 128 rows past ``sum(sizes)``,
+   an expert-parallel buffer's padding), in bfloat16, at the MoE-s and MoE-l expert shapes
+   (16 x 1,024 tokens x top-4 = 65,536 rows; d 512 x d_r 256 and d 1,024 x d_r 512; 32
+   experts). Each is compared with ``jax.lax.ragged_dot`` in float32: the largest error over
+   the reference's largest entry, which bfloat16 rounding keeps near 1e-2. Above
+   :data:`TOLERANCE` the kernel FAILED and the exit status is 1.
+2. **Tiles.** At the MoE-l shape, a handful of tile configurations of each kernel's forward and
+   weight gradient are timed (best of 5, each compiled first) beside ``ragged_dot``'s XLA
+   lowering and the library's own table (:mod:`dagmoe_jax.kernels.gpu_grouped_matmul`); the
+   fastest is printed with its TFLOP/s, to be written into that table.
+
+Every number also goes to JSON (``--json``; default ``$OUT/gpu_check.json`` where the
+environment sets ``OUT``, as the lent machine does, else runs/accelerator/gpu_check.json).
+``benchmarks/accelerator.py`` runs this first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dagmoe_jax.kernels import gpu_grouped_matmul as gpu  # noqa: E402
+from dagmoe_jax.kernels import mgpu_grouped_matmul as mgpu_lib  # noqa: E402
+from dagmoe_jax.kernels import triton_grouped_matmul as triton_lib  # noqa: E402
+
+TOLERANCE = 3e-2
+"""Largest error over the reference's largest entry that bfloat16 inputs and outputs allow."""
+SHAPES = {"s": (65536, 512, 256, 32), "l": (65536, 1024, 512, 32)}
+"""Expert shape name -> (rows M, d_model, expert hidden d_r, experts)."""
+INTERPRET_SHAPE = {"tiny": (512, 128, 128, 4)}
+PADDING = 128
+KERNELS = {"mgpu": gpu.mgpu_grouped_matmul, "triton": gpu.triton_grouped_matmul}
+
+
+def skewed_sizes(rows: int, groups: int, padding: int) -> np.ndarray:
+    """Rows per expert, proportional to 1 / (g + 1) with expert 1 empty, summing to
+    ``rows - padding``."""
+    share = 1.0 / (np.arange(groups) + 1.0)
+    share[1] = 0.0
+    sizes = np.floor(share / share.sum() * (rows - padding)).astype(np.int32)
+    sizes[0] += rows - padding - sizes.sum()
+    return sizes
+
+
+def kernels_for(device, interpret: bool) -> list:
+    """The kernels this device runs (both in the interpreters)."""
+    if interpret:
+        return list(KERNELS)
+    capability = tuple(int(p) for p in str(getattr(device, "compute_capability", "0.0"))
+                       .split(".")[:2])
+    return (["mgpu"] if capability[0] == 9 else []) + (
+        ["triton"] if capability >= (8, 0) else [])
+
+
+def relative_error(value, reference) -> float:
+    value, reference = (np.asarray(jnp.asarray(a, jnp.float32)) for a in (value, reference))
+    return float(np.max(np.abs(value - reference)) / max(np.max(np.abs(reference)), 1e-30))
+
+
+def numerics(name: str, shape, interpret: bool, seed: int = 0) -> dict:
+    """Forward, input and weight gradient of kernel ``name`` against float32 ragged_dot."""
+    m, d, h, e = shape
+    sizes = jnp.asarray(skewed_sizes(m, e, PADDING))
+    k = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(k[0], (m, d), jnp.bfloat16)
+    w = (jax.random.normal(k[1], (e, d, h), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
+    dy = jax.random.normal(k[2], (m, h), jnp.bfloat16)
+    fn = KERNELS[name]
+
+    @jax.jit
+    def kernel(x, w, dy):
+        y, vjp = jax.vjp(lambda a, b: fn(a, b, sizes, interpret=interpret), x, w)
+        return (y, *vjp(dy))
+
+    @jax.jit
+    def reference(x, w, dy):
+        x, w, dy = (a.astype(jnp.float32) for a in (x, w, dy))
+        y, vjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, sizes), x, w)
+        return (y, *vjp(dy))
+
+    got, want = kernel(x, w, dy), reference(x, w, dy)
+    errors = {part: relative_error(a, b) for part, a, b in zip(("forward", "input_grad",
+                                                                 "weight_grad"), got, want)}
+    padded = float(jnp.max(jnp.abs(got[0][m - PADDING:].astype(jnp.float32))))
+    return {"kernel": name, "shape": list(shape), "errors": errors, "padding_max": padded,
+            "ok": all(v <= TOLERANCE for v in errors.values()) and padded == 0.0}
+
+
+def best_time(fn, *args, repeats: int = 5) -> float:
+    """Best wall time of ``repeats`` calls of the jitted ``fn`` (compiled first)."""
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        tick = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - tick)
+    return best
+
+
+def candidates(name: str, role: str, n: int):
+    """Tile configurations to time for an output of ``n`` columns: (label, blocks), the
+    library's table first (None)."""
+    out = [("table", None)]
+    if name == "mgpu" and role == "forward":      # the snake visits 2 column tiles where n has
+        out += [(f"{bm}x{bn}x64 s{st}", mgpu_lib.MgpuBlocks(bm, bn, 64, st,
+                                                            2 if n >= 2 * bn else 1))
+                for bm in (64, 128) for bn in (128, 256) for st in (2, 4)]
+    elif name == "mgpu":
+        out += [(f"{bm}x{bn}x{bk} s{st}", mgpu_lib.MgpuBlocks(bm, bn, bk, st, 1))
+                for bm in (64, 128) for bn in (64, 128) for bk in (64, 128) for st in (2,)]
+    elif role == "forward":
+        out += [(f"{bm}x{bn}x{bk} w{wp}", triton_lib.TritonBlocks(bm, bn, bk, wp, 3))
+                for bm in (64, 128) for bn in (64, 128) for bk in (32, 64) for wp in (8,)]
+    else:
+        out += [(f"{bm}x{bk}x{bn} w{wp}", triton_lib.TritonBlocks(bm, bn, bk, wp, 3))
+                for bm in (32, 64) for bk in (64, 128) for bn in (64, 128) for wp in (4,)]
+    return out
+
+
+def product(name: str, role: str, blocks, sizes):
+    """The jitted forward or weight-gradient product of kernel ``name`` with ``blocks``."""
+    if name == "mgpu":
+        rd, trd = mgpu_lib._mgpu_modules()
+        if role == "forward":
+            return jax.jit(lambda x, w: rd.ragged_dot(
+                x, w, group_sizes=sizes, **(blocks or gpu.mgpu_blocks(
+                    x.shape[0], x.shape[1], w.shape[2])).kwargs()))
+        return jax.jit(lambda x, dy: trd.transposed_ragged_dot(
+            x, dy, group_sizes=sizes, **(blocks or gpu.mgpu_weight_blocks(
+                x.shape[1], dy.shape[1])).kwargs()))
+    if role == "forward":
+        return jax.jit(lambda x, w: triton_lib.triton_product(x, w, sizes, blocks=blocks))
+    return jax.jit(lambda x, dy: triton_lib.triton_weight_grad(x, dy, sizes, blocks=blocks))
+
+
+def tune(name: str, shape) -> dict:
+    """Time each candidate tile of kernel ``name``'s forward and weight gradient at ``shape``,
+    with ``ragged_dot`` beside them; returns the times and the fastest of each."""
+    m, d, h, e = shape
+    sizes = jnp.asarray(skewed_sizes(m, e, PADDING))
+    k = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(k[0], (m, d), jnp.bfloat16)
+    w = jax.random.normal(k[1], (e, d, h), jnp.bfloat16)
+    dy = jax.random.normal(k[2], (m, h), jnp.bfloat16)
+    flops = 2.0 * (m - PADDING) * d * h
+    result = {"kernel": name, "shape": list(shape), "flops": flops}
+    for role, args in (("forward", (x, w)), ("weight_grad", (x, dy))):
+        times = {}
+        for label, blocks in candidates(name, role, h):
+            try:
+                times[label] = best_time(product(name, role, blocks, sizes), *args)
+            except Exception as err:     # a tile that does not fit shared memory, say
+                times[label] = str(err).splitlines()[0][:120] if str(err) else repr(err)
+        timed = {k: v for k, v in times.items() if isinstance(v, float)}
+        best = min(timed, key=timed.get) if timed else None
+        result[role] = {"times": times, "best": best,
+                        "best_blocks": (dataclasses.asdict(dict(candidates(name, role, h))[best])
+                                        if best not in (None, "table") else best)}
+    return result
+
+
+def ragged_dot_times(shape) -> dict:
+    """XLA's ``ragged_dot`` (forward) and its weight gradient at ``shape``, for comparison."""
+    m, d, h, e = shape
+    sizes = jnp.asarray(skewed_sizes(m, e, PADDING))
+    k = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(k[0], (m, d), jnp.bfloat16)
+    w = jax.random.normal(k[1], (e, d, h), jnp.bfloat16)
+    dy = jax.random.normal(k[2], (m, h), jnp.bfloat16)
+    dims = jax.lax.RaggedDotDimensionNumbers((([0], [0]), ([], [])), [0], [])
+    forward = jax.jit(lambda x, w: jax.lax.ragged_dot(x, w, sizes))
+    weight = jax.jit(lambda x, dy: jax.lax.ragged_dot_general(x, dy, sizes, dims))
+    return {"forward": best_time(forward, x, w), "weight_grad": best_time(weight, x, dy)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--interpret", action="store_true",
+                   help="run the kernels in their interpreters (any backend), numerics only, "
+                        "at a tiny shape")
+    p.add_argument("--no_tune", action="store_true", help="numerics only")
+    p.add_argument("--json", default=None, help="where the JSON goes")
+    args = p.parse_args(argv)
+    device = jax.devices()[0]
+    names = kernels_for(device, args.interpret)
+    if not names:
+        print(f"no GPU grouped matmul runs on {device.device_kind} ({device.platform}): "
+              f"use --interpret on a CPU", file=sys.stderr)
+        return 2
+    interpret_bwd = tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 11)
+    report = {"device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
+              "interpret": args.interpret, "numerics": [], "tuning": []}
+    print(f"device: {device.device_kind} ({device.platform}); kernels: {', '.join(names)}"
+          f"{' (interpreted)' if args.interpret else ''}", flush=True)
+    shapes = INTERPRET_SHAPE if args.interpret else SHAPES
+    failed = False
+    for name in names:
+        for label, shape in shapes.items():
+            if args.interpret and name == "mgpu" and not interpret_bwd:
+                print(f"  {name} {label}: skipped (Mosaic GPU interprets its backward kernels "
+                      f"from jax 0.11 on; this is {jax.__version__})")
+                continue
+            row = numerics(name, shape, args.interpret)
+            report["numerics"].append(row)
+            failed |= not row["ok"]
+            print(f"  {name} {label} {tuple(shape)}: " + ", ".join(
+                f"{k} {v:.2e}" for k, v in row["errors"].items())
+                + f"; padding rows max {row['padding_max']:g}: "
+                + ("ok" if row["ok"] else "FAILED"), flush=True)
+    if not args.interpret and not args.no_tune:
+        shape = SHAPES["l"]
+        xla = ragged_dot_times(shape)
+        report["ragged_dot"] = xla
+        flops = 2.0 * (shape[0] - PADDING) * shape[1] * shape[2]
+        print(f"tiles at the l shape {shape}; ragged_dot (XLA): forward "
+              f"{xla['forward'] * 1e3:.2f} ms, weight gradient {xla['weight_grad'] * 1e3:.2f} ms")
+        for name in names:
+            row = tune(name, shape)
+            report["tuning"].append(row)
+            for role in ("forward", "weight_grad"):
+                times = row[role]["times"]
+                best = row[role]["best"]
+                shown = ", ".join(f"{k} {v * 1e3:.2f}" if isinstance(v, float) else f"{k} -"
+                                  for k, v in times.items())
+                rate = f"{flops / times[best] / 1e12:.0f} TFLOP/s" if best else "none ran"
+                print(f"  {name} {role} (ms): {shown}; best {best} ({rate})", flush=True)
+    path = Path(args.json or (Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT")
+                              else "runs/accelerator/gpu_check.json"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1, default=str))
+    print(f"wrote {path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -93,4 +93,5 @@ def test_compile_command_reports_an_h100(capsys):
     assert re.search(rf"of {CHIPS[gpu].hbm_bytes / 1e9:.2f} GB HBM", out), out
     assert f"{kernel} gmm" in out and f"{kernel} tgmm" in out
     assert re.search(r"MFU \d+\.\d%", out), out
-    assert "attention compiled as XLA's" in out
+    assert "attention compiled as the Pallas Triton flash kernel's in cuDNN's place" in out
+    assert "attention triton" in out

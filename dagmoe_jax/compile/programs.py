@@ -261,19 +261,21 @@ def cudnn_missing() -> bool:
         return True
 
 
-def deviceless_execution(train_cfg: TrainConfig, chip: Chip,
+def deviceless_execution(train_cfg: TrainConfig, chip: Chip, one_device: bool,
                          log: Callable[[str], None] = lambda _m: None) -> TrainConfig:
     """``train_cfg`` as it can be compiled for ``chip`` from this host: for a GPU target
     without cuDNN here, attention that would settle to cuDNN's flash kernel ('auto' or
-    'cudnn') is compiled as XLA's (cuDNN builds its kernels at compile time from the library
-    itself), which ``log`` says; anything else unchanged."""
+    'cudnn'; cuDNN builds its kernels at compile time from the library itself) is compiled as
+    the Pallas Triton flash kernel on one device (the same algorithm, no cuDNN), as XLA's
+    under a mesh; ``log`` says which. Anything else unchanged."""
     ex = train_cfg.execution
     if chip.platform != "gpu" or ex.attention not in ("auto", "cudnn") or not cudnn_missing():
         return train_cfg
-    log("attention compiled as XLA's: cuDNN's flash attention needs the cuDNN library at "
-        "compile time, which a host without a GPU lacks (a GPU run settles to it; this "
-        "program's attention costs more than that run's)")
-    return dataclasses.replace(train_cfg, execution=dataclasses.replace(ex, attention="xla"))
+    stand_in = "triton" if one_device else "xla"
+    log(f"attention compiled as {'the Pallas Triton flash kernel' if one_device else 'XLA'}'s"
+        f" in cuDNN's place: cuDNN's flash attention needs the cuDNN library at compile time, "
+        f"which a host without a GPU lacks (a GPU run settles to it)")
+    return dataclasses.replace(train_cfg, execution=dataclasses.replace(ex, attention=stand_in))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,7 +303,7 @@ def compile_run(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimCo
         raise ValueError(f"unknown program {sorted(unknown)[0]!r}: expected some of {PROGRAMS}")
     devices = list(mesh.devices.flat)
     chips = len(devices)
-    train_cfg = deviceless_execution(train_cfg, chip, log)
+    train_cfg = deviceless_execution(train_cfg, chip, chips == 1, log)
     shards = batch_shards(mesh)      # (grad_accum's split is checked by the step itself)
     if data_cfg.batch_size % shards:
         raise ValueError(f"DataConfig.batch_size={data_cfg.batch_size} does not split over the "

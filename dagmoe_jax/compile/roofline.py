@@ -161,13 +161,12 @@ def _grouped_matmul_flops(kernel: str, instruction: Instruction,
     return 0.0
 
 
+# custom-call targets of Pallas kernels on GPU -> the kernel library's name
 GPU_KERNEL_CALLS = {"mosaic_gpu_v2": "mgpu", "__gpu$xla.gpu.triton": "triton"}
-"""Custom-call targets of Pallas kernels on GPU -> the kernel library's name."""
 
 
 def gpu_kernel_family(target: str, instruction: Instruction, shapes: Dict[str, str]) -> str:
-    """A GPU Pallas kernel's name: '<library> gmm' for a grouped matmul ([M, N] out of [M, K]
-    and [G, K, N]), '<library> tgmm' for its weight gradient ([G, K, N] out of two [M, .])."""
+    """'<library> gmm' / 'tgmm' for a grouped matmul / its weight gradient, else its name."""
     library = GPU_KERNEL_CALLS[target]
     ranks = [len(shape_dims(shapes.get(o, ""))) for o in instruction.operands]
     out = len(shape_dims(instruction.shape))
@@ -175,7 +174,8 @@ def gpu_kernel_family(target: str, instruction: Instruction, shapes: Dict[str, s
         return f"{library} gmm"
     if out == 3 and ranks.count(2) >= 2:
         return f"{library} tgmm"
-    return library + " " + re.sub(r"[.]\d+$", "", instruction.name)
+    named = re.search(r'op_name="[^"]*?(?:\(|/)(\w+)/pallas_call"', instruction.attrs)
+    return f"{library} {named.group(1) if named else instruction.name.split('.')[0]}"
 
 
 def _mosaic_flops(kernel: str, instruction: Instruction, shapes: Dict[str, str],

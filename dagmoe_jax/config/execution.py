@@ -12,7 +12,7 @@ from dagmoe_jax.validate import (check as _check, choice as _choice,
                                  nonnegative_int as _nonnegative_int, positive as _positive)
 
 REMAT_POLICIES = ("auto", "none", "full", "dots")
-ATTENTION_IMPLS = ("auto", "xla", "blockwise", "fused", "cudnn", "splash")
+ATTENTION_IMPLS = ("auto", "xla", "blockwise", "fused", "cudnn", "triton", "splash")
 GROUPED_MATMULS = ("auto", "ragged_dot", "gmm", "cpu_gmm", "mgpu", "triton", "einsum")
 EXPERT_EXCHANGES = ("auto", "all_gather", "ragged_all_to_all")
 DAG_MODULES = ("auto", "xla", "xla_rank3", "fused")
@@ -35,8 +35,9 @@ class ExecutionConfig:
     attention: 'auto' (on CPU: the fused C++ kernel for float32 off-mesh when a C++ compiler
       is available, else blockwise; on GPU cuDNN for bfloat16 compute and head dims cuDNN takes,
       else XLA; on TPU splash), 'xla', 'blockwise', 'fused' (dagmoe_jax.kernels; CPU, float32,
-      single device), 'cudnn' or 'splash' (Pallas TPU kernel; sequences that are not a
-      multiple of 128 use XLA's attention).
+      single device), 'cudnn', 'triton' (JAX's Pallas Triton flash attention: GPUs sm80+,
+      single device, no cuDNN needed) or 'splash' (Pallas TPU kernel); 'triton' and 'splash'
+      run XLA's attention for sequences that are not a multiple of 128.
     grouped_matmul: how 'dropless' dispatch runs its experts: 'auto' (default: 'gmm' on TPU
       when d_model and the expert hidden size are multiples of 128; on GPU 'mgpu' on Hopper
       (sm90) and 'triton' on Ampere and newer (sm80+) where the dtype and dims allow, else

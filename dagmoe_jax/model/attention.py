@@ -14,6 +14,7 @@ from dagmoe_jax.config import ExecutionConfig, ModelConfig
 from dagmoe_jax.model.layers import dtype_of, make_param, normal
 from dagmoe_jax.model.segments import segment_mask
 from dagmoe_jax.kernels.attention import fused_causal_attention
+from dagmoe_jax.kernels.gpu_attention import triton_attention_supported, triton_causal_attention
 from dagmoe_jax.kernels.pallas import splash_causal_attention, splash_supported
 from dagmoe_jax.parallel import constrain
 from dagmoe_jax.parallel.axes import MeshLayout, logical_to_spec
@@ -163,21 +164,23 @@ def splash_shardable(q, k, layout: MeshLayout) -> bool:
 def causal_attention(q, k, v, impl: str, block: int, layout: Optional[MeshLayout] = None,
                      segment_ids: Optional[jax.Array] = None):
     """The causal attention kernel ``impl`` (a settled ``ExecutionConfig.attention``: 'blockwise',
-    'fused', 'xla', 'cudnn' or 'splash'; GQA: H a multiple of KV heads). 'splash' takes
-    sequences that are a multiple of its 128 block (training) and, on a mesh (``layout``),
-    batch and head counts its axes divide; other shapes (sampling prompts) run XLA's
-    attention.
+    'fused', 'xla', 'cudnn', 'triton' or 'splash'; GQA: H a multiple of KV heads). 'splash'
+    and 'triton' take sequences that are a multiple of their 128 block (training) and
+    'splash', on a mesh (``layout``), batch and head counts its axes divide; other shapes
+    (sampling prompts) run XLA's attention.
 
     ``segment_ids`` int32 [B, S] (packed examples; :mod:`dagmoe_jax.model.segments`): every
     implementation also masks keys of other segments: blockwise and the reference in their
     masks, 'fused' by the kernel's segmented entry points, 'splash' by the kernel's own
-    ``SegmentIds``, 'xla' and 'cudnn' by a [B, 1, S, S] ``mask`` beside ``is_causal`` (cuDNN
+    ``SegmentIds``, 'triton' by the flash kernel's segment ids, 'xla' and 'cudnn' by a [B, 1, S, S] ``mask`` beside ``is_causal`` (cuDNN
     takes it as an additive bias). None: exactly the unsegmented code of each.
     """
     if impl == "blockwise":
         return blockwise_causal_attention(q, k, v, block, segment_ids)
     if impl == "fused":
         return fused_causal_attention(q, k, v, segment_ids)
+    if impl == "triton" and triton_attention_supported(q.shape[1]):
+        return triton_causal_attention(q, k, v, segment_ids=segment_ids)
     if impl == "splash" and splash_supported(q.shape[1]):
         if layout is None:
             return splash_causal_attention(q, k, v, segment_ids=segment_ids)

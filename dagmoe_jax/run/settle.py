@@ -84,9 +84,10 @@ def settle_attention(name: str, backend: str, dtype, head_dim: int,
     most 128 (the shapes cuDNN's flash kernel takes on every GPU generation), else 'xla'
     (``why`` says why); 'splash' on TPU; else 'xla'. An explicit 'fused' under a multi-device
     mesh is a one-line ``ValueError``."""
-    if name == "fused" and layout is not None:
-        raise ValueError("ExecutionConfig.attention='fused' runs on a single device only; use "
-                         "'auto' or 'blockwise' under a device mesh")
+    if name in ("fused", "triton") and layout is not None:
+        raise ValueError(f"ExecutionConfig.attention={name!r} runs on a single device only; use "
+                         f"'auto' or {'blockwise' if name == 'fused' else 'cudnn'!r} under a "
+                         f"device mesh")
     if name != "auto":
         return name, ""
     if backend == "cpu":

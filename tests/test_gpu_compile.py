@@ -93,5 +93,39 @@ def test_compile_command_reports_an_h100(capsys):
     assert re.search(rf"of {CHIPS[gpu].hbm_bytes / 1e9:.2f} GB HBM", out), out
     assert f"{kernel} gmm" in out and f"{kernel} tgmm" in out
     assert re.search(r"MFU \d+\.\d%", out), out
+    assert re.search(r"DAG module: [\d.]+ ms of the estimate .* \d+ kernel launches", out), out
     assert "attention compiled as the Pallas Triton flash kernel's in cuDNN's place" in out
     assert "attention triton" in out
+
+
+SCOPED_HLO = """HloModule scoped, entry_computation_layout={()->f32[]}
+
+%fused_norm (p0: f32[1024,256]) -> f32[1024,256] {
+  %p0 = f32[1024,256]{1,0} parameter(0)
+  ROOT %neg = f32[1024,256]{1,0} negate(%p0), metadata={op_name="jit(step)/jvp()/dag_module/sub"}
+}
+
+ENTRY %main (x: f32[1024,256], w: f32[256,256]) -> f32[1024,256] {
+  %x = f32[1024,256]{1,0} parameter(0)
+  %w = f32[256,256]{1,0} parameter(1)
+  %norm = f32[1024,256]{1,0} fusion(%x), kind=kLoop, calls=%fused_norm
+  %proj = f32[1024,256]{1,0} dot(%norm, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/jvp()/dag_module/dot_general"}
+  ROOT %out = f32[1024,256]{1,0} dot(%proj, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/jvp()/dot_general"}
+}
+"""
+
+
+def test_scope_cost_counts_the_dag_modules_instructions():
+    """The fusion whose fused instruction carries the scope and the scoped dot are the
+    module's; the last dot is not."""
+    from dagmoe_jax.compile.roofline import program_cost
+    from dagmoe_jax.compile.scopes import scope_cost
+    chip = CHIPS["h100"]
+    part, whole = scope_cost(SCOPED_HLO, chip), program_cost(SCOPED_HLO, chip, 1)
+    rows = 1024 * 256 * 4
+    assert part.launches == 2
+    assert part.matmul_flops == 2 * 1024 * 256 * 256 == whole.matmul_flops / 2
+    assert part.hbm_bytes == 2 * rows + (2 * rows + 256 * 256 * 4)     # fusion; dot's io
+    assert 0 < part.seconds < whole.compute_seconds
+    assert part.at_peak(chip) == part.matmul_flops / chip.peak_flops
+    assert scope_cost(SCOPED_HLO, chip, "moe").launches == 0

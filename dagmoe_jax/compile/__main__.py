@@ -100,6 +100,11 @@ def describe(name: str, report, chip, topology: str, mesh_label: str) -> str:
     if d["kernels"]:
         lines.append("  kernels: " + ", ".join(
             f"{k} {v}" for k, v in sorted(d["kernels"].items())))
+    if d["dag_module"]:
+        dag = d["dag_module"]
+        lines.append(f"  DAG module: {dag['seconds'] * 1e3:.2f} ms of the estimate (its matmuls "
+                     f"at peak: {dag['seconds_at_peak'] * 1e3:.2f} ms), {gb(dag['hbm_bytes'])} "
+                     f"of HBM traffic, {dag['launches']} kernel launches")
     lines.append(f"  estimate: {e['seconds'] * 1e3:.2f} ms (compute {e['compute_seconds'] * 1e3:.2f}"
                  f" + collectives {e['collective_seconds'] * 1e3:.2f}; overlapped "
                  f"{e['overlapped_seconds'] * 1e3:.2f}): {e['tokens_per_second']:,.0f} tokens/s, "

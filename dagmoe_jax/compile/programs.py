@@ -26,7 +26,7 @@ import dataclasses
 import math
 import re
 import time
-from typing import Callable, Dict, Iterator, Sequence, Tuple
+from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from dagmoe_jax.compile.chips import Chip
 from dagmoe_jax.compile.roofline import Cost, program_cost
+from dagmoe_jax.compile.scopes import DAG_MODULE, ScopeCost, scope_cost
 from dagmoe_jax.config import ExecutionConfig, ModelConfig, experts_of
 from dagmoe_jax.kernels.gpu_grouped_matmul import mosaic_gpu_target
 from dagmoe_jax.data import DataConfig
@@ -79,6 +80,7 @@ class ProgramReport:
     model_flops: float           # model.accounting's FLOPs per chip (train: 3x forward)
     cost: Cost
     hlo: str = dataclasses.field(repr=False, default="")
+    dag_module: Optional[ScopeCost] = None    # the DAG module's share (compile/scopes.py)
 
     @property
     def total_bytes(self) -> float:
@@ -112,6 +114,9 @@ class ProgramReport:
                          "mfu": (self.model_flops / (seconds * chip.peak_flops)
                                  if seconds else 0.0)},
             "slowest": [[s, what] for s, what in self.cost.slowest],
+            "dag_module": (None if self.dag_module is None else
+                           {**dataclasses.asdict(self.dag_module),
+                            "seconds_at_peak": self.dag_module.at_peak(chip)}),
         }
 
 
@@ -248,7 +253,8 @@ def _report(name: str, compiled, seconds: float, tokens: int, state: float, mode
         code_bytes=float(memory.generated_code_size_in_bytes),
         compiler_flops=float(analysis.get("flops", 0.0)),
         compiler_bytes=float(analysis.get("bytes accessed", 0.0)),
-        model_flops=model_flops, cost=cost, hlo=text if keep_hlo else "")
+        model_flops=model_flops, cost=cost, hlo=text if keep_hlo else "",
+        dag_module=scope_cost(text, chip) if f"/{DAG_MODULE}/" in text else None)
 
 
 def cudnn_missing() -> bool:

@@ -274,6 +274,12 @@ class DAGAggregator(nnx.Module):
         self.iterations = make(rngs)
 
     def __call__(self, x, gates, expert_out):
+        # the compiled program's instructions carry the module's name (compile/roofline.py
+        # attributes the DAG module's kernels by it)
+        with jax.named_scope("dag_module"):
+            return self._aggregate(x, gates, expert_out)
+
+    def _aggregate(self, x, gates, expert_out):
         updates, residual = dag_initial_nodes(x, gates, expert_out)              # eq. 6
         record = self.record_intermediates
         options = dict(edge_act=self.edge_act, eps=self.eps, edges=self.edges,

@@ -1,4 +1,4 @@
-"""The paper's models compiled by the TPU compiler on this host, side by side.
+"""The paper's models compiled by the TPU or GPU compiler on this host, side by side.
 
 Each row runs ``python -m dagmoe_jax.compile`` in its own process (the training step only) and
 reads its JSON: per-chip HBM, the compiler's flops and bytes, collective bytes, and the
@@ -10,6 +10,8 @@ same model and topology (the paper's parity baseline: DAG-MoE L 2 measured +4.49
         --mesh "data=2,expert=2" --mesh "data=1,fsdp=2,expert=2"    # the paper's batch, v5p-8
     python benchmarks/tpu_compile.py --models s m --batch 256 --binding TrainConfig.grad_accum=8
     python benchmarks/tpu_compile.py --models l --variants moe --hlo_dir /tmp/hlo   # keep the HLO
+    python benchmarks/tpu_compile.py --topology h100 --models s l --batch 16 --seq 1024 \
+        --mesh data=1 --binding ExecutionConfig.remat=dots     # one H100, gpu.gin's remat
 
 The paper's batches are 256 (s, m) and 512 (l) sequences of 2,048 tokens; on v5p-8 they run as
 micro-batches of 32 (``TrainConfig.grad_accum``). Compiling the l model's training step took
@@ -35,6 +37,12 @@ VARIANTS = {
     "moe+shared": ["variants/moe_shared_g128_l2.gin"],
     "dag L2": ["variants/dag_g128_l2.gin"],
     "coe": ["variants/coe_g128_l2.gin"],
+    "moe cap": ["variants/moe.gin"],
+    "moe ragged": ["variants/moe.gin"],
+}
+VARIANT_BINDINGS = {
+    "moe cap": ["ExpertConfig.dispatch='capacity'"],          # drops tokens: the speed to beat
+    "moe ragged": ["ExecutionConfig.grouped_matmul='ragged_dot'"],   # XLA's lowering
 }
 
 
@@ -53,6 +61,7 @@ def run_row(model: str, variant: str, topology: str, batch: int, seq: int, mesh:
     bindings = ["--gin.ModelConfig.compute_dtype='bfloat16'",
                 f"--gin.DataConfig.batch_size={batch}", f"--gin.DataConfig.seq_len={seq}"]
     bindings += [f"--gin.MeshConfig.{axis}={size}" for axis, size in parse_mesh(mesh).items()]
+    bindings += [f"--gin.{b}" for b in VARIANT_BINDINGS.get(variant, ())]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
         cmd = [sys.executable, "-m", "dagmoe_jax.compile", f"--gin_file=models/{model}.gin",
@@ -75,7 +84,8 @@ def run_row(model: str, variant: str, topology: str, batch: int, seq: int, mesh:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=["s", "m", "l"])
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=["moe", "moe+shared", "dag L2", "coe"],
+                   choices=list(VARIANTS))
     p.add_argument("--topology", default="v5p:2x2x1")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq", type=int, default=2048)
@@ -92,7 +102,7 @@ def main(argv=None) -> int:
     rows = []
     print(f"{'model':<6}{'variant':<12}{'mesh':<26}{'GB/chip':>8}{'state':>7}{'TFLOP':>8}"
           f"{'comp.TF':>8}{'GB acc':>8}{'coll GB':>8}{'ms/step':>9}{'tok/s':>10}{'MFU':>7}"
-          f"{'ratio':>7}{'wall s':>7}", flush=True)
+          f"{'ratio':>7}{'DAG ms':>8}{'launch':>7}{'wall s':>7}", flush=True)
     for model in args.models:
         baseline = {}
         for mesh in meshes:
@@ -109,15 +119,18 @@ def main(argv=None) -> int:
                 if variant == "moe+shared":
                     baseline[mesh] = e["seconds"]
                 ratio = (f"{e['seconds'] / baseline[mesh]:.3f}" if mesh in baseline else "")
+                dag = t.get("dag_module") or {}
+                dag_ms = f"{dag['seconds'] * 1e3:.2f}" if dag else ""
+                launches = str(dag.get("launches", ""))
                 print(f"{model:<6}{variant:<12}{mesh:<26}{m['total'] / 1e9:>8.1f}"
                       f"{m['state'] / 1e9:>7.1f}{f['roofline_matmul'] / 1e12:>8.2f}"
                       f"{f['compiler'] / 1e12:>8.2f}"
                       f"{t['bytes_accessed_per_chip']['roofline_hbm'] / 1e9:>8.1f}"
                       f"{coll / 1e9:>8.2f}{e['seconds'] * 1e3:>9.1f}"
                       f"{e['tokens_per_second']:>10,.0f}{e['mfu']:>7.1%}{ratio:>7}"
-                      f"{r['wall']:>7.0f}", flush=True)
-    libtpu = next((r.get("libtpu") for r in rows if "libtpu" in r), "unknown")
-    print(f"topology {args.topology}, batch {args.batch} x {args.seq}, bf16, libtpu {libtpu}"
+                      f"{dag_ms:>8}{launches:>7}{r['wall']:>7.0f}", flush=True)
+    compiler = next((r.get("compiler") for r in rows if "compiler" in r), "unknown")
+    print(f"topology {args.topology}, batch {args.batch} x {args.seq}, bf16, {compiler}"
           f"{', XLA_FLAGS=' + env_note if env_note else ''}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1, default=float))

@@ -191,7 +191,7 @@ def _run(args) -> int:
         Path(args.json).write_text(json.dumps({
             "topology": args.topology, "num_slices": args.num_slices, "chip": chip.name,
             "chips": len(devices), "mesh": dict(mesh.shape),
-            "compiler": _compiler_version(chip), "programs": {n: r.as_dict(chip)
+            "libtpu": _libtpu_version(), "compiler": _compiler_version(chip), "programs": {n: r.as_dict(chip)
                                                       for n, r in reports.items()}},
             indent=1, default=float))
     unfit = [n for n, r in reports.items() if r.total_bytes > chip.hbm_bytes]

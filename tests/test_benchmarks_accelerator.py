@@ -35,7 +35,8 @@ def test_the_accelerator_script_runs_at_micro_size(tmp_path, stdlib_corpus):
     # the quality run's corpus, built once for the run (conftest.stdlib_corpus)
     stdlib_corpus(out_json.parent / "accelerator_runs" / "corpus")
     cmd = [sys.executable, str(ROOT / "benchmarks" / "accelerator.py"), "--micro",
-           "--variants", "moe+shared-s", "dag-s L2", "moe-s cap", "--json", str(out_json)]
+           "--variants", "moe+shared-s", "dag-s L2", "moe-s cap", "--quality_seeds", "2",
+           "--json", str(out_json)]
     out = subprocess.run(cmd, env=env, text=True, capture_output=True, timeout=900,
                          cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -59,9 +60,12 @@ def test_the_accelerator_script_runs_at_micro_size(tmp_path, stdlib_corpus):
     rows.pop("moe-s cap")
     assert len(table) == 2 and all(f"{rows[name]['params']:,}" in line
                                    for name, line in zip(("moe+shared-s", "dag-s L2"), table))
-    quality = {r["variant"]: r for r in report["quality"]["runs"]}
-    assert set(quality) == {"moe", "moe_shared", "dag_l2"}
-    assert all(0 < r["loss"] < 10 for r in quality.values())
+    quality = report["quality"]
+    assert quality["seeds_run"] == 2
+    assert sorted((r["variant"], r["seed"]) for r in quality["runs"]) == [
+        (v, s) for v in ("dag_l2", "moe", "moe_shared") for s in (0, 1)]
+    assert all(0 < r["loss"] < 10 for r in quality["runs"])
+    assert all(quality["summary"][v]["seeds"] == 2 for v in ("moe", "moe_shared", "dag_l2"))
 
 
 def test_gpu_check_runs_in_the_interpreters(tmp_path):

@@ -45,9 +45,14 @@ def test_pins_match_requirements():
     assert declared == requirements
     peer = _pins((REPO / "benchmarks/requirements-peer.txt").read_text().splitlines())
     assert _pins(extras["peer"]) == peer
-    assert _pins(extras["gpu"]) == {"jax[cuda12]": requirements["jax"]}
+    assert _pins(extras["gpu"]) == {"jax[cuda13]": requirements["jax"]}
+    # requirements-tpu.txt: the deviceless compilers, TPU (the [tpu] extra) and CUDA 13; the GPU
+    # compiler is the plain plugin (no [with-cuda] extra: no nvidia-* runtime wheels)
     tpu = _pins((REPO / "requirements-tpu.txt").read_text().splitlines())
-    assert _pins(extras["tpu"]) == tpu == {"jax[tpu]": requirements["jax"]}
+    assert _pins(extras["tpu"]) == {"jax[tpu]": requirements["jax"]}
+    assert {name: tpu[name] for name in tpu if name != "absl-py"} == {
+        "jax[tpu]": requirements["jax"], "jax-cuda13-plugin": requirements["jax"],
+        "jax-cuda13-pjrt": requirements["jax"]}
     assert "wandb" in _pins(extras["wandb"]) and "wandb" not in requirements
     # the harness extra brings IFEval's checkers too (lm-eval's own [ifeval] extra)
     assert _pins(extras["harness"]) == {"lm-eval[ifeval]": requirements["lm-eval"]}

@@ -46,13 +46,15 @@ def test_pins_match_requirements():
     peer = _pins((REPO / "benchmarks/requirements-peer.txt").read_text().splitlines())
     assert _pins(extras["peer"]) == peer
     assert _pins(extras["gpu"]) == {"jax[cuda13]": requirements["jax"]}
-    # requirements-tpu.txt: the deviceless compilers, TPU (the [tpu] extra) and CUDA 13; the GPU
-    # compiler is the plain plugin (no [with-cuda] extra: no nvidia-* runtime wheels)
-    tpu = _pins((REPO / "requirements-tpu.txt").read_text().splitlines())
-    assert _pins(extras["tpu"]) == {"jax[tpu]": requirements["jax"]}
-    assert {name: tpu[name] for name in tpu if name != "absl-py"} == {
-        "jax[tpu]": requirements["jax"], "jax-cuda13-plugin": requirements["jax"],
-        "jax-cuda13-pjrt": requirements["jax"]}
+    # requirements-tpu.txt: the deviceless compilers, TPU (the [tpu] extra) and, through
+    # requirements-gpu-compile.txt, CUDA 13: the plain plugin (no [with-cuda] extra: no nvidia-*)
+    tpu = (REPO / "requirements-tpu.txt").read_text().splitlines()
+    assert "-r requirements-gpu-compile.txt" in tpu
+    tpu = _pins(line for line in tpu if not line.startswith("-r "))
+    assert _pins(extras["tpu"]) == tpu == {"jax[tpu]": requirements["jax"]}
+    gpu_compile = _pins((REPO / "requirements-gpu-compile.txt").read_text().splitlines())
+    assert {name: gpu_compile[name] for name in gpu_compile if name != "absl-py"} == {
+        "jax-cuda13-plugin": requirements["jax"], "jax-cuda13-pjrt": requirements["jax"]}
     assert "wandb" in _pins(extras["wandb"]) and "wandb" not in requirements
     # the harness extra brings IFEval's checkers too (lm-eval's own [ifeval] extra)
     assert _pins(extras["harness"]) == {"lm-eval[ifeval]": requirements["lm-eval"]}

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from conftest import tiny_config
-from dagmoe_jax.compile import roofline
+from dagmoe_jax.compile import kernel_costs, roofline
 from dagmoe_jax.compile.chips import CHIPS, parse_topology, tpu_compiler_missing
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.config import ExecutionConfig
@@ -390,14 +390,23 @@ def test_grouped_matmul_flops_from_shapes():
                        'custom_call_target="tpu_custom_call"', shapes)
     tgmm = _instruction('ROOT %tgmm.1 = bf16[16,1024,256]{2,1,0} custom-call(%xt, %dy, %g), '
                         'custom_call_target="tpu_custom_call"', shapes)
-    assert roofline._mosaic_flops("gmm", gmm, shapes) == 2 * 512 * 1024 * 256
-    assert roofline._mosaic_flops("tgmm", tgmm, shapes, 0.5) == 512 * 1024 * 256
+    assert kernel_costs.mosaic_flops("gmm", gmm, shapes) == 2 * 512 * 1024 * 256
+    assert kernel_costs.mosaic_flops("tgmm", tgmm, shapes, 0.5) == 512 * 1024 * 256
+    # jax 0.11 names the calls tpu_custom_call.N: megablox is told by its five int32
+    # metadata operands and its result's rank
+    meta = {f"m{i}": "s32[16]" for i in range(5)}
+    named = {**shapes, **meta}
+    operands = ", ".join(f"%m{i}" for i in range(5))
+    anonymous = _instruction(f'ROOT %tpu_custom_call.7 = bf16[16,1024,256]{{2,1,0}} custom-call('
+                             f'{operands}, %xt, %dy), custom_call_target="tpu_custom_call"', named)
+    assert kernel_costs.megablox_family(anonymous, named) == "tgmm"
+    assert kernel_costs.megablox_family(gmm, shapes) is None
 
 
 def test_kernel_families():
-    assert roofline.kernel_family("transpose_jvp_jit_tgmm___") == "tgmm"
-    assert roofline.kernel_family("jvp_jit_gmm__") == "gmm"
-    assert roofline.kernel_family("splash_mha_dkv_no_residuals") == "splash_mha_dkv"
+    assert kernel_costs.kernel_family("transpose_jvp_jit_tgmm___") == "tgmm"
+    assert kernel_costs.kernel_family("jvp_jit_gmm__") == "gmm"
+    assert kernel_costs.kernel_family("splash_mha_dkv_no_residuals") == "splash_mha_dkv"
 
 
 def test_search_reuses_cached_outcomes(tmp_path):

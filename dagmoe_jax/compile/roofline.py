@@ -62,6 +62,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from dagmoe_jax.compile.chips import Chip
 from dagmoe_jax.compile.hlo import (ARRAY, Instruction, attr, backend_config, constant_value,
                                     group_size, parse_module, shape_bytes, shape_dims)
+from dagmoe_jax.compile.kernel_costs import (GPU_KERNEL_CALLS, KNOWN_TPU_KERNELS,
+                                             grouped_matmul_flops, gpu_kernel_family,
+                                             kernel_family, megablox_family, mosaic_flops)
 
 COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute",
                "ragged-all-to-all")
@@ -128,80 +131,6 @@ def dot_flops(instruction: Instruction, shapes: Dict[str, str]) -> float:
     contracted = math.prod(lhs[int(d)] for d in dims.split(",")
                            if d.strip() and int(d) < len(lhs))
     return 2.0 * out * contracted
-
-
-def _splash_flops(kernel: str, instruction: Instruction, shapes: Dict[str, str]) -> float:
-    """Splash attention's FLOPs from its query operand [B, H, S, D] (module docstring)."""
-    factor = 8.0 if "dkv" in kernel else 6.0 if "dq" in kernel else 4.0
-    query = next((dims for dims in (shape_dims(shapes.get(o, "")) for o in instruction.operands)
-                  if len(dims) == 4), None)
-    if query is None:
-        return 0.0
-    b, h, s, d = query
-    blocks = max(1, s // 128)
-    return factor * b * h * s * s * d * (blocks + 1) / (2 * blocks)
-
-
-def _grouped_matmul_flops(kernel: str, instruction: Instruction,
-                          shapes: Dict[str, str]) -> float:
-    """A grouped matmul's FLOPs from its shapes, for kernels that carry no cost estimate:
-    ``gmm`` lhs [M, K] x rhs [G, K, N] -> [M, N] is ``2 M K N``; ``tgmm`` lhs [K, M] (or
-    [M, K]) x [M, N] -> [G, K, N] is ``2 K M N``, M the dimension its two matrices share."""
-    matrices = [d for d in (shape_dims(shapes.get(o, "")) for o in instruction.operands)
-                if len(d) == 2]
-    out = shape_dims(instruction.shape)
-    if kernel == "gmm" and matrices and len(out) == 2:
-        lhs = next((m for m in matrices if m[0] == out[0]), matrices[0])
-        return 2.0 * out[0] * out[1] * lhs[1]
-    if kernel == "tgmm" and len(matrices) >= 2 and len(out) == 3:
-        if matrices[0][0] == matrices[1][0]:          # x [M, K] and dy [M, N]: the GPU kernels'
-            return 2.0 * out[1] * out[2] * matrices[0][0]
-        shared = set(matrices[0]) & set(matrices[1])
-        return 2.0 * out[1] * out[2] * max(shared) if shared else 0.0
-    return 0.0
-
-
-# custom-call targets of Pallas kernels on GPU -> the kernel library's name
-GPU_KERNEL_CALLS = {"mosaic_gpu_v2": "mgpu", "__gpu$xla.gpu.triton": "triton"}
-
-
-def gpu_kernel_family(target: str, instruction: Instruction, shapes: Dict[str, str]) -> str:
-    """'<library> gmm' / 'tgmm' for a grouped matmul / its weight gradient, else its name."""
-    library = GPU_KERNEL_CALLS[target]
-    ranks = [len(shape_dims(shapes.get(o, ""))) for o in instruction.operands]
-    out = len(shape_dims(instruction.shape))
-    if out == 2 and 3 in ranks and 2 in ranks:
-        return f"{library} gmm"
-    if out == 3 and ranks.count(2) >= 2:
-        return f"{library} tgmm"
-    named = re.search(r'op_name="[^"]*?(?:\(|/)(\w+)/pallas_call"', instruction.attrs)
-    return f"{library} {named.group(1) if named else instruction.name.split('.')[0]}"
-
-
-def _mosaic_flops(kernel: str, instruction: Instruction, shapes: Dict[str, str],
-                  gmm_occupancy: float = 1.0) -> float:
-    """A Mosaic kernel's FLOPs: its cost estimate's (``"flops": ...`` in its backend config),
-    else a grouped matmul's or splash's from its shapes, else 0; ``gmm`` and ``tgmm`` times
-    ``gmm_occupancy``."""
-    estimate = re.search(r'"flops"\s*:\s*"?(\d+)', instruction.attrs)
-    if kernel in ("gmm", "tgmm"):
-        flops = (float(estimate.group(1)) if estimate
-                 else _grouped_matmul_flops(kernel, instruction, shapes))
-        return flops * gmm_occupancy
-    if estimate:
-        return float(estimate.group(1))
-    return _splash_flops(kernel, instruction, shapes) if "splash" in kernel else 0.0
-
-
-def kernel_family(name: str) -> str:
-    """A Mosaic kernel's name without the wrappers' prefixes and numbering: 'gmm', 'tgmm',
-    'splash_mha_fwd', 'splash_mha_dq', 'splash_mha_dkv', else the name as compiled."""
-    if "tgmm" in name:
-        return "tgmm"
-    if "gmm" in name:
-        return "gmm"
-    m = re.search(r"splash_mha_(fwd|dq|dkv)", name)
-    return f"splash_mha_{m.group(1)}" if m else re.sub(r"\.\d+$", "", name)
 
 
 @dataclasses.dataclass
@@ -390,15 +319,17 @@ class _Walker:
                 attr(ins.attrs, "custom_call_target") or ""):
             m = re.search(r'kernel_name="?([\w]+)', ins.attrs)
             kernel = kernel_family(m.group(1) if m else ins.name)
+            if kernel not in KNOWN_TPU_KERNELS:     # jax 0.11 names megablox tpu_custom_call.N
+                kernel = megablox_family(ins, shapes) or kernel
             cost.kernels[kernel] = cost.kernels.get(kernel, 0) + int(times)
-            flops = _mosaic_flops(kernel, ins, shapes, self.gmm_occupancy)
+            flops = mosaic_flops(kernel, ins, shapes, self.gmm_occupancy)
         elif ins.op == "custom-call" and (attr(ins.attrs, "custom_call_target") or ""
                                           ).strip('"') in GPU_KERNEL_CALLS:
             kernel = gpu_kernel_family(attr(ins.attrs, "custom_call_target").strip('"'), ins,
                                        shapes)
             cost.kernels[kernel] = cost.kernels.get(kernel, 0) + int(times)
             family = kernel.split(" ")[-1]
-            flops = (_grouped_matmul_flops(family, ins, shapes) * self.gmm_occupancy
+            flops = (grouped_matmul_flops(family, ins, shapes) * self.gmm_occupancy
                      if family in ("gmm", "tgmm") else 0.0)
         seconds = max(flops / self.chip.peak_flops, nbytes / self.chip.hbm_bandwidth)
         cost.compute_seconds += seconds * times

@@ -6,7 +6,8 @@ sorted by group, group g's ``sizes[g]`` rows are multiplied by ``rhs[g]`` [K, N]
 than a GEMM of the same FLOPs; this runs one register-blocked GEMM per group instead, in a
 custom call per product: the forward pass (``lhs_g @ rhs[g]``), the input gradient
 (``dy_g @ rhs[g]^T``) and the weight gradient (``lhs_g^T @ dy_g`` per group, zero for an
-empty group), tied together by a custom VJP. ``ExecutionConfig.grouped_matmul='cpu_gmm'``.
+empty group), tied together by the custom VJP the GPU kernels share (:mod:`.grouped_vjp`).
+``ExecutionConfig.grouped_matmul='cpu_gmm'``.
 
 :func:`cpu_dense_matmul` is a dense layer ``x @ w`` whose weight gradient ``x^T dy`` runs in the
 same kernel file: XLA:CPU contracts thousands of rows into a small [K, N] at 40-70% of its
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from dagmoe_jax.kernels.build import compiler, is_built, load_ffi_targets
+from dagmoe_jax.kernels.grouped_vjp import check_operands, grouped_vjp
 
 SOURCE = Path(__file__).with_name("grouped_matmul.cc")
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
@@ -57,12 +59,7 @@ def grouped_matmul_unavailable(backend: Optional[str] = None) -> Optional[str]:
 
 def _check(lhs, rhs, sizes) -> None:
     """One-line ValueError for operands the kernel cannot take."""
-    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
-        raise ValueError(f"grouped matmul: expected lhs [M, K] and rhs [G, K, N], got "
-                         f"{tuple(lhs.shape)} and {tuple(rhs.shape)}")
-    if tuple(sizes.shape) != (rhs.shape[0],) or not jnp.issubdtype(sizes.dtype, jnp.integer):
-        raise ValueError(f"grouped matmul: sizes must be integer [G] = [{rhs.shape[0]}], got "
-                         f"{sizes.dtype} {tuple(sizes.shape)}")
+    check_operands("CPU", lhs, rhs, sizes)
     for name, x in (("lhs", lhs), ("rhs", rhs)):
         if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
             raise ValueError(f"grouped matmul: {name} is {jnp.dtype(x.dtype).name}; the CPU "
@@ -90,24 +87,20 @@ def cpu_grouped_matmul(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.
     return _gmm(lhs, rhs, sizes)
 
 
-@jax.custom_vjp
-def _gmm(lhs, rhs, sizes):
+def _gmm_forward(lhs, rhs, sizes):
     out_dtype = jnp.result_type(lhs.dtype, rhs.dtype)
     return _call("dagmoe_gmm", (lhs.shape[0], rhs.shape[2]), lhs, rhs, sizes).astype(out_dtype)
 
 
-def _gmm_fwd(lhs, rhs, sizes):
-    return _gmm(lhs, rhs, sizes), (lhs, rhs, sizes)
+def _gmm_input_grad(dy, rhs, sizes):
+    return _call("dagmoe_gmm_t", (dy.shape[0], rhs.shape[1]), dy, rhs, sizes)
 
 
-def _gmm_bwd(res, dy):
-    lhs, rhs, sizes = res
-    dlhs = _call("dagmoe_gmm_t", lhs.shape, dy, rhs, sizes).astype(lhs.dtype)
-    drhs = _call("dagmoe_tgmm", rhs.shape, lhs, dy, sizes).astype(rhs.dtype)
-    return dlhs, drhs, None
+def _gmm_weight_grad(lhs, dy, sizes):
+    return _call("dagmoe_tgmm", (sizes.shape[0], lhs.shape[1], dy.shape[1]), lhs, dy, sizes)
 
 
-_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+_gmm = grouped_vjp(_gmm_forward, _gmm_input_grad, _gmm_weight_grad)
 
 
 def cpu_dense_matmul(x: jax.Array, w: jax.Array) -> jax.Array:

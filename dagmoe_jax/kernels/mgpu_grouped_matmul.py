@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Optional
 import jax
 import jax.numpy as jnp
 
-from dagmoe_jax.kernels.grouped_vjp import check_operands, grouped_vjp, valid_rows
+from dagmoe_jax.kernels.grouped_vjp import checked_call, grouped_vjp, valid_rows
 
 H100_SMS = 132
 """Streaming multiprocessors of an H100 / H200 SXM: the persistent grid of the Mosaic GPU
@@ -180,9 +180,4 @@ def mgpu_grouped_matmul(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, *,
     past ``sum(sizes)`` give zeros. 16-bit operands (cast to their common type), K and N
     multiples of :data:`MGPU_DIM`. Differentiable in lhs and rhs; ``interpret`` runs the
     kernels in Mosaic GPU's interpreter (any backend)."""
-    check_operands("mgpu", lhs, rhs, sizes)
-    dtype = jnp.result_type(lhs.dtype, rhs.dtype)
-    reason = mgpu_unsupported(lhs.shape[1], rhs.shape[2], dtype)
-    if reason:
-        raise ValueError(f"{reason}: use ExecutionConfig.grouped_matmul='ragged_dot'")
-    return _mgpu_impl(interpret)(lhs.astype(dtype), rhs.astype(dtype), sizes)
+    return checked_call("mgpu", mgpu_unsupported, _mgpu_impl(interpret), lhs, rhs, sizes)

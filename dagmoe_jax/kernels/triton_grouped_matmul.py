@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dagmoe_jax.kernels.grouped_vjp import check_operands, grouped_vjp
+from dagmoe_jax.kernels.grouped_vjp import checked_call, grouped_vjp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,9 +219,4 @@ def triton_grouped_matmul(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, *,
     common type (float32 or 16-bit), K and N multiples of :data:`TRITON_DIM`; accumulation in
     float32. Differentiable in lhs and rhs; ``interpret`` runs the kernels in the Pallas
     interpreter (any backend)."""
-    check_operands("triton", lhs, rhs, sizes)
-    dtype = jnp.result_type(lhs.dtype, rhs.dtype)
-    reason = triton_unsupported(lhs.shape[1], rhs.shape[2], dtype)
-    if reason:
-        raise ValueError(f"{reason}: use ExecutionConfig.grouped_matmul='ragged_dot'")
-    return _triton_impl(interpret)(lhs.astype(dtype), rhs.astype(dtype), sizes)
+    return checked_call("triton", triton_unsupported, _triton_impl(interpret), lhs, rhs, sizes)

@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dagmoe_jax.kernels import gpu_grouped_matmul as gpu  # noqa: E402
 from dagmoe_jax.kernels import mgpu_grouped_matmul as mgpu_lib  # noqa: E402
 from dagmoe_jax.kernels import triton_grouped_matmul as triton_lib  # noqa: E402
+from dagmoe_jax.run.settle import gpu_capability  # noqa: E402
 
 TOLERANCE = 3e-2
 """Largest error over the reference's largest entry that bfloat16 inputs and outputs allow."""
@@ -66,10 +67,20 @@ def kernels_for(device, interpret: bool) -> list:
     """The kernels this device runs (both in the interpreters)."""
     if interpret:
         return list(KERNELS)
-    capability = tuple(int(p) for p in str(getattr(device, "compute_capability", "0.0"))
-                       .split(".")[:2])
+    capability = gpu_capability(device) or (0, 0)
     return (["mgpu"] if capability[0] == 9 else []) + (
         ["triton"] if capability >= (8, 0) else [])
+
+
+def operands(shape, seed: int, scaled: bool = False):
+    """(sizes, x [M, d], w [E, d, d_r], dy [M, d_r]) in bfloat16 at ``shape``, the routing
+    :func:`skewed_sizes`; ``scaled``: w by 1 / sqrt(d), as an initialised layer's."""
+    m, d, h, e = shape
+    k = jax.random.split(jax.random.key(seed), 3)
+    w = jax.random.normal(k[1], (e, d, h), jnp.float32) / (np.sqrt(d) if scaled else 1.0)
+    return (jnp.asarray(skewed_sizes(m, e, PADDING)),
+            jax.random.normal(k[0], (m, d), jnp.bfloat16), w.astype(jnp.bfloat16),
+            jax.random.normal(k[2], (m, h), jnp.bfloat16))
 
 
 def relative_error(value, reference) -> float:
@@ -79,12 +90,8 @@ def relative_error(value, reference) -> float:
 
 def numerics(name: str, shape, interpret: bool, seed: int = 0) -> dict:
     """Forward, input and weight gradient of kernel ``name`` against float32 ragged_dot."""
-    m, d, h, e = shape
-    sizes = jnp.asarray(skewed_sizes(m, e, PADDING))
-    k = jax.random.split(jax.random.key(seed), 3)
-    x = jax.random.normal(k[0], (m, d), jnp.bfloat16)
-    w = (jax.random.normal(k[1], (e, d, h), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
-    dy = jax.random.normal(k[2], (m, h), jnp.bfloat16)
+    m = shape[0]
+    sizes, x, w, dy = operands(shape, seed, scaled=True)
     fn = KERNELS[name]
 
     @jax.jit
@@ -157,16 +164,11 @@ def tune(name: str, shape) -> dict:
     """Time each candidate tile of kernel ``name``'s forward and weight gradient at ``shape``,
     with ``ragged_dot`` beside them; returns the times and the fastest of each."""
     m, d, h, e = shape
-    sizes = jnp.asarray(skewed_sizes(m, e, PADDING))
-    k = jax.random.split(jax.random.key(1), 3)
-    x = jax.random.normal(k[0], (m, d), jnp.bfloat16)
-    w = jax.random.normal(k[1], (e, d, h), jnp.bfloat16)
-    dy = jax.random.normal(k[2], (m, h), jnp.bfloat16)
-    flops = 2.0 * (m - PADDING) * d * h
-    result = {"kernel": name, "shape": list(shape), "flops": flops}
+    sizes, x, w, dy = operands(shape, 1)
+    result = {"kernel": name, "shape": list(shape), "flops": 2.0 * (m - PADDING) * d * h}
     for role, args in (("forward", (x, w)), ("weight_grad", (x, dy))):
-        times = {}
-        for label, blocks in candidates(name, role, h):
+        times, tiles = {}, dict(candidates(name, role, h))
+        for label, blocks in tiles.items():
             try:
                 times[label] = best_time(product(name, role, blocks, sizes), *args)
             except Exception as err:     # a tile that does not fit shared memory, say
@@ -174,19 +176,14 @@ def tune(name: str, shape) -> dict:
         timed = {k: v for k, v in times.items() if isinstance(v, float)}
         best = min(timed, key=timed.get) if timed else None
         result[role] = {"times": times, "best": best,
-                        "best_blocks": (dataclasses.asdict(dict(candidates(name, role, h))[best])
+                        "best_blocks": (dataclasses.asdict(tiles[best])
                                         if best not in (None, "table") else best)}
     return result
 
 
 def ragged_dot_times(shape) -> dict:
     """XLA's ``ragged_dot`` (forward) and its weight gradient at ``shape``, for comparison."""
-    m, d, h, e = shape
-    sizes = jnp.asarray(skewed_sizes(m, e, PADDING))
-    k = jax.random.split(jax.random.key(1), 3)
-    x = jax.random.normal(k[0], (m, d), jnp.bfloat16)
-    w = jax.random.normal(k[1], (e, d, h), jnp.bfloat16)
-    dy = jax.random.normal(k[2], (m, h), jnp.bfloat16)
+    sizes, x, w, dy = operands(shape, 1)
     dims = jax.lax.RaggedDotDimensionNumbers((([0], [0]), ([], [])), [0], [])
     forward = jax.jit(lambda x, w: jax.lax.ragged_dot(x, w, sizes))
     weight = jax.jit(lambda x, dy: jax.lax.ragged_dot_general(x, dy, sizes, dims))
@@ -232,7 +229,6 @@ def main(argv=None) -> int:
         shape = SHAPES["l"]
         xla = ragged_dot_times(shape)
         report["ragged_dot"] = xla
-        flops = 2.0 * (shape[0] - PADDING) * shape[1] * shape[2]
         print(f"tiles at the l shape {shape}; ragged_dot (XLA): forward "
               f"{xla['forward'] * 1e3:.2f} ms, weight gradient {xla['weight_grad'] * 1e3:.2f} ms")
         for name in names:
@@ -243,7 +239,7 @@ def main(argv=None) -> int:
                 best = row[role]["best"]
                 shown = ", ".join(f"{k} {v * 1e3:.2f}" if isinstance(v, float) else f"{k} -"
                                   for k, v in times.items())
-                rate = f"{flops / times[best] / 1e12:.0f} TFLOP/s" if best else "none ran"
+                rate = f"{row['flops'] / times[best] / 1e12:.0f} TFLOP/s" if best else "none ran"
                 print(f"  {name} {role} (ms): {shown}; best {best} ({rate})", flush=True)
     path = Path(args.json or (Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT")
                               else "runs/accelerator/gpu_check.json"))

@@ -173,6 +173,17 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(0)
 
 
+def np_grouped_matmul(lhs, rhs, sizes):
+    """``jax.lax.ragged_dot`` in NumPy (float64), the grouped matmuls' oracle: group g's rows
+    times rhs[g], rows past the groups zero."""
+    out = np.zeros((lhs.shape[0], rhs.shape[2]))
+    start = 0
+    for g, size in enumerate(sizes):
+        out[start:start + size] = lhs[start:start + size].astype(np.float64) @ rhs[g]
+        start += size
+    return out
+
+
 def write_byte_level_tokenizer(folder, eos: str = "</s>", model_max_length: int = 2048):
     """A Hugging Face byte-level tokenizer in ``folder``: ``tokenizer.json`` whose ids 0-255 are
     the utf-8 bytes (GPT-2's byte alphabet, no merges), ``eos`` the special token 256 and no

@@ -16,23 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import np_grouped_matmul, tiny_config
 from dagmoe_jax.kernels import gpu_grouped_matmul as gpu
 from dagmoe_jax.model import dispatch as dispatch_lib
 from dagmoe_jax.run.settle import (describe, settle, settle_gpu_grouped_matmul,
                                    settle_grouped_matmul)
 
 JAX_0_11 = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
-
-
-def np_grouped_matmul(lhs, rhs, sizes):
-    """ragged_dot in NumPy (float64): group g's rows times rhs[g]; rows past the groups 0."""
-    out = np.zeros((lhs.shape[0], rhs.shape[2]))
-    start = 0
-    for g, size in enumerate(sizes):
-        out[start:start + size] = lhs[start:start + size].astype(np.float64) @ rhs[g]
-        start += size
-    return out
 
 
 def np_weight_grad(lhs, dy, sizes):

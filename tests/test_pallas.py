@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import np_grouped_matmul, tiny_config
 from dagmoe_jax.kernels import grouped_matmul_unavailable, pallas
 from dagmoe_jax.model import dispatch as dispatch_lib
 from dagmoe_jax.model.attention import causal_attention_reference
@@ -46,16 +46,6 @@ def test_splash_refuses_shapes_it_cannot_tile():
     x = jnp.zeros((1, 100, 2, 8))
     with pytest.raises(ValueError, match="multiple of 128.*attention='xla'"):
         pallas.splash_causal_attention(x, x, x, interpret=True)
-
-
-def np_grouped_matmul(lhs, rhs, sizes):
-    """The dense oracle: group g's rows times rhs[g], rows past the groups zero."""
-    out = np.zeros((lhs.shape[0], rhs.shape[2]))
-    start = 0
-    for g, size in enumerate(sizes):
-        out[start:start + size] = lhs[start:start + size].astype(np.float64) @ rhs[g]
-        start += size
-    return out
 
 
 def test_gmm_equals_ragged_dot_and_the_dense_oracle(rng):

@@ -315,27 +315,33 @@ class _Walker:
             flops = self.fused_flops(self.called(ins, "calls"))
         elif ins.op in ("dot", "convolution"):
             flops = dot_flops(ins, shapes)
-        elif ins.op == "custom-call" and '"tpu_custom_call"' in (
-                attr(ins.attrs, "custom_call_target") or ""):
-            m = re.search(r'kernel_name="?([\w]+)', ins.attrs)
-            kernel = kernel_family(m.group(1) if m else ins.name)
-            if kernel not in KNOWN_TPU_KERNELS:     # jax 0.11 names megablox tpu_custom_call.N
-                kernel = megablox_family(ins, shapes) or kernel
-            cost.kernels[kernel] = cost.kernels.get(kernel, 0) + int(times)
-            flops = mosaic_flops(kernel, ins, shapes, self.gmm_occupancy)
-        elif ins.op == "custom-call" and (attr(ins.attrs, "custom_call_target") or ""
-                                          ).strip('"') in GPU_KERNEL_CALLS:
-            kernel = gpu_kernel_family(attr(ins.attrs, "custom_call_target").strip('"'), ins,
-                                       shapes)
-            cost.kernels[kernel] = cost.kernels.get(kernel, 0) + int(times)
-            family = kernel.split(" ")[-1]
-            flops = (grouped_matmul_flops(family, ins, shapes) * self.gmm_occupancy
-                     if family in ("gmm", "tgmm") else 0.0)
+        elif ins.op == "custom-call":
+            flops = self._kernel_flops(ins, shapes, times, cost)
         seconds = max(flops / self.chip.peak_flops, nbytes / self.chip.hbm_bandwidth)
         cost.compute_seconds += seconds * times
         cost.matmul_flops += flops * times
         cost.hbm_bytes += nbytes * times
         cost.slowest.append((seconds * times, f"{ins.op} {ins.name} x{int(times)}"))
+
+    def _kernel_flops(self, ins: Instruction, shapes, times: float, cost: Cost) -> float:
+        """A custom call's matmul FLOPs, counting it in ``cost.kernels`` when it is a Pallas
+        kernel (TPU Mosaic or GPU); 0 for any other custom call."""
+        target = (attr(ins.attrs, "custom_call_target") or "").strip('"')
+        if target == "tpu_custom_call":
+            m = re.search(r'kernel_name="?([\w]+)', ins.attrs)
+            kernel = kernel_family(m.group(1) if m else ins.name)
+            if kernel not in KNOWN_TPU_KERNELS:     # jax 0.11 names megablox tpu_custom_call.N
+                kernel = megablox_family(ins, shapes) or kernel
+        elif target in GPU_KERNEL_CALLS:
+            kernel = gpu_kernel_family(target, ins, shapes)
+        else:
+            return 0.0
+        cost.kernels[kernel] = cost.kernels.get(kernel, 0) + int(times)
+        if target == "tpu_custom_call":
+            return mosaic_flops(kernel, ins, shapes, self.gmm_occupancy)
+        family = kernel.split(" ")[-1]
+        return (grouped_matmul_flops(family, ins, shapes) * self.gmm_occupancy
+                if family in ("gmm", "tgmm") else 0.0)
 
     def _collective(self, kind: str, ins: Instruction, shapes, times: float,
                     cost: Cost) -> None:

@@ -240,7 +240,7 @@ def test_a_mixture_draws_by_weight_and_resumes_exactly(tmp_path):
     the same batches; evaluation mixes the components' held-out records alike."""
     from collections import Counter
 
-    from dagmoe_jax.data.splits import mixed_train_records
+    from dagmoe_jax.data.splits import describe_mixture, mixed_train_records
 
     _parquet(tmp_path / "web.parquet", [f"web page {i}" for i in range(3000)])
     (tmp_path / "math.jsonl").write_text("".join(json.dumps({"text": f"math {i}"}) + "\n"
@@ -265,6 +265,14 @@ def test_a_mixture_draws_by_weight_and_resumes_exactly(tmp_path):
     uneven = mixed_train_records(cfg.replace(source=spec.replace("1*parquet", "3*parquet")))
     share = sum(uneven[i].startswith("web") for i in range(10_000)) / 10_000
     assert abs(share - 0.75) < 0.02
+    # What the start-up prints: each weight, source and size, and that the weights (summing
+    # to 2 as written) were normalised; weights summing to 1 need no such word.
+    line = describe_mixture(cfg)
+    assert line == (f"mixture of 2 sources: 0.5 of parquet:{tmp_path}/web.parquet (2,850 "
+                    f"records), 0.5 of jsonl:{tmp_path}/math.jsonl (190 records); weights 1, 1 "
+                    "(sum 2) normalised to sum to 1")
+    assert "normalised" not in describe_mixture(cfg.replace(source=spec.replace("1*", "0.5*")))
+    assert describe_mixture(DataConfig(source=f"jsonl:{tmp_path}/math.jsonl")) is None
     _raises(r"mixed sources of kinds .* \(not 'instruct'\)",
             lambda: DataConfig(source=f"mix:1*instruct:{tmp_path}/math.jsonl"))
     _raises(r"a weight first", lambda: DataConfig(source=f"mix:jsonl:{tmp_path}/math.jsonl"))

@@ -69,11 +69,13 @@ def parse_source(spec: str, field: str = "source") -> tuple[str, tuple[str, ...]
     return kind, args
 
 
-def mix_components(rest: str, field: str = "source", spec: str = "") -> list:
+def mix_components(rest: str, field: str = "source", spec: str = "", *,
+                   normalise: bool = True) -> list:
     """[(weight, source spec)] of a ``mix:`` spec's argument ``rest``: comma-separated
     ``<weight>*<spec>`` items (a comma inside a component's own arguments stays with it), the
-    weights positive and normalised to sum to 1, each spec a pre-training source
-    (:data:`MIXABLE`), e.g. ``0.5*parquet:slimpajama/*.parquet,0.5*jsonl:metamath/*.jsonl``."""
+    weights positive and normalised to sum to 1 (``normalise=False``: as written), each spec a
+    pre-training source (:data:`MIXABLE`), e.g.
+    ``0.5*parquet:slimpajama/*.parquet,0.5*jsonl:metamath/*.jsonl``."""
     items = []
     for piece in rest.split(","):
         head = piece.split("*", 1)[0].strip()
@@ -95,7 +97,7 @@ def mix_components(rest: str, field: str = "source", spec: str = "") -> list:
         kind = parse_source(sub, field)[0]
         _check(kind in MIXABLE, field, spec,
                f"mixed sources of kinds {', '.join(MIXABLE)} (not {kind!r})")
-    return [(w / total, sub) for w, sub in items]
+    return [(w / total if normalise else w, sub) for w, sub in items]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,9 @@ any seed), and both views are index arithmetic, so nothing of size n is built.
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import grain
 
 from dagmoe_jax.data.config import (DataConfig, check_process, mix_components,
@@ -33,6 +36,25 @@ def mixture(cfg: DataConfig):
     if kind != "mix":
         return None
     return [(w, cfg.replace(source=spec)) for w, spec in mix_components(rest)]
+
+
+def describe_mixture(cfg: DataConfig) -> Optional[str]:
+    """One line on what a ``mix:`` source draws (None for any other source): each component's
+    weight (the one written too, where the weights did not sum to 1 and were normalised), its
+    spec and its number of training records, e.g.
+    ``mixture of 2 sources: 0.5 of parquet:a/*.parquet (1,024 records), 0.5 of jsonl:b.jsonl
+    (88 records); weights 0.3, 0.3 normalised to sum to 1``."""
+    if mixture(cfg) is None:
+        return None
+    given = mix_components(cfg.source.partition(":")[2], normalise=False)
+    parts = [f"{w:.3g} of {sub.source} ({len(train_source(sub)):,} records)"
+             for w, sub in mixture(cfg)]
+    line = f"mixture of {len(parts)} sources: {', '.join(parts)}"
+    total = sum(w for w, _ in given)
+    if not math.isclose(total, 1.0, rel_tol=1e-6):
+        line += (f"; weights {', '.join(f'{w:g}' for w, _ in given)} (sum {total:g}) "
+                 "normalised to sum to 1")
+    return line
 
 
 def _mixed(components, parts) -> grain.MapDataset:

@@ -38,8 +38,9 @@ SHORT = [sys.executable, str(REPO / "train.py"), "--gin_file=train/smoke.gin", "
 def short_run(tmp_path_factory):
     """(run_dir, first run, second start of the finished run, eval with bindings): their
     outputs, built once for the whole run (conftest.build_once)."""
-    run_dir, first, again, evaluated = build_once(tmp_path_factory, "usability", _short_run)
-    return Path(run_dir), first, again, evaluated
+    run_dir, first, again, evaluated, refused = build_once(tmp_path_factory, "usability",
+                                                           _short_run)
+    return Path(run_dir), first, again, evaluated, refused
 
 
 def _short_run(root: Path) -> list:
@@ -47,23 +48,39 @@ def _short_run(root: Path) -> list:
     first = subprocess.run([*SHORT, f"--run_dir={run_dir}"], capture_output=True, text=True,
                            env=ENV, timeout=300)
     assert first.returncode == 0, first.stderr
+    # The third resumes with another top_k as a user would, JAX_PLATFORMS unset: JAX left to
+    # start the TPU and CUDA plugins the suite installs, on a host with neither.
+    no_platform = {k: v for k, v in ENV.items() if k != "JAX_PLATFORMS"}
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=ENV)
-             for cmd in ([*SHORT, f"--run_dir={run_dir}"],
-                         [sys.executable, str(REPO / "train.py"), "--mode=eval",
-                          f"--run_dir={run_dir}", "--gin.DataConfig.num_synthetic_eval=8",
-                          "--gin.DataConfig.batch_size=4"])]
+                              env=env)
+             for cmd, env in (([*SHORT, f"--run_dir={run_dir}"], ENV),
+                              ([sys.executable, str(REPO / "train.py"), "--mode=eval",
+                                f"--run_dir={run_dir}", "--gin.DataConfig.num_synthetic_eval=8",
+                                "--gin.DataConfig.batch_size=4"], ENV),
+                              ([*SHORT, f"--run_dir={run_dir}", "--gin.RouterConfig.top_k=1"],
+                               no_platform))]
     done = []
-    for proc in procs:
+    for proc, code in zip(procs, (0, 0, 2)):
         out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err
-        done.append(out)
-    return [str(run_dir), first.stdout, done[0], done[1]]
+        assert proc.returncode == code, err
+        done.append(out if code == 0 else err)
+    return [str(run_dir), first.stdout, *done]
+
+
+@pytest.mark.slow
+def test_a_refused_resume_is_one_line_with_the_accelerator_plugins_installed(short_run):
+    """With libtpu and the CUDA plugin installed (requirements-tpu.txt) and neither device
+    here, a command prints its refusal alone: not libtpu's start-up lines, not the plugin's
+    traceback."""
+    refused = short_run[4]
+    assert refused.splitlines() == [refused.strip()], refused
+    assert refused.startswith("error: the model config differs from the checkpoint's")
+    assert "ModelConfig.block.router.top_k 2 -> 1" in refused
 
 
 @pytest.mark.slow
 def test_a_short_run_fits_its_warmup_and_says_so(short_run):
-    _, out, _, _ = short_run
+    _, out, _, _, _ = short_run
     assert ("note: OptimConfig.warmup_steps=2000 does not fit in this 6-step run: warming up "
             "over 0 steps") in out
     records = [r for r in read_metrics(short_run[0]) if "learning_rate" in r]
@@ -72,7 +89,7 @@ def test_a_short_run_fits_its_warmup_and_says_so(short_run):
 
 @pytest.mark.slow
 def test_progress_lines_and_compile_time_left_out(short_run):
-    run_dir, out, _, _ = short_run
+    run_dir, out, _, _, _ = short_run
     lines = out.splitlines()
     compiling = lines.index("step 1: compiling the training step...")
     compiled = next(i for i, line in enumerate(lines) if line.startswith("step 1: compiled"))
@@ -90,7 +107,7 @@ def test_progress_lines_and_compile_time_left_out(short_run):
 
 @pytest.mark.slow
 def test_a_finished_run_started_again_does_not_log_its_eval_twice(short_run):
-    run_dir, _, again, _ = short_run
+    run_dir, _, again, _, _ = short_run
     assert "nothing left to train" in again and "final eval at step 6" in again
     evals = [r for r in read_metrics(run_dir) if "eval/loss" in r]
     assert [r["step"] for r in evals] == [6]
@@ -98,7 +115,7 @@ def test_a_finished_run_started_again_does_not_log_its_eval_twice(short_run):
 
 @pytest.mark.slow
 def test_eval_mode_honours_data_bindings(short_run):
-    run_dir, first, _, evaluated = short_run
+    run_dir, first, _, evaluated, _ = short_run
     own = float(re.search(r"final eval at step 6: held-out loss ([\d.]+)", first).group(1))
     other = float(re.search(r"held-out loss ([\d.]+)", evaluated).group(1))
     assert other != own            # 8 held-out examples in batches of 4, not the run's own 64

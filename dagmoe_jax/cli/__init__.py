@@ -65,11 +65,38 @@ def _drop_closed_loop_errors(hook):
     return unraisablehook
 
 
+def cpu_without_accelerators() -> bool:
+    """Pin JAX to the CPU where this host has no accelerator and ``JAX_PLATFORMS`` leaves the
+    choice to JAX; returns whether it did. JAX would otherwise start every plugin installed
+    beside it (``requirements-tpu.txt`` brings libtpu and the CUDA plugin, which the suite and
+    the compile tool use without the hardware) and each prints its failure to find its
+    device: libtpu five lines, the CUDA plugin a traceback. The probes are JAX's own (a
+    Google TPU on the PCI bus, an NVIDIA or AMD GPU's device files), so a host with a TPU or
+    a GPU is left to JAX. Call before the first computation (the backends start then)."""
+    import os                       # pylint: disable=import-outside-toplevel
+    if os.environ.get("JAX_PLATFORMS"):
+        return False
+    try:
+        import jax                  # pylint: disable=import-outside-toplevel
+        from jax._src import hardware_utils, xla_bridge  # pylint: disable=import-outside-toplevel
+        tpu_chips, _ = hardware_utils.num_available_tpu_chips_and_device_id()
+        if (jax.config.jax_platforms or tpu_chips or hardware_utils.has_visible_nvidia_gpu()
+                or hardware_utils.num_available_amd_gpus(stop_at=1)
+                or xla_bridge.backends_are_initialized()):
+            return False
+    except (ImportError, AttributeError, TypeError, OSError):
+        return False                # another JAX than the pinned one: leave it be
+    jax.config.update("jax_platforms", "cpu")
+    return True
+
+
 def quiet_background_errors() -> None:
     """Silence the echoes of a failed checkpoint read or write (asyncio's "exception was never
     retrieved", Orbax's thread errors, "Event loop is closed", "coroutine ... was never
-    awaited"). For command lines only, whose callers report the failure itself in one line;
-    the library leaves logging alone. Idempotent."""
+    awaited"), and start JAX on the CPU alone where the host has no accelerator
+    (:func:`cpu_without_accelerators`). For command lines only, whose callers report the
+    failure itself in one line; the library leaves logging and JAX alone. Idempotent."""
+    cpu_without_accelerators()
     noise = _BackgroundNoise()
     for name in ("asyncio", "absl"):
         logger = logging.getLogger(name)

@@ -20,7 +20,7 @@ from flax import nnx
 
 from dagmoe_jax.config.blocks import block_summary
 from dagmoe_jax.model.accounting import account
-from dagmoe_jax.cli import USER_ERRORS, OneLineParser, report_error
+from dagmoe_jax.cli import USER_ERRORS, OneLineParser, cpu_without_accelerators, report_error
 from dagmoe_jax.run.gin import load_model_config
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.run.settle import settle
@@ -55,6 +55,7 @@ def main(argv=None) -> int:
         cfg = load_model_config([args.model, args.variant])
     except USER_ERRORS as err:
         return report_error(err)
+    cpu_without_accelerators()
     print(f"model {args.model} + {args.variant}: {block_summary(cfg.block)}")
     print(account(cfg, 2 * args.half).table())
     model = Transformer(cfg, execution=settle(cfg, log=print), rngs=nnx.Rngs(0))

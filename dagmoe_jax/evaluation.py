@@ -27,6 +27,7 @@ from flax import nnx
 
 from dagmoe_jax import run as run_lib
 from dagmoe_jax.data.splits import has_eval_data
+from dagmoe_jax.hf.run import open_run, run_data_config
 from dagmoe_jax.data import (DataConfig, eval_batches, exact_match, task_eval_batches,
                              task_names)
 from dagmoe_jax.model import Transformer
@@ -176,11 +177,11 @@ def eval_data_overrides(bindings: Iterable[str]) -> Dict[str, object]:
 def evaluate_checkpoint(run_dir: str | Path, *, eval_source: str = "", eval_split: str = "",
                         eval_batches_limit: int = 0, data_overrides: Optional[dict] = None,
                         log: Callable[[str], None] = print) -> Dict[str, float]:
-    """Load the newest checkpoint of ``run_dir`` and report held-out loss / perplexity on
+    """Load the newest checkpoint of ``run_dir`` (or ``hf:FOLDER``) and report held-out loss / perplexity on
     ``eval_source`` (a DataConfig source spec; empty = the run's own held-out split).
     ``data_overrides``: other DataConfig changes for the evaluation (from
     :func:`eval_data_overrides`), applied before ``eval_source`` / ``eval_split``."""
-    _, data_cfg, _, _ = run_lib.load_configs(run_dir)
+    data_cfg = run_data_config(run_dir)
     changes = dict(data_overrides or {})
     if eval_source:
         changes["eval_source"] = eval_source
@@ -193,7 +194,7 @@ def evaluate_checkpoint(run_dir: str | Path, *, eval_source: str = "", eval_spli
     # The devices here need not be the ones the run trained on: the checkpoint is restored
     # into this process's default mesh (all devices data-parallel).
     mesh = make_mesh(MeshConfig())
-    loaded = run_lib.load_run(run_dir, mesh=mesh, data_cfg=data_cfg, log=log)
+    loaded = open_run(run_dir, mesh=mesh, data_cfg=data_cfg, log=log)
     run_lib.check_compatible(loaded.model_cfg, data_cfg, loaded.tokenizer)
     for message in loaded.warnings:
         log(f"warning: {message}")

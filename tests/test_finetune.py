@@ -221,7 +221,8 @@ def test_a_finetuned_run_reads_text_with_its_sources_tokenizer(hf_source, tmp_pa
     blob = json.loads((run_dir / "config.json").read_text())
     source = json.loads((hf_source / "config.json").read_text())
     assert blob["data"]["tokenizer"] == "hf"
-    assert blob["data"]["tokenizer_path"] == source["data"]["tokenizer_path"]
+    # The run reads its own copy of the source's tokenizer: the same file.
+    assert blob["data"]["tokenizer_path"] == str(run_dir / "tokenizer" / "tokenizer.json")
     assert blob["tokenizer"]["sha256"] == source["tokenizer"]["sha256"] != ""
     assert f"tokenizer: hf {source['data']['tokenizer_path']} (from {hf_source})" in result.stdout
     assert run_lib.load_run(run_dir).tokenizer.bos_id == 257
@@ -356,3 +357,57 @@ def test_no_hold_out_trains_on_every_example(tmp_path):
                                          r"pass --eval_source=SPEC") as err:
         evaluate_checkpoint(str(run_dir))
     assert "\n" not in str(err.value)
+
+
+def test_finetuning_from_a_hugging_face_folder_makes_one_self_contained_record(tmp_path,
+                                                                                 capsys):
+    """Fine-tuning from hf:FOLDER: a tokenizer binding that contradicts the folder's is one
+    line (exit 2, nothing written) even where it binds the default's value; without it the
+    run's operative_config.gin and config.json describe the same run; the run carries its
+    own copy of the tokenizer, so it samples after the folder has moved; and dagmoe-sample
+    reads hf:FOLDER itself, as every command that reads a run does."""
+    import json
+    import shutil
+
+    from conftest import tiny_config, write_special_tokenizer
+    from dagmoe_jax.cli import sample as sample_cli
+    from dagmoe_jax.cli import train as train_cli
+    from dagmoe_jax.hf.llama import export_hf_llama
+
+    folder = export_hf_llama(make_model(tiny_config("dense", vocab_size=259, max_seq_len=64)),
+                             tmp_path / "hf")
+    write_special_tokenizer(folder, "bos_named")
+    run_dir = tmp_path / "sft"
+    argv = ["--gin_file=finetune/smoke.gin", f"--run_dir={run_dir}", "--no_progress",
+            f"--gin.TrainConfig.init_from='hf:{folder}'", "--gin.TrainConfig.epochs=0",
+            "--gin.TrainConfig.steps=2", f"--gin.DataConfig.source='instruct:{DATA}'",
+            "--gin.DataConfig.seq_len=64", "--gin.TrainConfig.tensorboard=False",
+            "--gin.TrainConfig.task_eval_examples=0", "--gin.DataConfig.batch_size=8"]
+    assert train_cli.main([*argv, "--gin.DataConfig.tokenizer='byte'"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "DataConfig.tokenizer='byte' (the source has 'hf')" in err
+    assert not run_dir.exists()
+
+    assert train_cli.main(argv) == 0
+    capsys.readouterr()
+    blob = json.loads((run_dir / "config.json").read_text())
+    assert blob["data"]["tokenizer_path"] == str(run_dir / "tokenizer" / "tokenizer.json")
+    assert sorted(p.name for p in (run_dir / "tokenizer").iterdir()) == [
+        "tokenizer.json", "tokenizer_config.json"]
+    # The operative config, read back by gin, is the run's model and tokenizer.
+    model_cfg, data_cfg, _, _ = load_configs([str(run_dir / run_lib.OPERATIVE_GIN)])
+    recorded_model, recorded_data, _, _ = run_lib.load_configs(run_dir)
+    assert model_cfg == recorded_model
+    assert ((data_cfg.tokenizer, data_cfg.tokenizer_path)
+            == (recorded_data.tokenizer, recorded_data.tokenizer_path) == ("hf", str(
+                run_dir / "tokenizer" / "tokenizer.json")))
+
+    prompt = ["--prompt=hello", "--max_new_tokens=3"]
+    assert sample_cli.main([f"--run_dir=hf:{folder}", *prompt]) == 0
+    assert "--- sample 0 ---" in capsys.readouterr().out
+    shutil.move(folder, tmp_path / "moved")
+    assert sample_cli.main([f"--run_dir={run_dir}", *prompt]) == 0
+    assert "--- sample 0 ---" in capsys.readouterr().out
+    # The run itself moves too: it reads its own copy where the recorded path is gone.
+    shutil.move(run_dir, tmp_path / "sft_moved")
+    assert run_lib.load_run(tmp_path / "sft_moved").tokenizer.bos_id == 257

@@ -28,8 +28,8 @@ MAX_LINES = 450
 LAYERS = {
     "core": {"validate": 0, "budget": 0, "config": 1, "kernels": 2, "parallel": 2, "model": 3},
     "data": {"data": 4},
-    "run": {"run": 5, "hf": 6, "evaluation": 6, "decoding": 6, "train": 7},
-    "tools": {"cli": 8, "analysis": 9, "upcycle": 10, "harness": 10, "compile": 10},
+    "run": {"run": 5, "hf": 6, "evaluation": 7, "decoding": 7, "train": 8},
+    "tools": {"cli": 9, "analysis": 10, "upcycle": 11, "harness": 11, "compile": 11},
 }
 RANK = {unit: rank for units in LAYERS.values() for unit, rank in units.items()}
 LAYER_OF = {unit: layer for layer, units in LAYERS.items() for unit in units}

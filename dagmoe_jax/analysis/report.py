@@ -24,7 +24,7 @@ from dagmoe_jax.analysis.doe import gate_profile, plot_gate_profile
 from dagmoe_jax.run.paths import as_path, is_remote
 from dagmoe_jax.data import eval_batches, parse_source
 from dagmoe_jax.run.extensions import extension_for
-from dagmoe_jax.run import load_run
+from dagmoe_jax.hf.run import open_run
 from dagmoe_jax.train.metrics import read_metrics
 
 PLOTS = ("expert_load", "coactivation", "edge_gates", "edge_gate_hist", "dropped_fraction",
@@ -174,7 +174,7 @@ def analyze_run(run_dir, out_dir, *, data: str = "", max_batches: int = 4) -> Li
     """Load ``run_dir``'s newest checkpoint, trace it over ``max_batches`` batches of its
     held-out data (or ``data``), and write every plot that applies into ``out_dir``."""
 
-    loaded = load_run(run_dir)
+    loaded = open_run(run_dir)
     path = as_path(run_dir)
     path = path if is_remote(path) else Path(os.path.abspath(path))
     label = f"{path.parent.name}/{path.name} @ step {loaded.step}"

@@ -56,9 +56,9 @@ def export_run(run_dir: str, out: str, *, dtype: str = "float32", max_shard_mb: 
     returns ``out``. One-line ``ValueError`` for a run that is not dense."""
     from dagmoe_jax.hf.llama import export_hf_llama
     from dagmoe_jax.hf.tokenizer import export_tokenizer
-    from dagmoe_jax.run import load_run
+    from dagmoe_jax.hf.run import open_run
 
-    loaded = load_run(run_dir)
+    loaded = open_run(run_dir)
     if loaded.model_cfg.block.kind != "dense":
         raise ValueError(f"{run_dir} holds a block={loaded.model_cfg.block.kind!r} model: a "
                          f"Hugging Face Llama is dense (ModelConfig.block = 'dense')")

@@ -37,11 +37,6 @@ from pathlib import Path
 
 from dagmoe_jax.cli import OneLineParser, check_new_directory, write_command
 
-# The tokenizer's files copied beside it (those that exist): what transformers and
-# dagmoe_jax.data.tokenizers read of a Hugging Face tokenizer.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "chat_template.jinja", "chat_template.json")
-TOKENIZER_DIR = "tokenizer"
 DEFAULT_SEQ_LEN = 1024
 
 
@@ -90,16 +85,13 @@ def import_hf(folder: str, run_dir: str, *, seq_len: int = 0, batch_size: int = 
     existed = target.exists()
     path = run_lib.prepare_run_dir(target)
     try:
-        tokenizer_dir = target / TOKENIZER_DIR
-        tokenizer_dir.mkdir()
-        copied = [name for name in TOKENIZER_FILES if (source_dir / name).is_file()]
-        for name in copied:
-            shutil.copyfile(source_dir / name, tokenizer_dir / name)
-        model, model_cfg = load_hf_llama(source_dir)
-        data_cfg = DataConfig(
-            tokenizer="hf", tokenizer_path=str(tokenizer_dir / "tokenizer.json"),
+        data_cfg = run_lib.copy_tokenizer(DataConfig(
+            tokenizer="hf", tokenizer_path=str(source_dir / "tokenizer.json"),
             seq_len=seq_len, batch_size=batch_size,
-            **({} if source is None else {"source": source}))
+            **({} if source is None else {"source": source})), path)
+        copied = [name for name in run_lib.TOKENIZER_FILES
+                  if (target / run_lib.TOKENIZER_DIR / name).is_file()]
+        model, model_cfg = load_hf_llama(source_dir)
         optim_cfg = OptimConfig()
         train_cfg = TrainConfig(run_dir=str(target), steps=steps, save_every=steps)
         run_lib.save_initial_checkpoint(path, model, None, model_cfg, train_cfg, None)

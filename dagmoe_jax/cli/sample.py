@@ -5,7 +5,8 @@
         --max_new_tokens 32 --temperature 0.8 --top_k 20 --top_p 0.9 --num_samples 4 --seed 0
 
 Flags:
-  --run_dir=DIR          a run directory written by train.py (its config.json and checkpoints)
+  --run_dir=DIR          a run directory written by train.py (its config.json and
+                         checkpoints), or hf:FOLDER, a Hugging Face Llama folder
   --prompt=TEXT          the prompt (repeatable: several prompts are decoded as one batch)
   --max_new_tokens=N     tokens to generate per sample (default 32)
   --temperature=T        0 is greedy (the default); > 0 samples
@@ -26,6 +27,8 @@ Flags:
                          header; decoding stops at the template's end of turn
   --system=TEXT          with --chat: a system message before the user turn
   --show_prompt          print each rendered prompt (its exact text) before its samples
+  --tokenizer_path=FILE  read text with FILE, a copy of the tokenizer file the run recorded,
+                         where that one cannot be found (another file is refused)
 
 Prints one block per sample: the prompt followed by its continuation (EOS not shown); with
 --chat, the assistant's answer alone.
@@ -69,10 +72,12 @@ def parse_args(argv):
     parser.add_argument("--chat", action="store_true")
     parser.add_argument("--system", default=None)
     parser.add_argument("--show_prompt", action="store_true")
+    parser.add_argument("--tokenizer_path", default="")
     args = parser.parse_args(argv)
     if not args.help:
         if not args.run_dir:
-            raise ValueError("--run_dir=DIR is required (a run directory written by train.py)")
+            raise ValueError("--run_dir=DIR is required (a run directory written by train.py, "
+                             "or hf:FOLDER)")
         if not args.prompt:
             raise ValueError("--prompt=TEXT is required")
         if args.num_samples < 1:
@@ -111,13 +116,13 @@ def main(argv=None) -> int:
     from dagmoe_jax.config.blocks import block_summary
     from dagmoe_jax.decoding.generate import StopStrings, check_settings, generate
     from dagmoe_jax.run.extensions import extension_for
-    from dagmoe_jax.run import load_run
+    from dagmoe_jax.hf.run import open_run
 
     quiet_background_errors()
     try:
         check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
-        run = load_run(args.run_dir, log=lambda message: print(message, file=sys.stderr,
-                                                               flush=True))
+        run = open_run(args.run_dir, tokenizer_path=args.tokenizer_path,
+                       log=lambda message: print(message, file=sys.stderr, flush=True))
         for message in run.warnings:
             print(f"warning: {message}", file=sys.stderr)
         tok = run.tokenizer

@@ -88,10 +88,11 @@ def _main(args, signals: dict) -> int:
     import jax
     from dagmoe_jax.config.blocks import block_summary
     from dagmoe_jax.model.accounting import account
-    from dagmoe_jax.run.gin import load_configs
+    from dagmoe_jax.data import DataConfig
+    from dagmoe_jax.run.gin import bound_fields, load_configs
     from dagmoe_jax.parallel.multihost import initialize
     from dagmoe_jax.evaluation import eval_data_overrides, evaluate_checkpoint
-    from dagmoe_jax.train.init_from import source_model_config
+    from dagmoe_jax.train.init_from import source_data_config, source_model_config
     from dagmoe_jax.train.loop import NonFiniteLossError, train
 
     quiet_background_errors()
@@ -110,8 +111,13 @@ def _main(args, signals: dict) -> int:
             return 0
         files = args.gin_file or [DEFAULT_GIN]
         model_cfg, data_cfg, optim_cfg, train_cfg = load_configs(files, args.bindings)
-        shown = (source_model_config(train_cfg.init_from, model_cfg) if train_cfg.init_from
-                 else model_cfg)
+        shown = model_cfg
+        if train_cfg.init_from:
+            shown = source_model_config(train_cfg.init_from, model_cfg)
+            # A tokenizer binding that contradicts the source is refused even where it binds
+            # the default's value ('byte'), which train() alone cannot tell from no binding.
+            source_data_config(train_cfg.init_from, data_cfg, train_cfg.tokenizer_from_source,
+                               bound=bound_fields(DataConfig))
         acc = account(shown, data_cfg.seq_len)
         length = (f"{train_cfg.epochs} epochs" if train_cfg.epochs
                   else f"{train_cfg.steps} steps")

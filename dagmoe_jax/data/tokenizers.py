@@ -314,7 +314,9 @@ def check_tokenizer_record(record: dict, cfg: DataConfig, where: str) -> None:
                 f"{now['path'] or record.get('path')} does not exist")
         raise ValueError(f"the run at {where} trained with the tokenizer file "
                          f"{record.get('path')} (sha256 {record['sha256'][:12]}...), but {what}: "
-                         "restore that file, or point DataConfig.tokenizer_path at a copy of it")
+                         "restore that file, or read a copy of it (dagmoe-sample "
+                         "--tokenizer_path=FILE; train.py --mode=eval "
+                         "--gin.DataConfig.tokenizer_path=\"'FILE'\")")
 
 
 def make_tokenizer(cfg: DataConfig) -> Tokenizer:

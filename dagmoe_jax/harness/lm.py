@@ -119,10 +119,9 @@ class DagmoeLM(TemplateLM):
         # Imported here: loading the model stack is slow, and the class must register fast.
         # pylint: disable=import-outside-toplevel
         import jax
-        from dagmoe_jax import run as run_lib
         from dagmoe_jax.decoding.generate import computing_in
-        from dagmoe_jax.hf.run import HF_PREFIX, load_hf_run
-        from dagmoe_jax.parallel import MeshConfig, make_mesh, place_on_mesh
+        from dagmoe_jax.hf.run import HF_PREFIX, is_hf, open_run
+        from dagmoe_jax.parallel import MeshConfig, make_mesh
         from dagmoe_jax.run.extensions import extension_for
 
         if pretrained is not None:
@@ -139,13 +138,9 @@ class DagmoeLM(TemplateLM):
                              f"{', '.join(DTYPES)} (the dtype the model computes in)")
         device_mesh = (make_mesh(MeshConfig()) if mesh == "auto" and jax.device_count() > 1
                        else None)
-        hf_folder = run is None and str(run_dir).startswith(HF_PREFIX)
-        if hf_folder:
-            run = load_hf_run(str(run_dir)[len(HF_PREFIX):])
-            if device_mesh is not None:    # the parameters in their logical shardings
-                place_on_mesh(run.model, device_mesh)
-        elif run is None:
-            run = run_lib.load_run(run_dir, mesh=device_mesh)
+        hf_folder = run is None and is_hf(run_dir)
+        if run is None:
+            run = open_run(run_dir, mesh=device_mesh)
         self.run, self.run_dir = run, None if run_dir is None else str(run_dir)
         self.tokenizer_obj = run.tokenizer
         features = None

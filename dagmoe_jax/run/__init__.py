@@ -26,8 +26,9 @@ from dagmoe_jax.run.build import (MODEL_INPUTS, abstract, build, check_compatibl
 from dagmoe_jax.run.checkpoint import (Checkpointer, CheckpointMismatchError,
                                        CheckpointSaveError, Restored)
 from dagmoe_jax.run.directory import (CHECKPOINT_DIR, CONFIG_FILE, NON_STREAM_DATA_FIELDS,
-                                      OPERATIVE_GIN, LoadedRun,
-                                      configs_from_json, configs_to_gin, configs_to_json,
+                                      OPERATIVE_GIN, TOKENIZER_DIR, TOKENIZER_FILES, LoadedRun,
+                                      config_bindings, configs_from_json, configs_to_gin,
+                                      configs_to_json, copy_tokenizer,
                                       load_configs, load_run, model_meta, prepare_run_dir,
                                       resume_changes, save_configs, save_initial_checkpoint,
                                       save_operative_gin, save_resume_gin)
@@ -36,8 +37,9 @@ from dagmoe_jax.run.settle import describe, settle
 
 __all__ = ["CHECKPOINT_DIR", "CONFIG_FILE", "CheckpointMismatchError", "CheckpointSaveError",
            "Checkpointer", "LoadedRun", "MODEL_INPUTS", "NON_STREAM_DATA_FIELDS",
-           "OPERATIVE_GIN", "Restored", "abstract", "build", "check_compatible",
-           "configs_from_json", "configs_to_gin", "configs_to_json", "describe", "device_batch",
+           "OPERATIVE_GIN", "Restored", "TOKENIZER_DIR", "TOKENIZER_FILES", "abstract", "build",
+           "check_compatible", "config_bindings", "configs_from_json", "configs_to_gin",
+           "configs_to_json", "copy_tokenizer", "describe", "device_batch",
            "extension_for", "load_configs", "load_run", "model_meta", "prepare_run_dir",
            "replicated_batch", "resume_changes", "save_configs", "save_initial_checkpoint",
            "save_operative_gin", "save_resume_gin", "settle", "train_state"]

@@ -19,7 +19,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from etils import epath
 from flax import nnx
@@ -117,14 +117,15 @@ def save_operative_gin(run_dir: PathLike, text: str) -> None:
         (as_path(run_dir) / OPERATIVE_GIN).write_text(text)
 
 
-def configs_to_gin(model_cfg, data_cfg, optim_cfg, train_cfg) -> str:
-    """gin bindings reproducing the four configs (for ``train.py --gin_file``)."""
+def config_bindings(obj, fields: Optional[Sequence[str]] = None) -> List[str]:
+    """gin bindings (lines) reproducing the config ``obj``, the configs it holds with it;
+    ``fields``: those of ``obj``'s own fields alone."""
     lines = []
 
-    def bind(obj, name):
+    def bind(obj, name, only=None):
         for field in dataclasses.fields(obj):
-            if not field.init:        # derived, not an argument (a block config's ``kind``)
-                continue
+            if not field.init or (only is not None and field.name not in only):
+                continue              # derived, not an argument (a block config's ``kind``)
             value = getattr(obj, field.name)
             if dataclasses.is_dataclass(value):
                 sub = type(value).__name__
@@ -133,9 +134,51 @@ def configs_to_gin(model_cfg, data_cfg, optim_cfg, train_cfg) -> str:
             else:
                 lines.append(f"{name}.{field.name} = {value!r}")
 
-    for obj in (model_cfg, data_cfg, optim_cfg, train_cfg):
-        bind(obj, type(obj).__name__)
-    return "\n".join(lines) + "\n"
+    bind(obj, type(obj).__name__, fields)
+    return lines
+
+
+def configs_to_gin(model_cfg, data_cfg, optim_cfg, train_cfg) -> str:
+    """gin bindings reproducing the four configs (for ``train.py --gin_file``)."""
+    return "\n".join(line for obj in (model_cfg, data_cfg, optim_cfg, train_cfg)
+                     for line in config_bindings(obj)) + "\n"
+
+
+# A run's own copy of its tokenizer (``RUN/tokenizer/``): the file it reads text with and,
+# where they exist beside it, the files transformers and dagmoe_jax.data.tokenizers read with
+# it, so that the run does not depend on the folder they came from.
+TOKENIZER_DIR = "tokenizer"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                   "special_tokens_map.json", "generation_config.json", "chat_template.jinja",
+                   "chat_template.json")
+
+
+def copy_tokenizer(data_cfg: DataConfig, run_dir: PathLike) -> DataConfig:
+    """``data_cfg`` reading its tokenizer from ``run_dir``'s own copy (:data:`TOKENIZER_DIR`):
+    the file at ``tokenizer_path`` and the :data:`TOKENIZER_FILES` beside it are copied there.
+    ``data_cfg`` as it is for the byte tokenizer, or a file in that folder already."""
+    if not data_cfg.tokenizer_path:
+        return data_cfg
+    source = Path(os.path.expanduser(data_cfg.tokenizer_path)).resolve()
+    target = as_path(run_dir) / TOKENIZER_DIR
+    if not is_remote(target) and source.parent == Path(str(target)).resolve():
+        return data_cfg
+    target.mkdir(parents=True, exist_ok=True)
+    for name in dict.fromkeys((source.name, *TOKENIZER_FILES)):
+        if (source.parent / name).is_file():
+            (target / name).write_bytes((source.parent / name).read_bytes())
+    return data_cfg.replace(tokenizer_path=str(target / source.name))
+
+
+def own_tokenizer(data_cfg: DataConfig, run_dir: PathLike) -> DataConfig:
+    """``data_cfg`` of the run at ``run_dir`` reading the run's own copy of its tokenizer
+    (:func:`copy_tokenizer`) where the recorded file is gone (the run, or the folder it came
+    from, has moved); else as it is."""
+    path = data_cfg.tokenizer_path
+    if not path or os.path.exists(os.path.expanduser(path)):
+        return data_cfg
+    copy = as_path(run_dir) / TOKENIZER_DIR / os.path.basename(path)
+    return data_cfg.replace(tokenizer_path=str(copy)) if copy.exists() else data_cfg
 
 
 def save_resume_gin(run_dir: PathLike, model_cfg, data_cfg, optim_cfg, train_cfg, *,
@@ -167,7 +210,8 @@ def save_initial_checkpoint(run_dir: PathLike, model, optimizer, model_cfg: Mode
 
 
 def load_configs(run_dir: PathLike, with_record: bool = False):
-    """The four configs a run was started with (from its ``config.json``); with
+    """The four configs a run was started with (from its ``config.json``; the tokenizer read
+    from the run's own copy where the recorded file is gone, :func:`own_tokenizer`); with
     ``with_record``, also the file's record of the tokenizer the run trained with
     (:func:`~dagmoe_jax.data.tokenizers.tokenizer_record`; None for an earlier version's run),
     from the same read of the file."""
@@ -181,6 +225,8 @@ def load_configs(run_dir: PathLike, with_record: bool = False):
         raise ValueError(f"{path} is not a config this version of dagmoe_jax can read "
                          f"({first_line(err)}): use the version that wrote the run, or fix the "
                          f"file") from None
+    model_cfg, data_cfg, optim_cfg, train_cfg = configs
+    configs = (model_cfg, own_tokenizer(data_cfg, run_dir), optim_cfg, train_cfg)
     return (*configs, blob.get("tokenizer")) if with_record else configs
 
 

@@ -197,6 +197,20 @@ def load_execution_config(files: Sequence[str] = (),
     return _build_tree(C.ExecutionConfig)
 
 
+def bound_fields(cls) -> frozenset:
+    """The fields of the config class ``cls`` that the parsed gin files and bindings bind,
+    whatever the value (a binding to the default's value too): what a run was told, as
+    against what it defaults to."""
+    bound = set()
+    for field in dataclasses.fields(cls):
+        try:
+            gin.query_parameter(f"{cls.__name__}.{field.name}")
+        except ValueError:
+            continue
+        bound.add(field.name)
+    return frozenset(bound)
+
+
 def load_configs(files: Sequence[str] = (), bindings: Iterable[str] = ()
                  ) -> Tuple[ModelConfig, DataConfig, OptimConfig, TrainConfig]:
     """(ModelConfig, DataConfig, OptimConfig, TrainConfig) for a training run, validated.

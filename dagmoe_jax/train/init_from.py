@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable
+from typing import Callable, Iterable, Optional
 
 import jax
 from flax import nnx
@@ -98,21 +98,26 @@ def _source_tokenizer(init_from: str) -> dict:
 
 
 def source_data_config(init_from: str, data_cfg: DataConfig,
-                       tokenizer_from_source: bool = True) -> DataConfig:
+                       tokenizer_from_source: bool = True,
+                       bound: Optional[Iterable[str]] = None) -> DataConfig:
     """``data_cfg`` with ``init_from``'s tokenizer (:data:`TOKENIZER_FIELDS`). A field bound in
-    ``data_cfg`` (not its default) that differs from the source's is a one-line error, unless
-    ``tokenizer_from_source`` is False, which keeps ``data_cfg`` as it is. The chat template
-    is the source's only where the source chose one (a pre-trained run's 'auto' leaves this
-    run's own)."""
+    ``data_cfg`` that differs from the source's is a one-line error, unless
+    ``tokenizer_from_source`` is False, which keeps ``data_cfg`` as it is. ``bound``: the
+    DataConfig fields the caller was given (a command's gin config,
+    :func:`~dagmoe_jax.run.gin.bound_fields`), so that a binding to the default's value counts
+    too; None: the fields that differ from the default. The chat template is the source's
+    only where the source chose one (a pre-trained run's 'auto' leaves this run's own)."""
     if not init_from or not tokenizer_from_source:
         return data_cfg
     source, default = _source_tokenizer(init_from), DataConfig()
     if source["chat_template"] == default.chat_template:
         # A source that chose no template (a pre-trained run) leaves the choice to this run.
         source["chat_template"] = data_cfg.chat_template
+    given = (set(bound) if bound is not None else
+             {k for k in source if getattr(data_cfg, k) != getattr(default, k)})
     conflicts = [f"DataConfig.{k}={getattr(data_cfg, k)!r} (the source has {v!r})"
                  for k, v in source.items()
-                 if getattr(data_cfg, k) != getattr(default, k) and getattr(data_cfg, k) != v
+                 if k in given and getattr(data_cfg, k) != v
                  and not (k == "tokenizer_path" and _same_file(getattr(data_cfg, k), v))]
     if conflicts:
         raise ValueError(f"TrainConfig.init_from={init_from!r} was trained with another "
@@ -120,6 +125,19 @@ def source_data_config(init_from: str, data_cfg: DataConfig,
                          "bindings (the run reads text as its source did), or set "
                          "TrainConfig.tokenizer_from_source=False to train with another one")
     return dataclasses.replace(data_cfg, **source)
+
+
+def source_bindings(init_from: str, model_cfg: ModelConfig, data_cfg: DataConfig) -> str:
+    """gin bindings of what a run initialised from ``init_from`` took from it: its ModelConfig
+    and tokenizer (:data:`TOKENIZER_FIELDS`, as the run reads them: its own copy of the
+    file), under a comment naming the source. Appended to the run's ``operative_config.gin``
+    they override the bindings above them, so that file and ``config.json`` describe the
+    same run."""
+    lines = [f"\n# Taken from TrainConfig.init_from = {init_from!r} (these override the "
+             "bindings above):",
+             *run_lib.config_bindings(model_cfg),
+             *run_lib.config_bindings(data_cfg, TOKENIZER_FIELDS)]
+    return "\n".join(lines) + "\n"
 
 
 def _same_file(a: str, b: str) -> bool:

@@ -33,8 +33,8 @@ from dagmoe_jax.train.hooks import EvalHook, ProgressHook
 from dagmoe_jax.train.metrics import (MetricsWriter, check_tensorboard_target, read_metrics,
                                       require_wandb)
 from dagmoe_jax.run.config import OptimConfig, TrainConfig
-from dagmoe_jax.train.init_from import (load_initial_params, source_data_config,
-                                         source_model_config)
+from dagmoe_jax.train.init_from import (load_initial_params, source_bindings,
+                                         source_data_config, source_model_config)
 from dagmoe_jax.run.optim import TRAINABLE, schedule_note
 from dagmoe_jax.train.step import make_train_step
 from dagmoe_jax.train.signals import Interrupted, check_interrupted, on_signals
@@ -90,11 +90,15 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
         with on_signals(stop, interrupt=True), _new_run_directory(train_cfg.run_dir,
                                                                    remove=is_main):
             run = _start(model_cfg, data_cfg, optim_cfg, train_cfg, is_main, say)
+            data_cfg = run.data_cfg
             try:
                 check_interrupted(stop)        # a signal a library callback swallowed
                 if is_main:
                     run_lib.save_configs(run.run_dir, model_cfg, data_cfg, optim_cfg,
                                          run.train_cfg, settled=run.model.execution)
+                    if operative_gin and train_cfg.init_from:
+                        operative_gin += source_bindings(train_cfg.init_from, model_cfg,
+                                                         data_cfg)
                     run_lib.save_operative_gin(run.run_dir, operative_gin)
             except BaseException:
                 run.trainer.checkpointer.close()
@@ -139,11 +143,13 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
 
 @dataclasses.dataclass
 class _Started:
-    """What :func:`_start` made of a run: its directory, tokenizer, settled train config, model,
+    """What :func:`_start` made of a run: its directory, tokenizer, data and settled train
+    config, model,
     evaluation, schedule, the trainer and the step it starts from."""
 
     run_dir: Path
     tokenizer: object
+    data_cfg: DataConfig
     train_cfg: TrainConfig
     model: object
     evaluator: Evaluator
@@ -155,7 +161,7 @@ class _Started:
 def _start(model_cfg, data_cfg, optim_cfg, train_cfg, is_main: bool, say) -> _Started:
     """Everything before the first step: the run directory, the data (checked), the model,
     the checkpointer, and the resumed or initial state."""
-    run_dir, tokenizer = _prepare(model_cfg, data_cfg, train_cfg, is_main)
+    run_dir, tokenizer, data_cfg = _prepare(model_cfg, data_cfg, train_cfg, is_main)
     annotate = extension_for(model_cfg).prepare_run(data_cfg, run_dir, log=say, save=is_main)
     dataset, train_cfg = _dataset(model_cfg, data_cfg, train_cfg, tokenizer, annotate, say)
     evaluator = Evaluator(data_cfg, train_cfg, tokenizer, annotate)
@@ -186,7 +192,8 @@ def _start(model_cfg, data_cfg, optim_cfg, train_cfg, is_main: bool, say) -> _St
     except BaseException:
         checkpointer.close()
         raise
-    return _Started(run_dir, tokenizer, train_cfg, model, evaluator, schedule, trainer, start)
+    return _Started(run_dir, tokenizer, data_cfg, train_cfg, model, evaluator, schedule,
+                    trainer, start)
 
 
 @contextlib.contextmanager
@@ -243,9 +250,10 @@ def _dataset(model_cfg, data_cfg, train_cfg, tokenizer, annotate, say):
 
 
 def _prepare(model_cfg, data_cfg, train_cfg, is_main: bool):
-    """(run directory, tokenizer), after every check that can fail before anything is written:
-    the run directory's filesystem, the metric sinks, the data against the model, the batch
-    against gradient accumulation and the processes."""
+    """(run directory, tokenizer, data config), after every check that can fail before
+    anything is written: the run directory's filesystem, the metric sinks, the data against
+    the model, the batch against gradient accumulation and the processes. A fine-tuned run's
+    data config reads the run's own copy of its source's tokenizer."""
     run_path(train_cfg.run_dir)                  # its filesystem is reachable (else one line)
     if is_main:                                  # sinks that cannot work: before anything is written
         if train_cfg.wandb_project:
@@ -253,13 +261,17 @@ def _prepare(model_cfg, data_cfg, train_cfg, is_main: bool):
         if train_cfg.tensorboard:
             check_tensorboard_target(train_cfg.run_dir)
     run_dir = run_lib.prepare_run_dir(train_cfg.run_dir)
+    if train_cfg.init_from and is_main:
+        # The source's tokenizer files go with the run, as an import's do: it reads text
+        # after the source has moved.
+        data_cfg = run_lib.copy_tokenizer(data_cfg, run_dir)
     tokenizer = make_tokenizer(data_cfg)
     run_lib.check_compatible(model_cfg, data_cfg, tokenizer)
     processes = jax.process_count()
     if data_cfg.batch_size % (train_cfg.grad_accum * processes):
         raise ValueError(f"DataConfig.batch_size={data_cfg.batch_size} must be a multiple of "
                          f"TrainConfig.grad_accum={train_cfg.grad_accum} x {processes} processes")
-    return run_dir, tokenizer
+    return run_dir, tokenizer, data_cfg
 
 
 def _resume_policy(restored, run_dir, model_cfg, data_cfg, train_cfg, say) -> None:

@@ -7,7 +7,8 @@
 
 Flags:
   --dense=DIR            a dense model: a train.py run directory or a Hugging Face Llama
-                         directory (config.json + safetensors). Repeatable, one per domain.
+                         directory (config.json + safetensors; also spelled hf:DIR).
+                         Repeatable, one per domain.
   --source=SPEC          that domain's data (a DataConfig source spec), in --dense order
   --run_dir=DIR          the new run directory (must not hold checkpoints yet)
   --router=dume|random   dume (default): closed-form ridge routers (DUME eqs. 2-7);
@@ -111,6 +112,9 @@ def _check_args(args) -> None:
         raise ValueError("--run_dir is required: the run directory to write")
     if len(args.dense) < 1:
         raise ValueError("give at least one --dense model directory (one per domain)")
+    # hf:FOLDER, as every command spells a Hugging Face folder; a folder is known by its
+    # config.json here either way.
+    args.dense = [d[len("hf:"):] if d.startswith("hf:") else d for d in args.dense]
     if len(args.source) != len(args.dense):
         raise ValueError(f"{len(args.dense)} --dense models but {len(args.source)} --source "
                          f"specs: give one --source per --dense, in the same order")

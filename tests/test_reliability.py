@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from dagmoe_jax.train.metrics import METRICS_FILE, MetricsWriter, read_metrics
+from conftest import single_device_env
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = [sys.executable, str(REPO / "train.py"), "--gin_file=train/smoke.gin", "--no_progress",
@@ -451,6 +452,24 @@ def test_a_refused_run_directory_is_one_line(tmp_path, monkeypatch):
         run_lib.prepare_run_dir(tmp_path / "run")
 
 
+def test_a_batch_the_devices_do_not_divide_is_refused_before_anything_is_written(tmp_path):
+    """The fine-tuning smoke run's batch of 4 on this process's 8 devices: one line naming the
+    fix, and no run directory (it was refused at the first step, after config.json was
+    written, which left a run with no checkpoint behind)."""
+    from dagmoe_jax.run.gin import load_configs
+    from dagmoe_jax.train.loop import train
+
+    run_dir = tmp_path / "run"
+    configs = load_configs(["finetune/smoke.gin"], [
+        f"TrainConfig.run_dir = '{run_dir}'", "MeshConfig.data = 8",
+        f"DataConfig.source = 'instruct:{REPO / 'tests/fixtures/instruct_tiny.jsonl'}'"])
+    with pytest.raises(ValueError, match=r"^DataConfig.batch_size=4 is not a multiple of the 8 "
+                                         r"devices of the batch mesh axes .*: bind a multiple "
+                                         r"of 8, or a MeshConfig with fewer devices on them$"):
+        train(*configs, progress=False, log=lambda _m: None)
+    assert not run_dir.exists()
+
+
 def test_fields_newer_than_a_checkpoint_are_no_change_at_their_defaults():
     """A checkpoint written before a ModelConfig field existed (router bias, RoPE scaling, ...)
     resumes without allow_model_change when the field has its default, which keeps the old
@@ -510,6 +529,23 @@ def _train_until(run_dir: Path, marker: str, *args: str):
             t.join(timeout=10)
         return proc.returncode, "".join(seen["out"]), "".join(seen["err"])
     return proc, wait, finish
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["pretrain", "finetune"])
+def test_ctrl_c_across_start_up_never_crashes(mode, tmp_path):
+    """Ctrl-C (SIGINT to the whole process group, g++ building a kernel and grain's workers
+    too) at moments spread over start-up, several runs at once: each ends with exit 130 and
+    no run directory, or exit 0 with a checkpoint, never a crash. A finer sweep, every 0.5 s
+    until the first step: scripts/signal_sweep.py."""
+    out = tmp_path / "verdicts.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "signal_sweep.py"), "--delays=1,3,5,7,9,11",
+         "--parallel=3", f"--json={out}", *(["--finetune"] if mode == "finetune" else [])],
+        capture_output=True, text=True, env=single_device_env(), timeout=600)
+    verdicts = json.loads(out.read_text())
+    assert result.returncode == 0 and all(v["clean"] for v in verdicts), result.stdout
+    assert len(verdicts) == 6 and any(v["code"] == 130 for v in verdicts)
 
 
 @pytest.mark.slow

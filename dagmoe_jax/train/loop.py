@@ -27,6 +27,7 @@ from dagmoe_jax.data.splits import describe_mixture
 from dagmoe_jax.evaluation import Evaluator, format_eval
 from dagmoe_jax.run.extensions import extension_for
 from dagmoe_jax.parallel import make_mesh
+from dagmoe_jax.parallel.state import batch_axes, batch_shards
 from dagmoe_jax.parallel.axes import MeshLayout
 from dagmoe_jax.run.paths import run_path
 from dagmoe_jax.train.hooks import EvalHook, ProgressHook
@@ -161,11 +162,10 @@ class _Started:
 def _start(model_cfg, data_cfg, optim_cfg, train_cfg, is_main: bool, say) -> _Started:
     """Everything before the first step: the run directory, the data (checked), the model,
     the checkpointer, and the resumed or initial state."""
-    run_dir, tokenizer, data_cfg = _prepare(model_cfg, data_cfg, train_cfg, is_main)
+    run_dir, tokenizer, data_cfg, mesh = _prepare(model_cfg, data_cfg, train_cfg, is_main)
     annotate = extension_for(model_cfg).prepare_run(data_cfg, run_dir, log=say, save=is_main)
     dataset, train_cfg = _dataset(model_cfg, data_cfg, train_cfg, tokenizer, annotate, say)
     evaluator = Evaluator(data_cfg, train_cfg, tokenizer, annotate)
-    mesh = make_mesh(train_cfg.mesh)
     if schedule_note(optim_cfg, train_cfg.steps):
         say(schedule_note(optim_cfg, train_cfg.steps))
     model, optimizer, schedule = run_lib.build(model_cfg, optim_cfg, train_cfg, mesh, log=say)
@@ -250,11 +250,18 @@ def _dataset(model_cfg, data_cfg, train_cfg, tokenizer, annotate, say):
 
 
 def _prepare(model_cfg, data_cfg, train_cfg, is_main: bool):
-    """(run directory, tokenizer, data config), after every check that can fail before
-    anything is written: the run directory's filesystem, the metric sinks, the data against
-    the model, the batch against gradient accumulation and the processes. A fine-tuned run's
+    """(run directory, tokenizer, data config, mesh), after every check that can fail
+    before anything is written: the run directory's filesystem, the mesh, the batch against
+    its batch axes, the metric sinks, the data against the model, the batch against gradient
+    accumulation and the processes. A fine-tuned run's
     data config reads the run's own copy of its source's tokenizer."""
     run_path(train_cfg.run_dir)                  # its filesystem is reachable (else one line)
+    mesh = make_mesh(train_cfg.mesh)
+    shards = batch_shards(mesh)
+    if data_cfg.batch_size % shards:
+        raise ValueError(f"DataConfig.batch_size={data_cfg.batch_size} is not a multiple of the "
+                         f"{shards} devices of the batch mesh axes {batch_axes()}: bind a "
+                         f"multiple of {shards}, or a MeshConfig with fewer devices on them")
     if is_main:                                  # sinks that cannot work: before anything is written
         if train_cfg.wandb_project:
             require_wandb()
@@ -271,7 +278,7 @@ def _prepare(model_cfg, data_cfg, train_cfg, is_main: bool):
     if data_cfg.batch_size % (train_cfg.grad_accum * processes):
         raise ValueError(f"DataConfig.batch_size={data_cfg.batch_size} must be a multiple of "
                          f"TrainConfig.grad_accum={train_cfg.grad_accum} x {processes} processes")
-    return run_dir, tokenizer, data_cfg
+    return run_dir, tokenizer, data_cfg, mesh
 
 
 def _resume_policy(restored, run_dir, model_cfg, data_cfg, train_cfg, say) -> None:

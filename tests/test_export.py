@@ -75,6 +75,25 @@ def test_a_dense_run_exports_as_the_same_model_with_its_tokenizer(tmp_path, caps
     assert not list(tmp_path.glob(".export.partial*"))
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_the_weights_get_the_mode_of_the_other_files(tmp_path, umask):
+    """model.safetensors (one file or shards) is written 0666 less the umask like config.json,
+    not safetensors' own 0600."""
+    import os
+
+    model = make_model(tiny_config("dense", vocab_size=256))
+    old = os.umask(umask)
+    try:
+        one = hf_llama.export_hf_llama(model, tmp_path / "one")
+        shards = hf_llama.export_hf_llama(model, tmp_path / "shards", max_shard_bytes=20000)
+    finally:
+        os.umask(old)
+    files = [*one.iterdir(), *shards.iterdir()]
+    assert len(list(shards.glob("*.safetensors"))) > 1
+    assert {f.stat().st_mode & 0o777 for f in files} == {0o666 & ~umask}, \
+        {f.name: oct(f.stat().st_mode & 0o777) for f in files}
+
+
 def test_a_run_and_its_own_export_upcycle_together(tmp_path, monkeypatch):
     run_dir, data = write_dense_run(tmp_path)
     (tmp_path / "second").mkdir()

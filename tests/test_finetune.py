@@ -77,6 +77,32 @@ def test_init_from_a_hugging_face_folder(tmp_path):
         source_model_config(f"hf:{tmp_path / 'nothing'}", ModelConfig())
 
 
+def test_the_smoke_config_reads_alpaca_and_sharegpt_files_alike(tmp_path):
+    """finetune/smoke.gin detects the format per record (instruct_format 'auto', the documented
+    default): the docs' smoke command bound to a ShareGPT copy of its Alpaca data reads the
+    same conversations."""
+    import json
+
+    from dagmoe_jax.data import make_tokenizer
+    from dagmoe_jax.data.instruct import instruct_stats
+
+    sharegpt = tmp_path / "sharegpt.jsonl"
+    with open(DATA, encoding="utf-8") as f, open(sharegpt, "w", encoding="utf-8") as out:
+        for line in f:
+            r = json.loads(line)
+            prompt = f"{r['instruction']}\n\n{r['input']}" if r["input"] else r["instruction"]
+            out.write(json.dumps({"conversations": [{"from": "human", "value": prompt},
+                                                    {"from": "gpt", "value": r["output"]}]})
+                      + "\n")
+    stats = []
+    for path in (DATA, sharegpt):
+        data = load_configs(["finetune/smoke.gin"],
+                            [f"DataConfig.source = 'instruct:{path}'"])[1]
+        assert data.instruct_format == "auto"
+        stats.append(instruct_stats(data, make_tokenizer(data), epochs=1))
+    assert stats[0] == stats[1] and stats[0]["examples"] == 43
+
+
 @pytest.mark.slow
 def test_finetune_from_a_run_for_epochs(pretrained, tmp_path):
     run_dir = tmp_path / "sft"

@@ -367,6 +367,23 @@ def test_cli_chat_renders_the_prompt_as_fine_tuning_did(smoke_run, capsys):
     assert "--system needs --chat" in capsys.readouterr().err
 
 
+def test_a_chat_sample_that_ends_its_turn_at_once_says_so():
+    """--chat: a first token that ends the turn prints a note, not an empty sample; a stop id
+    after an answer is dropped as before, and with --ignore_eos it is text."""
+    from dagmoe_jax.cli.sample import EMPTY_TURN, shown_sample
+    from dagmoe_jax.data.tokenizers import ByteTokenizer
+
+    tok, end = ByteTokenizer(), 3                           # 3: the template's end of turn
+    prompt = tok.encode("### Response:\n")
+    assert shown_sample(tok, prompt, [end], stops=(0, end), chat=True) == EMPTY_TURN
+    assert shown_sample(tok, prompt, tok.encode("ok") + [end], stops=(0, end),
+                        chat=True) == "ok"
+    assert shown_sample(tok, prompt, [end], stops=(0, end), chat=True,
+                        ignore_eos=True) == "\x03"
+    assert shown_sample(tok, [0] + prompt, tok.encode("ok!") + [0], stops=(0,),
+                        stop_strings=["!"], prefix=[0]) == "### Response:\nok"
+
+
 def test_a_chat_prompt_is_the_start_of_the_conversation_fine_tuning_trains():
     """The ids --chat decodes from are exactly the first ids of the trained conversation with
     an answer (the same pieces, tokenized the same way), for a jinja template too."""

@@ -112,6 +112,20 @@ def test_errors_are_one_line_and_name_the_culprit(files, bindings, needle):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("binding, hint", [
+    ("DataConfig.sorce = 'x'", "(did you mean DataConfig.source?)"),
+    ("RouterConfig.topk = 3", "(did you mean RouterConfig.top_k?)"),
+    ("DataConfg.source = 'x'", "(did you mean DataConfig?)"),
+    ("TrainConfig.zzzz = 3", ""),
+])
+def test_a_misspelt_binding_suggests_the_nearest_name(binding, hint):
+    with pytest.raises(ValueError) as err:
+        load_configs(["train/smoke.gin"], [binding])
+    message = str(err.value)
+    assert message.endswith(hint) and "\n" not in message, message
+    assert hint or "did you mean" not in message, message
+
+
 def test_training_configs_load_from_any_working_directory(tmp_path, monkeypatch):
     from dagmoe_jax.run.gin import load_configs
     monkeypatch.chdir(tmp_path)

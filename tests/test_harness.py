@@ -246,11 +246,16 @@ def test_cli_writes_the_harness_results(run_dir, tmp_path, capsys):
     printed = capsys.readouterr()
     assert code == 0, printed.err
     assert "dagmoe_mc" in printed.out and "acc_norm" in printed.out
-    results = json.loads(next(out.rglob("results_*.json")).read_text())
+    written = next(out.rglob("results_*.json"))
+    results = json.loads(written.read_text())
     assert set(results["results"]) == {"dagmoe_mc", "dagmoe_gen"}
     assert results["n-samples"]["dagmoe_mc"]["effective"] == 4
     assert len(list(out.rglob("samples_dagmoe_mc_*.jsonl"))) == 1
     assert "at step 0" in printed.err
+    # a folder named after the run (its directory's name and step), said where
+    assert written.parent == out / f"{run_dir.name}_step0"
+    assert results["model_name"] == str(run_dir)
+    assert f"results written to {written} (samples beside it)" in printed.err
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -258,6 +263,8 @@ def test_cli_writes_the_harness_results(run_dir, tmp_path, capsys):
     (["--run_dir=x"], "--tasks=T1,T2 is required"),
     (["--run_dir=x", "--tasks=a", "--log_samples"], "--log_samples needs --output_path"),
     (["--run_dir=x", "--tasks=a", "--limit=0"], "--limit=0.0 is invalid"),
+    (["--run_dir=x", "--tasks=a", "--metadata=max_seq_lengths=4"],
+     "--metadata=max_seq_lengths=4 is invalid: expected a JSON object"),
     (["--run_dir=RUN", "--tasks=no_such_task"], "unknown task 'no_such_task'"),
     (["--run_dir=/nonexistent/run", "--tasks=dagmoe_mc"], "does not exist"),
 ])
@@ -313,12 +320,50 @@ def test_the_seeds_reach_the_harness_and_the_sampler(run_dir, monkeypatch):
     assert seen["fewshot_random_seed"] == seen["random_seed"] == 5 == seen["model"].seed
 
 
+def test_metadata_reaches_the_tasks_and_they_are_built_once(run_dir, monkeypatch, caplog):
+    """--metadata (a JSON object, merged over --model_args as lm_eval run merges them) joins
+    every task's metadata and reaches simple_evaluate; the tasks load_tasks built and checked
+    are the ones the evaluation gets (TaskManager.load), not built a second time, so lm-eval's
+    warning about a task's data (its custom_dataset) is said once."""
+    import logging
+
+    import lm_eval
+
+    from dagmoe_jax.harness.cli import evaluate, parse_args
+    from dagmoe_jax.harness.tasks import load_tasks, task_manager
+
+    manager = task_manager(str(TASKS), ["dagmoe_mc"], {"max_seq_lengths": [16, 32]})
+    built = load_tasks(manager, ["dagmoe_mc"])
+    assert built["tasks"]["dagmoe_mc"].config.metadata["max_seq_lengths"] == [16, 32]
+    assert manager.load(["dagmoe_mc"]) is built
+    seen = {}
+
+    def fake(**kwargs):
+        seen.update(kwargs, loaded=kwargs["task_manager"].load(kwargs["tasks"]))
+        return {"results": {}}
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", fake)
+    caplog.clear()
+    evaluate(parse_args([f"--run_dir={run_dir}", "--tasks=dagmoe_mc", f"--include_path={TASKS}",
+                         "--model_args=max_gen_toks=8",
+                         '--metadata={"max_seq_lengths": [16], "max_gen_toks": 4}']),
+             log=lambda _m: None)
+    want = {"max_seq_lengths": [16], "max_gen_toks": 4}
+    assert seen["metadata"] == want
+    metadata = seen["loaded"]["tasks"]["dagmoe_mc"].config.metadata
+    assert {k: metadata[k] for k in want} == want
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING
+              and r.getMessage().startswith("dagmoe_mc: Custom kwargs can be passed")]
+    assert len(warned) == 1, [r.getMessage() for r in warned]
+
+
 def test_cli_without_the_harness_says_how_to_install(monkeypatch, capsys):
     from dagmoe_jax.harness import cli
 
     monkeypatch.setitem(sys.modules, "lm_eval.utils", None)
     assert cli.main(["--run_dir=x", "--tasks=a"]) == 3
-    assert "pip install 'dagmoe-jax[harness]'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "pip install 'dagmoe-jax[harness]'" in err and "pip install -e '.[harness]'" in err
 
 
 def test_loaded_run_scores_like_the_model(run_dir, model, rng):
@@ -370,7 +415,7 @@ def test_local_tasks_skip_indexing_the_harness_library(monkeypatch):
     built = []
 
     class Recording:
-        def __init__(self, include_path=None, include_defaults=True):
+        def __init__(self, include_path=None, include_defaults=True, metadata=None):
             built.append(include_defaults)
             self.all_tasks = ["dagmoe_mc", "dagmoe_gen"] + ["hellaswag"] * include_defaults
 

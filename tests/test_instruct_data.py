@@ -144,6 +144,23 @@ def test_missing_field_is_a_one_line_error_naming_file_line_and_mapping(tmp_path
         to_messages({"messages": [{"role": "bot", "content": "x"}]}, "messages", "f line 1")
 
 
+def test_a_record_short_of_a_field_is_an_incomplete_record_not_a_format_problem(tmp_path):
+    """An Alpaca record without `output` (under 'auto' or 'alpaca') names the file, the line and
+    the missing field; it does not send the user to DataConfig.instruct_format."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "a", "output": "b"},
+                                              {"instruction": "a", "input": "c"}])
+    for fmt in ("auto", "alpaca"):
+        with pytest.raises(ValueError) as err:
+            open_instruct([path], fmt, "source", f"instruct:{path}")
+        message = str(err.value)
+        assert message.startswith(f"{path} line 2: an incomplete 'alpaca' record: no 'output' "
+                                  "field (it has input, instruction): add its 'output'"), message
+        assert "instruct_format" not in message and "\n" not in message
+    with pytest.raises(ValueError, match=r"f line 1: an incomplete 'metamath' record: its "
+                                         r"'response' is null, not a string"):
+        to_messages({"query": "q", "response": None}, "auto", "f line 1")
+
+
 def test_parquet_records(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -75,8 +75,11 @@ def test_a_run_shorter_than_its_warmup_warms_up_over_a_tenth_of_it():
     assert fitted_warmup(OptimConfig(schedule="cosine", warmup_steps=100), 100) == 10
     assert fitted_warmup(OptimConfig(schedule="constant", warmup_steps=101), 100) == 10
     assert fitted_warmup(OptimConfig(schedule="constant", warmup_steps=100), 100) == 100
-    # 6 steps: no warm-up at all (a tenth of 6 is 0): the first update is at the peak
+    # 6 steps: no warm-up at all (a tenth of 6 is 0): the first update is at the peak, and
+    # the note says so rather than "warming up over 0 steps"
     assert lr_at(make_schedule(paper, 6), 0)[0] == pytest.approx(1e-3)
+    note = schedule_note(paper, 3)
+    assert "3-step run: no warm-up instead" in note and "over 0 steps" not in note, note
 
 
 def test_schedule_steps_that_do_not_fit():

@@ -226,6 +226,28 @@ def test_gin_overrides_reach_the_model():
     assert w_down.shape[:2] == (2, 3)                              # [layers, L, d, d_g]
 
 
+@pytest.mark.parametrize("epochs, says", [
+    (0, "TrainConfig.steps=4: nothing left to train (raise steps to continue)"),
+    (2, "TrainConfig.epochs=2 ends at step 4: nothing left to train (raise epochs to continue)")])
+def test_a_finished_run_says_which_setting_to_raise(tiny, epochs, says):
+    """A checkpoint at the run's last step: a run sized by TrainConfig.epochs says to raise
+    epochs (its steps are derived), one sized by steps to raise steps."""
+    import optax
+    from flax import nnx
+    from dagmoe_jax.run.checkpoint import Restored
+    from dagmoe_jax.train.trainer import Trainer
+
+    model = make_model(tiny("dense"))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    finished = types.SimpleNamespace(restore=lambda *_a, **_k: Restored(
+        step=4, state={"model": nnx.state(model)}, meta={}))
+    messages = []
+    trainer = Trainer(model, optimizer, None, iter(()), finished, total_steps=4,
+                      say=messages.append, epochs=epochs)
+    assert trainer.restore_or_init() == 4
+    assert messages[-1] == f"warning: the checkpoint is at step 4 and {says}", messages
+
+
 def test_gradient_accumulation_matches_the_full_batch(tiny):
     import jax
     import jax.numpy as jnp

@@ -31,7 +31,8 @@ Flags:
                          where that one cannot be found (another file is refused)
 
 Prints one block per sample: the prompt followed by its continuation (EOS not shown); with
---chat, the assistant's answer alone.
+--chat, the assistant's answer alone, or "(the model ended its turn at once: no tokens)"
+when its first token was the end of turn.
 Exit status: 0 done, 2 invalid arguments, run directory or prompt (a one-line message).
 """
 
@@ -53,6 +54,25 @@ def cut_continuation(text: str, start: int, stops) -> str:
     """``text`` up to the first ``--stop`` string found at or after character ``start``."""
     ends = [i for i in (text.find(s, start) for s in stops) if i >= 0]
     return text[:min(ends)] if ends else text
+
+
+EMPTY_TURN = "(the model ended its turn at once: no tokens)"
+
+
+def shown_sample(tok, prompt, new, *, stops, stop_strings=(), prefix=(), chat=False,
+                 ignore_eos=False) -> str:
+    """The text a sample prints: the prompt (after ``prefix``) and its ``new`` ids, or with
+    ``chat`` the answer alone (:data:`EMPTY_TURN` when the first new id ended the turn); a
+    final stop id is not shown, and the text ends before the first of ``stop_strings``."""
+    ended = not ignore_eos and bool(new) and new[-1] in stops
+    if ended:
+        new = new[:-1]
+    if chat:
+        if ended and not new:
+            return EMPTY_TURN
+        return cut_continuation(tok.decode(new), 0, stop_strings)
+    start = len(tok.decode(prompt[len(prefix):]))
+    return cut_continuation(sample_text(tok, prompt[len(prefix):], new), start, stop_strings)
 
 
 def parse_args(argv):
@@ -161,14 +181,8 @@ def main(argv=None) -> int:
         if args.show_prompt and i % args.num_samples == 0:
             print(f"--- prompt {i // args.num_samples} ---\n{texts[i // args.num_samples]}",
                   flush=True)
-        if not args.ignore_eos and new and new[-1] in stops:
-            new = new[:-1]
-        if args.chat:
-            text = cut_continuation(tok.decode(new), 0, args.stop)
-        else:
-            start = len(tok.decode(prompt[len(prefix):]))
-            text = cut_continuation(sample_text(tok, prompt[len(prefix):], new), start,
-                                    args.stop)
+        text = shown_sample(tok, prompt, new, stops=stops, stop_strings=args.stop,
+                            prefix=prefix, chat=args.chat, ignore_eos=args.ignore_eos)
         print(f"--- sample {i} ---\n{text.rstrip(chr(10))}", flush=True)
     return 0
 

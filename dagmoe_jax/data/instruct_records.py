@@ -18,8 +18,10 @@ says how a record becomes a conversation (:data:`FORMATS`):
 * ``'auto'`` (default): per record, the first of messages (or sharegpt, when the turns have
   ``from`` / ``value``), alpaca, metamath, prompt_response whose fields the record has.
 
-A record missing a field is a one-line ``ValueError`` naming the file, the line (the row of
-a Parquet file) and the mapping to use. All records are read when the source opens.
+A record short of a field of its mapping (an Alpaca record without ``output``) is an incomplete
+record: a one-line ``ValueError`` naming the file, the line (the row of a Parquet file) and
+the field. A record whose fields are another mapping's is a one-line ``ValueError`` naming the
+mappings to choose from. All records are read when the source opens.
 """
 
 from __future__ import annotations
@@ -44,13 +46,30 @@ def _mapping(fmt: str) -> Tuple[str, str, Optional[str], Optional[str]]:
     return names[0], names[1], None, names[2] if len(names) > 2 else None
 
 
+def _incomplete(record: dict, fields: Sequence[Optional[str]]) -> bool:
+    """Whether a record short of a field of mapping ``fields`` is incomplete rather than of
+    another format: it has a field of the mapping and none of another mapping's."""
+    known = {n for preset in PRESETS.values() for n in preset if n} | {
+        "messages", "conversations", *(n for n in fields if n)}
+    theirs = known & set(record)
+    return bool(theirs) and theirs <= set(fields)
+
+
 def _detect(record: dict) -> str:
+    """The format of a record under 'auto' ('' for none): the first whose fields it has, else
+    one whose prompt field (or its own response field) it has and no other's (an incomplete
+    record, reported by the field it lacks)."""
     if "messages" in record or "conversations" in record:
         turns = record.get("messages", record.get("conversations"))
         first = turns[0] if isinstance(turns, (list, tuple)) and turns else None
         return "sharegpt" if isinstance(first, dict) and "from" in first else "messages"
     for name, (prompt, response, _, _) in PRESETS.items():
         if prompt in record and response in record:
+            return name
+    for name, fields in PRESETS.items():
+        prompt, response = fields[:2]
+        own = all(response not in other[:2] for key, other in PRESETS.items() if key != name)
+        if (prompt in record or (own and response in record)) and _incomplete(record, fields):
             return name
     return ""
 
@@ -73,9 +92,17 @@ def to_messages(record, fmt: str, where: str) -> List[dict]:
         return sharegpt_messages(record.get("conversations", record.get("messages")), where)
     prompt, response, extra, system = _mapping(fmt)
     for name in (prompt, response):
-        if not isinstance(record.get(name), str):
+        if isinstance(record.get(name), str):
+            continue
+        if not _incomplete(record, (prompt, response, extra, system)):
             raise ValueError(f"{where}: no string field {name!r} (instruct_format={fmt!r}): "
                              f"{_HELP}")
+        value = record.get(name)
+        what = (f"no {name!r} field" if name not in record else f"its {name!r} is "
+                f"{'null' if value is None else type(value).__name__}, not a string")
+        raise ValueError(f"{where}: an incomplete {fmt!r} record: {what} (it has "
+                         f"{', '.join(sorted(record)[:8])}): add its {name!r} or drop the "
+                         "record")
     user = record[prompt]
     if extra and isinstance(record.get(extra), str) and record[extra].strip():
         user = f"{user}\n\n{record[extra]}"

@@ -19,7 +19,9 @@ Flags (the harness's own, as ``lm_eval run`` spells them):
                           take precedence
   --max_length=N          the scoring window (default: the model's max_seq_len)
   --include_path=DIR      also read task YAML files from DIR (local or offline tasks)
-  --output_path=PATH      write the harness's results JSON (and samples) under PATH
+  --output_path=PATH      write the harness's results JSON (and samples) under PATH, in a
+                          folder named after the run (its directory's name and step:
+                          PATH/dagmoe_s_step23842/results_DATE.json; the path is printed)
   --log_samples           also write every document's prompt, answers and scores
   --apply_chat_template   format prompts with the tokenizer's chat template (a name picks one
                           of several); --fewshot_as_multiturn=false turns few-shot examples
@@ -34,20 +36,28 @@ Flags (the harness's own, as ``lm_eval run`` spells them):
                           let tasks run the model's code (HumanEval, MBPP), as lm_eval asks
   --mesh=auto|none        data-parallel over every device (auto, default) or one device
   --bootstrap_iters=N     bootstrap resamples for the standard errors (default 100000)
+  --metadata=JSON         a JSON object joined to every task's metadata (lm_eval run's
+                          --metadata, merged with --model_args as it merges them): what
+                          tasks such as RULER read, e.g. '{"max_seq_lengths": [4096]}'
 
 Prints the harness's table. Exit status: 0 done, 2 bad arguments, run directory or task (one
-line), 3 lm-evaluation-harness not installed (``pip install 'dagmoe-jax[harness]'``).
+line), 3 lm-evaluation-harness not installed (the ``[harness]`` extra: ``pip install -e
+'.[harness]'`` in a checkout; a plain ``pip install -e .`` leaves it out).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+from pathlib import Path
 
 from dagmoe_jax.cli import (USER_ERRORS, OneLineParser, parse_or_report,
                             quiet_background_errors, report_error)
 
-INSTALL_HINT = ("lm-evaluation-harness is not installed: pip install 'dagmoe-jax[harness]' "
-                "(or pip install lm-eval==0.4.13)")
+INSTALL_HINT = ("lm-evaluation-harness is not installed: install the [harness] extra, "
+                "pip install -e '.[harness]' in a checkout (pip install -e . leaves it out) or "
+                "pip install 'dagmoe-jax[harness]'")
 
 
 DEFAULT_SEEDS = "0,1234,1234,1234"   # lm_eval run's --seed: python, numpy, torch, few-shot
@@ -103,6 +113,52 @@ def model_args(text: str) -> dict:
                          "by commas") from None
 
 
+def metadata(text: str) -> dict:
+    """``--metadata``: a JSON object ('' or absent: none)."""
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise ValueError(f"--metadata={text} is invalid: expected a JSON object, e.g. "
+                         """--metadata='{"max_seq_lengths": [4096, 8192]}'""")
+    return value
+
+
+def results_folder(run_dir: str, step: int) -> str:
+    """The folder under ``--output_path`` that holds a run's results (lm-eval names it after
+    the model): the run directory's name and step (``dagmoe_s_step200``), a Hugging Face
+    folder's name alone."""
+    from lm_eval.utils import sanitize_model_name  # pylint: disable=import-outside-toplevel
+
+    hf = run_dir.startswith("hf:")
+    name = os.path.basename(os.path.normpath(run_dir[3:] if hf else run_dir)) or "run"
+    return sanitize_model_name(name if hf else f"{name}_step{step}")
+
+
+def save_results(tracker, results: dict, samples, run_dir: str, folder: str, log) -> None:
+    """Write ``results`` (and ``samples``) with lm-eval's tracker into ``folder`` under its
+    output path and say where; lm-eval's tracker only warns when it cannot write, and so does
+    this, after the evaluation."""
+    config = tracker.general_config_tracker
+    config.model_name, config.model_name_sanitized = run_dir, folder
+    tracker.save_results_aggregated(results=results, samples=samples)
+    if samples is not None:
+        for name in results["configs"]:
+            tracker.save_results_samples(task_name=name, samples=samples[name])
+    path, date = Path(tracker.output_path), getattr(tracker, "date_id", "")
+    written = (path.with_name(f"{path.stem}_{date}.json") if path.suffix == ".json" else
+               path / folder / f"results_{date}.json")
+    if date and written.is_file():
+        log(f"results written to {written}"
+            + (" (samples beside it)" if samples is not None else ""))
+    else:
+        log(f"warning: the results could not be written under {tracker.output_path} (see "
+            "lm-eval's warning above): check that the path is writable")
+
+
 def _bool(text: str) -> bool:
     if text.lower() not in ("true", "false", "1", "0"):
         raise ValueError(f"expected true or false, got {text!r}")
@@ -132,6 +188,7 @@ def parse_args(argv):
     parser.add_argument("--confirm_run_unsafe_code", action="store_true")
     parser.add_argument("--mesh", choices=("auto", "none"), default="auto")
     parser.add_argument("--bootstrap_iters", type=int, default=100000)
+    parser.add_argument("--metadata", default="")
     args = parser.parse_args(argv)
     if not args.help:
         if not args.run_dir:
@@ -145,6 +202,7 @@ def parse_args(argv):
         if args.max_batch_size < 1:
             raise ValueError(f"--max_batch_size={args.max_batch_size} is invalid: expected >= 1")
         args.model_args = model_args(args.model_args)
+        args.metadata = metadata(args.metadata)
         if args.limit is not None and args.limit <= 0:
             raise ValueError(f"--limit={args.limit} is invalid: expected > 0")
         if args.limit is not None and args.limit >= 1:
@@ -166,7 +224,8 @@ def evaluate(args, log=print) -> dict:
     from dagmoe_jax.harness.tasks import task_manager as make_task_manager
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    task_manager = make_task_manager(args.include_path, tasks)
+    task_metadata = {**args.model_args, **args.metadata}       # as lm_eval run merges them
+    task_manager = make_task_manager(args.include_path, tasks, task_metadata)
     unknown = [t for t in tasks if t not in task_manager.all_tasks]
     if unknown:
         where = f" or in {args.include_path}" if args.include_path else ""
@@ -199,13 +258,11 @@ def evaluate(args, log=print) -> dict:
         bootstrap_iters=args.bootstrap_iters, random_seed=args.seed[0],
         numpy_random_seed=args.seed[1], torch_random_seed=args.seed[2],
         fewshot_random_seed=args.seed[3],
-        confirm_run_unsafe_code=args.confirm_run_unsafe_code)
+        confirm_run_unsafe_code=args.confirm_run_unsafe_code, metadata=task_metadata)
     samples = results.pop("samples", None)
     if tracker is not None:
-        tracker.save_results_aggregated(results=results, samples=samples)
-        if args.log_samples:
-            for name in results["configs"]:
-                tracker.save_results_samples(task_name=name, samples=samples[name])
+        save_results(tracker, results, samples if args.log_samples else None, args.run_dir,
+                     results_folder(args.run_dir, lm.run.step), log)
     return results
 
 
@@ -227,8 +284,6 @@ def main(argv=None) -> int:
     print(make_table(results))
     if "groups" in results:
         print(make_table(results, "groups"))
-    if args.output_path:
-        print(f"results written under {args.output_path}", file=sys.stderr)
     return 0
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import socket
-import warnings
 from typing import Sequence
 
 from dagmoe_jax.validate import first_line
@@ -20,23 +19,25 @@ from dagmoe_jax.validate import first_line
 HUB_HOST = "huggingface.co"
 
 
-def task_manager(include_path: str | None, tasks: Sequence[str]):
+def task_manager(include_path: str | None, tasks: Sequence[str], metadata: dict | None = None):
     """An ``lm_eval.tasks.TaskManager`` for ``tasks``: over ``include_path`` alone when every
     task (or group) is defined there, else over ``include_path`` and the harness's built-in
-    tasks (the Hub benchmarks: ``hellaswag``, ``arc_easy``, ``mmlu``, ...). A missing
-    ``include_path`` folder is a one-line error."""
+    tasks (the Hub benchmarks: ``hellaswag``, ``arc_easy``, ``mmlu``, ...). ``metadata`` joins
+    every task's metadata (what ``lm_eval run --metadata`` gives the tasks that read it, such
+    as RULER's ``max_seq_lengths``). A missing ``include_path`` folder is a one-line error."""
     # pylint: disable=import-outside-toplevel
     from lm_eval.tasks import TaskManager
 
+    extra = {"metadata": metadata} if metadata else {}
     if include_path:
         if not os.path.isdir(os.path.expanduser(include_path)):
             raise ValueError(f"--include_path={include_path} is not a folder: point it at the "
                              "folder of your task YAML files")
-        local = TaskManager(include_path=include_path, include_defaults=False)
+        local = TaskManager(include_path=include_path, include_defaults=False, **extra)
         if all(task in local.all_tasks for task in tasks):
             local.dagmoe_local_only = True       # no Hub dataset needed: load_tasks' probe
             return local
-    return TaskManager(include_path=include_path)
+    return TaskManager(include_path=include_path, **extra)
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
@@ -102,14 +103,6 @@ def _no_documents(name: str) -> str:
             "check the task's data files and test_split)")
 
 
-def _leaves(tree):
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            yield from _leaves(value)
-        else:
-            yield key, value
-
-
 def check_documents(name: str, task) -> None:
     """One-line ValueError when ``task`` has no documents to evaluate, or when a
     multiple-choice document's answer names none of its choices."""
@@ -130,40 +123,38 @@ def check_documents(name: str, task) -> None:
 
 
 def load_tasks(manager, tasks: Sequence[str], confirm_run_unsafe_code: bool = False) -> dict:
-    """Build ``tasks`` (names of tasks or groups) with ``manager`` and check their documents
+    """Build ``tasks`` (names of tasks or groups) with ``manager`` (``TaskManager.load``: its
+    ``tasks``, ``groups`` and ``group_map``) and check their documents
     (:func:`check_documents`); one-line ValueError naming the task for any failure, and for a
-    task that runs generated code without ``confirm_run_unsafe_code``. The
-    manager then hands the same built tasks to the evaluation instead of building them again.
+    task that runs generated code without ``confirm_run_unsafe_code``. The manager then hands
+    the same built tasks to the evaluation (``simple_evaluate`` calls ``load`` too) instead of
+    building them again, so their data is read, and lm-eval's warnings about it said, once.
     When a task needs the Hub and the Hub is unreachable, the clients go offline first, so that
     cached datasets load and missing ones fail at once."""
     tasks = list(tasks)
     offline = not getattr(manager, "dagmoe_local_only", False) and not hub_reachable()
     if offline:
         go_offline()
-    # load_task_or_group is what simple_evaluate calls (its deprecation is lm-eval's own)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Use TaskManager.load",
-                                category=DeprecationWarning)
-        try:
-            built = manager.load_task_or_group(tasks)
-        except Exception as err:  # noqa: BLE001 -- lm-eval and datasets raise anything
-            for name in tasks:     # which one?
-                try:
-                    manager.load_task_or_group([name])
-                except Exception as one:  # noqa: BLE001
-                    raise ValueError(_why(manager, name, one, offline)) from None
-            raise ValueError(f"tasks {', '.join(tasks)} could not be loaded: "
-                             f"{first_line(err)}") from None
-    for name, task in _leaves(built):
-        name = getattr(name, "group_name", str(name))
+    try:
+        built = manager.load(tasks)
+    except Exception as err:  # noqa: BLE001 -- lm-eval and datasets raise anything
+        for name in tasks:     # which one?
+            try:
+                manager.load([name])
+            except Exception as one:  # noqa: BLE001
+                raise ValueError(_why(manager, name, one, offline)) from None
+        raise ValueError(f"tasks {', '.join(tasks)} could not be loaded: "
+                         f"{first_line(err)}") from None
+    for name, task in built["tasks"].items():
         if getattr(task, "UNSAFE_CODE", False) and not confirm_run_unsafe_code:
             raise ValueError(f"task {name!r} runs the model's generated code: pass "
                              "--confirm_run_unsafe_code to allow it (in a sandbox)")
         check_documents(name, task)
-    original = manager.load_task_or_group
+    original = manager.load
 
-    def reuse(specs=None):
-        return built if list(specs or ()) == tasks else original(specs)
+    def reuse(task_list):
+        same = isinstance(task_list, (list, tuple)) and list(task_list) == tasks
+        return built if same else original(task_list)
 
-    manager.load_task_or_group = reuse
+    manager.load = reuse
     return built

@@ -26,6 +26,7 @@ architecture, another activation or RoPE scaling, quantised weights) is a one-li
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
@@ -386,14 +387,23 @@ def params_to_hf_tensors(model: nnx.Module, tied: bool) -> Iterator[Tuple[str, n
             yield name, np.ascontiguousarray(to_hf[key](stacked[key][i]))
 
 
+def _save(tensors: Dict[str, np.ndarray], path: Path, meta: dict) -> None:
+    """safetensors' ``save_file`` with the mode of any other new file (0666 less the umask):
+    safetensors creates its files 0600."""
+    from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+
+    save_file(tensors, str(path), metadata=meta)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def export_hf_llama(model: nnx.Module, path: PathLike, *, dtype: str = "float32",
                     max_shard_bytes: Optional[int] = None) -> Path:
     """Write a dense Transformer as a Hugging Face Llama directory (``config.json`` and
     ``model.safetensors``, or shards of at most ``max_shard_bytes`` with
     ``model.safetensors.index.json``) in ``dtype`` ('float32' or 'bfloat16'). The LM head is
     tied to the embedding when the two are equal. Returns the directory."""
-    from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
-
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype={dtype!r} is invalid: expected one of "
                          f"{sorted(EXPORT_DTYPES)}")
@@ -414,12 +424,12 @@ def export_hf_llama(model: nnx.Module, path: PathLike, *, dtype: str = "float32"
         size += value.nbytes
     meta = {"format": "pt"}
     if len(shards) == 1:
-        save_file(shards[0], str(out / SINGLE_FILE), metadata=meta)
+        _save(shards[0], out / SINGLE_FILE, meta)
     else:
         weight_map, total = {}, 0
         for i, shard in enumerate(shards):
             file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(out / file), metadata=meta)
+            _save(shard, out / file, meta)
             weight_map.update({name: file for name in shard})
             total += sum(v.nbytes for v in shard.values())
         (out / INDEX_FILE).write_text(json.dumps(

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
+import inspect
 import logging
+import re
 from pathlib import Path
 from typing import Iterable, List, Sequence, Tuple
 
@@ -59,6 +62,9 @@ _CONFIG_CLASSES = (C.RouterConfig, C.ExpertConfig, C.AggregationConfig,
 _GIN = {cls.__name__: gin.external_configurable(cls, name=cls.__name__) for cls in _CONFIG_CLASSES}
 gin.external_configurable(matched_shared_hidden, name="matched_shared_hidden")
 gin.external_configurable(matched_coe_shared_hidden, name="matched_coe_shared_hidden")
+# what a binding can name: configurable -> its parameters (for "did you mean" hints)
+_PARAMETERS = {fn.__name__: list(inspect.signature(fn).parameters)
+               for fn in (*_CONFIG_CLASSES, matched_shared_hidden, matched_coe_shared_hidden)}
 
 
 def _plain(value):
@@ -122,7 +128,22 @@ def _one_line(err: Exception, bindings: Iterable[str]) -> ValueError:
         name, value = unquoted
         return ValueError(f"gin binding {name} = {value}: a string needs quotes in gin: write "
                           f"--gin.{name}=\"'{value}'\"")
-    return ValueError(f"gin configuration error: {first_line(err)}" + _renamed_hint(str(err)))
+    message = str(err)
+    return ValueError(f"gin configuration error: {first_line(err)}"
+                      + (_renamed_hint(message) or _nearest_hint(message)))
+
+
+def _nearest_hint(message: str) -> str:
+    """`` (did you mean DataConfig.source?)`` when gin's error is about a parameter or a
+    configurable that is not there and a known one is spelled nearly alike, else ''."""
+    unknown = re.search(r"Configurable '(\w+)' doesn't have a parameter named '(\w+)'", message)
+    if unknown and unknown.group(1) in _PARAMETERS:
+        cls, name = unknown.groups()
+        near = difflib.get_close_matches(name, _PARAMETERS[cls], n=1)
+        return f" (did you mean {cls}.{near[0]}?)" if near else ""
+    missing = re.search(r"No configurable matching '(\w+)'", message)
+    near = difflib.get_close_matches(missing.group(1), _PARAMETERS, n=1) if missing else []
+    return f" (did you mean {near[0]}?)" if near else ""
 
 
 def _renamed_hint(message: str) -> str:

@@ -19,8 +19,10 @@ Past ``total_steps`` every schedule stays at its final value.
 
 A run shorter than its warm-up plus decay (a 6-step try of a config that warms up over 2,000
 steps) warms up over a tenth of the run instead (:func:`fitted_warmup`); the training loop
-prints a note saying so. A decay that leaves no room even then is a one-line error naming the
-binding to change.
+prints a note saying so. A run of fewer than 10 steps has no warm-up then (a tenth rounds to
+0): its first update is at the peak, rather than a 1-step warm-up whose update at rate 0 would
+waste one of its few steps. A decay that leaves no room even then is a one-line error naming
+the binding to change.
 """
 
 from __future__ import annotations
@@ -59,9 +61,12 @@ def schedule_note(cfg: OptimConfig, total_steps: int) -> str:
     warmup = fitted_warmup(cfg, total_steps)
     if warmup == cfg.warmup_steps:
         return ""
+    instead = (f"warming up over {warmup} steps (a tenth of the run) instead" if warmup else
+               "no warm-up instead (a tenth of the run is under a step): the first update is "
+               "at the peak learning rate")
     return (f"note: OptimConfig.warmup_steps={cfg.warmup_steps} does not fit in this "
-            f"{total_steps}-step run: warming up over {warmup} steps (a tenth of the run) "
-            f"instead; bind --gin.OptimConfig.warmup_steps=N to choose")
+            f"{total_steps}-step run: {instead}; bind --gin.OptimConfig.warmup_steps=N to "
+            "choose")
 
 
 def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:

@@ -182,7 +182,7 @@ def _start(model_cfg, data_cfg, optim_cfg, train_cfg, is_main: bool, say) -> _St
                       total_steps=train_cfg.steps, mesh=mesh, meta=run_lib.model_meta(model_cfg),
                       run_dir=str(run_dir), say=say,
                       batch_keys=extension_for(model_cfg).batch_keys,
-                      sync_every=train_cfg.log_every)
+                      sync_every=train_cfg.log_every, epochs=train_cfg.epochs)
     try:
         start = trainer.restore_or_init(
             check=lambda restored: _resume_policy(restored, run_dir, model_cfg, data_cfg,

@@ -62,19 +62,22 @@ class Trainer:
     batch_keys: the per-token annotations of a model family the batches carry to the model;
     sync_every: the host reads the losses (and stops at a non-finite one) every this many
     steps, before every checkpoint and at the end, not every step: between two reads the
-    host queues steps while the device computes (``TrainConfig.log_every`` in a run).
+    host queues steps while the device computes (``TrainConfig.log_every`` in a run);
+    epochs: the run's ``TrainConfig.epochs`` when they sized ``total_steps`` (0: the steps
+    did), named when a checkpoint has nothing left to train.
     """
 
     def __init__(self, model, optimizer, step_fn: Callable, data_iter, checkpointer, *,
                  total_steps: int, mesh=None, meta: Optional[dict] = None,
                  run_dir: str = "",
                  say: Callable[[str], None] = lambda _message: None,
-                 batch_keys: Tuple[str, ...] = (), sync_every: int = 1):
+                 batch_keys: Tuple[str, ...] = (), sync_every: int = 1, epochs: int = 0):
         self.model, self.optimizer, self.step_fn = model, optimizer, step_fn
         self.data_iter, self.checkpointer = data_iter, checkpointer
         self.total_steps, self.mesh, self.meta = total_steps, mesh, meta or {}
         self.run_dir, self.say = run_dir, say
         self.batch_keys, self.sync_every = batch_keys, max(int(sync_every), 1)
+        self.epochs = epochs
         self.hooks: List[Tuple[int, Callable[[StepInfo], None]]] = []
         self.losses: Dict[int, float] = {}
         self.compile_seconds: Optional[float] = None
@@ -110,8 +113,10 @@ class Trainer:
         self.say(f"resumed from step {restored.step} in {self.run_dir}"
                  + (" (parameters only: fresh optimizer state)" if fresh else ""))
         if restored.step >= self.total_steps:
-            self.say(f"warning: the checkpoint is at step {restored.step} and TrainConfig.steps="
-                     f"{self.total_steps}: nothing left to train (raise steps to continue)")
+            sized = (f"TrainConfig.epochs={self.epochs} ends at step {self.total_steps}"
+                     if self.epochs else f"TrainConfig.steps={self.total_steps}")
+            self.say(f"warning: the checkpoint is at step {restored.step} and {sized}: nothing "
+                     f"left to train (raise {'epochs' if self.epochs else 'steps'} to continue)")
         return restored.step
 
     def run(self, start: int, stop: Optional[dict] = None) -> Tuple[int, bool]:

@@ -34,6 +34,7 @@ Exit status: 0 done or interrupted and saved (SIGTERM / Ctrl-C), 1 non-finite lo
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -151,6 +152,15 @@ def entry() -> int:
     # Ignored signals are left alone by the shutdown.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
+    if code == 130:
+        # Stopped before training began: the run directory was removed and nothing is in
+        # flight that the run needs. What the abandoned start-up left running (an XLA
+        # compilation, grain's prefetch threads) would still be running while the interpreter
+        # shuts down, and crashed it (SIGSEGV, exit 139, after the one-line message: jax
+        # 0.10.2, scripts/signal_sweep.py --finetune): end the process without that shutdown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return code
 
 

@@ -391,13 +391,14 @@ def test_finetuning_from_a_hugging_face_folder_makes_one_self_contained_record(t
     line (exit 2, nothing written) even where it binds the default's value; without it the
     run's operative_config.gin and config.json describe the same run; the run carries its
     own copy of the tokenizer, so it samples after the folder has moved; and dagmoe-sample
-    reads hf:FOLDER itself, as every command that reads a run does."""
+    and evaluation read hf:FOLDER itself, as every command that reads a run does."""
     import json
     import shutil
 
     from conftest import tiny_config, write_special_tokenizer
     from dagmoe_jax.cli import sample as sample_cli
     from dagmoe_jax.cli import train as train_cli
+    from dagmoe_jax.evaluation import evaluate_checkpoint
     from dagmoe_jax.hf.llama import export_hf_llama
 
     folder = export_hf_llama(make_model(tiny_config("dense", vocab_size=259, max_seq_len=64)),
@@ -431,6 +432,11 @@ def test_finetuning_from_a_hugging_face_folder_makes_one_self_contained_record(t
     prompt = ["--prompt=hello", "--max_new_tokens=3"]
     assert sample_cli.main([f"--run_dir=hf:{folder}", *prompt]) == 0
     assert "--- sample 0 ---" in capsys.readouterr().out
+    docs = tmp_path / "docs.txt"
+    docs.write_text("hello world. " * 60)
+    scored = evaluate_checkpoint(f"hf:{folder}", eval_source=f"text:{docs}", log=lambda _m: None,
+                                 data_overrides={"seq_len": 32, "batch_size": 2})
+    assert scored["step"] == 0 and 0 < scored["loss"] < 20
     shutil.move(folder, tmp_path / "moved")
     assert sample_cli.main([f"--run_dir={run_dir}", *prompt]) == 0
     assert "--- sample 0 ---" in capsys.readouterr().out

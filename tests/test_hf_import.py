@@ -78,7 +78,7 @@ def test_the_imported_run_trains_on_and_exports_back(folder, tmp_path):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    ([], "--hf=DIR (a Hugging Face Llama folder) and --run_dir=DIR are required"),
+    ([], "--hf=DIR (a Hugging Face Llama or MoE folder) and --run_dir=DIR are required"),
     (["--hf=/nonexistent", "--run_dir=run"], "/nonexistent"),
     (["--hf=HF", "--run_dir=run", "--batch_size=0"], "--batch_size=0 is invalid"),
     (["--hf=HF", "--run_dir=run", "--seq_len=4096"], "--seq_len=4096 is longer than the "

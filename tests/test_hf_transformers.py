@@ -126,3 +126,47 @@ if __name__ == "__main__":           # the agreement table of benchmarks/RESULTS
         mine, theirs = greedy_pair(Path(tmp) / "greedy")
         print(f"20 greedy tokens equal: {mine == theirs}")
     sys.exit(0)
+
+
+MOE_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf_moe"
+
+
+def tiny_moe(family: str, seed: int = 0):
+    """A random 2-layer MoE of ``family`` (8 experts, top 2, GQA) made by transformers' own
+    class, its norm scales away from 1."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
+                  num_experts_per_tok=2, bos_token_id=None, eos_token_id=None,
+                  pad_token_id=None)
+    cls, cfg = {
+        "mixtral": (transformers.MixtralForCausalLM, transformers.MixtralConfig(
+            **common, intermediate_size=24, num_local_experts=8)),
+        "olmoe": (transformers.OlmoeForCausalLM, transformers.OlmoeConfig(
+            **common, intermediate_size=24, num_experts=8, norm_topk_prob=True)),
+        "qwen3_moe": (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
+            **common, head_dim=16, intermediate_size=48, moe_intermediate_size=24,
+            num_experts=8, norm_topk_prob=False)),
+    }[family]
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen3_moe"])
+def test_a_transformers_moe_imports_at_its_logits(family, tmp_path):
+    """Each MoE family saved by transformers imports to its logits (float32, 1e-5), and the
+    folders tests/test_hf_moe.py checks in CI hold what transformers computes today."""
+    model = tiny_moe(family)
+    model.save_pretrained(tmp_path / family)
+    ours, _ = hf_llama.load_hf_llama(tmp_path / family)
+    tokens = np.random.default_rng(0).integers(0, 96, size=(2, 24))
+    got = ours(tokens.astype(np.int32))
+    got = np.asarray(got[0] if isinstance(got, tuple) else got)
+    np.testing.assert_allclose(got, torch_logits(model, tokens), rtol=0, atol=1e-5)
+    fixture = transformers.AutoModelForCausalLM.from_pretrained(MOE_FIXTURES / family).eval()
+    np.testing.assert_allclose(torch_logits(fixture, np.load(MOE_FIXTURES / "ids.npy")),
+                               np.load(MOE_FIXTURES / family / "logits.npy"), rtol=0, atol=1e-6)

@@ -1,21 +1,25 @@
-"""Import a Hugging Face Llama folder as a dense run directory.
+"""Import a Hugging Face Llama folder as a dense run directory, or a Mixtral, OLMoE or
+Qwen3-MoE folder as an MoE run (:mod:`dagmoe_jax.hf.moe`).
 
     python -m dagmoe_jax.cli.hf_import --hf=models/Llama-3.2-1B --run_dir=runs/llama1b
     dagmoe-import --hf=models/Llama-3.2-1B --run_dir=runs/llama1b --seq_len=2048 \\
         --source='text:corpus/*.txt' --steps=2000
 
 Flags:
-  --hf=DIR            a Hugging Face Llama folder: config.json, model.safetensors (or shards
-                      with their index) and tokenizer.json (tokenizer_config.json,
-                      generation_config.json and a chat template beside it are kept)
+  --hf=DIR            a Hugging Face Llama, Mixtral, OLMoE or Qwen3-MoE folder: config.json,
+                      model.safetensors (or shards with their index) and tokenizer.json
+                      (tokenizer_config.json, generation_config.json and a chat template
+                      beside it are kept)
   --run_dir=DIR       the run directory to write (it must not exist, or be empty)
   --seq_len=N         the run's sequence length (default 1024, at most the model's context)
   --batch_size=N      its batch size (default 16)
   --source=SPEC       its data source (a DataConfig source spec; default DataConfig's)
   --steps=N           steps ``resume.gin`` trains for (default 1000)
 
-Writes a run like any other: the model as a dense block (``ModelConfig.block = 'dense'``: no
-router, no statistics) from :func:`dagmoe_jax.hf.llama.load_hf_llama`, read a tensor at a time;
+Writes a run like any other: a Llama as a dense block (``ModelConfig.block = 'dense'``: no
+router, no statistics), a Mixtral, OLMoE or Qwen3-MoE as the MoE block with the family's
+routing and attention details (:mod:`dagmoe_jax.hf.moe`), from
+:func:`dagmoe_jax.hf.llama.load_hf_llama`, read a tensor at a time;
 step 0 holds the parameters alone (the run that continues creates the optimizer's state);
 ``config.json`` with the tokenizer's files copied into ``DIR/tokenizer/`` (recorded by absolute
 path and SHA-256, so the run does not depend on the folder afterwards); ``resume.gin``. Then::
@@ -53,7 +57,8 @@ def parse_args(argv):
     if args.help:
         return args
     if not args.hf or not args.run_dir:
-        raise ValueError("--hf=DIR (a Hugging Face Llama folder) and --run_dir=DIR are required")
+        raise ValueError("--hf=DIR (a Hugging Face Llama or MoE folder) and --run_dir=DIR are "
+                         "required")
     for name in ("seq_len", "batch_size", "steps"):
         value = getattr(args, name)
         if value < (0 if name == "seq_len" else 1):
@@ -64,7 +69,7 @@ def parse_args(argv):
 
 def import_hf(folder: str, run_dir: str, *, seq_len: int = 0, batch_size: int = 16,
               source=None, steps: int = 1000, log=print) -> Path:
-    """Write ``folder`` (a Hugging Face Llama) as the dense run ``run_dir`` (module docstring);
+    """Write ``folder`` (a Hugging Face Llama or MoE) as the run ``run_dir`` (module docstring);
     returns the run's path. One-line ``ValueError`` for a folder that is no Llama or has no
     ``tokenizer.json``, and for a ``seq_len`` beyond the model's context."""
     # pylint: disable=import-outside-toplevel
@@ -105,7 +110,10 @@ def import_hf(folder: str, run_dir: str, *, seq_len: int = 0, batch_size: int = 
         else:
             shutil.rmtree(target, ignore_errors=True)
         raise
-    log(f"imported {source_dir} into {target}: dense, {model_cfg.num_layers} layers, d_model "
+    kind = ("dense" if model_cfg.block.kind == "dense" else
+            f"MoE of {model_cfg.block.experts.num_experts} experts, top "
+            f"{model_cfg.block.router.top_k}")
+    log(f"imported {source_dir} into {target}: {kind}, {model_cfg.num_layers} layers, d_model "
         f"{model_cfg.d_model}, vocabulary {model_cfg.vocab_size}; tokenizer files: "
         f"{', '.join(copied)}")
     return target

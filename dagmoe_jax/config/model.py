@@ -25,6 +25,8 @@ from dagmoe_jax.validate import check as _check, choice as _choice, positive as 
 
 DTYPES = ("float32", "bfloat16")
 ROPE_SCALINGS = ("none", "llama3", "linear")
+# RMSNorm of the queries and keys before RoPE (ModelConfig.qk_norm).
+QK_NORMS = ("none", "head", "full")
 # A ModelConfig.block: the config of one block family (dagmoe_jax.config.blocks).
 BlockConfig = Union[DenseConfig, MoEConfig, CoEConfig, DoEConfig]
 # The fields each block family held at the top level of a ModelConfig before ModelConfig.block
@@ -83,6 +85,10 @@ class ModelConfig:
     max_seq_len: longest sequence the model accepts (RoPE tables are built to this length).
     rope_theta: RoPE base (Llama-3: 500000).
     rope_scaling: RoPE frequency scaling (``RopeScalingConfig``; default none, as DAG-MoE).
+    qk_norm: RMSNorm of the queries and keys before RoPE, with learned scales: 'none' (default,
+      Llama, DAG-MoE), 'head' (each head over its head_dim, one scale shared by the heads:
+      Qwen3 / Qwen3-MoE) or 'full' (over all heads' concatenated projection, one scale per
+      channel: OLMoE). What imported checkpoints need (:mod:`dagmoe_jax.hf.moe`).
     norm_eps: epsilon of RMSNorm and of the DAG module's LayerNorm.
     init_std: standard deviation of the normal initialiser of every matrix.
     param_dtype, compute_dtype: 'float32' or 'bfloat16' (master weights stay float32 by default).
@@ -104,6 +110,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     rope_scaling: RopeScalingConfig = dataclasses.field(default_factory=RopeScalingConfig)
+    qk_norm: str = "none"
 
     def __post_init__(self):
         c = "ModelConfig"
@@ -130,6 +137,7 @@ class ModelConfig:
         _check(self.init_std > 0, c, "init_std", self.init_std, "a number > 0")
         _choice(c, "param_dtype", self.param_dtype, DTYPES)
         _choice(c, "compute_dtype", self.compute_dtype, DTYPES)
+        _choice(c, "qk_norm", self.qk_norm, QK_NORMS)
         for name, cls in nested_configs(ModelConfig).items():
             if name != "block":
                 _check(isinstance(getattr(self, name), cls), c, name, getattr(self, name),

@@ -34,9 +34,11 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy before safetensor
 import numpy as np
 from flax import nnx
 
-from dagmoe_jax.config import (DenseConfig, ExecutionConfig, ModelConfig, RopeScalingConfig,
-                               default_ffn_hidden)
+from dagmoe_jax.config import DenseConfig, ExecutionConfig, ModelConfig, default_ffn_hidden
 from dagmoe_jax.data.tokenizers import folder_config, token_text
+from dagmoe_jax.hf.moe import FAMILIES as MOE_FAMILIES
+from dagmoe_jax.hf.rope import rope_from_hf, rope_to_hf
+from dagmoe_jax.hf.moe import layer_tensor_names, moe_block_params, moe_block_config
 from dagmoe_jax.model.params import set_params, variable
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.run.settle import settle
@@ -77,76 +79,6 @@ def _unsupported(field: str, value, why: str) -> ValueError:
     return ValueError(f"Hugging Face config {field}={json.dumps(value)} is not supported: {why}")
 
 
-# The keys each supported rope_type may carry (Hugging Face's ``rope_parameters`` /
-# ``rope_scaling``); any other key, or another rope_type, is refused by name.
-ROPE_KEYS = {
-    "default": (),
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-               "original_max_position_embeddings"),
-}
-_ROPE_COMMON = ("rope_type", "type", "rope_theta")
-
-
-def rope_from_hf(hf: dict) -> Tuple[float, RopeScalingConfig]:
-    """(rope_theta, ``RopeScalingConfig``) of a Hugging Face config, in every layout
-    ``transformers`` has written: ``rope_parameters`` (transformers 5: ``rope_type`` and
-    ``rope_theta`` inside it) or ``rope_scaling`` beside a top-level ``rope_theta`` (4.x), the
-    type as ``rope_type`` or ``type``. Supported: 'default', 'linear', 'llama3'; any other
-    type ('yarn', 'dynamic', 'longrope', ...), an unknown key, or the two layouts disagreeing is
-    a one-line error naming the field, never a silent default."""
-    params, legacy = hf.get("rope_parameters"), hf.get("rope_scaling")
-    field, entry = (("rope_parameters", params) if params is not None
-                    else ("rope_scaling", legacy))
-    entry = dict(entry or {})
-    if params is not None and legacy is not None:
-        for key, value in legacy.items():
-            if key in entry and entry[key] != value and key != "type":
-                raise ValueError(f"Hugging Face config rope_scaling.{key}={json.dumps(value)} "
-                                 f"disagrees with rope_parameters.{key}="
-                                 f"{json.dumps(entry[key])}: fix config.json")
-    theta = entry.get("rope_theta", hf.get("rope_theta", 10000.0))
-    if "rope_theta" in entry and "rope_theta" in hf and float(hf["rope_theta"]) != float(theta):
-        raise ValueError(f"Hugging Face config rope_theta={hf['rope_theta']} disagrees with "
-                         f"{field}.rope_theta={theta}: fix config.json")
-    kind = entry.get("rope_type", entry.get("type", "default"))
-    if kind not in ROPE_KEYS:
-        raise _unsupported(f"{field}.rope_type", kind,
-                           f"supported RoPE types are {', '.join(ROPE_KEYS)}")
-    for key in entry:
-        if key not in ROPE_KEYS[kind] + _ROPE_COMMON:
-            raise _unsupported(f"{field}.{key}", entry[key],
-                               f"rope_type {kind!r} takes no such key (the library would "
-                               f"ignore it)")
-    try:
-        if kind == "linear":
-            return float(theta), RopeScalingConfig(kind="linear", factor=float(entry["factor"]))
-        if kind == "llama3":
-            return float(theta), RopeScalingConfig(
-                kind="llama3", factor=float(entry["factor"]),
-                low_freq_factor=float(entry["low_freq_factor"]),
-                high_freq_factor=float(entry["high_freq_factor"]),
-                original_max_position=int(entry["original_max_position_embeddings"]))
-    except KeyError as err:
-        raise ValueError(f"Hugging Face config {field} lacks {err.args[0]!r}, which rope_type "
-                         f"{kind!r} needs") from None
-    return float(theta), RopeScalingConfig()
-
-
-def rope_to_hf(cfg: ModelConfig) -> dict:
-    """The RoPE fields of an exported ``config.json``: ``rope_parameters`` (read by
-    transformers 5) and the same scaling as ``rope_scaling`` beside ``rope_theta`` (read by
-    transformers 4.x, which ignores ``rope_parameters``), so either version loads it."""
-    rs = cfg.rope_scaling
-    scaling = {"none": None, "linear": {"rope_type": "linear", "factor": rs.factor},
-               "llama3": {"rope_type": "llama3", "factor": rs.factor,
-                          "low_freq_factor": rs.low_freq_factor,
-                          "high_freq_factor": rs.high_freq_factor,
-                          "original_max_position_embeddings": rs.original_max_position}}[rs.kind]
-    params = {"rope_type": "default", **(scaling or {}), "rope_theta": cfg.rope_theta}
-    return {"rope_theta": cfg.rope_theta, "rope_scaling": scaling, "rope_parameters": params}
-
-
 # Every top-level config.json field the importer knows. READ: turned into the ModelConfig or
 # checked to be what the library's Llama computes (a bias, another activation, a sliding
 # window, partial RoPE, quantisation are refused by name). NO_EFFECT: fields that do not
@@ -168,12 +100,16 @@ NO_EFFECT_FIELDS = frozenset({
 
 
 def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
-    """The dense ``ModelConfig`` of a Hugging Face Llama ``config.json`` (``overrides``: other
+    """The ``ModelConfig`` of a Hugging Face ``config.json``: a Llama as a dense model, a
+    Mixtral, OLMoE or Qwen3-MoE as an MoE (:mod:`dagmoe_jax.hf.moe`) (``overrides``: other
     ModelConfig fields, e.g. ``param_dtype``). Unsupported fields are one-line errors."""
     model_type = hf.get("model_type")
-    if model_type != "llama":
-        raise _unsupported("model_type", model_type, "only 'llama' checkpoints can be imported")
-    unknown = sorted(set(hf) - READ_FIELDS - NO_EFFECT_FIELDS)
+    family = MOE_FAMILIES.get(model_type)
+    if model_type != "llama" and family is None:
+        raise _unsupported("model_type", model_type, "the importable architectures are "
+                           f"{', '.join(['llama', *MOE_FAMILIES])}")
+    known = READ_FIELDS | NO_EFFECT_FIELDS | (family.fields if family else frozenset())
+    unknown = sorted(set(hf) - known)
     if unknown:
         raise ValueError(f"Hugging Face config field {unknown[0]}={json.dumps(hf[unknown[0]])} "
                          f"is unknown to the importer: it may change the model, so it is not "
@@ -183,7 +119,8 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
     for field in ("attention_bias", "mlp_bias"):
         if hf.get(field):
             raise _unsupported(field, hf[field], "the library's Llama has no linear biases")
-    if hf.get("sliding_window") is not None:
+    # Qwen3-MoE writes a window it does not use unless use_sliding_window (refused there)
+    if hf.get("sliding_window") is not None and not (family and "use_sliding_window" in hf):
         raise _unsupported("sliding_window", hf["sliding_window"],
                            "the library's attention is full causal")
     if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
@@ -192,24 +129,27 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
     if hf.get("quantization_config") is not None:
         raise _unsupported("quantization_config", hf["quantization_config"].get("quant_method"),
                            "import an unquantised (float32/bfloat16/float16) checkpoint")
-    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                  "num_attention_heads"):
+    for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                  *(() if family else ("intermediate_size",))):
         if not isinstance(hf.get(field), int):
             raise ValueError(f"Hugging Face config {field} is missing or not an integer: is "
                              f"this a Llama config.json?")
     heads, d = hf["num_attention_heads"], hf["hidden_size"]
     head_dim = hf.get("head_dim") or d // heads
-    ffn = hf["intermediate_size"]
     rope_theta, rope_scaling = rope_from_hf(hf)
+    if family is None:
+        ffn = hf["intermediate_size"]
+        block, extra = DenseConfig(ffn_hidden=None if ffn == default_ffn_hidden(d) else ffn), {}
+    else:
+        block, extra = moe_block_config(hf, family)
     fields = dict(    # a width that is the default is written as the default (None)
         vocab_size=hf["vocab_size"], d_model=d,
         num_layers=hf["num_hidden_layers"], num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=None if head_dim * heads == d else head_dim,
-        block=DenseConfig(ffn_hidden=None if ffn == default_ffn_hidden(d) else ffn),
+        head_dim=None if head_dim * heads == d else head_dim, block=block,
         max_seq_len=int(hf.get("max_position_embeddings", 2048)),
         rope_theta=rope_theta, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_scaling=rope_scaling)
+        rope_scaling=rope_scaling, **extra)
     fields.update(overrides)
     return ModelConfig(**fields)
 
@@ -220,6 +160,9 @@ def hf_config_from_model(cfg: ModelConfig, *, tie_word_embeddings: bool,
     if cfg.block.kind != "dense":
         raise ValueError(f"ModelConfig.block={cfg.block.kind!r} cannot be exported as a Hugging "
                          f"Face Llama: only block='dense' models can")
+    if cfg.qk_norm != "none":
+        raise ValueError(f"ModelConfig.qk_norm={cfg.qk_norm!r} cannot be exported as a Hugging "
+                         f"Face Llama, which normalises neither queries nor keys")
     hf = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
@@ -284,16 +227,28 @@ def _layer_names(i: int) -> Dict[str, str]:
             "k": p + "self_attn.k_proj.weight", "v": p + "self_attn.v_proj.weight",
             "o": p + "self_attn.o_proj.weight", "block_norm": p + "post_attention_layernorm.weight",
             "gate": p + "mlp.gate_proj.weight", "up": p + "mlp.up_proj.weight",
-            "down": p + "mlp.down_proj.weight"}
+            "down": p + "mlp.down_proj.weight", "q_norm": p + "self_attn.q_norm.weight",
+            "k_norm": p + "self_attn.k_norm.weight"}
 
 
-def _check_names(reader: SafetensorsReader, cfg: ModelConfig, tied: bool) -> None:
+def _backbone_keys(cfg: ModelConfig) -> Tuple[str, ...]:
+    """The :func:`_layer_names` keys a model of ``cfg`` reads besides its block's own."""
+    keys = ("attn_norm", "q", "k", "v", "o", "block_norm")
+    keys += ("gate", "up", "down") if cfg.block.kind == "dense" else ()
+    return keys + (("q_norm", "k_norm") if cfg.qk_norm != "none" else ())
+
+
+def _check_names(reader: SafetensorsReader, cfg: ModelConfig, tied: bool,
+                 model_type: str = "llama") -> None:
     """Refuse checkpoints with tensors this mapping would silently drop (biases, extra heads)."""
     known = {"model.embed_tokens.weight", "model.norm.weight"}
     if not tied:
         known.add("lm_head.weight")
     for i in range(cfg.num_layers):
-        known.update(_layer_names(i).values())
+        known.update(_layer_names(i)[k] for k in _backbone_keys(cfg))
+        if model_type in MOE_FAMILIES:
+            known.update(layer_tensor_names(MOE_FAMILIES[model_type],
+                                            cfg.block.experts.num_experts, i).values())
     extra = sorted(n for n in reader.keys()
                    if n not in known and not n.endswith(_IGNORED_SUFFIXES))
     if extra:
@@ -309,10 +264,12 @@ def _expect(name: str, array: np.ndarray, shape: Tuple[int, ...]) -> np.ndarray:
     return array
 
 
-def hf_tensors_to_params(cfg: ModelConfig, get: Callable[[str], np.ndarray],
-                         tied: bool) -> Iterator[Tuple[Tuple[str, ...], np.ndarray]]:
-    """(library parameter path, float32 array) of a Llama checkpoint, one parameter at a time
-    (layer parameters stacked [layers, ...]); ``get(name)`` reads one Hugging Face tensor."""
+def hf_tensors_to_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], tied: bool,
+                         model_type: str = "llama"
+                         ) -> Iterator[Tuple[Tuple[str, ...], np.ndarray]]:
+    """(library parameter path, float32 array) of a Llama checkpoint (or of one of the MoE
+    families of :mod:`dagmoe_jax.hf.moe`, by ``model_type``), one parameter at a time (layer
+    parameters stacked [layers, ...]); ``get(name)`` reads one Hugging Face tensor."""
     d, h, kv, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
     f, v = cfg.resolved_ffn_hidden, cfg.vocab_size
 
@@ -332,13 +289,22 @@ def hf_tensors_to_params(cfg: ModelConfig, get: Callable[[str], np.ndarray],
         ("attn", "w_v"): ("v", (kv * hd, d), lambda w: w.T.reshape(d, kv, hd)),
         ("attn", "w_o"): ("o", (d, h * hd), lambda w: w.T.reshape(h, hd, d)),
         ("block_norm", "scale"): ("block_norm", (d,), lambda w: w),
-        ("block", "w_gate"): ("gate", (f, d), lambda w: w.T),
-        ("block", "w_up"): ("up", (f, d), lambda w: w.T),
-        ("block", "w_down"): ("down", (d, f), lambda w: w.T),
     }
+    if cfg.block.kind == "dense":
+        per_layer.update({("block", "w_gate"): ("gate", (f, d), lambda w: w.T),
+                          ("block", "w_up"): ("up", (f, d), lambda w: w.T),
+                          ("block", "w_down"): ("down", (d, f), lambda w: w.T)})
+    if cfg.qk_norm != "none":       # [head_dim] shared by the heads, or [heads * head_dim]
+        head = cfg.qk_norm == "head"
+        per_layer[("attn", "q_norm")] = ("q_norm", (hd,) if head else (h * hd,),
+                                         lambda w: w if head else w.reshape(h, hd))
+        per_layer[("attn", "k_norm")] = ("k_norm", (hd,) if head else (kv * hd,),
+                                         lambda w: w if head else w.reshape(kv, hd))
     for path, (key, shape, to_ours) in per_layer.items():
         yield ("layers",) + path, np.stack(
             [to_ours(read(_layer_names(i)[key], shape)) for i in range(cfg.num_layers)])
+    if model_type in MOE_FAMILIES:
+        yield from moe_block_params(cfg, MOE_FAMILIES[model_type], read)
 
 
 def load_hf_llama(path: PathLike, *, rngs: Optional[nnx.Rngs] = None,
@@ -354,12 +320,12 @@ def load_hf_llama(path: PathLike, *, rngs: Optional[nnx.Rngs] = None,
     cfg = model_config_from_hf(hf, **overrides)
     reader = SafetensorsReader(path)
     tied = bool(hf.get("tie_word_embeddings", False)) and "lm_head.weight" not in reader
-    _check_names(reader, cfg, tied)
+    _check_names(reader, cfg, tied, hf["model_type"])
     settled = settle(cfg, execution)
     # Built abstractly (shapes only, no initialisation), each parameter then placed as it is
     # read: importing needs about the model's size in memory, never a random model besides.
     model = nnx.eval_shape(lambda: Transformer(cfg, execution=settled, rngs=rngs or nnx.Rngs(0)))
-    set_params(model, hf_tensors_to_params(cfg, reader.__getitem__, tied),
+    set_params(model, hf_tensors_to_params(cfg, reader.__getitem__, tied, hf["model_type"]),
                source="the checkpoint")
     return model, cfg
 
@@ -383,8 +349,8 @@ def params_to_hf_tensors(model: nnx.Module, tied: bool) -> Iterator[Tuple[str, n
              "v": lambda w: w.reshape(d, -1).T, "o": lambda w: w.reshape(-1, d).T,
              "gate": lambda w: w.T, "up": lambda w: w.T, "down": lambda w: w.T}
     for i in range(cfg.num_layers):
-        for key, name in _layer_names(i).items():
-            yield name, np.ascontiguousarray(to_hf[key](stacked[key][i]))
+        for key in _backbone_keys(cfg):
+            yield _layer_names(i)[key], np.ascontiguousarray(to_hf[key](stacked[key][i]))
 
 
 def _save(tensors: Dict[str, np.ndarray], path: Path, meta: dict) -> None:

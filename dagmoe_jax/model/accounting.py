@@ -100,7 +100,9 @@ def account(cfg: ModelConfig, seq_len: int | None = None) -> Accounting:
     s = seq_len or cfg.max_seq_len
     d, v, n_layers = cfg.d_model, cfg.vocab_size, cfg.num_layers
     h, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
-    per_layer: Dict[str, int] = {"attention": 2 * d * h * hd + 2 * d * kv * hd, "norms": 2 * d}
+    qk_norms = {"none": 0, "head": 2 * hd, "full": (h + kv) * hd}[cfg.qk_norm]
+    per_layer: Dict[str, int] = {"attention": 2 * d * h * hd + 2 * d * kv * hd,
+                                 "norms": 2 * d + qk_norms}
     active: Dict[str, int] = dict(per_layer)
     fwd: Dict[str, float] = {"attention": 2.0 * per_layer["attention"],
                              "attention_scores": 2.0 * h * hd * (s + 1)}

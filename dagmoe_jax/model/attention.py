@@ -257,6 +257,18 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array)
     return o.astype(q.dtype).transpose(0, 3, 1, 2, 4).reshape(b, s, h, d)
 
 
+def qk_rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm of queries or keys x [B, S, heads, head_dim] over the axes ``scale`` spans:
+    ``scale`` [head_dim] normalises each head on its own (Qwen3's ``q_norm`` / ``k_norm``,
+    ``ModelConfig.qk_norm='head'``); ``scale`` [heads, head_dim] normalises each position's
+    concatenated heads as one vector (OLMoE's, applied to the whole projection: 'full').
+    Statistics in float32, as :func:`~dagmoe_jax.model.layers.rms_norm`."""
+    axes = tuple(range(x.ndim - scale.ndim, x.ndim))
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axes, keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
 class Attention(nnx.Module):
     """Grouped-query attention: H query heads share KV heads in groups of H / KV;
     ``execution``: the settled kernel (``attention``, ``attention_block``) and whether q, k, v
@@ -274,6 +286,13 @@ class Attention(nnx.Module):
         self.w_k = make_param(rngs, init, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd)
         self.w_v = make_param(rngs, init, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd)
         self.w_o = make_param(rngs, init, (h, hd, d), ("heads", "head_dim", "embed"), pd)
+        if cfg.qk_norm != "none":   # learned scales of qk_rms_norm, ones at initialisation
+            ones = nnx.initializers.ones
+            per_head = cfg.qk_norm == "head"
+            self.q_norm = make_param(rngs, ones, (hd,) if per_head else (h, hd),
+                                     ("head_dim",) if per_head else ("heads", "head_dim"))
+            self.k_norm = make_param(rngs, ones, (hd,) if per_head else (kv, hd),
+                                     ("head_dim",) if per_head else ("kv_heads", "head_dim"))
 
     def project_qkv(self, x: jax.Array, sin: jax.Array, cos: jax.Array):
         # 2-D matmuls over [B*S, d]: XLA on CPU runs the weight gradient of a rank-3 einsum
@@ -288,6 +307,9 @@ class Attention(nnx.Module):
             parts = [x2 @ w for w in ws]
         q, k, v = (p.reshape(b, s, *w.shape[1:])
                    for p, w in zip(parts, (self.w_q, self.w_k, self.w_v)))
+        if self.cfg.qk_norm != "none":
+            q = qk_rms_norm(q, self.q_norm[...], self.cfg.norm_eps)
+            k = qk_rms_norm(k, self.k_norm[...], self.cfg.norm_eps)
         q = constrain(apply_rope(q, sin, cos), ("batch", "length", "heads", "head_dim"))
         k = constrain(apply_rope(k, sin, cos), ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))

@@ -1,0 +1,146 @@
+"""Hugging Face MoE checkpoints (Mixtral, OLMoE, Qwen3-MoE) as the library's MoE block.
+
+Each family is a :class:`MoEFamily`: where its ``config.json`` keeps the expert count, the
+routed experts' hidden size and its routing, which attention details it adds (q/k norms) and
+how its tensors are named. :func:`~dagmoe_jax.hf.llama.model_config_from_hf` and
+:func:`~dagmoe_jax.hf.llama.load_hf_llama` read the attention, norms, embeddings and RoPE as
+for a Llama and the feed-forward block from here. The mapping (docs/design.md section 7):
+
+* Routing: all three take a softmax over every expert's logit (float32) and keep the top k;
+  Mixtral renormalises the kept weights (its softmax over the top-k logits is the same
+  numbers), OLMoE and Qwen3-MoE renormalise only with ``norm_topk_prob``. That is
+  ``RouterConfig(score_fn='softmax', renormalize=...)`` with the sum aggregation. Their
+  training loss is Switch's balance loss as transformers' ``load_balancing_loss_func``
+  computes it (``balance_load='tokens'``, ``balance_prob='softmax'``) at
+  ``router_aux_loss_coef``, without a z-loss.
+* Experts: SwiGLU, ``gate_proj`` / ``up_proj`` / ``down_proj`` (Mixtral's ``w1`` / ``w3`` /
+  ``w2``), stacked [experts, in, out]; the router's ``gate`` is [experts, d], transposed.
+* Attention: OLMoE normalises the whole q and k projections (``ModelConfig.qk_norm='full'``),
+  Qwen3-MoE each head (``'head'``), Mixtral neither.
+
+What the MoE block cannot express (dense layers between sparse ones, shared experts, a
+sliding window, clipped q/k/v, router jitter) is a one-line ``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Callable, Dict, Iterator, Tuple
+
+import numpy as np
+
+from dagmoe_jax.config import (AggregationConfig, ExpertConfig, MoEConfig, ModelConfig,
+                               RouterConfig)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEFamily:
+    """What one Hugging Face MoE architecture writes.
+
+    experts_keys: config keys of the routed-expert count, the first present read.
+    hidden_key: config key of each routed expert's hidden size.
+    always_renormalize: the top-k weights are renormalised whatever ``norm_topk_prob`` says.
+    qk_norm: ``ModelConfig.qk_norm`` of its attention.
+    mlp: the block's module name in a layer; router: the router's, under ``mlp``.
+    projections: the tensor names of (gate, up, down) in one expert.
+    fields: config fields read here beside Llama's; refusals: fields refused unless at the
+      value given (what the block cannot express).
+    """
+
+    experts_keys: Tuple[str, ...]
+    hidden_key: str
+    always_renormalize: bool
+    qk_norm: str
+    mlp: str
+    projections: Tuple[str, str, str]
+    fields: frozenset
+    refusals: Tuple[Tuple[str, object, str], ...] = ()
+
+
+_MOE_FIELDS = frozenset({"num_experts_per_tok", "norm_topk_prob", "router_aux_loss_coef",
+                         "output_router_logits"})
+FAMILIES: Dict[str, MoEFamily] = {
+    "mixtral": MoEFamily(
+        experts_keys=("num_local_experts",), hidden_key="intermediate_size",
+        always_renormalize=True, qk_norm="none", mlp="block_sparse_moe",
+        projections=("w1", "w3", "w2"),
+        fields=_MOE_FIELDS | {"num_local_experts", "router_jitter_noise"},
+        refusals=(("router_jitter_noise", 0.0, "the library's router adds no noise"),)),
+    "olmoe": MoEFamily(
+        experts_keys=("num_experts",), hidden_key="intermediate_size",
+        always_renormalize=False, qk_norm="full", mlp="mlp",
+        projections=("gate_proj", "up_proj", "down_proj"),
+        fields=_MOE_FIELDS | {"num_experts", "clip_qkv"},
+        refusals=(("clip_qkv", None, "the library does not clip q, k and v"),)),
+    "qwen3_moe": MoEFamily(
+        experts_keys=("num_experts", "num_local_experts"), hidden_key="moe_intermediate_size",
+        always_renormalize=False, qk_norm="head", mlp="mlp",
+        projections=("gate_proj", "up_proj", "down_proj"),
+        fields=_MOE_FIELDS | {"num_experts", "num_local_experts", "moe_intermediate_size",
+                              "decoder_sparse_step", "mlp_only_layers", "use_sliding_window",
+                              "max_window_layers", "layer_types"},
+        refusals=(("decoder_sparse_step", 1, "every layer must be sparse (the library's "
+                   "layers are one block family)"),
+                  ("mlp_only_layers", [], "every layer must be sparse (the library's layers "
+                   "are one block family)"),
+                  ("use_sliding_window", False, "the library's attention is full causal"))),
+}
+
+
+def _refuse(field: str, value, why: str) -> ValueError:
+    return ValueError(f"Hugging Face config {field}={json.dumps(value)} is not supported: {why}")
+
+
+def moe_block_config(hf: dict, family: MoEFamily) -> Tuple[MoEConfig, dict]:
+    """(the ``MoEConfig`` of ``hf``, the ModelConfig fields the family sets: ``qk_norm``).
+    One-line ValueError for what the block cannot express."""
+    for field, allowed, why in family.refusals:
+        value = hf.get(field, allowed)
+        if value != allowed and not (allowed == [] and value is None):
+            raise _refuse(field, value, why)
+    experts = next((hf[k] for k in family.experts_keys if hf.get(k) is not None), None)
+    for name, value in (("/".join(family.experts_keys), experts),
+                        (family.hidden_key, hf.get(family.hidden_key)),
+                        ("num_experts_per_tok", hf.get("num_experts_per_tok"))):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"Hugging Face config {name} is missing or not a positive integer: "
+                             f"is this a {hf.get('model_type')} config.json?")
+    renormalize = family.always_renormalize or bool(hf.get("norm_topk_prob", False))
+    router = RouterConfig(score_fn="softmax", top_k=hf["num_experts_per_tok"],
+                          renormalize=renormalize,
+                          balance_coef=float(hf.get("router_aux_loss_coef", 0.01)),
+                          balance_load="tokens", balance_prob="softmax", z_loss_coef=0.0)
+    block = MoEConfig(router=router,
+                      experts=ExpertConfig(num_experts=experts,
+                                           expert_hidden=hf[family.hidden_key], num_shared=0),
+                      aggregation=AggregationConfig(kind="sum"))
+    return block, {"qk_norm": family.qk_norm}
+
+
+def layer_tensor_names(family: MoEFamily, num_experts: int, i: int) -> Dict[str, str]:
+    """The Hugging Face names of layer ``i``'s MoE tensors: ``router`` and, per expert j,
+    ``(gate|up|down, j)`` (keys as strings ``'gate.j'``)."""
+    p = f"model.layers.{i}.{family.mlp}."
+    names = {"router": p + "gate.weight"}
+    for j in range(num_experts):
+        for ours, theirs in zip(("gate", "up", "down"), family.projections):
+            names[f"{ours}.{j}"] = f"{p}experts.{j}.{theirs}.weight"
+    return names
+
+
+def moe_block_params(cfg: ModelConfig, family: MoEFamily,
+                     read: Callable[[str, Tuple[int, ...]], np.ndarray]
+                     ) -> Iterator[Tuple[Tuple[str, ...], np.ndarray]]:
+    """(library parameter path, float32 array) of every layer's MoE block, stacked
+    [layers, ...]; ``read(name, shape)`` reads one Hugging Face tensor of that shape."""
+    e, d = cfg.block.experts.num_experts, cfg.d_model
+    f = cfg.block.experts.expert_hidden
+    layers = range(cfg.num_layers)
+    names = [layer_tensor_names(family, e, i) for i in layers]
+    yield ("layers", "block", "router", "w_router"), np.stack(
+        [read(names[i]["router"], (e, d)).T for i in layers])
+    for ours, shape in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
+        yield ("layers", "block", "experts", f"w_{ours}"), np.stack(
+            [np.stack([read(names[i][f"{ours}.{j}"], shape).T for j in range(e)])
+             for i in layers])

@@ -1,0 +1,86 @@
+"""Hugging Face MoE checkpoints (Mixtral, OLMoE, Qwen3-MoE) into the library's MoE block.
+
+The folders in tests/fixtures/hf_moe/ were made by transformers itself
+(scripts/make_hf_moe_fixtures.py: each family's own class, random weights with norm scales
+away from 1, ``save_pretrained``) with the logits transformers computed for ids.npy: the
+import must give the same logits, in CI without torch. tests/test_hf_transformers.py makes the
+same comparison against transformers in-process where torch is installed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dagmoe_jax.hf.llama import load_hf_llama, model_config_from_hf, read_hf_config
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf_moe"
+FAMILIES = ("mixtral", "olmoe", "qwen3_moe")
+
+
+def logits_of(model, ids) -> np.ndarray:
+    out = model(np.asarray(ids, np.int32))
+    return np.asarray(out[0] if isinstance(out, tuple) else out)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_family_imports_at_transformers_logits(family):
+    """Each family's routing (softmax over every expert, top-k, renormalised as the family
+    says), experts and attention details (OLMoE's q/k norms over the whole projection,
+    Qwen3-MoE's per head) reproduce transformers' logits."""
+    model, cfg = load_hf_llama(FIXTURES / family)
+    got = logits_of(model, np.load(FIXTURES / "ids.npy"))
+    np.testing.assert_allclose(got, np.load(FIXTURES / family / "logits.npy"), rtol=0, atol=1e-5)
+    router = cfg.block.router
+    assert (cfg.block.kind, cfg.block.aggregation.kind, router.score_fn) == ("moe", "sum",
+                                                                          "softmax")
+    assert cfg.block.experts.num_experts == 4 and router.top_k == 2
+    assert (router.renormalize, cfg.qk_norm) == {
+        "mixtral": (True, "none"), "olmoe": (False, "full"), "qwen3_moe": (True, "head")}[family]
+    assert router.z_loss_coef == 0.0 and router.balance_coef == read_hf_config(
+        FIXTURES / family)["router_aux_loss_coef"]
+
+
+@pytest.mark.parametrize("family, field, value, needle", [
+    ("qwen3_moe", "mlp_only_layers", [0], "every layer must be sparse"),
+    ("qwen3_moe", "decoder_sparse_step", 2, "every layer must be sparse"),
+    ("qwen3_moe", "use_sliding_window", True, "full causal"),
+    ("olmoe", "clip_qkv", 8.0, "does not clip"),
+    ("mixtral", "router_jitter_noise", 0.1, "adds no noise"),
+    ("mixtral", "sliding_window", 4096, "full causal"),
+    ("mixtral", "shared_expert_intermediate_size", 64, "unknown to the importer"),
+    ("olmoe", "model_type", "deepseek_v3", "the importable architectures are llama, mixtral"),
+])
+def test_what_the_moe_block_cannot_express_is_one_line(family, field, value, needle):
+    hf = {**read_hf_config(FIXTURES / family), field: value}
+    with pytest.raises(ValueError, match=needle) as err:
+        model_config_from_hf(hf)
+    assert field in str(err.value) and "\n" not in str(err.value)
+
+
+def test_an_imported_moe_is_a_run_that_samples_and_fine_tunes(tmp_path, capsys):
+    """dagmoe-import writes a Qwen3-MoE folder as an MoE run with the same logits; the
+    folder itself reads as a run (hf:FOLDER), and fine-tuning starts from it."""
+    from conftest import write_special_tokenizer
+    from dagmoe_jax import run as run_lib
+    from dagmoe_jax.cli import sample as sample_cli
+    from dagmoe_jax.cli.hf_import import import_hf
+    from dagmoe_jax.config import ModelConfig
+    from dagmoe_jax.train.init_from import source_model_config
+
+    folder = tmp_path / "qwen3_moe"
+    shutil.copytree(FIXTURES / "qwen3_moe", folder)
+    write_special_tokenizer(folder, "bos_named", model_max_length=64)
+    run_dir = import_hf(str(folder), str(tmp_path / "run"), seq_len=32, log=print)
+    assert "MoE" in capsys.readouterr().out
+    loaded = run_lib.load_run(run_dir)
+    assert loaded.model_cfg == load_hf_llama(folder)[1]
+    np.testing.assert_allclose(logits_of(loaded.model, np.load(FIXTURES / "ids.npy")),
+                               np.load(folder / "logits.npy"), rtol=0, atol=1e-5)
+    assert sample_cli.main([f"--run_dir=hf:{folder}", "--prompt=hi", "--max_new_tokens=2"]) == 0
+    assert "--- sample 0 ---" in capsys.readouterr().out
+    assert source_model_config(f"hf:{folder}", ModelConfig()).qk_norm == "head"
+    assert json.loads((run_dir / "config.json").read_text())["model"]["qk_norm"] == "head"

@@ -84,3 +84,34 @@ def test_an_imported_moe_is_a_run_that_samples_and_fine_tunes(tmp_path, capsys):
     assert "--- sample 0 ---" in capsys.readouterr().out
     assert source_model_config(f"hf:{folder}", ModelConfig()).qk_norm == "head"
     assert json.loads((run_dir / "config.json").read_text())["model"]["qk_norm"] == "head"
+
+
+def test_an_imported_moe_converts_to_dag_moe_at_its_logits(tmp_path, capsys):
+    """dagmoe-import --to_dag: the DAG module joins each layer with W_up = 0, so the run's
+    logits are still the folder's (transformers'), and the module's other weights are random
+    (training moves W_up off zero)."""
+    from flax import nnx
+
+    from conftest import write_special_tokenizer
+    from dagmoe_jax import run as run_lib
+    from dagmoe_jax.cli import hf_import
+
+    folder = tmp_path / "olmoe"
+    shutil.copytree(FIXTURES / "olmoe", folder)
+    write_special_tokenizer(folder, "bos_named", model_max_length=64)
+    assert hf_import.main([f"--hf={folder}", f"--run_dir={tmp_path / 'run'}", "--to_dag",
+                           "--dag_dim=8", "--seq_len=32"]) == 0
+    loaded = run_lib.load_run(tmp_path / "run")
+    agg = loaded.model_cfg.block.aggregation
+    assert (agg.kind, agg.dag_dim, agg.dag_iters) == ("dag", 8, 2)
+    np.testing.assert_allclose(logits_of(loaded.model, np.load(FIXTURES / "ids.npy")),
+                               np.load(folder / "logits.npy"), rtol=0, atol=1e-5)
+    params = {"/".join(map(str, p)): np.asarray(v[...])
+              for p, v in nnx.to_flat_state(nnx.state(loaded.model, nnx.Param))}
+    w_up = [k for k in params if k.endswith("w_up") and "aggregator" in k]
+    w_down = [k for k in params if k.endswith("w_down") and "aggregator" in k]
+    assert w_up and all(not params[k].any() for k in w_up)
+    assert w_down and all(params[k].std() > 0 for k in w_down)
+    assert hf_import.main([f"--hf={folder}", f"--run_dir={tmp_path / 'bad'}", "--to_dag",
+                           "--dag_dim=0"]) == 2
+    assert "dag_dim" in capsys.readouterr().err and not (tmp_path / "bad").exists()

@@ -15,6 +15,10 @@ Flags:
   --batch_size=N      its batch size (default 16)
   --source=SPEC       its data source (a DataConfig source spec; default DataConfig's)
   --steps=N           steps ``resume.gin`` trains for (default 1000)
+  --to_dag            an MoE folder becomes a DAG-MoE (DAG-MoE eq. 6-12 over its experts'
+                      outputs): the DAG module is added with W_up = 0, so the run computes
+                      the folder's logits until training moves it
+  --dag_dim=N --dag_iters=L   the DAG module's d_g (default 128) and iterations (default 2)
 
 Writes a run like any other: a Llama as a dense block (``ModelConfig.block = 'dense'``: no
 router, no statistics), a Mixtral, OLMoE or Qwen3-MoE as the MoE block with the family's
@@ -53,6 +57,9 @@ def parse_args(argv):
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--source", default=None)
     parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--to_dag", action="store_true")
+    parser.add_argument("--dag_dim", type=int, default=128)
+    parser.add_argument("--dag_iters", type=int, default=2)
     args = parser.parse_args(argv)
     if args.help:
         return args
@@ -64,11 +71,12 @@ def parse_args(argv):
         if value < (0 if name == "seq_len" else 1):
             raise ValueError(f"--{name}={value} is invalid: expected an integer >= 1")
     check_new_directory("run_dir", args.run_dir)
+    args.aggregation = _aggregation(args)
     return args
 
 
 def import_hf(folder: str, run_dir: str, *, seq_len: int = 0, batch_size: int = 16,
-              source=None, steps: int = 1000, log=print) -> Path:
+              source=None, steps: int = 1000, aggregation=None, log=print) -> Path:
     """Write ``folder`` (a Hugging Face Llama or MoE) as the run ``run_dir`` (module docstring);
     returns the run's path. One-line ``ValueError`` for a folder that is no Llama or has no
     ``tokenizer.json``, and for a ``seq_len`` beyond the model's context."""
@@ -96,7 +104,7 @@ def import_hf(folder: str, run_dir: str, *, seq_len: int = 0, batch_size: int = 
             **({} if source is None else {"source": source})), path)
         copied = [name for name in run_lib.TOKENIZER_FILES
                   if (target / run_lib.TOKENIZER_DIR / name).is_file()]
-        model, model_cfg = load_hf_llama(source_dir)
+        model, model_cfg = load_hf_llama(source_dir, aggregation=aggregation)
         optim_cfg = OptimConfig()
         train_cfg = TrainConfig(run_dir=str(target), steps=steps, save_every=steps)
         run_lib.save_initial_checkpoint(path, model, None, model_cfg, train_cfg, None)
@@ -122,7 +130,15 @@ def import_hf(folder: str, run_dir: str, *, seq_len: int = 0, batch_size: int = 
 def main(argv=None) -> int:
     return write_command(parse_args, argv, __doc__, lambda a: import_hf(
         a.hf, a.run_dir, seq_len=a.seq_len, batch_size=a.batch_size, source=a.source,
-        steps=a.steps), lambda a: a.run_dir)
+        steps=a.steps, aggregation=a.aggregation), lambda a: a.run_dir)
+
+
+def _aggregation(args):
+    """``--to_dag``'s AggregationConfig (a one-line ValueError for bad sizes), else None."""
+    if not args.to_dag:
+        return None
+    from dagmoe_jax.config import AggregationConfig  # pylint: disable=import-outside-toplevel
+    return AggregationConfig(kind="dag", dag_dim=args.dag_dim, dag_iters=args.dag_iters)
 
 
 if __name__ == "__main__":

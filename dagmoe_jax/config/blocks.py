@@ -32,6 +32,7 @@ COE_RESIDUALS = ("inner", "outer", "init")
 COE_READINGS = ("once", "literal", "reference")
 BALANCE_LOADS = ("tokens", "slots")
 BALANCE_PROBS = ("softmax", "score_share")
+BALANCE_SCOPES = ("batch", "sequence")
 # What ExpertConfig.dispatch values of earlier versions became (ModelConfig.from_dict migrates).
 RETIRED_DISPATCH = {
     "auto": "whether experts drop tokens is architecture, the same on every machine: write "
@@ -124,6 +125,14 @@ class RouterConfig:
       softmax of the router logits whatever the score function): mean over tokens of
       softmax(z)_i. 'score_share': mean of s_i / sum_j s_j (equal to 'softmax' for softmax
       scores; for sigmoid scores the share of each expert in the token's summed scores).
+    balance_scope: over which tokens f_i and P_i are counted. 'batch' (default): all T tokens
+      of the call (the batch, or a micro-batch under gradient accumulation). 'sequence': within
+      each row of the batch, the loss averaged over rows: DeepSeek-V2's expert-level balance
+      loss (sec. 2.2.3, T "the number of tokens in a sequence"), DeepSeek-V3's complementary
+      sequence-wise balance loss (eq. 17-20) and the ``seq_aux=True`` branch of DeepSeek's
+      ``MoEGate`` that the CoE authors train with; theirs is balance_load='slots' with softmax
+      scores (DeepSeek-V3's sigmoid router: balance_prob='score_share'). A row of packed
+      examples is one sequence, as in their pre-training.
     z_loss_coef: router z-loss coefficient (paper: 0.001).
     bias: give the router a learned bias, logits ``x W + b`` (DUME sec. 2.2, where the ridge
       solution's last row is the bias; off by default: DAG-MoE's router has none).
@@ -137,6 +146,7 @@ class RouterConfig:
     balance_coef: float = 0.01
     balance_load: str = "tokens"
     balance_prob: str = "softmax"
+    balance_scope: str = "batch"
     z_loss_coef: float = 0.001
     bias: bool = False
     temperature: float = 1.0
@@ -145,6 +155,7 @@ class RouterConfig:
         _choice("RouterConfig", "score_fn", self.score_fn, SCORE_FNS)
         _choice("RouterConfig", "balance_load", self.balance_load, BALANCE_LOADS)
         _choice("RouterConfig", "balance_prob", self.balance_prob, BALANCE_PROBS)
+        _choice("RouterConfig", "balance_scope", self.balance_scope, BALANCE_SCOPES)
         _positive("RouterConfig", "top_k", self.top_k)
         _nonnegative("RouterConfig", "balance_coef", self.balance_coef)
         _nonnegative("RouterConfig", "z_loss_coef", self.z_loss_coef)

@@ -86,7 +86,7 @@ class CoEBlock(nnx.Module):
             if self.shared is not None:
                 update = update + self.shared(h)
             delta, h = coe_step(update.astype(x.dtype), delta, x0, self.residual)
-            losses = router.losses(routing)
+            losses = router.losses(routing, sequences=b)
             stats.append(routed_stats(losses, keep, losses["expert_load"]))
             indices.append(routing.indices)
         y = coe_block_output(delta, x0, self.stream)

@@ -104,6 +104,27 @@ def balance_loss(probs: jax.Array, indices: jax.Array, load: str = "tokens") -> 
     return n * jnp.sum(balance_fraction(indices, n, load) * jnp.mean(probs, axis=0))
 
 
+def sequence_balance_loss(probs: jax.Array, indices: jax.Array, sequences: int,
+                          load: str = "tokens") -> jax.Array:
+    """The balance loss within each sequence, averaged over sequences: DeepSeek-V2's
+    expert-level balance loss (sec. 2.2.3, ``alpha_1 sum_i f_i P_i`` with f and P counted over
+    "the tokens in a sequence") and DeepSeek-V3's complementary sequence-wise balance loss
+    (eq. 17-20).
+
+    ``probs`` [T, N] and ``indices`` [T, K] hold ``sequences`` rows of T / sequences tokens one
+    after the other (the [B, S] batch flattened); each row's loss is :func:`balance_loss`.
+    With ``load='slots'`` and softmax probabilities this is DeepSeek's ``MoEGate.forward``,
+    ``seq_aux`` branch (``modeling_deepseek.py`` of deepseek-ai/DeepSeek-V2; the CoE authors'
+    ``seq_aux=True``): ``ce[b, i]`` = expert i's count among row b's S * K assignments over
+    S * K / N, loss = mean_b sum_i ce[b, i] * mean_t scores[b, t, i]. With the default
+    ``load='tokens'`` it is K times that. One sequence: the batch loss.
+    """
+    t, n = probs.shape
+    rows = probs.reshape(sequences, t // sequences, n)
+    picks = indices.reshape(sequences, t // sequences, indices.shape[-1])
+    return jnp.mean(jax.vmap(lambda p, i: balance_loss(p, i, load))(rows, picks))
+
+
 def z_loss(logits: jax.Array) -> jax.Array:
     """Router z-loss (ST-MoE): ``mean_t (logsumexp_i z_ti)^2``."""
     return jnp.mean(jnp.square(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)))
@@ -113,8 +134,8 @@ class Router(nnx.Module):
     """Router keys e_i as a [d, N] matrix; returns a :class:`Routing` for tokens [T, d].
 
     cfg: the ``RouterConfig`` (score function, renormalisation, the balance loss's conventions
-    of :func:`balance_fraction` and :func:`balance_probs`, a learned zero-initialised bias
-    ``b_router`` [N], the temperature of :func:`router_logits`); top_k: experts per token
+    of :func:`balance_fraction` and :func:`balance_probs` and its scope, a learned
+    zero-initialised bias ``b_router`` [N], the temperature of :func:`router_logits`); top_k: experts per token
     (default ``cfg.top_k``; CoE routes K / C per iteration); std: the keys' initialiser.
     """
 
@@ -123,6 +144,7 @@ class Router(nnx.Module):
         self.top_k = cfg.top_k if top_k is None else top_k
         self.score_fn, self.renormalize = cfg.score_fn, cfg.renormalize
         self.balance_load, self.balance_prob = cfg.balance_load, cfg.balance_prob
+        self.balance_scope = cfg.balance_scope
         self.temperature = float(cfg.temperature)
         self.w_router = make_param(rngs, normal(std), (d_model, num_experts), ("embed", None))
         self.b_router = (make_param(rngs, nnx.initializers.zeros, (num_experts,), (None,))
@@ -135,12 +157,15 @@ class Router(nnx.Module):
         gates, indices = select_top_k(scores, self.top_k, self.renormalize)
         return Routing(gates.astype(x.dtype), indices, logits, scores)
 
-    def losses(self, routing: Routing) -> dict:
-        """The unweighted router losses and the slot load of one routing decision."""
+    def losses(self, routing: Routing, sequences: int = 1) -> dict:
+        """The unweighted router losses and the slot load of one routing decision over
+        ``sequences`` rows of tokens (the balance loss's 'sequence' scope counts within
+        each)."""
         n = routing.scores.shape[-1]
         probs = balance_probs(routing.logits, routing.scores, self.balance_prob)
-        return {
-            "balance_loss": balance_loss(probs, routing.indices, self.balance_load),
-            "z_loss": z_loss(routing.logits),
-            "expert_load": expert_load(routing.indices, n),
-        }
+        if self.balance_scope == "sequence":
+            balance = sequence_balance_loss(probs, routing.indices, sequences, self.balance_load)
+        else:
+            balance = balance_loss(probs, routing.indices, self.balance_load)
+        return {"balance_loss": balance, "z_loss": z_loss(routing.logits),
+                "expert_load": expert_load(routing.indices, n)}

@@ -134,6 +134,13 @@ class RouterConfig:
       scores (DeepSeek-V3's sigmoid router: balance_prob='score_share'). A row of packed
       examples is one sequence, as in their pre-training.
     z_loss_coef: router z-loss coefficient (paper: 0.001).
+    aux_free_bias_rate: auxiliary-loss-free balancing (DeepSeek-V3 sec. 2.1.2, eq. 16; Wang et
+      al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts"): > 0 gives
+      each router a per-expert bias b_i added to the scores for the top-K selection only (the
+      gates are the unbiased scores), and after each optimizer step the training step moves it
+      by ``b_i += rate * sign(mean_j c_j - c_i)``, c_i the step's assignments to expert i. The
+      rate is DeepSeek-V3's bias update speed gamma (0.001 for most of its training). 0
+      (default): no bias, the router as before.
     bias: give the router a learned bias, logits ``x W + b`` (DUME sec. 2.2, where the ridge
       solution's last row is the bias; off by default: DAG-MoE's router has none).
     temperature: T of ``logits / T`` before the score function (DUME sec. 2.2; 1 = none).
@@ -148,6 +155,7 @@ class RouterConfig:
     balance_prob: str = "softmax"
     balance_scope: str = "batch"
     z_loss_coef: float = 0.001
+    aux_free_bias_rate: float = 0.0
     bias: bool = False
     temperature: float = 1.0
 
@@ -159,6 +167,7 @@ class RouterConfig:
         _positive("RouterConfig", "top_k", self.top_k)
         _nonnegative("RouterConfig", "balance_coef", self.balance_coef)
         _nonnegative("RouterConfig", "z_loss_coef", self.z_loss_coef)
+        _nonnegative("RouterConfig", "aux_free_bias_rate", self.aux_free_bias_rate)
         _check(isinstance(self.bias, bool), "RouterConfig", "bias", self.bias, "True or False")
         _check(isinstance(self.temperature, (int, float)) and self.temperature > 0,
                "RouterConfig", "temperature", self.temperature, "a number > 0")

@@ -84,3 +84,8 @@ class MoEBlock(nnx.Module):
                   else None)
         return (y.reshape(b, s, d).astype(x.dtype),
                 routed_stats(losses, keep, losses["expert_load"], record))
+
+    def balanced_routers(self) -> list:
+        """The routers whose selection bias the training step moves, in the order of the
+        stats' ``router_counts`` rows: the one router."""
+        return [self.router]

@@ -1,5 +1,5 @@
-"""Routing the field trains with (issue 50, item 3): the per-sequence balance loss and
-auxiliary-loss-free balancing.
+"""Routing the field trains with (issue 50, item 3): the per-sequence balance loss, auxiliary-loss-
+free balancing, and the per-expert load in the metrics.
 
 * ``RouterConfig.balance_scope='sequence'``: DeepSeek-V2's expert-level / DeepSeek-V3's
   sequence-wise balance loss, f_i and P_i counted within each row of the batch and the loss
@@ -304,4 +304,36 @@ def test_config_errors(field, value):
     with pytest.raises(ValueError, match=f"RouterConfig.{field}"):
         RouterConfig(**{field: value})
     assert dataclasses.asdict(RouterConfig())["balance_scope"] == "batch"
+
+
+# ---------------------------------------------------------------- per-expert load in the metrics
+
+def test_metrics_jsonl_has_the_load_per_expert_and_its_imbalance(tmp_path):
+    from dagmoe_jax.train.metrics import MetricsWriter, read_metrics
+
+    load = np.array([[0.5, 0.25, 0.25, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    writer = MetricsWriter(tmp_path, tensorboard=False)
+    writer.write(1, {"loss": 2.0, "expert_load": load, "dropped_fraction": np.zeros(2)})
+    writer.write(1, {"expert_load": np.zeros((2, 0))})                 # a dense model
+    writer.close()
+    routed, dense = read_metrics(tmp_path)
+    assert routed["expert_load"] == load.tolist()
+    np.testing.assert_allclose(routed["load_imbalance"], [2.0, 1.0])
+    assert "load_imbalance" not in dense
+
+
+def test_the_load_balance_plot_reads_the_training_records(tmp_path):
+    from dagmoe_jax.analysis import plots
+    from dagmoe_jax.analysis.report import load_series
+
+    rng = np.random.default_rng(5)
+    loads = rng.dirichlet(np.ones(4), size=(3, 2))
+    records = [{"step": s + 1, "expert_load": loads[s].tolist()} for s in (2, 0, 1)]
+    records += [{"step": 3, "eval/loss": 1.0}, {"step": 4, "expert_load": [[], []]}]
+    steps, got = load_series(records)
+    assert steps == [1, 2, 3]
+    np.testing.assert_allclose(got, loads)
+    path = plots.plot_load_balance(steps, got, tmp_path / "load_balance.png")
+    assert path.read_bytes().startswith(b"\x89PNG")
+    assert load_series([{"step": 1, "loss": 2.0}]) == (None, None)
 

@@ -337,3 +337,35 @@ def test_the_load_balance_plot_reads_the_training_records(tmp_path):
     assert path.read_bytes().startswith(b"\x89PNG")
     assert load_series([{"step": 1, "loss": 2.0}]) == (None, None)
 
+@pytest.mark.slow
+def test_a_run_trains_with_both_options_and_logs_the_load(tmp_path):
+    """train.py's loop with the per-sequence loss and auxiliary-loss-free balancing, gradient
+    accumulation over 2 micro-batches: it trains, metrics.jsonl has each layer's load per expert
+    and its imbalance, and the checkpoint holds the biases the steps moved."""
+    from dagmoe_jax.run.gin import load_configs
+    from dagmoe_jax.train.loop import train
+    from dagmoe_jax.train.metrics import read_metrics
+
+    run_dir, steps, rate = tmp_path / "run", 4, 0.001
+    configs = load_configs(["train/smoke.gin"], [
+        f"TrainConfig.steps = {steps}", f"TrainConfig.run_dir = '{run_dir}'",
+        "TrainConfig.grad_accum = 2", "TrainConfig.save_every = 4", "TrainConfig.eval_every = 0",
+        "TrainConfig.task_eval_examples = 0", "TrainConfig.tensorboard = False",
+        "TrainConfig.eval_batches = 1", "DataConfig.num_synthetic = 64",
+        "ModelConfig.d_model = 16", "AggregationConfig.dag_dim = 8",
+        "ExpertConfig.expert_hidden = 16", "RouterConfig.balance_scope = 'sequence'", f"RouterConfig.aux_free_bias_rate = {rate}"])
+    train(*configs, progress=False, log=lambda _m: None)
+    records = [r for r in read_metrics(run_dir) if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    for r in records:
+        load = np.asarray(r["expert_load"])
+        assert load.shape == (2, 8) and np.allclose(load.sum(-1), 1.0)
+        np.testing.assert_allclose(r["load_imbalance"], load.max(-1) / load.mean(-1))
+        assert "router_counts" not in r and np.isfinite(r["loss"])
+    loaded = run_lib.load_run(run_dir)
+    assert loaded.model_cfg.block.router.balance_scope == "sequence"
+    (bias,) = biases(loaded.model).values()
+    moves = bias / rate                      # each step moved each bias by -rate, 0 or +rate
+    assert bias.shape == (2, 8) and np.abs(bias).max() > 0
+    np.testing.assert_allclose(moves, np.round(moves), atol=1e-3)
+    assert np.abs(moves).max() <= steps + 1e-3

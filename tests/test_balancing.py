@@ -287,6 +287,31 @@ def test_the_bias_is_saved_and_restored_with_the_model(tmp_path):
         np.testing.assert_array_equal(biases(fresh)[path], value)
 
 
+def test_a_checkpoint_without_biases_restores_them_at_zero(tmp_path):
+    """A step written without auxiliary-loss-free balancing (before it existed, or with it off)
+    restores into a model with it: every array it holds, the biases left at their zeros. The
+    other way round, a step's biases have no place in a model without them: a mismatch."""
+    plain_cfg = tiny_config("moe", "sum")
+    plain = make_model(plain_cfg, seed=3)
+    opt = nnx.Optimizer(plain, optax.sgd(1e-3), wrt=nnx.Param)
+    with run_lib.Checkpointer(tmp_path, save_every=1, async_save=False) as ckpt:
+        ckpt.save(1, run_lib.train_state(plain, opt), meta=run_lib.model_meta(plain_cfg),
+                  force=True)
+    model = make_model(tiny_config("moe", "sum", router=AUX_FREE))
+    model_opt = nnx.Optimizer(model, optax.sgd(1e-3), wrt=nnx.Param)
+    with run_lib.Checkpointer(tmp_path, save_every=1) as ckpt:
+        restored = ckpt.restore(run_lib.abstract(run_lib.train_state(model, model_opt)))
+    nnx.update(model, restored.state["model"])
+    assert not any(v.any() for v in biases(model).values())
+    for (p, a), (q, b) in zip(nnx.to_flat_state(nnx.state(plain, nnx.Param)),
+                              nnx.to_flat_state(nnx.state(model, nnx.Param))):
+        assert p == q and np.array_equal(np.asarray(a[...]), np.asarray(b[...]))
+    with run_lib.Checkpointer(tmp_path / "biased", save_every=1, async_save=False) as ckpt:
+        ckpt.save(1, run_lib.train_state(model, model_opt), meta={}, force=True)
+        with pytest.raises(ValueError, match="selection_bias .* is there but not in this"):
+            ckpt.restore(run_lib.abstract(run_lib.train_state(plain, opt)))
+
+
 def test_new_router_fields_absent_from_an_old_checkpoint_are_no_change():
     cfg = ModelConfig()
     old = json.loads(json.dumps(run_lib.model_meta(cfg)))

@@ -378,7 +378,8 @@ def test_a_run_trains_with_both_options_and_logs_the_load(tmp_path):
         "TrainConfig.task_eval_examples = 0", "TrainConfig.tensorboard = False",
         "TrainConfig.eval_batches = 1", "DataConfig.num_synthetic = 64",
         "ModelConfig.d_model = 16", "AggregationConfig.dag_dim = 8",
-        "ExpertConfig.expert_hidden = 16", "RouterConfig.balance_scope = 'sequence'", f"RouterConfig.aux_free_bias_rate = {rate}"])
+        "ExpertConfig.expert_hidden = 16", "RouterConfig.balance_scope = 'sequence'",
+        f"RouterConfig.aux_free_bias_rate = {rate}"])
     train(*configs, progress=False, log=lambda _m: None)
     records = [r for r in read_metrics(run_dir) if "loss" in r]
     assert [r["step"] for r in records] == list(range(1, steps + 1))

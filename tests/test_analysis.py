@@ -222,7 +222,8 @@ def assert_pngs(out: Path, names):
 def test_plot_command_on_a_dag_run(analyzed):
     code, stdout, stderr, out = analyzed["dag"]
     assert code == 0, stderr
-    assert_pngs(out, ("expert_load", "edge_gates", "edge_gate_hist", "dropped_fraction"))
+    assert_pngs(out, ("expert_load", "edge_gates", "edge_gate_hist", "dropped_fraction",
+                      "load_balance"))
     assert "edge-gate sparsity over" in stdout and "  layer 1: iteration 1 " in stdout
     assert ", iteration 2 " in stdout
     assert len(json.loads((out / "summary.json").read_text())["edge_gates"]["gate_sparsity"]) == 2
@@ -234,7 +235,7 @@ def test_plot_command_on_a_dag_run(analyzed):
 def test_plot_command_on_a_coe_run_with_other_data(analyzed):
     code, stdout, stderr, out = analyzed["coe"]
     assert code == 0, stderr
-    assert_pngs(out, ("expert_load", "coactivation", "dropped_fraction"))
+    assert_pngs(out, ("expert_load", "coactivation", "dropped_fraction", "load_balance"))
     assert "skipped edge_gates: edge gates are for DAG-MoE runs" in stdout
     assert not (out / "edge_gates.png").exists()
 

@@ -12,10 +12,11 @@ Flags:
 Writes, where they apply: expert_load.png (layers x experts), coactivation.png (CoE runs:
 expert pairs across iterations, as CoE Figure 8), edge_gates.png and edge_gate_hist.png
 (DAG-MoE runs: mean and spread over tokens of each node pair's gate, per layer and iteration),
-dropped_fraction.png (capacity drops) and training_curves.png (loss and learning rate), both
-from metrics.jsonl, and summary.json: for DAG-MoE the edge-gate sparsity per layer and
-iteration (share of |e_(i,j)| < 0.1, and of node pairs whose mean |e| is below it), also
-printed. One line per file: the file written, or why not.
+dropped_fraction.png (capacity drops), load_balance.png (each layer's max / mean expert load
+over training and the last record's load per expert) and training_curves.png (loss and
+learning rate), these three from metrics.jsonl, and summary.json: for DAG-MoE the edge-gate
+sparsity per layer and iteration (share of |e_(i,j)| < 0.1, and of node pairs whose mean |e|
+is below it), also printed. One line per file: the file written, or why not.
 Exit status: 0 done, 2 invalid arguments, run directory or data (a one-line message).
 """
 

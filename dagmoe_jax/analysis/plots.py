@@ -162,6 +162,35 @@ def plot_dropped_fraction(steps: Sequence[int], fractions: np.ndarray, path, tit
     return _save(fig, path)
 
 
+def plot_load_balance(steps: Sequence[int], loads: np.ndarray, path, title: str = "") -> Path:
+    """Expert load during training from ``metrics.jsonl`` (``loads`` [records, layers, N], the
+    share of each layer's routing assignments per expert): each layer's imbalance, max over
+    mean load (1 = balanced), over the training steps (left), and the last record's load,
+    layers x experts (right; uniform = 1 / N, marked on the colour bar)."""
+    loads = np.asarray(loads, np.float64)
+    _, layers, n = loads.shape
+    imbalance = loads.max(-1) / np.maximum(loads.mean(-1), 1e-12)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(6.0 + max(3.0, 0.3 * n + 1.5), 3.4),
+                                      width_ratios=(6.0, max(3.0, 0.3 * n + 1.5)),
+                                      layout="constrained")
+    for l in range(layers):
+        left.plot(steps, imbalance[:, l], label=f"layer {l}", linewidth=1.2)
+    left.axhline(1.0, color="0.5", linewidth=0.8, linestyle="--")
+    left.set_xlabel("training step")
+    left.set_ylabel("max / mean expert load")
+    left.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    image = right.imshow(loads[-1], aspect="auto", cmap="viridis", vmin=0.0)
+    bar = fig.colorbar(image, ax=right, label="share of routing slots")
+    bar.ax.axhline(1.0 / n, color="white", linewidth=1.5)
+    right.set_xlabel("expert")
+    right.set_ylabel("layer")
+    right.set_yticks(range(layers))
+    right.set_title(f"step {steps[-1]}", fontsize=9)
+    fig.suptitle(title or "expert load during training", fontsize=10)
+    return _save(fig, path)
+
+
 def plot_training_curves(steps: Sequence[int], loss: np.ndarray, learning_rate: np.ndarray,
                          eval_steps: Sequence[int], eval_loss: np.ndarray, path,
                          title: str = "") -> Path:

@@ -28,7 +28,9 @@ from dagmoe_jax.hf.run import open_run
 from dagmoe_jax.train.metrics import read_metrics
 
 PLOTS = ("expert_load", "coactivation", "edge_gates", "edge_gate_hist", "dropped_fraction",
-         "training_curves", "doe_gates")
+         "load_balance", "training_curves", "doe_gates")
+# The plots of routed blocks (MoE, CoE): a DoE run skips them.
+ROUTED_PLOTS = PLOTS[:6]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +64,17 @@ def dropped_series(records: List[dict]):
         return None, None
     rows.sort(key=lambda row: row[0])
     return [s for s, _ in rows], np.asarray([f for _, f in rows], np.float64)
+
+
+def load_series(records: List[dict]):
+    """(steps, loads [records, layers, N]) of the training records that log a routed block's
+    ``expert_load`` (a [layers, N] list, N > 0); (None, None) when there are none."""
+    rows = sorted((r["step"], r["expert_load"]) for r in records
+                  if isinstance(r.get("expert_load"), list) and r["expert_load"]
+                  and isinstance(r["expert_load"][0], list) and r["expert_load"][0])
+    if not rows:
+        return None, None
+    return [s for s, _ in rows], np.asarray([load for _, load in rows], np.float64)
 
 
 def curve_series(records: List[dict]):
@@ -154,6 +167,14 @@ def write_plots(stats: Collected, records: List[dict], out_dir, label: str = "")
     else:
         results.append(PlotResult("dropped_fraction", None,
                                   "metrics.jsonl has no training records with dropped_fraction"))
+    steps, loads = load_series(records)
+    if steps is not None:
+        results.append(PlotResult("load_balance", plots.plot_load_balance(
+            steps, loads, out / "load_balance.png",
+            f"{prefix}expert load during training (max / mean per layer; last record)")))
+    else:
+        results.append(PlotResult("load_balance", None,
+                                  "metrics.jsonl has no training records with expert_load"))
     results.append(training_curves(records, out, prefix))
     results.append(PlotResult("doe_gates", None, "the gate profile is for DoE runs "
                                                  f"(block='doe'); this is '{stats.block}'"))
@@ -192,7 +213,7 @@ def analyze_doe(loaded, run_dir, out_dir, data: str, max_batches: int, label: st
     :mod:`dagmoe_jax.analysis.doe`); the routed blocks' plots do not apply."""
 
 
-    skipped = [PlotResult(n, None, "not a routed (MoE / CoE) block") for n in PLOTS[:5]]
+    skipped = [PlotResult(n, None, "not a routed (MoE / CoE) block") for n in ROUTED_PLOTS]
     skipped.append(training_curves(read_metrics(run_dir), Path(out_dir), f"{label}: "))
     annotate = extension_for(loaded.model_cfg).prepare_run(loaded.data_cfg, run_dir, save=False)
     if annotate is None:

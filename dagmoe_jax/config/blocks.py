@@ -32,6 +32,7 @@ COE_RESIDUALS = ("inner", "outer", "init")
 COE_READINGS = ("once", "literal", "reference")
 BALANCE_LOADS = ("tokens", "slots")
 BALANCE_PROBS = ("softmax", "score_share")
+BALANCE_SCOPES = ("batch", "sequence")
 # What ExpertConfig.dispatch values of earlier versions became (ModelConfig.from_dict migrates).
 RETIRED_DISPATCH = {
     "auto": "whether experts drop tokens is architecture, the same on every machine: write "
@@ -124,7 +125,22 @@ class RouterConfig:
       softmax of the router logits whatever the score function): mean over tokens of
       softmax(z)_i. 'score_share': mean of s_i / sum_j s_j (equal to 'softmax' for softmax
       scores; for sigmoid scores the share of each expert in the token's summed scores).
+    balance_scope: over which tokens f_i and P_i are counted. 'batch' (default): all T tokens
+      of the call (the batch, or a micro-batch under gradient accumulation). 'sequence': within
+      each row of the batch, the loss averaged over rows: DeepSeek-V2's expert-level balance
+      loss (sec. 2.2.3, T "the number of tokens in a sequence"), DeepSeek-V3's complementary
+      sequence-wise balance loss (eq. 17-20) and the ``seq_aux=True`` branch of DeepSeek's
+      ``MoEGate`` that the CoE authors train with; theirs is balance_load='slots' with softmax
+      scores (DeepSeek-V3's sigmoid router: balance_prob='score_share'). A row of packed
+      examples is one sequence, as in their pre-training.
     z_loss_coef: router z-loss coefficient (paper: 0.001).
+    aux_free_bias_rate: auxiliary-loss-free balancing (DeepSeek-V3 sec. 2.1.2, eq. 16; Wang et
+      al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts"): > 0 gives
+      each router a per-expert bias b_i added to the scores for the top-K selection only (the
+      gates are the unbiased scores), and after each optimizer step the training step moves it
+      by ``b_i += rate * sign(mean_j c_j - c_i)``, c_i the step's assignments to expert i. The
+      rate is DeepSeek-V3's bias update speed gamma (0.001 for most of its training). 0
+      (default): no bias, the router as before.
     bias: give the router a learned bias, logits ``x W + b`` (DUME sec. 2.2, where the ridge
       solution's last row is the bias; off by default: DAG-MoE's router has none).
     temperature: T of ``logits / T`` before the score function (DUME sec. 2.2; 1 = none).
@@ -137,7 +153,9 @@ class RouterConfig:
     balance_coef: float = 0.01
     balance_load: str = "tokens"
     balance_prob: str = "softmax"
+    balance_scope: str = "batch"
     z_loss_coef: float = 0.001
+    aux_free_bias_rate: float = 0.0
     bias: bool = False
     temperature: float = 1.0
 
@@ -145,9 +163,11 @@ class RouterConfig:
         _choice("RouterConfig", "score_fn", self.score_fn, SCORE_FNS)
         _choice("RouterConfig", "balance_load", self.balance_load, BALANCE_LOADS)
         _choice("RouterConfig", "balance_prob", self.balance_prob, BALANCE_PROBS)
+        _choice("RouterConfig", "balance_scope", self.balance_scope, BALANCE_SCOPES)
         _positive("RouterConfig", "top_k", self.top_k)
         _nonnegative("RouterConfig", "balance_coef", self.balance_coef)
         _nonnegative("RouterConfig", "z_loss_coef", self.z_loss_coef)
+        _nonnegative("RouterConfig", "aux_free_bias_rate", self.aux_free_bias_rate)
         _check(isinstance(self.bias, bool), "RouterConfig", "bias", self.bias, "True or False")
         _check(isinstance(self.temperature, (int, float)) and self.temperature > 0,
                "RouterConfig", "temperature", self.temperature, "a number > 0")

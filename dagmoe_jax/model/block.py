@@ -50,7 +50,10 @@ class BlockStats(NamedTuple):
     dropped_fraction: share of routed assignments capacity dispatch dropped;
     expert_load [N]: share of routing slots (or of gate mass) per expert;
     record: the intermediates analysis reads, when the block's ``record_intermediates`` is on;
-    extra: the family's own statistics (DoE: :class:`~dagmoe_jax.model.doe.block.DoEStats`).
+    extra: the family's own statistics (DoE: :class:`~dagmoe_jax.model.doe.block.DoEStats`);
+    router_counts [R, N] int32: with auxiliary-loss-free balancing, each of the block's R
+      routers' assignments per expert, in the order of its ``balanced_routers()`` (the
+      training step moves their selection biases by them); None without.
     """
 
     balance_loss: jax.Array
@@ -59,6 +62,7 @@ class BlockStats(NamedTuple):
     expert_load: jax.Array
     record: Optional[Dict[str, jax.Array]] = None
     extra: Any = None
+    router_counts: Optional[jax.Array] = None
 
 
 def empty_stats() -> BlockStats:
@@ -71,6 +75,9 @@ def routed_stats(losses: dict, keep: jax.Array, expert_load: jax.Array,
                  record: Optional[dict] = None) -> BlockStats:
     """The statistics of a routed block from its router's losses and the dispatch's keep mask
     (the dropped share is the mean of the dropped mask, not 1 - mean(keep): exactly 0, never
-    -3e-8, when nothing drops)."""
+    -3e-8, when nothing drops); a router with a selection bias gives its ``expert_counts`` as
+    the one row of ``router_counts``."""
     dropped = jnp.mean(jnp.logical_not(keep).astype(jnp.float32))
-    return BlockStats(losses["balance_loss"], losses["z_loss"], dropped, expert_load, record)
+    counts = losses.get("expert_counts")
+    return BlockStats(losses["balance_loss"], losses["z_loss"], dropped, expert_load, record,
+                      router_counts=None if counts is None else counts[None])

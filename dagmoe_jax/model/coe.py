@@ -55,7 +55,8 @@ def coe_block_output(delta: jax.Array, x0: jax.Array, stream: str) -> jax.Array:
 
 class CoEBlock(nnx.Module):
     """Chain-of-Experts: C iterations of routing, experts and the residual of ``residual``
-    over the chain (module docstring); stats are the iterations' means, and with
+    over the chain (module docstring); stats are the iterations' means (but ``router_counts``:
+    each router's own assignments, [routers, N]), and with
     ``record_intermediates`` on the record holds the expert ids of every iteration [C, T, K]."""
 
     def __init__(self, cfg: ModelConfig, execution: ExecutionConfig,
@@ -77,6 +78,7 @@ class CoEBlock(nnx.Module):
         b, s, d = x.shape
         x0 = x.reshape(b * s, d)
         h, delta, stats, indices, routing = x0, jnp.zeros_like(x0), [], [], None
+        counts = []                 # each router's own assignments (aux-free balancing)
         for t in range(self.iterations):
             router = self.routers[0 if self.shared_router else t]
             if t == 0 or not self.shared_router:
@@ -86,11 +88,21 @@ class CoEBlock(nnx.Module):
             if self.shared is not None:
                 update = update + self.shared(h)
             delta, h = coe_step(update.astype(x.dtype), delta, x0, self.residual)
-            losses = router.losses(routing)
-            stats.append(routed_stats(losses, keep, losses["expert_load"]))
+            losses = router.losses(routing, sequences=b)
+            if "expert_counts" in losses and (t == 0 or not self.shared_router):
+                counts.append(losses["expert_counts"])
+            stats.append(routed_stats(losses, keep, losses["expert_load"])._replace(
+                router_counts=None))
             indices.append(routing.indices)
         y = coe_block_output(delta, x0, self.stream)
         mean_stats = jax.tree.map(lambda *v: jnp.mean(jnp.stack(v), axis=0), *stats)
+        if counts:
+            mean_stats = mean_stats._replace(router_counts=jnp.stack(counts))
         if self.record_intermediates:       # the expert ids of every iteration, [C, T, K]
             mean_stats = mean_stats._replace(record={"indices": jnp.stack(indices)})
         return y.reshape(b, s, d), mean_stats
+
+    def balanced_routers(self) -> list:
+        """The routers whose selection bias the training step moves, in the order of the
+        stats' ``router_counts`` rows: one per iteration, or the one shared router."""
+        return list(self.routers)

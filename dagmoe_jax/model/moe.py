@@ -54,7 +54,8 @@ class DenseBlock(SwiGLU):
 
 
 class MoEBlock(nnx.Module):
-    """y = Aggregate(x, g, E(x)) + sum of shared experts(x), for x [B, S, d].
+    """y = Aggregate(x, g, E(x)) + sum of shared experts(x), for x [B, S, d]; the router sees
+    the B * S tokens flattened, and the B rows as the sequences of its losses.
 
     With ``record_intermediates`` on, the stats' record holds the routed expert ids
     ``indices`` [1, T, K] (rank order) and the aggregator's own record (the DAG's edge gates).
@@ -78,8 +79,13 @@ class MoEBlock(nnx.Module):
         y, kept = self.aggregator(xt, routing.gates, expert_out)
         if self.shared is not None:
             y = y + self.shared(xt)
-        losses = self.router.losses(routing)
+        losses = self.router.losses(routing, sequences=b)
         record = ({"indices": routing.indices[None], **kept} if self.record_intermediates
                   else None)
         return (y.reshape(b, s, d).astype(x.dtype),
                 routed_stats(losses, keep, losses["expert_load"], record))
+
+    def balanced_routers(self) -> list:
+        """The routers whose selection bias the training step moves, in the order of the
+        stats' ``router_counts`` rows: the one router."""
+        return [self.router]

@@ -1,4 +1,5 @@
-"""Token-choice router: scores, top-K gates and the two router losses (docs/design.md section 2)."""
+"""Token-choice router: scores, top-K gates, the two router losses and auxiliary-loss-free
+balancing (docs/design.md section 2)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,13 @@ from flax import nnx
 
 from dagmoe_jax.config import RouterConfig
 from dagmoe_jax.model.layers import make_param, normal
+
+
+class SelectionBias(nnx.Variable):
+    """A router's per-expert selection bias b_i [N] (DeepSeek-V3 eq. 16): added to the scores
+    for the top-K selection only. Not an ``nnx.Param``: no gradient, no optimizer state, no
+    weight decay; the training step moves it (:func:`aux_free_bias_update`) and a checkpoint
+    saves it with the model."""
 
 
 class Routing(NamedTuple):
@@ -45,16 +53,33 @@ def router_scores(logits: jax.Array, score_fn: str) -> jax.Array:
     raise ValueError(f"router score_fn={score_fn!r} is invalid: expected 'sigmoid' or 'softmax'")
 
 
-def select_top_k(scores: jax.Array, k: int, renormalize: bool):
+def aux_free_top_k(scores: jax.Array, bias: jax.Array, k: int):
+    """Auxiliary-loss-free selection, DeepSeek-V3 eq. 16 (sec. 2.1.2): g_i = s_i if
+    s_i + b_i is among the K largest of {s_j + b_j}, else 0. The bias ``b`` [N] decides which
+    experts a token goes to, never how much they weigh: the gates are the unbiased scores.
+
+    Returns gates and indices [T, K] in descending order of the *biased* scores (ties to the
+    lower expert id), so the gates themselves need not be in descending order.
+    """
+    _, indices = jax.lax.top_k(scores + bias.astype(scores.dtype), k)
+    return jnp.take_along_axis(scores, indices, axis=-1), indices
+
+
+def select_top_k(scores: jax.Array, k: int, renormalize: bool,
+                 bias: Optional[jax.Array] = None):
     """Top-K gating, DAG-MoE eq. 1 / CoE eq. 7: g_i = s_i for the K best experts, else 0.
 
     Returns gates and indices [T, K] in descending score order; ties go to the lower expert id,
     so the node order is deterministic (the DAG's output depends on it only with
     ``dag_edges='ranked'``). ``renormalize`` divides the gates by their sum; at k = 1 that is
     g / g = 1, returned as a constant: autodiff of g / g leaves rounding noise (~1e-10 against
-    ~1e-3 at k = 2) that Adam would scale into real router steps.
+    ~1e-3 at k = 2) that Adam would scale into real router steps. ``bias`` [N]: select by
+    the biased scores instead (:func:`aux_free_top_k`; DeepSeek-V3 renormalises those gates).
     """
-    gates, indices = jax.lax.top_k(scores, k)
+    if bias is None:
+        gates, indices = jax.lax.top_k(scores, k)
+    else:
+        gates, indices = aux_free_top_k(scores, bias, k)
     if renormalize and k == 1:
         return jnp.ones_like(gates), indices
     if renormalize:
@@ -66,6 +91,27 @@ def expert_load(indices: jax.Array, num_experts: int) -> jax.Array:
     """Share of the T * K routing slots that went to each expert ([N], sums to 1)."""
     counts = jnp.zeros((num_experts,), jnp.float32).at[indices.reshape(-1)].add(1.0)
     return counts / indices.size
+
+
+def expert_counts(indices: jax.Array, num_experts: int) -> jax.Array:
+    """Assignments per expert ([N] int32): how many of the T * K routing slots chose each."""
+    return jnp.zeros((num_experts,), jnp.int32).at[indices.reshape(-1)].add(1)
+
+
+def aux_free_bias_update(bias: jax.Array, counts: jax.Array, rate: float) -> jax.Array:
+    """The bias update of auxiliary-loss-free balancing (DeepSeek-V3 sec. 2.1.2; Wang et al.
+    2024, Algorithm 1): after each training step, ``b_i <- b_i + rate * sign(mean_j c_j - c_i)``
+    with c_i the step's assignments to expert i: an overloaded expert's bias falls by
+    ``rate``, an underloaded one's rises by it, an expert at exactly the mean keeps it.
+
+    ``bias`` [..., N] float32, ``counts`` [..., N] integers (``sign(mean - c_i)`` is computed as
+    ``sign(sum_j c_j - N c_i)``, exact in integers: shares of a whole in floating point could
+    miss "exactly at the mean" by a rounding); ``rate``: gamma, the bias update speed.
+    """
+    counts = jnp.asarray(counts).astype(jnp.int32)
+    n = counts.shape[-1]
+    above = jnp.sum(counts, axis=-1, keepdims=True) - n * counts
+    return bias + jnp.asarray(rate, bias.dtype) * jnp.sign(above).astype(bias.dtype)
 
 
 def balance_fraction(indices: jax.Array, num_experts: int, load: str) -> jax.Array:
@@ -104,6 +150,27 @@ def balance_loss(probs: jax.Array, indices: jax.Array, load: str = "tokens") -> 
     return n * jnp.sum(balance_fraction(indices, n, load) * jnp.mean(probs, axis=0))
 
 
+def sequence_balance_loss(probs: jax.Array, indices: jax.Array, sequences: int,
+                          load: str = "tokens") -> jax.Array:
+    """The balance loss within each sequence, averaged over sequences: DeepSeek-V2's
+    expert-level balance loss (sec. 2.2.3, ``alpha_1 sum_i f_i P_i`` with f and P counted over
+    "the tokens in a sequence") and DeepSeek-V3's complementary sequence-wise balance loss
+    (eq. 17-20).
+
+    ``probs`` [T, N] and ``indices`` [T, K] hold ``sequences`` rows of T / sequences tokens one
+    after the other (the [B, S] batch flattened); each row's loss is :func:`balance_loss`.
+    With ``load='slots'`` and softmax probabilities this is DeepSeek's ``MoEGate.forward``,
+    ``seq_aux`` branch (``modeling_deepseek.py`` of deepseek-ai/DeepSeek-V2; the CoE authors'
+    ``seq_aux=True``): ``ce[b, i]`` = expert i's count among row b's S * K assignments over
+    S * K / N, loss = mean_b sum_i ce[b, i] * mean_t scores[b, t, i]. With the default
+    ``load='tokens'`` it is K times that. One sequence: the batch loss.
+    """
+    t, n = probs.shape
+    rows = probs.reshape(sequences, t // sequences, n)
+    picks = indices.reshape(sequences, t // sequences, indices.shape[-1])
+    return jnp.mean(jax.vmap(lambda p, i: balance_loss(p, i, load))(rows, picks))
+
+
 def z_loss(logits: jax.Array) -> jax.Array:
     """Router z-loss (ST-MoE): ``mean_t (logsumexp_i z_ti)^2``."""
     return jnp.mean(jnp.square(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)))
@@ -113,9 +180,11 @@ class Router(nnx.Module):
     """Router keys e_i as a [d, N] matrix; returns a :class:`Routing` for tokens [T, d].
 
     cfg: the ``RouterConfig`` (score function, renormalisation, the balance loss's conventions
-    of :func:`balance_fraction` and :func:`balance_probs`, a learned zero-initialised bias
-    ``b_router`` [N], the temperature of :func:`router_logits`); top_k: experts per token
-    (default ``cfg.top_k``; CoE routes K / C per iteration); std: the keys' initialiser.
+    of :func:`balance_fraction` and :func:`balance_probs` and its scope, a learned
+    zero-initialised bias ``b_router`` [N], the temperature of :func:`router_logits`, and with
+    ``aux_free_bias_rate`` > 0 a zero-initialised :class:`SelectionBias` ``selection_bias`` [N]
+    for :func:`aux_free_top_k`); top_k: experts per token (default ``cfg.top_k``; CoE routes
+    K / C per iteration); std: the keys' initialiser.
     """
 
     def __init__(self, cfg: RouterConfig, d_model: int, num_experts: int, *, std: float,
@@ -123,24 +192,43 @@ class Router(nnx.Module):
         self.top_k = cfg.top_k if top_k is None else top_k
         self.score_fn, self.renormalize = cfg.score_fn, cfg.renormalize
         self.balance_load, self.balance_prob = cfg.balance_load, cfg.balance_prob
+        self.balance_scope = cfg.balance_scope
+        self.bias_rate = float(cfg.aux_free_bias_rate)
         self.temperature = float(cfg.temperature)
         self.w_router = make_param(rngs, normal(std), (d_model, num_experts), ("embed", None))
         self.b_router = (make_param(rngs, nnx.initializers.zeros, (num_experts,), (None,))
                          if cfg.bias else None)
+        self.selection_bias = (SelectionBias(jnp.zeros((num_experts,), jnp.float32),
+                                             out_sharding=(None,), eager_sharding=False)
+                               if self.bias_rate > 0 else None)
 
     def __call__(self, x: jax.Array) -> Routing:
         bias = None if self.b_router is None else self.b_router[...]
         logits = router_logits(x, self.w_router[...], bias, self.temperature)
         scores = router_scores(logits, self.score_fn)
-        gates, indices = select_top_k(scores, self.top_k, self.renormalize)
+        selection = None if self.selection_bias is None else self.selection_bias[...]
+        gates, indices = select_top_k(scores, self.top_k, self.renormalize, selection)
         return Routing(gates.astype(x.dtype), indices, logits, scores)
 
-    def losses(self, routing: Routing) -> dict:
-        """The unweighted router losses and the slot load of one routing decision."""
+    def losses(self, routing: Routing, sequences: int = 1) -> dict:
+        """The unweighted router losses and the slot load of one routing decision over
+        ``sequences`` rows of tokens (the balance loss's 'sequence' scope counts within each);
+        with a selection bias also the assignments per expert (``expert_counts``, what the
+        training step moves the bias by)."""
         n = routing.scores.shape[-1]
         probs = balance_probs(routing.logits, routing.scores, self.balance_prob)
-        return {
-            "balance_loss": balance_loss(probs, routing.indices, self.balance_load),
-            "z_loss": z_loss(routing.logits),
-            "expert_load": expert_load(routing.indices, n),
-        }
+        if self.balance_scope == "sequence":
+            balance = sequence_balance_loss(probs, routing.indices, sequences, self.balance_load)
+        else:
+            balance = balance_loss(probs, routing.indices, self.balance_load)
+        out = {"balance_loss": balance, "z_loss": z_loss(routing.logits),
+               "expert_load": expert_load(routing.indices, n)}
+        if self.selection_bias is not None:
+            out["expert_counts"] = expert_counts(routing.indices, n)
+        return out
+
+    def update_selection_bias(self, counts: jax.Array) -> None:
+        """Move ``selection_bias`` by :func:`aux_free_bias_update` from the step's assignments
+        per expert ``counts`` (in place; stacked layers: [layers, N] both)."""
+        self.selection_bias[...] = aux_free_bias_update(self.selection_bias[...], counts,
+                                                        self.bias_rate)

@@ -7,7 +7,10 @@ auxiliary dict (``cfg``: what is computed; ``execution``: how, a settled
 * ``balance_loss``, ``z_loss``: unweighted router losses, averaged over layers (and CoE steps);
 * ``aux_loss``: ``balance_coef * balance_loss + z_loss_coef * z_loss``, ready to add to the loss;
 * ``expert_load`` [layers, N]: share of routing slots per expert;
-* ``dropped_fraction`` [layers]: share of assignments that capacity dispatch dropped.
+* ``dropped_fraction`` [layers]: share of assignments that capacity dispatch dropped;
+* ``router_counts`` [layers, R, N] int32, only with auxiliary-loss-free balancing
+  (``RouterConfig.aux_free_bias_rate`` > 0): each router's assignments per expert, what
+  :meth:`Transformer.update_selection_bias` moves the routers' selection biases by.
 
 A block family without a router (dense, DoE) reports zero losses, and a dense model an
 ``expert_load`` of [layers, 0]. With the routed blocks' ``record_intermediates``
@@ -199,6 +202,8 @@ class Transformer(nnx.Module):
             aux["intermediates"] = stats.record
         if stats.extra is not None:
             aux["extra"] = stats.extra
+        if stats.router_counts is not None:
+            aux["router_counts"] = stats.router_counts
         if cache is not None:
             aux["cache"] = cache
         if not head:
@@ -209,6 +214,15 @@ class Transformer(nnx.Module):
                          preferred_element_type=jnp.float32).reshape(h.shape[:2] + (-1,))
         logits = constrain(logits, ("batch", "length", "vocab"))
         return (logits[:, 0] if logit_positions is not None else logits), aux
+
+    def update_selection_bias(self, router_counts: jax.Array) -> None:
+        """Auxiliary-loss-free balancing's update after a training step (DeepSeek-V3 sec.
+        2.1.2; :func:`~dagmoe_jax.model.router.aux_free_bias_update`): every router's selection
+        bias moves towards balance by the step's ``router_counts`` [layers, R, N] (the forward
+        pass's ``aux['router_counts']``, summed over micro-batches), in place."""
+        routers = getattr(self.layers.block, "balanced_routers", list)()
+        for r, router in enumerate(routers):          # each is stacked over the layers
+            router.update_selection_bias(router_counts[:, r])
 
     def init_cache(self, batch: int, length: int) -> KVCache:
         """An empty (zero) cache of ``length`` slots: k, v [layers, batch, length, KV, D]."""

@@ -332,7 +332,7 @@ class Checkpointer:
         A step saved in part (meta ``state_keys``) restores only those keys of a dict
         ``abstract_state``, each cast to the abstract leaf's dtype (a bfloat16 array saved,
         a float32 one restored); when it holds no data position, ``data_iterator`` is left
-        at its start.
+        at its start. A step without the routers' selection biases leaves them out too.
 
         Returns None when the directory holds no checkpoint. Raises ``CheckpointMismatchError``
         for a different architecture and ``ValueError`` when no step is readable.
@@ -356,7 +356,7 @@ class Checkpointer:
             except Exception as err:  # noqa: BLE001 -- any read failure makes the step unusable
                 failures.append((step, cause_line(err)))
                 continue
-            part = saved_part(abstract_state, meta)
+            part = saved_part(abstract_state, meta, getattr(tree_metadata, "tree", tree_metadata))
             self._check_architecture(step, tree_metadata, part, meta, expected_meta)
             try:
                 verify_checksums(as_path(self.directory) / str(step))

@@ -16,8 +16,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import jax
 from etils import epath
-from flax import traverse_util
+from flax import nnx, traverse_util
 
+from dagmoe_jax.model.router import SelectionBias
 from dagmoe_jax.run.paths import as_path
 
 CHECKSUM_FILE = "dagmoe_checksums.json"
@@ -188,10 +189,19 @@ def json_diffs(saved: Any, expected: Any, prefix: str) -> List[str]:
     return out
 
 
-def saved_part(abstract_state: Any, meta: Any) -> Any:
+def saved_part(abstract_state: Any, meta: Any, saved_tree: Any = None) -> Any:
     """The part of ``abstract_state`` a step holds: the top-level keys its ``meta`` lists
-    under :data:`STATE_KEYS` (a dict state saved in part), else all of it."""
+    under :data:`STATE_KEYS` (a dict state saved in part), else all of it; and without the
+    model's routers' selection biases (auxiliary-loss-free balancing) when the step's tree
+    ``saved_tree`` has none: a step written without them leaves them at their initial zeros,
+    which select as the router did before."""
     keys = meta.get(STATE_KEYS) if isinstance(meta, dict) else None
-    if keys is None or not isinstance(abstract_state, dict):
-        return abstract_state
-    return {k: v for k, v in abstract_state.items() if k in keys}
+    part = abstract_state
+    if keys is not None and isinstance(abstract_state, dict):
+        part = {k: v for k, v in abstract_state.items() if k in keys}
+    model = part.get("model") if isinstance(part, dict) else None
+    if (saved_tree is None or not isinstance(model, nnx.State)
+            or not jax.tree.leaves(nnx.filter_state(model, SelectionBias))
+            or any("selection_bias" in path for path in shapes(saved_tree))):
+        return part
+    return {**part, "model": nnx.filter_state(model, nnx.Not(SelectionBias))}

@@ -11,9 +11,10 @@ another tokenizer is otherwise a one-line error.
 :func:`source_model_config` gives the run's ModelConfig: the source's (how the model runs,
 ``TrainConfig.execution``, stays the gin config's); a gin binding that changes the
 architecture (a field differing from both ModelConfig's default and the source's value) is a
-one-line error. :func:`load_initial_params` copies the source's parameters into the freshly
-built (possibly sharded) model; the optimiser keeps its fresh state. Both are one-line
-``ValueError`` s for a path that is neither a run directory nor a Hugging Face folder.
+one-line error. :func:`load_initial_params` copies the source's parameters (and its routers'
+selection biases) into the freshly built (possibly sharded) model; the optimiser keeps its
+fresh state. Both are one-line ``ValueError`` s for a path that is neither a run directory
+nor a Hugging Face folder.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dagmoe_jax import run as run_lib
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.hf.llama import load_hf_llama, model_config_from_hf, read_hf_config
+from dagmoe_jax.model.router import SelectionBias
 from dagmoe_jax.run.checkpoint_files import flatten_json
 
 HF_PREFIX = "hf:"
@@ -147,20 +149,26 @@ def _same_file(a: str, b: str) -> bool:
         return False
 
 
+# What a fine-tuned run takes from its source: the parameters, and the routers' selection
+# biases (auxiliary-loss-free balancing), without which the source's tokens go elsewhere.
+CARRIED = nnx.Any(nnx.Param, SelectionBias)
+
+
 def _source_params(init_from: str, log: Callable[[str], None]):
     if init_from.startswith(HF_PREFIX):
         model, _ = load_hf_llama(_hf_folder(init_from))
-        return nnx.state(model, nnx.Param), "the Hugging Face checkpoint"
+        return nnx.state(model, CARRIED), "the Hugging Face checkpoint"
     loaded = run_lib.load_run(_run_dir(init_from), log=log)
-    return nnx.state(loaded.model, nnx.Param), f"step {loaded.step}"
+    return nnx.state(loaded.model, CARRIED), f"step {loaded.step}"
 
 
 def load_initial_params(model: nnx.Module, init_from: str,
                         log: Callable[[str], None] = lambda _message: None) -> str:
-    """Set ``model``'s parameters to those of ``init_from``, each placed with the sharding of
-    the parameter it replaces; returns a one-line description of what was loaded."""
+    """Set ``model``'s parameters (and selection biases) to those of ``init_from``, each placed
+    with the sharding of the variable it replaces; returns a one-line description of what was
+    loaded."""
     source, what = _source_params(init_from, log)
-    target = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    target = dict(nnx.to_flat_state(nnx.state(model, CARRIED)))
     have = dict(nnx.to_flat_state(source))
     if set(target) != set(have):
         missing = sorted(set(target) ^ set(have))[:3]
@@ -174,5 +182,5 @@ def load_initial_params(model: nnx.Module, init_from: str,
                              f"{old.shape}")
         variable[...] = jax.device_put(value.astype(old.dtype), old.sharding)
     nnx.update(model, nnx.from_flat_state(target))
-    count = sum(v[...].size for v in target.values())
+    count = sum(v[...].size for v in target.values() if isinstance(v, nnx.Param))
     return f"initialised {count:,} parameters from {init_from} ({what})"

@@ -4,10 +4,12 @@ A training run's records go to every sink that is switched on, each a :class:`Me
 
 * :class:`JsonlWriter`: one JSON object per line in ``metrics.jsonl`` (always; what plots,
   tests and notebooks read back with :func:`read_metrics`). Per-layer arrays (``expert_load``
-  [layers, N], ``dropped_fraction`` [layers]) are written whole;
+  [layers, N]: each layer's share of routing assignments per expert; ``dropped_fraction``
+  [layers]) are written whole, and beside ``expert_load`` its summary ``load_imbalance``
+  [layers] (:func:`load_imbalance`: each layer's max over mean load, 1 at balance);
 * :class:`TensorBoardWriter` (``TrainConfig.tensorboard``): TensorBoard event files; each
-  per-layer array becomes one scalar per layer (the load imbalance, max over mean expert load,
-  for ``expert_load``, plus a histogram of each layer's load);
+  per-layer array becomes one scalar per layer (``load_imbalance/layer_i``,
+  ``dropped_fraction/layer_i``), and ``expert_load`` a histogram of each layer's loads;
 * :class:`WandbWriter` (``TrainConfig.wandb_project``): Weights & Biases, online or offline
   (``TrainConfig.wandb_mode``; offline needs no network and ``wandb sync`` uploads later),
   with the same per-layer flattening as TensorBoard. ``wandb`` is optional:
@@ -85,17 +87,32 @@ def truncate_jsonl(path, last_step: int) -> List[dict]:
     return kept
 
 
+def load_imbalance(expert_load) -> np.ndarray:
+    """Each layer's load imbalance, max_i load_i / mean_i load_i ([layers], 1 at balance;
+    DeepSeek's MaxVio + 1), of an ``expert_load`` [layers, N]."""
+    load = np.asarray(expert_load, dtype=np.float64)
+    return load.max(-1) / np.maximum(load.mean(-1), 1e-9)
+
+
+def _derived(metrics: Mapping[str, object]) -> Dict[str, object]:
+    """``metrics`` with ``load_imbalance`` beside an ``expert_load`` [layers, N] of a block
+    with experts (none for [layers, 0], or for another shape)."""
+    load = metrics.get("expert_load")
+    if load is None or "load_imbalance" in metrics:
+        return dict(metrics)
+    array = np.asarray(load)
+    if array.ndim != 2 or array.shape[1] == 0:
+        return dict(metrics)
+    return {**metrics, "load_imbalance": load_imbalance(array)}
+
+
 def _per_layer_scalars(key: str, value, prefix: str):
     """(name, float) pairs of one metric for scalar-only sinks (TensorBoard, W&B): a scalar as
-    itself; ``expert_load`` [layers, N] as each layer's load imbalance (max over mean); any
-    other 1-D array as one scalar per layer. Other shapes are not shown there."""
+    itself; a 1-D array (``load_imbalance``, ``dropped_fraction``) as one scalar per layer.
+    Other shapes (``expert_load``: its histograms) are not shown there."""
     array = np.asarray(value, dtype=np.float64)
     if array.ndim == 0:
         return [(prefix + key, float(array))]
-    if key == "expert_load" and array.ndim == 2:    # [layers, 0] for a block without experts
-        return [(f"{prefix}load_imbalance/layer_{layer}",
-                 float(load.max() / max(load.mean(), 1e-9))) for layer, load in enumerate(array)
-                if load.size]
     if array.ndim == 1:
         return [(f"{prefix}{key}/layer_{i}", float(item)) for i, item in enumerate(array)]
     return []
@@ -125,7 +142,7 @@ class JsonlWriter:
 
     def write(self, step: int, metrics: Mapping[str, object], prefix: str = "") -> None:
         record = {"step": int(step)}
-        record.update({prefix + k: _jsonable(v) for k, v in metrics.items()})
+        record.update({prefix + k: _jsonable(v) for k, v in _derived(metrics).items()})
         line = json.dumps(record) + "\n"
         if self._file is not None:
             self._file.write(line)
@@ -180,7 +197,7 @@ class TensorBoardWriter:
                              f"TrainConfig.tensorboard=False") from None
 
     def write(self, step: int, metrics: Mapping[str, object], prefix: str = "") -> None:
-        for key, value in metrics.items():
+        for key, value in _derived(metrics).items():
             for name, number in _per_layer_scalars(key, value, prefix):
                 self._tb.add_scalar(name, number, step)
             for name, loads in _load_histograms(key, value, prefix):
@@ -227,7 +244,7 @@ class WandbWriter:
 
     def write(self, step: int, metrics: Mapping[str, object], prefix: str = "") -> None:
         data: Dict[str, object] = {}
-        for key, value in metrics.items():
+        for key, value in _derived(metrics).items():
             data.update(_per_layer_scalars(key, value, prefix))
             data.update((name, self._wandb.Histogram(loads))
                         for name, loads in _load_histograms(key, value, prefix))
@@ -286,5 +303,4 @@ def summarise_load(expert_load: Optional[np.ndarray]) -> dict:
     """Scalars for the progress bar: mean over layers of max/mean expert load."""
     if expert_load is None or np.size(expert_load) == 0:
         return {}
-    load = np.asarray(expert_load, dtype=np.float64)
-    return {"load_imbalance": float(np.mean(load.max(-1) / np.maximum(load.mean(-1), 1e-9)))}
+    return {"load_imbalance": float(np.mean(load_imbalance(expert_load)))}

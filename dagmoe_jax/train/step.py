@@ -26,6 +26,17 @@ from dagmoe_jax.parallel import replicated
 from dagmoe_jax.model.tiled_loss import chunk_tokens, tiled_cross_entropy
 
 
+# The metric that carries the routers' assignments per expert from the loss to the step's
+# selection-bias update (auxiliary-loss-free balancing); the step removes it from the metrics.
+ROUTER_COUNTS = "router_counts"
+
+
+def routers_train(model, wrt) -> bool:
+    """Whether ``wrt`` (the trained parameters' filter) trains the routers' keys: the routers'
+    selection biases move only then (frozen routers route as they were)."""
+    return bool(jax.tree.leaves(nnx.state(model, nnx.All(wrt, nnx.PathContains("w_router")))))
+
+
 def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
     """Mean token cross-entropy over positions where ``mask`` is true (float32), from whole
     logits: the plain version of :func:`~dagmoe_jax.model.tiled_loss.tiled_cross_entropy`
@@ -52,6 +63,8 @@ def lm_loss(model: Transformer, batch: Dict[str, jax.Array]) -> Tuple[jax.Array,
     metrics = {"loss": total, "ce_loss": ce, "balance_loss": aux["balance_loss"],
                "z_loss": aux["z_loss"], "expert_load": aux["expert_load"],
                "dropped_fraction": aux["dropped_fraction"], **extra_metrics}
+    if "router_counts" in aux:           # auxiliary-loss-free balancing: the step's update
+        metrics[ROUTER_COUNTS] = aux["router_counts"]
     return total, metrics
 
 
@@ -80,6 +93,12 @@ def make_train_step(loss_fn: Callable = lm_loss, grad_accum: int = 1,
     ``wrt``: the parameters gradients are taken of (the optimizer's own ``wrt``; a
     :data:`TRAINABLE` filter), the others held fixed.
 
+    Auxiliary-loss-free balancing (``RouterConfig.aux_free_bias_rate`` > 0): after the
+    optimizer's update, every router's selection bias moves by the step's assignments per
+    expert (:meth:`~dagmoe_jax.model.Transformer.update_selection_bias`; DeepSeek-V3 sec.
+    2.1.2), counted over the whole batch (summed over micro-batches), when ``wrt`` trains the
+    routers (:func:`routers_train`).
+
     With ``grad_accum`` > 1 the batch is cut into that many micro-batches whose gradients a
     ``lax.scan`` sums (one micro-batch's activations live at a time); the optimiser sees their
     mean, each micro-batch's cross-entropy summed over its tokens and divided by the whole
@@ -99,7 +118,8 @@ def make_train_step(loss_fn: Callable = lm_loss, grad_accum: int = 1,
 
             def micro_step(summed, micro_batch):
                 def loss_of(p):
-                    return loss_fn(nnx.merge(graphdef, p, rest), micro_batch)
+                    # copies: ``rest`` (a selection bias) is of the trace outside the scan
+                    return loss_fn(nnx.merge(graphdef, p, rest, copy=True), micro_batch)
                 (_, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
                 return jax.tree.map(jnp.add, summed, grads), metrics
 
@@ -110,8 +130,14 @@ def make_train_step(loss_fn: Callable = lm_loss, grad_accum: int = 1,
                 micro["ce_tokens"] = jnp.full((grad_accum,), share)
             grads, metrics = jax.lax.scan(micro_step, zeros, micro)
             grads = jax.tree.map(lambda g: g / grad_accum, grads)
+            counts = metrics.pop(ROUTER_COUNTS, None)     # the whole batch's: summed
             metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
+            if counts is not None:
+                metrics[ROUTER_COUNTS] = jnp.sum(counts, axis=0)
         optimizer.update(model, grads)
+        counts = metrics.pop(ROUTER_COUNTS, None)
+        if counts is not None and routers_train(model, wrt):
+            model.update_selection_bias(counts)
         metrics["grad_norm"] = optax.tree.norm(grads)
         return replicated(metrics)
 

@@ -88,9 +88,8 @@ def select_top_k(scores: jax.Array, k: int, renormalize: bool,
 
 
 def expert_load(indices: jax.Array, num_experts: int) -> jax.Array:
-    """Share of the T * K routing slots that went to each expert ([N], sums to 1)."""
-    counts = jnp.zeros((num_experts,), jnp.float32).at[indices.reshape(-1)].add(1.0)
-    return counts / indices.size
+    """Share of the T * K routing slots that went to each expert ([N] float32, sums to 1)."""
+    return expert_counts(indices, num_experts).astype(jnp.float32) / indices.size
 
 
 def expert_counts(indices: jax.Array, num_experts: int) -> jax.Array:

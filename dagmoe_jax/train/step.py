@@ -63,8 +63,8 @@ def lm_loss(model: Transformer, batch: Dict[str, jax.Array]) -> Tuple[jax.Array,
     metrics = {"loss": total, "ce_loss": ce, "balance_loss": aux["balance_loss"],
                "z_loss": aux["z_loss"], "expert_load": aux["expert_load"],
                "dropped_fraction": aux["dropped_fraction"], **extra_metrics}
-    if "router_counts" in aux:           # auxiliary-loss-free balancing: the step's update
-        metrics[ROUTER_COUNTS] = aux["router_counts"]
+    if ROUTER_COUNTS in aux:             # auxiliary-loss-free balancing: the step's update
+        metrics[ROUTER_COUNTS] = aux[ROUTER_COUNTS]
     return total, metrics
 
 
@@ -113,6 +113,7 @@ def make_train_step(loss_fn: Callable = lm_loss, grad_accum: int = 1,
         if grad_accum == 1:
             (_, metrics), grads = nnx.value_and_grad(
                 loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True)(model, batch)
+            counts = metrics.pop(ROUTER_COUNTS, None)
         else:
             graphdef, params, rest = nnx.split(model, wrt, ...)
 
@@ -131,11 +132,9 @@ def make_train_step(loss_fn: Callable = lm_loss, grad_accum: int = 1,
             grads, metrics = jax.lax.scan(micro_step, zeros, micro)
             grads = jax.tree.map(lambda g: g / grad_accum, grads)
             counts = metrics.pop(ROUTER_COUNTS, None)     # the whole batch's: summed
+            counts = None if counts is None else jnp.sum(counts, axis=0)
             metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
-            if counts is not None:
-                metrics[ROUTER_COUNTS] = jnp.sum(counts, axis=0)
         optimizer.update(model, grads)
-        counts = metrics.pop(ROUTER_COUNTS, None)
         if counts is not None and routers_train(model, wrt):
             model.update_selection_bias(counts)
         metrics["grad_norm"] = optax.tree.norm(grads)

@@ -131,10 +131,12 @@ def results_folder(run_dir: str, step: int) -> str:
     """The folder under ``--output_path`` that holds a run's results (lm-eval names it after
     the model): the run directory's name and step (``dagmoe_s_step200``), a Hugging Face
     folder's name alone."""
-    from lm_eval.utils import sanitize_model_name  # pylint: disable=import-outside-toplevel
+    # pylint: disable=import-outside-toplevel
+    from lm_eval.utils import sanitize_model_name
+    from dagmoe_jax.hf.run import hf_folder, is_hf
 
-    hf = run_dir.startswith("hf:")
-    name = os.path.basename(os.path.normpath(run_dir[3:] if hf else run_dir)) or "run"
+    hf = is_hf(run_dir)
+    name = os.path.basename(os.path.normpath(hf_folder(run_dir))) or "run"
     return sanitize_model_name(name if hf else f"{name}_step{step}")
 
 

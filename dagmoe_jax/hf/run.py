@@ -62,11 +62,16 @@ def is_hf(path: PathLike) -> bool:
     return str(path).startswith(HF_PREFIX)
 
 
+def hf_folder(path: PathLike) -> str:
+    """The folder ``hf:FOLDER`` names (:func:`is_hf`); any other path as it is."""
+    return str(path)[len(HF_PREFIX):] if is_hf(path) else str(path)
+
+
 def run_data_config(path: PathLike) -> DataConfig:
     """The DataConfig of the run at ``path`` (a run directory or ``hf:FOLDER``), without
     loading its model."""
     if is_hf(path):
-        return hf_data_config(str(path)[len(HF_PREFIX):])
+        return hf_data_config(hf_folder(path))
     return load_configs(path)[1]
 
 
@@ -84,7 +89,7 @@ def open_run(path: PathLike, *, mesh=None, data_cfg: Optional[DataConfig] = None
             tokenizer_path=os.path.abspath(os.path.expanduser(tokenizer_path)))
     if not is_hf(path):
         return load_run(path, mesh=mesh, data_cfg=data_cfg, log=log)
-    run = load_hf_run(str(path)[len(HF_PREFIX):], data_cfg=data_cfg)
+    run = load_hf_run(hf_folder(path), data_cfg=data_cfg)
     if mesh is not None:
         place_on_mesh(run.model, mesh)
     return run

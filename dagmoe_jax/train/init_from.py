@@ -30,14 +30,12 @@ from dagmoe_jax import run as run_lib
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.hf.llama import load_hf_llama, model_config_from_hf, read_hf_config
+from dagmoe_jax.hf.run import hf_folder, is_hf
 from dagmoe_jax.model.router import SelectionBias
 from dagmoe_jax.run.checkpoint_files import flatten_json
 
-HF_PREFIX = "hf:"
-
-
 def _hf_folder(init_from: str) -> str:
-    folder = os.path.expanduser(init_from[len(HF_PREFIX):])
+    folder = os.path.expanduser(hf_folder(init_from))
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise ValueError(f"TrainConfig.init_from={init_from!r}: {folder!r} has no config.json: "
                          "point 'hf:' at a Hugging Face Llama folder")
@@ -55,7 +53,7 @@ def _run_dir(init_from: str) -> str:
 
 def source_model_config(init_from: str, model_cfg: ModelConfig) -> ModelConfig:
     """The ModelConfig of a run initialised from ``init_from`` (module docstring)."""
-    if init_from.startswith(HF_PREFIX):
+    if is_hf(init_from):
         source = model_config_from_hf(read_hf_config(_hf_folder(init_from)))
     else:
         source = run_lib.load_configs(_run_dir(init_from))[0]
@@ -79,7 +77,7 @@ def _source_tokenizer(init_from: str) -> dict:
     """The tokenizer fields of ``init_from``'s DataConfig: a run's own (its path made absolute,
     relative paths read from the run directory), or a Hugging Face folder's tokenizer.json
     (else its SentencePiece tokenizer.model)."""
-    if init_from.startswith(HF_PREFIX):
+    if is_hf(init_from):
         folder = os.path.abspath(_hf_folder(init_from))
         for name, kind in (("tokenizer.json", "hf"), ("tokenizer.model", "sentencepiece")):
             if os.path.isfile(os.path.join(folder, name)):
@@ -155,7 +153,7 @@ CARRIED = nnx.Any(nnx.Param, SelectionBias)
 
 
 def _source_params(init_from: str, log: Callable[[str], None]):
-    if init_from.startswith(HF_PREFIX):
+    if is_hf(init_from):
         model, _ = load_hf_llama(_hf_folder(init_from))
         return nnx.state(model, CARRIED), "the Hugging Face checkpoint"
     loaded = run_lib.load_run(_run_dir(init_from), log=log)

@@ -114,7 +114,8 @@ def _check_args(args) -> None:
         raise ValueError("give at least one --dense model directory (one per domain)")
     # hf:FOLDER, as every command spells a Hugging Face folder; a folder is known by its
     # config.json here either way.
-    args.dense = [d[len("hf:"):] if d.startswith("hf:") else d for d in args.dense]
+    from dagmoe_jax.hf.run import hf_folder  # pylint: disable=import-outside-toplevel
+    args.dense = [hf_folder(d) for d in args.dense]
     if len(args.source) != len(args.dense):
         raise ValueError(f"{len(args.dense)} --dense models but {len(args.source)} --source "
                          f"specs: give one --source per --dense, in the same order")

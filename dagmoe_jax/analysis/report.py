@@ -159,22 +159,16 @@ def write_plots(stats: Collected, records: List[dict], out_dir, label: str = "")
                   f"'{stats.block}'" + (f" / '{stats.aggregation}'" if stats.aggregation else ""))
         results += [PlotResult("edge_gates", None, reason),
                     PlotResult("edge_gate_hist", None, reason)]
-    steps, fractions = dropped_series(records)
-    if steps is not None:
-        results.append(PlotResult("dropped_fraction", plots.plot_dropped_fraction(
-            steps, fractions, out / "dropped_fraction.png",
-            f"{prefix}assignments dropped by expert capacity during training")))
-    else:
-        results.append(PlotResult("dropped_fraction", None,
-                                  "metrics.jsonl has no training records with dropped_fraction"))
-    steps, loads = load_series(records)
-    if steps is not None:
-        results.append(PlotResult("load_balance", plots.plot_load_balance(
-            steps, loads, out / "load_balance.png",
-            f"{prefix}expert load during training (max / mean per layer; last record)")))
-    else:
-        results.append(PlotResult("load_balance", None,
-                                  "metrics.jsonl has no training records with expert_load"))
+    for name, series, plot, metric, title in (
+            ("dropped_fraction", dropped_series, plots.plot_dropped_fraction,
+             "dropped_fraction", "assignments dropped by expert capacity during training"),
+            ("load_balance", load_series, plots.plot_load_balance, "expert_load",
+             "expert load during training (max / mean per layer; last record)")):
+        steps, values = series(records)
+        results.append(PlotResult(name, None, f"metrics.jsonl has no training records with "
+                                              f"{metric}") if steps is None else
+                       PlotResult(name, plot(steps, values, out / f"{name}.png",
+                                             prefix + title)))
     results.append(training_curves(records, out, prefix))
     results.append(PlotResult("doe_gates", None, "the gate profile is for DoE runs "
                                                  f"(block='doe'); this is '{stats.block}'"))

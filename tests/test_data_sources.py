@@ -271,6 +271,9 @@ def test_a_mixture_draws_by_weight_and_resumes_exactly(tmp_path):
     assert line == (f"mixture of 2 sources: 0.5 of parquet:{tmp_path}/web.parquet (2,850 "
                     f"records), 0.5 of jsonl:{tmp_path}/math.jsonl (190 records); weights 1, 1 "
                     "(sum 2) normalised to sum to 1")
+    heard = []              # the stream says the same of the components it opened
+    mixed_train_records(cfg, log=heard.append)
+    assert heard == [line]
     assert "normalised" not in describe_mixture(cfg.replace(source=spec.replace("1*", "0.5*")))
     assert describe_mixture(DataConfig(source=f"jsonl:{tmp_path}/math.jsonl")) is None
     _raises(r"mixed sources of kinds .* \(not 'instruct'\)",

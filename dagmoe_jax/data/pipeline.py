@@ -21,7 +21,7 @@ import functools
 import itertools
 import math
 import numbers
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import grain
 import numpy as np
@@ -92,8 +92,8 @@ class _Shift:
 
 
 def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, process_index: int = 0,
-                  process_count: int = 1, annotate=None,
-                  vocab_size: Optional[int] = None) -> grain.IterDataset:
+                  process_count: int = 1, annotate=None, vocab_size: Optional[int] = None,
+                  log: Optional[Callable[[str], None]] = None) -> grain.IterDataset:
     """The endless training stream of this process: batches of ``batch_size // process_count``.
 
     Records of this process (:func:`~dagmoe_jax.data.splits.train_records`) -> shuffled with
@@ -109,11 +109,13 @@ def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, process_index: int =
     W = 0 or 1, so a saved state resumes only with the same ``worker_count``. ``annotate``: an
     :class:`~dagmoe_jax.data.extension.Annotator` whose arrays every batch carries.
     ``vocab_size`` (the model's): each batch's token ids are checked against it as the batch
-    is made (:class:`CheckTokens`).
+    is made (:class:`CheckTokens`). ``log`` hears what a ``mix:`` source draws (each
+    component's weight and size, :func:`~dagmoe_jax.data.splits.describe_mixture`).
     """
     batch = local_batch_size(cfg, process_count)
     if mixture(cfg):
-        ds = mixed_train_records(cfg, process_index=process_index, process_count=process_count)
+        ds = mixed_train_records(cfg, process_index=process_index, process_count=process_count,
+                                 log=log)
     else:
         ds = train_records(cfg, process_index=process_index, process_count=process_count)
         if cfg.shuffle:

@@ -8,7 +8,7 @@ any seed), and both views are index arithmetic, so nothing of size n is built.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import grain
 
@@ -38,17 +38,22 @@ def mixture(cfg: DataConfig):
     return [(w, cfg.replace(source=spec)) for w, spec in mix_components(rest)]
 
 
-def describe_mixture(cfg: DataConfig) -> Optional[str]:
+def describe_mixture(cfg: DataConfig, sizes: Optional[Sequence[int]] = None
+                     ) -> Optional[str]:
     """One line on what a ``mix:`` source draws (None for any other source): each component's
     weight (the one written too, where the weights did not sum to 1 and were normalised), its
-    spec and its number of training records, e.g.
+    spec and its number of training records (``sizes``, where the caller opened the
+    components already; else each is opened here), e.g.
     ``mixture of 2 sources: 0.5 of parquet:a/*.parquet (1,024 records), 0.5 of jsonl:b.jsonl
     (88 records); weights 0.3, 0.3 normalised to sum to 1``."""
-    if mixture(cfg) is None:
+    components = mixture(cfg)
+    if components is None:
         return None
+    if sizes is None:
+        sizes = [len(train_source(sub)) for _, sub in components]
     given = mix_components(cfg.source.partition(":")[2], normalise=False)
-    parts = [f"{w:.3g} of {sub.source} ({len(train_source(sub)):,} records)"
-             for w, sub in mixture(cfg)]
+    parts = [f"{w:.3g} of {sub.source} ({size:,} records)"
+             for (w, sub), size in zip(components, sizes)]
     line = f"mixture of {len(parts)} sources: {', '.join(parts)}"
     total = sum(w for w, _ in given)
     if not math.isclose(total, 1.0, rel_tol=1e-6):
@@ -64,19 +69,24 @@ def _mixed(components, parts) -> grain.MapDataset:
                                 [w for w, _ in components])
 
 
-def mixed_train_records(cfg: DataConfig, *, process_index: int = 0,
-                        process_count: int = 1) -> grain.MapDataset:
+def mixed_train_records(cfg: DataConfig, *, process_index: int = 0, process_count: int = 1,
+                        log: Optional[Callable[[str], None]] = None) -> grain.MapDataset:
     """The endless training records of a ``mix:`` source for this process: each component's
     records (:func:`train_records`), shuffled with its own seed (``cfg.seed`` + its position)
     unless ``cfg.shuffle`` is False, repeated forever, and drawn in proportion to the weights
     by ``grain.MapDataset.mix``: deterministic, index-based, so a saved iterator state
-    resumes exactly, and a small component repeats rather than cutting the large one short."""
-    components, parts = mixture(cfg), []
+    resumes exactly, and a small component repeats rather than cutting the large one short.
+    ``log`` hears :func:`describe_mixture` of the components as opened here."""
+    components, parts, sizes = mixture(cfg), [], []
     for c, (_, sub) in enumerate(components):
-        records = train_records(sub, process_index=process_index, process_count=process_count)
+        source = train_source(sub)
+        sizes.append(len(source))
+        records = _process_records(source, sub, process_index, process_count)
         if cfg.shuffle:
             records = records.shuffle(seed=(cfg.seed + c) % 2**32)
         parts.append(records.repeat())
+    if log is not None:
+        log(describe_mixture(cfg, sizes))
     return _mixed(components, parts)
 
 
@@ -188,8 +198,14 @@ def train_records(cfg: DataConfig, *, process_index: int = 0,
     Process k of P reads records k, k + P, k + 2P, ... of :func:`train_source`: the processes'
     records are disjoint and together cover all training records.
     """
+    return _process_records(train_source(cfg), cfg, process_index, process_count)
+
+
+def _process_records(source, cfg: DataConfig, process_index: int,
+                     process_count: int) -> grain.MapDataset:
+    """Process k of P's records of the training records ``source``: k, k + P, k + 2P, ..."""
     check_process(process_index, process_count)
-    ds = grain.MapDataset.source(train_source(cfg))[process_index::process_count]
+    ds = grain.MapDataset.source(source)[process_index::process_count]
     if len(ds) == 0:
         raise ValueError(f"DataConfig.source={cfg.source!r} has fewer training records than the "
                          f"{process_count} processes: add data")

@@ -23,7 +23,6 @@ from dagmoe_jax.run.allocator import allocator
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.data import DataConfig, make_tokenizer, train_dataset, unigram_entropy
 from dagmoe_jax.data.instruct import instruct_dataset, instruct_stats, is_instruct
-from dagmoe_jax.data.splits import describe_mixture
 from dagmoe_jax.evaluation import Evaluator, format_eval
 from dagmoe_jax.run.extensions import extension_for
 from dagmoe_jax.parallel import make_mesh
@@ -223,10 +222,9 @@ def _dataset(model_cfg, data_cfg, train_cfg, tokenizer, annotate, say):
             raise ValueError(f"TrainConfig.epochs={train_cfg.epochs} needs an 'instruct:' "
                              f"DataConfig.source (it is {data_cfg.source!r}): bind "
                              "TrainConfig.steps instead")
-        mix = describe_mixture(data_cfg)
-        if mix:
-            say(mix)
-        return train_dataset(data_cfg, tokenizer, annotate=annotate, **where), train_cfg
+        # a mix: source's components are described as the stream opens them
+        return (train_dataset(data_cfg, tokenizer, annotate=annotate, log=say, **where),
+                train_cfg)
     if annotate is not None:
         raise ValueError("an 'instruct:' DataConfig.source cannot feed a model family with "
                          "per-token annotations (DoE): use a pre-training source")

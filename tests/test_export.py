@@ -16,7 +16,7 @@ from dagmoe_jax import run as run_lib
 from dagmoe_jax.cli import export as export_cli
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.data.tokenizers import ByteTokenizer, HFTokenizer
-from dagmoe_jax.hf import llama as hf_llama
+from dagmoe_jax.hf import export as hf_export, llama as hf_llama
 from dagmoe_jax.hf.tokenizer import byte_spelling, byte_tokenizer_json
 from dagmoe_jax.upcycle import __main__ as upcycle_cli
 from dagmoe_jax.upcycle import command
@@ -84,8 +84,8 @@ def test_the_weights_get_the_mode_of_the_other_files(tmp_path, umask):
     model = make_model(tiny_config("dense", vocab_size=256))
     old = os.umask(umask)
     try:
-        one = hf_llama.export_hf_llama(model, tmp_path / "one")
-        shards = hf_llama.export_hf_llama(model, tmp_path / "shards", max_shard_bytes=20000)
+        one = hf_export.export_hf(model, tmp_path / "one")
+        shards = hf_export.export_hf(model, tmp_path / "shards", max_shard_bytes=20000)
     finally:
         os.umask(old)
     files = [*one.iterdir(), *shards.iterdir()]
@@ -121,7 +121,7 @@ def test_a_run_and_its_own_export_upcycle_together(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    ([], "--run_dir=DIR (a dense train.py run) and --out=DIR are required"),
+    ([], "--run_dir=DIR (a dense or MoE train.py run) and --out=DIR are required"),
     (["--run_dir=x", "--out=y", "--dtype=float16"], "--dtype=float16 is invalid"),
     (["--run_dir=/nonexistent", "--out=y"], "run directory /nonexistent does not exist"),
 ])
@@ -133,7 +133,7 @@ def test_bad_input_is_one_line_and_writes_nothing(argv, needle, tmp_path, capsys
     assert not list(tmp_path.iterdir())
 
 
-def test_a_routed_run_or_a_used_out_dir_is_refused(tmp_path, capsys):
+def test_a_run_no_family_computes_or_a_used_out_dir_is_refused(tmp_path, capsys):
     run_dir, data = write_dense_run(tmp_path)
     used = tmp_path / "used"
     used.mkdir()
@@ -141,11 +141,11 @@ def test_a_routed_run_or_a_used_out_dir_is_refused(tmp_path, capsys):
     assert export_cli.main([f"--run_dir={run_dir}", f"--out={used}"]) == 2
     assert "not an empty directory" in capsys.readouterr().err
     assert [p.name for p in used.iterdir()] == ["keep.txt"]
-    moe = make_model(tiny_config("moe", vocab_size=256))
+    moe = make_model(tiny_config("moe", vocab_size=256))        # DAG-MoE's sigmoid router
     moe_dir = command.write_run(str(tmp_path / "moe"), moe, moe.cfg, data, steps=1,
                                 trainable="all")
     assert export_cli.main([f"--run_dir={moe_dir}", f"--out={tmp_path / 'x'}"]) == 2
-    assert "holds a block='moe' model" in capsys.readouterr().err
+    assert "cannot be exported: RouterConfig.score_fn='sigmoid'" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
 

@@ -61,10 +61,10 @@ def test_load_initial_params_equal_the_checkpoint(pretrained):
 def test_init_from_a_hugging_face_folder(tmp_path):
     """'hf:<folder>': the architecture and the parameters of an exported Llama."""
     from conftest import tiny_config
-    from dagmoe_jax.hf.llama import export_hf_llama
+    from dagmoe_jax.hf.export import export_hf
 
     dense = make_model(tiny_config("dense", vocab_size=96), seed=3)
-    folder = export_hf_llama(dense, tmp_path / "llama")
+    folder = export_hf(dense, tmp_path / "llama")
     init_from = f"hf:{folder}"
     model_cfg = source_model_config(init_from, ModelConfig())
     assert (model_cfg.block.kind, model_cfg.vocab_size, model_cfg.num_kv_heads) == ("dense", 96, 2)
@@ -272,10 +272,10 @@ def test_another_tokenizer_for_a_finetuned_run_is_one_line_unless_meant(hf_sourc
 def test_a_hugging_face_source_lends_its_tokenizer_json(tmp_path):
     from conftest import tiny_config, write_special_tokenizer
     from dagmoe_jax.data import DataConfig
-    from dagmoe_jax.hf.llama import export_hf_llama
+    from dagmoe_jax.hf.export import export_hf
     from dagmoe_jax.train.init_from import source_data_config
 
-    folder = export_hf_llama(make_model(tiny_config("dense", vocab_size=259)), tmp_path / "hf")
+    folder = export_hf(make_model(tiny_config("dense", vocab_size=259)), tmp_path / "hf")
     with pytest.raises(ValueError, match="has neither tokenizer.json nor tokenizer.model"):
         source_data_config(f"hf:{folder}", DataConfig())
     write_special_tokenizer(folder, "bos_added")
@@ -399,9 +399,9 @@ def test_finetuning_from_a_hugging_face_folder_makes_one_self_contained_record(t
     from dagmoe_jax.cli import sample as sample_cli
     from dagmoe_jax.cli import train as train_cli
     from dagmoe_jax.evaluation import evaluate_checkpoint
-    from dagmoe_jax.hf.llama import export_hf_llama
+    from dagmoe_jax.hf.export import export_hf
 
-    folder = export_hf_llama(make_model(tiny_config("dense", vocab_size=259, max_seq_len=64)),
+    folder = export_hf(make_model(tiny_config("dense", vocab_size=259, max_seq_len=64)),
                              tmp_path / "hf")
     write_special_tokenizer(folder, "bos_named")
     run_dir = tmp_path / "sft"

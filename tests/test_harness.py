@@ -554,12 +554,12 @@ def test_a_hugging_face_folder_scores_as_its_imported_run(tmp_path):
     own tokenizer.json: the same loglikelihoods as a run directory holding the same model and
     tokenizer; bfloat16 compute, when asked, changes them only by its rounding."""
     from dagmoe_jax import run as run_lib
-    from dagmoe_jax.hf.llama import export_hf_llama
+    from dagmoe_jax.hf.export import export_hf
     from dagmoe_jax.run.config import OptimConfig, TrainConfig
 
     cfg = tiny_config("dense", vocab_size=259, max_seq_len=WINDOW, init_std=0.2)
     dense = make_model(cfg)
-    folder = export_hf_llama(dense, tmp_path / "hf")
+    folder = export_hf(dense, tmp_path / "hf")
     with pytest.raises(ValueError, match=r"tokenizer.json does not exist: a Hugging Face "):
         DagmoeLM(run_dir=f"hf:{folder}", mesh="none")
     with pytest.raises(ValueError, match=r"config.json does not exist"):

@@ -1,5 +1,5 @@
 """lm-evaluation-harness against the real client: a dense model of the library, exported with
-:func:`dagmoe_jax.hf.llama.export_hf_llama`, scored on the offline tasks of
+:func:`dagmoe_jax.hf.export.export_hf`, scored on the offline tasks of
 tests/harness_tasks by the harness's own Hugging Face model (``hf``, torch and transformers)
 and by ``dagmoe`` on a run directory of the same model, with each side's default flags, gives
 the same per-sample loglikelihoods, is_greedy flags, rolling loglikelihoods and greedy
@@ -47,7 +47,7 @@ from conftest import (SPECIAL_TOKENIZER_KINDS, make_model, tiny_config,  # noqa:
                       write_special_tokenizer)
 from dagmoe_jax.data import DataConfig  # noqa: E402
 from dagmoe_jax.harness.lm import DagmoeLM, cut_at_stop  # noqa: E402
-from dagmoe_jax.hf.llama import export_hf_llama  # noqa: E402
+from dagmoe_jax.hf.export import export_hf  # noqa: E402
 
 TASKS_DIR = Path(__file__).resolve().parent / "harness_tasks"
 TASKS = ["dagmoe_mc", "dagmoe_mc_fewshot", "dagmoe_rolling", "dagmoe_gen"]
@@ -73,7 +73,7 @@ def make_pair(root: Path, kind: str = "no_bos", emit_eot: bool = False):
         # emit 'e' (on the generation task's prompts, within the first few tokens).
         head = model.lm_head[...]
         model.lm_head[...] = head.at[:, 258].set(1.5 * head[:, ord("e")])
-    hf_dir = export_hf_llama(model, root / "hf")
+    hf_dir = export_hf(model, root / "hf")
     tokenizer_json = write_special_tokenizer(hf_dir, kind, WINDOW)
 
     run_dir = root / "run"

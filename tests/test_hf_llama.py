@@ -18,7 +18,7 @@ from safetensors.numpy import save_file
 
 from dagmoe_jax.model.attention import rope_inv_freq
 from dagmoe_jax.config import RopeScalingConfig
-from dagmoe_jax.hf import llama as hf_llama
+from dagmoe_jax.hf import export as hf_export, llama as hf_llama
 
 HF = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=32,
           intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -179,7 +179,7 @@ def test_every_rope_layout_imports_its_scaling(tmp_path, scaling):
     plain = numpy_llama(tensors, dict(HF, rope_scaling=None), tokens)
     assert np.max(np.abs(plain - want)) > 1e-3              # the scaling is really applied
     # export writes both layouts, and each reads back as the same model
-    out = hf_llama.export_hf_llama(model, tmp_path / "out")
+    out = hf_export.export_hf(model, tmp_path / "out")
     back = json.loads((out / "config.json").read_text())
     assert back["rope_parameters"]["rope_type"] == cfg_legacy.rope_scaling.kind
     assert back["rope_scaling"]["rope_type"] == cfg_legacy.rope_scaling.kind
@@ -194,7 +194,7 @@ def test_export_round_trip_sharded_and_bfloat16(tmp_path):
     tensors = random_checkpoint(hf, seed=3)
     write_checkpoint(tmp_path / "in", hf, tensors)
     model, _ = hf_llama.load_hf_llama(tmp_path / "in")
-    out = hf_llama.export_hf_llama(model, tmp_path / "out", max_shard_bytes=20_000)
+    out = hf_export.export_hf(model, tmp_path / "out", max_shard_bytes=20_000)
     index = json.loads((out / hf_llama.INDEX_FILE).read_text())
     assert len(set(index["weight_map"].values())) > 1                 # really sharded
     reader = hf_llama.SafetensorsReader(out)
@@ -209,7 +209,7 @@ def test_export_round_trip_sharded_and_bfloat16(tmp_path):
     tied_hf = dict(HF, tie_word_embeddings=True)
     write_checkpoint(tmp_path / "tied", tied_hf, random_checkpoint(tied_hf, seed=4))
     tied, _ = hf_llama.load_hf_llama(tmp_path / "tied")
-    out16 = hf_llama.export_hf_llama(tied, tmp_path / "out16", dtype="bfloat16")
+    out16 = hf_export.export_hf(tied, tmp_path / "out16", dtype="bfloat16")
     r16 = hf_llama.SafetensorsReader(out16)
     assert "lm_head.weight" not in r16
     assert json.loads((out16 / "config.json").read_text())["tie_word_embeddings"] is True
@@ -227,7 +227,7 @@ def test_a_library_config_exported_and_imported_is_the_same_config():
     from dagmoe_jax.upcycle import moerge
     for cfg in (tiny_config("dense", ffn_hidden=None),
                 tiny_config("dense", head_dim=12, ffn_hidden=48)):
-        back = hf_llama.model_config_from_hf(hf_llama.hf_config_from_model(
+        back = hf_llama.model_config_from_hf(hf_export.hf_config_from_model(
             cfg, tie_word_embeddings=False))
         assert (back.head_dim, back.block) == (cfg.head_dim, cfg.block)
         moerge.check_same_architecture([cfg, back])

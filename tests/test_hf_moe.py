@@ -8,13 +8,16 @@ same comparison against transformers in-process where torch is installed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from dagmoe_jax.config import CoEConfig, DenseConfig
 from dagmoe_jax.hf.llama import load_hf_llama, model_config_from_hf, read_hf_config
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf_moe"
@@ -115,3 +118,89 @@ def test_an_imported_moe_converts_to_dag_moe_at_its_logits(tmp_path, capsys):
     assert hf_import.main([f"--hf={folder}", f"--run_dir={tmp_path / 'bad'}", "--to_dag",
                            "--dag_dim=0"]) == 2
     assert "dag_dim" in capsys.readouterr().err and not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_imported_family_exports_back_to_its_own_folder(family, tmp_path):
+    """export_hf writes each family in its own names and config: every tensor transformers
+    saved comes back bit for bit, the fields transformers reads are the folder's, and the
+    export imports to the same model (the same logits)."""
+    from dagmoe_jax.hf.export import export_hf
+    from dagmoe_jax.hf.llama import SafetensorsReader
+
+    model, cfg = load_hf_llama(FIXTURES / family)
+    out = export_hf(model, tmp_path / "out")
+    theirs, ours = SafetensorsReader(FIXTURES / family), SafetensorsReader(out)
+    assert sorted(ours.keys()) == sorted(theirs.keys())
+    for name in theirs.keys():
+        np.testing.assert_array_equal(ours[name], theirs[name].astype(np.float32), err_msg=name)
+    hf, back = read_hf_config(FIXTURES / family), read_hf_config(out)
+    for key in ("model_type", "architectures", "num_experts", "num_local_experts",
+                "intermediate_size", "moe_intermediate_size", "num_experts_per_tok",
+                "norm_topk_prob", "router_aux_loss_coef", "hidden_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+                "vocab_size", "max_position_embeddings", "tie_word_embeddings"):
+        # Mixtral's head_dim null is d / heads; Qwen3-MoE's intermediate_size is the width
+        # of dense MLPs it has none of (mlp_only_layers), so nothing it computes keeps it
+        if hf.get(key) is not None and (family, key) != ("qwen3_moe", "intermediate_size"):
+            assert back[key] == hf[key], key
+    assert model_config_from_hf(back) == cfg
+    again, _ = load_hf_llama(out)
+    np.testing.assert_array_equal(logits_of(again, np.load(FIXTURES / "ids.npy")),
+                                  logits_of(model, np.load(FIXTURES / "ids.npy")))
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda c, b: dict(block=dataclasses.replace(b, aggregation=dataclasses.replace(
+        b.aggregation, kind="dag"))), "AggregationConfig.kind='dag'"),
+    (lambda c, b: dict(block=dataclasses.replace(b, router=dataclasses.replace(
+        b.router, score_fn="sigmoid"))), "RouterConfig.score_fn='sigmoid'"),
+    (lambda c, b: dict(block=dataclasses.replace(b, router=dataclasses.replace(
+        b.router, aux_free_bias_rate=1e-3))), "RouterConfig.aux_free_bias_rate=0.001"),
+    (lambda c, b: dict(block=dataclasses.replace(b, experts=dataclasses.replace(
+        b.experts, num_shared=1))), "ExpertConfig.num_shared=1"),
+    (lambda c, b: dict(block=dataclasses.replace(b, experts=dataclasses.replace(
+        b.experts, dispatch="capacity"))), "ExpertConfig.dispatch='capacity'"),
+    (lambda c, b: dict(qk_norm="none", block=dataclasses.replace(b, router=dataclasses.replace(
+        b.router, renormalize=False))), "RouterConfig.renormalize=False"),
+    (lambda c, b: dict(block=CoEConfig(experts=b.experts)), "ModelConfig.block='coe'"),
+    (lambda c, b: dict(block=DenseConfig()), "ModelConfig.qk_norm='full'"),
+])
+def test_what_no_family_computes_is_refused_in_one_line(change, needle):
+    """An export never writes a folder that computes something else: the DAG module, a
+    sigmoid router, a selection bias, shared experts, dropping dispatch, Mixtral without
+    renormalisation, another block family, a Llama with q/k norms are each one line."""
+    from dagmoe_jax.hf.export import hf_config_from_model
+
+    cfg = load_hf_llama(FIXTURES / "olmoe")[1]
+    bad = dataclasses.replace(cfg, **change(cfg, cfg.block))
+    with pytest.raises(ValueError, match=re.escape(needle)) as err:
+        hf_config_from_model(bad, tie_word_embeddings=False)
+    assert "\n" not in str(err.value)
+
+
+def test_an_imported_moe_run_exports_with_its_tokenizer(tmp_path, capsys):
+    """dagmoe-export writes an imported OLMoE run as an OLMoE folder with its tokenizer, which
+    imports to the transformers logits; a DAG-MoE run is refused in one line and leaves no
+    folder."""
+    from conftest import write_special_tokenizer
+    from dagmoe_jax.cli import export as export_cli, hf_import
+
+    folder = tmp_path / "olmoe"
+    shutil.copytree(FIXTURES / "olmoe", folder)
+    write_special_tokenizer(folder, "bos_named", model_max_length=64)
+    assert hf_import.main([f"--hf={folder}", f"--run_dir={tmp_path / 'run'}",
+                           "--seq_len=32"]) == 0
+    assert export_cli.main([f"--run_dir={tmp_path / 'run'}", f"--out={tmp_path / 'out'}"]) == 0
+    assert "(olmoe, float32 weights" in capsys.readouterr().out
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (
+        folder / "tokenizer.json").read_bytes()
+    model, _ = load_hf_llama(tmp_path / "out")
+    np.testing.assert_allclose(logits_of(model, np.load(FIXTURES / "ids.npy")),
+                               np.load(folder / "logits.npy"), rtol=0, atol=1e-5)
+    assert hf_import.main([f"--hf={folder}", f"--run_dir={tmp_path / 'dag'}", "--to_dag",
+                           "--dag_dim=8", "--seq_len=32"]) == 0
+    assert export_cli.main([f"--run_dir={tmp_path / 'dag'}", f"--out={tmp_path / 'no'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "AggregationConfig.kind='dag'" in err and "\n" not in err
+    assert not (tmp_path / "no").exists()

@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from dagmoe_jax.decoding.generate import generate  # noqa: E402
-from dagmoe_jax.hf import llama as hf_llama  # noqa: E402
+from dagmoe_jax.hf import export as hf_export, llama as hf_llama  # noqa: E402
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16}
@@ -88,7 +88,7 @@ def export_gap(folder: Path) -> float:
     model = tiny_llama(seed=3, rope_parameters={**LLAMA3, "rope_theta": 5e5})
     model.save_pretrained(folder / "in", safe_serialization=True)
     ours, _ = hf_llama.load_hf_llama(folder / "in")
-    out = hf_llama.export_hf_llama(ours, folder / "out")
+    out = hf_export.export_hf(ours, folder / "out")
     back = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
     tokens = np.random.default_rng(2).integers(0, 96, (2, 40))
     return relative_gap(torch_logits(back, tokens), np.asarray(ours(tokens)[0]))
@@ -158,7 +158,8 @@ def tiny_moe(family: str, seed: int = 0):
 
 @pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen3_moe"])
 def test_a_transformers_moe_imports_at_its_logits(family, tmp_path):
-    """Each MoE family saved by transformers imports to its logits (float32, 1e-5), and the
+    """Each MoE family saved by transformers imports to its logits (float32, 1e-5) and exports
+    to a folder transformers loads as the same class with the same logits, and the
     folders tests/test_hf_moe.py checks in CI hold what transformers computes today."""
     model = tiny_moe(family)
     model.save_pretrained(tmp_path / family)
@@ -167,6 +168,12 @@ def test_a_transformers_moe_imports_at_its_logits(family, tmp_path):
     got = ours(tokens.astype(np.int32))
     got = np.asarray(got[0] if isinstance(got, tuple) else got)
     np.testing.assert_allclose(got, torch_logits(model, tokens), rtol=0, atol=1e-5)
+    # and transformers reads the library's export of it back to the same logits
+    out = hf_export.export_hf(ours, tmp_path / "export")
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(back) is type(model)
+    np.testing.assert_allclose(torch_logits(back, tokens), torch_logits(model, tokens),
+                               rtol=0, atol=1e-5)
     fixture = transformers.AutoModelForCausalLM.from_pretrained(MOE_FIXTURES / family).eval()
     np.testing.assert_allclose(torch_logits(fixture, np.load(MOE_FIXTURES / "ids.npy")),
                                np.load(MOE_FIXTURES / family / "logits.npy"), rtol=0, atol=1e-6)

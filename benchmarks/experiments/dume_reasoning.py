@@ -9,7 +9,7 @@ per seed:
 2. it is fine-tuned into **four experts**, one per domain of
    :data:`experiments.instructions.DUME_DOMAINS` (numbers: next, previous; ordering: max,
    sort; spelling: reverse, upper; counting: count, length), each **saved in Hugging Face
-   Llama format** (:func:`dagmoe_jax.hf.llama.export_hf_llama`) and merged from those folders;
+   Llama format** (:func:`dagmoe_jax.hf.export.export_hf`) and merged from those folders;
 3. the rows of the paper's table are built from the four folders
    (:mod:`experiments.dume_table` names and formats them):
 
@@ -116,7 +116,7 @@ def run_dume(budget: DownstreamBudget, out_dir, *, stats_batches: int = 8,
     (:func:`experiments.dume_table.format_report` prints it)."""
     # pylint: disable=import-outside-toplevel
     from dagmoe_jax import run as run_lib
-    from dagmoe_jax.hf import llama as hf_llama
+    from dagmoe_jax.hf import export as hf_export
     from dagmoe_jax.upcycle import dume as dume_lib
     from dagmoe_jax.upcycle import moerge
     from dagmoe_jax.upcycle.command import (STATS_DIR, build_dume, domain_batches,
@@ -147,7 +147,7 @@ def run_dume(budget: DownstreamBudget, out_dir, *, stats_batches: int = 8,
                             **score(expert_dir, data["tasks"], columns)})
             folder = root / "hf" / domain
             if not (folder / "config.json").is_file():
-                hf_llama.export_hf_llama(run_lib.load_run(expert_dir).model, folder)
+                hf_export.export_hf(run_lib.load_run(expert_dir).model, folder)
             folders.append(folder)
             sources.append(configs[1].source)
         base = configs[1]

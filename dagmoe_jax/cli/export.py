@@ -1,20 +1,27 @@
-"""Export a trained dense run as a Hugging Face Llama directory, its tokenizer included.
+"""Export a trained run as a Hugging Face directory, its tokenizer included: a dense run as a
+Llama, an MoE run as Mixtral, OLMoE or Qwen3-MoE.
 
     python -m dagmoe_jax.cli.export --run_dir=runs/dense --out=exports/dense
     dagmoe-export --run_dir=runs/dense --out=exports/dense --dtype=bfloat16 --max_shard_mb=2000
 
 Flags:
-  --run_dir=DIR       a train.py run directory of a dense model (ModelConfig.block = 'dense')
+  --run_dir=DIR       a train.py or dagmoe-import run directory of a dense model
+                      (ModelConfig.block = 'dense') or of an MoE (block = 'moe') that one of
+                      the families computes (:func:`dagmoe_jax.hf.export.hf_family`: by its
+                      q/k norms, none Mixtral, 'full' OLMoE, 'head' Qwen3-MoE; softmax router,
+                      sum aggregation, no shared experts, dropless)
   --out=DIR           the Hugging Face directory to write (it must not exist, or be empty)
   --dtype=NAME        float32 (default) or bfloat16 weights
   --max_shard_mb=N    safetensors shards of at most N MB with an index (default: one file)
 
-Writes ``config.json`` and ``model.safetensors`` (:func:`dagmoe_jax.hf.llama.export_hf_llama`:
-the newest checkpoint's parameters, the LM head tied when it equals the embedding) and the
+Writes ``config.json`` and ``model.safetensors`` (:func:`dagmoe_jax.hf.export.export_hf`:
+the newest checkpoint's parameters in the family's names and config fields, the LM head tied
+when it equals the embedding) and the
 run's tokenizer (:mod:`dagmoe_jax.hf.tokenizer`: for the byte tokenizer a ``tokenizer.json``
 that gives exactly its ids). The directory is written beside ``--out`` and moved there when
 complete, so an interrupted export leaves nothing at ``--out``. ``transformers``,
-``train.py --gin.TrainConfig.init_from='hf:DIR'`` and ``dagmoe-upcycle --dense=DIR`` read it.
+``train.py --gin.TrainConfig.init_from='hf:DIR'``, ``dagmoe-import`` and the harness's
+``--run_dir=hf:DIR`` read it (``dagmoe-upcycle --dense=DIR`` a Llama).
 Exit status: 0 done, 2 invalid arguments or run directory (a one-line message), 130 when
 interrupted (Ctrl-C: the partial folder is removed).
 """
@@ -41,7 +48,8 @@ def parse_args(argv):
     if args.help:
         return args
     if not args.run_dir or not args.out:
-        raise ValueError("--run_dir=DIR (a dense train.py run) and --out=DIR are required")
+        raise ValueError("--run_dir=DIR (a dense or MoE train.py run) and --out=DIR are "
+                         "required")
     if args.dtype not in DTYPES:
         raise ValueError(f"--dtype={args.dtype} is invalid: expected one of {', '.join(DTYPES)}")
     if args.max_shard_mb < 0:
@@ -53,20 +61,21 @@ def parse_args(argv):
 def export_run(run_dir: str, out: str, *, dtype: str = "float32", max_shard_mb: int = 0,
                log=print) -> Path:
     """Export ``run_dir``'s newest checkpoint and tokenizer into ``out`` (module docstring);
-    returns ``out``. One-line ``ValueError`` for a run that is not dense."""
-    from dagmoe_jax.hf.llama import export_hf_llama
+    returns ``out``. One-line ``ValueError`` for a model no family computes."""
+    from dagmoe_jax.hf.export import export_hf, hf_family
     from dagmoe_jax.hf.tokenizer import export_tokenizer
     from dagmoe_jax.hf.run import open_run
 
     loaded = open_run(run_dir)
-    if loaded.model_cfg.block.kind != "dense":
-        raise ValueError(f"{run_dir} holds a block={loaded.model_cfg.block.kind!r} model: a "
-                         f"Hugging Face Llama is dense (ModelConfig.block = 'dense')")
+    try:
+        family = hf_family(loaded.model_cfg)
+    except ValueError as err:
+        raise ValueError(f"{run_dir} cannot be exported: {err}") from None
     target = Path(out)
     partial = target.with_name(f".{target.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     try:
-        export_hf_llama(loaded.model, partial, dtype=dtype,
+        export_hf(loaded.model, partial, dtype=dtype,
                         max_shard_bytes=max_shard_mb * 2 ** 20 or None)
         files = export_tokenizer(loaded.data_cfg, partial)
         if target.exists():
@@ -75,7 +84,7 @@ def export_run(run_dir: str, out: str, *, dtype: str = "float32", max_shard_mb: 
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    log(f"exported step {loaded.step} of {run_dir} to {target} ({dtype} weights, "
+    log(f"exported step {loaded.step} of {run_dir} to {target} ({family}, {dtype} weights, "
         f"tokenizer: {', '.join(files)})")
     return target
 

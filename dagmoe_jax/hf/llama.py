@@ -4,7 +4,7 @@ A Hugging Face Llama directory holds ``config.json`` and either ``model.safetens
 listed by ``model.safetensors.index.json``. :func:`load_hf_llama` reads the tensors lazily with
 the ``safetensors`` NumPy API (one tensor in host memory at a time; bfloat16 through
 ``ml_dtypes``) into a ``block='dense'`` :class:`~dagmoe_jax.model.Transformer`;
-:func:`export_hf_llama` writes one back. The mapping (docs/design.md section 7):
+:mod:`~dagmoe_jax.hf.export` writes one back. The mapping (docs/design.md section 7):
 
 * ``nn.Linear`` weights are stored [out, in] and the library's matrices [in, out]: every
   projection is transposed; q/k/v go to [d, heads, head_dim] (rows of ``q_proj`` are
@@ -16,7 +16,7 @@ the ``safetensors`` NumPy API (one tensor in host memory at a time; bfloat16 thr
 * ``rms_norm_eps``, ``head_dim``, ``intermediate_size`` and RoPE carry over to
   ``ModelConfig``: ``rope_theta`` and the scaling ('default', 'linear', or Llama 3.1/3.2's
   'llama3') in either layout transformers has written (:func:`rope_from_hf`: transformers 5's
-  ``rope_parameters``, 4.x's ``rope_scaling``); export writes both (:func:`rope_to_hf`).
+  ``rope_parameters``, 4.x's ``rope_scaling``); export writes both.
 
 What the library's Llama cannot express (attention or MLP biases, a sliding window, another
 architecture, another activation or RoPE scaling, quantised weights) is a one-line
@@ -26,7 +26,6 @@ architecture, another activation or RoPE scaling, quantised weights) is a one-li
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
@@ -38,10 +37,10 @@ from dagmoe_jax.config import (AggregationConfig, DenseConfig, ExecutionConfig, 
                                default_ffn_hidden)
 from dagmoe_jax.data.tokenizers import folder_config, token_text
 from dagmoe_jax.hf.moe import FAMILIES as MOE_FAMILIES
-from dagmoe_jax.hf.rope import rope_from_hf, rope_to_hf
+from dagmoe_jax.hf.rope import rope_from_hf
 from dagmoe_jax.hf.moe import (converted, layer_tensor_names, moe_block_config,
                                moe_block_params)
-from dagmoe_jax.model.params import set_params, variable
+from dagmoe_jax.model.params import set_params
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.run.settle import settle
 
@@ -49,7 +48,6 @@ PathLike = Union[str, Path]
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
 # Tensors a Llama checkpoint may carry that hold no parameter (older exports store RoPE's
 # inverse frequencies, which config.json determines).
@@ -156,28 +154,6 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-def hf_config_from_model(cfg: ModelConfig, *, tie_word_embeddings: bool,
-                         dtype: str = "float32") -> dict:
-    """The Hugging Face ``config.json`` of a dense ``cfg`` (:func:`export_hf_llama`)."""
-    if cfg.block.kind != "dense":
-        raise ValueError(f"ModelConfig.block={cfg.block.kind!r} cannot be exported as a Hugging "
-                         f"Face Llama: only block='dense' models can")
-    if cfg.qk_norm != "none":
-        raise ValueError(f"ModelConfig.qk_norm={cfg.qk_norm!r} cannot be exported as a Hugging "
-                         f"Face Llama, which normalises neither queries nor keys")
-    hf = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.resolved_ffn_hidden, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.resolved_head_dim, "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-        "attention_bias": False, "mlp_bias": False,
-        "tie_word_embeddings": tie_word_embeddings, "torch_dtype": dtype, **rope_to_hf(cfg),
-    }
-    return hf
-
-
 class SafetensorsReader:
     """Lazy access to the tensors of a Hugging Face model directory (single file or shards).
 
@@ -223,7 +199,9 @@ class SafetensorsReader:
             return f.get_tensor(name)
 
 
-def _layer_names(i: int) -> Dict[str, str]:
+def layer_names(i: int) -> Dict[str, str]:
+    """The Hugging Face names of layer ``i``'s tensors outside an MoE block (a Llama's, with
+    the q/k norms of OLMoE and Qwen3-MoE)."""
     p = f"model.layers.{i}."
     return {"attn_norm": p + "input_layernorm.weight", "q": p + "self_attn.q_proj.weight",
             "k": p + "self_attn.k_proj.weight", "v": p + "self_attn.v_proj.weight",
@@ -233,8 +211,8 @@ def _layer_names(i: int) -> Dict[str, str]:
             "k_norm": p + "self_attn.k_norm.weight"}
 
 
-def _backbone_keys(cfg: ModelConfig) -> Tuple[str, ...]:
-    """The :func:`_layer_names` keys a model of ``cfg`` reads besides its block's own."""
+def backbone_keys(cfg: ModelConfig) -> Tuple[str, ...]:
+    """The :func:`layer_names` keys a model of ``cfg`` reads besides its block's own."""
     keys = ("attn_norm", "q", "k", "v", "o", "block_norm")
     keys += ("gate", "up", "down") if cfg.block.kind == "dense" else ()
     return keys + (("q_norm", "k_norm") if cfg.qk_norm != "none" else ())
@@ -247,7 +225,7 @@ def _check_names(reader: SafetensorsReader, cfg: ModelConfig, tied: bool,
     if not tied:
         known.add("lm_head.weight")
     for i in range(cfg.num_layers):
-        known.update(_layer_names(i)[k] for k in _backbone_keys(cfg))
+        known.update(layer_names(i)[k] for k in backbone_keys(cfg))
         if model_type in MOE_FAMILIES:
             known.update(layer_tensor_names(MOE_FAMILIES[model_type],
                                             cfg.block.experts.num_experts, i).values())
@@ -304,7 +282,7 @@ def hf_tensors_to_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], tie
                                          lambda w: w if head else w.reshape(kv, hd))
     for path, (key, shape, to_ours) in per_layer.items():
         yield ("layers",) + path, np.stack(
-            [to_ours(read(_layer_names(i)[key], shape)) for i in range(cfg.num_layers)])
+            [to_ours(read(layer_names(i)[key], shape)) for i in range(cfg.num_layers)])
     if model_type in MOE_FAMILIES:
         yield from moe_block_params(cfg, MOE_FAMILIES[model_type], read)
 
@@ -339,77 +317,3 @@ def load_hf_llama(path: PathLike, *, rngs: Optional[nnx.Rngs] = None,
     model = make() if aggregation is not None else nnx.eval_shape(make)
     set_params(model, params, source="the checkpoint")
     return model, cfg
-
-
-def params_to_hf_tensors(model: nnx.Module, tied: bool) -> Iterator[Tuple[str, np.ndarray]]:
-    """(Hugging Face tensor name, float32 array) of a dense Transformer, the inverse of
-    :func:`hf_tensors_to_params`."""
-    cfg = model.cfg
-    d = cfg.d_model
-    arr = lambda path: np.asarray(variable(model, path)[...], dtype=np.float32)
-    yield "model.embed_tokens.weight", arr(("embed",))
-    if not tied:
-        yield "lm_head.weight", arr(("lm_head",)).T
-    yield "model.norm.weight", arr(("final_norm", "scale"))
-    stacked = {key: arr(("layers",) + path) for key, path in (
-        ("attn_norm", ("attn_norm", "scale")), ("q", ("attn", "w_q")), ("k", ("attn", "w_k")),
-        ("v", ("attn", "w_v")), ("o", ("attn", "w_o")), ("block_norm", ("block_norm", "scale")),
-        ("gate", ("block", "w_gate")), ("up", ("block", "w_up")), ("down", ("block", "w_down")))}
-    to_hf = {"attn_norm": lambda w: w, "block_norm": lambda w: w,
-             "q": lambda w: w.reshape(d, -1).T, "k": lambda w: w.reshape(d, -1).T,
-             "v": lambda w: w.reshape(d, -1).T, "o": lambda w: w.reshape(-1, d).T,
-             "gate": lambda w: w.T, "up": lambda w: w.T, "down": lambda w: w.T}
-    for i in range(cfg.num_layers):
-        for key in _backbone_keys(cfg):
-            yield _layer_names(i)[key], np.ascontiguousarray(to_hf[key](stacked[key][i]))
-
-
-def _save(tensors: Dict[str, np.ndarray], path: Path, meta: dict) -> None:
-    """safetensors' ``save_file`` with the mode of any other new file (0666 less the umask):
-    safetensors creates its files 0600."""
-    from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
-
-    save_file(tensors, str(path), metadata=meta)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
-
-
-def export_hf_llama(model: nnx.Module, path: PathLike, *, dtype: str = "float32",
-                    max_shard_bytes: Optional[int] = None) -> Path:
-    """Write a dense Transformer as a Hugging Face Llama directory (``config.json`` and
-    ``model.safetensors``, or shards of at most ``max_shard_bytes`` with
-    ``model.safetensors.index.json``) in ``dtype`` ('float32' or 'bfloat16'). The LM head is
-    tied to the embedding when the two are equal. Returns the directory."""
-    if dtype not in EXPORT_DTYPES:
-        raise ValueError(f"export dtype={dtype!r} is invalid: expected one of "
-                         f"{sorted(EXPORT_DTYPES)}")
-    cfg = model.cfg
-    embed = np.asarray(model.embed[...])
-    tied = bool(np.array_equal(embed.T, np.asarray(model.lm_head[...])))
-    hf = hf_config_from_model(cfg, tie_word_embeddings=tied, dtype=dtype)
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    shards: List[Dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name, value in params_to_hf_tensors(model, tied):
-        value = np.ascontiguousarray(value, dtype=EXPORT_DTYPES[dtype])
-        if max_shard_bytes is not None and shards[-1] and size + value.nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = value
-        size += value.nbytes
-    meta = {"format": "pt"}
-    if len(shards) == 1:
-        _save(shards[0], out / SINGLE_FILE, meta)
-    else:
-        weight_map, total = {}, 0
-        for i, shard in enumerate(shards):
-            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            _save(shard, out / file, meta)
-            weight_map.update({name: file for name in shard})
-            total += sum(v.nbytes for v in shard.values())
-        (out / INDEX_FILE).write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
-    (out / CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
-    return out

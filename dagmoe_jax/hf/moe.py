@@ -46,6 +46,7 @@ class MoEFamily:
     projections: the tensor names of (gate, up, down) in one expert.
     fields: config fields read here beside Llama's; refusals: fields refused unless at the
       value given (what the block cannot express).
+    architecture: the ``architectures`` entry an export writes.
     """
 
     experts_keys: Tuple[str, ...]
@@ -56,6 +57,7 @@ class MoEFamily:
     projections: Tuple[str, str, str]
     fields: frozenset
     refusals: Tuple[Tuple[str, object, str], ...] = ()
+    architecture: str = ""
 
 
 _MOE_FIELDS = frozenset({"num_experts_per_tok", "norm_topk_prob", "router_aux_loss_coef",
@@ -66,13 +68,15 @@ FAMILIES: Dict[str, MoEFamily] = {
         always_renormalize=True, qk_norm="none", mlp="block_sparse_moe",
         projections=("w1", "w3", "w2"),
         fields=_MOE_FIELDS | {"num_local_experts", "router_jitter_noise"},
-        refusals=(("router_jitter_noise", 0.0, "the library's router adds no noise"),)),
+        refusals=(("router_jitter_noise", 0.0, "the library's router adds no noise"),),
+        architecture="MixtralForCausalLM"),
     "olmoe": MoEFamily(
         experts_keys=("num_experts",), hidden_key="intermediate_size",
         always_renormalize=False, qk_norm="full", mlp="mlp",
         projections=("gate_proj", "up_proj", "down_proj"),
         fields=_MOE_FIELDS | {"num_experts", "clip_qkv"},
-        refusals=(("clip_qkv", None, "the library does not clip q, k and v"),)),
+        refusals=(("clip_qkv", None, "the library does not clip q, k and v"),),
+        architecture="OlmoeForCausalLM"),
     "qwen3_moe": MoEFamily(
         experts_keys=("num_experts", "num_local_experts"), hidden_key="moe_intermediate_size",
         always_renormalize=False, qk_norm="head", mlp="mlp",
@@ -84,7 +88,8 @@ FAMILIES: Dict[str, MoEFamily] = {
                    "layers are one block family)"),
                   ("mlp_only_layers", [], "every layer must be sparse (the library's layers "
                    "are one block family)"),
-                  ("use_sliding_window", False, "the library's attention is full causal"))),
+                  ("use_sliding_window", False, "the library's attention is full causal")),
+        architecture="Qwen3MoeForCausalLM"),
 }
 
 
@@ -144,6 +149,79 @@ def moe_block_params(cfg: ModelConfig, family: MoEFamily,
         yield ("layers", "block", "experts", f"w_{ours}"), np.stack(
             [np.stack([read(names[i][f"{ours}.{j}"], shape).T for j in range(e)])
              for i in layers])
+
+
+# The family an MoE of the library exports to, by its attention's q/k norms (the one field in
+# which the three differ that the routing does not decide).
+EXPORT_FAMILY = {"none": "mixtral", "full": "olmoe", "head": "qwen3_moe"}
+
+
+def export_family(cfg: ModelConfig) -> str:
+    """The Hugging Face family an MoE model of ``cfg`` is written as (``EXPORT_FAMILY``), or a
+    one-line ValueError naming the field none of the three can express."""
+    block = cfg.block
+    if block.aggregation.kind != "sum":
+        raise ValueError(f"AggregationConfig.kind={block.aggregation.kind!r} has no Hugging Face "
+                         f"family: Mixtral, OLMoE and Qwen3-MoE sum their experts' gated "
+                         f"outputs (aggregation 'sum')")
+    r, e = block.router, block.experts
+    for field, value, allowed, why in (
+            ("RouterConfig.score_fn", r.score_fn, "softmax", "their routers take a softmax "
+             "over the experts"),
+            ("RouterConfig.temperature", r.temperature, 1.0, "their routers divide by none"),
+            ("RouterConfig.bias", r.bias, False, "their routers have no bias"),
+            ("RouterConfig.aux_free_bias_rate", r.aux_free_bias_rate, 0.0, "their routers "
+             "select by the unbiased scores, so the selection bias would be lost"),
+            ("ExpertConfig.num_shared", e.num_shared, 0, "none of the three has shared experts"),
+            ("ExpertConfig.dispatch", e.dispatch, "dropless", "their experts take every token "
+             "routed to them")):
+        if value != allowed:
+            raise ValueError(f"{field}={value!r} cannot be exported to a Hugging Face MoE: "
+                             f"{why} ({field}={allowed!r} can)")
+    family = EXPORT_FAMILY[cfg.qk_norm]
+    if family == "mixtral" and not r.renormalize:
+        raise ValueError("RouterConfig.renormalize=False cannot be exported with "
+                         "ModelConfig.qk_norm='none': that is Mixtral, which renormalises the "
+                         "top-k weights (OLMoE, qk_norm='full', and Qwen3-MoE, 'head', follow "
+                         "norm_topk_prob)")
+    return family
+
+
+def moe_hf_config(cfg: ModelConfig, name: str) -> dict:
+    """The ``config.json`` fields of family ``name`` for the MoE block of ``cfg`` (beside the
+    Llama ones), the inverse of :func:`moe_block_config`."""
+    family, r, e = FAMILIES[name], cfg.block.router, cfg.block.experts
+    hf = {"architectures": [family.architecture], "model_type": name,
+          # every key a version of transformers reads the count from (Qwen3-MoE: 4.x's
+          # num_experts, 5.x's num_local_experts)
+          **{key: e.num_experts for key in family.experts_keys},
+          family.hidden_key: e.expert_hidden,
+          "num_experts_per_tok": r.top_k, "router_aux_loss_coef": r.balance_coef,
+          "output_router_logits": False}
+    hf.update({field: allowed for field, allowed, _ in family.refusals})
+    if not family.always_renormalize:
+        hf["norm_topk_prob"] = r.renormalize
+    if name == "qwen3_moe":   # the width of its dense MLPs (mlp_only_layers: none) and window
+        hf.update(intermediate_size=e.expert_hidden, sliding_window=None)
+    return hf
+
+
+def moe_block_tensors(cfg: ModelConfig, name: str,
+                      param: Callable[[Tuple[str, ...]], np.ndarray]
+                      ) -> Iterator[Tuple[str, np.ndarray]]:
+    """(Hugging Face tensor name, float32 array) of every layer's MoE block in family
+    ``name``, the inverse of :func:`moe_block_params`; ``param(path)`` reads one of the
+    library's stacked parameters."""
+    family, e = FAMILIES[name], cfg.block.experts.num_experts
+    stacked = {key: param(("layers", "block", *path)) for key, path in (
+        ("router", ("router", "w_router")), ("gate", ("experts", "w_gate")),
+        ("up", ("experts", "w_up")), ("down", ("experts", "w_down")))}
+    for i in range(cfg.num_layers):
+        names = layer_tensor_names(family, e, i)
+        yield names["router"], np.ascontiguousarray(stacked["router"][i].T)
+        for ours in ("gate", "up", "down"):
+            for j in range(e):
+                yield names[f"{ours}.{j}"], np.ascontiguousarray(stacked[ours][i, j].T)
 
 
 def converted(cfg: ModelConfig, aggregation: AggregationConfig) -> ModelConfig:

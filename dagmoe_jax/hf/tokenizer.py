@@ -1,5 +1,5 @@
 """A run's tokenizer as a Hugging Face model directory holds it, so that an exported model
-(:func:`dagmoe_jax.hf.llama.export_hf_llama`) is read back, scored or upcycled with the ids it
+(:func:`dagmoe_jax.hf.export.export_hf`) is read back, scored or upcycled with the ids it
 was trained on.
 
 * ``'byte'`` (:class:`~dagmoe_jax.data.tokenizers.ByteTokenizer`): a ``tokenizer.json`` of the

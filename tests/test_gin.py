@@ -20,7 +20,8 @@ def test_paper_models_are_shipped():
         for L in (1, 2, 3):
             assert f"variants/dag_g{g}_l{L}.gin" in VARIANTS
             assert f"variants/moe_shared_g{g}_l{L}.gin" in VARIANTS
-    assert {"variants/moe.gin", "variants/mlp_g64.gin", "variants/coe_g128_l2.gin"} <= set(VARIANTS)
+    assert {"variants/moe.gin", "variants/mlp_g64.gin", "variants/coe_g128_l2.gin",
+            "variants/coe_authors.gin"} <= set(VARIANTS)
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -74,6 +75,52 @@ def test_coe_preset_is_the_equal_parameter_ablation():
     assert coe_added == d * n + 3 * d * 247
     coe = load_model_config(["models/s.gin", "variants/coe_g128_l2.gin"])
     assert coe.block.resolved_top_k * coe.block.iterations == coe.block.router.top_k
+
+
+def test_coe_authors_variant_is_their_main_run_and_trains():
+    """variants/coe_authors.gin is the block of the CoE authors' main run
+    (joevidev/chainofexperts: runs/run.sh ``main_64ept-4tpk-2itr``, config.json, MoEGate):
+    2 iterations of 4 experts, a softmax router per iteration without renormalisation, their
+    residual reading, the per-sequence slot balance loss at 0.001 and no z-loss, one shared
+    expert as large as a routed one (the model config's EXPERT_HIDDEN, whatever the size)."""
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    from conftest import make_model
+    from dagmoe_jax.train.step import make_train_step
+
+    for model, d_r in (("models/s.gin", 256), ("models/l.gin", 512), ("models/tiny.gin", 32)):
+        cfg = load_model_config([model, "variants/coe_authors.gin"])
+        c = cfg.block
+        assert (c.kind, c.iterations, c.resolved_top_k, c.shared_router) == ("coe", 2, 4, False)
+        assert (c.residual, c.stream, c.score_fn) == ("inner", "reference", None)
+        r = c.iteration_router
+        assert (r.score_fn, r.renormalize, r.balance_coef, r.balance_load, r.balance_prob,
+                r.balance_scope, r.z_loss_coef, r.aux_free_bias_rate, r.bias) == (
+            "softmax", False, 0.001, "slots", "softmax", "sequence", 0.0, 0.0, False)
+        e = c.experts
+        assert (e.num_shared, e.shared_hidden, e.expert_hidden, e.dispatch) == (
+            1, d_r, d_r, "dropless")
+    # the shared expert follows the routed size when the size is bound through its macro
+    wide = load_model_config(["models/tiny.gin", "variants/coe_authors.gin"],
+                             ["EXPERT_HIDDEN = 48"]).block.experts
+    assert (wide.expert_hidden, wide.shared_hidden) == (48, 48)
+    # one training step of the tiny model (d 64, 2 layers, 8 experts) with it
+    cfg = cfg.replace(num_layers=1, vocab_size=64)
+    net = make_model(cfg)
+    assert net.layers.block.replaces_stream
+    optimizer = nnx.Optimizer(net, optax.adam(1e-3), wrt=nnx.Param)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, 64, (2, 17)), jnp.int32)
+    metrics = make_train_step()(net, optimizer, {"inputs": tokens[:, :-1],
+                                                 "targets": tokens[:, 1:]})
+    assert np.isfinite(float(metrics["loss"])) and float(metrics["z_loss"]) > 0
+    # slots: 1 at balance, N at worst; the loss adds 0.001 of it and nothing of the z-loss
+    assert 1.0 <= float(metrics["balance_loss"]) <= 8.0
+    np.testing.assert_allclose(float(metrics["loss"]) - float(metrics["ce_loss"]),
+                               0.001 * float(metrics["balance_loss"]), atol=1e-6)
 
 
 def test_bindings_override_files():

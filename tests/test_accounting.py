@@ -39,11 +39,14 @@ def test_dag_config_adds_its_parameters_per_layer():
                                                     ("moe", "sum", 0, True),   # DUME's router
                                                     ("moe", "dag", 1, False),
                                                     ("moe", "mlp", 0, False),
-                                                    ("coe", "sum", 1, False)])
+                                                    ("coe", "sum", 1, False),
+                                                    ("coe", "scales", 0, False)])
 def test_param_count_matches_the_built_model(block, kind, shared, bias):
-    cfg = tiny_config(block, kind, ffn_hidden=None,
+    coe = ({"iterations": 3, "top_k_per_iter": 1, "iteration_scales": True}
+           if kind == "scales" else {})
+    cfg = tiny_config(block, "sum" if kind == "scales" else kind, ffn_hidden=None,
                       experts=dict(num_experts=4, expert_hidden=16, num_shared=shared,
-                                   shared_hidden=8),
+                                   shared_hidden=8), coe=coe,
                       router=dict(top_k=2, bias=bias), aggregation=dict(dag_dim=8, dag_iters=2))
     model = make_model(cfg)
     built = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

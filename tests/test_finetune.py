@@ -402,7 +402,7 @@ def test_finetuning_from_a_hugging_face_folder_makes_one_self_contained_record(t
     from dagmoe_jax.hf.export import export_hf
 
     folder = export_hf(make_model(tiny_config("dense", vocab_size=259, max_seq_len=64)),
-                             tmp_path / "hf")
+                       tmp_path / "hf")
     write_special_tokenizer(folder, "bos_named")
     run_dir = tmp_path / "sft"
     argv = ["--gin_file=finetune/smoke.gin", f"--run_dir={run_dir}", "--no_progress",

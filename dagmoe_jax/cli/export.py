@@ -76,7 +76,7 @@ def export_run(run_dir: str, out: str, *, dtype: str = "float32", max_shard_mb: 
     shutil.rmtree(partial, ignore_errors=True)
     try:
         export_hf(loaded.model, partial, dtype=dtype,
-                        max_shard_bytes=max_shard_mb * 2 ** 20 or None)
+                  max_shard_bytes=max_shard_mb * 2 ** 20 or None)
         files = export_tokenizer(loaded.data_cfg, partial)
         if target.exists():
             target.rmdir()                       # empty (parse_args checked)

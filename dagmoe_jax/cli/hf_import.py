@@ -19,6 +19,12 @@ Flags:
                       outputs): the DAG module is added with W_up = 0, so the run computes
                       the folder's logits until training moves it
   --dag_dim=N --dag_iters=L   the DAG module's d_g (default 128) and iterations (default 2)
+  --to_coe            an MoE folder becomes a Chain-of-Experts (CoE eq. 4-7, inner residual)
+                      over its experts: the first iteration routes as the folder does, the
+                      later ones start from a copy of its router at weight a_t = 0, so the run
+                      computes the folder's logits until training moves them
+                      (:mod:`dagmoe_jax.model.conversion`)
+  --coe_iters=C       the chain's iterations (default 2)
 
 Writes a run like any other: a Llama as a dense block (``ModelConfig.block = 'dense'``: no
 router, no statistics), a Mixtral, OLMoE or Qwen3-MoE as the MoE block with the family's
@@ -60,6 +66,8 @@ def parse_args(argv):
     parser.add_argument("--to_dag", action="store_true")
     parser.add_argument("--dag_dim", type=int, default=128)
     parser.add_argument("--dag_iters", type=int, default=2)
+    parser.add_argument("--to_coe", action="store_true")
+    parser.add_argument("--coe_iters", type=int, default=2)
     args = parser.parse_args(argv)
     if args.help:
         return args
@@ -71,15 +79,17 @@ def parse_args(argv):
         if value < (0 if name == "seq_len" else 1):
             raise ValueError(f"--{name}={value} is invalid: expected an integer >= 1")
     check_new_directory("run_dir", args.run_dir)
-    args.aggregation = _aggregation(args)
+    args.convert_to = _convert_to(args)
     return args
 
 
 def import_hf(folder: str, run_dir: str, *, seq_len: int = 0, batch_size: int = 16,
-              source=None, steps: int = 1000, aggregation=None, log=print) -> Path:
+              source=None, steps: int = 1000, convert_to=None, log=print) -> Path:
     """Write ``folder`` (a Hugging Face Llama or MoE) as the run ``run_dir`` (module docstring);
-    returns the run's path. One-line ``ValueError`` for a folder that is no Llama or has no
-    ``tokenizer.json``, and for a ``seq_len`` beyond the model's context."""
+    returns the run's path; ``convert_to``: the block an MoE folder is converted to
+    (:func:`dagmoe_jax.hf.llama.load_hf_llama`), or a function of the folder's ModelConfig
+    giving it. One-line ``ValueError`` for a folder that is
+    no Llama or has no ``tokenizer.json``, and for a ``seq_len`` beyond the model's context."""
     # pylint: disable=import-outside-toplevel
     from dagmoe_jax import run as run_lib
     from dagmoe_jax.data import DataConfig
@@ -104,7 +114,9 @@ def import_hf(folder: str, run_dir: str, *, seq_len: int = 0, batch_size: int = 
             **({} if source is None else {"source": source})), path)
         copied = [name for name in run_lib.TOKENIZER_FILES
                   if (target / run_lib.TOKENIZER_DIR / name).is_file()]
-        model, model_cfg = load_hf_llama(source_dir, aggregation=aggregation)
+        if callable(convert_to):
+            convert_to = convert_to(model_config_from_hf(read_hf_config(source_dir)))
+        model, model_cfg = load_hf_llama(source_dir, convert_to=convert_to)
         optim_cfg = OptimConfig()
         train_cfg = TrainConfig(run_dir=str(target), steps=steps, save_every=steps)
         run_lib.save_initial_checkpoint(path, model, None, model_cfg, train_cfg, None)
@@ -118,9 +130,13 @@ def import_hf(folder: str, run_dir: str, *, seq_len: int = 0, batch_size: int = 
         else:
             shutil.rmtree(target, ignore_errors=True)
         raise
-    kind = ("dense" if model_cfg.block.kind == "dense" else
-            f"MoE of {model_cfg.block.experts.num_experts} experts, top "
-            f"{model_cfg.block.router.top_k}")
+    block = model_cfg.block
+    name = ("CoE" if block.kind == "coe" else
+            "DAG-MoE" if getattr(block, "aggregation", None) and block.aggregation.kind == "dag"
+            else "MoE")
+    kind = ("dense" if block.kind == "dense" else
+            f"{name} of {block.experts.num_experts} experts, top {block.router.top_k}"
+            + (f", {block.iterations} iterations" if block.kind == "coe" else ""))
     log(f"imported {source_dir} into {target}: {kind}, {model_cfg.num_layers} layers, d_model "
         f"{model_cfg.d_model}, vocabulary {model_cfg.vocab_size}; tokenizer files: "
         f"{', '.join(copied)}")
@@ -130,15 +146,27 @@ def import_hf(folder: str, run_dir: str, *, seq_len: int = 0, batch_size: int = 
 def main(argv=None) -> int:
     return write_command(parse_args, argv, __doc__, lambda a: import_hf(
         a.hf, a.run_dir, seq_len=a.seq_len, batch_size=a.batch_size, source=a.source,
-        steps=a.steps, aggregation=a.aggregation), lambda a: a.run_dir)
+        steps=a.steps, convert_to=a.convert_to), lambda a: a.run_dir)
 
 
-def _aggregation(args):
-    """``--to_dag``'s AggregationConfig (a one-line ValueError for bad sizes), else None."""
-    if not args.to_dag:
-        return None
-    from dagmoe_jax.config import AggregationConfig  # pylint: disable=import-outside-toplevel
-    return AggregationConfig(kind="dag", dag_dim=args.dag_dim, dag_iters=args.dag_iters)
+def _convert_to(args):
+    """What ``--to_dag`` or ``--to_coe`` asks for: the DAG-MoE block, or a function of the
+    folder's ModelConfig giving the CoE block (its K is the folder's); else None. One-line
+    ValueError for bad sizes or both."""
+    # pylint: disable=import-outside-toplevel
+    from dagmoe_jax.config import AggregationConfig, MoEConfig
+    from dagmoe_jax.model.conversion import coe_request
+    if args.to_dag and args.to_coe:
+        raise ValueError("--to_dag and --to_coe are two conversions: give one")
+    if args.to_dag:
+        return MoEConfig(aggregation=AggregationConfig(kind="dag", dag_dim=args.dag_dim,
+                                                       dag_iters=args.dag_iters))
+    if args.to_coe:
+        if args.coe_iters < 1:
+            raise ValueError(f"--coe_iters={args.coe_iters} is invalid: expected an integer "
+                             f">= 1")
+        return lambda source: coe_request(source, args.coe_iters)
+    return None
 
 
 if __name__ == "__main__":

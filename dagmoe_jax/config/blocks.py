@@ -298,6 +298,13 @@ class CoEConfig:
         RMSNorm(h) + updates, replacing the stream h instead of adding to it.
     score_fn: the iterations' routers' score function: None (default) ``router.score_fn``;
       'softmax' is CoE eq. 7 (softmax over N, then top-K_t).
+    iteration_scales: give every iteration after the first a learned scalar a_t that scales
+      its update (routed and shared experts' outputs) before the residual, x^(t) =
+      a_t (sum_i g_t,i E_i(x^(t-1)) + shared) + x^(t-1). Not in the CoE paper: False
+      (default) is its chain. A fresh model starts at a_t = 1 (the paper's chain at
+      initialisation); a pre-trained MoE converted to CoE starts at a_t = 0, its second
+      router a copy of the first, so that the chain computes the MoE until training opens
+      the later iterations (:mod:`dagmoe_jax.model.conversion`). Not weight-decayed.
     router, experts: the routers' and the routed (and shared) experts' configs, as the MoE
       family's (the chain sums each iteration: it has no aggregation).
     """
@@ -309,6 +316,7 @@ class CoEConfig:
     residual: str = "inner"
     stream: str = "once"
     score_fn: Optional[str] = None
+    iteration_scales: bool = False
     router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
     experts: ExpertConfig = dataclasses.field(default_factory=ExpertConfig)
 

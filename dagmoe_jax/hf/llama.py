@@ -33,13 +33,13 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy before safetensor
 import numpy as np
 from flax import nnx
 
-from dagmoe_jax.config import (AggregationConfig, DenseConfig, ExecutionConfig, ModelConfig,
+from dagmoe_jax.config import (DenseConfig, ExecutionConfig, ModelConfig,
                                default_ffn_hidden)
 from dagmoe_jax.data.tokenizers import folder_config, token_text
 from dagmoe_jax.hf.moe import FAMILIES as MOE_FAMILIES
 from dagmoe_jax.hf.rope import rope_from_hf
-from dagmoe_jax.hf.moe import (converted, layer_tensor_names, moe_block_config,
-                               moe_block_params)
+from dagmoe_jax.hf.moe import layer_tensor_names, moe_block_config, moe_block_params
+from dagmoe_jax.model.conversion import converted_config, converted_params
 from dagmoe_jax.model.params import set_params
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.run.settle import settle
@@ -288,17 +288,16 @@ def hf_tensors_to_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], tie
 
 
 def load_hf_llama(path: PathLike, *, rngs: Optional[nnx.Rngs] = None,
-                  execution: Optional[ExecutionConfig] = None,
-                  aggregation: Optional[AggregationConfig] = None, **overrides):
+                  execution: Optional[ExecutionConfig] = None, convert_to=None, **overrides):
     """A :class:`~dagmoe_jax.model.Transformer` holding a Hugging Face checkpoint: a Llama as
     a dense model, an MoE family as the MoE block (:mod:`dagmoe_jax.hf.moe`).
 
     ``overrides``: ModelConfig fields to change (``param_dtype='bfloat16'``, ``max_seq_len``...).
     ``execution``: how it runs (default every choice 'auto'), settled for this machine
-    (:func:`dagmoe_jax.run.settle.settle`; ``model.execution``). ``aggregation``: an MoE
-    checkpoint converted to another aggregation of its experts' outputs
-    (:func:`~dagmoe_jax.hf.moe.converted`: DAG-MoE, its new parameters initialised from
-    ``rngs`` with W_up = 0, so the model equals the checkpoint's). Returns (model,
+    (:func:`dagmoe_jax.run.settle.settle`; ``model.execution``). ``convert_to``: a block
+    config an MoE checkpoint is converted to at its outputs
+    (:mod:`dagmoe_jax.model.conversion`: a DAG-MoE ``MoEConfig`` or a ``CoEConfig``; the
+    parameters the checkpoint does not hold initialised from ``rngs``). Returns (model,
     ModelConfig).
     """
 
@@ -308,12 +307,14 @@ def load_hf_llama(path: PathLike, *, rngs: Optional[nnx.Rngs] = None,
     tied = bool(hf.get("tie_word_embeddings", False)) and "lm_head.weight" not in reader
     _check_names(reader, cfg, tied, hf["model_type"])
     params = hf_tensors_to_params(cfg, reader.__getitem__, tied, hf["model_type"])
-    cfg = cfg if aggregation is None else converted(cfg, aggregation)
+    if convert_to is not None:
+        source, cfg = cfg, converted_config(cfg, convert_to)
+        params = converted_params(params, source, cfg)
     settled = settle(cfg, execution)
     make = lambda: Transformer(cfg, execution=settled, rngs=rngs or nnx.Rngs(0))  # noqa: E731
     # Built abstractly (shapes only, no initialisation), each parameter then placed as it is
     # read: importing needs about the model's size in memory, never a random model besides. A
     # conversion initialises the parameters the checkpoint does not hold.
-    model = make() if aggregation is not None else nnx.eval_shape(make)
+    model = make() if convert_to is not None else nnx.eval_shape(make)
     set_params(model, params, source="the checkpoint")
     return model, cfg

@@ -222,18 +222,3 @@ def moe_block_tensors(cfg: ModelConfig, name: str,
         for ours in ("gate", "up", "down"):
             for j in range(e):
                 yield names[f"{ours}.{j}"], np.ascontiguousarray(stacked[ours][i, j].T)
-
-
-def converted(cfg: ModelConfig, aggregation: AggregationConfig) -> ModelConfig:
-    """``cfg`` (an imported MoE, the sum aggregation) with its experts' outputs aggregated by
-    ``aggregation`` instead: a DAG-MoE (DAG-MoE eq. 6-12; its module's W_up starts at zero,
-    so the converted model computes the imported one's outputs until training moves it)."""
-    if cfg.block.kind != "moe":
-        raise ValueError(f"only an MoE checkpoint converts to another aggregation, not "
-                         f"block={cfg.block.kind!r}")
-    if aggregation.kind != "dag":
-        raise ValueError(f"AggregationConfig.kind={aggregation.kind!r}: an imported MoE converts "
-                         f"to 'dag' (whose zero W_up keeps its outputs), not to another "
-                         f"aggregation")
-    return dataclasses.replace(cfg, block=dataclasses.replace(cfg.block,
-                                                              aggregation=aggregation))

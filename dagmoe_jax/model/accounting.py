@@ -137,8 +137,9 @@ def account(cfg: ModelConfig, seq_len: int | None = None) -> Accounting:
             routers = 1 if cfg.block.shared_router else steps   # a shared router runs once
         else:
             steps, k, routers = 1, cfg.block.router.top_k, 1
+        scales = (steps - 1 if cfg.block.kind == "coe" and cfg.block.iteration_scales else 0)
         per_layer["router"] = active["router"] = (routers * (d + int(cfg.block.router.bias))
-                                                  * e.num_experts)
+                                                  * e.num_experts + scales)   # + CoE's a_t
         per_layer["experts"] = e.num_experts * expert_p
         active["experts"] = min(e.num_experts, steps * k) * expert_p
         per_layer["shared_experts"] = active["shared_experts"] = shared_p

@@ -8,7 +8,8 @@ own router to K_t experts (default K / C) and adds their gated outputs (plus sha
 * 'init'  (eq. 10):         x^(t) = sum_i g_t,i E_i(x^(t-1)) + x^(0);    y = x^(C)
 
 ``CoEConfig.score_fn='softmax'`` gives the routers CoE eq. 7's softmax (the model's score
-function otherwise). ``shared_router`` is the eq. 8 ablation: the first iteration's routing
+function otherwise). ``CoEConfig.iteration_scales`` scales each later iteration's update by a
+learned a_t (a converted MoE starts at 0). ``shared_router`` is the eq. 8 ablation: the first iteration's routing
 (gates and experts) is reused by every iteration instead of re-routing each refined state.
 
 In every residual mode the chain's output is x + delta, with delta what the experts added
@@ -28,6 +29,7 @@ from flax import nnx
 from dagmoe_jax.config import ExecutionConfig, ModelConfig
 from dagmoe_jax.model.aggregation import weighted_sum
 from dagmoe_jax.model.block import BlockInputs, routed_stats
+from dagmoe_jax.model.layers import make_param
 from dagmoe_jax.model.moe import routed_experts, shared_experts
 from dagmoe_jax.model.router import Router
 from dagmoe_jax.parallel.axes import MeshLayout
@@ -69,6 +71,11 @@ class CoEBlock(nnx.Module):
             Router(c.iteration_router, cfg.d_model, c.experts.num_experts, std=cfg.init_std,
                    top_k=c.resolved_top_k, rngs=rngs)
             for _ in range(1 if c.shared_router else c.iterations)])
+        # CoEConfig.iteration_scales: a_t of iterations 2..C, [C - 1], 1 in a fresh model (not
+        # weight-decayed: a 'scale', run/optim.decay_mask)
+        self.iteration_scales = (
+            make_param(rngs, nnx.initializers.ones, (c.iterations - 1,), (None,))
+            if c.iteration_scales and c.iterations > 1 else None)
         self.experts = routed_experts(cfg, execution, layout, rngs=rngs)
         self.shared = shared_experts(cfg, execution, rngs=rngs)
         self.record_intermediates = False     # analysis switches it on (Module.set_attributes)
@@ -87,6 +94,8 @@ class CoEBlock(nnx.Module):
             update = weighted_sum(routing.gates, out)
             if self.shared is not None:
                 update = update + self.shared(h)
+            if self.iteration_scales is not None and t > 0:
+                update = update * self.iteration_scales[t - 1].astype(update.dtype)
             delta, h = coe_step(update.astype(x.dtype), delta, x0, self.residual)
             losses = router.losses(routing, sequences=b)
             if "expert_counts" in losses and (t == 0 or not self.shared_router):

@@ -17,10 +17,11 @@ def flat_params(model: nnx.Module) -> dict:
 
 
 def variable(model: nnx.Module, path: Sequence[str]):
-    """The parameter of ``model`` at attribute ``path`` (e.g. ``('layers', 'attn', 'w_q')``)."""
+    """The parameter of ``model`` at attribute ``path`` (e.g. ``('layers', 'attn', 'w_q')``; an
+    integer indexes a list of modules, as in ``('layers', 'block', 'routers', 0, 'w_router')``)."""
     node = model
     for part in path:
-        node = getattr(node, part)
+        node = node[part] if isinstance(part, int) else getattr(node, part)
     return node
 
 

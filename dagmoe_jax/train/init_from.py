@@ -11,7 +11,9 @@ another tokenizer is otherwise a one-line error.
 :func:`source_model_config` gives the run's ModelConfig: the source's (how the model runs,
 ``TrainConfig.execution``, stays the gin config's); a gin binding that changes the
 architecture (a field differing from both ModelConfig's default and the source's value) is a
-one-line error. :func:`load_initial_params` copies the source's parameters (and its routers'
+one-line error, but for a conversion: an MoE source and a DAG-MoE or CoE gin config give the
+source converted at its outputs (:mod:`dagmoe_jax.model.conversion`; the gin config's DAG
+module or chain, the source's router and experts). :func:`load_initial_params` copies the source's parameters (and its routers'
 selection biases) into the freshly built (possibly sharded) model; the optimiser keeps its
 fresh state. Both are one-line ``ValueError`` s for a path that is neither a run directory
 nor a Hugging Face folder.
@@ -31,6 +33,7 @@ from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.hf.llama import load_hf_llama, model_config_from_hf, read_hf_config
 from dagmoe_jax.hf.run import hf_folder, is_hf
+from dagmoe_jax.model.conversion import converted_config, converted_params, is_conversion
 from dagmoe_jax.model.router import SelectionBias
 from dagmoe_jax.run.checkpoint_files import flatten_json
 
@@ -57,8 +60,12 @@ def source_model_config(init_from: str, model_cfg: ModelConfig) -> ModelConfig:
         source = model_config_from_hf(read_hf_config(_hf_folder(init_from)))
     else:
         source = run_lib.load_configs(_run_dir(init_from))[0]
+    blank = ModelConfig()
+    if is_conversion(source, model_cfg.block):      # an MoE asked to become DAG-MoE or CoE
+        source = converted_config(source, model_cfg.block)
+        blank = ModelConfig(block=type(model_cfg.block)())
     arch = lambda cfg: flatten_json(dataclasses.asdict(cfg))  # noqa: E731
-    default, given, have = arch(ModelConfig()), arch(model_cfg), arch(source)
+    default, given, have = arch(blank), arch(model_cfg), arch(source)
     conflicts = [f"ModelConfig.{k}={given[k]!r} (the source has {have.get(k)!r})"
                  for k in sorted(given) if given[k] != default.get(k) and given[k] != have.get(k)]
     if conflicts:
@@ -153,27 +160,40 @@ CARRIED = nnx.Any(nnx.Param, SelectionBias)
 
 
 def _source_params(init_from: str, log: Callable[[str], None]):
+    """(the source's carried variables {path: array}, its ModelConfig, what it is)."""
     if is_hf(init_from):
-        model, _ = load_hf_llama(_hf_folder(init_from))
-        return nnx.state(model, CARRIED), "the Hugging Face checkpoint"
-    loaded = run_lib.load_run(_run_dir(init_from), log=log)
-    return nnx.state(loaded.model, CARRIED), f"step {loaded.step}"
+        model, cfg = load_hf_llama(_hf_folder(init_from))
+        what = "the Hugging Face checkpoint"
+    else:
+        loaded = run_lib.load_run(_run_dir(init_from), log=log)
+        model, cfg, what = loaded.model, loaded.model_cfg, f"step {loaded.step}"
+    flat = nnx.to_flat_state(nnx.state(model, CARRIED))
+    return {tuple(path): v[...] for path, v in flat}, cfg, what
 
 
 def load_initial_params(model: nnx.Module, init_from: str,
                         log: Callable[[str], None] = lambda _message: None) -> str:
     """Set ``model``'s parameters (and selection biases) to those of ``init_from``, each placed
     with the sharding of the variable it replaces; returns a one-line description of what was
-    loaded."""
-    source, what = _source_params(init_from, log)
+    loaded. A model that converts its MoE source (:func:`source_model_config`) takes the
+    converted parameters (:mod:`dagmoe_jax.model.conversion`), and those the source has no
+    counterpart of (the DAG module) keep their initialisation."""
+    have, source_cfg, what = _source_params(init_from, log)
     target = dict(nnx.to_flat_state(nnx.state(model, CARRIED)))
-    have = dict(nnx.to_flat_state(source))
-    if set(target) != set(have):
-        missing = sorted(set(target) ^ set(have))[:3]
+    fresh = set()
+    if is_conversion(source_cfg, model.cfg.block):
+        have = dict(converted_params(have.items(), source_cfg, model.cfg))
+        fresh = set(target) - set(have)
+        what += f", converted to {'CoE' if model.cfg.block.kind == 'coe' else 'DAG-MoE'}" + (
+            f" with {len(fresh)} new parameters initialised" if fresh else "")
+    if set(target) - fresh != set(have):
+        missing = sorted(set(target) - fresh ^ set(have), key=str)[:3]
         raise ValueError(f"TrainConfig.init_from={init_from!r}: its parameters differ from the "
                          f"model's (e.g. {['/'.join(map(str, p)) for p in missing]})")
     for path, variable in target.items():
-        value, old = have[path][...], variable[...]
+        if path in fresh:
+            continue
+        value, old = have[path], variable[...]
         if value.shape != old.shape:
             raise ValueError(f"TrainConfig.init_from={init_from!r}: parameter "
                              f"{'/'.join(map(str, path))} has shape {value.shape}, the model "

@@ -262,22 +262,29 @@ def test_greedy_and_truncated_requests_agree(pair):
     assert all(g for _, g in mine[:3]) and not any(g for _, g in mine[3:])
 
 
+AGREEMENT_HEADER = (f"{'tokenizer':<12}{'mc':>10}{'2-shot':>10}{'rolling':>10}{'7 direct':>10}"
+                    f"{'is_greedy':>11}{'generations':>13}")
+
+
+def agreement_row(kind: str, dagmoe, hf) -> str:
+    """One row of the agreement table (benchmarks/RESULTS.md): the two sides on the tasks and
+    the direct requests, under :data:`AGREEMENT_HEADER`."""
+    got = compare(evaluate(dagmoe), evaluate(hf))
+    mine, their = direct_requests(dagmoe, hf)
+    flags = (got["mc greedy"][0] == got["mc greedy"][1]
+             and [m[1] for m in mine] == [t[1] for t in their])
+    gens = f"{'equal' if got['gen'][0] == got['gen'][1] else 'DIFFER'} ({len(got['gen'][0])})"
+    return (f"{kind:<12}{got['mc']:>10.2e}{got['fewshot']:>10.2e}{got['rolling']:>10.2e}"
+            f"{rel_gap([m[0] for m in mine], [t[0] for t in their]):>10.2e}"
+            f"{'equal' if flags else 'DIFFER':>11}{gens:>13}")
+
+
 if __name__ == "__main__":           # the agreement of benchmarks/RESULTS.md
     import tempfile
     print(f"lm-eval {lm_eval.__version__}, transformers {transformers.__version__}, "
           f"torch {torch.__version__}; max |dagmoe - hf| / |hf| per sample")
-    print(f"{'tokenizer':<12}{'mc':>10}{'2-shot':>10}{'rolling':>10}{'7 direct':>10}"
-          f"{'is_greedy':>11}{'generations':>13}")
+    print(AGREEMENT_HEADER)
     for kind in KINDS:
         with tempfile.TemporaryDirectory() as tmp:
-            dagmoe, hf = models(*make_pair(Path(tmp), kind))
-            got = compare(evaluate(dagmoe), evaluate(hf))
-            mine, their = direct_requests(dagmoe, hf)
-            flags = (got["mc greedy"][0] == got["mc greedy"][1]
-                     and [m[1] for m in mine] == [t[1] for t in their])
-            gens = (f"{'equal' if got['gen'][0] == got['gen'][1] else 'DIFFER'} "
-                    f"({len(got['gen'][0])})")
-            print(f"{kind:<12}{got['mc']:>10.2e}{got['fewshot']:>10.2e}{got['rolling']:>10.2e}"
-                  f"{rel_gap([m[0] for m in mine], [t[0] for t in their]):>10.2e}"
-                  f"{'equal' if flags else 'DIFFER':>11}{gens:>13}")
+            print(agreement_row(kind, *models(*make_pair(Path(tmp), kind))))
     sys.exit(0)

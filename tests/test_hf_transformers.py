@@ -131,24 +131,24 @@ if __name__ == "__main__":           # the agreement table of benchmarks/RESULTS
 MOE_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf_moe"
 
 
-def tiny_moe(family: str, seed: int = 0):
+def tiny_moe(family: str, seed: int = 0, **overrides):
     """A random 2-layer MoE of ``family`` (8 experts, top 2, GQA) made by transformers' own
-    class, its norm scales away from 1."""
+    class, its norm scales away from 1; ``overrides``: config fields to set instead."""
     torch.manual_seed(seed)
     common = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
                   num_experts_per_tok=2, bos_token_id=None, eos_token_id=None,
                   pad_token_id=None)
-    cls, cfg = {
-        "mixtral": (transformers.MixtralForCausalLM, transformers.MixtralConfig(
-            **common, intermediate_size=24, num_local_experts=8)),
-        "olmoe": (transformers.OlmoeForCausalLM, transformers.OlmoeConfig(
-            **common, intermediate_size=24, num_experts=8, norm_topk_prob=True)),
-        "qwen3_moe": (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
-            **common, head_dim=16, intermediate_size=48, moe_intermediate_size=24,
-            num_experts=8, norm_topk_prob=False)),
+    cls, config, fields = {
+        "mixtral": (transformers.MixtralForCausalLM, transformers.MixtralConfig,
+                    dict(intermediate_size=24, num_local_experts=8)),
+        "olmoe": (transformers.OlmoeForCausalLM, transformers.OlmoeConfig,
+                  dict(intermediate_size=24, num_experts=8, norm_topk_prob=True)),
+        "qwen3_moe": (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig,
+                      dict(head_dim=16, intermediate_size=48, moe_intermediate_size=24,
+                           num_experts=8, norm_topk_prob=False)),
     }[family]
-    model = cls(cfg).eval()
+    model = cls(config(**{**common, **fields, **overrides})).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

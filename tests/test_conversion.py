@@ -175,3 +175,27 @@ def test_dagmoe_import_to_coe_writes_the_converted_run(tmp_path, capsys):
         assert hf_import.main([*argv, f"--run_dir={tmp_path / 'bad'}"]) == 2
         err = capsys.readouterr().err.strip()
         assert needle in err and "\n" not in err and not (tmp_path / "bad").exists()
+
+
+def test_a_fine_tuned_moe_trains_its_routers_its_own_way():
+    """How routers are trained (balance losses, auxiliary-loss-free balancing) is the gin
+    config's in a fine-tuned run: the source computes the same logits with a zero selection
+    bias added; what the routers compute (top_k) is still the source's."""
+    from dagmoe_jax import run as run_lib
+    from dagmoe_jax.config import ModelConfig, RouterConfig
+    from dagmoe_jax.run.config import OptimConfig, TrainConfig
+    from dagmoe_jax.train.init_from import load_initial_params, source_model_config
+
+    init_from = f"hf:{FIXTURES / 'olmoe'}"
+    asked = RouterConfig(aux_free_bias_rate=1e-3, balance_coef=0.0, balance_scope="sequence")
+    for block in (MoEConfig(router=asked), CoEConfig(iterations=2, router=asked)):
+        cfg = source_model_config(init_from, ModelConfig(block=block))
+        router = cfg.block.router
+        assert (router.aux_free_bias_rate, router.balance_coef, router.balance_scope,
+                router.score_fn, router.top_k) == (1e-3, 0.0, "sequence", "softmax", 2)
+        model, _, _ = run_lib.build(cfg, OptimConfig(), TrainConfig(seed=7))
+        assert "new values initialised" in load_initial_params(model, init_from)
+        np.testing.assert_allclose(logits_of(model), np.load(FIXTURES / "olmoe" / "logits.npy"),
+                                   rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match=r"ModelConfig.block.router.top_k=3 \(the source has 2\)"):
+        source_model_config(init_from, ModelConfig(block=MoEConfig(router=RouterConfig(top_k=3))))

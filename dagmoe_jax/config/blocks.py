@@ -33,6 +33,10 @@ COE_READINGS = ("once", "literal", "reference")
 BALANCE_LOADS = ("tokens", "slots")
 BALANCE_PROBS = ("softmax", "score_share")
 BALANCE_SCOPES = ("batch", "sequence")
+# RouterConfig fields that say how a router is trained, not what it computes (the selection
+# bias of aux_free_bias_rate starts at zero): a run fine-tuned from another may set its own.
+ROUTER_TRAINING_FIELDS = ("balance_coef", "balance_load", "balance_prob", "balance_scope",
+                          "z_loss_coef", "aux_free_bias_rate")
 # What ExpertConfig.dispatch values of earlier versions became (ModelConfig.from_dict migrates).
 RETIRED_DISPATCH = {
     "auto": "whether experts drop tokens is architecture, the same on every machine: write "

@@ -11,11 +11,13 @@ another tokenizer is otherwise a one-line error.
 :func:`source_model_config` gives the run's ModelConfig: the source's (how the model runs,
 ``TrainConfig.execution``, stays the gin config's); a gin binding that changes the
 architecture (a field differing from both ModelConfig's default and the source's value) is a
-one-line error, but for a conversion: an MoE source and a DAG-MoE or CoE gin config give the
-source converted at its outputs (:mod:`dagmoe_jax.model.conversion`; the gin config's DAG
-module or chain, the source's router and experts). :func:`load_initial_params` copies the source's parameters (and its routers'
-selection biases) into the freshly built (possibly sharded) model; the optimiser keeps its
-fresh state. Both are one-line ``ValueError`` s for a path that is neither a run directory
+one-line error. Two exceptions: how routers are trained (``ROUTER_TRAINING_FIELDS``: balance
+losses, auxiliary-loss-free balancing) is the gin config's; an MoE source and a DAG-MoE or
+CoE gin config give the source converted at its outputs (:mod:`dagmoe_jax.model.conversion`;
+the gin config's DAG module or chain, the source's router and experts).
+:func:`load_initial_params` copies the source's parameters (and its routers' selection
+biases) into the freshly built (possibly sharded) model; the optimiser keeps its fresh state.
+Both are one-line ``ValueError`` s for a path that is neither a run directory
 nor a Hugging Face folder.
 """
 
@@ -29,7 +31,7 @@ import jax
 from flax import nnx
 
 from dagmoe_jax import run as run_lib
-from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.config import ROUTER_TRAINING_FIELDS, ModelConfig, RouterConfig, router_of
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.hf.llama import load_hf_llama, model_config_from_hf, read_hf_config
 from dagmoe_jax.hf.run import hf_folder, is_hf
@@ -64,6 +66,7 @@ def source_model_config(init_from: str, model_cfg: ModelConfig) -> ModelConfig:
     if is_conversion(source, model_cfg.block):      # an MoE asked to become DAG-MoE or CoE
         source = converted_config(source, model_cfg.block)
         blank = ModelConfig(block=type(model_cfg.block)())
+    source = _router_training(source, model_cfg)
     arch = lambda cfg: flatten_json(dataclasses.asdict(cfg))  # noqa: E731
     default, given, have = arch(blank), arch(model_cfg), arch(source)
     conflicts = [f"ModelConfig.{k}={given[k]!r} (the source has {have.get(k)!r})"
@@ -73,6 +76,21 @@ def source_model_config(init_from: str, model_cfg: ModelConfig) -> ModelConfig:
                          f"the gin config: {'; '.join(conflicts)}: drop those bindings (the "
                          "model comes from the source)")
     return source
+
+
+def _router_training(source: ModelConfig, model_cfg: ModelConfig) -> ModelConfig:
+    """``source`` with the gin config's router-training fields (``ROUTER_TRAINING_FIELDS``:
+    balance losses, auxiliary-loss-free balancing) where it binds them: how the fine-tuned
+    run trains its routers, which computes what the source computed."""
+    ours, theirs = router_of(model_cfg.block), router_of(source.block)
+    if ours is None or theirs is None:
+        return source
+    changes = {f: getattr(ours, f) for f in ROUTER_TRAINING_FIELDS
+               if getattr(ours, f) != getattr(RouterConfig(), f)}
+    if not changes:
+        return source
+    return dataclasses.replace(source, block=dataclasses.replace(
+        source.block, router=dataclasses.replace(theirs, **changes)))
 
 
 # The DataConfig fields that say how text becomes ids: a fine-tuned run reads them from its
@@ -177,15 +195,19 @@ def load_initial_params(model: nnx.Module, init_from: str,
     with the sharding of the variable it replaces; returns a one-line description of what was
     loaded. A model that converts its MoE source (:func:`source_model_config`) takes the
     converted parameters (:mod:`dagmoe_jax.model.conversion`), and those the source has no
-    counterpart of (the DAG module) keep their initialisation."""
+    counterpart of (the DAG module; selection biases, zero) keep their initialisation."""
     have, source_cfg, what = _source_params(init_from, log)
     target = dict(nnx.to_flat_state(nnx.state(model, CARRIED)))
-    fresh = set()
-    if is_conversion(source_cfg, model.cfg.block):
+    converting = is_conversion(source_cfg, model.cfg.block)
+    if converting:
         have = dict(converted_params(have.items(), source_cfg, model.cfg))
-        fresh = set(target) - set(have)
-        what += f", converted to {'CoE' if model.cfg.block.kind == 'coe' else 'DAG-MoE'}" + (
-            f" with {len(fresh)} new parameters initialised" if fresh else "")
+        what += f", converted to {'CoE' if model.cfg.block.kind == 'coe' else 'DAG-MoE'}"
+    # What the source has no counterpart of keeps its initialisation: a conversion's new
+    # parameters (the DAG module), and selection biases a source without them starts at zero.
+    fresh = {path for path in set(target) - set(have)
+             if converting or isinstance(target[path], SelectionBias)}
+    if fresh:
+        what += f", {sum(target[p][...].size for p in fresh):,} new values initialised"
     if set(target) - fresh != set(have):
         missing = sorted(set(target) - fresh ^ set(have), key=str)[:3]
         raise ValueError(f"TrainConfig.init_from={init_from!r}: its parameters differ from the "

@@ -180,8 +180,8 @@ def test_what_no_family_computes_is_refused_in_one_line(change, needle):
 
 
 def test_an_imported_moe_run_exports_with_its_tokenizer(tmp_path, capsys):
-    """dagmoe-export writes an imported OLMoE run as an OLMoE folder with its tokenizer, which
-    imports to the transformers logits; a DAG-MoE run is refused in one line and leaves no
+    """dagmoe-export writes an imported OLMoE run as an OLMoE folder with its tokenizer (and
+    its BOS and EOS ids in config.json), which imports to the transformers logits; a DAG-MoE run is refused in one line and leaves no
     folder."""
     from conftest import write_special_tokenizer
     from dagmoe_jax.cli import export as export_cli, hf_import
@@ -195,6 +195,8 @@ def test_an_imported_moe_run_exports_with_its_tokenizer(tmp_path, capsys):
     assert "(olmoe, float32 weights" in capsys.readouterr().out
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (
         folder / "tokenizer.json").read_bytes()
+    exported = read_hf_config(tmp_path / "out")           # the tokenizer's ids, not OLMoE's
+    assert (exported["bos_token_id"], exported["eos_token_id"]) == (257, 256)
     model, _ = load_hf_llama(tmp_path / "out")
     np.testing.assert_allclose(logits_of(model, np.load(FIXTURES / "ids.npy")),
                                np.load(folder / "logits.npy"), rtol=0, atol=1e-5)

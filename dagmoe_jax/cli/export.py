@@ -15,8 +15,8 @@ Flags:
   --max_shard_mb=N    safetensors shards of at most N MB with an index (default: one file)
 
 Writes ``config.json`` and ``model.safetensors`` (:func:`dagmoe_jax.hf.export.export_hf`:
-the newest checkpoint's parameters in the family's names and config fields, the LM head tied
-when it equals the embedding) and the
+the newest checkpoint's parameters in the family's names and config fields, the tokenizer's
+BOS and EOS ids, the LM head tied when it equals the embedding) and the
 run's tokenizer (:mod:`dagmoe_jax.hf.tokenizer`: for the byte tokenizer a ``tokenizer.json``
 that gives exactly its ids). The directory is written beside ``--out`` and moved there when
 complete, so an interrupted export leaves nothing at ``--out``. ``transformers``,
@@ -75,8 +75,10 @@ def export_run(run_dir: str, out: str, *, dtype: str = "float32", max_shard_mb: 
     partial = target.with_name(f".{target.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     try:
+        tokenizer = loaded.tokenizer        # its BOS and EOS ids go into config.json
         export_hf(loaded.model, partial, dtype=dtype,
-                  max_shard_bytes=max_shard_mb * 2 ** 20 or None)
+                  max_shard_bytes=max_shard_mb * 2 ** 20 or None,
+                  bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
         files = export_tokenizer(loaded.data_cfg, partial)
         if target.exists():
             target.rmdir()                       # empty (parse_args checked)

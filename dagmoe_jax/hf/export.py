@@ -47,8 +47,11 @@ def hf_family(cfg: ModelConfig) -> str:
 
 
 def hf_config_from_model(cfg: ModelConfig, *, tie_word_embeddings: bool,
-                         dtype: str = "float32") -> dict:
-    """The Hugging Face ``config.json`` of ``cfg`` in its family (:func:`hf_family`)."""
+                         dtype: str = "float32", bos_token_id: Optional[int] = None,
+                         eos_token_id: Optional[int] = None) -> dict:
+    """The Hugging Face ``config.json`` of ``cfg`` in its family (:func:`hf_family`), with
+    the tokenizer's BOS and EOS ids (written null when not given, so that transformers does
+    not take its class's defaults, ids of another vocabulary, for them)."""
     family = hf_family(cfg)
     hf = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -58,7 +61,8 @@ def hf_config_from_model(cfg: ModelConfig, *, tie_word_embeddings: bool,
         "head_dim": cfg.resolved_head_dim, "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
         "attention_bias": False, "tie_word_embeddings": tie_word_embeddings,
-        "torch_dtype": dtype, **rope_to_hf(cfg),
+        "torch_dtype": dtype, "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
+        "pad_token_id": None, **rope_to_hf(cfg),
     }
     if family == "llama":
         hf.update(intermediate_size=cfg.resolved_ffn_hidden, mlp_bias=False)
@@ -109,19 +113,21 @@ def _save(tensors: Dict[str, np.ndarray], path: Path, meta: dict) -> None:
 
 
 def export_hf(model: nnx.Module, path: Union[str, Path], *, dtype: str = "float32",
-              max_shard_bytes: Optional[int] = None) -> Path:
+              max_shard_bytes: Optional[int] = None, bos_token_id: Optional[int] = None,
+              eos_token_id: Optional[int] = None) -> Path:
     """Write a dense or MoE Transformer as a Hugging Face folder of its family
-    (:func:`hf_family`): ``config.json`` and ``model.safetensors``, or shards of at most
-    ``max_shard_bytes`` with ``model.safetensors.index.json``, in ``dtype`` ('float32' or
-    'bfloat16'). The LM head is tied to the embedding when the two are equal. Returns the
-    directory."""
+    (:func:`hf_family`): ``config.json`` (with the tokenizer's BOS and EOS ids, when given)
+    and ``model.safetensors``, or shards of at most ``max_shard_bytes`` with
+    ``model.safetensors.index.json``, in ``dtype`` ('float32' or 'bfloat16'). The LM head is
+    tied to the embedding when the two are equal. Returns the directory."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype={dtype!r} is invalid: expected one of "
                          f"{sorted(EXPORT_DTYPES)}")
     cfg = model.cfg
     embed = np.asarray(model.embed[...])
     tied = bool(np.array_equal(embed.T, np.asarray(model.lm_head[...])))
-    hf = hf_config_from_model(cfg, tie_word_embeddings=tied, dtype=dtype)
+    hf = hf_config_from_model(cfg, tie_word_embeddings=tied, dtype=dtype,
+                              bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     shards: List[Dict[str, np.ndarray]] = [{}]

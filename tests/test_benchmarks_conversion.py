@@ -1,0 +1,50 @@
+"""benchmarks/moe_conversion.py without training: its pre-trained model is an OLMoE to the
+exporter, every fine-tuning request is a conversion or router-training change that the
+library accepts from that source (so the four runs start where the report says), and the report
+reads its own JSON (paired differences, spread markers)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+from dagmoe_jax.hf.export import hf_family
+from dagmoe_jax.model.conversion import converted_config, is_conversion
+
+_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "moe_conversion.py"
+_spec = importlib.util.spec_from_file_location("_bench_conversion", _PATH)
+bench = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+sys.path.insert(0, str(_PATH.parent))          # its experiments package, for format_report
+
+
+def test_the_source_is_an_olmoe_and_each_request_is_what_the_variant_says():
+    args = argparse.Namespace(**bench.DEFAULTS)
+    source = bench.source_config(args)
+    assert hf_family(source) == "olmoe"
+    requests = {v: bench.variant_request(args, v) for v in bench.VARIANTS}
+    assert not is_conversion(source, requests["moe"].block)
+    assert converted_config(source, requests["dag"].block).block.aggregation.dag_dim == 32
+    coe = converted_config(source, requests["coe"].block).block
+    assert (coe.kind, coe.iterations, coe.resolved_top_k, coe.iteration_scales) == (
+        "coe", 2, 2, True)
+    router = requests["moe_auxfree"].block.router
+    assert (router.aux_free_bias_rate, router.balance_coef) == (0.001, 0.0)
+
+
+def test_the_report_pairs_seeds_and_marks_the_spread():
+    records = [{"variant": v, "seed": s, "loss": 2.0 + d + 0.01 * s, "imbalance": 1.5}
+               for s in range(3) for v, d in (("moe", 0.0), ("dag", -0.1), ("coe", 0.0),
+                                              ("moe_auxfree", 0.0))]
+    records[6]["loss"] += 0.02                   # coe, seed 1: a difference inside the spread
+    results = {"budget": dict(bench.DEFAULTS), "records": records, "pretrained_loss": 2.5,
+               "start": {"moe": 3.0, "dag": 3.0, "coe": 3.0 + 1e-7},
+               "params": {v: 1000 for v in bench.VARIANTS}}
+    report = bench.format_report(results)
+    rows = {line.split(" | ")[0].strip("| "): line for line in report.splitlines()
+            if line.startswith("| ") and not line.startswith("| model")}
+    assert "-0.1000 ± 0.0000 |" in rows["dag"]                 # beyond the spread: no '~'
+    assert rows["coe"].split(" | ")[4].endswith("~")
+    assert "largest gap 1.0e-07" in report

@@ -297,6 +297,11 @@ def test_gmm_occupancy_of_a_mesh(v5p):
     assert gmm_occupancy(cfg, mesh, tokens=512) == 0.5
     assert gmm_occupancy(cfg, mesh, tokens=3) == 1.0          # global-view fallback
     assert gmm_occupancy(cfg, mesh_over(devices, dict(data=4)), tokens=512) == 1.0
+    # a receive buffer of 1.25x the balanced share (ExpertConfig.exchange_buffer): 1 / 1.25;
+    # one at least E wide is the worst case's 1 / E
+    for factor, occupancy in ((1.25, 0.8), (3.0, 0.5)):
+        bounded = cfg.replace(block=dict(experts=dict(exchange_buffer=factor)))
+        assert gmm_occupancy(bounded, mesh, tokens=512) == occupancy
 
 
 def _instruction(line: str, shapes: dict):

@@ -36,12 +36,13 @@ from dagmoe_jax.train.step import make_train_step
 BACKEND = {"tpu": "tpu", "cuda": "gpu"}
 
 
-def lower_train_step(platform: str, mesh_cfg=None) -> tuple:
+def lower_train_step(platform: str, mesh_cfg=None, exchange_buffer=None) -> tuple:
     """(settled execution config, lowered StableHLO text) of the training step for
     ``platform``."""
     cfg = tiny_config(d_model=128, num_heads=4, num_kv_heads=2, max_seq_len=128,
                       compute_dtype="bfloat16", aggregation=dict(kind="dag"),
-                      experts=dict(expert_hidden=128, dispatch="dropless"))
+                      experts=dict(expert_hidden=128, dispatch="dropless",
+                                   exchange_buffer=exchange_buffer))
     mesh = make_mesh(mesh_cfg, jax.devices()[:4]) if mesh_cfg else None
     layout = MeshLayout.of(mesh)
     execution = settle(cfg, ExecutionConfig(attention="xla" if platform == "cuda" else "auto"),
@@ -95,3 +96,15 @@ def test_train_step_lowers_for_accelerators(platform, mesh):
         # expert-parallel dropless dispatch by the ragged collective (CPU has the all-gather)
         assert ex.expert_exchange == "ragged_all_to_all"
         assert module.count("ragged_all_to_all") >= 4              # forward 2, backward 2
+
+
+def test_a_bounded_exchange_buffer_lowers_with_buffers_of_its_size():
+    """ExpertConfig.exchange_buffer = 1 on data 2 x expert 2 (T_loc 128 tokens, K 2): the ragged
+    exchange's receive buffers hold the balanced 256 rows, not the worst case's E x 256 = 512
+    (the unbounded lowering's), forward and backward."""
+    _, module = lower_train_step("tpu", MeshConfig(data=2, expert=2), exchange_buffer=1.0)
+    calls = [line for line in module.splitlines()
+             if "ragged_all_to_all" in line and "custom_call" in line]
+    assert len(calls) >= 4
+    results = {re.search(r"-> (tensor<[^>]*>)", line).group(1) for line in calls}
+    assert results == {"tensor<256x128xbf16>"}, results

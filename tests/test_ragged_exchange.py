@@ -107,5 +107,100 @@ def test_settle_picks_the_exchange_per_backend():
     cpu = settle(cfg, backend="cpu", layout=layout)
     assert cpu.expert_exchange == "all_gather"
     assert describe(cfg, cpu, None, "cpu", layout).endswith("by all_gather")
+    bounded = tiny_config(experts=dict(dispatch="dropless", exchange_buffer=1.25))
+    assert describe(bounded, cpu, None, "cpu", layout).endswith(
+        "by all_gather, receive buffer 1.25x the balanced share (the overflow drops)")
     chosen = ExecutionConfig(expert_exchange="all_gather")
     assert settle(cfg, chosen, backend="gpu").expert_exchange == "all_gather"
+
+
+def np_buffer_keep(idx: np.ndarray, groups: int, shards: int, n_local: int, cap: int):
+    """ExpertConfig.exchange_buffer's rule, transcribed: in each expert group (``groups`` of
+    ``shards`` devices, each holding T_loc consecutive tokens), the shard of experts
+    [d * n_local, (d + 1) * n_local) keeps the first ``cap`` assignments in the order sending
+    device, local expert, the sender's (token, k) order; the rest drop."""
+    t, k = idx.shape
+    t_loc = t // (groups * shards)
+    keep = np.zeros((t, k), bool)
+    for g in range(groups):
+        for d in range(shards):
+            taken = 0
+            for s in range(shards):
+                rows = slice((g * shards + s) * t_loc, (g * shards + s + 1) * t_loc)
+                for j in range(d * n_local, (d + 1) * n_local):
+                    for tt, kk in zip(*np.nonzero(idx[rows] == j)):
+                        keep[rows.start + tt, kk] = taken < cap
+                        taken += 1
+    return keep
+
+
+@pytest.mark.parametrize("exchange", ["ragged_all_to_all", "all_gather"])
+def test_a_bounded_buffer_drops_by_its_rule_and_a_wide_one_is_dropless(monkeypatch, exchange):
+    """ExpertConfig.exchange_buffer on a skewed routing (data 2 x expert 4, T_loc 4, K 2):
+    factor 1 keeps 8 rows a shard, so the shards of the popular experts drop what the NumPy
+    transcription of the rule drops, the kept outputs are the single-device dispatch's and the
+    dropped ones zero, and the gradients flow; factor 4 (= E, the worst case) is the dropless
+    dispatch exactly. Both exchanges apply the same rule."""
+    monkeypatch.setattr(expert_parallel, "ragged_all_to_all", emulated_ragged_all_to_all)
+    mesh = make_mesh(MeshConfig(data=2, expert=4))
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(32, 32)), jnp.float32)
+    idx_np = np.stack([rng.choice(7, 2, replace=False, p=[.35, .3, .15, .05, .05, .05, .05])
+                       for _ in range(32)]).astype(np.int32)
+    idx = jnp.asarray(idx_np)
+    execution = ExecutionConfig(fuse_projections=True, grouped_matmul="ragged_dot",
+                                expert_exchange=exchange)
+    reference = Experts(ExpertConfig(num_experts=N, expert_hidden=16), 32, std=0.2,
+                        dtype=jnp.float32, rngs=nnx.Rngs(0))
+    want, _ = reference(x, idx)
+    for factor in (1.0, 4.0):
+        cfg = ExpertConfig(num_experts=N, expert_hidden=16, exchange_buffer=factor)
+        sharded = Experts(cfg, 32, std=0.2, dtype=jnp.float32, execution=execution,
+                          rngs=nnx.Rngs(0), layout=MeshLayout.of(mesh))
+        place_on_mesh(sharded, mesh)
+
+        def loss(e, x):
+            out, keep = e(x, idx)
+            return jnp.sum(out ** 2), (out, keep)
+        with activate(mesh):
+            (_, (out, keep)), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(sharded, x)
+        rule = np_buffer_keep(idx_np, 2, 4, N // 4, int(np.ceil(factor * 4 * 2)))
+        np.testing.assert_array_equal(np.asarray(keep), rule)
+        if factor == 1.0:
+            assert 0 < (~rule).sum() < rule.size // 2        # the skew really overflows
+        np.testing.assert_allclose(np.asarray(out), np.where(rule[..., None], want, 0.0),
+                                   rtol=1e-5, atol=1e-5)
+        assert np.isfinite(np.asarray(grads.w_down[...])).all()
+        assert np.abs(np.asarray(grads.w_down[...])).sum() > 0
+
+
+def test_the_buffer_is_a_dropless_setting_of_at_least_one():
+    for bad, needle in ((0.5, "a number >= 1"), (True, "a number >= 1"),
+                        (2.0, "None with dispatch='capacity'")):
+        with pytest.raises(ValueError, match=needle):
+            ExpertConfig(exchange_buffer=bad, dispatch="capacity" if bad == 2.0 else "dropless")
+
+
+def test_a_bounded_buffer_run_logs_its_drops(tmp_path):
+    """train.py's loop on data 2 x expert 4 with a buffer of the balanced share: each layer's
+    dropped share is in metrics.jsonl, and an untrained router's uneven load overflows it."""
+    from dagmoe_jax.run.gin import load_configs
+    from dagmoe_jax.train.loop import train
+    from dagmoe_jax.train.metrics import read_metrics
+
+    run_dir = tmp_path / "run"
+    configs = load_configs(["train/smoke.gin"], [
+        "TrainConfig.steps = 3", f"TrainConfig.run_dir = '{run_dir}'", "TrainConfig.save_every = 3",
+        "TrainConfig.eval_every = 0", "TrainConfig.task_eval_examples = 0",
+        "TrainConfig.tensorboard = False", "TrainConfig.eval_batches = 1",
+        "DataConfig.num_synthetic = 64", "ModelConfig.d_model = 16",
+        "AggregationConfig.dag_dim = 8", "ExpertConfig.expert_hidden = 16",
+        "ExpertConfig.dispatch = 'dropless'", "ExpertConfig.exchange_buffer = 1.0",
+        "MeshConfig.expert = 4"])
+    lines = []
+    train(*configs, progress=False, log=lines.append)
+    assert any("receive buffer 1x the balanced share" in line for line in lines), lines
+    dropped = np.asarray([r["dropped_fraction"] for r in read_metrics(run_dir)
+                          if "dropped_fraction" in r])
+    assert dropped.shape == (3, configs[0].num_layers)
+    assert 0 < dropped.max() < 0.5

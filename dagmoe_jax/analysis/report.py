@@ -161,7 +161,7 @@ def write_plots(stats: Collected, records: List[dict], out_dir, label: str = "")
                     PlotResult("edge_gate_hist", None, reason)]
     for name, series, plot, metric, title in (
             ("dropped_fraction", dropped_series, plots.plot_dropped_fraction,
-             "dropped_fraction", "assignments dropped by expert capacity during training"),
+             "dropped_fraction", "assignments dropped by expert capacity or the exchange buffer"),
             ("load_balance", load_series, plots.plot_load_balance, "expert_load",
              "expert load during training (max / mean per layer; last record)")):
         steps, values = series(records)

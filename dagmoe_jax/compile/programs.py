@@ -221,8 +221,10 @@ def gmm_occupancy(cfg: ModelConfig, mesh, tokens: int) -> float:
     """The expected share of a grouped matmul's rows that hold tokens
     (:mod:`~dagmoe_jax.compile.roofline`, "Grouped matmuls"): ``1 / E`` for dropless dispatch
     across ``E`` expert shards, whose receive buffers are sized for every token of the expert
-    group; 1 otherwise (no expert axis, capacity dispatch, or a token count the token axes do
-    not divide, which falls back to the global-view dispatch)."""
+    group, ``1 / f`` when ``ExpertConfig.exchange_buffer`` f < E bounds them to f times the
+    balanced share (the ragged exchange of the accelerators this tool compiles for); 1
+    otherwise (no expert axis, capacity dispatch, or a token count the token axes do not
+    divide, which falls back to the global-view dispatch)."""
     layout = MeshLayout.of(mesh)
     experts = experts_of(cfg.block)
     if layout is None or experts is None or experts.dispatch != "dropless":
@@ -230,7 +232,9 @@ def gmm_occupancy(cfg: ModelConfig, mesh, tokens: int) -> float:
     token_axes, experts, _ = dispatch_axes(layout)
     if not experts or tokens % layout.size(token_axes):
         return 1.0
-    return 1.0 / layout.size(experts)
+    shards = layout.size(experts)
+    buffer = experts_of(cfg.block).exchange_buffer
+    return 1.0 / (shards if buffer is None else min(buffer, shards))
 
 
 def _report(name: str, compiled, seconds: float, tokens: int, state: float, model_flops: float,

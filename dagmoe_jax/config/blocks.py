@@ -191,6 +191,16 @@ class ExpertConfig:
       per expert, the overflow dropped; einsum over [N, C, d]). How 'dropless' runs on a
       machine is ``ExecutionConfig.grouped_matmul``.
     capacity_factor: C = ceil(capacity_factor * T * K / N) slots per expert for 'capacity'.
+    exchange_buffer: with 'dropless' dispatch across E expert shards, how many routed rows each
+      shard may receive, as a factor f of the balanced share: B = ceil(f * T_loc * K) rows (T_loc
+      tokens a device, K per token; MaxText's ``ragged_buffer_factor``). None (default): the
+      worst case E * T_loc * K, so nothing drops. A factor bounds the exchange's buffers and
+      sorts (their size grows with E otherwise); the rows that overflow a shard's buffer are
+      dropped by a fixed rule: each shard keeps the first B rows in the order (sending device
+      along the expert axis, local expert, the sender's token order), the rest compute nothing
+      (output 0, ``keep`` False) and count in ``dropped_fraction``. With one expert shard (no
+      expert axis, one device) f >= 1 never drops. A factor >= E is today's dropless dispatch
+      exactly. At least 1.
     """
 
     num_experts: int = 32
@@ -199,6 +209,7 @@ class ExpertConfig:
     shared_hidden: int = 256
     dispatch: str = "dropless"
     capacity_factor: float = 1.25
+    exchange_buffer: Optional[float] = None
 
     def __post_init__(self):
         _positive("ExpertConfig", "num_experts", self.num_experts)
@@ -212,6 +223,14 @@ class ExpertConfig:
         _choice("ExpertConfig", "dispatch", self.dispatch, DISPATCH_MODES)
         _check(isinstance(self.capacity_factor, (int, float)) and self.capacity_factor > 0,
                "ExpertConfig", "capacity_factor", self.capacity_factor, "a number > 0")
+        if self.exchange_buffer is not None:
+            _check(isinstance(self.exchange_buffer, (int, float))
+                   and not isinstance(self.exchange_buffer, bool) and self.exchange_buffer >= 1,
+                   "ExpertConfig", "exchange_buffer", self.exchange_buffer,
+                   "None (the worst case: dropless) or a number >= 1")
+            _check(self.dispatch == "dropless", "ExpertConfig", "exchange_buffer",
+                   self.exchange_buffer, "None with dispatch='capacity' (its capacity_factor "
+                   "bounds each expert's slots)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,7 +47,8 @@ class BlockStats(NamedTuple):
     """What every block reports (stacked over layers by the scan):
 
     balance_loss, z_loss: unweighted router losses (0 for blocks without a router);
-    dropped_fraction: share of routed assignments capacity dispatch dropped;
+    dropped_fraction: share of routed assignments capacity dispatch or a bounded exchange
+      buffer dropped;
     expert_load [N]: share of routing slots (or of gate mass) per expert;
     record: the intermediates analysis reads, when the block's ``record_intermediates`` is on;
     extra: the family's own statistics (DoE: :class:`~dagmoe_jax.model.doe.block.DoEStats`);

@@ -42,7 +42,10 @@ With E = 1 (pure data parallelism) no tokens move: each device dispatches its ow
     fine for a few expert shards, wasteful for many.
 
   Either way the partial outputs of the ``tensor``-split hidden units are summed with
-  ``psum``. The CPU suite checks the ragged exchange's bookkeeping against the single-device
+  ``psum``. ``ExpertConfig.exchange_buffer`` bounds what a shard receives to B rows, the
+  same rule for both exchanges (each shard keeps the first B in the order sending device,
+  local expert, the sender's token order; the rest drop, ``keep`` False); the ragged
+  exchange's buffers and sorts then hold B rows instead of E * T_loc * K. The CPU suite checks the ragged exchange's bookkeeping against the single-device
   dispatch with an all-gather emulation of the collective (tests/test_parallel.py), and that
   it lowers for TPU and CUDA (tests/test_lowering.py).
 * ``dense`` (the test oracle) is not sharded by hand: it runs the global-view code.
@@ -52,6 +55,7 @@ With E = 1 (pure data parallelism) no tokens move: each device dispatches its ow
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Optional, Tuple
 
@@ -111,19 +115,38 @@ def _capacity_shard(x, indices, weights, *, num_experts: int, capacity_factor: f
     return capacity_combine(y, slot, holder), keep
 
 
+def _buffer_rows(buffer: Optional[float], rows: int, shards: int) -> Optional[int]:
+    """The rows B = ceil(buffer * rows) a shard may receive (``ExpertConfig.exchange_buffer``,
+    ``rows`` = T_loc * K its balanced share), or None when that holds every case (E * rows)."""
+    if buffer is None or math.ceil(buffer * rows) >= shards * rows:
+        return None
+    return math.ceil(buffer * rows)
+
+
 def _dropless_shard(x, indices, weights, *, experts: Optional[object], hidden: Optional[object],
-                    grouped_matmul: str):
+                    grouped_matmul: str, buffer: Optional[float] = None):
     """One device's dropless dispatch (all-gather fallback): every token of the expert group,
-    only the assignments of this device's experts, outputs reduce-scattered home."""
-    k, n_local = indices.shape[1], weights[0].shape[0]
-    first = 0
+    only the assignments of this device's experts, outputs reduce-scattered home. With a
+    bounded buffer, the assignments the rule of ``ExpertConfig.exchange_buffer`` drops count as
+    another shard's and return zero."""
+    t_loc, k = indices.shape
+    n_local = weights[0].shape[0]
+    first, e = 0, 1
     if experts is not None:
         x = jax.lax.all_gather(x, experts, axis=0, tiled=True)                   # [E*T, d]
         indices = jax.lax.all_gather(indices, experts, axis=0, tiled=True)
         first = jax.lax.axis_index(experts) * n_local
+        e = jax.lax.axis_size(experts)
     t = x.shape[0]
     local_id = indices.reshape(-1) - first
     local = (local_id >= 0) & (local_id < n_local)
+    cap = _buffer_rows(buffer, t_loc * k, e)
+    if cap is not None:
+        # the ragged exchange's order on this shard: by sending device, local expert, position
+        source = jnp.arange(t * k) // (t_loc * k)
+        place = jnp.argsort(jnp.argsort(jnp.where(local, source * n_local + local_id,
+                                                  e * n_local), stable=True))
+        local = local & (place < cap)
     key = jnp.where(local, local_id, n_local)                # other shards' experts sort last
     order = jnp.argsort(key, stable=True)                    # sorted row -> assignment
     rank = jnp.argsort(order)                                # assignment -> sorted row
@@ -134,20 +157,31 @@ def _dropless_shard(x, indices, weights, *, experts: Optional[object], hidden: O
     sizes = jnp.bincount(key, length=n_local + 1)[:n_local].astype(jnp.int32)
     out = take_rows(grouped_ffn(xs, weights, sizes, grouped_matmul), row_of,
                     held_by)                                                     # [E*T, K, d]
+    keep = jnp.ones((t_loc, k), bool)
+    if cap is not None:       # kept on the shard of its expert: one shard's count is 1
+        keep = local.reshape(t, k).astype(jnp.int32)
+        keep = (jax.lax.psum_scatter(keep, experts, scatter_dimension=0, tiled=True)
+                if experts is not None else keep) > 0
     if experts is not None:
         out = jax.lax.psum_scatter(out, experts, scatter_dimension=0, tiled=True)  # [T, K, d]
     if hidden is not None:
         out = jax.lax.psum(out, hidden)
-    return out, jnp.ones(out.shape[:2], bool)
+    return out, keep
 
 
-def _ragged_exchange_shard(x, indices, weights, *, experts, hidden, grouped_matmul: str):
+def _ragged_exchange_shard(x, indices, weights, *, experts, hidden, grouped_matmul: str,
+                           buffer: Optional[float] = None):
     """One device's dropless dispatch with ``ragged_all_to_all`` over the expert axes (module
-    docstring): each assignment goes to its expert's shard and back, nothing else moves."""
+    docstring): each assignment goes to its expert's shard and back, nothing else moves. With
+    a bounded buffer (``ExpertConfig.exchange_buffer``) each shard receives at most B rows:
+    every sender sends the head of its slice that fits behind the earlier senders', the tail
+    stays home and returns zero (``keep`` False)."""
     t, k = indices.shape
     n_local = weights[0].shape[0]
     e = jax.lax.axis_size(experts)
     m = t * k
+    cap = _buffer_rows(buffer, m, e)
+    rows = e * m if cap is None else cap                     # the receive buffer
     flat = indices.reshape(-1)
     order = jnp.argsort(flat, stable=True)                   # sorted row -> assignment
     rank = jnp.argsort(order)                                # assignment -> sorted row
@@ -157,18 +191,23 @@ def _ragged_exchange_shard(x, indices, weights, *, experts, hidden, grouped_matm
     input_offsets = jnp.cumsum(send_sizes) - send_sizes
     # recv[s, j]: rows shard s sends here for local expert j; sent[s, d]: s's slice for d
     recv = jax.lax.all_to_all(counts, experts, 0, 0, tiled=True)
-    recv_sizes = jnp.sum(recv, axis=1)
     sent = jax.lax.all_gather(send_sizes, experts, axis=0, tiled=False)      # [E, E]
     me = jax.lax.axis_index(experts)
-    output_offsets = (jnp.cumsum(sent, axis=0) - sent)[me]   # my slice's place on each shard
-    buffer = jnp.zeros((e * m, x.shape[1]), x.dtype)
+    start = jnp.cumsum(sent, axis=0) - sent                  # each slice's place on its shard
+    output_offsets = start[me]
+    if cap is not None:     # the head of each slice that fits on its shard, the rest stays
+        fits = jnp.clip(cap - start, 0, sent)                # [sender, receiver]
+        send_sizes = fits[me]
+        recv = jnp.clip(fits[:, me][:, None] - (jnp.cumsum(recv, axis=1) - recv), 0, recv)
+    recv_sizes = jnp.sum(recv, axis=1)
+    buffer = jnp.zeros((rows, x.shape[1]), x.dtype)
     got = ragged_all_to_all(xs, buffer, input_offsets, send_sizes, output_offsets, recv_sizes,
                             axis_name=experts)               # by source shard, then expert
     # local expert of each received row (sources in order, each sorted by expert); the unused
     # tail of the buffer sorts last
     expert_of = jnp.repeat(jnp.tile(jnp.arange(n_local, dtype=jnp.int32), e), recv.reshape(-1),
-                           total_repeat_length=e * m)
-    key = jnp.where(jnp.arange(e * m) < jnp.sum(recv), expert_of, n_local)
+                           total_repeat_length=rows)
+    key = jnp.where(jnp.arange(rows) < jnp.sum(recv), expert_of, n_local)
     by_expert = jnp.argsort(key, stable=True)
     back = jnp.argsort(by_expert)
     ys = grouped_ffn(take_rows(got, by_expert, back, True), weights, jnp.sum(recv, axis=0),
@@ -181,12 +220,17 @@ def _ragged_exchange_shard(x, indices, weights, *, experts, hidden, grouped_matm
     out = take_rows(returned, rank.reshape(t, k), order, True)          # [T, K, d]
     if hidden is not None:
         out = jax.lax.psum(out, hidden)
-    return out, jnp.ones((t, k), bool)
+    if cap is None:
+        return out, jnp.ones((t, k), bool)
+    shard = flat[order] // n_local                           # each sorted row's receiver
+    sent_here = jnp.arange(m) - input_offsets[shard] < send_sizes[shard]
+    return out, sent_here[rank].reshape(t, k)
 
 
 def sharded_dispatch(mode: str, x: jax.Array, indices: jax.Array, weights: ExpertWeights,
                      capacity_factor: float, layout: MeshLayout, fused: bool = False,
-                     grouped_matmul: str = "ragged_dot", expert_exchange: str = "all_gather"):
+                     grouped_matmul: str = "ragged_dot", expert_exchange: str = "all_gather",
+                     exchange_buffer: Optional[float] = None):
     """:func:`dagmoe_jax.model.dispatch.dispatch` across ``layout``'s mesh (module docstring).
 
     Same inputs and outputs as the single-device dispatch (global view): tokens ``x`` [T, d],
@@ -200,7 +244,8 @@ def sharded_dispatch(mode: str, x: jax.Array, indices: jax.Array, weights: Exper
     ``grouped_matmul``: as
     :func:`~dagmoe_jax.model.dispatch.grouped_ffn` (dropless); ``expert_exchange``: how
     dropless moves tokens between expert shards, 'all_gather' or 'ragged_all_to_all' (module
-    docstring; with no expert axis nothing moves and this is unused).
+    docstring; with no expert axis nothing moves and this is unused); ``exchange_buffer``:
+    ``ExpertConfig.exchange_buffer``, the same rule either way.
     """
     tokens, experts, hidden = dispatch_axes(layout)
     n, d_r = weights[0].shape[0], weights[0].shape[-1]
@@ -219,7 +264,7 @@ def sharded_dispatch(mode: str, x: jax.Array, indices: jax.Array, weights: Exper
         exchange = (_ragged_exchange_shard if expert_exchange == "ragged_all_to_all" and experts
                     else _dropless_shard)
         body = partial(exchange, experts=_axis(experts), hidden=_axis(hidden),
-                       grouped_matmul=grouped_matmul)
+                       grouped_matmul=grouped_matmul, buffer=exchange_buffer)
     else:
         raise ValueError(f"dispatch={mode!r} is invalid for expert parallelism: expected "
                          f"'capacity' or 'dropless'")

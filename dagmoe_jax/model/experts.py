@@ -47,6 +47,7 @@ class Experts(nnx.Module):
         ex = execution or REFERENCE_EXECUTION
         num_experts, hidden = cfg.num_experts, cfg.expert_hidden
         self.dtype, self.mode, self.capacity_factor = dtype, cfg.dispatch, cfg.capacity_factor
+        self.exchange_buffer = cfg.exchange_buffer
         self.grouped_matmul, self.expert_exchange = ex.grouped_matmul, ex.expert_exchange
         self.fuse_projections, self.layout = ex.fuse_projections, layout
         init = normal(std)
@@ -65,6 +66,7 @@ class Experts(nnx.Module):
         if not einsum and self.layout is not None:
             return sharded_dispatch(self.mode, x.astype(self.dtype), indices, weights,
                                     self.capacity_factor, self.layout, self.fuse_projections,
-                                    self.grouped_matmul, self.expert_exchange)
+                                    self.grouped_matmul, self.expert_exchange,
+                                    self.exchange_buffer)
         return dispatch(self.mode, x.astype(self.dtype), indices, weights, self.capacity_factor,
                         self.fuse_projections, self.grouped_matmul)

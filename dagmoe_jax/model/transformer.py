@@ -7,7 +7,8 @@ auxiliary dict (``cfg``: what is computed; ``execution``: how, a settled
 * ``balance_loss``, ``z_loss``: unweighted router losses, averaged over layers (and CoE steps);
 * ``aux_loss``: ``balance_coef * balance_loss + z_loss_coef * z_loss``, ready to add to the loss;
 * ``expert_load`` [layers, N]: share of routing slots per expert;
-* ``dropped_fraction`` [layers]: share of assignments that capacity dispatch dropped;
+* ``dropped_fraction`` [layers]: share of assignments that capacity dispatch or a bounded
+  exchange buffer (``ExpertConfig.exchange_buffer``) dropped;
 * ``router_counts`` [layers, R, N] int32, only with auxiliary-loss-free balancing
   (``RouterConfig.aux_free_bias_rate`` > 0): each router's assignments per expert, what
   :meth:`Transformer.update_selection_bias` moves the routers' selection biases by.

@@ -306,4 +306,13 @@ def describe(cfg: ModelConfig, settled: ExecutionConfig,
             f"{', grouped matmul ' + grouped if dropless else ''}"
             f"{', DAG module ' + ex.dag_module if dag_aggregation_of(cfg.block) else ''}"
             f"{', expert-parallel over ' + str(dict(layout.axis_sizes)) if layout else ''}"
-            f"{' by ' + ex.expert_exchange if layout and dropless else ''}")
+            f"{' by ' + ex.expert_exchange if layout and dropless else ''}"
+            f"{_buffer(experts) if layout and dropless else ''}")
+
+
+def _buffer(experts) -> str:
+    """The exchange buffer's part of :func:`describe`'s line."""
+    if experts.exchange_buffer is None:
+        return ""
+    return (f", receive buffer {experts.exchange_buffer:g}x the balanced share (the "
+            f"overflow drops)")

@@ -454,6 +454,29 @@ def test_search_candidates_respect_the_model():
                                    "DataConfig.batch_size = 16"]
 
 
+def test_the_search_tries_fsdp_and_mixed_meshes_early_and_bounded_buffers():
+    """Search order: data, FSDP and mixed meshes before wide expert parallelism and tensor
+    parallelism; each mesh with an expert axis (dropless) also tries the bounded buffers asked
+    for, before its own, each with its binding and label; a capacity model tries none."""
+    from dagmoe_jax.compile.search import OWN, candidates
+    cfg = small_dag()          # 4 experts, 2 KV heads, dropless
+    found = candidates(cfg, 8, [2], first=((8, 1, 1, 1), 2), buffers=[1.25, None])
+    sizes = [c.sizes for c in found]
+    assert sizes[:4] == [(8, 1, 1, 1), (4, 2, 1, 1), (2, 4, 1, 1), (1, 8, 1, 1)]
+    expert = [c.sizes[2] for c in found if c.sizes[3] == 1]
+    assert expert == sorted(expert)                         # expert parallelism ascending
+    assert all(c.sizes[3] == 1 for c in found[:found.index(next(
+        c for c in found if c.sizes[3] > 1))])              # tensor parallelism last
+    ep = [c for c in found if c.sizes == (4, 1, 2, 1)]
+    assert [c.exchange_buffer for c in ep] == [1.25, OWN]   # None is the run's own
+    assert ep[0].bindings()[-1] == "ExpertConfig.exchange_buffer = 1.25"
+    assert ep[0].label().endswith("buffer 1.25x")
+    assert ep[0].model_config(cfg).block.experts.exchange_buffer == 1.25
+    assert all(c.exchange_buffer == OWN for c in found if c.sizes[2] == 1)
+    capacity = cfg.replace(block=dict(experts=dict(dispatch="capacity")))
+    assert all(c.exchange_buffer == OWN for c in candidates(capacity, 8, [2], buffers=[1.25]))
+
+
 def test_maxtext_flags_describe_the_same_model(monkeypatch):
     """benchmarks/maxtext_compile.py hands MaxText the MoE-l shape and our mesh: a fair
     comparison needs every dimension equal."""
@@ -493,3 +516,12 @@ def test_mesh_axes_that_split_a_torus_axis():
     mesh = mesh_over(devices, dict(data=2, expert=32))
     assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "expert": 32, "tensor": 1}
     assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
+
+
+def test_search_buffers_are_factors_or_none():
+    from dagmoe_jax.compile.__main__ import parse_args
+    assert parse_args(["--search_buffers=1.25,none"]).search_buffers == [1.25, None]
+    assert parse_args(["--search_buffers="]).search_buffers == []
+    for bad in ("0.5", "wide"):
+        with pytest.raises(ValueError, match=f"--search_buffers={bad} is invalid"):
+            parse_args([f"--search_buffers={bad}"])

@@ -30,6 +30,9 @@ Flags:
                       bindings of the best
   --batch_per_chip=LIST   per-chip batch sizes to search (default: the run's, half, double)
   --search_budget=S   stop the search after S seconds (default 1800)
+  --search_buffers=LIST   ExpertConfig.exchange_buffer values a dropless model also tries on
+                      meshes with an expert axis ('none': the worst case; default 1.25;
+                      '' none but the run's own)
   --search_cache=DIR  where the search keeps each outcome, keyed by the configuration, the
                       topology and libtpu's version, so a search run again compiles only what
                       it has not (default ~/.cache/dagmoe_jax/compile; '' keeps nothing)
@@ -69,11 +72,28 @@ def parse_args(argv):
     parser.add_argument("--search", action="store_true")
     parser.add_argument("--batch_per_chip", default="")
     parser.add_argument("--search_budget", type=float, default=1800.0)
+    parser.add_argument("--search_buffers", default="1.25")
     parser.add_argument("--search_cache", default=str(
         Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dagmoe_jax" / "compile"))
     args, args.bindings = parse_gin_command(parser, argv, "python -m dagmoe_jax.compile")
     args.programs = tuple(p.strip() for p in args.programs.split(",") if p.strip())
+    args.search_buffers = _buffers(args.search_buffers)
     return args
+
+
+def _buffers(text: str) -> list:
+    """--search_buffers as ExpertConfig.exchange_buffer values, or a one-line ValueError."""
+    out = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        try:
+            value = None if part == "none" else float(part)
+        except ValueError:
+            value = 0.0
+        if value is not None and value < 1:
+            raise ValueError(f"--search_buffers={text} is invalid: expected factors >= 1 or "
+                             f"'none', comma-separated")
+        out.append(value)
+    return out
 
 
 def gb(x: float) -> str:
@@ -233,7 +253,8 @@ def _libtpu_version() -> str:
 
 def _search(args, model_cfg, data_cfg, optim_cfg, train_cfg, chip, devices, topology) -> int:
     from dagmoe_jax.compile.programs import OutOfMemory, compile_run, mesh_over
-    from dagmoe_jax.compile.search import Outcome, OutcomeCache, candidates, ranked, search
+    from dagmoe_jax.compile.search import (OWN, Outcome, OutcomeCache, candidates, ranked,
+                                           search)
     chips = len(devices)
     own = train_cfg.mesh.resolve(chips)
     if data_cfg.batch_size % chips:
@@ -245,7 +266,7 @@ def _search(args, model_cfg, data_cfg, optim_cfg, train_cfg, chip, devices, topo
     else:
         batches = sorted({max(run_batch // 2, 1), run_batch, run_batch * 2})
     todo = candidates(model_cfg, chips, batches, first=(own, run_batch),
-                      num_slices=args.num_slices)
+                      num_slices=args.num_slices, buffers=args.search_buffers)
     print(f"searching {len(todo)} meshes x batches for {topology} ({chips} {chip.name} chips), "
           f"budget {args.search_budget:.0f} s", flush=True)
 
@@ -253,8 +274,8 @@ def _search(args, model_cfg, data_cfg, optim_cfg, train_cfg, chip, devices, topo
         data = dataclasses.replace(data_cfg, batch_size=candidate.batch_per_chip * chips)
         try:
             mesh = mesh_over(devices, candidate.mesh, args.num_slices)
-            _, reports = compile_run(model_cfg, data, optim_cfg, train_cfg, mesh, chip,
-                                     programs=("train",))
+            _, reports = compile_run(candidate.model_config(model_cfg), data, optim_cfg,
+                                     train_cfg, mesh, chip, programs=("train",))
         except OutOfMemory as err:
             return Outcome(candidate, error="out of memory" + (
                 f" ({err.args[1] / 1e9:.1f} GB)" if err.args[1] else ""))
@@ -277,24 +298,26 @@ def _search(args, model_cfg, data_cfg, optim_cfg, train_cfg, chip, devices, topo
     cache = OutcomeCache(args.search_cache, fingerprint) if args.search_cache else None
     outcomes = ranked(search(compile_one, todo, budget_seconds=args.search_budget,
                              log=lambda m: print(m, flush=True), cache=cache))
-    print(f"{'rank':<5}{'mesh':<36}{'batch/chip':>11}{'tokens/s':>14}{'MFU':>8}{'GB/chip':>9}")
+    print(f"{'rank':<5}{'mesh':<46}{'batch/chip':>11}{'tokens/s':>14}{'MFU':>8}{'GB/chip':>9}")
     for i, o in enumerate(outcomes):
         if o.seconds:
-            print(f"{i + 1:<5}{o.candidate.label():<36}{o.candidate.batch_per_chip:>11}"
+            print(f"{i + 1:<5}{o.candidate.label():<46}{o.candidate.batch_per_chip:>11}"
                   f"{o.tokens_per_second:>14,.0f}{o.mfu:>8.1%}{o.hbm_bytes / 1e9:>9.1f}")
         else:
-            print(f"{'-':<5}{o.candidate.label():<36}{o.candidate.batch_per_chip:>11}  {o.error}")
+            print(f"{'-':<5}{o.candidate.label():<46}{o.candidate.batch_per_chip:>11}  {o.error}")
     best = next((o for o in outcomes if o.seconds), None)
     if args.json:
         Path(args.json).write_text(json.dumps([{
             "mesh": o.candidate.mesh, "batch_per_chip": o.candidate.batch_per_chip,
+            "bindings": o.candidate.bindings(),
             "seconds": o.seconds, "tokens_per_second": o.tokens_per_second, "mfu": o.mfu,
             "hbm_bytes": o.hbm_bytes, "error": o.error} for o in outcomes], indent=1))
     if best is None:
         raise ValueError(f"no mesh and batch tried fits {topology}: lower the batch or raise "
                          f"--search_budget")
     own_outcome = next((o for o in outcomes if o.candidate.sizes == tuple(own)
-                        and o.candidate.batch_per_chip == run_batch and o.seconds), None)
+                        and o.candidate.batch_per_chip == run_batch
+                        and o.candidate.exchange_buffer == OWN and o.seconds), None)
     speedup = (f", {best.tokens_per_second / own_outcome.tokens_per_second:.2f}x the run's own "
                f"mesh" if own_outcome else "")
     print(f"best: {best.candidate.label()}, batch {best.candidate.batch_per_chip}/chip"

@@ -3,8 +3,10 @@
 :func:`candidates` lists the factorisations of the chips into ``data x fsdp x expert x tensor``
 that the model admits (``expert`` divides the routed experts, ``tensor`` the KV heads and the
 expert hidden size, every batch axis divides the global batch), for each per-chip batch size
-asked for; :func:`search` compiles them in a stated order (the run's own mesh first, then by
-expert parallelism, FSDP and tensor parallelism ascending: the cheapest collectives first),
+asked for, and on meshes with an expert axis each bounded exchange buffer asked for
+(``ExpertConfig.exchange_buffer``); :func:`search` compiles them in a stated order (the run's
+own mesh first, then by tensor, expert and FSDP parallelism ascending: data, FSDP and mixed
+meshes before wide expert parallelism, the cheapest collectives first),
 skips what does not fit, and stops at a time budget. Each compilation is reported as it ends,
 and the results are ranked by estimated tokens/s among those that fit. :class:`OutcomeCache`
 keeps every outcome on disk under a fingerprint of the run's configuration, the topology and the
@@ -27,10 +29,18 @@ from dagmoe_jax.config import ModelConfig, experts_of
 from dagmoe_jax.parallel.axes import MESH_AXES
 
 
+# No buffer setting of its own: the candidate runs the run's ExpertConfig.exchange_buffer.
+OWN = "own"
+
+
 @dataclasses.dataclass(frozen=True)
 class Candidate:
+    """A mesh (data, fsdp, expert, tensor sizes), a per-chip batch and, on a mesh with an
+    expert axis, the ``ExpertConfig.exchange_buffer`` to try (``OWN``: the run's own)."""
+
     sizes: Tuple[int, int, int, int]      # data, fsdp, expert, tensor
     batch_per_chip: int
+    exchange_buffer: object = OWN
 
     @property
     def mesh(self) -> Dict[str, int]:
@@ -39,11 +49,23 @@ class Candidate:
     def bindings(self) -> List[str]:
         """The gin bindings that run this candidate."""
         chips = math.prod(self.sizes)
+        buffer = ([] if self.exchange_buffer == OWN
+                  else [f"ExpertConfig.exchange_buffer = {self.exchange_buffer}"])
         return ([f"MeshConfig.{a} = {s}" for a, s in zip(MESH_AXES, self.sizes)]
-                + [f"DataConfig.batch_size = {self.batch_per_chip * chips}"])
+                + [f"DataConfig.batch_size = {self.batch_per_chip * chips}"] + buffer)
 
     def label(self) -> str:
-        return mesh_label(self.mesh)
+        if self.exchange_buffer == OWN:
+            return mesh_label(self.mesh)
+        bound = ("worst case" if self.exchange_buffer is None
+                 else f"{self.exchange_buffer:g}x")
+        return f"{mesh_label(self.mesh)}, buffer {bound}"
+
+    def model_config(self, cfg: ModelConfig) -> ModelConfig:
+        """``cfg`` with this candidate's exchange buffer."""
+        if self.exchange_buffer == OWN:
+            return cfg
+        return cfg.replace(block=dict(experts=dict(exchange_buffer=self.exchange_buffer)))
 
 
 def factorisations(n: int, parts: int = 4) -> Iterator[Tuple[int, ...]]:
@@ -76,8 +98,13 @@ def admits(cfg: ModelConfig, sizes: Sequence[int], global_batch: int) -> bool:
 
 def candidates(cfg: ModelConfig, chips: int, batches_per_chip: Sequence[int],
                first: Optional[Tuple[Tuple[int, ...], int]] = None,
-               num_slices: int = 1) -> List[Candidate]:
-    """The meshes and per-chip batches to try, in search order (module docstring)."""
+               num_slices: int = 1, buffers: Sequence[Optional[float]] = ()) -> List[Candidate]:
+    """The meshes, per-chip batches and exchange buffers to try, in search order (module
+    docstring). ``buffers``: ``ExpertConfig.exchange_buffer`` values (None: the worst case) a
+    dropless model also tries on each mesh with an expert axis, before the run's own."""
+    experts = experts_of(cfg.block)
+    own = experts.exchange_buffer if experts is not None else None
+    tried = [b for b in dict.fromkeys(buffers) if b != own]
     out = []
     for sizes in factorisations(chips):
         if sizes[0] % num_slices:
@@ -85,7 +112,12 @@ def candidates(cfg: ModelConfig, chips: int, batches_per_chip: Sequence[int],
         for b in batches_per_chip:
             if admits(cfg, sizes, b * chips):
                 out.append(Candidate(tuple(sizes), b))
-    out.sort(key=lambda c: (c.sizes[3], c.sizes[1], -c.sizes[2], c.batch_per_chip))
+                if sizes[2] > 1 and experts.dispatch == "dropless":
+                    out.extend(Candidate(tuple(sizes), b, f) for f in tried)
+    # cheapest collectives first: data, FSDP and mixed meshes before wide expert and tensor
+    # parallelism (expert ascending), a bounded buffer before the worst case on a mesh
+    out.sort(key=lambda c: (c.sizes[3], c.sizes[2], c.sizes[1], c.exchange_buffer == OWN,
+                            c.batch_per_chip))
     if first is not None:
         head = Candidate(tuple(first[0]), first[1])
         out = [head] + [c for c in out if c != head]
@@ -117,7 +149,9 @@ class OutcomeCache:
 
     @staticmethod
     def _key(candidate: Candidate) -> str:
-        return f"{'x'.join(map(str, candidate.sizes))}/{candidate.batch_per_chip}"
+        buffer = ("" if candidate.exchange_buffer == OWN
+                  else f"/buffer={candidate.exchange_buffer}")
+        return f"{'x'.join(map(str, candidate.sizes))}/{candidate.batch_per_chip}{buffer}"
 
     def get(self, candidate: Candidate) -> Optional[Outcome]:
         entry = self.entries.get(self._key(candidate))

@@ -170,6 +170,23 @@ def test_oversized_batch_is_one_line(capsys):
     assert "batch_size" in err[0] and "fsdp" in err[0]
 
 
+@needs_tpu_compiler
+def test_the_compile_report_names_the_exchange_and_its_buffer(capsys):
+    """The report's settled line says how expert-parallel dropless dispatch runs on the mesh
+    and, with ExpertConfig.exchange_buffer, that the overflow beyond the bound drops."""
+    from dagmoe_jax.compile.__main__ import main
+    code = main(["--gin_file=models/tiny.gin", "--gin.ModelConfig.compute_dtype='bfloat16'",
+                 "--gin.DataConfig.batch_size=8", "--gin.DataConfig.seq_len=128",
+                 "--gin.ExpertConfig.dispatch='dropless'",
+                 "--gin.ExpertConfig.exchange_buffer=1.25", "--programs=train",
+                 "--topology=v5p:2x2x1", "--gin.MeshConfig.data=2", "--gin.MeshConfig.expert=2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    line = next(l for l in out.splitlines() if l.startswith("model settled for tpu"))
+    assert "expert-parallel over" in line and "by ragged_all_to_all" in line, line
+    assert line.endswith("receive buffer 1.25x the balanced share (the overflow drops)"), line
+
+
 def test_kernels_refused_under_highest_precision():
     """Building a run (run.build, and the compile command's abstract state) refuses the
     Pallas TPU kernels under 'highest' in one line."""

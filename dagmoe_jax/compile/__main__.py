@@ -196,9 +196,12 @@ def _run(args) -> int:
                                        log=lambda m: print(m, flush=True))
     except OutOfMemory as err:
         raise ValueError(oom_line(err, chip, topology)) from None
+    from dagmoe_jax.parallel.axes import MeshLayout
     from dagmoe_jax.run.settle import describe as describe_settled
+    # with the mesh: the expert-parallel exchange and its receive buffer (what overflows drops)
     settled = describe_settled(model_cfg, execution, train_cfg.execution,
-                               backend=chip.platform, device=devices[0])
+                               backend=chip.platform, layout=MeshLayout.of(mesh),
+                               device=devices[0])
     print(f"model settled for {chip.platform}: {settled}")
     for name, report in reports.items():
         print(describe(name, report, chip, topology, label))

@@ -283,6 +283,26 @@ def test_all_steps_corrupt_is_a_one_line_error(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["1", "2"]
 
 
+def test_a_signal_during_a_read_is_the_signal_not_a_damaged_step(tmp_path, monkeypatch):
+    """Orbax wraps what interrupts a restore (Ctrl-C, a run's SIGINT) in its own error: the
+    interrupt comes out as itself, not as 'no checkpoint is readable', and no step is moved
+    aside (the fine-tuning sweep of tests/test_reliability.py met it reading its source)."""
+    from dagmoe_jax.train.signals import Interrupted
+    with Checkpointer(tmp_path, save_every=1, async_save=False) as ckpt:
+        ckpt.save(1, small_state(1), meta={})
+
+    def interrupted(*_args, **_kwargs):
+        try:
+            raise Interrupted("SIGINT")
+        except Interrupted as err:
+            raise RuntimeError("restore failed") from err
+    with Checkpointer(tmp_path, save_every=1) as ckpt:
+        monkeypatch.setattr(ckpt._manager, "restore", interrupted)
+        with pytest.raises(Interrupted):
+            ckpt.restore(abstract_of(small_state()))
+    assert sorted(os.listdir(tmp_path)) == ["1"]
+
+
 @orbax_failed_reads
 def test_missing_item_counts_as_unreadable(tmp_path):
     with Checkpointer(tmp_path, save_every=1, async_save=False) as ckpt:

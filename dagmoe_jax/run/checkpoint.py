@@ -77,8 +77,9 @@ import orbax.checkpoint as ocp
 
 from dagmoe_jax.run.checkpoint_files import (CHECKSUM_FILE, MAX_LISTED_DIFFS,
                                              IteratorSnapshot, cause_line, json_diffs,
-                                             os_cause, saved_part, shapes, show, strip_values,
-                                             verify_checksums, write_checksums)
+                                             os_cause, raise_if_interrupted, saved_part,
+                                             shapes, show, strip_values, verify_checksums,
+                                             write_checksums)
 from dagmoe_jax.run.paths import as_path, is_remote
 
 logger = logging.getLogger(__name__)
@@ -354,6 +355,7 @@ class Checkpointer:
                 if tree_metadata is None:
                     raise ValueError(f"no metadata for item {STATE_ITEM!r}")
             except Exception as err:  # noqa: BLE001 -- any read failure makes the step unusable
+                raise_if_interrupted(err)                # a signal, not a damaged step
                 failures.append((step, cause_line(err)))
                 continue
             part = saved_part(abstract_state, meta, getattr(tree_metadata, "tree", tree_metadata))
@@ -375,6 +377,7 @@ class Checkpointer:
                 restored = self._manager.restore(step, args=ocp.args.Composite(**items))
                 state = restored[STATE_ITEM]
             except Exception as err:  # noqa: BLE001
+                raise_if_interrupted(err)
                 failures.append((step, cause_line(err)))
                 continue
             skipped = self._move_aside(failures, fallback=step)

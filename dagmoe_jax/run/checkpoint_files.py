@@ -124,6 +124,15 @@ def _causes(err: BaseException):
         err = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
 
 
+def raise_if_interrupted(err: BaseException) -> None:
+    """Raise the ``KeyboardInterrupt`` (Ctrl-C, a run's SIGINT / SIGTERM) ``err`` was raised
+    from, if any: Orbax wraps what interrupts a read in its own error, which must not read as a
+    damaged checkpoint."""
+    for inner in _causes(err):
+        if isinstance(inner, KeyboardInterrupt):
+            raise inner from None
+
+
 def os_cause(err: BaseException) -> str:
     """The operating system's reason for a failed write ("[Errno 28] No space left on
     device"), which TensorStore puts at the end of a long message as ``os_error_code='28'``;

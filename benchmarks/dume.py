@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -50,8 +49,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dagmoe_jax.cli import (add_budget_flags, fill_budget_defaults, report_error,  # noqa: E402
-                            run_and_report)
+from dagmoe_jax.cli import add_budget_flags, fill_budget_defaults, report_or_run  # noqa: E402
 
 DEFAULTS = dict(seeds=3, seed_steps=200, expert_steps=150, router_steps=80, batch=16,
                 seq_len=128, eval_batches=6, stats_batches=8, d_model=128, layers=4,
@@ -350,18 +348,8 @@ def run(args, out, log):
 
 
 def main(argv=None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.report:
-        try:
-            print(format_report(json.loads(Path(args.report).read_text())))
-        except (OSError, ValueError, KeyError) as err:
-            return report_error(ValueError(f"cannot read {args.report}: {err}"))
-        return 0
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    return run_and_report(out, args.json, "dume.json",
-                          lambda: run(args, out, lambda line: print(line, flush=True)),
-                          format_report)
+    return report_or_run(parse_args(sys.argv[1:] if argv is None else argv), "dume.json", run,
+                         format_report)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -35,8 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dagmoe_jax.cli import (add_budget_flags, fill_budget_defaults, report_error,  # noqa: E402
-                            run_and_report)
+from dagmoe_jax.cli import add_budget_flags, fill_budget_defaults, report_or_run  # noqa: E402
 import dume as bench_dume  # noqa: E402
 
 DEFAULTS = dict(bench_dume.DEFAULTS, stats_seq_len=1024, stats_rows=16, dag_dim=32,
@@ -188,18 +186,8 @@ def run(args, out, log):
 
 
 def main(argv=None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.report:
-        try:
-            print(format_report(json.loads(Path(args.report).read_text())))
-        except (OSError, ValueError, KeyError) as err:
-            return report_error(ValueError(f"cannot read {args.report}: {err}"))
-        return 0
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    return run_and_report(out, args.json, "dume_ablations.json",
-                          lambda: run(args, out, lambda line: print(line, flush=True)),
-                          format_report)
+    return report_or_run(parse_args(sys.argv[1:] if argv is None else argv), "dume_ablations.json", run,
+                         format_report)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ Budget flags (defaults; --micro's in brackets): --seeds 3 [1], --pretrain_steps 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -47,8 +46,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dagmoe_jax.cli import (add_budget_flags, fill_budget_defaults, report_error,  # noqa: E402
-                            run_and_report)
+from dagmoe_jax.cli import add_budget_flags, fill_budget_defaults, report_or_run  # noqa: E402
 
 DEFAULTS = dict(seeds=3, pretrain_steps=400, finetune_steps=150, batch=16, seq_len=128,
                 eval_batches=8, d_model=64, layers=4, experts=8, expert_hidden=64, dag_dim=32,
@@ -217,18 +215,8 @@ def format_report(results: dict) -> str:
 
 
 def main(argv=None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.report:
-        try:
-            print(format_report(json.loads(Path(args.report).read_text())))
-        except (OSError, ValueError, KeyError) as err:
-            return report_error(ValueError(f"cannot read {args.report}: {err}"))
-        return 0
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    return run_and_report(out, args.json, "moe_conversion.json",
-                          lambda: run(args, out, lambda line: print(line, flush=True)),
-                          format_report)
+    return report_or_run(parse_args(sys.argv[1:] if argv is None else argv), "moe_conversion.json", run,
+                         format_report)
 
 
 if __name__ == "__main__":

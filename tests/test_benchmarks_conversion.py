@@ -48,3 +48,18 @@ def test_the_report_pairs_seeds_and_marks_the_spread():
     assert "-0.1000 ± 0.0000 |" in rows["dag"]                 # beyond the spread: no '~'
     assert rows["coe"].split(" | ")[4].endswith("~")
     assert "largest gap 1.0e-07" in report
+
+
+def test_report_reprints_saved_results_and_refuses_a_bad_file(tmp_path, capsys):
+    """--report FILE prints the saved results' report without training (cli.report_or_run);
+    an unreadable file is one line and exit 2."""
+    import json
+    results = {"budget": dict(bench.DEFAULTS), "pretrained_loss": 2.5,
+               "records": [{"variant": "moe", "seed": 0, "loss": 2.0, "imbalance": 1.4}],
+               "start": {"moe": 3.0}, "params": {"moe": 1000}}
+    (tmp_path / "r.json").write_text(json.dumps(results))
+    assert bench.main([f"--report={tmp_path / 'r.json'}"]) == 0
+    assert "| moe | 1,000 | 3.0000 |" in capsys.readouterr().out
+    assert bench.main([f"--report={tmp_path / 'missing.json'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: cannot read") and "\n" not in err

@@ -210,6 +210,25 @@ def fill_budget_defaults(args: argparse.Namespace, defaults: Dict[str, Any],
             setattr(args, name, micro.get(name, value) if args.micro else value)
 
 
+def report_or_run(args: argparse.Namespace, default_name: str,
+                  run: Callable[[argparse.Namespace, Path, Callable[[str], None]], dict],
+                  format_report: Callable[[dict], str]) -> int:
+    """The ``main`` of a benchmark with ``--report``, ``--out`` and ``--json``: with
+    ``--report FILE`` the report of saved results (2 and one line when unreadable); else
+    ``run(args, out, log)`` into ``--out`` (:func:`run_and_report`), progress lines printed."""
+    if args.report:
+        try:
+            print(format_report(json.loads(Path(args.report).read_text())))
+        except (OSError, ValueError, KeyError) as err:
+            return report_error(ValueError(f"cannot read {args.report}: {err}"))
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return run_and_report(out, args.json, default_name,
+                          lambda: run(args, out, lambda line: print(line, flush=True)),
+                          format_report)
+
+
 def run_and_report(out: Path, json_path: Optional[str], default_name: str,
                    run: Callable[[], dict], format_report: Callable[[dict], str],
                    extra: Optional[dict] = None) -> int:

@@ -32,20 +32,14 @@ import pytest
 if __name__ == "__main__":          # as a script: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-torch = pytest.importorskip("torch", reason="the peer tests need torch and transformers "
-                            "(pip install -r benchmarks/requirements-peer.txt), which CI "
-                            "does not install: README")
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("accelerate", reason="the harness's hf model needs accelerate")
-lm_eval = pytest.importorskip("lm_eval", reason="needs the [harness] extra (in requirements)")
-
+# test_harness_hf skips the module without torch, transformers, accelerate or lm-eval
+from test_harness_hf import (AGREEMENT_HEADER, TASKS_DIR, agreement_row, compare,  # noqa: E402
+                             direct_requests, evaluate, lm_eval, rel_gap, torch, transformers)
 from lm_eval.api.registry import get_model  # noqa: E402
 
 from conftest import write_special_tokenizer  # noqa: E402
 from dagmoe_jax.harness.lm import DagmoeLM  # noqa: E402
 from dagmoe_jax.hf.run import HF_PREFIX  # noqa: E402
-from test_harness_hf import (AGREEMENT_HEADER, TASKS_DIR, agreement_row, compare,  # noqa: E402
-                             direct_requests, evaluate, rel_gap)
 from test_hf_transformers import tiny_moe  # noqa: E402
 
 WINDOW = 32             # the folder's max_position_embeddings: the window on both sides

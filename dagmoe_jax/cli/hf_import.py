@@ -92,6 +92,7 @@ def import_hf(folder: str, run_dir: str, *, seq_len: int = 0, batch_size: int = 
     no Llama or has no ``tokenizer.json``, and for a ``seq_len`` beyond the model's context."""
     # pylint: disable=import-outside-toplevel
     from dagmoe_jax import run as run_lib
+    from dagmoe_jax.config import dag_aggregation_of
     from dagmoe_jax.data import DataConfig
     from dagmoe_jax.hf.llama import load_hf_llama, model_config_from_hf, read_hf_config
     from dagmoe_jax.hf.run import folder_tokenizer
@@ -99,7 +100,8 @@ def import_hf(folder: str, run_dir: str, *, seq_len: int = 0, batch_size: int = 
 
     source_dir = Path(folder).expanduser().resolve()
     folder_tokenizer(source_dir)
-    context = model_config_from_hf(read_hf_config(source_dir)).max_seq_len
+    folder_cfg = model_config_from_hf(read_hf_config(source_dir))
+    context = folder_cfg.max_seq_len
     seq_len = seq_len or min(DEFAULT_SEQ_LEN, context)
     if seq_len > context:                        # before anything is read or written
         raise ValueError(f"--seq_len={seq_len} is longer than the model's context "
@@ -115,7 +117,7 @@ def import_hf(folder: str, run_dir: str, *, seq_len: int = 0, batch_size: int = 
         copied = [name for name in run_lib.TOKENIZER_FILES
                   if (target / run_lib.TOKENIZER_DIR / name).is_file()]
         if callable(convert_to):
-            convert_to = convert_to(model_config_from_hf(read_hf_config(source_dir)))
+            convert_to = convert_to(folder_cfg)
         model, model_cfg = load_hf_llama(source_dir, convert_to=convert_to)
         optim_cfg = OptimConfig()
         train_cfg = TrainConfig(run_dir=str(target), steps=steps, save_every=steps)
@@ -131,9 +133,7 @@ def import_hf(folder: str, run_dir: str, *, seq_len: int = 0, batch_size: int = 
             shutil.rmtree(target, ignore_errors=True)
         raise
     block = model_cfg.block
-    name = ("CoE" if block.kind == "coe" else
-            "DAG-MoE" if getattr(block, "aggregation", None) and block.aggregation.kind == "dag"
-            else "MoE")
+    name = "CoE" if block.kind == "coe" else "DAG-MoE" if dag_aggregation_of(block) else "MoE"
     kind = ("dense" if block.kind == "dense" else
             f"{name} of {block.experts.num_experts} experts, top {block.router.top_k}"
             + (f", {block.iterations} iterations" if block.kind == "coe" else ""))

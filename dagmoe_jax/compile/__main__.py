@@ -52,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -83,17 +84,12 @@ def parse_args(argv):
 
 def _buffers(text: str) -> list:
     """--search_buffers as ExpertConfig.exchange_buffer values, or a one-line ValueError."""
-    out = []
-    for part in (p.strip() for p in text.split(",") if p.strip()):
-        try:
-            value = None if part == "none" else float(part)
-        except ValueError:
-            value = 0.0
-        if value is not None and value < 1:
-            raise ValueError(f"--search_buffers={text} is invalid: expected factors >= 1 or "
-                             f"'none', comma-separated")
-        out.append(value)
-    return out
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    factors = [p for p in parts if p != "none"]
+    if not all(re.fullmatch(r"\d+(\.\d*)?", f) and float(f) >= 1 for f in factors):
+        raise ValueError(f"--search_buffers={text} is invalid: expected factors >= 1 or "
+                         f"'none', comma-separated")
+    return [None if p == "none" else float(p) for p in parts]
 
 
 def gb(x: float) -> str:

@@ -98,7 +98,7 @@ def params_to_hf_tensors(model: nnx.Module, tied: bool) -> Iterator[Tuple[str, n
         for key in keys:
             yield layer_names(i)[key], np.ascontiguousarray(to_hf[key](stacked[key][i]))
     if family != "llama":
-        yield from moe_block_tensors(cfg, family, lambda path: arr(path))
+        yield from moe_block_tensors(cfg, family, arr)
 
 
 def _save(tensors: Dict[str, np.ndarray], path: Path, meta: dict) -> None:

@@ -33,12 +33,11 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy before safetensor
 import numpy as np
 from flax import nnx
 
-from dagmoe_jax.config import (DenseConfig, ExecutionConfig, ModelConfig,
-                               default_ffn_hidden)
+from dagmoe_jax.config import DenseConfig, ExecutionConfig, ModelConfig, default_ffn_hidden
 from dagmoe_jax.data.tokenizers import folder_config, token_text
 from dagmoe_jax.hf.moe import FAMILIES as MOE_FAMILIES
-from dagmoe_jax.hf.rope import rope_from_hf
 from dagmoe_jax.hf.moe import layer_tensor_names, moe_block_config, moe_block_params
+from dagmoe_jax.hf.rope import rope_from_hf
 from dagmoe_jax.model.conversion import converted_config, converted_params
 from dagmoe_jax.model.params import set_params
 from dagmoe_jax.model import Transformer

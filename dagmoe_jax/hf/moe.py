@@ -153,7 +153,7 @@ def moe_block_params(cfg: ModelConfig, family: MoEFamily,
 
 # The family an MoE of the library exports to, by its attention's q/k norms (the one field in
 # which the three differ that the routing does not decide).
-EXPORT_FAMILY = {"none": "mixtral", "full": "olmoe", "head": "qwen3_moe"}
+EXPORT_FAMILY = {family.qk_norm: name for name, family in FAMILIES.items()}
 
 
 def export_family(cfg: ModelConfig) -> str:
@@ -178,13 +178,13 @@ def export_family(cfg: ModelConfig) -> str:
         if value != allowed:
             raise ValueError(f"{field}={value!r} cannot be exported to a Hugging Face MoE: "
                              f"{why} ({field}={allowed!r} can)")
-    family = EXPORT_FAMILY[cfg.qk_norm]
-    if family == "mixtral" and not r.renormalize:
-        raise ValueError("RouterConfig.renormalize=False cannot be exported with "
-                         "ModelConfig.qk_norm='none': that is Mixtral, which renormalises the "
-                         "top-k weights (OLMoE, qk_norm='full', and Qwen3-MoE, 'head', follow "
-                         "norm_topk_prob)")
-    return family
+    name = EXPORT_FAMILY[cfg.qk_norm]
+    if FAMILIES[name].always_renormalize and not r.renormalize:
+        raise ValueError(f"RouterConfig.renormalize=False cannot be exported with "
+                         f"ModelConfig.qk_norm={cfg.qk_norm!r}: that is {name}, which always "
+                         f"renormalises the top-k weights (the families of the other q/k "
+                         f"norms follow norm_topk_prob)")
+    return name
 
 
 def moe_hf_config(cfg: ModelConfig, name: str) -> dict:

@@ -9,8 +9,9 @@ own router to K_t experts (default K / C) and adds their gated outputs (plus sha
 
 ``CoEConfig.score_fn='softmax'`` gives the routers CoE eq. 7's softmax (the model's score
 function otherwise). ``CoEConfig.iteration_scales`` scales each later iteration's update by a
-learned a_t (a converted MoE starts at 0). ``shared_router`` is the eq. 8 ablation: the first iteration's routing
-(gates and experts) is reused by every iteration instead of re-routing each refined state.
+learned a_t (a converted MoE starts at 0). ``shared_router`` is the eq. 8 ablation: the first
+iteration's routing (gates and experts) is reused by every iteration instead of re-routing
+each refined state.
 
 In every residual mode the chain's output is x + delta, with delta what the experts added
 (:func:`coe_step`). x = RMSNorm(h) is the block input and the decoder adds h around the block,

@@ -25,7 +25,7 @@ from typing import Iterable, Iterator, Tuple
 
 import numpy as np
 
-from dagmoe_jax.config import CoEConfig, ModelConfig
+from dagmoe_jax.config import CoEConfig, ModelConfig, block_summary
 
 Path = Tuple  # a parameter's attribute path, e.g. ('layers', 'block', 'router', 'w_router')
 _ROUTER = ("layers", "block", "router")
@@ -49,9 +49,7 @@ def converted_config(source: ModelConfig, block) -> ModelConfig:
     one-line ValueError naming the field."""
     if not is_conversion(source, block):
         raise ValueError(f"only an MoE summing its experts converts to DAG-MoE or CoE, not "
-                         f"block={source.block.kind!r} (aggregation "
-                         f"{getattr(getattr(source.block, 'aggregation', None), 'kind', None)!r}) "
-                         f"to block={block.kind!r}")
+                         f"{block_summary(source.block)} to block={block.kind!r}")
     if block.kind == "moe":
         if block.aggregation.kind != "dag":
             raise ValueError(f"AggregationConfig.kind={block.aggregation.kind!r}: an MoE "

@@ -45,9 +45,10 @@ With E = 1 (pure data parallelism) no tokens move: each device dispatches its ow
   ``psum``. ``ExpertConfig.exchange_buffer`` bounds what a shard receives to B rows, the
   same rule for both exchanges (each shard keeps the first B in the order sending device,
   local expert, the sender's token order; the rest drop, ``keep`` False); the ragged
-  exchange's buffers and sorts then hold B rows instead of E * T_loc * K. The CPU suite checks the ragged exchange's bookkeeping against the single-device
-  dispatch with an all-gather emulation of the collective (tests/test_parallel.py), and that
-  it lowers for TPU and CUDA (tests/test_lowering.py).
+  exchange's buffers and sorts then hold B rows instead of E * T_loc * K. The CPU suite
+  checks the ragged exchange's bookkeeping (and the buffer's rule) against the single-device
+  dispatch with an all-gather emulation of the collective (tests/test_ragged_exchange.py),
+  and that it lowers for TPU and CUDA (tests/test_lowering.py).
 * ``dense`` (the test oracle) is not sharded by hand: it runs the global-view code.
 * A token count the token axes do not divide (e.g. sampling one sequence) also runs the
   global-view code, which XLA partitions through the sharding constraints (correct, slower).
@@ -158,10 +159,9 @@ def _dropless_shard(x, indices, weights, *, experts: Optional[object], hidden: O
     out = take_rows(grouped_ffn(xs, weights, sizes, grouped_matmul), row_of,
                     held_by)                                                     # [E*T, K, d]
     keep = jnp.ones((t_loc, k), bool)
-    if cap is not None:       # kept on the shard of its expert: one shard's count is 1
-        keep = local.reshape(t, k).astype(jnp.int32)
-        keep = (jax.lax.psum_scatter(keep, experts, scatter_dimension=0, tiled=True)
-                if experts is not None else keep) > 0
+    if cap is not None:       # (only with E > 1) kept on its expert's shard: one count of 1
+        keep = jax.lax.psum_scatter(local.reshape(t, k).astype(jnp.int32), experts,
+                                    scatter_dimension=0, tiled=True) > 0
     if experts is not None:
         out = jax.lax.psum_scatter(out, experts, scatter_dimension=0, tiled=True)  # [T, K, d]
     if hidden is not None:

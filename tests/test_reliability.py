@@ -139,6 +139,39 @@ def test_repeated_signals_wait_for_the_save_they_asked_for(tmp_path):
     assert again.returncode == 0 and f"resumed from step {stopped}" in again.stdout
 
 
+def test_a_library_error_a_signal_caused_comes_out_as_the_interrupt():
+    """A SIGINT that lands inside a library's lock handling can surface as that library's own
+    error (CI: Python's threading said 'release unlocked lock' when it hit a thread pool's
+    semaphore while the evaluation batches were built): once a signal is recorded, what leaves
+    the interruptible block is :class:`Interrupted`, chained to that error; without a signal
+    an error is itself, and where signals are only recorded it passes unchanged. In a child, so
+    that the handler is installed on its main thread."""
+    code = """if True:
+        import os, signal, time
+        from dagmoe_jax.train.signals import Interrupted, on_signals
+        def broken_by(sig, interrupt=True):
+            flag = {}
+            try:
+                with on_signals(flag, interrupt=interrupt):
+                    try:
+                        if sig:
+                            os.kill(os.getpid(), sig)
+                            time.sleep(1)
+                        raise RuntimeError('release unlocked lock')
+                    except KeyboardInterrupt:
+                        raise RuntimeError('release unlocked lock')
+            except BaseException as err:
+                return type(err).__name__, type(err.__cause__).__name__, flag.get('signal')
+        print(broken_by(signal.SIGINT), broken_by(signal.SIGTERM), broken_by(None),
+              broken_by(signal.SIGTERM, interrupt=False), sep='|')
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV,
+                         cwd=REPO, timeout=120)
+    assert out.stdout.strip().split("|") == [
+        "('Interrupted', 'RuntimeError', 'SIGINT')", "('Interrupted', 'RuntimeError', 'SIGTERM')",
+        "('RuntimeError', 'NoneType', None)", "('RuntimeError', 'NoneType', 'SIGTERM')"], out.stderr
+
+
 def test_the_command_ignores_signals_once_it_is_over():
     """After the command returns, SIGTERM / SIGINT are ignored for the interpreter's shutdown:
     Python resets handlers to the default there, and a late SIGTERM (a supervisor repeating

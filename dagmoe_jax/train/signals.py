@@ -29,7 +29,12 @@ def on_signals(flag: dict, *, interrupt: bool = False):
     further signals change nothing until the block is left (a save in flight finishes). An
     interrupt some library callback swallowed (a garbage-collection callback can) stays in
     ``flag`` for :func:`check_interrupted`, and Python's 'ignored' traceback for it is not
-    printed. Outside the main thread (some notebook runners) no handler is installed."""
+    printed. With ``interrupt``, any exception that leaves the block once a signal was recorded
+    comes out as :class:`Interrupted` (chained to it): an interrupt raised inside a library's
+    lock handling can surface as that library's own error (Python's ``threading`` Condition
+    said 'release unlocked lock' when SIGINT landed in a thread pool's semaphore), and the
+    signal, not the damage it did on its way, is what stopped the run. Outside the main thread
+    (some notebook runners) no handler is installed."""
     def handler(signum, frame):
         del frame
         name = signal.Signals(signum).name
@@ -46,6 +51,10 @@ def on_signals(flag: dict, *, interrupt: bool = False):
         pass
     try:
         yield
+    except Exception as err:
+        if interrupt and flag.get("signal"):
+            raise Interrupted(flag["signal"]) from err
+        raise
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)

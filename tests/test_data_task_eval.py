@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from dagmoe_jax.data import (DataConfig, exact_match, make_tokenizer, per_task_accuracy,
-                             task_eval_batches, task_names)
+from dagmoe_jax.data import DataConfig, make_tokenizer, task_eval_batches, task_names
 from dagmoe_jax.data.tasks import TASKS, parse
+from dagmoe_jax.evaluation.accuracy import exact_match, per_task_accuracy
 
 CFG = DataConfig(source="synthetic:lis,edit_distance,lcs", seq_len=48, batch_size=4)
 TOK = make_tokenizer(CFG)

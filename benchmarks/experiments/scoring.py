@@ -14,10 +14,10 @@ from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, 
 
 import numpy as np
 
-from dagmoe_jax.data import exact_match, task_eval_batches
+from dagmoe_jax.data import task_eval_batches
 from dagmoe_jax.data.config import DataConfig
 from dagmoe_jax.data.tasks import LETTERS, get_task
-from dagmoe_jax.evaluation import eval_step
+from dagmoe_jax.evaluation import eval_step, exact_match
 from dagmoe_jax.decoding.generate import decoding_model
 
 Predictor = Callable[[Dict[str, np.ndarray]], np.ndarray]

@@ -17,7 +17,7 @@ Flags:
   --mode=train|eval     eval: load DIR's newest checkpoint and report held-out perplexity;
                         DataConfig bindings of what is scored and how it is read apply
                         (e.g. --gin.DataConfig.text_key="'body'"; the list: EVAL_OVERRIDABLE_FIELDS
-                        in dagmoe_jax/evaluation.py), any other binding is an error.
+                        in dagmoe_jax/evaluation/heldout.py), any other binding is an error.
   --eval_source=SPEC    (eval) a DataConfig source spec, e.g. tfds:wikitext or text:notes/*.txt
   --eval_split=NAME     (eval, tfds) the split to score
   --eval_batches=N      (eval) batches to score (default: all)

@@ -11,8 +11,8 @@ padding), computed per record and packed, shuffled and checkpointed together wit
 * :func:`train_dataset`: an endless, shuffled, packed ``grain.IterDataset``; its iterator is
   checkpointable (``get_state`` / ``set_state``, or Orbax with ``grain.checkpoint``).
 * :func:`eval_batches`: the held-out / eval data, packed the same way, finite, in order.
-* :func:`task_eval_batches` + :func:`exact_match`: one synthetic task example per row, the mask
-  on its answer, to score greedy exact answers.
+* :func:`task_eval_batches`: one synthetic task example per row, the mask on its answer, to
+  score greedy exact answers (:mod:`dagmoe_jax.evaluation.accuracy`).
 """
 
 from __future__ import annotations
@@ -231,31 +231,6 @@ def task_eval_batches(cfg: DataConfig, tokenizer: Tokenizer, *, num_examples: in
                         "task_id": np.asarray([c[2] for c in chunk], np.int32),
                         "size": np.asarray([c[3] for c in chunk], np.int32)})
     return batches
-
-
-def exact_match(predictions: np.ndarray, targets: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Per row: every masked target equals the prediction (bool [B]).
-
-    ``predictions`` are ids [B, S] or logits [B, S, V] (argmax taken). On task batches this is
-    greedy decoding's exact answer: with teacher forcing, each answer token is predicted from
-    the correct prefix, and the row is right iff all of them are.
-    """
-    predictions, targets, mask = map(np.asarray, (predictions, targets, mask))
-    if predictions.ndim == targets.ndim + 1:
-        predictions = predictions.argmax(-1)
-    return np.all((predictions == targets) | ~mask.astype(bool), axis=-1)
-
-
-def per_task_accuracy(correct: np.ndarray, task_id: np.ndarray, tasks: Sequence[str]) -> dict:
-    """``{task: accuracy}`` plus ``'all'``, from concatenated :func:`exact_match` results and
-    ``task_id`` of the batches; tasks without examples are left out."""
-    correct, task_id = np.asarray(correct, bool), np.asarray(task_id)
-    result = {"all": float(correct.mean()) if correct.size else float("nan")}
-    for k, name in enumerate(tasks):
-        rows = task_id == k
-        if rows.any():
-            result[name] = float(correct[rows].mean())
-    return result
 
 
 _UNIGRAM_BASELINES: dict = {}

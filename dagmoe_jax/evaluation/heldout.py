@@ -1,11 +1,11 @@
-"""Held-out evaluation of a model or a run: its one home.
+"""Held-out evaluation of a model or a run.
 
-* :func:`eval_step`: the jitted scoring of one batch (summed cross-entropy, token count, argmax
-  predictions) that every evaluation below runs;
-* :func:`evaluate`: token-weighted held-out cross-entropy (nats/token) and perplexity;
-* :func:`task_accuracy`: exact-answer accuracy on the synthetic DP tasks, overall and per task;
-* :class:`Evaluator`: both, on a data config's held-out batches built once (what the training
-  loop calls every ``TrainConfig.eval_every`` steps and at the end);
+* :func:`evaluate`: token-weighted held-out cross-entropy (nats/token) and perplexity, by
+  :func:`~dagmoe_jax.evaluation.step.eval_step`;
+* :class:`Evaluator`: it and exact-answer accuracy on the synthetic DP tasks
+  (:func:`~dagmoe_jax.evaluation.accuracy.task_accuracy`), on a data config's held-out batches
+  built once (what the training loop calls every ``TrainConfig.eval_every`` steps and at the
+  end), and :func:`format_eval`, the line that reports them;
 * :func:`evaluate_checkpoint`: the newest checkpoint of a run directory scored on its own
   held-out data or another source (``train.py --mode=eval``), with the DataConfig changes an
   evaluation may make (:func:`eval_data_overrides`).
@@ -18,60 +18,21 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, Optional
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from dagmoe_jax import run as run_lib
 from dagmoe_jax.data.splits import has_eval_data
 from dagmoe_jax.hf.run import open_run, run_data_config
-from dagmoe_jax.data import (DataConfig, eval_batches, exact_match, task_eval_batches,
-                             task_names)
+from dagmoe_jax.data import DataConfig, eval_batches, task_eval_batches, task_names
+from dagmoe_jax.evaluation.accuracy import task_accuracy
+from dagmoe_jax.evaluation.step import eval_step
 from dagmoe_jax.model import Transformer
-from dagmoe_jax.model.tiled_loss import chunk_tokens, tiled_scores
-from dagmoe_jax.parallel import MeshConfig, activate, make_mesh, replicated
+from dagmoe_jax.parallel import MeshConfig, activate, make_mesh
 from dagmoe_jax.run.config import TrainConfig
 from dagmoe_jax.run.extensions import extension_for
 from dagmoe_jax.run.gin import binding_values
-
-
-MIN_WIDTH = 16
-
-
-def padded_width(length: int, max_length: int) -> int:
-    """The compiled width for a batch whose longest row has ``length`` inputs: the next power
-    of two (at least :data:`MIN_WIDTH`), capped at ``max_length`` (few compiled shapes serve
-    every row: the harness's scoring, DUME's prompt statistics)."""
-    return min(max(MIN_WIDTH, 1 << max(length - 1, 0).bit_length()), max_length)
-
-
-def token_scores(model: Transformer, inputs: jax.Array, targets: jax.Array,
-                 **model_inputs) -> Tuple[jax.Array, jax.Array]:
-    """The one loglikelihood function (training's held-out loss, ``--mode=eval``, the
-    lm-eval harness): per position the cross-entropy -log p(targets | inputs so far) [B, S]
-    float32 and the argmax prediction [B, S] int32, from the LM head applied a chunk of
-    positions at a time (:func:`~dagmoe_jax.model.tiled_loss.tiled_scores`: no [B, S, V]
-    logits). ``model_inputs``: the model's other arguments (``segment_ids``, a family's
-    ``features``)."""
-    h, _ = model(inputs, head=False, **model_inputs)
-    return tiled_scores(h, model.lm_head[...].astype(h.dtype), targets,
-                        chunk_tokens=chunk_tokens(model.execution))
-
-
-@nnx.jit
-def eval_step(model: Transformer, batch: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
-    """Summed cross-entropy (:func:`token_scores`) and token count over ``batch['mask']``, and
-    the argmax predictions (for exact-answer scoring); ``batch['segment_ids']`` optional, as in
-    :func:`~dagmoe_jax.train.step.lm_loss`."""
-    inputs = extension_for(model.cfg).model_inputs(batch, train=False)
-    losses, predictions = token_scores(model, batch["inputs"], batch["targets"],
-                                       segment_ids=batch.get("segment_ids"), **inputs)
-    mask = batch["mask"].astype(jnp.float32)
-    return replicated({"ce_sum": jnp.sum(losses * mask), "tokens": jnp.sum(mask),
-                        "predictions": predictions})
 
 
 def evaluate(model: Transformer, batches: Iterable[Dict[str, np.ndarray]]) -> Dict[str, float]:
@@ -87,24 +48,6 @@ def evaluate(model: Transformer, batches: Iterable[Dict[str, np.ndarray]]) -> Di
                          "heldout_fraction")
     loss = ce_sum / tokens
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens}
-
-
-def task_accuracy(model: Transformer, batches: Iterable[Dict[str, np.ndarray]],
-                  names: List[str]) -> Dict[str, float]:
-    """Exact-answer accuracy (greedy answer == reference) overall and per synthetic task."""
-    right, total = np.zeros(len(names)), np.zeros(len(names))
-    keys = extension_for(model.cfg).batch_keys
-    for batch in batches:
-        predictions = np.asarray(eval_step(model, run_lib.replicated_batch(batch, keys))
-                                      ["predictions"])
-        correct = exact_match(predictions, batch["targets"], batch["mask"])
-        np.add.at(right, batch["task_id"], correct)
-        np.add.at(total, batch["task_id"], 1)
-    result = {"exact_match": float(right.sum() / max(total.sum(), 1))}
-    for name, r, t in zip(names, right, total):
-        if t:
-            result[f"exact_match/{name}"] = float(r / t)
-    return result
 
 
 class Evaluator:

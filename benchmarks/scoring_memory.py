@@ -30,7 +30,7 @@ from flax import nnx  # noqa: E402
 
 from dagmoe_jax.decoding.generate import computing_in, decoding_model  # noqa: E402
 from dagmoe_jax.evaluation import token_scores  # noqa: E402
-from dagmoe_jax.harness.scoring import program_bytes  # noqa: E402
+from dagmoe_jax.evaluation.scoring import program_bytes  # noqa: E402
 from dagmoe_jax.model import Transformer  # noqa: E402
 from dagmoe_jax.run.gin import load_model_config  # noqa: E402
 from dagmoe_jax.run.settle import settle  # noqa: E402

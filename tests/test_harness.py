@@ -20,7 +20,7 @@ from conftest import (SPECIAL_TOKENIZER_KINDS, make_model, tiny_config,
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.data.tokenizers import ByteTokenizer
 from dagmoe_jax.decoding.generate import generate
-from dagmoe_jax.harness.scoring import Scorer, padded_width
+from dagmoe_jax.evaluation.scoring import Scorer, padded_width
 
 lm_eval = pytest.importorskip("lm_eval", reason="needs the [harness] extra (in requirements)")
 from dagmoe_jax.harness.lm import DagmoeLM, cut_at_stop  # noqa: E402

@@ -28,7 +28,7 @@ MAX_LINES = 450
 LAYERS = {
     "core": {"validate": 0, "budget": 0, "config": 1, "kernels": 2, "parallel": 2, "model": 3},
     "data": {"data": 4},
-    "run": {"run": 5, "hf": 6, "evaluation": 7, "decoding": 7, "train": 8},
+    "run": {"run": 5, "hf": 6, "decoding": 6, "evaluation": 7, "train": 8},
     "tools": {"cli": 9, "analysis": 10, "upcycle": 11, "harness": 11, "compile": 11},
 }
 RANK = {unit: rank for units in LAYERS.values() for unit, rank in units.items()}

@@ -10,8 +10,11 @@
   --mode=eval``, with the DataConfig changes :func:`eval_data_overrides` allows);
 * :mod:`~dagmoe_jax.evaluation.accuracy`: exact-answer accuracy on the synthetic DP tasks
   (:func:`exact_match`, :func:`per_task_accuracy`, :func:`task_accuracy`);
-* :mod:`~dagmoe_jax.evaluation.scoring`: :func:`padded_width`, the compiled width of a batch
-  of rows.
+* :mod:`~dagmoe_jax.evaluation.scoring`: :class:`Scorer`, loglikelihoods and continuations of
+  token ids for any model of the library, batched so that no score depends on the batching
+  (what the lm-evaluation-harness adapter, :mod:`dagmoe_jax.harness`, answers requests with; no
+  harness needed), with :func:`padded_width` (the compiled width of a batch of rows) and the
+  memory a scoring call needs (:func:`program_bytes`, :func:`free_device_bytes`).
 
 The benchmark drivers that train and compare models live apart, in ``benchmarks/experiments/``.
 """
@@ -20,9 +23,11 @@ from dagmoe_jax.evaluation.accuracy import exact_match, per_task_accuracy, task_
 from dagmoe_jax.evaluation.heldout import (EVAL_OVERRIDABLE_FIELDS, Evaluator,
                                            eval_data_overrides, evaluate, evaluate_checkpoint,
                                            format_eval)
-from dagmoe_jax.evaluation.scoring import MIN_WIDTH, padded_width
+from dagmoe_jax.evaluation.scoring import (MIN_WIDTH, Scorer, free_device_bytes, padded_width,
+                                           program_bytes)
 from dagmoe_jax.evaluation.step import eval_step, token_scores
 
 __all__ = ["token_scores", "eval_step", "evaluate", "Evaluator", "format_eval",
            "EVAL_OVERRIDABLE_FIELDS", "eval_data_overrides", "evaluate_checkpoint",
-           "exact_match", "per_task_accuracy", "task_accuracy", "MIN_WIDTH", "padded_width"]
+           "exact_match", "per_task_accuracy", "task_accuracy", "Scorer", "MIN_WIDTH", "padded_width",
+           "program_bytes", "free_device_bytes"]

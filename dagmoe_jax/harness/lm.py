@@ -49,7 +49,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from dagmoe_jax.decoding.generate import StopStrings
-from dagmoe_jax.harness.scoring import Scorer
+from dagmoe_jax.evaluation.scoring import Scorer
 
 DEFAULT_MAX_GEN_TOKS = 256
 

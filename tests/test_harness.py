@@ -330,7 +330,7 @@ def test_metadata_reaches_the_tasks_and_they_are_built_once(run_dir, monkeypatch
     import lm_eval
 
     from dagmoe_jax.harness.cli import evaluate, parse_args
-    from dagmoe_jax.harness.tasks import load_tasks, task_manager
+    from dagmoe_jax.harness.task_loading import load_tasks, task_manager
 
     manager = task_manager(str(TASKS), ["dagmoe_mc"], {"max_seq_lengths": [16, 32]})
     built = load_tasks(manager, ["dagmoe_mc"])
@@ -410,7 +410,7 @@ def test_local_tasks_skip_indexing_the_harness_library(monkeypatch):
     built-in task files; any other name falls back to the full index."""
     import lm_eval.tasks
 
-    from dagmoe_jax.harness.tasks import task_manager
+    from dagmoe_jax.harness.task_loading import task_manager
 
     built = []
 
@@ -640,7 +640,7 @@ def test_a_hub_task_offline_fails_at_once_naming_its_dataset(tmp_path, monkeypat
     import datasets.config
     import huggingface_hub.constants
 
-    from dagmoe_jax.harness import tasks as harness_tasks
+    from dagmoe_jax.harness import task_loading
 
     for module, name in ((huggingface_hub.constants, "HF_HUB_OFFLINE"),
                          (datasets.config, "HF_HUB_OFFLINE"),
@@ -650,18 +650,18 @@ def test_a_hub_task_offline_fails_at_once_naming_its_dataset(tmp_path, monkeypat
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))      # an empty cache
-    monkeypatch.setattr(harness_tasks, "hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setattr(task_loading, "hub_reachable", lambda timeout=3.0: False)
     folder = tmp_path / "hub_tasks"
     folder.mkdir()
     (folder / "hub_mc.yaml").write_text(
         "task: hub_mc\ndataset_path: dagmoe-nonexistent/never-cached\noutput_type: "
         "multiple_choice\ntest_split: test\ndoc_to_text: '{{question}}'\n"
         "doc_to_choice: '{{choices}}'\ndoc_to_target: label\n")
-    manager = harness_tasks.task_manager(str(folder), ["hub_mc"])
+    manager = task_loading.task_manager(str(folder), ["hub_mc"])
     manager.dagmoe_local_only = False          # as if the task came from the Hub library
     start = time.monotonic()
     with pytest.raises(ValueError) as err:
-        harness_tasks.load_tasks(manager, ["hub_mc"])
+        task_loading.load_tasks(manager, ["hub_mc"])
     assert time.monotonic() - start < 20
     message = str(err.value)
     assert message.startswith("task 'hub_mc' needs its dataset 'dagmoe-nonexistent/never-"

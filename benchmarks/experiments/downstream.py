@@ -177,7 +177,7 @@ def score(run, tasks_dir: str, columns: Dict[str, str], batch_size: int = 16) ->
     import lm_eval
 
     from dagmoe_jax.harness.lm import DagmoeLM
-    from dagmoe_jax.harness.tasks import task_manager
+    from dagmoe_jax.harness.task_loading import task_manager
 
     lm = (DagmoeLM(run_dir=str(run), batch_size=batch_size, mesh="none")
           if isinstance(run, (str, Path)) else

@@ -6,8 +6,8 @@ needed).
 
 * :mod:`~dagmoe_jax.harness.lm`: the harness's ``LM`` for a run directory, registered as
   ``dagmoe``;
-* :mod:`~dagmoe_jax.harness.tasks`: which tasks the harness can see, loaded once with one-line
-  errors;
+* :mod:`~dagmoe_jax.harness.task_loading`: which tasks the harness can see, loaded once with
+  one-line errors;
 * ``python -m dagmoe_jax.harness`` (console script ``dagmoe-harness``): the harness's usual
   flags on a run directory (:mod:`~dagmoe_jax.harness.cli`).
 """

@@ -222,8 +222,8 @@ def evaluate(args, log=print) -> dict:
 
     from dagmoe_jax.config.blocks import block_summary
     from dagmoe_jax.harness.lm import DagmoeLM
-    from dagmoe_jax.harness.tasks import load_tasks
-    from dagmoe_jax.harness.tasks import task_manager as make_task_manager
+    from dagmoe_jax.harness.task_loading import load_tasks
+    from dagmoe_jax.harness.task_loading import task_manager as make_task_manager
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     task_metadata = {**args.model_args, **args.metadata}       # as lm_eval run merges them

@@ -29,5 +29,5 @@ from dagmoe_jax.evaluation.step import eval_step, token_scores
 
 __all__ = ["token_scores", "eval_step", "evaluate", "Evaluator", "format_eval",
            "EVAL_OVERRIDABLE_FIELDS", "eval_data_overrides", "evaluate_checkpoint",
-           "exact_match", "per_task_accuracy", "task_accuracy", "Scorer", "MIN_WIDTH", "padded_width",
-           "program_bytes", "free_device_bytes"]
+           "exact_match", "per_task_accuracy", "task_accuracy", "Scorer", "MIN_WIDTH",
+           "padded_width", "program_bytes", "free_device_bytes"]

@@ -33,7 +33,7 @@ import numpy as np
 
 from dagmoe_jax.data.chat import ChatEncoder, hf_template
 from dagmoe_jax.data.config import DataConfig, check_process, local_batch_size, parse_source
-from dagmoe_jax.data.packing import global_batches
+from dagmoe_jax.data.eval_batching import global_batches
 from dagmoe_jax.data.splits import eval_source, train_records
 from dagmoe_jax.data.tokenizers import Tokenizer
 from dagmoe_jax.data.workers import finish_stream
@@ -259,8 +259,8 @@ def instruct_eval_batches(cfg: DataConfig, tokenizer: Tokenizer, *,
     each truncated to seq_len + 1 tokens and packed whole into rows by grain's first-fit
     packer with one bin (next fit: a new row when an example does not fit), grouped in global
     batches of ``batch_size`` rows (the last filled with empty rows) of which this process
-    keeps its block of rows (:func:`~dagmoe_jax.data.packing.global_batches`). Same keys as
-    :func:`instruct_dataset`; deterministic."""
+    keeps its block of rows (:func:`~dagmoe_jax.data.eval_batching.global_batches`). Same keys
+    as :func:`instruct_dataset`; deterministic."""
     check_process(process_index, process_count)
     local_batch_size(cfg, process_count)
     width = cfg.seq_len + 1

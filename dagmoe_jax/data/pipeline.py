@@ -27,7 +27,7 @@ import grain
 import numpy as np
 
 from dagmoe_jax.data.config import DataConfig, check_process, local_batch_size, parse_source
-from dagmoe_jax.data.packing import global_batches
+from dagmoe_jax.data.eval_batching import global_batches
 from dagmoe_jax.data.instruct import (EncodeExample, chat_encoder, instruct_eval_batches,
                                       is_instruct, shift_packed)
 from dagmoe_jax.data.sources import TASK_EVAL_STREAM
@@ -138,8 +138,8 @@ def eval_batches(cfg: DataConfig, tokenizer: Tokenizer, *, max_batches: Optional
     training stream packs them (the last window padded, its padding masked), grouped into
     global batches of ``batch_size`` rows (the last filled with fully masked rows) of which
     this process keeps rows ``[process_index * B, (process_index + 1) * B)``, B = batch_size
-    // process_count (:func:`~dagmoe_jax.data.packing.global_batches`). Every process gets the
-    same number of batches. ``max_batches`` stops after that many
+    // process_count (:func:`~dagmoe_jax.data.eval_batching.global_batches`). Every process gets
+    the same number of batches. ``max_batches`` stops after that many
     global batches. Deterministic; no shuffle. ``annotate``: as :func:`train_dataset`.
     With ``segment_packing`` batches carry ``segment_ids`` (the rows' documents numbered) and
     the mask drops predictions across documents. An ``instruct:`` source's evaluation

@@ -44,7 +44,8 @@ from dagmoe_jax.model.layers import RMSNorm, dtype_of, make_param, normal
 from dagmoe_jax.model.settle import settle
 from dagmoe_jax.model.segments import check_segment_ids, segment_positions
 from dagmoe_jax.parallel import constrain
-from dagmoe_jax.model.moe import DenseBlock, MoEBlock
+from dagmoe_jax.model.dense import DenseBlock
+from dagmoe_jax.model.moe import MoEBlock
 from dagmoe_jax.parallel.axes import MeshLayout
 
 # The block of each ``ModelConfig.block`` (the block protocol: dagmoe_jax.model.block).

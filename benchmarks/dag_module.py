@@ -38,7 +38,7 @@ from dagmoe_jax.model import aggregation as agg  # noqa: E402
 from dagmoe_jax.model.experts import Experts  # noqa: E402
 from dagmoe_jax.run.allocator import allocator  # noqa: E402
 from dagmoe_jax.run.gin import load_execution_config, load_model_config  # noqa: E402
-from dagmoe_jax.run.settle import settle  # noqa: E402
+from dagmoe_jax.model.settle import settle  # noqa: E402
 from step_throughput import matmul_rate, time_fn  # noqa: E402
 
 

@@ -184,7 +184,7 @@ def statistics(bench, moe, domain_ids, tps_values):
 def run_seed(bench, seed):
     from flax import nnx
     from dagmoe_jax.model import Transformer
-    from dagmoe_jax.run.settle import settle
+    from dagmoe_jax.model.settle import settle
     from dagmoe_jax.upcycle import dume, moerge
 
     def merge(models, cfg):

@@ -85,7 +85,7 @@ def run_seed(bench, seed):
     from flax import nnx
     from dagmoe_jax.config import matched_shared_hidden
     from dagmoe_jax.model import Transformer
-    from dagmoe_jax.run.settle import settle
+    from dagmoe_jax.model.settle import settle
     from dagmoe_jax.upcycle import dume, moerge
 
     a, log = bench.args, bench.log

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dagmoe_jax.kernels import gpu_grouped_matmul as gpu  # noqa: E402
 from dagmoe_jax.kernels import mgpu_grouped_matmul as mgpu_lib  # noqa: E402
 from dagmoe_jax.kernels import triton_grouped_matmul as triton_lib  # noqa: E402
-from dagmoe_jax.run.settle import gpu_capability  # noqa: E402
+from dagmoe_jax.model.settle import gpu_capability  # noqa: E402
 
 TOLERANCE = 3e-2
 """Largest error over the reference's largest entry that bfloat16 inputs and outputs allow."""

@@ -63,7 +63,7 @@ def measure(folder: str, mode: str) -> dict:
     from flax import nnx
 
     from dagmoe_jax.model import Transformer
-    from dagmoe_jax.run.settle import settle
+    from dagmoe_jax.model.settle import settle
     from dagmoe_jax.hf import llama as hf_llama
     from dagmoe_jax.model.params import set_params
 

@@ -42,7 +42,7 @@ def run_one(args) -> None:
 
     from dagmoe_jax.run.gin import load_execution_config, load_model_config
     from dagmoe_jax.model import Transformer
-    from dagmoe_jax.run.settle import settle
+    from dagmoe_jax.model.settle import settle
     from dagmoe_jax.train.step import cross_entropy, lm_loss, make_train_step
 
     def plain_loss(model, batch):

@@ -130,7 +130,7 @@ def run_ours(cfg, execution, args, tokens) -> dict:
     import jaxlib
     import step_throughput as bench
     from dagmoe_jax.model.accounting import account
-    from dagmoe_jax.run.settle import describe, settle
+    from dagmoe_jax.model.settle import describe, settle
 
     step, model, optimizer, _ = bench.train_step(cfg, execution, args.batch, args.seq)
     data = {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])}

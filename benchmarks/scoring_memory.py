@@ -33,7 +33,7 @@ from dagmoe_jax.evaluation import token_scores  # noqa: E402
 from dagmoe_jax.evaluation.scoring import program_bytes  # noqa: E402
 from dagmoe_jax.model import Transformer  # noqa: E402
 from dagmoe_jax.run.gin import load_model_config  # noqa: E402
-from dagmoe_jax.run.settle import settle  # noqa: E402
+from dagmoe_jax.model.settle import settle  # noqa: E402
 
 
 def plain_scores(graphdef, state, inputs, targets):

@@ -60,7 +60,7 @@ import numpy as np  # noqa: E402
 
 from dagmoe_jax.run.allocator import allocator  # noqa: E402
 from dagmoe_jax.run.gin import load_execution_config, load_model_config  # noqa: E402
-from dagmoe_jax.run.settle import describe, settle  # noqa: E402
+from dagmoe_jax.model.settle import describe, settle  # noqa: E402
 from scaling import trace_events  # noqa: E402  (the profiler's events, as scaling.py reads them)
 from step_throughput import time_fn, train_step  # noqa: E402
 

@@ -39,9 +39,9 @@ from dagmoe_jax.model.accounting import account  # noqa: E402
 from dagmoe_jax.run.gin import load_execution_config, load_model_config  # noqa: E402
 from dagmoe_jax.run.allocator import allocator, release_memory  # noqa: E402
 from dagmoe_jax.model import Transformer  # noqa: E402
-from dagmoe_jax.model.aggregation import DAGAggregator  # noqa: E402
-from dagmoe_jax.run.settle import describe as describe_settled  # noqa: E402
-from dagmoe_jax.run.settle import settle  # noqa: E402
+from dagmoe_jax.model.dag import DAGAggregator  # noqa: E402
+from dagmoe_jax.model.settle import describe as describe_settled  # noqa: E402
+from dagmoe_jax.model.settle import settle  # noqa: E402
 from dagmoe_jax.model.experts import Experts  # noqa: E402
 from dagmoe_jax.train.step import make_train_step  # noqa: E402
 

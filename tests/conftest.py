@@ -57,7 +57,7 @@ from flax import nnx  # noqa: E402
 
 from dagmoe_jax.config import ExecutionConfig, ModelConfig  # noqa: E402
 from dagmoe_jax.model import Transformer  # noqa: E402
-from dagmoe_jax.run.settle import settle  # noqa: E402
+from dagmoe_jax.model.settle import settle  # noqa: E402
 
 # Some backends run float32 matmuls at reduced precision by default (TF32 / bf16 passes on GPU and
 # TPU); the oracle comparisons (1e-5 relative) need true float32 products wherever they run.

@@ -191,7 +191,7 @@ def test_kernels_refused_under_highest_precision():
     """Building a run (run.build, and the compile command's abstract state) refuses the
     Pallas TPU kernels under 'highest' in one line."""
     from dagmoe_jax.compile.programs import abstract_train_state
-    from dagmoe_jax.run.settle import check_kernel_precision
+    from dagmoe_jax.model.settle import check_kernel_precision
     with jax.default_matmul_precision("highest"):
         with pytest.raises(ValueError, match="Bad lhs type.*ExecutionConfig.attention='xla'"):
             check_kernel_precision("splash", "ragged_dot", "tpu")

@@ -18,9 +18,9 @@ from flax import nnx
 from conftest import tiny_config
 from dagmoe_jax.config import ExecutionConfig, dag_params_per_layer
 from dagmoe_jax.kernels.dag_module import fused_dag_messages, fused_layer_norm
-from dagmoe_jax.model.aggregation import (DAGAggregator, MLPMixer, dag_initial_nodes, dag_iteration,
-                                          dag_node_update, dag_readout, dag_summed_update,
-                                          mlp_mix, weighted_sum)
+from dagmoe_jax.model.aggregation import MLPMixer, mlp_mix, weighted_sum
+from dagmoe_jax.model.dag import (DAG_EXECUTIONS, DAGAggregator, dag_execution, dag_initial_nodes,
+                                  dag_iteration, dag_node_update, dag_readout, dag_summed_update)
 
 D, DG, K, T = 32, 16, 3, 5
 EPS = 1e-5
@@ -507,6 +507,27 @@ def test_the_last_iteration_reads_out_the_summed_messages():
     g_node = jax.vjp(per_node, nodes, *args)[1](ct)
     for a, b in zip(g_sum, g_node):
         assert rel_err(a, b) < 1e-5
+
+
+def test_the_execution_is_a_strategy_chosen_once():
+    """Every settled ``ExecutionConfig.dag_module`` names one strategy, which the module keeps
+    (a clone's is equal, so a cloned model's graph is the same); an unsettled or unknown name
+    is one line; the equations take no execution flags."""
+    import inspect
+    from dagmoe_jax.config.execution import DAG_MODULES
+    from dagmoe_jax.model.dag import equations, module
+
+    assert set(DAG_EXECUTIONS) == set(DAG_MODULES) - {"auto"}
+    for mode in MODES:
+        dag = make_dag(2, "silu", mode=mode)
+        assert dag.ex is dag_execution(mode) and dag.ex.name == mode
+        assert nnx.graphdef(nnx.clone(dag)) == nnx.graphdef(dag)
+    assert make_dag(2, "silu", mode="fused").ex.last_with_readout
+    with pytest.raises(ValueError, match=r"^ExecutionConfig.dag_module='auto' is not settled"):
+        dag_execution("auto")
+    for mod in (equations, module):
+        for name, fn in inspect.getmembers(mod, inspect.isfunction):
+            assert not {"fused", "flat"} & set(inspect.signature(fn).parameters), name
 
 
 def test_the_kernels_refuse_what_they_cannot_run_in_one_line():

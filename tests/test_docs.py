@@ -18,7 +18,7 @@ DOCUMENTS = sorted([REPO / "README.md", *(REPO / "docs").glob("*.md"),
                     REPO / "benchmarks" / "RESULTS.md"])
 DOTTED = re.compile(r"\bdagmoe_jax(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
 PATH = re.compile(r"(?<![\w/.])(?:dagmoe_jax|benchmarks|tests|configs|docs|notebooks)/[\w./*-]*[\w/*]")
-# A module named from inside the package (design.md's `run/settle.py`).
+# A module named from inside the package (design.md's `model/settle.py`).
 UNITS = sorted(p.name for p in (REPO / "dagmoe_jax").iterdir() if (p / "__init__.py").exists())
 INNER = re.compile(rf"(?<![\w/.])(?:{'|'.join(UNITS)})/[\w/]*\.py\b")
 # Where an installed package keeps what a checkout keeps elsewhere (pyproject.toml's package-dir).
@@ -100,10 +100,10 @@ def test_the_layout_lists_what_is_there():
 
 def test_the_checks_catch_a_stale_name():
     assert broken_references("see `dagmoe_jax.lifecycle.settle`, dagmoe_jax/gin_utils.py and "
-                             "`upcycle/hf_llama.py`, not `run/settle.py`") == [
+                             "`upcycle/hf_llama.py`, not `model/settle.py`") == [
         "dagmoe_jax.lifecycle.settle: no module or name dagmoe_jax.lifecycle",
         "dagmoe_jax/gin_utils.py: no such path",
         "upcycle/hf_llama.py: no such module in dagmoe_jax/"]
-    assert dotted_problem("dagmoe_jax.run.settle.no_such_function").endswith("has no no_such_function")
-    assert dotted_problem("dagmoe_jax.run.settle.settle") == ""
+    assert dotted_problem("dagmoe_jax.model.settle.no_such_function").endswith("has no no_such_function")
+    assert dotted_problem("dagmoe_jax.model.settle.settle") == ""
     assert dotted_problem("dagmoe_jax.model.Transformer") == ""

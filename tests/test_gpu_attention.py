@@ -13,7 +13,7 @@ import pytest
 
 from dagmoe_jax.kernels.gpu_attention import triton_attention_supported, triton_causal_attention
 from dagmoe_jax.model.attention import causal_attention, causal_attention_reference
-from dagmoe_jax.run.settle import settle_attention
+from dagmoe_jax.model.settle import settle_attention
 
 
 @pytest.mark.parametrize("segmented", [False, True], ids=["causal", "segments"])

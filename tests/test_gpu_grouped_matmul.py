@@ -19,7 +19,7 @@ import pytest
 from conftest import np_grouped_matmul, tiny_config
 from dagmoe_jax.kernels import gpu_grouped_matmul as gpu
 from dagmoe_jax.model import dispatch as dispatch_lib
-from dagmoe_jax.run.settle import (describe, settle, settle_gpu_grouped_matmul,
+from dagmoe_jax.model.settle import (describe, settle, settle_gpu_grouped_matmul,
                                    settle_grouped_matmul)
 
 JAX_0_11 = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)

@@ -23,7 +23,7 @@ from dagmoe_jax.kernels.grouped_matmul import (cpu_dense_matmul, cpu_grouped_mat
 from dagmoe_jax.parallel import MeshConfig, make_mesh
 from dagmoe_jax.parallel.axes import MeshLayout
 from dagmoe_jax.config import ExecutionConfig
-from dagmoe_jax.run.settle import settle, settle_grouped_matmul
+from dagmoe_jax.model.settle import settle, settle_grouped_matmul
 
 pytestmark = pytest.mark.skipif(kbuild.compiler() is None,
                                 reason="no C++ compiler: the grouped matmul cannot be built")

@@ -222,16 +222,23 @@ def test_imports_inside_functions_only_in_commands():
 
 
 def test_importing_the_model_loads_the_core_only():
-    """``import dagmoe_jax.model`` loads nothing of data/, the run layer or the tools."""
-    code = ("import json, sys; import dagmoe_jax.model; "
-            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('dagmoe_jax'))))")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         cwd=PACKAGE.parent, timeout=120, check=True).stdout
-    loaded = json.loads(out.strip().splitlines()[-1])
-    assert "dagmoe_jax.model.transformer" in loaded
-    above = [m for m in loaded if LAYER_OF[unit_of(m)] != "core"]
-    assert not above, f"import dagmoe_jax.model loads {above}"
+    """``import dagmoe_jax.model`` loads nothing of data/, the run layer or the tools; nor does
+    building and running a DAG-MoE from a ``ModelConfig`` (docs/library.md's first example,
+    run as it is written there)."""
+    doc = (PACKAGE.parent / "docs" / "library.md").read_text()
+    example = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "Transformer(cfg, rngs=" in example and "import dagmoe_jax.run" not in example
+    for code in ("import dagmoe_jax.model", example + "\nassert logits.shape == (2, 16, 256)"):
+        code += ("\nimport json, sys; print(json.dumps(sorted(m for m in sys.modules "
+                 "if m.startswith('dagmoe_jax'))))")
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=env, cwd=PACKAGE.parent, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        loaded = json.loads(out.stdout.strip().splitlines()[-1])
+        assert "dagmoe_jax.model.transformer" in loaded
+        above = [m for m in loaded if LAYER_OF[unit_of(m)] != "core"]
+        assert not above, f"{code.splitlines()[0]}... loads {above}"
 
 
 def test_no_import_cycle_between_package_modules():

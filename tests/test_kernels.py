@@ -26,8 +26,8 @@ from dagmoe_jax.kernels import fused_attention_unavailable, fused_causal_attenti
 from dagmoe_jax.model.attention import blockwise_causal_attention, causal_attention_reference
 from dagmoe_jax.parallel import MeshConfig, make_mesh
 from dagmoe_jax.parallel.axes import MeshLayout
-from dagmoe_jax.run.settle import describe as describe_settled
-from dagmoe_jax.run.settle import settle, settle_attention
+from dagmoe_jax.model.settle import describe as describe_settled
+from dagmoe_jax.model.settle import settle, settle_attention
 
 pytestmark = pytest.mark.skipif(kbuild.compiler() is None,
                                 reason="no C++ compiler: the fused kernel cannot be built")

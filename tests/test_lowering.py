@@ -30,7 +30,7 @@ from dagmoe_jax.config import ExecutionConfig
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.parallel import MeshConfig, activate, make_mesh
 from dagmoe_jax.parallel.axes import MeshLayout
-from dagmoe_jax.run.settle import settle
+from dagmoe_jax.model.settle import settle
 from dagmoe_jax.train.step import make_train_step
 
 BACKEND = {"tpu": "tpu", "cuda": "gpu"}

@@ -23,7 +23,7 @@ from dagmoe_jax.model.attention import blockwise_causal_attention, causal_attent
 from dagmoe_jax.model.block import BlockInputs
 from dagmoe_jax.model.coe import CoEBlock
 from dagmoe_jax.model.moe import MoEBlock
-from dagmoe_jax.run.settle import settle_remat, settle_scan_unroll
+from dagmoe_jax.model.settle import settle_remat, settle_scan_unroll
 
 BATCH, SEQ = 2, 16
 

@@ -17,7 +17,7 @@ from dagmoe_jax.config import ExecutionConfig, ExpertConfig
 from dagmoe_jax.model.experts import Experts
 from dagmoe_jax.parallel import MeshConfig, activate, make_mesh, place_on_mesh
 from dagmoe_jax.parallel.axes import MeshLayout
-from dagmoe_jax.run.settle import describe, settle
+from dagmoe_jax.model.settle import describe, settle
 
 N = 8
 

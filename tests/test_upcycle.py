@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from conftest import make_model, tiny_config
-from dagmoe_jax.run.settle import settle
+from dagmoe_jax.model.settle import settle
 from dagmoe_jax.upcycle import dume, moerge, ridge
 
 N = 3

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from test_hf_llama import HF, hf_tokenizer_json, random_checkpoint, write_checkpoint  # noqa
-from dagmoe_jax.run.settle import settle
+from dagmoe_jax.model.settle import settle
 from dagmoe_jax.hf import llama as hf_llama
 from dagmoe_jax.upcycle import moerge, stream
 

@@ -83,7 +83,7 @@ def _merged(models, stats, top_k, seed):
     """The four dense models merged at ``top_k``, routers solved from ``stats`` (None: left
     random)."""
     # pylint: disable=import-outside-toplevel
-    from dagmoe_jax.run.settle import settle
+    from dagmoe_jax.model.settle import settle
     from dagmoe_jax.upcycle import dume as dume_lib
     from dagmoe_jax.upcycle import moerge
 

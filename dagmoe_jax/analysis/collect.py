@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from dagmoe_jax.config import dag_aggregation_of, experts_of
-from dagmoe_jax.model.aggregation import edge_mask
+from dagmoe_jax.model.dag import edge_mask
 
 
 SPARSITY_THRESHOLD = 0.1     # |e_(i,j)| below this counts as a switched-off edge (gate ~ 0)
@@ -28,7 +28,7 @@ SPARSITY_THRESHOLD = 0.1     # |e_(i,j)| below this counts as a switched-off edg
 def gate_sparsity_counts(gates: np.ndarray, mask: np.ndarray, threshold: float):
     """Edge gates [layers, L, T, K, K, d_g] -> (values below, pairs below) [layers, L] counts
     and (values, pairs) totals per [layers, L], over the node pairs ``mask`` [K, K] keeps (the
-    graph's edges: all, ranked or self, :func:`dagmoe_jax.model.aggregation.edge_mask`)."""
+    graph's edges: all, ranked or self, :func:`dagmoe_jax.model.dag.edge_mask`)."""
     mag = np.abs(gates)[:, :, :, mask]                                  # [layers, L, T, P, dg]
     below = (mag < threshold).sum(axis=(2, 3, 4))
     pairs_below = (mag.mean(axis=-1) < threshold).sum(axis=(2, 3))

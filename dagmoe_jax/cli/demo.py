@@ -23,7 +23,7 @@ from dagmoe_jax.model.accounting import account
 from dagmoe_jax.cli import USER_ERRORS, OneLineParser, cpu_without_accelerators, report_error
 from dagmoe_jax.run.gin import load_model_config
 from dagmoe_jax.model import Transformer
-from dagmoe_jax.run.settle import settle
+from dagmoe_jax.model.settle import settle
 from dagmoe_jax.train.step import make_train_step
 
 SEP = 0

@@ -193,7 +193,7 @@ def _run(args) -> int:
     except OutOfMemory as err:
         raise ValueError(oom_line(err, chip, topology)) from None
     from dagmoe_jax.parallel.axes import MeshLayout
-    from dagmoe_jax.run.settle import describe as describe_settled
+    from dagmoe_jax.model.settle import describe as describe_settled
     # with the mesh: the expert-parallel exchange and its receive buffer (what overflows drops)
     settled = describe_settled(model_cfg, execution, train_cfg.execution,
                                backend=chip.platform, layout=MeshLayout.of(mesh),

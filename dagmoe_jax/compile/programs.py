@@ -6,7 +6,7 @@ compiles, with nothing materialised:
 
 * ``train``: the jitted step the training loop runs (``make_train_step`` with the run's
   ``grad_accum``, trainable set and donation), on the model settled for TPU under the run's
-  mesh (:func:`dagmoe_jax.run.settle.settle`: remat, scanned layers, splash attention,
+  mesh (:func:`dagmoe_jax.model.settle.settle`: remat, scanned layers, splash attention,
   megablox gmm, the ragged all-to-all), its parameters and AdamW state abstract and sharded by
   the mesh rules, the batch sharded over the batch axes as ``run.device_batch`` shards it;
 * ``eval``: ``eval_step`` on a replicated batch of ``DataConfig.batch_size`` rows, as the
@@ -42,7 +42,7 @@ from dagmoe_jax.kernels.gpu_grouped_matmul import mosaic_gpu_target
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.decoding.generate import DEFAULT_DISPATCH, decode_step, prefill
 from dagmoe_jax.data.batch import MODEL_INPUTS
-from dagmoe_jax.run.settle import check_kernel_precision, settle
+from dagmoe_jax.model.settle import check_kernel_precision, settle
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.run.extensions import extension_for
 from dagmoe_jax.model.accounting import account

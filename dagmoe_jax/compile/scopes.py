@@ -2,7 +2,7 @@
 :mod:`dagmoe_jax.compile.roofline` restricted to the instructions a ``jax.named_scope`` made.
 
 The DAG module runs under ``jax.named_scope("dag_module")``
-(:class:`~dagmoe_jax.model.aggregation.DAGAggregator`), so every instruction it lowers to carries
+(:class:`~dagmoe_jax.model.dag.DAGAggregator`), so every instruction it lowers to carries
 ``dag_module`` in its ``op_name`` metadata; a fusion is the scope's when it or an instruction
 fused into it carries the name (XLA fuses a module's first and last elementwise work with its
 neighbours', which are then counted with it: an upper bound). :func:`scope_cost` sums those

@@ -1,6 +1,6 @@
 """How the model runs on a machine, not what it computes: every choice that depends on the
 backend or the mesh, in one ``ExecutionConfig`` beside the mesh (``TrainConfig.execution``),
-each 'auto' settled once when the run is built (:func:`dagmoe_jax.run.settle.settle`, which
+each 'auto' settled once when the run is built (:func:`dagmoe_jax.model.settle.settle`, which
 returns the concrete config the model is built with: ``Transformer(cfg, execution=...)``)."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class ExecutionConfig:
 
     Changing any of these changes neither the parameters nor, beyond floating-point rounding,
     the outputs, so a run may resume with them changed (on another machine, say). Each 'auto'
-    is settled and printed once, when the run is built (:mod:`dagmoe_jax.run.settle`).
+    is settled and printed once, when the run is built (:mod:`dagmoe_jax.model.settle`).
 
     remat: 'auto' (default: 'none' on CPU, 'full' on GPU / TPU), 'full' (recompute each layer
       in the backward pass; MaxText's default, for accelerator memory), 'dots' (save matmul
@@ -71,7 +71,7 @@ class ExecutionConfig:
       fastest for the s model on the 2-core CPU: 32 and 128 were 5-10% slower).
     loss_chunk: tokens per device in a chunk of the vocabulary-tiled loss; 0 (default) means
       auto: 512 on CPU, 4096 on GPU / TPU, where smaller chunks re-read the LM head and its
-      float32 gradient until the head is bound by HBM (run/settle.py).
+      float32 gradient until the head is bound by HBM (model/settle.py).
     """
 
     remat: str = "auto"
@@ -99,7 +99,7 @@ class ExecutionConfig:
 
     @property
     def unsettled(self) -> tuple:
-        """The fields still 'auto' (settled by :func:`dagmoe_jax.run.settle.settle`): every
+        """The fields still 'auto' (settled by :func:`dagmoe_jax.model.settle.settle`): every
         field but ``attention_block`` (a size, not a choice) defaults to its 'auto'."""
         return tuple(f.name for f in dataclasses.fields(self)
                      if f.name != "attention_block" and getattr(self, f.name) == f.default)

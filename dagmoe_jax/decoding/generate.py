@@ -57,7 +57,7 @@ from jax.experimental import io_callback
 
 from dagmoe_jax.config import ExecutionConfig, ModelConfig, experts_of
 from dagmoe_jax.model import Transformer
-from dagmoe_jax.run.settle import settle
+from dagmoe_jax.model.settle import settle
 
 DEFAULT_DISPATCH = "dropless"
 

@@ -41,7 +41,7 @@ from dagmoe_jax.hf.rope import rope_from_hf
 from dagmoe_jax.model.conversion import converted_config, converted_params
 from dagmoe_jax.model.params import set_params
 from dagmoe_jax.model import Transformer
-from dagmoe_jax.run.settle import settle
+from dagmoe_jax.model.settle import settle
 
 PathLike = Union[str, Path]
 CONFIG_FILE = "config.json"
@@ -293,7 +293,7 @@ def load_hf_llama(path: PathLike, *, rngs: Optional[nnx.Rngs] = None,
 
     ``overrides``: ModelConfig fields to change (``param_dtype='bfloat16'``, ``max_seq_len``...).
     ``execution``: how it runs (default every choice 'auto'), settled for this machine
-    (:func:`dagmoe_jax.run.settle.settle`; ``model.execution``). ``convert_to``: a block
+    (:func:`dagmoe_jax.model.settle.settle`; ``model.execution``). ``convert_to``: a block
     config an MoE checkpoint is converted to at its outputs
     (:mod:`dagmoe_jax.model.conversion`: a DAG-MoE ``MoEConfig`` or a ``CoEConfig``; the
     parameters the checkpoint does not hold initialised from ``rngs``). Returns (model,

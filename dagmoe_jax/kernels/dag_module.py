@@ -1,6 +1,6 @@
 """The DAG module's elementwise work for XLA:CPU (C++ source: ``dag_module.cc``).
 
-Two functions of :mod:`dagmoe_jax.model.aggregation`, each tied to its gradient by a custom VJP,
+Two functions of :mod:`dagmoe_jax.model.dag.equations`, each tied to its gradient by a custom VJP,
 for ``ExecutionConfig.dag_module='fused'``:
 
 * :func:`fused_dag_messages`, the pairwise half of ``dag_messages`` (DAG-MoE eq. 9-10, summed
@@ -115,7 +115,7 @@ _messages.defvjp(_messages_fwd, _messages_bwd)
 
 
 def fused_layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
-    """``aggregation.layer_norm(x, scale, bias, eps)`` over the last axis of float32 ``x``
+    """``dag.equations.layer_norm(x, scale, bias, eps)`` over the last axis of float32 ``x``
     [..., d] by the C++ kernel; differentiable in all three. Operands the kernel cannot take are
     a one-line ``ValueError``."""
     _check("d_model", x.shape[-1], x.dtype)

@@ -20,7 +20,7 @@ Both take 16-bit operands on a GPU (``'triton'`` also float32) and dims that the
 (:func:`mgpu_unsupported`, :func:`triton_unsupported` say why not), and both run anywhere in
 their interpreters (``interpret=True``), which is how the CPU suite checks them against
 ``ragged_dot`` (tests/test_gpu_grouped_matmul.py). Which one a model uses is settled once by
-:func:`dagmoe_jax.run.settle.settle`; nothing here asks which machine it runs on.
+:func:`dagmoe_jax.model.settle.settle`; nothing here asks which machine it runs on.
 
 The block sizes (:func:`mgpu_blocks`, :func:`triton_blocks`) are a small table per shape: the
 Mosaic GPU kernels' own tuning defaults (``ragged_dot_mgpu``'s search space, 128 x 128 tiles,

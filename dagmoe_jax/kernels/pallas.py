@@ -12,7 +12,7 @@
 Both lower only for TPU (Mosaic); with ``interpret=True`` they run anywhere through the Pallas
 interpreter (slow, exact), which is how the CPU test suite checks their numerics against the
 reference attention and ``jax.lax.ragged_dot``. Which kernel a model uses is settled once by
-:func:`dagmoe_jax.run.settle.settle`; these functions never ask which machine they run on.
+:func:`dagmoe_jax.model.settle.settle`; these functions never ask which machine they run on.
 """
 
 from __future__ import annotations

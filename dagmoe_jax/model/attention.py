@@ -188,7 +188,7 @@ def causal_attention(q, k, v, impl: str, block: int, layout: Optional[MeshLayout
             return sharded_splash_attention(q, k, v, layout, segment_ids)
     if impl == "auto":
         raise ValueError("ExecutionConfig.attention='auto' reached the model unsettled: build the "
-                         "model with execution=dagmoe_jax.run.settle.settle(cfg, execution)")
+                         "model with execution=dagmoe_jax.model.settle.settle(cfg, execution)")
     implementation = "cudnn" if impl == "cudnn" else "xla"
     if segment_ids is None:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True,

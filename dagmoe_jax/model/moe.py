@@ -1,5 +1,5 @@
-"""The MoE block: router -> experts -> aggregator (sum, DAG or MLP) + shared experts; and the
-dense block (one SwiGLU), both under the block protocol (:mod:`dagmoe_jax.model.block`)."""
+"""The MoE block: router -> experts -> aggregator (sum, DAG or MLP) + shared experts, under the
+block protocol (:mod:`dagmoe_jax.model.block`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from flax import nnx
 
 from dagmoe_jax.config import ExecutionConfig, ModelConfig
 from dagmoe_jax.model.aggregation import make_aggregator
-from dagmoe_jax.model.block import BlockInputs, BlockStats, empty_stats, routed_stats
+from dagmoe_jax.model.block import BlockInputs, BlockStats, routed_stats
 from dagmoe_jax.model.experts import Experts
 from dagmoe_jax.model.layers import SwiGLU, dtype_of
 from dagmoe_jax.model.router import Router
@@ -35,22 +35,6 @@ def routed_experts(cfg: ModelConfig, execution: ExecutionConfig, layout: Optiona
     return Experts(cfg.block.experts, cfg.d_model, std=cfg.init_std,
                    dtype=dtype_of(cfg.compute_dtype), execution=execution, layout=layout,
                    param_dtype=dtype_of(cfg.param_dtype), rngs=rngs)
-
-
-class DenseBlock(SwiGLU):
-    """The dense block: one SwiGLU of ``ModelConfig.resolved_ffn_hidden`` (its parameters are
-    the SwiGLU's own, so a dense layer's state paths are ``block/w_gate`` ...)."""
-
-    def __init__(self, cfg: ModelConfig, execution: ExecutionConfig,
-                 layout: Optional[MeshLayout] = None, *, rngs: nnx.Rngs):
-        del layout                           # nothing to dispatch
-        super().__init__(cfg.d_model, cfg.resolved_ffn_hidden, cfg.init_std,
-                         dtype_of(cfg.compute_dtype),
-                         fuse_projections=execution.fuse_projections,
-                         param_dtype=dtype_of(cfg.param_dtype), rngs=rngs)
-
-    def __call__(self, inputs: BlockInputs):
-        return super().__call__(inputs.x), empty_stats()
 
 
 class MoEBlock(nnx.Module):

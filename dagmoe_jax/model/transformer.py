@@ -1,8 +1,8 @@
 """The Llama-3 style decoder (DAG-MoE Appendix B.1) with scanned layers.
 
-``Transformer(cfg, execution=..., rngs=...)(tokens)`` returns float32 logits [B, S, V] and an
+``Transformer(cfg, rngs=...)(tokens)`` returns float32 logits [B, S, V] and an
 auxiliary dict (``cfg``: what is computed; ``execution``: how, a settled
-:class:`~dagmoe_jax.config.ExecutionConfig`, :func:`dagmoe_jax.run.settle.settle`):
+:class:`~dagmoe_jax.config.ExecutionConfig`, :func:`dagmoe_jax.model.settle.settle`):
 
 * ``balance_loss``, ``z_loss``: unweighted router losses, averaged over layers (and CoE steps);
 * ``aux_loss``: ``balance_coef * balance_loss + z_loss_coef * z_loss``, ready to add to the loss;
@@ -41,9 +41,11 @@ from dagmoe_jax.model.block import BlockContext, BlockInputs, BlockStats
 from dagmoe_jax.model.coe import CoEBlock
 from dagmoe_jax.model.doe.block import DoEBlock
 from dagmoe_jax.model.layers import RMSNorm, dtype_of, make_param, normal
+from dagmoe_jax.model.settle import settle
 from dagmoe_jax.model.segments import check_segment_ids, segment_positions
 from dagmoe_jax.parallel import constrain
-from dagmoe_jax.model.moe import DenseBlock, MoEBlock
+from dagmoe_jax.model.dense import DenseBlock
+from dagmoe_jax.model.moe import MoEBlock
 from dagmoe_jax.parallel.axes import MeshLayout
 
 # The block of each ``ModelConfig.block`` (the block protocol: dagmoe_jax.model.block).
@@ -92,16 +94,17 @@ class DecoderLayer(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """The decoder ``cfg`` describes, run as ``execution`` (settled for this machine:
-    :func:`dagmoe_jax.run.settle.settle`, no 'auto' left), its MoE dispatch placed on
-    ``layout`` (None: one device)."""
+    """The decoder ``cfg`` describes, run as ``execution``, its MoE dispatch placed on
+    ``layout`` (None: one device). ``execution`` (default: every choice 'auto') has whatever
+    is left 'auto' settled here for this machine and ``layout``
+    (:func:`dagmoe_jax.model.settle.settle`); a run settles it once when it is built, prints
+    it and passes it in settled. ``self.execution`` is the settled one."""
 
-    def __init__(self, cfg: ModelConfig, *, execution: ExecutionConfig, rngs: nnx.Rngs,
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs,
+                 execution: Optional[ExecutionConfig] = None,
                  layout: Optional[MeshLayout] = None):
-        if execution.unsettled:
-            raise ValueError(f"ExecutionConfig fields {', '.join(execution.unsettled)} are "
-                             f"still 'auto': build the model with "
-                             f"execution=dagmoe_jax.run.settle.settle(cfg, execution)")
+        if execution is None or execution.unsettled:
+            execution = settle(cfg, execution, layout=layout)
         self.cfg, self.execution = cfg, execution
         pd = dtype_of(cfg.param_dtype)
         self.embed = make_param(rngs, normal(cfg.init_std), (cfg.vocab_size, cfg.d_model),

@@ -24,7 +24,7 @@ from dagmoe_jax.data.batch import MODEL_INPUTS
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.parallel import create_train_state, shard_batch
 from dagmoe_jax.parallel.axes import MeshLayout
-from dagmoe_jax.run.settle import check_kernel_precision, settle
+from dagmoe_jax.model.settle import check_kernel_precision, settle
 from dagmoe_jax.run.config import OptimConfig, TrainConfig
 from dagmoe_jax.run.optim import TRAINABLE, check_trainable, make_optimizer, make_schedule
 
@@ -46,7 +46,7 @@ def build(model_cfg: ModelConfig, optim_cfg: OptimConfig, train_cfg: TrainConfig
     created directly sharded over ``mesh`` when one is given (optimizer state too).
 
     The model runs as ``train_cfg.execution`` settled for ``model_cfg`` on this machine and
-    mesh (:func:`dagmoe_jax.run.settle.settle`; ``model.execution`` is the settled config)."""
+    mesh (:func:`dagmoe_jax.model.settle.settle`; ``model.execution`` is the settled config)."""
     tx = make_optimizer(optim_cfg, train_cfg.steps)
     check_trainable(model_cfg, train_cfg.trainable)
     wrt = TRAINABLE[train_cfg.trainable]

@@ -21,6 +21,7 @@ import jax
 from dagmoe_jax import run as run_lib
 from dagmoe_jax.run.allocator import allocator
 from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.model.settle import describe
 from dagmoe_jax.data import DataConfig, make_tokenizer, train_dataset, unigram_entropy
 from dagmoe_jax.data.instruct import instruct_dataset, instruct_stats, is_instruct
 from dagmoe_jax.evaluation import Evaluator, format_eval
@@ -168,7 +169,7 @@ def _start(model_cfg, data_cfg, optim_cfg, train_cfg, is_main: bool, say) -> _St
     if schedule_note(optim_cfg, train_cfg.steps):
         say(schedule_note(optim_cfg, train_cfg.steps))
     model, optimizer, schedule = run_lib.build(model_cfg, optim_cfg, train_cfg, mesh, log=say)
-    how = run_lib.describe(model_cfg, model.execution, train_cfg.execution,
+    how = describe(model_cfg, model.execution, train_cfg.execution,
                            layout=MeshLayout.of(mesh))
     say(f"model settled for {jax.default_backend()}: {how}; host memory: {allocator()}")
     checkpointer = run_lib.Checkpointer(run_dir / run_lib.CHECKPOINT_DIR,

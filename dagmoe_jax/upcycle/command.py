@@ -25,7 +25,7 @@ from dagmoe_jax.data import DataConfig, make_tokenizer, train_records
 from dagmoe_jax.data.config import parse_source
 from dagmoe_jax.data.instruct import instruct_dataset, is_instruct
 from dagmoe_jax.data.pipeline import train_dataset
-from dagmoe_jax.run.settle import settle
+from dagmoe_jax.model.settle import settle
 from dagmoe_jax.run.config import TrainConfig
 from dagmoe_jax.run.config import OptimConfig
 from dagmoe_jax.run.optim import check_trainable

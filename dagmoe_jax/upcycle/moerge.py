@@ -103,7 +103,7 @@ def merged_params(dense: Sequence[dict]) -> Tuple[dict, dict]:
 def moerge(models: Sequence[nnx.Module], cfg: ModelConfig, *, execution: ExecutionConfig,
            seed: int = 0) -> nnx.Module:
     """The MoE ``cfg`` (a :func:`dume_config` of the models' config), run as ``execution``
-    (settled for ``cfg``: :func:`dagmoe_jax.run.settle.settle`), holding N dense ``models``
+    (settled for ``cfg``: :func:`dagmoe_jax.model.settle.settle`), holding N dense ``models``
     merged (DUME sec. 2.2), its routers initialised at random from ``seed``."""
 
     check_same_architecture([m.cfg for m in models])

@@ -1,0 +1,115 @@
+"""How the DAG module runs: one strategy per ``ExecutionConfig.dag_module``, chosen once when
+the module is built (:func:`dag_execution`), so that the equations
+(:mod:`dagmoe_jax.model.dag.equations`, composed in :mod:`dagmoe_jax.model.dag.module`) carry
+no execution flags.
+
+A strategy supplies the four operations of an iteration whose program depends on the machine:
+the node rows the LayerNorm takes, the LayerNorm (eq. 7), the projections (eq. 8, 9, 11) and
+the pair sum of eq. 10; and says whether the L-th iteration is computed together with the
+readout (eq. 12). Every strategy computes the same function (tests/test_dag.py runs each
+against the NumPy transcription of the paper):
+
+=============  ===========================================================================
+``xla``        XLA on the node rows as one [T*K, .] matrix: on CPU and GPU that reshape is
+               free, and with the node axis kept XLA:CPU runs the weight gradient, a
+               contraction over two axes, 1.45x slower (the XLA module, measured)
+``xla_rank3``  XLA with the projections as einsums on the [T, K, .] node arrays (TPU's: there
+               the [T, K, d] -> [T*K, d] reshape is a copy between tiled layouts, K = 4 rows
+               filling half of an 8-row tile, which the compiled DAG-MoE-l step paid at every
+               projection)
+``fused``      the C++ kernels of :mod:`dagmoe_jax.kernels.dag_module` (CPU, float32, one
+               device): the LayerNorm, the pair sum without the [T, K, K, d_g] pair tensor,
+               and the projections' weight gradients (:func:`cpu_dense_matmul`, about twice
+               XLA:CPU's speed at the module's shapes); iterations 1 .. L-1 scanned and the
+               L-th computed with the readout, which needs only the nodes' sum (on TPU that
+               split of the loop cost 0.6 GB more temporaries a chip for DAG-MoE-l,
+               benchmarks/RESULTS.md, so the XLA strategies keep one scan)
+=============  ===========================================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from dagmoe_jax.kernels.dag_module import fused_dag_messages, fused_layer_norm
+from dagmoe_jax.kernels.grouped_matmul import cpu_dense_matmul
+from dagmoe_jax.model.dag.equations import dag_pair_messages, layer_norm
+
+
+@dataclasses.dataclass(frozen=True)
+class XLAExecution:
+    """``dag_module='xla'``: XLA's operations on the node rows (the module docstring)."""
+
+    # class attributes, not fields: a strategy is equal to, and hashes as, any other of its
+    # class (a module's static attribute, compared when nnx splits a cloned model)
+    name = "xla"
+    last_with_readout = False      # all L iterations in one scan
+
+    def rows(self, nodes: jax.Array) -> jax.Array:
+        """The nodes [T, K, d] as the LayerNorm and the down-projection take them."""
+        return nodes.reshape(-1, nodes.shape[-1])
+
+    def layer_norm(self, x, scale, bias, eps: float) -> jax.Array:
+        """DAG-MoE eq. 7 (:func:`~dagmoe_jax.model.dag.equations.layer_norm`)."""
+        return layer_norm(x, scale, bias, eps)
+
+    def matmul(self, rows: jax.Array, w: jax.Array) -> jax.Array:
+        """``rows [N, a] @ w [a, b]``."""
+        return rows @ w
+
+    def project(self, x: jax.Array, w: jax.Array) -> jax.Array:
+        """``x [..., a] @ w [a, b]`` in ``x``'s dtype: the projections of eq. 8, 9 and 11."""
+        w = w.astype(x.dtype)
+        out = self.matmul(x.reshape(-1, x.shape[-1]), w)
+        return out.reshape(*x.shape[:-1], w.shape[-1])
+
+    def pair_sum(self, proj: jax.Array, edges: str, edge_act: str) -> jax.Array:
+        """DAG-MoE eq. 10 summed over j from the projected nodes [T, K, 4 d_g]."""
+        return dag_pair_messages(proj, edge_act, edges)
+
+
+@dataclasses.dataclass(frozen=True)
+class XLARank3Execution(XLAExecution):
+    """``dag_module='xla_rank3'``: the projections on the [T, K, .] node arrays as they are."""
+
+    name = "xla_rank3"
+
+    def rows(self, nodes: jax.Array) -> jax.Array:
+        return nodes
+
+    def project(self, x: jax.Array, w: jax.Array) -> jax.Array:
+        return jnp.einsum("...a,ab->...b", x, w.astype(x.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class CPUKernelExecution(XLAExecution):
+    """``dag_module='fused'``: the C++ kernels, and the L-th iteration with the readout."""
+
+    name = "fused"
+    last_with_readout = True
+
+    def layer_norm(self, x, scale, bias, eps: float) -> jax.Array:
+        return fused_layer_norm(x, scale, bias, eps)
+
+    def matmul(self, rows: jax.Array, w: jax.Array) -> jax.Array:
+        return cpu_dense_matmul(rows, w)
+
+    def pair_sum(self, proj: jax.Array, edges: str, edge_act: str) -> jax.Array:
+        return fused_dag_messages(proj, edges, edge_act)
+
+
+XLA = XLAExecution()
+DAG_EXECUTIONS = {ex.name: ex for ex in (XLA, XLARank3Execution(), CPUKernelExecution())}
+
+
+def dag_execution(name: str) -> XLAExecution:
+    """The strategy of a settled ``ExecutionConfig.dag_module`` (``'xla'``, ``'xla_rank3'``
+    or ``'fused'``)."""
+    if name not in DAG_EXECUTIONS:
+        raise ValueError(f"ExecutionConfig.dag_module={name!r} is not settled to one of "
+                         f"{sorted(DAG_EXECUTIONS)}: build the model with "
+                         "execution=dagmoe_jax.model.settle.settle(cfg, execution)")
+    return DAG_EXECUTIONS[name]

@@ -140,7 +140,7 @@ def start_losses(args, folder: Path, data_cfg) -> dict:
 
 def run(args, out: Path, log) -> dict:
     from experiments.corpus import build_manpage_corpus, build_stdlib_corpus, corpus_sources
-    from dagmoe_jax.cli.export import export_run
+    from dagmoe_jax.hf.export import export_run
     from dagmoe_jax.model.accounting import account
     from dagmoe_jax.train.init_from import source_model_config
     from dagmoe_jax.train.loop import train

@@ -10,8 +10,8 @@ Each row prints its matmul FLOPs (forward + backward = 3x forward) and the time 
 take at this machine's float32 matmul rate measured in the same run; the elementwise rows
 have no matmul FLOPs, so their whole time is overhead against that ideal.
 
-    python benchmarks/dag_module.py                          # s shape: 8 x 512 tokens, L 2
-    python benchmarks/dag_module.py --iters 3 --rounds 3
+    python -m benchmarks.dag_module                          # s shape: 8 x 512 tokens, L 2
+    python -m benchmarks.dag_module --iters 3 --rounds 3
 
 Rows are timed in alternating order over ``--rounds`` (odd rounds reversed) and each keeps
 its best time, so that drift of the machine during the run reaches every row alike.
@@ -22,24 +22,20 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmarks
+import jax
+import jax.numpy as jnp
+from flax import nnx
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from dagmoe_jax.config import ExecutionConfig  # noqa: E402
-from dagmoe_jax.kernels.dag_module import (dag_module_unavailable,  # noqa: E402
+from dagmoe_jax.config import ExecutionConfig
+from dagmoe_jax.kernels.dag_module import (dag_module_unavailable,
                                            fused_dag_messages, fused_layer_norm)
-from dagmoe_jax.model import aggregation as agg  # noqa: E402
-from dagmoe_jax.model.experts import Experts  # noqa: E402
-from dagmoe_jax.run.allocator import allocator  # noqa: E402
-from dagmoe_jax.run.gin import load_execution_config, load_model_config  # noqa: E402
-from dagmoe_jax.run.settle import settle  # noqa: E402
-from step_throughput import matmul_rate, time_fn  # noqa: E402
+from dagmoe_jax.model import aggregation as agg
+from dagmoe_jax.model.experts import Experts
+from dagmoe_jax.run.allocator import allocator
+from dagmoe_jax.run.gin import load_execution_config, load_model_config
+from dagmoe_jax.run.settle import settle
+from benchmarks.step_throughput import matmul_rate, time_fn
 
 
 def vjp_fn(fn, args):

@@ -16,9 +16,9 @@ Same domains, seed model and experts as ``benchmarks/dume.py`` (its ``Bench``); 
 
 Scores as ``benchmarks/dume.py``: ``100 * PPL_expert(d) / PPL_method(d)``, averaged over domains.
 
-    python benchmarks/dume_ablations.py            # 3 seeds
-    python benchmarks/dume_ablations.py --micro    # a quick end-to-end check
-    python benchmarks/dume_ablations.py --report runs/bench_dume_ablations/dume_ablations.json
+    python -m benchmarks.dume_ablations            # 3 seeds
+    python -m benchmarks.dume_ablations --micro    # a quick end-to-end check
+    python -m benchmarks.dume_ablations --report runs/bench_dume_ablations/dume_ablations.json
 """
 
 from __future__ import annotations
@@ -27,15 +27,11 @@ import argparse
 import dataclasses
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from dagmoe_jax.cli import add_budget_flags, fill_budget_defaults, report_or_run  # noqa: E402
-import dume as bench_dume  # noqa: E402
+from dagmoe_jax.cli import add_budget_flags, fill_budget_defaults, report_or_run
+from benchmarks import dume as bench_dume
 
 DEFAULTS = dict(bench_dume.DEFAULTS, stats_seq_len=1024, stats_rows=16, dag_dim=32,
                 out="runs/bench_dume_ablations")
@@ -167,8 +163,8 @@ def format_report(results):
 
 def run(args, out, log):
     from dagmoe_jax.config import DenseConfig, ModelConfig
-    from experiments.corpus import (build_c_header_corpus, build_manpage_corpus,
-                                    build_stdlib_corpus, corpus_sources)
+    from benchmarks.experiments.corpus import (build_c_header_corpus, build_manpage_corpus,
+                                               build_stdlib_corpus, corpus_sources)
     domains = []
     for name, build in (("stdlib_docs", build_stdlib_corpus), ("manpages", build_manpage_corpus),
                         ("c_headers", build_c_header_corpus)):

@@ -19,9 +19,9 @@ elementwise    the remaining loop / input fusions: norms, activations, router so
 other          everything else
 =============  ===========================================================================
 
-    python benchmarks/step_profile.py                      # MoE-s, vocab 256
-    python benchmarks/step_profile.py --gin variants/dag_g128_l2.gin --top 30
-    python benchmarks/step_profile.py --binding "ExpertConfig.dispatch = 'capacity'"
+    python -m benchmarks.step_profile                      # MoE-s, vocab 256
+    python -m benchmarks.step_profile --gin variants/dag_g128_l2.gin --top 30
+    python -m benchmarks.step_profile --binding "ExpertConfig.dispatch = 'capacity'"
 
 Times are wall time per step summed over instructions (XLA:CPU runs nearly all of them one after
 another, so the sum is close to the step; the table prints both). Instructions are the compiled
@@ -35,7 +35,7 @@ loops (every fusion: elementwise, optimizer, copies), XLA's matmul libraries, th
 included) and the rest, as CPU seconds per step. It needs ``perf`` (Debian's ``linux-perf``) and
 the right to sample the system (root, or ``kernel.perf_event_paranoid`` <= 0).
 
-    python benchmarks/step_profile.py --perf 15             # MoE-s, ~1 min
+    python -m benchmarks.step_profile --perf 15             # MoE-s, ~1 min
 """
 
 from __future__ import annotations
@@ -49,20 +49,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Dict, List, Tuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmarks
+import jax
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from dagmoe_jax.run.allocator import allocator  # noqa: E402
-from dagmoe_jax.run.gin import load_execution_config, load_model_config  # noqa: E402
-from dagmoe_jax.run.settle import describe, settle  # noqa: E402
-from scaling import trace_events  # noqa: E402  (the profiler's events, as scaling.py reads them)
-from step_throughput import time_fn, train_step  # noqa: E402
+from dagmoe_jax.run.allocator import allocator
+from dagmoe_jax.run.gin import load_execution_config, load_model_config
+from dagmoe_jax.run.settle import describe, settle
+from benchmarks.scaling import trace_events  # the profiler's events, as scaling.py reads them
+from benchmarks.step_throughput import time_fn, train_step
 
 CATEGORIES = ("matmul", "attention", "grouped mm", "optimizer", "weight copy", "data movement",
               "elementwise", "other")

@@ -41,9 +41,8 @@ import os
 import sys
 from pathlib import Path
 
-from dagmoe_jax.cli import (add_budget_flags, fill_budget_defaults, gin_flag_bindings,
-                            seed_list,
-                            report_error, run_and_report)
+from benchmarks.common import add_budget_flags, fill_budget_defaults, run_and_report, seed_list
+from dagmoe_jax.command_line import gin_flag_bindings, report_error
 
 DEFAULTS = dict(variants="moe,moe_shared,dag_l2", seeds="3", steps=400, batch=16, seq_len=128,
                 dag_dim=32, sft_records=1200, sft_epochs=3, sft_lr=1e-3, eval_per_skill=24,

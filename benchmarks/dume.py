@@ -46,7 +46,8 @@ import time
 
 import numpy as np
 
-from dagmoe_jax.cli import add_budget_flags, fill_budget_defaults, report_or_run
+from benchmarks.common import (add_budget_flags, fill_budget_defaults, paired_by_seed,
+                               report_or_run)
 
 DEFAULTS = dict(seeds=3, seed_steps=200, expert_steps=150, router_steps=80, batch=16,
                 seq_len=128, eval_batches=6, stats_batches=8, d_model=128, layers=4,
@@ -307,12 +308,7 @@ def format_report(results):
         for t, v in s["tokens_per_sequence"].items()))
     lines.append("paired by seed: domain-mean held-out cross-entropy, method - baseline "
                  "(nats/byte; negative = method better), mean ± std over seeds:")
-    for m, b in PAIRS:
-        diff = np.array([np.mean(p["ce"][m]) - np.mean(p["ce"][b])
-                         for p in results["per_seed"]])
-        verdict = ("better in every seed" if np.all(diff < 0) else
-                   "worse in every seed" if np.all(diff > 0) else "mixed: within the spread")
-        lines.append(f"  {m} - {b}: {diff.mean():+.5f} ± {diff.std():.5f} ({verdict})")
+    lines += paired_by_seed(results["per_seed"], PAIRS)
     ad = s["add_domain"]
     lines.append(f"adding {names[-1]} to the merge of the others (k 2), keeping the shared "
                  f"weights and old statistics: old domains' scores "

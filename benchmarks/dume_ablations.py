@@ -30,7 +30,8 @@ import time
 
 import numpy as np
 
-from dagmoe_jax.cli import add_budget_flags, fill_budget_defaults, report_or_run
+from benchmarks.common import (add_budget_flags, fill_budget_defaults, paired_by_seed,
+                               report_or_run)
 from benchmarks import dume as bench_dume
 
 DEFAULTS = dict(bench_dume.DEFAULTS, stats_seq_len=1024, stats_rows=16, dag_dim=32,
@@ -152,12 +153,7 @@ def format_report(results):
     lines.append(f"shared expert hidden {results['per_seed'][0]['shared_hidden']} (the DAG's "
                  f"parameters); paired by seed, domain-mean cross-entropy, method - baseline "
                  f"(nats/byte):")
-    for m, b in PAIRS:
-        diff = np.array([np.mean(p["ce"][m]) - np.mean(p["ce"][b])
-                         for p in results["per_seed"]])
-        verdict = ("better in every seed" if np.all(diff < 0) else
-                   "worse in every seed" if np.all(diff > 0) else "mixed: within the spread")
-        lines.append(f"  {m} - {b}: {diff.mean():+.5f} ± {diff.std():.5f} ({verdict})")
+    lines += paired_by_seed(results["per_seed"], PAIRS)
     return "\n".join(lines)
 
 

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dagmoe_jax.cli import add_budget_flags, fill_budget_defaults, report_or_run
+from benchmarks.common import add_budget_flags, fill_budget_defaults, report_or_run
 
 DEFAULTS = dict(seeds=3, pretrain_steps=400, finetune_steps=150, batch=16, seq_len=128,
                 eval_batches=8, d_model=64, layers=4, experts=8, expert_hidden=64, dag_dim=32,

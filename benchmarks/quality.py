@@ -52,9 +52,8 @@ import json
 import sys
 from pathlib import Path
 
-from dagmoe_jax.cli import (add_budget_flags, fill_budget_defaults, gin_flag_bindings,
-                            seed_list,
-                            report_error, run_and_report)
+from benchmarks.common import add_budget_flags, fill_budget_defaults, run_and_report, seed_list
+from dagmoe_jax.command_line import gin_flag_bindings, report_error
 
 DEFAULTS = dict(variants="moe,moe_shared,dag_l1,dag_l2,dag_l3,mlp,mlp_small,coe", seeds="1", steps=400,
                 batch=16, seq_len=128, eval_batches=32, dag_dim=32, out="runs/bench_quality")

@@ -43,8 +43,8 @@ import json
 import sys
 from pathlib import Path
 
-from dagmoe_jax.cli import (add_budget_flags, fill_budget_defaults, report_error,
-                            run_and_report, seed_list)
+from benchmarks.common import add_budget_flags, fill_budget_defaults, run_and_report, seed_list
+from dagmoe_jax.command_line import report_error
 
 DEFAULTS = dict(tasks="lis,edit_distance,lcs", variants="moe,moe_shared,dag_l1,dag_l2,dag_l3,mlp,coe",
                 seeds="2", steps=800, batch=16, seq_len=64, sizes="4,8,12,16,20",

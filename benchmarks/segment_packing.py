@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from dagmoe_jax.cli import add_budget_flags, fill_budget_defaults, run_and_report
+from benchmarks.common import add_budget_flags, fill_budget_defaults, run_and_report
 
 DEFAULTS = dict(seeds=3, steps=400, batch=16, seq_len=128, eval_batches=32,
                 out="runs/bench_segments")

@@ -54,6 +54,7 @@ from typing import Dict, List, Tuple
 import jax
 import numpy as np
 
+from dagmoe_jax.compile.hlo import attr, parse_module
 from dagmoe_jax.run.allocator import allocator
 from dagmoe_jax.run.gin import load_execution_config, load_model_config
 from dagmoe_jax.run.settle import describe, settle
@@ -80,32 +81,20 @@ PERF_GROUPS = (
 )
 _PERF_LINE = re.compile(r"^\s*([\d.]+)%\s+(\S+(?: tid \d+)?)\s+\[[.k]\]\s+(.*?)\s*$")
 
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S.*?)\s([a-z][a-z0-9\-]*)\((.*)$")
-_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-
 
 def parse_hlo(text: str) -> Tuple[Dict[str, dict], Dict[str, List[str]]]:
     """(instruction name -> {opcode, operands, calls, kind, target, computation},
-    computation name -> opcodes of its instructions) from a compiled module's HLO text."""
-    instructions, computations, current = {}, collections.defaultdict(list), ""
-    for line in text.splitlines():
-        comp = _COMP.match(line)
-        if comp and not line.startswith(" "):
-            current = comp.group(1)
-            continue
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        name, _shape, opcode, rest = m.groups()
-        calls = re.search(r"calls=%?([\w.\-]+)", rest)
-        kind = re.search(r"kind=(\w+)", rest)
-        target = re.search(r'custom_call_target="([^"]+)"', rest)
-        operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
-        instructions[name] = dict(opcode=opcode, operands=operands, computation=current,
-                                  calls=calls.group(1) if calls else None,
-                                  kind=kind.group(1) if kind else "",
-                                  target=target.group(1) if target else "")
-        computations[current].append(opcode)
+    computation name -> opcodes of its instructions) from a compiled module's HLO text, as
+    :func:`dagmoe_jax.compile.hlo.parse_module` reads it."""
+    instructions, computations = {}, {}
+    for computation, body in parse_module(text)[0].items():
+        computations[computation] = [ins.op for ins in body]
+        for ins in body:
+            instructions[ins.name] = dict(
+                opcode=ins.op, operands=ins.operands, computation=computation,
+                calls=(attr(ins.attrs, "calls") or "").lstrip("%") or None,
+                kind=attr(ins.attrs, "kind") or "",
+                target=(attr(ins.attrs, "custom_call_target") or "").strip('"'))
     return instructions, computations
 
 

@@ -65,6 +65,8 @@ def equation_rows(t: int, k: int, d: int, dg: int, edge_act: str):
     flat = nodes.reshape(t * k, d)
 
     def pair_projection(u, w_edge, w_node, fused):
+        # agg.dag_messages' layout, which it keeps inline (tests/test_benchmarks_profile.py
+        # checks that the two agree)
         w = jnp.concatenate([w_edge[:dg], w_node[:dg], w_edge[dg:], w_node[dg:]], axis=1)
         return agg.project(u.reshape(t * k, dg), w, fused)
 

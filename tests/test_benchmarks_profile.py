@@ -188,6 +188,23 @@ def test_dag_module_benchmark_backs_each_projection_both_ways_with_a_random_cota
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
+def test_dag_module_benchmark_projects_the_pairs_as_the_model_does():
+    """benchmarks/dag_module.py's eq. 9 row lays W_edge and W_node out as the model's
+    dag_messages does (which keeps that layout inline): its projection, read as [e_i | n_i |
+    e_j | n_j] by the model's dag_pair_messages, gives the model's messages."""
+    import numpy as np
+    from benchmarks import dag_module
+    from dagmoe_jax.model import aggregation as agg
+
+    t, k, dg = 8, 4, 16
+    rows = {name: (fn, args) for name, fn, args, _ in dag_module.equation_rows(t, k, 32, dg,
+                                                                                "silu")}
+    fn, (u, w_edge, w_node) = rows["eq. 9 pair projection, XLA"]
+    got = agg.dag_pair_messages(fn(u, w_edge, w_node).reshape(t, k, 4 * dg), "silu")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(agg.dag_messages(
+        u, w_edge, w_node, "silu")), rtol=1e-5, atol=1e-6)
+
+
 def test_best_alternating_reverses_odd_rounds_and_keeps_each_best():
     """step_throughput.best_alternating, which the grouped-matmul tables time with: odd rounds
     in reverse order (each call after time_fn's warm-up), every name's best time returned in

@@ -109,8 +109,9 @@ def build_once(tmp_path_factory, name: str, build):
 @pytest.fixture(scope="session")
 def stdlib_corpus(tmp_path_factory):
     """``stdlib_corpus(folder)`` puts the standard-library docstring corpus in ``folder`` as
-    ``benchmarks.experiments.corpus.build_stdlib_corpus(folder)`` leaves it (its two text files and the
-    JSON that names them), built once for the whole run (:func:`build_once`) and copied there.
+    ``benchmarks.experiments.corpus.build_stdlib_corpus(folder)`` leaves it (its two text files
+    and the JSON that names them), built once for the whole run (:func:`build_once`) and copied
+    there.
     A benchmark started with ``folder`` as its corpus directory reuses it, as it reuses a
     corpus it built itself, instead of parsing the standard library again (3-7 s a build,
     four benchmark micro runs)."""

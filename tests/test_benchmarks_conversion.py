@@ -43,8 +43,8 @@ def test_the_report_pairs_seeds_and_marks_the_spread():
 
 
 def test_report_reprints_saved_results_and_refuses_a_bad_file(tmp_path, capsys):
-    """--report FILE prints the saved results' report without training (benchmarks.common.report_or_run);
-    an unreadable file is one line and exit 2."""
+    """--report FILE prints the saved results' report without training
+    (benchmarks.common.report_or_run); an unreadable file is one line and exit 2."""
     import json
     results = {"budget": dict(bench.DEFAULTS), "pretrained_loss": 2.5,
                "records": [{"variant": "moe", "seed": 0, "loss": 2.0, "imbalance": 1.4}],

@@ -25,9 +25,9 @@ PEER = ("torch", "transformers")
 
 
 def _run(args, cwd, block=None) -> subprocess.CompletedProcess:
-    """``python -m benchmarks.peer_throughput ARGS`` in ``cwd``; ``block`` names a module made unimportable (None in sys.modules).
-    On exit the process writes the torch / transformers modules it had loaded to
-    ``cwd/parent_modules.json``."""
+    """``python -m benchmarks.peer_throughput ARGS`` in ``cwd``; ``block`` names a module made
+    unimportable (None in sys.modules). On exit the process writes the torch / transformers
+    modules it had loaded to ``cwd/parent_modules.json``."""
     prelude = f"sys.modules[{block!r}] = None; " if block else ""
     record = (f"atexit.register(lambda: open('parent_modules.json', 'w').write(json.dumps("
               f"sorted(m for m in sys.modules if m.split('.')[0] in {PEER!r} "

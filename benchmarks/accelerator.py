@@ -3,9 +3,9 @@
 GPU time is rare for this project: when a GPU (or TPU) is lent, run this first and put its
 table in benchmarks/RESULTS.md with the device named.
 
-    python benchmarks/accelerator.py                  # on the accelerator (~6-9 min on an H100)
-    python benchmarks/accelerator.py --micro          # a CPU smoke run at a micro size (~1 min)
-    python benchmarks/accelerator.py --budget_s 300   # stop starting new work after 300 s
+    python -m benchmarks.accelerator                  # on the accelerator (~6-9 min on an H100)
+    python -m benchmarks.accelerator --micro          # a CPU smoke run at a micro size (~1 min)
+    python -m benchmarks.accelerator --budget_s 300   # stop starting new work after 300 s
 
 What it measures, in bf16 compute with float32 master weights (configs/gpu.gin) at the
 Llama-3 vocabulary (128,256), batch x sequence tokens per step (default 16 x 1024):
@@ -45,16 +45,12 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from dagmoe_jax.model.accounting import account  # noqa: E402
-from dagmoe_jax.run.gin import load_execution_config, load_model_config  # noqa: E402
-from step_throughput import matmul_rate, time_fn, train_step  # noqa: E402  (benchmarks/)
+from dagmoe_jax.model.accounting import account
+from dagmoe_jax.run.gin import load_execution_config, load_model_config
+from benchmarks.step_throughput import matmul_rate, time_fn, train_step
 
 # name -> (model gin, variant gin). The s variants at d_g 128 and the l ones at 256 are the
 # paper's (DAG-MoE Appendix B.2).
@@ -160,7 +156,7 @@ def run_one_in_subprocess(name: str, args) -> dict:
     opens the accelerator before its children are done: a GPU process preallocates most of the
     device's memory when its backend starts, so a parent holding the backend leaves its
     children too little (on an H200 every variant ran out of memory)."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", name, "--vocab",
+    cmd = [sys.executable, "-m", "benchmarks.accelerator", "--one", name, "--vocab",
            str(args.vocab), "--batch", str(args.batch), "--seq", str(args.seq), "--steps",
            str(args.steps)] + (["--micro"] if args.micro else [])
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -198,9 +194,9 @@ def quality_run(args, deadline: float, out_dir: Path) -> dict:
     starts only when the one before took less than the time left before ``deadline``
     (``time.monotonic()``), so the table holds whole seeds; its summary prints each variant's
     mean and spread over the seeds run."""
-    from experiments.corpus import build_stdlib_corpus, corpus_sources
-    from experiments.quality import (PAPER_SOURCE, QualityBudget, format_report,
-                                     summarize, train_and_evaluate)
+    from benchmarks.experiments.corpus import build_stdlib_corpus, corpus_sources
+    from benchmarks.experiments.quality import (PAPER_SOURCE, QualityBudget, format_report,
+                                                summarize, train_and_evaluate)
 
     source, eval_source = corpus_sources(build_stdlib_corpus(out_dir / "corpus"))
     budget = QualityBudget(source=source, eval_source=eval_source, variants=QUALITY_VARIANTS,
@@ -270,7 +266,7 @@ def main(argv=None) -> int:
     info = run_one_in_subprocess(DEVICE, args)
     if "error" not in info and info["platform"] == "gpu":
         print("GPU kernels first (benchmarks/gpu_check.py):", flush=True)
-        check = subprocess.run([sys.executable, str(HERE / "gpu_check.py")], check=False)
+        check = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check"], check=False)
         if check.returncode:
             print(f"  gpu_check.py exited {check.returncode}: the table below uses kernels "
                   f"it did not pass", flush=True)

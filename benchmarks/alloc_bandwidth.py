@@ -6,8 +6,8 @@ TCMalloc, and glibc tuned by ``mallopt``, keep freed memory for reuse. This prin
 of an elementwise write (``x * 2 + 1``) and of a reduction (reads only) at a few buffer sizes.
 Compare
 
-    python benchmarks/alloc_bandwidth.py          # TCMalloc when installed, else glibc tuned
-    DAGMOE_TCMALLOC=0 DAGMOE_GLIBC_TUNE=0 python benchmarks/alloc_bandwidth.py   # glibc as it comes
+    python -m benchmarks.alloc_bandwidth          # TCMalloc when installed, else glibc tuned
+    DAGMOE_TCMALLOC=0 DAGMOE_GLIBC_TUNE=0 python -m benchmarks.alloc_bandwidth   # glibc as it comes
 
 (this is what ``dagmoe_jax/run/allocator.py`` and docs/training.md's CPU notes rest on).
 """
@@ -16,16 +16,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmarks
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from dagmoe_jax.run.allocator import allocator  # noqa: E402
-from step_throughput import time_fn  # noqa: E402
+from dagmoe_jax.run.allocator import allocator
+from benchmarks.step_throughput import time_fn
 
 
 def main(argv=None) -> int:

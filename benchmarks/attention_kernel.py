@@ -7,26 +7,22 @@ Default shape: the s model's (batch 8 x 512 tokens, 32 query heads over 8 KV hea
 block) and 'xla' (``jax.nn.dot_product_attention``). Rounds alternate between them and each
 keeps its best time, so machine drift hits all alike.
 
-    python benchmarks/attention_kernel.py
-    python benchmarks/attention_kernel.py --heads 8 --kv 8 --head_dim 64   # another shape
+    python -m benchmarks.attention_kernel
+    python -m benchmarks.attention_kernel --heads 8 --kv 8 --head_dim 64   # another shape
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmarks
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from dagmoe_jax.kernels import fused_attention_unavailable  # noqa: E402
-from dagmoe_jax.run.allocator import allocator  # noqa: E402
-from dagmoe_jax.model.attention import causal_attention  # noqa: E402
-from step_throughput import time_fn  # noqa: E402
+from dagmoe_jax.kernels import fused_attention_unavailable
+from dagmoe_jax.run.allocator import allocator
+from dagmoe_jax.model.attention import causal_attention
+from benchmarks.step_throughput import time_fn
 
 IMPLS = ("fused", "blockwise", "xla")
 

@@ -10,8 +10,8 @@ Each row prints its matmul FLOPs (forward + backward = 3x forward) and the time 
 take at this machine's float32 matmul rate measured in the same run; the elementwise rows
 have no matmul FLOPs, so their whole time is overhead against that ideal.
 
-    python benchmarks/dag_module.py                          # s shape: 8 x 512 tokens, L 2
-    python benchmarks/dag_module.py --iters 3 --rounds 3
+    python -m benchmarks.dag_module                          # s shape: 8 x 512 tokens, L 2
+    python -m benchmarks.dag_module --iters 3 --rounds 3
 
 Rows are timed in alternating order over ``--rounds`` (odd rounds reversed) and each keeps
 its best time, so that drift of the machine during the run reaches every row alike.
@@ -22,24 +22,21 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmarks
+import jax
+import jax.numpy as jnp
+from flax import nnx
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from dagmoe_jax.config import ExecutionConfig  # noqa: E402
-from dagmoe_jax.kernels.dag_module import (dag_module_unavailable,  # noqa: E402
+from dagmoe_jax.config import ExecutionConfig
+from dagmoe_jax.kernels.dag_module import (dag_module_unavailable,
                                            fused_dag_messages, fused_layer_norm)
-from dagmoe_jax.model import aggregation as agg  # noqa: E402
-from dagmoe_jax.model.experts import Experts  # noqa: E402
-from dagmoe_jax.run.allocator import allocator  # noqa: E402
-from dagmoe_jax.run.gin import load_execution_config, load_model_config  # noqa: E402
-from dagmoe_jax.model.settle import settle  # noqa: E402
-from step_throughput import matmul_rate, time_fn  # noqa: E402
+from dagmoe_jax.model import dag
+from dagmoe_jax.model.dag import dag_execution
+from dagmoe_jax.model.experts import Experts
+from dagmoe_jax.run.allocator import allocator
+from dagmoe_jax.run.gin import load_execution_config, load_model_config
+from dagmoe_jax.model.settle import settle
+from benchmarks.step_throughput import matmul_rate, time_fn
 
 
 def vjp_fn(fn, args):
@@ -68,33 +65,38 @@ def equation_rows(t: int, k: int, d: int, dg: int, edge_act: str):
     u, proj, msg = rand(t, k, dg), 10 * rand(t, k, 4 * dg), rand(t, k, dg)
     flat = nodes.reshape(t * k, d)
 
-    def pair_projection(u, w_edge, w_node, fused):
-        w = jnp.concatenate([w_edge[:dg], w_node[:dg], w_edge[dg:], w_node[dg:]], axis=1)
-        return agg.project(u.reshape(t * k, dg), w, fused)
+    xla_rows, kernel = dag_execution("xla"), dag_execution("fused")
+
+    def pair_projection(u, w_edge, w_node, ex):
+        return ex.project(u.reshape(t * k, dg), dag.dag_pair_weights(w_edge, w_node))
 
     def both(name, fn, args, flops):
-        """A projection's rows with XLA's weight gradient and with the kernel's."""
-        return [(f"{name}, {how}", functools.partial(fn, fused=fused), args, flops)
-                for how, fused in (("XLA", False), ("kernel", True))]
+        """A projection's rows with XLA's weight gradient and with the kernel's (the DAG
+        module's 'xla' and 'fused' strategies)."""
+        return [(f"{name}, {how}", functools.partial(fn, ex=ex), args, flops)
+                for how, ex in (("XLA", xla_rows), ("kernel", kernel))]
+
+    def project(x, w, ex):
+        return ex.project(x, w)
 
     return [
-        ("eq. 6 initial nodes", agg.dag_initial_nodes, (x, gates, expert_out), 0),
-        ("eq. 7 LayerNorm, XLA", lambda f, s, b: agg.layer_norm(f, s, b, 1e-5),
+        ("eq. 6 initial nodes", dag.dag_initial_nodes, (x, gates, expert_out), 0),
+        ("eq. 7 LayerNorm, XLA", lambda f, s, b: dag.layer_norm(f, s, b, 1e-5),
          (flat, scale, bias), 0),
         ("eq. 7 LayerNorm, kernel", lambda f, s, b: fused_layer_norm(f, s, b, 1e-5),
          (flat, scale, bias), 0),
-        *both("eq. 8 W_down", agg.project, (flat, w_down), 2 * t * k * d * dg),
+        *both("eq. 8 W_down", project, (flat, w_down), 2 * t * k * d * dg),
         *both("eq. 9 pair projection", pair_projection, (u, w_edge, w_node),
               2 * t * k * dg * 4 * dg),
-        ("eq. 10 messages, XLA", lambda p: agg.dag_pair_messages(p, edge_act), (proj,), 0),
+        ("eq. 10 messages, XLA", lambda p: dag.dag_pair_messages(p, edge_act), (proj,), 0),
         ("eq. 10 messages, kernel", lambda p: fused_dag_messages(p, "all", edge_act), (proj,), 0),
         *both("eq. 11 W_up per node",
-              lambda m, w, fused: agg.project(m.reshape(t * k, dg), w, fused), (msg, w_up),
+              lambda m, w, ex: ex.project(m.reshape(t * k, dg), w), (msg, w_up),
               2 * t * k * dg * d),
         *both("eq. 11-12 W_up summed",
-              lambda m, w, fused: agg.project(jnp.sum(m, axis=1), w, fused), (msg, w_up),
+              lambda m, w, ex: ex.project(jnp.sum(m, axis=1), w), (msg, w_up),
               2 * t * dg * d),
-        ("eq. 12 readout", agg.dag_readout, (nodes,), 0),
+        ("eq. 12 readout", dag.dag_readout, (nodes,), 0),
     ]
 
 
@@ -102,7 +104,7 @@ def module_row(name: str, cfg, dag_module: str, t: int):
     """(name, fn, args, forward matmul FLOPs) of the whole DAG module run as ``dag_module``
     ('xla' or 'fused'); W_up random, so that the backward pass is not trivially zero."""
     k, a = cfg.block.router.top_k, cfg.block.aggregation
-    module = agg.DAGAggregator(cfg, ExecutionConfig(dag_module=dag_module), rngs=nnx.Rngs(0))
+    module = dag.DAGAggregator(cfg, ExecutionConfig(dag_module=dag_module), rngs=nnx.Rngs(0))
     w_up = module.iterations.w_up
     w_up[...] = 0.02 * jax.random.normal(jax.random.key(1), w_up.shape)
     graphdef, params = nnx.split(module)

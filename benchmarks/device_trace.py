@@ -2,9 +2,9 @@
 the events of the accelerator's streams (the processes the trace names ``/device:GPU:0`` and
 the like; on CPU, where there are none, every event) summed by name over the traced steps, the largest first.
 
-    python benchmarks/device_trace.py                       # MoE-l, vocabulary 128,256, 16 x 1024
-    python benchmarks/device_trace.py --binding "ExpertConfig.dispatch = 'capacity'"
-    python benchmarks/device_trace.py --model models/tiny.gin --vocab 256 --batch 2 --seq 64
+    python -m benchmarks.device_trace                       # MoE-l, vocabulary 128,256, 16 x 1024
+    python -m benchmarks.device_trace --binding "ExpertConfig.dispatch = 'capacity'"
+    python -m benchmarks.device_trace --model models/tiny.gin --vocab 256 --batch 2 --seq 64
 
 On a GPU it runs the model as configs/gpu.gin does (bf16 compute). benchmarks/RESULTS.md's
 H200 table quotes it for MoE-l with dropless and with capacity dispatch.
@@ -19,15 +19,10 @@ import gzip
 import json
 import sys
 import tempfile
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+import jax
 
-import jax  # noqa: E402
-
-from step_throughput import load, train_step  # noqa: E402  (benchmarks/)
+from benchmarks.step_throughput import load, train_step
 
 
 def device_kernels(trace_file: str, steps: int) -> list:

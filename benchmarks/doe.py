@@ -1,11 +1,11 @@
 """DoE benchmark: held-out perplexity of DoE and its ablations beside dense and MoE, and the
 forgetting probe, at equal total parameters on a mixed offline corpus, over several seeds.
 
-    python benchmarks/doe.py                       # the default budget: 854 s of runs on the
+    python -m benchmarks.doe                       # the default budget: 854 s of runs on the
                                                    # shared 2-core CPU (3 seeds), plus the corpus
-    python benchmarks/doe.py --micro               # a quick end-to-end check
-    python benchmarks/doe.py --variants dense,moe,doe_relu --seeds 2 --steps 400
-    python benchmarks/doe.py --report runs/bench_doe/doe.json
+    python -m benchmarks.doe --micro               # a quick end-to-end check
+    python -m benchmarks.doe --variants dense,moe,doe_relu --seeds 2 --steps 400
+    python -m benchmarks.doe --report runs/bench_doe/doe.json
 
 Corpus (nothing downloaded; benchmarks/experiments/corpus.py): the docstrings of this Python's standard
 library (programming documentation, many short records) mixed with the installed English manual
@@ -43,14 +43,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from experiments.scoring import mean_std, paired_difference  # noqa: E402
+from benchmarks.experiments.scoring import mean_std, paired_difference
 
 VARIANTS = ("dense", "moe", "moe_active", "doe_softmax", "doe_relu", "doe_blocks", "doe_kl0.01",
             "doe_theta", "doe_a0", "doe_a0.01", "doe_a0.1", "doe_no_lda", "doe_k", "doe_q")
@@ -111,7 +108,7 @@ def model_config(variant: str, topics: int, seq_len: int):
 
 
 def corpus(out: Path, log):
-    from experiments.corpus import build_manpage_corpus, build_stdlib_corpus
+    from benchmarks.experiments.corpus import build_manpage_corpus, build_stdlib_corpus
 
     stdlib = build_stdlib_corpus(out / "corpus")
     man = build_manpage_corpus(out / "corpus", sections=("5", "7"))

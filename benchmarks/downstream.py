@@ -1,9 +1,9 @@
 """The papers' pipeline in miniature: pre-train, fine-tune on instructions, score downstream.
 
-    python benchmarks/downstream.py                   # DAG-MoE Q3 / Table 2 in miniature, 3 seeds
-    python benchmarks/downstream.py --dume            # DUME's reasoning setting in miniature
-    python benchmarks/downstream.py --micro           # a quick end-to-end check of both
-    python benchmarks/downstream.py --report runs/bench_downstream/downstream.json
+    python -m benchmarks.downstream                   # DAG-MoE Q3 / Table 2 in miniature, 3 seeds
+    python -m benchmarks.downstream --dume            # DUME's reasoning setting in miniature
+    python -m benchmarks.downstream --micro           # a quick end-to-end check of both
+    python -m benchmarks.downstream --report runs/bench_downstream/downstream.json
 
 Table 2 in miniature (benchmarks/experiments/downstream.py): MoE, MoE + shared expert and
 DAG-MoE L 2 at equal parameters are pre-trained on the offline corpus (the standard library's
@@ -41,11 +41,8 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from dagmoe_jax.cli import (add_budget_flags, fill_budget_defaults, gin_flag_bindings,  # noqa: E402
-                            seed_list,
-                            report_error, run_and_report)
+from benchmarks.common import add_budget_flags, fill_budget_defaults, run_and_report, seed_list
+from dagmoe_jax.command_line import gin_flag_bindings, report_error
 
 DEFAULTS = dict(variants="moe,moe_shared,dag_l2", seeds="3", steps=400, batch=16, seq_len=128,
                 dag_dim=32, sft_records=1200, sft_epochs=3, sft_lr=1e-3, eval_per_skill=24,
@@ -76,8 +73,8 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     # Imported after argument parsing so that --help and argument errors are instant.
-    from experiments import downstream, dume_reasoning
-    from experiments.corpus import build_stdlib_corpus, corpus_sources
+    from benchmarks.experiments import downstream, dume_reasoning
+    from benchmarks.experiments.corpus import build_stdlib_corpus, corpus_sources
 
     if args.report:
         try:

@@ -28,9 +28,9 @@ for the CPU's time (1000 router steps per method and seed would triple the run).
 The paper column is DUME Table 2's average: ordering only (a 115M model, five M2D2 domains and
 experts trained far longer; here a 1M-parameter byte model on three offline domains).
 
-    python benchmarks/dume.py                  # 3 seeds, the default budget
-    python benchmarks/dume.py --micro          # a quick end-to-end check
-    python benchmarks/dume.py --report runs/bench_dume/dume.json
+    python -m benchmarks.dume                  # 3 seeds, the default budget
+    python -m benchmarks.dume --micro          # a quick end-to-end check
+    python -m benchmarks.dume --report runs/bench_dume/dume.json
 
 Budget flags (defaults; --micro's in brackets): --seeds 3 [1], --seed_steps 200 [10],
 --expert_steps 150 [10], --router_steps 80 [5], --batch 16 [4], --seq_len 128 [32],
@@ -43,13 +43,11 @@ import argparse
 import dataclasses
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from dagmoe_jax.cli import add_budget_flags, fill_budget_defaults, report_or_run  # noqa: E402
+from benchmarks.common import (add_budget_flags, fill_budget_defaults, paired_by_seed,
+                               report_or_run)
 
 DEFAULTS = dict(seeds=3, seed_steps=200, expert_steps=150, router_steps=80, batch=16,
                 seq_len=128, eval_batches=6, stats_batches=8, d_model=128, layers=4,
@@ -310,12 +308,7 @@ def format_report(results):
         for t, v in s["tokens_per_sequence"].items()))
     lines.append("paired by seed: domain-mean held-out cross-entropy, method - baseline "
                  "(nats/byte; negative = method better), mean ± std over seeds:")
-    for m, b in PAIRS:
-        diff = np.array([np.mean(p["ce"][m]) - np.mean(p["ce"][b])
-                         for p in results["per_seed"]])
-        verdict = ("better in every seed" if np.all(diff < 0) else
-                   "worse in every seed" if np.all(diff > 0) else "mixed: within the spread")
-        lines.append(f"  {m} - {b}: {diff.mean():+.5f} ± {diff.std():.5f} ({verdict})")
+    lines += paired_by_seed(results["per_seed"], PAIRS)
     ad = s["add_domain"]
     lines.append(f"adding {names[-1]} to the merge of the others (k 2), keeping the shared "
                  f"weights and old statistics: old domains' scores "
@@ -331,8 +324,8 @@ def format_report(results):
 
 
 def run(args, out, log):
-    from experiments.corpus import (build_c_header_corpus, build_manpage_corpus,
-                                    build_stdlib_corpus, corpus_sources)
+    from benchmarks.experiments.corpus import (build_c_header_corpus, build_manpage_corpus,
+                                               build_stdlib_corpus, corpus_sources)
     domains = []
     for name, build in (("stdlib_docs", build_stdlib_corpus), ("manpages", build_manpage_corpus),
                         ("c_headers", build_c_header_corpus)):

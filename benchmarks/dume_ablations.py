@@ -16,9 +16,9 @@ Same domains, seed model and experts as ``benchmarks/dume.py`` (its ``Bench``); 
 
 Scores as ``benchmarks/dume.py``: ``100 * PPL_expert(d) / PPL_method(d)``, averaged over domains.
 
-    python benchmarks/dume_ablations.py            # 3 seeds
-    python benchmarks/dume_ablations.py --micro    # a quick end-to-end check
-    python benchmarks/dume_ablations.py --report runs/bench_dume_ablations/dume_ablations.json
+    python -m benchmarks.dume_ablations            # 3 seeds
+    python -m benchmarks.dume_ablations --micro    # a quick end-to-end check
+    python -m benchmarks.dume_ablations --report runs/bench_dume_ablations/dume_ablations.json
 """
 
 from __future__ import annotations
@@ -27,15 +27,12 @@ import argparse
 import dataclasses
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from dagmoe_jax.cli import add_budget_flags, fill_budget_defaults, report_or_run  # noqa: E402
-import dume as bench_dume  # noqa: E402
+from benchmarks.common import (add_budget_flags, fill_budget_defaults, paired_by_seed,
+                               report_or_run)
+from benchmarks import dume as bench_dume
 
 DEFAULTS = dict(bench_dume.DEFAULTS, stats_seq_len=1024, stats_rows=16, dag_dim=32,
                 out="runs/bench_dume_ablations")
@@ -156,19 +153,14 @@ def format_report(results):
     lines.append(f"shared expert hidden {results['per_seed'][0]['shared_hidden']} (the DAG's "
                  f"parameters); paired by seed, domain-mean cross-entropy, method - baseline "
                  f"(nats/byte):")
-    for m, b in PAIRS:
-        diff = np.array([np.mean(p["ce"][m]) - np.mean(p["ce"][b])
-                         for p in results["per_seed"]])
-        verdict = ("better in every seed" if np.all(diff < 0) else
-                   "worse in every seed" if np.all(diff > 0) else "mixed: within the spread")
-        lines.append(f"  {m} - {b}: {diff.mean():+.5f} ± {diff.std():.5f} ({verdict})")
+    lines += paired_by_seed(results["per_seed"], PAIRS)
     return "\n".join(lines)
 
 
 def run(args, out, log):
     from dagmoe_jax.config import DenseConfig, ModelConfig
-    from experiments.corpus import (build_c_header_corpus, build_manpage_corpus,
-                                    build_stdlib_corpus, corpus_sources)
+    from benchmarks.experiments.corpus import (build_c_header_corpus, build_manpage_corpus,
+                                               build_stdlib_corpus, corpus_sources)
     domains = []
     for name, build in (("stdlib_docs", build_stdlib_corpus), ("manpages", build_manpage_corpus),
                         ("c_headers", build_c_header_corpus)):

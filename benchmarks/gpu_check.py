@@ -1,7 +1,7 @@
 """The GPU grouped matmuls on the device, before anything else is timed: numerics, then tiles.
 
-    python benchmarks/gpu_check.py               # on a GPU (about 2 minutes)
-    python benchmarks/gpu_check.py --interpret   # on CPU: the numerics, in the kernels'
+    python -m benchmarks.gpu_check               # on a GPU (about 2 minutes)
+    python -m benchmarks.gpu_check --interpret   # on CPU: the numerics, in the kernels'
                                                  # interpreters, at a tiny shape (about 30 s)
 
 1. **Numerics.** Each kernel the device runs (``'mgpu'`` on Hopper, ``'triton'`` on sm80 and
@@ -37,12 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from dagmoe_jax.kernels import gpu_grouped_matmul as gpu  # noqa: E402
-from dagmoe_jax.kernels import mgpu_grouped_matmul as mgpu_lib  # noqa: E402
-from dagmoe_jax.kernels import triton_grouped_matmul as triton_lib  # noqa: E402
-from dagmoe_jax.model.settle import gpu_capability  # noqa: E402
+from dagmoe_jax.kernels import gpu_grouped_matmul as gpu
+from dagmoe_jax.kernels import mgpu_grouped_matmul as mgpu_lib
+from dagmoe_jax.kernels import triton_grouped_matmul as triton_lib
+from dagmoe_jax.model.settle import gpu_capability
 
 TOLERANCE = 3e-2
 """Largest error over the reference's largest entry that bfloat16 inputs and outputs allow."""

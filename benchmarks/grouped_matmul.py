@@ -13,9 +13,9 @@ module's projection shapes (T * K rows into [d, d_g] and [d_g, 4 d_g]; T rows in
 and at two every MoE step has (T rows into the router's [d, N] and attention's W_o [d, d]):
 XLA's against the kernel's ``DagmoeWgrad`` (``cpu_weight_gradient``).
 
-    python benchmarks/grouped_matmul.py                                  # MoE-s shapes, table 1
-    python benchmarks/grouped_matmul.py --model models/s.gin --rounds 2  # and the MoE-s step
-    python benchmarks/grouped_matmul.py --ragged_dot                     # and ragged_dot too
+    python -m benchmarks.grouped_matmul                                  # MoE-s shapes, table 1
+    python -m benchmarks.grouped_matmul --model models/s.gin --rounds 2  # and the MoE-s step
+    python -m benchmarks.grouped_matmul --ragged_dot                     # and ragged_dot too
 """
 
 from __future__ import annotations
@@ -23,19 +23,15 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from dagmoe_jax.run.gin import load_execution_config, load_model_config  # noqa: E402
-from dagmoe_jax.kernels.grouped_matmul import (cpu_grouped_matmul,  # noqa: E402
+from dagmoe_jax.run.gin import load_execution_config, load_model_config
+from dagmoe_jax.kernels.grouped_matmul import (cpu_grouped_matmul,
                                                cpu_weight_gradient, grouped_matmul_unavailable)
-from step_throughput import best_alternating, step_time, time_fn  # noqa: E402
+from benchmarks.step_throughput import best_alternating, step_time, time_fn
 
 
 def matmul_table(tokens: int, top_k: int, experts: int, d: int, hidden: int,

@@ -6,8 +6,8 @@ checkpoint's size, not twice (a randomly initialised model, then the checkpoint'
 measurement runs in a fresh process: peak RSS (``ru_maxrss``) minus the RSS once JAX and the
 library are imported, side by side with the previous way (a concrete model, then overwritten).
 
-    python benchmarks/hf_import_memory.py                 # a ~340 MB float32 checkpoint
-    python benchmarks/hf_import_memory.py --layers 2 --vocab 4000   # quicker
+    python -m benchmarks.hf_import_memory                 # a ~340 MB float32 checkpoint
+    python -m benchmarks.hf_import_memory --layers 2 --vocab 4000   # quicker
 
 The checkpoint is written to a temporary directory and deleted afterwards.
 """
@@ -102,8 +102,9 @@ def main(argv=None) -> int:
         for mode, label in (("abstract", "abstract model, placed as read"),
                             ("concrete", "random model, then overwritten"),
                             ("abstract", "abstract (again)")):
-            out = subprocess.run([sys.executable, __file__, "--one", str(Path(tmp) / "llama"),
-                                  mode], capture_output=True, text=True, check=True, cwd=ROOT)
+            out = subprocess.run([sys.executable, "-m", "benchmarks.hf_import_memory", "--one",
+                                  str(Path(tmp) / "llama"), mode], capture_output=True,
+                                 text=True, check=True, cwd=ROOT)
             r = json.loads(out.stdout.strip().splitlines()[-1])
             grown = r["peak"] - r["baseline"]
             print(f"{label:<34}{grown / 2**20:>12.0f} MiB{grown / size:>13.2f}x", flush=True)
@@ -111,5 +112,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     sys.exit(main())

@@ -12,8 +12,8 @@ compares them side by side: peak RSS, the best wall time of a step and the best 
 step (user + system of all threads; less sensitive than wall time to other jobs on a shared
 machine).
 
-    python benchmarks/loss_memory.py                 # s model, vocab 128,256, batch 8 x 512
-    python benchmarks/loss_memory.py --vocab 256 --batch 2 --seq 64 --steps 1   # a quick check
+    python -m benchmarks.loss_memory                 # s model, vocab 128,256, batch 8 x 512
+    python -m benchmarks.loss_memory --vocab 256 --batch 2 --seq 64 --steps 1   # a quick check
 """
 
 from __future__ import annotations
@@ -25,9 +25,7 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 VARIANTS = ("plain", "tiled", "tiled_donated")
 
@@ -76,9 +74,9 @@ def run_one(args) -> None:
 
 def measure(variant: str, args) -> dict:
     """Run one variant in a child process under /usr/bin/time -v: its JSON line + peak RSS."""
-    cmd = ["/usr/bin/time", "-v", sys.executable, __file__, "--one", variant, "--model", args.model,
-           "--variant_gin", args.variant_gin, "--vocab", str(args.vocab), "--batch",
-           str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)]
+    cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "benchmarks.loss_memory", "--one", variant,
+           "--model", args.model, "--variant_gin", args.variant_gin, "--vocab", str(args.vocab),
+           "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     if proc.returncode != 0:
         raise SystemExit(f"{variant} failed:\n{proc.stderr[-3000:]}")

@@ -4,8 +4,8 @@ for the same topology, global batch and mesh, both costed by this library's roof
 MaxText 0.2.5 runs in a side environment (it needs Python >= 3.12):
 
     bash benchmarks/setup_maxtext.sh /tmp/maxtext-env            # once, a few minutes
-    python benchmarks/maxtext_compile.py --maxtext_python /tmp/maxtext-env/venv/bin/python
-    python benchmarks/maxtext_compile.py --mesh "data=2,expert=2" --mesh "fsdp=4"
+    python -m benchmarks.maxtext_compile --maxtext_python /tmp/maxtext-env/venv/bin/python
+    python -m benchmarks.maxtext_compile --mesh "data=2,expert=2" --mesh "fsdp=4"
 
 For each mesh it compiles, each in its own process: this library's step (``python -m
 dagmoe_jax.compile``, as ``benchmarks/tpu_compile.py`` does) and MaxText's
@@ -29,16 +29,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tpu_compile import parse_mesh as parse_row_mesh
-from tpu_compile import run_row
-
-ROOT = Path(__file__).resolve().parent.parent
+# Standard library only at the top: the --driver mode runs this file as a script in the side
+# environment, where neither this library nor the benchmarks package is importable.
 MESH_FLAGS = {"data": "ici_data_parallelism", "fsdp": "ici_fsdp_parallelism",
               "expert": "ici_expert_parallelism", "tensor": "ici_tensor_parallelism"}
 
 
 def parse_mesh(text: str) -> dict:
     """All four axes' sizes of a mesh text such as 'data=2,expert=2' (the others 1)."""
+    from benchmarks.tpu_compile import parse_mesh as parse_row_mesh
     return {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1, **parse_row_mesh(text)}
 
 
@@ -125,7 +124,7 @@ def main(argv=None) -> int:
               f"bash benchmarks/setup_maxtext.sh first, or pass --maxtext_python",
               file=sys.stderr)
         return 2
-    sys.path.insert(0, str(ROOT))
+    from benchmarks.tpu_compile import run_row
     from dagmoe_jax.compile.chips import parse_topology
     from dagmoe_jax.compile.roofline import program_cost
     from dagmoe_jax.run.gin import load_model_config

@@ -22,7 +22,7 @@ buffers, the allocator's slack): the line through the two measured sizes where i
 the size, else the larger of the two as a fixed cost. The sum of every part at once is
 printed beside it as an upper bound.
 
-    python benchmarks/merge_memory.py                  # two sizes, float32 and bfloat16
+    python -m benchmarks.merge_memory                  # two sizes, float32 and bfloat16
 
 The checkpoints, texts and run directories are written to a temporary directory and deleted.
 """
@@ -37,13 +37,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.hf_import_memory import write_checkpoint
+from dagmoe_jax.run.directory import INITIAL_SAVE_GB
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from hf_import_memory import write_checkpoint  # noqa: E402
-
-from dagmoe_jax.run.directory import INITIAL_SAVE_GB  # noqa: E402
 
 SIZES = ((768, 4, 2048, 8000), (1024, 8, 2816, 16000))     # d, layers, ffn, vocabulary
 LLAMA_3B = dict(d=3072, layers=28, ffn=8192, vocab=128256, heads=24, kv=8, head_dim=128,

@@ -25,9 +25,9 @@ averaged over layers and the last quarter of the steps) of ``moe`` and ``moe_aux
 seeds vary the fine-tuning (data order, the DAG module's initialisation), not the pre-trained
 model. At this size the orderings the papers report sit inside the seed spread: read trends.
 
-    python benchmarks/moe_conversion.py              # 3 seeds, the default budget
-    python benchmarks/moe_conversion.py --micro      # a quick end-to-end check
-    python benchmarks/moe_conversion.py --report runs/bench_conversion/moe_conversion.json
+    python -m benchmarks.moe_conversion              # 3 seeds, the default budget
+    python -m benchmarks.moe_conversion --micro      # a quick end-to-end check
+    python -m benchmarks.moe_conversion --report runs/bench_conversion/moe_conversion.json
 
 Budget flags (defaults; --micro's in brackets): --seeds 3 [1], --pretrain_steps 400 [8],
 --finetune_steps 150 [4], --batch 16 [4], --seq_len 128 [32], --eval_batches 8 [1],
@@ -44,9 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from dagmoe_jax.cli import add_budget_flags, fill_budget_defaults, report_or_run  # noqa: E402
+from benchmarks.common import add_budget_flags, fill_budget_defaults, report_or_run
 
 DEFAULTS = dict(seeds=3, pretrain_steps=400, finetune_steps=150, batch=16, seq_len=128,
                 eval_batches=8, d_model=64, layers=4, experts=8, expert_hidden=64, dag_dim=32,
@@ -139,8 +137,9 @@ def start_losses(args, folder: Path, data_cfg) -> dict:
 
 
 def run(args, out: Path, log) -> dict:
-    from experiments.corpus import build_manpage_corpus, build_stdlib_corpus, corpus_sources
-    from dagmoe_jax.cli.export import export_run
+    from benchmarks.experiments.corpus import (build_manpage_corpus, build_stdlib_corpus,
+                                               corpus_sources)
+    from dagmoe_jax.hf.export import export_run
     from dagmoe_jax.model.accounting import account
     from dagmoe_jax.train.init_from import source_model_config
     from dagmoe_jax.train.loop import train
@@ -179,7 +178,7 @@ def run(args, out: Path, log) -> dict:
 
 
 def format_report(results: dict) -> str:
-    from experiments.scoring import mean_std, paired_difference
+    from benchmarks.experiments.scoring import mean_std, paired_difference
 
     b, records = results["budget"], results["records"]
     seeds = sorted({r["seed"] for r in records})

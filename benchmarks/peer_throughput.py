@@ -18,12 +18,12 @@ for odd r) for ``--rounds`` rounds, each side keeping its best, so machine drift
 alike. Reported: s/step, tokens/s, the ratio ours / OLMoE (> 1: ours is faster), and what each
 side ran under: versions, allocator and thread settings as its child saw them.
 
-    python benchmarks/peer_throughput.py                        # vocab 256 and 32,768
-    python benchmarks/peer_throughput.py --vocab 256 --steps 2  # quicker
-    python benchmarks/peer_throughput.py --gin_binding "ExpertConfig.dispatch = 'capacity'"
+    python -m benchmarks.peer_throughput                        # vocab 256 and 32,768
+    python -m benchmarks.peer_throughput --vocab 256 --steps 2  # quicker
+    python -m benchmarks.peer_throughput --gin_binding "ExpertConfig.dispatch = 'capacity'"
     # OLMoE's child under glibc's malloc as it comes, as a PyTorch user runs it (without it,
     # both children run under the allocator set-up of dagmoe_jax/run/allocator.py)
-    python benchmarks/peer_throughput.py --olmoe_system_malloc
+    python -m benchmarks.peer_throughput --olmoe_system_malloc
 
 torch and transformers are optional dependencies of this benchmark only:
 
@@ -46,13 +46,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmarks
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from dagmoe_jax.run.allocator import allocator, configure_allocator  # noqa: E402
-from dagmoe_jax.run.gin import load_execution_config, load_model_config  # noqa: E402
+from dagmoe_jax.run.allocator import allocator, configure_allocator
+from dagmoe_jax.run.gin import load_execution_config, load_model_config
 
 MODEL_GIN = ("models/s.gin", "variants/moe.gin")
 FULL = dict(batch=8, seq=512, steps=3, rounds=2)
@@ -128,7 +125,7 @@ def run_ours(cfg, execution, args, tokens) -> dict:
     import jax
     import jax.numpy as jnp
     import jaxlib
-    import step_throughput as bench
+    from benchmarks import step_throughput as bench
     from dagmoe_jax.model.accounting import account
     from dagmoe_jax.model.settle import describe, settle
 
@@ -158,7 +155,7 @@ def run_olmoe(cfg, args, tokens) -> dict:
         from transformers import OlmoeConfig, OlmoeForCausalLM  # noqa: F401
     except ImportError as e:
         raise SystemExit(f"{INSTALL_HINT} ({e})")
-    import step_throughput as bench
+    from benchmarks import step_throughput as bench
 
     torch.set_num_threads(args.torch_threads or os.cpu_count())
     torch.manual_seed(0)
@@ -209,7 +206,7 @@ def run_child(args, side: str, vocab: int, round_: int, out: Path) -> dict:
         env["LD_PRELOAD"] = " ".join(p for p in env.get("LD_PRELOAD", "").split()
                                      if "tcmalloc" not in p)
     path = out / f"{side}-{vocab}-{round_}.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--json", str(path),
+    cmd = [sys.executable, "-m", "benchmarks.peer_throughput", "--side", side, "--json", str(path),
            "--round", str(round_), "--vocab", str(vocab), "--batch", str(args.batch),
            "--seq", str(args.seq), "--steps", str(args.steps),
            *(["--torch_threads", str(args.torch_threads)] if args.torch_threads else []),

@@ -8,16 +8,16 @@ seed against MoE and against MoE + shared expert (whether each is beyond the see
 the paper's DAG-MoE-s numbers beside ours (the DAG-MoE summary's ablation table). Writes
 OUT/quality.json; --report re-prints one, --compare pairs a second run's variants with it.
 
-    python benchmarks/quality.py --seeds 3                        # offline default corpus, CPU
-    python benchmarks/quality.py --seeds 3 --corpus manpages      # the installed manual pages
-    python benchmarks/quality.py --micro                          # a quick end-to-end check
-    python benchmarks/quality.py --seeds 3 --variants moe,moe_shared,dag_l2,coe \
+    python -m benchmarks.quality --seeds 3                        # offline default corpus, CPU
+    python -m benchmarks.quality --seeds 3 --corpus manpages      # the installed manual pages
+    python -m benchmarks.quality --micro                          # a quick end-to-end check
+    python -m benchmarks.quality --seeds 3 --variants moe,moe_shared,dag_l2,coe \
         --tokens 0.1M,0.4M,1.6M                                   # a tokens ladder: the gaps' trend
-    python benchmarks/quality.py --report runs/bench_quality/quality.json [--compare OTHER.json]
-    python benchmarks/quality.py --data "text:/data/books/*.txt" --steps 2000
-    python benchmarks/quality.py --data "jsonl:/data/pile/*.jsonl" --gin.DataConfig.tokenizer="'hf'" \
+    python -m benchmarks.quality --report runs/bench_quality/quality.json [--compare OTHER.json]
+    python -m benchmarks.quality --data "text:/data/books/*.txt" --steps 2000
+    python -m benchmarks.quality --data "jsonl:/data/pile/*.jsonl" --gin.DataConfig.tokenizer="'hf'" \
         --gin.DataConfig.tokenizer_path="'/models/llama3/tokenizer.json'" --gin.ModelConfig.vocab_size=128256
-    python benchmarks/quality.py --data tfds:my_corpus --eval_data tfds:my_corpus \
+    python -m benchmarks.quality --data tfds:my_corpus --eval_data tfds:my_corpus \
         --gin.DataConfig.eval_split="'validation'" --gin.DataConfig.tfds_data_dir="'/data/tfds'"
 
 Data: --data is any DataConfig source spec (text:<globs>, jsonl:<globs>, array_record:<globs>,
@@ -52,11 +52,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from dagmoe_jax.cli import (add_budget_flags, fill_budget_defaults, gin_flag_bindings,  # noqa: E402
-                            seed_list,
-                            report_error, run_and_report)
+from benchmarks.common import add_budget_flags, fill_budget_defaults, run_and_report, seed_list
+from dagmoe_jax.command_line import gin_flag_bindings, report_error
 
 DEFAULTS = dict(variants="moe,moe_shared,dag_l1,dag_l2,dag_l3,mlp,mlp_small,coe", seeds="1", steps=400,
                 batch=16, seq_len=128, eval_batches=32, dag_dim=32, out="runs/bench_quality")
@@ -93,7 +90,7 @@ def parse_args(argv):
 def reprint(path: str, compare: str = "") -> int:
     """The table of a written quality.json, its summary recomputed from the runs; with
     ``compare``, a second run's variants against it, paired by seed."""
-    from experiments.quality import compare_runs, format_ladder, format_report, summarize
+    from benchmarks.experiments.quality import compare_runs, format_ladder, format_report, summarize
     loaded = {}
     for name in filter(None, (path, compare)):
         try:
@@ -117,10 +114,11 @@ def main(argv=None) -> int:
     if args.report:
         return reprint(args.report, args.compare or "")
     # Imported after argument parsing so that --help and argument errors are instant.
-    from experiments.corpus import build_manpage_corpus, build_stdlib_corpus, corpus_sources
-    from experiments.quality import (QualityBudget, format_ladder, format_report,
-                                     ladder_budgets, parse_tokens, run_benchmark,
-                                     run_ladder)
+    from benchmarks.experiments.corpus import (build_manpage_corpus, build_stdlib_corpus,
+                                               corpus_sources)
+    from benchmarks.experiments.quality import (QualityBudget, format_ladder, format_report,
+                                                ladder_budgets, parse_tokens, run_benchmark,
+                                                run_ladder)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

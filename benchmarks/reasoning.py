@@ -6,9 +6,9 @@ subsequence, edit distance, longest common subsequence) with the library's train
 scores exact answers on in-distribution sizes and on sizes longer than any seen in training.
 Prints one table per task (mean accuracy +- std across seeds) and writes OUT/reasoning.json.
 
-    python benchmarks/reasoning.py                      # CPU default: 3 tasks x 7 variants x 2 seeds
-    python benchmarks/reasoning.py --micro              # end to end in about 1-2 minutes
-    python benchmarks/reasoning.py --tasks lis --variants moe,dag_l2 --seeds 3 --steps 1000
+    python -m benchmarks.reasoning                      # CPU default: 3 tasks x 7 variants x 2 seeds
+    python -m benchmarks.reasoning --micro              # end to end in about 1-2 minutes
+    python -m benchmarks.reasoning --tasks lis --variants moe,dag_l2 --seeds 3 --steps 1000
 
 Budget flags (defaults in brackets; --micro changes the defaults to the bracketed second value):
   --tasks LIST        lis,edit_distance,lcs                [lis]
@@ -43,10 +43,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from dagmoe_jax.cli import (add_budget_flags, fill_budget_defaults, report_error,  # noqa: E402
-                            run_and_report, seed_list)
+from benchmarks.common import add_budget_flags, fill_budget_defaults, run_and_report, seed_list
+from dagmoe_jax.command_line import report_error
 
 DEFAULTS = dict(tasks="lis,edit_distance,lcs", variants="moe,moe_shared,dag_l1,dag_l2,dag_l3,mlp,coe",
                 seeds="2", steps=800, batch=16, seq_len=64, sizes="4,8,12,16,20",
@@ -75,7 +73,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.report:
-        from experiments.reasoning import format_report
+        from benchmarks.experiments.reasoning import format_report
         try:
             results = json.loads(Path(args.report).read_text())
             print(format_report(results))
@@ -83,7 +81,7 @@ def main(argv=None) -> int:
             return report_error(ValueError(f"cannot read {args.report}: {err}"))
         return 0
     # Imported after argument parsing so that --help and argument errors are instant.
-    from experiments.reasoning import ReasoningBudget, format_report, run_suite
+    from benchmarks.experiments.reasoning import ReasoningBudget, format_report, run_suite
 
     out = Path(args.out)
     try:

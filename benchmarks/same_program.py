@@ -8,8 +8,8 @@ compares the optimised HLO with the debug information (source files and lines, o
 left out:
 
     git worktree add /tmp/before <commit>
-    python benchmarks/same_program.py /tmp/before                  # this checkout vs /tmp/before
-    python benchmarks/same_program.py /tmp/before --variants moe "dag L2" coe c2 g128
+    python -m benchmarks.same_program /tmp/before                  # this checkout vs /tmp/before
+    python -m benchmarks.same_program /tmp/before --variants moe "dag L2" coe c2 g128
 
 Exit status 0 when every variant's program is the same, 1 otherwise (the first differing
 lines are printed).
@@ -21,18 +21,17 @@ import argparse
 import difflib
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
 
-# Run inside each checkout: {variant: optimised HLO text without debug information}.
+# Run inside each checkout (its working directory, first on the child's path): {variant:
+# optimised HLO text without debug information}.
 PROBE = r"""
 import inspect, json, re, sys
-sys.path[:0] = [sys.argv[1], sys.argv[1] + "/benchmarks"]
-from step_throughput import VARIANTS, train_step
+from benchmarks.step_throughput import VARIANTS, train_step
 from dagmoe_jax.run.gin import load_model_config
 out = {}
 for name in json.loads(sys.argv[2]):
@@ -55,7 +54,7 @@ print(json.dumps(out))
 def programs(checkout: Path, variants) -> dict:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     result = subprocess.run([sys.executable, "-c", PROBE, str(checkout), json.dumps(variants)],
-                            capture_output=True, text=True, env=env, check=False)
+                            capture_output=True, text=True, env=env, check=False, cwd=checkout)
     if result.returncode:
         sys.exit(f"error: compiling in {checkout} failed: {result.stderr.strip().splitlines()[-1]}")
     return json.loads(result.stdout.strip().splitlines()[-1])

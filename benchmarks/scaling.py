@@ -26,14 +26,13 @@ cores: N devices add no compute, and a device that reaches a collective waits wh
 run the other devices' work. The table measures what the parallel program costs (partitioning
 and communication overheads), not how the model scales on real devices.
 
-    python benchmarks/scaling.py              # 10 layouts (2-core CPU: about 4 minutes)
-    python benchmarks/scaling.py --quick      # 1 and 8 devices, batch 8 x 128 (about 1.5 minutes)
+    python -m benchmarks.scaling              # 10 layouts (2-core CPU: about 4 minutes)
+    python -m benchmarks.scaling --quick      # 1 and 8 devices, batch 8 x 128 (about 1.5 minutes)
 """
 
 from __future__ import annotations
 
 import os
-import sys
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):     # before JAX starts its backend
@@ -49,11 +48,7 @@ import math  # noqa: E402
 import re  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 from typing import Callable, Dict, List, Optional, Sequence, Tuple  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmarks
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -62,9 +57,8 @@ from dagmoe_jax.run.gin import load_configs  # noqa: E402
 from dagmoe_jax.parallel import MeshConfig, activate, make_mesh  # noqa: E402
 from dagmoe_jax.run import build, device_batch  # noqa: E402
 from dagmoe_jax.train.step import make_train_step  # noqa: E402
-from step_throughput import time_fn  # noqa: E402  (best of N blocking calls after a warm-up)
-
-
+# best of N blocking calls after a warm-up
+from benchmarks.step_throughput import time_fn  # noqa: E402
 
 
 COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")

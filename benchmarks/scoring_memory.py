@@ -9,8 +9,8 @@ temporaries - aliased), read without running it, at the issue's shape (16 x 2048
 is the best of a few calls at a shape this CPU runs in seconds (default 4 x 512), the variants
 alternating, in one process.
 
-    python benchmarks/scoring_memory.py                          # s model, vocab 128,256
-    python benchmarks/scoring_memory.py --batch 2 --seq 64 --time_batch 1 --time_seq 32 \\
+    python -m benchmarks.scoring_memory                          # s model, vocab 128,256
+    python -m benchmarks.scoring_memory --batch 2 --seq 64 --time_batch 1 --time_seq 32 \\
         --vocab 512 --repeats 1                                   # a quick check
 """
 
@@ -19,21 +19,18 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from dagmoe_jax.decoding.generate import computing_in, decoding_model  # noqa: E402
-from dagmoe_jax.evaluation import token_scores  # noqa: E402
-from dagmoe_jax.evaluation.scoring import program_bytes  # noqa: E402
-from dagmoe_jax.model import Transformer  # noqa: E402
-from dagmoe_jax.run.gin import load_model_config  # noqa: E402
-from dagmoe_jax.model.settle import settle  # noqa: E402
+from dagmoe_jax.decoding.generate import computing_in, decoding_model
+from dagmoe_jax.evaluation import token_scores
+from dagmoe_jax.evaluation.scoring import program_bytes
+from dagmoe_jax.model import Transformer
+from dagmoe_jax.run.gin import load_model_config
+from dagmoe_jax.model.settle import settle
 
 
 def plain_scores(graphdef, state, inputs, targets):
@@ -45,7 +42,7 @@ def plain_scores(graphdef, state, inputs, targets):
 
 
 def tiled_scores(graphdef, state, inputs, targets):
-    """Today's (:mod:`dagmoe_jax.harness.scoring`)."""
+    """Today's (:mod:`dagmoe_jax.evaluation.scoring`)."""
     losses, predictions = token_scores(nnx.merge(graphdef, state), inputs, targets)
     return -losses, predictions == targets
 

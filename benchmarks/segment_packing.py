@@ -1,7 +1,7 @@
 """Pre-training with and without document boundaries in the packed rows (DataConfig.segment_packing).
 
-    python benchmarks/segment_packing.py                 # MoE, 3 seeds, the quality budget
-    python benchmarks/segment_packing.py --micro         # a quick end-to-end check
+    python -m benchmarks.segment_packing                 # MoE, 3 seeds, the quality budget
+    python -m benchmarks.segment_packing --micro         # a quick end-to-end check
 
 Trains MoE on the offline corpus (the standard library's docstrings, as benchmarks/quality.py,
 at its budget) twice per seed: rows packed end to end as today (attention crosses documents,
@@ -25,9 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from dagmoe_jax.cli import add_budget_flags, fill_budget_defaults, run_and_report  # noqa: E402
+from benchmarks.common import add_budget_flags, fill_budget_defaults, run_and_report
 
 DEFAULTS = dict(seeds=3, steps=400, batch=16, seq_len=128, eval_batches=32,
                 out="runs/bench_segments")
@@ -39,8 +37,8 @@ VIEWS = {"end to end": False, "per document": True}
 def run(args, out: Path) -> dict:
     # pylint: disable=import-outside-toplevel
     from dagmoe_jax.evaluation import evaluate_checkpoint
-    from experiments.corpus import build_stdlib_corpus, corpus_sources
-    from experiments.quality import QualityBudget, run_configs
+    from benchmarks.experiments.corpus import build_stdlib_corpus, corpus_sources
+    from benchmarks.experiments.quality import QualityBudget, run_configs
     from dagmoe_jax.train.loop import train
 
     source, eval_source = corpus_sources(build_stdlib_corpus(out / "corpus"))
@@ -73,7 +71,7 @@ def run(args, out: Path) -> dict:
 
 
 def format_report(results: dict) -> str:
-    from experiments.scoring import mean_std, paired_difference  # pylint: disable=import-outside-toplevel
+    from benchmarks.experiments.scoring import mean_std, paired_difference
 
     records = results["records"]
     budget = results["budget"]

@@ -19,9 +19,9 @@ elementwise    the remaining loop / input fusions: norms, activations, router so
 other          everything else
 =============  ===========================================================================
 
-    python benchmarks/step_profile.py                      # MoE-s, vocab 256
-    python benchmarks/step_profile.py --gin variants/dag_g128_l2.gin --top 30
-    python benchmarks/step_profile.py --binding "ExpertConfig.dispatch = 'capacity'"
+    python -m benchmarks.step_profile                      # MoE-s, vocab 256
+    python -m benchmarks.step_profile --gin variants/dag_g128_l2.gin --top 30
+    python -m benchmarks.step_profile --binding "ExpertConfig.dispatch = 'capacity'"
 
 Times are wall time per step summed over instructions (XLA:CPU runs nearly all of them one after
 another, so the sum is close to the step; the table prints both). Instructions are the compiled
@@ -35,7 +35,7 @@ loops (every fusion: elementwise, optimizer, copies), XLA's matmul libraries, th
 included) and the rest, as CPU seconds per step. It needs ``perf`` (Debian's ``linux-perf``) and
 the right to sample the system (root, or ``kernel.perf_event_paranoid`` <= 0).
 
-    python benchmarks/step_profile.py --perf 15             # MoE-s, ~1 min
+    python -m benchmarks.step_profile --perf 15             # MoE-s, ~1 min
 """
 
 from __future__ import annotations
@@ -49,20 +49,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Dict, List, Tuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmarks
+import jax
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from dagmoe_jax.run.allocator import allocator  # noqa: E402
-from dagmoe_jax.run.gin import load_execution_config, load_model_config  # noqa: E402
-from dagmoe_jax.model.settle import describe, settle  # noqa: E402
-from scaling import trace_events  # noqa: E402  (the profiler's events, as scaling.py reads them)
-from step_throughput import time_fn, train_step  # noqa: E402
+from dagmoe_jax.compile.hlo import attr, parse_module
+from dagmoe_jax.run.allocator import allocator
+from dagmoe_jax.run.gin import load_execution_config, load_model_config
+from dagmoe_jax.model.settle import describe, settle
+from benchmarks.scaling import trace_events  # the profiler's events, as scaling.py reads them
+from benchmarks.step_throughput import time_fn, train_step
 
 CATEGORIES = ("matmul", "attention", "grouped mm", "optimizer", "weight copy", "data movement",
               "elementwise", "other")
@@ -84,32 +81,20 @@ PERF_GROUPS = (
 )
 _PERF_LINE = re.compile(r"^\s*([\d.]+)%\s+(\S+(?: tid \d+)?)\s+\[[.k]\]\s+(.*?)\s*$")
 
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S.*?)\s([a-z][a-z0-9\-]*)\((.*)$")
-_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-
 
 def parse_hlo(text: str) -> Tuple[Dict[str, dict], Dict[str, List[str]]]:
     """(instruction name -> {opcode, operands, calls, kind, target, computation},
-    computation name -> opcodes of its instructions) from a compiled module's HLO text."""
-    instructions, computations, current = {}, collections.defaultdict(list), ""
-    for line in text.splitlines():
-        comp = _COMP.match(line)
-        if comp and not line.startswith(" "):
-            current = comp.group(1)
-            continue
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        name, _shape, opcode, rest = m.groups()
-        calls = re.search(r"calls=%?([\w.\-]+)", rest)
-        kind = re.search(r"kind=(\w+)", rest)
-        target = re.search(r'custom_call_target="([^"]+)"', rest)
-        operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
-        instructions[name] = dict(opcode=opcode, operands=operands, computation=current,
-                                  calls=calls.group(1) if calls else None,
-                                  kind=kind.group(1) if kind else "",
-                                  target=target.group(1) if target else "")
-        computations[current].append(opcode)
+    computation name -> opcodes of its instructions) from a compiled module's HLO text, as
+    :func:`dagmoe_jax.compile.hlo.parse_module` reads it."""
+    instructions, computations = {}, {}
+    for computation, body in parse_module(text)[0].items():
+        computations[computation] = [ins.op for ins in body]
+        for ins in body:
+            instructions[ins.name] = dict(
+                opcode=ins.op, operands=ins.operands, computation=computation,
+                calls=(attr(ins.attrs, "calls") or "").lstrip("%") or None,
+                kind=attr(ins.attrs, "kind") or "",
+                target=(attr(ins.attrs, "custom_call_target") or "").strip('"'))
     return instructions, computations
 
 

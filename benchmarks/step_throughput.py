@@ -6,16 +6,16 @@ model FLOP/s from :mod:`dagmoe_jax.model.accounting` and their ratio to this mac
 rate, measured in the same run. A second table times the DAG module against the experts it
 aggregates (forward + backward) to compare their achieved FLOP/s.
 
-    python benchmarks/step_throughput.py                       # full run (CPU: ~20 minutes)
-    python benchmarks/step_throughput.py --vocab 256 --steps 2 # quicker
+    python -m benchmarks.step_throughput                       # full run (CPU: ~20 minutes)
+    python -m benchmarks.step_throughput --vocab 256 --steps 2 # quicker
     # the DAG-MoE vs MoE + shared comparison at 128K, each variant at both ends of the process
-    python benchmarks/step_throughput.py --vocab 128256 --variants moe+shared "dag L2" --rounds 2
+    python -m benchmarks.step_throughput --vocab 128256 --variants moe+shared "dag L2" --rounds 2
     # the CPU defaults' ablation: the previous defaults, each process timed on its own
-    DAGMOE_TCMALLOC=0 python benchmarks/step_throughput.py --vocab 256 --variants moe \
+    DAGMOE_TCMALLOC=0 python -m benchmarks.step_throughput --vocab 256 --variants moe \
         --binding "ExecutionConfig.remat = 'full'" --binding "ExecutionConfig.scan_unroll = 1" \
         --binding "ExecutionConfig.attention_block = 32"
     # the GPU measurement of the l model (bf16, cuDNN attention; MFU vs the bf16 matmul rate)
-    python benchmarks/step_throughput.py --model models/l.gin --gin gpu.gin --dag_dim 256 \
+    python -m benchmarks.step_throughput --model models/l.gin --gin gpu.gin --dag_dim 256 \
         --vocab 128256 --batch 16 --seq 2048 --variants moe moe+shared "dag L2"
 """
 
@@ -23,27 +23,23 @@ from __future__ import annotations
 
 import argparse
 import resource
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from dagmoe_jax.model.accounting import account  # noqa: E402
-from dagmoe_jax.run.gin import load_execution_config, load_model_config  # noqa: E402
-from dagmoe_jax.run.allocator import allocator, release_memory  # noqa: E402
-from dagmoe_jax.model import Transformer  # noqa: E402
-from dagmoe_jax.model.dag import DAGAggregator  # noqa: E402
-from dagmoe_jax.model.settle import describe as describe_settled  # noqa: E402
-from dagmoe_jax.model.settle import settle  # noqa: E402
-from dagmoe_jax.model.experts import Experts  # noqa: E402
-from dagmoe_jax.train.step import make_train_step  # noqa: E402
+from dagmoe_jax.model.accounting import account
+from dagmoe_jax.run.gin import load_execution_config, load_model_config
+from dagmoe_jax.run.allocator import allocator, release_memory
+from dagmoe_jax.model import Transformer
+from dagmoe_jax.model.dag import DAGAggregator
+from dagmoe_jax.model.settle import describe as describe_settled
+from dagmoe_jax.model.settle import settle
+from dagmoe_jax.model.experts import Experts
+from dagmoe_jax.train.step import make_train_step
 
 VARIANTS = {
     "moe": "variants/moe.gin",

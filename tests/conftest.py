@@ -9,9 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-# The benchmark drivers (benchmarks/experiments/) are not part of the package; the tests of their
-# building blocks import them as the benchmark scripts do, from the benchmarks folder.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+REPO = Path(__file__).resolve().parent.parent
 
 # Almost all of this suite's time is XLA compiling tiny programs; LLVM's optimisation passes are
 # about half of that on CPU. Level 0 halves the suite's wall time and changes no float semantics
@@ -73,6 +71,19 @@ def single_device_env(**extra: str) -> dict:
     return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags), **extra}
 
 
+def benchmark_command(name: str, *args: str) -> list:
+    """``python -m benchmarks.NAME ARGS``, a benchmark as its users start it; from a directory
+    other than the repository root with :func:`repository_importable`'s environment."""
+    return [sys.executable, "-m", f"benchmarks.{name}", *args]
+
+
+def repository_importable(env: dict) -> dict:
+    """``env`` with the repository root first on ``PYTHONPATH``: a child process started in
+    another directory imports the benchmarks package as one started in the root does."""
+    paths = [str(REPO), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]
+    return {**env, "PYTHONPATH": os.pathsep.join(paths)}
+
+
 def build_once(tmp_path_factory, name: str, build):
     """``build(directory)``'s result (JSON-able), built once for the whole run: under xdist by
     the first worker that asks, the others waiting on a file lock and reading it back
@@ -98,14 +109,15 @@ def build_once(tmp_path_factory, name: str, build):
 @pytest.fixture(scope="session")
 def stdlib_corpus(tmp_path_factory):
     """``stdlib_corpus(folder)`` puts the standard-library docstring corpus in ``folder`` as
-    ``experiments.corpus.build_stdlib_corpus(folder)`` leaves it (its two text files and the
-    JSON that names them), built once for the whole run (:func:`build_once`) and copied there.
+    ``benchmarks.experiments.corpus.build_stdlib_corpus(folder)`` leaves it (its two text files
+    and the JSON that names them), built once for the whole run (:func:`build_once`) and copied
+    there.
     A benchmark started with ``folder`` as its corpus directory reuses it, as it reuses a
     corpus it built itself, instead of parsing the standard library again (3-7 s a build,
     four benchmark micro runs)."""
     import shutil
 
-    from experiments.corpus import build_stdlib_corpus
+    from benchmarks.experiments.corpus import build_stdlib_corpus
 
     shared = Path(build_once(tmp_path_factory, "stdlib_corpus",
                              lambda directory: build_stdlib_corpus(directory).train_path)).parent

@@ -100,8 +100,8 @@ def test_coe_variant_adds_exactly_the_dag_budget_on_the_quality_base():
     (50,176 in all; 54,016 with the d_r 65 that ignored the router). The edge-free DAG adds the
     same. Printed so the benchmark's counts can be read off the test log (-s)."""
     from dagmoe_jax.budget import coe_budget_residual
-    from experiments.quality import BASE_GIN
-    from experiments.variants import variant_config
+    from benchmarks.experiments.quality import BASE_GIN
+    from benchmarks.experiments.variants import variant_config
 
     base = load_model_config([BASE_GIN])
     total = {v: account(variant_config(base, v, 32)).total_params

@@ -6,19 +6,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import single_device_env
+from benchmarks.accelerator import VARIANTS, datasheet_peak
+from conftest import benchmark_command, repository_importable, single_device_env
 
 pytestmark = pytest.mark.slow          # subprocesses of benchmarks/accelerator.py
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from accelerator import VARIANTS, datasheet_peak  # noqa: E402
 
 
 def test_datasheet_peaks_match_device_kinds():
@@ -30,13 +24,12 @@ def test_datasheet_peaks_match_device_kinds():
 
 
 def test_the_accelerator_script_runs_at_micro_size(tmp_path, stdlib_corpus):
-    env = single_device_env()
+    env = repository_importable(single_device_env())
     out_json = tmp_path / "out" / "accelerator.json"
     # the quality run's corpus, built once for the run (conftest.stdlib_corpus)
     stdlib_corpus(out_json.parent / "accelerator_runs" / "corpus")
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "accelerator.py"), "--micro",
-           "--variants", "moe+shared-s", "dag-s L2", "moe-s cap", "--quality_seeds", "2",
-           "--json", str(out_json)]
+    cmd = benchmark_command("accelerator", "--micro", "--variants", "moe+shared-s", "dag-s L2",
+                            "moe-s cap", "--quality_seeds", "2", "--json", str(out_json))
     out = subprocess.run(cmd, env=env, text=True, capture_output=True, timeout=900,
                          cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -73,9 +66,9 @@ def test_gpu_check_runs_in_the_interpreters(tmp_path):
     interpreters on CPU at a tiny shape (the Mosaic GPU kernels where this jax interprets
     their backward pass)."""
     out_json = tmp_path / "gpu_check.json"
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"),
-                          "--interpret", "--json", str(out_json)], env=single_device_env(),
-                         text=True, capture_output=True, timeout=600, cwd=tmp_path)
+    out = subprocess.run(benchmark_command("gpu_check", "--interpret", "--json", str(out_json)),
+                         env=repository_importable(single_device_env()), text=True,
+                         capture_output=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
     report = json.loads(out_json.read_text())
     checked = {r["kernel"]: r for r in report["numerics"]}

@@ -6,18 +6,10 @@ reads its own JSON (paired differences, spread markers)."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
+from benchmarks import moe_conversion as bench
 from dagmoe_jax.hf.export import hf_family
 from dagmoe_jax.model.conversion import converted_config, is_conversion
-
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "moe_conversion.py"
-_spec = importlib.util.spec_from_file_location("_bench_conversion", _PATH)
-bench = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
-sys.path.insert(0, str(_PATH.parent))          # its experiments package, for format_report
 
 
 def test_the_source_is_an_olmoe_and_each_request_is_what_the_variant_says():
@@ -51,8 +43,8 @@ def test_the_report_pairs_seeds_and_marks_the_spread():
 
 
 def test_report_reprints_saved_results_and_refuses_a_bad_file(tmp_path, capsys):
-    """--report FILE prints the saved results' report without training (cli.report_or_run);
-    an unreadable file is one line and exit 2."""
+    """--report FILE prints the saved results' report without training
+    (benchmarks.common.report_or_run); an unreadable file is one line and exit 2."""
     import json
     results = {"budget": dict(bench.DEFAULTS), "pretrained_loss": 2.5,
                "records": [{"variant": "moe", "seed": 0, "loss": 2.0, "imbalance": 1.4}],

@@ -13,30 +13,30 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import single_device_env
+from conftest import repository_importable, single_device_env
 
 pytestmark = pytest.mark.slow          # subprocesses of benchmarks/peer_throughput.py
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "peer_throughput.py"
+MODULE = "benchmarks.peer_throughput"
 PEER = ("torch", "transformers")
 
 
 def _run(args, cwd, block=None) -> subprocess.CompletedProcess:
-    """The script with ``args``; ``block`` names a module made unimportable (None in sys.modules).
-    On exit the process writes the torch / transformers modules it had loaded to
-    ``cwd/parent_modules.json``."""
+    """``python -m benchmarks.peer_throughput ARGS`` in ``cwd``; ``block`` names a module made
+    unimportable (None in sys.modules). On exit the process writes the torch / transformers
+    modules it had loaded to ``cwd/parent_modules.json``."""
     prelude = f"sys.modules[{block!r}] = None; " if block else ""
     record = (f"atexit.register(lambda: open('parent_modules.json', 'w').write(json.dumps("
               f"sorted(m for m in sys.modules if m.split('.')[0] in {PEER!r} "
               f"and sys.modules[m] is not None)))); ")
     code = (f"import atexit, json, runpy, sys; {prelude}{record}"
-            f"sys.argv = [{str(SCRIPT)!r}, *{list(args)!r}]; "
-            f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')")
-    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=single_device_env(),
+            f"sys.argv = [{MODULE!r}, *{list(args)!r}]; "
+            f"runpy.run_module({MODULE!r}, run_name='__main__', alter_sys=True)")
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd,
+                          env=repository_importable(single_device_env()),
                           capture_output=True, text=True, timeout=600)
 
 

@@ -4,18 +4,12 @@ whole profile of a micro model's step."""
 from __future__ import annotations
 
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import single_device_env
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import step_profile  # noqa: E402
-from dagmoe_jax.kernels.grouped_matmul import grouped_matmul_unavailable  # noqa: E402
+from benchmarks import step_profile
+from conftest import benchmark_command, single_device_env
+from dagmoe_jax.kernels.grouped_matmul import grouped_matmul_unavailable
 
 HLO = """HloModule jit_step
 
@@ -113,8 +107,8 @@ def test_perf_mode_without_perf_is_one_line(monkeypatch, capsys):
 @pytest.mark.slow
 def test_micro_profile_prints_its_tables():
     env = single_device_env(DAGMOE_TCMALLOC="0")
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "step_profile.py"), "--batch", "2",
-           "--seq", "32", "--steps", "1", "--top", "5"]
+    cmd = benchmark_command("step_profile", "--batch", "2", "--seq", "32", "--steps", "1",
+                            "--top", "5")
     for b in ("ModelConfig.num_layers = 1", "ModelConfig.d_model = 64", "ModelConfig.num_heads = 4",
               "ModelConfig.num_kv_heads = 2", "ExpertConfig.num_experts = 4",
               "ExpertConfig.expert_hidden = 32", "RouterConfig.top_k = 2"):
@@ -144,7 +138,7 @@ def test_grouped_matmul_products_table_times_each_call_beside_the_matmul():
     a closed-over matmul was constant-folded to nothing)."""
     if grouped_matmul_unavailable("cpu") is not None:
         pytest.skip("the CPU grouped matmul kernel cannot be built here")
-    import grouped_matmul
+    from benchmarks import grouped_matmul
 
     rows = dict(grouped_matmul.products_table(64, 2, 4, 32, 16, repeats=1))
     assert list(rows) == ["forward x_g W_g", "input grad dy_g W_g^T",
@@ -159,7 +153,7 @@ def test_grouped_matmul_weight_gradient_table_times_both_sides():
     W_o's (T rows into [d, N], [d, d]), XLA and the kernel each timed, FLOPs 2 T K N."""
     if grouped_matmul_unavailable("cpu") is not None:
         pytest.skip("the CPU grouped matmul kernel cannot be built here")
-    import grouped_matmul
+    from benchmarks import grouped_matmul
 
     rows = grouped_matmul.weight_gradient_table(16, 4, 32, 16, repeats=1, experts=8)
     assert [r[0] for r in rows] == ["eq. 8 W_down [64, 32]^T [64, 16]",
@@ -180,7 +174,7 @@ def test_dag_module_benchmark_backs_each_projection_both_ways_with_a_random_cota
         pytest.skip("the CPU grouped matmul kernel cannot be built here")
     import jax.numpy as jnp
     import numpy as np
-    import dag_module
+    from benchmarks import dag_module
 
     rows = {name: (fn, args) for name, fn, args, _ in dag_module.equation_rows(8, 4, 32, 16,
                                                                                 "silu")}
@@ -198,7 +192,7 @@ def test_best_alternating_reverses_odd_rounds_and_keeps_each_best():
     """step_throughput.best_alternating, which the grouped-matmul tables time with: odd rounds
     in reverse order (each call after time_fn's warm-up), every name's best time returned in
     the given order."""
-    import step_throughput
+    from benchmarks import step_throughput
 
     calls = []
     best = step_throughput.best_alternating({n: (lambda n=n: calls.append(n)) for n in "ab"},

@@ -8,22 +8,14 @@ the benchmark's table.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from benchmarks import scaling
 from conftest import tiny_config
-
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "scaling.py"
-_spec = importlib.util.spec_from_file_location("_bench_scaling", _PATH)
-scaling = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(scaling)
 
 
 def test_layouts_fit_their_device_counts():

@@ -4,16 +4,13 @@ each variant at both ends of the run."""
 from __future__ import annotations
 
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import single_device_env
+from conftest import benchmark_command, single_device_env
 
 pytestmark = pytest.mark.slow          # a subprocess of benchmarks/step_throughput.py
 
-ROOT = Path(__file__).resolve().parent.parent
 MICRO = ["ModelConfig.num_layers = 1", "ModelConfig.d_model = 64", "ModelConfig.num_heads = 4",
          "ModelConfig.num_kv_heads = 2", "ExpertConfig.num_experts = 4",
          "ExpertConfig.expert_hidden = 32", "ExpertConfig.shared_hidden = 32",
@@ -22,9 +19,9 @@ MICRO = ["ModelConfig.num_layers = 1", "ModelConfig.d_model = 64", "ModelConfig.
 
 def test_step_throughput_rounds_alternate_and_keep_the_best():
     env = single_device_env(DAGMOE_TCMALLOC="0")
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "step_throughput.py"), "--vocab", "256",
-           "--batch", "2", "--seq", "32", "--steps", "1", "--rounds", "2",
-           "--variants", "moe+shared", "dag L2"]
+    cmd = benchmark_command("step_throughput", "--vocab", "256", "--batch", "2", "--seq", "32",
+                            "--steps", "1", "--rounds", "2", "--variants", "moe+shared",
+                            "dag L2")
     for b in MICRO:
         cmd += ["--binding", b]
     out = subprocess.run(cmd, env=env, text=True, capture_output=True, timeout=600)

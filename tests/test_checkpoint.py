@@ -393,7 +393,7 @@ def test_a_failed_background_save_is_one_error_and_never_a_step(tmp_path, file_s
     """A full disk during an asynchronous save: ``check_for_errors`` raises it (one line, the
     step, the OS's reason, where a rerun resumes) without waiting for another save, ``close``
     does not raise it twice, and the failed save never becomes a step."""
-    from dagmoe_jax.cli import quiet_background_errors
+    from dagmoe_jax.command_line import quiet_background_errors
     from dagmoe_jax.run.checkpoint import CheckpointSaveError
 
     quiet_background_errors()

@@ -2,7 +2,7 @@
 checked in this process through each command's ``main(argv)`` (what its console script or
 ``python -m`` calls); one subprocess per command checks its ``python -m`` wiring
 (test_packaging.py runs the console scripts, test_train.py ``python train.py``).
-One argparse class, :class:`dagmoe_jax.cli.OneLineParser`, turns argparse's errors into
+One argparse class, :class:`dagmoe_jax.command_line.OneLineParser`, turns argparse's errors into
 one line for all of them."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dagmoe_jax.cli import OneLineParser
+from dagmoe_jax.command_line import OneLineParser
 
 REPO = Path(__file__).resolve().parent.parent
 COMMANDS = ["dagmoe_jax.cli.train", "dagmoe_jax.cli.sample", "dagmoe_jax.analysis.__main__",
@@ -66,14 +66,14 @@ def test_one_line_parser_raises_instead_of_exiting():
 
 
 def test_no_command_line_defines_its_own_parser_class():
-    """The one-line argparse class lives in dagmoe_jax/cli/__init__.py only."""
+    """The one-line argparse class lives in dagmoe_jax/command_line.py only."""
     subclasses = []
     for path in sorted((REPO / "dagmoe_jax").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef) and any(
                     "ArgumentParser" in ast.unparse(base) for base in node.bases):
                 subclasses.append(f"{path.relative_to(REPO)}:{node.name}")
-    assert subclasses == ["dagmoe_jax/cli/__init__.py:OneLineParser"]
+    assert subclasses == ["dagmoe_jax/command_line.py:OneLineParser"]
 
 
 @pytest.mark.slow

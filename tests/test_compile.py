@@ -497,14 +497,8 @@ def test_the_search_tries_fsdp_and_mixed_meshes_early_and_bounded_buffers():
 def test_maxtext_flags_describe_the_same_model(monkeypatch):
     """benchmarks/maxtext_compile.py hands MaxText the MoE-l shape and our mesh: a fair
     comparison needs every dimension equal."""
-    import importlib.util
-    from pathlib import Path
+    from benchmarks import maxtext_compile as bench
     from dagmoe_jax.run.gin import load_model_config
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "maxtext_compile.py"
-    monkeypatch.syspath_prepend(str(path.parent))          # it imports benchmarks/tpu_compile
-    spec = importlib.util.spec_from_file_location("maxtext_compile", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     cfg = load_model_config(["models/l.gin", "variants/moe.gin"])
     flags = dict(f.split("=", 1) for f in bench.maxtext_flags(
         cfg, 32, 2048, 4, bench.parse_mesh("data=2,expert=2"), "v5p:2x2x1"))

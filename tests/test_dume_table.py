@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.dume_table import (MERGED, format_report, normalised, rows,
+from benchmarks.experiments.dume_table import (MERGED, format_report, normalised, rows,
                                     with_diagonal)
 
 DOMAINS = ["a", "b"]

@@ -6,19 +6,18 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import single_device_env
+from conftest import benchmark_command, single_device_env
 
 pytestmark = pytest.mark.slow          # subprocesses of the benchmark drivers
 
 REPO = Path(__file__).resolve().parent.parent
 
-def start(script: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(REPO / "benchmarks" / script), "--micro", *args],
+def start(name: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(benchmark_command(name, "--micro", *args),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=single_device_env(), cwd=REPO)
 
@@ -30,14 +29,12 @@ def finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
 
 # Each test starts its own benchmark: a module fixture starting all three would run each of them
 # once per xdist worker that runs one of these tests (twice, on the suite's two workers).
-ARGS = {"reasoning": ("reasoning.py", "--variants=moe,dag_l1"),
-        "quality": ("quality.py", "--variants=moe,coe"),
-        "downstream": ("downstream.py", "--variants=moe_shared,dag_l2")}
+VARIANTS = {"reasoning": "--variants=moe,dag_l1", "quality": "--variants=moe,coe",
+            "downstream": "--variants=moe_shared,dag_l2"}
 
 
 def run_micro(name: str, root: Path) -> subprocess.CompletedProcess:
-    script, variants = ARGS[name]
-    return finish(start(script, variants, f"--out={root / name}"))
+    return finish(start(name, VARIANTS[name], f"--out={root / name}"))
 
 
 def test_reasoning_micro_end_to_end(tmp_path):
@@ -59,7 +56,7 @@ def test_reasoning_micro_end_to_end(tmp_path):
     # the table: one row per variant, sizes as columns, the longer-than-trained one starred
     assert "14*" in result.stdout and "DAG-MoE L 1" in result.stdout
     assert "(majority answer)" in result.stdout and "L(dp) = LIS + 1" in result.stdout
-    bad = finish(start("reasoning.py", "--variants=dag", f"--out={out}"))
+    bad = finish(start("reasoning", "--variants=dag", f"--out={out}"))
     assert bad.returncode == 2 and "variant 'dag' is invalid" in bad.stderr
 
 
@@ -86,8 +83,8 @@ def test_quality_micro_end_to_end(tmp_path, stdlib_corpus):
     for run in results["runs"]:
         assert run["step"] == 10 and 1.0 < run["perplexity"] < 256.0
     # --report re-prints the same table from the JSON without training
-    again = subprocess.run([sys.executable, str(REPO / "benchmarks" / "quality.py"),
-                            f"--report={out / 'quality.json'}"], capture_output=True, text=True,
+    again = subprocess.run(benchmark_command("quality", f"--report={out / 'quality.json'}"),
+                           capture_output=True, text=True,
                            env=single_device_env(), cwd=REPO, timeout=120)
     assert again.returncode == 0, again.stderr[-2000:]
     table = [line for line in again.stdout.splitlines() if line.startswith(("MoE", "CoE"))]
@@ -119,13 +116,13 @@ def test_dume_reasoning_micro_end_to_end(tmp_path, stdlib_corpus):
     """DUME's Table 3 in miniature on its own (its corpus built as the pipeline builds it): four
     experts, every row of the table, the normalised average; a test of its own, so that the two
     halves of downstream.py run on both workers."""
-    from experiments.dume_table import rows
-    from experiments.instructions import DUME_DOMAINS
+    from benchmarks.experiments.dume_table import rows
+    from benchmarks.experiments.instructions import DUME_DOMAINS
 
     out = tmp_path / "downstream"
     stdlib_corpus(out / "corpus")
-    dume = subprocess.run([sys.executable, str(REPO / "benchmarks" / "downstream.py"), "--micro",
-                           "--dume", f"--out={out}"], capture_output=True, text=True,
+    dume = subprocess.run(benchmark_command("downstream", "--micro", "--dume", f"--out={out}"),
+                          capture_output=True, text=True,
                           env=single_device_env(), cwd=REPO, timeout=400)
     assert dume.returncode == 0, dume.stderr[-2000:]
     merged = json.loads((out / "dume.json").read_text())
@@ -141,8 +138,8 @@ def test_dume_reasoning_micro_end_to_end(tmp_path, stdlib_corpus):
         config = json.loads((seed0 / trained / "config.json").read_text())
         assert config["train"]["trainable"] == trainable
         assert (seed0 / trained / "checkpoints" / str(merged["router_steps"])).is_dir()
-    again = subprocess.run([sys.executable, str(REPO / "benchmarks" / "downstream.py"),
-                            f"--report={out / 'dume.json'}"], capture_output=True, text=True,
+    again = subprocess.run(benchmark_command("downstream", f"--report={out / 'dume.json'}"),
+                           capture_output=True, text=True,
                            env=single_device_env(), cwd=REPO, timeout=120)
     assert again.returncode == 0
     assert "| norm. avg |" in again.stdout

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from experiments.corpus import build_manpage_corpus, corpus_sources, troff_to_text
+from benchmarks.experiments.corpus import build_manpage_corpus, corpus_sources, troff_to_text
 
 PAGE = r""".\" a comment that must not appear
 .TH LS "1" "September 2022" "GNU coreutils 9.1" "User Commands"

@@ -12,11 +12,11 @@ from dagmoe_jax.budget import coe_budget_residual
 from dagmoe_jax.config import ModelConfig, dag_params_per_layer
 from dagmoe_jax.data import ByteTokenizer, DataConfig, task_eval_batches
 from dagmoe_jax.data.tasks import TASKS, generate, get_task, parse, parse_answer
-from experiments.dp_depth import dp_depth, dp_depth_closed_form
-from experiments.scoring import (accuracy_by_size, eval_seq_len, majority_baseline,
+from benchmarks.experiments.dp_depth import dp_depth, dp_depth_closed_form
+from benchmarks.experiments.scoring import (accuracy_by_size, eval_seq_len, majority_baseline,
                                  max_example_tokens, mean_std, score_batches,
                                  seed_statistics)
-from experiments.variants import (VARIANTS, budget_params, matched_dag_dim,
+from benchmarks.experiments.variants import (VARIANTS, budget_params, matched_dag_dim,
                                   variant_config)
 from conftest import make_model
 
@@ -127,7 +127,7 @@ def test_majority_baseline_and_seed_statistics():
 
 
 def test_paired_difference_against_a_hand_t_test():
-    from experiments.scoring import paired_difference
+    from benchmarks.experiments.scoring import paired_difference
     a = {0: 7.0, 1: 7.1, 2: 7.05, 5: 9.0}          # seed 5 has no partner: left out
     b = {0: 6.8, 1: 6.95, 2: 6.9}
     got = paired_difference(a, b)
@@ -204,7 +204,7 @@ def test_variants_add_equal_parameters():
 
 def test_model_predictor_padding_and_dispatch():
     from conftest import tiny_config
-    from experiments.scoring import model_predictor
+    from benchmarks.experiments.scoring import model_predictor
 
     model = make_model(tiny_config("moe", "dag", vocab_size=256, max_seq_len=64))
     batches = task_eval_batches(CFG, TOK, num_examples=5, size=4, batch_size=3, tasks=["lis"],
@@ -218,7 +218,7 @@ def test_model_predictor_padding_and_dispatch():
 
 
 def test_quality_summary_pairs_seeds_against_moe_and_the_shared_expert():
-    from experiments.quality import format_report, summarize
+    from benchmarks.experiments.quality import format_report, summarize
     ppl = {"moe": [7.0, 7.2, 7.1], "moe_shared": [6.8, 7.0, 6.9], "dag_l2": [6.7, 6.9, 6.8]}
     runs = [{"variant": v, "seed": s, "loss": float(np.log(p)), "perplexity": p,
              "params": 100 + 10 * (v != "moe"), "description": v}
@@ -238,7 +238,7 @@ def test_quality_summary_pairs_seeds_against_moe_and_the_shared_expert():
 
 
 def test_quality_ladder_pairs_relative_gaps_per_rung_and_their_change():
-    from experiments.quality import (QualityBudget, format_ladder, ladder_budgets,
+    from benchmarks.experiments.quality import (QualityBudget, format_ladder, ladder_budgets,
                                      ladder_gaps, parse_tokens, summarize)
     assert [parse_tokens(t) for t in ("400000", "400K", "0.4M", "1.6m")] == [
         400_000, 400_000, 400_000, 1_600_000]
@@ -264,7 +264,7 @@ def test_quality_ladder_pairs_relative_gaps_per_rung_and_their_change():
 
 
 def test_reasoning_pairs_seeds_against_moe_in_and_out_of_distribution():
-    from experiments.reasoning import format_report, paired_vs_reference
+    from benchmarks.experiments.reasoning import format_report, paired_vs_reference
     budget = {"tasks": ["lis"], "variants": ["moe", "dag_l2"], "seeds": [0, 1, 2], "steps": 1,
               "batch_size": 1, "seq_len": 1, "train_sizes": [4, 12], "sizes": [4, 8, 16],
               "eval_examples": 1}

@@ -211,12 +211,7 @@ def test_bad_group_sizes_fail_the_call(sizes, match):
 
 def test_benchmark_prints_its_table(capsys):
     """benchmarks/grouped_matmul.py's table 1 on a tiny shape, in this process."""
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "grouped_matmul.py"
-    spec = importlib.util.spec_from_file_location("grouped_matmul_benchmark", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from benchmarks import grouped_matmul as bench
     bench.main(["--tokens", "64", "--top_k", "2", "--experts", "4", "--d_model", "16",
                 "--hidden", "24", "--repeats", "1", "--ragged_dot"])
     table_1 = capsys.readouterr().out.split("\n\n")[0]

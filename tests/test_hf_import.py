@@ -51,7 +51,7 @@ def test_a_folder_imports_as_the_same_dense_model_and_tokenizer(folder, tmp_path
 
 
 def test_the_imported_run_trains_on_and_exports_back(folder, tmp_path):
-    from dagmoe_jax.cli import export as export_cli
+    from dagmoe_jax.hf.export import export_run
     from dagmoe_jax.run.gin import load_configs
     from dagmoe_jax.train.loop import train
 
@@ -60,7 +60,7 @@ def test_the_imported_run_trains_on_and_exports_back(folder, tmp_path):
     hf_import.import_hf(str(folder), str(out), seq_len=16, batch_size=8,
                         source=f"text:{tmp_path / 'text.txt'}", steps=2, log=lambda _m: None)
     back = tmp_path / "back"
-    export_cli.export_run(str(out), str(back), log=lambda _m: None)
+    export_run(str(out), str(back), log=lambda _m: None)
     source = hf_llama.SafetensorsReader(folder)
     exported = hf_llama.SafetensorsReader(back)
     assert sorted(exported.keys()) == sorted(source.keys())

@@ -21,15 +21,19 @@ from pathlib import Path
 from typing import Dict, List, Set
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dagmoe_jax"
+BENCHMARKS = PACKAGE.parent / "benchmarks"
 MAX_LINES = 450
 
 # Every top-level unit of the package (a subpackage or a module) with its layer and its rank: a
-# unit imports only units of lower rank. Within a layer the ranks say which package sits on which.
+# unit imports only units of lower rank. Within a layer the ranks say which package sits on which:
+# the commands' shared plumbing (command_line) is below the tools, and the commands of the layers
+# below (cli) are the top, which nothing imports.
 LAYERS = {
     "core": {"validate": 0, "budget": 0, "config": 1, "kernels": 2, "parallel": 2, "model": 3},
     "data": {"data": 4},
     "run": {"run": 5, "hf": 6, "decoding": 6, "evaluation": 7, "train": 8},
-    "tools": {"cli": 9, "analysis": 10, "upcycle": 11, "harness": 11, "compile": 11},
+    "tools": {"command_line": 9, "analysis": 10, "upcycle": 11, "harness": 11, "compile": 11,
+              "cli": 12},
 }
 RANK = {unit: rank for units in LAYERS.values() for unit, rank in units.items()}
 LAYER_OF = {unit: layer for layer, units in LAYERS.items() for unit in units}
@@ -201,6 +205,36 @@ def test_packages_depend_downwards_only():
     """No import, at any depth, against the layers."""
     upward = upward_imports(import_graph())
     assert not upward, "imports against the layers:\n" + "\n".join(upward)
+
+
+def test_only_the_commands_import_the_commands():
+    """dagmoe_jax.cli is the top: no module of the package outside it imports it, and no
+    benchmark does (the commands' plumbing is dagmoe_jax.command_line, the benchmarks' own
+    helpers benchmarks/common.py)."""
+    modules = package_modules()
+    importers = sorted(f"{name} imports {target}" for name, targets in import_graph().items()
+                       if unit_of(name) != "cli"
+                       for target in targets if unit_of(target) == "cli")
+    for path in sorted(BENCHMARKS.rglob("*.py")):
+        name = ".".join(path.relative_to(BENCHMARKS.parent).with_suffix("").parts)
+        importers += sorted(f"{path.relative_to(BENCHMARKS.parent)} imports {target}"
+                            for target in imports_of(name, path, modules)
+                            if unit_of(target) == "cli")
+    assert not importers, "\n".join(importers)
+
+
+def test_the_benchmarks_are_a_package_that_leaves_sys_path_alone():
+    """benchmarks/ is imported as a package from the repository root (``python -m
+    benchmarks.NAME``, ``import benchmarks.X`` in the tests): no benchmark edits sys.path, and
+    every folder of it is a package."""
+    edits = sorted(f"{path.relative_to(BENCHMARKS.parent)}:{node.lineno}"
+                   for path in sorted(BENCHMARKS.rglob("*.py"))
+                   for node in ast.walk(ast.parse(path.read_text()))
+                   if isinstance(node, ast.Attribute) and node.attr == "path"
+                   and isinstance(node.value, ast.Name) and node.value.id == "sys")
+    assert not edits, "sys.path used at " + ", ".join(edits)
+    folders = {p.parent for p in BENCHMARKS.rglob("*.py")}
+    assert all((folder / "__init__.py").is_file() for folder in folders)
 
 
 def test_the_layer_check_catches_an_upward_import():

@@ -11,7 +11,7 @@ import re
 import numpy as np
 import pytest
 
-from experiments.instructions import (ALL_SKILLS, DOMAINS, DUME_DOMAINS, SKILLS, draw,
+from benchmarks.experiments.instructions import (ALL_SKILLS, DOMAINS, DUME_DOMAINS, SKILLS, draw,
                                       instruction_records, write_tasks)
 
 
@@ -88,7 +88,7 @@ def test_dume_statistics_read_instruction_data_whole(tmp_path):
     """DUME's reasoning setting: an ``instruct:`` domain source gives the statistics pass its
     conversations in the chat format, every real token counted (prompts included)."""
     from dagmoe_jax.data import DataConfig
-    from experiments.instructions import write_jsonl
+    from benchmarks.experiments.instructions import write_jsonl
     from dagmoe_jax.upcycle.command import domain_batches
 
     path = write_jsonl(tmp_path / "math.jsonl", instruction_records(DOMAINS["math"], 12))

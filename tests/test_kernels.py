@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import make_model, tiny_config
+from conftest import benchmark_command, make_model, tiny_config
 from dagmoe_jax.config import ExecutionConfig
 from dagmoe_jax.kernels import build as kbuild
 from dagmoe_jax.kernels import attention as kattn
@@ -272,14 +272,11 @@ def test_build_errors_are_one_line(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_attention_benchmark_prints_its_table():
     import subprocess
-    import sys
-    from pathlib import Path
-    root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["DAGMOE_TCMALLOC"] = "0"
-    out = subprocess.run([sys.executable, str(root / "benchmarks" / "attention_kernel.py"),
-                          "--batch", "1", "--seq", "40", "--heads", "4", "--kv", "2",
-                          "--rounds", "1", "--block", "16"],
+    out = subprocess.run(benchmark_command("attention_kernel", "--batch", "1", "--seq", "40",
+                                           "--heads", "4", "--kv", "2", "--rounds", "1",
+                                           "--block", "16"),
                          env=env, text=True, capture_output=True, timeout=300)
     assert out.returncode == 0, out.stderr
     rows = [line.split("|") for line in out.stdout.splitlines()

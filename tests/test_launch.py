@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import benchmark_command
 from dagmoe_jax.run.allocator import (GLIBC_SWITCH, GLIBC_TUNED, SWITCH, allocator, find_tcmalloc,
                                       tcmalloc_environment)
 
@@ -105,9 +106,8 @@ def test_reexec_restarts_once_with_the_same_pid_and_arguments(tmp_path):
 def test_alloc_bandwidth_benchmark_prints_its_table():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env[SWITCH] = env[GLIBC_SWITCH] = "0"
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "alloc_bandwidth.py"),
-                          "--mb", "1", "2", "--repeats", "1"], env=env, text=True,
-                         capture_output=True, timeout=120)
+    out = subprocess.run(benchmark_command("alloc_bandwidth", "--mb", "1", "2", "--repeats", "1"),
+                         env=env, text=True, capture_output=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "allocator: system malloc" in out.stdout
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "MB |" in line]

@@ -358,7 +358,7 @@ def test_echoes_of_a_failed_checkpoint_read_are_silenced_on_the_command_line(mon
     import logging
     import types
 
-    from dagmoe_jax.cli import quiet_background_errors
+    from dagmoe_jax.command_line import quiet_background_errors
 
     printed = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: printed.append(str(u.exc_value)))

@@ -29,15 +29,13 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, Sequence, Tuple
 
-import numpy as np
-
 from dagmoe_jax.data.chat import ChatEncoder
 from dagmoe_jax.data.tokenizers import ByteTokenizer
-from experiments.instructions import (DOMAINS, SKILLS, instruction_records,
-                                      write_jsonl, write_tasks)
-from experiments.quality import QualityBudget, run_configs
-from experiments.scoring import mean_std, paired_difference
-from experiments.variants import LABELS
+from benchmarks.experiments.instructions import (DOMAINS, SKILLS, instruction_records,
+                                                 write_jsonl, write_tasks)
+from benchmarks.experiments.quality import QualityBudget, run_configs
+from benchmarks.experiments.scoring import mean_std, paired_difference
+from benchmarks.experiments.variants import LABELS
 from dagmoe_jax.train.loop import train
 
 BASE_GIN = "bench/quality.gin"

@@ -47,11 +47,11 @@ from types import SimpleNamespace
 from typing import Callable, List
 
 from dagmoe_jax.data.tokenizers import ByteTokenizer
-from experiments.downstream import (DownstreamBudget, finetune_configs,
-                                    prepare_data, score, train_run)
-from experiments.dume_table import format_report
-from experiments.instructions import DUME_DOMAINS
-from experiments.quality import run_configs
+from benchmarks.experiments.downstream import (DownstreamBudget, finetune_configs,
+                                               prepare_data, score, train_run)
+from benchmarks.experiments.dume_table import format_report
+from benchmarks.experiments.instructions import DUME_DOMAINS
+from benchmarks.experiments.quality import run_configs
 
 __all__ = ["format_report", "oracle_model", "run_dume"]     # format_report: the driver's
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence
 
-from experiments.scoring import mean_std, paired_difference
+from benchmarks.experiments.scoring import mean_std, paired_difference
 
 TRAINED = ("DUME+", "BTX", "upcycled DAG")
 MERGED = ("averaging", "oracle (diagonal)", "oracle (forced)", "random routing k1",

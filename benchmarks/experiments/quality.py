@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from dagmoe_jax.model.accounting import account
-from experiments.scoring import mean_std, paired_difference
-from experiments.variants import LABELS, REFERENCE, VARIANTS, describe, variant_config
+from benchmarks.experiments.scoring import mean_std, paired_difference
+from benchmarks.experiments.variants import LABELS, REFERENCE, VARIANTS, describe, variant_config
 from dagmoe_jax.run.gin import load_configs
 from dagmoe_jax.train.loop import train
 

@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Callable, Dict, List, Sequence, Tuple
 
 from dagmoe_jax.model.accounting import account
-from experiments.dp_depth import DP_DEPTH_NOTES
-from experiments.scoring import (baseline_by_size, eval_seq_len, model_predictor,
-                                 paired_difference, score_by_size, seed_statistics)
-from experiments.variants import LABELS, REFERENCE, VARIANTS, describe, variant_config
+from benchmarks.experiments.dp_depth import DP_DEPTH_NOTES
+from benchmarks.experiments.scoring import (baseline_by_size, eval_seq_len, model_predictor,
+                                            paired_difference, score_by_size, seed_statistics)
+from benchmarks.experiments.variants import LABELS, REFERENCE, VARIANTS, describe, variant_config
 from dagmoe_jax.run.gin import load_configs
 from dagmoe_jax.data import make_tokenizer
 from dagmoe_jax.run import load_run

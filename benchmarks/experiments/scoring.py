@@ -2,7 +2,7 @@
 
 A task example is scored teacher-forced: the row holds EOS, the prompt and the reference
 answer, and it is right iff the model's argmax at every answer position equals the reference
-token (:func:`dagmoe_jax.data.exact_match`). Each answer token is then predicted from the
+token (:func:`dagmoe_jax.evaluation.exact_match`). Each answer token is then predicted from the
 correct prefix, so this is exactly "greedy decoding writes the reference answer" (the answer
 ends with its newline, so greedy decoding would stop there too), computed in one forward pass.
 """

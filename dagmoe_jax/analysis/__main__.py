@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import sys
 
-from dagmoe_jax.cli import OneLineParser, quiet_background_errors, report_error
+from dagmoe_jax.command_line import OneLineParser, quiet_background_errors, report_error
 
 
 def main(argv=None) -> int:

@@ -20,7 +20,8 @@ from flax import nnx
 
 from dagmoe_jax.config.blocks import block_summary
 from dagmoe_jax.model.accounting import account
-from dagmoe_jax.cli import USER_ERRORS, OneLineParser, cpu_without_accelerators, report_error
+from dagmoe_jax.command_line import (USER_ERRORS, OneLineParser, cpu_without_accelerators,
+                                     report_error)
 from dagmoe_jax.run.gin import load_model_config
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.model.settle import settle

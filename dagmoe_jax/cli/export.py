@@ -14,25 +14,23 @@ Flags:
   --dtype=NAME        float32 (default) or bfloat16 weights
   --max_shard_mb=N    safetensors shards of at most N MB with an index (default: one file)
 
-Writes ``config.json`` and ``model.safetensors`` (:func:`dagmoe_jax.hf.export.export_hf`:
-the newest checkpoint's parameters in the family's names and config fields, the tokenizer's
-BOS and EOS ids, the LM head tied when it equals the embedding) and the
-run's tokenizer (:mod:`dagmoe_jax.hf.tokenizer`: for the byte tokenizer a ``tokenizer.json``
-that gives exactly its ids). The directory is written beside ``--out`` and moved there when
-complete, so an interrupted export leaves nothing at ``--out``. ``transformers``,
-``train.py --gin.TrainConfig.init_from='hf:DIR'``, ``dagmoe-import`` and the harness's
-``--run_dir=hf:DIR`` read it (``dagmoe-upcycle --dense=DIR`` a Llama).
+Writes ``config.json`` and ``model.safetensors`` (:func:`dagmoe_jax.hf.export.export_run`
+through :func:`~dagmoe_jax.hf.export.export_hf`: the newest checkpoint's parameters in the
+family's names and config fields, the tokenizer's BOS and EOS ids, the LM head tied when it
+equals the embedding) and the run's tokenizer (:mod:`dagmoe_jax.hf.tokenizer`: for the byte
+tokenizer a ``tokenizer.json`` that gives exactly its ids). The directory is written beside
+``--out`` and moved there when complete, so an interrupted export leaves nothing at ``--out``.
+``transformers``, ``train.py --gin.TrainConfig.init_from='hf:DIR'``, ``dagmoe-import`` and the
+harness's ``--run_dir=hf:DIR`` read it (``dagmoe-upcycle --dense=DIR`` a Llama).
 Exit status: 0 done, 2 invalid arguments or run directory (a one-line message), 130 when
 interrupted (Ctrl-C: the partial folder is removed).
 """
 
 from __future__ import annotations
 
-import shutil
 import sys
-from pathlib import Path
 
-from dagmoe_jax.cli import OneLineParser, check_new_directory, write_command
+from dagmoe_jax.command_line import OneLineParser, check_new_directory, write_command
 
 DTYPES = ("float32", "bfloat16")
 
@@ -58,42 +56,13 @@ def parse_args(argv):
     return args
 
 
-def export_run(run_dir: str, out: str, *, dtype: str = "float32", max_shard_mb: int = 0,
-               log=print) -> Path:
-    """Export ``run_dir``'s newest checkpoint and tokenizer into ``out`` (module docstring);
-    returns ``out``. One-line ``ValueError`` for a model no family computes."""
-    from dagmoe_jax.hf.export import export_hf, hf_family
-    from dagmoe_jax.hf.tokenizer import export_tokenizer
-    from dagmoe_jax.hf.run import open_run
-
-    loaded = open_run(run_dir)
-    try:
-        family = hf_family(loaded.model_cfg)
-    except ValueError as err:
-        raise ValueError(f"{run_dir} cannot be exported: {err}") from None
-    target = Path(out)
-    partial = target.with_name(f".{target.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    try:
-        tokenizer = loaded.tokenizer        # its BOS and EOS ids go into config.json
-        export_hf(loaded.model, partial, dtype=dtype,
-                  max_shard_bytes=max_shard_mb * 2 ** 20 or None,
-                  bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
-        files = export_tokenizer(loaded.data_cfg, partial)
-        if target.exists():
-            target.rmdir()                       # empty (parse_args checked)
-        partial.rename(target)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    log(f"exported step {loaded.step} of {run_dir} to {target} ({family}, {dtype} weights, "
-        f"tokenizer: {', '.join(files)})")
-    return target
-
-
 def main(argv=None) -> int:
-    return write_command(parse_args, argv, __doc__, lambda a: export_run(
-        a.run_dir, a.out, dtype=a.dtype, max_shard_mb=a.max_shard_mb), lambda a: a.out)
+    return write_command(parse_args, argv, __doc__, _export, lambda a: a.out)
+
+
+def _export(args) -> None:
+    from dagmoe_jax.hf.export import export_run  # after parsing: --help does not wait for JAX
+    export_run(args.run_dir, args.out, dtype=args.dtype, max_shard_mb=args.max_shard_mb)
 
 
 if __name__ == "__main__":

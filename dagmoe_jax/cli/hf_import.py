@@ -49,7 +49,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from dagmoe_jax.cli import OneLineParser, check_new_directory, write_command
+from dagmoe_jax.command_line import OneLineParser, check_new_directory, write_command
 
 DEFAULT_SEQ_LEN = 1024
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import sys
 
-from dagmoe_jax.cli import OneLineParser, quiet_background_errors, report_error
+from dagmoe_jax.command_line import OneLineParser, quiet_background_errors, report_error
 
 
 def sample_text(tokenizer, prompt_ids, new_ids) -> str:

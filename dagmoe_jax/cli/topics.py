@@ -15,7 +15,8 @@ import argparse
 import dataclasses
 import sys
 
-from dagmoe_jax.cli import USER_ERRORS, OneLineParser, gin_flag_bindings, report_error
+from dagmoe_jax.command_line import (USER_ERRORS, OneLineParser, gin_flag_bindings,
+                                     report_error)
 
 
 def main(argv=None) -> int:

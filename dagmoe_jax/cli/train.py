@@ -38,11 +38,9 @@ import os
 import signal
 import sys
 
-from dagmoe_jax.cli import (gin_parser, parse_gin_command, parse_or_report,
-                            quiet_background_errors, report_error)
+from dagmoe_jax.command_line import (gin_parser, parse_gin_command, parse_or_report,
+                                     quiet_background_errors, report_error)
 from dagmoe_jax.train.signals import check_interrupted, on_signals, stopped_before_training
-
-DEFAULT_GIN = "train/default.gin"
 
 
 def parse_args(argv):
@@ -90,7 +88,7 @@ def _main(args, signals: dict) -> int:
     from dagmoe_jax.config.blocks import block_summary
     from dagmoe_jax.model.accounting import account
     from dagmoe_jax.data import DataConfig
-    from dagmoe_jax.run.gin import bound_fields, load_configs
+    from dagmoe_jax.run.gin import DEFAULT_GIN, bound_fields, load_configs
     from dagmoe_jax.parallel.multihost import initialize
     from dagmoe_jax.evaluation import eval_data_overrides, evaluate_checkpoint
     from dagmoe_jax.train.init_from import source_data_config, source_model_config

@@ -56,8 +56,8 @@ import re
 import sys
 from pathlib import Path
 
-from dagmoe_jax.cli import (gin_parser, parse_gin_command, parse_or_report,
-                            quiet_background_errors, report_error)
+from dagmoe_jax.command_line import (gin_parser, parse_gin_command, parse_or_report,
+                                     quiet_background_errors, report_error)
 
 
 def parse_args(argv):
@@ -167,8 +167,7 @@ def _run(args) -> int:
 
     from dagmoe_jax.compile.programs import (GenerationShape, OutOfMemory, compile_run,
                                              mesh_label, mesh_over)
-    from dagmoe_jax.run.gin import load_configs
-    from dagmoe_jax.cli.train import DEFAULT_GIN
+    from dagmoe_jax.run.gin import DEFAULT_GIN, load_configs
     model_cfg, data_cfg, optim_cfg, train_cfg = load_configs(args.gin_file or [DEFAULT_GIN],
                                                              args.bindings)
     if train_cfg.init_from:

@@ -52,8 +52,8 @@ import os
 import sys
 from pathlib import Path
 
-from dagmoe_jax.cli import (USER_ERRORS, OneLineParser, parse_or_report,
-                            quiet_background_errors, report_error)
+from dagmoe_jax.command_line import (USER_ERRORS, OneLineParser, parse_or_report,
+                                     quiet_background_errors, report_error)
 
 INSTALL_HINT = ("lm-evaluation-harness is not installed: install the [harness] extra, "
                 "pip install -e '.[harness]' in a checkout (pip install -e . leaves it out) or "

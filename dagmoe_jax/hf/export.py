@@ -14,17 +14,20 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import ml_dtypes
 import numpy as np
 from flax import nnx
 
 from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.hf import tokenizer as hf_tokenizer
 from dagmoe_jax.hf.llama import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, backbone_keys, layer_names
 from dagmoe_jax.hf.moe import export_family, moe_block_tensors, moe_hf_config
 from dagmoe_jax.hf.rope import rope_to_hf
+from dagmoe_jax.hf.run import open_run
 from dagmoe_jax.model.params import variable
 
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
@@ -153,3 +156,35 @@ def export_hf(model: nnx.Module, path: Union[str, Path], *, dtype: str = "float3
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
     (out / CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
     return out
+
+
+def export_run(run_dir: str, out: str, *, dtype: str = "float32", max_shard_mb: int = 0,
+               log: Callable[[str], None] = print) -> Path:
+    """Export ``run_dir``'s newest checkpoint and its tokenizer into the folder ``out``
+    (``dagmoe-export``, :mod:`dagmoe_jax.cli.export`): :func:`export_hf` with the tokenizer's
+    BOS and EOS ids, then the tokenizer (:mod:`~dagmoe_jax.hf.tokenizer`), written beside
+    ``out`` and moved there when complete (``out`` absent or an empty directory); returns
+    ``out``. One-line ``ValueError`` for a model no family computes."""
+    loaded = open_run(run_dir)
+    try:
+        family = hf_family(loaded.model_cfg)
+    except ValueError as err:
+        raise ValueError(f"{run_dir} cannot be exported: {err}") from None
+    target = Path(out)
+    partial = target.with_name(f".{target.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        tokenizer = loaded.tokenizer        # its BOS and EOS ids go into config.json
+        export_hf(loaded.model, partial, dtype=dtype,
+                  max_shard_bytes=max_shard_mb * 2 ** 20 or None,
+                  bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
+        files = hf_tokenizer.export_tokenizer(loaded.data_cfg, partial)
+        if target.exists():
+            target.rmdir()                       # empty (the command checked)
+        partial.rename(target)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    log(f"exported step {loaded.step} of {run_dir} to {target} ({family}, {dtype} weights, "
+        f"tokenizer: {', '.join(files)})")
+    return target

@@ -58,7 +58,7 @@ them by hand once inspected). Single-controller use is assumed for moving direct
 (only process 0 renames). When an array read or write fails, Orbax abandons its other pending
 reads or writes, and asyncio, absl and Python report each of them on stderr ("Task exception
 was never retrieved", "Event loop is closed"): noise, not a second failure, which the command
-lines silence with :func:`dagmoe_jax.cli.quiet_background_errors`.
+lines silence with :func:`dagmoe_jax.command_line.quiet_background_errors`.
 """
 
 from __future__ import annotations

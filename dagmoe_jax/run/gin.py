@@ -40,6 +40,9 @@ def _config_dir() -> Path:
 
 CONFIG_DIR = _config_dir()
 
+# What train.py and dagmoe-compile read when given no --gin_file.
+DEFAULT_GIN = "train/default.gin"
+
 # Bindings of earlier versions: a binding of the old name fails with what to write instead.
 RENAMED = {
     "ExecutionConfig.fuse_gate_up": "it is ExecutionConfig.fuse_projections now",

@@ -73,8 +73,8 @@ import sys
 import time
 from pathlib import Path
 
-from dagmoe_jax.cli import (USER_ERRORS, OneLineParser, parse_or_report,
-                            quiet_background_errors, report_error)
+from dagmoe_jax.command_line import (USER_ERRORS, OneLineParser, parse_or_report,
+                                     quiet_background_errors, report_error)
 
 
 def parse_args(argv):

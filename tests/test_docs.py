@@ -3,8 +3,8 @@
 Read from the text only (nothing is imported): a dotted name ``dagmoe_jax.a.b.name`` must be a
 module of the package, or a name defined or imported in the module (or package ``__init__``) it
 ends in; a path ``dagmoe_jax/...``, ``benchmarks/...``, ``tests/...``, ``configs/...``,
-``docs/...`` or ``notebooks/...`` must exist; and every folder and module that design.md's
-layout (section 11) lists under ``dagmoe_jax/`` must exist.
+``docs/...`` or ``notebooks/...`` must exist; and design.md's layout (section 11) lists every
+module and package under ``dagmoe_jax/``, each of which must exist.
 """
 
 from __future__ import annotations
@@ -64,19 +64,35 @@ def broken_references(text: str) -> List[str]:
 
 
 def layout_entries(design: str) -> List[str]:
-    """The folders and modules section 11 of design.md lists under dagmoe_jax/."""
+    """The modules and packages section 11 of design.md lists under dagmoe_jax/, as paths
+    relative to it (``model/dag/``, ``model/dag/equations.py``): a name at two spaces is a
+    top-level unit, at four a module or package of the unit above, at six one of the package
+    above that; a description's continuation lines are indented further."""
     block = design.split("## 11. Repository layout", 1)[1].split("```")[3]
-    entries, inside = [], False
+    entries, inside, parents = [], False, {}
     for line in block.splitlines():
         if line.startswith("dagmoe_jax/"):
             inside = True
             continue
         if inside and line and not line.startswith(" "):
             break
-        match = re.match(r"^  (\S+)", line)
-        if inside and match and (match.group(1).endswith("/") or match.group(1).endswith(".py")):
-            entries.append(match.group(1))
+        match = re.match(r"^( {2}| {4}| {6})(\S+)", line) if inside else None
+        if not match:
+            continue
+        depth, name = len(match.group(1)) // 2, match.group(2)
+        parent = parents.get(depth - 1, "") if depth > 1 else ""
+        path = parent + (name if name.endswith(("/", ".py")) else name + ".py")
+        parents[depth] = path if path.endswith("/") else parents.get(depth, "")
+        entries.append(path)
     return entries
+
+
+def package_units(root: Path = REPO / "dagmoe_jax") -> List[str]:
+    """Every module (``__init__.py`` apart) and package of dagmoe_jax, relative to it."""
+    units = [f"{p.relative_to(root)}" for p in root.rglob("*.py") if p.name != "__init__.py"]
+    units += [f"{p.parent.relative_to(root)}/" for p in root.rglob("__init__.py")
+              if p.parent != root]
+    return sorted(units)
 
 
 def test_every_reference_in_the_documents_exists():
@@ -86,16 +102,27 @@ def test_every_reference_in_the_documents_exists():
 
 
 def test_the_layout_lists_what_is_there():
+    """design.md's layout names every module and package of dagmoe_jax, and nothing else."""
     entries = layout_entries((REPO / "docs" / "design.md").read_text())
-    assert "model/" in entries and "config/" in entries
+    assert {"model/", "model/dag/", "model/dag/equations.py", "validate.py"} <= set(entries)
     missing = [e for e in entries if not (REPO / "dagmoe_jax" / e.rstrip("/")).exists()]
     assert not missing, f"design.md's layout names what does not exist: {missing}"
-    units = {p.name for p in (REPO / "dagmoe_jax").iterdir()
-             if p.suffix == ".py" and p.name != "__init__.py"
-             or (p / "__init__.py").exists()}
-    unlisted = sorted(u for u in units if u not in {e.rstrip("/") for e in entries}
-                      and f"{u}/" not in entries)
+    unlisted = sorted(set(package_units()) - set(entries))
     assert not unlisted, f"design.md's layout leaves out {unlisted}"
+    assert len(entries) == len(set(entries)), "design.md's layout names a module twice"
+
+
+def test_the_layout_check_reads_nesting_and_catches_a_stale_module():
+    design = ("## 11. Repository layout\n```\nlayers\n```\n\n```\ndagmoe_jax/\n"
+              "  budget.py     budgets\n  model/        the modules\n"
+              "    settle      settling, described\n                  on two lines\n"
+              "    dag/        the DAG module\n      equations   eq. 6-12\n"
+              "    lifecycle   gone\ntrain.py  the command\n```\n")
+    entries = layout_entries(design)
+    assert entries == ["budget.py", "model/", "model/settle.py", "model/dag/",
+                       "model/dag/equations.py", "model/lifecycle.py"]
+    assert [e for e in entries if not (REPO / "dagmoe_jax" / e.rstrip("/")).exists()] == [
+        "model/lifecycle.py"]
 
 
 def test_the_checks_catch_a_stale_name():

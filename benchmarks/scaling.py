@@ -44,8 +44,6 @@ import dataclasses  # noqa: E402
 import glob  # noqa: E402
 import gzip  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
-import re  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from typing import Callable, Dict, List, Optional, Sequence, Tuple  # noqa: E402
@@ -53,6 +51,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from dagmoe_jax.compile.hlo import parse_instruction, shape_bytes  # noqa: E402
 from dagmoe_jax.run.gin import load_configs  # noqa: E402
 from dagmoe_jax.parallel import MeshConfig, activate, make_mesh  # noqa: E402
 from dagmoe_jax.run import build, device_batch  # noqa: E402
@@ -63,8 +62,6 @@ from benchmarks.step_throughput import time_fn  # noqa: E402
 
 COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
 PROFILED_STEPS = 2
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-               "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 
 
 # --------------------------------------------------------------------------------------------
@@ -103,23 +100,12 @@ def misfit(model_cfg, mesh_cfg: MeshConfig, batch: int) -> Optional[str]:
 # --------------------------------------------------------------------------------------------
 # compiled HLO text and the profiler trace
 
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\(")
-_SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16|c64|c128)\[([\d,]*)\]")
-
-
 def hlo_instructions(hlo_text: str) -> Dict[str, Tuple[str, int]]:
     """Instruction name -> (opcode, result bytes) for every instruction in an HLO module's text
-    (``compiled.as_text()``); a tuple result counts all its elements."""
-    out = {}
-    for line in hlo_text.splitlines():
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        name, shape, opcode = m.groups()
-        nbytes = sum(DTYPE_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
-                     for dtype, dims in _SHAPE.findall(shape))
-        out[name] = (opcode, nbytes)
-    return out
+    (``compiled.as_text()``), read by :mod:`dagmoe_jax.compile.hlo`; a tuple result counts all
+    its elements."""
+    lines = (parse_instruction(line) for line in hlo_text.splitlines())
+    return {ins.name: (ins.op, int(shape_bytes(ins.shape))) for ins in lines if ins is not None}
 
 
 def collective_kind(opcode: str) -> Optional[str]:

@@ -44,8 +44,8 @@ for name in json.loads(sys.argv[2]):
     text = step.lower(model, optimizer, data).compile().as_text()
     text = re.sub(r", metadata=\{[^}]*\}", "", text)                 # op names, source lines
     text = re.sub(r"^HloModule [^,]*", "HloModule", text, flags=re.M)
-    text = "\n".join(line for line in text.splitlines()                # the debug tables
-                     if not re.match(r"^\d+ (\{file_name_id|\")", line))
+    text = "\n".join(line for line in text.splitlines()  # debug tables (files, frames)
+                     if not re.match(r"^\d+ [{\"]", line))
     out[name] = text.replace(sys.argv[1], "<checkout>")
 print(json.dumps(out))
 """

@@ -5,6 +5,7 @@ data shards are disjoint."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -51,8 +52,11 @@ def test_two_processes_train_save_and_resume(tmp_path):
     run_dir = tmp_path / "run"
     first = _run_pair(run_dir, steps=5)
     assert "4 devices in 2 processes" in first[0] and "final eval at step 5" in first[0]
-    # only process 0 prints (gloo's own connection lines aside)
-    assert [line for line in first[1].splitlines() if "peer ranks" not in line] == []
+    # only process 0 prints: process 1's stdout holds gloo's connection lines alone, which its
+    # threads write interleaved (CI saw one cut, its last digit on a line of its own)
+    ours = [line for line in first[1].splitlines() if re.search(r"[A-Za-z]", line)
+            and "[Gloo]" not in line and "peer ranks" not in line]
+    assert ours == [] and "config:" not in first[1], first[1]
     checkpoint = run_dir / "checkpoints" / "5"
     assert sorted(p.name for p in (checkpoint / "data").glob("process_*.json")) == [
         "process_0-of-2.json", "process_1-of-2.json"]          # each process's data position

@@ -144,8 +144,10 @@ def test_a_library_error_a_signal_caused_comes_out_as_the_interrupt():
     error (CI: Python's threading said 'release unlocked lock' when it hit a thread pool's
     semaphore while the evaluation batches were built): once a signal is recorded, what leaves
     the interruptible block is :class:`Interrupted`, chained to that error; without a signal
-    an error is itself, and where signals are only recorded it passes unchanged. In a child, so
-    that the handler is installed on its main thread."""
+    an error is itself, and where signals are only recorded it passes unchanged, also inside
+    an interruptible block (training within the command's block: a real error after a SIGTERM
+    there is not 'stopped before training began'). In a child, so that the handler is
+    installed on its main thread."""
     code = """if True:
         import os, signal, time
         from dagmoe_jax.train.signals import Interrupted, on_signals
@@ -162,14 +164,25 @@ def test_a_library_error_a_signal_caused_comes_out_as_the_interrupt():
                         raise RuntimeError('release unlocked lock')
             except BaseException as err:
                 return type(err).__name__, type(err.__cause__).__name__, flag.get('signal')
+        def after_training_began():
+            flag = {}
+            try:
+                with on_signals(flag, interrupt=True):
+                    with on_signals(flag):
+                        os.kill(os.getpid(), signal.SIGTERM)
+                        time.sleep(1)
+                    raise RuntimeError('disk full')
+            except BaseException as err:
+                return type(err).__name__, flag.get('signal')
         print(broken_by(signal.SIGINT), broken_by(signal.SIGTERM), broken_by(None),
-              broken_by(signal.SIGTERM, interrupt=False), sep='|')
+              broken_by(signal.SIGTERM, interrupt=False), after_training_began(), sep='|')
     """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV,
                          cwd=REPO, timeout=120)
     assert out.stdout.strip().split("|") == [
         "('Interrupted', 'RuntimeError', 'SIGINT')", "('Interrupted', 'RuntimeError', 'SIGTERM')",
-        "('RuntimeError', 'NoneType', None)", "('RuntimeError', 'NoneType', 'SIGTERM')"], out.stderr
+        "('RuntimeError', 'NoneType', None)", "('RuntimeError', 'NoneType', 'SIGTERM')",
+        "('RuntimeError', 'SIGTERM')"], out.stderr
 
 
 def test_the_command_ignores_signals_once_it_is_over():

@@ -29,17 +29,20 @@ def on_signals(flag: dict, *, interrupt: bool = False):
     further signals change nothing until the block is left (a save in flight finishes). An
     interrupt some library callback swallowed (a garbage-collection callback can) stays in
     ``flag`` for :func:`check_interrupted`, and Python's 'ignored' traceback for it is not
-    printed. With ``interrupt``, any exception that leaves the block once a signal was recorded
-    comes out as :class:`Interrupted` (chained to it): an interrupt raised inside a library's
-    lock handling can surface as that library's own error (Python's ``threading`` Condition
-    said 'release unlocked lock' when SIGINT landed in a thread pool's semaphore), and the
-    signal, not the damage it did on its way, is what stopped the run. Outside the main thread
-    (some notebook runners) no handler is installed."""
+    printed. With ``interrupt``, any exception that leaves the block once an interrupting
+    handler recorded a signal (``flag['interrupted']``; one recorded while a nested block only
+    records, as training does, is not) comes out as :class:`Interrupted`, chained to it
+    (:func:`raise_if_interrupted` for a caller that caught it first): an interrupt raised
+    inside a library's lock handling can surface as that library's own error (Python's
+    ``threading`` Condition said 'release unlocked lock' when SIGINT landed in a thread pool's
+    semaphore), and the signal, not the damage it did on its way, is what stopped the run.
+    Outside the main thread (some notebook runners) no handler is installed."""
     def handler(signum, frame):
         del frame
         name = signal.Signals(signum).name
         flag.setdefault("signal", name)
         if interrupt:
+            flag.setdefault("interrupted", name)
             raise Interrupted(name)
     if interrupt:
         _quiet_swallowed_interrupts()
@@ -52,12 +55,20 @@ def on_signals(flag: dict, *, interrupt: bool = False):
     try:
         yield
     except Exception as err:
-        if interrupt and flag.get("signal"):
-            raise Interrupted(flag["signal"]) from err
+        if interrupt:
+            raise_if_interrupted(flag, err)
         raise
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def raise_if_interrupted(flag: dict, err: BaseException) -> None:
+    """Raise :class:`Interrupted`, chained to ``err``, when an interrupting handler of
+    :func:`on_signals` recorded a signal in ``flag``: ``err`` is what that interrupt did on its
+    way out."""
+    if flag.get("interrupted"):
+        raise Interrupted(flag["interrupted"]) from err
 
 
 def check_interrupted(flag: dict) -> None:

@@ -60,7 +60,7 @@ def test_the_imported_run_trains_on_and_exports_back(folder, tmp_path):
     hf_import.import_hf(str(folder), str(out), seq_len=16, batch_size=8,
                         source=f"text:{tmp_path / 'text.txt'}", steps=2, log=lambda _m: None)
     back = tmp_path / "back"
-    export_run(str(out), str(back), log=lambda _m: None)
+    export_run(str(out), str(back))
     source = hf_llama.SafetensorsReader(folder)
     exported = hf_llama.SafetensorsReader(back)
     assert sorted(exported.keys()) == sorted(source.keys())

@@ -62,7 +62,8 @@ def main(argv=None) -> int:
 
 def _export(args) -> None:
     from dagmoe_jax.hf.export import export_run  # after parsing: --help does not wait for JAX
-    export_run(args.run_dir, args.out, dtype=args.dtype, max_shard_mb=args.max_shard_mb)
+    export_run(args.run_dir, args.out, dtype=args.dtype, max_shard_mb=args.max_shard_mb,
+               log=print)
 
 
 if __name__ == "__main__":

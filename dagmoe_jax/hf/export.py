@@ -159,12 +159,13 @@ def export_hf(model: nnx.Module, path: Union[str, Path], *, dtype: str = "float3
 
 
 def export_run(run_dir: str, out: str, *, dtype: str = "float32", max_shard_mb: int = 0,
-               log: Callable[[str], None] = print) -> Path:
+               log: Callable[[str], None] = lambda _message: None) -> Path:
     """Export ``run_dir``'s newest checkpoint and its tokenizer into the folder ``out``
     (``dagmoe-export``, :mod:`dagmoe_jax.cli.export`): :func:`export_hf` with the tokenizer's
     BOS and EOS ids, then the tokenizer (:mod:`~dagmoe_jax.hf.tokenizer`), written beside
     ``out`` and moved there when complete (``out`` absent or an empty directory); returns
-    ``out``. One-line ``ValueError`` for a model no family computes."""
+    ``out``; ``log`` hears the line that says what was written. One-line ``ValueError`` for a
+    model no family computes."""
     loaded = open_run(run_dir)
     try:
         family = hf_family(loaded.model_cfg)

@@ -7,7 +7,7 @@ and what it accepts, in one line (the command-line tools print only the first li
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Iterator, Optional
 
 
 def check(ok: bool, cls: str, field: str, value, valid: str) -> None:
@@ -63,3 +63,20 @@ def first_line(err: BaseException) -> str:
     command prints as its one-line error."""
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
+
+
+def error_chain(err: BaseException) -> Iterator[BaseException]:
+    """``err``, then what it was raised from (or during), innermost last."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
+
+
+def interrupt_within(err: BaseException) -> Optional[KeyboardInterrupt]:
+    """The ``KeyboardInterrupt`` (Ctrl-C, a run's SIGINT / SIGTERM) ``err`` was raised from or
+    while handling, if any: a library that an interrupt hit can surface it as its own error
+    (Orbax wraps an interrupted read; Python's ``threading`` said 'release unlocked lock' when
+    one landed in a thread pool's semaphore), and the interrupt is what stopped the work."""
+    return next((e for e in error_chain(err) if isinstance(e, KeyboardInterrupt)), None)

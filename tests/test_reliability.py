@@ -142,9 +142,10 @@ def test_repeated_signals_wait_for_the_save_they_asked_for(tmp_path):
 def test_a_library_error_a_signal_caused_comes_out_as_the_interrupt():
     """A SIGINT that lands inside a library's lock handling can surface as that library's own
     error (CI: Python's threading said 'release unlocked lock' when it hit a thread pool's
-    semaphore while the evaluation batches were built): once a signal is recorded, what leaves
-    the interruptible block is :class:`Interrupted`, chained to that error; without a signal
-    an error is itself, and where signals are only recorded it passes unchanged, also inside
+    semaphore while the evaluation batches were built): an error raised while handling the
+    interrupt leaves the interruptible block as :class:`Interrupted`, chained to that error;
+    without a signal an error is itself, and where signals are only recorded it passes
+    unchanged, also inside
     an interruptible block (training within the command's block: a real error after a SIGTERM
     there is not 'stopped before training began'). In a child, so that the handler is
     installed on its main thread."""

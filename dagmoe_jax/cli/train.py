@@ -40,7 +40,7 @@ import sys
 
 from dagmoe_jax.command_line import (gin_parser, parse_gin_command, parse_or_report,
                                      quiet_background_errors, report_error)
-from dagmoe_jax.train.signals import on_signals, raise_if_interrupted, stopped_before_training
+from dagmoe_jax.train.signals import on_signals, raise_as_interrupt, stopped_before_training
 
 
 def parse_args(argv):
@@ -133,7 +133,7 @@ def _main(args, signals: dict) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except (ValueError, FileNotFoundError) as err:
-        raise_if_interrupted(signals, err)   # an error a signal caused is the signal (on_signals)
+        raise_as_interrupt(err)      # an error a signal caused is the signal (on_signals)
         return report_error(err)
     return 0
 

@@ -20,6 +20,7 @@ from flax import nnx, traverse_util
 
 from dagmoe_jax.model.router import SelectionBias
 from dagmoe_jax.run.paths import as_path
+from dagmoe_jax.validate import error_chain, interrupt_within
 
 CHECKSUM_FILE = "dagmoe_checksums.json"
 # A checkpoint's meta key listing the top-level keys of a dict state it holds when it holds
@@ -104,7 +105,7 @@ def cause_line(err: BaseException) -> str:
     """The first line of the innermost cause of ``err`` (TensorStore's own error names the
     array and the problem; Orbax's wrapper only names the slice), shortened for one-line
     messages."""
-    err = list(_causes(err))[-1]
+    err = list(error_chain(err))[-1]
     text = str(err).strip()
     line = text.splitlines()[0].strip() if text else ""
     for cut in (" [tensorstore_spec", " See full TensorStore details"):
@@ -115,29 +116,20 @@ def cause_line(err: BaseException) -> str:
     return line
 
 
-def _causes(err: BaseException):
-    """``err``, then what it was raised from (or during), innermost last."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        yield err
-        err = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
-
-
 def raise_if_interrupted(err: BaseException) -> None:
     """Raise the ``KeyboardInterrupt`` (Ctrl-C, a run's SIGINT / SIGTERM) ``err`` was raised
     from, if any: Orbax wraps what interrupts a read in its own error, which must not read as a
     damaged checkpoint."""
-    for inner in _causes(err):
-        if isinstance(inner, KeyboardInterrupt):
-            raise inner from None
+    inner = interrupt_within(err)
+    if inner is not None:
+        raise inner from None
 
 
 def os_cause(err: BaseException) -> str:
     """The operating system's reason for a failed write ("[Errno 28] No space left on
     device"), which TensorStore puts at the end of a long message as ``os_error_code='28'``;
     else the error's first line."""
-    for inner in _causes(err):
+    for inner in error_chain(err):
         found = re.search(r"os_error_code='?(\d+)", str(inner))
         code = inner.errno if isinstance(inner, OSError) and inner.errno else (
             int(found.group(1)) if found else None)

@@ -2,7 +2,8 @@
 run starts, nothing is worth saving) or only recorded (while it trains, the loop saves and
 stops). One mechanism for the command line and :func:`~dagmoe_jax.train.loop.train`.
 
-Standard library only, so a command can install it before the heavy imports.
+Standard library (and :mod:`dagmoe_jax.validate`) only, so a command can install it before the
+heavy imports.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
+
+from dagmoe_jax.validate import interrupt_within
 
 
 class Interrupted(KeyboardInterrupt):
@@ -29,20 +32,17 @@ def on_signals(flag: dict, *, interrupt: bool = False):
     further signals change nothing until the block is left (a save in flight finishes). An
     interrupt some library callback swallowed (a garbage-collection callback can) stays in
     ``flag`` for :func:`check_interrupted`, and Python's 'ignored' traceback for it is not
-    printed. With ``interrupt``, any exception that leaves the block once an interrupting
-    handler recorded a signal (``flag['interrupted']``; one recorded while a nested block only
-    records, as training does, is not) comes out as :class:`Interrupted`, chained to it
-    (:func:`raise_if_interrupted` for a caller that caught it first): an interrupt raised
-    inside a library's lock handling can surface as that library's own error (Python's
+    printed. With ``interrupt``, an exception that leaves the block raised from or while
+    handling the interrupt (:func:`~dagmoe_jax.validate.interrupt_within`: Python's
     ``threading`` Condition said 'release unlocked lock' when SIGINT landed in a thread pool's
-    semaphore), and the signal, not the damage it did on its way, is what stopped the run.
-    Outside the main thread (some notebook runners) no handler is installed."""
+    semaphore) comes out as :class:`Interrupted`, chained to it: the signal, not the damage it
+    did on its way, is what stopped the run. Outside the main thread (some notebook runners)
+    no handler is installed."""
     def handler(signum, frame):
         del frame
         name = signal.Signals(signum).name
         flag.setdefault("signal", name)
         if interrupt:
-            flag.setdefault("interrupted", name)
             raise Interrupted(name)
     if interrupt:
         _quiet_swallowed_interrupts()
@@ -56,19 +56,19 @@ def on_signals(flag: dict, *, interrupt: bool = False):
         yield
     except Exception as err:
         if interrupt:
-            raise_if_interrupted(flag, err)
+            raise_as_interrupt(err)
         raise
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
 
 
-def raise_if_interrupted(flag: dict, err: BaseException) -> None:
-    """Raise :class:`Interrupted`, chained to ``err``, when an interrupting handler of
-    :func:`on_signals` recorded a signal in ``flag``: ``err`` is what that interrupt did on its
-    way out."""
-    if flag.get("interrupted"):
-        raise Interrupted(flag["interrupted"]) from err
+def raise_as_interrupt(err: BaseException) -> None:
+    """Raise :class:`Interrupted`, chained to ``err``, when ``err`` was raised from or while
+    handling an interrupt (:func:`~dagmoe_jax.validate.interrupt_within`)."""
+    inner = interrupt_within(err)
+    if inner is not None:
+        raise Interrupted(str(inner) or "SIGINT") from err
 
 
 def check_interrupted(flag: dict) -> None:

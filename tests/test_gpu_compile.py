@@ -2,8 +2,9 @@
 ``.ci/run`` installs without their nvidia-* dependencies, and CUDA's ``ptxas``): training steps
 compiled for an H100 and an A100 on this CPU, with nothing materialised
 (``dagmoe_jax.compile --topology h100``). 'auto' settles the grouped matmuls to the Mosaic GPU
-kernels on the H100 and to the Triton kernel on the A100; the compiled step holds them as
-custom calls and no buffer of the dense rewrite XLA:GPU makes of ``ragged_dot``.
+kernels on the H100 and to the Triton kernel on the A100, and the DAG module to its Triton
+kernels on both; the compiled step holds them as custom calls and no buffer of the dense
+rewrite XLA:GPU makes of ``ragged_dot``.
 """
 
 from __future__ import annotations
@@ -60,8 +61,13 @@ def test_dropless_step_compiles_with_the_triton_kernel_for_a100():
                                    TrainConfig(), mesh_over(devices, dict(data=1)), chip,
                                    programs=("train",), keep_hlo=True)
     assert settled.grouped_matmul == kernel
+    assert settled.dag_module == "triton"    # d_g 64 and K 2: powers of two, one GPU
     train = reports["train"]
     kernels = train.cost.kernels
+    # each layer's L = 2 iterations: the forward kernel (again in the backward pass, which
+    # recomputes the layer) and the backward kernel
+    assert kernels.get("triton dag forward", 0) >= 2 * 2, kernels
+    assert kernels.get("triton dag backward", 0) == 2 * 2, kernels
     # each layer: gate, up and down forward, their input and weight gradients (remat full on
     # GPU recomputes the forward too); the scanned layer body is counted per layer
     assert kernels.get(f"{kernel} gmm", 0) >= 2 * 6, kernels
@@ -96,6 +102,7 @@ def test_compile_command_reports_an_h100(capsys):
     assert re.search(r"DAG module: [\d.]+ ms of the estimate .* \d+ kernel launches", out), out
     assert "attention compiled as the Pallas Triton flash kernel's in cuDNN's place" in out
     assert "attention triton" in out
+    assert "DAG module triton" in out and "triton dag backward" in out
 
 
 SCOPED_HLO = """HloModule scoped, entry_computation_layout={()->f32[]}

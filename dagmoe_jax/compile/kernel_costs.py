@@ -49,13 +49,31 @@ def grouped_matmul_flops(kernel: str, instruction: Instruction,
     return 0.0
 
 
+def dag_kernel_flops(kernel: str, instruction: Instruction, shapes: Dict[str, str]) -> float:
+    """The matmul FLOPs of a DAG iteration's Triton kernel (kernels/triton_dag_module.py) from
+    its node rows [R, d] and W_down [d, d_g]: eq. 8, 9 and 11 forward, 2 R (2 d d_g + 4 d_g^2);
+    the backward recomputes eq. 8-9 and runs the input gradients of eq. 8 (twice), 9 and 11,
+    2 R (5 d d_g + 8 d_g^2). The weight gradients are XLA's dots, counted as such."""
+    dims = [shape_dims(shapes.get(o, "")) for o in instruction.operands]
+    if len(dims) < 5 or len(dims[0]) != 2 or len(dims[4]) != 2:
+        return 0.0
+    (rows, d), g = dims[0], dims[4][1]
+    if kernel == "dag forward":
+        return 2.0 * rows * (2 * d * g + 4 * g * g)
+    return 2.0 * rows * (5 * d * g + 8 * g * g)
+
+
 # custom-call targets of Pallas kernels on GPU -> the kernel library's name
 GPU_KERNEL_CALLS = {"mosaic_gpu_v2": "mgpu", "__gpu$xla.gpu.triton": "triton"}
 
 
 def gpu_kernel_family(target: str, instruction: Instruction, shapes: Dict[str, str]) -> str:
-    """'<library> gmm' / 'tgmm' for a grouped matmul / its weight gradient, else its name."""
+    """'<library> gmm' / 'tgmm' for a grouped matmul / its weight gradient, 'triton dag
+    forward' / 'dag backward' for the DAG iteration's kernels, else its name."""
     library = GPU_KERNEL_CALLS[target]
+    dag = re.search(r"dagmoe_triton_dag_(forward|backward)", instruction.attrs)
+    if dag:
+        return f"{library} dag {dag.group(1)}"
     ranks = [len(shape_dims(shapes.get(o, ""))) for o in instruction.operands]
     out = len(shape_dims(instruction.shape))
     if out == 2 and 3 in ranks and 2 in ranks:

@@ -63,7 +63,8 @@ from dagmoe_jax.compile.chips import Chip
 from dagmoe_jax.compile.hlo import (ARRAY, Instruction, attr, backend_config, constant_value,
                                     group_size, parse_module, shape_bytes, shape_dims)
 from dagmoe_jax.compile.kernel_costs import (GPU_KERNEL_CALLS, KNOWN_TPU_KERNELS,
-                                             grouped_matmul_flops, gpu_kernel_family,
+                                             dag_kernel_flops, grouped_matmul_flops,
+                                             gpu_kernel_family,
                                              kernel_family, megablox_family, mosaic_flops)
 
 COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute",
@@ -340,6 +341,8 @@ class _Walker:
         if target == "tpu_custom_call":
             return mosaic_flops(kernel, ins, shapes, self.gmm_occupancy)
         family = kernel.split(" ")[-1]
+        if kernel.endswith(("dag forward", "dag backward")):
+            return dag_kernel_flops(kernel.split(" ", 1)[1], ins, shapes)
         return (grouped_matmul_flops(family, ins, shapes) * self.gmm_occupancy
                 if family in ("gmm", "tgmm") else 0.0)
 

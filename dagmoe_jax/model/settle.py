@@ -34,7 +34,9 @@ a concrete ``ExecutionConfig`` that the run prints and saves, and builds the mod
                    kernels on CPU for float32 on one device with d and d_g multiples of 16
                    and a working compiler (compiled here the first time); on TPU XLA's with
                    the projections on the [T, K, .] node arrays ('xla_rank3': there the
-                   reshape to [T*K, .] rows is a relayout copy); else XLA's ('xla')
+                   reshape to [T*K, .] rows is a relayout copy); on one NVIDIA GPU of
+                   sm80 or newer the Triton kernels of a whole iteration ('triton') where
+                   they take d_g, K and d; else XLA's ('xla')
 ``loss_chunk``     tokens per device in a chunk of the vocabulary-tiled loss: 512 on CPU,
                    4096 on GPU / TPU (where smaller chunks re-read the LM head and its float32
                    gradient until the head is bound by HBM, not by its FLOPs)
@@ -51,13 +53,15 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from dagmoe_jax.config import ExecutionConfig, ModelConfig, dag_aggregation_of, experts_of
+from dagmoe_jax.config import (ExecutionConfig, ModelConfig, dag_aggregation_of, experts_of,
+                              router_of)
 from dagmoe_jax.kernels.attention import fused_attention_unavailable, kernel_needs_build
 from dagmoe_jax.kernels.dag_module import dag_module_needs_build, dag_module_unavailable
 from dagmoe_jax.kernels.gpu_grouped_matmul import mgpu_unsupported, triton_unsupported
 from dagmoe_jax.kernels.grouped_matmul import (grouped_matmul_needs_build,
                                                grouped_matmul_unavailable)
 from dagmoe_jax.kernels.pallas import gmm_supported
+from dagmoe_jax.kernels.triton_dag_module import triton_dag_unsupported
 from dagmoe_jax.model.doe.knowledge_blocks import block_hidden
 from dagmoe_jax.parallel.axes import MeshLayout
 
@@ -176,19 +180,30 @@ def settle_expert_exchange(name: str, backend: str) -> str:
 
 
 def settle_dag_module(name: str, cfg: ModelConfig, backend: str, dtype,
-                      layout: Optional[MeshLayout]) -> str:
+                      layout: Optional[MeshLayout], capability: Optional[tuple] = None) -> str:
     """'auto': 'fused' (the C++ kernels, built here on first use) on CPU for float32 on one
     device when the model has a DAG module of d and d_g multiples of 16, 'xla_rank3' on TPU
-    (18% less HBM traffic in the compiled DAG-MoE-l step, benchmarks/RESULTS.md), else
-    'xla'. An explicit 'fused' under a multi-device mesh is a one-line ``ValueError``."""
-    if name == "fused" and layout is not None:
-        raise ValueError("ExecutionConfig.dag_module='fused' runs on a single device only; "
+    (18% less HBM traffic in the compiled DAG-MoE-l step, benchmarks/RESULTS.md), 'triton'
+    on one GPU of compute ``capability`` 8.0 or newer where the kernels take the module
+    (a third of XLA's bytes in the compiled step, benchmarks/RESULTS.md), else 'xla'. An
+    explicit 'fused' or 'triton' under a multi-device mesh, or a 'triton' the kernels cannot
+    take, is a one-line ``ValueError``."""
+    if name in ("fused", "triton") and layout is not None:
+        raise ValueError(f"ExecutionConfig.dag_module={name!r} runs on a single device only; "
                          "use 'auto' or 'xla' under a device mesh")
+    dag = dag_aggregation_of(cfg.block)
+    reason = (triton_dag_unsupported(cfg.d_model, dag.dag_dim, router_of(cfg.block).top_k,
+                                     dtype) if dag is not None and name in ("auto", "triton")
+              else None)
+    if name == "triton" and reason is not None:
+        raise ValueError(f"ExecutionConfig.dag_module='triton': {reason}; use 'auto' or 'xla'")
     if name != "auto":
         return name
-    dag = dag_aggregation_of(cfg.block)
     if backend == "tpu" and dag is not None:
         return "xla_rank3"
+    if (backend == "gpu" and layout is None and dag is not None and reason is None
+            and capability is not None and capability >= (8, 0)):
+        return "triton"
     if backend != "cpu" or layout is not None or dag is None:
         return "xla"
     reason = dag_module_unavailable(cfg.d_model, dag.dag_dim, dtype, backend)
@@ -270,7 +285,7 @@ def settle(cfg: ModelConfig, execution: Optional[ExecutionConfig] = None, *,
         grouped_matmul=grouped_matmul,
         expert_exchange=settle_expert_exchange(ex.expert_exchange, backend),
         fuse_projections=layout is None if ex.fuse_projections is None else ex.fuse_projections,
-        dag_module=settle_dag_module(ex.dag_module, cfg, backend, dtype, layout),
+        dag_module=settle_dag_module(ex.dag_module, cfg, backend, dtype, layout, capability),
         attention_block=ex.attention_block,
         loss_chunk=settle_loss_chunk(ex.loss_chunk, backend))
 

@@ -6,8 +6,10 @@ no execution flags.
 A strategy supplies the four operations of an iteration whose program depends on the machine:
 the node rows the LayerNorm takes, the LayerNorm (eq. 7), the projections (eq. 8, 9, 11) and
 the pair sum of eq. 10; and says whether the L-th iteration is computed together with the
-readout (eq. 12). Every strategy computes the same function (tests/test_dag.py runs each
-against the NumPy transcription of the paper):
+readout (eq. 12). A strategy that runs a whole iteration as one kernel supplies
+``iterate`` instead. Every strategy computes the same function (tests/test_dag.py runs each
+against the NumPy transcription of the paper; tests/test_triton_dag_module.py the Triton
+kernels, interpreted):
 
 =============  ===========================================================================
 ``xla``        XLA on the node rows as one [T*K, .] matrix: on CPU and GPU that reshape is
@@ -24,6 +26,10 @@ against the NumPy transcription of the paper):
                L-th computed with the readout, which needs only the nodes' sum (on TPU that
                split of the loop cost 0.6 GB more temporaries a chip for DAG-MoE-l,
                benchmarks/RESULTS.md, so the XLA strategies keep one scan)
+``triton``     each iteration, eq. 7-11 with the carry's update, as one Pallas Triton kernel
+               forward and one backward (:mod:`dagmoe_jax.kernels.triton_dag_module`; NVIDIA
+               GPUs sm80+, one device): the nodes read once and written once, where XLA:GPU
+               runs some forty kernels an iteration, most of them passes over [T*K, d]
 =============  ===========================================================================
 """
 
@@ -36,7 +42,8 @@ import jax.numpy as jnp
 
 from dagmoe_jax.kernels.dag_module import fused_dag_messages, fused_layer_norm
 from dagmoe_jax.kernels.grouped_matmul import cpu_dense_matmul
-from dagmoe_jax.model.dag.equations import dag_pair_messages, layer_norm
+from dagmoe_jax.kernels.triton_dag_module import triton_dag_iteration
+from dagmoe_jax.model.dag.equations import dag_pair_messages, dag_pair_weights, layer_norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +54,7 @@ class XLAExecution:
     # class (a module's static attribute, compared when nnx splits a cloned model)
     name = "xla"
     last_with_readout = False      # all L iterations in one scan
+    whole_iteration = False        # True: ``iterate`` runs eq. 7-11 as one kernel
 
     def rows(self, nodes: jax.Array) -> jax.Array:
         """The nodes [T, K, d] as the LayerNorm and the down-projection take them."""
@@ -101,13 +109,33 @@ class CPUKernelExecution(XLAExecution):
         return fused_dag_messages(proj, edges, edge_act)
 
 
+@dataclasses.dataclass(frozen=True)
+class TritonExecution(XLAExecution):
+    """``dag_module='triton'``: each iteration as one Pallas Triton kernel (forward and
+    backward), :func:`~dagmoe_jax.kernels.triton_dag_module.triton_dag_iteration`."""
+
+    name = "triton"
+    whole_iteration = True
+    interpret = False              # the tests' subclass runs the kernels interpreted
+
+    def iterate(self, updates: jax.Array, residual: jax.Array, w: dict, edges: str,
+                edge_act: str, eps: float) -> jax.Array:
+        """r^l = r^{l-1} + W_up^l sum_j m_(i,j) for nodes x^{l-1} = r^{l-1} + x/K (eq. 7-11),
+        ``w`` the iteration's weights by name."""
+        return triton_dag_iteration(
+            updates, residual, w["ln_scale"], w["ln_bias"], w["w_down"],
+            dag_pair_weights(w["w_edge"], w["w_node"]), w["w_up"], eps=eps, edges=edges,
+            edge_act=edge_act, interpret=self.interpret)
+
+
 XLA = XLAExecution()
-DAG_EXECUTIONS = {ex.name: ex for ex in (XLA, XLARank3Execution(), CPUKernelExecution())}
+DAG_EXECUTIONS = {ex.name: ex for ex in (XLA, XLARank3Execution(), CPUKernelExecution(),
+                                         TritonExecution())}
 
 
 def dag_execution(name: str) -> XLAExecution:
-    """The strategy of a settled ``ExecutionConfig.dag_module`` (``'xla'``, ``'xla_rank3'``
-    or ``'fused'``)."""
+    """The strategy of a settled ``ExecutionConfig.dag_module`` (``'xla'``, ``'xla_rank3'``,
+    ``'fused'`` or ``'triton'``)."""
     if name not in DAG_EXECUTIONS:
         raise ValueError(f"ExecutionConfig.dag_module={name!r} is not settled to one of "
                          f"{sorted(DAG_EXECUTIONS)}: build the model with "

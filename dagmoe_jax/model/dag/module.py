@@ -148,6 +148,9 @@ class DAGAggregator(nnx.Module):
                        with_edges=record, ex=self.ex)
 
         def step(updates, w):                                                    # eq. 7-11
+            if self.ex.whole_iteration and not record:
+                return self.ex.iterate(updates, residual, w, self.edges, self.edge_act,
+                                       self.eps), {}
             nodes = updates + residual
             out = dag_node_update(nodes, **w, **options)
             update, edge = out if record else (out, None)

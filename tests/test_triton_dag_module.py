@@ -1,0 +1,171 @@
+"""The DAG iteration's Pallas Triton kernels (``ExecutionConfig.dag_module='triton'``,
+dagmoe_jax/kernels/triton_dag_module.py), run in Pallas's interpreter on this CPU: the
+iteration equals XLA's and the paper's NumPy transcription, values and every gradient; 'auto'
+settles to it on one sm80+ GPU only where it takes the shape. The kernels compiled by XLA:GPU
+for an A100 and an H100 are in tests/test_gpu_compile.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import tiny_config
+from dagmoe_jax.config import ExecutionConfig
+from dagmoe_jax.kernels.triton_dag_module import (DagTiles, triton_dag_iteration,
+                                                  triton_dag_unsupported)
+from dagmoe_jax.model.aggregation import weighted_sum
+from dagmoe_jax.model.dag import dag_iteration, dag_pair_weights
+from dagmoe_jax.model.dag.execution import TritonExecution
+from dagmoe_jax.model.settle import settle, settle_dag_module
+from dagmoe_jax.parallel.axes import MeshLayout
+from test_dag import (make_dag, np_dag_moe, random_inputs, random_lib_params, rel_err,
+                      to_paper_layout)
+
+EPS = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class InterpretedTriton(TritonExecution):
+    """The 'triton' strategy with its kernels in the Pallas interpreter."""
+
+    interpret = True
+
+
+def iteration_args(rng, t, k, d, g, dtype=jnp.float32):
+    """(updates [T, K, d], residual x/K [T, 1, d], ln_scale, ln_bias, w_down, w_edge, w_node,
+    w_up): a trained-looking iteration (W_up not zero, the LayerNorm not the identity)."""
+    def a(*shape, scale=1.0):
+        return jnp.asarray(rng.normal(size=shape) * scale, dtype)
+    return (a(t, k, d), a(t, 1, d), jnp.asarray(1 + 0.2 * rng.normal(size=d), jnp.float32),
+            jnp.asarray(0.2 * rng.normal(size=d), jnp.float32), a(d, g, scale=0.2),
+            a(2 * g, g, scale=0.2), a(2 * g, g, scale=0.2), a(g, d, scale=0.2))
+
+
+def xla_iteration(updates, residual, scale, bias, w_down, w_edge, w_node, w_up, edges, act):
+    """The carry's next value by XLA: r + (dag_iteration(r + x/K) - (r + x/K))."""
+    nodes = updates + residual
+    return updates + (dag_iteration(nodes, scale, bias, w_down, w_edge, w_node, w_up, act, EPS,
+                                    edges) - nodes)
+
+
+def kernel_iteration(updates, residual, scale, bias, w_down, w_edge, w_node, w_up, edges, act,
+                     tiles=None):
+    return triton_dag_iteration(updates, residual, scale, bias, w_down,
+                                dag_pair_weights(w_edge, w_node), w_up, eps=EPS, edges=edges,
+                                edge_act=act, tiles=tiles, interpret=True)
+
+
+def values_and_grads(fn, args, cotangent):
+    out, vjp = jax.vjp(fn, *args)
+    return out, vjp(cotangent)
+
+
+@pytest.mark.parametrize("edges,act,k", [("all", "silu", 4), ("ranked", "sigmoid", 4),
+                                         ("self", "silu", 2)])
+def test_the_kernels_equal_xla_values_and_every_gradient(edges, act, k):
+    """T = 13 tokens (not a whole number of tiles: padded), float32: forward and the gradients
+    of the carry, the residual and all six weights within float32 rounding."""
+    rng = np.random.default_rng(len(edges) + k)
+    args = iteration_args(rng, 13, k, 64, 16)
+    ct = jnp.asarray(rng.normal(size=args[0].shape), jnp.float32)
+    want, want_grads = values_and_grads(lambda *a: xla_iteration(*a, edges, act), args, ct)
+    got, got_grads = values_and_grads(lambda *a: kernel_iteration(*a, edges, act), args, ct)
+    assert rel_err(got, want) < 1e-6
+    # the iteration really moves the nodes (eq. 7-11 is exercised, not only the carry)
+    assert rel_err(args[0], want) > 0.1
+    names = ("updates", "residual", "ln_scale", "ln_bias", "w_down", "w_edge", "w_node", "w_up")
+    for name, a, b in zip(names, got_grads, want_grads):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert rel_err(a, b) < 1e-5, name
+
+
+def test_bfloat16_rounds_where_xla_rounds():
+    """In bfloat16 the kernels round at XLA's points (the LayerNorm's output, each projection,
+    the messages, the update): both sit within bfloat16 rounding of the float32 iteration,
+    and of each other; several tiles of 16 rows, a 32-wide column chunk."""
+    rng = np.random.default_rng(5)
+    args32 = iteration_args(rng, 40, 4, 64, 32)
+    args = tuple(a.astype(jnp.bfloat16) if a.ndim != 1 else a for a in args32)
+    ct = jnp.asarray(rng.normal(size=args[0].shape), jnp.bfloat16)
+    exact, exact_grads = values_and_grads(lambda *a: xla_iteration(*a, "all", "silu"), args32,
+                                          ct.astype(jnp.float32))
+    want, want_grads = values_and_grads(lambda *a: xla_iteration(*a, "all", "silu"), args, ct)
+    got, got_grads = values_and_grads(
+        lambda *a: kernel_iteration(*a, "all", "silu", tiles=DagTiles(rows=16, chunk=32)),
+        args, ct)
+    assert got.dtype == jnp.bfloat16
+    assert rel_err(got, exact) < 1e-2 and rel_err(want, exact) < 1e-2
+    assert rel_err(got, want) < 1e-2
+    for a, b, c in zip(got_grads, want_grads, exact_grads):
+        assert rel_err(a, c) < 3e-2 and rel_err(a, b) < 3e-2
+
+
+@pytest.mark.parametrize("edges,shared", [("all", False), ("ranked", True)])
+def test_the_module_run_by_the_kernels_matches_the_papers_transcription(edges, shared):
+    """DAGAggregator with the 'triton' strategy (interpreted), L = 2: eq. 6-12 against the
+    NumPy transcription of the paper; at W_up = 0 it is the weighted sum (eq. 1)."""
+    rng = np.random.default_rng(3)
+    x, gates, expert_out = random_inputs(rng, k=4)
+    params = random_lib_params(rng, 2)
+    if shared:
+        params = {name: np.broadcast_to(v[:1], v.shape).copy() for name, v in params.items()}
+    expected = np_dag_moe(x, gates, expert_out, to_paper_layout(params), "silu", edges=edges)
+    module = make_dag(2, "silu", params, edges=edges, mode="xla")
+    module.ex = InterpretedTriton()
+    got = module(jnp.asarray(x), jnp.asarray(gates), jnp.asarray(expert_out))[0]
+    assert rel_err(got, expected) < 1e-5
+
+    zero = dict(params, w_up=np.zeros_like(params["w_up"]))
+    module = make_dag(2, "silu", zero, edges=edges, mode="xla")
+    module.ex = InterpretedTriton()
+    got = module(jnp.asarray(x), jnp.asarray(gates), jnp.asarray(expert_out))[0]
+    np.testing.assert_allclose(got, weighted_sum(jnp.asarray(gates), jnp.asarray(expert_out)),
+                               rtol=1e-6, atol=1e-6)
+
+
+def dag_config(**aggregation):
+    return tiny_config("moe", "dag", d_model=64, compute_dtype="bfloat16",
+                       aggregation={"dag_dim": 32, **aggregation}, router=dict(top_k=4))
+
+
+def test_auto_settles_to_the_kernels_on_one_ampere_or_newer_gpu():
+    cfg, bf16 = dag_config(), jnp.bfloat16
+    layout = MeshLayout(jax.sharding.AbstractMesh((2,), ("data",)))
+    for capability in ((8, 0), (9, 0)):
+        assert settle_dag_module("auto", cfg, "gpu", bf16, None, capability) == "triton"
+    assert settle_dag_module("auto", cfg, "gpu", bf16, None, (7, 5)) == "xla"
+    assert settle_dag_module("auto", cfg, "gpu", bf16, None, None) == "xla"
+    assert settle_dag_module("auto", cfg, "gpu", bf16, layout, (9, 0)) == "xla"
+    assert settle_dag_module("auto", cfg, "tpu", bf16, None, None) == "xla_rank3"
+    odd = dag_config(dag_dim=48)
+    assert settle_dag_module("auto", odd, "gpu", bf16, None, (9, 0)) == "xla"
+    assert "d_g a power of two" in triton_dag_unsupported(64, 48, 4, bf16)
+    assert "K (top_k) a power of two" in triton_dag_unsupported(64, 32, 6, bf16)
+    assert triton_dag_unsupported(64, 32, 4, bf16) is None
+    # a model with no DAG module keeps 'xla' (what it settles to is never used)
+    plain = tiny_config("moe", "sum", compute_dtype="bfloat16")
+    assert settle(plain, ExecutionConfig(), backend="gpu").dag_module == "xla"
+
+
+def test_an_explicit_triton_it_cannot_run_is_one_line():
+    bf16 = jnp.bfloat16
+    layout = MeshLayout(jax.sharding.AbstractMesh((2,), ("data",)))
+    with pytest.raises(ValueError, match=r"^ExecutionConfig.dag_module='triton' runs on a single "
+                                         r"device only; use 'auto' or 'xla' under a device mesh$"):
+        settle_dag_module("triton", dag_config(), "gpu", bf16, layout, (9, 0))
+    with pytest.raises(ValueError, match=r"^ExecutionConfig.dag_module='triton': the Triton DAG "
+                                         r"kernels need d_g a power of two >= 16 \(got 48\)"):
+        settle_dag_module("triton", dag_config(dag_dim=48), "gpu", bf16, None, (9, 0))
+    with pytest.raises(ValueError, match="use ExecutionConfig.dag_module='xla'$"):
+        kernel_iteration(*iteration_args(np.random.default_rng(0), 4, 3, 64, 16), "all", "silu")
+
+
+def test_the_strategy_is_registered():
+    module = make_dag(2, "silu", mode="triton")
+    assert module.ex.name == "triton" and module.ex.whole_iteration
+    assert nnx.graphdef(nnx.clone(module)) == nnx.graphdef(module)

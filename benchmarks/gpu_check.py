@@ -1,4 +1,4 @@
-"""The GPU grouped matmuls on the device, before anything else is timed: numerics, then tiles.
+"""The GPU kernels on the device, before anything else is timed: numerics, then tiles.
 
     python -m benchmarks.gpu_check               # on a GPU (about 2 minutes)
     python -m benchmarks.gpu_check --interpret   # on CPU: the numerics, in the kernels'
@@ -17,6 +17,12 @@
    weight gradient are timed (best of 5, each compiled first) beside ``ragged_dot``'s XLA
    lowering and the library's own table (:mod:`dagmoe_jax.kernels.gpu_grouped_matmul`); the
    fastest is printed with its TFLOP/s, to be written into that table.
+
+3. **The DAG module's Triton kernels** (``ExecutionConfig.dag_module='triton'``, sm80 and
+   newer): one iteration's forward and its gradients (the carry, the residual, the six
+   weights) in bfloat16 against XLA's iteration in float32 at the DAG-MoE-s and -l shapes
+   (16,384 tokens x K 4; d 512 x d_g 128, d 1,024 x d_g 256), the same tolerance; then the
+   forward + backward timed against XLA's bfloat16 iteration (best of 5).
 
 Every number also goes to JSON (``--json``; default ``$OUT/gpu_check.json`` where the
 environment sets ``OUT``, as the lent machine does, else runs/accelerator/gpu_check.json).
@@ -40,6 +46,8 @@ import numpy as np
 from dagmoe_jax.kernels import gpu_grouped_matmul as gpu
 from dagmoe_jax.kernels import mgpu_grouped_matmul as mgpu_lib
 from dagmoe_jax.kernels import triton_grouped_matmul as triton_lib
+from dagmoe_jax.kernels import triton_dag_module as dag_lib
+from dagmoe_jax.model.dag import dag_iteration
 from dagmoe_jax.model.settle import gpu_capability
 
 TOLERANCE = 3e-2
@@ -49,6 +57,11 @@ SHAPES = {"s": (65536, 512, 256, 32), "l": (65536, 1024, 512, 32)}
 INTERPRET_SHAPE = {"tiny": (512, 128, 128, 4)}
 PADDING = 128
 KERNELS = {"mgpu": gpu.mgpu_grouped_matmul, "triton": gpu.triton_grouped_matmul}
+
+
+DAG_SHAPES = {"s": (16384, 4, 512, 128), "l": (16384, 4, 1024, 256)}
+"""DAG module shape name -> (tokens T, nodes K, d_model, d_g)."""
+DAG_INTERPRET_SHAPE = {"tiny": (64, 4, 64, 16)}
 
 
 def skewed_sizes(rows: int, groups: int, padding: int) -> np.ndarray:
@@ -109,6 +122,58 @@ def numerics(name: str, shape, interpret: bool, seed: int = 0) -> dict:
     padded = float(jnp.max(jnp.abs(got[0][m - PADDING:].astype(jnp.float32))))
     return {"kernel": name, "shape": list(shape), "errors": errors, "padding_max": padded,
             "ok": all(v <= TOLERANCE for v in errors.values()) and padded == 0.0}
+
+
+def dag_operands(shape, seed: int):
+    """(updates, residual, ln_scale, ln_bias, w_down, w_pair, w_up) of one DAG iteration in
+    bfloat16 (the LayerNorm's parameters float32), weights scaled as a trained layer's."""
+    t, k, d, g = shape
+    key = jax.random.split(jax.random.key(seed), 7)
+    normal = lambda i, s, scale=1.0: (jax.random.normal(key[i], s) * scale)  # noqa: E731
+    return (normal(0, (t, k, d)).astype(jnp.bfloat16), normal(1, (t, 1, d)).astype(jnp.bfloat16),
+            1.0 + 0.1 * normal(2, (d,)), 0.1 * normal(3, (d,)),
+            normal(4, (d, g), d ** -0.5).astype(jnp.bfloat16),
+            normal(5, (g, 4 * g), g ** -0.5).astype(jnp.bfloat16),
+            normal(6, (g, d), g ** -0.5).astype(jnp.bfloat16))
+
+
+def xla_dag_iteration(updates, residual, scale, bias, w_down, w_pair, w_up, eps=1e-5):
+    """XLA's iteration on the carry (the 'xla' strategy's function)."""
+    g = w_down.shape[1]
+    w_edge = jnp.concatenate([w_pair[:, :g], w_pair[:, 2 * g:3 * g]])
+    w_node = jnp.concatenate([w_pair[:, g:2 * g], w_pair[:, 3 * g:]])
+    nodes = updates + residual
+    return updates + (dag_iteration(nodes, scale, bias, w_down, w_edge, w_node, w_up, "silu",
+                                    eps) - nodes)
+
+
+def dag_step(fn):
+    """The jitted forward and backward of an iteration ``fn`` (a summed loss's gradients)."""
+    return jax.jit(jax.value_and_grad(
+        lambda *a: jnp.sum(fn(*a).astype(jnp.float32) ** 2), argnums=tuple(range(7))))
+
+
+def dag_numerics(shape, interpret: bool) -> dict:
+    """The Triton iteration in bfloat16 against XLA's in float32: forward and gradients."""
+    args = dag_operands(shape, 0)
+    kernel = lambda *a: dag_lib.triton_dag_iteration(*a, eps=1e-5,  # noqa: E731
+                                                     interpret=interpret)
+    exact = tuple(a.astype(jnp.float32) for a in args)
+    got = (jax.jit(kernel)(*args), *dag_step(kernel)(*args)[1])
+    want = (jax.jit(xla_dag_iteration)(*exact), *dag_step(xla_dag_iteration)(*exact)[1])
+    parts = ("forward", "d_updates", "d_residual", "d_ln_scale", "d_ln_bias", "d_w_down",
+             "d_w_pair", "d_w_up")
+    errors = {part: relative_error(a, b) for part, a, b in zip(parts, got, want)}
+    return {"kernel": "triton dag", "shape": list(shape), "errors": errors,
+            "ok": all(v <= TOLERANCE for v in errors.values())}
+
+
+def dag_times(shape) -> dict:
+    """Forward + backward of one iteration: the Triton kernels against XLA's, bfloat16."""
+    args = dag_operands(shape, 1)
+    kernel = lambda *a: dag_lib.triton_dag_iteration(*a, eps=1e-5)  # noqa: E731
+    return {"shape": list(shape), "triton": best_time(dag_step(kernel), *args),
+            "xla": best_time(dag_step(xla_dag_iteration), *args)}
 
 
 def best_time(fn, *args, repeats: int = 5) -> float:
@@ -239,6 +304,20 @@ def main(argv=None) -> int:
                                   for k, v in times.items())
                 rate = f"{row['flops'] / times[best] / 1e12:.0f} TFLOP/s" if best else "none ran"
                 print(f"  {name} {role} (ms): {shown}; best {best} ({rate})", flush=True)
+    if args.interpret or (gpu_capability(device) or (0, 0)) >= (8, 0):
+        for label, shape in (DAG_INTERPRET_SHAPE if args.interpret else DAG_SHAPES).items():
+            row = dag_numerics(shape, args.interpret)
+            report["numerics"].append(row)
+            failed |= not row["ok"]
+            print(f"  triton dag {label} {tuple(shape)}: " + ", ".join(
+                f"{k} {v:.2e}" for k, v in row["errors"].items())
+                + (": ok" if row["ok"] else ": FAILED"), flush=True)
+            if not args.interpret and not args.no_tune:
+                times = dag_times(shape)
+                report.setdefault("dag_times", []).append(times)
+                print(f"  DAG iteration {label}, forward + backward: triton "
+                      f"{times['triton'] * 1e3:.2f} ms, XLA {times['xla'] * 1e3:.2f} ms "
+                      f"({times['xla'] / times['triton']:.2f}x)", flush=True)
     path = Path(args.json or (Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT")
                               else "runs/accelerator/gpu_check.json"))
     path.parent.mkdir(parents=True, exist_ok=True)

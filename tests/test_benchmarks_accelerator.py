@@ -64,7 +64,7 @@ def test_the_accelerator_script_runs_at_micro_size(tmp_path, stdlib_corpus):
 def test_gpu_check_runs_in_the_interpreters(tmp_path):
     """benchmarks/gpu_check.py --interpret: the on-device numerics check, run by the kernels'
     interpreters on CPU at a tiny shape (the Mosaic GPU kernels where this jax interprets
-    their backward pass)."""
+    their backward pass), the DAG iteration's Triton kernels included."""
     out_json = tmp_path / "gpu_check.json"
     out = subprocess.run(benchmark_command("gpu_check", "--interpret", "--json", str(out_json)),
                          env=repository_importable(single_device_env()), text=True,
@@ -72,6 +72,7 @@ def test_gpu_check_runs_in_the_interpreters(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
     report = json.loads(out_json.read_text())
     checked = {r["kernel"]: r for r in report["numerics"]}
-    assert "triton" in checked and all(r["ok"] for r in checked.values())
+    assert {"triton", "triton dag"} <= set(checked) and all(r["ok"] for r in checked.values())
     assert all(0 < err < 3e-2 for r in checked.values() for err in r["errors"].values())
     assert "triton tiny (512, 128, 128, 4): forward" in out.stdout
+    assert "triton dag tiny (64, 4, 64, 16): forward" in out.stdout

@@ -21,7 +21,9 @@
   ``grouped_matmul='mgpu'``) and a Pallas Triton kernel of ours on Ampere and newer
   (:mod:`.triton_grouped_matmul`, ``'triton'``), each a custom VJP over forward, input and
   weight gradient (:mod:`.grouped_vjp`); both run in their interpreters on CPU, which is how
-  the tests check them. Attention on GPU is cuDNN's ('cudnn') or XLA's.
+  the tests check them; :mod:`.triton_dag_module`, a whole DAG iteration (eq. 7-11) as one
+  Pallas Triton kernel forward and one backward (``dag_module='triton'``, sm80+). Attention on
+  GPU is cuDNN's ('cudnn'), JAX's Triton flash kernel (:mod:`.gpu_attention`) or XLA's.
 """
 
 from dagmoe_jax.kernels.attention import (SUPPORTED_HEAD_DIMS, fused_attention_unavailable,

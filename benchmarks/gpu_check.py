@@ -19,10 +19,13 @@
    fastest is printed with its TFLOP/s, to be written into that table.
 
 3. **The DAG module's Triton kernels** (``ExecutionConfig.dag_module='triton'``, sm80 and
-   newer): one iteration's forward and its gradients (the carry, the residual, the six
-   weights) in bfloat16 against XLA's iteration in float32 at the DAG-MoE-s and -l shapes
-   (16,384 tokens x K 4; d 512 x d_g 128, d 1,024 x d_g 256), the same tolerance; then the
-   forward + backward timed against XLA's bfloat16 iteration (best of 5).
+   newer): one iteration's forward and its gradients (the carry, x, the six weights), and
+   the first-and-last kernels' (eq. 6's gates and expert outputs in, eq. 12's sum out), in
+   bfloat16 against XLA's iteration in float32 at the DAG-MoE-s and -l shapes (16,384
+   tokens x K 4; d 512 x d_g 128, d 1,024 x d_g 256), the same tolerance; then the
+   forward + backward timed against XLA's bfloat16 iteration (best of 5), with the library's
+   tiles (:func:`~dagmoe_jax.kernels.triton_dag_module.dag_tiles`) and eight others, the
+   fastest to be written into that function.
 
 Every number also goes to JSON (``--json``; default ``$OUT/gpu_check.json`` where the
 environment sets ``OUT``, as the lent machine does, else runs/accelerator/gpu_check.json).
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -124,27 +128,34 @@ def numerics(name: str, shape, interpret: bool, seed: int = 0) -> dict:
             "ok": all(v <= TOLERANCE for v in errors.values()) and padded == 0.0}
 
 
-def dag_operands(shape, seed: int):
-    """(updates, residual, ln_scale, ln_bias, w_down, w_pair, w_up) of one DAG iteration in
-    bfloat16 (the LayerNorm's parameters float32), weights scaled as a trained layer's."""
+def dag_operands(shape, seed: int, first: bool = False):
+    """(carry, x, ln_scale, ln_bias, w_down, w_pair, w_up) of one DAG iteration in bfloat16 (the
+    LayerNorm's parameters float32), weights scaled as a trained layer's; the carry r [T, K, d],
+    or with ``first`` eq. 6's (gates [T, K], expert outputs [T, K, d])."""
     t, k, d, g = shape
-    key = jax.random.split(jax.random.key(seed), 7)
+    key = jax.random.split(jax.random.key(seed), 8)
     normal = lambda i, s, scale=1.0: (jax.random.normal(key[i], s) * scale)  # noqa: E731
-    return (normal(0, (t, k, d)).astype(jnp.bfloat16), normal(1, (t, 1, d)).astype(jnp.bfloat16),
-            1.0 + 0.1 * normal(2, (d,)), 0.1 * normal(3, (d,)),
-            normal(4, (d, g), d ** -0.5).astype(jnp.bfloat16),
+    carry = normal(0, (t, k, d)).astype(jnp.bfloat16)
+    if first:
+        carry = (jax.nn.softmax(normal(7, (t, k))).astype(jnp.bfloat16), carry)
+    return (carry, normal(1, (t, d)).astype(jnp.bfloat16), 1.0 + 0.1 * normal(2, (d,)),
+            0.1 * normal(3, (d,)), normal(4, (d, g), d ** -0.5).astype(jnp.bfloat16),
             normal(5, (g, 4 * g), g ** -0.5).astype(jnp.bfloat16),
             normal(6, (g, d), g ** -0.5).astype(jnp.bfloat16))
 
 
-def xla_dag_iteration(updates, residual, scale, bias, w_down, w_pair, w_up, eps=1e-5):
-    """XLA's iteration on the carry (the 'xla' strategy's function)."""
+def xla_dag_iteration(carry, x, scale, bias, w_down, w_pair, w_up, last=False, eps=1e-5):
+    """XLA's iteration on the carry (the 'xla' strategy's function): eq. 6's nodes first when
+    ``carry`` is (gates, expert outputs), eq. 12's sum when ``last``."""
     g = w_down.shape[1]
     w_edge = jnp.concatenate([w_pair[:, :g], w_pair[:, 2 * g:3 * g]])
     w_node = jnp.concatenate([w_pair[:, g:2 * g], w_pair[:, 3 * g:]])
-    nodes = updates + residual
-    return updates + (dag_iteration(nodes, scale, bias, w_down, w_edge, w_node, w_up, "silu",
-                                    eps) - nodes)
+    if isinstance(carry, tuple):
+        carry = carry[0][..., None].astype(carry[1].dtype) * carry[1]
+    nodes = carry + (x / carry.shape[1])[:, None, :]
+    new = carry + (dag_iteration(nodes, scale, bias, w_down, w_edge, w_node, w_up, "silu",
+                                 eps) - nodes)
+    return jnp.sum(new, axis=1) if last else new
 
 
 def dag_step(fn):
@@ -153,27 +164,42 @@ def dag_step(fn):
         lambda *a: jnp.sum(fn(*a).astype(jnp.float32) ** 2), argnums=tuple(range(7))))
 
 
-def dag_numerics(shape, interpret: bool) -> dict:
-    """The Triton iteration in bfloat16 against XLA's in float32: forward and gradients."""
-    args = dag_operands(shape, 0)
-    kernel = lambda *a: dag_lib.triton_dag_iteration(*a, eps=1e-5,  # noqa: E731
-                                                     interpret=interpret)
-    exact = tuple(a.astype(jnp.float32) for a in args)
-    got = (jax.jit(kernel)(*args), *dag_step(kernel)(*args)[1])
-    want = (jax.jit(xla_dag_iteration)(*exact), *dag_step(xla_dag_iteration)(*exact)[1])
-    parts = ("forward", "d_updates", "d_residual", "d_ln_scale", "d_ln_bias", "d_w_down",
-             "d_w_pair", "d_w_up")
+def dag_numerics(shape, interpret: bool, first: bool = False) -> dict:
+    """The Triton iteration in bfloat16 against XLA's in float32: forward and gradients; with
+    ``first`` the kernels that build eq. 6's nodes and read eq. 12's sum out (L = 1)."""
+    args = dag_operands(shape, 0, first)
+    kernel = functools.partial(dag_lib.triton_dag_iteration, eps=1e-5, last=first,
+                               interpret=interpret)
+    exact = jax.tree.map(lambda a: a.astype(jnp.float32), args)
+    reference = functools.partial(xla_dag_iteration, last=first)
+    got = (jax.jit(kernel)(*args), *jax.tree.leaves(dag_step(kernel)(*args)[1]))
+    want = (jax.jit(reference)(*exact), *jax.tree.leaves(dag_step(reference)(*exact)[1]))
+    parts = (("forward",) + (("d_gates", "d_expert_out") if first else ("d_updates",))
+             + ("d_x", "d_ln_scale", "d_ln_bias", "d_w_down", "d_w_pair", "d_w_up"))
     errors = {part: relative_error(a, b) for part, a, b in zip(parts, got, want)}
-    return {"kernel": "triton dag", "shape": list(shape), "errors": errors,
-            "ok": all(v <= TOLERANCE for v in errors.values())}
+    return {"kernel": "triton dag first+last" if first else "triton dag", "shape": list(shape),
+            "errors": errors, "ok": all(v <= TOLERANCE for v in errors.values())}
 
 
 def dag_times(shape) -> dict:
-    """Forward + backward of one iteration: the Triton kernels against XLA's, bfloat16."""
+    """Forward + backward of one iteration, bfloat16: XLA's, and the Triton kernels with the
+    library's tiles (``table``) and a few others; the fastest named."""
     args = dag_operands(shape, 1)
-    kernel = lambda *a: dag_lib.triton_dag_iteration(*a, eps=1e-5)  # noqa: E731
-    return {"shape": list(shape), "triton": best_time(dag_step(kernel), *args),
-            "xla": best_time(dag_step(xla_dag_iteration), *args)}
+    times = {"xla": best_time(dag_step(xla_dag_iteration), *args)}
+    tiles = {"table": None, **{f"{rows}r c{chunk} w{warps}": dag_lib.DagTiles(rows, chunk, warps)
+                               for rows in (16, 32) for chunk in (32, 64)
+                               for warps in (4, 8)}}
+    for label, tile in tiles.items():
+        kernel = functools.partial(dag_lib.triton_dag_iteration, eps=1e-5, tiles=tile)
+        try:
+            times[label] = best_time(dag_step(kernel), *args)
+        except Exception as err:     # a tile that does not fit the registers, say
+            times[label] = str(err).splitlines()[0][:120] if str(err) else repr(err)
+    timed = {k: v for k, v in times.items() if isinstance(v, float) and k != "xla"}
+    best = min(timed, key=timed.get) if timed else None
+    return {"shape": list(shape), "times": times, "best": best,
+            "best_tiles": dataclasses.asdict(tiles[best]) if best not in (None, "table")
+            else best}
 
 
 def best_time(fn, *args, repeats: int = 5) -> float:
@@ -306,18 +332,23 @@ def main(argv=None) -> int:
                 print(f"  {name} {role} (ms): {shown}; best {best} ({rate})", flush=True)
     if args.interpret or (gpu_capability(device) or (0, 0)) >= (8, 0):
         for label, shape in (DAG_INTERPRET_SHAPE if args.interpret else DAG_SHAPES).items():
-            row = dag_numerics(shape, args.interpret)
-            report["numerics"].append(row)
-            failed |= not row["ok"]
-            print(f"  triton dag {label} {tuple(shape)}: " + ", ".join(
-                f"{k} {v:.2e}" for k, v in row["errors"].items())
-                + (": ok" if row["ok"] else ": FAILED"), flush=True)
+            for first in (False, True):
+                row = dag_numerics(shape, args.interpret, first)
+                report["numerics"].append(row)
+                failed |= not row["ok"]
+                print(f"  {row['kernel']} {label} {tuple(shape)}: " + ", ".join(
+                    f"{k} {v:.2e}" for k, v in row["errors"].items())
+                    + (": ok" if row["ok"] else ": FAILED"), flush=True)
             if not args.interpret and not args.no_tune:
                 times = dag_times(shape)
                 report.setdefault("dag_times", []).append(times)
-                print(f"  DAG iteration {label}, forward + backward: triton "
-                      f"{times['triton'] * 1e3:.2f} ms, XLA {times['xla'] * 1e3:.2f} ms "
-                      f"({times['xla'] / times['triton']:.2f}x)", flush=True)
+                shown = ", ".join(f"{k} {v * 1e3:.2f}" if isinstance(v, float) else f"{k} -"
+                                  for k, v in times["times"].items())
+                best = times["best"]
+                speed = (f"{times['times']['xla'] / times['times'][best]:.2f}x XLA's"
+                         if best else "none ran")
+                print(f"  DAG iteration {label}, forward + backward (ms): {shown}; best "
+                      f"{best} ({speed})", flush=True)
     path = Path(args.json or (Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT")
                               else "runs/accelerator/gpu_check.json"))
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -72,7 +72,9 @@ def test_gpu_check_runs_in_the_interpreters(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
     report = json.loads(out_json.read_text())
     checked = {r["kernel"]: r for r in report["numerics"]}
-    assert {"triton", "triton dag"} <= set(checked) and all(r["ok"] for r in checked.values())
+    assert {"triton", "triton dag", "triton dag first+last"} <= set(checked)
+    assert all(r["ok"] for r in checked.values())
     assert all(0 < err < 3e-2 for r in checked.values() for err in r["errors"].values())
     assert "triton tiny (512, 128, 128, 4): forward" in out.stdout
     assert "triton dag tiny (64, 4, 64, 16): forward" in out.stdout
+    assert "triton dag first+last tiny (64, 4, 64, 16): forward" in out.stdout

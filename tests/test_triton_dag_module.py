@@ -19,7 +19,7 @@ from dagmoe_jax.config import ExecutionConfig
 from dagmoe_jax.kernels.triton_dag_module import (DagTiles, triton_dag_iteration,
                                                   triton_dag_unsupported)
 from dagmoe_jax.model.aggregation import weighted_sum
-from dagmoe_jax.model.dag import dag_iteration, dag_pair_weights
+from dagmoe_jax.model.dag import dag_initial_nodes, dag_iteration, dag_pair_weights
 from dagmoe_jax.model.dag.execution import TritonExecution
 from dagmoe_jax.model.settle import settle, settle_dag_module
 from dagmoe_jax.parallel.axes import MeshLayout
@@ -36,52 +36,67 @@ class InterpretedTriton(TritonExecution):
     interpret = True
 
 
-def iteration_args(rng, t, k, d, g, dtype=jnp.float32):
-    """(updates [T, K, d], residual x/K [T, 1, d], ln_scale, ln_bias, w_down, w_edge, w_node,
-    w_up): a trained-looking iteration (W_up not zero, the LayerNorm not the identity)."""
+def iteration_args(rng, t, k, d, g, first=False, dtype=jnp.float32):
+    """(carry, x [T, d], ln_scale, ln_bias, w_down, w_edge, w_node, w_up): a trained-looking
+    iteration (W_up not zero, the LayerNorm not the identity); the carry r [T, K, d], or in
+    the first iteration (gates [T, K], expert outputs [T, K, d])."""
     def a(*shape, scale=1.0):
         return jnp.asarray(rng.normal(size=shape) * scale, dtype)
-    return (a(t, k, d), a(t, 1, d), jnp.asarray(1 + 0.2 * rng.normal(size=d), jnp.float32),
+    carry = ((jnp.asarray(rng.uniform(size=(t, k)), dtype), a(t, k, d)) if first
+             else a(t, k, d))
+    return (carry, a(t, d), jnp.asarray(1 + 0.2 * rng.normal(size=d), jnp.float32),
             jnp.asarray(0.2 * rng.normal(size=d), jnp.float32), a(d, g, scale=0.2),
             a(2 * g, g, scale=0.2), a(2 * g, g, scale=0.2), a(g, d, scale=0.2))
 
 
-def xla_iteration(updates, residual, scale, bias, w_down, w_edge, w_node, w_up, edges, act):
-    """The carry's next value by XLA: r + (dag_iteration(r + x/K) - (r + x/K))."""
-    nodes = updates + residual
-    return updates + (dag_iteration(nodes, scale, bias, w_down, w_edge, w_node, w_up, act, EPS,
-                                    edges) - nodes)
+def xla_iteration(carry, x, scale, bias, w_down, w_edge, w_node, w_up, edges, act,
+                  last=False):
+    """By XLA: r^l = r^{l-1} + (dag_iteration(x^{l-1}) - x^{l-1}) with x^{l-1} = r^{l-1} + x/K,
+    r^0 from eq. 6 when ``carry`` is (gates, expert outputs); summed over the nodes when
+    ``last``."""
+    if isinstance(carry, tuple):
+        carry, residual = dag_initial_nodes(x, *carry)
+    else:
+        residual = (x / carry.shape[1])[:, None, :]
+    nodes = carry + residual
+    new = carry + (dag_iteration(nodes, scale, bias, w_down, w_edge, w_node, w_up, act, EPS,
+                                 edges) - nodes)
+    return jnp.sum(new, axis=1) if last else new
 
 
-def kernel_iteration(updates, residual, scale, bias, w_down, w_edge, w_node, w_up, edges, act,
-                     tiles=None):
-    return triton_dag_iteration(updates, residual, scale, bias, w_down,
-                                dag_pair_weights(w_edge, w_node), w_up, eps=EPS, edges=edges,
-                                edge_act=act, tiles=tiles, interpret=True)
+def kernel_iteration(carry, x, scale, bias, w_down, w_edge, w_node, w_up, edges, act,
+                     last=False, tiles=None):
+    return triton_dag_iteration(carry, x, scale, bias, w_down, dag_pair_weights(w_edge, w_node),
+                                w_up, eps=EPS, edges=edges, edge_act=act, last=last,
+                                tiles=tiles, interpret=True)
 
 
 def values_and_grads(fn, args, cotangent):
     out, vjp = jax.vjp(fn, *args)
-    return out, vjp(cotangent)
+    return out, jax.tree.leaves(vjp(cotangent))
 
 
-@pytest.mark.parametrize("edges,act,k", [("all", "silu", 4), ("ranked", "sigmoid", 4),
-                                         ("self", "silu", 2)])
-def test_the_kernels_equal_xla_values_and_every_gradient(edges, act, k):
+@pytest.mark.parametrize("edges,act,k,first,last", [
+    ("all", "silu", 4, False, False), ("ranked", "sigmoid", 4, True, False),
+    ("self", "silu", 2, False, True), ("all", "sigmoid", 4, True, True)])
+def test_the_kernels_equal_xla_values_and_every_gradient(edges, act, k, first, last):
     """T = 13 tokens (not a whole number of tiles: padded), float32: forward and the gradients
-    of the carry, the residual and all six weights within float32 rounding."""
-    rng = np.random.default_rng(len(edges) + k)
-    args = iteration_args(rng, 13, k, 64, 16)
-    ct = jnp.asarray(rng.normal(size=args[0].shape), jnp.float32)
-    want, want_grads = values_and_grads(lambda *a: xla_iteration(*a, edges, act), args, ct)
-    got, got_grads = values_and_grads(lambda *a: kernel_iteration(*a, edges, act), args, ct)
-    assert rel_err(got, want) < 1e-6
+    of the carry (or of eq. 6's gates and expert outputs, ``first``), of x and of all six
+    weights within float32 rounding; ``last`` reads eq. 12's sum out."""
+    rng = np.random.default_rng(len(edges) + k + 2 * first + last)
+    args = iteration_args(rng, 13, k, 64, 16, first)
+    want = xla_iteration(*args, edges, act, last)
+    ct = jnp.asarray(rng.normal(size=want.shape), jnp.float32)
+    want, want_grads = values_and_grads(lambda *a: xla_iteration(*a, edges, act, last), args, ct)
+    got, got_grads = values_and_grads(lambda *a: kernel_iteration(*a, edges, act, last), args,
+                                      ct)
+    assert got.shape == want.shape and rel_err(got, want) < 1e-6
     # the iteration really moves the nodes (eq. 7-11 is exercised, not only the carry)
-    assert rel_err(args[0], want) > 0.1
-    names = ("updates", "residual", "ln_scale", "ln_bias", "w_down", "w_edge", "w_node", "w_up")
-    for name, a, b in zip(names, got_grads, want_grads):
-        assert a.shape == b.shape and a.dtype == b.dtype, name
-        assert rel_err(a, b) < 1e-5, name
+    assert rel_err(xla_iteration(*args[:-1], 0 * args[-1], edges, act, last), want) > 0.1
+    assert len(got_grads) == len(want_grads) == 8 + first
+    for i, (a, b) in enumerate(zip(got_grads, want_grads)):
+        assert a.shape == b.shape and a.dtype == b.dtype, i
+        assert rel_err(a, b) < 1e-5, i
 
 
 def test_bfloat16_rounds_where_xla_rounds():
@@ -105,27 +120,40 @@ def test_bfloat16_rounds_where_xla_rounds():
         assert rel_err(a, c) < 3e-2 and rel_err(a, b) < 3e-2
 
 
-@pytest.mark.parametrize("edges,shared", [("all", False), ("ranked", True)])
-def test_the_module_run_by_the_kernels_matches_the_papers_transcription(edges, shared):
-    """DAGAggregator with the 'triton' strategy (interpreted), L = 2: eq. 6-12 against the
-    NumPy transcription of the paper; at W_up = 0 it is the weighted sum (eq. 1)."""
-    rng = np.random.default_rng(3)
-    x, gates, expert_out = random_inputs(rng, k=4)
-    params = random_lib_params(rng, 2)
-    if shared:
-        params = {name: np.broadcast_to(v[:1], v.shape).copy() for name, v in params.items()}
-    expected = np_dag_moe(x, gates, expert_out, to_paper_layout(params), "silu", edges=edges)
-    module = make_dag(2, "silu", params, edges=edges, mode="xla")
-    module.ex = InterpretedTriton()
-    got = module(jnp.asarray(x), jnp.asarray(gates), jnp.asarray(expert_out))[0]
-    assert rel_err(got, expected) < 1e-5
+@pytest.mark.parametrize("iters,edges,reading", [(1, "all", "once"), (2, "ranked", "literal"),
+                                                 (3, "all", "once")])
+def test_the_module_run_by_the_kernels_matches_the_papers_transcription(iters, edges, reading):
+    """DAGAggregator with the 'triton' strategy (interpreted): eq. 6-12 against the NumPy
+    transcription of the paper at L = 1 (one kernel both first and last), 2 and 3 (the middle
+    iteration scanned); its gradients equal the 'xla' strategy's; at W_up = 0 it is the
+    weighted sum (eq. 1)."""
+    rng = np.random.default_rng(3 + iters)
+    x, gates, expert_out = (jnp.asarray(a) for a in random_inputs(rng, k=4))
+    params = random_lib_params(rng, iters)
+    expected = np_dag_moe(np.asarray(x), np.asarray(gates), np.asarray(expert_out),
+                          to_paper_layout(params), "silu", edges=edges, reading=reading)
+
+    def build(params, mode):
+        module = make_dag(iters, "silu", params, edges=edges, reading=reading, mode="xla")
+        module.ex = InterpretedTriton() if mode == "triton" else module.ex
+        return module
+
+    module = build(params, "triton")
+    assert rel_err(module(x, gates, expert_out)[0], expected) < 1e-5
+
+    def loss(module, x, gates, expert_out):
+        return jnp.sum(jnp.sin(module(x, gates, expert_out)[0]))
+
+    grads = {mode: nnx.grad(loss, argnums=(0, 1, 2, 3))(build(params, mode), x, gates,
+                                                        expert_out)
+             for mode in ("xla", "triton")}
+    for a, b in zip(jax.tree.leaves(grads["triton"]), jax.tree.leaves(grads["xla"])):
+        assert a.shape == b.shape and rel_err(a, b) < 1e-5
 
     zero = dict(params, w_up=np.zeros_like(params["w_up"]))
-    module = make_dag(2, "silu", zero, edges=edges, mode="xla")
-    module.ex = InterpretedTriton()
-    got = module(jnp.asarray(x), jnp.asarray(gates), jnp.asarray(expert_out))[0]
-    np.testing.assert_allclose(got, weighted_sum(jnp.asarray(gates), jnp.asarray(expert_out)),
-                               rtol=1e-6, atol=1e-6)
+    got = build(zero, "triton")(x, gates, expert_out)[0]
+    want = weighted_sum(gates, expert_out) + (x if reading == "literal" else 0)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 def dag_config(**aggregation):
@@ -167,5 +195,5 @@ def test_an_explicit_triton_it_cannot_run_is_one_line():
 
 def test_the_strategy_is_registered():
     module = make_dag(2, "silu", mode="triton")
-    assert module.ex.name == "triton" and module.ex.whole_iteration
+    assert module.ex.name == "triton" and module.ex.whole_module
     assert nnx.graphdef(nnx.clone(module)) == nnx.graphdef(module)

@@ -6,10 +6,10 @@ no execution flags.
 A strategy supplies the four operations of an iteration whose program depends on the machine:
 the node rows the LayerNorm takes, the LayerNorm (eq. 7), the projections (eq. 8, 9, 11) and
 the pair sum of eq. 10; and says whether the L-th iteration is computed together with the
-readout (eq. 12). A strategy that runs a whole iteration as one kernel supplies
-``iterate`` instead. Every strategy computes the same function (tests/test_dag.py runs each
-against the NumPy transcription of the paper; tests/test_triton_dag_module.py the Triton
-kernels, interpreted):
+readout (eq. 12). A strategy whose kernels run whole iterations supplies ``aggregate``, the
+module from eq. 6 to eq. 12, instead. Every strategy computes the same function
+(tests/test_dag.py runs each against the NumPy transcription of the paper;
+tests/test_triton_dag_module.py the Triton kernels, interpreted):
 
 =============  ===========================================================================
 ``xla``        XLA on the node rows as one [T*K, .] matrix: on CPU and GPU that reshape is
@@ -28,8 +28,9 @@ kernels, interpreted):
                benchmarks/RESULTS.md, so the XLA strategies keep one scan)
 ``triton``     each iteration, eq. 7-11 with the carry's update, as one Pallas Triton kernel
                forward and one backward (:mod:`dagmoe_jax.kernels.triton_dag_module`; NVIDIA
-               GPUs sm80+, one device): the nodes read once and written once, where XLA:GPU
-               runs some forty kernels an iteration, most of them passes over [T*K, d]
+               GPUs sm80+, one device), the first building eq. 6's nodes, the last reading
+               eq. 12's sum out: the nodes read once and written once an iteration, where
+               XLA:GPU runs some forty kernels, most of them passes over [T*K, d]
 =============  ===========================================================================
 """
 
@@ -54,7 +55,7 @@ class XLAExecution:
     # class (a module's static attribute, compared when nnx splits a cloned model)
     name = "xla"
     last_with_readout = False      # all L iterations in one scan
-    whole_iteration = False        # True: ``iterate`` runs eq. 7-11 as one kernel
+    whole_module = False           # True: ``aggregate`` runs eq. 6-12 by the kernels
 
     def rows(self, nodes: jax.Array) -> jax.Array:
         """The nodes [T, K, d] as the LayerNorm and the down-projection take them."""
@@ -111,21 +112,41 @@ class CPUKernelExecution(XLAExecution):
 
 @dataclasses.dataclass(frozen=True)
 class TritonExecution(XLAExecution):
-    """``dag_module='triton'``: each iteration as one Pallas Triton kernel (forward and
-    backward), :func:`~dagmoe_jax.kernels.triton_dag_module.triton_dag_iteration`."""
+    """``dag_module='triton'``: each iteration one Pallas Triton kernel forward and one
+    backward (:func:`~dagmoe_jax.kernels.triton_dag_module.triton_dag_iteration`), the first
+    building eq. 6's nodes and the last reading eq. 12's sum out; iterations 2 .. L-1 scanned."""
 
     name = "triton"
-    whole_iteration = True
+    whole_module = True
     interpret = False              # the tests' subclass runs the kernels interpreted
 
-    def iterate(self, updates: jax.Array, residual: jax.Array, w: dict, edges: str,
-                edge_act: str, eps: float) -> jax.Array:
-        """r^l = r^{l-1} + W_up^l sum_j m_(i,j) for nodes x^{l-1} = r^{l-1} + x/K (eq. 7-11),
-        ``w`` the iteration's weights by name."""
-        return triton_dag_iteration(
-            updates, residual, w["ln_scale"], w["ln_bias"], w["w_down"],
-            dag_pair_weights(w["w_edge"], w["w_node"]), w["w_up"], eps=eps, edges=edges,
-            edge_act=edge_act, interpret=self.interpret)
+    def aggregate(self, x: jax.Array, gates: jax.Array, expert_out: jax.Array, weights: dict,
+                  num_iters: int, shared: bool, edges: str, edge_act: str,
+                  eps: float) -> jax.Array:
+        """sum_i r_i^L [T, d] for the block's input ``x`` [T, d], ``gates`` [T, K] and the
+        experts' outputs [T, K, d] (eq. 6-12 but the residual's count,
+        :func:`~dagmoe_jax.model.dag.equations.dag_block_output`); ``weights`` by name,
+        stacked [L, ...] unless ``shared``."""
+        x = x.astype(expert_out.dtype)
+
+        def iteration(carry, w, last: bool):
+            return triton_dag_iteration(
+                carry, x, w["ln_scale"], w["ln_bias"], w["w_down"],
+                dag_pair_weights(w["w_edge"], w["w_node"]), w["w_up"], eps=eps, edges=edges,
+                edge_act=edge_act, last=last, interpret=self.interpret)
+
+        def at(l):
+            return weights if shared else {n: w[l] for n, w in weights.items()}
+
+        if num_iters == 1:
+            return iteration((gates, expert_out), at(0), True)
+        carry = iteration((gates, expert_out), at(0), False)                    # eq. 6-11
+        if num_iters > 2:
+            middle = None if shared else {n: w[1:-1] for n, w in weights.items()}
+            carry, _ = jax.lax.scan(
+                lambda c, w: (iteration(c, weights if shared else w, False), None), carry,
+                middle, length=num_iters - 2)
+        return iteration(carry, at(num_iters - 1), True)                         # eq. 7-12
 
 
 XLA = XLAExecution()

@@ -102,7 +102,9 @@ class DAGAggregator(nnx.Module):
     The L iterations are a scanned loop (``nnx.scan``, unrolled) over the iteration modules;
     a strategy that computes the L-th with the readout (the CPU kernels') scans iterations
     1 .. L-1 over the stacked weights and gives the L-th to :func:`dag_summed_update`, which
-    needs only the nodes' sum: W_up once on the summed messages.
+    needs only the nodes' sum: W_up once on the summed messages. A strategy whose kernels run
+    whole iterations (the GPU's 'triton') runs eq. 6-12 itself (``aggregate``), its first
+    kernel building the nodes and its last reading them out.
 
     The nodes are carried as x_i^l = r_i^l + x / K: the scan's carry is the updates r_i^l
     (r_i^0 = g_i E_i(x), eq. 6's expert term) and each iteration sees the whole node, so every
@@ -142,15 +144,17 @@ class DAGAggregator(nnx.Module):
             return self._aggregate(x, gates, expert_out)
 
     def _aggregate(self, x, gates, expert_out):
-        updates, residual = dag_initial_nodes(x, gates, expert_out)              # eq. 6
         record = self.record_intermediates
+        if self.ex.whole_module and not record:      # the kernels run eq. 6-12
+            summed = self.ex.aggregate(x, gates, expert_out, self.iterations.weights(),
+                                       self.num_iters, self.shared, self.edges,
+                                       self.edge_act, self.eps)
+            return dag_block_output(summed, x.astype(expert_out.dtype), self.reading), {}
+        updates, residual = dag_initial_nodes(x, gates, expert_out)              # eq. 6
         options = dict(edge_act=self.edge_act, eps=self.eps, edges=self.edges,
                        with_edges=record, ex=self.ex)
 
         def step(updates, w):                                                    # eq. 7-11
-            if self.ex.whole_iteration and not record:
-                return self.ex.iterate(updates, residual, w, self.edges, self.edge_act,
-                                       self.eps), {}
             nodes = updates + residual
             out = dag_node_update(nodes, **w, **options)
             update, edge = out if record else (out, None)

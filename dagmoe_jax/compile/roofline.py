@@ -67,6 +67,8 @@ from dagmoe_jax.compile.kernel_costs import (GPU_KERNEL_CALLS, KNOWN_TPU_KERNELS
                                              gpu_kernel_family,
                                              kernel_family, megablox_family, mosaic_flops)
 
+FUSIONS = ("fusion", "fusion-start")
+"""A fused computation run in place or asynchronously (its ``-done`` is free)."""
 COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute",
                "ragged-all-to-all")
 
@@ -268,7 +270,12 @@ class _Walker:
             return 2.0 * shape_bytes(shapes.get(ins.operands[1], ""))
         operands = [shape_bytes(shapes.get(o, "")) for o in ins.operands]
         result = shape_bytes(ins.shape)
-        if ins.op != "fusion":
+        if ins.op == "fusion-start":
+            # an asynchronous fusion (jax 0.11's XLA:GPU): shape ((operands...), result,
+            # context), the operands aliased and the context a scalar
+            arrays = ARRAY.findall(ins.shape)[len(ins.operands):-1]
+            result = sum(shape_bytes(f"{dtype}[{dims}]") for dtype, dims in arrays)
+        if ins.op not in FUSIONS:
             return sum(operands) + result
         reads, writes = self.fusion_io(self.called(ins, "calls"))
         for n, nbytes in reads.items():
@@ -312,7 +319,7 @@ class _Walker:
     def _compute(self, ins: Instruction, shapes, times: float, cost: Cost) -> None:
         nbytes = self.moved_bytes(ins, shapes)
         flops = 0.0
-        if ins.op == "fusion":
+        if ins.op in FUSIONS:
             flops = self.fused_flops(self.called(ins, "calls"))
         elif ins.op in ("dot", "convolution"):
             flops = dot_flops(ins, shapes)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from dagmoe_jax.compile.chips import Chip
-from dagmoe_jax.compile.roofline import Cost, _Walker
+from dagmoe_jax.compile.roofline import FUSIONS, Cost, _Walker
 from dagmoe_jax.compile.hlo import parse_module
 
 DAG_MODULE = "dag_module"
@@ -47,7 +47,8 @@ class _ScopeWalker(_Walker):
     def _in_scope(self, ins) -> bool:
         if self.scope in ins.attrs:
             return True
-        fused = self.computations.get(self.called(ins, "calls"), []) if ins.op == "fusion" else []
+        fused = (self.computations.get(self.called(ins, "calls"), []) if ins.op in FUSIONS
+                 else [])
         return any(self.scope in inner.attrs for inner in fused)
 
     def _compute(self, ins, shapes, times: float, cost: Cost) -> None:

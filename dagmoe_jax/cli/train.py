@@ -106,7 +106,7 @@ def _main(args, signals: dict) -> int:
             overrides = eval_data_overrides(args.user_bindings)
             evaluate_checkpoint(args.run_dir, eval_source=args.eval_source,
                                 eval_split=args.eval_split, eval_batches_limit=args.eval_batches,
-                                data_overrides=overrides)
+                                data_overrides=overrides, log=print)
             return 0
         files = args.gin_file or [DEFAULT_GIN]
         model_cfg, data_cfg, optim_cfg, train_cfg = load_configs(files, args.bindings)

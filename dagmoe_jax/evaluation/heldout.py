@@ -119,9 +119,11 @@ def eval_data_overrides(bindings: Iterable[str]) -> Dict[str, object]:
 
 def evaluate_checkpoint(run_dir: str | Path, *, eval_source: str = "", eval_split: str = "",
                         eval_batches_limit: int = 0, data_overrides: Optional[dict] = None,
-                        log: Callable[[str], None] = print) -> Dict[str, float]:
-    """Load the newest checkpoint of ``run_dir`` (or ``hf:FOLDER``) and report held-out loss / perplexity on
-    ``eval_source`` (a DataConfig source spec; empty = the run's own held-out split).
+                        log: Callable[[str], None] = lambda _message: None
+                        ) -> Dict[str, float]:
+    """Load the newest checkpoint of ``run_dir`` (or ``hf:FOLDER``) and report held-out loss /
+    perplexity on ``eval_source`` (a DataConfig source spec; empty = the run's own held-out
+    split) to ``log`` (default: nothing; ``train.py --mode=eval`` prints).
     ``data_overrides``: other DataConfig changes for the evaluation (from
     :func:`eval_data_overrides`), applied before ``eval_source`` / ``eval_split``."""
     data_cfg = run_data_config(run_dir)

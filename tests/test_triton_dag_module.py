@@ -21,7 +21,7 @@ from dagmoe_jax.kernels.triton_dag_module import (DagTiles, triton_dag_iteration
 from dagmoe_jax.model.aggregation import weighted_sum
 from dagmoe_jax.model.dag import dag_initial_nodes, dag_iteration, dag_pair_weights
 from dagmoe_jax.model.dag.execution import TritonExecution
-from dagmoe_jax.model.settle import settle, settle_dag_module
+from dagmoe_jax.model.settle import describe, settle, settle_dag_module
 from dagmoe_jax.parallel.axes import MeshLayout
 from test_dag import (make_dag, np_dag_moe, random_inputs, random_lib_params, rel_err,
                       to_paper_layout)
@@ -178,6 +178,24 @@ def test_auto_settles_to_the_kernels_on_one_ampere_or_newer_gpu():
     # a model with no DAG module keeps 'xla' (what it settles to is never used)
     plain = tiny_config("moe", "sum", compute_dtype="bfloat16")
     assert settle(plain, ExecutionConfig(), backend="gpu").dag_module == "xla"
+
+
+def test_the_run_says_why_auto_is_not_the_kernels_on_a_gpu():
+    """The settled line names the reason an 'auto' DAG module on one GPU stayed XLA's."""
+    from types import SimpleNamespace
+    hopper = SimpleNamespace(platform="gpu", compute_capability="9.0")
+    volta = SimpleNamespace(platform="gpu", compute_capability="7.0")
+    odd, auto = dag_config(dag_dim=48), ExecutionConfig()
+    line = describe(odd, settle(odd, auto, backend="gpu", device=hopper), auto, "gpu",
+                    device=hopper)
+    assert "DAG module xla (the Triton DAG kernels need d_g a power of two >= 16 (got 48))" in line
+    cfg = dag_config()
+    assert "DAG module triton," in describe(cfg, settle(cfg, auto, backend="gpu", device=hopper),
+                                            auto, "gpu", device=hopper) + ","
+    line = describe(cfg, settle(cfg, auto, backend="gpu", device=volta), auto, "gpu",
+                    device=volta)
+    assert "DAG module xla (the Triton DAG kernels need compute capability 8.0 or newer (this " \
+           "GPU: 7.0))" in line
 
 
 def test_an_explicit_triton_it_cannot_run_is_one_line():

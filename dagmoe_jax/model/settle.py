@@ -296,7 +296,8 @@ def describe(cfg: ModelConfig, settled: ExecutionConfig,
     """One line for logs: how the model ``cfg`` runs (``settled``), why attention that was
     'auto' in ``requested`` fell back (to blockwise from the fused CPU kernel, to XLA from
     cuDNN), the grouped matmul of dropless dispatch (and on GPU why an 'auto' one fell back
-    to ``ragged_dot``; ``device`` as :func:`settle`'s) and how the DAG module runs."""
+    to ``ragged_dot``; ``device`` as :func:`settle`'s) and how the DAG module runs (on one GPU,
+    why an 'auto' one is not the Triton kernels')."""
     backend = backend or jax.default_backend()
     ex = settled
     attention = ex.attention
@@ -315,11 +316,25 @@ def describe(cfg: ModelConfig, settled: ExecutionConfig,
                                            grouped_matmul_width(cfg),
                                            jnp.dtype(cfg.compute_dtype))
         grouped += f" ({why})"
+    dag_module = ex.dag_module
+    dag = dag_aggregation_of(cfg.block)
+    if (dag is not None and backend == "gpu" and layout is None and dag_module == "xla"
+            and requested is not None and requested.dag_module == "auto"):
+        capability = gpu_capability(device)
+        if capability is None:
+            why = "the GPU's compute capability is unknown"
+        elif capability < (8, 0):
+            why = (f"the Triton DAG kernels need compute capability 8.0 or newer (this GPU: "
+                   f"{capability[0]}.{capability[1]})")
+        else:
+            why = triton_dag_unsupported(cfg.d_model, dag.dag_dim, router_of(cfg.block).top_k,
+                                         jnp.dtype(cfg.compute_dtype))
+        dag_module += f" ({why})" if why else ""
     return (f"attention {attention}, remat {ex.remat}, layers unrolled "
             f"{ex.scan_unroll}/{cfg.num_layers}, loss chunk {ex.loss_chunk} tokens, "
             f"projections {'fused' if ex.fuse_projections else 'separate'}{dispatch}"
             f"{', grouped matmul ' + grouped if dropless else ''}"
-            f"{', DAG module ' + ex.dag_module if dag_aggregation_of(cfg.block) else ''}"
+            f"{', DAG module ' + dag_module if dag is not None else ''}"
             f"{', expert-parallel over ' + str(dict(layout.axis_sizes)) if layout else ''}"
             f"{' by ' + ex.expert_exchange if layout and dropless else ''}"
             f"{_buffer(experts) if layout and dropless else ''}")

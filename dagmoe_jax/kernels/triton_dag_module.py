@@ -179,9 +179,10 @@ def triton_dag_iteration(carry, x: jax.Array, ln_scale, ln_bias, w_down, w_pair,
     reason = triton_dag_unsupported(d, w_down.shape[1], k, dtype)
     if reason is not None:
         raise ValueError(f"{reason}; use ExecutionConfig.dag_module='xla'")
-    spec = DagSpec(d=d, g=w_down.shape[1], k=k, tiles=tiles or dag_tiles(d, w_down.shape[1], k),
-                 dtype=jnp.dtype(dtype), eps=float(eps), edges=edges, edge_act=edge_act,
-                 first=first, last=last, interpret=interpret)
+    g = w_down.shape[1]
+    spec = DagSpec(d=d, g=g, k=k, tiles=tiles or dag_tiles(d, g, k), dtype=jnp.dtype(dtype),
+                   eps=float(eps), edges=edges, edge_act=edge_act, first=first, last=last,
+                   interpret=interpret)
     sources = (carry[0].astype(dtype), nodes) if first else (nodes,)
     return _iteration(spec)(*sources, x.astype(dtype), ln_scale.astype(F32),
                             ln_bias.astype(F32), w_down.astype(dtype), w_pair.astype(dtype),

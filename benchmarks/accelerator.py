@@ -11,18 +11,22 @@ What it measures, in bf16 compute with float32 master weights (configs/gpu.gin) 
 Llama-3 vocabulary (128,256), batch x sequence tokens per step (default 16 x 1024):
 
 0. on a GPU, ``benchmarks/gpu_check.py`` first (its own process): the grouped-matmul kernels'
-   numerics on the device against ``ragged_dot`` at a skewed routing, and their tiles timed;
+   numerics on the device against ``ragged_dot`` at a skewed routing, the DAG module's Triton
+   kernels' against XLA's iteration, and their tiles timed;
 1. the device and its datasheet bf16 peak, next to the bf16 matmul rate measured here;
 2. for MoE-s, MoE-s + shared expert (d_r matched to the DAG module, the paper's parity
    baseline), DAG-MoE-s L 2 (d_g 128) and the l model as MoE and DAG-MoE L 2 (d_g 256), all
    dropless with ``ExecutionConfig`` 'auto' (the GPU grouped matmuls), and MoE-s and MoE-l
-   with ``dispatch='capacity'`` (factor 1.25: drops tokens, the speed to beat): the best step
+   with ``dispatch='capacity'`` (factor 1.25: drops tokens, the speed to beat), and
+   DAG-MoE-s L 2 again with XLA's DAG module ('dag-s L2 xla': the kernels measured against
+   what they replace): the best step
    time of a full AdamW training step, tokens/s, model FLOP/s
    (:mod:`dagmoe_jax.model.accounting`), MFU against the datasheet peak and against the measured
    matmul rate, peak device memory, and beside each the step the library's roofline estimates
    from the same compiled program (:mod:`dagmoe_jax.compile.roofline`, the card's datasheet).
    Each variant runs in its own process, so its peak memory is its own;
-3. DAG-MoE-s L 2 / MoE-s + shared step ratio (the DAG-MoE paper: +4.49% at L 2 on an A100);
+3. DAG-MoE-s L 2 / MoE-s + shared step ratio (the DAG-MoE paper: +4.49% at L 2 on an A100),
+   and DAG-MoE-s L 2's step with the DAG kernels over its step with XLA's module;
 4. with the time left, a short quality run: MoE, MoE + shared and DAG-MoE L 2 (d_g 128) of
    the s shape trained on the same tokens (600 steps x 32 x 512, 9.8M) of an offline corpus
    (this Python's standard-library docstrings, built where the script runs; nothing
@@ -58,6 +62,7 @@ VARIANTS = {
     "moe-s": ("models/s.gin", "variants/moe.gin"),
     "moe+shared-s": ("models/s.gin", "variants/moe_shared_g128_l2.gin"),
     "dag-s L2": ("models/s.gin", "variants/dag_g128_l2.gin"),
+    "dag-s L2 xla": ("models/s.gin", "variants/dag_g128_l2.gin"),
     "moe-l": ("models/l.gin", "variants/moe.gin"),
     "dag-l L2": ("models/l.gin", "variants/dag_g256_l2.gin"),
     "moe-s cap": ("models/s.gin", "variants/moe.gin"),
@@ -65,6 +70,9 @@ VARIANTS = {
 }
 CAPACITY = ("ExpertConfig.dispatch = 'capacity'", "ExpertConfig.capacity_factor = 1.25")
 """The bindings of the '... cap' variants: capacity dispatch, the speed dropless must match."""
+XLA_MODULE = ("ExecutionConfig.dag_module = 'xla'",)
+"""The binding of the '... xla' variant: XLA's DAG module beside the kernels 'auto' settles to
+on a GPU (kernels/triton_dag_module.py), measured side by side."""
 RATIO = ("dag-s L2", "moe+shared-s")
 DEVICE = "device"                             # the child that reads the device and its matmul rate
 PAPER_RATIO_L2 = 1.0449                       # DAG-MoE summary: +4.49% wall clock at L 2, A100
@@ -103,7 +111,8 @@ def variant_config(name: str, vocab: int, micro: bool):
     model, variant = VARIANTS[name]
     files = [model, variant, "gpu.gin"]
     bindings = [f"ModelConfig.vocab_size = {vocab}", *(MICRO_BINDINGS if micro else ()),
-                *(CAPACITY if name.endswith(" cap") else ())]
+                *(CAPACITY if name.endswith(" cap") else ()),
+                *(XLA_MODULE if name.endswith(" xla") else ())]
     return load_model_config(files, bindings), load_execution_config(files, bindings)
 
 
@@ -137,6 +146,7 @@ def measure_one(name: str, vocab: int, batch: int, seq: int, steps: int, micro: 
     tokens = batch * seq
     return {"variant": name, "params": acc.total_params, "active_params": acc.total_active_params,
             "grouped_matmul": model.execution.grouped_matmul,
+            "dag_module": model.execution.dag_module,
             "s_per_step": t, "tokens_per_s": tokens / t,
             "model_flops_per_s": acc.train_flops_per_token * tokens / t,
             "peak_memory_bytes": peak_memory(), **estimated_step(step, model, optimizer, data)}
@@ -305,6 +315,12 @@ def main(argv=None) -> int:
         report["dag_over_shared_step_ratio"] = ratio
         print(f"\n{RATIO[0]} / {RATIO[1]} step time: {ratio:.4f}x "
               f"(the paper: {PAPER_RATIO_L2:.4f}x at L 2 on an A100)")
+    kernels, xla = by_name.get("dag-s L2"), by_name.get("dag-s L2 xla")
+    if kernels and xla and kernels["dag_module"] != xla["dag_module"]:
+        ratio = kernels["s_per_step"] / xla["s_per_step"]
+        report["dag_module_step_ratio"] = ratio
+        print(f"dag-s L2 with the DAG module {kernels['dag_module']!r} / with XLA's: "
+              f"{ratio:.4f}x step time")
     left = args.budget_s - (time.monotonic() - start)
     if args.quality_steps and left > 30:
         print(f"\nquality run ({left:.0f} s left): {', '.join(QUALITY_VARIANTS)}, up to "

@@ -4,6 +4,7 @@ table, the DAG / shared ratio from the measured times, the quality run and the J
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 
@@ -21,6 +22,15 @@ def test_datasheet_peaks_match_device_kinds():
     assert datasheet_peak("NVIDIA A100-SXM4-40GB") == 312e12
     assert datasheet_peak("TPU v5 lite") == 197e12
     assert datasheet_peak("cpu") is None
+
+
+def test_the_xla_variant_binds_xlas_dag_module():
+    """'dag-s L2 xla' is 'dag-s L2' with XLA's DAG module, the kernels' side-by-side check."""
+    from benchmarks.accelerator import variant_config
+    cfg, execution = variant_config("dag-s L2 xla", 512, micro=True)
+    assert execution.dag_module == "xla"
+    assert variant_config("dag-s L2", 512, micro=True) == (cfg, dataclasses.replace(
+        execution, dag_module="auto"))
 
 
 def test_the_accelerator_script_runs_at_micro_size(tmp_path, stdlib_corpus):

@@ -179,31 +179,47 @@ def settle_expert_exchange(name: str, backend: str) -> str:
     return "all_gather" if backend == "cpu" else "ragged_all_to_all"
 
 
+def _triton_dag_reason(cfg: ModelConfig, dtype) -> Optional[str]:
+    """Why the Triton DAG kernels cannot take ``cfg``'s DAG module (None when they can)."""
+    dag = dag_aggregation_of(cfg.block)
+    return triton_dag_unsupported(cfg.d_model, dag.dag_dim, router_of(cfg.block).top_k, dtype)
+
+
+def settle_gpu_dag_module(capability: Optional[tuple], cfg: ModelConfig, dtype) -> tuple:
+    """(implementation, why) of 'auto' for the DAG module of ``cfg`` on one NVIDIA GPU of
+    compute ``capability``: 'triton' on 8.0 and newer where the kernels take d_g, K and d;
+    else 'xla', ``why`` saying why."""
+    if capability is None:
+        return "xla", "the GPU's compute capability is unknown"
+    if capability < (8, 0):
+        return "xla", (f"the Triton DAG kernels need compute capability 8.0 or newer (this "
+                       f"GPU: {capability[0]}.{capability[1]})")
+    reason = _triton_dag_reason(cfg, dtype)
+    return ("xla", reason) if reason else ("triton", "")
+
+
 def settle_dag_module(name: str, cfg: ModelConfig, backend: str, dtype,
                       layout: Optional[MeshLayout], capability: Optional[tuple] = None) -> str:
     """'auto': 'fused' (the C++ kernels, built here on first use) on CPU for float32 on one
     device when the model has a DAG module of d and d_g multiples of 16, 'xla_rank3' on TPU
     (18% less HBM traffic in the compiled DAG-MoE-l step, benchmarks/RESULTS.md), 'triton'
-    on one GPU of compute ``capability`` 8.0 or newer where the kernels take the module
-    (a third of XLA's bytes in the compiled step, benchmarks/RESULTS.md), else 'xla'. An
+    on one GPU (:func:`settle_gpu_dag_module`: the module's compiled estimate 3.4x below
+    XLA's, benchmarks/RESULTS.md), else 'xla'. An
     explicit 'fused' or 'triton' under a multi-device mesh, or a 'triton' the kernels cannot
     take, is a one-line ``ValueError``."""
     if name in ("fused", "triton") and layout is not None:
         raise ValueError(f"ExecutionConfig.dag_module={name!r} runs on a single device only; "
                          "use 'auto' or 'xla' under a device mesh")
     dag = dag_aggregation_of(cfg.block)
-    reason = (triton_dag_unsupported(cfg.d_model, dag.dag_dim, router_of(cfg.block).top_k,
-                                     dtype) if dag is not None and name in ("auto", "triton")
-              else None)
-    if name == "triton" and reason is not None:
+    reason = _triton_dag_reason(cfg, dtype) if name == "triton" and dag is not None else None
+    if reason is not None:
         raise ValueError(f"ExecutionConfig.dag_module='triton': {reason}; use 'auto' or 'xla'")
     if name != "auto":
         return name
     if backend == "tpu" and dag is not None:
         return "xla_rank3"
-    if (backend == "gpu" and layout is None and dag is not None and reason is None
-            and capability is not None and capability >= (8, 0)):
-        return "triton"
+    if backend == "gpu" and layout is None and dag is not None:
+        return settle_gpu_dag_module(capability, cfg, dtype)[0]
     if backend != "cpu" or layout is not None or dag is None:
         return "xla"
     reason = dag_module_unavailable(cfg.d_model, dag.dag_dim, dtype, backend)
@@ -320,15 +336,8 @@ def describe(cfg: ModelConfig, settled: ExecutionConfig,
     dag = dag_aggregation_of(cfg.block)
     if (dag is not None and backend == "gpu" and layout is None and dag_module == "xla"
             and requested is not None and requested.dag_module == "auto"):
-        capability = gpu_capability(device)
-        if capability is None:
-            why = "the GPU's compute capability is unknown"
-        elif capability < (8, 0):
-            why = (f"the Triton DAG kernels need compute capability 8.0 or newer (this GPU: "
-                   f"{capability[0]}.{capability[1]})")
-        else:
-            why = triton_dag_unsupported(cfg.d_model, dag.dag_dim, router_of(cfg.block).top_k,
-                                         jnp.dtype(cfg.compute_dtype))
+        _, why = settle_gpu_dag_module(gpu_capability(device), cfg,
+                                       jnp.dtype(cfg.compute_dtype))
         dag_module += f" ({why})" if why else ""
     return (f"attention {attention}, remat {ex.remat}, layers unrolled "
             f"{ex.scan_unroll}/{cfg.num_layers}, loss chunk {ex.loss_chunk} tokens, "

@@ -51,7 +51,8 @@ from dagmoe_jax.kernels import gpu_grouped_matmul as gpu
 from dagmoe_jax.kernels import mgpu_grouped_matmul as mgpu_lib
 from dagmoe_jax.kernels import triton_grouped_matmul as triton_lib
 from dagmoe_jax.kernels import triton_dag_module as dag_lib
-from dagmoe_jax.model.dag import dag_iteration
+from dagmoe_jax.model.dag import (dag_initial_nodes, dag_node_update, dag_pair_weights,
+                                  dag_readout)
 from dagmoe_jax.model.settle import gpu_capability
 
 TOLERANCE = 3e-2
@@ -129,53 +130,64 @@ def numerics(name: str, shape, interpret: bool, seed: int = 0) -> dict:
 
 
 def dag_operands(shape, seed: int, first: bool = False):
-    """(carry, x, ln_scale, ln_bias, w_down, w_pair, w_up) of one DAG iteration in bfloat16 (the
-    LayerNorm's parameters float32), weights scaled as a trained layer's; the carry r [T, K, d],
-    or with ``first`` eq. 6's (gates [T, K], expert outputs [T, K, d])."""
+    """(carry, x, ln_scale, ln_bias, w_down, w_edge, w_node, w_up) of one DAG iteration in
+    bfloat16 (the LayerNorm's parameters float32), weights scaled as a trained layer's; the
+    carry r [T, K, d], or with ``first`` eq. 6's (gates [T, K], expert outputs [T, K, d])."""
     t, k, d, g = shape
-    key = jax.random.split(jax.random.key(seed), 8)
+    key = jax.random.split(jax.random.key(seed), 9)
     normal = lambda i, s, scale=1.0: (jax.random.normal(key[i], s) * scale)  # noqa: E731
     carry = normal(0, (t, k, d)).astype(jnp.bfloat16)
     if first:
-        carry = (jax.nn.softmax(normal(7, (t, k))).astype(jnp.bfloat16), carry)
+        carry = (jax.nn.softmax(normal(8, (t, k))).astype(jnp.bfloat16), carry)
     return (carry, normal(1, (t, d)).astype(jnp.bfloat16), 1.0 + 0.1 * normal(2, (d,)),
             0.1 * normal(3, (d,)), normal(4, (d, g), d ** -0.5).astype(jnp.bfloat16),
-            normal(5, (g, 4 * g), g ** -0.5).astype(jnp.bfloat16),
-            normal(6, (g, d), g ** -0.5).astype(jnp.bfloat16))
+            normal(5, (2 * g, g), g ** -0.5).astype(jnp.bfloat16),
+            normal(6, (2 * g, g), g ** -0.5).astype(jnp.bfloat16),
+            normal(7, (g, d), g ** -0.5).astype(jnp.bfloat16))
 
 
-def xla_dag_iteration(carry, x, scale, bias, w_down, w_pair, w_up, last=False, eps=1e-5):
-    """XLA's iteration on the carry (the 'xla' strategy's function): eq. 6's nodes first when
+def xla_dag_iteration(carry, x, ln_scale, ln_bias, w_down, w_edge, w_node, w_up, *,
+                      edges: str = "all", edge_act: str = "silu", last: bool = False,
+                      eps: float = 1e-5):
+    """The 'xla' strategy's iteration on the carry, the function the Triton kernels compute:
+    r^l = r^{l-1} + W_up sum_j m_(i,j) for the nodes r^{l-1} + x/K, r^0 from eq. 6 when
     ``carry`` is (gates, expert outputs), eq. 12's sum when ``last``."""
-    g = w_down.shape[1]
-    w_edge = jnp.concatenate([w_pair[:, :g], w_pair[:, 2 * g:3 * g]])
-    w_node = jnp.concatenate([w_pair[:, g:2 * g], w_pair[:, 3 * g:]])
     if isinstance(carry, tuple):
-        carry = carry[0][..., None].astype(carry[1].dtype) * carry[1]
-    nodes = carry + (x / carry.shape[1])[:, None, :]
-    new = carry + (dag_iteration(nodes, scale, bias, w_down, w_edge, w_node, w_up, "silu",
-                                 eps) - nodes)
-    return jnp.sum(new, axis=1) if last else new
+        carry, residual = dag_initial_nodes(x, *carry)
+    else:
+        residual = (x / carry.shape[1]).astype(carry.dtype)[:, None, :]
+    new = carry + dag_node_update(carry + residual, ln_scale, ln_bias, w_down, w_edge, w_node,
+                                  w_up, edge_act, eps, edges)
+    return dag_readout(new) if last else new
+
+
+def triton_dag_iteration(carry, x, ln_scale, ln_bias, w_down, w_edge, w_node, w_up, *,
+                         eps: float = 1e-5, **options):
+    """The Triton kernels' iteration with :func:`xla_dag_iteration`'s arguments (the pair
+    weights in :func:`~dagmoe_jax.model.dag.equations.dag_pair_weights`'s layout)."""
+    return dag_lib.triton_dag_iteration(carry, x, ln_scale, ln_bias, w_down,
+                                        dag_pair_weights(w_edge, w_node), w_up, eps=eps,
+                                        **options)
 
 
 def dag_step(fn):
     """The jitted forward and backward of an iteration ``fn`` (a summed loss's gradients)."""
     return jax.jit(jax.value_and_grad(
-        lambda *a: jnp.sum(fn(*a).astype(jnp.float32) ** 2), argnums=tuple(range(7))))
+        lambda *a: jnp.sum(fn(*a).astype(jnp.float32) ** 2), argnums=tuple(range(8))))
 
 
 def dag_numerics(shape, interpret: bool, first: bool = False) -> dict:
     """The Triton iteration in bfloat16 against XLA's in float32: forward and gradients; with
     ``first`` the kernels that build eq. 6's nodes and read eq. 12's sum out (L = 1)."""
     args = dag_operands(shape, 0, first)
-    kernel = functools.partial(dag_lib.triton_dag_iteration, eps=1e-5, last=first,
-                               interpret=interpret)
+    kernel = functools.partial(triton_dag_iteration, last=first, interpret=interpret)
     exact = jax.tree.map(lambda a: a.astype(jnp.float32), args)
     reference = functools.partial(xla_dag_iteration, last=first)
     got = (jax.jit(kernel)(*args), *jax.tree.leaves(dag_step(kernel)(*args)[1]))
     want = (jax.jit(reference)(*exact), *jax.tree.leaves(dag_step(reference)(*exact)[1]))
     parts = (("forward",) + (("d_gates", "d_expert_out") if first else ("d_updates",))
-             + ("d_x", "d_ln_scale", "d_ln_bias", "d_w_down", "d_w_pair", "d_w_up"))
+             + ("d_x", "d_ln_scale", "d_ln_bias", "d_w_down", "d_w_edge", "d_w_node",
+                "d_w_up"))
     errors = {part: relative_error(a, b) for part, a, b in zip(parts, got, want)}
     return {"kernel": "triton dag first+last" if first else "triton dag", "shape": list(shape),
             "errors": errors, "ok": all(v <= TOLERANCE for v in errors.values())}
@@ -189,7 +201,7 @@ def dag_times(shape) -> dict:
     tiles = {"table": None, **{f"{rows}r c64 w{warps}": dag_lib.DagTiles(rows, 64, warps)
                                for rows in (16, 32, 64) for warps in (4, 8)}}
     for label, tile in tiles.items():
-        kernel = functools.partial(dag_lib.triton_dag_iteration, eps=1e-5, tiles=tile)
+        kernel = functools.partial(triton_dag_iteration, tiles=tile)
         try:
             times[label] = best_time(dag_step(kernel), *args)
         except Exception as err:     # a tile that does not fit the registers, say

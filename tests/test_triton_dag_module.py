@@ -7,6 +7,7 @@ for an A100 and an H100 are in tests/test_gpu_compile.py."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,10 +17,9 @@ from flax import nnx
 
 from conftest import tiny_config
 from dagmoe_jax.config import ExecutionConfig
-from dagmoe_jax.kernels.triton_dag_module import (DagTiles, triton_dag_iteration,
-                                                  triton_dag_unsupported)
+from benchmarks.gpu_check import triton_dag_iteration, xla_dag_iteration
+from dagmoe_jax.kernels.triton_dag_module import DagTiles, triton_dag_unsupported
 from dagmoe_jax.model.aggregation import weighted_sum
-from dagmoe_jax.model.dag import dag_initial_nodes, dag_iteration, dag_pair_weights
 from dagmoe_jax.model.dag.execution import TritonExecution
 from dagmoe_jax.model.settle import describe, settle, settle_dag_module
 from dagmoe_jax.parallel.axes import MeshLayout
@@ -49,28 +49,6 @@ def iteration_args(rng, t, k, d, g, first=False, dtype=jnp.float32):
             a(2 * g, g, scale=0.2), a(2 * g, g, scale=0.2), a(g, d, scale=0.2))
 
 
-def xla_iteration(carry, x, scale, bias, w_down, w_edge, w_node, w_up, edges, act,
-                  last=False):
-    """By XLA: r^l = r^{l-1} + (dag_iteration(x^{l-1}) - x^{l-1}) with x^{l-1} = r^{l-1} + x/K,
-    r^0 from eq. 6 when ``carry`` is (gates, expert outputs); summed over the nodes when
-    ``last``."""
-    if isinstance(carry, tuple):
-        carry, residual = dag_initial_nodes(x, *carry)
-    else:
-        residual = (x / carry.shape[1])[:, None, :]
-    nodes = carry + residual
-    new = carry + (dag_iteration(nodes, scale, bias, w_down, w_edge, w_node, w_up, act, EPS,
-                                 edges) - nodes)
-    return jnp.sum(new, axis=1) if last else new
-
-
-def kernel_iteration(carry, x, scale, bias, w_down, w_edge, w_node, w_up, edges, act,
-                     last=False, tiles=None):
-    return triton_dag_iteration(carry, x, scale, bias, w_down, dag_pair_weights(w_edge, w_node),
-                                w_up, eps=EPS, edges=edges, edge_act=act, last=last,
-                                tiles=tiles, interpret=True)
-
-
 def values_and_grads(fn, args, cotangent):
     out, vjp = jax.vjp(fn, *args)
     return out, jax.tree.leaves(vjp(cotangent))
@@ -84,15 +62,17 @@ def test_the_kernels_equal_xla_values_and_every_gradient(edges, act, k, first, l
     of the carry (or of eq. 6's gates and expert outputs, ``first``), of x and of all six
     weights within float32 rounding; ``last`` reads eq. 12's sum out."""
     rng = np.random.default_rng(len(edges) + k + 2 * first + last)
-    args = iteration_args(rng, 13, k, 64, 16, first)
-    want = xla_iteration(*args, edges, act, last)
-    ct = jnp.asarray(rng.normal(size=want.shape), jnp.float32)
-    want, want_grads = values_and_grads(lambda *a: xla_iteration(*a, edges, act, last), args, ct)
-    got, got_grads = values_and_grads(lambda *a: kernel_iteration(*a, edges, act, last), args,
-                                      ct)
+    t, d = 13, 64
+    args = iteration_args(rng, t, k, d, 16, first)
+    options = dict(edges=edges, edge_act=act, last=last, eps=EPS)
+    ct = jnp.asarray(rng.normal(size=(t, d) if last else (t, k, d)), jnp.float32)
+    want, want_grads = values_and_grads(functools.partial(xla_dag_iteration, **options), args,
+                                        ct)
+    got, got_grads = values_and_grads(
+        functools.partial(triton_dag_iteration, **options, interpret=True), args, ct)
     assert got.shape == want.shape and rel_err(got, want) < 1e-6
     # the iteration really moves the nodes (eq. 7-11 is exercised, not only the carry)
-    assert rel_err(xla_iteration(*args[:-1], 0 * args[-1], edges, act, last), want) > 0.1
+    assert rel_err(xla_dag_iteration(*args[:-1], 0 * args[-1], **options), want) > 0.1
     assert len(got_grads) == len(want_grads) == 8 + first
     for i, (a, b) in enumerate(zip(got_grads, want_grads)):
         assert a.shape == b.shape and a.dtype == b.dtype, i
@@ -107,12 +87,10 @@ def test_bfloat16_rounds_where_xla_rounds():
     args32 = iteration_args(rng, 40, 4, 64, 32)
     args = tuple(a.astype(jnp.bfloat16) if a.ndim != 1 else a for a in args32)
     ct = jnp.asarray(rng.normal(size=args[0].shape), jnp.bfloat16)
-    exact, exact_grads = values_and_grads(lambda *a: xla_iteration(*a, "all", "silu"), args32,
-                                          ct.astype(jnp.float32))
-    want, want_grads = values_and_grads(lambda *a: xla_iteration(*a, "all", "silu"), args, ct)
-    got, got_grads = values_and_grads(
-        lambda *a: kernel_iteration(*a, "all", "silu", tiles=DagTiles(rows=16, chunk=32)),
-        args, ct)
+    exact, exact_grads = values_and_grads(xla_dag_iteration, args32, ct.astype(jnp.float32))
+    want, want_grads = values_and_grads(xla_dag_iteration, args, ct)
+    got, got_grads = values_and_grads(functools.partial(
+        triton_dag_iteration, tiles=DagTiles(rows=16, chunk=32), interpret=True), args, ct)
     assert got.dtype == jnp.bfloat16
     assert rel_err(got, exact) < 1e-2 and rel_err(want, exact) < 1e-2
     assert rel_err(got, want) < 1e-2
@@ -208,7 +186,8 @@ def test_an_explicit_triton_it_cannot_run_is_one_line():
                                          r"kernels need d_g a power of two >= 16 \(got 48\)"):
         settle_dag_module("triton", dag_config(dag_dim=48), "gpu", bf16, None, (9, 0))
     with pytest.raises(ValueError, match="use ExecutionConfig.dag_module='xla'$"):
-        kernel_iteration(*iteration_args(np.random.default_rng(0), 4, 3, 64, 16), "all", "silu")
+        triton_dag_iteration(*iteration_args(np.random.default_rng(0), 4, 3, 64, 16),
+                             interpret=True)
 
 
 def test_the_strategy_is_registered():

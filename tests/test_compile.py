@@ -407,6 +407,27 @@ def test_sliced_buffers_count_their_slices():
     assert cost.matmul_flops == 2 * 64 * 256 * 256
 
 
+def test_the_dag_kernels_are_named_and_counted_from_their_shapes():
+    """The DAG iteration's Triton kernels (kernels/triton_dag_module.py), told by their
+    pallas_call name (their operand ranks would read as a grouped matmul's): forward
+    2 R (2 d d_g + 4 d_g^2), backward 2 R (5 d d_g + 8 d_g^2) from rows [R, d], W_down [d, d_g]."""
+    shapes = {"r": "bf16[256,64]", "x": "bf16[64,64]", "s": "f32[64]", "b": "f32[64]",
+              "wd": "bf16[64,16]", "wp": "bf16[16,64]", "wu": "bf16[16,64]"}
+    calls = {}
+    for kind in ("forward", "backward"):
+        calls[kind] = _instruction(
+            f"ROOT %p = bf16[256,64]{{1,0}} custom-call(%r, %x, %s, %b, %wd, %wp, %wu), "
+            f'custom_call_target="__gpu$xla.gpu.triton", metadata={{op_name="jit(f)/'
+            f'dagmoe_triton_dag_{kind}/pallas_call"}}', shapes)
+        assert kernel_costs.gpu_kernel_family("__gpu$xla.gpu.triton", calls[kind],
+                                              shapes) == f"triton dag {kind}"
+    rows, d, g = 256, 64, 16
+    assert kernel_costs.dag_kernel_flops(False, calls["forward"], shapes) == (
+        2 * rows * (2 * d * g + 4 * g * g))
+    assert kernel_costs.dag_kernel_flops(True, calls["backward"], shapes) == (
+        2 * rows * (5 * d * g + 8 * g * g))
+
+
 def test_grouped_matmul_flops_from_shapes():
     """A gmm / tgmm without a cost estimate (MaxText's): 2 M K N from its operands."""
     shapes = {"x": "bf16[512,1024]", "w": "bf16[16,1024,256]", "g": "s32[16]",

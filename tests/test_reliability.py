@@ -145,10 +145,9 @@ def test_a_library_error_a_signal_caused_comes_out_as_the_interrupt():
     semaphore while the evaluation batches were built): an error raised while handling the
     interrupt leaves the interruptible block as :class:`Interrupted`, chained to that error;
     without a signal an error is itself, and where signals are only recorded it passes
-    unchanged, also inside
-    an interruptible block (training within the command's block: a real error after a SIGTERM
-    there is not 'stopped before training began'). In a child, so that the handler is
-    installed on its main thread."""
+    unchanged, also inside an interruptible block (training within the command's block: a
+    real error after a SIGTERM there is not 'stopped before training began'). In a child, so
+    that the handler is installed on its main thread."""
     code = """if True:
         import os, signal, time
         from dagmoe_jax.train.signals import Interrupted, on_signals

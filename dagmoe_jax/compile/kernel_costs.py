@@ -49,7 +49,7 @@ def grouped_matmul_flops(kernel: str, instruction: Instruction,
     return 0.0
 
 
-def dag_kernel_flops(kernel: str, instruction: Instruction, shapes: Dict[str, str]) -> float:
+def dag_kernel_flops(backward: bool, instruction: Instruction, shapes: Dict[str, str]) -> float:
     """The matmul FLOPs of a DAG iteration's Triton kernel (kernels/triton_dag_module.py) from
     its node rows [R, d] and W_down [d, d_g]: eq. 8, 9 and 11 forward, 2 R (2 d d_g + 4 d_g^2);
     the backward recomputes eq. 8-9 and runs the input gradients of eq. 8 (twice), 9 and 11,
@@ -58,9 +58,9 @@ def dag_kernel_flops(kernel: str, instruction: Instruction, shapes: Dict[str, st
     if len(dims) < 5 or len(dims[0]) != 2 or len(dims[4]) != 2:
         return 0.0
     (rows, d), g = dims[0], dims[4][1]
-    if kernel == "dag forward":
-        return 2.0 * rows * (2 * d * g + 4 * g * g)
-    return 2.0 * rows * (5 * d * g + 8 * g * g)
+    if backward:
+        return 2.0 * rows * (5 * d * g + 8 * g * g)
+    return 2.0 * rows * (2 * d * g + 4 * g * g)
 
 
 # custom-call targets of Pallas kernels on GPU -> the kernel library's name

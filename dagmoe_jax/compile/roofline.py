@@ -347,9 +347,9 @@ class _Walker:
         cost.kernels[kernel] = cost.kernels.get(kernel, 0) + int(times)
         if target == "tpu_custom_call":
             return mosaic_flops(kernel, ins, shapes, self.gmm_occupancy)
-        family = kernel.split(" ")[-1]
-        if kernel.endswith(("dag forward", "dag backward")):
-            return dag_kernel_flops(kernel.split(" ", 1)[1], ins, shapes)
+        family = kernel.split(" ", 1)[-1]
+        if family in ("dag forward", "dag backward"):
+            return dag_kernel_flops(family == "dag backward", ins, shapes)
         return (grouped_matmul_flops(family, ins, shapes) * self.gmm_occupancy
                 if family in ("gmm", "tgmm") else 0.0)
 

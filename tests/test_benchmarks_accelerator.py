@@ -33,22 +33,32 @@ def test_the_xla_variant_binds_xlas_dag_module():
         execution, dag_module="auto"))
 
 
+def test_a_capacity_variant_is_its_model_with_capacity_dispatch():
+    """'moe-s cap' is MoE-s (no shared expert) with capacity dispatch at factor 1.25, the speed
+    dropless must match; its dropless twin keeps the 'dropless' default."""
+    from benchmarks.accelerator import variant_config
+    cap, cap_execution = variant_config("moe-s cap", 512, micro=True)
+    dropless, execution = variant_config("moe-s", 512, micro=True)
+    assert (cap.block.experts.dispatch, cap.block.experts.capacity_factor) == ("capacity", 1.25)
+    assert dropless.block.experts.dispatch == "dropless"
+    assert cap.replace(block=dropless.block) == dropless and cap_execution == execution
+
+
 def test_the_accelerator_script_runs_at_micro_size(tmp_path, stdlib_corpus):
     env = repository_importable(single_device_env())
     out_json = tmp_path / "out" / "accelerator.json"
     # the quality run's corpus, built once for the run (conftest.stdlib_corpus)
     stdlib_corpus(out_json.parent / "accelerator_runs" / "corpus")
+    # two variants in their processes ('... cap' differs only in its bindings: tested above)
     cmd = benchmark_command("accelerator", "--micro", "--variants", "moe+shared-s", "dag-s L2",
-                            "moe-s cap", "--quality_seeds", "2", "--json", str(out_json))
+                            "--quality_seeds", "2", "--json", str(out_json))
     out = subprocess.run(cmd, env=env, text=True, capture_output=True, timeout=900,
                          cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out_json.read_text())
     rows = {r["variant"]: r for r in report["variants"]}
-    assert set(rows) == {"moe+shared-s", "dag-s L2", "moe-s cap"} and set(rows) <= set(VARIANTS)
-    # the capacity variant runs the same model with capacity dispatch (no grouped matmul's
-    # choice matters there); the dropless ones 'auto' (on CPU, the C++ kernel or ragged_dot)
-    assert rows["moe-s cap"]["params"] < rows["moe+shared-s"]["params"]
+    assert set(rows) == {"moe+shared-s", "dag-s L2"} and set(rows) <= set(VARIANTS)
+    # the dropless variants' grouped matmul 'auto' (on CPU, the C++ kernel or ragged_dot)
     assert rows["dag-s L2"]["grouped_matmul"] in ("cpu_gmm", "ragged_dot")
     assert all(r["estimate_s"] is None for r in rows.values())     # no GPU card on a CPU
     for row in rows.values():
@@ -60,7 +70,6 @@ def test_the_accelerator_script_runs_at_micro_size(tmp_path, stdlib_corpus):
     assert f"{ratio:.4f}x" in out.stdout
     table = [line for line in out.stdout.splitlines()
              if line.startswith(("moe+shared-s ", "dag-s L2 ")) and " / " not in line]
-    rows.pop("moe-s cap")
     assert len(table) == 2 and all(f"{rows[name]['params']:,}" in line
                                    for name, line in zip(("moe+shared-s", "dag-s L2"), table))
     quality = report["quality"]

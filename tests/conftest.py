@@ -6,6 +6,7 @@ import dataclasses
 import gc
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -30,11 +31,14 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # One persistent JAX compilation cache for the whole run: both xdist workers and every
 # subprocess they start (train.py, the commands, the benchmarks) share it, so a program that
 # many tests compile (the smoke run's training step) is compiled once per run, not once per
-# process (a train.py of train/smoke.gin starts in 9 s instead of 24). Fresh for each run (named
-# by xdist's run id), so the suite times what CI times; set JAX_COMPILATION_CACHE_DIR to choose.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(
-    Path(tempfile.gettempdir())
-    / f"dagmoe-test-jax-cache-{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}"))
+# process (a train.py of train/smoke.gin starts in 9 s instead of 24). Fresh for each run, so
+# the suite times what CI times: made here by the process pytest started (xdist's workers,
+# started after this file is read, inherit the variable) and removed when its session ends
+# (pytest_sessionfinish). Set JAX_COMPILATION_CACHE_DIR to choose one (it is then kept).
+_OWN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _OWN_CACHE = tempfile.mkdtemp(prefix="dagmoe-test-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
 # JAX caches only programs that took a second or more to compile by default; most of this suite's
 # take 0.1-1 s (a smoke run's init and eval steps, the tiny models' forward and gradient
 # programs, which fresh models of one structure compile again in the same process) and were
@@ -78,6 +82,13 @@ from dagmoe_jax.model.settle import settle  # noqa: E402
 # Some backends run float32 matmuls at reduced precision by default (TF32 / bf16 passes on GPU and
 # TPU); the oracle comparisons (1e-5 relative) need true float32 products wherever they run.
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The run's compilation cache, made above, goes with the run (in the process that made
+    it: the xdist controller, or pytest itself without workers)."""
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 def single_device_env(**extra: str) -> dict:
@@ -133,7 +144,6 @@ def stdlib_corpus(tmp_path_factory):
     A benchmark started with ``folder`` as its corpus directory reuses it, as it reuses a
     corpus it built itself, instead of parsing the standard library again (3-7 s a build,
     four benchmark micro runs)."""
-    import shutil
 
     from benchmarks.experiments.corpus import build_stdlib_corpus
 

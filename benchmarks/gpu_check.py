@@ -161,7 +161,7 @@ def xla_dag_iteration(carry, x, ln_scale, ln_bias, w_down, w_edge, w_node, w_up,
     return dag_readout(new) if last else new
 
 
-def triton_dag_iteration(carry, x, ln_scale, ln_bias, w_down, w_edge, w_node, w_up, *,
+def kernel_dag_iteration(carry, x, ln_scale, ln_bias, w_down, w_edge, w_node, w_up, *,
                          eps: float = 1e-5, **options):
     """The Triton kernels' iteration with :func:`xla_dag_iteration`'s arguments (the pair
     weights in :func:`~dagmoe_jax.model.dag.equations.dag_pair_weights`'s layout)."""
@@ -180,7 +180,7 @@ def dag_numerics(shape, interpret: bool, first: bool = False) -> dict:
     """The Triton iteration in bfloat16 against XLA's in float32: forward and gradients; with
     ``first`` the kernels that build eq. 6's nodes and read eq. 12's sum out (L = 1)."""
     args = dag_operands(shape, 0, first)
-    kernel = functools.partial(triton_dag_iteration, last=first, interpret=interpret)
+    kernel = functools.partial(kernel_dag_iteration, last=first, interpret=interpret)
     exact = jax.tree.map(lambda a: a.astype(jnp.float32), args)
     reference = functools.partial(xla_dag_iteration, last=first)
     got = (jax.jit(kernel)(*args), *jax.tree.leaves(dag_step(kernel)(*args)[1]))
@@ -201,7 +201,7 @@ def dag_times(shape) -> dict:
     tiles = {"table": None, **{f"{rows}r c64 w{warps}": dag_lib.DagTiles(rows, 64, warps)
                                for rows in (16, 32, 64) for warps in (4, 8)}}
     for label, tile in tiles.items():
-        kernel = functools.partial(triton_dag_iteration, tiles=tile)
+        kernel = functools.partial(kernel_dag_iteration, tiles=tile)
         try:
             times[label] = best_time(dag_step(kernel), *args)
         except Exception as err:     # a tile that does not fit the registers, say

@@ -155,8 +155,7 @@ def meshes():
 SHARDED_CASES = [(m, v) for m in MESHES for v in VARIANTS if m != "dp8" or v == "dag"]
 
 
-@pytest.mark.parametrize("mesh_name,variant", SHARDED_CASES,
-                         ids=[f"{m}-{v}" for m, v in SHARDED_CASES])
+@pytest.mark.parametrize("mesh_name,variant", SHARDED_CASES)
 def test_sharded_step_matches_single_device(meshes, mesh_name, variant):
     mesh, ref = meshes[mesh_name], reference(variant)
     model = variant_model(variant, mesh)           # the reference's starting point

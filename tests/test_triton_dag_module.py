@@ -17,7 +17,7 @@ from flax import nnx
 
 from conftest import tiny_config
 from dagmoe_jax.config import ExecutionConfig
-from benchmarks.gpu_check import triton_dag_iteration, xla_dag_iteration
+from benchmarks.gpu_check import kernel_dag_iteration, xla_dag_iteration
 from dagmoe_jax.kernels.triton_dag_module import DagTiles, triton_dag_unsupported
 from dagmoe_jax.model.aggregation import weighted_sum
 from dagmoe_jax.model.dag.execution import TritonExecution
@@ -69,7 +69,7 @@ def test_the_kernels_equal_xla_values_and_every_gradient(edges, act, k, first, l
     want, want_grads = values_and_grads(functools.partial(xla_dag_iteration, **options), args,
                                         ct)
     got, got_grads = values_and_grads(
-        functools.partial(triton_dag_iteration, **options, interpret=True), args, ct)
+        functools.partial(kernel_dag_iteration, **options, interpret=True), args, ct)
     assert got.shape == want.shape and rel_err(got, want) < 1e-6
     # the iteration really moves the nodes (eq. 7-11 is exercised, not only the carry)
     assert rel_err(xla_dag_iteration(*args[:-1], 0 * args[-1], **options), want) > 0.1
@@ -90,7 +90,7 @@ def test_bfloat16_rounds_where_xla_rounds():
     exact, exact_grads = values_and_grads(xla_dag_iteration, args32, ct.astype(jnp.float32))
     want, want_grads = values_and_grads(xla_dag_iteration, args, ct)
     got, got_grads = values_and_grads(functools.partial(
-        triton_dag_iteration, tiles=DagTiles(rows=16, chunk=32), interpret=True), args, ct)
+        kernel_dag_iteration, tiles=DagTiles(rows=16, chunk=32), interpret=True), args, ct)
     assert got.dtype == jnp.bfloat16
     assert rel_err(got, exact) < 1e-2 and rel_err(want, exact) < 1e-2
     assert rel_err(got, want) < 1e-2
@@ -186,7 +186,7 @@ def test_an_explicit_triton_it_cannot_run_is_one_line():
                                          r"kernels need d_g a power of two >= 16 \(got 48\)"):
         settle_dag_module("triton", dag_config(dag_dim=48), "gpu", bf16, None, (9, 0))
     with pytest.raises(ValueError, match="use ExecutionConfig.dag_module='xla'$"):
-        triton_dag_iteration(*iteration_args(np.random.default_rng(0), 4, 3, 64, 16),
+        kernel_dag_iteration(*iteration_args(np.random.default_rng(0), 4, 3, 64, 16),
                              interpret=True)
 
 

@@ -10,23 +10,25 @@ table in benchmarks/RESULTS.md with the device named.
 What it measures, in bf16 compute with float32 master weights (configs/gpu.gin) at the
 Llama-3 vocabulary (128,256), batch x sequence tokens per step (default 16 x 1024):
 
-0. on a GPU, ``benchmarks/gpu_check.py`` first (its own process): the grouped-matmul kernels'
-   numerics on the device against ``ragged_dot`` at a skewed routing, the DAG module's Triton
-   kernels' against XLA's iteration, and their tiles timed;
+0. on a GPU, ``benchmarks/gpu_check.py --quick`` first (its own process): the grouped-matmul
+   kernels' numerics on the device against ``ragged_dot`` at a skewed routing, the DAG
+   module's Triton kernels' against XLA's iteration, and the library's tiles timed beside
+   XLA's (``python -m benchmarks.gpu_check`` alone also times other tiles);
 1. the device and its datasheet bf16 peak, next to the bf16 matmul rate measured here;
 2. for MoE-s, MoE-s + shared expert (d_r matched to the DAG module, the paper's parity
-   baseline), DAG-MoE-s L 2 (d_g 128) and the l model as MoE and DAG-MoE L 2 (d_g 256), all
-   dropless with ``ExecutionConfig`` 'auto' (the GPU grouped matmuls), and MoE-s and MoE-l
-   with ``dispatch='capacity'`` (factor 1.25: drops tokens, the speed to beat), and
-   DAG-MoE-s L 2 again with XLA's DAG module ('dag-s L2 xla': the kernels measured against
-   what they replace): the best step
+   baseline), DAG-MoE-s L 2 (d_g 128) and the l model as MoE, MoE + shared and DAG-MoE L 2
+   (d_g 256), all dropless with ``ExecutionConfig`` 'auto' (the GPU grouped matmuls), then
+   MoE-s and MoE-l with ``dispatch='capacity'`` (factor 1.25: drops tokens, the speed to
+   beat), and DAG-MoE-s L 2 again with the DAG module's Triton kernels ('dag-s L2 triton',
+   beside XLA's module that 'auto' settles to): the best step
    time of a full AdamW training step, tokens/s, model FLOP/s
    (:mod:`dagmoe_jax.model.accounting`), MFU against the datasheet peak and against the measured
    matmul rate, peak device memory, and beside each the step the library's roofline estimates
    from the same compiled program (:mod:`dagmoe_jax.compile.roofline`, the card's datasheet).
-   Each variant runs in its own process, so its peak memory is its own;
-3. DAG-MoE-s L 2 / MoE-s + shared step ratio (the DAG-MoE paper: +4.49% at L 2 on an A100),
-   and DAG-MoE-s L 2's step with the DAG kernels over its step with XLA's module;
+   Each variant runs in its own process, so its peak memory is its own; the budget cuts the
+   last ones first;
+3. DAG-MoE L 2 / MoE + shared step ratios, s and l (the DAG-MoE paper: +4.49% at L 2 on an
+   A100), and DAG-MoE-s L 2's step with the Triton kernels over its step with XLA's module;
 4. with the time left, a short quality run: MoE, MoE + shared and DAG-MoE L 2 (d_g 128) of
    the s shape trained on the same tokens (600 steps x 32 x 512, 9.8M) of an offline corpus
    (this Python's standard-library docstrings, built where the script runs; nothing
@@ -62,18 +64,20 @@ VARIANTS = {
     "moe-s": ("models/s.gin", "variants/moe.gin"),
     "moe+shared-s": ("models/s.gin", "variants/moe_shared_g128_l2.gin"),
     "dag-s L2": ("models/s.gin", "variants/dag_g128_l2.gin"),
-    "dag-s L2 xla": ("models/s.gin", "variants/dag_g128_l2.gin"),
     "moe-l": ("models/l.gin", "variants/moe.gin"),
+    "moe+shared-l": ("models/l.gin", "variants/moe_shared_g256_l2.gin"),
     "dag-l L2": ("models/l.gin", "variants/dag_g256_l2.gin"),
     "moe-s cap": ("models/s.gin", "variants/moe.gin"),
     "moe-l cap": ("models/l.gin", "variants/moe.gin"),
+    "dag-s L2 triton": ("models/s.gin", "variants/dag_g128_l2.gin"),
 }
 CAPACITY = ("ExpertConfig.dispatch = 'capacity'", "ExpertConfig.capacity_factor = 1.25")
 """The bindings of the '... cap' variants: capacity dispatch, the speed dropless must match."""
-XLA_MODULE = ("ExecutionConfig.dag_module = 'xla'",)
-"""The binding of the '... xla' variant: XLA's DAG module beside the kernels 'auto' settles to
-on a GPU (kernels/triton_dag_module.py), measured side by side."""
-RATIO = ("dag-s L2", "moe+shared-s")
+TRITON_MODULE = ("ExecutionConfig.dag_module = 'triton'",)
+"""The binding of the '... triton' variant: the DAG module's Triton kernels
+(kernels/triton_dag_module.py) beside XLA's module, which 'auto' settles to on a GPU."""
+RATIOS = (("dag-s L2", "moe+shared-s"), ("dag-l L2", "moe+shared-l"))
+"""DAG-MoE L 2 over its parity baseline, MoE + a shared expert of the DAG module's size."""
 DEVICE = "device"                             # the child that reads the device and its matmul rate
 PAPER_RATIO_L2 = 1.0449                       # DAG-MoE summary: +4.49% wall clock at L 2, A100
 QUALITY_VARIANTS = ("moe", "moe_shared", "dag_l2")
@@ -112,7 +116,7 @@ def variant_config(name: str, vocab: int, micro: bool):
     files = [model, variant, "gpu.gin"]
     bindings = [f"ModelConfig.vocab_size = {vocab}", *(MICRO_BINDINGS if micro else ()),
                 *(CAPACITY if name.endswith(" cap") else ()),
-                *(XLA_MODULE if name.endswith(" xla") else ())]
+                *(TRITON_MODULE if name.endswith(" triton") else ())]
     return load_model_config(files, bindings), load_execution_config(files, bindings)
 
 
@@ -276,7 +280,8 @@ def main(argv=None) -> int:
     info = run_one_in_subprocess(DEVICE, args)
     if "error" not in info and info["platform"] == "gpu":
         print("GPU kernels first (benchmarks/gpu_check.py):", flush=True)
-        check = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check"], check=False)
+        check = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--quick"],
+                               check=False)
         if check.returncode:
             print(f"  gpu_check.py exited {check.returncode}: the table below uses kernels "
                   f"it did not pass", flush=True)
@@ -310,17 +315,19 @@ def main(argv=None) -> int:
         json_path.write_text(json.dumps(report, indent=2))
     print("\n" + throughput_table(report["variants"], peak, measured))
     by_name = {r["variant"]: r for r in report["variants"] if "error" not in r}
-    if all(v in by_name for v in RATIO):
-        ratio = by_name[RATIO[0]]["s_per_step"] / by_name[RATIO[1]]["s_per_step"]
-        report["dag_over_shared_step_ratio"] = ratio
-        print(f"\n{RATIO[0]} / {RATIO[1]} step time: {ratio:.4f}x "
-              f"(the paper: {PAPER_RATIO_L2:.4f}x at L 2 on an A100)")
-    kernels, xla = by_name.get("dag-s L2"), by_name.get("dag-s L2 xla")
+    print()
+    for dag_name, shared_name in RATIOS:
+        if dag_name in by_name and shared_name in by_name:
+            ratio = by_name[dag_name]["s_per_step"] / by_name[shared_name]["s_per_step"]
+            report.setdefault("dag_over_shared_step_ratio", {})[dag_name] = ratio
+            print(f"{dag_name} / {shared_name} step time: {ratio:.4f}x "
+                  f"(the paper: {PAPER_RATIO_L2:.4f}x at L 2 on an A100)")
+    kernels, xla = by_name.get("dag-s L2 triton"), by_name.get("dag-s L2")
     if kernels and xla and kernels["dag_module"] != xla["dag_module"]:
         ratio = kernels["s_per_step"] / xla["s_per_step"]
         report["dag_module_step_ratio"] = ratio
-        print(f"dag-s L2 with the DAG module {kernels['dag_module']!r} / with XLA's: "
-              f"{ratio:.4f}x step time")
+        print(f"dag-s L2 with the DAG module {kernels['dag_module']!r} / with "
+              f"{xla['dag_module']!r}: {ratio:.4f}x step time")
     left = args.budget_s - (time.monotonic() - start)
     if args.quality_steps and left > 30:
         print(f"\nquality run ({left:.0f} s left): {', '.join(QUALITY_VARIANTS)}, up to "

@@ -1,6 +1,7 @@
 """The GPU kernels on the device, before anything else is timed: numerics, then tiles.
 
-    python -m benchmarks.gpu_check               # on a GPU (about 2 minutes)
+    python -m benchmarks.gpu_check               # on a GPU (about 5 minutes on an H200)
+    python -m benchmarks.gpu_check --quick       # the library's tiles only (accelerator.py)
     python -m benchmarks.gpu_check --interpret   # on CPU: the numerics, in the kernels'
                                                  # interpreters, at a tiny shape (about 30 s)
 
@@ -193,13 +194,14 @@ def dag_numerics(shape, interpret: bool, first: bool = False) -> dict:
             "errors": errors, "ok": all(v <= TOLERANCE for v in errors.values())}
 
 
-def dag_times(shape) -> dict:
+def dag_times(shape, quick: bool = False) -> dict:
     """Forward + backward of one iteration, bfloat16: XLA's, and the Triton kernels with the
-    library's tiles (``table``) and a few others; the fastest named."""
+    library's tiles (``table``) and, unless ``quick``, a few others; the fastest named."""
     args = dag_operands(shape, 1)
     times = {"xla": best_time(dag_step(xla_dag_iteration), *args)}
-    tiles = {"table": None, **{f"{rows}r c64 w{warps}": dag_lib.DagTiles(rows, 64, warps)
-                               for rows in (16, 32, 64) for warps in (4, 8)}}
+    tiles = {"table": None, **({} if quick else {
+        f"{rows}r c64 w{warps}": dag_lib.DagTiles(rows, 64, warps)
+        for rows in (16, 32, 64) for warps in (4, 8)})}
     for label, tile in tiles.items():
         kernel = functools.partial(kernel_dag_iteration, tiles=tile)
         try:
@@ -224,10 +226,12 @@ def best_time(fn, *args, repeats: int = 5) -> float:
     return best
 
 
-def candidates(name: str, role: str, n: int):
+def candidates(name: str, role: str, n: int, quick: bool = False):
     """Tile configurations to time for an output of ``n`` columns: (label, blocks), the
-    library's table first (None)."""
+    library's table first (None), alone when ``quick``."""
     out = [("table", None)]
+    if quick:
+        return out
     if name == "mgpu" and role == "forward":      # the snake visits 2 column tiles where n has
         out += [(f"{bm}x{bn}x64 s{st}", mgpu_lib.MgpuBlocks(bm, bn, 64, st,
                                                             2 if n >= 2 * bn else 1))
@@ -260,14 +264,14 @@ def product(name: str, role: str, blocks, sizes):
     return jax.jit(lambda x, dy: triton_lib.triton_weight_grad(x, dy, sizes, blocks=blocks))
 
 
-def tune(name: str, shape) -> dict:
-    """Time each candidate tile of kernel ``name``'s forward and weight gradient at ``shape``,
-    with ``ragged_dot`` beside them; returns the times and the fastest of each."""
+def tune(name: str, shape, quick: bool = False) -> dict:
+    """Time each candidate tile of kernel ``name``'s forward and weight gradient at ``shape``
+    (the library's alone when ``quick``); returns the times and the fastest of each."""
     m, d, h, e = shape
     sizes, x, w, dy = operands(shape, 1)
     result = {"kernel": name, "shape": list(shape), "flops": 2.0 * (m - PADDING) * d * h}
     for role, args in (("forward", (x, w)), ("weight_grad", (x, dy))):
-        times, tiles = {}, dict(candidates(name, role, h))
+        times, tiles = {}, dict(candidates(name, role, h, quick))
         for label, blocks in tiles.items():
             try:
                 times[label] = best_time(product(name, role, blocks, sizes), *args)
@@ -297,6 +301,9 @@ def main(argv=None) -> int:
                    help="run the kernels in their interpreters (any backend), numerics only, "
                         "at a tiny shape")
     p.add_argument("--no_tune", action="store_true", help="numerics only")
+    p.add_argument("--quick", action="store_true",
+                   help="time the library's tiles only, beside XLA's (accelerator.py's first "
+                        "step; the full sweep compiles some 40 kernels more)")
     p.add_argument("--json", default=None, help="where the JSON goes")
     args = p.parse_args(argv)
     device = jax.devices()[0]
@@ -332,7 +339,7 @@ def main(argv=None) -> int:
         print(f"tiles at the l shape {shape}; ragged_dot (XLA): forward "
               f"{xla['forward'] * 1e3:.2f} ms, weight gradient {xla['weight_grad'] * 1e3:.2f} ms")
         for name in names:
-            row = tune(name, shape)
+            row = tune(name, shape, args.quick)
             report["tuning"].append(row)
             for role in ("forward", "weight_grad"):
                 times = row[role]["times"]
@@ -351,7 +358,7 @@ def main(argv=None) -> int:
                     f"{k} {v:.2e}" for k, v in row["errors"].items())
                     + (": ok" if row["ok"] else ": FAILED"), flush=True)
             if not args.interpret and not args.no_tune and label == "l":
-                times = dag_times(shape)
+                times = dag_times(shape, args.quick)
                 report.setdefault("dag_times", []).append(times)
                 shown = ", ".join(f"{k} {v * 1e3:.2f}" if isinstance(v, float) else f"{k} -"
                                   for k, v in times["times"].items())

@@ -107,6 +107,17 @@ def test_mgpu_gradients_equal_ragged_dot():
                              extra_rows=28)
 
 
+@pytest.mark.skipif(not JAX_0_11, reason="Mosaic GPU's interpreter runs the backward kernels "
+                                        "from jax 0.11 on (this is jax " + jax.__version__ + ")")
+def test_mgpu_wide_tiles_equal_ragged_dot():
+    """The table's tiles for many rows (64 x 256 output tiles, the H200's fastest at MoE-l):
+    1,024 rows, N 256, groups crossing row tiles, an empty one and padding rows."""
+    assert gpu.mgpu_blocks(1024, 64, 256).block_n == 256
+    fn = functools.partial(gpu.mgpu_grouped_matmul, interpret=True)
+    check_against_ragged_dot(fn, [500, 0, 333, 167], 64, 256, jnp.bfloat16, 2e-2,
+                             extra_rows=24, seed=3)
+
+
 def test_kernels_refuse_what_they_cannot_take():
     x, w = jnp.zeros((8, 96), jnp.bfloat16), jnp.zeros((2, 96, 64), jnp.bfloat16)
     sizes = jnp.array([4, 4], jnp.int32)

@@ -139,17 +139,16 @@ def dag_config(**aggregation):
                        aggregation={"dag_dim": 32, **aggregation}, router=dict(top_k=4))
 
 
-def test_auto_settles_to_the_kernels_on_one_ampere_or_newer_gpu():
+def test_auto_settles_to_xla_on_a_gpu_and_the_kernels_only_when_asked_for():
+    """On an H200 XLA's iteration ran 3.3x faster than the kernels (benchmarks/RESULTS.md):
+    'auto' keeps XLA's module on every GPU; an explicit 'triton' is kept where the kernels
+    take the shape."""
     cfg, bf16 = dag_config(), jnp.bfloat16
     layout = MeshLayout(jax.sharding.AbstractMesh((2,), ("data",)))
-    for capability in ((8, 0), (9, 0)):
-        assert settle_dag_module("auto", cfg, "gpu", bf16, None, capability) == "triton"
-    assert settle_dag_module("auto", cfg, "gpu", bf16, None, (7, 5)) == "xla"
-    assert settle_dag_module("auto", cfg, "gpu", bf16, None, None) == "xla"
-    assert settle_dag_module("auto", cfg, "gpu", bf16, layout, (9, 0)) == "xla"
-    assert settle_dag_module("auto", cfg, "tpu", bf16, None, None) == "xla_rank3"
-    odd = dag_config(dag_dim=48)
-    assert settle_dag_module("auto", odd, "gpu", bf16, None, (9, 0)) == "xla"
+    assert settle_dag_module("auto", cfg, "gpu", bf16, None) == "xla"
+    assert settle_dag_module("auto", cfg, "gpu", bf16, layout) == "xla"
+    assert settle_dag_module("triton", cfg, "gpu", bf16, None) == "triton"
+    assert settle_dag_module("auto", cfg, "tpu", bf16, None) == "xla_rank3"
     assert "d_g a power of two" in triton_dag_unsupported(64, 48, 4, bf16)
     assert "K (top_k) a power of two" in triton_dag_unsupported(64, 32, 6, bf16)
     assert triton_dag_unsupported(64, 32, 4, bf16) is None
@@ -158,22 +157,17 @@ def test_auto_settles_to_the_kernels_on_one_ampere_or_newer_gpu():
     assert settle(plain, ExecutionConfig(), backend="gpu").dag_module == "xla"
 
 
-def test_the_run_says_why_auto_is_not_the_kernels_on_a_gpu():
-    """The settled line names the reason an 'auto' DAG module on one GPU stayed XLA's."""
+def test_the_run_line_names_the_dag_module_on_a_gpu():
     from types import SimpleNamespace
     hopper = SimpleNamespace(platform="gpu", compute_capability="9.0")
-    volta = SimpleNamespace(platform="gpu", compute_capability="7.0")
-    odd, auto = dag_config(dag_dim=48), ExecutionConfig()
-    line = describe(odd, settle(odd, auto, backend="gpu", device=hopper), auto, "gpu",
+    cfg, auto = dag_config(), ExecutionConfig()
+    line = describe(cfg, settle(cfg, auto, backend="gpu", device=hopper), auto, "gpu",
                     device=hopper)
-    assert "DAG module xla (the Triton DAG kernels need d_g a power of two >= 16 (got 48))" in line
-    cfg = dag_config()
-    assert "DAG module triton," in describe(cfg, settle(cfg, auto, backend="gpu", device=hopper),
-                                            auto, "gpu", device=hopper) + ","
-    line = describe(cfg, settle(cfg, auto, backend="gpu", device=volta), auto, "gpu",
-                    device=volta)
-    assert "DAG module xla (the Triton DAG kernels need compute capability 8.0 or newer (this " \
-           "GPU: 7.0))" in line
+    assert line.endswith("DAG module xla") or "DAG module xla," in line, line
+    kernels = ExecutionConfig(dag_module="triton")
+    line = describe(cfg, settle(cfg, kernels, backend="gpu", device=hopper), kernels, "gpu",
+                    device=hopper)
+    assert "DAG module triton" in line, line
 
 
 def test_an_explicit_triton_it_cannot_run_is_one_line():
@@ -181,10 +175,10 @@ def test_an_explicit_triton_it_cannot_run_is_one_line():
     layout = MeshLayout(jax.sharding.AbstractMesh((2,), ("data",)))
     with pytest.raises(ValueError, match=r"^ExecutionConfig.dag_module='triton' runs on a single "
                                          r"device only; use 'auto' or 'xla' under a device mesh$"):
-        settle_dag_module("triton", dag_config(), "gpu", bf16, layout, (9, 0))
+        settle_dag_module("triton", dag_config(), "gpu", bf16, layout)
     with pytest.raises(ValueError, match=r"^ExecutionConfig.dag_module='triton': the Triton DAG "
                                          r"kernels need d_g a power of two >= 16 \(got 48\)"):
-        settle_dag_module("triton", dag_config(dag_dim=48), "gpu", bf16, None, (9, 0))
+        settle_dag_module("triton", dag_config(dag_dim=48), "gpu", bf16, None)
     with pytest.raises(ValueError, match="use ExecutionConfig.dag_module='xla'$"):
         kernel_dag_iteration(*iteration_args(np.random.default_rng(0), 4, 3, 64, 16),
                              interpret=True)

@@ -22,7 +22,8 @@
   (:mod:`.triton_grouped_matmul`, ``'triton'``), each a custom VJP over forward, input and
   weight gradient (:mod:`.grouped_vjp`); both run in their interpreters on CPU, which is how
   the tests check them; :mod:`.triton_dag_module`, a whole DAG iteration (eq. 7-11) as one
-  Pallas Triton kernel forward and one backward (``dag_module='triton'``, sm80+). Attention on
+  Pallas Triton kernel forward and one backward (``dag_module='triton'``, sm80+; 3.3x slower
+  than XLA's iteration on an H200, so not 'auto''s choice). Attention on
   GPU is cuDNN's ('cudnn'), JAX's Triton flash kernel (:mod:`.gpu_attention`) or XLA's.
 """
 

@@ -34,9 +34,9 @@ a concrete ``ExecutionConfig`` that the run prints and saves, and builds the mod
                    kernels on CPU for float32 on one device with d and d_g multiples of 16
                    and a working compiler (compiled here the first time); on TPU XLA's with
                    the projections on the [T, K, .] node arrays ('xla_rank3': there the
-                   reshape to [T*K, .] rows is a relayout copy); on one NVIDIA GPU of
-                   sm80 or newer the Triton kernels of a whole iteration ('triton') where
-                   they take d_g, K and d; else XLA's ('xla')
+                   reshape to [T*K, .] rows is a relayout copy); else XLA's ('xla'), on a
+                   GPU too: on an H200 XLA's iteration ran 3.3x faster than the Triton
+                   kernels ('triton', still a choice), benchmarks/RESULTS.md
 ``loss_chunk``     tokens per device in a chunk of the vocabulary-tiled loss: 512 on CPU,
                    4096 on GPU / TPU (where smaller chunks re-read the LM head and its float32
                    gradient until the head is bound by HBM, not by its FLOPs)
@@ -185,26 +185,14 @@ def _triton_dag_reason(cfg: ModelConfig, dtype) -> Optional[str]:
     return triton_dag_unsupported(cfg.d_model, dag.dag_dim, router_of(cfg.block).top_k, dtype)
 
 
-def settle_gpu_dag_module(capability: Optional[tuple], cfg: ModelConfig, dtype) -> tuple:
-    """(implementation, why) of 'auto' for the DAG module of ``cfg`` on one NVIDIA GPU of
-    compute ``capability``: 'triton' on 8.0 and newer where the kernels take d_g, K and d;
-    else 'xla', ``why`` saying why."""
-    if capability is None:
-        return "xla", "the GPU's compute capability is unknown"
-    if capability < (8, 0):
-        return "xla", (f"the Triton DAG kernels need compute capability 8.0 or newer (this "
-                       f"GPU: {capability[0]}.{capability[1]})")
-    reason = _triton_dag_reason(cfg, dtype)
-    return ("xla", reason) if reason else ("triton", "")
-
-
 def settle_dag_module(name: str, cfg: ModelConfig, backend: str, dtype,
-                      layout: Optional[MeshLayout], capability: Optional[tuple] = None) -> str:
+                      layout: Optional[MeshLayout]) -> str:
     """'auto': 'fused' (the C++ kernels, built here on first use) on CPU for float32 on one
     device when the model has a DAG module of d and d_g multiples of 16, 'xla_rank3' on TPU
-    (18% less HBM traffic in the compiled DAG-MoE-l step, benchmarks/RESULTS.md), 'triton'
-    on one GPU (:func:`settle_gpu_dag_module`: the module's compiled estimate 3.4x below
-    XLA's, benchmarks/RESULTS.md), else 'xla'. An
+    (18% less HBM traffic in the compiled DAG-MoE-l step, benchmarks/RESULTS.md), else
+    'xla'. On a GPU too: the Triton kernels' compiled estimate was 3.4x below XLA's, but on
+    an H200 their forward + backward took 3.3x XLA's iteration and DAG-MoE-l L 2's step 1.8x
+    (benchmarks/RESULTS.md, "On an accelerator"), so 'triton' is only run when asked for. An
     explicit 'fused' or 'triton' under a multi-device mesh, or a 'triton' the kernels cannot
     take, is a one-line ``ValueError``."""
     if name in ("fused", "triton") and layout is not None:
@@ -218,8 +206,6 @@ def settle_dag_module(name: str, cfg: ModelConfig, backend: str, dtype,
         return name
     if backend == "tpu" and dag is not None:
         return "xla_rank3"
-    if backend == "gpu" and layout is None and dag is not None:
-        return settle_gpu_dag_module(capability, cfg, dtype)[0]
     if backend != "cpu" or layout is not None or dag is None:
         return "xla"
     reason = dag_module_unavailable(cfg.d_model, dag.dag_dim, dtype, backend)
@@ -301,7 +287,7 @@ def settle(cfg: ModelConfig, execution: Optional[ExecutionConfig] = None, *,
         grouped_matmul=grouped_matmul,
         expert_exchange=settle_expert_exchange(ex.expert_exchange, backend),
         fuse_projections=layout is None if ex.fuse_projections is None else ex.fuse_projections,
-        dag_module=settle_dag_module(ex.dag_module, cfg, backend, dtype, layout, capability),
+        dag_module=settle_dag_module(ex.dag_module, cfg, backend, dtype, layout),
         attention_block=ex.attention_block,
         loss_chunk=settle_loss_chunk(ex.loss_chunk, backend))
 
@@ -334,11 +320,6 @@ def describe(cfg: ModelConfig, settled: ExecutionConfig,
         grouped += f" ({why})"
     dag_module = ex.dag_module
     dag = dag_aggregation_of(cfg.block)
-    if (dag is not None and backend == "gpu" and layout is None and dag_module == "xla"
-            and requested is not None and requested.dag_module == "auto"):
-        _, why = settle_gpu_dag_module(gpu_capability(device), cfg,
-                                       jnp.dtype(cfg.compute_dtype))
-        dag_module += f" ({why})" if why else ""
     return (f"attention {attention}, remat {ex.remat}, layers unrolled "
             f"{ex.scan_unroll}/{cfg.num_layers}, loss chunk {ex.loss_chunk} tokens, "
             f"projections {'fused' if ex.fuse_projections else 'separate'}{dispatch}"

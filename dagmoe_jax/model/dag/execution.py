@@ -14,7 +14,9 @@ tests/test_triton_dag_module.py the Triton kernels, interpreted):
 =============  ===========================================================================
 ``xla``        XLA on the node rows as one [T*K, .] matrix: on CPU and GPU that reshape is
                free, and with the node axis kept XLA:CPU runs the weight gradient, a
-               contraction over two axes, 1.45x slower (the XLA module, measured)
+               contraction over two axes, 1.45x slower (the XLA module, measured); the
+               LayerNorm folded into W_down (:mod:`dagmoe_jax.model.dag.folded`: the
+               module's compiled estimate on an H100 14% lower at the l shape)
 ``xla_rank3``  XLA with the projections as einsums on the [T, K, .] node arrays (TPU's: there
                the [T, K, d] -> [T*K, d] reshape is a copy between tiled layouts, K = 4 rows
                filling half of an 8-row tile, which the compiled DAG-MoE-l step paid at every
@@ -45,6 +47,7 @@ from dagmoe_jax.kernels.dag_module import fused_dag_messages, fused_layer_norm
 from dagmoe_jax.kernels.grouped_matmul import cpu_dense_matmul
 from dagmoe_jax.kernels.triton_dag_module import triton_dag_iteration
 from dagmoe_jax.model.dag.equations import dag_pair_messages, dag_pair_weights, layer_norm
+from dagmoe_jax.model.dag.folded import folded_norm_projection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +68,17 @@ class XLAExecution:
         """DAG-MoE eq. 7 (:func:`~dagmoe_jax.model.dag.equations.layer_norm`)."""
         return layer_norm(x, scale, bias, eps)
 
+    def norm_project(self, nodes, scale, bias, w_down, eps: float) -> jax.Array:
+        """DAG-MoE eq. 7-8, the nodes' LayerNorm projected by W_down [T*K, d_g]: here folded
+        into one product on the raw node rows
+        (:func:`~dagmoe_jax.model.dag.folded.folded_norm_projection`), which never builds
+        the normalised nodes (XLA:GPU ran their float32 backward as passes over [T*K, d])."""
+        return folded_norm_projection(self.rows(nodes), scale, bias, w_down, eps)
+
+    def composed_norm_project(self, nodes, scale, bias, w_down, eps: float) -> jax.Array:
+        """DAG-MoE eq. 7-8 as written: the LayerNorm's output, then its product with W_down."""
+        return self.project(self.layer_norm(self.rows(nodes), scale, bias, eps), w_down)
+
     def matmul(self, rows: jax.Array, w: jax.Array) -> jax.Array:
         """``rows [N, a] @ w [a, b]``."""
         return rows @ w
@@ -82,9 +96,11 @@ class XLAExecution:
 
 @dataclasses.dataclass(frozen=True)
 class XLARank3Execution(XLAExecution):
-    """``dag_module='xla_rank3'``: the projections on the [T, K, .] node arrays as they are."""
+    """``dag_module='xla_rank3'``: the projections on the [T, K, .] node arrays as they are,
+    the LayerNorm and W_down composed as written (the TPU tables' program)."""
 
     name = "xla_rank3"
+    norm_project = XLAExecution.composed_norm_project
 
     def rows(self, nodes: jax.Array) -> jax.Array:
         return nodes
@@ -99,6 +115,7 @@ class CPUKernelExecution(XLAExecution):
 
     name = "fused"
     last_with_readout = True
+    norm_project = XLAExecution.composed_norm_project     # the C++ LayerNorm, then W_down
 
     def layer_norm(self, x, scale, bias, eps: float) -> jax.Array:
         return fused_layer_norm(x, scale, bias, eps)

@@ -34,7 +34,7 @@ def dag_node_messages(nodes: jax.Array, ln_scale, ln_bias, w_down, w_edge, w_nod
     each node is projected once by :func:`~dagmoe_jax.model.dag.equations.dag_pair_weights`
     ([T*K, 4 d_g] in one matmul) and the K x K pairs are a broadcast add."""
     t, k, _ = nodes.shape
-    u = ex.project(ex.layer_norm(ex.rows(nodes), ln_scale, ln_bias, eps), w_down)  # eq. 7-8
+    u = ex.norm_project(nodes, ln_scale, ln_bias, w_down, eps)                    # eq. 7-8
     proj = ex.project(u.reshape(t, k, -1), dag_pair_weights(w_edge, w_node))      # eq. 9
     if with_edges:
         return dag_pair_messages(proj, edge_act, edges, with_edges=True)          # eq. 10

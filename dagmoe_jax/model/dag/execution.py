@@ -100,6 +100,8 @@ class XLARank3Execution(XLAExecution):
     the LayerNorm and W_down composed as written (the TPU tables' program)."""
 
     name = "xla_rank3"
+    # folded on the [T, K, d] nodes the compiled DAG-MoE-l step on v5p was 205.3 against
+    # 205.6 ms (benchmarks/RESULTS.md): no gain on TPU, so eq. 7-8 stay as written here
     norm_project = XLAExecution.composed_norm_project
 
     def rows(self, nodes: jax.Array) -> jax.Array:

@@ -90,7 +90,9 @@ def test_gpu_check_runs_in_the_interpreters(tmp_path):
     interpreters on CPU at a tiny shape (the Mosaic GPU kernels where this jax interprets
     their backward pass), the DAG iteration's Triton kernels included."""
     out_json = tmp_path / "gpu_check.json"
-    out = subprocess.run(benchmark_command("gpu_check", "--interpret", "--json", str(out_json)),
+    # --quick, as accelerator.py passes it (it changes only the timing, which interpret skips)
+    out = subprocess.run(benchmark_command("gpu_check", "--interpret", "--quick", "--json",
+                                           str(out_json)),
                          env=repository_importable(single_device_env()), text=True,
                          capture_output=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
@@ -102,3 +104,14 @@ def test_gpu_check_runs_in_the_interpreters(tmp_path):
     assert "triton tiny (512, 128, 128, 4): forward" in out.stdout
     assert "triton dag tiny (64, 4, 64, 16): forward" in out.stdout
     assert "triton dag first+last tiny (64, 4, 64, 16): forward" in out.stdout
+
+
+def test_gpu_check_quick_times_the_library_tiles_only():
+    """accelerator.py's --quick: each kernel's own table beside XLA's; alone, gpu_check.py
+    also times the other tiles (about 40 compilations, 5 minutes of an H200)."""
+    from benchmarks.gpu_check import candidates
+    for name in ("mgpu", "triton"):
+        for role in ("forward", "weight_grad"):
+            assert candidates(name, role, 512, quick=True) == [("table", None)]
+            full = candidates(name, role, 512)
+            assert full[0] == ("table", None) and len(full) == 9

@@ -60,8 +60,9 @@ def mgpu_blocks(m: int, k: int, n: int) -> MgpuBlocks:
     2 to 4 stages in flight (2 at least: the kernel's pipeline releases a stage one step late,
     and 1 is refused at d 64): for many rows, 64 x 256 output tiles where N takes them (on an
     H200 at MoE-l's [65,536, 1,024] x [1,024, 512]: 0.28 ms against 0.31-0.33 for 128 x 128,
-    the best of the 8 tiles ``benchmarks/gpu_check.py`` times), else 128 x 128 (64 x 64 for
-    short M or N); the snake visits 2 column tiles where N has 2 or more."""
+    the best of the 8 tiles ``benchmarks/gpu_check.py`` times), else 128 x 128, each 64 where
+    M is short or N not a multiple of 128; the snake visits 2 column tiles where N has 4 (2
+    for the 256-wide ones) or more."""
     steps = max(2, min(4, k // 64))
     if m >= 128 * 8 and n % 256 == 0:
         return MgpuBlocks(block_m=64, block_n=256, block_k=64, max_concurrent_steps=steps,

@@ -30,5 +30,6 @@ def folded_norm_projection(x: jax.Array, scale: jax.Array, bias: jax.Array, w_do
     w = scale.astype(f32)[:, None] * w_down.astype(f32)              # diag(gamma) W_down
     w_q = w.astype(dtype)                                            # what the product takes
     xw = jnp.dot(x, w_q, preferred_element_type=f32)                 # x W'  [N, d_g]
-    u = rstd * (xw - mean * jnp.sum(w_q.astype(f32), axis=0)) + bias.astype(f32) @ w_down.astype(f32)
+    shift = bias.astype(f32) @ w_down.astype(f32)                    # beta W_down  [d_g]
+    u = rstd * (xw - mean * jnp.sum(w_q.astype(f32), axis=0)) + shift
     return u.astype(dtype)

@@ -179,12 +179,6 @@ def settle_expert_exchange(name: str, backend: str) -> str:
     return "all_gather" if backend == "cpu" else "ragged_all_to_all"
 
 
-def _triton_dag_reason(cfg: ModelConfig, dtype) -> Optional[str]:
-    """Why the Triton DAG kernels cannot take ``cfg``'s DAG module (None when they can)."""
-    dag = dag_aggregation_of(cfg.block)
-    return triton_dag_unsupported(cfg.d_model, dag.dag_dim, router_of(cfg.block).top_k, dtype)
-
-
 def settle_dag_module(name: str, cfg: ModelConfig, backend: str, dtype,
                       layout: Optional[MeshLayout]) -> str:
     """'auto': 'fused' (the C++ kernels, built here on first use) on CPU for float32 on one
@@ -199,7 +193,8 @@ def settle_dag_module(name: str, cfg: ModelConfig, backend: str, dtype,
         raise ValueError(f"ExecutionConfig.dag_module={name!r} runs on a single device only; "
                          "use 'auto' or 'xla' under a device mesh")
     dag = dag_aggregation_of(cfg.block)
-    reason = _triton_dag_reason(cfg, dtype) if name == "triton" and dag is not None else None
+    reason = (triton_dag_unsupported(cfg.d_model, dag.dag_dim, router_of(cfg.block).top_k,
+                                     dtype) if name == "triton" and dag is not None else None)
     if reason is not None:
         raise ValueError(f"ExecutionConfig.dag_module='triton': {reason}; use 'auto' or 'xla'")
     if name != "auto":

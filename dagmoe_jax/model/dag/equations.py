@@ -26,12 +26,19 @@ def dag_initial_nodes(x: jax.Array, gates: jax.Array, expert_out: jax.Array):
     return updates, (x / k).astype(expert_out.dtype)[:, None, :]
 
 
+def layer_norm_statistics(x32: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+    """DAG-MoE eq. 7's statistics of float32 ``x32`` over its last axis: (mean, 1 / sqrt(var +
+    eps)), each keeping that axis as 1."""
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    return mean, jax.lax.rsqrt(var + eps)
+
+
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
     """DAG-MoE eq. 7: LayerNorm over the model dimension, statistics in float32."""
     x32 = x.astype(jnp.float32)
-    mean = jnp.mean(x32, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
-    y = (x32 - mean) * jax.lax.rsqrt(var + eps) * scale + bias
+    mean, rstd = layer_norm_statistics(x32, eps)
+    y = (x32 - mean) * rstd * scale + bias
     return y.astype(x.dtype)
 
 

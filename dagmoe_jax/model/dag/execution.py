@@ -58,6 +58,7 @@ class XLAExecution:
     # class (a module's static attribute, compared when nnx splits a cloned model)
     name = "xla"
     last_with_readout = False      # all L iterations in one scan
+    folds_layer_norm = True        # eq. 7-8 as one product on the raw nodes (folded.py)
     whole_module = False           # True: ``aggregate`` runs eq. 6-12 by the kernels
 
     def rows(self, nodes: jax.Array) -> jax.Array:
@@ -69,15 +70,15 @@ class XLAExecution:
         return layer_norm(x, scale, bias, eps)
 
     def norm_project(self, nodes, scale, bias, w_down, eps: float) -> jax.Array:
-        """DAG-MoE eq. 7-8, the nodes' LayerNorm projected by W_down [T*K, d_g]: here folded
-        into one product on the raw node rows
-        (:func:`~dagmoe_jax.model.dag.folded.folded_norm_projection`), which never builds
-        the normalised nodes (XLA:GPU ran their float32 backward as passes over [T*K, d])."""
-        return folded_norm_projection(self.rows(nodes), scale, bias, w_down, eps)
-
-    def composed_norm_project(self, nodes, scale, bias, w_down, eps: float) -> jax.Array:
-        """DAG-MoE eq. 7-8 as written: the LayerNorm's output, then its product with W_down."""
-        return self.project(self.layer_norm(self.rows(nodes), scale, bias, eps), w_down)
+        """DAG-MoE eq. 7-8, the nodes' LayerNorm projected by W_down: folded into one product
+        on the raw nodes where ``folds_layer_norm``
+        (:func:`~dagmoe_jax.model.dag.folded.folded_norm_projection`, which never builds the
+        normalised nodes: XLA:GPU ran their float32 backward as passes over [T*K, d]), else
+        as written, the LayerNorm's output and then its product with W_down."""
+        rows = self.rows(nodes)
+        if self.folds_layer_norm:
+            return folded_norm_projection(rows, scale, bias, w_down, eps)
+        return self.project(self.layer_norm(rows, scale, bias, eps), w_down)
 
     def matmul(self, rows: jax.Array, w: jax.Array) -> jax.Array:
         """``rows [N, a] @ w [a, b]``."""
@@ -102,7 +103,7 @@ class XLARank3Execution(XLAExecution):
     name = "xla_rank3"
     # folded on the [T, K, d] nodes the compiled DAG-MoE-l step on v5p was 205.3 against
     # 205.6 ms (benchmarks/RESULTS.md): no gain on TPU, so eq. 7-8 stay as written here
-    norm_project = XLAExecution.composed_norm_project
+    folds_layer_norm = False
 
     def rows(self, nodes: jax.Array) -> jax.Array:
         return nodes
@@ -117,7 +118,7 @@ class CPUKernelExecution(XLAExecution):
 
     name = "fused"
     last_with_readout = True
-    norm_project = XLAExecution.composed_norm_project     # the C++ LayerNorm, then W_down
+    folds_layer_norm = False       # the C++ LayerNorm, then W_down
 
     def layer_norm(self, x, scale, bias, eps: float) -> jax.Array:
         return fused_layer_norm(x, scale, bias, eps)

@@ -18,15 +18,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dagmoe_jax.model.dag.equations import layer_norm_statistics
+
 
 def folded_norm_projection(x: jax.Array, scale: jax.Array, bias: jax.Array, w_down: jax.Array,
                            eps: float) -> jax.Array:
     """DAG-MoE eq. 7-8, ``layer_norm(x, scale, bias, eps) @ w_down`` for node rows x [N, d],
     as the folded product (module docstring); [N, d_g] in ``x``'s dtype."""
     dtype, f32 = x.dtype, jnp.float32
-    x32 = x.astype(f32)
-    mean = jnp.mean(x32, axis=-1, keepdims=True)
-    rstd = jax.lax.rsqrt(jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True) + eps)
+    mean, rstd = layer_norm_statistics(x.astype(f32), eps)           # eq. 7's, [N, 1]
     w = scale.astype(f32)[:, None] * w_down.astype(f32)              # diag(gamma) W_down
     w_q = w.astype(dtype)                                            # what the product takes
     xw = jnp.dot(x, w_q, preferred_element_type=f32)                 # x W'  [N, d_g]

@@ -22,7 +22,7 @@ from dagmoe_jax.train.loop import train
 from dagmoe_jax.train.metrics import read_metrics
 from dagmoe_jax.run.optim import TRAINABLE, make_schedule
 from dagmoe_jax.train.step import make_train_step
-from conftest import build_once, make_model
+from conftest import build_once, make_model, single_device_env
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "tests" / "fixtures" / "instruct_tiny.jsonl"
@@ -242,7 +242,7 @@ def test_a_finetuned_run_reads_text_with_its_sources_tokenizer(hf_source, tmp_pa
          f"--gin.DataConfig.source='instruct:{DATA}'", "--gin.DataConfig.seq_len=64",
          "--gin.TrainConfig.epochs=0", "--gin.TrainConfig.tensorboard=False",
          "--gin.TrainConfig.task_eval_examples=0", "--gin.DataConfig.batch_size=8"],
-        capture_output=True, text=True, timeout=600, cwd=REPO)
+        capture_output=True, text=True, timeout=600, cwd=REPO, env=single_device_env())
     assert result.returncode == 0, result.stderr[-2000:]
     blob = json.loads((run_dir / "config.json").read_text())
     source = json.loads((hf_source / "config.json").read_text())
@@ -322,7 +322,7 @@ def test_a_dataset_with_nothing_to_train_exits_2_and_writes_nothing(tmp_path):
          f"--run_dir={run_dir}", "--no_progress", f"--gin.DataConfig.source='instruct:{data}'",
          "--gin.DataConfig.seq_len=32", "--gin.DataConfig.batch_size=8",
          "--gin.DataConfig.truncation='head'"],     # (LlamaFactory's cut would keep answers)
-        capture_output=True, text=True, timeout=300, cwd=REPO)
+        capture_output=True, text=True, timeout=300, cwd=REPO, env=single_device_env())
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: no example of instruct:")

@@ -5,7 +5,6 @@ smoke config (configs/train/smoke.gin: the tiny DAG-MoE, 40 steps of 8 x 64 toke
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -18,11 +17,13 @@ import pytest
 
 from dagmoe_jax.run.gin import load_configs
 from dagmoe_jax.train.metrics import read_metrics
-from conftest import build_once, make_model
+from conftest import build_once, make_model, single_device_env
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = [sys.executable, str(REPO / "train.py"), "--gin_file=train/smoke.gin", "--no_progress"]
-ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+# One CPU device, as on a user's machine (conftest.single_device_env): the suite's eight simulated
+# devices would make every train.py here shard its smoke run eight ways, 1.8x the time a run.
+ENV = single_device_env()
 
 
 def run(run_dir: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import build_once
+from conftest import build_once, single_device_env
 from dagmoe_jax import run as run_lib
 from dagmoe_jax.analysis import plots
 from dagmoe_jax.analysis.report import curve_series
@@ -27,7 +27,9 @@ from dagmoe_jax.run import checkpoint_files as ckpt
 from dagmoe_jax.train.metrics import METRICS_FILE, MetricsWriter, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "DAGMOE_TCMALLOC": "0"}
+# One CPU device, as on a user's machine (conftest.single_device_env): the suite's eight simulated
+# devices would make every train.py here shard its smoke run eight ways, 1.8x the time a run.
+ENV = single_device_env(DAGMOE_TCMALLOC="0")
 SHORT = [sys.executable, str(REPO / "train.py"), "--gin_file=train/smoke.gin", "--no_progress",
          "--gin.TrainConfig.steps=6", "--gin.TrainConfig.log_every=2",
          "--gin.TrainConfig.eval_every=0", "--gin.TrainConfig.task_eval_examples=0",

@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     env_note = os.environ.get("XLA_FLAGS", "")
     rows = []
     print(f"{'model':<6}{'variant':<12}{'mesh':<26}{'GB/chip':>8}{'state':>7}{'TFLOP':>8}"
-          f"{'comp.TF':>8}{'GB acc':>8}{'coll GB':>8}{'ms/step':>9}{'tok/s':>10}{'MFU':>7}"
+          f"{'comp.TF':>8}{'GB acc':>8}{'coll GB':>8}{'ms/step':>9}{'tok/s':>12}{'MFU':>7}"
           f"{'ratio':>7}{'DAG ms':>8}{'launch':>7}{'wall s':>7}", flush=True)
     for model in args.models:
         baseline = {}
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
                       f"{f['compiler'] / 1e12:>8.2f}"
                       f"{t['bytes_accessed_per_chip']['roofline_hbm'] / 1e9:>8.1f}"
                       f"{coll / 1e9:>8.2f}{e['seconds'] * 1e3:>9.1f}"
-                      f"{e['tokens_per_second']:>10,.0f}{e['mfu']:>7.1%}{ratio:>7}"
+                      f"{e['tokens_per_second']:>12,.0f}{e['mfu']:>7.1%}{ratio:>7}"
                       f"{dag_ms:>8}{launches:>7}{r['wall']:>7.0f}", flush=True)
     compiler = next((r.get("compiler") for r in rows if "compiler" in r), "unknown")
     print(f"topology {args.topology}, batch {args.batch} x {args.seq}, bf16, {compiler}"

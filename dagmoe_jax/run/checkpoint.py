@@ -76,8 +76,8 @@ import jax
 import orbax.checkpoint as ocp
 
 from dagmoe_jax.run.checkpoint_files import (CHECKSUM_FILE, MAX_LISTED_DIFFS,
-                                             IteratorSnapshot, cause_line, json_diffs,
-                                             os_cause, raise_if_interrupted, saved_part,
+                                             IteratorRestore, IteratorSnapshot, cause_line,
+                                             json_diffs, os_cause, raise_if_interrupted, saved_part,
                                              shapes, show, strip_values, verify_checksums,
                                              write_checksums)
 from dagmoe_jax.run.paths import as_path, is_remote
@@ -372,7 +372,8 @@ class Checkpointer:
             whole = part is abstract_state
             if data_iterator is not None and (
                     whole or (as_path(self.directory) / str(step) / DATA_ITEM).exists()):
-                items[DATA_ITEM] = grain.checkpoint.CheckpointRestore(data_iterator)
+                items[DATA_ITEM] = grain.checkpoint.CheckpointRestore(
+                    IteratorRestore(data_iterator))
             try:
                 restored = self._manager.restore(step, args=ocp.args.Composite(**items))
                 state = restored[STATE_ITEM]

@@ -21,8 +21,6 @@ from conftest import build_once, make_model, single_device_env
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = [sys.executable, str(REPO / "train.py"), "--gin_file=train/smoke.gin", "--no_progress"]
-# One CPU device, as on a user's machine (conftest.single_device_env): the suite's eight simulated
-# devices would make every train.py here shard its smoke run eight ways, 1.8x the time a run.
 ENV = single_device_env()
 
 

@@ -27,8 +27,6 @@ from dagmoe_jax.run import checkpoint_files as ckpt
 from dagmoe_jax.train.metrics import METRICS_FILE, MetricsWriter, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
-# One CPU device, as on a user's machine (conftest.single_device_env): the suite's eight simulated
-# devices would make every train.py here shard its smoke run eight ways, 1.8x the time a run.
 ENV = single_device_env(DAGMOE_TCMALLOC="0")
 SHORT = [sys.executable, str(REPO / "train.py"), "--gin_file=train/smoke.gin", "--no_progress",
          "--gin.TrainConfig.steps=6", "--gin.TrainConfig.log_every=2",

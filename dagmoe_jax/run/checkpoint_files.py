@@ -14,6 +14,7 @@ import os
 import re
 from typing import Any, Dict, List, Optional, Tuple
 
+import grain
 import jax
 from etils import epath
 from flax import nnx, traverse_util
@@ -116,8 +117,6 @@ class IteratorRestore:
         self._iterator = iterator
 
     def set_state(self, state: bytes) -> None:
-        import grain  # pylint: disable=import-outside-toplevel
-
         if isinstance(self._iterator, grain.DatasetIterator):   # as grain's handler reads it
             self._iterator.set_state(_slices_as_tuples(json.loads(state)))
         else:

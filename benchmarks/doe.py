@@ -126,8 +126,8 @@ def data_config(args, source: str, eval_source: str, seed: int, topics_dir: str 
 
 
 def fit_stage1(args, out: Path, source: str, log) -> str:
-    from dagmoe_jax.data.topics import TopicConfig, fit_topics
-    from dagmoe_jax.data.topics.stage import training_documents
+    from dagmoe_jax.families.doe.topics import TopicConfig, fit_topics
+    from dagmoe_jax.families.doe.topics.stage import training_documents
 
     path = out / f"topics_k{args.topics}_d{args.lda_documents}"
     if not (path / "topics.npz").is_file():

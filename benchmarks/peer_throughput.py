@@ -48,6 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dagmoe_jax.config import MoEConfig
 from dagmoe_jax.run.allocator import allocator, configure_allocator
 from dagmoe_jax.run.gin import load_execution_config, load_model_config
 
@@ -87,7 +88,7 @@ def digest(tokens: np.ndarray) -> str:
 def check_olmoe_equivalent(cfg) -> None:
     """SystemExit unless OLMoE has an equivalent of our ModelConfig ``cfg``."""
     b = cfg.block
-    if b.kind != "moe" or b.aggregation.kind != "sum" or b.experts.num_shared:
+    if not isinstance(b, MoEConfig) or b.aggregation.kind != "sum" or b.experts.num_shared:
         raise SystemExit("OLMoE has no equivalent of this config: needs block 'moe', "
                          "aggregation 'sum' and no shared experts")
     if cfg.resolved_head_dim * cfg.num_heads != cfg.d_model:

@@ -8,8 +8,12 @@
 # decoupled-requirements.txt (the environment DECOUPLE_GCLOUD=TRUE runs in), less the CUDA
 # wheels and the linters, plus jax[tpu] for the TPU compiler; MaxText itself goes in without
 # dependencies on top. Everything comes from the package index; about 4 GB, a few minutes.
+# The TPU compiler is this project's pin (requirements-tpu.txt's jax[tpu] line), so MaxText's
+# step and ours are compiled by one libtpu; JAX_TPU='jax[tpu]==X' picks another.
 set -euo pipefail
 DIR="${1:-/tmp/maxtext-env}"
+HERE="$(cd "$(dirname "$0")" && pwd)"
+JAX_TPU="${JAX_TPU:-$(grep -m1 '^jax\[tpu\]' "$HERE/../requirements-tpu.txt")}"
 PY="${PYTHON312:-$(command -v python3.12 || ls /root/.pyenv/versions/3.12*/bin/python3.12 | head -1)}"
 mkdir -p "$DIR"
 cd "$DIR"
@@ -26,6 +30,6 @@ skip = re.compile(r"^(nvidia|cuda|apache-tvm|pytype|pynvml|auditwheel|pre-commit
 keep = [l for l in text.splitlines() if l.strip() and not l.startswith("#") and not skip.match(l)]
 open(f"{sys.argv[1]}/requirements.txt", "w").write("\n".join(keep) + "\n")
 EOF
-venv/bin/pip install -q -r requirements.txt "jax[tpu]>=0.11.1"
+venv/bin/pip install -q -r requirements.txt "$JAX_TPU"
 venv/bin/pip install -q --no-deps wheel/maxtext-0.2.5-*.whl
 echo "MaxText side environment ready: $DIR/venv/bin/python"

@@ -9,7 +9,7 @@ import argparse
 
 from benchmarks import moe_conversion as bench
 from dagmoe_jax.hf.export import hf_family
-from dagmoe_jax.model.conversion import converted_config, is_conversion
+from dagmoe_jax.families.moe.conversion import converted_config, is_conversion
 
 
 def test_the_source_is_an_olmoe_and_each_request_is_what_the_variant_says():

@@ -20,7 +20,7 @@ from dagmoe_jax.command_line import OneLineParser
 
 REPO = Path(__file__).resolve().parent.parent
 COMMANDS = ["dagmoe_jax.cli.train", "dagmoe_jax.cli.sample", "dagmoe_jax.analysis.__main__",
-            "dagmoe_jax.upcycle.__main__", "dagmoe_jax.cli.topics", "dagmoe_jax.cli.demo"]
+            "dagmoe_jax.upcycle.__main__", "dagmoe_jax.families.doe.command", "dagmoe_jax.cli.demo"]
 
 
 def one_line_error(capsys, module: str, argv) -> str:
@@ -46,8 +46,8 @@ def test_an_unknown_flag_is_one_line(capsys, module):
      "--num_samples=0 is invalid"),
     ("dagmoe_jax.upcycle.__main__", ["--router=oracle"], "invalid choice: 'oracle'"),
     ("dagmoe_jax.upcycle.__main__", ["--dense=a"], "--run_dir is required"),
-    ("dagmoe_jax.cli.topics", [], "the following arguments are required: --out"),
-    ("dagmoe_jax.cli.topics", ["--out=x", "--max_iter=ten"], "invalid int value: 'ten'"),
+    ("dagmoe_jax.families.doe.command", [], "the following arguments are required: --out"),
+    ("dagmoe_jax.families.doe.command", ["--out=x", "--max_iter=ten"], "invalid int value: 'ten'"),
     ("dagmoe_jax.cli.demo", ["--steps=0"], "--steps=0 is invalid"),
     ("dagmoe_jax.cli.demo", ["--variant=no_such_variant.gin"], "no_such_variant.gin"),
 ])
@@ -78,7 +78,7 @@ def test_no_command_line_defines_its_own_parser_class():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("module", ["dagmoe_jax.cli.train", "dagmoe_jax.cli.sample", "dagmoe_jax.analysis",
-                                    "dagmoe_jax.upcycle", "dagmoe_jax.cli.topics", "dagmoe_jax.cli.demo"])
+                                    "dagmoe_jax.upcycle", "dagmoe_jax.families.doe.command", "dagmoe_jax.cli.demo"])
 def test_python_m_wiring(tmp_path, module):
     """``python -m`` runs the command's ``main`` and exits with its status."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}

@@ -1,4 +1,4 @@
-"""A trained MoE converted to DAG-MoE or Chain-of-Experts (dagmoe_jax/model/conversion.py)
+"""A trained MoE converted to DAG-MoE or Chain-of-Experts (dagmoe_jax/families/moe/conversion.py)
 computes the MoE's logits: on the transformers-made folders of tests/fixtures/hf_moe (import
 with --to_dag / --to_coe, or TrainConfig.init_from with a DAG-MoE or CoE gin config) and on a
 run of the library; the chain's later iterations are really there (a_t moves them), and what
@@ -17,7 +17,7 @@ from flax import nnx
 from conftest import make_model, tiny_config
 from dagmoe_jax.config import AggregationConfig, CoEConfig, MoEConfig
 from dagmoe_jax.hf.llama import load_hf_llama
-from dagmoe_jax.model.conversion import (coe_request, converted_config, converted_params,
+from dagmoe_jax.families.moe.conversion import (coe_request, converted_config, converted_params,
                                          is_conversion)
 from dagmoe_jax.model.params import set_params
 

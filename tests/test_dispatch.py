@@ -16,7 +16,7 @@ from dagmoe_jax.model.dispatch import (capacity_dispatch, capacity_slots, dense_
 from dagmoe_jax.config import ExecutionConfig, ExpertConfig
 from dagmoe_jax.model.experts import Experts
 from dagmoe_jax.model.block import BlockInputs
-from dagmoe_jax.model.moe import MoEBlock
+from dagmoe_jax.families.moe.block import MoEBlock
 
 N, D, H = 4, 16, 24
 

@@ -66,8 +66,8 @@ def broken_references(text: str) -> List[str]:
 def layout_entries(design: str) -> List[str]:
     """The modules and packages section 11 of design.md lists under dagmoe_jax/, as paths
     relative to it (``model/dag/``, ``model/dag/equations.py``): a name at two spaces is a
-    top-level unit, at four a module or package of the unit above, at six one of the package
-    above that; a description's continuation lines are indented further."""
+    top-level unit, at four a module or package of the unit above, at six and eight one of the
+    package above that; a description's continuation lines are indented further."""
     block = design.split("## 11. Repository layout", 1)[1].split("```")[3]
     entries, inside, parents = [], False, {}
     for line in block.splitlines():
@@ -76,7 +76,7 @@ def layout_entries(design: str) -> List[str]:
             continue
         if inside and line and not line.startswith(" "):
             break
-        match = re.match(r"^( {2}| {4}| {6})(\S+)", line) if inside else None
+        match = re.match(r"^( {2}| {4}| {6}| {8})(\S+)", line) if inside else None
         if not match:
             continue
         depth, name = len(match.group(1)) // 2, match.group(2)

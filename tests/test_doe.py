@@ -1,5 +1,6 @@
-"""The DoE block (dagmoe_jax.model.doe.block): equations against NumPy, the VAE router's properties,
-the shared VAE, causality with LDA topic ids, KV-cache decoding, and the composite loss."""
+"""The DoE block (dagmoe_jax.families.doe.block): equations against NumPy, the VAE router's
+properties, the shared VAE, causality with LDA topic ids, KV-cache decoding, and the composite
+loss."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ from conftest import make_model, tiny_config, tiny_execution
 from dagmoe_jax.config import DoEConfig
 from dagmoe_jax.data.tokenizers import ByteTokenizer
 from dagmoe_jax.decoding.generate import generate
-from dagmoe_jax.model.doe import block as D
-from dagmoe_jax.model.doe import objective
-from dagmoe_jax.data.topics.extension import TopicFeatures
-from dagmoe_jax.data.topics import TopicConfig, fit_topics, piece_table, token_topics
+from dagmoe_jax.families.doe import block as D
+from dagmoe_jax.families.doe import objective
+from dagmoe_jax.families.doe.extension import TopicFeatures
+from dagmoe_jax.families.doe.topics import TopicConfig, fit_topics, piece_table, token_topics
 from dagmoe_jax.train.step import cross_entropy, lm_loss
 
 K = 8
@@ -258,7 +259,7 @@ def test_accounting_counts_every_doe_parameter(doe):
 
 def test_gate_profile_groups_gates_by_label(tmp_path, rng):
     from dagmoe_jax.analysis.collect import record
-    from dagmoe_jax.analysis.doe import gate_profile, plot_gate_profile, specialisation
+    from dagmoe_jax.families.doe.analysis import gate_profile, plot_gate_profile, specialisation
 
     cfg = doe_config(layers=2)
     model = make_model(cfg, seed=4)

@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 
 from dagmoe_jax.config import DoEConfig
-from dagmoe_jax.model.doe import block as D
-from dagmoe_jax.model.doe import knowledge_blocks as KB
+from dagmoe_jax.families.doe import block as D
+from dagmoe_jax.families.doe import knowledge_blocks as KB
 from dagmoe_jax.model.accounting import account
 from test_doe import K, doe_config, silu, softmax
 from conftest import make_model, tiny_execution

@@ -13,9 +13,9 @@ from flax import nnx
 from dagmoe_jax.config import DoEConfig
 from dagmoe_jax.data.tokenizers import ByteTokenizer
 from dagmoe_jax.decoding.generate import generate
-from dagmoe_jax.model.doe import block as D
-from dagmoe_jax.data.topics.extension import TopicFeatures
-from dagmoe_jax.data.topics import piece_table, token_topics
+from dagmoe_jax.families.doe import block as D
+from dagmoe_jax.families.doe.extension import TopicFeatures
+from dagmoe_jax.families.doe.topics import piece_table, token_topics
 from dagmoe_jax.model.accounting import account
 from dagmoe_jax.train.step import lm_loss
 from conftest import make_model, tiny_config

@@ -13,7 +13,7 @@ import pytest
 
 from dagmoe_jax.data import make_tokenizer, train_dataset
 from dagmoe_jax.run.gin import load_configs
-from dagmoe_jax.data.topics import TopicModel
+from dagmoe_jax.families.doe.topics import TopicModel
 from dagmoe_jax.train.loop import train
 from dagmoe_jax.train.metrics import read_metrics
 
@@ -38,9 +38,9 @@ def configs(tmp_path_factory):
 
 def test_pipeline_carries_topics_aligned_with_tokens(configs):
     _, model_cfg, data_cfg, _, _ = configs
-    from dagmoe_jax.data.topics import fit_topics, piece_table, token_topics
-    from dagmoe_jax.data.topics.extension import TopicAnnotator
-    from dagmoe_jax.data.topics.stage import training_documents
+    from dagmoe_jax.families.doe.topics import fit_topics, piece_table, token_topics
+    from dagmoe_jax.families.doe.extension import TopicAnnotator
+    from dagmoe_jax.families.doe.topics.stage import training_documents
 
     tokenizer = make_tokenizer(data_cfg)
     topics = fit_topics(training_documents(data_cfg), 8)

@@ -40,7 +40,8 @@ LAYER_OF = {unit: layer for layer, units in LAYERS.items() for unit in units}
 
 # Modules that may import the package inside a function: the commands (their --help must not
 # wait for JAX), and the lm-eval adapter, which lm-eval registers before it is asked for a model.
-LAZY_IMPORTERS = ("dagmoe_jax.cli", "dagmoe_jax.harness.cli", "dagmoe_jax.harness.lm")
+LAZY_IMPORTERS = ("dagmoe_jax.cli", "dagmoe_jax.harness.cli", "dagmoe_jax.harness.lm",
+                  "dagmoe_jax.families.doe.command")
 
 
 def module_name(path: Path) -> str:
@@ -180,10 +181,22 @@ def test_the_graph_sees_function_level_and_from_imports():
                                                                                  ["b", "c", "b"]]
 
 
+# A block family's package (dagmoe_jax.families.<kind>) is a vertical slice: each of its modules
+# belongs to the unit its name says, so a family's run extension sits in the run layer and its
+# command at the top. A new kind of module is placed here before a family may have one.
+FAMILY_PARTS = {"config": "config", "block": "model", "accounting": "model",
+                "conversion": "model", "knowledge_blocks": "model", "objective": "model",
+                "topics": "data", "extension": "run", "analysis": "analysis", "command": "cli"}
+
+
 def unit_of(module: str) -> str:
     """The top-level unit of a dagmoe_jax module ('model' for dagmoe_jax.model.router; the
-    package's own __init__ is 'config', the only thing it imports)."""
+    package's own __init__ is 'config', the only thing it imports); a family's module is in
+    the unit of its part (:data:`FAMILY_PARTS`; the families' package docstrings import
+    nothing and count as 'config')."""
     parts = module.split(".")
+    if parts[1:2] == ["families"]:
+        return FAMILY_PARTS[parts[3]] if len(parts) > 3 else "config"
     return parts[1] if len(parts) > 1 else "config"
 
 
@@ -285,3 +298,68 @@ def test_no_module_over_450_lines():
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines: " + ", ".join(
         f"{path} ({n})" for path, n in long.items())
+
+
+def test_every_family_module_has_a_part_and_the_packages_import_nothing():
+    """Each module of a family package is a part of :data:`FAMILY_PARTS` (a KeyError in
+    unit_of otherwise), and ``dagmoe_jax.families`` and each family's ``__init__`` import
+    nothing (importing a family's config must not load its model)."""
+    modules = package_modules()
+    for name, path in modules.items():
+        parts = name.split(".")
+        if parts[1:2] != ["families"]:
+            continue
+        if len(parts) <= 3:
+            imported = imports_of(name, path, modules)
+            assert not imported, f"{name} imports {sorted(imported)}"
+        else:
+            assert parts[3] in FAMILY_PARTS, f"{name}: no layer for the part {parts[3]!r}"
+
+
+def test_every_registered_family_has_its_parts():
+    """The registry holds every family package, each with a config, a block (``BLOCK``) and its
+    accounting (``layer_counts``, ``grouped_matmul_width``); an extension or analysis a family
+    has exports what the run and the analysis ask for."""
+    from dagmoe_jax.config import FAMILIES
+    packages = {p.name for p in (PACKAGE / "families").iterdir()
+                if (p / "__init__.py").is_file()}
+    assert set(FAMILIES) == packages
+    for kind, family in FAMILIES.items():
+        assert family.package == f"dagmoe_jax.families.{kind}" and family.config.kind == kind
+        assert isinstance(family.part("block").BLOCK, type)
+        accounting = family.part("accounting")
+        assert callable(accounting.layer_counts) and callable(accounting.grouped_matmul_width)
+        extension, analysis = family.part("extension"), family.part("analysis")
+        assert extension is None or isinstance(extension.EXTENSION, type)
+        assert analysis is None or callable(analysis.analyze)
+    assert FAMILIES["dense"].part("extension") is None
+
+
+def family_branches(source: str, label: str) -> List[str]:
+    """The comparisons of a ``kind`` with a block family's name in ``source`` (``cfg.block.kind
+    == 'coe'``, ``block.kind != "dense"``), as ``label:line``: a branch on the family, which
+    belongs in the family's package."""
+    from dagmoe_jax.config import FAMILIES
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        kinds = [s for s in sides if isinstance(s, ast.Attribute) and s.attr == "kind"]
+        names = [s for s in sides if isinstance(s, ast.Constant) and s.value in FAMILIES]
+        if kinds and names:
+            found.append(f"{label}:{node.lineno}")
+    return found
+
+
+def test_no_branch_on_a_block_family_outside_its_package():
+    """No module of the library outside dagmoe_jax/families, and no benchmark, compares a
+    ``kind`` with a family's name: a layer asks the family (the registry's parts, the config's
+    ``label``, ``describe()``, ``hf_family``, :func:`~dagmoe_jax.config.experts_of` and the
+    other questions of dagmoe_jax.config.blocks) or requires a family's config class."""
+    paths = [p for p in sorted(PACKAGE.rglob("*.py")) if "families" not in p.parts]
+    branches = [b for p in paths + sorted(BENCHMARKS.rglob("*.py"))
+                for b in family_branches(p.read_text(), str(p.relative_to(PACKAGE.parent)))]
+    assert not branches, "branches on a block family: " + ", ".join(branches)
+    assert family_branches("def f(cfg):\n    return cfg.block.kind == 'coe'\n", "f") == ["f:2"]
+    assert family_branches("def f(a):\n    return a.kind == 'sum'\n", "f") == []

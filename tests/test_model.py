@@ -21,8 +21,8 @@ from flax import nnx
 from conftest import make_model, tiny_config, tiny_execution
 from dagmoe_jax.model.attention import blockwise_causal_attention, causal_attention_reference
 from dagmoe_jax.model.block import BlockInputs
-from dagmoe_jax.model.coe import CoEBlock
-from dagmoe_jax.model.moe import MoEBlock
+from dagmoe_jax.families.coe.block import CoEBlock
+from dagmoe_jax.families.moe.block import MoEBlock
 from dagmoe_jax.model.settle import settle_remat, settle_scan_unroll
 
 BATCH, SEQ = 2, 16

@@ -36,7 +36,7 @@ from dagmoe_jax.model.dispatch import capacity_dispatch
 from dagmoe_jax.config import ExpertConfig
 from dagmoe_jax.model.experts import Experts
 from dagmoe_jax.model.block import BlockInputs
-from dagmoe_jax.model.moe import MoEBlock
+from dagmoe_jax.families.moe.block import MoEBlock
 from dagmoe_jax.parallel import (MeshConfig, activate, create_sharded, create_train_state,
                                  make_mesh, parallel_active, place_on_mesh, shard_batch)
 from dagmoe_jax.parallel.axes import MeshLayout

@@ -170,7 +170,7 @@ def test_coe_block_matches_numpy_with_its_softmax_router(score_fn):
     """CoEConfig.score_fn='softmax' is CoE eq. 7's router (softmax over the N experts, then
     top-K_t, not renormalised) in every iteration, whatever RouterConfig.score_fn says."""
     from dagmoe_jax.model.block import BlockInputs
-    from dagmoe_jax.model.coe import CoEBlock
+    from dagmoe_jax.families.coe.block import CoEBlock
 
     cfg = tiny_config("coe", experts=dict(num_shared=1), router=dict(top_k=4, score_fn="sigmoid"),
                       coe=dict(score_fn=score_fn if score_fn == "softmax" else None))

@@ -1,4 +1,5 @@
-"""DoE Stage 1 (dagmoe_jax.data.topics): LDA labels, token-word alignment, causal input ids."""
+"""DoE Stage 1 (dagmoe_jax.families.doe.topics): LDA labels, token-word alignment, causal input
+ids."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import numpy as np
 import pytest
 
 from dagmoe_jax.data.tokenizers import ByteTokenizer
-from dagmoe_jax.data.topics import (TopicConfig, TopicModel, TopicTracker, fit_topics, piece_table,
+from dagmoe_jax.families.doe.topics import (TopicConfig, TopicModel, TopicTracker, fit_topics, piece_table,
                                     token_topics)
 
 PLANTED = 4

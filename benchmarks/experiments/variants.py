@@ -37,7 +37,8 @@ import dataclasses
 from typing import Dict, Tuple
 
 from dagmoe_jax.budget import matched_coe_shared_hidden
-from dagmoe_jax.config import CoEConfig, ModelConfig, MoEConfig, dag_params_per_layer
+from dagmoe_jax.config import (CoEConfig, ModelConfig, MoEConfig, aggregation_of,
+                               dag_params_per_layer)
 
 VARIANTS: Tuple[str, ...] = ("moe", "moe_shared", "dag_l1", "dag_l2", "dag_l3", "mlp",
                              "mlp_small", "coe", "dag_self")
@@ -123,7 +124,7 @@ def variant_config(base: ModelConfig, name: str, dag_dim: int) -> ModelConfig:
 def describe(cfg: ModelConfig) -> str:
     """A short description of a variant's block: 'dag d_g 50 L 1', 'sum + shared 87', ..."""
     block = cfg.block
-    if block.kind == "coe":
+    if aggregation_of(block) is None:                  # the chain: it sums each iteration
         text = f"coe {block.iterations} x {block.resolved_top_k}"
     elif block.aggregation.kind == "dag":
         a = block.aggregation

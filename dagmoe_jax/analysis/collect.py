@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dagmoe_jax.config import dag_aggregation_of, experts_of
+from dagmoe_jax.config import aggregation_of, dag_aggregation_of, experts_of, routing_steps
 from dagmoe_jax.model.dag import edge_mask
 
 
@@ -102,8 +102,9 @@ def collect(model, batches: Iterable[Dict[str, np.ndarray]], max_samples: int = 
     layers = cfg.num_layers
     load = np.zeros((layers, n)) if routed else None
     coact = None
-    if cfg.block.kind == "coe" and cfg.block.iterations > 1:
-        coact = np.zeros((layers, cfg.block.iterations - 1, n, n))
+    steps = routing_steps(cfg.block)
+    if steps > 1:                                       # CoE: one iteration to the next
+        coact = np.zeros((layers, steps - 1, n, n))
     dag = dag_aggregation_of(cfg.block)
     is_dag = dag is not None
     mask = edge_mask(cfg.block.router.top_k, dag.dag_edges) if is_dag else None
@@ -145,8 +146,9 @@ def collect(model, batches: Iterable[Dict[str, np.ndarray]], max_samples: int = 
         gate_mean = g_sum / count
         gate_std = np.sqrt(np.maximum(g_sq / count - gate_mean ** 2, 0.0))
         gate_samples = np.concatenate(samples, axis=2)[:, :, :max_samples]
-    aggregation = cfg.block.aggregation.kind if cfg.block.kind == "moe" else None
-    return Collected(tokens=count, block=cfg.block.kind, aggregation=aggregation,
+    aggregation = aggregation_of(cfg.block)
+    return Collected(tokens=count, block=cfg.block.kind,
+                     aggregation=aggregation.kind if aggregation else None,
                      expert_load=load, coactivation=coact, gate_mean=gate_mean,
                      gate_std=gate_std, gate_samples=gate_samples,
                      gate_sparsity=gate_sparsity, pair_sparsity=pair_sparsity,

@@ -20,10 +20,9 @@ import numpy as np
 
 from dagmoe_jax.analysis import plots
 from dagmoe_jax.analysis.collect import Collected, collect
-from dagmoe_jax.analysis.doe import gate_profile, plot_gate_profile
+from dagmoe_jax.config import family_of
 from dagmoe_jax.run.paths import as_path, is_remote
 from dagmoe_jax.data import eval_batches, parse_source
-from dagmoe_jax.run.extensions import extension_for
 from dagmoe_jax.hf.run import open_run
 from dagmoe_jax.train.metrics import read_metrics
 
@@ -193,27 +192,10 @@ def analyze_run(run_dir, out_dir, *, data: str = "", max_batches: int = 4) -> Li
     path = as_path(run_dir)
     path = path if is_remote(path) else Path(os.path.abspath(path))
     label = f"{path.parent.name}/{path.name} @ step {loaded.step}"
-    if loaded.model_cfg.block.kind == "doe":
-        return analyze_doe(loaded, run_dir, out_dir, data, max_batches, label)
+    own = family_of(loaded.model_cfg.block).part("analysis")
+    if own is not None:                 # a family with its own analysis (DoE's gates per topic)
+        return own.analyze(loaded, run_dir, out_dir, data, max_batches, label)
     batches = analysis_batches(loaded.data_cfg, loaded.tokenizer, data, max_batches)
     stats = collect(loaded.model, batches)
     return write_plots(stats, read_metrics(run_dir), out_dir, label) + [
         write_summary(stats, out_dir)]
-
-
-def analyze_doe(loaded, run_dir, out_dir, data: str, max_batches: int, label: str
-                ) -> List[PlotResult]:
-    """A DoE run: the mean gate per LDA topic and layer (``doe_gates.png``,
-    :mod:`dagmoe_jax.analysis.doe`); the routed blocks' plots do not apply."""
-
-
-    skipped = [PlotResult(n, None, "not a routed (MoE / CoE) block") for n in ROUTED_PLOTS]
-    skipped.append(training_curves(read_metrics(run_dir), Path(out_dir), f"{label}: "))
-    annotate = extension_for(loaded.model_cfg).prepare_run(loaded.data_cfg, run_dir, save=False)
-    if annotate is None:
-        return skipped + [PlotResult("doe_gates", None, "a no-LDA DoE run has no topic labels")]
-    batches = analysis_batches(loaded.data_cfg, loaded.tokenizer, data, max_batches, annotate)
-    profile = gate_profile(loaded.model, batches, loaded.model_cfg.block.num_topics)
-    path = plot_gate_profile(profile, Path(out_dir) / "doe_gates.png",
-                             title=f"mean gate per LDA topic (rows) and layer, {label}")
-    return skipped + [PlotResult("doe_gates", path)]

@@ -23,7 +23,7 @@ Flags:
                       over its experts: the first iteration routes as the folder does, the
                       later ones start from a copy of its router at weight a_t = 0, so the run
                       computes the folder's logits until training moves them
-                      (:mod:`dagmoe_jax.model.conversion`)
+                      (:mod:`dagmoe_jax.families.moe.conversion`)
   --coe_iters=C       the chain's iterations (default 2)
 
 Writes a run like any other: a Llama as a dense block (``ModelConfig.block = 'dense'``: no
@@ -92,7 +92,6 @@ def import_hf(folder: str, run_dir: str, *, seq_len: int = 0, batch_size: int = 
     no Llama or has no ``tokenizer.json``, and for a ``seq_len`` beyond the model's context."""
     # pylint: disable=import-outside-toplevel
     from dagmoe_jax import run as run_lib
-    from dagmoe_jax.config import dag_aggregation_of
     from dagmoe_jax.data import DataConfig
     from dagmoe_jax.hf.llama import load_hf_llama, model_config_from_hf, read_hf_config
     from dagmoe_jax.hf.run import folder_tokenizer
@@ -132,12 +131,8 @@ def import_hf(folder: str, run_dir: str, *, seq_len: int = 0, batch_size: int = 
         else:
             shutil.rmtree(target, ignore_errors=True)
         raise
-    block = model_cfg.block
-    name = "CoE" if block.kind == "coe" else "DAG-MoE" if dag_aggregation_of(block) else "MoE"
-    kind = ("dense" if block.kind == "dense" else
-            f"{name} of {block.experts.num_experts} experts, top {block.router.top_k}"
-            + (f", {block.iterations} iterations" if block.kind == "coe" else ""))
-    log(f"imported {source_dir} into {target}: {kind}, {model_cfg.num_layers} layers, d_model "
+    log(f"imported {source_dir} into {target}: {model_cfg.block.describe()}, "
+        f"{model_cfg.num_layers} layers, d_model "
         f"{model_cfg.d_model}, vocabulary {model_cfg.vocab_size}; tokenizer files: "
         f"{', '.join(copied)}")
     return target
@@ -155,7 +150,7 @@ def _convert_to(args):
     ValueError for bad sizes or both."""
     # pylint: disable=import-outside-toplevel
     from dagmoe_jax.config import AggregationConfig, MoEConfig
-    from dagmoe_jax.model.conversion import coe_request
+    from dagmoe_jax.families.moe.conversion import coe_request
     if args.to_dag and args.to_coe:
         raise ValueError("--to_dag and --to_coe are two conversions: give one")
     if args.to_dag:

@@ -1,16 +1,21 @@
-"""The block families' configs: what each kind of FFN block computes (docs/design.md
-sections 2-5).
+"""What the block families' configs share: the router's and the experts' configs (MoE and
+CoE route with them), and the questions any layer may ask of a family config without naming
+its family (:func:`experts_of`, :func:`router_of`, :func:`aggregation_of`).
 
-``ModelConfig.block`` holds one of them, and each holds only its own fields:
+``ModelConfig.block`` holds one family's config, each in its family's package
+(``dagmoe_jax.families.<kind>.config``, registered in :mod:`dagmoe_jax.config.families`) and
+holding only its own fields:
 
-* :class:`DenseConfig`: one SwiGLU (Llama's FFN);
-* :class:`MoEConfig`: a router, routed (and shared) experts and the aggregation of their
-  outputs (:class:`AggregationConfig`: the sum of eq. 1, DAG-MoE's DAG module, or an MLP);
-* :class:`CoEConfig`: Chain-of-Experts, a router and experts iterated;
-* :class:`~dagmoe_jax.config.doe.DoEConfig`: Decoupling of Experts (its own module).
+* ``DenseConfig``: one SwiGLU (Llama's FFN);
+* ``MoEConfig``: a router, routed (and shared) experts and the aggregation of their outputs
+  (``AggregationConfig``: the sum of eq. 1, DAG-MoE's DAG module, or an MLP);
+* ``CoEConfig``: Chain-of-Experts, a router and experts iterated;
+* ``DoEConfig``: Decoupling of Experts.
 
-Every family config has a ``kind`` (its name in :data:`BLOCK_TYPES`, not an argument), which
-its JSON carries so that ``ModelConfig.from_dict`` knows which family a saved config is.
+Every family config has a ``kind`` (its name in ``BLOCK_TYPES``, not an argument), which its
+JSON carries so that ``ModelConfig.from_dict`` knows which family a saved config is; a
+``label`` (its name in progress lines: 'DAG-MoE', 'CoE', ...) and a ``describe()`` (its shape
+in a few words).
 """
 
 from __future__ import annotations
@@ -18,18 +23,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from dagmoe_jax.config.doe import DoEConfig
 from dagmoe_jax.validate import (check as _check, choice as _choice, nonnegative as _nonnegative,
                                  positive as _positive)
 
 SCORE_FNS = ("sigmoid", "softmax")
 DISPATCH_MODES = ("dropless", "capacity")
-AGGREGATORS = ("sum", "dag", "mlp")
-EDGE_ACTIVATIONS = ("silu", "sigmoid")
-DAG_EDGES = ("all", "ranked", "self")
-DAG_READINGS = ("once", "literal")
-COE_RESIDUALS = ("inner", "outer", "init")
-COE_READINGS = ("once", "literal", "reference")
 BALANCE_LOADS = ("tokens", "slots")
 BALANCE_PROBS = ("softmax", "score_share")
 BALANCE_SCOPES = ("batch", "sequence")
@@ -68,6 +66,12 @@ def router_of(block) -> Optional["RouterConfig"]:
     return getattr(block, "router", None)
 
 
+def routing_steps(block) -> int:
+    """How many times a layer of the family routes each token: CoE's iterations C, 1 for a
+    family that routes once (MoE), 0 for one without a router (dense, DoE)."""
+    return getattr(block, "iterations", 1) if router_of(block) is not None else 0
+
+
 def aggregation_of(block) -> Optional["AggregationConfig"]:
     """How the routed experts' outputs are combined (sum, DAG, MLP) in the family that
     aggregates (MoE), else None (dense, DoE, and CoE, whose chain sums)."""
@@ -88,28 +92,12 @@ def nested_configs(cls) -> dict:
             if isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory)}
 
 
-def _nested(config) -> None:
+def check_nested(config) -> None:
     """Check that each nested config field of ``config`` holds an instance of its class."""
     name = type(config).__name__
     for field, cls in nested_configs(type(config)).items():
         _check(isinstance(getattr(config, field), cls), name, field, getattr(config, field),
                f"a {cls.__name__}")
-
-
-@dataclasses.dataclass(frozen=True)
-class DenseConfig:
-    """The dense block: one SwiGLU (Llama's FFN; docs/design.md section 1).
-
-    ffn_hidden: its hidden size; None means 8/3 d_model rounded up to 128
-      (:func:`default_ffn_hidden`).
-    """
-
-    kind: str = dataclasses.field(default="dense", init=False)
-    ffn_hidden: Optional[int] = None
-
-    def __post_init__(self):
-        if self.ffn_hidden is not None:
-            _positive("DenseConfig", "ffn_hidden", self.ffn_hidden)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,149 +219,3 @@ class ExpertConfig:
             _check(self.dispatch == "dropless", "ExpertConfig", "exchange_buffer",
                    self.exchange_buffer, "None with dispatch='capacity' (its capacity_factor "
                    "bounds each expert's slots)")
-
-
-@dataclasses.dataclass(frozen=True)
-class AggregationConfig:
-    """How the K expert outputs become the block output (docs/design.md section 4).
-
-    kind: 'sum' (eq. 1), 'dag' (DAG-MoE eq. 6-12) or 'mlp' (the MLP-mixing ablation).
-    dag_dim: hidden size d_g of the DAG module (and of the MLP mixer).
-    dag_iters: DAG iterations L (depth of the learned DAG).
-    edge_act: sigma of eq. 10: 'silu' (the paper: the experts' activation) or 'sigmoid'.
-    dag_edges: 'all' (eq. 9-11: node i aggregates from all K nodes of the previous depth) or
-      'ranked' (node i aggregates only from nodes the router ranked at or above it). With 'all'
-      the update of node i depends on x_i and the *set* of nodes, so the module's output does
-      not depend on the node order; 'ranked' makes the graph follow the router's ranking and
-      the output order-sensitive (our extension, not in the paper). 'self': the edge-free
-      ablation (ours): node i hears only itself, e_(i,i) * W_node [u_i; u_i], no message passing.
-    dag_shared_weights: False (default): each iteration has its own weights, as eq. 8-11's
-      superscript l writes them; True: one module applied in all L iterations, as the text's
-      "each iteration applies the same module" (DAG-MoE sec. 3.3) reads.
-    dag_residual: how the residual ``x / K`` of eq. 6 meets the decoder's own residual stream
-      (x = RMSNorm(h) is the block input, the layer computes h + block output):
-      'once' (default): x is counted once. The block returns sum_i x_i^L - x, the nodes'
-        updates without the residual that eq. 12 sums back in, so the layer is
-        h + sum_i (x_i^L - x / K); with W_up = 0 (its initialisation) this is exactly the MoE
-        layer h + sum_k g_k E_k(x). The nodes themselves, and so every equation's inputs, are
-        as written.
-      'literal': the block returns eq. 12's sum_i x_i^L, so the layer is h + x + ...: every DAG
-        layer adds a whole RMSNorm(h) (norm ~sqrt(d)) to the stream, which no other block
-        does. Kept for comparison; it trains worse (docs/training.md, quality benchmark).
-    """
-
-    kind: str = "sum"
-    dag_dim: int = 128
-    dag_iters: int = 2
-    edge_act: str = "silu"
-    dag_edges: str = "all"
-    dag_residual: str = "once"
-    dag_shared_weights: bool = False
-
-    def __post_init__(self):
-        _choice("AggregationConfig", "kind", self.kind, AGGREGATORS)
-        _positive("AggregationConfig", "dag_dim", self.dag_dim)
-        _positive("AggregationConfig", "dag_iters", self.dag_iters)
-        _choice("AggregationConfig", "edge_act", self.edge_act, EDGE_ACTIVATIONS)
-        _choice("AggregationConfig", "dag_edges", self.dag_edges, DAG_EDGES)
-        _choice("AggregationConfig", "dag_residual", self.dag_residual, DAG_READINGS)
-        _check(isinstance(self.dag_shared_weights, bool), "AggregationConfig",
-               "dag_shared_weights", self.dag_shared_weights, "True or False")
-
-
-@dataclasses.dataclass(frozen=True)
-class MoEConfig:
-    """The MoE block: router -> routed experts -> aggregation, plus shared experts
-    (docs/design.md sections 2-4). DAG-MoE is ``aggregation.kind='dag'``.
-
-    router, experts, aggregation: :class:`RouterConfig`, :class:`ExpertConfig`,
-      :class:`AggregationConfig` (defaults: the DAG-MoE paper's small model with eq. 1's sum).
-    """
-
-    kind: str = dataclasses.field(default="moe", init=False)
-    router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
-    experts: ExpertConfig = dataclasses.field(default_factory=ExpertConfig)
-    aggregation: AggregationConfig = dataclasses.field(default_factory=AggregationConfig)
-
-    def __post_init__(self):
-        _nested(self)
-        n = self.experts.num_experts
-        _check(self.router.top_k <= n, "RouterConfig", "top_k", self.router.top_k,
-               f"an integer in [1, num_experts={n}]")
-
-
-@dataclasses.dataclass(frozen=True)
-class CoEConfig:
-    """Chain-of-Experts block (docs/design.md section 5; CoE eq. 4-10).
-
-    iterations: communication steps C.
-    top_k_per_iter: experts per iteration K_t; None means router.top_k // iterations.
-    shared_router: reuse the first iteration's routing decision in every iteration (CoE eq. 8
-      ablation) instead of one router per iteration.
-    residual: 'inner' (eq. 5, default), 'outer' (eq. 9) or 'init' (eq. 10).
-    stream: how the chain's own residual (its output contains x^(0) = x = RMSNorm(h) in every
-      residual mode) meets the decoder's residual stream h:
-      'once' (default): the block returns its output minus x^(0), the experts' updates only, so
-        the layer is h + updates and equals the standard layer when the experts output zero.
-      'literal': the block returns the chain's output, so the layer is h + x + updates (x
-        counted twice, as in this library before the fix).
-      'reference': the CoE authors' code: the layer's output *is* the chain's output,
-        RMSNorm(h) + updates, replacing the stream h instead of adding to it.
-    score_fn: the iterations' routers' score function: None (default) ``router.score_fn``;
-      'softmax' is CoE eq. 7 (softmax over N, then top-K_t).
-    iteration_scales: give every iteration after the first a learned scalar a_t that scales
-      its update (routed and shared experts' outputs) before the residual, x^(t) =
-      a_t (sum_i g_t,i E_i(x^(t-1)) + shared) + x^(t-1). Not in the CoE paper: False
-      (default) is its chain. A fresh model starts at a_t = 1 (the paper's chain at
-      initialisation); a pre-trained MoE converted to CoE starts at a_t = 0, its second
-      router a copy of the first, so that the chain computes the MoE until training opens
-      the later iterations (:mod:`dagmoe_jax.model.conversion`). Not weight-decayed.
-    router, experts: the routers' and the routed (and shared) experts' configs, as the MoE
-      family's (the chain sums each iteration: it has no aggregation).
-    """
-
-    kind: str = dataclasses.field(default="coe", init=False)
-    iterations: int = 2
-    top_k_per_iter: Optional[int] = None
-    shared_router: bool = False
-    residual: str = "inner"
-    stream: str = "once"
-    score_fn: Optional[str] = None
-    iteration_scales: bool = False
-    router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
-    experts: ExpertConfig = dataclasses.field(default_factory=ExpertConfig)
-
-    def __post_init__(self):
-        _positive("CoEConfig", "iterations", self.iterations)
-        if self.score_fn is not None:
-            _choice("CoEConfig", "score_fn", self.score_fn, SCORE_FNS)
-        if self.top_k_per_iter is not None:
-            _positive("CoEConfig", "top_k_per_iter", self.top_k_per_iter)
-        _choice("CoEConfig", "residual", self.residual, COE_RESIDUALS)
-        _choice("CoEConfig", "stream", self.stream, COE_READINGS)
-        _nested(self)
-        k_t, n = self.resolved_top_k, self.experts.num_experts
-        _check(k_t >= 1, "CoEConfig", "top_k_per_iter", k_t,
-               f"an integer >= 1 (router.top_k={self.router.top_k} // "
-               f"iterations={self.iterations} is 0; set top_k_per_iter)")
-        _check(k_t <= n, "CoEConfig", "top_k_per_iter", k_t, f"an integer in [1, num_experts={n}]")
-
-    @property
-    def resolved_top_k(self) -> int:
-        """K_t, the experts per iteration (CoE eq. 7 uses K / C)."""
-        return self.top_k_per_iter if self.top_k_per_iter is not None else (
-            self.router.top_k // self.iterations)
-
-    @property
-    def iteration_router(self) -> RouterConfig:
-        """The iterations' routers' config: ``router`` with ``score_fn`` when it is set.
-        'softmax' is CoE eq. 7: g_t,i = s_t,i for the top K_t of s_t = Softmax(e_t^T x^(t-1))
-        over all N experts, not renormalised (``router.renormalize``)."""
-        if self.score_fn is None:
-            return self.router
-        return dataclasses.replace(self.router, score_fn=self.score_fn)
-
-
-# The config class of each ``ModelConfig.block`` kind, and the kinds.
-BLOCK_CONFIGS = {cls.kind: cls for cls in (DenseConfig, MoEConfig, CoEConfig, DoEConfig)}
-BLOCK_TYPES = tuple(BLOCK_CONFIGS)

@@ -8,7 +8,7 @@ gin binds these classes under the same names (``ModelConfig.d_model = 512``,
 ``ModelConfig.block = 'coe'``, ``RouterConfig.top_k = 8``) through :mod:`dagmoe_jax.run.gin`,
 which registers them as external configurables: gin bindings never change what plain Python
 construction gives. See ``configs/`` for the paper's models. The block families' configs are
-:mod:`dagmoe_jax.config.blocks`.
+in their families' packages (:mod:`dagmoe_jax.config.families`).
 """
 
 from __future__ import annotations
@@ -16,19 +16,27 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Union
 
-from dagmoe_jax.config.blocks import (BLOCK_CONFIGS, BLOCK_TYPES, DISPATCH_MODES, RETIRED_DISPATCH,
-                                      CoEConfig, DenseConfig, MoEConfig, default_ffn_hidden,
+from dagmoe_jax.config.blocks import (DISPATCH_MODES, RETIRED_DISPATCH, default_ffn_hidden,
                                       nested_configs)
-from dagmoe_jax.config.doe import DoEConfig
 from dagmoe_jax.config.execution import ExecutionConfig
+from dagmoe_jax.config.families import FAMILIES
+# The block families, each registering its config as it is imported (one line a family, in
+# the order BLOCK_TYPES lists them).
+from dagmoe_jax.families.dense.config import DenseConfig  # pylint: disable=wrong-import-order
+from dagmoe_jax.families.moe.config import MoEConfig  # pylint: disable=wrong-import-order
+from dagmoe_jax.families.coe.config import CoEConfig  # pylint: disable=wrong-import-order
+from dagmoe_jax.families.doe.config import DoEConfig  # pylint: disable=wrong-import-order
 from dagmoe_jax.validate import check as _check, choice as _choice, positive as _positive
 
 DTYPES = ("float32", "bfloat16")
 ROPE_SCALINGS = ("none", "llama3", "linear")
 # RMSNorm of the queries and keys before RoPE (ModelConfig.qk_norm).
 QK_NORMS = ("none", "head", "full")
-# A ModelConfig.block: the config of one block family (dagmoe_jax.config.blocks).
+# A ModelConfig.block: the config of one block family (dagmoe_jax.config.families).
 BlockConfig = Union[DenseConfig, MoEConfig, CoEConfig, DoEConfig]
+# The config class of each ``ModelConfig.block`` kind, and the kinds.
+BLOCK_CONFIGS = {kind: family.config for kind, family in FAMILIES.items()}
+BLOCK_TYPES = tuple(BLOCK_CONFIGS)
 # The fields each block family held at the top level of a ModelConfig before ModelConfig.block
 # held the family's config (ModelConfig.migrate moves them).
 _LEGACY_BLOCK_FIELDS = ("router", "experts", "aggregation", "coe", "doe", "ffn_hidden")
@@ -77,7 +85,7 @@ class ModelConfig:
     vocab_size: embedding and LM-head rows (256 = bytes; the paper used Llama-3's 128,256).
     d_model, num_layers, num_heads, num_kv_heads: Table 3 (s: 512, 4, 32, 8).
     head_dim: None means d_model // num_heads.
-    block: the FFN block's family and its config (:mod:`dagmoe_jax.config.blocks`):
+    block: the FFN block's family and its config (:mod:`dagmoe_jax.config.families`):
       ``DenseConfig`` (one SwiGLU), ``MoEConfig`` (router + experts + aggregation: sum, DAG or
       MLP; the default, with the paper's small model's router and experts), ``CoEConfig``
       (Chain-of-Experts) or ``DoEConfig`` (Decoupling of Experts). A family's name ('dense',
@@ -223,16 +231,9 @@ def _legacy_block(blob: dict) -> dict:
     """The ``block`` of a config saved while the block families' fields sat at the top level
     (the family's name in ``block``; :meth:`ModelConfig.migrate`)."""
     kind = blob.get("block", "moe")
-    if kind == "dense":
-        return {"kind": kind, "ffn_hidden": blob.get("ffn_hidden")}
-    if kind == "doe":                       # its FFN defaulted to the model's ffn_hidden
-        doe = dict(blob.get("doe") or {})
-        return {**doe, "kind": kind, "ffn_hidden": doe.get("ffn_hidden") or blob.get("ffn_hidden")}
-    routed = {"kind": kind, "router": blob.get("router") or {},
-              "experts": blob.get("experts") or {}}
-    if kind == "coe":                       # the chain summed: its aggregation was always 'sum'
-        return {**(blob.get("coe") or {}), **routed}
-    return {**routed, "aggregation": blob.get("aggregation") or {}}
+    if kind not in BLOCK_CONFIGS:           # the family check that follows names the choices
+        return {"kind": kind}
+    return {"kind": kind, **BLOCK_CONFIGS[kind].from_legacy(blob)}
 
 
 def _build(cls, blob: dict):

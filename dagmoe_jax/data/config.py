@@ -152,8 +152,8 @@ class DataConfig:
     task_min_size, task_max_size: synthetic problem sizes are uniform in this range (default
       4..12), for training and for evaluation.
     worker_count: grain worker processes for the training pipeline (default 0: in-process).
-    topics_dir: DoE only: a saved topic model (:mod:`dagmoe_jax.data.topics`) to label the data
-      with; '' (default) fits online LDA on the training documents when the run starts. Either
+    topics_dir: DoE only: a saved topic model (:mod:`dagmoe_jax.families.doe.topics`) to label the
+      data with; '' (default) fits online LDA on the training documents when the run starts. Either
       way the run keeps its copy in ``<run_dir>/topics`` and a resume uses that.
     packing: ``instruct:`` sources only: True (default) packs whole examples first fit into
       rows of seq_len + 1 (segment ids keep them apart); False puts one example per row, padded

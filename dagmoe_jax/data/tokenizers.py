@@ -65,7 +65,7 @@ class Tokenizer(abc.ABC):
 
     def piece_bytes(self) -> list[bytes]:
         """Each id's text as utf-8 bytes, decoded alone: DoE aligns tokens with words through
-        these (:mod:`dagmoe_jax.data.topics.assign`)."""
+        these (:mod:`dagmoe_jax.families.doe.topics.assign`)."""
         return [self.decode([i]).encode("utf-8") for i in range(self.vocab_size)]
 
 

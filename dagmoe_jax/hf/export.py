@@ -37,12 +37,12 @@ def hf_family(cfg: ModelConfig) -> str:
     """The Hugging Face ``model_type`` a model of ``cfg`` is exported as: 'llama' for a dense
     model, an MoE's family (:func:`~dagmoe_jax.hf.moe.export_family`); else a one-line
     ValueError."""
-    if cfg.block.kind == "dense":
+    if cfg.block.hf_family == "llama":
         if cfg.qk_norm != "none":
             raise ValueError(f"ModelConfig.qk_norm={cfg.qk_norm!r} cannot be exported as a "
                              f"Hugging Face Llama, which normalises neither queries nor keys")
         return "llama"
-    if cfg.block.kind != "moe":
+    if cfg.block.hf_family is None:
         raise ValueError(f"ModelConfig.block={cfg.block.kind!r} has no Hugging Face family: a "
                          f"dense model exports as a Llama, an MoE (block='moe') as Mixtral, "
                          f"OLMoE or Qwen3-MoE")

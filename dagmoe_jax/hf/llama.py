@@ -38,7 +38,7 @@ from dagmoe_jax.data.tokenizers import folder_config, token_text
 from dagmoe_jax.hf.moe import FAMILIES as MOE_FAMILIES
 from dagmoe_jax.hf.moe import layer_tensor_names, moe_block_config, moe_block_params
 from dagmoe_jax.hf.rope import rope_from_hf
-from dagmoe_jax.model.conversion import converted_config, converted_params
+from dagmoe_jax.families.moe.conversion import converted_config, converted_params
 from dagmoe_jax.model.params import set_params
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.model.settle import settle
@@ -213,7 +213,7 @@ def layer_names(i: int) -> Dict[str, str]:
 def backbone_keys(cfg: ModelConfig) -> Tuple[str, ...]:
     """The :func:`layer_names` keys a model of ``cfg`` reads besides its block's own."""
     keys = ("attn_norm", "q", "k", "v", "o", "block_norm")
-    keys += ("gate", "up", "down") if cfg.block.kind == "dense" else ()
+    keys += ("gate", "up", "down") if cfg.block.hf_family == "llama" else ()
     return keys + (("q_norm", "k_norm") if cfg.qk_norm != "none" else ())
 
 
@@ -269,7 +269,7 @@ def hf_tensors_to_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], tie
         ("attn", "w_o"): ("o", (d, h * hd), lambda w: w.T.reshape(h, hd, d)),
         ("block_norm", "scale"): ("block_norm", (d,), lambda w: w),
     }
-    if cfg.block.kind == "dense":
+    if cfg.block.hf_family == "llama":             # the dense block: Llama's MLP
         per_layer.update({("block", "w_gate"): ("gate", (f, d), lambda w: w.T),
                           ("block", "w_up"): ("up", (f, d), lambda w: w.T),
                           ("block", "w_down"): ("down", (d, f), lambda w: w.T)})
@@ -295,7 +295,7 @@ def load_hf_llama(path: PathLike, *, rngs: Optional[nnx.Rngs] = None,
     ``execution``: how it runs (default every choice 'auto'), settled for this machine
     (:func:`dagmoe_jax.model.settle.settle`; ``model.execution``). ``convert_to``: a block
     config an MoE checkpoint is converted to at its outputs
-    (:mod:`dagmoe_jax.model.conversion`: a DAG-MoE ``MoEConfig`` or a ``CoEConfig``; the
+    (:mod:`dagmoe_jax.families.moe.conversion`: a DAG-MoE ``MoEConfig`` or a ``CoEConfig``; the
     parameters the checkpoint does not hold initialised from ``rngs``). Returns (model,
     ModelConfig).
     """

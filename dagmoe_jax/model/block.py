@@ -2,8 +2,9 @@
 
 Every block (dense SwiGLU, MoE with any aggregator and shared experts, Chain-of-Experts, DoE)
 is a module called the same way, ``block(inputs: BlockInputs) -> (out, BlockStats)``, and is
-found by its ``ModelConfig.block`` name in one table (:data:`dagmoe_jax.model.transformer.BLOCKS`),
-so :class:`~dagmoe_jax.model.transformer.DecoderLayer` has no branch per block type. It is built
+found through its family's registration (the ``BLOCK`` of ``dagmoe_jax.families.<kind>.block``,
+:func:`dagmoe_jax.model.transformer.block_class`), so
+:class:`~dagmoe_jax.model.transformer.DecoderLayer` has no branch per block type. It is built
 as ``Block(cfg, execution, layout, rngs=...)``: the model config, how it runs on this machine
 (a settled ``ExecutionConfig``) and the mesh its dispatch spans (None: one device).
 
@@ -51,7 +52,7 @@ class BlockStats(NamedTuple):
       buffer dropped;
     expert_load [N]: share of routing slots (or of gate mass) per expert;
     record: the intermediates analysis reads, when the block's ``record_intermediates`` is on;
-    extra: the family's own statistics (DoE: :class:`~dagmoe_jax.model.doe.block.DoEStats`);
+    extra: the family's own statistics (DoE: :class:`~dagmoe_jax.families.doe.block.DoEStats`);
     router_counts [R, N] int32: with auxiliary-loss-free balancing, each of the block's R
       routers' assignments per expert, in the order of its ``balanced_routers()`` (the
       training step moves their selection biases by them); None without.

@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 
 from dagmoe_jax.config import (ExecutionConfig, ModelConfig, dag_aggregation_of, experts_of,
-                              router_of)
+                              family_of, router_of)
 from dagmoe_jax.kernels.attention import fused_attention_unavailable, kernel_needs_build
 from dagmoe_jax.kernels.dag_module import dag_module_needs_build, dag_module_unavailable
 from dagmoe_jax.kernels.gpu_grouped_matmul import mgpu_unsupported, triton_unsupported
@@ -62,7 +62,6 @@ from dagmoe_jax.kernels.grouped_matmul import (grouped_matmul_needs_build,
                                                grouped_matmul_unavailable)
 from dagmoe_jax.kernels.pallas import gmm_supported
 from dagmoe_jax.kernels.triton_dag_module import triton_dag_unsupported
-from dagmoe_jax.model.doe.knowledge_blocks import block_hidden
 from dagmoe_jax.parallel.axes import MeshLayout
 
 
@@ -235,15 +234,10 @@ def settle_loss_chunk(tokens: int, backend: str) -> int:
 
 
 def grouped_matmul_width(cfg: ModelConfig) -> int:
-    """The hidden width of the grouped matmuls the block family runs: the routed experts' d_r
-    (MoE, CoE), or one knowledge block's h_b (DoE's 'blocks' reading). A family that runs none
-    (dense, DoE's 'composed' reading) gets d_model: what it settles to is never used."""
-    experts = experts_of(cfg.block)
-    if experts is not None:
-        return experts.expert_hidden
-    if cfg.block.kind == "doe" and cfg.block.expert == "blocks":
-        return block_hidden(cfg)
-    return cfg.d_model
+    """The hidden width of the grouped matmuls the block family runs (its ``accounting``
+    module's ``grouped_matmul_width``: the routed experts' d_r, DoE's knowledge blocks' h_b; a
+    family that runs none gives d_model, what it settles to never used)."""
+    return family_of(cfg.block).part("accounting").grouped_matmul_width(cfg)
 
 
 def settle(cfg: ModelConfig, execution: Optional[ExecutionConfig] = None, *,

@@ -35,21 +35,20 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dagmoe_jax.config import ExecutionConfig, ModelConfig, router_of
+from dagmoe_jax.config import ExecutionConfig, ModelConfig, family_of, router_of
 from dagmoe_jax.model.attention import Attention, KVCache, rope_angles
 from dagmoe_jax.model.block import BlockContext, BlockInputs, BlockStats
-from dagmoe_jax.model.coe import CoEBlock
-from dagmoe_jax.model.doe.block import DoEBlock
 from dagmoe_jax.model.layers import RMSNorm, dtype_of, make_param, normal
 from dagmoe_jax.model.settle import settle
 from dagmoe_jax.model.segments import check_segment_ids, segment_positions
 from dagmoe_jax.parallel import constrain
-from dagmoe_jax.model.dense import DenseBlock
-from dagmoe_jax.model.moe import MoEBlock
 from dagmoe_jax.parallel.axes import MeshLayout
 
-# The block of each ``ModelConfig.block`` (the block protocol: dagmoe_jax.model.block).
-BLOCKS = {"dense": DenseBlock, "moe": MoEBlock, "coe": CoEBlock, "doe": DoEBlock}
+def block_class(cfg: ModelConfig) -> type:
+    """The block of ``cfg``'s family (its ``block`` module's ``BLOCK``; the block protocol:
+    :mod:`dagmoe_jax.model.block`)."""
+    return family_of(cfg.block).part("block").BLOCK
+
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -71,7 +70,7 @@ class DecoderLayer(nnx.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         self.attn = Attention(cfg, execution, layout, rngs=rngs)
         self.block_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
-        self.block = BLOCKS[cfg.block.kind](cfg, execution, layout, rngs=rngs)
+        self.block = block_class(cfg)(cfg, execution, layout, rngs=rngs)
 
     def __call__(self, h: jax.Array, sin: jax.Array, cos: jax.Array,
                  cache: Optional[KVCache] = None, start: Optional[jax.Array] = None,
@@ -119,7 +118,7 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         self.lm_head = make_param(rngs, normal(cfg.init_std), (cfg.d_model, cfg.vocab_size),
                                   ("embed", "vocab"), pd)
-        shared = getattr(BLOCKS[cfg.block.kind], "shared", None)
+        shared = getattr(block_class(cfg), "shared", None)
         if shared is not None:            # the block family's parameters outside the layers
             setattr(self, cfg.block.kind, shared(cfg, rngs=rngs))
 
@@ -146,7 +145,7 @@ class Transformer(nnx.Module):
         batch's per-token ``features`` (DoE: ``{'topics': [B, S]}``, the causal input topic
         ids) and ``noise``, a key for its training noise (DoE's VAE sampling; without it the
         router uses z = mu). Its own statistics, stacked over layers, are ``aux['extra']``
-        (DoE: :class:`~dagmoe_jax.model.doe.block.DoEStats`).
+        (DoE: :class:`~dagmoe_jax.families.doe.block.DoEStats`).
 
         ``segment_ids`` int [B, S] packs several examples in a row (equal nonzero ids: one
         example, 0: padding; docs/design.md section 1): RoPE positions restart at 0 at each

@@ -33,7 +33,7 @@ import jax
 import optax
 from flax import nnx
 
-from dagmoe_jax.config import router_of
+from dagmoe_jax.config import aggregation_of, experts_of, router_of
 from dagmoe_jax.run.config import OptimConfig
 
 
@@ -165,24 +165,23 @@ def check_trainable(model_cfg, trainable: str) -> None:
     """One-line error when ``trainable`` leaves nothing to learn in ``model_cfg``: 'router' on
     a model without routers, or on softmax gates renormalised over top_k = 1 (the gate is
     always 1, so the router gets no gradient; DUME+ needs top_k >= 2); 'non_experts' or
-    'router_and_gates' on a dense model (no routed experts). 'router_and_gates' at top_k = 1
-    is allowed: its experts' ``w_gate`` still learn (the authors' top-1 runs)."""
-    if trainable in ("non_experts", "router_and_gates") and model_cfg.block.kind == "dense":
-        raise ValueError(f"TrainConfig.trainable={trainable!r} on a dense model: it has no "
-                         f"routed experts (use 'all')")
-    if trainable == "aggregator" and (model_cfg.block.kind != "moe"
-                                      or model_cfg.block.aggregation.kind == "sum"):
+    'router_and_gates' on a model without routed experts (dense, DoE). 'router_and_gates' at
+    top_k = 1 is allowed: its experts' ``w_gate`` still learn (the authors' top-1 runs)."""
+    experts, aggregation = experts_of(model_cfg.block), aggregation_of(model_cfg.block)
+    if trainable in ("non_experts", "router_and_gates") and experts is None:
+        raise ValueError(f"TrainConfig.trainable={trainable!r} on a {model_cfg.block.label} "
+                         f"model: it has no routed experts (use 'all')")
+    if trainable == "aggregator" and (aggregation is None or aggregation.kind == "sum"):
         raise ValueError("TrainConfig.trainable='aggregator' needs a DAG or MLP aggregator "
                          "(AggregationConfig.kind='dag' or 'mlp'): this model has none")
-    if trainable == "shared" and (model_cfg.block.kind != "moe"
-                                  or model_cfg.block.experts.num_shared == 0):
+    if trainable == "shared" and (experts is None or experts.num_shared == 0):
         raise ValueError("TrainConfig.trainable='shared' needs shared experts "
                          "(ExpertConfig.num_shared >= 1): this model has none")
     if trainable != "router":
         return
-    if model_cfg.block.kind == "dense":
-        raise ValueError("TrainConfig.trainable='router' on a dense model: it has no router "
-                         "(use 'all')")
+    if router_of(model_cfg.block) is None:
+        raise ValueError(f"TrainConfig.trainable='router' on a {model_cfg.block.label} model: "
+                         f"it has no router (use 'all')")
     r = router_of(model_cfg.block)
     if r is not None and r.top_k == 1 and r.renormalize:
         raise ValueError("TrainConfig.trainable='router' with RouterConfig.top_k=1 and "

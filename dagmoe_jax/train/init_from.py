@@ -13,7 +13,7 @@ another tokenizer is otherwise a one-line error.
 architecture (a field differing from both ModelConfig's default and the source's value) is a
 one-line error. Two exceptions: how routers are trained (``ROUTER_TRAINING_FIELDS``: balance
 losses, auxiliary-loss-free balancing) is the gin config's; an MoE source and a DAG-MoE or
-CoE gin config give the source converted at its outputs (:mod:`dagmoe_jax.model.conversion`;
+CoE gin config give the source converted at its outputs (:mod:`dagmoe_jax.families.moe.conversion`;
 the gin config's DAG module or chain, the source's router and experts).
 :func:`load_initial_params` copies the source's parameters (and its routers' selection
 biases) into the freshly built (possibly sharded) model; the optimiser keeps its fresh state.
@@ -35,7 +35,7 @@ from dagmoe_jax.config import ROUTER_TRAINING_FIELDS, ModelConfig, RouterConfig,
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.hf.llama import load_hf_llama, model_config_from_hf, read_hf_config
 from dagmoe_jax.hf.run import hf_folder, is_hf
-from dagmoe_jax.model.conversion import converted_config, converted_params, is_conversion
+from dagmoe_jax.families.moe.conversion import converted_config, converted_params, is_conversion
 from dagmoe_jax.model.router import SelectionBias
 from dagmoe_jax.run.checkpoint_files import flatten_json
 
@@ -194,14 +194,14 @@ def load_initial_params(model: nnx.Module, init_from: str,
     """Set ``model``'s parameters (and selection biases) to those of ``init_from``, each placed
     with the sharding of the variable it replaces; returns a one-line description of what was
     loaded. A model that converts its MoE source (:func:`source_model_config`) takes the
-    converted parameters (:mod:`dagmoe_jax.model.conversion`), and those the source has no
+    converted parameters (:mod:`dagmoe_jax.families.moe.conversion`), and those the source has no
     counterpart of (the DAG module; selection biases, zero) keep their initialisation."""
     have, source_cfg, what = _source_params(init_from, log)
     target = dict(nnx.to_flat_state(nnx.state(model, CARRIED)))
     converting = is_conversion(source_cfg, model.cfg.block)
     if converting:
         have = dict(converted_params(have.items(), source_cfg, model.cfg))
-        what += f", converted to {'CoE' if model.cfg.block.kind == 'coe' else 'DAG-MoE'}"
+        what += f", converted to {model.cfg.block.label}"
     # What the source has no counterpart of keeps its initialisation: a conversion's new
     # parameters (the DAG module), and selection biases a source without them starts at zero.
     fresh = {path for path in set(target) - set(have)

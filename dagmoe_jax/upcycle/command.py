@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from dagmoe_jax import run as run_lib
-from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.config import DenseConfig, ModelConfig
 from dagmoe_jax.data import DataConfig, make_tokenizer, train_records
 from dagmoe_jax.data.config import parse_source
 from dagmoe_jax.data.instruct import instruct_dataset, is_instruct
@@ -83,7 +83,7 @@ def load_dense(path: str) -> DenseSource:
         return DenseSource(model, cfg, None)
     loaded = run_lib.load_run(directory)
     model_cfg = run_lib.load_configs(directory)[0]
-    if model_cfg.block.kind != "dense":
+    if not isinstance(model_cfg.block, DenseConfig):
         raise ValueError(f"{path} holds a block={model_cfg.block.kind!r} model: DUME merges dense "
                          f"models (block='dense')")
     return DenseSource(loaded.model, model_cfg, loaded.data_cfg)

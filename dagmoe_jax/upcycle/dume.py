@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dagmoe_jax.config import DenseConfig, block_summary
+from dagmoe_jax.config import DenseConfig, MoEConfig, block_summary
 from dagmoe_jax.analysis.collect import record
 from dagmoe_jax.model.attention import rope_angles
 from dagmoe_jax.model.layers import dtype_of, swiglu
@@ -57,7 +57,7 @@ def forced_forward(model: nnx.Module, tokens: jax.Array, expert: jax.Array, head
     (a float32 copy of the model as temporaries); a loop over static slices inside the
     program materialised every slice at once."""
     cfg = model.cfg
-    if cfg.block.kind != "moe" or cfg.block.aggregation.kind != "sum":
+    if not isinstance(cfg.block, MoEConfig) or cfg.block.aggregation.kind != "sum":
         raise ValueError(f"forced routing needs a merged MoE with aggregation 'sum' (this is "
                          f"{block_summary(cfg.block)}): collect statistics before upcycling "
                          f"into a DAG")

@@ -16,8 +16,8 @@ from typing import Sequence, Tuple
 import numpy as np
 from flax import nnx
 
-from dagmoe_jax.config import (AggregationConfig, ExecutionConfig, ExpertConfig, ModelConfig,
-                               MoEConfig, RouterConfig)
+from dagmoe_jax.config import (AggregationConfig, DenseConfig, ExecutionConfig, ExpertConfig,
+                               ModelConfig, MoEConfig, RouterConfig)
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.model.params import flat_params, set_params
 from dagmoe_jax.run.checkpoint_files import flatten_json
@@ -37,7 +37,7 @@ def dume_config(dense: ModelConfig, num_experts: int, *, top_k: int = 1,
     of them. No balance or z-loss
     (the paper found load balancing had no effect on DUME+ / BTX and trains without it).
     """
-    if dense.block.kind != "dense":
+    if not isinstance(dense.block, DenseConfig):
         raise ValueError(f"ModelConfig.block={dense.block.kind!r}: DUME merges dense models "
                          f"(block='dense')")
     if num_experts < 1:
@@ -55,7 +55,7 @@ def dume_config(dense: ModelConfig, num_experts: int, *, top_k: int = 1,
 
 def check_dume_config(cfg: ModelConfig) -> None:
     """Refuse an MoE config DUME's routers and dispatch cannot run (one-line errors)."""
-    if cfg.block.kind != "moe":
+    if not isinstance(cfg.block, MoEConfig):
         raise ValueError(f"ModelConfig.block={cfg.block.kind!r}: a DUME model is block='moe'")
     if cfg.block.experts.dispatch == "capacity":
         raise ValueError("ExpertConfig.dispatch='capacity' is invalid for a DUME model: use "
@@ -79,7 +79,7 @@ def check_same_architecture(cfgs: Sequence[ModelConfig], names: Sequence[str] = 
     names = list(names) or [f"model {i}" for i in range(len(cfgs))]
     first = architecture_fields(cfgs[0])
     for cfg, name in zip(cfgs[1:], names[1:]):
-        if cfg.block.kind != "dense":
+        if not isinstance(cfg.block, DenseConfig):
             raise ValueError(f"{name} is block={cfg.block.kind!r}: DUME merges dense models")
         for field, value in architecture_fields(cfg).items():
             if value != first[field]:

@@ -2,9 +2,9 @@
 
 Tokens and words are aligned through bytes: a token's text is its *piece* (its id decoded alone,
 :meth:`~dagmoe_jax.data.tokenizers.Tokenizer.piece_bytes`), a record's text is the concatenation
-of its tokens' pieces, and the words (:func:`~dagmoe_jax.data.topics.lda.word_spans`) are found in
-that text. Everything is therefore a function of the token ids alone, the same in training and
-in generation. A token belongs to the word its bytes overlap (the last such word if several).
+of its tokens' pieces, and the words (:func:`~dagmoe_jax.families.doe.topics.lda.word_spans`) are
+found in that text. Everything is therefore a function of the token ids alone, the same in training
+and in generation. A token belongs to the word its bytes overlap (the last such word if several).
 
 * **Expert label** (DoE sec. 3.2, Appendix A.2): ``y_t = argmax_k theta_(d,k) beta_(k,w_t)``
   for the word w_t of token t, with theta_d the LDA posterior of the whole record (a target may
@@ -30,7 +30,7 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from dagmoe_jax.data.topics.lda import WORD_PATTERN, TopicModel, word_spans
+from dagmoe_jax.families.doe.topics.lda import WORD_PATTERN, TopicModel, word_spans
 
 
 def piece_table(tokenizer) -> List[bytes]:

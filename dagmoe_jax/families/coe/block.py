@@ -31,7 +31,7 @@ from dagmoe_jax.config import ExecutionConfig, ModelConfig
 from dagmoe_jax.model.aggregation import weighted_sum
 from dagmoe_jax.model.block import BlockInputs, routed_stats
 from dagmoe_jax.model.layers import make_param
-from dagmoe_jax.model.moe import routed_experts, shared_experts
+from dagmoe_jax.families.moe.block import routed_experts, shared_experts
 from dagmoe_jax.model.router import Router
 from dagmoe_jax.parallel.axes import MeshLayout
 
@@ -116,3 +116,7 @@ class CoEBlock(nnx.Module):
         """The routers whose selection bias the training step moves, in the order of the
         stats' ``router_counts`` rows: one per iteration, or the one shared router."""
         return list(self.routers)
+
+
+# The family's block (dagmoe_jax.config.families).
+BLOCK = CoEBlock

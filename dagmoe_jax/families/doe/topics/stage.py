@@ -3,8 +3,8 @@
 A DoE run (``block='doe'`` with ``DoEConfig.use_topics``) needs its topic model before its first
 batch: :func:`run_topics` loads ``<run_dir>/topics`` when the run has one (a resume), else copies
 ``DataConfig.topics_dir`` (a model fitted earlier) into it, else fits online LDA on the run's
-training documents (:func:`~dagmoe_jax.data.topics.lda.fit_topics`) and saves it there. A resume
-therefore always labels its data with the topics the run started with.
+training documents (:func:`~dagmoe_jax.families.doe.topics.lda.fit_topics`) and saves it there. A
+resume therefore always labels its data with the topics the run started with.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Optional
 
-from dagmoe_jax.data.topics.lda import ARTIFACT_ARRAYS, TopicConfig, TopicModel, fit_topics
+from dagmoe_jax.families.doe.topics.lda import ARTIFACT_ARRAYS, TopicConfig, TopicModel, fit_topics
 from dagmoe_jax.data.splits import train_source
 
 RUN_TOPICS_DIR = "topics"

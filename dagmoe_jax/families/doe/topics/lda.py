@@ -10,7 +10,7 @@ Words (our reading; the paper does not say): maximal ASCII runs ``\\b[A-Za-z][A-
 of the utf-8 bytes, lower-cased, at least two characters, scikit-learn's English stop words
 removed, and only the ``vocab_size`` most frequent that occur in at least ``min_df`` documents.
 Anything else (punctuation, numbers, non-ASCII text, rare words) is not a word: its tokens get
-the null topic id (:mod:`dagmoe_jax.data.topics.assign`).
+the null topic id (:mod:`dagmoe_jax.families.doe.topics.assign`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from dagmoe_jax.config.doe import TopicConfig
+from dagmoe_jax.families.doe.config import TopicConfig
 from dagmoe_jax.validate import positive as _positive
 
 # scikit-learn's E-step (``transform``) runs through its joblib wrapper; called from the data
@@ -175,7 +175,7 @@ class TopicModel:
         missing = [p for p in paths if not os.path.isfile(p)]
         if missing:
             raise ValueError(f"topic model {directory!r} is incomplete: {missing[0]} is missing "
-                             "(fit one with dagmoe_jax.data.topics.fit_topics and save it there)")
+                             "(fit one with dagmoe_jax.families.doe.topics.fit_topics and save it there)")
         with np.load(paths[0]) as arrays:
             components = arrays["components"]
         with open(paths[1], encoding="utf-8") as f:

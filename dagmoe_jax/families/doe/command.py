@@ -1,11 +1,12 @@
-"""Fit DoE's Stage 1 (online LDA) ahead of training and save it for ``DataConfig.topics_dir``.
+"""Fit DoE's Stage 1 (online LDA) ahead of training and save it for ``DataConfig.topics_dir``
+(``dagmoe-topics``, or ``python -m dagmoe_jax.families.doe.command``).
 
-    python -m dagmoe_jax.cli.topics --gin_file=train/doe_smoke.gin \\
+    dagmoe-topics --gin_file=train/doe_smoke.gin \\
         --gin.DataConfig.source="'text:notes/*.txt'" --out=topics/notes --max_documents=50000
 
 The training documents and K (``DoEConfig.num_topics``) come from the gin files and bindings, as
-for ``train.py``; the flags set the LDA fit (:class:`~dagmoe_jax.data.topics.TopicConfig`):
---vocab_size, --min_df, --max_documents, --max_iter, --batch_size, --seed. Prints each topic's
+for ``train.py``; the flags set the LDA fit
+(:class:`~dagmoe_jax.families.doe.topics.TopicConfig`): --vocab_size, --min_df, --max_documents, --max_iter, --batch_size, --seed. Prints each topic's
 top words. Exit status: 0 done, 2 invalid arguments or data (a one-line message).
 """
 
@@ -20,7 +21,8 @@ from dagmoe_jax.command_line import (USER_ERRORS, OneLineParser, gin_flag_bindin
 
 
 def main(argv=None) -> int:
-    from dagmoe_jax.data.topics.lda import TopicConfig  # pylint: disable=import-outside-toplevel
+    # pylint: disable=import-outside-toplevel
+    from dagmoe_jax.families.doe.topics.lda import TopicConfig
 
     parser = OneLineParser(description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -38,8 +40,8 @@ def main(argv=None) -> int:
         return report_error(ValueError(f"unknown argument {unknown[0]!r}"))
     try:
         from dagmoe_jax.run.gin import load_configs  # pylint: disable=import-outside-toplevel
-        from dagmoe_jax.data.topics.lda import fit_topics  # pylint: disable=import-outside-toplevel
-        from dagmoe_jax.data.topics.stage import training_documents  # pylint: disable=import-outside-toplevel
+        from dagmoe_jax.families.doe.topics.lda import fit_topics  # pylint: disable=import-outside-toplevel
+        from dagmoe_jax.families.doe.topics.stage import training_documents  # pylint: disable=import-outside-toplevel
 
         model_cfg, data_cfg, _, _ = load_configs(args.gin_file, bindings)
         cfg = TopicConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TopicConfig)

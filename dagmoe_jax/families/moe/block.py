@@ -73,3 +73,7 @@ class MoEBlock(nnx.Module):
         """The routers whose selection bias the training step moves, in the order of the
         stats' ``router_counts`` rows: the one router."""
         return [self.router]
+
+
+# The family's block (dagmoe_jax.config.families).
+BLOCK = MoEBlock

@@ -10,13 +10,18 @@ paper's per-domain reading), :func:`specialisation` summarises each layer in one
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional
 
 import jax
 import numpy as np
 
 from dagmoe_jax.analysis.collect import record
 from dagmoe_jax.analysis.plots import _save, plt
+from dagmoe_jax.analysis.report import (ROUTED_PLOTS, PlotResult, analysis_batches,
+                                        training_curves)
+from dagmoe_jax.run.extensions import extension_for
+from dagmoe_jax.train.metrics import read_metrics
 
 
 def gate_profile(model, batches: Iterable[Dict[str, np.ndarray]], num_groups: int,
@@ -79,3 +84,20 @@ def plot_gate_profile(profile: np.ndarray, path, title: str = "",
     if title:
         fig.suptitle(title)
     return _save(fig, path)
+
+
+def analyze(loaded, run_dir, out_dir, data: str, max_batches: int, label: str
+            ) -> List[PlotResult]:
+    """A DoE run's analysis (:func:`dagmoe_jax.analysis.report.analyze_run` asks the family):
+    the mean gate per LDA topic and layer (``doe_gates.png``); the routed blocks' plots do not
+    apply."""
+    skipped = [PlotResult(n, None, "not a routed (MoE / CoE) block") for n in ROUTED_PLOTS]
+    skipped.append(training_curves(read_metrics(run_dir), Path(out_dir), f"{label}: "))
+    annotate = extension_for(loaded.model_cfg).prepare_run(loaded.data_cfg, run_dir, save=False)
+    if annotate is None:
+        return skipped + [PlotResult("doe_gates", None, "a no-LDA DoE run has no topic labels")]
+    batches = analysis_batches(loaded.data_cfg, loaded.tokenizer, data, max_batches, annotate)
+    profile = gate_profile(loaded.model, batches, loaded.model_cfg.block.num_topics)
+    path = plot_gate_profile(profile, Path(out_dir) / "doe_gates.png",
+                             title=f"mean gate per LDA topic (rows) and layer, {label}")
+    return skipped + [PlotResult("doe_gates", path)]

@@ -27,3 +27,7 @@ class DenseBlock(SwiGLU):
 
     def __call__(self, inputs: BlockInputs):
         return super().__call__(inputs.x), empty_stats()
+
+
+# The family's block (dagmoe_jax.config.families).
+BLOCK = DenseBlock

@@ -19,7 +19,7 @@ Our reading of the paper, choice by choice, is docs/design.md section 6. Per lay
 * Composed expert (Appendix A.1): ``e_context = G^T Z``; block output (Appendix H.2)
   ``FFN([H_enr ; e_context])``. Or (``DoEConfig.expert='blocks'``) every knowledge block owns
   an FFN slice and the output is ``sum_k G_k FFN_k(H_enr)`` over the Top-N non-zero gates
-  (:mod:`dagmoe_jax.model.doe.knowledge_blocks`).
+  (:mod:`dagmoe_jax.families.doe.knowledge_blocks`).
 * Losses (eq. 4, 7, 9): :func:`expert_loss` (cross-entropy of softmax(r) against the LDA labels),
   :func:`kl_standard_normal`, and :func:`doe_objective` assembling eq. 4 in the training step.
 """
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dagmoe_jax.config import ExecutionConfig, ModelConfig
-from dagmoe_jax.model.doe.knowledge_blocks import active_blocks, block_hidden, sparse_blocks
+from dagmoe_jax.families.doe.knowledge_blocks import active_blocks, block_hidden, sparse_blocks
 from dagmoe_jax.model.block import BlockInputs, BlockStats
 from dagmoe_jax.model.layers import dtype_of, make_param, normal, swiglu
 
@@ -154,11 +154,11 @@ def causal_topic_mixture(topics: jax.Array, topic_embed: jax.Array,
 
     ``theta(<t)_k = #{j <= t : id_j = k} / (t + 1)`` over the K + 1 ids (null K included) of
     ``topics`` [B, S]; ``topic_embed`` is E_know [K + 1, d_k]. Each id_j is computed from the
-    text strictly before token j (:func:`dagmoe_jax.data.topics.token_topics`), so the ids at
-    j <= t describe the text before t: position t sees exactly the ids the default reading's
+    text strictly before token j (:func:`dagmoe_jax.families.doe.topics.token_topics`), so the ids
+    at j <= t describe the text before t: position t sees exactly the ids the default reading's
     position t may see (its own and earlier ones), never a later one. ``counts`` [B, S, K + 1]:
     those counts given directly (KV-cache decoding, where a step's tokens do not hold the
-    history: :class:`~dagmoe_jax.data.topics.extension.TopicFeatures` carries them); None computes
+    history: :class:`~dagmoe_jax.families.doe.extension.TopicFeatures` carries them); None computes
     them as the cumulative sum of the ids' one-hots."""
     n = topic_embed.shape[0]
     if counts is None:
@@ -309,7 +309,7 @@ class DoEShared(nnx.Module):
 
         tokens [B, S], h their token embeddings, embed the embedding table (the last layer's
         reconstruction target is the next token's embedding); ``features['topics']`` [B, S]:
-        the causal input topic ids (:func:`dagmoe_jax.data.topics.token_topics`; K = null);
+        the causal input topic ids (:func:`dagmoe_jax.families.doe.topics.token_topics`; K = null);
         with ``first_input='theta'`` and a KV cache also ``features['topic_counts']``
         [B, S, K + 1] (:func:`causal_topic_mixture`); ``noise``: a key for the VAE's sampling
         (training; None: z = mu); ``decoding``: a KV cache is in use (no reconstruction
@@ -321,7 +321,7 @@ class DoEShared(nnx.Module):
             topics = jnp.full(tokens.shape, c.num_topics, jnp.int32)
         elif topics is None:
             raise ValueError("a DoE model (block='doe') needs features={'topics': [B, S]}, the "
-                             "input topic ids of the tokens (dagmoe_jax.data.topics.token_topics; "
+                             "input topic ids of the tokens (dagmoe_jax.families.doe.topics.token_topics; "
                              "batches carry them as 'topics')")
         elif tuple(topics.shape) != tuple(tokens.shape):
             raise ValueError(f"topics has shape {tuple(topics.shape)}, the tokens "
@@ -431,3 +431,7 @@ class DoEBlock(nnx.Module):
                          jnp.mean(0.5 * logvar.astype(jnp.float32)))
         record = {"gates": g32} if self.record_intermediates else None
         return out, BlockStats(zero, zero, zero, jnp.mean(share, axis=(0, 1)), record, extra)
+
+
+# The family's block (dagmoe_jax.config.families).
+BLOCK = DoEBlock

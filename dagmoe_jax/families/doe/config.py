@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from dagmoe_jax.config.families import register
 from dagmoe_jax.validate import check as _check
 from dagmoe_jax.validate import choice as _choice
 from dagmoe_jax.validate import nonnegative as _nonnegative
@@ -20,6 +21,7 @@ DOE_KNOWLEDGE_SCALES = ("d_model", "topic_dim", "head_dim")
 DOE_FIRST_INPUTS = ("topic_id", "theta")
 
 
+@register(__package__)
 @dataclasses.dataclass(frozen=True)
 class DoEConfig:
     """Decoupling-of-Experts block (docs/design.md section 6; DoE sec. 3, Appendix A).
@@ -65,17 +67,19 @@ class DoEConfig:
       static LDA topic priors"). 'topic_id' (default): the embedding of the token's one causal
       topic id, E_know[id_t] (Algorithm 1's H_know). 'theta': the causal topic distribution
       theta(<t)^T E_know, theta(<t) the running distribution over the K + 1 ids (null included)
-      of the topic ids at positions j <= t (:func:`dagmoe_jax.model.doe.block.causal_topic_mixture`).
-      Every id_j is computed from the text strictly before token j, so this is the topic
-      distribution of the text before t; leaving id_t out would drop the latest complete word
-      (the default's whole signal) and leave position 0 with no distribution. The
-      dual-input embedding keeps the id either way. The text leans to 'theta' (Stage 1's
-      document-level theta_i is otherwise unused, and "priors ... to select the initial set of
-      relevant topics" is a distribution, not an id; docs/design.md section 6); the default
-      stays the ids Algorithm 1 spells out. Needs use_topics=True (with no topics theta is the
-      null id's one-hot, the default's input).
+      of the topic ids at positions j <= t
+      (:func:`dagmoe_jax.families.doe.block.causal_topic_mixture`). Every id_j is computed from the
+      text strictly before token j, so this is the topic distribution of the text before t; leaving
+      id_t out would drop the latest complete word (the default's whole signal) and leave position 0
+      with no distribution. The dual-input embedding keeps the id either way. The text leans to
+      'theta' (Stage 1's document-level theta_i is otherwise unused, and "priors ... to select the
+      initial set of relevant topics" is a distribution, not an id; docs/design.md section 6); the
+      default stays the ids Algorithm 1 spells out. Needs use_topics=True (with no topics theta is
+      the null id's one-hot, the default's input).
     """
 
+    # No Hugging Face family holds this block (a class attribute, not a field).
+    hf_family = None
     kind: str = dataclasses.field(default="doe", init=False)
     num_topics: int = 128
     topic_dim: int = 64
@@ -128,6 +132,22 @@ class DoEConfig:
         _check(self.use_topics or self.first_input == "topic_id", c, "first_input",
                self.first_input, "'topic_id' when use_topics=False (no topics: theta would be "
                "the null id's one-hot, the same input)")
+
+    @staticmethod
+    def from_legacy(blob: dict) -> dict:
+        """This block's fields in a model config saved while they sat at its top level (under
+        ``doe``; ``ModelConfig.migrate``): its FFN defaulted to the model's ``ffn_hidden``."""
+        doe = dict(blob.get("doe") or {})
+        return {**doe, "ffn_hidden": doe.get("ffn_hidden") or blob.get("ffn_hidden")}
+
+    @property
+    def label(self) -> str:
+        """The family's name in progress lines."""
+        return "DoE"
+
+    def describe(self) -> str:
+        """The block in a few words: 'DoE of 128 topics, composed experts'."""
+        return f"DoE of {self.num_topics} topics, {self.expert} experts"
 
 
 @dataclasses.dataclass(frozen=True)

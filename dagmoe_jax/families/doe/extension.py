@@ -1,13 +1,14 @@
 """DoE's hooks into the run around the model (:class:`~dagmoe_jax.data.extension.Extension`).
 
 * the run's Stage 1: the topic model loaded from, or fitted and saved in, the run directory
-  (:func:`~dagmoe_jax.data.topics.stage.run_topics`), and the annotator that gives every record
-  its tokens' causal input topic ids and LDA expert labels (``topics``, ``topic_labels``);
+  (:func:`~dagmoe_jax.families.doe.topics.stage.run_topics`), and the annotator that gives every
+  record its tokens' causal input topic ids and LDA expert labels (``topics``, ``topic_labels``);
 * the model's extra inputs (the batch's topic ids, the training noise key) and the composite
-  loss of DoE eq. 4 (:mod:`dagmoe_jax.model.doe.objective`);
+  loss of DoE eq. 4 (:mod:`dagmoe_jax.families.doe.objective`);
 * generation's topic tracking: the causal topic id of each new token, from the text so far
-  (:class:`~dagmoe_jax.data.topics.TopicTracker`), and, with ``DoEConfig.first_input='theta'``,
-  the running counts of the ids (``topic_counts``) that the first layer's VAE mixes.
+  (:class:`~dagmoe_jax.families.doe.topics.TopicTracker`), and, with
+  ``DoEConfig.first_input='theta'``, the running counts of the ids (``topic_counts``) that the first
+  layer's VAE mixes.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from typing import Dict, Optional, Sequence
 import numpy as np
 
 from dagmoe_jax.data import make_tokenizer
-from dagmoe_jax.model.doe import objective
-from dagmoe_jax.data.topics.assign import TopicTracker, token_topics
-from dagmoe_jax.data.topics.lda import TopicModel
-from dagmoe_jax.data.topics.stage import run_topics
+from dagmoe_jax.families.doe import objective
+from dagmoe_jax.families.doe.topics.assign import TopicTracker, token_topics
+from dagmoe_jax.families.doe.topics.lda import TopicModel
+from dagmoe_jax.families.doe.topics.stage import run_topics
 from dagmoe_jax.data.extension import Extension
 
 TOPIC_KEYS = ("topics", "topic_labels")
@@ -49,8 +50,8 @@ class TopicFeatures:
 
     ``counts=True`` (``DoEConfig.first_input='theta'``) also gives ``topic_counts``
     [B, S, K + 1]: at each position the counts of the topic ids at it and before it (the running
-    distribution :func:`~dagmoe_jax.model.doe.block.causal_topic_mixture` reads, which a decode step's
-    one token cannot rebuild), carried per row across steps."""
+    distribution :func:`~dagmoe_jax.families.doe.block.causal_topic_mixture` reads, which a decode
+    step's one token cannot rebuild), carried per row across steps."""
 
     def __init__(self, model: TopicModel, pieces: Sequence[bytes], counts: bool = False):
         self.model, self.pieces, self.counts = model, list(pieces), counts
@@ -110,3 +111,7 @@ class DoEExtension(Extension):
         topics = run_topics(self.model_cfg, data_cfg, run_dir, save=False)
         return TopicFeatures(topics, tokenizer.piece_bytes(),
                              counts=self.model_cfg.block.first_input == "theta")
+
+
+# The family's hooks into the run (dagmoe_jax.config.families).
+EXTENSION = DoEExtension

@@ -2,7 +2,8 @@
 
 total = (1 - alpha) L_ntp + alpha L_expert (+ the VAE's KL and reconstruction terms), where
 L_expert is the cross-entropy of every layer's router logits against the tokens' LDA expert
-labels. The training step reaches it through :class:`~dagmoe_jax.data.topics.extension.DoEExtension`.
+labels. The training step reaches it through
+:class:`~dagmoe_jax.families.doe.extension.DoEExtension`.
 """
 
 from __future__ import annotations

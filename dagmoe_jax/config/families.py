@@ -1,0 +1,73 @@
+"""The block families' registry: each family registers its config class here, and every layer
+finds the rest of the family through it (docs/design.md section 11).
+
+A family is one package, ``dagmoe_jax.families.<kind>``, whose modules sit in the layers their
+names say (``tests/test_imports.py``):
+
+* ``config``: the family's config, a frozen dataclass registered with :func:`register`, with a
+  ``kind`` field (``init=False``, its name), a ``label`` property (its name in progress lines),
+  ``describe()`` (its shape in a few words), ``from_legacy(blob)`` (its fields in a model
+  config saved while they sat at the top level) and the class attribute ``hf_family`` (the
+  Hugging Face family it maps to, or None);
+* ``block``: the block a ``Transformer`` layer holds, as ``BLOCK`` (the block protocol:
+  :mod:`dagmoe_jax.model.block`);
+* ``accounting``: ``layer_counts(cfg)`` (one layer's parameters and FLOPs), optionally
+  ``model_counts(cfg)`` (what it holds outside the layers), and ``grouped_matmul_width(cfg)``;
+* optional: ``extension`` (its hooks into the run, as ``EXTENSION``) in the run layer;
+  ``analysis`` (its ``analyze``) and ``command`` among the tools.
+
+A layer asks for a part with :meth:`Family.part` and never names a family. Adding one is a
+package and one import line in :mod:`dagmoe_jax.config.model`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from types import ModuleType
+from typing import Dict, Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A block family: its ``kind`` (``ModelConfig.block``'s name for it), its config class and
+    the package that holds the rest of it."""
+
+    kind: str
+    config: type
+    package: str
+
+    def part(self, name: str) -> Optional[ModuleType]:
+        """The family's module ``name`` ('block', 'accounting', 'extension', 'analysis'),
+        imported on first use; None when the family has no such module."""
+        module = f"{self.package}.{name}"
+        try:
+            return importlib.import_module(module)
+        except ModuleNotFoundError as error:
+            if error.name == module:
+                return None
+            raise
+
+
+# Every registered family by kind, in the order their configs were imported.
+FAMILIES: Dict[str, Family] = {}
+
+
+def register(package: str):
+    """Class decorator of a family's config (a frozen dataclass whose ``kind`` field is its
+    name): registers it with ``package``, the family's package (its ``__package__``)."""
+
+    def add(cls: type) -> type:
+        kind = cls.kind
+        if kind in FAMILIES and FAMILIES[kind].config is not cls:
+            raise ValueError(f"two block families are named {kind!r}: "
+                             f"{FAMILIES[kind].config.__name__} and {cls.__name__}")
+        FAMILIES[kind] = Family(kind, cls, package)
+        return cls
+
+    return add
+
+
+def family_of(block) -> Family:
+    """The family of a block config (or of a family's name)."""
+    return FAMILIES[block if isinstance(block, str) else block.kind]

@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     cfg = load_model_config(["models/l.gin", "variants/moe.gin"],
                             ["ModelConfig.compute_dtype = 'bfloat16'"])
     model_flops = account(cfg, args.seq).train_flops_per_token * args.batch * args.seq / chips
-    print(f"{'who':<9}{'mesh':<22}{'GB/chip':>8}{'args':>7}{'TFLOP':>8}{'comp.TF':>8}"
+    print(f"{'who':<9}{'mesh':<24}{'GB/chip':>8}{'args':>7}{'TFLOP':>8}{'comp.TF':>8}"
           f"{'GB acc':>8}{'coll GB':>8}{'ms/step':>9}{'tok/s':>10}{'MFU':>7}{'ours/MT':>8}",
           flush=True)
     rows = []
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
         line = {}
         for who, r in (("dagmoe", ours), ("maxtext", theirs)):
             if "error" in r:
-                print(f"{who:<9}{mesh_text:<22}  {r['error']}", flush=True)
+                print(f"{who:<9}{mesh_text:<24}  {r['error']}", flush=True)
                 continue
             if who == "dagmoe":
                 t = r["programs"]["train"]
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
             tokens = args.batch * args.seq
             ratio = (f"{line['maxtext']['seconds'] / line['dagmoe']['seconds']:.3f}"
                      if who == "maxtext" and "dagmoe" in line else "")
-            print(f"{who:<9}{mesh_text:<22}{row['total'] / 1e9:>8.1f}{row['args'] / 1e9:>7.1f}"
+            print(f"{who:<9}{mesh_text:<24}{row['total'] / 1e9:>8.1f}{row['args'] / 1e9:>7.1f}"
                   f"{row['tflop'] / 1e12:>8.2f}{row['comp'] / 1e12:>8.2f}{row['hbm'] / 1e9:>8.1f}"
                   f"{row['coll'] / 1e9:>8.2f}{row['seconds'] * 1e3:>9.1f}"
                   f"{tokens / row['seconds']:>10,.0f}"
@@ -181,7 +181,8 @@ def main(argv=None) -> int:
                   flush=True)
         rows.append({"mesh": mesh_text, **line})
     versions = {k: v for r in rows for who in ("dagmoe", "maxtext") if who in r
-                for k, v in ((f"{who} {p}", x) for p, x in r[who]["versions"].items())}
+                for k, v in ((p if p == who else f"{who} {p}", x)
+                             for p, x in r[who]["versions"].items())}
     print(f"topology {args.topology}, batch {args.batch} x {args.seq}; "
           + ", ".join(f"{k} {v}" for k, v in versions.items()))
     if args.json:

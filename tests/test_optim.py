@@ -212,3 +212,36 @@ def test_optimizer_state_structure_does_not_depend_on_hyperparameters():
                   for cfg in (OptimConfig(), OptimConfig(grad_clip=0.0),
                               OptimConfig(schedule="cosine", learning_rate=1.0))}
     assert len(structures) == 1
+
+
+@pytest.mark.parametrize("block,trainable,refused", [
+    ("dense", "router", "dense model: it has no router"),
+    ("doe", "router", "DoE model: it has no router"),
+    ("doe", "non_experts", "DoE model: it has no routed experts"),
+    ("dense", "router_and_gates", "dense model: it has no routed experts"),
+    ("coe", "aggregator", "needs a DAG or MLP aggregator"),
+    ("moe", "shared", "needs shared experts"),
+    ("coe", "router", None), ("moe", "non_experts", None), ("dense", "all", None)])
+def test_a_trainable_subset_the_family_lacks_is_refused_in_one_line(block, trainable, refused):
+    """check_trainable asks the family's config (its router, routed experts, aggregation), not
+    its name: a subset that would leave nothing to learn is one line naming the family."""
+    from dagmoe_jax.run.optim import check_trainable
+    from conftest import tiny_config
+    cfg = tiny_config(block)
+    if refused is None:
+        check_trainable(cfg, trainable)
+    else:
+        with pytest.raises(ValueError, match=refused):
+            check_trainable(cfg, trainable)
+
+
+def test_shared_experts_train_alone_in_any_family_that_has_them():
+    """'shared' needs shared experts, whichever routed family holds them: a CoE with one is
+    accepted, and the subset selects exactly its shared experts' weights."""
+    from dagmoe_jax.run.optim import TRAINABLE, check_trainable
+    from conftest import tiny_config
+    cfg = tiny_config("coe", experts={"num_shared": 1, "shared_hidden": 16})
+    check_trainable(cfg, "shared")
+    model = make_model(cfg)
+    paths = [p for p, _ in nnx.to_flat_state(nnx.state(model, TRAINABLE["shared"]))]
+    assert paths and all("shared" in p for p in paths)

@@ -44,6 +44,7 @@ from dagmoe_jax.model.segments import check_segment_ids, segment_positions
 from dagmoe_jax.parallel import constrain
 from dagmoe_jax.parallel.axes import MeshLayout
 
+
 def block_class(cfg: ModelConfig) -> type:
     """The block of ``cfg``'s family (its ``block`` module's ``BLOCK``; the block protocol:
     :mod:`dagmoe_jax.model.block`)."""

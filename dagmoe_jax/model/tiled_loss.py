@@ -31,18 +31,15 @@ of all-gather a step, 20 of its 130 estimated ms.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
-from flax.core import spmd
 from jax.sharding import PartitionSpec as P
 
 from dagmoe_jax.parallel import constrain
-from dagmoe_jax.parallel.axes import logical_to_spec
-from dagmoe_jax.parallel.state import active_batch_shards, batch_axes
+from dagmoe_jax.parallel.state import active_batch_shards, active_row_axes
 
 DEFAULT_CHUNK_TOKENS = 512
 """Tokens (batch rows x positions) per chunk: 512 x 128,256 float32 logits are 263 MB, and a
@@ -99,29 +96,13 @@ def _scan(h, w, targets, weights, c: int, with_grads: bool, manual: tuple = ()):
     return jnp.sum(losses), dh, dw
 
 
-def _row_axes(rows: int):
-    """The mesh axes the batch's ``rows`` are split over when the loss can run per device
-    (:func:`_per_device`): an active mesh whose batch axes shard the rows evenly and whose
-    rules leave the vocabulary whole (a vocabulary sharded over ``tensor`` keeps the global
-    view, which splits the head's matmuls). None otherwise."""
-    rules = spmd.get_logical_axis_rules()
-    mesh = jax.sharding.get_abstract_mesh()
-    if not rules or mesh is None or mesh.empty:
-        return None
-    axes = tuple(a for a in batch_axes(rules) if mesh.shape[a] > 1)
-    shards = math.prod(mesh.shape[a] for a in axes)
-    vocab = logical_to_spec(("vocab",), rules)[0]
-    vocab = (vocab,) if isinstance(vocab, str) else tuple(vocab or ())
-    if shards == 1 or rows % shards or any(mesh.shape[a] > 1 for a in vocab):
-        return None
-    return axes
-
-
 def _per_device(h, w, targets, weights, c: int, with_grads: bool):
     """:func:`_scan` with each device scanning its own rows (this module's docstring): the
     head taken whole once, the loss and dW summed across the batch axes after the scan
-    (dW in float32, one all-reduce); the global view where :func:`_row_axes` says so."""
-    axes = _row_axes(h.shape[0])
+    (dW in float32, one all-reduce). The global view where the batch axes do not split the rows,
+    or the rules split the vocabulary (over ``tensor``: the global view splits the head's
+    matmuls; :func:`~dagmoe_jax.parallel.state.active_row_axes`)."""
+    axes = active_row_axes(h.shape[0], whole=("vocab",))
     if axes is None:
         return _scan(h, w, targets, weights, c, with_grads)
     rows = P(axes)

@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Tuple, TypeVar
+from typing import Callable, Dict, Optional, Sequence, Tuple, TypeVar
 
 import jax
 import numpy as np
@@ -107,6 +107,25 @@ def active_batch_shards() -> int:
     if not rules or mesh is None or mesh.empty:
         return 1
     return batch_shards(mesh, rules)
+
+
+def active_row_axes(rows: int, whole: Sequence[str] = ()) -> Optional[Tuple[str, ...]]:
+    """The mesh axes (of size > 1) the active mesh's batch axes split ``rows`` over, for code
+    that runs per device inside a ``shard_map``: None outside :func:`activate`, on one row
+    shard, when the shards do not divide ``rows``, or when the rules shard one of the logical
+    axes named in ``whole`` (which that code needs whole on every device)."""
+    rules = spmd.get_logical_axis_rules()
+    mesh = jax.sharding.get_abstract_mesh()
+    if not rules or mesh is None or mesh.empty:
+        return None
+    axes = tuple(a for a in batch_axes(rules) if mesh.shape[a] > 1)
+    shards = int(np.prod([mesh.shape[a] for a in axes]))
+    kept = [logical_to_spec((name,), rules)[0] for name in whole]
+    split = [a for spec in kept for a in ((spec,) if isinstance(spec, str) else tuple(spec or ()))
+             if mesh.shape[a] > 1]
+    if shards == 1 or rows % shards or split:
+        return None
+    return axes
 
 
 def shard_batch(batch: Dict[str, np.ndarray], mesh: Mesh, rules=DEFAULT_RULES,

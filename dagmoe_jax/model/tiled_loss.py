@@ -37,7 +37,6 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-
 from jax.sharding import PartitionSpec as P
 
 from dagmoe_jax.parallel import constrain
@@ -100,9 +99,9 @@ def _scan(h, w, targets, weights, c: int, with_grads: bool, manual: tuple = ()):
 
 def _per_device(h, w, targets, weights, c: int, with_grads: bool):
     """:func:`_scan` with each device scanning its own rows (this module's docstring): the
-    head taken whole once, the loss and dW summed across the batch axes after the scan
-    (dW in float32, one all-reduce). The global view where the batch axes do not split the rows,
-    or the rules split the vocabulary (over ``tensor``: the global view splits the head's
+    head taken whole once, the loss and dW summed across the batch axes after the scan (dW in
+    float32, one all-reduce). The global view where the batch axes do not split the rows, or
+    where the rules split the vocabulary (over ``tensor``: the global view splits the head's
     matmuls; :func:`~dagmoe_jax.parallel.state.active_row_axes`)."""
     axes = active_row_axes(h.shape[0], whole=("vocab",))
     if axes is None:

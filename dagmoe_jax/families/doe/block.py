@@ -321,8 +321,9 @@ class DoEShared(nnx.Module):
             topics = jnp.full(tokens.shape, c.num_topics, jnp.int32)
         elif topics is None:
             raise ValueError("a DoE model (block='doe') needs features={'topics': [B, S]}, the "
-                             "input topic ids of the tokens (dagmoe_jax.families.doe.topics.token_topics; "
-                             "batches carry them as 'topics')")
+                             "input topic ids of the tokens "
+                             "(dagmoe_jax.families.doe.topics.token_topics; batches carry them "
+                             "as 'topics')")
         elif tuple(topics.shape) != tuple(tokens.shape):
             raise ValueError(f"topics has shape {tuple(topics.shape)}, the tokens "
                              f"{tuple(tokens.shape)}: pass one topic id per token")

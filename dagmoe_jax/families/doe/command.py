@@ -6,8 +6,8 @@
 
 The training documents and K (``DoEConfig.num_topics``) come from the gin files and bindings, as
 for ``train.py``; the flags set the LDA fit
-(:class:`~dagmoe_jax.families.doe.topics.TopicConfig`): --vocab_size, --min_df, --max_documents, --max_iter, --batch_size, --seed. Prints each topic's
-top words. Exit status: 0 done, 2 invalid arguments or data (a one-line message).
+(:class:`~dagmoe_jax.families.doe.topics.TopicConfig`): --vocab_size, --min_df,
+--max_documents, --max_iter, --batch_size, --seed. Prints each topic's top words. Exit status: 0 done, 2 invalid arguments or data (a one-line message).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ def main(argv=None) -> int:
     parser.add_argument("--gin_file", action="append", default=[])
     parser.add_argument("--out", required=True, help="directory to save the topic model in")
     for field in dataclasses.fields(TopicConfig):
-        if field.name in ("vocab_size", "min_df", "max_documents", "max_iter", "batch_size", "seed"):
+        if field.name in ("vocab_size", "min_df", "max_documents", "max_iter", "batch_size",
+                          "seed"):
             parser.add_argument(f"--{field.name}", type=int, default=field.default)
     try:
         args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
@@ -39,9 +40,10 @@ def main(argv=None) -> int:
     if unknown:
         return report_error(ValueError(f"unknown argument {unknown[0]!r}"))
     try:
-        from dagmoe_jax.run.gin import load_configs  # pylint: disable=import-outside-toplevel
-        from dagmoe_jax.families.doe.topics.lda import fit_topics  # pylint: disable=import-outside-toplevel
-        from dagmoe_jax.families.doe.topics.stage import training_documents  # pylint: disable=import-outside-toplevel
+        # pylint: disable=import-outside-toplevel
+        from dagmoe_jax.run.gin import load_configs
+        from dagmoe_jax.families.doe.topics.lda import fit_topics
+        from dagmoe_jax.families.doe.topics.stage import training_documents
 
         model_cfg, data_cfg, _, _ = load_configs(args.gin_file, bindings)
         cfg = TopicConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TopicConfig)

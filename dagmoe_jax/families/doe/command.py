@@ -7,7 +7,8 @@
 The training documents and K (``DoEConfig.num_topics``) come from the gin files and bindings, as
 for ``train.py``; the flags set the LDA fit
 (:class:`~dagmoe_jax.families.doe.topics.TopicConfig`): --vocab_size, --min_df,
---max_documents, --max_iter, --batch_size, --seed. Prints each topic's top words. Exit status: 0 done, 2 invalid arguments or data (a one-line message).
+--max_documents, --max_iter, --batch_size, --seed. Prints each topic's top words. Exit status:
+0 done, 2 invalid arguments or data (a one-line message).
 """
 
 from __future__ import annotations

@@ -88,10 +88,15 @@ def batch_sharding(mesh: Mesh, ndim: int, rules=DEFAULT_RULES) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules))
 
 
+def mesh_axes(name: str, rules=DEFAULT_RULES) -> Tuple[str, ...]:
+    """The mesh axes the logical axis ``name`` maps to under ``rules`` (maybe none)."""
+    spec = logical_to_spec((name,), rules)[0]
+    return (spec,) if isinstance(spec, str) else tuple(spec or ())
+
+
 def batch_axes(rules=DEFAULT_RULES) -> Tuple[str, ...]:
     """The mesh axes a batch's rows are sharded over (the ``batch`` rule)."""
-    spec = logical_to_spec(("batch",), rules)[0]
-    return (spec,) if isinstance(spec, str) else tuple(spec or ())
+    return mesh_axes("batch", rules)
 
 
 def batch_shards(mesh, rules=DEFAULT_RULES) -> int:
@@ -120,9 +125,7 @@ def active_row_axes(rows: int, whole: Sequence[str] = ()) -> Optional[Tuple[str,
         return None
     axes = tuple(a for a in batch_axes(rules) if mesh.shape[a] > 1)
     shards = int(np.prod([mesh.shape[a] for a in axes]))
-    kept = [logical_to_spec((name,), rules)[0] for name in whole]
-    split = [a for spec in kept for a in ((spec,) if isinstance(spec, str) else tuple(spec or ()))
-             if mesh.shape[a] > 1]
+    split = [a for name in whole for a in mesh_axes(name, rules) if mesh.shape[a] > 1]
     if shards == 1 or rows % shards or split:
         return None
     return axes

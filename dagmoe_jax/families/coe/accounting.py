@@ -5,6 +5,8 @@ iteration (one with ``shared_router``), and the iterations' scales a_t (the conv
 from __future__ import annotations
 
 from dagmoe_jax.config import ModelConfig
+# The chain's grouped matmuls are the MoE's: the routed experts' d_r wide.
+from dagmoe_jax.families.moe.accounting import grouped_matmul_width  # noqa: F401
 from dagmoe_jax.model.accounting import Counts, routed_counts
 
 
@@ -15,8 +17,3 @@ def layer_counts(cfg: ModelConfig) -> Counts:
     return routed_counts(cfg, steps=c.iterations, k=c.resolved_top_k,
                          routers=1 if c.shared_router else c.iterations,
                          scales=c.iterations - 1 if c.iteration_scales else 0)
-
-
-def grouped_matmul_width(cfg: ModelConfig) -> int:
-    """The hidden width of the grouped matmuls the block runs: the routed experts' d_r."""
-    return cfg.block.experts.expert_hidden

@@ -155,19 +155,19 @@ def doe_metrics(run_dir: str) -> dict:
 
 def run_one(args, variant, seed, data_cfg, out: Path):
     from dagmoe_jax.model.accounting import account
-    from dagmoe_jax.run.config import TrainConfig
+    from dagmoe_jax.run.config import RunConfig
     from dagmoe_jax.train.loop import train
     from dagmoe_jax.run.config import OptimConfig
 
     model_cfg = model_config(variant, args.topics, args.seq_len)
     run_dir = out / "runs" / f"{variant}_s{seed}"
-    train_cfg = TrainConfig(steps=args.steps, seed=seed, run_dir=str(run_dir),
+    run_cfg = RunConfig(steps=args.steps, seed=seed, run_dir=str(run_dir),
                             log_every=max(1, args.steps // 4), eval_every=0,
                             eval_batches=args.eval_batches, task_eval_examples=0,
                             save_every=args.steps, tensorboard=False, async_checkpoint=False)
     optim = OptimConfig(learning_rate=3e-3, warmup_steps=max(1, min(50, args.steps // 5)))
     start = time.perf_counter()
-    result = train(model_cfg, data_cfg, optim, train_cfg, progress=False, log=lambda _m: None)
+    result = train(model_cfg, data_cfg, optim, run_cfg, progress=False, log=lambda _m: None)
     acc = account(model_cfg, args.seq_len)
     return {"variant": variant, "seed": seed, "loss": result.eval["loss"],
             "perplexity": result.eval["perplexity"], "params": acc.total_params,

@@ -7,7 +7,7 @@ the whole projections, the Switch balance loss at 0.01 and no z-loss) is pre-tra
 ``train.py``'s loop on the docstrings of Python's standard library and written by
 ``dagmoe-export`` as an OLMoE folder, which stands in for OLMoE-1B-7B. Per seed, that folder is
 fine-tuned on the installed manual pages (a new domain) for the same tokens four ways, each a
-run with ``TrainConfig.init_from='hf:FOLDER'`` as a user would start it:
+run with ``RunConfig.init_from='hf:FOLDER'`` as a user would start it:
 
   moe          as imported (its balance loss);
   dag          converted to DAG-MoE (the gin config's DAG module, d_g ``--dag_dim``, L 2;
@@ -96,16 +96,16 @@ def variant_request(args, variant: str):
 def run_config(args, run_dir: Path, steps: int, source: str, held: str, seed: int,
                learning_rate: float, init_from: str = ""):
     from dagmoe_jax.data import DataConfig
-    from dagmoe_jax.run.config import OptimConfig, TrainConfig
+    from dagmoe_jax.run.config import OptimConfig, RunConfig
     data = DataConfig(source=source, eval_source=held, seq_len=args.seq_len,
                       batch_size=args.batch, seed=seed)
     optim = OptimConfig(learning_rate=learning_rate, schedule="cosine",
                         warmup_steps=min(20, steps // 4))
-    train_cfg = TrainConfig(run_dir=str(run_dir), steps=steps, seed=seed, init_from=init_from,
+    run_cfg = RunConfig(run_dir=str(run_dir), steps=steps, seed=seed, init_from=init_from,
                             eval_every=0, save_every=steps, log_every=1,
                             eval_batches=args.eval_batches, task_eval_examples=0,
                             tensorboard=False)
-    return data, optim, train_cfg
+    return data, optim, run_cfg
 
 
 def load_imbalance(run_dir: Path) -> float:

@@ -2,7 +2,7 @@
 
 For every device count and every mesh layout that fits it (dp N; ep N; dp 2 x ep N/2;
 fsdp N/4 x ep 2 x tp 2) it builds the model and its AdamW optimizer sharded over the mesh
-(``dagmoe_jax.run.build``, the optimizer of ``make_optimizer``) and compiles the jitted
+(``dagmoe_jax.run.state.build``, the optimizer of ``make_optimizer``) and compiles the jitted
 training step (forward + backward + update). Then it times all layouts in round-robin rounds
 (``--rounds`` of ``--steps`` steps; s/step is the best of them all, so a burst of load on a
 shared machine hits the layouts alike) and reports tokens/s, the speed-up over one device,
@@ -236,9 +236,9 @@ class Row:
 def prepare_layout(name: str, mesh_cfg: MeshConfig, n: int, configs, batch: int,
                    seq: int) -> Row:
     """The sharded train state on the first ``n`` devices, its step compiled and run once."""
-    model_cfg, optim_cfg, train_cfg = configs
+    model_cfg, optim_cfg, run_cfg = configs
     mesh = make_mesh(mesh_cfg, devices=jax.devices()[:n])
-    model, optimizer, _ = build(model_cfg, optim_cfg, train_cfg, mesh)
+    model, optimizer, _ = build(model_cfg, optim_cfg, run_cfg, mesh)
     step = make_train_step()
     tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (batch, seq + 1))
     tokens = tokens.astype(np.int32)
@@ -300,8 +300,8 @@ def main(argv=None):
         p.error(f"--devices {args.devices}: expected counts from 1 to {jax.device_count()} (set "
                 f"XLA_FLAGS={_DEVICE_FLAG}=N before running for more)")
 
-    model_cfg, _, optim_cfg, train_cfg = load_configs([args.model, args.variant], args.gin)
-    configs = (model_cfg, optim_cfg, train_cfg)
+    model_cfg, _, optim_cfg, run_cfg = load_configs([args.model, args.variant], args.gin)
+    configs = (model_cfg, optim_cfg, run_cfg)
     tokens = args.batch * args.seq
     simulated = jax.devices()[0].platform == "cpu"
     print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}"

@@ -50,10 +50,10 @@ def run(args, out: Path) -> dict:
     for seed in budget.seeds:
         for trained, packing in VIEWS.items():
             run_dir = out / "runs" / ("segments" if packing else "plain") / f"seed{seed}"
-            model_cfg, data_cfg, optim_cfg, train_cfg = run_configs(budget, "moe", seed, run_dir)
+            model_cfg, data_cfg, optim_cfg, run_cfg = run_configs(budget, "moe", seed, run_dir)
             data_cfg = dataclasses.replace(data_cfg, segment_packing=packing)
             start = time.perf_counter()
-            result = train(model_cfg, data_cfg, optim_cfg, train_cfg, progress=False,
+            result = train(model_cfg, data_cfg, optim_cfg, run_cfg, progress=False,
                            log=lambda _m: None)
             if result.interrupted:
                 raise KeyboardInterrupt(f"interrupted: {run_dir} saved; run again to resume")

@@ -6,15 +6,15 @@ roofline estimate of the step with tokens/s and MFU (dagmoe_jax/compile/roofline
 ``ratio`` column divides each row's estimated step time by the MoE + shared expert row of the
 same model and topology (the paper's parity baseline: DAG-MoE L 2 measured +4.49% on A100).
 
-    python -m benchmarks.tpu_compile --models l --batch 512 --binding TrainConfig.grad_accum=16 \
+    python -m benchmarks.tpu_compile --models l --batch 512 --binding RunConfig.grad_accum=16 \
         --mesh "data=2,expert=2" --mesh "data=1,fsdp=2,expert=2"    # the paper's batch, v5p-8
-    python -m benchmarks.tpu_compile --models s m --batch 256 --binding TrainConfig.grad_accum=8
+    python -m benchmarks.tpu_compile --models s m --batch 256 --binding RunConfig.grad_accum=8
     python -m benchmarks.tpu_compile --models l --variants moe --hlo_dir /tmp/hlo   # keep the HLO
     python -m benchmarks.tpu_compile --topology h100 --models s l --batch 16 --seq 1024 \
         --mesh data=1 --binding ExecutionConfig.remat=dots     # one H100, gpu.gin's remat
 
 The paper's batches are 256 (s, m) and 512 (l) sequences of 2,048 tokens; on v5p-8 they run as
-micro-batches of 32 (``TrainConfig.grad_accum``). Compiling the l model's training step took
+micro-batches of 32 (``RunConfig.grad_accum``). Compiling the l model's training step took
 90-290 s a row on the 2-core CPU (RESULTS.md). ``benchmarks/maxtext_compile.py`` compiles
 MaxText's step beside ours.
 """

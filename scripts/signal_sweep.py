@@ -27,11 +27,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PRETRAIN = ["--gin_file=train/smoke.gin", "--gin.TrainConfig.tensorboard=False",
-            "--gin.TrainConfig.task_eval_examples=0", "--gin.TrainConfig.steps=200"]
-FINETUNE = ["--gin_file=finetune/smoke.gin", "--gin.TrainConfig.tensorboard=False",
+PRETRAIN = ["--gin_file=train/smoke.gin", "--gin.RunConfig.tensorboard=False",
+            "--gin.RunConfig.task_eval_examples=0", "--gin.RunConfig.steps=200"]
+FINETUNE = ["--gin_file=finetune/smoke.gin", "--gin.RunConfig.tensorboard=False",
             f"--gin.DataConfig.source='instruct:{REPO / 'tests/fixtures/instruct_tiny.jsonl'}'",
-            "--gin.TrainConfig.epochs=0", "--gin.TrainConfig.steps=200"]
+            "--gin.RunConfig.epochs=0", "--gin.RunConfig.steps=200"]
 CRASH_WORDS = ("Fatal Python error", "Traceback (most recent call last)", "Segmentation fault")
 
 
@@ -44,7 +44,7 @@ def pretrained_source(root: Path) -> Path:
     """A 2-step smoke run to fine-tune from."""
     run_dir = root / "source"
     subprocess.run([sys.executable, str(REPO / "train.py"), *PRETRAIN, "--no_progress",
-                    "--gin.TrainConfig.steps=2", f"--run_dir={run_dir}"], check=True,
+                    "--gin.RunConfig.steps=2", f"--run_dir={run_dir}"], check=True,
                    capture_output=True, env=_env(), cwd=REPO, timeout=600)
     return run_dir
 
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
         root.mkdir(parents=True, exist_ok=True)
         command = PRETRAIN
         if args.finetune:
-            command = [*FINETUNE, f"--gin.TrainConfig.init_from='{pretrained_source(root)}'"]
+            command = [*FINETUNE, f"--gin.RunConfig.init_from='{pretrained_source(root)}'"]
         results = []
         if args.delays:
             delays = [float(d) for d in args.delays.split(",")]

@@ -182,9 +182,9 @@ def _train_runs(root: Path) -> dict:
     for name, extra in specs.items():
         procs[name] = subprocess.Popen(
             [sys.executable, str(REPO / "train.py"), "--gin_file=train/smoke.gin", *extra,
-             f"--run_dir={root / name}", "--no_progress", "--gin.TrainConfig.steps=4",
-             "--gin.OptimConfig.warmup_steps=1", "--gin.TrainConfig.task_eval_examples=0",
-             "--gin.TrainConfig.tensorboard=False"],
+             f"--run_dir={root / name}", "--no_progress", "--gin.RunConfig.steps=4",
+             "--gin.OptimConfig.warmup_steps=1", "--gin.RunConfig.task_eval_examples=0",
+             "--gin.RunConfig.tensorboard=False"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=single_device_env(),
             cwd=root)
     for name, proc in procs.items():
@@ -229,6 +229,7 @@ def test_plot_command_on_a_dag_run(analyzed):
     assert len(json.loads((out / "summary.json").read_text())["edge_gates"]["gate_sparsity"]) == 2
     assert "skipped coactivation: co-activation between iterations is for CoE runs" in stdout
     assert not (out / "coactivation.png").exists()
+    assert "doe_gates" not in stdout              # DoE's own plot: its family's analysis alone
 
 
 @pytest.mark.slow

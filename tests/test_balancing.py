@@ -373,10 +373,10 @@ def test_a_run_trains_with_both_options_and_logs_the_load(tmp_path):
 
     run_dir, steps, rate = tmp_path / "run", 4, 0.001
     configs = load_configs(["train/smoke.gin"], [
-        f"TrainConfig.steps = {steps}", f"TrainConfig.run_dir = '{run_dir}'",
-        "TrainConfig.grad_accum = 2", "TrainConfig.save_every = 4", "TrainConfig.eval_every = 0",
-        "TrainConfig.task_eval_examples = 0", "TrainConfig.tensorboard = False",
-        "TrainConfig.eval_batches = 1", "DataConfig.num_synthetic = 64",
+        f"RunConfig.steps = {steps}", f"RunConfig.run_dir = '{run_dir}'",
+        "RunConfig.grad_accum = 2", "RunConfig.save_every = 4", "RunConfig.eval_every = 0",
+        "RunConfig.task_eval_examples = 0", "RunConfig.tensorboard = False",
+        "RunConfig.eval_batches = 1", "DataConfig.num_synthetic = 64",
         "ModelConfig.d_model = 16", "AggregationConfig.dag_dim = 8",
         "ExpertConfig.expert_hidden = 16", "RouterConfig.balance_scope = 'sequence'",
         f"RouterConfig.aux_free_bias_rate = {rate}"])

@@ -5,9 +5,9 @@ checkpoints' metadata kept ``remat``, ``attention``, ... at the top level of the
 The ``old_run`` fixture trains the run that commit's smoke command made (a tiny DAG-MoE, 2
 steps, one checkpoint at step 2)::
 
-    python train.py --gin_file=train/smoke.gin --no_progress --gin.TrainConfig.steps=2 \\
-        --gin.TrainConfig.save_every=2 --gin.TrainConfig.eval_every=0 \\
-        --gin.TrainConfig.task_eval_examples=0 --gin.DataConfig.num_synthetic=64 \\
+    python train.py --gin_file=train/smoke.gin --no_progress --gin.RunConfig.steps=2 \\
+        --gin.RunConfig.save_every=2 --gin.RunConfig.eval_every=0 \\
+        --gin.RunConfig.task_eval_examples=0 --gin.DataConfig.num_synthetic=64 \\
         --gin.ModelConfig.d_model=16 --gin.AggregationConfig.dag_dim=8 \\
         --gin.ExpertConfig.expert_hidden=16 --gin.ModelConfig.max_seq_len=64
 
@@ -19,7 +19,7 @@ The ``old_run`` fixture's other layouts: 7ae9da1 (issue 32's starting point):
 and the checkpoint's metadata hold what it became) and ``ExecutionConfig.fuse_gate_up``, since
 renamed ``fuse_projections``; 684ed26, the last with every block family's fields flat in the
 model config; 7ae8cf5, the last with the ``ExecutionConfig`` inside the model config
-(``ModelConfig.execution``) instead of beside the mesh (``TrainConfig.execution``).
+(``ModelConfig.execution``) instead of beside the mesh (``RunConfig.execution``).
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from dagmoe_jax.decoding.generate import generate
 from dagmoe_jax.run.checkpoint_files import write_checksums
 from dagmoe_jax.train.loop import train
 
-SMOKE = ["TrainConfig.steps = 2", "TrainConfig.save_every = 2", "TrainConfig.eval_every = 0",
-         "TrainConfig.task_eval_examples = 0", "TrainConfig.tensorboard = False",
+SMOKE = ["RunConfig.steps = 2", "RunConfig.save_every = 2", "RunConfig.eval_every = 0",
+         "RunConfig.task_eval_examples = 0", "RunConfig.tensorboard = False",
          "DataConfig.num_synthetic = 64", "ModelConfig.d_model = 16",
          "AggregationConfig.dag_dim = 8", "ExpertConfig.expert_hidden = 16",
          "ModelConfig.max_seq_len = 64"]
@@ -91,7 +91,7 @@ def trained(tmp_path_factory) -> Path:
     run: conftest.build_once; the fixtures below copy it)."""
     def build(root: Path) -> str:
         run_dir = root / "trained"
-        train(*load_configs(["train/smoke.gin"], SMOKE + [f"TrainConfig.run_dir = '{run_dir}'"]),
+        train(*load_configs(["train/smoke.gin"], SMOKE + [f"RunConfig.run_dir = '{run_dir}'"]),
               progress=False, log=lambda _m: None)
         return str(root / "trained")
     return Path(build_once(tmp_path_factory, "compat", build))
@@ -104,6 +104,7 @@ def old_run(request, trained, tmp_path) -> Path:
     config = json.loads((run_dir / "config.json").read_text())
     step = run_dir / "checkpoints" / "2"
     meta = json.loads((step / "meta" / "metadata").read_text())
+    config["train"] = config.pop("run")           # the run's config's key before RunConfig
     execution, settled = config["train"].pop("execution"), config.pop("settled_execution")
     config["settled_model"] = with_execution(config["model"], settled)
     config["model"] = with_execution(config["model"], execution)
@@ -129,15 +130,15 @@ def old_run(request, trained, tmp_path) -> Path:
 
 def test_the_legacy_config_reads_migrated(old_run):
     blob = json.loads((old_run / "config.json").read_text())
-    model_cfg, _, _, train_cfg = run_lib.load_configs(old_run)
+    model_cfg, _, _, run_cfg = run_lib.load_configs(old_run)
     if old_run.name == "run_520a405":       # the execution fields at the top level: beside the mesh
         assert "remat" in blob["model"] and "execution" not in blob["model"]
-        assert train_cfg.execution == ExecutionConfig(**{
+        assert run_cfg.execution == ExecutionConfig(**{
             f.name: blob["model"][f.name] for f in dataclasses.fields(ExecutionConfig)})
         assert model_cfg == ModelConfig.from_dict(blob["model"])
     elif old_run.name == "run_7ae8cf5":     # the execution inside the model config: beside the mesh
         assert "execution" in blob["model"] and "execution" not in blob["train"]
-        assert train_cfg.execution == ExecutionConfig(**blob["model"]["execution"])
+        assert run_cfg.execution == ExecutionConfig(**blob["model"]["execution"])
         assert "execution" not in dataclasses.asdict(model_cfg)
     elif old_run.name == "run_684ed26":     # the block family's fields at the top level
         assert blob["model"]["block"] == "moe" and "doe" in blob["model"]
@@ -146,7 +147,7 @@ def test_the_legacy_config_reads_migrated(old_run):
         assert blob["model"]["experts"]["dispatch"] == "auto"
         assert model_cfg.block.experts.dispatch == blob["settled_model"]["experts"]["dispatch"] == (
             "capacity")
-        assert (train_cfg.execution.fuse_projections
+        assert (run_cfg.execution.fuse_projections
                 == blob["model"]["execution"]["fuse_gate_up"])
     assert (model_cfg.d_model, model_cfg.block.aggregation.kind) == (16, "dag")
 
@@ -177,10 +178,10 @@ def test_a_checkpoint_written_before_the_restructure_resumes(old_run, tmp_path):
         return
     run_dir = tmp_path / "run"
     shutil.copytree(old_run, run_dir)
-    model_cfg, data_cfg, optim_cfg, train_cfg = run_lib.load_configs(run_dir)
-    train_cfg = dataclasses.replace(train_cfg, run_dir=str(run_dir), steps=3, tensorboard=False)
+    model_cfg, data_cfg, optim_cfg, run_cfg = run_lib.load_configs(run_dir)
+    run_cfg = dataclasses.replace(run_cfg, run_dir=str(run_dir), steps=3, tensorboard=False)
     messages = []
-    result = train(model_cfg, data_cfg, optim_cfg, train_cfg, progress=False,
+    result = train(model_cfg, data_cfg, optim_cfg, run_cfg, progress=False,
                    log=messages.append)
     assert result.resumed_from == 2 and result.step == 3, messages
     assert not any("changed model" in m or "differs" in m for m in messages), messages

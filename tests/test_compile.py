@@ -20,7 +20,7 @@ from dagmoe_jax.compile import kernel_costs, roofline
 from dagmoe_jax.compile.chips import CHIPS, parse_topology, tpu_compiler_missing
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.config import ExecutionConfig
-from dagmoe_jax.run.config import OptimConfig, TrainConfig
+from dagmoe_jax.run.config import OptimConfig, RunConfig
 
 @pytest.fixture(autouse=True)
 def default_precision():
@@ -56,7 +56,7 @@ def test_tiny_dag_compiles_for_v5p(v5p, mesh):
     devices = devices[:1] if mesh == dict(data=1) else devices
     mesh = mesh_over(devices, mesh)
     settled, reports = compile_run(small_dag(), DataConfig(batch_size=8, seq_len=128),
-                                   OptimConfig(), TrainConfig(), mesh, chip,
+                                   OptimConfig(), RunConfig(), mesh, chip,
                                    programs=("train",), keep_hlo=True)
     assert (settled.attention, settled.grouped_matmul) == ("splash", "gmm")
     train = reports["train"]
@@ -85,7 +85,7 @@ def dag_module_keeps_its_node_axis_on_tpu(settled, cost, chip, mesh) -> None:
     assert settled.dag_module == "xla_rank3"
     rows_settled, reports = compile_run(
         small_dag(), DataConfig(batch_size=8, seq_len=128), OptimConfig(),
-        TrainConfig(execution=ExecutionConfig(dag_module="xla")), mesh, chip, programs=("train",))
+        RunConfig(execution=ExecutionConfig(dag_module="xla")), mesh, chip, programs=("train",))
     assert rows_settled.dag_module == "xla"
     rows = reports["train"].cost
     assert cost.matmul_flops == pytest.approx(rows.matmul_flops, rel=1e-6)
@@ -99,7 +99,7 @@ def expert_weights_sharded_by_the_rules(hlo: str, cfg, mesh) -> None:
     from dagmoe_jax.compile.programs import abstract_train_state
     from dagmoe_jax.parallel.state import variable_spec
     entry = hlo[hlo.index("ENTRY"):].split("\n", 1)[0]
-    model, _ = abstract_train_state(cfg, OptimConfig(), TrainConfig(), mesh)
+    model, _ = abstract_train_state(cfg, OptimConfig(), RunConfig(), mesh)
     checked = 0
     for path, var in nnx.to_flat_state(nnx.state(model)):
         names = var.get_metadata().get("out_sharding") or ()
@@ -125,7 +125,7 @@ def test_s_model_compiles_under_data_x_expert(v5p):
     cfg = load_model_config(["models/s.gin", "variants/dag_g128_l2.gin"],
                             ["ModelConfig.compute_dtype = 'bfloat16'"])
     _, reports = compile_run(cfg, DataConfig(batch_size=4, seq_len=256), OptimConfig(),
-                             TrainConfig(), mesh_over(devices, dict(data=2, expert=2)), chip,
+                             RunConfig(), mesh_over(devices, dict(data=2, expert=2)), chip,
                              programs=("train",))
     train = reports["train"]
     # float32 parameters and two AdamW moments: 12 bytes a parameter, of which each chip holds
@@ -143,7 +143,7 @@ def test_generation_and_eval_compile(v5p):
     from dagmoe_jax.compile.programs import GenerationShape, compile_run, mesh_over
     chip, devices = v5p
     _, reports = compile_run(small_dag(), DataConfig(batch_size=4, seq_len=128), OptimConfig(),
-                             TrainConfig(), mesh_over(devices[:1], dict(data=1)), chip,
+                             RunConfig(), mesh_over(devices[:1], dict(data=1)), chip,
                              programs=("eval", "prefill", "decode"),
                              generation=GenerationShape(2, 128, 64))
     assert set(reports) == {"eval", "prefill", "decode"}
@@ -192,7 +192,7 @@ def test_kernels_refused_under_highest_precision():
             check_kernel_precision("splash", "ragged_dot", "tpu")
         with pytest.raises(ValueError, match="megablox gmm"):
             abstract_train_state(small_dag(), OptimConfig(),
-                                 TrainConfig(execution=ExecutionConfig(attention="xla")),
+                                 RunConfig(execution=ExecutionConfig(attention="xla")),
                                  jax.sharding.Mesh(jax.devices()[:1], ("data",)))
         # XLA's own attention and ragged_dot take any precision; CPU is never refused
         check_kernel_precision("xla", "ragged_dot", "tpu")

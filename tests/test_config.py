@@ -143,21 +143,22 @@ def test_fuse_gate_up_is_fuse_projections_in_old_runs_and_old_bindings():
 
 
 def test_execution_sits_beside_the_mesh_not_in_the_model_config():
-    """How the model runs is the run's (``TrainConfig.execution``), never the architecture's:
+    """How the model runs is the run's (``RunConfig.execution``), never the architecture's:
     an old binding of ``ModelConfig.execution`` says where it went, and a run's config.json of
     the previous layout (the execution inside the model config) moves it there."""
     from dagmoe_jax.run import configs_from_json, configs_to_json
-    from dagmoe_jax.run.config import OptimConfig, TrainConfig
+    from dagmoe_jax.run.config import OptimConfig, RunConfig
     from dagmoe_jax.run.gin import load_configs
     from dagmoe_jax.data import DataConfig
 
     assert "execution" not in {f.name for f in dataclasses.fields(ModelConfig)}
     _, _, _, train = load_configs(bindings=["ExecutionConfig.remat = 'dots'"])
     assert train.execution == ExecutionConfig(remat="dots")
-    with pytest.raises(ValueError, match=r"\(ModelConfig.execution: it is TrainConfig.execution "
+    with pytest.raises(ValueError, match=r"\(ModelConfig.execution: it is RunConfig.execution "
                                          r"now"):
         load_configs(bindings=["ModelConfig.execution = @ExecutionConfig()"])
-    blob = configs_to_json(ModelConfig(), DataConfig(), OptimConfig(), TrainConfig())
+    blob = configs_to_json(ModelConfig(), DataConfig(), OptimConfig(), RunConfig())
+    blob["train"] = blob.pop("run")                 # its name before RunConfig
     blob["model"]["execution"] = blob["train"].pop("execution")
     blob["model"]["execution"]["attention"] = "xla"
     model, _, _, train = configs_from_json(blob)
@@ -215,10 +216,10 @@ def test_a_run_written_before_llamafactory_truncation_reads_as_it_trained():
     import dataclasses
 
     from dagmoe_jax.data import DataConfig
-    from dagmoe_jax.run.config import OptimConfig, TrainConfig
+    from dagmoe_jax.run.config import OptimConfig, RunConfig
     from dagmoe_jax.run.directory import configs_from_json, configs_to_json
 
-    blob = configs_to_json(ModelConfig(), DataConfig(), OptimConfig(), TrainConfig())
+    blob = configs_to_json(ModelConfig(), DataConfig(), OptimConfig(), RunConfig())
     assert configs_from_json(blob)[1].truncation == "llamafactory"
     del blob["data"]["truncation"]
     assert configs_from_json(blob)[1].truncation == "head"

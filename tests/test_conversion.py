@@ -1,6 +1,6 @@
 """A trained MoE converted to DAG-MoE or Chain-of-Experts (dagmoe_jax/families/moe/conversion.py)
 computes the MoE's logits: on the transformers-made folders of tests/fixtures/hf_moe (import
-with --to_dag / --to_coe, or TrainConfig.init_from with a DAG-MoE or CoE gin config) and on a
+with --to_dag / --to_coe, or RunConfig.init_from with a DAG-MoE or CoE gin config) and on a
 run of the library; the chain's later iterations are really there (a_t moves them), and what
 cannot convert at equal outputs is one line."""
 
@@ -108,7 +108,7 @@ def test_a_library_moe_with_shared_experts_and_selection_bias_converts():
 
 
 def test_fine_tuning_an_moe_folder_as_dag_moe_or_coe_starts_at_its_logits(tmp_path, capsys):
-    """TrainConfig.init_from='hf:FOLDER' with a DAG-MoE or CoE block in the gin config converts
+    """RunConfig.init_from='hf:FOLDER' with a DAG-MoE or CoE block in the gin config converts
     the folder's MoE: the built model starts at transformers' logits; train.py fine-tunes the
     CoE conversion, and training opens the second iteration (a_t leaves zero)."""
     import json
@@ -116,7 +116,7 @@ def test_fine_tuning_an_moe_folder_as_dag_moe_or_coe_starts_at_its_logits(tmp_pa
     from dagmoe_jax import run as run_lib
     from dagmoe_jax.cli import train as train_cli
     from dagmoe_jax.config import ModelConfig
-    from dagmoe_jax.run.config import OptimConfig, TrainConfig
+    from dagmoe_jax.run.config import OptimConfig, RunConfig
     from dagmoe_jax.train.init_from import load_initial_params, source_model_config
     from conftest import write_special_tokenizer
 
@@ -128,7 +128,7 @@ def test_fine_tuning_an_moe_folder_as_dag_moe_or_coe_starts_at_its_logits(tmp_pa
                   MoEConfig(aggregation=AggregationConfig(kind="dag", dag_dim=8))):
         cfg = source_model_config(init_from, ModelConfig(block=asked))
         assert (cfg.block.kind, cfg.d_model, cfg.qk_norm) == (asked.kind, 16, "full")
-        model, _, _ = run_lib.build(cfg, OptimConfig(), TrainConfig(seed=7))
+        model, _, _ = run_lib.build(cfg, OptimConfig(), RunConfig(seed=7))
         assert "converted to" in load_initial_params(model, init_from)
         np.testing.assert_allclose(logits_of(model), np.load(folder / "logits.npy"),
                                    rtol=0, atol=1e-5)
@@ -137,10 +137,10 @@ def test_fine_tuning_an_moe_folder_as_dag_moe_or_coe_starts_at_its_logits(tmp_pa
 
     run_dir = tmp_path / "coe"
     argv = ["--gin_file=finetune/smoke.gin", f"--run_dir={run_dir}", "--no_progress",
-            f"--gin.TrainConfig.init_from='{init_from}'", "--gin.TrainConfig.epochs=0",
-            "--gin.TrainConfig.steps=3", f"--gin.DataConfig.source='instruct:{DATA}'",
-            "--gin.DataConfig.seq_len=64", "--gin.TrainConfig.tensorboard=False",
-            "--gin.TrainConfig.task_eval_examples=0", "--gin.DataConfig.batch_size=8",
+            f"--gin.RunConfig.init_from='{init_from}'", "--gin.RunConfig.epochs=0",
+            "--gin.RunConfig.steps=3", f"--gin.DataConfig.source='instruct:{DATA}'",
+            "--gin.DataConfig.seq_len=64", "--gin.RunConfig.tensorboard=False",
+            "--gin.RunConfig.task_eval_examples=0", "--gin.DataConfig.batch_size=8",
             "--gin.ModelConfig.block='coe'", "--gin.CoEConfig.iterations=2"]
     assert train_cli.main(argv) == 0, capsys.readouterr().err
     assert "converted to CoE" in capsys.readouterr().out
@@ -183,7 +183,7 @@ def test_a_fine_tuned_moe_trains_its_routers_its_own_way():
     bias added; what the routers compute (top_k) is still the source's."""
     from dagmoe_jax import run as run_lib
     from dagmoe_jax.config import ModelConfig, RouterConfig
-    from dagmoe_jax.run.config import OptimConfig, TrainConfig
+    from dagmoe_jax.run.config import OptimConfig, RunConfig
     from dagmoe_jax.train.init_from import load_initial_params, source_model_config
 
     init_from = f"hf:{FIXTURES / 'olmoe'}"
@@ -193,7 +193,7 @@ def test_a_fine_tuned_moe_trains_its_routers_its_own_way():
         router = cfg.block.router
         assert (router.aux_free_bias_rate, router.balance_coef, router.balance_scope,
                 router.score_fn, router.top_k) == (1e-3, 0.0, "sequence", "softmax", 2)
-        model, _, _ = run_lib.build(cfg, OptimConfig(), TrainConfig(seed=7))
+        model, _, _ = run_lib.build(cfg, OptimConfig(), RunConfig(seed=7))
         assert "new values initialised" in load_initial_params(model, init_from)
         np.testing.assert_allclose(logits_of(model), np.load(FIXTURES / "olmoe" / "logits.npy"),
                                    rtol=0, atol=1e-5)

@@ -21,9 +21,9 @@ pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulat
 
 def _configs(run_dir, steps, **mesh):
     model, data, optim, tr = load_configs(["train/smoke.gin"], [
-        f"TrainConfig.run_dir = '{run_dir}'", f"TrainConfig.steps = {steps}",
-        "TrainConfig.eval_every = 0", "TrainConfig.task_eval_examples = 0",
-        "TrainConfig.tensorboard = False", "OptimConfig.warmup_steps = 2"])
+        f"RunConfig.run_dir = '{run_dir}'", f"RunConfig.steps = {steps}",
+        "RunConfig.eval_every = 0", "RunConfig.task_eval_examples = 0",
+        "RunConfig.tensorboard = False", "OptimConfig.warmup_steps = 2"])
     return model, data, optim, dataclasses.replace(tr, mesh=MeshConfig(**mesh))
 
 
@@ -44,11 +44,11 @@ def test_checkpoint_moves_between_meshes_and_onto_one_device(tmp_path):
     assert sorted(second.losses) == [7, 8] and all(np.isfinite(list(second.losses.values())))
 
     # The step-8 checkpoint, restored on dp 4 x ep 2 and on a single device: same values.
-    model_cfg, _, optim_cfg, train_cfg = _configs(run_dir, 8, data=4, expert=2)
+    model_cfg, _, optim_cfg, run_cfg = _configs(run_dir, 8, data=4, expert=2)
     from dagmoe_jax.parallel import activate, make_mesh
     restored = {}
-    for name, mesh in (("ep2", make_mesh(train_cfg.mesh)), ("one", None)):
-        model, optimizer, _ = build(model_cfg, optim_cfg, train_cfg, mesh)
+    for name, mesh in (("ep2", make_mesh(run_cfg.mesh)), ("one", None)):
+        model, optimizer, _ = build(model_cfg, optim_cfg, run_cfg, mesh)
         with Checkpointer(run_dir / "checkpoints", save_every=10, async_save=False) as ckpt:
             if mesh is None:
                 result = ckpt.restore(abstract(train_state(model, optimizer)))

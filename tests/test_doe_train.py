@@ -31,8 +31,8 @@ def configs(tmp_path_factory):
     (root / "corpus.txt").write_text("\n\n".join(docs) + "\n")
     model, data, optim, tcfg = load_configs(
         ["train/doe_smoke.gin"], [f"DataConfig.source = 'text:{root / 'corpus.txt'}'",
-                                  "TrainConfig.steps = 12", "TrainConfig.save_every = 6",
-                                  "TrainConfig.eval_every = 0", "DoEConfig.num_topics = 8"])
+                                  "RunConfig.steps = 12", "RunConfig.save_every = 6",
+                                  "RunConfig.eval_every = 0", "DoEConfig.num_topics = 8"])
     return root, model, data, optim, tcfg
 
 
@@ -73,9 +73,9 @@ def test_pipeline_carries_topics_aligned_with_tokens(configs):
 
 @pytest.mark.slow          # three training runs in this process; about 20 s
 def test_doe_run_logs_its_terms_and_resumes_bit_for_bit(configs):
-    root, model_cfg, data_cfg, optim_cfg, train_cfg = configs
+    root, model_cfg, data_cfg, optim_cfg, run_cfg = configs
     ref = root / "ref"
-    train(model_cfg, data_cfg, optim_cfg, dataclasses.replace(train_cfg, run_dir=str(ref)),
+    train(model_cfg, data_cfg, optim_cfg, dataclasses.replace(run_cfg, run_dir=str(ref)),
           progress=False, log=lambda _m: None)
     records = {r["step"]: r for r in read_metrics(ref) if "loss" in r}
     assert TopicModel.load(str(ref / "topics")).num_topics == 8
@@ -88,7 +88,7 @@ def test_doe_run_logs_its_terms_and_resumes_bit_for_bit(configs):
     shutil.copytree(ref, resumed)
     shutil.rmtree(resumed / "checkpoints" / "12")
     messages = []
-    train(model_cfg, data_cfg, optim_cfg, dataclasses.replace(train_cfg, run_dir=str(resumed)),
+    train(model_cfg, data_cfg, optim_cfg, dataclasses.replace(run_cfg, run_dir=str(resumed)),
           progress=False, log=messages.append)
     assert any("resumed from step 6" in m for m in messages)
     again = {r["step"]: r for r in read_metrics(resumed) if "loss" in r}
@@ -106,10 +106,10 @@ def test_harness_scores_a_doe_run_with_its_topics_tracked(configs):
     from dagmoe_jax.harness.lm import DagmoeLM
     from dagmoe_jax.run.extensions import extension_for
 
-    root, model_cfg, data_cfg, optim_cfg, train_cfg = configs
+    root, model_cfg, data_cfg, optim_cfg, run_cfg = configs
     run_dir = root / "harness"
     train(model_cfg, data_cfg, optim_cfg,
-          dataclasses.replace(train_cfg, run_dir=str(run_dir), steps=2, save_every=2),
+          dataclasses.replace(run_cfg, run_dir=str(run_dir), steps=2, save_every=2),
           progress=False, log=lambda _m: None)
     lm = DagmoeLM(run_dir=str(run_dir), batch_size=2, mesh="none")
     assert lm.scorer.features is not None

@@ -106,7 +106,7 @@ def test_downstream_micro_end_to_end(tmp_path, stdlib_corpus):
     for r in records:
         assert 0 <= r["math MC"] <= 1 and 0 <= r["text gen"] <= 1 and r["text bpb"] > 0
     sft = json.loads((Path(records[1]["run_dir"]) / "config.json").read_text())
-    assert sft["train"]["init_from"] == records[0]["run_dir"]
+    assert sft["run"]["init_from"] == records[0]["run_dir"]
     assert sft["data"]["source"].startswith("instruct:")
     assert "| DAG-MoE L 2 | fine-tuned |" in result.stdout
     assert "Seed-paired difference from MoE + shared expert" in result.stdout
@@ -136,7 +136,7 @@ def test_dume_reasoning_micro_end_to_end(tmp_path, stdlib_corpus):
     for trained, trainable in (("dume_plus", "router"), ("btx", "router"),
                                ("dag", "aggregator")):
         config = json.loads((seed0 / trained / "config.json").read_text())
-        assert config["train"]["trainable"] == trainable
+        assert config["run"]["trainable"] == trainable
         assert (seed0 / trained / "checkpoints" / str(merged["router_steps"])).is_dir()
     again = subprocess.run(benchmark_command("downstream", f"--report={out / 'dume.json'}"),
                            capture_output=True, text=True,

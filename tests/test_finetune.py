@@ -16,7 +16,7 @@ from flax import nnx
 from dagmoe_jax import run as run_lib
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.run.gin import load_configs
-from dagmoe_jax.run.config import OptimConfig, TrainConfig
+from dagmoe_jax.run.config import OptimConfig, RunConfig
 from dagmoe_jax.train.init_from import load_initial_params, source_model_config
 from dagmoe_jax.train.loop import train
 from dagmoe_jax.train.metrics import read_metrics
@@ -37,8 +37,8 @@ def pretrained(tmp_path_factory) -> Path:
     """A 2-step smoke run (built once for the whole run: conftest.build_once)."""
     def build(root: Path) -> str:
         configs = load_configs(["train/smoke.gin"], [
-            "TrainConfig.steps = 2", f"TrainConfig.run_dir = '{root / 'run'}'",
-            "TrainConfig.task_eval_examples = 0", "TrainConfig.tensorboard = False"])
+            "RunConfig.steps = 2", f"RunConfig.run_dir = '{root / 'run'}'",
+            "RunConfig.task_eval_examples = 0", "RunConfig.tensorboard = False"])
         train(*configs, progress=False, log=lambda _m: None)
         return str(root / "run")
     return Path(build_once(tmp_path_factory, "pretrained", build))
@@ -48,7 +48,7 @@ def test_load_initial_params_equal_the_checkpoint(pretrained):
     model_cfg = source_model_config(str(pretrained), ModelConfig())
     loaded = run_lib.load_run(pretrained)
     assert loaded.step == 2
-    model, _, _ = run_lib.build(model_cfg, OptimConfig(), TrainConfig(seed=7))
+    model, _, _ = run_lib.build(model_cfg, OptimConfig(), RunConfig(seed=7))
     fresh = flat_params(model)
     message = load_initial_params(model, str(pretrained))
     assert "step 2" in message
@@ -68,7 +68,7 @@ def test_init_from_a_hugging_face_folder(tmp_path):
     init_from = f"hf:{folder}"
     model_cfg = source_model_config(init_from, ModelConfig())
     assert (model_cfg.block.kind, model_cfg.vocab_size, model_cfg.num_kv_heads) == ("dense", 96, 2)
-    model, _, _ = run_lib.build(model_cfg, OptimConfig(), TrainConfig(seed=7))
+    model, _, _ = run_lib.build(model_cfg, OptimConfig(), RunConfig(seed=7))
     assert "the Hugging Face checkpoint" in load_initial_params(model, init_from)
     got, want = flat_params(model), flat_params(dense)
     assert got.keys() == want.keys()
@@ -108,9 +108,9 @@ def test_finetune_from_a_run_for_epochs(pretrained, tmp_path):
     run_dir = tmp_path / "sft"
     messages = []
     configs = load_configs(["finetune/smoke.gin"], [
-        f"DataConfig.source = 'instruct:{DATA}'", f"TrainConfig.init_from = '{pretrained}'",
-        f"TrainConfig.run_dir = '{run_dir}'", "TrainConfig.epochs = 1",
-        "TrainConfig.tensorboard = False", "TrainConfig.trainable = 'non_experts'",
+        f"DataConfig.source = 'instruct:{DATA}'", f"RunConfig.init_from = '{pretrained}'",
+        f"RunConfig.run_dir = '{run_dir}'", "RunConfig.epochs = 1",
+        "RunConfig.tensorboard = False", "RunConfig.trainable = 'non_experts'",
         "DataConfig.batch_size = 8"])  # the tests' 8 CPU devices divide it
     result = train(*configs, progress=False, log=messages.append)
     text = "\n".join(messages)
@@ -137,10 +137,10 @@ def test_a_finetuning_run_resumed_mid_epoch_is_bit_exact(pretrained, tmp_path):
 
     def configs(run_dir):
         return load_configs(["finetune/smoke.gin"], [
-            f"DataConfig.source = 'instruct:{DATA}'", f"TrainConfig.init_from = '{pretrained}'",
-            f"TrainConfig.run_dir = '{run_dir}'", "TrainConfig.epochs = 2",
-            "TrainConfig.save_every = 4", "TrainConfig.tensorboard = False",
-            "TrainConfig.async_checkpoint = False", "DataConfig.batch_size = 8"])
+            f"DataConfig.source = 'instruct:{DATA}'", f"RunConfig.init_from = '{pretrained}'",
+            f"RunConfig.run_dir = '{run_dir}'", "RunConfig.epochs = 2",
+            "RunConfig.save_every = 4", "RunConfig.tensorboard = False",
+            "RunConfig.async_checkpoint = False", "DataConfig.batch_size = 8"])
 
     ref = tmp_path / "ref"
     result = train(*configs(ref), progress=False, log=lambda _m: None)
@@ -162,7 +162,7 @@ def test_a_finetuning_run_resumed_mid_epoch_is_bit_exact(pretrained, tmp_path):
 def test_non_experts_freezes_the_experts(tiny):
     cfg = tiny()
     model, optimizer, _ = run_lib.build(cfg, OptimConfig(warmup_steps=0, schedule="constant"),
-                                          TrainConfig(steps=3, trainable="non_experts"))
+                                          RunConfig(steps=3, trainable="non_experts"))
     before = flat_params(model)
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, cfg.vocab_size, (2, 17)).astype(np.int32)
@@ -193,7 +193,7 @@ def test_bad_init_from_is_a_one_line_error(tmp_path):
     result = subprocess.run(
         [sys.executable, str(REPO / "train.py"), "--gin_file=finetune/smoke.gin",
          f"--run_dir={tmp_path / 'run'}", "--no_progress",
-         f"--gin.TrainConfig.init_from='{tmp_path / 'nope'}'"],
+         f"--gin.RunConfig.init_from='{tmp_path / 'nope'}'"],
         capture_output=True, text=True, timeout=120, cwd=REPO,
         env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
     assert result.returncode != 0
@@ -220,12 +220,12 @@ def hf_source(tmp_path_factory) -> Path:
     cfg = tiny_config("dense", vocab_size=259, max_seq_len=64)
     run_dir = root / "run"
     run_lib.prepare_run_dir(run_dir)
-    train_cfg = TrainConfig(run_dir=str(run_dir), tensorboard=False)
+    run_cfg = RunConfig(run_dir=str(run_dir), tensorboard=False)
     run_lib.save_configs(run_dir, cfg, DataConfig(tokenizer="hf", seq_len=64,
                                                   tokenizer_path=str(tokenizer_json)),
-                         OptimConfig(), train_cfg)
-    built, optimizer, _ = run_lib.build(cfg, OptimConfig(), train_cfg)
-    run_lib.save_initial_checkpoint(run_dir, built, optimizer, cfg, train_cfg, None)
+                         OptimConfig(), run_cfg)
+    built, optimizer, _ = run_lib.build(cfg, OptimConfig(), run_cfg)
+    run_lib.save_initial_checkpoint(run_dir, built, optimizer, cfg, run_cfg, None)
     return run_dir
 
 
@@ -238,10 +238,10 @@ def test_a_finetuned_run_reads_text_with_its_sources_tokenizer(hf_source, tmp_pa
     result = subprocess.run(
         [sys.executable, str(REPO / "train.py"), "--gin_file=finetune/smoke.gin",
          f"--run_dir={run_dir}", "--no_progress",
-         f"--gin.TrainConfig.init_from='{hf_source}'", "--gin.TrainConfig.steps=2",
+         f"--gin.RunConfig.init_from='{hf_source}'", "--gin.RunConfig.steps=2",
          f"--gin.DataConfig.source='instruct:{DATA}'", "--gin.DataConfig.seq_len=64",
-         "--gin.TrainConfig.epochs=0", "--gin.TrainConfig.tensorboard=False",
-         "--gin.TrainConfig.task_eval_examples=0", "--gin.DataConfig.batch_size=8"],
+         "--gin.RunConfig.epochs=0", "--gin.RunConfig.tensorboard=False",
+         "--gin.RunConfig.task_eval_examples=0", "--gin.DataConfig.batch_size=8"],
         capture_output=True, text=True, timeout=600, cwd=REPO, env=single_device_env())
     assert result.returncode == 0, result.stderr[-2000:]
     blob = json.loads((run_dir / "config.json").read_text())
@@ -368,8 +368,8 @@ def test_no_hold_out_trains_on_every_example(tmp_path):
     messages = []
     configs = load_configs(["finetune/smoke.gin"], [
         f"DataConfig.source = 'instruct:{DATA}'", "DataConfig.heldout_fraction = 0.0",
-        f"TrainConfig.run_dir = '{run_dir}'", "TrainConfig.epochs = 1",
-        "TrainConfig.tensorboard = False", "TrainConfig.eval_every = 2",
+        f"RunConfig.run_dir = '{run_dir}'", "RunConfig.epochs = 1",
+        "RunConfig.tensorboard = False", "RunConfig.eval_every = 2",
         "DataConfig.batch_size = 8",
         # a small model: the path under test is the data's, and the tests' 8 CPU devices run
         # the default model's dropless experts through XLA's slow ragged_dot
@@ -406,10 +406,10 @@ def test_finetuning_from_a_hugging_face_folder_makes_one_self_contained_record(t
     write_special_tokenizer(folder, "bos_named")
     run_dir = tmp_path / "sft"
     argv = ["--gin_file=finetune/smoke.gin", f"--run_dir={run_dir}", "--no_progress",
-            f"--gin.TrainConfig.init_from='hf:{folder}'", "--gin.TrainConfig.epochs=0",
-            "--gin.TrainConfig.steps=2", f"--gin.DataConfig.source='instruct:{DATA}'",
-            "--gin.DataConfig.seq_len=64", "--gin.TrainConfig.tensorboard=False",
-            "--gin.TrainConfig.task_eval_examples=0", "--gin.DataConfig.batch_size=8"]
+            f"--gin.RunConfig.init_from='hf:{folder}'", "--gin.RunConfig.epochs=0",
+            "--gin.RunConfig.steps=2", f"--gin.DataConfig.source='instruct:{DATA}'",
+            "--gin.DataConfig.seq_len=64", "--gin.RunConfig.tensorboard=False",
+            "--gin.RunConfig.task_eval_examples=0", "--gin.DataConfig.batch_size=8"]
     assert train_cli.main([*argv, "--gin.DataConfig.tokenizer='byte'"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "DataConfig.tokenizer='byte' (the source has 'hf')" in err

@@ -243,9 +243,9 @@ def smoke_run(tmp_path_factory):
 def _smoke_run(root: Path) -> str:
     run_dir = root / "smoke"
     cmd = [sys.executable, "train.py", "--gin_file=train/smoke.gin", f"--run_dir={run_dir}",
-           "--no_progress", "--gin.TrainConfig.steps=2", "--gin.OptimConfig.warmup_steps=0",
-           "--gin.TrainConfig.task_eval_examples=0", "--gin.TrainConfig.eval_batches=1",
-           "--gin.TrainConfig.tensorboard=False"]
+           "--no_progress", "--gin.RunConfig.steps=2", "--gin.OptimConfig.warmup_steps=0",
+           "--gin.RunConfig.task_eval_examples=0", "--gin.RunConfig.eval_batches=1",
+           "--gin.RunConfig.tensorboard=False"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=single_device_env(),
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -129,8 +129,8 @@ def test_bindings_override_files():
 
 
 def test_nested_configs_bind_with_or_without_their_wiring():
-    """``ExecutionConfig.remat = 'full'`` reaches ``TrainConfig.execution`` with no file wiring
-    ``TrainConfig.execution = @ExecutionConfig()``; the same holds for every nested config,
+    """``ExecutionConfig.remat = 'full'`` reaches ``RunConfig.execution`` with no file wiring
+    ``RunConfig.execution = @ExecutionConfig()``; the same holds for every nested config,
     the block family's parts included, found by walking the configs' fields."""
     bindings = ["ExecutionConfig.remat = 'full'", "RopeScalingConfig.kind = 'llama3'",
                 "RouterConfig.top_k = 1", "MeshConfig.data = 2"]
@@ -163,7 +163,7 @@ def test_errors_are_one_line_and_name_the_culprit(files, bindings, needle):
     ("DataConfig.sorce = 'x'", "(did you mean DataConfig.source?)"),
     ("RouterConfig.topk = 3", "(did you mean RouterConfig.top_k?)"),
     ("DataConfg.source = 'x'", "(did you mean DataConfig?)"),
-    ("TrainConfig.zzzz = 3", ""),
+    ("RunConfig.zzzz = 3", ""),
 ])
 def test_a_misspelt_binding_suggests_the_nearest_name(binding, hint):
     with pytest.raises(ValueError) as err:
@@ -207,3 +207,32 @@ def test_the_bindings_users_write_keep_working_and_old_wiring_says_the_new_spell
         with pytest.raises(ValueError) as err:
             load_model_config(["models/tiny.gin"], [old])
         assert new in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_the_run_config_s_old_name_still_configures_it(tmp_path):
+    """``RunConfig`` was ``TrainConfig``: a saved run's gin file (``resume.gin``, written by
+    :func:`configs_to_gin` before the rename) and a command line of the old name configure the
+    same run, in gin's order (a later binding wins whichever name it uses); a file that
+    another includes is not translated, and gin's error is one line naming the new name."""
+    from dagmoe_jax.run import configs_to_gin
+    from dagmoe_jax.run.config import RunConfig, TrainConfig
+
+    configs = load_configs(["train/smoke.gin"], ["RunConfig.steps = 7", "MeshConfig.data = 1",
+                                                 "ExecutionConfig.remat = 'dots'"])
+    old_gin = tmp_path / "resume.gin"
+    old_gin.write_text(configs_to_gin(*configs).replace("RunConfig", "TrainConfig"))
+    assert "TrainConfig.steps = 7" in old_gin.read_text()
+    assert load_configs([str(old_gin)]) == configs
+    _, _, _, run = load_configs(["train/smoke.gin"], ["TrainConfig.steps = 9",
+                                                      "TrainConfig.log_every = 3"])
+    assert (run.steps, run.log_every, type(run)) == (9, 3, RunConfig) and TrainConfig is RunConfig
+    _, _, _, run = load_configs([str(old_gin)], ["RunConfig.steps = 9", "TrainConfig.steps = 8"])
+    assert run.steps == 8
+    assert load_configs(bindings=["TrainConfig.steps = 5"]) == load_configs(
+        bindings=["RunConfig.steps = 5"])
+    including = tmp_path / "including.gin"
+    including.write_text(f"include '{old_gin}'\n")
+    with pytest.raises(ValueError) as err:
+        load_configs([str(including)])
+    assert str(err.value).endswith("(TrainConfig: it is RunConfig now)"), str(err.value)
+    assert "\n" not in str(err.value)

@@ -18,7 +18,7 @@ from conftest import tiny_config
 from dagmoe_jax.compile.chips import CHIPS, gpu_compiler_missing, parse_topology
 from dagmoe_jax.config import ExecutionConfig
 from dagmoe_jax.data import DataConfig
-from dagmoe_jax.run.config import OptimConfig, TrainConfig
+from dagmoe_jax.run.config import OptimConfig, RunConfig
 
 MISSING = gpu_compiler_missing()
 needs_gpu_compiler = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
@@ -59,7 +59,7 @@ def test_dropless_step_compiles_with_the_triton_kernel_for_a100():
                       experts=dict(num_experts=experts, expert_hidden=hidden),
                       router=dict(top_k=top_k))
     settled, reports = compile_run(cfg, DataConfig(batch_size=rows, seq_len=seq), OptimConfig(),
-                                   TrainConfig(execution=ExecutionConfig(dag_module="triton")),
+                                   RunConfig(execution=ExecutionConfig(dag_module="triton")),
                                    mesh_over(devices, dict(data=1)), chip,
                                    programs=("train",), keep_hlo=True)
     assert settled.grouped_matmul == kernel

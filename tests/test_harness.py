@@ -222,17 +222,17 @@ def run_dir(tmp_path_factory, model):
     """A run directory holding ``model`` as its step-0 checkpoint (as the upcycle command
     writes one)."""
     from dagmoe_jax import run as run_lib
-    from dagmoe_jax.run.config import OptimConfig, TrainConfig
+    from dagmoe_jax.run.config import OptimConfig, RunConfig
 
     path = tmp_path_factory.mktemp("harness") / "run"
     run_lib.prepare_run_dir(path)
     data_cfg = DataConfig(tokenizer="byte", seq_len=WINDOW)
-    train_cfg = TrainConfig(run_dir=str(path), tensorboard=False)
+    run_cfg = RunConfig(run_dir=str(path), tensorboard=False)
     optim_cfg = OptimConfig()
-    run_lib.save_configs(path, RAW, data_cfg, optim_cfg, train_cfg)
-    built, optimizer, _ = run_lib.build(CFG, optim_cfg, train_cfg)
+    run_lib.save_configs(path, RAW, data_cfg, optim_cfg, run_cfg)
+    built, optimizer, _ = run_lib.build(CFG, optim_cfg, run_cfg)
     nnx.update(built, nnx.state(model, nnx.Param))
-    run_lib.save_initial_checkpoint(path, built, optimizer, CFG, train_cfg, None)
+    run_lib.save_initial_checkpoint(path, built, optimizer, CFG, run_cfg, None)
     return path
 
 
@@ -555,7 +555,7 @@ def test_a_hugging_face_folder_scores_as_its_imported_run(tmp_path):
     tokenizer; bfloat16 compute, when asked, changes them only by its rounding."""
     from dagmoe_jax import run as run_lib
     from dagmoe_jax.hf.export import export_hf
-    from dagmoe_jax.run.config import OptimConfig, TrainConfig
+    from dagmoe_jax.run.config import OptimConfig, RunConfig
 
     cfg = tiny_config("dense", vocab_size=259, max_seq_len=WINDOW, init_std=0.2)
     dense = make_model(cfg)
@@ -567,13 +567,13 @@ def test_a_hugging_face_folder_scores_as_its_imported_run(tmp_path):
     tokenizer_json = write_special_tokenizer(folder, "bos_added", WINDOW)
     run_dir = tmp_path / "run"
     run_lib.prepare_run_dir(run_dir)
-    train_cfg = TrainConfig(run_dir=str(run_dir), tensorboard=False)
+    run_cfg = RunConfig(run_dir=str(run_dir), tensorboard=False)
     run_lib.save_configs(run_dir, cfg, DataConfig(tokenizer="hf", seq_len=WINDOW,
                                                   tokenizer_path=str(tokenizer_json)),
-                         OptimConfig(), train_cfg)
-    built, optimizer, _ = run_lib.build(cfg, OptimConfig(), train_cfg)
+                         OptimConfig(), run_cfg)
+    built, optimizer, _ = run_lib.build(cfg, OptimConfig(), run_cfg)
     nnx.update(built, nnx.state(dense, nnx.Param))
-    run_lib.save_initial_checkpoint(run_dir, built, optimizer, cfg, train_cfg, None)
+    run_lib.save_initial_checkpoint(run_dir, built, optimizer, cfg, run_cfg, None)
 
     requests = [(None, [257, 5, 6, 7], [8, 9]), (None, [257] + list(range(40, 70)), [3])]
     from_run = DagmoeLM(run_dir=str(run_dir), batch_size=2, mesh="none")

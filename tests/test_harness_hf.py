@@ -64,7 +64,7 @@ def make_pair(root: Path, kind: str = "no_bos", emit_eot: bool = False):
     """(run directory, Hugging Face folder) of one random dense model and the tokenizer; the
     model emits ``<|eot|>`` for ``kind='eos_ids'`` or ``emit_eot``."""
     from dagmoe_jax import run as run_lib
-    from dagmoe_jax.run.config import OptimConfig, TrainConfig
+    from dagmoe_jax.run.config import OptimConfig, RunConfig
 
     cfg = RAW
     model = make_model(cfg)
@@ -79,12 +79,12 @@ def make_pair(root: Path, kind: str = "no_bos", emit_eot: bool = False):
     run_dir = root / "run"
     run_lib.prepare_run_dir(run_dir)
     data_cfg = DataConfig(tokenizer="hf", tokenizer_path=str(tokenizer_json), seq_len=WINDOW)
-    train_cfg = TrainConfig(run_dir=str(run_dir), tensorboard=False)
+    run_cfg = RunConfig(run_dir=str(run_dir), tensorboard=False)
     optim_cfg = OptimConfig()
-    run_lib.save_configs(run_dir, RAW, data_cfg, optim_cfg, train_cfg)
-    built, optimizer, _ = run_lib.build(cfg, optim_cfg, train_cfg)
+    run_lib.save_configs(run_dir, RAW, data_cfg, optim_cfg, run_cfg)
+    built, optimizer, _ = run_lib.build(cfg, optim_cfg, run_cfg)
     nnx.update(built, nnx.state(model, nnx.Param))
-    run_lib.save_initial_checkpoint(run_dir, built, optimizer, cfg, train_cfg, None)
+    run_lib.save_initial_checkpoint(run_dir, built, optimizer, cfg, run_cfg, None)
     return run_dir, hf_dir
 
 

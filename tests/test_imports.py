@@ -253,10 +253,10 @@ def test_the_benchmarks_are_a_package_that_leaves_sys_path_alone():
 def test_the_layer_check_catches_an_upward_import():
     assert upward_imports({"dagmoe_jax.model.router": {"dagmoe_jax.data.pipeline",
                                                        "dagmoe_jax.model.layers"},
-                           "dagmoe_jax.run.build": {"dagmoe_jax.train.step"},
-                           "dagmoe_jax.train.step": {"dagmoe_jax.run.build"}}) == [
+                           "dagmoe_jax.run.state": {"dagmoe_jax.train.step"},
+                           "dagmoe_jax.train.step": {"dagmoe_jax.run.state"}}) == [
         "dagmoe_jax.model.router (core) imports dagmoe_jax.data.pipeline (data)",
-        "dagmoe_jax.run.build (run) imports dagmoe_jax.train.step (run)"]
+        "dagmoe_jax.run.state (run) imports dagmoe_jax.train.step (run)"]
 
 
 def test_imports_inside_functions_only_in_commands():

@@ -33,8 +33,8 @@ def _run_pair(run_dir: Path, steps: int) -> list:
                         "--xla_backend_optimization_level=0"}
     procs = [subprocess.Popen(
         [sys.executable, str(REPO / "train.py"), "--gin_file=train/smoke.gin", "--no_progress",
-         f"--run_dir={run_dir}", f"--gin.TrainConfig.steps={steps}",
-         "--gin.TrainConfig.eval_every=0", f"--coordinator_address=localhost:{port}",
+         f"--run_dir={run_dir}", f"--gin.RunConfig.steps={steps}",
+         "--gin.RunConfig.eval_every=0", f"--coordinator_address=localhost:{port}",
          "--num_processes=2", f"--process_id={i}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=run_dir.parent)
         for i in range(2)]

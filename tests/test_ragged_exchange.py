@@ -190,9 +190,9 @@ def test_a_bounded_buffer_run_logs_its_drops(tmp_path):
 
     run_dir = tmp_path / "run"
     configs = load_configs(["train/smoke.gin"], [
-        "TrainConfig.steps = 3", f"TrainConfig.run_dir = '{run_dir}'", "TrainConfig.save_every = 3",
-        "TrainConfig.eval_every = 0", "TrainConfig.task_eval_examples = 0",
-        "TrainConfig.tensorboard = False", "TrainConfig.eval_batches = 1",
+        "RunConfig.steps = 3", f"RunConfig.run_dir = '{run_dir}'", "RunConfig.save_every = 3",
+        "RunConfig.eval_every = 0", "RunConfig.task_eval_examples = 0",
+        "RunConfig.tensorboard = False", "RunConfig.eval_batches = 1",
         "DataConfig.num_synthetic = 64", "ModelConfig.d_model = 16",
         "AggregationConfig.dag_dim = 8", "ExpertConfig.expert_hidden = 16",
         "ExpertConfig.dispatch = 'dropless'", "ExpertConfig.exchange_buffer = 1.0",

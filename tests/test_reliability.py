@@ -17,8 +17,8 @@ from conftest import single_device_env
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = [sys.executable, str(REPO / "train.py"), "--gin_file=train/smoke.gin", "--no_progress",
-         "--gin.TrainConfig.tensorboard=False", "--gin.TrainConfig.task_eval_examples=0"]
-TRAIN_BINDINGS = ["TrainConfig.tensorboard = False", "TrainConfig.task_eval_examples = 0"]
+         "--gin.RunConfig.tensorboard=False", "--gin.RunConfig.task_eval_examples=0"]
+TRAIN_BINDINGS = ["RunConfig.tensorboard = False", "RunConfig.task_eval_examples = 0"]
 ENV = single_device_env()
 
 
@@ -44,7 +44,7 @@ def test_a_torn_last_metrics_line_is_dropped_and_others_are_named(tmp_path):
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("reliability") / "run"
-    result = run(run_dir, "--gin.TrainConfig.steps=10")
+    result = run(run_dir, "--gin.RunConfig.steps=10")
     assert result.returncode == 0, result.stderr
     return run_dir
 
@@ -55,7 +55,7 @@ def test_resume_refuses_a_model_change_that_keeps_the_shapes(short_run):
     # a torn metrics line (a crash mid-write) must not block the resume either
     with open(short_run / METRICS_FILE, "a") as f:
         f.write('{"step": 11, "lo')
-    result = run(short_run, "--gin.TrainConfig.steps=12", "--gin.RouterConfig.top_k=1")
+    result = run(short_run, "--gin.RunConfig.steps=12", "--gin.RouterConfig.top_k=1")
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: the model config differs from the "
@@ -64,8 +64,8 @@ def test_resume_refuses_a_model_change_that_keeps_the_shapes(short_run):
     assert "allow_model_change=True" in lines[0]
     assert (short_run / "config.json").read_text() == before            # nothing overwritten
 
-    allowed = run(short_run, "--gin.TrainConfig.steps=12", "--gin.RouterConfig.top_k=1",
-                  "--gin.TrainConfig.allow_model_change=True", "--gin.DataConfig.seed=3")
+    allowed = run(short_run, "--gin.RunConfig.steps=12", "--gin.RouterConfig.top_k=1",
+                  "--gin.RunConfig.allow_model_change=True", "--gin.DataConfig.seed=3")
     assert allowed.returncode == 0, allowed.stderr
     assert ("warning: resuming with a changed model (allow_model_change): "
             "ModelConfig.block.router.top_k 2 -> 1") in allowed.stdout
@@ -76,10 +76,10 @@ def test_resume_refuses_a_model_change_that_keeps_the_shapes(short_run):
     assert saved["block"]["router"]["top_k"] == 1
     assert max(r["step"] for r in read_metrics(short_run)) == 12
 
-    done = run(short_run, "--gin.TrainConfig.steps=8", "--gin.RouterConfig.top_k=1",
+    done = run(short_run, "--gin.RunConfig.steps=8", "--gin.RouterConfig.top_k=1",
                "--gin.DataConfig.seed=3")
     assert done.returncode == 0, done.stderr
-    assert ("warning: the checkpoint is at step 12 and TrainConfig.steps=8: nothing left to "
+    assert ("warning: the checkpoint is at step 12 and RunConfig.steps=8: nothing left to "
             "train") in done.stdout
 
 
@@ -94,8 +94,8 @@ def test_diverged_parameters_are_never_saved_as_the_last_good_checkpoint(tmp_pat
 
     run_dir = tmp_path / "run"
     result = run(run_dir, "--gin.OptimConfig.learning_rate=30.0", "--gin.OptimConfig.warmup_steps=0",
-                 "--gin.TrainConfig.save_every=1", "--gin.TrainConfig.keep_checkpoints=100",
-                 "--gin.TrainConfig.eval_every=0")
+                 "--gin.RunConfig.save_every=1", "--gin.RunConfig.keep_checkpoints=100",
+                 "--gin.RunConfig.eval_every=0")
     assert result.returncode == 1, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: the parameters after step ")
@@ -135,7 +135,7 @@ def test_repeated_signals_wait_for_the_save_they_asked_for(tmp_path):
     stopped = int(line.split("at step ")[1].split()[0])
     names = os.listdir(run_dir / "checkpoints")
     assert str(stopped) in names and not any("tmp" in name for name in names)
-    again = run(run_dir, f"--gin.TrainConfig.steps={max(stopped + 2, 10)}")
+    again = run(run_dir, f"--gin.RunConfig.steps={max(stopped + 2, 10)}")
     assert again.returncode == 0 and f"resumed from step {stopped}" in again.stdout
 
 
@@ -271,7 +271,7 @@ def test_a_full_disk_stops_the_run_at_the_failed_save_in_one_line(tmp_path):
     # no compilation cache: its writes would fail under the limit too (a warning of JAX's own)
     env = {**ENV, "JAX_COMPILATION_CACHE_DIR": ""}
     result = subprocess.run([*limited, *TRAIN, f"--run_dir={run_dir}",
-                             "--gin.TrainConfig.async_checkpoint=False"], capture_output=True,
+                             "--gin.RunConfig.async_checkpoint=False"], capture_output=True,
                             text=True, timeout=300, env=env, cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.strip() == (
@@ -435,7 +435,7 @@ def test_grain_workers_exit_when_the_training_process_is_killed(tmp_path):
 
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([*TRAIN, f"--run_dir={run_dir}", "--gin.DataConfig.worker_count=2",
-                             "--gin.TrainConfig.steps=100000"], stdout=subprocess.DEVNULL,
+                             "--gin.RunConfig.steps=100000"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env=ENV, cwd=tmp_path)
     try:
         deadline = time.monotonic() + 240
@@ -507,7 +507,7 @@ def test_a_batch_the_devices_do_not_divide_is_refused_before_anything_is_written
 
     run_dir = tmp_path / "run"
     configs = load_configs(["finetune/smoke.gin"], [
-        f"TrainConfig.run_dir = '{run_dir}'", "MeshConfig.data = 8",
+        f"RunConfig.run_dir = '{run_dir}'", "MeshConfig.data = 8",
         f"DataConfig.source = 'instruct:{REPO / 'tests/fixtures/instruct_tiny.jsonl'}'"])
     with pytest.raises(ValueError, match=r"^DataConfig.batch_size=4 is not a multiple of the 8 "
                                          r"devices of the batch mesh axes .*: bind a multiple "

@@ -24,7 +24,7 @@ from dagmoe_jax.model.attention import (blockwise_causal_attention, causal_atten
 from dagmoe_jax.model.segments import segment_mask, segment_positions
 from dagmoe_jax.parallel import MeshConfig, activate, make_mesh
 from dagmoe_jax.parallel.axes import MeshLayout
-from dagmoe_jax.run.build import device_batch
+from dagmoe_jax.run.state import device_batch
 from dagmoe_jax.train.step import lm_loss
 
 from test_model import randomize_zero_inits

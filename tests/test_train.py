@@ -88,7 +88,7 @@ def test_train_end_to_end(reference):
     config = json.loads((run_dir / "config.json").read_text())
     assert config["model"]["block"]["aggregation"]["kind"] == "dag"
     operative = (run_dir / "operative_config.gin").read_text()
-    assert "ModelConfig.d_model = %D_MODEL" in operative and "TrainConfig.steps = 40" in operative
+    assert "ModelConfig.d_model = %D_MODEL" in operative and "RunConfig.steps = 40" in operative
 
 
 @pytest.mark.slow
@@ -161,7 +161,7 @@ def test_truncated_latest_checkpoint_falls_back_to_the_previous(reference, tmp_p
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(reference, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(reference[0], run_dir)
-    result = run(run_dir, "--gin.TrainConfig.steps=60", "--gin.OptimConfig.learning_rate=1e9",
+    result = run(run_dir, "--gin.RunConfig.steps=60", "--gin.OptimConfig.learning_rate=1e9",
                  "--gin.OptimConfig.grad_clip=0.0", "--gin.OptimConfig.schedule='constant'",
                  "--gin.OptimConfig.warmup_steps=0")
     assert result.returncode == 1, (result.stdout, result.stderr)
@@ -185,9 +185,9 @@ def _one_line_error(capsys, run_dir: Path, args, *fragments):
 
 
 @pytest.mark.parametrize("args, fragments", [
-    (["--gin.TrainConfig.stepz=3"], ["stepz"]),
+    (["--gin.RunConfig.stepz=3"], ["stepz"]),
     (["--gin_file=no_such_config.gin"], ["no_such_config.gin", "not found"]),
-    (["--gin.TrainConfig.steps=0"], ["TrainConfig.steps=0"]),
+    (["--gin.RunConfig.steps=0"], ["RunConfig.steps=0"]),
     (["--gin.DataConfig.seq_len=256"], ["seq_len=256", "max_seq_len=128"]),
     (["--gin.ModelConfig.vocab_size=100"], ["vocab_size=100", "256"]),
     (["--gin.DataConfig.source='text:/no/such/dir/*.txt'"], ["matched no file"]),
@@ -207,7 +207,7 @@ def test_empty_dataset_is_a_one_line_error(tmp_path, capsys):
 @pytest.mark.slow
 def test_bad_input_through_the_command_line_is_a_one_line_error(tmp_path):
     """The same check through ``python train.py`` itself (its entry point and exit status)."""
-    result = run(tmp_path / "run", "--gin.TrainConfig.stepz=3", timeout=120)
+    result = run(tmp_path / "run", "--gin.RunConfig.stepz=3", timeout=120)
     assert result.returncode == 2, (result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "stepz" in lines[0], \
@@ -215,21 +215,21 @@ def test_bad_input_through_the_command_line_is_a_one_line_error(tmp_path):
 
 
 def test_gin_overrides_reach_the_model():
-    model_cfg, data_cfg, optim_cfg, train_cfg = load_configs(
+    model_cfg, data_cfg, optim_cfg, run_cfg = load_configs(
         ["train/smoke.gin"], ["AggregationConfig.dag_iters = 3", "DataConfig.seq_len = 32",
-                              "OptimConfig.learning_rate = 0.5", "TrainConfig.steps = 7"])
+                              "OptimConfig.learning_rate = 0.5", "RunConfig.steps = 7"])
     assert (model_cfg.block.aggregation.dag_iters, data_cfg.seq_len, optim_cfg.learning_rate,
-            train_cfg.steps) == (3, 32, 0.5, 7)
+            run_cfg.steps) == (3, 32, 0.5, 7)
     model = make_model(model_cfg)
     w_down = model.layers.block.aggregator.iterations.w_down
     assert w_down.shape[:2] == (2, 3)                              # [layers, L, d, d_g]
 
 
 @pytest.mark.parametrize("epochs, says", [
-    (0, "TrainConfig.steps=4: nothing left to train (raise steps to continue)"),
-    (2, "TrainConfig.epochs=2 ends at step 4: nothing left to train (raise epochs to continue)")])
+    (0, "RunConfig.steps=4: nothing left to train (raise steps to continue)"),
+    (2, "RunConfig.epochs=2 ends at step 4: nothing left to train (raise epochs to continue)")])
 def test_a_finished_run_says_which_setting_to_raise(tiny, epochs, says):
-    """A checkpoint at the run's last step: a run sized by TrainConfig.epochs says to raise
+    """A checkpoint at the run's last step: a run sized by RunConfig.epochs says to raise
     epochs (its steps are derived), one sized by steps to raise steps."""
     import optax
     from flax import nnx
@@ -307,7 +307,7 @@ def test_a_relative_tokenizer_path_is_recorded_absolute(tmp_path, monkeypatch):
         "DataConfig.tokenizer = 'hf'", "DataConfig.tokenizer_path = 'tok/tokenizer.json'",
         "DataConfig.source = 'text:corpus.txt'", "DataConfig.batch_size = 8",
         "ModelConfig.vocab_size = 259", "ModelConfig.d_model = 64", "ModelConfig.num_layers = 2",
-        "TrainConfig.steps = 1", "TrainConfig.run_dir = 'run'", "TrainConfig.tensorboard = False"])
+        "RunConfig.steps = 1", "RunConfig.run_dir = 'run'", "RunConfig.tensorboard = False"])
     train(*configs, progress=False, log=lambda _m: None)
     recorded = json.loads((tmp_path / "run" / "config.json").read_text())["data"]
     assert recorded["tokenizer_path"] == str(tmp_path / "tok" / "tokenizer.json")

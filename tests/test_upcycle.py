@@ -180,7 +180,7 @@ def test_bad_merges_are_one_line_errors():
 
 def test_router_only_training_moves_only_the_routers():
     import optax
-    from dagmoe_jax.run.config import TrainConfig
+    from dagmoe_jax.run.config import RunConfig
     from dagmoe_jax.run.optim import TRAINABLE, check_trainable
     from dagmoe_jax.train.step import make_train_step
 
@@ -200,8 +200,8 @@ def test_router_only_training_moves_only_the_routers():
         check_trainable(merged_config(1), "router")
     with pytest.raises(ValueError, match="dense model"):
         check_trainable(tiny_config("dense"), "router")
-    with pytest.raises(ValueError, match="TrainConfig.trainable='some'"):
-        TrainConfig(trainable="some")
+    with pytest.raises(ValueError, match="RunConfig.trainable='some'"):
+        RunConfig(trainable="some")
 
 
 @pytest.mark.parametrize("top_k", [1, 2])

@@ -67,7 +67,7 @@ def test_upcycle_command_end_to_end(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(argv) == 0
     assert "router gets no gradient" in capsys.readouterr().err    # the top-1 note, one line
-    assert "TrainConfig.trainable = 'router_and_gates'" in (out / "resume.gin").read_text()
+    assert "RunConfig.trainable = 'router_and_gates'" in (out / "resume.gin").read_text()
     merged = run_lib.load_run(out)
     assert merged.model_cfg.block.kind == "moe" and merged.model_cfg.block.router.bias
     assert (out / "resume.gin").is_file() and (out / "dume_stats" / "domain_2.npz").is_file()

@@ -70,4 +70,4 @@ def test_upcycle_command_streams_hugging_face_directories(tmp_path, hf_tokenizer
     for path, value in want.items():
         if "router" not in path:
             np.testing.assert_array_equal(merged[path], value, err_msg=str(path))
-    assert "TrainConfig.trainable = 'router'" in (tmp_path / "out" / "resume.gin").read_text()
+    assert "RunConfig.trainable = 'router'" in (tmp_path / "out" / "resume.gin").read_text()

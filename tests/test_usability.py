@@ -29,9 +29,9 @@ from dagmoe_jax.train.metrics import METRICS_FILE, MetricsWriter, read_metrics
 REPO = Path(__file__).resolve().parent.parent
 ENV = single_device_env(DAGMOE_TCMALLOC="0")
 SHORT = [sys.executable, str(REPO / "train.py"), "--gin_file=train/smoke.gin", "--no_progress",
-         "--gin.TrainConfig.steps=6", "--gin.TrainConfig.log_every=2",
-         "--gin.TrainConfig.eval_every=0", "--gin.TrainConfig.task_eval_examples=0",
-         "--gin.TrainConfig.tensorboard=False", "--gin.OptimConfig.warmup_steps=2000"]
+         "--gin.RunConfig.steps=6", "--gin.RunConfig.log_every=2",
+         "--gin.RunConfig.eval_every=0", "--gin.RunConfig.task_eval_examples=0",
+         "--gin.RunConfig.tensorboard=False", "--gin.OptimConfig.warmup_steps=2000"]
 
 
 @pytest.fixture(scope="module")
@@ -205,9 +205,9 @@ def test_run_dir_io_goes_through_epath_to_cloud_storage(fake_gcs):
     uri = "gs://bucket/runs/a"
     path = run_lib.prepare_run_dir(uri)
     assert str(path) == uri and (fake_gcs / "bucket/runs/a").is_dir()
-    model, data, optim, train = load_configs(["train/smoke.gin"], [f"TrainConfig.run_dir = '{uri}'"])
+    model, data, optim, train = load_configs(["train/smoke.gin"], [f"RunConfig.run_dir = '{uri}'"])
     run_lib.save_configs(uri, model, data, optim, train)
-    assert json.loads((fake_gcs / "bucket/runs/a/config.json").read_text())["train"]["run_dir"] == uri
+    assert json.loads((fake_gcs / "bucket/runs/a/config.json").read_text())["run"]["run_dir"] == uri
     assert run_lib.load_configs(uri) == (model, data, optim, train)
     writer = MetricsWriter(uri, tensorboard=False)
     for step in (1, 2, 3):
@@ -236,7 +236,7 @@ def test_run_dir_io_goes_through_epath_to_cloud_storage(fake_gcs):
 def test_tensorboard_in_a_bucket_without_its_client_stops_before_writing(fake_gcs, monkeypatch):
     from dagmoe_jax.train.loop import train
     monkeypatch.setitem(sys.modules, "google.cloud.storage", None)
-    configs = load_configs(["train/smoke.gin"], ["TrainConfig.run_dir = 'gs://bucket/run'"])
+    configs = load_configs(["train/smoke.gin"], ["RunConfig.run_dir = 'gs://bucket/run'"])
     with pytest.raises(ValueError, match=r"^TensorBoard logging to gs://bucket/run needs the "
                                          r"google-cloud-storage package: pip install "):
         train(*configs, progress=False, log=lambda _: None)
@@ -310,8 +310,8 @@ def test_wandb_missing_is_one_line_before_anything_is_written(tmp_path, monkeypa
     from dagmoe_jax.train.loop import train
     monkeypatch.setitem(sys.modules, "wandb", None)
     run_dir = tmp_path / "run"
-    configs = load_configs(["train/smoke.gin"], [f"TrainConfig.run_dir = '{run_dir}'",
-                                                 "TrainConfig.wandb_project = 'p'"])
+    configs = load_configs(["train/smoke.gin"], [f"RunConfig.run_dir = '{run_dir}'",
+                                                 "RunConfig.wandb_project = 'p'"])
     with pytest.raises(ValueError, match=r"wandb is not installed: pip install 'dagmoe-jax\[wandb\]'"):
         train(*configs, progress=False, log=lambda _: None)
     assert not run_dir.exists()

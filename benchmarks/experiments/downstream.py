@@ -7,7 +7,7 @@ them on downstream benchmarks. This driver does the same at CPU scale, offline, 
 1. **Pre-train** each variant (default MoE, MoE + shared expert, DAG-MoE L 2, at equal added
    parameters, :mod:`experiments.variants`) on a text corpus, as the quality
    benchmark does (:func:`experiments.quality.run_configs`, the same runs).
-2. **Fine-tune** each from its pre-trained run (``TrainConfig.init_from``) for ``sft_epochs``
+2. **Fine-tune** each from its pre-trained run (``RunConfig.init_from``) for ``sft_epochs``
    epochs at a constant learning rate on an instruction set built offline
    (:mod:`experiments.instructions`: six exactly-answered skills in Alpaca records,
    formatted by the plain '### Instruction:' template, the loss on the responses only).
@@ -148,23 +148,23 @@ def finetune_configs(budget: DownstreamBudget, variant: str, seed: int, pre_dir:
                      run_dir: Path, sft_path: str, model_cfg=None):
     """The configs of a fine-tuning run from ``pre_dir`` (the recipe in
     :class:`DownstreamBudget`); ``model_cfg`` defaults to the variant's."""
-    cfg, data_cfg, optim_cfg, train_cfg = run_configs(budget.quality_budget(variant, seed),
+    cfg, data_cfg, optim_cfg, run_cfg = run_configs(budget.quality_budget(variant, seed),
                                                       variant, seed, run_dir)
     data_cfg = dataclasses.replace(data_cfg, source=f"instruct:{sft_path}", eval_source="",
                                    instruct_format="alpaca", chat_template="plain")
     optim_cfg = dataclasses.replace(optim_cfg, schedule="constant", warmup_steps=0,
                                     learning_rate=budget.sft_learning_rate, weight_decay=0.0)
-    train_cfg = dataclasses.replace(train_cfg, init_from=str(pre_dir), epochs=budget.sft_epochs,
+    run_cfg = dataclasses.replace(run_cfg, init_from=str(pre_dir), epochs=budget.sft_epochs,
                                     eval_batches=4)
-    return model_cfg or cfg, data_cfg, optim_cfg, train_cfg
+    return model_cfg or cfg, data_cfg, optim_cfg, run_cfg
 
 
-def train_run(model_cfg, data_cfg, optim_cfg, train_cfg):
+def train_run(model_cfg, data_cfg, optim_cfg, run_cfg):
     """Train one run (or find it complete) quietly; an interrupt stops the benchmark."""
-    result = train(model_cfg, data_cfg, optim_cfg, train_cfg, progress=False,
+    result = train(model_cfg, data_cfg, optim_cfg, run_cfg, progress=False,
                    log=lambda _message: None)
     if result.interrupted:
-        raise KeyboardInterrupt(f"interrupted: {train_cfg.run_dir} saved; run the same "
+        raise KeyboardInterrupt(f"interrupted: {run_cfg.run_dir} saved; run the same "
                                 f"command to resume")
     return result
 

@@ -133,10 +133,10 @@ def run_dume(budget: DownstreamBudget, out_dir, *, stats_batches: int = 8,
     for seed in budget.seeds:
         t0, first = time.perf_counter(), len(records)
         root = out / "dume" / f"seed{seed}"
-        cfg, data_cfg, optim_cfg, train_cfg = run_configs(
+        cfg, data_cfg, optim_cfg, run_cfg = run_configs(
             budget.quality_budget("moe", seed), "moe", seed, root / "dense")
         dense_cfg = cfg.replace(block="dense")
-        train_run(dense_cfg, data_cfg, optim_cfg, train_cfg)
+        train_run(dense_cfg, data_cfg, optim_cfg, run_cfg)
         folders, sources = [], []
         for domain in domains:
             expert_dir = root / f"expert_{domain}"

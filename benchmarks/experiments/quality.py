@@ -108,26 +108,26 @@ def run_configs(budget: QualityBudget, variant: str, seed: int, run_dir: Path):
         f"DataConfig.batch_size = {budget.batch_size}",
         f"DataConfig.seed = {seed}",
         f"OptimConfig.warmup_steps = {min(budget.warmup_steps, budget.steps // 5)}",
-        f"TrainConfig.steps = {budget.steps}",
-        f"TrainConfig.seed = {seed}",
-        f"TrainConfig.eval_batches = {budget.eval_batches}",
-        f"TrainConfig.run_dir = {str(run_dir)!r}",
+        f"RunConfig.steps = {budget.steps}",
+        f"RunConfig.seed = {seed}",
+        f"RunConfig.eval_batches = {budget.eval_batches}",
+        f"RunConfig.run_dir = {str(run_dir)!r}",
         *budget.bindings,
     ]
-    model_cfg, data_cfg, optim_cfg, train_cfg = load_configs([budget.base_gin], bindings)
+    model_cfg, data_cfg, optim_cfg, run_cfg = load_configs([budget.base_gin], bindings)
     model_cfg = variant_config(model_cfg, variant, budget.dag_dim)
     if model_cfg.max_seq_len < budget.seq_len:
         model_cfg = model_cfg.replace(max_seq_len=budget.seq_len)
-    return model_cfg, data_cfg, optim_cfg, train_cfg
+    return model_cfg, data_cfg, optim_cfg, run_cfg
 
 
 def train_and_evaluate(budget: QualityBudget, variant: str, seed: int, run_dir: Path,
                        log: Callable[[str], None]) -> dict:
     """Train (or reuse) one run; its held-out loss and perplexity as a JSON-able record."""
 
-    model_cfg, data_cfg, optim_cfg, train_cfg = run_configs(budget, variant, seed, run_dir)
+    model_cfg, data_cfg, optim_cfg, run_cfg = run_configs(budget, variant, seed, run_dir)
     start = time.perf_counter()
-    result = train(model_cfg, data_cfg, optim_cfg, train_cfg, progress=False,
+    result = train(model_cfg, data_cfg, optim_cfg, run_cfg, progress=False,
                    log=lambda _message: None)
     if result.interrupted:
         raise KeyboardInterrupt(f"interrupted: {run_dir} saved; run the same command to resume")

@@ -118,16 +118,16 @@ def run_configs(budget: ReasoningBudget, task: str, variant: str, seed: int, run
         f"DataConfig.seed = {seed}",
         f"DataConfig.num_synthetic = {budget.num_synthetic}",
         f"OptimConfig.warmup_steps = {warmup}",
-        f"TrainConfig.steps = {budget.steps}",
-        f"TrainConfig.seed = {seed}",
-        f"TrainConfig.run_dir = '{run_dir}'",
+        f"RunConfig.steps = {budget.steps}",
+        f"RunConfig.seed = {seed}",
+        f"RunConfig.run_dir = '{run_dir}'",
         *budget.bindings,
     ]
-    model_cfg, data_cfg, optim_cfg, train_cfg = load_configs([budget.base_gin], bindings)
+    model_cfg, data_cfg, optim_cfg, run_cfg = load_configs([budget.base_gin], bindings)
     model_cfg = variant_config(model_cfg, variant, budget.dag_dim)
     if model_cfg.max_seq_len < budget.eval_seq_len:
         model_cfg = model_cfg.replace(max_seq_len=budget.eval_seq_len)
-    return model_cfg, data_cfg, optim_cfg, train_cfg
+    return model_cfg, data_cfg, optim_cfg, run_cfg
 
 
 def variant_table(budget: ReasoningBudget) -> Dict[str, dict]:
@@ -149,9 +149,9 @@ def train_and_score(budget: ReasoningBudget, task: str, variant: str, seed: int,
                     run_dir: Path, log: Callable[[str], None]) -> dict:
     """Train (or reuse) one run and score it at every size; a JSON-able record."""
 
-    model_cfg, data_cfg, optim_cfg, train_cfg = run_configs(budget, task, variant, seed, run_dir)
+    model_cfg, data_cfg, optim_cfg, run_cfg = run_configs(budget, task, variant, seed, run_dir)
     start = time.perf_counter()
-    result = train(model_cfg, data_cfg, optim_cfg, train_cfg, progress=False,
+    result = train(model_cfg, data_cfg, optim_cfg, run_cfg, progress=False,
                    log=lambda _message: None)
     train_seconds = time.perf_counter() - start
     if result.interrupted:

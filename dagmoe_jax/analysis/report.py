@@ -26,15 +26,17 @@ from dagmoe_jax.data import eval_batches, parse_source
 from dagmoe_jax.hf.run import open_run
 from dagmoe_jax.train.metrics import read_metrics
 
-PLOTS = ("expert_load", "coactivation", "edge_gates", "edge_gate_hist", "dropped_fraction",
-         "load_balance", "training_curves", "doe_gates")
-# The plots of routed blocks (MoE, CoE): a DoE run skips them.
-ROUTED_PLOTS = PLOTS[:6]
+# The plots of routed blocks (MoE, CoE; a family with its own analysis skips them), then the
+# training curves every run has. A family's own analysis adds its plots (DoE's ``PLOTS``).
+ROUTED_PLOTS = ("expert_load", "coactivation", "edge_gates", "edge_gate_hist",
+                "dropped_fraction", "load_balance")
+PLOTS = (*ROUTED_PLOTS, "training_curves")
 
 
 @dataclasses.dataclass(frozen=True)
 class PlotResult:
-    """name: one of :data:`PLOTS`; path: the PNG written, or None if skipped (then ``reason``)."""
+    """name: one of :data:`PLOTS` or of a family's own analysis (DoE's ``PLOTS``); path: the
+    PNG written, or None if skipped (then ``reason``)."""
 
     name: str
     path: Optional[Path]
@@ -169,8 +171,6 @@ def write_plots(stats: Collected, records: List[dict], out_dir, label: str = "")
                        PlotResult(name, plot(steps, values, out / f"{name}.png",
                                              prefix + title)))
     results.append(training_curves(records, out, prefix))
-    results.append(PlotResult("doe_gates", None, "the gate profile is for DoE runs "
-                                                 f"(block='doe'); this is '{stats.block}'"))
     return results
 
 

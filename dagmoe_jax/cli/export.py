@@ -20,7 +20,7 @@ family's names and config fields, the tokenizer's BOS and EOS ids, the LM head t
 equals the embedding) and the run's tokenizer (:mod:`dagmoe_jax.hf.tokenizer`: for the byte
 tokenizer a ``tokenizer.json`` that gives exactly its ids). The directory is written beside
 ``--out`` and moved there when complete, so an interrupted export leaves nothing at ``--out``.
-``transformers``, ``train.py --gin.TrainConfig.init_from='hf:DIR'``, ``dagmoe-import`` and the
+``transformers``, ``train.py --gin.RunConfig.init_from='hf:DIR'``, ``dagmoe-import`` and the
 harness's ``--run_dir=hf:DIR`` read it (``dagmoe-upcycle --dense=DIR`` a Llama).
 Exit status: 0 done, 2 invalid arguments or run directory (a one-line message), 130 when
 interrupted (Ctrl-C: the partial folder is removed).

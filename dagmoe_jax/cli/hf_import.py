@@ -35,7 +35,7 @@ step 0 holds the parameters alone (the run that continues creates the optimizer'
 path and SHA-256, so the run does not depend on the folder afterwards); ``resume.gin``. Then::
 
     python train.py --gin_file=DIR/resume.gin          # continue pre-training it
-    python train.py --gin.TrainConfig.init_from="'DIR'" ...   # fine-tune from it
+    python train.py --gin.RunConfig.init_from="'DIR'" ...   # fine-tune from it
     python -m dagmoe_jax.harness --run_dir=DIR ...     # score it; dagmoe-sample, dagmoe-export,
     python -m dagmoe_jax.upcycle --dense=DIR ...       # and upcycle it, as any dense run
 
@@ -95,7 +95,7 @@ def import_hf(folder: str, run_dir: str, *, seq_len: int = 0, batch_size: int = 
     from dagmoe_jax.data import DataConfig
     from dagmoe_jax.hf.llama import load_hf_llama, model_config_from_hf, read_hf_config
     from dagmoe_jax.hf.run import folder_tokenizer
-    from dagmoe_jax.run.config import OptimConfig, TrainConfig
+    from dagmoe_jax.run.config import OptimConfig, RunConfig
 
     source_dir = Path(folder).expanduser().resolve()
     folder_tokenizer(source_dir)
@@ -119,10 +119,10 @@ def import_hf(folder: str, run_dir: str, *, seq_len: int = 0, batch_size: int = 
             convert_to = convert_to(folder_cfg)
         model, model_cfg = load_hf_llama(source_dir, convert_to=convert_to)
         optim_cfg = OptimConfig()
-        train_cfg = TrainConfig(run_dir=str(target), steps=steps, save_every=steps)
-        run_lib.save_initial_checkpoint(path, model, None, model_cfg, train_cfg, None)
-        run_lib.save_resume_gin(path, model_cfg, data_cfg, optim_cfg, train_cfg)
-        run_lib.save_configs(path, model_cfg, data_cfg, optim_cfg, train_cfg,
+        run_cfg = RunConfig(run_dir=str(target), steps=steps, save_every=steps)
+        run_lib.save_initial_checkpoint(path, model, None, model_cfg, run_cfg, None)
+        run_lib.save_resume_gin(path, model_cfg, data_cfg, optim_cfg, run_cfg)
+        run_lib.save_configs(path, model_cfg, data_cfg, optim_cfg, run_cfg,
                              settled=model.execution)      # last: the run is complete
     except BaseException:
         if existed:                                        # it was empty: empty it again

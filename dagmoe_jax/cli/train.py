@@ -5,7 +5,7 @@ From a checkout ``python train.py``; after ``pip install`` also ``dagmoe-train``
 
     python train.py                                   # the embedded default, < 10 min on a laptop CPU
     python train.py --gin_file=configs/dagmoe_s.gin --gin_file=configs/cpu_small.gin
-    python train.py --gin_file=F.gin --gin.TrainConfig.steps=2000 --gin.DataConfig.source="'text:data/*.txt'"
+    python train.py --gin_file=F.gin --gin.RunConfig.steps=2000 --gin.DataConfig.source="'text:data/*.txt'"
     python train.py --mode=eval --run_dir=runs/default [--eval_source=tfds:NAME --eval_split=test]
 
 Flags:
@@ -13,7 +13,7 @@ Flags:
                         with the package). With no --gin_file, configs/train/default.gin.
   --gin.NAME.PARAM=VAL  a gin binding (repeatable; also --gin_bindings="NAME.PARAM = VAL").
                         Strings need gin quotes: --gin.DataConfig.tokenizer="'hf'".
-  --run_dir=DIR         shorthand for --gin.TrainConfig.run_dir; an existing run resumes.
+  --run_dir=DIR         shorthand for --gin.RunConfig.run_dir; an existing run resumes.
   --mode=train|eval     eval: load DIR's newest checkpoint and report held-out perplexity;
                         DataConfig bindings of what is scored and how it is read apply
                         (e.g. --gin.DataConfig.text_key="'body'"; the list: EVAL_OVERRIDABLE_FIELDS
@@ -21,7 +21,7 @@ Flags:
   --eval_source=SPEC    (eval) a DataConfig source spec, e.g. tfds:wikitext or text:notes/*.txt
   --eval_split=NAME     (eval, tfds) the split to score
   --eval_batches=N      (eval) batches to score (default: all)
-  --no_progress         no progress bar: a plain line every TrainConfig.log_every steps
+  --no_progress         no progress bar: a plain line every RunConfig.log_every steps
                         instead (for cluster logs)
   --coordinator_address=HOST:PORT --num_processes=N --process_id=I
                         join a multi-process run (also from JAX_COORDINATOR_ADDRESS /
@@ -57,7 +57,7 @@ def parse_args(argv):
     args, args.user_bindings = parse_gin_command(parser, argv, "python train.py")
     bindings = list(args.user_bindings)
     if args.run_dir:
-        bindings.append(f"TrainConfig.run_dir = {args.run_dir!r}")
+        bindings.append(f"RunConfig.run_dir = {args.run_dir!r}")
     args.bindings = bindings
     return args
 
@@ -109,25 +109,25 @@ def _main(args, signals: dict) -> int:
                                 data_overrides=overrides, log=print)
             return 0
         files = args.gin_file or [DEFAULT_GIN]
-        model_cfg, data_cfg, optim_cfg, train_cfg = load_configs(files, args.bindings)
+        model_cfg, data_cfg, optim_cfg, run_cfg = load_configs(files, args.bindings)
         shown = model_cfg
-        if train_cfg.init_from:
-            shown = source_model_config(train_cfg.init_from, model_cfg)
+        if run_cfg.init_from:
+            shown = source_model_config(run_cfg.init_from, model_cfg)
             # A tokenizer binding that contradicts the source is refused even where it binds
             # the default's value ('byte'), which train() alone cannot tell from no binding.
-            source_data_config(train_cfg.init_from, data_cfg, train_cfg.tokenizer_from_source,
+            source_data_config(run_cfg.init_from, data_cfg, run_cfg.tokenizer_from_source,
                                bound=bound_fields(DataConfig))
         acc = account(shown, data_cfg.seq_len)
-        length = (f"{train_cfg.epochs} epochs" if train_cfg.epochs
-                  else f"{train_cfg.steps} steps")
+        length = (f"{run_cfg.epochs} epochs" if run_cfg.epochs
+                  else f"{run_cfg.steps} steps")
         if jax.process_index() == 0:
             print(f"config: {' + '.join(files)}{' + bindings' if args.bindings else ''}; "
                   f"{block_summary(shown.block)}; "
                   f"{acc.total_params / 1e6:.2f}M params ({acc.total_active_params / 1e6:.2f}M "
                   f"active); {length} of {data_cfg.batch_size}x{data_cfg.seq_len} "
                   f"tokens from {data_cfg.source}; {jax.device_count()} devices in "
-                  f"{jax.process_count()} processes; run dir {train_cfg.run_dir}", flush=True)
-        train(model_cfg, data_cfg, optim_cfg, train_cfg, progress=not args.no_progress,
+                  f"{jax.process_count()} processes; run dir {run_cfg.run_dir}", flush=True)
+        train(model_cfg, data_cfg, optim_cfg, run_cfg, progress=not args.no_progress,
               operative_gin=gin.operative_config_str(), signals=signals)
     except NonFiniteLossError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -133,7 +133,7 @@ def oom_line(err, chip, topology: str) -> str:
     name, need, detail = err.args
     what = {"train": "the training step", "eval": "the evaluation step",
             "prefill": "generation's prefill", "decode": "a decode step"}[name]
-    fix = ("lower DataConfig.batch_size or raise TrainConfig.grad_accum, set "
+    fix = ("lower DataConfig.batch_size or raise RunConfig.grad_accum, set "
            "ExecutionConfig.remat='full', or shard parameters and optimizer state with "
            "MeshConfig.fsdp" if name == "train" else
            "lower DataConfig.batch_size or shard the parameters with MeshConfig.fsdp"
@@ -168,24 +168,24 @@ def _run(args) -> int:
     from dagmoe_jax.compile.programs import (GenerationShape, OutOfMemory, compile_run,
                                              mesh_label, mesh_over)
     from dagmoe_jax.run.gin import DEFAULT_GIN, load_configs
-    model_cfg, data_cfg, optim_cfg, train_cfg = load_configs(args.gin_file or [DEFAULT_GIN],
+    model_cfg, data_cfg, optim_cfg, run_cfg = load_configs(args.gin_file or [DEFAULT_GIN],
                                                              args.bindings)
-    if train_cfg.init_from:
+    if run_cfg.init_from:
         from dagmoe_jax.train.init_from import source_model_config
-        model_cfg = source_model_config(train_cfg.init_from, model_cfg)
+        model_cfg = source_model_config(run_cfg.init_from, model_cfg)
     topology = args.topology + (f" x {args.num_slices} slices" if args.num_slices > 1 else "")
     half = max(data_cfg.seq_len // 2, 1)
     generation = GenerationShape(args.gen_batch, args.prompt_len or half,
                                  args.new_tokens or half)
     if args.search:
-        return _search(args, model_cfg, data_cfg, optim_cfg, train_cfg, chip, devices,
+        return _search(args, model_cfg, data_cfg, optim_cfg, run_cfg, chip, devices,
                        topology)
-    mesh = mesh_over(devices, dataclasses.asdict(train_cfg.mesh), args.num_slices)
+    mesh = mesh_over(devices, dataclasses.asdict(run_cfg.mesh), args.num_slices)
     label = mesh_label(mesh.shape)
     print(f"compiling for {topology}: {len(devices)} {chip.name} chips, mesh {label}",
           flush=True)
     try:
-        execution, reports = compile_run(model_cfg, data_cfg, optim_cfg, train_cfg, mesh, chip,
+        execution, reports = compile_run(model_cfg, data_cfg, optim_cfg, run_cfg, mesh, chip,
                                        programs=args.programs, generation=generation,
                                        keep_hlo=bool(args.hlo_dir),
                                        log=lambda m: print(m, flush=True))
@@ -194,7 +194,7 @@ def _run(args) -> int:
     from dagmoe_jax.parallel.axes import MeshLayout
     from dagmoe_jax.model.settle import describe as describe_settled
     # with the mesh: the expert-parallel exchange and its receive buffer (what overflows drops)
-    settled = describe_settled(model_cfg, execution, train_cfg.execution,
+    settled = describe_settled(model_cfg, execution, run_cfg.execution,
                                backend=chip.platform, layout=MeshLayout.of(mesh),
                                device=devices[0])
     print(f"model settled for {chip.platform}: {settled}")
@@ -249,12 +249,12 @@ def _libtpu_version() -> str:
         return "unknown"
 
 
-def _search(args, model_cfg, data_cfg, optim_cfg, train_cfg, chip, devices, topology) -> int:
+def _search(args, model_cfg, data_cfg, optim_cfg, run_cfg, chip, devices, topology) -> int:
     from dagmoe_jax.compile.programs import OutOfMemory, compile_run, mesh_over
     from dagmoe_jax.compile.search import (OWN, Outcome, OutcomeCache, candidates, ranked,
                                            search)
     chips = len(devices)
-    own = train_cfg.mesh.resolve(chips)
+    own = run_cfg.mesh.resolve(chips)
     if data_cfg.batch_size % chips:
         raise ValueError(f"DataConfig.batch_size={data_cfg.batch_size} is not a multiple of "
                          f"the {chips} chips")
@@ -273,7 +273,7 @@ def _search(args, model_cfg, data_cfg, optim_cfg, train_cfg, chip, devices, topo
         try:
             mesh = mesh_over(devices, candidate.mesh, args.num_slices)
             _, reports = compile_run(candidate.model_config(model_cfg), data, optim_cfg,
-                                     train_cfg, mesh, chip, programs=("train",))
+                                     run_cfg, mesh, chip, programs=("train",))
         except OutOfMemory as err:
             return Outcome(candidate, error="out of memory" + (
                 f" ({err.args[1] / 1e9:.1f} GB)" if err.args[1] else ""))
@@ -288,7 +288,7 @@ def _search(args, model_cfg, data_cfg, optim_cfg, train_cfg, chip, devices, topo
         return Outcome(candidate, d["seconds"], d["tokens_per_second"], d["mfu"],
                        r.total_bytes)
 
-    train_fields = {f.name: getattr(train_cfg, f.name) for f in dataclasses.fields(train_cfg)
+    train_fields = {f.name: getattr(run_cfg, f.name) for f in dataclasses.fields(run_cfg)
                     if f.name != "mesh"}
     fingerprint = "\n".join(repr(c) for c in (
         model_cfg, data_cfg.seq_len, optim_cfg, train_fields, topology, args.num_slices,

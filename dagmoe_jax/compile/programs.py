@@ -50,7 +50,7 @@ from dagmoe_jax.model.expert_parallel import dispatch_axes
 from dagmoe_jax.parallel import MeshConfig, activate, make_mesh
 from dagmoe_jax.parallel.axes import MESH_AXES, MeshLayout
 from dagmoe_jax.parallel.state import batch_shards, batch_sharding, variable_spec
-from dagmoe_jax.run.config import OptimConfig, TrainConfig
+from dagmoe_jax.run.config import OptimConfig, RunConfig
 from dagmoe_jax.run.optim import TRAINABLE, check_trainable, make_optimizer
 from dagmoe_jax.evaluation import eval_step
 from dagmoe_jax.train.step import make_train_step
@@ -141,20 +141,21 @@ def state_bytes_per_chip(obj) -> float:
 
 
 def abstract_train_state(model_cfg: ModelConfig, optim_cfg: OptimConfig,
-                         train_cfg: TrainConfig, mesh, backend: str = "tpu"):
+                         run_cfg: RunConfig, mesh, backend: str = "tpu"):
     """(model, optimizer) with abstract sharded arrays, the model running as
-    ``train_cfg.execution`` settled for ``backend`` and ``mesh`` (on GPU, for the compute
-    capability of the mesh's devices) exactly as ``run.build`` settles a run's."""
-    check_trainable(model_cfg, train_cfg.trainable)
+    ``run_cfg.execution`` settled for ``backend`` and ``mesh`` (on GPU, for the compute
+    capability of the mesh's devices) exactly as :func:`dagmoe_jax.run.build` settles a
+    run's."""
+    check_trainable(model_cfg, run_cfg.trainable)
     layout = MeshLayout.of(mesh)
-    execution = settle(model_cfg, train_cfg.execution, backend=backend, layout=layout,
+    execution = settle(model_cfg, run_cfg.execution, backend=backend, layout=layout,
                        device=mesh.devices.flat[0])
     check_kernel_precision(execution.attention, execution.grouped_matmul, backend)
-    tx = make_optimizer(optim_cfg, train_cfg.steps)
-    wrt = TRAINABLE[train_cfg.trainable]
+    tx = make_optimizer(optim_cfg, run_cfg.steps)
+    wrt = TRAINABLE[run_cfg.trainable]
 
     def build():
-        model = Transformer(model_cfg, execution=execution, rngs=nnx.Rngs(train_cfg.seed),
+        model = Transformer(model_cfg, execution=execution, rngs=nnx.Rngs(run_cfg.seed),
                             layout=layout)
         return model, nnx.Optimizer(model, tx, wrt=wrt)
 
@@ -271,21 +272,21 @@ def cudnn_missing() -> bool:
         return True
 
 
-def deviceless_execution(train_cfg: TrainConfig, chip: Chip, one_device: bool,
-                         log: Callable[[str], None] = lambda _m: None) -> TrainConfig:
-    """``train_cfg`` as it can be compiled for ``chip`` from this host: for a GPU target
+def deviceless_execution(run_cfg: RunConfig, chip: Chip, one_device: bool,
+                         log: Callable[[str], None] = lambda _m: None) -> RunConfig:
+    """``run_cfg`` as it can be compiled for ``chip`` from this host: for a GPU target
     without cuDNN here, attention that would settle to cuDNN's flash kernel ('auto' or
     'cudnn'; cuDNN builds its kernels at compile time from the library itself) is compiled as
     the Pallas Triton flash kernel on one device (the same algorithm, no cuDNN), as XLA's
     under a mesh; ``log`` says which. Anything else unchanged."""
-    ex = train_cfg.execution
+    ex = run_cfg.execution
     if chip.platform != "gpu" or ex.attention not in ("auto", "cudnn") or not cudnn_missing():
-        return train_cfg
+        return run_cfg
     stand_in = "triton" if one_device else "xla"
     log(f"attention compiled as {'the Pallas Triton flash kernel' if one_device else 'XLA'}'s"
         f" in cuDNN's place: cuDNN's flash attention needs the cuDNN library at compile time, "
         f"which a host without a GPU lacks (a GPU run settles to it)")
-    return dataclasses.replace(train_cfg, execution=dataclasses.replace(ex, attention=stand_in))
+    return dataclasses.replace(run_cfg, execution=dataclasses.replace(ex, attention=stand_in))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,7 +300,7 @@ class GenerationShape:
 
 
 def compile_run(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
-                train_cfg: TrainConfig, mesh, chip: Chip, *,
+                run_cfg: RunConfig, mesh, chip: Chip, *,
                 programs: Sequence[str] = PROGRAMS,
                 generation: GenerationShape = GenerationShape(),
                 keep_hlo: bool = False,
@@ -313,12 +314,12 @@ def compile_run(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimCo
         raise ValueError(f"unknown program {sorted(unknown)[0]!r}: expected some of {PROGRAMS}")
     devices = list(mesh.devices.flat)
     chips = len(devices)
-    train_cfg = deviceless_execution(train_cfg, chip, chips == 1, log)
+    run_cfg = deviceless_execution(run_cfg, chip, chips == 1, log)
     shards = batch_shards(mesh)      # (grad_accum's split is checked by the step itself)
     if data_cfg.batch_size % shards:
         raise ValueError(f"DataConfig.batch_size={data_cfg.batch_size} does not split over the "
                          f"{shards} chips of the batch mesh axes: use a multiple of {shards}")
-    model, optimizer = abstract_train_state(model_cfg, optim_cfg, train_cfg, mesh,
+    model, optimizer = abstract_train_state(model_cfg, optim_cfg, run_cfg, mesh,
                                             backend=chip.platform)
     cfg = model_cfg
     params = state_bytes_per_chip(model)
@@ -328,9 +329,9 @@ def compile_run(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimCo
     train_tokens = rows * seq
     if "train" in programs:
         log(f"compiling the training step ({rows} x {seq} tokens, grad_accum "
-            f"{train_cfg.grad_accum})...")
-        step = make_train_step(grad_accum=train_cfg.grad_accum,
-                               wrt=TRAINABLE[train_cfg.trainable], donate=True)
+            f"{run_cfg.grad_accum})...")
+        step = make_train_step(grad_accum=run_cfg.grad_accum,
+                               wrt=TRAINABLE[run_cfg.trainable], donate=True)
         batch = _batch(cfg, mesh, rows, seq, replicated=False, mask=False)
         with activate(mesh):
             compiled, secs = _compile("train", lambda: step.lower(model, optimizer, batch), chip,
@@ -339,7 +340,7 @@ def compile_run(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimCo
             "train", compiled, secs, train_tokens,
             params + state_bytes_per_chip(optimizer),
             acc.train_flops_per_token * train_tokens / chips, chip, devices, keep_hlo,
-            gmm_occupancy(cfg, mesh, train_tokens // train_cfg.grad_accum))
+            gmm_occupancy(cfg, mesh, train_tokens // run_cfg.grad_accum))
     if "eval" in programs:
         log(f"compiling the evaluation step ({rows} x {seq} tokens, replicated)...")
         batch = _batch(cfg, mesh, rows, seq, replicated=True, mask=True)

@@ -2,7 +2,7 @@
 
 * :mod:`~dagmoe_jax.config.model`: ``ModelConfig`` (the decoder and attention's RoPE scaling);
 * :mod:`~dagmoe_jax.config.execution`: ``ExecutionConfig``, how the model runs on a machine
-  rather than what it computes (a run holds it beside the mesh, ``TrainConfig.execution``,
+  rather than what it computes (a run holds it beside the mesh, ``RunConfig.execution``,
   and settles it when the run is built);
 * :mod:`~dagmoe_jax.config.families`: the block families' registry; each family's config
   (``ModelConfig.block`` holds one) is in its package, ``dagmoe_jax.families.<kind>.config``:

@@ -1,5 +1,5 @@
 """How the model runs on a machine, not what it computes: every choice that depends on the
-backend or the mesh, in one ``ExecutionConfig`` beside the mesh (``TrainConfig.execution``),
+backend or the mesh, in one ``ExecutionConfig`` beside the mesh (``RunConfig.execution``),
 each 'auto' settled once when the run is built (:func:`dagmoe_jax.model.settle.settle`, which
 returns the concrete config the model is built with: ``Transformer(cfg, execution=...)``)."""
 
@@ -20,7 +20,7 @@ DAG_MODULES = ("auto", "xla", "xla_rank3", "fused", "triton")
 
 @dataclasses.dataclass(frozen=True)
 class ExecutionConfig:
-    """How the model runs on a machine, not what it computes (``TrainConfig.execution``).
+    """How the model runs on a machine, not what it computes (``RunConfig.execution``).
 
     Changing any of these changes neither the parameters nor, beyond floating-point rounding,
     the outputs, so a run may resume with them changed (on another machine, say). Each 'auto'

@@ -80,7 +80,7 @@ class RopeScalingConfig:
 class ModelConfig:
     """Llama-3 style decoder (DAG-MoE Appendix B.1) with a choice of FFN block: what is
     computed. How it runs on a machine is an ``ExecutionConfig`` beside the mesh
-    (``TrainConfig.execution``), not a field here.
+    (``RunConfig.execution``), not a field here.
 
     vocab_size: embedding and LM-head rows (256 = bytes; the paper used Llama-3's 128,256).
     d_model, num_layers, num_heads, num_kv_heads: Table 3 (s: 512, 4, 32, 8).

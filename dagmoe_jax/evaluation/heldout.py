@@ -4,7 +4,7 @@
   :func:`~dagmoe_jax.evaluation.step.eval_step`;
 * :class:`Evaluator`: it and exact-answer accuracy on the synthetic DP tasks
   (:func:`~dagmoe_jax.evaluation.accuracy.task_accuracy`), on a data config's held-out batches
-  built once (what the training loop calls every ``TrainConfig.eval_every`` steps and at the
+  built once (what the training loop calls every ``RunConfig.eval_every`` steps and at the
   end), and :func:`format_eval`, the line that reports them;
 * :func:`evaluate_checkpoint`: the newest checkpoint of a run directory scored on its own
   held-out data or another source (``train.py --mode=eval``), with the DataConfig changes an
@@ -30,7 +30,7 @@ from dagmoe_jax.evaluation.accuracy import task_accuracy
 from dagmoe_jax.evaluation.step import eval_step
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.parallel import MeshConfig, activate, make_mesh
-from dagmoe_jax.run.config import TrainConfig
+from dagmoe_jax.run.config import RunConfig
 from dagmoe_jax.run.extensions import extension_for
 from dagmoe_jax.run.gin import binding_values
 
@@ -53,19 +53,19 @@ def evaluate(model: Transformer, batches: Iterable[Dict[str, np.ndarray]]) -> Di
 class Evaluator:
     """Held-out perplexity (+ exact-answer accuracy on synthetic tasks), data built once."""
 
-    def __init__(self, data_cfg: DataConfig, train_cfg: TrainConfig, tokenizer, annotate=None):
+    def __init__(self, data_cfg: DataConfig, run_cfg: RunConfig, tokenizer, annotate=None):
         # Every process evaluates the whole (small) held-out set, replicated on its devices.
         # None: no evaluation data (DataConfig.heldout_fraction = 0 and no eval_source).
         self.batches = (eval_batches(data_cfg, tokenizer,
-                                     max_batches=train_cfg.eval_batches or None,
+                                     max_batches=run_cfg.eval_batches or None,
                                      annotate=annotate)
                         if has_eval_data(data_cfg) else None)
         self.task_batches, self.task_names = [], []
         kind = data_cfg.source.split(":", 1)[0]
-        if train_cfg.task_eval_examples and kind == "synthetic" and not data_cfg.eval_source:
+        if run_cfg.task_eval_examples and kind == "synthetic" and not data_cfg.eval_source:
             self.task_names = list(task_names(data_cfg))
             self.task_batches = task_eval_batches(data_cfg, tokenizer,
-                                                  num_examples=train_cfg.task_eval_examples,
+                                                  num_examples=run_cfg.task_eval_examples,
                                                   batch_size=data_cfg.batch_size)
 
     @property
@@ -143,10 +143,10 @@ def evaluate_checkpoint(run_dir: str | Path, *, eval_source: str = "", eval_spli
     run_lib.check_compatible(loaded.model_cfg, data_cfg, loaded.tokenizer)
     for message in loaded.warnings:
         log(f"warning: {message}")
-    train_cfg = dataclasses.replace(loaded.train_cfg, eval_batches=eval_batches_limit)
+    run_cfg = dataclasses.replace(loaded.run_cfg, eval_batches=eval_batches_limit)
     with activate(mesh):
         annotate = extension_for(loaded.model_cfg).prepare_run(data_cfg, run_dir, save=False)
-        result = Evaluator(data_cfg, train_cfg, loaded.tokenizer, annotate)(loaded.model)
+        result = Evaluator(data_cfg, run_cfg, loaded.tokenizer, annotate)(loaded.model)
     result["step"] = loaded.step
     log(f"eval of {run_dir} at step {loaded.step} on "
         f"{data_cfg.eval_source or data_cfg.source + ' (held-out)'}: " + format_eval(result))

@@ -14,7 +14,7 @@ from dagmoe_jax.data import DataConfig
 from dagmoe_jax.data.tokenizers import make_tokenizer
 from dagmoe_jax.hf.llama import PathLike, load_hf_llama, model_config_from_hf, read_hf_config
 from dagmoe_jax.parallel import place_on_mesh
-from dagmoe_jax.run.config import OptimConfig, TrainConfig
+from dagmoe_jax.run.config import OptimConfig, RunConfig
 from dagmoe_jax.run.directory import LoadedRun, load_configs, load_run
 
 HF_PREFIX = "hf:"
@@ -53,7 +53,7 @@ def load_hf_run(path: PathLike, *, execution: Optional[ExecutionConfig] = None,
     data_cfg = data_cfg or hf_data_config(folder)
     model, cfg = load_hf_llama(folder, execution=execution, **overrides)
     return LoadedRun(model=model, step=0, model_cfg=cfg, data_cfg=data_cfg,
-                     optim_cfg=OptimConfig(), train_cfg=TrainConfig(),
+                     optim_cfg=OptimConfig(), run_cfg=RunConfig(),
                      tokenizer=make_tokenizer(data_cfg), warnings=[])
 
 

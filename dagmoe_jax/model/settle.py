@@ -2,7 +2,7 @@
 
 The model code (``dagmoe_jax/model``) never asks what machine it runs on: no backend query,
 no look at the active mesh. Every choice that depends on the machine is a field of an
-:class:`~dagmoe_jax.config.ExecutionConfig` (a run's ``TrainConfig.execution``, beside its
+:class:`~dagmoe_jax.config.ExecutionConfig` (a run's ``RunConfig.execution``, beside its
 mesh) left 'auto' by the user and decided here, from (model config, backend, mesh layout), into
 a concrete ``ExecutionConfig`` that the run prints and saves, and builds the model with
 (``Transformer(cfg, execution=settle(cfg, execution))``):

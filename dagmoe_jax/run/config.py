@@ -1,10 +1,14 @@
-"""Validated configuration of training: the loop (``TrainConfig``) and the optimiser
-(``OptimConfig``; :mod:`dagmoe_jax.run.optim` builds it). The model's and the data's have
+"""Validated configuration of a run: the run's own config (``RunConfig``: its directory, the
+training loop's length and cadence, and the mesh and execution that training, evaluation,
+sampling and compiling all read) and the optimiser's (``OptimConfig``;
+:mod:`dagmoe_jax.run.optim` builds it). The model's and the data's have
 their own modules (``dagmoe_jax/config/model.py``, ``dagmoe_jax/data/config.py``): every config
 dataclass lives in a module named ``config.py`` beside the code it configures.
 
 All are exposed to gin under their class names, so a run is described by gin files plus
-``--gin.TrainConfig.steps=2000``-style bindings (see ``train.py``).
+``--gin.RunConfig.steps=2000``-style bindings (see ``train.py``). ``RunConfig`` was called
+``TrainConfig`` before; gin files and bindings of that name (the gin files saved by earlier
+runs) still configure it (:mod:`dagmoe_jax.run.gin`), and the Python name stays an alias.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ TRAINABLE_SETS = ("all", "router", "router_and_gates", "non_experts", "aggregato
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """How long to train, and how often to log, evaluate and checkpoint.
+class RunConfig:
+    """The run's config: where it lives, how long to train and how often to log, evaluate and
+    checkpoint, and the mesh and execution every program of the run is built with.
 
     steps: optimiser steps in the whole run (the schedule's length; a resumed run continues
         up to it).
@@ -109,26 +114,30 @@ class TrainConfig:
 
     def __post_init__(self):
         for name in ("steps", "grad_accum", "log_every", "save_every", "keep_checkpoints"):
-            _positive("TrainConfig", name, getattr(self, name))
+            _positive("RunConfig", name, getattr(self, name))
         for name in ("seed", "eval_every", "eval_batches", "task_eval_examples", "epochs"):
-            _nonnegative_int("TrainConfig", name, getattr(self, name))
-        _check(isinstance(self.mesh, MeshConfig), "TrainConfig", "mesh", self.mesh,
+            _nonnegative_int("RunConfig", name, getattr(self, name))
+        _check(isinstance(self.mesh, MeshConfig), "RunConfig", "mesh", self.mesh,
                "a MeshConfig")
-        _check(isinstance(self.execution, ExecutionConfig), "TrainConfig", "execution",
+        _check(isinstance(self.execution, ExecutionConfig), "RunConfig", "execution",
                self.execution, "an ExecutionConfig")
-        _check(isinstance(self.allow_model_change, bool), "TrainConfig", "allow_model_change",
+        _check(isinstance(self.allow_model_change, bool), "RunConfig", "allow_model_change",
                self.allow_model_change, "True or False")
-        _check(isinstance(self.wandb_project, str), "TrainConfig", "wandb_project",
+        _check(isinstance(self.wandb_project, str), "RunConfig", "wandb_project",
                self.wandb_project, "a W&B project name ('' = no W&B logging)")
-        _check(self.wandb_mode in ("online", "offline"), "TrainConfig", "wandb_mode",
+        _check(self.wandb_mode in ("online", "offline"), "RunConfig", "wandb_mode",
                self.wandb_mode, "'online' or 'offline'")
-        _choice("TrainConfig", "trainable", self.trainable, TRAINABLE_SETS)
-        _check(isinstance(self.init_from, str), "TrainConfig", "init_from", self.init_from,
+        _choice("RunConfig", "trainable", self.trainable, TRAINABLE_SETS)
+        _check(isinstance(self.init_from, str), "RunConfig", "init_from", self.init_from,
                "'' (fresh), a run directory or 'hf:<folder>'")
-        _check(isinstance(self.tokenizer_from_source, bool), "TrainConfig",
+        _check(isinstance(self.tokenizer_from_source, bool), "RunConfig",
                "tokenizer_from_source", self.tokenizer_from_source, "True or False")
-        _check(isinstance(self.run_dir, str) and self.run_dir.strip() != "", "TrainConfig",
+        _check(isinstance(self.run_dir, str) and self.run_dir.strip() != "", "RunConfig",
                "run_dir", self.run_dir, "a non-empty directory path")
+
+
+# The name before the run's config said what it holds (gin: ``TrainConfig.*`` bindings).
+TrainConfig = RunConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,11 +31,11 @@ from dagmoe_jax.parallel import activate
 from dagmoe_jax.config import BLOCK_CONFIGS, ExecutionConfig, ModelConfig
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.parallel import MeshConfig
-from dagmoe_jax.run.build import build, train_state
+from dagmoe_jax.run.state import build, train_state
 from dagmoe_jax.run.checkpoint import Checkpointer
 from dagmoe_jax.run.checkpoint_files import STATE_KEYS, flatten_json, json_diffs
 from dagmoe_jax.run.paths import as_path, is_remote, run_path
-from dagmoe_jax.run.config import OptimConfig, TrainConfig
+from dagmoe_jax.run.config import OptimConfig, RunConfig
 
 CONFIG_FILE = "config.json"
 CHECKPOINT_DIR = "checkpoints"
@@ -73,12 +73,12 @@ def prepare_run_dir(run_dir: PathLike) -> epath.Path:
     return path
 
 
-def configs_to_json(model_cfg, data_cfg, optim_cfg, train_cfg,
+def configs_to_json(model_cfg, data_cfg, optim_cfg, run_cfg,
                     settled: Optional[ExecutionConfig] = None) -> dict:
     """The JSON of ``config.json``: the four configs, plus the execution config as this
-    machine settled ``train_cfg.execution`` (a record: a run reads its own ``execution``)."""
+    machine settled ``run_cfg.execution`` (a record: a run reads its own ``execution``)."""
     blob = {"model": dataclasses.asdict(model_cfg), "data": dataclasses.asdict(data_cfg),
-            "optim": dataclasses.asdict(optim_cfg), "train": dataclasses.asdict(train_cfg),
+            "optim": dataclasses.asdict(optim_cfg), "run": dataclasses.asdict(run_cfg),
             "tokenizer": tokenizer_record(data_cfg)}
     if settled is not None:
         blob["settled_execution"] = dataclasses.asdict(settled)
@@ -86,27 +86,27 @@ def configs_to_json(model_cfg, data_cfg, optim_cfg, train_cfg,
 
 
 def configs_from_json(blob: dict):
-    """(ModelConfig, DataConfig, OptimConfig, TrainConfig) from :func:`configs_to_json`'s
+    """(ModelConfig, DataConfig, OptimConfig, RunConfig) from :func:`configs_to_json`'s
     output, or an earlier version's: the execution choices earlier versions kept in the model
-    config move to ``TrainConfig.execution`` (:meth:`ModelConfig.saved_execution`), and their
+    config move to ``RunConfig.execution`` (:meth:`ModelConfig.saved_execution`), and their
     settled model config, a record of one machine, is read only to migrate what they settled
     per machine (:meth:`ModelConfig.migrate`)."""
-    train = dict(blob["train"])
-    train["mesh"] = MeshConfig(**train.get("mesh", {}))
-    train["execution"] = ExecutionConfig(**{**ModelConfig.saved_execution(blob["model"]),
-                                            **train.get("execution", {})})
+    run = dict(blob["run"] if "run" in blob else blob["train"])   # "train": before RunConfig
+    run["mesh"] = MeshConfig(**run.get("mesh", {}))
+    run["execution"] = ExecutionConfig(**{**ModelConfig.saved_execution(blob["model"]),
+                                          **run.get("execution", {})})
     # A field added with a default that changes what an old run did is read as that run did:
     # truncation arrived as 'llamafactory'; runs written before it cut their examples' heads.
     data = {"truncation": "head", **blob["data"]}
     return (ModelConfig.from_dict(blob["model"], blob.get("settled_model")),
-            DataConfig(**data), OptimConfig(**blob["optim"]), TrainConfig(**train))
+            DataConfig(**data), OptimConfig(**blob["optim"]), RunConfig(**run))
 
 
-def save_configs(run_dir: PathLike, model_cfg, data_cfg, optim_cfg, train_cfg,
+def save_configs(run_dir: PathLike, model_cfg, data_cfg, optim_cfg, run_cfg,
                  settled: Optional[ExecutionConfig] = None) -> epath.Path:
     """Write ``run_dir/config.json``; returns its path."""
     path = as_path(run_dir) / CONFIG_FILE
-    blob = configs_to_json(model_cfg, data_cfg, optim_cfg, train_cfg, settled)
+    blob = configs_to_json(model_cfg, data_cfg, optim_cfg, run_cfg, settled)
     path.write_text(json.dumps(blob, indent=2) + "\n")
     return path
 
@@ -138,9 +138,9 @@ def config_bindings(obj, fields: Optional[Sequence[str]] = None) -> List[str]:
     return lines
 
 
-def configs_to_gin(model_cfg, data_cfg, optim_cfg, train_cfg) -> str:
+def configs_to_gin(model_cfg, data_cfg, optim_cfg, run_cfg) -> str:
     """gin bindings reproducing the four configs (for ``train.py --gin_file``)."""
-    return "\n".join(line for obj in (model_cfg, data_cfg, optim_cfg, train_cfg)
+    return "\n".join(line for obj in (model_cfg, data_cfg, optim_cfg, run_cfg)
                      for line in config_bindings(obj)) + "\n"
 
 
@@ -181,16 +181,16 @@ def own_tokenizer(data_cfg: DataConfig, run_dir: PathLike) -> DataConfig:
     return data_cfg.replace(tokenizer_path=str(copy)) if copy.exists() else data_cfg
 
 
-def save_resume_gin(run_dir: PathLike, model_cfg, data_cfg, optim_cfg, train_cfg, *,
+def save_resume_gin(run_dir: PathLike, model_cfg, data_cfg, optim_cfg, run_cfg, *,
                     name: str = "resume.gin") -> epath.Path:
     """Write a gin file that continues the run (``train.py --gin_file=RUN/<name>``)."""
     path = as_path(run_dir) / name
-    path.write_text(configs_to_gin(model_cfg, data_cfg, optim_cfg, train_cfg))
+    path.write_text(configs_to_gin(model_cfg, data_cfg, optim_cfg, run_cfg))
     return path
 
 
 def save_initial_checkpoint(run_dir: PathLike, model, optimizer, model_cfg: ModelConfig,
-                            train_cfg: TrainConfig, data_iterator) -> None:
+                            run_cfg: RunConfig, data_iterator) -> None:
     """Save ``model`` and ``optimizer`` as step 0 of a run that training continues (with the
     data iterator's position), as a run made by another command than ``train.py`` starts.
     ``optimizer=None``: the model's state alone (meta ``state_keys=['model']``), written from
@@ -203,8 +203,8 @@ def save_initial_checkpoint(run_dir: PathLike, model, optimizer, model_cfg: Mode
         meta = {**model_meta(model_cfg), STATE_KEYS: ["model"]}
     else:
         state, meta = train_state(model, optimizer), model_meta(model_cfg)
-    with Checkpointer(as_path(run_dir) / CHECKPOINT_DIR, save_every=train_cfg.save_every,
-                      keep=train_cfg.keep_checkpoints, async_save=False,
+    with Checkpointer(as_path(run_dir) / CHECKPOINT_DIR, save_every=run_cfg.save_every,
+                      keep=run_cfg.keep_checkpoints, async_save=False,
                       save_concurrent_gb=INITIAL_SAVE_GB) as checkpointer:
         checkpointer.save(0, state, data_iterator=data_iterator, meta=meta, force=True)
 
@@ -225,8 +225,8 @@ def load_configs(run_dir: PathLike, with_record: bool = False):
         raise ValueError(f"{path} is not a config this version of dagmoe_jax can read "
                          f"({first_line(err)}): use the version that wrote the run, or fix the "
                          f"file") from None
-    model_cfg, data_cfg, optim_cfg, train_cfg = configs
-    configs = (model_cfg, own_tokenizer(data_cfg, run_dir), optim_cfg, train_cfg)
+    model_cfg, data_cfg, optim_cfg, run_cfg = configs
+    configs = (model_cfg, own_tokenizer(data_cfg, run_dir), optim_cfg, run_cfg)
     return (*configs, blob.get("tokenizer")) if with_record else configs
 
 
@@ -281,9 +281,9 @@ class LoadedRun:
     """A trained model from a run directory, with what is needed to talk to it.
 
     model: the Transformer with the checkpoint's parameters (running as the run's
-    ``train_cfg.execution`` settled for this machine: ``model.execution``);
+    ``run_cfg.execution`` settled for this machine: ``model.execution``);
     step: the checkpoint's step; model_cfg: the model config (``model.cfg``);
-    data_cfg, optim_cfg, train_cfg: the run's other configs; tokenizer: from ``data_cfg``;
+    data_cfg, optim_cfg, run_cfg: the run's other configs; tokenizer: from ``data_cfg``;
     warnings: messages about unreadable newer checkpoints that were skipped.
     """
 
@@ -292,7 +292,7 @@ class LoadedRun:
     model_cfg: ModelConfig
     data_cfg: DataConfig
     optim_cfg: OptimConfig
-    train_cfg: TrainConfig
+    run_cfg: RunConfig
     tokenizer: object
     warnings: List[str]
 
@@ -315,22 +315,22 @@ def load_run(run_dir: PathLike, mesh=None, data_cfg: Optional[DataConfig] = None
     if not run_dir.is_dir():
         raise ValueError(f"run directory {run_dir} does not exist: pass the --run_dir of a "
                          f"train.py run")
-    model_cfg, run_data_cfg, optim_cfg, train_cfg, record = load_configs(run_dir,
+    model_cfg, run_data_cfg, optim_cfg, run_cfg, record = load_configs(run_dir,
                                                                           with_record=True)
     data_cfg = data_cfg or run_data_cfg
     check_tokenizer_record(record, data_cfg, str(run_dir))
     tokenizer = make_tokenizer(data_cfg)
 
     def make():
-        model, optimizer, _ = build(model_cfg, optim_cfg, train_cfg, mesh, log=log)
+        model, optimizer, _ = build(model_cfg, optim_cfg, run_cfg, mesh, log=log)
         return model, optimizer
 
     # On one device only the shapes are built; on a mesh the sharded arrays themselves, whose
     # shapes and shardings ``restore`` reads.
     model, optimizer = nnx.eval_shape(make) if mesh is None else make()
     abstract = train_state(model, optimizer)
-    with Checkpointer(run_dir / CHECKPOINT_DIR, save_every=train_cfg.save_every,
-                      keep=train_cfg.keep_checkpoints, async_save=False,
+    with Checkpointer(run_dir / CHECKPOINT_DIR, save_every=run_cfg.save_every,
+                      keep=run_cfg.keep_checkpoints, async_save=False,
                       read_only=True) as checkpointer, \
             (contextlib.nullcontext() if mesh is None else activate(mesh)):
         restored = checkpointer.restore(abstract, expected_meta=model_meta(model_cfg))
@@ -338,5 +338,5 @@ def load_run(run_dir: PathLike, mesh=None, data_cfg: Optional[DataConfig] = None
         raise ValueError(f"no checkpoint in {run_dir / CHECKPOINT_DIR}: train first")
     nnx.update(model, restored.state["model"])
     return LoadedRun(model=model, step=restored.step, model_cfg=model.cfg, data_cfg=data_cfg,
-                     optim_cfg=optim_cfg, train_cfg=train_cfg, tokenizer=tokenizer,
+                     optim_cfg=optim_cfg, run_cfg=run_cfg, tokenizer=tokenizer,
                      warnings=list(restored.skipped))

@@ -2,7 +2,7 @@
 
 ``load_model_config`` gives the :class:`ModelConfig` alone (notebooks, benchmarks) and
 ``load_execution_config`` how it runs (``ExecutionConfig``); ``load_configs`` gives all four
-configs of a training run (model, data, optimiser, loop; the loop's holds the mesh and the
+configs of a training run (model, data, optimiser, run; the run's holds the mesh and the
 execution config).
 """
 
@@ -26,7 +26,7 @@ from dagmoe_jax.validate import first_line
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.data.config import DataConfig
 from dagmoe_jax.parallel.config import MeshConfig
-from dagmoe_jax.run.config import OptimConfig, TrainConfig
+from dagmoe_jax.run.config import OptimConfig, RunConfig
 
 
 def _config_dir() -> Path:
@@ -46,7 +46,7 @@ DEFAULT_GIN = "train/default.gin"
 # Bindings of earlier versions: a binding of the old name fails with what to write instead.
 RENAMED = {
     "ExecutionConfig.fuse_gate_up": "it is ExecutionConfig.fuse_projections now",
-    "ModelConfig.execution": "it is TrainConfig.execution now, beside the mesh (bind "
+    "ModelConfig.execution": "it is RunConfig.execution now, beside the mesh (bind "
                              "ExecutionConfig.<field> as before)",
     **{f"ModelConfig.{field}": f"the block family's config holds it now: bind {cls}.<field> "
                                f"(ModelConfig.block = 'moe' / 'coe' selects the family)"
@@ -57,11 +57,19 @@ RENAMED = {
     "ModelConfig.ffn_hidden": "the dense block's config holds it now: write "
                               "DenseConfig.ffn_hidden (or DoEConfig.ffn_hidden)"}
 
+# Configurables' earlier names: a gin file given to :func:`parse_gin` (the ``resume.gin`` and
+# ``operative_config.gin`` that runs saved before the rename) and a binding that names one are
+# read with the name of now, in their order; a file that another includes is not, and gin's
+# error names the new spelling (:data:`RENAMED`).
+OLD_NAMES = {"TrainConfig": "RunConfig"}
+_OLD_NAME = re.compile(r"\b(%s)(?=\.\w|\(\))" % "|".join(OLD_NAMES))
+RENAMED.update({old: f"it is {new} now" for old, new in OLD_NAMES.items()})
+
 # External registration: gin configures its own wrappers of these, so bindings never leak into
 # ``ModelConfig(...)`` built in plain Python (tests, notebooks) after a gin file was parsed.
 _CONFIG_CLASSES = (C.RouterConfig, C.ExpertConfig, C.AggregationConfig,
                    *C.BLOCK_CONFIGS.values(), C.RopeScalingConfig, C.ExecutionConfig, ModelConfig,
-                   DataConfig, OptimConfig, TrainConfig, MeshConfig)
+                   DataConfig, OptimConfig, RunConfig, MeshConfig)
 _GIN = {cls.__name__: gin.external_configurable(cls, name=cls.__name__) for cls in _CONFIG_CLASSES}
 gin.external_configurable(matched_shared_hidden, name="matched_shared_hidden")
 gin.external_configurable(matched_coe_shared_hidden, name="matched_coe_shared_hidden")
@@ -98,15 +106,28 @@ def parse_gin(files: Sequence[str] = (), bindings: Iterable[str] = ()) -> None:
     ``ValueError`` naming it."""
     gin.clear_config()
     gin.add_config_file_search_path(str(CONFIG_DIR))
+    bindings = list(bindings)
     paths = [resolve_gin_file(f) for f in files]
     root = logging.getLogger()
     root.addFilter(_quiet_include_probe)
     try:
-        gin.parse_config_files_and_bindings(paths, list(bindings))
+        for path in paths:
+            text = Path(path).read_text()
+            if _OLD_NAME.search(text):
+                gin.parse_config(_new_names(text))
+            else:
+                gin.parse_config_file(path)
+        gin.parse_config([_new_names(b) for b in bindings])
+        gin.finalize()
     except (ValueError, KeyError, SyntaxError, IOError) as err:
         raise _one_line(err, bindings) from None
     finally:
         root.removeFilter(_quiet_include_probe)
+
+
+def _new_names(text: str) -> str:
+    """gin ``text`` with the configurables' old names (:data:`OLD_NAMES`) written as now."""
+    return _OLD_NAME.sub(lambda m: OLD_NAMES[m.group(1)], text)
 
 
 def binding_values(bindings: Iterable[str]) -> List[Tuple[str, object]]:
@@ -115,7 +136,7 @@ def binding_values(bindings: Iterable[str]) -> List[Tuple[str, object]]:
     read is the one-line ``ValueError`` :func:`parse_gin` gives."""
     bindings = list(bindings)
     try:
-        statements = list(config_parser.ConfigParser("\n".join(bindings),
+        statements = list(config_parser.ConfigParser("\n".join(map(_new_names, bindings)),
                                                      gin.config.ParserDelegate()))
     except (ValueError, SyntaxError) as err:
         raise _one_line(err, bindings) from None
@@ -153,8 +174,8 @@ def _renamed_hint(message: str) -> str:
     """`` (Cls.field: what to write instead)`` when a gin error is about a binding of an
     earlier version (:data:`RENAMED`; gin names the class and the parameter), else ''."""
     for old, new in RENAMED.items():
-        cls, field = old.split(".")
-        if f"'{cls}'" in message and f"'{field}'" in message:
+        cls, _, field = old.partition(".")
+        if f"'{cls}'" in message and (not field or f"'{field}'" in message):
             return f" ({old}: {new})"
     return ""
 
@@ -216,7 +237,7 @@ def load_model_config(files: Sequence[str] = (), bindings: Iterable[str] = ()) -
 def load_execution_config(files: Sequence[str] = (),
                           bindings: Iterable[str] = ()) -> C.ExecutionConfig:
     """The :class:`ExecutionConfig` that ``files`` and ``bindings`` describe, validated (what
-    ``TrainConfig.execution`` holds in a run; 'auto' fields stay for ``settle``)."""
+    ``RunConfig.execution`` holds in a run; 'auto' fields stay for ``settle``)."""
     parse_gin(files, bindings)
     return _build_tree(C.ExecutionConfig)
 
@@ -236,15 +257,15 @@ def bound_fields(cls) -> frozenset:
 
 
 def load_configs(files: Sequence[str] = (), bindings: Iterable[str] = ()
-                 ) -> Tuple[ModelConfig, DataConfig, OptimConfig, TrainConfig]:
-    """(ModelConfig, DataConfig, OptimConfig, TrainConfig) for a training run, validated.
+                 ) -> Tuple[ModelConfig, DataConfig, OptimConfig, RunConfig]:
+    """(ModelConfig, DataConfig, OptimConfig, RunConfig) for a training run, validated.
 
-    ``MeshConfig`` and ``ExecutionConfig`` bindings land in ``TrainConfig.mesh`` and
-    ``TrainConfig.execution``.
+    ``MeshConfig`` and ``ExecutionConfig`` bindings land in ``RunConfig.mesh`` and
+    ``RunConfig.execution``.
 
     gin's operative config (``gin.operative_config_str()``) afterwards lists every binding used.
     """
     parse_gin(files, bindings)
     model, data, optim, train = (_build_tree(cls) for cls in (ModelConfig, DataConfig, OptimConfig,
-                                                               TrainConfig))
+                                                               RunConfig))
     return model, data, optim, train

@@ -148,7 +148,7 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
     return optax.chain(clip, adamw)
 
 
-# TrainConfig.trainable -> the parameters the optimiser updates and gradients are taken of.
+# RunConfig.trainable -> the parameters the optimiser updates and gradients are taken of.
 TRAINABLE = {
     "all": nnx.Param,
     "router": nnx.All(nnx.Param, nnx.PathContains("router")),
@@ -169,21 +169,21 @@ def check_trainable(model_cfg, trainable: str) -> None:
     top_k = 1 is allowed: its experts' ``w_gate`` still learn (the authors' top-1 runs)."""
     experts, aggregation = experts_of(model_cfg.block), aggregation_of(model_cfg.block)
     if trainable in ("non_experts", "router_and_gates") and experts is None:
-        raise ValueError(f"TrainConfig.trainable={trainable!r} on a {model_cfg.block.label} "
+        raise ValueError(f"RunConfig.trainable={trainable!r} on a {model_cfg.block.label} "
                          f"model: it has no routed experts (use 'all')")
     if trainable == "aggregator" and (aggregation is None or aggregation.kind == "sum"):
-        raise ValueError("TrainConfig.trainable='aggregator' needs a DAG or MLP aggregator "
+        raise ValueError("RunConfig.trainable='aggregator' needs a DAG or MLP aggregator "
                          "(AggregationConfig.kind='dag' or 'mlp'): this model has none")
     if trainable == "shared" and (experts is None or experts.num_shared == 0):
-        raise ValueError("TrainConfig.trainable='shared' needs shared experts "
+        raise ValueError("RunConfig.trainable='shared' needs shared experts "
                          "(ExpertConfig.num_shared >= 1): this model has none")
     if trainable != "router":
         return
     if router_of(model_cfg.block) is None:
-        raise ValueError(f"TrainConfig.trainable='router' on a {model_cfg.block.label} model: "
+        raise ValueError(f"RunConfig.trainable='router' on a {model_cfg.block.label} model: "
                          f"it has no router (use 'all')")
     r = router_of(model_cfg.block)
     if r is not None and r.top_k == 1 and r.renormalize:
-        raise ValueError("TrainConfig.trainable='router' with RouterConfig.top_k=1 and "
+        raise ValueError("RunConfig.trainable='router' with RouterConfig.top_k=1 and "
                          "renormalize=True: the gate is always 1, so the router gets no "
                          "gradient; use top_k >= 2 (DUME+)")

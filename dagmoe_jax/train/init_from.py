@@ -1,15 +1,15 @@
-"""Starting a run from trained parameters (``TrainConfig.init_from``): fine-tuning.
+"""Starting a run from trained parameters (``RunConfig.init_from``): fine-tuning.
 
-* ``''``: nothing (parameters initialised from ``TrainConfig.seed``);
+* ``''``: nothing (parameters initialised from ``RunConfig.seed``);
 * a run directory (``train.py`` or upcycling): the parameters of its newest checkpoint;
 * ``hf:<folder>``: a Hugging Face Llama folder (``config.json`` + safetensors), imported by
   :func:`~dagmoe_jax.hf.llama.load_hf_llama`.
 
 :func:`source_data_config` gives the run's tokenizer: the source's (its BOS, EOS and chat
-template with it), unless ``TrainConfig.tokenizer_from_source`` is False; a gin binding naming
+template with it), unless ``RunConfig.tokenizer_from_source`` is False; a gin binding naming
 another tokenizer is otherwise a one-line error.
 :func:`source_model_config` gives the run's ModelConfig: the source's (how the model runs,
-``TrainConfig.execution``, stays the gin config's); a gin binding that changes the
+``RunConfig.execution``, stays the gin config's); a gin binding that changes the
 architecture (a field differing from both ModelConfig's default and the source's value) is a
 one-line error. Two exceptions: how routers are trained (``ROUTER_TRAINING_FIELDS``: balance
 losses, auxiliary-loss-free balancing) is the gin config's; an MoE source and a DAG-MoE or
@@ -42,7 +42,7 @@ from dagmoe_jax.run.checkpoint_files import flatten_json
 def _hf_folder(init_from: str) -> str:
     folder = os.path.expanduser(hf_folder(init_from))
     if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise ValueError(f"TrainConfig.init_from={init_from!r}: {folder!r} has no config.json: "
+        raise ValueError(f"RunConfig.init_from={init_from!r}: {folder!r} has no config.json: "
                          "point 'hf:' at a Hugging Face Llama folder")
     return folder
 
@@ -50,7 +50,7 @@ def _hf_folder(init_from: str) -> str:
 def _run_dir(init_from: str) -> str:
     path = os.path.expanduser(init_from)
     if not os.path.isfile(os.path.join(path, run_lib.CONFIG_FILE)):
-        raise ValueError(f"TrainConfig.init_from={init_from!r} is not a run directory (no "
+        raise ValueError(f"RunConfig.init_from={init_from!r} is not a run directory (no "
                          f"{run_lib.CONFIG_FILE}): give a train.py run directory, 'hf:<folder>' "
                          "for a Hugging Face model, or '' for a fresh start")
     return path
@@ -72,7 +72,7 @@ def source_model_config(init_from: str, model_cfg: ModelConfig) -> ModelConfig:
     conflicts = [f"ModelConfig.{k}={given[k]!r} (the source has {have.get(k)!r})"
                  for k in sorted(given) if given[k] != default.get(k) and given[k] != have.get(k)]
     if conflicts:
-        raise ValueError(f"TrainConfig.init_from={init_from!r} has another architecture than "
+        raise ValueError(f"RunConfig.init_from={init_from!r} has another architecture than "
                          f"the gin config: {'; '.join(conflicts)}: drop those bindings (the "
                          "model comes from the source)")
     return source
@@ -94,7 +94,7 @@ def _router_training(source: ModelConfig, model_cfg: ModelConfig) -> ModelConfig
 
 
 # The DataConfig fields that say how text becomes ids: a fine-tuned run reads them from its
-# source (TrainConfig.tokenizer_from_source).
+# source (RunConfig.tokenizer_from_source).
 TOKENIZER_FIELDS = ("tokenizer", "tokenizer_path", "eos_token", "chat_template")
 
 
@@ -108,10 +108,10 @@ def _source_tokenizer(init_from: str) -> dict:
             if os.path.isfile(os.path.join(folder, name)):
                 return {"tokenizer": kind, "tokenizer_path": os.path.join(folder, name),
                         "eos_token": "", "chat_template": "auto"}
-        raise ValueError(f"TrainConfig.init_from={init_from!r}: {folder} has neither "
+        raise ValueError(f"RunConfig.init_from={init_from!r}: {folder} has neither "
                          "tokenizer.json nor tokenizer.model, so the run cannot read text as "
                          "the model was trained to: save the tokenizer into the folder, or set "
-                         "TrainConfig.tokenizer_from_source=False and bind DataConfig.tokenizer")
+                         "RunConfig.tokenizer_from_source=False and bind DataConfig.tokenizer")
     run_dir = _run_dir(init_from)
     source = run_lib.load_configs(run_dir)[1]
     fields = {name: getattr(source, name) for name in TOKENIZER_FIELDS}
@@ -145,10 +145,10 @@ def source_data_config(init_from: str, data_cfg: DataConfig,
                  if k in given and getattr(data_cfg, k) != v
                  and not (k == "tokenizer_path" and _same_file(getattr(data_cfg, k), v))]
     if conflicts:
-        raise ValueError(f"TrainConfig.init_from={init_from!r} was trained with another "
+        raise ValueError(f"RunConfig.init_from={init_from!r} was trained with another "
                          f"tokenizer than the gin config's: {'; '.join(conflicts)}: drop those "
                          "bindings (the run reads text as its source did), or set "
-                         "TrainConfig.tokenizer_from_source=False to train with another one")
+                         "RunConfig.tokenizer_from_source=False to train with another one")
     return dataclasses.replace(data_cfg, **source)
 
 
@@ -158,7 +158,7 @@ def source_bindings(init_from: str, model_cfg: ModelConfig, data_cfg: DataConfig
     file), under a comment naming the source. Appended to the run's ``operative_config.gin``
     they override the bindings above them, so that file and ``config.json`` describe the
     same run."""
-    lines = [f"\n# Taken from TrainConfig.init_from = {init_from!r} (these override the "
+    lines = [f"\n# Taken from RunConfig.init_from = {init_from!r} (these override the "
              "bindings above):",
              *run_lib.config_bindings(model_cfg),
              *run_lib.config_bindings(data_cfg, TOKENIZER_FIELDS)]
@@ -210,14 +210,14 @@ def load_initial_params(model: nnx.Module, init_from: str,
         what += f", {sum(target[p][...].size for p in fresh):,} new values initialised"
     if set(target) - fresh != set(have):
         missing = sorted(set(target) - fresh ^ set(have), key=str)[:3]
-        raise ValueError(f"TrainConfig.init_from={init_from!r}: its parameters differ from the "
+        raise ValueError(f"RunConfig.init_from={init_from!r}: its parameters differ from the "
                          f"model's (e.g. {['/'.join(map(str, p)) for p in missing]})")
     for path, variable in target.items():
         if path in fresh:
             continue
         value, old = have[path], variable[...]
         if value.shape != old.shape:
-            raise ValueError(f"TrainConfig.init_from={init_from!r}: parameter "
+            raise ValueError(f"RunConfig.init_from={init_from!r}: parameter "
                              f"{'/'.join(map(str, path))} has shape {value.shape}, the model "
                              f"{old.shape}")
         variable[...] = jax.device_put(value.astype(old.dtype), old.sharding)

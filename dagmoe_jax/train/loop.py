@@ -1,4 +1,4 @@
-"""Training a run: ``train(...)`` runs (or resumes) the run in ``TrainConfig.run_dir``.
+"""Training a run: ``train(...)`` runs (or resumes) the run in ``RunConfig.run_dir``.
 
 It is what ``train.py`` calls, and it works from a notebook. The pieces are elsewhere: the
 run directory and the model are built by :mod:`dagmoe_jax.run`, stepped by a
@@ -33,7 +33,7 @@ from dagmoe_jax.run.paths import run_path
 from dagmoe_jax.train.hooks import EvalHook, ProgressHook
 from dagmoe_jax.train.metrics import (MetricsWriter, check_tensorboard_target, read_metrics,
                                       require_wandb)
-from dagmoe_jax.run.config import OptimConfig, TrainConfig
+from dagmoe_jax.run.config import OptimConfig, RunConfig
 from dagmoe_jax.train.init_from import (load_initial_params, source_bindings,
                                          source_data_config, source_model_config)
 from dagmoe_jax.run.optim import TRAINABLE, schedule_note
@@ -57,10 +57,10 @@ class RunResult:
 
 
 def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
-          train_cfg: TrainConfig, *, progress: bool = True,
+          run_cfg: RunConfig, *, progress: bool = True,
           log: Callable[[str], None] = print, operative_gin: str = "",
           signals: Optional[dict] = None) -> RunResult:
-    """Train (or resume) the run in ``train_cfg.run_dir``; returns a :class:`RunResult`.
+    """Train (or resume) the run in ``run_cfg.run_dir``; returns a :class:`RunResult`.
 
     ``log`` receives one-line reports (resume, evaluations, stop reasons); the progress bar
     shows step, loss, tokens/s and ETA. Raises
@@ -72,11 +72,11 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
     """
     say, is_main = on_main_process(log), jax.process_index() == 0
     data_cfg = data_cfg.with_absolute_paths()    # the run is read from any directory
-    if train_cfg.init_from:
-        model_cfg = source_model_config(train_cfg.init_from, model_cfg)
-        data_cfg = source_data_config(train_cfg.init_from, data_cfg,
-                                      train_cfg.tokenizer_from_source)
-        origin = ("from " + train_cfg.init_from if train_cfg.tokenizer_from_source
+    if run_cfg.init_from:
+        model_cfg = source_model_config(run_cfg.init_from, model_cfg)
+        data_cfg = source_data_config(run_cfg.init_from, data_cfg,
+                                      run_cfg.tokenizer_from_source)
+        origin = ("from " + run_cfg.init_from if run_cfg.tokenizer_from_source
                   else "the gin config")
         say(f"tokenizer: {data_cfg.tokenizer}"
             f"{' ' + data_cfg.tokenizer_path if data_cfg.tokenizer_path else ''} ({origin})")
@@ -88,34 +88,34 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
     stop: dict = {} if signals is None else signals
     check_interrupted(stop)
     with on_signals(stop):
-        with on_signals(stop, interrupt=True), _new_run_directory(train_cfg.run_dir,
+        with on_signals(stop, interrupt=True), _new_run_directory(run_cfg.run_dir,
                                                                    remove=is_main):
-            run = _start(model_cfg, data_cfg, optim_cfg, train_cfg, is_main, say)
+            run = _start(model_cfg, data_cfg, optim_cfg, run_cfg, is_main, say)
             data_cfg = run.data_cfg
             try:
                 check_interrupted(stop)        # a signal a library callback swallowed
                 if is_main:
                     run_lib.save_configs(run.run_dir, model_cfg, data_cfg, optim_cfg,
-                                         run.train_cfg, settled=run.model.execution)
-                    if operative_gin and train_cfg.init_from:
-                        operative_gin += source_bindings(train_cfg.init_from, model_cfg,
+                                         run.run_cfg, settled=run.model.execution)
+                    if operative_gin and run_cfg.init_from:
+                        operative_gin += source_bindings(run_cfg.init_from, model_cfg,
                                                          data_cfg)
                     run_lib.save_operative_gin(run.run_dir, operative_gin)
             except BaseException:
                 run.trainer.checkpointer.close()
                 raise
-        train_cfg, trainer, start = run.train_cfg, run.trainer, run.start
-        writer = MetricsWriter(run.run_dir, enabled=is_main, tensorboard=train_cfg.tensorboard,
-                               resume_step=start, wandb_project=train_cfg.wandb_project,
-                               wandb_mode=train_cfg.wandb_mode,
+        run_cfg, trainer, start = run.run_cfg, run.trainer, run.start
+        writer = MetricsWriter(run.run_dir, enabled=is_main, tensorboard=run_cfg.tensorboard,
+                               resume_step=start, wandb_project=run_cfg.wandb_project,
+                               wandb_mode=run_cfg.wandb_mode,
                                config=run_lib.configs_to_json(model_cfg, data_cfg, optim_cfg,
-                                                                train_cfg))
-        bar = ProgressHook(writer, run.schedule, total_steps=train_cfg.steps,
+                                                                run_cfg))
+        bar = ProgressHook(writer, run.schedule, total_steps=run_cfg.steps,
                            tokens_per_step=data_cfg.batch_size * data_cfg.seq_len,
-                           log_every=train_cfg.log_every, show=progress and is_main, say=say)
+                           log_every=run_cfg.log_every, show=progress and is_main, say=say)
         trainer.add_hook(bar)
         trainer.add_hook(EvalHook(run.evaluator, run.model, writer, bar),
-                         every=train_cfg.eval_every)
+                         every=run_cfg.eval_every)
         step, final_eval = start, {}
         try:
             step, interrupted = trainer.run(start, stop)
@@ -151,7 +151,7 @@ class _Started:
     run_dir: Path
     tokenizer: object
     data_cfg: DataConfig
-    train_cfg: TrainConfig
+    run_cfg: RunConfig
     model: object
     evaluator: Evaluator
     schedule: object
@@ -159,40 +159,40 @@ class _Started:
     start: int
 
 
-def _start(model_cfg, data_cfg, optim_cfg, train_cfg, is_main: bool, say) -> _Started:
+def _start(model_cfg, data_cfg, optim_cfg, run_cfg, is_main: bool, say) -> _Started:
     """Everything before the first step: the run directory, the data (checked), the model,
     the checkpointer, and the resumed or initial state."""
-    run_dir, tokenizer, data_cfg, mesh = _prepare(model_cfg, data_cfg, train_cfg, is_main)
+    run_dir, tokenizer, data_cfg, mesh = _prepare(model_cfg, data_cfg, run_cfg, is_main)
     annotate = extension_for(model_cfg).prepare_run(data_cfg, run_dir, log=say, save=is_main)
-    dataset, train_cfg = _dataset(model_cfg, data_cfg, train_cfg, tokenizer, annotate, say)
-    evaluator = Evaluator(data_cfg, train_cfg, tokenizer, annotate)
-    if schedule_note(optim_cfg, train_cfg.steps):
-        say(schedule_note(optim_cfg, train_cfg.steps))
-    model, optimizer, schedule = run_lib.build(model_cfg, optim_cfg, train_cfg, mesh, log=say)
-    how = describe(model_cfg, model.execution, train_cfg.execution,
+    dataset, run_cfg = _dataset(model_cfg, data_cfg, run_cfg, tokenizer, annotate, say)
+    evaluator = Evaluator(data_cfg, run_cfg, tokenizer, annotate)
+    if schedule_note(optim_cfg, run_cfg.steps):
+        say(schedule_note(optim_cfg, run_cfg.steps))
+    model, optimizer, schedule = run_lib.build(model_cfg, optim_cfg, run_cfg, mesh, log=say)
+    how = describe(model_cfg, model.execution, run_cfg.execution,
                            layout=MeshLayout.of(mesh))
     say(f"model settled for {jax.default_backend()}: {how}; host memory: {allocator()}")
     checkpointer = run_lib.Checkpointer(run_dir / run_lib.CHECKPOINT_DIR,
-                                        save_every=train_cfg.save_every,
-                                        keep=train_cfg.keep_checkpoints,
-                                        async_save=train_cfg.async_checkpoint)
-    step_fn = make_train_step(grad_accum=train_cfg.grad_accum,
-                              wrt=TRAINABLE[train_cfg.trainable], donate=True)
+                                        save_every=run_cfg.save_every,
+                                        keep=run_cfg.keep_checkpoints,
+                                        async_save=run_cfg.async_checkpoint)
+    step_fn = make_train_step(grad_accum=run_cfg.grad_accum,
+                              wrt=TRAINABLE[run_cfg.trainable], donate=True)
     trainer = Trainer(model, optimizer, step_fn, iter(dataset), checkpointer,
-                      total_steps=train_cfg.steps, mesh=mesh, meta=run_lib.model_meta(model_cfg),
+                      total_steps=run_cfg.steps, mesh=mesh, meta=run_lib.model_meta(model_cfg),
                       run_dir=str(run_dir), say=say,
                       batch_keys=extension_for(model_cfg).batch_keys,
-                      sync_every=train_cfg.log_every, epochs=train_cfg.epochs)
+                      sync_every=run_cfg.log_every, epochs=run_cfg.epochs)
     try:
         start = trainer.restore_or_init(
             check=lambda restored: _resume_policy(restored, run_dir, model_cfg, data_cfg,
-                                                  train_cfg, say))
-        if start == 0 and train_cfg.init_from:
-            say(load_initial_params(model, train_cfg.init_from, log=say))
+                                                  run_cfg, say))
+        if start == 0 and run_cfg.init_from:
+            say(load_initial_params(model, run_cfg.init_from, log=say))
     except BaseException:
         checkpointer.close()
         raise
-    return _Started(run_dir, tokenizer, data_cfg, train_cfg, model, evaluator, schedule,
+    return _Started(run_dir, tokenizer, data_cfg, run_cfg, model, evaluator, schedule,
                     trainer, start)
 
 
@@ -212,24 +212,24 @@ def _new_run_directory(path: str, remove: bool):
         raise
 
 
-def _dataset(model_cfg, data_cfg, train_cfg, tokenizer, annotate, say):
-    """(the training stream, train_cfg): an ``instruct:`` source's SFT batches, ``epochs``
+def _dataset(model_cfg, data_cfg, run_cfg, tokenizer, annotate, say):
+    """(the training stream, run_cfg): an ``instruct:`` source's SFT batches, ``epochs``
     passes (with ``steps`` derived and printed) or endless; else the pre-training stream.
     Either checks its batches' token ids against the model's vocabulary."""
     where = dict(process_index=jax.process_index(), process_count=jax.process_count(),
                  vocab_size=model_cfg.vocab_size)
     if not is_instruct(data_cfg):
-        if train_cfg.epochs:
-            raise ValueError(f"TrainConfig.epochs={train_cfg.epochs} needs an 'instruct:' "
+        if run_cfg.epochs:
+            raise ValueError(f"RunConfig.epochs={run_cfg.epochs} needs an 'instruct:' "
                              f"DataConfig.source (it is {data_cfg.source!r}): bind "
-                             "TrainConfig.steps instead")
+                             "RunConfig.steps instead")
         # a mix: source's components are described as the stream opens them
         return (train_dataset(data_cfg, tokenizer, annotate=annotate, log=say, **where),
-                train_cfg)
+                run_cfg)
     if annotate is not None:
         raise ValueError("an 'instruct:' DataConfig.source cannot feed a model family with "
                          "per-token annotations (DoE): use a pre-training source")
-    epochs = train_cfg.epochs or None
+    epochs = run_cfg.epochs or None
     stats = instruct_stats(data_cfg, tokenizer, epochs=epochs or 1,
                            process_count=where["process_count"])
     if stats["trained_tokens"] == 0:
@@ -241,54 +241,54 @@ def _dataset(model_cfg, data_cfg, train_cfg, tokenizer, annotate, say):
             f"truncated to seq_len + 1 = {data_cfg.seq_len + 1} tokens), "
             f"{stats['trained_tokens']:,} trained tokens per epoch")
     if epochs:
-        train_cfg = dataclasses.replace(train_cfg, steps=max(1, stats["batches"]))
-        what += (f": {epochs} epochs = {train_cfg.steps:,} steps of {data_cfg.batch_size} "
+        run_cfg = dataclasses.replace(run_cfg, steps=max(1, stats["batches"]))
+        what += (f": {epochs} epochs = {run_cfg.steps:,} steps of {data_cfg.batch_size} "
                  f"{'rows' if data_cfg.packing else 'examples'}")
     say(what)
-    return instruct_dataset(data_cfg, tokenizer, epochs=epochs, **where), train_cfg
+    return instruct_dataset(data_cfg, tokenizer, epochs=epochs, **where), run_cfg
 
 
-def _prepare(model_cfg, data_cfg, train_cfg, is_main: bool):
+def _prepare(model_cfg, data_cfg, run_cfg, is_main: bool):
     """(run directory, tokenizer, data config, mesh), after every check that can fail
     before anything is written: the run directory's filesystem, the mesh, the batch against
     its batch axes, the metric sinks, the data against the model, the batch against gradient
     accumulation and the processes. A fine-tuned run's
     data config reads the run's own copy of its source's tokenizer."""
-    run_path(train_cfg.run_dir)                  # its filesystem is reachable (else one line)
-    mesh = make_mesh(train_cfg.mesh)
+    run_path(run_cfg.run_dir)                  # its filesystem is reachable (else one line)
+    mesh = make_mesh(run_cfg.mesh)
     shards = batch_shards(mesh)
     if data_cfg.batch_size % shards:
         raise ValueError(f"DataConfig.batch_size={data_cfg.batch_size} is not a multiple of the "
                          f"{shards} devices of the batch mesh axes {batch_axes()}: bind a "
                          f"multiple of {shards}, or a MeshConfig with fewer devices on them")
     if is_main:                                  # sinks that cannot work: before anything is written
-        if train_cfg.wandb_project:
+        if run_cfg.wandb_project:
             require_wandb()
-        if train_cfg.tensorboard:
-            check_tensorboard_target(train_cfg.run_dir)
-    run_dir = run_lib.prepare_run_dir(train_cfg.run_dir)
-    if train_cfg.init_from and is_main:
+        if run_cfg.tensorboard:
+            check_tensorboard_target(run_cfg.run_dir)
+    run_dir = run_lib.prepare_run_dir(run_cfg.run_dir)
+    if run_cfg.init_from and is_main:
         # The source's tokenizer files go with the run, as an import's do: it reads text
         # after the source has moved.
         data_cfg = run_lib.copy_tokenizer(data_cfg, run_dir)
     tokenizer = make_tokenizer(data_cfg)
     run_lib.check_compatible(model_cfg, data_cfg, tokenizer)
     processes = jax.process_count()
-    if data_cfg.batch_size % (train_cfg.grad_accum * processes):
+    if data_cfg.batch_size % (run_cfg.grad_accum * processes):
         raise ValueError(f"DataConfig.batch_size={data_cfg.batch_size} must be a multiple of "
-                         f"TrainConfig.grad_accum={train_cfg.grad_accum} x {processes} processes")
+                         f"RunConfig.grad_accum={run_cfg.grad_accum} x {processes} processes")
     return run_dir, tokenizer, data_cfg, mesh
 
 
-def _resume_policy(restored, run_dir, model_cfg, data_cfg, train_cfg, say) -> None:
-    """Refuse a checkpoint of another model unless ``TrainConfig.allow_model_change``; warn
+def _resume_policy(restored, run_dir, model_cfg, data_cfg, run_cfg, say) -> None:
+    """Refuse a checkpoint of another model unless ``RunConfig.allow_model_change``; warn
     about an allowed model change and about data changes since the run last started."""
     model_changes, data_changes = run_lib.resume_changes(run_dir, model_cfg, data_cfg,
                                                            restored.meta)
-    if model_changes and not train_cfg.allow_model_change:
+    if model_changes and not run_cfg.allow_model_change:
         raise ValueError(f"the model config differs from the checkpoint's in {run_dir}: "
                          f"{'; '.join(model_changes)}: resume with the run's own config, "
-                         f"start a new --run_dir, or bind TrainConfig.allow_model_change=True "
+                         f"start a new --run_dir, or bind RunConfig.allow_model_change=True "
                          f"to resume with the change")
     for change in model_changes:
         say(f"warning: resuming with a changed model (allow_model_change): {change}")

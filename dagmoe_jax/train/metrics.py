@@ -7,11 +7,11 @@ A training run's records go to every sink that is switched on, each a :class:`Me
   [layers, N]: each layer's share of routing assignments per expert; ``dropped_fraction``
   [layers]) are written whole, and beside ``expert_load`` its summary ``load_imbalance``
   [layers] (:func:`load_imbalance`: each layer's max over mean load, 1 at balance);
-* :class:`TensorBoardWriter` (``TrainConfig.tensorboard``): TensorBoard event files; each
+* :class:`TensorBoardWriter` (``RunConfig.tensorboard``): TensorBoard event files; each
   per-layer array becomes one scalar per layer (``load_imbalance/layer_i``,
   ``dropped_fraction/layer_i``), and ``expert_load`` a histogram of each layer's loads;
-* :class:`WandbWriter` (``TrainConfig.wandb_project``): Weights & Biases, online or offline
-  (``TrainConfig.wandb_mode``; offline needs no network and ``wandb sync`` uploads later),
+* :class:`WandbWriter` (``RunConfig.wandb_project``): Weights & Biases, online or offline
+  (``RunConfig.wandb_mode``; offline needs no network and ``wandb sync`` uploads later),
   with the same per-layer flattening as TensorBoard. ``wandb`` is optional:
   ``pip install 'dagmoe-jax[wandb]'``.
 
@@ -179,7 +179,7 @@ def check_tensorboard_target(run_dir) -> None:
         need = (f"needs the {package} package: pip install {package}" if package else
                 "is not supported by tensorboardX")
         raise ValueError(f"TensorBoard logging to {os.fspath(run_dir)} {need}, or bind "
-                         f"TrainConfig.tensorboard=False")
+                         f"RunConfig.tensorboard=False")
 
 
 class TensorBoardWriter:
@@ -194,7 +194,7 @@ class TensorBoardWriter:
             self._tb = SummaryWriter(logdir, purge_step=resume_step + 1)
         except ImportError as err:
             raise ValueError(f"TensorBoard logging to {logdir} needs {err}: install it, or bind "
-                             f"TrainConfig.tensorboard=False") from None
+                             f"RunConfig.tensorboard=False") from None
 
     def write(self, step: int, metrics: Mapping[str, object], prefix: str = "") -> None:
         for key, value in _derived(metrics).items():
@@ -212,7 +212,7 @@ def require_wandb():
     try:
         import wandb  # pylint: disable=import-outside-toplevel
     except ImportError:
-        raise ValueError("TrainConfig.wandb_project is set but wandb is not installed: "
+        raise ValueError("RunConfig.wandb_project is set but wandb is not installed: "
                          "pip install 'dagmoe-jax[wandb]' (or pip install wandb), or leave "
                          "wandb_project empty") from None
     return wandb

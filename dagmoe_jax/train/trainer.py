@@ -62,8 +62,8 @@ class Trainer:
     batch_keys: the per-token annotations of a model family the batches carry to the model;
     sync_every: the host reads the losses (and stops at a non-finite one) every this many
     steps, before every checkpoint and at the end, not every step: between two reads the
-    host queues steps while the device computes (``TrainConfig.log_every`` in a run);
-    epochs: the run's ``TrainConfig.epochs`` when they sized ``total_steps`` (0: the steps
+    host queues steps while the device computes (``RunConfig.log_every`` in a run);
+    epochs: the run's ``RunConfig.epochs`` when they sized ``total_steps`` (0: the steps
     did), named when a checkpoint has nothing left to train.
     """
 
@@ -113,8 +113,8 @@ class Trainer:
         self.say(f"resumed from step {restored.step} in {self.run_dir}"
                  + (" (parameters only: fresh optimizer state)" if fresh else ""))
         if restored.step >= self.total_steps:
-            sized = (f"TrainConfig.epochs={self.epochs} ends at step {self.total_steps}"
-                     if self.epochs else f"TrainConfig.steps={self.total_steps}")
+            sized = (f"RunConfig.epochs={self.epochs} ends at step {self.total_steps}"
+                     if self.epochs else f"RunConfig.steps={self.total_steps}")
             self.say(f"warning: the checkpoint is at step {restored.step} and {sized}: nothing "
                      f"left to train (raise {'epochs' if self.epochs else 'steps'} to continue)")
         return restored.step

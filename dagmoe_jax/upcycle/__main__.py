@@ -34,7 +34,7 @@ Flags:
   --tokens_per_sequence=N  stream: only the first N tokens of each row count (default: all)
   --dag_dim=G --dag_iters=L  also upcycle into a DAG-MoE (G > 0) that starts equal to DUME
   --steps=N              steps the written run trains for when continued (default 1000)
-  --trainable=SET        what the continuation trains (TrainConfig.trainable): default 'router'
+  --trainable=SET        what the continuation trains (RunConfig.trainable): default 'router'
                          (DUME+) for top_k >= 2; at top_k 1 (the router gets no gradient: the
                          gate of one expert is 1) 'router_and_gates', the authors' set (routers
                          + each expert's w_gate); 'all' for a DAG; or 'all', 'non_experts',

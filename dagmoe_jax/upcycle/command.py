@@ -26,7 +26,7 @@ from dagmoe_jax.data.config import parse_source
 from dagmoe_jax.data.instruct import instruct_dataset, is_instruct
 from dagmoe_jax.data.pipeline import train_dataset
 from dagmoe_jax.model.settle import settle
-from dagmoe_jax.run.config import TrainConfig
+from dagmoe_jax.run.config import RunConfig
 from dagmoe_jax.run.config import OptimConfig
 from dagmoe_jax.run.optim import check_trainable
 from dagmoe_jax.upcycle import dume as dume_lib
@@ -245,7 +245,7 @@ def write_run(run_dir: str, model: nnx.Module, model_cfg: ModelConfig, data_cfg:
     """A run directory holding ``model``'s parameters as step 0 (with the mixed data stream's
     position), ``config.json``, the per-domain statistics, ``dume.json`` and ``resume.gin``
     (``train.py --gin_file=RUN/resume.gin`` trains it for ``steps`` steps).
-    ``trainable`` (``TrainConfig.trainable``): default :func:`default_trainable`.
+    ``trainable`` (``RunConfig.trainable``): default :func:`default_trainable`.
 
     The checkpoint is written from ``model``'s own arrays: no second model and no optimizer
     state are built (the run that resumes creates its optimizer state fresh,
@@ -261,15 +261,15 @@ def write_run(run_dir: str, model: nnx.Module, model_cfg: ModelConfig, data_cfg:
     path = run_lib.prepare_run_dir(run_dir)
     if (path / run_lib.CHECKPOINT_DIR).exists():
         raise ValueError(f"{path} already holds checkpoints: choose a new --run_dir")
-    train_cfg = TrainConfig(run_dir=str(path), steps=steps, trainable=trainable,
+    run_cfg = RunConfig(run_dir=str(path), steps=steps, trainable=trainable,
                             save_every=max(1, steps))
     tokenizer = make_tokenizer(data_cfg)
     iterator = iter(instruct_dataset(data_cfg, tokenizer) if is_instruct(data_cfg)
                     else train_dataset(data_cfg, tokenizer))       # what resume.gin reads
-    run_lib.save_initial_checkpoint(path, model, None, model_cfg, train_cfg, iterator)
-    run_lib.save_configs(path, model_cfg, data_cfg, optim_cfg, train_cfg,
+    run_lib.save_initial_checkpoint(path, model, None, model_cfg, run_cfg, iterator)
+    run_lib.save_configs(path, model_cfg, data_cfg, optim_cfg, run_cfg,
                          settled=model.execution)
-    run_lib.save_resume_gin(path, model_cfg, data_cfg, optim_cfg, train_cfg, name=RESUME_GIN)
+    run_lib.save_resume_gin(path, model_cfg, data_cfg, optim_cfg, run_cfg, name=RESUME_GIN)
     if stats:
         (path / STATS_DIR).mkdir(exist_ok=True)
         for j, s in enumerate(stats):

@@ -8,7 +8,7 @@
 * :func:`upcycle_to_dag`: the DUME model with a DAG aggregator (DAG-MoE eqs. 6-12) whose zero
   ``W_up`` makes it start exactly equal to DUME (the default ``dag_residual='once'`` reading).
 
-DUME+ and BTX (router-only training) are ``TrainConfig(trainable='router')`` runs of the
+DUME+ and BTX (router-only training) are ``RunConfig(trainable='router')`` runs of the
 training loop from the DUME or random-router model (docs/design.md section 7).
 """
 

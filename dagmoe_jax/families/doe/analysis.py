@@ -23,6 +23,9 @@ from dagmoe_jax.analysis.report import (ROUTED_PLOTS, PlotResult, analysis_batch
 from dagmoe_jax.run.extensions import extension_for
 from dagmoe_jax.train.metrics import read_metrics
 
+# This family's own plots, beside the core's (:data:`dagmoe_jax.analysis.report.PLOTS`).
+PLOTS = ("doe_gates",)
+
 
 def gate_profile(model, batches: Iterable[Dict[str, np.ndarray]], num_groups: int,
                  group_key: str = "topic_labels") -> np.ndarray:

@@ -3,7 +3,7 @@
 Training, evaluation, sampling, analysis, upcycling and the benchmarks all build models here:
 
 * :func:`build`: (model, optimizer, schedule) from the run's configs, parameters initialised
-  from ``TrainConfig.seed``, created directly sharded over a mesh when one is given;
+  from ``RunConfig.seed``, created directly sharded over a mesh when one is given;
 * :func:`device_batch` / :func:`replicated_batch`: a host batch's model inputs on the devices
   (this process's rows of a training batch; a whole evaluation batch on every device);
 * :func:`check_compatible`: one-line errors for data the model cannot take.
@@ -25,7 +25,7 @@ from dagmoe_jax.model import Transformer
 from dagmoe_jax.parallel import create_train_state, shard_batch
 from dagmoe_jax.parallel.axes import MeshLayout
 from dagmoe_jax.model.settle import check_kernel_precision, settle
-from dagmoe_jax.run.config import OptimConfig, TrainConfig
+from dagmoe_jax.run.config import OptimConfig, RunConfig
 from dagmoe_jax.run.optim import TRAINABLE, check_trainable, make_optimizer, make_schedule
 
 
@@ -40,29 +40,29 @@ def check_compatible(model_cfg: ModelConfig, data_cfg: DataConfig, tokenizer) ->
                          f"{tokenizer.vocab_size}")
 
 
-def build(model_cfg: ModelConfig, optim_cfg: OptimConfig, train_cfg: TrainConfig, mesh=None,
+def build(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg: RunConfig, mesh=None,
           log: Callable[[str], None] = lambda _message: None):
-    """(model, optimizer, schedule) for a run: parameters initialised from ``train_cfg.seed``,
+    """(model, optimizer, schedule) for a run: parameters initialised from ``run_cfg.seed``,
     created directly sharded over ``mesh`` when one is given (optimizer state too).
 
-    The model runs as ``train_cfg.execution`` settled for ``model_cfg`` on this machine and
+    The model runs as ``run_cfg.execution`` settled for ``model_cfg`` on this machine and
     mesh (:func:`dagmoe_jax.model.settle.settle`; ``model.execution`` is the settled config)."""
-    tx = make_optimizer(optim_cfg, train_cfg.steps)
-    check_trainable(model_cfg, train_cfg.trainable)
-    wrt = TRAINABLE[train_cfg.trainable]
+    tx = make_optimizer(optim_cfg, run_cfg.steps)
+    check_trainable(model_cfg, run_cfg.trainable)
+    wrt = TRAINABLE[run_cfg.trainable]
     layout = MeshLayout.of(mesh)
-    execution = settle(model_cfg, train_cfg.execution, layout=layout, log=log)
+    execution = settle(model_cfg, run_cfg.execution, layout=layout, log=log)
     check_kernel_precision(execution.attention, execution.grouped_matmul, jax.default_backend())
 
     def new_model():
-        return Transformer(model_cfg, execution=execution, rngs=nnx.Rngs(train_cfg.seed),
+        return Transformer(model_cfg, execution=execution, rngs=nnx.Rngs(run_cfg.seed),
                            layout=layout)
     if mesh is None:
         model = new_model()
         optimizer = nnx.Optimizer(model, tx, wrt=wrt)
     else:
         model, optimizer = create_train_state(new_model, tx, mesh, wrt=wrt)
-    return model, optimizer, make_schedule(optim_cfg, train_cfg.steps)
+    return model, optimizer, make_schedule(optim_cfg, run_cfg.steps)
 
 
 def train_state(model, optimizer) -> dict:

@@ -74,6 +74,31 @@ def test_gmm_equals_ragged_dot_and_the_dense_oracle(rng):
     assert np.all(np.asarray(grads[1])[[1, 4]] == 0)            # empty groups: no gradient
 
 
+def test_gmm_told_every_row_is_in_a_group_equals_ragged_dot_without_selects(rng):
+    """``rows_in_groups=True`` (local dropless dispatch: sum(sizes) == M) leaves out the
+    selects that zero rows past the groups; with none there, the values and gradients are
+    ragged_dot's, the row tile's padding (300 rows in 128-row tiles) cut off."""
+    sizes = jnp.asarray(np.array([37, 0, 129, 1, 0, 133], np.int32))
+    m, k, n = 300, 32, 24
+    lhs = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
+    rhs = jnp.asarray(rng.normal(size=(6, k, n)), jnp.float32)
+    probe = jnp.asarray(rng.normal(size=(m, n)), jnp.float32)
+    told = functools.partial(pallas.gmm_grouped_matmul, rows_in_groups=True, interpret=True)
+
+    def value_and_grads(fn):
+        return jax.value_and_grad(lambda a, b: jnp.sum(fn(a, b, sizes) * probe),
+                                  argnums=(0, 1))
+
+    (value, grads), (ref, ref_grads) = (jax.jit(value_and_grads(f))(lhs, rhs)
+                                        for f in (told, jax.lax.ragged_dot))
+    np.testing.assert_allclose(value, ref, rtol=1e-5)
+    for name, g, r in zip(("lhs", "rhs"), grads, ref_grads):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4, err_msg=name)
+    selects = [str(jax.make_jaxpr(value_and_grads(f))(lhs, rhs)).count("select_n")
+               for f in (told, functools.partial(pallas.gmm_grouped_matmul, interpret=True))]
+    assert selects[0] < selects[1], selects
+
+
 def test_dropless_dispatch_through_gmm_equals_the_oracle(monkeypatch):
     monkeypatch.setitem(dispatch_lib.GROUPED_MATMUL, "gmm",
                         functools.partial(pallas.gmm_grouped_matmul, interpret=True))

@@ -46,8 +46,9 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
 
 
 @pytest.mark.parametrize("mesh_cfg", [MeshConfig(data=2, expert=4),
-                                      MeshConfig(data=2, expert=2, tensor=2)],
-                         ids=["dp2_ep4", "dp2_ep2_tp2"])
+                                      MeshConfig(data=2, expert=2, tensor=2),
+                                      MeshConfig(data=2, fsdp=2, tensor=2)],
+                         ids=["dp2_ep4", "dp2_ep2_tp2", "no_expert_axis"])
 def test_ragged_exchange_equals_single_device_dispatch(monkeypatch, mesh_cfg):
     monkeypatch.setattr(expert_parallel, "ragged_all_to_all", emulated_ragged_all_to_all)
     mesh = make_mesh(mesh_cfg)
@@ -83,6 +84,36 @@ def test_ragged_exchange_equals_single_device_dispatch(monkeypatch, mesh_cfg):
         np.testing.assert_allclose(np.asarray(getattr(g, name)[...]),
                                    np.asarray(getattr(g_ref, name)[...]), rtol=1e-4, atol=1e-5,
                                    err_msg=name)
+
+
+def test_without_an_expert_axis_each_shard_dispatches_its_own_tokens_by_permutations():
+    """On a mesh with no expert axis every assignment is the device's own: no collective moves
+    tokens, and the gathers are whole permutations (no bounds select; on TPU each select was a
+    pass over the rows, benchmarks/RESULTS.md)."""
+    mesh = make_mesh(MeshConfig(data=2, fsdp=4))
+    experts = Experts(ExpertConfig(num_experts=N, expert_hidden=16, dispatch="dropless"), 32,
+                      std=0.2, dtype=jnp.float32, execution=RAGGED, rngs=nnx.Rngs(0),
+                      layout=MeshLayout.of(mesh))
+    idx = jnp.zeros((16, 2), jnp.int32).at[:, 1].set(1)
+    with activate(mesh):
+        jaxpr = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(experts(x, idx)[0])))(
+            jnp.ones((16, 32)))
+    text = str(jaxpr)
+    assert "shard_map" in text
+    for absent in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert absent not in text, absent
+
+    def gather_modes(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "gather":
+                yield str(eqn.params["mode"])
+            for value in eqn.params.values():
+                inner = getattr(value, "jaxpr", value)
+                if hasattr(inner, "eqns"):
+                    yield from gather_modes(inner)
+
+    modes = list(gather_modes(jaxpr.jaxpr))
+    assert len(modes) >= 4 and all("PROMISE_IN_BOUNDS" in m for m in modes), modes
 
 
 def test_the_ragged_exchange_is_what_the_sharded_dispatch_traces():

@@ -89,19 +89,28 @@ def gmm_supported(d_model: int, hidden: int) -> bool:
 
 
 def gmm_grouped_matmul(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, *,
-                       interpret: bool = False) -> jax.Array:
+                       rows_in_groups: bool = False, interpret: bool = False) -> jax.Array:
     """``jax.lax.ragged_dot(lhs, rhs, sizes)`` by megablox ``gmm``: rows of ``lhs`` [M, k]
     sorted by group, group g's ``sizes[g]`` rows times ``rhs[g]`` [k, n]; rows past
     ``sum(sizes)`` give zeros. Groups may be empty and of any size: ``gmm`` tiles rows across
-    group boundaries; M is padded to a multiple of its row tile here."""
+    group boundaries; M is padded to a multiple of its row tile here.
+
+    ``rows_in_groups``: the caller knows ``sum(sizes) == M`` (local dropless dispatch, where
+    every assignment is a row), so no row lies past the groups and the two selects that zero
+    such rows, each a pass over the rows in the forward and another in the backward, are left
+    out (the row tile's padding is cut off either way)."""
     m, k = lhs.shape
     n = rhs.shape[2]
     tm = min(GMM_TILE[0], -(-m // 8) * 8)            # a multiple of the 8 sublanes
     tiling = (tm, min(GMM_TILE[1], k), min(GMM_TILE[2], n))
-    # gmm leaves rows outside every group unwritten, in its output and in its input gradient:
-    # both are zeroed here, as ragged_dot has them
-    valid = (jnp.arange(m + (-m % tm)) < jnp.sum(sizes))[:, None]
-    padded = jnp.where(valid, jnp.pad(lhs, ((0, -m % tm), (0, 0))), 0)
+    padded = jnp.pad(lhs, ((0, -m % tm), (0, 0)))
+    if not rows_in_groups:
+        # gmm leaves rows outside every group unwritten, in its output and in its input
+        # gradient: both are zeroed here, as ragged_dot has them
+        valid = (jnp.arange(m + (-m % tm)) < jnp.sum(sizes))[:, None]
+        padded = jnp.where(valid, padded, 0)
     out = megablox_gmm(padded, rhs, sizes.astype(jnp.int32), lhs.dtype, tiling, None, None,
                        False, interpret)
-    return jnp.where(valid, out, 0)[:m].astype(lhs.dtype)
+    if not rows_in_groups:
+        out = jnp.where(valid, out, 0)
+    return out[:m].astype(lhs.dtype)

@@ -130,17 +130,26 @@ GROUPED_MATMUL: dict[str, Callable] = {
     "triton": triton_grouped_matmul,
 }
 """The settled ``ExecutionConfig.grouped_matmul`` -> ``f(lhs [M, k], rhs [N, k, n], sizes [N])``."""
+ZEROING_PAST_GROUPS = frozenset({"gmm"})
+"""The grouped matmuls that zero the rows past ``sum(sizes)`` by selects of their own and take
+``rows_in_groups=True`` to leave them out (megablox ``gmm``: on TPU each select was a pass
+over the [T K, d] rows, benchmarks/RESULTS.md)."""
 
 
 def grouped_ffn(xs: jax.Array, weights: ExpertWeights, sizes: jax.Array,
-                grouped_matmul: str = "ragged_dot") -> jax.Array:
+                grouped_matmul: str = "ragged_dot", rows_in_groups: bool = False) -> jax.Array:
     """SwiGLU of rows ``xs`` [M, d] sorted by expert, ``sizes`` [N] rows per expert, by the
     grouped matmul ``grouped_matmul`` (:data:`GROUPED_MATMUL`); rows past ``sum(sizes)`` give
-    zeros."""
+    zeros. ``rows_in_groups``: the caller knows there are none (``sum(sizes) == M``), which
+    spares the kernels that zero them themselves (:data:`ZEROING_PAST_GROUPS`) those passes.
+    The gate and up projections stay two grouped matmuls: as one on the weights side by side
+    the compiled MoE-l step on v5p (``fsdp=4``) was 1 ms slower, its FLOPs the same."""
     if grouped_matmul not in GROUPED_MATMUL:
         raise ValueError(f"grouped_matmul={grouped_matmul!r} is invalid: expected one of "
                          f"{sorted(GROUPED_MATMUL)} (settle the config first)")
     mm = GROUPED_MATMUL[grouped_matmul]
+    if rows_in_groups and grouped_matmul in ZEROING_PAST_GROUPS:
+        mm = functools.partial(mm, rows_in_groups=True)
     w_gate, w_up, w_down = weights
     h = jax.nn.silu(mm(xs, w_gate, sizes)) * mm(xs, w_up, sizes)
     return mm(h, w_down, sizes)
@@ -157,7 +166,7 @@ def dropless_dispatch(x: jax.Array, indices: jax.Array, weights: ExpertWeights,
     rank = jnp.argsort(order)                                      # assignment -> sorted row
     xs = take_rows(x, order // k, rank.reshape(t, k), True)
     sizes = jnp.bincount(flat, length=n).astype(jnp.int32)
-    ys = grouped_ffn(xs, weights, sizes, grouped_matmul)
+    ys = grouped_ffn(xs, weights, sizes, grouped_matmul, rows_in_groups=True)   # sum = T K
     out = take_rows(ys, rank.reshape(t, k), order, True)
     return out, jnp.ones((t, k), bool)
 

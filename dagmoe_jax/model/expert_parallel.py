@@ -66,8 +66,8 @@ from jax.lax import ragged_all_to_all
 from jax.sharding import PartitionSpec as P
 
 from dagmoe_jax.model.dispatch import (ExpertWeights, apply_experts, capacity_combine,
-                                       capacity_gather, dispatch, expert_capacity, grouped_ffn,
-                                       take_rows)
+                                       capacity_gather, dispatch, dropless_dispatch,
+                                       expert_capacity, grouped_ffn, take_rows)
 from dagmoe_jax.parallel.axes import MeshLayout
 
 AxisNames = Tuple[str, ...]
@@ -132,6 +132,11 @@ def _dropless_shard(x, indices, weights, *, experts: Optional[object], hidden: O
     another shard's and return zero."""
     t_loc, k = indices.shape
     n_local = weights[0].shape[0]
+    if experts is None and _buffer_rows(buffer, t_loc * k, 1) is None:
+        # no expert axis: every assignment is this device's, a whole permutation of the rows
+        # (no bounds selects in its gathers, none in the grouped matmul: RESULTS.md)
+        out, keep = dropless_dispatch(x, indices, weights, grouped_matmul)
+        return (out if hidden is None else jax.lax.psum(out, hidden)), keep
     first, e = 0, 1
     if experts is not None:
         x = jax.lax.all_gather(x, experts, axis=0, tiled=True)                   # [E*T, d]

@@ -13,7 +13,10 @@ default ``data, fsdp, expert``; ``expert`` -> ``expert``; ``expert_mlp`` -> ``te
 size 1 ignored): each device holds T_loc = T / (data * fsdp * expert) tokens and the experts
 [N / E, d, d_r / tensor] of its shard (E = the ``expert`` size; the ``fsdp`` shards of ``embed``
 are all-gathered by the ``shard_map`` input resharding, their gradients reduce-scattered back).
-With E = 1 (pure data parallelism) no tokens move: each device dispatches its own.
+With E = 1 (pure data parallelism) no tokens move: each device dispatches its own, in
+dropless mode by the single-device dispatch itself (whole permutations, and a grouped matmul
+told that every row is in a group: no bounds or zeroing selects, each a pass over the rows on
+TPU).
 
 * ``capacity`` (GShard / MaxText): every device is its own token group. It fills local buffers
   [N, C_loc, d] with C_loc = ceil(capacity_factor * T_loc * K / N) (GShard priority within the

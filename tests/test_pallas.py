@@ -75,7 +75,7 @@ def test_gmm_equals_ragged_dot_and_the_dense_oracle(rng):
 
 
 def test_gmm_told_every_row_is_in_a_group_equals_ragged_dot_without_selects(rng):
-    """``rows_in_groups=True`` (local dropless dispatch: sum(sizes) == M) leaves out the
+    """``zero_tail=False`` (local dropless dispatch: sum(sizes) == M) leaves out the
     selects that zero rows past the groups; with none there, the values and gradients are
     ragged_dot's, the row tile's padding (300 rows in 128-row tiles) cut off."""
     sizes = jnp.asarray(np.array([37, 0, 129, 1, 0, 133], np.int32))
@@ -83,7 +83,7 @@ def test_gmm_told_every_row_is_in_a_group_equals_ragged_dot_without_selects(rng)
     lhs = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
     rhs = jnp.asarray(rng.normal(size=(6, k, n)), jnp.float32)
     probe = jnp.asarray(rng.normal(size=(m, n)), jnp.float32)
-    told = functools.partial(pallas.gmm_grouped_matmul, rows_in_groups=True, interpret=True)
+    told = functools.partial(pallas.gmm_grouped_matmul, zero_tail=False, interpret=True)
 
     def value_and_grads(fn):
         return jax.value_and_grad(lambda a, b: jnp.sum(fn(a, b, sizes) * probe),

@@ -235,3 +235,47 @@ def test_a_bounded_buffer_run_logs_its_drops(tmp_path):
                           if "dropped_fraction" in r])
     assert dropped.shape == (3, configs[0].num_layers)
     assert 0 < dropped.max() < 0.5
+
+
+def test_the_exchange_s_grouped_matmul_leaves_the_buffer_tail_unzeroed_and_nothing_reads_it(
+        monkeypatch):
+    """The ragged exchange runs megablox ``gmm`` with ``zero_tail=False``: the receive buffer's
+    unused tail (the worst case's room) is left as ``gmm`` leaves it. Interpreted as a TPU
+    runs it, with uninitialised memory NaN, the outputs and every gradient still equal the
+    single-device dispatch's and are finite: nothing reads that tail, forward or backward."""
+    import functools
+    from jax.experimental.pallas import tpu as pltpu
+    from dagmoe_jax.kernels import pallas
+    from dagmoe_jax.model import dispatch as dispatch_lib
+
+    monkeypatch.setattr(expert_parallel, "ragged_all_to_all", emulated_ragged_all_to_all)
+    monkeypatch.setitem(dispatch_lib.GROUPED_MATMUL, "gmm", functools.partial(
+        pallas.gmm_grouped_matmul, interpret=pltpu.InterpretParams(uninitialized_memory="nan")))
+    mesh = make_mesh(MeshConfig(data=2, expert=4))
+    rng = np.random.default_rng(1)
+    d, t = 128, 32
+    x = jnp.asarray(rng.normal(size=(t, d)), jnp.float32)
+    idx = jnp.asarray(np.stack([rng.choice(6, 2, replace=False) for _ in range(t)]), jnp.int32)
+    probe = jnp.asarray(rng.normal(size=(t, 2, d)), jnp.float32)
+    e_cfg = ExpertConfig(num_experts=N, expert_hidden=128, dispatch="dropless")
+
+    def loss_and_grads(experts, x):
+        loss = lambda e, x: jnp.sum(e(x, idx)[0] * probe)                  # noqa: E731
+        return nnx.value_and_grad(loss, argnums=(0, 1))(experts, x)
+
+    ref, (g_ref, gx_ref) = loss_and_grads(
+        Experts(e_cfg, d, std=0.2, dtype=jnp.float32, rngs=nnx.Rngs(0)), x)
+    sharded = Experts(e_cfg, d, std=0.2, dtype=jnp.float32, rngs=nnx.Rngs(0),
+                      execution=ExecutionConfig(fuse_projections=False, grouped_matmul="gmm",
+                                                expert_exchange="ragged_all_to_all"),
+                      layout=MeshLayout.of(mesh))
+    place_on_mesh(sharded, mesh)
+    with activate(mesh):
+        value, (g, gx) = nnx.jit(loss_and_grads)(sharded, x)
+    np.testing.assert_allclose(float(value), float(ref), rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(gx), np.asarray(gx_ref), rtol=1e-4, atol=1e-4)
+    for name in ("w_gate", "w_up", "w_down"):
+        grad = np.asarray(getattr(g, name)[...])
+        assert np.all(np.isfinite(grad)), name
+        np.testing.assert_allclose(grad, np.asarray(getattr(g_ref, name)[...]), rtol=1e-4,
+                                   atol=1e-4, err_msg=name)

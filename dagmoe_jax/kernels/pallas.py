@@ -89,28 +89,30 @@ def gmm_supported(d_model: int, hidden: int) -> bool:
 
 
 def gmm_grouped_matmul(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, *,
-                       rows_in_groups: bool = False, interpret: bool = False) -> jax.Array:
+                       zero_tail: bool = True, interpret: bool = False) -> jax.Array:
     """``jax.lax.ragged_dot(lhs, rhs, sizes)`` by megablox ``gmm``: rows of ``lhs`` [M, k]
     sorted by group, group g's ``sizes[g]`` rows times ``rhs[g]`` [k, n]; rows past
     ``sum(sizes)`` give zeros. Groups may be empty and of any size: ``gmm`` tiles rows across
     group boundaries; M is padded to a multiple of its row tile here.
 
-    ``rows_in_groups``: the caller knows ``sum(sizes) == M`` (local dropless dispatch, where
-    every assignment is a row), so no row lies past the groups and the two selects that zero
-    such rows, each a pass over the rows in the forward and another in the backward, are left
-    out (the row tile's padding is cut off either way)."""
+    ``zero_tail=False``: the caller has no rows past the groups (local dropless dispatch,
+    ``sum(sizes) == M``) or never reads them nor lets their gradients reach what it reads (the
+    exchange's receive buffer): they are left as ``gmm`` leaves them, unwritten, and the two
+    selects that zero them, each a pass over all M rows forward and again backward, are left
+    out. ``gmm``'s weight gradient masks rows outside the groups by a select of its own, so
+    whatever they hold never reaches it; the row tile's padding is cut off either way."""
     m, k = lhs.shape
     n = rhs.shape[2]
     tm = min(GMM_TILE[0], -(-m // 8) * 8)            # a multiple of the 8 sublanes
     tiling = (tm, min(GMM_TILE[1], k), min(GMM_TILE[2], n))
     padded = jnp.pad(lhs, ((0, -m % tm), (0, 0)))
-    if not rows_in_groups:
+    if zero_tail:
         # gmm leaves rows outside every group unwritten, in its output and in its input
         # gradient: both are zeroed here, as ragged_dot has them
         valid = (jnp.arange(m + (-m % tm)) < jnp.sum(sizes))[:, None]
         padded = jnp.where(valid, padded, 0)
     out = megablox_gmm(padded, rhs, sizes.astype(jnp.int32), lhs.dtype, tiling, None, None,
                        False, interpret)
-    if not rows_in_groups:
+    if zero_tail:
         out = jnp.where(valid, out, 0)
     return out[:m].astype(lhs.dtype)

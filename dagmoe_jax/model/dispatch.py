@@ -39,9 +39,9 @@ def apply_experts(buffer: jax.Array, weights: ExpertWeights, fused: bool = True)
     return jax.vmap(lambda b, *w: swiglu(b, *w, fused=fused))(buffer, *weights)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def take_rows(src: jax.Array, idx: jax.Array, inverse: jax.Array,
-              permutation: bool = False) -> jax.Array:
+              permutation: bool = False, copies_first: bool = False) -> jax.Array:
     """``src[idx]`` (rows; an out-of-range index gives a zero row) whose gradient is a gather too.
 
     ``idx`` must map rows one-to-one (a partial permutation, as dispatch and combine are), and
@@ -50,20 +50,24 @@ def take_rows(src: jax.Array, idx: jax.Array, inverse: jax.Array,
     gather, instead of the scatter-add autodiff would emit (slow on CPU, serialised on GPU).
     ``permutation``: every index of ``idx`` and ``inverse`` is in range (a full permutation, as
     the ragged exchange's are), so the gathers need no bounds select: on TPU the select after
-    each gather was a pass over the rows of its own.
+    each gather was a pass over the rows of its own. ``copies_first``: ``inverse`` is
+    [copies, src_rows] instead (the K assignments of a token rank-major, whose gradient rows
+    then sum over the major axis: on TPU no [T, K, d] relayout with K = 4 in the 8-row tiles).
     """
     mode = "promise_in_bounds" if permutation else "fill"
     return src.at[idx].get(mode=mode, fill_value=None if permutation else 0)
 
 
-def _take_rows_fwd(src, idx, inverse, permutation):
-    return take_rows(src, idx, inverse, permutation), inverse
+def _take_rows_fwd(src, idx, inverse, permutation, copies_first):
+    return take_rows(src, idx, inverse, permutation, copies_first), inverse
 
 
-def _take_rows_bwd(permutation, inverse, dout):
+def _take_rows_bwd(permutation, copies_first, inverse, dout):
     flat = dout.reshape(-1, dout.shape[-1])
     mode = "promise_in_bounds" if permutation else "fill"
     dsrc = flat.at[inverse].get(mode=mode, fill_value=None if permutation else 0)
+    if copies_first:
+        return dsrc.reshape(-1, inverse.shape[-1], flat.shape[-1]).sum(axis=0), None, None
     dsrc = dsrc.reshape(inverse.shape[0], -1, flat.shape[-1]).sum(axis=1)
     return dsrc, None, None
 
@@ -132,24 +136,26 @@ GROUPED_MATMUL: dict[str, Callable] = {
 """The settled ``ExecutionConfig.grouped_matmul`` -> ``f(lhs [M, k], rhs [N, k, n], sizes [N])``."""
 ZEROING_PAST_GROUPS = frozenset({"gmm"})
 """The grouped matmuls that zero the rows past ``sum(sizes)`` by selects of their own and take
-``rows_in_groups=True`` to leave them out (megablox ``gmm``: on TPU each select was a pass
+``zero_tail=False`` to leave them out (megablox ``gmm``: on TPU each select was a pass
 over the [T K, d] rows, benchmarks/RESULTS.md)."""
 
 
 def grouped_ffn(xs: jax.Array, weights: ExpertWeights, sizes: jax.Array,
-                grouped_matmul: str = "ragged_dot", rows_in_groups: bool = False) -> jax.Array:
+                grouped_matmul: str = "ragged_dot", zero_tail: bool = True) -> jax.Array:
     """SwiGLU of rows ``xs`` [M, d] sorted by expert, ``sizes`` [N] rows per expert, by the
     grouped matmul ``grouped_matmul`` (:data:`GROUPED_MATMUL`); rows past ``sum(sizes)`` give
-    zeros. ``rows_in_groups``: the caller knows there are none (``sum(sizes) == M``), which
-    spares the kernels that zero them themselves (:data:`ZEROING_PAST_GROUPS`) those passes.
+    zeros, or, ``zero_tail=False``, whatever the kernel leaves there: for a caller that has
+    none (``sum(sizes) == M``) or never reads them nor lets their gradients reach what it
+    reads, which spares the kernels that zero them by selects (:data:`ZEROING_PAST_GROUPS`)
+    those passes.
     The gate and up projections stay two grouped matmuls: as one on the weights side by side
     the compiled MoE-l step on v5p (``fsdp=4``) was 1 ms slower, its FLOPs the same."""
     if grouped_matmul not in GROUPED_MATMUL:
         raise ValueError(f"grouped_matmul={grouped_matmul!r} is invalid: expected one of "
                          f"{sorted(GROUPED_MATMUL)} (settle the config first)")
     mm = GROUPED_MATMUL[grouped_matmul]
-    if rows_in_groups and grouped_matmul in ZEROING_PAST_GROUPS:
-        mm = functools.partial(mm, rows_in_groups=True)
+    if not zero_tail and grouped_matmul in ZEROING_PAST_GROUPS:
+        mm = functools.partial(mm, zero_tail=False)
     w_gate, w_up, w_down = weights
     h = jax.nn.silu(mm(xs, w_gate, sizes)) * mm(xs, w_up, sizes)
     return mm(h, w_down, sizes)
@@ -164,11 +170,27 @@ def dropless_dispatch(x: jax.Array, indices: jax.Array, weights: ExpertWeights,
     flat = indices.reshape(-1)
     order = jnp.argsort(flat, stable=True)                         # sorted row -> assignment
     rank = jnp.argsort(order)                                      # assignment -> sorted row
-    xs = take_rows(x, order // k, rank.reshape(t, k), True)
+    xs = take_rows(x, order // k, rank_major(rank, k), True, True)
     sizes = jnp.bincount(flat, length=n).astype(jnp.int32)
-    ys = grouped_ffn(xs, weights, sizes, grouped_matmul, rows_in_groups=True)   # sum = T K
-    out = take_rows(ys, rank.reshape(t, k), order, True)
-    return out, jnp.ones((t, k), bool)
+    ys = grouped_ffn(xs, weights, sizes, grouped_matmul, zero_tail=False)   # sum(sizes) = T K
+    return combine_rank_major(ys, rank, order, k), jnp.ones((t, k), bool)
+
+
+def rank_major(rank: jax.Array, k: int) -> jax.Array:
+    """[K, T]: the sorted row of each token's assignments, rank by rank, from ``rank``
+    [T K] (assignment t K + j -> sorted row): the gathers of dropless dispatch then make and
+    take [K, T, d] arrays, whose [K T, d] rows are a free reshape on TPU, where [T, K, d] with
+    K = 4 half-fills the 8-row tiles and each reshape to rows was a relayout copy."""
+    return rank.reshape(-1, k).T
+
+
+def combine_rank_major(ys: jax.Array, rank: jax.Array, order: jax.Array, k: int) -> jax.Array:
+    """The sorted rows ``ys`` [T K, d] back to their assignments, [T, K, d], gathered as
+    [K, T, d] (:func:`rank_major`) and transposed: on TPU XLA folds that transpose into the
+    consumers (the weighted sum over K)."""
+    t = rank.shape[0] // k
+    out = take_rows(ys, rank_major(rank, k), (order % k) * t + order // k, True)   # [K, T, d]
+    return jnp.swapaxes(out, 0, 1)
 
 
 def dense_dispatch(x: jax.Array, indices: jax.Array, weights: ExpertWeights,

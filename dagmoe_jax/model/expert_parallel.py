@@ -69,8 +69,9 @@ from jax.lax import ragged_all_to_all
 from jax.sharding import PartitionSpec as P
 
 from dagmoe_jax.model.dispatch import (ExpertWeights, apply_experts, capacity_combine,
-                                       capacity_gather, dispatch, dropless_dispatch,
-                                       expert_capacity, grouped_ffn, take_rows)
+                                       capacity_gather, combine_rank_major, dispatch,
+                                       dropless_dispatch, expert_capacity, grouped_ffn,
+                                       rank_major, take_rows)
 from dagmoe_jax.parallel.axes import MeshLayout
 
 AxisNames = Tuple[str, ...]
@@ -164,7 +165,8 @@ def _dropless_shard(x, indices, weights, *, experts: Optional[object], hidden: O
     held_by = jnp.where(local[order], order, m)
     xs = take_rows(x, jnp.where(local[order], order // k, t), row_of)
     sizes = jnp.bincount(key, length=n_local + 1)[:n_local].astype(jnp.int32)
-    out = take_rows(grouped_ffn(xs, weights, sizes, grouped_matmul), row_of,
+    # other shards' assignments sort last and are never read back (row_of out of range)
+    out = take_rows(grouped_ffn(xs, weights, sizes, grouped_matmul, zero_tail=False), row_of,
                     held_by)                                                     # [E*T, K, d]
     keep = jnp.ones((t_loc, k), bool)
     if cap is not None:       # (only with E > 1) kept on its expert's shard: one count of 1
@@ -193,7 +195,7 @@ def _ragged_exchange_shard(x, indices, weights, *, experts, hidden, grouped_matm
     flat = indices.reshape(-1)
     order = jnp.argsort(flat, stable=True)                   # sorted row -> assignment
     rank = jnp.argsort(order)                                # assignment -> sorted row
-    xs = take_rows(x, order // k, rank.reshape(t, k), True)  # [M, d], by global expert
+    xs = take_rows(x, order // k, rank_major(rank, k), True, True)  # [M, d], by global expert
     counts = jnp.bincount(flat, length=e * n_local).astype(jnp.int32).reshape(e, n_local)
     send_sizes = jnp.sum(counts, axis=1)                     # rows for each expert shard
     input_offsets = jnp.cumsum(send_sizes) - send_sizes
@@ -218,14 +220,16 @@ def _ragged_exchange_shard(x, indices, weights, *, experts, hidden, grouped_matm
     key = jnp.where(jnp.arange(rows) < jnp.sum(recv), expert_of, n_local)
     by_expert = jnp.argsort(key, stable=True)
     back = jnp.argsort(by_expert)
+    # the buffer's unused tail (zeros in, sorted last) is never sent back, nor its gradient
+    # read: the grouped matmul need not zero it (a pass over the worst-case buffer each way)
     ys = grouped_ffn(take_rows(got, by_expert, back, True), weights, jnp.sum(recv, axis=0),
-                     grouped_matmul)
+                     grouped_matmul, zero_tail=False)
     ys = take_rows(ys, back, by_expert, True)                # received order again
     recv_offsets = jnp.cumsum(recv_sizes) - recv_sizes
     home = jax.lax.all_to_all(input_offsets, experts, 0, 0, tiled=True)  # where rows came from
     returned = ragged_all_to_all(ys, jnp.zeros_like(xs), recv_offsets, recv_sizes, home,
                                  send_sizes, axis_name=experts)          # [M, d], sorted
-    out = take_rows(returned, rank.reshape(t, k), order, True)          # [T, K, d]
+    out = combine_rank_major(returned, rank, order, k)                  # [T, K, d]
     if hidden is not None:
         out = jax.lax.psum(out, hidden)
     if cap is None:

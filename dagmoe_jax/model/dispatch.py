@@ -170,26 +170,41 @@ def dropless_dispatch(x: jax.Array, indices: jax.Array, weights: ExpertWeights,
     flat = indices.reshape(-1)
     order = jnp.argsort(flat, stable=True)                         # sorted row -> assignment
     rank = jnp.argsort(order)                                      # assignment -> sorted row
-    xs = take_rows(x, order // k, rank_major(rank, k), True, True)
+    tiled = TILED_ROWS.get(grouped_matmul, False)
+    xs = take_rows_of_tokens(x, order, rank, k, tiled)
     sizes = jnp.bincount(flat, length=n).astype(jnp.int32)
     ys = grouped_ffn(xs, weights, sizes, grouped_matmul, zero_tail=False)   # sum(sizes) = T K
-    return combine_rank_major(ys, rank, order, k), jnp.ones((t, k), bool)
+    return combine_assignments(ys, rank, order, k, tiled), jnp.ones((t, k), bool)
 
 
-def rank_major(rank: jax.Array, k: int) -> jax.Array:
-    """[K, T]: the sorted row of each token's assignments, rank by rank, from ``rank``
-    [T K] (assignment t K + j -> sorted row): the gathers of dropless dispatch then make and
-    take [K, T, d] arrays, whose [K T, d] rows are a free reshape on TPU, where [T, K, d] with
-    K = 4 half-fills the 8-row tiles and each reshape to rows was a relayout copy."""
-    return rank.reshape(-1, k).T
+TILED_ROWS = {"gmm": True}
+"""The grouped matmuls of a backend whose arrays are laid out in tiles of rows (megablox
+``gmm``, settled on TPU alone), where dropless dispatch gathers a token's K rows as [K, T, d]:
+there [T, K, d] with K = 4 half-fills the 8-row tiles and every reshape between it and the
+[T K, d] rows was a relayout copy (benchmarks/RESULTS.md), while [K, T, d]'s rows are a free
+reshape. Elsewhere the gathers make [T, K, d], whose transpose the [K, T, d] form needs cost
+the CPU's MoE-s step 3%."""
 
 
-def combine_rank_major(ys: jax.Array, rank: jax.Array, order: jax.Array, k: int) -> jax.Array:
-    """The sorted rows ``ys`` [T K, d] back to their assignments, [T, K, d], gathered as
-    [K, T, d] (:func:`rank_major`) and transposed: on TPU XLA folds that transpose into the
-    consumers (the weighted sum over K)."""
+def take_rows_of_tokens(x: jax.Array, order: jax.Array, rank: jax.Array, k: int,
+                        tiled: bool = False) -> jax.Array:
+    """The tokens' rows ``x`` [T, d] in the sorted order of their assignments: row r is token
+    ``order[r] // k``; ``rank`` [T K] is the inverse permutation (assignment t K + j -> sorted
+    row), whose gradient gather sums each token's K rows, taken as [K, T, d] when ``tiled``
+    (:data:`TILED_ROWS`), else as [T, K, d]."""
+    inverse = rank.reshape(-1, k)
+    return take_rows(x, order // k, inverse.T if tiled else inverse, True, tiled)
+
+
+def combine_assignments(ys: jax.Array, rank: jax.Array, order: jax.Array, k: int,
+                        tiled: bool = False) -> jax.Array:
+    """The sorted rows ``ys`` [T K, d] back to their assignments [T, K, d] (``rank`` and
+    ``order`` as :func:`take_rows_of_tokens`); when ``tiled``, gathered as [K, T, d] and
+    transposed, which XLA folds into the consumers (the weighted sum over K)."""
+    if not tiled:
+        return take_rows(ys, rank.reshape(-1, k), order, True)
     t = rank.shape[0] // k
-    out = take_rows(ys, rank_major(rank, k), (order % k) * t + order // k, True)   # [K, T, d]
+    out = take_rows(ys, rank.reshape(t, k).T, (order % k) * t + order // k, True)  # [K, T, d]
     return jnp.swapaxes(out, 0, 1)
 
 

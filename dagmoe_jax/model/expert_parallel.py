@@ -68,10 +68,10 @@ import jax.numpy as jnp
 from jax.lax import ragged_all_to_all
 from jax.sharding import PartitionSpec as P
 
-from dagmoe_jax.model.dispatch import (ExpertWeights, apply_experts, capacity_combine,
-                                       capacity_gather, combine_rank_major, dispatch,
-                                       dropless_dispatch, expert_capacity, grouped_ffn,
-                                       rank_major, take_rows)
+from dagmoe_jax.model.dispatch import (TILED_ROWS, ExpertWeights, apply_experts,
+                                       capacity_combine, capacity_gather, combine_assignments,
+                                       dispatch, dropless_dispatch, expert_capacity,
+                                       grouped_ffn, take_rows, take_rows_of_tokens)
 from dagmoe_jax.parallel.axes import MeshLayout
 
 AxisNames = Tuple[str, ...]
@@ -195,7 +195,8 @@ def _ragged_exchange_shard(x, indices, weights, *, experts, hidden, grouped_matm
     flat = indices.reshape(-1)
     order = jnp.argsort(flat, stable=True)                   # sorted row -> assignment
     rank = jnp.argsort(order)                                # assignment -> sorted row
-    xs = take_rows(x, order // k, rank_major(rank, k), True, True)  # [M, d], by global expert
+    tiled = TILED_ROWS.get(grouped_matmul, False)
+    xs = take_rows_of_tokens(x, order, rank, k, tiled)       # [M, d], by global expert
     counts = jnp.bincount(flat, length=e * n_local).astype(jnp.int32).reshape(e, n_local)
     send_sizes = jnp.sum(counts, axis=1)                     # rows for each expert shard
     input_offsets = jnp.cumsum(send_sizes) - send_sizes
@@ -229,7 +230,7 @@ def _ragged_exchange_shard(x, indices, weights, *, experts, hidden, grouped_matm
     home = jax.lax.all_to_all(input_offsets, experts, 0, 0, tiled=True)  # where rows came from
     returned = ragged_all_to_all(ys, jnp.zeros_like(xs), recv_offsets, recv_sizes, home,
                                  send_sizes, axis_name=experts)          # [M, d], sorted
-    out = combine_rank_major(returned, rank, order, k)                  # [T, K, d]
+    out = combine_assignments(returned, rank, order, k, tiled)          # [T, K, d]
     if hidden is not None:
         out = jax.lax.psum(out, hidden)
     if cap is None:

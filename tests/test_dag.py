@@ -539,3 +539,25 @@ def test_the_kernels_refuse_what_they_cannot_run_in_one_line():
         fused_dag_messages(jnp.ones((2, 3, 48)))
     with pytest.raises(ValueError, match=r"expected proj \[T, K, 4 d_g\], got \(2, 50\)"):
         fused_dag_messages(jnp.ones((2, 50)))
+
+
+def test_the_one_pass_layer_norm_is_eq_7():
+    """TPU's strategy takes eq. 7's statistics in one pass (var = E[x^2] - E[x]^2, Flax's
+    default): equal to the NumPy transcription and to the two-pass LayerNorm, values and
+    gradients, also with the nodes' mean well away from zero."""
+    from dagmoe_jax.model.dag.equations import layer_norm, layer_norm_one_pass
+
+    rng = np.random.default_rng(7)
+    scale, bias = rng.normal(size=64), rng.normal(size=64)
+    for offset in (0.0, 8.0):
+        x = rng.normal(size=(16, 64)) * 0.5 + offset
+        want = np.stack([np_layer_norm(row, scale, bias, EPS) for row in x])
+        args = [jnp.asarray(a, jnp.float32) for a in (x, scale, bias)]
+        got = layer_norm_one_pass(*args, EPS)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+        probe = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
+        grads = [jax.grad(lambda *a: jnp.sum(fn(*a, EPS) * probe), argnums=(0, 1, 2))(*args)
+                 for fn in (layer_norm_one_pass, layer_norm)]
+        for one, two in zip(*grads):
+            np.testing.assert_allclose(np.asarray(one), np.asarray(two), rtol=1e-3, atol=1e-3)
+    assert layer_norm_one_pass(jnp.ones((2, 8)) * 3.0, jnp.ones(8), jnp.zeros(8), EPS).sum() == 0

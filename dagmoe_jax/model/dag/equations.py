@@ -42,6 +42,20 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> j
     return y.astype(x.dtype)
 
 
+def layer_norm_one_pass(x: jax.Array, scale: jax.Array, bias: jax.Array,
+                        eps: float) -> jax.Array:
+    """DAG-MoE eq. 7 with both statistics from one pass over ``x``: var = E[x^2] - E[x]^2 in
+    float32 (clamped at 0), as Flax's ``LayerNorm`` computes it by default
+    (``use_fast_variance``). Equal to :func:`layer_norm` up to float32 rounding, which grows
+    with the mean's size against the spread; the two reductions read ``x`` once together, where
+    the two-pass variance waits for the mean (a pass of its own on TPU, forward and backward)."""
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.maximum(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) - jnp.square(mean), 0.0)
+    y = (x32 - mean) * jax.lax.rsqrt(var + eps) * scale + bias
+    return y.astype(x.dtype)
+
+
 def dag_pair_weights(w_edge: jax.Array, w_node: jax.Array) -> jax.Array:
     """DAG-MoE eq. 9 without the pair: W [u_i; u_j] = W_a u_i + W_b u_j with W_a, W_b the
     receiver and sender halves of W (W_edge and W_node [2 d_g, d_g]), so each node is

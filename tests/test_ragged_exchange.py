@@ -86,17 +86,25 @@ def test_ragged_exchange_equals_single_device_dispatch(monkeypatch, mesh_cfg):
                                    err_msg=name)
 
 
+# 16 tokens, each routed to experts 0 and 1: what the traced-program tests dispatch
+TRACED_IDX = jnp.zeros((16, 2), jnp.int32).at[:, 1].set(1)
+
+
+def traced_experts(mesh_cfg: MeshConfig):
+    """(dropless Experts of d 32 on ``mesh_cfg``'s mesh with the ragged exchange, the mesh)."""
+    mesh = make_mesh(mesh_cfg)
+    return Experts(ExpertConfig(num_experts=N, expert_hidden=16, dispatch="dropless"), 32,
+                   std=0.2, dtype=jnp.float32, execution=RAGGED, rngs=nnx.Rngs(0),
+                   layout=MeshLayout.of(mesh)), mesh
+
+
 def test_without_an_expert_axis_each_shard_dispatches_its_own_tokens_by_permutations():
     """On a mesh with no expert axis every assignment is the device's own: no collective moves
     tokens, and the gathers are whole permutations (no bounds select; on TPU each select was a
     pass over the rows, benchmarks/RESULTS.md)."""
-    mesh = make_mesh(MeshConfig(data=2, fsdp=4))
-    experts = Experts(ExpertConfig(num_experts=N, expert_hidden=16, dispatch="dropless"), 32,
-                      std=0.2, dtype=jnp.float32, execution=RAGGED, rngs=nnx.Rngs(0),
-                      layout=MeshLayout.of(mesh))
-    idx = jnp.zeros((16, 2), jnp.int32).at[:, 1].set(1)
+    experts, mesh = traced_experts(MeshConfig(data=2, fsdp=4))
     with activate(mesh):
-        jaxpr = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(experts(x, idx)[0])))(
+        jaxpr = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(experts(x, TRACED_IDX)[0])))(
             jnp.ones((16, 32)))
     text = str(jaxpr)
     assert "shard_map" in text
@@ -119,13 +127,9 @@ def test_without_an_expert_axis_each_shard_dispatches_its_own_tokens_by_permutat
 def test_the_ragged_exchange_is_what_the_sharded_dispatch_traces():
     """Without the emulation the model's dispatch traces the real collective (lowering for
     TPU / CUDA: tests/test_lowering.py)."""
-    mesh = make_mesh(MeshConfig(data=2, expert=4))
-    experts = Experts(ExpertConfig(num_experts=N, expert_hidden=16, dispatch="dropless"), 32,
-                      std=0.2, dtype=jnp.float32, execution=RAGGED, rngs=nnx.Rngs(0),
-                      layout=MeshLayout.of(mesh))
-    idx = jnp.zeros((16, 2), jnp.int32).at[:, 1].set(1)
+    experts, mesh = traced_experts(MeshConfig(data=2, expert=4))
     with activate(mesh):
-        text = str(jax.make_jaxpr(lambda x: experts(x, idx))(jnp.ones((16, 32))))
+        text = str(jax.make_jaxpr(lambda x: experts(x, TRACED_IDX))(jnp.ones((16, 32))))
     assert text.count("ragged_all_to_all") == 2 and "reduce_scatter" not in text
 
 

@@ -170,14 +170,14 @@ def dropless_dispatch(x: jax.Array, indices: jax.Array, weights: ExpertWeights,
     flat = indices.reshape(-1)
     order = jnp.argsort(flat, stable=True)                         # sorted row -> assignment
     rank = jnp.argsort(order)                                      # assignment -> sorted row
-    tiled = TILED_ROWS.get(grouped_matmul, False)
+    tiled = grouped_matmul in TILED_ROWS
     xs = take_rows_of_tokens(x, order, rank, k, tiled)
     sizes = jnp.bincount(flat, length=n).astype(jnp.int32)
     ys = grouped_ffn(xs, weights, sizes, grouped_matmul, zero_tail=False)   # sum(sizes) = T K
     return combine_assignments(ys, rank, order, k, tiled), jnp.ones((t, k), bool)
 
 
-TILED_ROWS = {"gmm": True}
+TILED_ROWS = frozenset({"gmm"})
 """The grouped matmuls of a backend whose arrays are laid out in tiles of rows (megablox
 ``gmm``, settled on TPU alone), where dropless dispatch gathers a token's K rows as [K, T, d]:
 there [T, K, d] with K = 4 half-fills the 8-row tiles and every reshape between it and the

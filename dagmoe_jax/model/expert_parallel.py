@@ -136,17 +136,16 @@ def _dropless_shard(x, indices, weights, *, experts: Optional[object], hidden: O
     another shard's and return zero."""
     t_loc, k = indices.shape
     n_local = weights[0].shape[0]
-    if experts is None and _buffer_rows(buffer, t_loc * k, 1) is None:
-        # no expert axis: every assignment is this device's, a whole permutation of the rows
-        # (no bounds selects in its gathers, none in the grouped matmul: RESULTS.md)
+    if experts is None:
+        # no expert axis: every assignment is this device's (a buffer of at least the balanced
+        # share holds them all), a whole permutation of the rows: no bounds selects in its
+        # gathers, none in the grouped matmul (benchmarks/RESULTS.md)
         out, keep = dropless_dispatch(x, indices, weights, grouped_matmul)
         return (out if hidden is None else jax.lax.psum(out, hidden)), keep
-    first, e = 0, 1
-    if experts is not None:
-        x = jax.lax.all_gather(x, experts, axis=0, tiled=True)                   # [E*T, d]
-        indices = jax.lax.all_gather(indices, experts, axis=0, tiled=True)
-        first = jax.lax.axis_index(experts) * n_local
-        e = jax.lax.axis_size(experts)
+    x = jax.lax.all_gather(x, experts, axis=0, tiled=True)                       # [E*T, d]
+    indices = jax.lax.all_gather(indices, experts, axis=0, tiled=True)
+    first = jax.lax.axis_index(experts) * n_local
+    e = jax.lax.axis_size(experts)
     t = x.shape[0]
     local_id = indices.reshape(-1) - first
     local = (local_id >= 0) & (local_id < n_local)
@@ -169,11 +168,10 @@ def _dropless_shard(x, indices, weights, *, experts: Optional[object], hidden: O
     out = take_rows(grouped_ffn(xs, weights, sizes, grouped_matmul, zero_tail=False), row_of,
                     held_by)                                                     # [E*T, K, d]
     keep = jnp.ones((t_loc, k), bool)
-    if cap is not None:       # (only with E > 1) kept on its expert's shard: one count of 1
+    if cap is not None:       # kept on its expert's shard: one count of 1
         keep = jax.lax.psum_scatter(local.reshape(t, k).astype(jnp.int32), experts,
                                     scatter_dimension=0, tiled=True) > 0
-    if experts is not None:
-        out = jax.lax.psum_scatter(out, experts, scatter_dimension=0, tiled=True)  # [T, K, d]
+    out = jax.lax.psum_scatter(out, experts, scatter_dimension=0, tiled=True)      # [T, K, d]
     if hidden is not None:
         out = jax.lax.psum(out, hidden)
     return out, keep
@@ -195,7 +193,7 @@ def _ragged_exchange_shard(x, indices, weights, *, experts, hidden, grouped_matm
     flat = indices.reshape(-1)
     order = jnp.argsort(flat, stable=True)                   # sorted row -> assignment
     rank = jnp.argsort(order)                                # assignment -> sorted row
-    tiled = TILED_ROWS.get(grouped_matmul, False)
+    tiled = grouped_matmul in TILED_ROWS
     xs = take_rows_of_tokens(x, order, rank, k, tiled)       # [M, d], by global expert
     counts = jnp.bincount(flat, length=e * n_local).astype(jnp.int32).reshape(e, n_local)
     send_sizes = jnp.sum(counts, axis=1)                     # rows for each expert shard

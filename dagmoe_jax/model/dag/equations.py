@@ -26,33 +26,30 @@ def dag_initial_nodes(x: jax.Array, gates: jax.Array, expert_out: jax.Array):
     return updates, (x / k).astype(expert_out.dtype)[:, None, :]
 
 
-def layer_norm_statistics(x32: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+def layer_norm_statistics(x32: jax.Array, eps: float,
+                          one_pass: bool = False) -> tuple[jax.Array, jax.Array]:
     """DAG-MoE eq. 7's statistics of float32 ``x32`` over its last axis: (mean, 1 / sqrt(var +
-    eps)), each keeping that axis as 1."""
+    eps)), each keeping that axis as 1. ``one_pass``: var = E[x^2] - E[x]^2 (clamped at 0), as
+    Flax's ``LayerNorm`` computes it by default (``use_fast_variance``): equal up to float32
+    rounding, which grows with the mean's size against the spread, and both reductions read
+    ``x32`` together, where the two-pass variance waits for the mean (a pass of its own on TPU,
+    forward and backward)."""
     mean = jnp.mean(x32, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    if one_pass:
+        var = jnp.maximum(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) - jnp.square(mean),
+                          0.0)
+    else:
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
     return mean, jax.lax.rsqrt(var + eps)
 
 
-def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
-    """DAG-MoE eq. 7: LayerNorm over the model dimension, statistics in float32."""
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float,
+               one_pass: bool = False) -> jax.Array:
+    """DAG-MoE eq. 7: LayerNorm over the model dimension, statistics in float32 (``one_pass``:
+    as :func:`layer_norm_statistics` has it)."""
     x32 = x.astype(jnp.float32)
-    mean, rstd = layer_norm_statistics(x32, eps)
+    mean, rstd = layer_norm_statistics(x32, eps, one_pass)
     y = (x32 - mean) * rstd * scale + bias
-    return y.astype(x.dtype)
-
-
-def layer_norm_one_pass(x: jax.Array, scale: jax.Array, bias: jax.Array,
-                        eps: float) -> jax.Array:
-    """DAG-MoE eq. 7 with both statistics from one pass over ``x``: var = E[x^2] - E[x]^2 in
-    float32 (clamped at 0), as Flax's ``LayerNorm`` computes it by default
-    (``use_fast_variance``). Equal to :func:`layer_norm` up to float32 rounding, which grows
-    with the mean's size against the spread; the two reductions read ``x`` once together, where
-    the two-pass variance waits for the mean (a pass of its own on TPU, forward and backward)."""
-    x32 = x.astype(jnp.float32)
-    mean = jnp.mean(x32, axis=-1, keepdims=True)
-    var = jnp.maximum(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) - jnp.square(mean), 0.0)
-    y = (x32 - mean) * jax.lax.rsqrt(var + eps) * scale + bias
     return y.astype(x.dtype)
 
 

@@ -46,8 +46,7 @@ import jax.numpy as jnp
 from dagmoe_jax.kernels.dag_module import fused_dag_messages, fused_layer_norm
 from dagmoe_jax.kernels.grouped_matmul import cpu_dense_matmul
 from dagmoe_jax.kernels.triton_dag_module import triton_dag_iteration
-from dagmoe_jax.model.dag.equations import (dag_pair_messages, dag_pair_weights, layer_norm,
-                                            layer_norm_one_pass)
+from dagmoe_jax.model.dag.equations import dag_pair_messages, dag_pair_weights, layer_norm
 from dagmoe_jax.model.dag.folded import folded_norm_projection
 
 
@@ -111,9 +110,10 @@ class XLARank3Execution(XLAExecution):
 
     def layer_norm(self, x, scale, bias, eps: float) -> jax.Array:
         """Eq. 7 with its statistics in one pass
-        (:func:`~dagmoe_jax.model.dag.equations.layer_norm_one_pass`): the compiled DAG-MoE-s
-        step on v5p 55.5 -> 54.9 ms, the module's own 7.94 -> 7.31 (benchmarks/RESULTS.md)."""
-        return layer_norm_one_pass(x, scale, bias, eps)
+        (:func:`~dagmoe_jax.model.dag.equations.layer_norm_statistics`): the compiled
+        DAG-MoE-s step on v5p 55.5 -> 54.9 ms, the module's own 7.94 -> 7.31
+        (benchmarks/RESULTS.md)."""
+        return layer_norm(x, scale, bias, eps, one_pass=True)
 
     def project(self, x: jax.Array, w: jax.Array) -> jax.Array:
         return jnp.einsum("...a,ab->...b", x, w.astype(x.dtype))

@@ -118,6 +118,7 @@ def main(argv=None) -> int:
     p.add_argument("--mesh", action="append", default=[],
                    help="mesh sizes for both, e.g. 'data=2,expert=2' (repeatable; default that)")
     p.add_argument("--json", default="")
+    p.add_argument("--hlo_dir", default="", help="keep each side's compiled HLO text here")
     args = p.parse_args(argv)
     if not Path(args.maxtext_python).exists():
         print(f"error: no MaxText side environment at {args.maxtext_python}: run "
@@ -143,9 +144,14 @@ def main(argv=None) -> int:
     rows = []
     for mesh_text in args.mesh or ["data=2,expert=2"]:
         mesh = parse_mesh(mesh_text)
-        ours = run_row("l", "moe", args.topology, args.batch, args.seq, mesh_text, [])
+        ours = run_row("l", "moe", args.topology, args.batch, args.seq, mesh_text, [],
+                       args.hlo_dir)
         flags = maxtext_flags(cfg, args.batch, args.seq, chips, mesh, args.topology)
         theirs = run_maxtext(args.maxtext_python, flags)
+        if args.hlo_dir and "hlo" in theirs:
+            kept = Path(args.hlo_dir, f"maxtext_{mesh_text}".replace(",", "_"))
+            kept.mkdir(parents=True, exist_ok=True)
+            (kept / "train.hlo.txt").write_text(theirs["hlo"])
         line = {}
         for who, r in (("dagmoe", ours), ("maxtext", theirs)):
             if "error" in r:

@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     rows = []
     print(f"{'model':<6}{'variant':<12}{'mesh':<26}{'GB/chip':>8}{'state':>7}{'TFLOP':>8}"
           f"{'comp.TF':>8}{'GB acc':>8}{'coll GB':>8}{'ms/step':>9}{'tok/s':>12}{'MFU':>7}"
-          f"{'ratio':>7}{'DAG ms':>8}{'launch':>7}{'wall s':>7}", flush=True)
+          f"{'ratio':>7}{'DAG ms':>8}{'launch':>7}{'disp ms':>8}{'wall s':>7}", flush=True)
     for model in args.models:
         baseline = {}
         for mesh in meshes:
@@ -122,13 +122,16 @@ def main(argv=None) -> int:
                 dag = t.get("dag_module") or {}
                 dag_ms = f"{dag['seconds'] * 1e3:.2f}" if dag else ""
                 launches = str(dag.get("launches", ""))
+                part = t.get("dispatch") or {}
+                disp_ms = (f"{(part['seconds'] + part['collective_seconds']) * 1e3:.1f}"
+                           if part else "")
                 print(f"{model:<6}{variant:<12}{mesh:<26}{m['total'] / 1e9:>8.1f}"
                       f"{m['state'] / 1e9:>7.1f}{f['roofline_matmul'] / 1e12:>8.2f}"
                       f"{f['compiler'] / 1e12:>8.2f}"
                       f"{t['bytes_accessed_per_chip']['roofline_hbm'] / 1e9:>8.1f}"
                       f"{coll / 1e9:>8.2f}{e['seconds'] * 1e3:>9.1f}"
                       f"{e['tokens_per_second']:>12,.0f}{e['mfu']:>7.1%}{ratio:>7}"
-                      f"{dag_ms:>8}{launches:>7}{r['wall']:>7.0f}", flush=True)
+                      f"{dag_ms:>8}{launches:>7}{disp_ms:>8}{r['wall']:>7.0f}", flush=True)
     compiler = next((r.get("compiler") for r in rows if "compiler" in r), "unknown")
     print(f"topology {args.topology}, batch {args.batch} x {args.seq}, bf16, {compiler}"
           f"{', XLA_FLAGS=' + env_note if env_note else ''}")

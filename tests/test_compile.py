@@ -136,6 +136,10 @@ def test_s_model_compiles_under_data_x_expert(v5p):
     assert train.state_bytes == pytest.approx(12 * per_chip, rel=1e-3)
     assert train.total_bytes < chip.hbm_bytes
     assert {"gmm", "tgmm", "splash_mha_fwd"} <= set(train.cost.kernels)
+    # the dispatch's share: its exchanges and data movement, none of the experts' products
+    part = train.dispatch
+    assert part.collective_seconds > 0 and part.seconds > 0 and part.matmul_flops == 0
+    assert part.seconds < train.cost.compute_seconds / 4
 
 
 @needs_tpu_compiler

@@ -125,6 +125,42 @@ ENTRY %main (x: f32[1024,256], w: f32[256,256]) -> f32[1024,256] {
 """
 
 
+DISPATCH_HLO = """HloModule dispatch, entry_computation_layout={()->f32[]}
+
+%fused_silu (p0: f32[1024,256]) -> f32[1024,256] {
+  %p0 = f32[1024,256]{1,0} parameter(0)
+  ROOT %neg = f32[1024,256]{1,0} negate(%p0), metadata={op_name="jit(step)/jvp()/moe_dispatch/expert_ffn/logistic"}
+}
+
+ENTRY %main (x: f32[1024,256], w: f32[256,256]) -> f32[1024,256] {
+  %x = f32[1024,256]{1,0} parameter(0)
+  %w = f32[256,256]{1,0} parameter(1)
+  %rows = f32[1024,256]{1,0} copy(%x), metadata={op_name="jit(step)/transpose(jvp(moe_dispatch))/gather"}
+  %sent = f32[1024,256]{1,0} all-to-all(%rows), replica_groups={{0,1}}, dimensions={0}, metadata={op_name="jit(step)/jvp()/moe_dispatch/all_to_all"}
+  %h = f32[1024,256]{1,0} dot(%sent, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/jvp()/moe_dispatch/pallas_call"}
+  %act = f32[1024,256]{1,0} fusion(%h), kind=kLoop, calls=%fused_silu, metadata={op_name="jit(step)/jvp()/moe_dispatch/expert_ffn/mul"}
+  ROOT %out = f32[1024,256]{1,0} copy(%act), metadata={op_name="jit(step)/jvp()/moe_dispatch_other/copy"}
+}
+"""
+
+
+def test_the_dispatch_is_its_scope_less_the_experts_products():
+    """The dispatch's cost counts the gather (its scope wrapped by a derivative's name) and
+    the collective, and leaves out the experts' SwiGLU (its own scope), the product (a kernel
+    whose custom VJP loses the scope's name is left out by its FLOPs) and a scope that merely
+    starts with the same letters."""
+    from dagmoe_jax.compile.roofline import program_cost
+    from dagmoe_jax.compile.scopes import dispatch_cost, has_scope
+    chip = CHIPS["h100"]
+    part, whole = dispatch_cost(DISPATCH_HLO, chip, 2), program_cost(DISPATCH_HLO, chip, 2)
+    rows = 1024 * 256 * 4
+    assert part.launches == 2 and part.matmul_flops == 0
+    assert part.hbm_bytes == 2 * rows                          # the copy's read and write
+    assert part.seconds == pytest.approx(2 * rows / chip.hbm_bandwidth)
+    assert part.collective_seconds == whole.collective_seconds > 0
+    assert has_scope(DISPATCH_HLO, "moe_dispatch") and not has_scope(DISPATCH_HLO, "dispatch")
+
+
 def test_scope_cost_counts_the_dag_modules_instructions():
     """The fusion whose fused instruction carries the scope and the scoped dot are the
     module's; the last dot is not."""

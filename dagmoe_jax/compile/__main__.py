@@ -121,6 +121,12 @@ def describe(name: str, report, chip, topology: str, mesh_label: str) -> str:
         lines.append(f"  DAG module: {dag['seconds'] * 1e3:.2f} ms of the estimate (its matmuls "
                      f"at peak: {dag['seconds_at_peak'] * 1e3:.2f} ms), {gb(dag['hbm_bytes'])} "
                      f"of HBM traffic, {dag['launches']} kernel launches")
+    if d["dispatch"]:
+        part = d["dispatch"]
+        lines.append(f"  MoE dispatch (sorts, gathers, exchanges; not the experts' products): "
+                     f"{part['seconds'] * 1e3:.2f} ms of compute + "
+                     f"{part['collective_seconds'] * 1e3:.2f} ms of collectives, "
+                     f"{gb(part['hbm_bytes'])} of HBM traffic, {part['launches']} launches")
     lines.append(f"  estimate: {e['seconds'] * 1e3:.2f} ms (compute {e['compute_seconds'] * 1e3:.2f}"
                  f" + collectives {e['collective_seconds'] * 1e3:.2f}; overlapped "
                  f"{e['overlapped_seconds'] * 1e3:.2f}): {e['tokens_per_second']:,.0f} tokens/s, "

@@ -36,7 +36,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from dagmoe_jax.compile.chips import Chip
 from dagmoe_jax.compile.roofline import Cost, program_cost
-from dagmoe_jax.compile.scopes import DAG_MODULE, ScopeCost, scope_cost
+from dagmoe_jax.compile.scopes import (DAG_MODULE, DISPATCH_SCOPE, ScopeCost, dispatch_cost,
+                                      has_scope, scope_cost)
 from dagmoe_jax.config import ExecutionConfig, ModelConfig, experts_of
 from dagmoe_jax.kernels.gpu_grouped_matmul import mosaic_gpu_target
 from dagmoe_jax.data import DataConfig
@@ -81,6 +82,7 @@ class ProgramReport:
     cost: Cost
     hlo: str = dataclasses.field(repr=False, default="")
     dag_module: Optional[ScopeCost] = None    # the DAG module's share (compile/scopes.py)
+    dispatch: Optional[ScopeCost] = None      # the routed experts' less their products
 
     @property
     def total_bytes(self) -> float:
@@ -117,6 +119,7 @@ class ProgramReport:
             "dag_module": (None if self.dag_module is None else
                            {**dataclasses.asdict(self.dag_module),
                             "seconds_at_peak": self.dag_module.at_peak(chip)}),
+            "dispatch": (None if self.dispatch is None else dataclasses.asdict(self.dispatch)),
         }
 
 
@@ -259,7 +262,9 @@ def _report(name: str, compiled, seconds: float, tokens: int, state: float, mode
         compiler_flops=float(analysis.get("flops", 0.0)),
         compiler_bytes=float(analysis.get("bytes accessed", 0.0)),
         model_flops=model_flops, cost=cost, hlo=text if keep_hlo else "",
-        dag_module=scope_cost(text, chip) if f"/{DAG_MODULE}/" in text else None)
+        dag_module=scope_cost(text, chip) if has_scope(text, DAG_MODULE) else None,
+        dispatch=(dispatch_cost(text, chip, len(devices))
+                  if has_scope(text, DISPATCH_SCOPE) else None))
 
 
 def cudnn_missing() -> bool:

@@ -27,6 +27,13 @@ from dagmoe_jax.parallel import constrain
 
 ExpertWeights = Tuple[jax.Array, jax.Array, jax.Array]  # w_gate, w_up [N,d,h]; w_down [N,h,d]
 
+DISPATCH_SCOPE = "moe_dispatch"
+"""The ``jax.named_scope`` of one device's dispatch (:func:`dispatch`, and the body of the
+expert-parallel ``shard_map``, not the resharding of its weights at the boundary), so a
+compiled program's cost can be read by part (compile/scopes.py)."""
+EXPERT_FFN_SCOPE = "expert_ffn"
+"""The scope of the experts' SwiGLU inside :data:`DISPATCH_SCOPE`: the dispatch is the rest."""
+
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
     """C = ceil(capacity_factor * T * K / N), at least 1 slot."""
@@ -36,7 +43,8 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
 def apply_experts(buffer: jax.Array, weights: ExpertWeights, fused: bool = True) -> jax.Array:
     """Every expert's SwiGLU on its own rows: buffer [N, C, d] -> [N, C, d], a vmap over N;
     ``fused``: gate and up projections as one matmul (:func:`~dagmoe_jax.model.layers.swiglu`)."""
-    return jax.vmap(lambda b, *w: swiglu(b, *w, fused=fused))(buffer, *weights)
+    with jax.named_scope(EXPERT_FFN_SCOPE):
+        return jax.vmap(lambda b, *w: swiglu(b, *w, fused=fused))(buffer, *weights)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -157,8 +165,9 @@ def grouped_ffn(xs: jax.Array, weights: ExpertWeights, sizes: jax.Array,
     if not zero_tail and grouped_matmul in ZEROING_PAST_GROUPS:
         mm = functools.partial(mm, zero_tail=False)
     w_gate, w_up, w_down = weights
-    h = jax.nn.silu(mm(xs, w_gate, sizes)) * mm(xs, w_up, sizes)
-    return mm(h, w_down, sizes)
+    with jax.named_scope(EXPERT_FFN_SCOPE):
+        h = jax.nn.silu(mm(xs, w_gate, sizes)) * mm(xs, w_up, sizes)
+        return mm(h, w_down, sizes)
 
 
 def dropless_dispatch(x: jax.Array, indices: jax.Array, weights: ExpertWeights,
@@ -223,7 +232,13 @@ def dispatch(mode: str, x, indices, weights: ExpertWeights, capacity_factor: flo
     """Outputs [T, K, d] and keep mask [T, K] of the experts ``indices`` on tokens ``x`` [T, d]
     with one device's dispatch ``mode`` ('capacity' or 'dropless'); ``fused`` as
     :func:`apply_experts`; ``grouped_matmul`` (dropless only): as :func:`grouped_ffn`, or
-    'einsum' (:func:`dense_dispatch`)."""
+    'einsum' (:func:`dense_dispatch`). Its instructions carry :data:`DISPATCH_SCOPE`."""
+    with jax.named_scope(DISPATCH_SCOPE):
+        return _dispatch(mode, x, indices, weights, capacity_factor, fused, grouped_matmul)
+
+
+def _dispatch(mode: str, x, indices, weights: ExpertWeights, capacity_factor: float,
+              fused: bool, grouped_matmul: str):
     if mode == "capacity":
         return capacity_dispatch(x, indices, weights, capacity_factor, fused)
     if mode != "dropless":

@@ -33,7 +33,8 @@ TPU).
     the rows for each expert shard are one contiguous slice, and sends each slice to its
     shard alone (``jax.lax.ragged_all_to_all``; slice sizes and offsets come from an
     ``all_to_all`` of the per-expert counts and an ``all_gather`` of the slice sizes). The
-    receiver sorts what arrived by local expert, runs the grouped matmul, unsorts, and a
+    receiver runs the grouped matmul on what arrived where it landed (by sending shard,
+    then local expert: E x N / E groups over the local weights repeated once per sender), and a
     second ragged all-to-all returns every row to the slot it left from. Its receive buffer
     holds E * T_loc * K rows (every assignment of the group could choose one shard's experts),
     but only the assignments themselves cross the network.
@@ -68,8 +69,9 @@ import jax.numpy as jnp
 from jax.lax import ragged_all_to_all
 from jax.sharding import PartitionSpec as P
 
-from dagmoe_jax.model.dispatch import (TILED_ROWS, ExpertWeights, apply_experts,
-                                       capacity_combine, capacity_gather, combine_assignments,
+from dagmoe_jax.model.dispatch import (DISPATCH_SCOPE, TILED_ROWS, ExpertWeights,
+                                       apply_experts, capacity_combine, capacity_gather,
+                                       combine_assignments,
                                        dispatch, dropless_dispatch, expert_capacity,
                                        grouped_ffn, take_rows, take_rows_of_tokens)
 from dagmoe_jax.parallel.axes import MeshLayout
@@ -212,18 +214,14 @@ def _ragged_exchange_shard(x, indices, weights, *, experts, hidden, grouped_matm
     buffer = jnp.zeros((rows, x.shape[1]), x.dtype)
     got = ragged_all_to_all(xs, buffer, input_offsets, send_sizes, output_offsets, recv_sizes,
                             axis_name=experts)               # by source shard, then expert
-    # local expert of each received row (sources in order, each sorted by expert); the unused
-    # tail of the buffer sorts last
-    expert_of = jnp.repeat(jnp.tile(jnp.arange(n_local, dtype=jnp.int32), e), recv.reshape(-1),
-                           total_repeat_length=rows)
-    key = jnp.where(jnp.arange(rows) < jnp.sum(recv), expert_of, n_local)
-    by_expert = jnp.argsort(key, stable=True)
-    back = jnp.argsort(by_expert)
-    # the buffer's unused tail (zeros in, sorted last) is never sent back, nor its gradient
-    # read: the grouped matmul need not zero it (a pass over the worst-case buffer each way)
-    ys = grouped_ffn(take_rows(got, by_expert, back, True), weights, jnp.sum(recv, axis=0),
+    # the rows arrived by source shard, each source's sorted by local expert: E x n_local
+    # groups in that order, over the local weights repeated once per source, so the buffer
+    # is used where it landed (no sort of it by expert and back: two gathers of the
+    # worst-case buffer each way); the weights' gradient sums over the repeats
+    ys = grouped_ffn(got, tuple(jnp.tile(w, (e, 1, 1)) for w in weights), recv.reshape(-1),
                      grouped_matmul, zero_tail=False)
-    ys = take_rows(ys, back, by_expert, True)                # received order again
+    # the buffer's unused tail (zeros in, past every group) is never sent back, nor its
+    # gradient read: the grouped matmul need not zero it (a pass over it each way)
     recv_offsets = jnp.cumsum(recv_sizes) - recv_sizes
     home = jax.lax.all_to_all(input_offsets, experts, 0, 0, tiled=True)  # where rows came from
     returned = ragged_all_to_all(ys, jnp.zeros_like(xs), recv_offsets, recv_sizes, home,
@@ -236,6 +234,14 @@ def _ragged_exchange_shard(x, indices, weights, *, experts, hidden, grouped_matm
     shard = flat[order] // n_local                           # each sorted row's receiver
     sent_here = jnp.arange(m) - input_offsets[shard] < send_sizes[shard]
     return out, sent_here[rank].reshape(t, k)
+
+
+def _scoped(body, *args):
+    """``body(*args)`` with its instructions under :data:`~dagmoe_jax.model.dispatch.
+    DISPATCH_SCOPE` (inside the ``shard_map``: its boundary's resharding of the weights and
+    their gradients is the parameters' sharding, not the dispatch)."""
+    with jax.named_scope(DISPATCH_SCOPE):
+        return body(*args)
 
 
 def sharded_dispatch(mode: str, x: jax.Array, indices: jax.Array, weights: ExpertWeights,
@@ -284,7 +290,7 @@ def sharded_dispatch(mode: str, x: jax.Array, indices: jax.Array, weights: Exper
     # the Pallas kernels (megablox gmm, the GPU kernels) declare outputs without
     # varying-across-mesh types, which shard_map's type check refuses: they run unchecked
     # (the collectives are the same)
-    fn = jax.shard_map(body, mesh=layout.mesh,
+    fn = jax.shard_map(partial(_scoped, body), mesh=layout.mesh,
                        in_specs=(P(tok, None), P(tok, None), (w_in, w_in, w_out)),
                        out_specs=(P(tok, None, None), P(tok, None)),
                        check_vma=not (mode == "dropless"

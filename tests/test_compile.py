@@ -282,6 +282,36 @@ def test_roofline_reads_a_known_module():
         reduced / chip.dcn_bandwidth)
 
 
+SCATTER_HLO = """HloModule scatter, entry_computation_layout={()->bf16[256,512]}
+
+%all-reduce-scatter.3.clone (input: bf16[1024,512]) -> bf16[256,512] {
+  %input = bf16[1024,512]{1,0} parameter(0)
+  %all-reduce.7 = bf16[1024,512]{1,0} all-reduce(%input), channel_id=3, replica_groups={{0,1,2,3}}, use_global_device_ids=true, to_apply=%add
+  %pid = u32[] partition-id()
+  %four = u32[] constant(256)
+  %offset = u32[] multiply(%pid, %four)
+  %zero = u32[] constant(0)
+  ROOT %slice = bf16[256,512]{1,0} dynamic-slice(%all-reduce.7, %offset, %zero), dynamic_slice_sizes={256,512}
+}
+
+ENTRY %main (g: bf16[1024,512]) -> bf16[256,512] {
+  %g = bf16[1024,512]{1,0} parameter(0)
+  ROOT %rs = bf16[256,512]{1,0} fusion(%g), kind=kCustom, calls=%all-reduce-scatter.3.clone
+}
+"""
+
+
+def test_a_fused_all_reduce_scatter_is_a_reduce_scatter():
+    """XLA:TPU's reduce-scatter, a kCustom fusion of an all-reduce and the chip's slice,
+    moves (n - 1) / n of its operand over the ring, and costs no compute of its own."""
+    chip = CHIPS["v5p"]
+    cost = roofline.program_cost(SCATTER_HLO, chip, devices=4)
+    moved = 2 * 1024 * 512 * 3 / 4
+    assert cost.collectives == {"reduce-scatter": {"count": 1, "bytes": moved,
+                                                   "seconds": moved / chip.ring_bandwidth}}
+    assert cost.compute_seconds == 0 and cost.hbm_bytes == 0
+
+
 GMM_HLO = """HloModule gmm, entry_computation_layout={()->bf16[512,128]}
 
 ENTRY %main (a: bf16[512,128], w: bf16[2,128,128], g: s32[2]) -> bf16[512,128] {
@@ -387,6 +417,7 @@ ENTRY %main (w: f32[8,256,256], x: f32[64,256], i: s32[], y: f32[8,64,256], u: f
   %cs = ((bf16[1000,64]{1,0}, s32[32]{0}), bf16[32,64]{1,0}, u32[]) call-start(%t, %ids), async_execution_thread="sparsecore", to_apply=%read_layer
   %cu = ((bf16[1000,64]{1,0}, s32[32]{0}), bf16[32,64]{1,0}, u32[]) call-update(%cs)
   %cd = bf16[32,64]{1,0} call-done(%cu)
+  %empty = bf16[4096,1024]{1,0} custom-call(), custom_call_target="AllocateBuffer"
   ROOT %c = f32[] constant(0)
 }
 """
@@ -397,7 +428,8 @@ def test_sliced_buffers_count_their_slices():
     writing a layer's slice in place writes the slice, not the stack, and so does the same
     fusion run asynchronously (jax 0.11's XLA:GPU: fusion-start / -done, whose shape lists
     the operands, the result and a context); a gather offloaded to the SparseCore
-    (call-start / -update / -done) reads and writes its 32 rows, not the table."""
+    (call-start / -update / -done) reads and writes its 32 rows, not the table; ``lax.empty``'s
+    buffer (an ``AllocateBuffer`` custom call) moves nothing."""
     cost = roofline.program_cost(SLICED_HLO, CHIPS["v5p"], devices=1)
     read = 4 * (256 * 256 + 1 + 64 * 256) + 4 * 64 * 256
     write = 4 * (64 * 256 + 1) + 4 * 64 * 256

@@ -9,7 +9,8 @@ The input is the text of the optimised HLO module the TPU compiler produced
   condition ``i < N``: the scanned layers, the micro-batches), a ``call`` once
   and a ``conditional`` as its most expensive branch. Bookkeeping instructions move no data:
   parameter, constant, tuple, get-tuple-element, bitcast, the ``-done`` halves of asynchronous
-  operations, partition / replica ids.
+  operations, partition / replica ids, and the ``AllocateBuffer`` custom call
+  (``lax.empty``: a buffer claimed, nothing written).
 * **Compute.** Each other instruction (a fusion, a copy, a Mosaic kernel, a lone dot) is a
   roofline of its own: ``max(flops / peak, bytes / HBM bandwidth)``, where ``bytes`` is its
   operands' and results' sizes (a fusion reads its inputs and writes its outputs to HBM once;
@@ -42,7 +43,9 @@ The input is the text of the optimised HLO module the TPU compiler produced
   ragged all-to-all: the operand, all-reduce: twice the operand, as a reduce-scatter then an
   all-gather); a collective-permute moves its operand. It runs as a bidirectional ring along
   one torus dimension (:attr:`~dagmoe_jax.compile.chips.Chip.ring_bandwidth`), or at the DCN
-  bandwidth when its group spans slices.
+  bandwidth when its group spans slices. XLA:TPU writes a reduce-scatter as a fusion of an
+  all-reduce and a slice (``calls=%all-reduce-scatter...``): it is costed as the
+  reduce-scatter it is.
 * **The estimate** is the sum of the instructions' times plus the collectives' (no overlap:
   an upper bound on a program whose collectives XLA overlaps with compute); the overlapped
   bound ``max(compute, collectives)`` is reported beside it.
@@ -75,6 +78,8 @@ COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "coll
 _FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "partition-id",
          "replica-id", "after-all", "add-dependency", "opt-barrier", "iota", "call-update",
          "async-update"}
+_FREE_CALLS = {"AllocateBuffer"}
+"""Custom-call targets that move no data (``lax.empty``'s uninitialised buffer)."""
 
 
 def _window_taps(size: int, window: int, out: int, pad_lo: int, stride: int) -> int:
@@ -230,7 +235,8 @@ class _Walker:
         shapes = self.shapes.get(computation, {})
         for ins in self.computations.get(computation, []):
             op = ins.op
-            if op in _FREE or op.endswith("-done"):
+            if op in _FREE or op.endswith("-done") or (op == "custom-call" and (
+                    attr(ins.attrs, "custom_call_target") or "").strip('"') in _FREE_CALLS):
                 continue
             if op == "while":
                 trips = self.trip_count(ins, computation)
@@ -248,9 +254,26 @@ class _Walker:
                     cost.add(max(costs, key=lambda c: c.seconds))
             elif op.removesuffix("-start") in COLLECTIVES:
                 self._collective(op.removesuffix("-start"), ins, shapes, times, cost)
+            elif (scatter := self._fused_reduce_scatter(ins)) is not None:
+                self._collective("reduce-scatter", scatter, shapes, times, cost)
             else:
                 self._compute(ins, shapes, times, cost)
         return cost
+
+    def _fused_reduce_scatter(self, ins: Instruction) -> Optional[Instruction]:
+        """XLA:TPU writes a reduce-scatter as a fusion of an all-reduce and the slice of this
+        chip's share (``kind=kCustom, calls=%all-reduce-scatter...``): that fusion, with the
+        all-reduce's replica groups, to be costed as the reduce-scatter of its operands;
+        None for any other instruction."""
+        if ins.op not in FUSIONS:
+            return None
+        called = self.called(ins, "calls")
+        if not called.startswith("all-reduce-scatter"):
+            return None
+        inner = next((i for i in self.computations.get(called, [])
+                      if i.op.removesuffix("-start") == "all-reduce"), None)
+        return None if inner is None else dataclasses.replace(
+            ins, attrs=f"{inner.attrs}, {ins.attrs}")
 
     def moved_bytes(self, ins: Instruction, shapes) -> float:
         """HBM bytes an instruction reads and writes: its operands and results, except that a

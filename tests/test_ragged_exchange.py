@@ -51,8 +51,12 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
                                       MeshConfig(data=2, expert=2, tensor=2),
                                       MeshConfig(data=2, fsdp=2, tensor=2)],
                          ids=["dp2_ep4", "dp2_ep2_tp2", "no_expert_axis"])
-def test_ragged_exchange_equals_single_device_dispatch(monkeypatch, mesh_cfg):
+@pytest.mark.parametrize("block", [1, 4], ids=["rows", "blocks"])
+def test_ragged_exchange_equals_single_device_dispatch(monkeypatch, mesh_cfg, block):
+    """Outputs and gradients equal the single-device dispatch's, rows moved one by one (GPU)
+    or in blocks (TPU: each slice padded to whole blocks, the padding its own group)."""
     monkeypatch.setattr(expert_parallel, "ragged_all_to_all", emulated_ragged_all_to_all)
+    monkeypatch.setattr(expert_parallel, "exchange_block", lambda *_: block)
     mesh = make_mesh(mesh_cfg)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(32, 32)), jnp.float32)
@@ -174,14 +178,19 @@ def np_buffer_keep(idx: np.ndarray, groups: int, shards: int, n_local: int, cap:
     return keep
 
 
-@pytest.mark.parametrize("exchange", ["ragged_all_to_all", "all_gather"])
-def test_a_bounded_buffer_drops_by_its_rule_and_a_wide_one_is_dropless(monkeypatch, exchange):
+@pytest.mark.parametrize("exchange,block", [("ragged_all_to_all", 1), ("ragged_all_to_all", 4),
+                                            ("all_gather", 1)],
+                         ids=["ragged_rows", "ragged_blocks", "all_gather"])
+def test_a_bounded_buffer_drops_by_its_rule_and_a_wide_one_is_dropless(monkeypatch, exchange,
+                                                                       block):
     """ExpertConfig.exchange_buffer on a skewed routing (data 2 x expert 4, T_loc 4, K 2):
     factor 1 keeps 8 rows a shard, so the shards of the popular experts drop what the NumPy
     transcription of the rule drops, the kept outputs are the single-device dispatch's and the
-    dropped ones zero, and the gradients flow; factor 4 (= E, the worst case) is the dropless
-    dispatch exactly. Both exchanges apply the same rule."""
+    dropped ones zero, and the gradients are those of the kept outputs; factor 4 (= E, the
+    worst case) is the dropless dispatch exactly. Both exchanges apply the same rule, the
+    ragged one moving rows one by one or in blocks (whose padding takes no room)."""
     monkeypatch.setattr(expert_parallel, "ragged_all_to_all", emulated_ragged_all_to_all)
+    monkeypatch.setattr(expert_parallel, "exchange_block", lambda *_: block)
     mesh = make_mesh(MeshConfig(data=2, expert=4))
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.normal(size=(32, 32)), jnp.float32)
@@ -210,7 +219,12 @@ def test_a_bounded_buffer_drops_by_its_rule_and_a_wide_one_is_dropless(monkeypat
             assert 0 < (~rule).sum() < rule.size // 2        # the skew really overflows
         np.testing.assert_allclose(np.asarray(out), np.where(rule[..., None], want, 0.0),
                                    rtol=1e-5, atol=1e-5)
-        assert np.isfinite(np.asarray(grads.w_down[...])).all()
+        kept = lambda e, x: jnp.sum(jnp.where(rule[..., None], e(x, idx)[0], 0.0) ** 2)  # noqa
+        want_grads = nnx.grad(kept)(reference, x)
+        for name in ("w_gate", "w_up", "w_down"):
+            np.testing.assert_allclose(np.asarray(getattr(grads, name)[...]),
+                                       np.asarray(getattr(want_grads, name)[...]), rtol=1e-4,
+                                       atol=1e-5, err_msg=name)
         assert np.abs(np.asarray(grads.w_down[...])).sum() > 0
 
 
@@ -249,15 +263,19 @@ def test_a_bounded_buffer_run_logs_its_drops(tmp_path):
 def test_the_exchange_s_grouped_matmul_leaves_the_buffer_tail_unzeroed_and_nothing_reads_it(
         monkeypatch):
     """The ragged exchange runs megablox ``gmm`` with ``zero_tail=False``: the receive buffer's
-    unused tail (the worst case's room) is left as ``gmm`` leaves it. Interpreted as a TPU
-    runs it, with uninitialised memory NaN, the outputs and every gradient still equal the
-    single-device dispatch's and are finite: nothing reads that tail, forward or backward."""
+    unused tail (the worst case's room) is left as ``gmm`` leaves it, and the buffers the two
+    exchanges write into are uninitialised (``lax.empty``). Interpreted as a TPU runs it, with
+    uninitialised memory NaN (``lax.empty`` too), the outputs and every gradient still equal
+    the single-device dispatch's and are finite: nothing reads that tail, forward or
+    backward."""
     import functools
     from jax.experimental.pallas import tpu as pltpu
     from dagmoe_jax.kernels import pallas
     from dagmoe_jax.model import dispatch as dispatch_lib
 
     monkeypatch.setattr(expert_parallel, "ragged_all_to_all", emulated_ragged_all_to_all)
+    monkeypatch.setattr(expert_parallel.jax.lax, "empty",
+                        lambda shape, dtype: jnp.full(shape, jnp.nan, dtype))
     monkeypatch.setitem(dispatch_lib.GROUPED_MATMUL, "gmm", functools.partial(
         pallas.gmm_grouped_matmul, interpret=pltpu.InterpretParams(uninitialized_memory="nan")))
     mesh = make_mesh(MeshConfig(data=2, expert=4))

@@ -74,6 +74,7 @@ from dagmoe_jax.model.dispatch import (DISPATCH_SCOPE, TILED_ROWS, ExpertWeights
                                        combine_assignments,
                                        dispatch, dropless_dispatch, expert_capacity,
                                        grouped_ffn, take_rows, take_rows_of_tokens)
+from dagmoe_jax.kernels.pallas import GMM_TILE
 from dagmoe_jax.parallel.axes import MeshLayout
 
 AxisNames = Tuple[str, ...]
@@ -179,24 +180,90 @@ def _dropless_shard(x, indices, weights, *, experts: Optional[object], hidden: O
     return out, keep
 
 
+def exchange_block(grouped_matmul: str, dtype) -> int:
+    """The rows the ragged exchange moves as one unit: those of one (8, 128) tile (16 in
+    bfloat16) where arrays are laid out in tiles of rows (:data:`~dagmoe_jax.model.dispatch.
+    TILED_ROWS`, TPU), else 1. XLA:TPU's ragged all-to-all moves rows one by one only in a
+    layout where each row is contiguous, into which it relayouts its operand and out of which
+    its result, a copy of each buffer each way (benchmarks/RESULTS.md); [rows / 16, 16, d]
+    blocks are contiguous in the tiled layout itself and need neither."""
+    return 32 // jnp.dtype(dtype).itemsize if grouped_matmul in TILED_ROWS else 1
+
+
+def _ceil_to(n, block: int):
+    return -(-n // block) * block
+
+
+def _new_buffer(like, rows: int, zeros: bool, row_shape=None):
+    """A buffer of ``rows`` rows shaped (unless ``row_shape``) and typed as ``like``'s,
+    varying over the same manual mesh axes (as ``jnp.zeros_like`` would be)."""
+    shape = (rows,) + tuple(like.shape[1:] if row_shape is None else row_shape)
+    buffer = jnp.zeros(shape, like.dtype) if zeros else jax.lax.empty(shape, like.dtype)
+    varying = lambda a: jax.typeof(a).mat.varying           # noqa: E731 (jax 0.11's name)
+    axes = tuple(sorted(varying(like) - varying(buffer)))
+    return jax.lax.pcast(buffer, axes, to="varying") if axes else buffer
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def exchange_rows(operand, input_offsets, send_sizes, output_offsets, recv_sizes,
+                  rows: int, zeros: bool, zero_grads: bool, axis_name):
+    """``ragged_all_to_all`` of ``operand``'s slices into a new buffer of ``rows`` rows, zeros
+    where nothing lands when ``zeros``, else uninitialised (``lax.empty``: no pass writing
+    zeros over it), for a caller that never reads those rows. Its VJP is the exchange back,
+    the cotangents of the rows that never left ``operand`` zeros when ``zero_grads``, else
+    uninitialised too. JAX's own transpose always fills them from a zero buffer of
+    ``operand``'s size and masks the output buffer's cotangent by a select: two passes over
+    the rows the exchange's callers need not pay for (its output buffer is made here, with no
+    gradient)."""
+    return ragged_all_to_all(operand, _new_buffer(operand, rows, zeros), input_offsets,
+                             send_sizes, output_offsets, recv_sizes, axis_name=axis_name)
+
+
+def _exchange_rows_fwd(operand, input_offsets, send_sizes, output_offsets, recv_sizes,
+                       rows, zeros, zero_grads, axis_name):
+    out = exchange_rows(operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows,
+                        zeros, zero_grads, axis_name)
+    back = jax.lax.all_to_all(jnp.stack([output_offsets, input_offsets]), axis_name, 1, 1,
+                              tiled=True)   # where each slice landed and where it came from
+    # operand's rows and manual axes, in no memory: what the gradient's buffer is made like
+    return out, (back, send_sizes, recv_sizes, operand[:, :0])
+
+
+def _exchange_rows_bwd(rows, zeros, zero_grads, axis_name, residuals, cotangent):
+    del rows, zeros
+    (landed, came_from), send_sizes, recv_sizes, like = residuals
+    buffer = _new_buffer(like, like.shape[0], zero_grads, cotangent.shape[1:])
+    grad = ragged_all_to_all(cotangent, buffer, landed,
+                             recv_sizes, came_from, send_sizes, axis_name=axis_name)
+    return grad, None, None, None, None
+
+
+exchange_rows.defvjp(_exchange_rows_fwd, _exchange_rows_bwd)
+
+
 def _ragged_exchange_shard(x, indices, weights, *, experts, hidden, grouped_matmul: str,
                            buffer: Optional[float] = None):
     """One device's dropless dispatch with ``ragged_all_to_all`` over the expert axes (module
     docstring): each assignment goes to its expert's shard and back, nothing else moves. With
     a bounded buffer (``ExpertConfig.exchange_buffer``) each shard receives at most B rows:
     every sender sends the head of its slice that fits behind the earlier senders', the tail
-    stays home and returns zero (``keep`` False)."""
+    stays home and returns zero (``keep`` False).
+
+    Slices move in blocks of :func:`exchange_block` rows: each sender pads its slice for each
+    shard to whole blocks, and the receiver runs the padding rows (tokens of no consequence)
+    as a group of their own over zero weights, so they neither reach an expert's weights nor
+    come back as anything but zeros; their cotangents are zero, so their gathers' gradients
+    leave them out."""
     t, k = indices.shape
-    n_local = weights[0].shape[0]
+    d, n_local = x.shape[1], weights[0].shape[0]
     e = jax.lax.axis_size(experts)
     m = t * k
+    block = exchange_block(grouped_matmul, x.dtype)
     cap = _buffer_rows(buffer, m, e)
-    rows = e * m if cap is None else cap                     # the receive buffer
+    rows = e * m if cap is None else cap                     # the receive buffer's real rows
     flat = indices.reshape(-1)
     order = jnp.argsort(flat, stable=True)                   # sorted row -> assignment
     rank = jnp.argsort(order)                                # assignment -> sorted row
-    tiled = grouped_matmul in TILED_ROWS
-    xs = take_rows_of_tokens(x, order, rank, k, tiled)       # [M, d], by global expert
     counts = jnp.bincount(flat, length=e * n_local).astype(jnp.int32).reshape(e, n_local)
     send_sizes = jnp.sum(counts, axis=1)                     # rows for each expert shard
     input_offsets = jnp.cumsum(send_sizes) - send_sizes
@@ -204,35 +271,58 @@ def _ragged_exchange_shard(x, indices, weights, *, experts, hidden, grouped_matm
     recv = jax.lax.all_to_all(counts, experts, 0, 0, tiled=True)
     sent = jax.lax.all_gather(send_sizes, experts, axis=0, tiled=False)      # [E, E]
     me = jax.lax.axis_index(experts)
-    start = jnp.cumsum(sent, axis=0) - sent                  # each slice's place on its shard
-    output_offsets = start[me]
+    fits = sent
     if cap is not None:     # the head of each slice that fits on its shard, the rest stays
-        fits = jnp.clip(cap - start, 0, sent)                # [sender, receiver]
-        send_sizes = fits[me]
+        fits = jnp.clip(cap - (jnp.cumsum(sent, axis=0) - sent), 0, sent)  # [sender, receiver]
         recv = jnp.clip(fits[:, me][:, None] - (jnp.cumsum(recv, axis=1) - recv), 0, recv)
-    recv_sizes = jnp.sum(recv, axis=1)
-    buffer = jnp.zeros((rows, x.shape[1]), x.dtype)
-    got = ragged_all_to_all(xs, buffer, input_offsets, send_sizes, output_offsets, recv_sizes,
-                            axis_name=experts)               # by source shard, then expert
+    moved = _ceil_to(fits, block)                            # whole blocks of each slice
+    place = jnp.cumsum(moved, axis=0) - moved                # its place on its shard
+    # each sorted row's receiver, for the padding and the buffer's drops
+    shard = None if block == 1 and cap is None else flat[order] // n_local
+    if block == 1:
+        holder, row_of, m_pad, rows_pad, starts = order, rank, m, rows, input_offsets
+    else:                    # the sender's slices, each padded to whole blocks
+        padded = _ceil_to(send_sizes, block)
+        starts = jnp.cumsum(padded) - padded
+        row = starts[shard] + jnp.arange(m) - input_offsets[shard]  # sorted row -> its row
+        # the receive buffer is whole row tiles of ``gmm`` (else it pads the buffer to them
+        # and slices its output back, a copy of each each way)
+        tile = math.lcm(block, GMM_TILE[0]) if grouped_matmul in TILED_ROWS else block
+        m_pad, rows_pad = _ceil_to(m, block) + e * block, _ceil_to(rows + e * block, tile)
+        holder = jnp.zeros(m_pad, jnp.int32).at[row].set(order)    # padding: assignment 0
+        row_of = row[rank]
+    tiled = grouped_matmul in TILED_ROWS
+    xs = take_rows_of_tokens(x, holder, row_of, k, tiled)   # [M_pad, d], by global expert
+    blocks = lambda a: a.reshape(-1, block, d)               # noqa: E731
+    # the receive buffer's rows past what arrives are never read (below), so it is left
+    # uninitialised; the rows that stay home (a bounded buffer) get zero gradients
+    got = exchange_rows(blocks(xs), starts // block, moved[me] // block, place[me] // block,
+                        moved[:, me] // block, rows_pad // block, False, cap is not None,
+                        experts).reshape(rows_pad, d)
     # the rows arrived by source shard, each source's sorted by local expert: E x n_local
-    # groups in that order, over the local weights repeated once per source, so the buffer
-    # is used where it landed (no sort of it by expert and back: two gathers of the
-    # worst-case buffer each way); the weights' gradient sums over the repeats
-    ys = grouped_ffn(got, tuple(jnp.tile(w, (e, 1, 1)) for w in weights), recv.reshape(-1),
+    # groups in that order (each source's padding a group of its own over zero weights), over
+    # the local weights repeated once per source, so the buffer is used where it landed (no
+    # sort of it by expert and back: two gathers of the worst-case buffer each way); the
+    # weights' gradient sums over the repeats
+    sizes, local = recv, weights
+    if block > 1:
+        sizes = jnp.concatenate([recv, (moved[:, me] - jnp.sum(recv, axis=1))[:, None]], 1)
+        local = tuple(jnp.concatenate([w, jnp.zeros_like(w[:1])]) for w in weights)
+    ys = grouped_ffn(got, tuple(jnp.tile(w, (e, 1, 1)) for w in local), sizes.reshape(-1),
                      grouped_matmul, zero_tail=False)
-    # the buffer's unused tail (zeros in, past every group) is never sent back, nor its
-    # gradient read: the grouped matmul need not zero it (a pass over it each way)
-    recv_offsets = jnp.cumsum(recv_sizes) - recv_sizes
-    home = jax.lax.all_to_all(input_offsets, experts, 0, 0, tiled=True)  # where rows came from
-    returned = ragged_all_to_all(ys, jnp.zeros_like(xs), recv_offsets, recv_sizes, home,
-                                 send_sizes, axis_name=experts)          # [M, d], sorted
-    out = combine_assignments(returned, rank, order, k, tiled)          # [T, K, d]
+    # the buffer's unused tail (past every group) is never sent back, nor its gradient read:
+    # the grouped matmul need not zero it (a pass over it each way)
+    home = jax.lax.all_to_all(starts, experts, 0, 0, tiled=True)         # where rows came from
+    # every row comes back unless the buffer is bounded (a row that stayed home reads zero)
+    returned = exchange_rows(blocks(ys), place[:, me] // block, moved[:, me] // block,
+                             home // block, moved[me] // block, m_pad // block, cap is not None,
+                             False, experts).reshape(m_pad, d)          # sorted
+    out = combine_assignments(returned, row_of, holder, k, tiled)       # [T, K, d]
     if hidden is not None:
         out = jax.lax.psum(out, hidden)
     if cap is None:
         return out, jnp.ones((t, k), bool)
-    shard = flat[order] // n_local                           # each sorted row's receiver
-    sent_here = jnp.arange(m) - input_offsets[shard] < send_sizes[shard]
+    sent_here = jnp.arange(m) - input_offsets[shard] < fits[me][shard]
     return out, sent_here[rank].reshape(t, k)
 
 

@@ -160,8 +160,9 @@ def _head_collectives_in_loops(fn, *args):
 def test_on_a_mesh_the_loss_and_gradients_equal_one_device_and_dw_is_summed_once(rng, mesh_cfg):
     """Under a mesh whose batch axes shard the rows, each device scans its own rows and the
     chunks' dW is summed across devices once, after the scan (not once per chunk, as the
-    partitioner did with the sharded dW carry): loss and gradients equal the single-device
-    ones; a vocabulary sharded over ``tensor`` keeps the global view, equal too."""
+    partitioner did with the sharded dW carry), reduce-scattered over ``fsdp``, which shards
+    the head, and all-reduced over ``data``: loss and gradients equal the single-device ones;
+    a vocabulary sharded over ``tensor`` keeps the global view, equal too."""
     from dagmoe_jax.parallel import MeshConfig, activate, make_mesh
     b, s, d, v = 8, 12, 16, 40
     h = jnp.asarray(rng.normal(size=(b, s, d)), jnp.float32)
@@ -177,8 +178,12 @@ def test_on_a_mesh_the_loss_and_gradients_equal_one_device_and_dw_is_summed_once
     with activate(make_mesh(MeshConfig(**mesh_cfg))):
         out, (gh, gw) = jax.jit(grad)(h, w)
         in_loops = _head_collectives_in_loops(grad, h, w)
+        lowered = jax.jit(grad).lower(h, w).as_text()
     np.testing.assert_allclose(out, ref, rtol=1e-5)
     np.testing.assert_allclose(gh, rh, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(gw, rw, rtol=1e-5, atol=1e-7)
     if "tensor" not in mesh_cfg:
         assert in_loops == 0
+    # dW [16, 40] leaves the loss's shard_map as the fsdp shard of the head, [4, 40]
+    scattered = "reduce_scatter" in lowered and "(tensor<16x40xf32>) -> tensor<4x40xf32>" in lowered
+    assert scattered == ("fsdp" in mesh_cfg)

@@ -33,14 +33,17 @@ carry held 1 / fsdp of it (7.6 against 6.8 GB a chip there).
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from flax.core import spmd
+
 from dagmoe_jax.parallel import constrain
-from dagmoe_jax.parallel.state import active_batch_shards, active_row_axes
+from dagmoe_jax.parallel.state import active_batch_shards, active_row_axes, mesh_axes
 
 DEFAULT_CHUNK_TOKENS = 512
 """Tokens (batch rows x positions) per chunk: 512 x 128,256 float32 logits are 263 MB, and a
@@ -97,23 +100,45 @@ def _scan(h, w, targets, weights, c: int, with_grads: bool, manual: tuple = ()):
     return jnp.sum(losses), dh, dw
 
 
+def _head_shards(axes: tuple, d: int) -> tuple:
+    """The row axes ``axes`` that shard the LM head's ``embed`` dimension (of size ``d``),
+    when all of them do: over those dW is reduce-scattered straight to the head's own
+    sharding, over the rest all-reduced. () where no row axis shards it, or another does."""
+    mesh = jax.sharding.get_abstract_mesh()
+    split = tuple(a for a in mesh_axes("embed", spmd.get_logical_axis_rules())
+                  if mesh.shape[a] > 1)
+    if not split or not set(split) <= set(axes) or d % math.prod(mesh.shape[a] for a in split):
+        return ()
+    return split
+
+
 def _per_device(h, w, targets, weights, c: int, with_grads: bool):
     """:func:`_scan` with each device scanning its own rows (this module's docstring): the
-    head taken whole once, the loss and dW summed across the batch axes after the scan (dW in
-    float32, one all-reduce). The global view where the batch axes do not split the rows, or
+    head taken whole once, the loss and dW summed across the batch axes after the scan, dW
+    in the head's dtype (as the partitioner sums every other weight's gradient) and
+    reduce-scattered to the head's sharding over the axes that shard it (:func:`_head_shards`:
+    half an all-reduce's traffic), all-reduced over the others. The global view where the
+    batch axes do not split the rows, or
     where the rules split the vocabulary (over ``tensor``: the global view splits the head's
     matmuls; :func:`~dagmoe_jax.parallel.state.active_row_axes`)."""
     axes = active_row_axes(h.shape[0], whole=("vocab",))
     if axes is None:
         return _scan(h, w, targets, weights, c, with_grads)
     rows = P(axes)
+    scatter = _head_shards(axes, w.shape[0])
+    rest = tuple(a for a in axes if a not in scatter)
 
     def local(h, w, targets, weights):
         loss, dh, dw = _scan(h, w, targets, weights, c, with_grads, manual=axes)
         loss = jax.lax.psum(loss, axes)
-        return (loss,) if not with_grads else (loss, dh, jax.lax.psum(dw, axes))
+        if not with_grads:
+            return (loss,)
+        dw = dw.astype(w.dtype)
+        if scatter:
+            dw = jax.lax.psum_scatter(dw, scatter, scatter_dimension=0, tiled=True)
+        return loss, dh, jax.lax.psum(dw, rest) if rest else dw
 
-    out_specs = (P(),) if not with_grads else (P(), rows, P())
+    out_specs = (P(),) if not with_grads else (P(), rows, P(scatter or None, None))
     out = jax.shard_map(local, in_specs=(rows, P(), rows, rows), out_specs=out_specs)(
         h, w, targets, weights)
     return out if with_grads else (out[0], None, None)

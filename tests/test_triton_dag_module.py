@@ -98,13 +98,10 @@ def test_bfloat16_rounds_where_xla_rounds():
         assert rel_err(a, c) < 3e-2 and rel_err(a, b) < 3e-2
 
 
-@pytest.mark.parametrize("iters,edges,reading", [(1, "all", "once"), (2, "ranked", "literal"),
-                                                 (3, "all", "once")])
-def test_the_module_run_by_the_kernels_matches_the_papers_transcription(iters, edges, reading):
-    """DAGAggregator with the 'triton' strategy (interpreted): eq. 6-12 against the NumPy
-    transcription of the paper at L = 1 (one kernel both first and last), 2 and 3 (the middle
-    iteration scanned); its gradients equal the 'xla' strategy's; at W_up = 0 it is the
-    weighted sum (eq. 1)."""
+def module_matches_transcription(kernels, iters: int, edges: str, reading: str) -> None:
+    """DAGAggregator run by the whole-module strategy ``kernels`` (interpreted): eq. 6-12
+    against the NumPy transcription of the paper, its gradients against the 'xla' strategy's,
+    and at W_up = 0 the weighted sum (eq. 1)."""
     rng = np.random.default_rng(3 + iters)
     x, gates, expert_out = (jnp.asarray(a) for a in random_inputs(rng, k=4))
     params = random_lib_params(rng, iters)
@@ -113,10 +110,10 @@ def test_the_module_run_by_the_kernels_matches_the_papers_transcription(iters, e
 
     def build(params, mode):
         module = make_dag(iters, "silu", params, edges=edges, reading=reading, mode="xla")
-        module.ex = InterpretedTriton() if mode == "triton" else module.ex
+        module.ex = kernels if mode == "kernels" else module.ex
         return module
 
-    module = build(params, "triton")
+    module = build(params, "kernels")
     assert rel_err(module(x, gates, expert_out)[0], expected) < 1e-5
 
     def loss(module, x, gates, expert_out):
@@ -124,14 +121,22 @@ def test_the_module_run_by_the_kernels_matches_the_papers_transcription(iters, e
 
     grads = {mode: nnx.grad(loss, argnums=(0, 1, 2, 3))(build(params, mode), x, gates,
                                                         expert_out)
-             for mode in ("xla", "triton")}
-    for a, b in zip(jax.tree.leaves(grads["triton"]), jax.tree.leaves(grads["xla"])):
+             for mode in ("xla", "kernels")}
+    for a, b in zip(jax.tree.leaves(grads["kernels"]), jax.tree.leaves(grads["xla"])):
         assert a.shape == b.shape and rel_err(a, b) < 1e-5
 
     zero = dict(params, w_up=np.zeros_like(params["w_up"]))
-    got = build(zero, "triton")(x, gates, expert_out)[0]
+    got = build(zero, "kernels")(x, gates, expert_out)[0]
     want = weighted_sum(gates, expert_out) + (x if reading == "literal" else 0)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("iters,edges,reading", [(1, "all", "once"), (2, "ranked", "literal"),
+                                                 (3, "all", "once")])
+def test_the_module_run_by_the_kernels_matches_the_papers_transcription(iters, edges, reading):
+    """The 'triton' strategy (:func:`module_matches_transcription`) at L = 1 (one kernel both
+    first and last), 2 and 3 (the middle iteration scanned)."""
+    module_matches_transcription(InterpretedTriton(), iters, edges, reading)
 
 
 def dag_config(**aggregation):

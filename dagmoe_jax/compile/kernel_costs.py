@@ -101,7 +101,11 @@ def mosaic_flops(kernel: str, instruction: Instruction, shapes: Dict[str, str],
 
 def kernel_family(name: str) -> str:
     """A Mosaic kernel's name without the wrappers' prefixes and numbering: 'gmm', 'tgmm',
-    'splash_mha_fwd', 'splash_mha_dq', 'splash_mha_dkv', else the name as compiled."""
+    'splash_mha_fwd', 'splash_mha_dq', 'splash_mha_dkv', 'pallas dag forward' / 'backward'
+    (kernels/pallas_dag_module.py), else the name as compiled."""
+    dag = re.search(r"dagmoe_pallas_dag_(forward|backward)", name)
+    if dag:
+        return f"pallas dag {dag.group(1)}"
     if "tgmm" in name:
         return "tgmm"
     if "gmm" in name:

@@ -15,7 +15,7 @@ REMAT_POLICIES = ("auto", "none", "full", "dots")
 ATTENTION_IMPLS = ("auto", "xla", "blockwise", "fused", "cudnn", "triton", "splash")
 GROUPED_MATMULS = ("auto", "ragged_dot", "gmm", "cpu_gmm", "mgpu", "triton", "einsum")
 EXPERT_EXCHANGES = ("auto", "all_gather", "ragged_all_to_all")
-DAG_MODULES = ("auto", "xla", "xla_rank3", "fused", "triton")
+DAG_MODULES = ("auto", "xla", "xla_rank3", "fused", "triton", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +61,8 @@ class ExecutionConfig:
     dag_module: how the DAG module (DAG-MoE eq. 7's LayerNorm, eq. 9-10's pairwise messages
       summed over the senders, the projections of eq. 8, 9 and 11) runs: 'auto' (default:
       'fused' on CPU for float32 on one device when a C++ compiler is available and d_model
-      and d_g are multiples of 16, 'xla_rank3' on TPU, else 'xla', on a GPU too: there
+      and d_g are multiples of 16; on TPU 'pallas' where d_model and d_g are multiples of
+      128, else 'xla_rank3'; else 'xla', on a GPU too: there
       XLA's iteration ran 3.3x faster than 'triton' on an H200), 'xla' (the K x K pair
       tensor built by XLA, the projections on [T*K, .] rows: free reshapes on CPU and GPU),
       'xla_rank3' (the same with the projections on the [T, K, .] node arrays as they are:
@@ -70,7 +71,9 @@ class ExecutionConfig:
       projections' weight gradients; CPU, float32, single device) or 'triton'
       (dagmoe_jax.kernels.triton_dag_module: each iteration one Pallas Triton kernel forward
       and one backward; NVIDIA sm80+, single device, d_g and top_k powers of two, d_model a
-      multiple of 16).
+      multiple of 16) or 'pallas' (dagmoe_jax.kernels.pallas_dag_module: the same as Pallas
+      Mosaic kernels on the [K, T, d] nodes; TPU, any mesh, d_model and d_g multiples of
+      128).
     attention_block: query/key block size of the blockwise causal attention (64 measured
       fastest for the s model on the 2-core CPU: 32 and 128 were 5-10% slower).
     loss_chunk: tokens per device in a chunk of the vocabulary-tiled loss; 0 (default) means

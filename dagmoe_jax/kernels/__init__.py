@@ -13,8 +13,10 @@
   for float32 off-mesh ('fused').
 * TPU, :mod:`.pallas`: JAX's Pallas TPU kernels wrapped for this model's layouts, the splash
   attention (``attention='splash'``) and megablox's grouped matmul for dropless dispatch
-  (``grouped_matmul='gmm'``); they run anywhere in the Pallas interpreter, which is how the CPU
-  tests check them.
+  (``grouped_matmul='gmm'``); :mod:`.pallas_dag_module`, a whole DAG iteration (eq. 7-11) as
+  one Pallas Mosaic kernel forward and one backward on node-major [K, T, d] nodes
+  (``dag_module='pallas'``, TPU's 'auto' where d and d_g are multiples of 128). They run
+  anywhere in the Pallas interpreter, which is how the CPU tests check them.
 
 * GPU, :mod:`.gpu_grouped_matmul`: dropless dispatch's grouped matmul without XLA:GPU's dense
   rewrite of ``ragged_dot``: JAX's Mosaic GPU kernels on Hopper (:mod:`.mgpu_grouped_matmul`,

@@ -146,15 +146,22 @@ def _backward(spec: DagSpec, saved, d_out):
                     if spec.last else msg, d_out, w_up))
 
 
-@functools.lru_cache(maxsize=None)
-def _iteration(spec: DagSpec):
+def kernel_vjp(spec, forward, backward):
+    """``forward(spec, *args)`` as one ``jax.custom_vjp`` whose backward is
+    ``backward(spec, args, cotangent)``: the iteration's arguments are its residuals, the
+    backward kernel recomputes the rest."""
     @jax.custom_vjp
     def iteration(*args):
-        return _forward(spec, *args)
+        return forward(spec, *args)
 
-    iteration.defvjp(lambda *args: (_forward(spec, *args), args),
-                     functools.partial(_backward, spec))
+    iteration.defvjp(lambda *args: (forward(spec, *args), args),
+                     functools.partial(backward, spec))
     return iteration
+
+
+@functools.lru_cache(maxsize=None)
+def _iteration(spec: DagSpec):
+    return kernel_vjp(spec, _forward, _backward)
 
 
 def triton_dag_iteration(carry, x: jax.Array, ln_scale, ln_bias, w_down, w_pair, w_up, *,

@@ -32,7 +32,8 @@ a concrete ``ExecutionConfig`` that the run prints and saves, and builds the mod
                    weights)
 ``dag_module``     the DAG module's LayerNorm, pairwise messages and projections: the C++
                    kernels on CPU for float32 on one device with d and d_g multiples of 16
-                   and a working compiler (compiled here the first time); on TPU XLA's with
+                   and a working compiler (compiled here the first time); on TPU the
+                   Mosaic kernels ('pallas', d and d_g multiples of 128), else XLA's with
                    the projections on the [T, K, .] node arrays ('xla_rank3': there the
                    reshape to [T*K, .] rows is a relayout copy); else XLA's ('xla'), on a
                    GPU too: on an H200 XLA's iteration ran 3.3x faster than the Triton
@@ -61,6 +62,7 @@ from dagmoe_jax.kernels.gpu_grouped_matmul import mgpu_unsupported, triton_unsup
 from dagmoe_jax.kernels.grouped_matmul import (grouped_matmul_needs_build,
                                                grouped_matmul_unavailable)
 from dagmoe_jax.kernels.pallas import gmm_supported
+from dagmoe_jax.kernels.pallas_dag_module import pallas_dag_unsupported
 from dagmoe_jax.kernels.triton_dag_module import triton_dag_unsupported
 from dagmoe_jax.parallel.axes import MeshLayout
 
@@ -181,13 +183,15 @@ def settle_expert_exchange(name: str, backend: str) -> str:
 def settle_dag_module(name: str, cfg: ModelConfig, backend: str, dtype,
                       layout: Optional[MeshLayout]) -> str:
     """'auto': 'fused' (the C++ kernels, built here on first use) on CPU for float32 on one
-    device when the model has a DAG module of d and d_g multiples of 16, 'xla_rank3' on TPU
-    (18% less HBM traffic in the compiled DAG-MoE-l step, benchmarks/RESULTS.md), else
-    'xla'. On a GPU too: the Triton kernels' compiled estimate was 3.4x below XLA's, but on
-    an H200 their forward + backward took 3.3x XLA's iteration and DAG-MoE-l L 2's step 1.8x
-    (benchmarks/RESULTS.md, "On an accelerator"), so 'triton' is only run when asked for. An
-    explicit 'fused' or 'triton' under a multi-device mesh, or a 'triton' the kernels cannot
-    take, is a one-line ``ValueError``."""
+    device when the model has a DAG module of d and d_g multiples of 16; on TPU 'pallas' (the
+    Mosaic kernels: the compiled DAG-MoE-l step's module 22.8 -> 7.9 ms by the roofline,
+    benchmarks/RESULTS.md; no TPU has run them yet) where d and d_g are multiples of 128,
+    else 'xla_rank3' (18% less HBM traffic than 'xla'); else 'xla'. On a GPU too: the Triton
+    kernels' compiled estimate was 3.4x below XLA's, but on an H200 their forward + backward
+    took 3.3x XLA's iteration and DAG-MoE-l L 2's step 1.8x (benchmarks/RESULTS.md, "On an
+    accelerator"), so 'triton' is only run when asked for. An explicit 'fused' or 'triton'
+    under a multi-device mesh, a 'triton' the kernels cannot take, or a 'pallas' off TPU or
+    of other widths, is a one-line ``ValueError``."""
     if name in ("fused", "triton") and layout is not None:
         raise ValueError(f"ExecutionConfig.dag_module={name!r} runs on a single device only; "
                          "use 'auto' or 'xla' under a device mesh")
@@ -196,10 +200,17 @@ def settle_dag_module(name: str, cfg: ModelConfig, backend: str, dtype,
                                      dtype) if name == "triton" and dag is not None else None)
     if reason is not None:
         raise ValueError(f"ExecutionConfig.dag_module='triton': {reason}; use 'auto' or 'xla'")
+    if name == "pallas" and dag is not None:
+        reason = ("it runs on TPU only" if backend != "tpu" else
+                  pallas_dag_unsupported(cfg.d_model, dag.dag_dim, dtype))
+        if reason is not None:
+            raise ValueError(f"ExecutionConfig.dag_module='pallas': {reason}; use 'auto' or "
+                             "'xla_rank3'")
     if name != "auto":
         return name
     if backend == "tpu" and dag is not None:
-        return "xla_rank3"
+        return ("pallas" if pallas_dag_unsupported(cfg.d_model, dag.dag_dim, dtype) is None
+                else "xla_rank3")
     if backend != "cpu" or layout is not None or dag is None:
         return "xla"
     reason = dag_module_unavailable(cfg.d_model, dag.dag_dim, dtype, backend)

@@ -33,17 +33,15 @@ carry held 1 / fsdp of it (7.6 against 6.8 GB a chip there).
 from __future__ import annotations
 
 import functools
-import math
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from flax.core import spmd
-
 from dagmoe_jax.parallel import constrain
-from dagmoe_jax.parallel.state import active_batch_shards, active_row_axes, mesh_axes
+from dagmoe_jax.parallel.state import (active_axes_size, active_batch_shards, active_mesh_axes,
+                                       active_row_axes)
 
 DEFAULT_CHUNK_TOKENS = 512
 """Tokens (batch rows x positions) per chunk: 512 x 128,256 float32 logits are 263 MB, and a
@@ -104,10 +102,8 @@ def _head_shards(axes: tuple, d: int) -> tuple:
     """The row axes ``axes`` that shard the LM head's ``embed`` dimension (of size ``d``),
     when all of them do: over those dW is reduce-scattered straight to the head's own
     sharding, over the rest all-reduced. () where no row axis shards it, or another does."""
-    mesh = jax.sharding.get_abstract_mesh()
-    split = tuple(a for a in mesh_axes("embed", spmd.get_logical_axis_rules())
-                  if mesh.shape[a] > 1)
-    if not split or not set(split) <= set(axes) or d % math.prod(mesh.shape[a] for a in split):
+    split = active_mesh_axes("embed")
+    if not split or not set(split) <= set(axes) or d % active_axes_size(split):
         return ()
     return split
 

@@ -131,6 +131,24 @@ def active_row_axes(rows: int, whole: Sequence[str] = ()) -> Optional[Tuple[str,
     return axes
 
 
+def active_mesh_axes(name: str) -> Tuple[str, ...]:
+    """The mesh axes (of size > 1) the active rules map the logical axis ``name`` to on the
+    active mesh; () outside :func:`activate`."""
+    rules = spmd.get_logical_axis_rules()
+    mesh = jax.sharding.get_abstract_mesh()
+    if not rules or mesh is None or mesh.empty:
+        return ()
+    return tuple(a for a in mesh_axes(name, rules) if mesh.shape[a] > 1)
+
+
+def active_axes_size(axes: Sequence[str]) -> int:
+    """How many shards the active mesh's ``axes`` make together (1 outside :func:`activate`)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return 1
+    return int(np.prod([mesh.shape[a] for a in axes]))
+
+
 def shard_batch(batch: Dict[str, np.ndarray], mesh: Mesh, rules=DEFAULT_RULES,
                 global_rows: Optional[int] = None) -> Dict[str, jax.Array]:
     """Global ``jax.Array`` s from this process's rows of every entry of ``batch``.

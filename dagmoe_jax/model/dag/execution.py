@@ -33,21 +33,29 @@ tests/test_triton_dag_module.py the Triton kernels, interpreted):
                GPUs sm80+, one device), the first building eq. 6's nodes, the last reading
                eq. 12's sum out: the nodes read once and written once an iteration, where
                XLA:GPU runs some forty kernels, most of them passes over [T*K, d]
+``pallas``     the same on TPU: each iteration one Pallas Mosaic kernel forward and one
+               backward (:mod:`dagmoe_jax.kernels.pallas_dag_module`) on the nodes laid out
+               node-major, [K, T, d], each device's tokens inside a ``shard_map`` over the
+               mesh axes that split them (XLA cannot partition a Mosaic kernel)
 =============  ===========================================================================
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from dagmoe_jax.kernels.dag_module import fused_dag_messages, fused_layer_norm
 from dagmoe_jax.kernels.grouped_matmul import cpu_dense_matmul
+from dagmoe_jax.kernels.pallas_dag_module import pallas_dag_iteration
 from dagmoe_jax.kernels.triton_dag_module import triton_dag_iteration
 from dagmoe_jax.model.dag.equations import dag_pair_messages, dag_pair_weights, layer_norm
 from dagmoe_jax.model.dag.folded import folded_norm_projection
+from dagmoe_jax.parallel.state import active_row_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +154,11 @@ class TritonExecution(XLAExecution):
     name = "triton"
     whole_module = True
     interpret = False              # the tests' subclass runs the kernels interpreted
+    kernel = staticmethod(triton_dag_iteration)     # one iteration, its carry [T, K, d]
+
+    def first_carry(self, gates: jax.Array, expert_out: jax.Array):
+        """What the first iteration's kernels build eq. 6's nodes from."""
+        return gates, expert_out
 
     def aggregate(self, x: jax.Array, gates: jax.Array, expert_out: jax.Array, weights: dict,
                   num_iters: int, shared: bool, edges: str, edge_act: str,
@@ -157,7 +170,7 @@ class TritonExecution(XLAExecution):
         x = x.astype(expert_out.dtype)
 
         def iteration(carry, w, last: bool):
-            return triton_dag_iteration(
+            return self.kernel(
                 carry, x, w["ln_scale"], w["ln_bias"], w["w_down"],
                 dag_pair_weights(w["w_edge"], w["w_node"]), w["w_up"], eps=eps, edges=edges,
                 edge_act=edge_act, last=last, interpret=self.interpret)
@@ -165,9 +178,10 @@ class TritonExecution(XLAExecution):
         def at(l):
             return weights if shared else {n: w[l] for n, w in weights.items()}
 
+        first = self.first_carry(gates, expert_out)
         if num_iters == 1:
-            return iteration((gates, expert_out), at(0), True)
-        carry = iteration((gates, expert_out), at(0), False)                    # eq. 6-11
+            return iteration(first, at(0), True)
+        carry = iteration(first, at(0), False)                                  # eq. 6-11
         if num_iters > 2:
             middle = None if shared else {n: w[1:-1] for n, w in weights.items()}
             carry, _ = jax.lax.scan(
@@ -176,14 +190,47 @@ class TritonExecution(XLAExecution):
         return iteration(carry, at(num_iters - 1), True)                         # eq. 7-12
 
 
+@dataclasses.dataclass(frozen=True)
+class PallasExecution(TritonExecution):
+    """``dag_module='pallas'``: each iteration one Pallas Mosaic kernel forward and one
+    backward (:func:`~dagmoe_jax.kernels.pallas_dag_module.pallas_dag_iteration`) on the nodes
+    node-major, [K, T, d]: the first building eq. 6's nodes, the last reading eq. 12's sum out;
+    under a mesh each device runs its own tokens (a ``shard_map`` over the row axes, the
+    weights' gradients summed across them by its transpose)."""
+
+    name = "pallas"
+    kernel = staticmethod(pallas_dag_iteration)     # one iteration, its carry [K, T, d]
+
+    def first_carry(self, gates: jax.Array, expert_out: jax.Array):
+        """Eq. 6's sources node-major: gates [K, T, 1], expert outputs [K, T, d]."""
+        return (jnp.transpose(gates.astype(expert_out.dtype))[..., None],
+                jnp.transpose(expert_out, (1, 0, 2)))
+
+    def aggregate(self, x, gates, expert_out, weights: dict, num_iters: int, shared: bool,
+                  edges: str, edge_act: str, eps: float) -> jax.Array:
+        axes = active_row_axes(x.shape[0])
+        run = functools.partial(super().aggregate, num_iters=num_iters, shared=shared,
+                                edges=edges, edge_act=edge_act, eps=eps)
+        if axes is None:
+            return run(x, gates, expert_out, weights)
+        rows = P(axes)
+
+        def local(x, gates, expert_out, weights):     # the weights vary with their gradients
+            weights = jax.tree.map(lambda w: jax.lax.pcast(w, axes, to="varying"), weights)
+            return run(x, gates, expert_out, weights)
+
+        return jax.shard_map(local, in_specs=(rows, rows, rows, P()), out_specs=rows)(
+            x, gates, expert_out, weights)
+
+
 XLA = XLAExecution()
 DAG_EXECUTIONS = {ex.name: ex for ex in (XLA, XLARank3Execution(), CPUKernelExecution(),
-                                         TritonExecution())}
+                                         TritonExecution(), PallasExecution())}
 
 
 def dag_execution(name: str) -> XLAExecution:
     """The strategy of a settled ``ExecutionConfig.dag_module`` (``'xla'``, ``'xla_rank3'``,
-    ``'fused'`` or ``'triton'``)."""
+    ``'fused'``, ``'triton'`` or ``'pallas'``)."""
     if name not in DAG_EXECUTIONS:
         raise ValueError(f"ExecutionConfig.dag_module={name!r} is not settled to one of "
                          f"{sorted(DAG_EXECUTIONS)}: build the model with "

@@ -288,9 +288,9 @@ def _weight_specs(spec: Spec):
 def _flops(spec: Spec, tokens: int, backward: bool) -> float:
     """Eq. 8, 9 and 11's products, 2 R (2 d d_g + 4 d_g^2) for R = K T node rows; the
     backward recomputes eq. 8-9 and runs the input gradients of eq. 11, 9 and 8:
-    2 R (4 d d_g + 8 d_g^2)."""
+    2 R (3 d d_g + 8 d_g^2)."""
     rows, d, g = spec.k * tokens, spec.d, spec.g
-    return 2.0 * rows * ((4 * d * g + 8 * g * g) if backward else (2 * d * g + 4 * g * g))
+    return 2.0 * rows * ((3 * d * g + 8 * g * g) if backward else (2 * d * g + 4 * g * g))
 
 
 def _forward(spec: Spec, *args):

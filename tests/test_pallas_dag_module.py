@@ -25,7 +25,8 @@ from dagmoe_jax.model.dag.execution import PallasExecution
 from dagmoe_jax.model.settle import settle, settle_dag_module
 from dagmoe_jax.parallel import MeshConfig, activate, make_mesh
 from test_dag import make_dag, random_inputs, random_lib_params, rel_err
-from test_triton_dag_module import iteration_args, module_matches_transcription, values_and_grads
+from test_triton_dag_module import (iteration_args, module_matches_transcription,
+                                    rounds_where_xla_rounds, values_and_grads)
 
 EPS = 1e-5
 
@@ -82,20 +83,9 @@ def test_the_kernels_equal_xla_values_and_every_gradient(edges, act, first, last
 
 
 def test_bfloat16_rounds_where_xla_rounds():
-    """In bfloat16 the kernels round at XLA's points: both sit within bfloat16 rounding of the
-    float32 iteration, and of each other; five programs of 8 tokens."""
-    rng = np.random.default_rng(5)
-    args32 = iteration_args(rng, 40, 4, 64, 32)
-    args = tuple(a.astype(jnp.bfloat16) if a.ndim != 1 else a for a in args32)
-    ct = jnp.asarray(rng.normal(size=args[0].shape), jnp.bfloat16)
-    exact, exact_grads = values_and_grads(xla_dag_iteration, args32, ct.astype(jnp.float32))
-    want, want_grads = values_and_grads(xla_dag_iteration, args, ct)
-    got, got_grads = values_and_grads(kernel_iteration, args, ct)
-    assert got.dtype == jnp.bfloat16
-    assert rel_err(got, exact) < 1e-2 and rel_err(want, exact) < 1e-2
-    assert rel_err(got, want) < 1e-2
-    for a, b, c in zip(got_grads, want_grads, exact_grads):
-        assert rel_err(a, c) < 3e-2 and rel_err(a, b) < 3e-2
+    """:func:`~test_triton_dag_module.rounds_where_xla_rounds` for the Mosaic kernels: five
+    programs of 8 tokens."""
+    rounds_where_xla_rounds(kernel_iteration)
 
 
 def build(params, mode, iters, edges="all", reading="once", shared=False):

@@ -79,23 +79,29 @@ def test_the_kernels_equal_xla_values_and_every_gradient(edges, act, k, first, l
         assert rel_err(a, b) < 1e-5, i
 
 
-def test_bfloat16_rounds_where_xla_rounds():
-    """In bfloat16 the kernels round at XLA's points (the LayerNorm's output, each projection,
-    the messages, the update): both sit within bfloat16 rounding of the float32 iteration,
-    and of each other; several tiles of 16 rows, a 32-wide column chunk."""
+def rounds_where_xla_rounds(kernel) -> None:
+    """In bfloat16 the iteration ``kernel`` (:func:`xla_dag_iteration`'s arguments) rounds at
+    XLA's points (the LayerNorm's output, each projection, the messages, the update): both
+    sit within bfloat16 rounding of the float32 iteration, and of each other; 40 tokens."""
     rng = np.random.default_rng(5)
     args32 = iteration_args(rng, 40, 4, 64, 32)
     args = tuple(a.astype(jnp.bfloat16) if a.ndim != 1 else a for a in args32)
     ct = jnp.asarray(rng.normal(size=args[0].shape), jnp.bfloat16)
     exact, exact_grads = values_and_grads(xla_dag_iteration, args32, ct.astype(jnp.float32))
     want, want_grads = values_and_grads(xla_dag_iteration, args, ct)
-    got, got_grads = values_and_grads(functools.partial(
-        kernel_dag_iteration, tiles=DagTiles(rows=16, chunk=32), interpret=True), args, ct)
+    got, got_grads = values_and_grads(kernel, args, ct)
     assert got.dtype == jnp.bfloat16
     assert rel_err(got, exact) < 1e-2 and rel_err(want, exact) < 1e-2
     assert rel_err(got, want) < 1e-2
     for a, b, c in zip(got_grads, want_grads, exact_grads):
         assert rel_err(a, c) < 3e-2 and rel_err(a, b) < 3e-2
+
+
+def test_bfloat16_rounds_where_xla_rounds():
+    """:func:`rounds_where_xla_rounds` for the Triton kernels: several tiles of 16 rows, a
+    32-wide column chunk."""
+    rounds_where_xla_rounds(functools.partial(
+        kernel_dag_iteration, tiles=DagTiles(rows=16, chunk=32), interpret=True))
 
 
 def module_matches_transcription(kernels, iters: int, edges: str, reading: str) -> None:

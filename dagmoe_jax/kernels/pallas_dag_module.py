@@ -27,7 +27,6 @@ kernels. The CPU suite runs both kernels in Pallas's interpreter against XLA's i
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Optional
 
@@ -35,9 +34,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+# the arithmetic, the static description and the argument order are the Triton kernels':
+# both compute the same iteration, rounding for rounding
+from dagmoe_jax.kernels.triton_dag_kernels import (BACKWARD_OUTPUTS, F32, WEIGHTS, DagSpec,
+                                                   DagTiles, _act, _dot, _round)
 from dagmoe_jax.kernels.triton_dag_module import kernel_vjp
-
-F32 = jnp.float32
 
 TOKENS_PER_PROGRAM = 128
 """Tokens a program takes (with their K nodes): [K, 128, d] blocks, a few MB of VMEM each in
@@ -60,47 +61,9 @@ def pallas_dag_unsupported(d_model: int, dag_dim: int, dtype) -> Optional[str]:
     return None
 
 
-@dataclasses.dataclass(frozen=True)
-class Spec:
-    """What a kernel computes (static): shapes, dtype, eq. 7-10's options, and whether the
-    iteration is the first (eq. 6's carry built in the kernel) and the last (eq. 12's sum)."""
-
-    d: int
-    g: int
-    k: int
-    bt: int
-    dtype: object
-    eps: float
-    edges: str
-    edge_act: str
-    first: bool
-    last: bool
-    interpret: bool = False
-
-    @property
-    def sources(self) -> tuple:
-        return ("gates", "expert_out") if self.first else ("updates",)
-
-
-# ----------------------------------------------------------------------------- the arithmetic
-
-def _round(x, dtype):
-    """``x`` rounded to ``dtype`` and held in float32 (XLA's rounding at an op's output)."""
-    return x.astype(dtype).astype(F32)
-
-
-def _act(x, edge_act: str):
-    """Eq. 10's edge activation (SiLU or sigmoid) and its derivative."""
-    s = jax.nn.sigmoid(x)
-    if edge_act == "silu":
-        return x * s, s * (1.0 + x * (1.0 - s))
-    return s, s * (1.0 - s)
-
-
-def _dot(a, b, dtype, trans_b: bool = False):
-    """``a @ b`` (``b^T``), operands in ``dtype``, float32 out."""
-    dims = (((1,), (1 if trans_b else 0,)), ((), ()))
-    return lax.dot_general(a.astype(dtype), b.astype(dtype), dims, preferred_element_type=F32)
+def _tokens(spec: DagSpec) -> int:
+    """The tokens a program takes (its ``tiles.rows`` node rows, K per token)."""
+    return spec.tiles.rows // spec.k
 
 
 def _pairs(k: int, edges: str):
@@ -113,7 +76,7 @@ def _pairs(k: int, edges: str):
 class _Block:
     """A program's view: its refs by name, the K nodes' rows as lists of [bt, .] matrices."""
 
-    def __init__(self, spec: Spec, refs: dict):
+    def __init__(self, spec: DagSpec, refs: dict):
         self.spec, self.refs = spec, refs
 
     def carry(self, j):
@@ -146,7 +109,7 @@ class _Block:
             if ln_ref is not None:
                 ln_ref[j] = ln.astype(ln_ref.dtype)
                 u_ref[j] = u.astype(u_ref.dtype)
-        msgs = [jnp.zeros((spec.bt, spec.g), F32) for _ in range(spec.k)]
+        msgs = [jnp.zeros((_tokens(spec), spec.g), F32) for _ in range(spec.k)]
         for i, j in _pairs(spec.k, spec.edges):                                     # eq. 10
             e_i, n_i, _, _ = parts[i]
             _, _, e_j, n_j = parts[j]
@@ -158,7 +121,7 @@ class _Block:
         return carries, xhats, rstds, us, parts, msgs
 
 
-def forward_kernel(*refs, spec: Spec):
+def forward_kernel(*refs, spec: DagSpec):
     """r^l = r^{l-1} + W_up sum_j m_(i,j) (eq. 7-11) for the block's nodes; in the last
     iteration sum_i r_i^l per token (eq. 12)."""
     names = spec.sources + WEIGHTS
@@ -177,14 +140,8 @@ def forward_kernel(*refs, spec: Spec):
         out_ref[...] = total.astype(out_ref.dtype)
 
 
-WEIGHTS = ("x", "ln_scale", "ln_bias", "w_down", "w_pair", "w_up")
-"""The kernels' inputs after the carry's sources, in order."""
 
-BACKWARD_OUTPUTS = ("x", "ln", "u", "msg", "d_proj", "d_u", "d_scale", "d_bias")
-"""The backward kernel's outputs after the carry's sources' gradients (``x``: its gradient)."""
-
-
-def backward_kernel(*refs, spec: Spec):
+def backward_kernel(*refs, spec: DagSpec):
     """The block's gradients (the module docstring): eq. 7-10 recomputed, then back through
     eq. 11, 10, 9, 8, 7 and 6."""
     names = spec.sources + WEIGHTS + ("d_out",)
@@ -197,7 +154,7 @@ def backward_kernel(*refs, spec: Spec):
     d_new = [d_last if spec.last else block.refs["d_out"][j].astype(F32)
              for j in range(spec.k)]
     d_msg = [_round(_dot(dn, block.refs["w_up"][...], dtype, True), dtype) for dn in d_new]
-    d_parts = [[jnp.zeros((spec.bt, g), F32) for _ in range(4)] for _ in range(spec.k)]
+    d_parts = [[jnp.zeros((_tokens(spec), g), F32) for _ in range(4)] for _ in range(spec.k)]
     for i, j in _pairs(spec.k, spec.edges):                          # eq. 10's gradients
         e_i, n_i, _, _ = parts[i]
         _, _, e_j, n_j = parts[j]
@@ -240,14 +197,14 @@ def backward_kernel(*refs, spec: Spec):
 
 # ---------------------------------------------------------------------- the calls and the VJP
 
-def _node_spec(spec: Spec, width: int):
+def _node_spec(spec: DagSpec, width: int):
     from jax.experimental import pallas as pl
-    return pl.BlockSpec((spec.k, spec.bt, width), lambda t: (0, t, 0))
+    return pl.BlockSpec((spec.k, _tokens(spec), width), lambda t: (0, t, 0))
 
 
-def _token_spec(spec: Spec, width: int):
+def _token_spec(spec: DagSpec, width: int):
     from jax.experimental import pallas as pl
-    return pl.BlockSpec((spec.bt, width), lambda t: (t, 0))
+    return pl.BlockSpec((_tokens(spec), width), lambda t: (t, 0))
 
 
 def _whole(shape):
@@ -255,8 +212,8 @@ def _whole(shape):
     return pl.BlockSpec(shape, lambda t: (0,) * len(shape))
 
 
-def _call(kernel, args, in_specs, out_shape, out_specs, programs: int, spec: Spec, name: str,
-          flops: float):
+def _call(kernel, args, in_specs, out_shape, out_specs, programs: int, spec: DagSpec,
+          name: str, flops: float):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
     nbytes = sum(a.size * a.dtype.itemsize for a in args) + sum(
@@ -274,18 +231,18 @@ def _call(kernel, args, in_specs, out_shape, out_specs, programs: int, spec: Spe
         interpret=spec.interpret, name=name)(*args)
 
 
-def _source_specs(spec: Spec):
+def _source_specs(spec: DagSpec):
     return ((_node_spec(spec, 1), _node_spec(spec, spec.d)) if spec.first
             else (_node_spec(spec, spec.d),))
 
 
-def _weight_specs(spec: Spec):
+def _weight_specs(spec: DagSpec):
     d, g = spec.d, spec.g
     return (_token_spec(spec, d), _whole((1, d)), _whole((1, d)), _whole((d, g)),
             _whole((g, 4 * g)), _whole((g, d)))
 
 
-def _flops(spec: Spec, tokens: int, backward: bool) -> float:
+def _flops(spec: DagSpec, tokens: int, backward: bool) -> float:
     """Eq. 8, 9 and 11's products, 2 R (2 d d_g + 4 d_g^2) for R = K T node rows; the
     backward recomputes eq. 8-9 and runs the input gradients of eq. 11, 9 and 8:
     2 R (3 d d_g + 8 d_g^2)."""
@@ -293,21 +250,21 @@ def _flops(spec: Spec, tokens: int, backward: bool) -> float:
     return 2.0 * rows * ((3 * d * g + 8 * g * g) if backward else (2 * d * g + 4 * g * g))
 
 
-def _forward(spec: Spec, *args):
+def _forward(spec: DagSpec, *args):
     tokens = args[len(spec.sources)].shape[0]
     shape = (tokens, spec.d) if spec.last else (spec.k, tokens, spec.d)
     out_spec = _token_spec(spec, spec.d) if spec.last else _node_spec(spec, spec.d)
     return _call(functools.partial(forward_kernel, spec=spec), args,
                  _source_specs(spec) + _weight_specs(spec),
-                 jax.ShapeDtypeStruct(shape, spec.dtype), out_spec, tokens // spec.bt, spec,
-                 "dagmoe_pallas_dag_forward", _flops(spec, tokens, False))
+                 jax.ShapeDtypeStruct(shape, spec.dtype), out_spec, tokens // _tokens(spec),
+                 spec, "dagmoe_pallas_dag_forward", _flops(spec, tokens, False))
 
 
-def _backward(spec: Spec, saved, d_out):
+def _backward(spec: DagSpec, saved, d_out):
     sources, x, weights = saved[:len(spec.sources)], saved[len(spec.sources)], saved[-5:]
     ln_scale, ln_bias, w_down, w_pair, w_up = weights
     tokens, (d, g, k, dtype) = x.shape[0], (spec.d, spec.g, spec.k, spec.dtype)
-    programs = tokens // spec.bt
+    programs = tokens // _tokens(spec)
     node = lambda width: jax.ShapeDtypeStruct((k, tokens, width), dtype)  # noqa: E731
     source_shapes = (node(1), node(d)) if spec.first else (node(d),)
     out_shape = source_shapes + (
@@ -343,7 +300,7 @@ def _backward(spec: Spec, saved, d_out):
 
 
 @functools.lru_cache(maxsize=None)
-def _iteration(spec: Spec):
+def _iteration(spec: DagSpec):
     return kernel_vjp(spec, _forward, _backward)
 
 
@@ -371,8 +328,9 @@ def pallas_dag_iteration(carry, x: jax.Array, ln_scale, ln_bias, w_down, w_pair,
     tokens = -(-t // bt) * bt
     pad = lambda a, axis: a if tokens == t else jnp.pad(  # noqa: E731
         a, [(0, tokens - t) if i == axis else (0, 0) for i in range(a.ndim)])
-    spec = Spec(d=d, g=g, k=k, bt=bt, dtype=jnp.dtype(dtype), eps=float(eps), edges=edges,
-                edge_act=edge_act, first=first, last=last, interpret=interpret)
+    spec = DagSpec(d=d, g=g, k=k, tiles=DagTiles(rows=k * bt, chunk=d),
+                   dtype=jnp.dtype(dtype), eps=float(eps), edges=edges, edge_act=edge_act,
+                   first=first, last=last, interpret=interpret)
     sources = (pad(carry[0].astype(dtype), 1), pad(nodes, 1)) if first else (pad(nodes, 1),)
     out = _iteration(spec)(*sources, pad(x.astype(dtype), 0),
                            ln_scale.astype(F32).reshape(1, d), ln_bias.astype(F32).reshape(1, d),

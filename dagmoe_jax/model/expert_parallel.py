@@ -285,9 +285,9 @@ def _ragged_exchange_shard(x, indices, weights, *, experts, hidden, grouped_matm
         padded = _ceil_to(send_sizes, block)
         starts = jnp.cumsum(padded) - padded
         row = starts[shard] + jnp.arange(m) - input_offsets[shard]  # sorted row -> its row
-        # the receive buffer is whole row tiles of ``gmm`` (else it pads the buffer to them
-        # and slices its output back, a copy of each each way)
-        tile = math.lcm(block, GMM_TILE[0]) if grouped_matmul in TILED_ROWS else block
+        # blocks are gmm's (exchange_block): the receive buffer is whole row tiles of gmm
+        # (else it pads the buffer to them and slices its output back, a copy each way)
+        tile = math.lcm(block, GMM_TILE[0])
         m_pad, rows_pad = _ceil_to(m, block) + e * block, _ceil_to(rows + e * block, tile)
         holder = jnp.zeros(m_pad, jnp.int32).at[row].set(order)    # padding: assignment 0
         row_of = row[rank]

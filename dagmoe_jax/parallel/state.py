@@ -119,14 +119,9 @@ def active_row_axes(rows: int, whole: Sequence[str] = ()) -> Optional[Tuple[str,
     that runs per device inside a ``shard_map``: None outside :func:`activate`, on one row
     shard, when the shards do not divide ``rows``, or when the rules shard one of the logical
     axes named in ``whole`` (which that code needs whole on every device)."""
-    rules = spmd.get_logical_axis_rules()
-    mesh = jax.sharding.get_abstract_mesh()
-    if not rules or mesh is None or mesh.empty:
-        return None
-    axes = tuple(a for a in batch_axes(rules) if mesh.shape[a] > 1)
-    shards = int(np.prod([mesh.shape[a] for a in axes]))
-    split = [a for name in whole for a in mesh_axes(name, rules) if mesh.shape[a] > 1]
-    if shards == 1 or rows % shards or split:
+    axes = active_mesh_axes("batch")
+    shards = active_axes_size(axes)
+    if shards == 1 or rows % shards or any(active_mesh_axes(name) for name in whole):
         return None
     return axes
 

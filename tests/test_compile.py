@@ -49,54 +49,82 @@ def v5p():
     return topology_devices("v5p:2x2x1")
 
 
-@needs_tpu_compiler
-@pytest.mark.parametrize("mesh", [dict(data=1), dict(data=2, expert=2)], ids=["one", "mesh"])
-def test_tiny_dag_compiles_for_v5p(v5p, mesh):
+def pallas_dag():
+    """:func:`small_dag` at d_g 128, the Mosaic DAG kernels' tile: 'auto' settles its DAG
+    module to them on TPU."""
+    return small_dag(aggregation=dict(dag_dim=128))
+
+
+@pytest.fixture(scope="module")
+def mesh_step(v5p):
+    """(mesh, settled execution, training-step report) of :func:`pallas_dag` compiled with
+    'auto' on the v5p-8 as data=2 x expert=2, the HLO kept: one compilation that two tests
+    read."""
     from dagmoe_jax.compile.programs import compile_run, mesh_over
     chip, devices = v5p
-    devices = devices[:1] if mesh == dict(data=1) else devices
-    mesh = mesh_over(devices, mesh)
-    settled, reports = compile_run(small_dag(), DataConfig(batch_size=8, seq_len=128),
-                                   OptimConfig(), RunConfig(), mesh, chip,
-                                   programs=("train",), keep_hlo=True)
+    mesh = mesh_over(devices, dict(data=2, expert=2))
+    with jax.default_matmul_precision("default"):     # a module fixture: before the autouse one
+        settled, reports = compile_run(pallas_dag(), DataConfig(batch_size=8, seq_len=128),
+                                       OptimConfig(), RunConfig(), mesh, chip,
+                                       programs=("train",), keep_hlo=True)
+    return mesh, settled, reports["train"]
+
+
+def tiny_step_has_the_kernels(settled, train, chip) -> None:
+    """Splash attention and the megablox grouped matmuls settled, and their Mosaic kernels,
+    forward and backward, in the compiled step (2 layers, remat full), which fits the chip."""
     assert (settled.attention, settled.grouped_matmul) == ("splash", "gmm")
-    train = reports["train"]
-    # the Mosaic kernels, forward and backward, in the compiled program (2 layers, remat full)
     kernels = train.cost.kernels
     for name in ("gmm", "tgmm", "splash_mha_fwd", "splash_mha_dq", "splash_mha_dkv"):
         assert kernels.get(name, 0) >= 2, (name, kernels)
     assert 0 < train.total_bytes < chip.hbm_bytes
     assert train.cost.seconds > 0 and train.cost.matmul_flops >= train.model_flops
-    collectives = train.cost.collectives
-    if len(devices) == 1:
-        assert not collectives
-        dag_module_keeps_its_node_axis_on_tpu(settled, train.cost, chip, mesh)
-    else:    # expert-parallel dispatch by the ragged all-to-all, gradients all-reduced
-        assert collectives["ragged-all-to-all"]["count"] >= 4
-        assert collectives["all-reduce"]["bytes"] > 0
-        expert_weights_sharded_by_the_rules(train.hlo, small_dag(), mesh)
 
 
 @needs_tpu_compiler
-def test_the_dag_kernels_compile_for_v5p_and_move_fewer_bytes(v5p):
+def test_tiny_dag_compiles_for_v5p_on_one_chip(v5p):
+    from dagmoe_jax.compile.programs import compile_run, mesh_over
+    chip, devices = v5p
+    mesh = mesh_over(devices[:1], dict(data=1))
+    settled, reports = compile_run(small_dag(), DataConfig(batch_size=8, seq_len=128),
+                                   OptimConfig(), RunConfig(), mesh, chip,
+                                   programs=("train",), keep_hlo=True)
+    train = reports["train"]
+    tiny_step_has_the_kernels(settled, train, chip)
+    assert not train.cost.collectives
+    dag_module_keeps_its_node_axis_on_tpu(settled, train.cost, chip, mesh)
+
+
+@needs_tpu_compiler
+def test_tiny_dag_compiles_for_v5p_under_data_x_expert(v5p, mesh_step):
+    """Expert-parallel dispatch by the ragged all-to-all, gradients all-reduced, each routed
+    expert weight one chip's shard."""
+    mesh, settled, train = mesh_step
+    tiny_step_has_the_kernels(settled, train, v5p[0])
+    collectives = train.cost.collectives
+    assert collectives["ragged-all-to-all"]["count"] >= 4
+    assert collectives["all-reduce"]["bytes"] > 0
+    expert_weights_sharded_by_the_rules(train.hlo, pallas_dag(), mesh)
+
+
+@needs_tpu_compiler
+def test_the_dag_kernels_compile_for_v5p_and_move_fewer_bytes(v5p, mesh_step):
     """With d and d_g multiples of 128 'auto' settles the DAG module to the Mosaic kernels
     ('pallas'), here inside a data x expert mesh's shard_map (one chip runs the same kernels
     without it; the interpreted tests check both): the compiled training step runs
     each iteration's forward and backward kernel, and moves fewer HBM bytes than the same
     step with XLA's rank-3 module (its own instructions under half the bytes), whose matmul
     FLOPs its cost estimates match to 10%."""
-    from dagmoe_jax.compile.programs import compile_run, mesh_over
-    chip, devices = v5p
-    mesh = mesh_over(devices, dict(data=2, expert=2))
-    cfg = small_dag(aggregation=dict(dag_dim=128))
-    costs, modules = {}, {}
-    for name in ("auto", "xla_rank3"):
-        settled, reports = compile_run(
-            cfg, DataConfig(batch_size=8, seq_len=128), OptimConfig(),
-            RunConfig(execution=ExecutionConfig(dag_module=name)), mesh, chip,
-            programs=("train",))
-        costs[settled.dag_module] = reports["train"].cost
-        modules[settled.dag_module] = reports["train"].dag_module
+    from dagmoe_jax.compile.programs import compile_run
+    chip = v5p[0]
+    mesh, settled, train = mesh_step
+    costs, modules = {settled.dag_module: train.cost}, {settled.dag_module: train.dag_module}
+    settled, reports = compile_run(
+        pallas_dag(), DataConfig(batch_size=8, seq_len=128), OptimConfig(),
+        RunConfig(execution=ExecutionConfig(dag_module="xla_rank3")), mesh, chip,
+        programs=("train",))
+    costs[settled.dag_module] = reports["train"].cost
+    modules[settled.dag_module] = reports["train"].dag_module
     kernels = costs["pallas"].kernels
     # 2 layers x 2 iterations forward and backward, and under remat the first iteration's
     # forward again (the backward needs the second's inputs, not its output)

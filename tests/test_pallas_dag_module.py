@@ -112,17 +112,17 @@ def test_the_module_run_by_the_kernels_matches_the_papers_transcription(iters, e
 def test_on_a_mesh_each_device_runs_its_own_tokens():
     """Under a data x fsdp mesh the kernels run inside a ``shard_map`` over the row axes, each
     device on its own 2 of the 16 tokens: the module's output and every gradient (the weights'
-    summed across devices) equal one device's, shared weights too."""
+    summed across devices) equal one device's, shared weights too. (Jitted: the same program
+    eagerly, op by op, took 4x the time.)"""
     rng = np.random.default_rng(11)
     x, gates, expert_out = (jnp.asarray(a) for a in random_inputs(rng, t=16, k=4))
+    step = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1, 2, 3)))
     for shared in (False, True):
         params = random_lib_params(rng, 2)
         params = {name: value[0] for name, value in params.items()} if shared else params
-        want = nnx.value_and_grad(loss, argnums=(0, 1, 2, 3))(
-            build(params, "xla", 2, shared=shared), x, gates, expert_out)
+        want = step(build(params, "xla", 2, shared=shared), x, gates, expert_out)
         with activate(make_mesh(MeshConfig(data=2, fsdp=4))):
-            got = nnx.value_and_grad(loss, argnums=(0, 1, 2, 3))(
-                build(params, "pallas", 2, shared=shared), x, gates, expert_out)
+            got = step(build(params, "pallas", 2, shared=shared), x, gates, expert_out)
             text = jax.jit(lambda x: build(params, "pallas", 2, shared=shared)(
                 x, gates, expert_out)[0]).lower(x).as_text()
         assert "sdy.manual_computation" in text or "shard_map" in text

@@ -581,17 +581,17 @@ def _train_until(run_dir: Path, marker: str, *args: str):
 @pytest.mark.parametrize("mode", ["pretrain", "finetune"])
 def test_ctrl_c_across_start_up_never_crashes(mode, tmp_path):
     """Ctrl-C (SIGINT to the whole process group, g++ building a kernel and grain's workers
-    too) at moments spread over start-up, several runs at once: each ends with exit 130 and
-    no run directory, or exit 0 with a checkpoint, never a crash. A finer sweep, every 0.5 s
-    until the first step: scripts/signal_sweep.py."""
+    too) 1, 5 and 9 s into start-up, the three runs at once: each ends with exit 130 and no
+    run directory, or exit 0 with a checkpoint, never a crash. A finer sweep, every 0.5 s until
+    the first step: scripts/signal_sweep.py."""
     out = tmp_path / "verdicts.json"
     result = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "signal_sweep.py"), "--delays=1,3,5,7,9,11",
+        [sys.executable, str(REPO / "scripts" / "signal_sweep.py"), "--delays=1,5,9",
          "--parallel=3", f"--json={out}", *(["--finetune"] if mode == "finetune" else [])],
         capture_output=True, text=True, env=single_device_env(), timeout=600)
     verdicts = json.loads(out.read_text())
     assert result.returncode == 0 and all(v["clean"] for v in verdicts), result.stdout
-    assert len(verdicts) == 6 and any(v["code"] == 130 for v in verdicts)
+    assert len(verdicts) == 3 and any(v["code"] == 130 for v in verdicts)
 
 
 @pytest.mark.slow

@@ -281,9 +281,10 @@ def test_gradient_accumulation_matches_the_full_batch(tiny):
     # The same micro-batches averaged by their means (the step before) give another gradient.
     from dagmoe_jax.train import step as step_lib
     model = make_model(cfg, grouped_matmul="einsum")
-    grad = lambda part: nnx.grad(lambda m: step_lib.lm_loss(m, part)[0])(model)  # noqa: E731
-    full = grad(batch)
-    means = [grad({k: v[2 * i:2 * i + 2] for k, v in batch.items()}) for i in range(4)]
+    grad = nnx.jit(lambda model, part: nnx.grad(  # noqa: E731
+        lambda m: step_lib.lm_loss(m, part)[0])(model))
+    full = grad(model, batch)
+    means = [grad(model, {k: v[2 * i:2 * i + 2] for k, v in batch.items()}) for i in range(4)]
     averaged = jax.tree.map(lambda *g: sum(g) / 4, *means)
     gaps = jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))),
                                         nnx.state(full, nnx.Param),

@@ -50,8 +50,12 @@ def iteration_args(rng, t, k, d, g, first=False, dtype=jnp.float32):
 
 
 def values_and_grads(fn, args, cotangent):
-    out, vjp = jax.vjp(fn, *args)
-    return out, jax.tree.leaves(vjp(cotangent))
+    """``fn(*args)`` and its gradients for ``cotangent``, as one jitted program (eagerly, op by
+    op, the interpreted kernels took several times as long)."""
+    def run(args, cotangent):
+        out, vjp = jax.vjp(fn, *args)
+        return out, jax.tree.leaves(vjp(cotangent))
+    return jax.jit(run)(args, cotangent)
 
 
 @pytest.mark.parametrize("edges,act,k,first,last", [
@@ -125,9 +129,8 @@ def module_matches_transcription(kernels, iters: int, edges: str, reading: str) 
     def loss(module, x, gates, expert_out):
         return jnp.sum(jnp.sin(module(x, gates, expert_out)[0]))
 
-    grads = {mode: nnx.grad(loss, argnums=(0, 1, 2, 3))(build(params, mode), x, gates,
-                                                        expert_out)
-             for mode in ("xla", "kernels")}
+    grad = nnx.jit(nnx.grad(loss, argnums=(0, 1, 2, 3)))
+    grads = {mode: grad(build(params, mode), x, gates, expert_out) for mode in ("xla", "kernels")}
     for a, b in zip(jax.tree.leaves(grads["kernels"]), jax.tree.leaves(grads["xla"])):
         assert a.shape == b.shape and rel_err(a, b) < 1e-5
 

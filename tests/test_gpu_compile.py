@@ -80,6 +80,70 @@ def test_dropless_step_compiles_with_the_triton_kernel_for_a100():
     rows_k = rows * seq * top_k
     dense = {s for s in array_shapes(train.hlo) if s[:2] == (experts, rows_k)}
     assert not dense, dense
+    # what ptxas made of them (compile/ptxas.py): the DAG kernels' registers, their 8 warps
+    assert train.pallas_kernels["dagmoe_triton_dag_forward"] == 256
+    for name in ("dagmoe_triton_dag_forward", "dagmoe_triton_dag_backward"):
+        resources = train.kernel_resources[name]
+        assert 0 < resources.registers <= 255
+        assert 1 <= resources.blocks_per_sm(256) <= 8
+    assert len(train.kernel_resources) > len(train.pallas_kernels)      # XLA's own kernels too
+
+
+PTXAS_LOG = """ptx: .visible .entry dagmoe_triton_dag_forward(
+ptx: .maxntid 256, 1, 1
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'dagmoe_triton_dag_forward' for 'sm_90a'
+ptxas info    : Function properties for dagmoe_triton_dag_forward
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers
+ptxas info    : Compile time = 387.681 ms
+ptxas warning : Registers are spilled to local memory in function 'loop_fusion', 632 bytes spill stores, 632 bytes spill loads
+ptxas info    : Compiling entry function 'loop_fusion' for 'sm_90a'
+ptxas info    : Function properties for loop_fusion
+    560 bytes stack frame, 632 bytes spill stores, 640 bytes spill loads
+ptxas info    : Used 40 registers, used 1 barriers, 560 bytes cumulative stack size
+"""
+
+
+def test_ptxas_resources_are_read_and_give_the_blocks_an_sm_holds():
+    from dagmoe_jax.compile.ptxas import KernelResources, parse
+    kernels = parse(PTXAS_LOG)
+    assert kernels == {
+        "dagmoe_triton_dag_forward": KernelResources(registers=255, threads=256),
+        "loop_fusion": KernelResources(registers=40, spill_stores=632, spill_loads=640)}
+    forward = kernels["dagmoe_triton_dag_forward"]
+    # 255 registers -> 256 a thread, 8192 a warp: 8 warps an SM, one block of 8 warps
+    assert forward.blocks_per_sm() == 1 and forward.resident_warps() == 8
+    assert "1 blocks an SM (8 of 64 warps), no spills" in forward.describe()
+    # 40 -> 1280 a warp: 51 warps; blocks of 4 warps: 12 (48 warps); of one warp: 32 at most
+    assert kernels["loop_fusion"].blocks_per_sm(128) == 12
+    assert kernels["loop_fusion"].blocks_per_sm(32) == 32
+    assert kernels["loop_fusion"].blocks_per_sm() is None
+    assert "632 B spilled" in kernels["loop_fusion"].describe(128)
+
+
+@needs_gpu_compiler
+def test_the_recording_ptxas_passes_on_what_ptxas_says_without_v(tmp_path):
+    """The PATH's ptxas (compile/ptxas.py) assembles as the real one does, prints what it
+    prints without -v, and records the entry's resources and threads."""
+    import subprocess
+    from dagmoe_jax.compile import ptxas
+    from dagmoe_jax.compile.chips import ptxas_path
+    real = ptxas_path()
+    wrapper = ptxas.install(real) / "ptxas"
+    kernel = tmp_path / "k.ptx"
+    kernel.write_text(".version 8.0\n.target sm_80\n.address_size 64\n"
+                      ".visible .entry tiny(\n.param .u64 p\n)\n.maxntid 64, 1, 1\n"
+                      "{\nret;\n}\n")
+    plain = subprocess.run([real, str(kernel), "-o", str(tmp_path / "a.o"), "-arch=sm_80"],
+                           capture_output=True, text=True)
+    with ptxas.recorded() as kernels:
+        ours = subprocess.run([str(wrapper), str(kernel), "-o", str(tmp_path / "b.o"),
+                               "-arch=sm_80"], capture_output=True, text=True)
+    assert ours.returncode == plain.returncode == 0
+    assert (ours.stdout, ours.stderr) == (plain.stdout, plain.stderr)
+    assert (tmp_path / "a.o").read_bytes() == (tmp_path / "b.o").read_bytes()
+    assert kernels["tiny"].threads == 64 and kernels["tiny"].registers >= 0
 
 
 @needs_gpu_compiler
@@ -106,6 +170,10 @@ def test_compile_command_reports_an_h100(capsys):
     assert "attention triton" in out
     # XLA's DAG module ('auto' on a GPU: 3.3x faster than the Triton kernels on an H200)
     assert "DAG module xla" in out and "triton dag" not in out
+    # what ptxas made of the kernels: the attention's by name, the grouped matmuls' Mosaic ones
+    assert re.search(r"ptxas, mha_forward: \d+ registers x \d+ threads: \d+ blocks an SM", out)
+    assert re.search(r"ptxas, body_mosaic_gpu_kernel\S*: \d+ registers", out), out
+    assert re.search(r"ptxas, XLA's \d+ kernels: ", out)
 
 
 SCOPED_HLO = """HloModule scoped, entry_computation_layout={()->f32[]}

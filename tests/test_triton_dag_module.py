@@ -49,13 +49,13 @@ def iteration_args(rng, t, k, d, g, first=False, dtype=jnp.float32):
             a(2 * g, g, scale=0.2), a(2 * g, g, scale=0.2), a(g, d, scale=0.2))
 
 
-def values_and_grads(fn, args, cotangent):
-    """``fn(*args)`` and its gradients for ``cotangent``, as one jitted program (eagerly, op by
-    op, the interpreted kernels took several times as long)."""
+def values_and_grads(fn, args, cotangent, jit: bool = False):
+    """``fn(*args)`` and its gradients for ``cotangent``; ``jit``: as one program (the Mosaic
+    kernels' interpreter runs it in half the time; the Triton kernels', 1.5-5x slower)."""
     def run(args, cotangent):
         out, vjp = jax.vjp(fn, *args)
         return out, jax.tree.leaves(vjp(cotangent))
-    return jax.jit(run)(args, cotangent)
+    return (jax.jit(run) if jit else run)(args, cotangent)
 
 
 @pytest.mark.parametrize("edges,act,k,first,last", [
@@ -83,7 +83,7 @@ def test_the_kernels_equal_xla_values_and_every_gradient(edges, act, k, first, l
         assert rel_err(a, b) < 1e-5, i
 
 
-def rounds_where_xla_rounds(kernel) -> None:
+def rounds_where_xla_rounds(kernel, jit: bool = False) -> None:
     """In bfloat16 the iteration ``kernel`` (:func:`xla_dag_iteration`'s arguments) rounds at
     XLA's points (the LayerNorm's output, each projection, the messages, the update): both
     sit within bfloat16 rounding of the float32 iteration, and of each other; 40 tokens."""
@@ -91,9 +91,10 @@ def rounds_where_xla_rounds(kernel) -> None:
     args32 = iteration_args(rng, 40, 4, 64, 32)
     args = tuple(a.astype(jnp.bfloat16) if a.ndim != 1 else a for a in args32)
     ct = jnp.asarray(rng.normal(size=args[0].shape), jnp.bfloat16)
-    exact, exact_grads = values_and_grads(xla_dag_iteration, args32, ct.astype(jnp.float32))
-    want, want_grads = values_and_grads(xla_dag_iteration, args, ct)
-    got, got_grads = values_and_grads(kernel, args, ct)
+    exact, exact_grads = values_and_grads(xla_dag_iteration, args32, ct.astype(jnp.float32),
+                                          jit)
+    want, want_grads = values_and_grads(xla_dag_iteration, args, ct, jit)
+    got, got_grads = values_and_grads(kernel, args, ct, jit)
     assert got.dtype == jnp.bfloat16
     assert rel_err(got, exact) < 1e-2 and rel_err(want, exact) < 1e-2
     assert rel_err(got, want) < 1e-2

@@ -116,6 +116,8 @@ def describe(name: str, report, chip, topology: str, mesh_label: str) -> str:
     if d["kernels"]:
         lines.append("  kernels: " + ", ".join(
             f"{k} {v}" for k, v in sorted(d["kernels"].items())))
+    if report.kernel_resources:
+        lines.extend(resource_lines(report))
     if d["dag_module"]:
         dag = d["dag_module"]
         lines.append(f"  DAG module: {dag['seconds'] * 1e3:.2f} ms of the estimate (its matmuls "
@@ -132,6 +134,29 @@ def describe(name: str, report, chip, topology: str, mesh_label: str) -> str:
                  f"{e['overlapped_seconds'] * 1e3:.2f}): {e['tokens_per_second']:,.0f} tokens/s, "
                  f"MFU {e['mfu']:.1%}")
     return "\n".join(lines)
+
+
+def resource_lines(report) -> list:
+    """What ptxas made of the GPU program's kernels (compile/ptxas.py): each Pallas kernel's
+    registers, threads and blocks an SM, and spills (Triton's by their ``pallas_call`` names,
+    a variant of one suffixed ``__N``; Mosaic GPU's are all ``..._mosaic_gpu_kernel``); of
+    XLA's own, how many spill."""
+    resources, pallas = report.kernel_resources, report.pallas_kernels
+
+    def threads(name: str):
+        base = re.sub(r"__\d+$", "", name)
+        if base in pallas:
+            return pallas[base]
+        return resources[name].threads if "mosaic_gpu" in name else False
+
+    ours = {n: t for n in resources if (t := threads(n)) is not False}
+    lines = [f"  ptxas, {name}: {resources[name].describe(t)}" for name, t in sorted(ours.items())]
+    xla = {n: r for n, r in resources.items() if n not in ours}
+    spilling = sorted((r.spill_stores, n) for n, r in xla.items() if r.spills)
+    lines.append(f"  ptxas, XLA's {len(xla)} kernels: "
+                 + (f"{len(spilling)} spill (most: {spilling[-1][1]}, {spilling[-1][0]} B)"
+                    if spilling else "none spills"))
+    return lines
 
 
 def oom_line(err, chip, topology: str) -> str:
@@ -168,11 +193,10 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
-    from dagmoe_jax.compile.chips import topology_devices
+    from dagmoe_jax.compile.chips import mesh_label, topology_devices
     chip, devices = topology_devices(args.topology, args.num_slices)
 
-    from dagmoe_jax.compile.programs import (GenerationShape, OutOfMemory, compile_run,
-                                             mesh_label, mesh_over)
+    from dagmoe_jax.compile.programs import GenerationShape, OutOfMemory, compile_run, mesh_over
     from dagmoe_jax.run.gin import DEFAULT_GIN, load_configs
     model_cfg, data_cfg, optim_cfg, run_cfg = load_configs(args.gin_file or [DEFAULT_GIN],
                                                              args.bindings)

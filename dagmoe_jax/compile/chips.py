@@ -30,6 +30,8 @@ import shutil
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from dagmoe_jax.compile import ptxas
+
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
@@ -187,9 +189,8 @@ def gpu_devices(chip: Chip, count: int) -> List:
     missing = gpu_compiler_missing()
     if missing:
         raise ValueError(missing)
-    ptxas = ptxas_path()
-    if ptxas and not shutil.which("ptxas"):   # XLA looks for it on PATH and in CUDA homes
-        os.environ["PATH"] = f"{Path(ptxas).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    # XLA runs the ptxas on PATH: ours, which also records what it assembles (compile/ptxas.py)
+    ptxas.install(ptxas_path())
     from jax.experimental import topologies
     try:
         topology = topologies.get_topology_desc(platform="cuda",
@@ -227,3 +228,8 @@ def topology_devices(name: str, num_slices: int = 1) -> Tuple[Chip, List]:
         raise ValueError(f"libtpu cannot describe topology {name!r} x {num_slices} slices: "
                          f"{str(err).splitlines()[0]}") from None
     return chip, list(topology.devices)
+
+
+def mesh_label(sizes) -> str:
+    """'data 2 x expert 2' for a mesh's axis sizes (axes of size 1 left out)."""
+    return " x ".join(f"{a} {n}" for a, n in dict(sizes).items() if n > 1) or "1 chip"

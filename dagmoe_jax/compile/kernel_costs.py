@@ -84,6 +84,16 @@ def gpu_kernel_family(target: str, instruction: Instruction, shapes: Dict[str, s
     return f"{library} {named.group(1) if named else instruction.name.split('.')[0]}"
 
 
+_TRITON_CALL = re.compile(r'custom_call_target="__gpu\$xla\.gpu\.triton".*?backend_config=\{'
+                          r'.*?\bname = "(\w+)".*?num_warps = (\d+)')
+
+
+def pallas_gpu_kernels(hlo_text: str) -> Dict[str, Optional[int]]:
+    """The Pallas Triton kernels of a compiled GPU program: their names (the ``pallas_call``'s,
+    which ptxas reports as the entry function's) -> threads a block (32 x ``num_warps``)."""
+    return {m.group(1): 32 * int(m.group(2)) for m in _TRITON_CALL.finditer(hlo_text)}
+
+
 def mosaic_flops(kernel: str, instruction: Instruction, shapes: Dict[str, str],
                   gmm_occupancy: float = 1.0) -> float:
     """A Mosaic kernel's FLOPs: its cost estimate's (``"flops": ...`` in its backend config),

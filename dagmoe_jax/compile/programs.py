@@ -34,7 +34,9 @@ from flax import nnx
 from jax.experimental import mesh_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
+from dagmoe_jax.compile import ptxas
 from dagmoe_jax.compile.chips import Chip
+from dagmoe_jax.compile.kernel_costs import pallas_gpu_kernels
 from dagmoe_jax.compile.roofline import Cost, program_cost
 from dagmoe_jax.compile.scopes import (DAG_MODULE, DISPATCH_SCOPE, ScopeCost, dispatch_cost,
                                       has_scope, scope_cost)
@@ -83,6 +85,9 @@ class ProgramReport:
     hlo: str = dataclasses.field(repr=False, default="")
     dag_module: Optional[ScopeCost] = None    # the DAG module's share (compile/scopes.py)
     dispatch: Optional[ScopeCost] = None      # the routed experts' less their products
+    # GPU: each kernel as ptxas assembled it; the Pallas Triton kernels' threads (the HLO's)
+    kernel_resources: Dict[str, ptxas.KernelResources] = dataclasses.field(default_factory=dict)
+    pallas_kernels: Dict[str, Optional[int]] = dataclasses.field(default_factory=dict)
 
     @property
     def total_bytes(self) -> float:
@@ -120,6 +125,7 @@ class ProgramReport:
                            {**dataclasses.asdict(self.dag_module),
                             "seconds_at_peak": self.dag_module.at_peak(chip)}),
             "dispatch": (None if self.dispatch is None else dataclasses.asdict(self.dispatch)),
+            "kernel_resources": ptxas.as_dicts(self.kernel_resources, self.pallas_kernels),
         }
 
 
@@ -201,11 +207,14 @@ def _tracing_for(chip: Chip, device) -> Iterator[None]:
 
 
 def _compile(name: str, lowered_fn: Callable, chip: Chip, device=None):
-    """(compiled, seconds) or :class:`OutOfMemory` with the compiler's figures; ``device``:
-    one of the target's devices (:func:`_tracing_for`)."""
+    """(compiled, seconds, {kernel: its ptxas resources} on a GPU, else {}) or
+    :class:`OutOfMemory` with the compiler's figures; ``device``: one of the target's devices
+    (:func:`_tracing_for`)."""
     tick = time.perf_counter()
     try:
-        with _tracing_for(chip, device):
+        with _tracing_for(chip, device), (
+                ptxas.recorded() if chip.platform == "gpu" else contextlib.nullcontext({})
+        ) as resources:
             compiled = lowered_fn().compile()
     except Exception as err:      # XLA's errors are JaxRuntimeError / XlaRuntimeError
         text = str(err)
@@ -218,7 +227,7 @@ def _compile(name: str, lowered_fn: Callable, chip: Chip, device=None):
             need = (float(used.group(1)) * scale[used.group(2)]) if used else None
             raise OutOfMemory(name, need, text.strip().splitlines()[0][:300]) from None
         raise
-    return compiled, time.perf_counter() - tick
+    return compiled, time.perf_counter() - tick, resources
 
 
 def gmm_occupancy(cfg: ModelConfig, mesh, tokens: int) -> float:
@@ -243,7 +252,7 @@ def gmm_occupancy(cfg: ModelConfig, mesh, tokens: int) -> float:
 
 def _report(name: str, compiled, seconds: float, tokens: int, state: float, model_flops: float,
             chip: Chip, devices: Sequence, keep_hlo: bool,
-            occupancy: float = 1.0) -> ProgramReport:
+            occupancy: float = 1.0, resources=None) -> ProgramReport:
     memory = compiled.memory_analysis()
     analysis = compiled.cost_analysis() or {}
     if isinstance(analysis, list):
@@ -264,7 +273,8 @@ def _report(name: str, compiled, seconds: float, tokens: int, state: float, mode
         model_flops=model_flops, cost=cost, hlo=text if keep_hlo else "",
         dag_module=scope_cost(text, chip) if has_scope(text, DAG_MODULE) else None,
         dispatch=(dispatch_cost(text, chip, len(devices))
-                  if has_scope(text, DISPATCH_SCOPE) else None))
+                  if has_scope(text, DISPATCH_SCOPE) else None),
+        kernel_resources=dict(resources or {}), pallas_kernels=pallas_gpu_kernels(text))
 
 
 def cudnn_missing() -> bool:
@@ -339,22 +349,23 @@ def compile_run(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimCo
                                wrt=TRAINABLE[run_cfg.trainable], donate=True)
         batch = _batch(cfg, mesh, rows, seq, replicated=False, mask=False)
         with activate(mesh):
-            compiled, secs = _compile("train", lambda: step.lower(model, optimizer, batch), chip,
-                                     devices[0])
+            compiled, secs, resources = _compile(
+                "train", lambda: step.lower(model, optimizer, batch), chip, devices[0])
         reports["train"] = _report(
             "train", compiled, secs, train_tokens,
             params + state_bytes_per_chip(optimizer),
             acc.train_flops_per_token * train_tokens / chips, chip, devices, keep_hlo,
-            gmm_occupancy(cfg, mesh, train_tokens // run_cfg.grad_accum))
+            gmm_occupancy(cfg, mesh, train_tokens // run_cfg.grad_accum), resources)
     if "eval" in programs:
         log(f"compiling the evaluation step ({rows} x {seq} tokens, replicated)...")
         batch = _batch(cfg, mesh, rows, seq, replicated=True, mask=True)
         with activate(mesh):
-            compiled, secs = _compile("eval", lambda: eval_step.lower(model, batch), chip,
-                                     devices[0])
+            compiled, secs, resources = _compile(
+                "eval", lambda: eval_step.lower(model, batch), chip, devices[0])
         reports["eval"] = _report("eval", compiled, secs, train_tokens, params,
                                   acc.train_flops_per_token / 3 * train_tokens / chips, chip,
-                                  devices, keep_hlo, gmm_occupancy(cfg, mesh, train_tokens))
+                                  devices, keep_hlo, gmm_occupancy(cfg, mesh, train_tokens),
+                                  resources)
     if "prefill" in programs or "decode" in programs:
         reports.update(_compile_generation(model, mesh, chip, generation, programs, params,
                                            devices, keep_hlo, log))
@@ -393,11 +404,11 @@ def _compile_generation(model, mesh, chip, shape: GenerationShape, programs, par
     if "prefill" in programs:
         log(f"compiling generation's prefill ({b} x {p} tokens)...")
         with activate(mesh):
-            compiled, secs = _compile("prefill", lambda: jax.jit(run_prefill).lower(
+            compiled, secs, resources = _compile("prefill", lambda: jax.jit(run_prefill).lower(
                 state, tokens, lengths), chip, devices[0])
         out["prefill"] = _report("prefill", compiled, secs, b * p, params,
                                  forward_per_token * b * p / len(devices), chip, devices,
-                                 keep_hlo, gmm_occupancy(cfg, mesh, b * p))
+                                 keep_hlo, gmm_occupancy(cfg, mesh, b * p), resources)
     if "decode" in programs:
         log(f"compiling one decode step ({b} rows against {cache_len} cache slots)...")
         with activate(mesh):
@@ -410,18 +421,13 @@ def _compile_generation(model, mesh, chip, shape: GenerationShape, programs, par
             def run_decode(state, tok, cache, start):
                 return decode_step(nnx.merge(graphdef, state), tok, cache, start)
 
-            compiled, secs = _compile("decode", lambda: jax.jit(run_decode, donate_argnums=2)
-                                      .lower(state, tok, cache, lengths), chip,
-                                      devices[0])
+            compiled, secs, resources = _compile(
+                "decode", lambda: jax.jit(run_decode, donate_argnums=2).lower(
+                    state, tok, cache, lengths), chip, devices[0])
         out["decode"] = _report("decode", compiled, secs, b, params,
                                 forward_per_token * b / len(devices), chip, devices, keep_hlo,
-                                gmm_occupancy(cfg, mesh, b))
+                                gmm_occupancy(cfg, mesh, b), resources)
     return out
-
-
-def mesh_label(sizes) -> str:
-    """'data 2 x expert 2' for a mesh's axis sizes (axes of size 1 left out)."""
-    return " x ".join(f"{a} {n}" for a, n in dict(sizes).items() if n > 1) or "1 chip"
 
 
 def mesh_over(devices: Sequence, sizes: Dict[str, int], num_slices: int = 1):

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from dagmoe_jax.compile.programs import mesh_label
+from dagmoe_jax.compile.chips import mesh_label
 from dagmoe_jax.config import ModelConfig, experts_of
 from dagmoe_jax.parallel.axes import MESH_AXES
 

@@ -98,6 +98,25 @@ def test_a_signal_during_the_hooks_still_saves_that_step():
     assert checkpoints.saved == [3] and sorted(trainer.losses) == [1, 2, 3]
 
 
+def test_a_signal_after_the_save_decision_is_saved_at_the_next_step():
+    """A signal landing between the step's save decision and its end (here: while the
+    interval policy is asked) is not taken for a stop that was saved: the run goes on to the
+    next step, saves that one and returns it (CI: 'saved a checkpoint at step 1', and none on
+    disk)."""
+    stop = {}
+
+    class SignalledWhileDeciding(Checkpoints):
+        def should_save(self, step):
+            if step == 3:
+                stop.setdefault("signal", "SIGTERM")
+            return super().should_save(step)
+
+    checkpoints = SignalledWhileDeciding()
+    trainer = _trainer([1.0] * 10, checkpoints, sync_every=4)
+    assert trainer.run(0, stop) == (4, True)
+    assert checkpoints.saved == [4]
+
+
 @pytest.mark.parametrize("disable", [False, True])
 def test_progress_lines_say_the_eta_even_when_tqdm_is_disabled(monkeypatch, disable):
     """Without the bar (``progress=False``) each logged line ends with the ETA, counted from

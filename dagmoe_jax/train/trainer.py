@@ -123,8 +123,10 @@ class Trainer:
         """Train from ``start`` to ``total_steps``; (the last step reached, interrupted).
 
         ``stop``: the flag dict that SIGTERM / SIGINT set
-        (:func:`~dagmoe_jax.train.signals.on_signals`): the step in progress finishes, a checkpoint is saved and the run returns. Checkpoints are
-        committed before this returns, so "saved" is said only once a save is on disk."""
+        (:func:`~dagmoe_jax.train.signals.on_signals`): the step in progress finishes, a
+        checkpoint is saved and the run returns; a signal landing after the step's save
+        decision is acted on at the next step. Checkpoints are committed before this returns,
+        so "saved" is said only once a save is on disk."""
         stop = {} if stop is None else stop
         step = start
         pending: List[Tuple[int, Any]] = []     # (step, loss on the device) not yet read
@@ -151,14 +153,16 @@ class Trainer:
                     if step % every == 0 or last:
                         hook(info)
                 self.checkpointer.check_for_errors()     # stop at a failed save, not later
-                force = bool(stop) or last               # after the hooks: a signal may come
+                # the flag read once, after the hooks: a signal landing later is the next step's
+                stopping = bool(stop)
+                force = stopping or last
                 if force or self.checkpointer.should_save(step):  # gather the state only then
                     self._read_losses(pending)           # no save after a non-finite loss
                     self.check_saveable(device_batch, step)
                     self.checkpointer.save(step, run_lib.train_state(self.model, self.optimizer),
                                                 data_iterator=self.data_iter, meta=self.meta,
                                                 force=force)
-                if stop:
+                if stopping:
                     break
         self.checkpointer.wait()
         return step, bool(stop)

@@ -522,7 +522,9 @@ def test_the_execution_is_a_strategy_chosen_once():
         dag = make_dag(2, "silu", mode=mode)
         assert dag.ex is dag_execution(mode) and dag.ex.name == mode
         assert nnx.graphdef(nnx.clone(dag)) == nnx.graphdef(dag)
-    assert make_dag(2, "silu", mode="fused").ex.last_with_readout
+    # the L-th iteration with the readout but on TPU, whose tiled layouts paid for the split
+    assert {m: make_dag(2, "silu", mode=m).ex.last_with_readout for m in ("fused", "xla",
+            "xla_rank3")} == {"fused": True, "xla": True, "xla_rank3": False}
     with pytest.raises(ValueError, match=r"^ExecutionConfig.dag_module='auto' is not settled"):
         dag_execution("auto")
     for mod in (equations, module):

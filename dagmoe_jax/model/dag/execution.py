@@ -16,7 +16,9 @@ tests/test_triton_dag_module.py the Triton kernels, interpreted):
                free, and with the node axis kept XLA:CPU runs the weight gradient, a
                contraction over two axes, 1.45x slower (the XLA module, measured); the
                LayerNorm folded into W_down (:mod:`dagmoe_jax.model.dag.folded`: the
-               module's compiled estimate on an H100 29.9 -> 25.0 ms a DAG-MoE-l step)
+               module's compiled estimate on an H100 29.9 -> 25.0 ms a DAG-MoE-l step);
+               the L-th iteration computed with the readout, as ``fused`` does (25.0 ->
+               23.4 ms, and 1.1 GB less memory on the GPU)
 ``xla_rank3``  XLA with the projections as einsums on the [T, K, .] node arrays (TPU's: there
                the [T, K, d] -> [T*K, d] reshape is a copy between tiled layouts, K = 4 rows
                filling half of an 8-row tile, which the compiled DAG-MoE-l step paid at every
@@ -27,7 +29,7 @@ tests/test_triton_dag_module.py the Triton kernels, interpreted):
                XLA:CPU's speed at the module's shapes); iterations 1 .. L-1 scanned and the
                L-th computed with the readout, which needs only the nodes' sum (on TPU that
                split of the loop cost 0.6 GB more temporaries a chip for DAG-MoE-l,
-               benchmarks/RESULTS.md, so the XLA strategies keep one scan)
+               benchmarks/RESULTS.md, so ``xla_rank3`` keeps one scan)
 ``triton``     each iteration, eq. 7-11 with the carry's update, as one Pallas Triton kernel
                forward and one backward (:mod:`dagmoe_jax.kernels.triton_dag_module`; NVIDIA
                GPUs sm80+, one device), the first building eq. 6's nodes, the last reading
@@ -65,7 +67,10 @@ class XLAExecution:
     # class attributes, not fields: a strategy is equal to, and hashes as, any other of its
     # class (a module's static attribute, compared when nnx splits a cloned model)
     name = "xla"
-    last_with_readout = False      # all L iterations in one scan
+    # iterations 1 .. L-1 scanned, the L-th with the readout: W_up once on the summed
+    # messages, the L-th carry never built (the compiled DAG-MoE-l step on an H100: the
+    # module 25.04 -> 23.40 ms, 20.50 -> 19.43 GB a GPU; benchmarks/RESULTS.md)
+    last_with_readout = True
     folds_layer_norm = True        # eq. 7-8 as one product on the raw nodes (folded.py)
     whole_module = False           # True: ``aggregate`` runs eq. 6-12 by the kernels
 
@@ -109,6 +114,7 @@ class XLARank3Execution(XLAExecution):
     the LayerNorm and W_down composed as written (the TPU tables' program)."""
 
     name = "xla_rank3"
+    last_with_readout = False      # one scan of all L: on TPU the split cost 0.6 GB a chip
     # folded on the [T, K, d] nodes the compiled DAG-MoE-l step on v5p was 205.3 against
     # 205.6 ms (benchmarks/RESULTS.md): no gain on TPU, so eq. 7-8 stay as written here
     folds_layer_norm = False

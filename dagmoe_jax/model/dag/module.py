@@ -100,8 +100,8 @@ class DAGAggregator(nnx.Module):
     ``iterations`` holds each iteration's weights stacked [L, ...], or with
     ``AggregationConfig.dag_shared_weights`` one unstacked set that every iteration applies.
     The L iterations are a scanned loop (``nnx.scan``, unrolled) over the iteration modules;
-    a strategy that computes the L-th with the readout (the CPU kernels') scans iterations
-    1 .. L-1 over the stacked weights and gives the L-th to :func:`dag_summed_update`, which
+    a strategy that computes the L-th with the readout (XLA's, the CPU kernels') scans
+    iterations 1 .. L-1 over the stacked weights and gives the L-th to :func:`dag_summed_update`, which
     needs only the nodes' sum: W_up once on the summed messages. A strategy whose kernels run
     whole iterations (the GPU's 'triton') runs eq. 6-12 itself (``aggregate``), its first
     kernel building the nodes and its last reading them out.

@@ -10,8 +10,8 @@ Conventions (stated so the numbers can be checked by hand):
   visible context (S + 1) / 2.
 * Routed experts count the K experts a token uses (C * K_t for CoE), not capacity padding.
 * The DAG module projects every node once (its pair tensor is never built): per token and
-  iteration K (4 d d_g + 8 d_g^2) matmul FLOPs (the CPU kernels' path applies the last
-  iteration's W_up once to the summed messages, K times fewer of its 2 K d_g d: an
+  iteration K (4 d d_g + 8 d_g^2) matmul FLOPs (the CPU kernels' and 'xla' paths apply the
+  last iteration's W_up once to the summed messages, K times fewer of its 2 K d_g d: an
   implementation's saving, not counted here), plus K^2 d_g pairwise elementwise work counted as
   4 FLOPs per element (two broadcast adds, one product, one sum; the activation not counted),
   reported separately as ``dag_pairwise`` (K d_g with ``dag_edges='self'``, the self pairs).

@@ -147,16 +147,16 @@ def dag_module_keeps_its_node_axis_on_tpu(settled, cost, chip, mesh) -> None:
     with the readout, W_up on the summed messages (fewer matmul FLOPs, by 3/4 of that W_up)."""
     from dagmoe_jax.compile.programs import compile_run
     assert settled.dag_module == "xla_rank3"
+    cfg, data = small_dag(), DataConfig(batch_size=8, seq_len=128)
     rows_settled, reports = compile_run(
-        small_dag(), DataConfig(batch_size=8, seq_len=128), OptimConfig(),
-        RunConfig(execution=ExecutionConfig(dag_module="xla")), mesh, chip, programs=("train",))
+        cfg, data, OptimConfig(), RunConfig(execution=ExecutionConfig(dag_module="xla")), mesh,
+        chip, programs=("train",))
     assert rows_settled.dag_module == "xla"
     rows = reports["train"].cost
-    cfg = small_dag()
     # the L-th W_up on 1 summed row a token instead of K: (K - 1) [d_g, d] products a token
-    # and layer, forward and twice backward, for the batch's 8 x 128 tokens
-    saved = (3 * 2 * 8 * 128 * (cfg.block.router.top_k - 1) * cfg.block.aggregation.dag_dim
-             * cfg.d_model * cfg.num_layers)
+    # and layer, forward and twice backward
+    saved = (3 * 2 * data.batch_size * data.seq_len * (cfg.block.router.top_k - 1)
+             * cfg.block.aggregation.dag_dim * cfg.d_model * cfg.num_layers)
     assert cost.matmul_flops - rows.matmul_flops == pytest.approx(saved, rel=0.05)
     assert cost.hbm_bytes < 0.95 * rows.hbm_bytes, (cost.hbm_bytes, rows.hbm_bytes)
 

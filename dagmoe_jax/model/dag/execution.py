@@ -67,10 +67,7 @@ class XLAExecution:
     # class attributes, not fields: a strategy is equal to, and hashes as, any other of its
     # class (a module's static attribute, compared when nnx splits a cloned model)
     name = "xla"
-    # iterations 1 .. L-1 scanned, the L-th with the readout: W_up once on the summed
-    # messages, the L-th carry never built (the compiled DAG-MoE-l step on an H100: the
-    # module 25.04 -> 23.40 ms, 20.50 -> 19.43 GB a GPU; benchmarks/RESULTS.md)
-    last_with_readout = True
+    last_with_readout = True       # the L-th iteration with the readout (module docstring)
     folds_layer_norm = True        # eq. 7-8 as one product on the raw nodes (folded.py)
     whole_module = False           # True: ``aggregate`` runs eq. 6-12 by the kernels
 

@@ -101,8 +101,9 @@ class DAGAggregator(nnx.Module):
     ``AggregationConfig.dag_shared_weights`` one unstacked set that every iteration applies.
     The L iterations are a scanned loop (``nnx.scan``, unrolled) over the iteration modules;
     a strategy that computes the L-th with the readout (XLA's, the CPU kernels') scans
-    iterations 1 .. L-1 over the stacked weights and gives the L-th to :func:`dag_summed_update`, which
-    needs only the nodes' sum: W_up once on the summed messages. A strategy whose kernels run
+    iterations 1 .. L-1 over the stacked weights and gives the L-th to
+    :func:`dag_summed_update`, which needs only the nodes' sum: W_up once on the summed
+    messages. A strategy whose kernels run
     whole iterations (the GPU's 'triton') runs eq. 6-12 itself (``aggregate``), its first
     kernel building the nodes and its last reading them out.
 

@@ -163,7 +163,7 @@ def rel_err(a, b):
 
 # ----------------------------------------------------------------------------- tests
 
-MODES = ["xla", "xla_rank3", "fused"]      # ExecutionConfig.dag_module: every test runs each
+MODES = ["xla", "xla_rank3", "fused", "bottleneck"]      # ExecutionConfig.dag_module: every test runs each
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("edge_act", ["silu", "sigmoid"])

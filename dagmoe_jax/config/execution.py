@@ -15,7 +15,7 @@ REMAT_POLICIES = ("auto", "none", "full", "dots")
 ATTENTION_IMPLS = ("auto", "xla", "blockwise", "fused", "cudnn", "triton", "splash")
 GROUPED_MATMULS = ("auto", "ragged_dot", "gmm", "cpu_gmm", "mgpu", "triton", "einsum")
 EXPERT_EXCHANGES = ("auto", "all_gather", "ragged_all_to_all")
-DAG_MODULES = ("auto", "xla", "xla_rank3", "fused", "triton", "pallas")
+DAG_MODULES = ("auto", "xla", "xla_rank3", "fused", "triton", "pallas", "bottleneck")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,6 +55,7 @@ from dagmoe_jax.kernels.dag_module import fused_dag_messages, fused_layer_norm
 from dagmoe_jax.kernels.grouped_matmul import cpu_dense_matmul
 from dagmoe_jax.kernels.pallas_dag_module import pallas_dag_iteration
 from dagmoe_jax.kernels.triton_dag_module import triton_dag_iteration
+from dagmoe_jax.model.dag.bottleneck import bottleneck_dag
 from dagmoe_jax.model.dag.equations import dag_pair_messages, dag_pair_weights, layer_norm
 from dagmoe_jax.model.dag.folded import folded_norm_projection
 from dagmoe_jax.parallel.state import active_row_axes
@@ -226,9 +227,27 @@ class PallasExecution(TritonExecution):
             x, gates, expert_out, weights)
 
 
+@dataclasses.dataclass(frozen=True)
+class BottleneckExecution(XLAExecution):
+    """``dag_module='bottleneck'``: eq. 6-12 by XLA with the iterations in d_g
+    (:func:`~dagmoe_jax.model.dag.bottleneck.bottleneck_dag`): the experts' outputs projected
+    once onto (2L - 1) d_g columns, no [T, K, d] node built. Recording the edge gates
+    (analysis) runs the composed iteration of ``xla``."""
+
+    name = "bottleneck"
+    whole_module = True
+
+    def aggregate(self, x, gates, expert_out, weights: dict, num_iters: int, shared: bool,
+                  edges: str, edge_act: str, eps: float) -> jax.Array:
+        """sum_i r_i^L [T, d], as :meth:`TritonExecution.aggregate`."""
+        return bottleneck_dag(x, gates, expert_out, weights, num_iters, shared, edges,
+                              edge_act, eps)
+
+
 XLA = XLAExecution()
 DAG_EXECUTIONS = {ex.name: ex for ex in (XLA, XLARank3Execution(), CPUKernelExecution(),
-                                         TritonExecution(), PallasExecution())}
+                                         TritonExecution(), PallasExecution(),
+                                         BottleneckExecution())}
 
 
 def dag_execution(name: str) -> XLAExecution:

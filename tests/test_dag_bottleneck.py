@@ -127,12 +127,16 @@ def test_nodes_whose_mean_is_ten_spreads_off_zero_stay_within_tolerance():
     assert rel_err(input_grad("bottleneck"), input_grad("xla")) < 1e-3
 
 
-def test_bfloat16_is_within_the_composed_strategys_rounding():
+@pytest.mark.parametrize("offset", [0.0, 14.0], ids=["centred", "mean-10-sigma"])
+def test_bfloat16_is_within_the_composed_strategys_rounding(offset):
     """In bfloat16 compute the strategy rounds other intermediates than the composed
-    iteration does (the expert outputs' projections, not each carried node): its error
-    against the float64 transcription is within twice the composed strategy's."""
+    iteration does (the experts' outputs' projections onto the centred C W_g, not each carried
+    node): its error against the float64 transcription is within the composed strategies'
+    (0.0072 against 0.0074-0.0076 centred; 0.0084 against 0.010-0.018 with the nodes' mean
+    ten spreads off zero, where rounding each node to bfloat16 loses the spread's digits)."""
     rng = np.random.default_rng(12)
     x, gates, expert_out = random_inputs(rng, t=64, k=4)
+    expert_out, x = expert_out + offset / gates[..., None], x + offset
     params = random_lib_params(rng, 2)
     want = np_dag_moe(x, gates, expert_out, to_paper_layout(params), "silu")
     bf = [jnp.asarray(a, jnp.bfloat16) for a in (x, gates, expert_out)]
@@ -141,8 +145,8 @@ def test_bfloat16_is_within_the_composed_strategys_rounding():
         got = make_dag(2, "silu", params, mode=mode)(*bf)[0]
         assert got.dtype == jnp.bfloat16
         errors[mode] = rel_err(np.asarray(got, np.float32), want)
-    assert errors["bottleneck"] < 2e-2
-    assert errors["bottleneck"] <= 2 * max(errors["xla"], errors["xla_rank3"]), errors
+    assert errors["bottleneck"] < 1e-2
+    assert errors["bottleneck"] <= 1.2 * min(errors["xla"], errors["xla_rank3"]), errors
 
 
 def test_the_model_with_zero_w_up_is_the_moe_model():

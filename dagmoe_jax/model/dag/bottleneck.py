@@ -60,27 +60,35 @@ def _pair_terms(proj: jax.Array, edge_act: str, edges: str):
     return pre, nodes, mask
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def pair_messages(proj: jax.Array, edge_act: str, edges: str) -> jax.Array:
-    """DAG-MoE eq. 10 summed over the senders j, as
-    :func:`~dagmoe_jax.model.dag.equations.dag_pair_messages` (its function, every edge mode),
-    with a backward written out: the gradient of the four projected parts is one
-    [T, K, 4 d_g] array from the pair terms recomputed on the fly (autodiff kept the
-    [T, K, K, d_g] activations and sliced the projection into four arrays, forward and
-    backward)."""
+def _messages(proj: jax.Array, edge_act: str, edges: str) -> jax.Array:
+    """Eq. 10 summed over the senders from the projected nodes [T, K, 4 d_g], one fusion."""
     pre, nodes, mask = _pair_terms(proj, edge_act, edges)
     edge = EDGE_ACTIVATIONS[edge_act](pre)
     edge = edge if mask is None else edge * mask
     return jnp.sum(edge * nodes, axis=2).astype(proj.dtype)
 
 
-def _pair_messages_fwd(proj, edge_act, edges):
-    return pair_messages(proj, edge_act, edges), proj
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def pair_messages(u: jax.Array, w_pair: jax.Array, edge_act: str, edges: str) -> jax.Array:
+    """DAG-MoE eq. 9-10 summed over the senders j for the down-projected nodes u [T, K, d_g]
+    and the pair weights [d_g, 4 d_g] (:func:`~dagmoe_jax.model.dag.equations.dag_pair_weights`),
+    as :func:`~dagmoe_jax.model.dag.equations.dag_pair_messages` of ``u @ w_pair`` (its
+    function, every edge mode), with a backward written out: it keeps u, not the [T, K, 4 d_g]
+    projection (recomputed: a product of d_g columns), and the gradient of the four projected
+    parts is one [T, K, 4 d_g] array from the pair terms recomputed on the fly (autodiff kept
+    the [T, K, K, d_g] activations and sliced the projection into four arrays)."""
+    return _messages(jnp.einsum("tka,ab->tkb", u, w_pair), edge_act, edges)
 
 
-def _pair_messages_bwd(edge_act, edges, proj, grad):
-    # the barrier keeps XLA from splitting this backward into a fusion per part and a copy
-    # to concatenate them (it did so when the projection's other consumers were in reach)
+def _pair_messages_fwd(u, w_pair, edge_act, edges):
+    return pair_messages(u, w_pair, edge_act, edges), (u, w_pair)
+
+
+def _pair_messages_bwd(edge_act, edges, residuals, grad):
+    u, w_pair = residuals
+    proj = jnp.einsum("tka,ab->tkb", u, w_pair)
+    # the barriers keep XLA from splitting this backward into a fusion per part and a copy
+    # to concatenate them (it did so for the weight gradient's product to read the parts)
     proj, grad = jax.lax.optimization_barrier((proj, grad))
     pre, nodes, mask = _pair_terms(proj, edge_act, edges)
     edge, slope = jax.jvp(EDGE_ACTIVATIONS[edge_act], (pre,), (jnp.ones_like(pre),))
@@ -92,9 +100,12 @@ def _pair_messages_bwd(edge_act, edges, proj, grad):
     k = proj.shape[1]
     over = lambda a, axis: sum(jax.lax.index_in_dim(a, j, axis, keepdims=False)  # noqa: E731
                                for j in range(k))       # K terms: elementwise, one fusion
-    out = jnp.concatenate([over(d_pre, 2), over(d_nodes, 2), over(d_pre, 1),
-                           over(d_nodes, 1)], axis=-1)
-    return (out.astype(proj.dtype),)
+    d_proj = jnp.concatenate([over(d_pre, 2), over(d_nodes, 2), over(d_pre, 1),
+                              over(d_nodes, 1)], axis=-1).astype(proj.dtype)
+    d_proj = jax.lax.optimization_barrier(d_proj)
+    d_u = jnp.einsum("tkb,ab->tka", d_proj, w_pair)
+    d_w = jnp.einsum("tka,tkb->ab", u, d_proj, preferred_element_type=F32)
+    return d_u, d_w.astype(w_pair.dtype)
 
 
 pair_messages.defvjp(_pair_messages_fwd, _pair_messages_bwd)
@@ -108,21 +119,26 @@ def bottleneck_weights(weights: dict, num_iters: int, shared: bool, dtype) -> di
       W_g^l and W_up^l^T (with shared weights one of each), in ``dtype``;
     * ``z`` and ``q``: for each iteration, the block index of W_g^l, and of W_up^l^T
       (``q[l]`` None for the L-th, which no later iteration reads);
-    * ``cross[l]`` [(l - 1) d_g, d_g]: [W_up^1 W_g^l; ..; W_up^(l-1) W_g^l], the earlier
-      messages' share of x^(l-1) W_g^l;
+    * ``cross[l]`` [(l - 1) d_g, d_g]: [W_up^1 C W_g^l; ..; W_up^(l-1) C W_g^l], the
+      earlier messages' share of x^(l-1) C W_g^l;
     * ``gram[l]`` [(l - 1) d_g, (l - 1) d_g]: the W_up^l' W_up^l''^T blocks, and ``up_sum[l]``
       [(l - 1) d_g]: the W_up^l' 1, their share of ||x||^2 and of sum(x);
-    * ``col_sum[l]`` [d_g] = 1^T W_g^l and ``shift[l]`` = beta^l W_down^l (eq. 7-8 folded);
+    * ``col_sum[l]`` [d_g] = 1^T (C W_g^l) of the rounded block (what of the mean its
+      rounding lets through) and ``shift[l]`` = beta^l W_down^l (eq. 7-8 folded);
     * ``pair[l]`` [d_g, 4 d_g] (eq. 9, :func:`~dagmoe_jax.model.dag.equations.dag_pair_weights`)
       and ``up`` [L d_g, d] = [W_up^1; ..; W_up^L] (eq. 11-12), in ``dtype``.
 
-    The products of the weights are float32 and formed from the weights rounded to ``dtype``,
-    as the nodes' products take them, so that mu 1^T W_g cancels the mean that x W_g holds.
+    W_g^l enters centred, C W_g^l with C = I - 1 1^T / d: x C W_g = (x - mu 1) W_g, so the
+    nodes' product holds no mean to cancel (it can be rounded to ``dtype``), and mu 1^T
+    (C W_g) takes out what rounding the block to ``dtype`` left of it. The products of the
+    weights are float32 and formed from the weights rounded to ``dtype``, as the nodes'
+    products take them.
     """
     at = (lambda l: weights) if shared else (lambda l: {n: w[l] for n, w in weights.items()})
     its = [at(l) for l in range(num_iters)]
-    w_g = [(it["ln_scale"].astype(F32)[:, None] * it["w_down"].astype(F32)).astype(dtype)
+    w_g = [it["ln_scale"].astype(F32)[:, None] * it["w_down"].astype(F32)
            for it in its]                                                # diag(gamma) W_down
+    w_g = [(w - jnp.mean(w, axis=0)).astype(dtype) for w in w_g]        # C W_g, centred
     w_up = [it["w_up"].astype(dtype) for it in its]
     blocks, z, q = [], [], []
     for l in range(num_iters):
@@ -181,7 +197,7 @@ def bottleneck_node_terms(x: jax.Array, gates: jax.Array, expert_out: jax.Array,
 def bottleneck_norm_projection(proj_l: jax.Array, total: jax.Array, square: jax.Array,
                                history, w: dict, l: int, d: int, eps: float) -> jax.Array:
     """DAG-MoE eq. 7-8 of iteration l (0-based) in d_g: u_i = LN(x_i^(l-1)) W_down^l [T, K, d_g]
-    float32, from x_i^0 W_g^l (``proj_l``), the statistics of x_i^0 (``total``, ``square``) and
+    float32, from x_i^0 C W_g^l (``proj_l``), the statistics of x_i^0 (``total``, ``square``) and
     the earlier messages ``history`` [T, K, l d_g] (None at l = 0) with their x_i^0 W_up^T
     projections (``history[1]``), through the weight products of :func:`bottleneck_weights`."""
     s, tot, sq = proj_l, total, square
@@ -194,7 +210,7 @@ def bottleneck_norm_projection(proj_l: jax.Array, total: jax.Array, square: jax.
     mean = tot / d
     var = jnp.maximum(sq / d - jnp.square(mean), 0.0)
     rstd = jax.lax.rsqrt(var + eps)
-    return rstd[..., None] * (s - mean[..., None] * w["col_sum"][l]) + w["shift"][l]
+    return rstd[..., None] * s + w["shift"][l]
 
 
 def bottleneck_dag(x: jax.Array, gates: jax.Array, expert_out: jax.Array, weights: dict,
@@ -209,14 +225,15 @@ def bottleneck_dag(x: jax.Array, gates: jax.Array, expert_out: jax.Array, weight
     w = bottleneck_weights(weights, num_iters, shared, dtype)
     dg = w["pair"][0].shape[0]
     proj, total, square = bottleneck_node_terms(x, gates, expert_out, w["columns"])
+    mean0 = total / d                                                      # of x_i^0
     block = lambda b: proj[..., b * dg:(b + 1) * dg]                          # noqa: E731
     msgs, ups, summed = [], [], []
     for l in range(num_iters):
         history = ((jnp.concatenate(msgs, -1), jnp.concatenate(ups, -1)) if l else None)
-        u = bottleneck_norm_projection(block(w["z"][l]), total, square, history, w, l, d,
+        centred = block(w["z"][l]) - mean0[..., None] * w["col_sum"][l]     # x^0 C W_g^l
+        u = bottleneck_norm_projection(centred, total, square, history, w, l, d,
                                        eps)                                       # eq. 7-8
-        pair = jnp.einsum("tka,ab->tkb", u.astype(dtype), w["pair"][l])           # eq. 9
-        m = pair_messages(pair, edge_act, edges)                                  # eq. 10
+        m = pair_messages(u.astype(dtype), w["pair"][l], edge_act, edges)        # eq. 9-10
         msgs.append(m)
         if w["q"][l] is not None:
             ups.append(block(w["q"][l]))

@@ -6,6 +6,7 @@ table in benchmarks/RESULTS.md with the device named.
     python -m benchmarks.accelerator                  # on the accelerator (~6-9 min on an H100)
     python -m benchmarks.accelerator --micro          # a CPU smoke run at a micro size (~1 min)
     python -m benchmarks.accelerator --budget_s 300   # stop starting new work after 300 s
+    python -m benchmarks.accelerator --profile_steps 0   # no kernel tables (traces)
 
 What it measures, in bf16 compute with float32 master weights (configs/gpu.gin) at the
 Llama-3 vocabulary (128,256), batch x sequence tokens per step (default 16 x 1024):
@@ -27,9 +28,20 @@ Llama-3 vocabulary (128,256), batch x sequence tokens per step (default 16 x 102
    from the same compiled program (:mod:`dagmoe_jax.compile.roofline`, the card's datasheet).
    Each variant runs in its own process, so its peak memory is its own; the budget cuts the
    last ones first;
-3. DAG-MoE L 2 / MoE + shared step ratios, s and l (the DAG-MoE paper: +4.49% at L 2 on an
+3. where each variant's step goes, kernel by kernel: after its timed steps, in the same
+   process, ``--profile_steps`` more steps (default 3; 0: none) run under ``jax.profiler``
+   and :mod:`benchmarks.device_trace` reads the trace (the GPU's kernels; on CPU, XLA's
+   thunks): the ``--top_kernels`` (25) kernels that took the most device time, each with the
+   HLO instructions that launched it (``hlo_op``), its ms and calls per step and its share
+   of the measured step, then their sum and the sum of all kernels against the step. Each
+   variant's JSON row holds its table (``profile``: ``kernels``, ``kernels_ms_per_step``,
+   ``all_kernels_ms_per_step``, ``step_s``) and the script prints them as Markdown tables for
+   RESULTS.md, so that the few minutes of a lent GPU can be studied after it is gone. A
+   profile that fails costs only its table (``profile``'s ``error`` says why), one that takes
+   its process down too (the timing, printed before it, stays);
+4. DAG-MoE L 2 / MoE + shared step ratios, s and l (the DAG-MoE paper: +4.49% at L 2 on an
    A100), and DAG-MoE-s L 2's step with the Triton kernels over its step with XLA's module;
-4. with the time left, a short quality run: MoE, MoE + shared and DAG-MoE L 2 (d_g 128) of
+5. with the time left, a short quality run: MoE, MoE + shared and DAG-MoE L 2 (d_g 128) of
    the s shape trained on the same tokens (600 steps x 32 x 512, 9.8M) of an offline corpus
    (this Python's standard-library docstrings, built where the script runs; nothing
    downloads) and scored on its held-out text, at a budget the project's CPU cannot reach;
@@ -44,10 +56,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,6 +71,7 @@ import jax.numpy as jnp
 
 from dagmoe_jax.model.accounting import account
 from dagmoe_jax.run.gin import load_execution_config, load_model_config
+from benchmarks.device_trace import device_kernels, kernel_table
 from benchmarks.step_throughput import matmul_rate, time_fn, train_step
 
 # name -> (model gin, variant gin). The s variants at d_g 128 and the l ones at 256 are the
@@ -140,20 +156,55 @@ def estimated_step(step, model, optimizer, data) -> dict:
     return {"estimate_s": cost.seconds, "card": chip.name, "kernels": cost.kernels}
 
 
-def measure_one(name: str, vocab: int, batch: int, seq: int, steps: int, micro: bool) -> dict:
+def profile_kernels(run, steps: int, step_s: float, top: int = 25) -> dict:
+    """The kernel table (:func:`benchmarks.device_trace.kernel_table`) of ``steps`` calls of
+    ``run`` (one blocking step) under ``jax.profiler``, the trace in a temporary folder removed
+    after, with ``steps`` and ``events`` (which events it sums:
+    :func:`benchmarks.device_trace.device_kernels`); where profiling fails, ``{"error": why}``
+    in one line."""
+    folder = tempfile.mkdtemp(prefix="accelerator-trace-")
+    try:
+        with jax.profiler.trace(folder):
+            for _ in range(steps):
+                run()
+        traces = sorted(glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True))
+        if not traces:
+            return {"error": "the profiler wrote no *.trace.json.gz"}
+        read, kernels = device_kernels(traces[-1], steps)
+    except Exception as e:  # noqa: BLE001 -- a failed profile must not cost the timed row
+        return {"error": (f"{type(e).__name__}: {e}".splitlines() or ["?"])[0][:300]}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    if not kernels:
+        return {"error": f"the trace holds no events to sum ({read} events read)"}
+    return {"steps": steps, "events": read, **kernel_table(kernels, step_s, top)}
+
+
+def measure_one(name: str, vocab: int, batch: int, seq: int, steps: int, micro: bool,
+                profile_steps: int = 0, top_kernels: int = 25, timed=None) -> dict:
     """One variant's step time, throughput, peak memory and the roofline's estimate of the
-    same step (run in a process of its own)."""
+    same step (run in a process of its own), then, with ``profile_steps``, the kernel table of
+    that many more steps (:func:`profile_kernels`) as ``profile``, after the timing so that
+    the profiler perturbs no timed step. ``timed``: called with the row before the profile
+    runs (the child prints it, so that a profiler that takes the process down leaves the
+    timing)."""
     cfg, execution = variant_config(name, vocab, micro)
     step, model, optimizer, data = train_step(cfg, execution, batch, seq)
-    t = time_fn(lambda: jax.block_until_ready(step(model, optimizer, data)), steps)
+    run = lambda: jax.block_until_ready(step(model, optimizer, data))  # noqa: E731
+    t = time_fn(run, steps)
     acc = account(cfg, seq)
     tokens = batch * seq
-    return {"variant": name, "params": acc.total_params, "active_params": acc.total_active_params,
-            "grouped_matmul": model.execution.grouped_matmul,
-            "dag_module": model.execution.dag_module,
-            "s_per_step": t, "tokens_per_s": tokens / t,
-            "model_flops_per_s": acc.train_flops_per_token * tokens / t,
-            "peak_memory_bytes": peak_memory(), **estimated_step(step, model, optimizer, data)}
+    row = {"variant": name, "params": acc.total_params, "active_params": acc.total_active_params,
+           "grouped_matmul": model.execution.grouped_matmul,
+           "dag_module": model.execution.dag_module,
+           "s_per_step": t, "tokens_per_s": tokens / t,
+           "model_flops_per_s": acc.train_flops_per_token * tokens / t,
+           "peak_memory_bytes": peak_memory(), **estimated_step(step, model, optimizer, data)}
+    if not profile_steps:
+        return row
+    if timed is not None:
+        timed(row)
+    return {**row, "profile": profile_kernels(run, profile_steps, t, top_kernels)}
 
 
 def device_info() -> dict:
@@ -165,23 +216,34 @@ def device_info() -> dict:
             "measured_bf16_matmul_flops": matmul_rate(n, dtype=jnp.bfloat16)}
 
 
+def error_line(stderr: str) -> str:
+    """The line of a child's ``stderr`` that says what went wrong: the exception's own line,
+    not JAX's "removed its internal frames" note after it (else the last line)."""
+    lines = stderr.strip().splitlines() or ["no output"]
+    return next((line for line in reversed(lines) if "Error" in line.split(":")[0]), lines[-1])
+
+
 def run_one_in_subprocess(name: str, args) -> dict:
     """``measure_one`` (or ``device_info`` for DEVICE) in a child process. The parent never
     opens the accelerator before its children are done: a GPU process preallocates most of the
     device's memory when its backend starts, so a parent holding the backend leaves its
-    children too little (on an H200 every variant ran out of memory)."""
+    children too little (on an H200 every variant ran out of memory). A child that fails after
+    printing its timed row (in the profile) gives that row, with why it has no kernel table."""
     cmd = [sys.executable, "-m", "benchmarks.accelerator", "--one", name, "--vocab",
            str(args.vocab), "--batch", str(args.batch), "--seq", str(args.seq), "--steps",
-           str(args.steps)] + (["--micro"] if args.micro else [])
+           str(args.steps), "--profile_steps", str(args.profile_steps), "--top_kernels",
+           str(args.top_kernels)] + (["--micro"] if args.micro else [])
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
-    if out.returncode or not lines:
-        lines = out.stderr.strip().splitlines() or ["no output"]
-        # the exception's own line, not JAX's "removed its internal frames" note after it
-        tail = next((line for line in reversed(lines) if "Error" in line.split(":")[0]),
-                    lines[-1])
-        return {"variant": name, "error": tail}
-    return json.loads(lines[-1])
+    if not lines:
+        return {"variant": name, "error": error_line(out.stderr)}
+    row = json.loads(lines[-1])
+    if not out.returncode:
+        return row
+    if name != DEVICE and args.profile_steps and "profile" not in row:
+        return {**row, "profile": {"error": f"the profiled steps ended the process (exit "
+                                            f"{out.returncode}): {error_line(out.stderr)}"}}
+    return {"variant": name, "error": error_line(out.stderr)}
 
 
 def throughput_table(rows, peak, measured) -> str:
@@ -200,6 +262,61 @@ def throughput_table(rows, peak, measured) -> str:
                      f"{r['tokens_per_s']:>12,.0f}{fps / 1e12:>9.1f}{mfu:>8}"
                      f"{fps / measured:>10.1%}{mem:>11}{estimate:>10}")
     return "\n".join(lines)
+
+
+def profiled(row) -> str:
+    """What ``row``'s profile found, for the line that reports the variant ('' unprofiled)."""
+    profile = row.get("profile")
+    if profile is None:
+        return ""
+    if "error" in profile:
+        return f"; no kernel table ({profile['error']})"
+    return (f"; {profile['all_kernels_ms_per_step']:.3f} ms of {profile['kernel_count']} "
+            f"kernels a step ({profile['events']} events)")
+
+
+EVENTS = {"device": "the device's kernels", "hlo_op": "XLA's instructions, no device traced",
+          "all": "every event: no device traced, no instruction named"}
+"""What the events a kernel table sums are (:func:`benchmarks.device_trace.device_kernels`)."""
+
+
+def _cell(text: str, width: int = 60) -> str:
+    """``text`` for a Markdown table cell: at most ``width`` characters, no '|'."""
+    text = text if len(text) <= width else text[:width - 3] + "..."
+    return text.replace("|", "\\|")
+
+
+def kernel_table_markdown(rows, ops: int = 3) -> str:
+    """Each profiled row's kernel table (``row["profile"]``, :func:`measure_one`) as Markdown
+    for RESULTS.md: a line per variant with its step and the table's and all kernels' sums
+    against it, then the kernels (name, the first ``ops`` HLO instructions that launched it,
+    ms and calls per step, share of the step); a profile that failed is its line with why.
+    '' where no row was profiled."""
+    parts = []
+    for r in rows:
+        profile = r.get("profile")
+        if profile is None or "error" in r:
+            continue
+        if "error" in profile:
+            parts.append(f"**{r['variant']}**: no kernel table ({profile['error']})")
+            continue
+        share = lambda x: "-" if x is None else f"{x:.1%}"  # noqa: E731
+        step = f"{profile['step_s'] * 1e3:.3f} ms" if profile["step_s"] else "not measured"
+        listed, everything = profile["kernels_ms_per_step"], profile["all_kernels_ms_per_step"]
+        lines = [f"**{r['variant']}** ({profile['steps']} steps traced; "
+                 f"{EVENTS.get(profile['events'], profile['events'])}): step {step}; the "
+                 f"{len(profile['kernels'])} largest of {profile['kernel_count']} kernels "
+                 f"{listed:.3f} ms ({share(profile['kernels_share'])} of the step), all "
+                 f"kernels {everything:.3f} ms ({share(profile['all_kernels_share'])})", "",
+                 "| kernel | HLO ops | ms/step | calls/step | share of step |",
+                 "|---|---|---:|---:|---:|"]
+        for k in profile["kernels"]:
+            more = f" +{len(k['hlo_ops']) - ops}" if len(k["hlo_ops"]) > ops else ""
+            hlo = ", ".join(k["hlo_ops"][:ops]) + more or "-"
+            lines.append(f"| `{_cell(k['name'])}` | {_cell(hlo, 80)} | {k['ms_per_step']:.3f} | "
+                         f"{k['calls_per_step']:g} | {share(k['share'])} |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
 
 
 def quality_run(args, deadline: float, out_dir: Path) -> dict:
@@ -262,6 +379,12 @@ def main(argv=None) -> int:
     p.add_argument("--quality_seeds", type=int, default=3,
                    help="seeds of the quality run, each run whole while the budget allows "
                         "(default 3)")
+    p.add_argument("--profile_steps", type=int, default=3,
+                   help="steps traced by jax.profiler after each variant's timed steps, for "
+                        "its kernel table (default 3; 0: no trace)")
+    p.add_argument("--top_kernels", type=int, default=25,
+                   help="kernels in each variant's table, the most device time first "
+                        "(default 25)")
     p.add_argument("--json", default=None, help="where the JSON goes")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)   # a child process
     args = p.parse_args(argv)
@@ -273,7 +396,8 @@ def main(argv=None) -> int:
     if args.one:
         print(json.dumps(device_info() if args.one == DEVICE else
                          measure_one(args.one, args.vocab, args.batch, args.seq, args.steps,
-                                     args.micro)))
+                                     args.micro, args.profile_steps, args.top_kernels,
+                                     timed=lambda row: print(json.dumps(row), flush=True))))
         return 0
 
     start = time.monotonic()
@@ -311,7 +435,8 @@ def main(argv=None) -> int:
         row = run_one_in_subprocess(name, args)
         report["variants"].append(row)
         print(f"  measured {name}: " + (f"{row['s_per_step']:.3f} s/step" if "error" not in row
-                                        else f"failed ({row['error']})"), flush=True)
+                                        else f"failed ({row['error']})") + profiled(row),
+              flush=True)
         json_path.write_text(json.dumps(report, indent=2))
     print("\n" + throughput_table(report["variants"], peak, measured))
     by_name = {r["variant"]: r for r in report["variants"] if "error" not in r}
@@ -328,6 +453,10 @@ def main(argv=None) -> int:
         report["dag_module_step_ratio"] = ratio
         print(f"dag-s L2 with the DAG module {kernels['dag_module']!r} / with "
               f"{xla['dag_module']!r}: {ratio:.4f}x step time")
+    tables = kernel_table_markdown(report["variants"])
+    if tables:
+        print(f"\nKernels of one step, the most device time first (jax.profiler, "
+              f"benchmarks/device_trace.py):\n\n{tables}")
     left = args.budget_s - (time.monotonic() - start)
     if args.quality_steps and left > 30:
         print(f"\nquality run ({left:.0f} s left): {', '.join(QUALITY_VARIANTS)}, up to "

@@ -1,6 +1,8 @@
 """benchmarks/accelerator.py end to end at its micro size on CPU, so that the one command
 meant for a lent GPU works the day one is lent: every variant measured in its own process, the
-table, the DAG / shared ratio from the measured times, the quality run and the JSON."""
+table, the DAG / shared ratio from the measured times, each variant's kernel table from a trace
+of its step (tests/test_benchmarks_profile.py checks the tables themselves), the quality run
+and the JSON."""
 
 from __future__ import annotations
 
@@ -56,7 +58,8 @@ def test_the_accelerator_script_runs_at_micro_size(tmp_path, stdlib_corpus):
     stdlib_corpus(out_json.parent / "accelerator_runs" / "corpus")
     # two variants in their processes ('... cap' differs only in its bindings: tested above)
     cmd = benchmark_command("accelerator", "--micro", "--variants", "moe+shared-s", "dag-s L2",
-                            "--quality_seeds", "2", "--json", str(out_json))
+                            "--quality_seeds", "2", "--profile_steps", "2", "--top_kernels", "5",
+                            "--json", str(out_json))
     out = subprocess.run(cmd, env=env, text=True, capture_output=True, timeout=900,
                          cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -77,6 +80,18 @@ def test_the_accelerator_script_runs_at_micro_size(tmp_path, stdlib_corpus):
              if line.startswith(("moe+shared-s ", "dag-s L2 ")) and " / " not in line]
     assert len(table) == 2 and all(f"{rows[name]['params']:,}" in line
                                    for name, line in zip(("moe+shared-s", "dag-s L2"), table))
+    # each variant's kernel table, from a trace of 2 more steps (on CPU, XLA's instructions)
+    for name, row in rows.items():
+        profile = row["profile"]
+        assert (profile["steps"], profile["events"], profile["step_s"]) == (
+            2, "hlo_op", row["s_per_step"])
+        assert len(profile["kernels"]) == 5 < profile["kernel_count"]
+        assert all(k["hlo_ops"] == [k["name"]] and k["calls_per_step"] >= 1
+                   for k in profile["kernels"])
+        assert 0 < profile["kernels_ms_per_step"] < profile["all_kernels_ms_per_step"]
+        printed = out.stdout.split(f"**{name}** (2 steps traced")[1].split("\n\n")[1]
+        assert [line.split(" | ")[0] for line in printed.splitlines()[2:]] == [
+            f"| `{k['name']}`" for k in profile["kernels"]]
     quality = report["quality"]
     assert quality["seeds_run"] == 2
     assert sorted((r["variant"], r["seed"]) for r in quality["runs"]) == [

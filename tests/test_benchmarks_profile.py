@@ -1,13 +1,18 @@
 """benchmarks/step_profile.py: its HLO parsing and categories on a hand-written module, and the
-whole profile of a micro model's step."""
+whole profile of a micro model's step; benchmarks/device_trace.py's kernel table off a real
+``jax.profiler`` trace made here (XLA:CPU) and off a hand-written GPU one, and the tables
+benchmarks/accelerator.py keeps and prints of it."""
 
 from __future__ import annotations
 
+import glob
+import gzip
+import json
 import subprocess
 
 import pytest
 
-from benchmarks import step_profile
+from benchmarks import device_trace, step_profile
 from conftest import benchmark_command, single_device_env
 from dagmoe_jax.kernels.grouped_matmul import grouped_matmul_unavailable
 
@@ -199,3 +204,141 @@ def test_best_alternating_reverses_odd_rounds_and_keeps_each_best():
                                             repeats=1, rounds=2)
     assert calls == list("aabbbbaa")
     assert list(best) == ["a", "b"] and all(t >= 0 for t in best.values())
+
+
+def _cpu_trace(folder, steps: int):
+    """(the trace file of ``steps`` calls of a jitted 384^3 matmul beside a doubling of 8
+    numbers, the compiled program's HLO text)."""
+    import jax
+    import jax.numpy as jnp
+
+    f = jax.jit(lambda x, w, y: (x @ w, y * 2))
+    args = (jnp.ones((384, 384)), jnp.ones((384, 384)), jnp.ones(8))
+    jax.block_until_ready(f(*args))
+    with jax.profiler.trace(str(folder)):
+        for _ in range(steps):
+            jax.block_until_ready(f(*args))
+    [trace] = glob.glob(f"{folder}/**/*.trace.json.gz", recursive=True)
+    return trace, f.lower(*args).compile().as_text()
+
+
+def test_a_cpu_trace_gives_the_instructions_and_their_times(tmp_path):
+    """On CPU there is no device process: the kernels are XLA's thunks, each named by the HLO
+    instruction it runs (``args.hlo_op``), once a call; the matmul comes first, the host's own
+    events (Python, PjRt) are left out, and the table keeps the largest ``top`` with their
+    sums against the step it is given."""
+    trace, hlo = _cpu_trace(tmp_path, steps=2)
+    read, kernels = device_trace.device_kernels(trace, steps=2)
+    assert read == "hlo_op" and len(kernels) >= 2
+    instructions, computations = step_profile.parse_hlo(hlo)
+    assert all(k.hlo_ops == (k.name,) and k.name in instructions for k in kernels)
+    assert all(k.calls_per_step == 1 for k in kernels)
+    assert not any(k.name.startswith(("$", "PjitFunction")) for k in kernels)
+    times = [k.ms_per_step for k in kernels]
+    assert times == sorted(times, reverse=True) and times[-1] >= 0 and times[0] > 0
+    assert step_profile.categorize(kernels[0].name, instructions, computations) == "matmul"
+
+    table = device_trace.kernel_table(kernels, step_s=0.05, top=1)
+    assert [r["name"] for r in table["kernels"]] == [kernels[0].name]
+    assert table["kernel_count"] == len(kernels) and table["step_s"] == 0.05
+    assert table["kernels_ms_per_step"] == pytest.approx(times[0])
+    assert table["all_kernels_ms_per_step"] == pytest.approx(sum(times))
+    assert table["kernels"][0]["share"] == pytest.approx(times[0] / 50)
+    assert table["all_kernels_share"] == pytest.approx(sum(times) / 50)
+    assert device_trace.kernel_table(kernels, None, top=1)["kernels_share"] is None
+
+
+def _gpu_trace(path) -> str:
+    """A hand-written trace as the profiler writes one of two steps on a GPU: the host's
+    launch annotations (an ``hlo_op`` too), stream 7's kernels with the ``hlo_op`` that launched
+    each, a copy naming none, and xprof's derived 'XLA Ops' line over the same kernels."""
+    def ev(pid, tid, name, ts, dur, **args):
+        return {"ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur, "name": name,
+                "args": {"correlation_id": str(ts), **args}}
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+            {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": 2, "tid": 7, "name": "thread_name",
+             "args": {"name": "Stream #7(Kernel,MemcpyD2D)"}},
+            {"ph": "M", "pid": 2, "tid": 100, "name": "thread_name", "args": {"name": "XLA Ops"}}]
+    gemm = "nvjet_tst_128x256_64x4_2x1_v_bz_TNT"
+    step = [ev(2, 7, gemm, 0, 400, hlo_op="dot.1", hlo_module="jit_step"),
+            ev(2, 7, gemm, 400, 100, hlo_op="custom-call.2", hlo_module="jit_step"),
+            ev(2, 7, gemm, 500, 100, hlo_op="custom-call.2", hlo_module="jit_step"),
+            ev(2, 7, "loop_multiply_fusion", 600, 300, hlo_op="multiply_fusion.3"),
+            ev(2, 7, "MemcpyD2D", 900, 50),
+            ev(2, 100, "dot.1", 0, 400, hlo_op="dot.1"),
+            ev(1, 1, "Thunk:#hlo_op=dot.1#", 0, 5, hlo_op="dot.1")]
+    events = meta + step + [{**e, "ts": e["ts"] + 2000} for e in step]
+    with gzip.open(path, "wt") as f:
+        json.dump({"displayTimeUnit": "ns", "traceEvents": events}, f)
+    return str(path)
+
+
+def test_a_gpu_trace_gives_the_stream_kernels_with_the_ops_that_launched_them(tmp_path):
+    read, kernels = device_trace.device_kernels(_gpu_trace(tmp_path / "t.trace.json.gz"), 2)
+    assert read == "device"
+    assert [(k.name, k.ms_per_step, k.calls_per_step, k.hlo_ops) for k in kernels] == [
+        ("nvjet_tst_128x256_64x4_2x1_v_bz_TNT", 0.6, 3, ("dot.1", "custom-call.2")),
+        ("loop_multiply_fusion", 0.3, 1, ("multiply_fusion.3",)),
+        ("MemcpyD2D", 0.05, 1, ())]
+    table = device_trace.kernel_table(kernels, step_s=0.001, top=2)
+    assert table["kernels_ms_per_step"] == pytest.approx(0.9)
+    assert table["all_kernels_share"] == pytest.approx(0.95)
+    assert [r["hlo_ops"] for r in table["kernels"]] == [["dot.1", "custom-call.2"],
+                                                       ["multiply_fusion.3"]]
+
+
+def test_the_accelerator_prints_each_kernel_table_as_markdown(tmp_path):
+    from benchmarks.accelerator import kernel_table_markdown
+
+    _, kernels = device_trace.device_kernels(_gpu_trace(tmp_path / "t.trace.json.gz"), 2)
+    rows = [{"variant": "moe-s", "profile": {"steps": 2, "events": "device",
+                                             **device_trace.kernel_table(kernels, 0.001, 2)}},
+            {"variant": "dag-s L2", "profile": {"error": "RuntimeError: no CUPTI"}},
+            {"variant": "moe-l", "s_per_step": 0.4},                      # not profiled
+            {"variant": "moe-l cap", "error": "out of memory"}]
+    text = kernel_table_markdown(rows, ops=1)
+    table = [line for line in text.splitlines() if line.startswith("| `")]
+    assert table == ["| `nvjet_tst_128x256_64x4_2x1_v_bz_TNT` | dot.1 +1 | 0.600 | 3 | 60.0% |",
+                     "| `loop_multiply_fusion` | multiply_fusion.3 | 0.300 | 1 | 30.0% |"]
+    assert ("**moe-s** (2 steps traced; the device's kernels): step 1.000 ms; the 2 largest of "
+            "3 kernels 0.900 ms (90.0% of the step), all kernels 0.950 ms (95.0%)") in text
+    assert "**dag-s L2**: no kernel table (RuntimeError: no CUPTI)" in text
+    assert "moe-l" not in text
+    assert kernel_table_markdown(rows[2:]) == ""
+
+
+def test_a_failed_profile_is_one_line_and_leaves_the_profiler_stopped():
+    """accelerator.profile_kernels: a step that raises under the profiler costs the table only
+    (its error in one line); the profiler is stopped, so the next variant's trace starts."""
+    from benchmarks.accelerator import profile_kernels
+
+    def fails():
+        raise RuntimeError("CUPTI_ERROR_INSUFFICIENT_PRIVILEGES\nsecond line")
+    assert profile_kernels(fails, 2, 0.01) == {
+        "error": "RuntimeError: CUPTI_ERROR_INSUFFICIENT_PRIVILEGES"}
+    import jax.numpy as jnp
+    got = profile_kernels(lambda: (jnp.ones(64) * 3).block_until_ready(), 2, 0.01, top=1)
+    assert "error" not in got and got["steps"] == 2 and len(got["kernels"]) == 1
+
+
+def test_a_child_that_dies_in_its_profile_keeps_its_timed_row(monkeypatch):
+    """run_one_in_subprocess: the child prints its timed row before profiling; a profiler that
+    takes the process down leaves that row, with why it has no kernel table; a child that
+    dies before any row is the variant's failure."""
+    import argparse
+    from benchmarks import accelerator
+
+    args = argparse.Namespace(vocab=512, batch=2, seq=32, steps=2, micro=True, profile_steps=3,
+                              top_kernels=25)
+    timed = json.dumps({"variant": "moe-s", "s_per_step": 0.01})
+    out = lambda stdout: subprocess.CompletedProcess(  # noqa: E731
+        [], -11, stdout, "Fatal Python error: Segmentation fault\n")
+    monkeypatch.setattr(accelerator.subprocess, "run", lambda *a, **k: out(timed + "\n"))
+    row = accelerator.run_one_in_subprocess("moe-s", args)
+    assert row["s_per_step"] == 0.01 and "error" not in row
+    assert row["profile"]["error"] == ("the profiled steps ended the process (exit -11): "
+                                       "Fatal Python error: Segmentation fault")
+    monkeypatch.setattr(accelerator.subprocess, "run", lambda *a, **k: out(""))
+    assert accelerator.run_one_in_subprocess("moe-s", args) == {
+        "variant": "moe-s", "error": "Fatal Python error: Segmentation fault"}

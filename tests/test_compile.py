@@ -50,23 +50,23 @@ def v5p():
 
 
 def pallas_dag():
-    """:func:`small_dag` at d_g 128, the Mosaic DAG kernels' tile: 'auto' settles its DAG
-    module to them on TPU."""
+    """:func:`small_dag` at d_g 128, the Mosaic DAG kernels' tile."""
     return small_dag(aggregation=dict(dag_dim=128))
 
 
 @pytest.fixture(scope="module")
 def mesh_step(v5p):
     """(mesh, settled execution, training-step report) of :func:`pallas_dag` compiled with
-    'auto' on the v5p-8 as data=2 x expert=2, the HLO kept: one compilation that two tests
-    read."""
+    'auto' but the DAG module's Mosaic kernels ('pallas': asked for, 'auto' being XLA's) on
+    the v5p-8 as data=2 x expert=2, the HLO kept: one compilation that two tests read."""
     from dagmoe_jax.compile.programs import compile_run, mesh_over
     chip, devices = v5p
     mesh = mesh_over(devices, dict(data=2, expert=2))
     with jax.default_matmul_precision("default"):     # a module fixture: before the autouse one
         settled, reports = compile_run(pallas_dag(), DataConfig(batch_size=8, seq_len=128),
-                                       OptimConfig(), RunConfig(), mesh, chip,
-                                       programs=("train",), keep_hlo=True)
+                                       OptimConfig(),
+                                       RunConfig(execution=ExecutionConfig(dag_module="pallas")),
+                                       mesh, chip, programs=("train",), keep_hlo=True)
     return mesh, settled, reports["train"]
 
 
@@ -109,8 +109,8 @@ def test_tiny_dag_compiles_for_v5p_under_data_x_expert(v5p, mesh_step):
 
 @needs_tpu_compiler
 def test_the_dag_kernels_compile_for_v5p_and_move_fewer_bytes(v5p, mesh_step):
-    """With d and d_g multiples of 128 'auto' settles the DAG module to the Mosaic kernels
-    ('pallas'), here inside a data x expert mesh's shard_map (one chip runs the same kernels
+    """The DAG module's Mosaic kernels ('pallas', d and d_g multiples of 128; asked for),
+    here inside a data x expert mesh's shard_map (one chip runs the same kernels
     without it; the interpreted tests check both): the compiled training step runs
     each iteration's forward and backward kernel, and moves fewer HBM bytes than the same
     step with XLA's rank-3 module (its own instructions under half the bytes), whose matmul

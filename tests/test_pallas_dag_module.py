@@ -136,14 +136,17 @@ def dag_config(d_model=128, dag_dim=128):
                        aggregation={"dag_dim": dag_dim}, router=dict(top_k=4))
 
 
-def test_auto_settles_to_the_kernels_on_tpu_where_they_take_the_shape():
+def test_auto_keeps_xla_on_tpu_and_the_kernels_only_when_asked_for():
+    """The kernels are estimated, not measured, on a TPU: 'auto' is XLA's rank-3 module even
+    where they take the shape; an explicit 'pallas' is kept where they do."""
     bf16 = jnp.bfloat16
-    assert settle_dag_module("auto", dag_config(), "tpu", bf16, None) == "pallas"
-    assert settle(dag_config(), ExecutionConfig(), backend="tpu").dag_module == "pallas"
-    # d_g 64 is half a lane tile: XLA's rank-3 module
+    assert settle_dag_module("auto", dag_config(), "tpu", bf16, None) == "xla_rank3"
+    assert settle(dag_config(), ExecutionConfig(), backend="tpu").dag_module == "xla_rank3"
+    assert settle_dag_module("pallas", dag_config(), "tpu", bf16, None) == "pallas"
+    # d_g 64 is half a lane tile: the kernels cannot take it
     assert settle_dag_module("auto", dag_config(dag_dim=64), "tpu", bf16, None) == "xla_rank3"
     assert "multiples of 128 (got 128 and 64)" in pallas_dag_unsupported(128, 64, bf16)
-    assert settle_dag_module("auto", dag_config(), "gpu", bf16, None) == "xla"
+    assert settle_dag_module("auto", dag_config(), "gpu", bf16, None) == "bottleneck"
 
 
 def test_an_explicit_pallas_it_cannot_run_is_one_line():

@@ -63,19 +63,32 @@ def test_settle_decides_every_auto_field_per_backend_and_layout():
 
 def test_the_dag_module_runs_in_the_cpu_kernels_only_where_they_can():
     """'auto' is the C++ kernel for a DAG model on one CPU device in float32 with d_g a multiple
-    of 16; on TPU XLA's with the node axis kept; XLA's pair tensor everywhere else (and for
-    models without a DAG module, where the choice is never used); an explicit 'fused' under a
-    mesh is one line."""
+    of 16, XLA's rows elsewhere on CPU; XLA's program in d_g on a GPU; XLA's with the node axis
+    kept on TPU, whatever the widths (the Mosaic kernels only when asked for: no TPU has
+    measured them); an explicit 'fused' under a mesh is one line. The printed line says on
+    what evidence an 'auto' one was chosen."""
+    from dagmoe_jax.model.settle import DAG_EVIDENCE
     dag = tiny_config("moe", "dag", aggregation=dict(dag_dim=16))
     assert settle(dag, backend="cpu").dag_module == "fused"
     assert "DAG module fused" in describe(dag, settle(dag, backend="cpu"), None, "cpu")
+    line = describe(dag, settle(dag, backend="cpu"), ExecutionConfig(), "cpu")
+    assert f"DAG module fused ({DAG_EVIDENCE['fused']})" in line, line
     assert "DAG module" not in describe(tiny_config(), settle(tiny_config(), backend="cpu"),
                                           None, "cpu")
     for other in (dag.replace(block=dict(aggregation=dict(dag_dim=12))),
                   dag.replace(compute_dtype="bfloat16"), tiny_config("moe", "sum")):
         assert settle(other, backend="cpu").dag_module == "xla"
-    assert settle(dag, backend="gpu").dag_module == "xla"
-    assert settle(dag, backend="tpu").dag_module == "xla_rank3"  # no [T*K, .] relayout copies
+    assert settle(dag, backend="gpu").dag_module == "bottleneck"
+    line = describe(dag, settle(dag, backend="gpu"), ExecutionConfig(), "gpu")
+    assert "DAG module bottleneck (XLA's in the bottleneck space" in line, line
+    wide = tiny_config("moe", "dag", d_model=128, num_heads=4, num_kv_heads=2,
+                       aggregation=dict(dag_dim=128))
+    for cfg in (dag, wide):                    # 'pallas' could take the second: not 'auto'
+        assert settle(cfg, backend="tpu").dag_module == "xla_rank3"
+    assert settle(wide, ExecutionConfig(dag_module="pallas"), backend="tpu").dag_module == \
+        "pallas"
+    assert describe(dag, settle(dag, ExecutionConfig(dag_module="xla"), backend="gpu"),
+                    ExecutionConfig(dag_module="xla"), "gpu").endswith("DAG module xla")
     assert settle(tiny_config(), backend="tpu").dag_module == "xla"   # no DAG module
     layout = MeshLayout.of(make_mesh(MeshConfig(data=2), jax.devices()[:2]))
     assert settle(dag, backend="cpu", layout=layout).dag_module == "xla"
@@ -83,7 +96,7 @@ def test_the_dag_module_runs_in_the_cpu_kernels_only_where_they_can():
                                          r"single device only; use 'auto' or 'xla' under a "
                                          r"device mesh$"):
         settle(dag, ExecutionConfig(dag_module="fused"), backend="cpu", layout=layout)
-    for explicit in ("xla", "xla_rank3"):
+    for explicit in ("xla", "xla_rank3", "bottleneck"):
         assert settle(dag, ExecutionConfig(dag_module=explicit), backend="cpu").dag_module == \
             explicit
 

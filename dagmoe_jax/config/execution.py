@@ -59,11 +59,14 @@ class ExecutionConfig:
       and False under a mesh, where the concatenation would move tensor-sharded weights.
       Dropless dispatch's grouped matmuls run gate and up apart either way.
     dag_module: how the DAG module (DAG-MoE eq. 7's LayerNorm, eq. 9-10's pairwise messages
-      summed over the senders, the projections of eq. 8, 9 and 11) runs: 'auto' (default:
-      'fused' on CPU for float32 on one device when a C++ compiler is available and d_model
-      and d_g are multiples of 16; on TPU 'pallas' where d_model and d_g are multiples of
-      128, else 'xla_rank3'; else 'xla', on a GPU too: there
-      XLA's iteration ran 3.3x faster than 'triton' on an H200), 'xla' (the K x K pair
+      summed over the senders, the projections of eq. 8, 9 and 11) runs: 'auto' (default,
+      each choice on a measurement or, between XLA's own programs, the roofline's ranking,
+      printed with the run's settings: 'fused' on CPU for float32 on one device when a C++
+      compiler is available and d_model and d_g are multiples of 16, else 'xla' there;
+      'bottleneck' on a GPU, where 'triton' ran 3.3x slower than XLA's iteration on an H200;
+      'xla_rank3' on TPU, where 'pallas' is estimated only), 'bottleneck' (eq. 6-12 by XLA in
+      d_g, dagmoe_jax.model.dag.bottleneck: the experts' outputs projected once, no d-wide
+      node built; any backend and mesh), 'xla' (the K x K pair
       tensor built by XLA, the projections on [T*K, .] rows: free reshapes on CPU and GPU),
       'xla_rank3' (the same with the projections on the [T, K, .] node arrays as they are:
       on TPU the reshape to rows is a copy between tiled layouts) or 'fused'

@@ -15,7 +15,8 @@
   attention (``attention='splash'``) and megablox's grouped matmul for dropless dispatch
   (``grouped_matmul='gmm'``); :mod:`.pallas_dag_module`, a whole DAG iteration (eq. 7-11) as
   one Pallas Mosaic kernel forward and one backward on node-major [K, T, d] nodes
-  (``dag_module='pallas'``, TPU's 'auto' where d and d_g are multiples of 128). They run
+  (``dag_module='pallas'``, d and d_g multiples of 128; only when asked for: no TPU has
+  measured it). They run
   anywhere in the Pallas interpreter, which is how the CPU tests check them.
 
 * GPU, :mod:`.gpu_grouped_matmul`: dropless dispatch's grouped matmul without XLA:GPU's dense

@@ -30,14 +30,17 @@ a concrete ``ExecutionConfig`` that the run prints and saves, and builds the mod
 ``fuse_projections`` one [W_gate | W_up] matmul (and one [W_q | W_k | W_v]) on one device;
                    separate ones under a mesh (the concatenation would move tensor-sharded
                    weights)
-``dag_module``     the DAG module's LayerNorm, pairwise messages and projections: the C++
-                   kernels on CPU for float32 on one device with d and d_g multiples of 16
-                   and a working compiler (compiled here the first time); on TPU the
-                   Mosaic kernels ('pallas', d and d_g multiples of 128), else XLA's with
-                   the projections on the [T, K, .] node arrays ('xla_rank3': there the
-                   reshape to [T*K, .] rows is a relayout copy); else XLA's ('xla'), on a
-                   GPU too: on an H200 XLA's iteration ran 3.3x faster than the Triton
-                   kernels ('triton', still a choice), benchmarks/RESULTS.md
+``dag_module``     how the DAG module runs, each choice from a measurement or, between XLA's
+                   own programs, from the roofline that ranks them (:data:`DAG_EVIDENCE`,
+                   printed by :func:`describe`): the C++ kernels ('fused') on CPU for float32
+                   on one device with d and d_g multiples of 16 and a working compiler
+                   (compiled here the first time; measured faster than XLA's on this CPU);
+                   on TPU XLA's with the projections on the [T, K, .] node arrays
+                   ('xla_rank3': there the reshape to [T*K, .] rows is a relayout copy; the
+                   Mosaic kernels 'pallas' are only estimated, so only run when asked for);
+                   on a GPU XLA's in the bottleneck space ('bottleneck': no d-wide node
+                   built; the Triton kernels ran 3.3x slower than XLA on an H200 and stay a
+                   choice); else XLA's on [T*K, .] rows ('xla'), benchmarks/RESULTS.md
 ``loss_chunk``     tokens per device in a chunk of the vocabulary-tiled loss: 512 on CPU,
                    4096 on GPU / TPU (where smaller chunks re-read the LM head and its float32
                    gradient until the head is bound by HBM, not by its FLOPs)
@@ -180,26 +183,47 @@ def settle_expert_exchange(name: str, backend: str) -> str:
     return "all_gather" if backend == "cpu" else "ragged_all_to_all"
 
 
+DAG_EVIDENCE = {
+    "fused": "the C++ kernels: one DAG-MoE-s layer's module forward + backward measured in "
+             "0.21 s on the 2-core CPU, XLA's 'xla' 0.28-0.32 s and 'bottleneck' 0.37 s "
+             "(benchmarks/RESULTS.md)",
+    "xla": "XLA's on [T*K, .] rows: of XLA's programs the fastest measured on CPU, one "
+           "DAG-MoE-s layer's module 0.28-0.32 s against 'bottleneck''s 0.37 s "
+           "(benchmarks/RESULTS.md)",
+    "xla_rank3": "XLA's on the [T, K, .] nodes: the best of XLA's programs on TPU by the "
+                 "roofline (DAG-MoE-l L 2 / MoE + shared on v5p 1.16x, 'bottleneck' 1.21x); "
+                 "the Mosaic kernels ('pallas') are estimated only, no TPU has run them "
+                 "(benchmarks/RESULTS.md)",
+    "bottleneck": "XLA's in the bottleneck space, no d-wide node built: the best of XLA's "
+                  "programs by the roofline, whose ratios between them an H200 confirmed "
+                  "(DAG-MoE L 2 / MoE + shared on an H100 1.18x at s and 1.20x at l, 'xla' "
+                  "1.25x and 1.35x); the Triton kernels ran 3.3x slower than XLA's iteration "
+                  "on an H200 (benchmarks/RESULTS.md)",
+}
+"""Why 'auto' settles the DAG module as it does, by the strategy it settles to
+(:func:`describe` prints it beside the choice)."""
+
+
 def settle_dag_module(name: str, cfg: ModelConfig, backend: str, dtype,
                       layout: Optional[MeshLayout]) -> str:
     """'auto': 'fused' (the C++ kernels, built here on first use) on CPU for float32 on one
-    device when the model has a DAG module of d and d_g multiples of 16; on TPU 'pallas' (the
-    Mosaic kernels: the compiled DAG-MoE-l step's module 22.8 -> 7.9 ms by the roofline,
-    benchmarks/RESULTS.md; no TPU has run them yet) where d and d_g are multiples of 128,
-    else 'xla_rank3' (18% less HBM traffic than 'xla'); else 'xla'. On a GPU too: the Triton
-    kernels' compiled estimate was 3.4x below XLA's, but on an H200 their forward + backward
-    took 3.3x XLA's iteration and DAG-MoE-l L 2's step 1.8x (benchmarks/RESULTS.md, "On an
-    accelerator"), so 'triton' is only run when asked for. An explicit 'fused' or 'triton'
-    under a multi-device mesh, a 'triton' the kernels cannot take, or a 'pallas' off TPU or
-    of other widths, is a one-line ``ValueError``."""
+    device when the model has a DAG module of d and d_g multiples of 16, else 'xla' there; on
+    TPU 'xla_rank3'; else 'bottleneck' (XLA's program in d_g), a GPU. Each for the reason
+    :data:`DAG_EVIDENCE` gives: a kernel only where it was measured faster on its hardware,
+    and between XLA's programs the roofline's ranking. 'triton' and 'pallas' run only when
+    asked for. An explicit 'fused' or 'triton' under a multi-device mesh, a 'triton' the
+    kernels cannot take, or a 'pallas' off TPU or of other widths, is a one-line
+    ``ValueError``."""
     if name in ("fused", "triton") and layout is not None:
+        instead = "xla" if name == "fused" else "bottleneck"      # XLA's best on its backend
         raise ValueError(f"ExecutionConfig.dag_module={name!r} runs on a single device only; "
-                         "use 'auto' or 'xla' under a device mesh")
+                         f"use 'auto' or {instead!r} under a device mesh")
     dag = dag_aggregation_of(cfg.block)
     reason = (triton_dag_unsupported(cfg.d_model, dag.dag_dim, router_of(cfg.block).top_k,
                                      dtype) if name == "triton" and dag is not None else None)
     if reason is not None:
-        raise ValueError(f"ExecutionConfig.dag_module='triton': {reason}; use 'auto' or 'xla'")
+        raise ValueError(f"ExecutionConfig.dag_module='triton': {reason}; use 'auto' or "
+                         "'bottleneck'")
     if name == "pallas" and dag is not None:
         reason = ("it runs on TPU only" if backend != "tpu" else
                   pallas_dag_unsupported(cfg.d_model, dag.dag_dim, dtype))
@@ -208,13 +232,14 @@ def settle_dag_module(name: str, cfg: ModelConfig, backend: str, dtype,
                              "'xla_rank3'")
     if name != "auto":
         return name
-    if backend == "tpu" and dag is not None:
-        return ("pallas" if pallas_dag_unsupported(cfg.d_model, dag.dag_dim, dtype) is None
-                else "xla_rank3")
-    if backend != "cpu" or layout is not None or dag is None:
-        return "xla"
-    reason = dag_module_unavailable(cfg.d_model, dag.dag_dim, dtype, backend)
-    return "fused" if reason is None else "xla"
+    if dag is None:
+        return "xla"                      # never used: the model has no DAG module
+    if backend == "tpu":
+        return "xla_rank3"
+    if backend == "cpu":
+        return ("fused" if layout is None and dag_module_unavailable(
+            cfg.d_model, dag.dag_dim, dtype, backend) is None else "xla")
+    return "bottleneck"
 
 
 def check_kernel_precision(attention: str, grouped_matmul: str, backend: str) -> None:
@@ -298,8 +323,8 @@ def describe(cfg: ModelConfig, settled: ExecutionConfig,
     """One line for logs: how the model ``cfg`` runs (``settled``), why attention that was
     'auto' in ``requested`` fell back (to blockwise from the fused CPU kernel, to XLA from
     cuDNN), the grouped matmul of dropless dispatch (and on GPU why an 'auto' one fell back
-    to ``ragged_dot``; ``device`` as :func:`settle`'s) and how the DAG module runs (on one GPU,
-    why an 'auto' one is not the Triton kernels')."""
+    to ``ragged_dot``; ``device`` as :func:`settle`'s) and how the DAG module runs (an 'auto'
+    one with the evidence it was chosen on, :data:`DAG_EVIDENCE`)."""
     backend = backend or jax.default_backend()
     ex = settled
     attention = ex.attention
@@ -320,6 +345,9 @@ def describe(cfg: ModelConfig, settled: ExecutionConfig,
         grouped += f" ({why})"
     dag_module = ex.dag_module
     dag = dag_aggregation_of(cfg.block)
+    if (dag is not None and requested is not None and requested.dag_module == "auto"
+            and dag_module in DAG_EVIDENCE):
+        dag_module += f" ({DAG_EVIDENCE[dag_module]})"
     return (f"attention {attention}, remat {ex.remat}, layers unrolled "
             f"{ex.scan_unroll}/{cfg.num_layers}, loss chunk {ex.loss_chunk} tokens, "
             f"projections {'fused' if ex.fuse_projections else 'separate'}{dispatch}"

@@ -39,6 +39,7 @@ from dagmoe_jax.config import ExecutionConfig, ModelConfig, family_of, router_of
 from dagmoe_jax.model.attention import Attention, KVCache, rope_angles
 from dagmoe_jax.model.block import BlockContext, BlockInputs, BlockStats
 from dagmoe_jax.model.layers import RMSNorm, dtype_of, make_param, normal
+from dagmoe_jax.model.dag.bottleneck import SAVED_NAMES as DAG_SAVED_NAMES
 from dagmoe_jax.model.settle import settle
 from dagmoe_jax.model.segments import check_segment_ids, segment_positions
 from dagmoe_jax.parallel import constrain
@@ -53,7 +54,11 @@ def block_class(cfg: ModelConfig) -> type:
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # the products, and the small per-node values the DAG module names (SAVED_NAMES of
+    # model/dag/bottleneck.py: recomputing them re-read the experts' outputs)
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(*DAG_SAVED_NAMES)),
 }
 
 

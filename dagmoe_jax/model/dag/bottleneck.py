@@ -8,9 +8,10 @@ and the LayerNorm's two statistics. Row vectors, W_down [d, d_g], W_up [d_g, d],
 
 * eq. 11 unrolled: x_i^(l-1) = x_i^0 + sum_(l' < l) m_i^l' W_up^l', with x_i^0 = a_i + r
   (eq. 6) and m_i^l = sum_j x_hat_(i,j)^l [d_g] (eq. 10's messages summed);
-* eq. 7-8 folded (:mod:`~dagmoe_jax.model.dag.folded`): LN(x) W_down = rho (x W_g - mu 1^T W_g)
-  + beta W_down, with W_g = diag(gamma) W_down, mu the mean and rho = 1 / sqrt(var + eps);
-* so x_i^(l-1) W_g^l = x_i^0 W_g^l + sum_(l' < l) m_i^l' (W_up^l' W_g^l): [d_g, d_g]
+* eq. 7-8 folded (:mod:`~dagmoe_jax.model.dag.folded`), the centring moved into the weight:
+  LN(x) W_down = rho (x C W_g) + beta W_down, with W_g = diag(gamma) W_down, C = I - 1 1^T / d
+  (x C = x - mu 1) and rho = 1 / sqrt(var + eps);
+* so x_i^(l-1) C W_g^l = x_i^0 C W_g^l + sum_(l' < l) m_i^l' (W_up^l' C W_g^l): [d_g, d_g]
   products of the weights, formed once a step;
 * d mu = sum(x_i^0) + sum_(l') m_i^l' . (W_up^l' 1), and d (var + mu^2) = ||x_i^0||^2
   + 2 sum_(l') m_i^l' . (x_i^0 W_up^l'^T) + || sum_(l') m_i^l' W_up^l' ||^2, the last the
@@ -19,14 +20,15 @@ and the LayerNorm's two statistics. Row vectors, W_down [d, d_g], W_up [d_g, d],
   sum, x, and one [T, L d_g] x [L d_g, d] product.
 
 So the nodes enter once: the experts' outputs projected onto [d, (2L - 1) d_g] columns
-[W_g^1 .. W_g^L | W_up^1^T .. W_up^(L-1)^T] (the gate g_i applied to the product, the x / K
-part taken once on the T tokens, not the T K nodes), and three sums a node, of E_i, of E_i^2
-and of E_i . x, which give sum(x_i^0) and ||x_i^0||^2; after that eq. 7-11 run on [T, K, d_g]
-arrays for all L iterations, and no [T, K, d] array is built past the experts' outputs,
-forward or backward. It is exact in real arithmetic; in floating point the variance is
-E[x^2] - E[x]^2 (the one-pass form Flax's LayerNorm uses), kept in float32: it loses
-digits where |mu| >> sigma, about sigma^2 against mu^2 eps_f32 (tests/test_dag_bottleneck.py
-checks nodes whose mean is 10 sigma off zero).
+[C W_g^1 .. C W_g^L | W_up^1^T .. W_up^(L-1)^T] (the gate g_i applied to the product, the
+x / K part taken once on the T tokens, not the T K nodes), and three sums a node, of E_i, of
+E_i^2 and of E_i . x, which give sum(x_i^0) and ||x_i^0||^2; after that eq. 7-11 run on
+[T, K, d_g] arrays for all L iterations, and no [T, K, d] array is built past the experts'
+outputs, forward or backward. It is exact in real arithmetic. In floating point: the
+centred product holds no mean to cancel, so it is rounded to the compute dtype; the variance
+is E[x^2] - E[x]^2 (the one-pass form Flax's LayerNorm uses) from float32 statistics, which
+loses digits as (mu / sigma)^2 eps_f32 where |mu| >> sigma (tests/test_dag_bottleneck.py
+checks nodes whose mean is 10 sigma off zero; docs/design.md says where it holds).
 """
 
 from __future__ import annotations
@@ -35,11 +37,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
-from dagmoe_jax.model.dag.equations import (EDGE_ACTIVATIONS, dag_pair_messages,
-                                            dag_pair_weights, edge_mask)
+from dagmoe_jax.model.dag.equations import EDGE_ACTIVATIONS, dag_pair_weights, edge_mask
 
 F32 = jnp.float32
+SAVED_NAMES = ("dag_node_statistics", "dag_messages")
+"""What a remat policy that keeps the products should keep of this module too
+(``ExecutionConfig.remat='dots'``): the nodes' statistics [T, K] (recomputing them re-reads the
+experts' outputs) and each iteration's messages [T, K, d_g]."""
 
 
 def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -183,6 +189,8 @@ def bottleneck_node_terms(x: jax.Array, gates: jax.Array, expert_out: jax.Array,
     e_sum = jnp.sum(e32, axis=-1)                                    # sum(E_i)
     e_sq = jnp.sum(jnp.square(e32), axis=-1)                         # ||E_i||^2
     e_x = jnp.einsum("tkd,td->tk", e32, x32)                         # E_i . x
+    # kept by remat='dots' (SAVED_NAMES): the gates' gradient reads them again
+    e_sum, e_sq, e_x = checkpoint_name((e_sum, e_sq, e_x), "dag_node_statistics")
     # x's share through columns / K: a weight of its own, so XLA does not merge the two
     # products into one over [T K + T] rows whose output and gradient its consumers slice
     per_token = (columns.astype(F32) / k).astype(columns.dtype)
@@ -234,6 +242,7 @@ def bottleneck_dag(x: jax.Array, gates: jax.Array, expert_out: jax.Array, weight
         u = bottleneck_norm_projection(centred, total, square, history, w, l, d,
                                        eps)                                       # eq. 7-8
         m = pair_messages(u.astype(dtype), w["pair"][l], edge_act, edges)        # eq. 9-10
+        m = checkpoint_name(m, SAVED_NAMES[1])
         msgs.append(m)
         if w["q"][l] is not None:
             ups.append(block(w["q"][l]))

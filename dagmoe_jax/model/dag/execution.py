@@ -39,6 +39,9 @@ tests/test_triton_dag_module.py the Triton kernels, interpreted):
                backward (:mod:`dagmoe_jax.kernels.pallas_dag_module`) on the nodes laid out
                node-major, [K, T, d], each device's tokens inside a ``shard_map`` over the
                mesh axes that split them (XLA cannot partition a Mosaic kernel)
+``bottleneck`` eq. 6-12 by XLA in d_g (:mod:`dagmoe_jax.model.dag.bottleneck`): the experts'
+               outputs projected once, every iteration on [T, K, d_g] arrays, no d-wide
+               node built (a GPU's 'auto')
 =============  ===========================================================================
 """
 

@@ -61,6 +61,8 @@ VARIANTS = {   # unsettled: each test settles them for its layout, as a run does
     "coe": lambda: tiny_config("coe", "sum",
                                experts=dict(num_experts=N, dispatch="dropless")),
 }
+VARIANTS["dag_bottleneck"] = VARIANTS["dag"]          # the same model, its module in d_g
+EXECUTION = {"dag_bottleneck": dict(dag_module="bottleneck")}   # else each layout's 'auto'
 TX = optax.sgd(1.0, momentum=0.5)   # first step: new params = params - grads; momentum = grads
 
 
@@ -79,8 +81,8 @@ def host(tree):
 def variant_model(variant: str, mesh=None) -> Transformer:
     """The variant's model, built for ``mesh`` (None: one device) as a run builds it."""
     layout = MeshLayout.of(mesh)
-    model = make_model(VARIANTS[variant](), layout=layout)
-    if variant == "dag":   # w_up starts at zero, which would leave the DAG without gradients
+    model = make_model(VARIANTS[variant](), layout=layout, **EXECUTION.get(variant, {}))
+    if variant.startswith("dag"):   # w_up starts at zero: the DAG would get no gradients
         w_up = model.layers.block.aggregator.iterations.w_up
         w_up[...] = 0.05 * jax.random.normal(jax.random.key(7), w_up.shape)
     return model
@@ -152,7 +154,11 @@ def meshes():
 # Every variant on every mesh with an expert axis; on the data-parallel mesh, where each
 # device runs the whole block as one device does and only the gradients' all-reduce is new,
 # the DAG-MoE alone (the other three's data-parallel steps are dp2_ep4's data axis).
-SHARDED_CASES = [(m, v) for m in MESHES for v in VARIANTS if m != "dp8" or v == "dag"]
+# The DAG module in d_g ('bottleneck', pure XLA, partitioned from its inputs' shardings) on
+# the mesh that splits the tokens and the model dimension both.
+SHARDED_CASES = [(m, v) for m in MESHES for v in VARIANTS
+                 if v != "dag_bottleneck" and (m != "dp8" or v == "dag")] + [
+    ("fsdp2_ep2_tp2", "dag_bottleneck")]
 
 
 @pytest.mark.parametrize("mesh_name,variant", SHARDED_CASES)

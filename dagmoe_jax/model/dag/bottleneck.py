@@ -122,7 +122,7 @@ def bottleneck_weights(weights: dict, num_iters: int, shared: bool, dtype) -> di
     ([L, ...] unless ``shared``), for nodes of ``dtype``:
 
     * ``columns`` [d, C]: what each node is projected onto, the (2L - 1) d_g-wide blocks
-      W_g^l and W_up^l^T (with shared weights one of each), in ``dtype``;
+      C W_g^l and W_up^l^T (with shared weights one of each), in ``dtype``;
     * ``z`` and ``q``: for each iteration, the block index of W_g^l, and of W_up^l^T
       (``q[l]`` None for the L-th, which no later iteration reads);
     * ``cross[l]`` [(l - 1) d_g, d_g]: [W_up^1 C W_g^l; ..; W_up^(l-1) C W_g^l], the
@@ -190,7 +190,7 @@ def bottleneck_node_terms(x: jax.Array, gates: jax.Array, expert_out: jax.Array,
     e_sq = jnp.sum(jnp.square(e32), axis=-1)                         # ||E_i||^2
     e_x = jnp.einsum("tkd,td->tk", e32, x32)                         # E_i . x
     # kept by remat='dots' (SAVED_NAMES): the gates' gradient reads them again
-    e_sum, e_sq, e_x = checkpoint_name((e_sum, e_sq, e_x), "dag_node_statistics")
+    e_sum, e_sq, e_x = checkpoint_name((e_sum, e_sq, e_x), SAVED_NAMES[0])
     # x's share through columns / K: a weight of its own, so XLA does not merge the two
     # products into one over [T K + T] rows whose output and gradient its consumers slice
     per_token = (columns.astype(F32) / k).astype(columns.dtype)

@@ -193,3 +193,19 @@ def test_fifty_training_steps_equal_the_composed_strategy():
                                  for i in range(50)])
     assert losses["xla"][-1] < losses["xla"][0] - 0.3          # it trained
     np.testing.assert_allclose(losses["bottleneck"], losses["xla"], rtol=0, atol=1e-4)
+
+
+def test_recording_the_edge_gates_runs_the_composed_iteration():
+    """Analysis records each iteration's edge gates and input nodes, which the strategy never
+    builds: with ``record_intermediates`` the module runs the composed iteration, the same
+    function."""
+    rng = np.random.default_rng(14)
+    x, gates, expert_out = (jnp.asarray(a) for a in random_inputs(rng, k=4))
+    params = random_lib_params(rng, 2)
+    module = make_dag(2, "silu", params, mode="bottleneck")
+    plain = module(x, gates, expert_out)[0]
+    module.record_intermediates = True
+    recorded, kept = module(x, gates, expert_out)
+    assert kept["edge_gates"].shape == (2, x.shape[0], 4, 4, 16)
+    assert kept["dag_inputs"].shape == (2, x.shape[0], 4, x.shape[1])
+    assert rel_err(recorded, plain) < 1e-5

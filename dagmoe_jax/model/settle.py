@@ -208,7 +208,7 @@ def settle_dag_module(name: str, cfg: ModelConfig, backend: str, dtype,
                       layout: Optional[MeshLayout]) -> str:
     """'auto': 'fused' (the C++ kernels, built here on first use) on CPU for float32 on one
     device when the model has a DAG module of d and d_g multiples of 16, else 'xla' there; on
-    TPU 'xla_rank3'; else 'bottleneck' (XLA's program in d_g), a GPU. Each for the reason
+    TPU 'xla_rank3'; on a GPU 'bottleneck' (XLA's program in d_g). Each for the reason
     :data:`DAG_EVIDENCE` gives: a kernel only where it was measured faster on its hardware,
     and between XLA's programs the roofline's ranking. 'triton' and 'pallas' run only when
     asked for. An explicit 'fused' or 'triton' under a multi-device mesh, a 'triton' the

@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, List, Optional, Tuple
 
+from dagmoe_jax import stopping
 from dagmoe_jax.validate import first_line
 
 # What a command-line tool reports as a one-line error (exit 2) instead of a traceback.
@@ -163,20 +164,32 @@ def check_new_directory(flag: str, path: str) -> None:
                          f"choose a new path")
 
 
-def write_command(parse_args: Callable, argv, doc: str, work: Callable[[Any], Any],
+def write_command(parse_args: Callable, argv, doc: str, work: Callable[[Any, Callable], Any],
                   target: Callable[[Any], str]) -> int:
     """The ``main`` of a command that writes one directory (export, import): arguments as
-    :func:`parse_or_report` reads them, then ``work(args)``; a user error is one line (2),
-    Ctrl-C says nothing was written at ``target(args)`` (130; ``work`` removes what it wrote),
-    success is 0."""
+    :func:`parse_or_report` reads them, then ``work(args, log)``, whose library call hands
+    ``log`` its last line once the directory is complete and in place; a user error is one
+    line (2), success is 0. Under the stop contract (:mod:`dagmoe_jax.stopping`) a signal
+    before that line removes the directory (or empties the empty one that was there) and says
+    nothing was written at ``target(args)`` (130); after it, the command finishes (0). Without
+    the contract (``main`` called from Python) Ctrl-C is the same line, and ``work``'s library
+    call removes what it wrote."""
     args, code = parse_or_report(parse_args, argv, doc)
     if code is not None:
         return code
+    out = Path(target(args)).expanduser()
+    stopping.set_stop_message(f"nothing was written at {out}")
+    forget = stopping.remove_on_stop(out, emptied=out.is_dir())
     quiet_background_errors()
+
+    def log(message: str) -> None:
+        forget()
+        stopping.output_complete()
+        print(message, flush=True)
     try:
-        work(args)
+        work(args, log)
     except KeyboardInterrupt:
-        print(f"stopped: nothing was written at {target(args)}", file=sys.stderr)
+        print(stopping.stop_line("SIGINT", f"nothing was written at {out}"), file=sys.stderr)
         return 130
     except USER_ERRORS as err:
         return report_error(err)

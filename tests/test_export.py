@@ -157,5 +157,5 @@ def test_an_interrupted_export_leaves_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("dagmoe_jax.hf.tokenizer.export_tokenizer", interrupted)
     assert export_cli.main([f"--run_dir={run_dir}", f"--out={tmp_path / 'x'}"]) == 130
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"stopped: nothing was written at {tmp_path / 'x'}"]
+        f"error: SIGINT received: nothing was written at {tmp_path / 'x'}"]
     assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".x.partial"))

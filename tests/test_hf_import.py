@@ -112,5 +112,5 @@ def test_an_interrupted_import_leaves_nothing(folder, tmp_path, capsys, monkeypa
     for out in (tmp_path / "run", empty):
         assert hf_import.main([f"--hf={folder}", f"--run_dir={out}"]) == 130
         assert capsys.readouterr().err.strip().splitlines() == [
-            f"stopped: nothing was written at {out}"]
+            f"error: SIGINT received: nothing was written at {out}"]
     assert not (tmp_path / "run").exists() and not list(empty.iterdir())

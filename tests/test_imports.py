@@ -26,14 +26,14 @@ MAX_LINES = 450
 
 # Every top-level unit of the package (a subpackage or a module) with its layer and its rank: a
 # unit imports only units of lower rank. Within a layer the ranks say which package sits on which:
-# the commands' shared plumbing (command_line) is below the tools, and the commands of the layers
+# the commands' shared plumbing (stopping < command_line) is below the tools, and the commands of the layers
 # below (cli) are the top, which nothing imports.
 LAYERS = {
     "core": {"validate": 0, "budget": 0, "config": 1, "kernels": 2, "parallel": 2, "model": 3},
     "data": {"data": 4},
     "run": {"run": 5, "hf": 6, "decoding": 6, "evaluation": 7, "train": 8},
-    "tools": {"command_line": 9, "analysis": 10, "upcycle": 11, "harness": 11, "compile": 11,
-              "cli": 12},
+    "tools": {"stopping": 9, "command_line": 10, "analysis": 11, "upcycle": 12, "harness": 12,
+              "compile": 12, "cli": 13},
 }
 RANK = {unit: rank for units in LAYERS.values() for unit, rank in units.items()}
 LAYER_OF = {unit: layer for layer, units in LAYERS.items() for unit in units}

@@ -26,6 +26,7 @@ from dagmoe_jax.run.gin import load_model_config
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.model.settle import settle
 from dagmoe_jax.train.step import make_train_step
+from dagmoe_jax.stopping import run_command
 
 SEP = 0
 
@@ -76,4 +77,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

@@ -31,6 +31,7 @@ from __future__ import annotations
 import sys
 
 from dagmoe_jax.command_line import OneLineParser, check_new_directory, write_command
+from dagmoe_jax.stopping import remove_on_stop, run_command
 
 DTYPES = ("float32", "bfloat16")
 
@@ -60,11 +61,13 @@ def main(argv=None) -> int:
     return write_command(parse_args, argv, __doc__, _export, lambda a: a.out)
 
 
-def _export(args) -> None:
-    from dagmoe_jax.hf.export import export_run  # after parsing: --help does not wait for JAX
+def _export(args, log) -> None:
+    # after parsing: --help does not wait for JAX
+    from dagmoe_jax.hf.export import export_run, partial_path  # pylint: disable=import-outside-toplevel
+    remove_on_stop(partial_path(args.out))
     export_run(args.run_dir, args.out, dtype=args.dtype, max_shard_mb=args.max_shard_mb,
-               log=print)
+               log=log)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

@@ -50,6 +50,7 @@ import sys
 from pathlib import Path
 
 from dagmoe_jax.command_line import OneLineParser, check_new_directory, write_command
+from dagmoe_jax.stopping import run_command
 
 DEFAULT_SEQ_LEN = 1024
 
@@ -139,9 +140,9 @@ def import_hf(folder: str, run_dir: str, *, seq_len: int = 0, batch_size: int = 
 
 
 def main(argv=None) -> int:
-    return write_command(parse_args, argv, __doc__, lambda a: import_hf(
+    return write_command(parse_args, argv, __doc__, lambda a, log: import_hf(
         a.hf, a.run_dir, seq_len=a.seq_len, batch_size=a.batch_size, source=a.source,
-        steps=a.steps, convert_to=a.convert_to), lambda a: a.run_dir)
+        steps=a.steps, convert_to=a.convert_to, log=log), lambda a: a.run_dir)
 
 
 def _convert_to(args):
@@ -165,4 +166,4 @@ def _convert_to(args):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

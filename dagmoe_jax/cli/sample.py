@@ -41,6 +41,7 @@ from __future__ import annotations
 import sys
 
 from dagmoe_jax.command_line import OneLineParser, quiet_background_errors, report_error
+from dagmoe_jax.stopping import run_command
 
 
 def sample_text(tokenizer, prompt_ids, new_ids) -> str:
@@ -188,4 +189,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

@@ -34,10 +34,9 @@ Exit status: 0 done or interrupted and saved (SIGTERM / Ctrl-C), 1 non-finite lo
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
 
+from dagmoe_jax import stopping
 from dagmoe_jax.command_line import (gin_parser, parse_gin_command, parse_or_report,
                                      quiet_background_errors, report_error)
 from dagmoe_jax.train.signals import on_signals, raise_as_interrupt, stopped_before_training
@@ -66,10 +65,22 @@ def main(argv=None) -> int:
     args, code = parse_or_report(parse_args, argv, __doc__)
     if args is None:
         return code
-    # From here a signal is one line at any moment: while the libraries load and the run
-    # starts it interrupts (train() removes a run directory it created; one a library's
-    # callback swallowed is in ``signals`` for train() to stop at), and once training runs
-    # train() turns it into a checkpoint and a clean stop.
+    stopping.set_stop_message("the evaluation stopped" if args.mode == "eval" else
+                              stopped_before_training)
+    # The libraries load under the stop contract of the command's entry (one line, exit 130,
+    # at once: an interrupt raised inside an extension's initialisation became an ImportError
+    # or an abort). Imported after argument parsing so that --help and argument errors are
+    # instant.
+    import gin  # pylint: disable=import-outside-toplevel,unused-import
+    import jax  # pylint: disable=import-outside-toplevel,unused-import
+    from dagmoe_jax.train import loop  # noqa: F401  pylint: disable=import-outside-toplevel
+    from dagmoe_jax import evaluation  # noqa: F401  pylint: disable=import-outside-toplevel
+    quiet_background_errors()
+    # From here a signal is one line at any moment: while the run starts it interrupts
+    # (train() removes a run directory it created; one a library's callback swallowed is in
+    # ``signals`` for train() to stop at), and once training runs train() turns it into a
+    # checkpoint and a clean stop.
+    stopping.own_signals()
     signals: dict = {}
     try:
         with on_signals(signals, interrupt=True):
@@ -82,7 +93,7 @@ def main(argv=None) -> int:
 
 
 def _main(args, signals: dict) -> int:
-    # Imported after argument parsing so that --help and argument errors are instant.
+    # pylint: disable=import-outside-toplevel
     import gin
     import jax
     from dagmoe_jax.config.blocks import block_summary
@@ -94,7 +105,6 @@ def _main(args, signals: dict) -> int:
     from dagmoe_jax.train.init_from import source_data_config, source_model_config
     from dagmoe_jax.train.loop import NonFiniteLossError, train
 
-    quiet_background_errors()
     try:
         initialize(args.coordinator_address, args.num_processes, args.process_id)
         if args.mode == "eval":
@@ -138,29 +148,21 @@ def _main(args, signals: dict) -> int:
     return 0
 
 
-def entry() -> int:
-    """The ``dagmoe-train`` console script and ``python train.py``: :func:`main` under
-    TCMalloc when it is installed, else with glibc's malloc tuned to reuse what it frees (a
-    faster step on CPU, dagmoe_jax/run/allocator.py)."""
+def entry_main() -> int:
+    """:func:`main` under TCMalloc when it is installed, else with glibc's malloc tuned to
+    reuse what it frees (a faster step on CPU, dagmoe_jax/run/allocator.py)."""
     from dagmoe_jax.run.allocator import configure_allocator
     configure_allocator()
-    code = main()
-    # The command is over. Python resets its signal handlers to the default while the
-    # interpreter shuts down (seconds, as JAX's threads are torn down), and a SIGTERM that
-    # arrived then killed a run that had already stopped cleanly (exit -15 instead of 0).
-    # Ignored signals are left alone by the shutdown.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN)
-    if code == 130:
-        # Stopped before training began: the run directory was removed and nothing is in
-        # flight that the run needs. What the abandoned start-up left running (an XLA
-        # compilation, grain's prefetch threads) would still be running while the interpreter
-        # shuts down, and crashed it (SIGSEGV, exit 139, after the one-line message: jax
-        # 0.10.2, scripts/signal_sweep.py --finetune): end the process without that shutdown.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
+    return main()
+
+
+def entry() -> int:
+    """The ``dagmoe-train`` console script and ``python train.py``: :func:`entry_main` under
+    the stop contract (:func:`dagmoe_jax.stopping.run_command`: after the command, signals
+    are ignored through the interpreter's shutdown, where a SIGTERM killed a run that had
+    stopped cleanly; a stopped start-up ends without that shutdown, which crashed with its
+    abandoned compilation and prefetch threads still running)."""
+    return stopping.run_command(entry_main)
 
 
 if __name__ == "__main__":

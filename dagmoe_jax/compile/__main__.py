@@ -58,6 +58,7 @@ from pathlib import Path
 
 from dagmoe_jax.command_line import (gin_parser, parse_gin_command, parse_or_report,
                                      quiet_background_errors, report_error)
+from dagmoe_jax.stopping import run_command
 
 
 def parse_args(argv):
@@ -356,9 +357,9 @@ def _search(args, model_cfg, data_cfg, optim_cfg, run_cfg, chip, devices, topolo
 
 
 def entry() -> int:
-    """The ``dagmoe-compile`` console script."""
-    return main()
+    """The ``dagmoe-compile`` command under the stop contract."""
+    return run_command(main)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

@@ -54,6 +54,7 @@ from pathlib import Path
 
 from dagmoe_jax.command_line import (USER_ERRORS, OneLineParser, parse_or_report,
                                      quiet_background_errors, report_error)
+from dagmoe_jax.stopping import run_command
 
 INSTALL_HINT = ("lm-evaluation-harness is not installed: install the [harness] extra, "
                 "pip install -e '.[harness]' in a checkout (pip install -e . leaves it out) or "
@@ -290,5 +291,5 @@ def main(argv=None) -> int:
 
 
 def entry() -> None:
-    """The console script ``dagmoe-harness``."""
-    sys.exit(main())
+    """The ``dagmoe-harness`` command under the stop contract."""
+    sys.exit(run_command(main))

@@ -158,6 +158,13 @@ def export_hf(model: nnx.Module, path: Union[str, Path], *, dtype: str = "float3
     return out
 
 
+def partial_path(out) -> Path:
+    """Where :func:`export_run` writes the folder ``out`` before moving it there: a hidden
+    sibling."""
+    out = Path(out)
+    return out.with_name(f".{out.name}.partial")
+
+
 def export_run(run_dir: str, out: str, *, dtype: str = "float32", max_shard_mb: int = 0,
                log: Callable[[str], None] = lambda _message: None) -> Path:
     """Export ``run_dir``'s newest checkpoint and its tokenizer into the folder ``out``
@@ -172,7 +179,7 @@ def export_run(run_dir: str, out: str, *, dtype: str = "float32", max_shard_mb: 
     except ValueError as err:
         raise ValueError(f"{run_dir} cannot be exported: {err}") from None
     target = Path(out)
-    partial = target.with_name(f".{target.name}.partial")
+    partial = partial_path(target)
     shutil.rmtree(partial, ignore_errors=True)
     try:
         tokenizer = loaded.tokenizer        # its BOS and EOS ids go into config.json

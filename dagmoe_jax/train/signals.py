@@ -35,7 +35,8 @@ def on_signals(flag: dict, *, interrupt: bool = False):
     printed. With ``interrupt``, an exception that leaves the block raised from or while
     handling the interrupt (:func:`~dagmoe_jax.validate.interrupt_within`: Python's
     ``threading`` Condition said 'release unlocked lock' when SIGINT landed in a thread pool's
-    semaphore) comes out as :class:`Interrupted`, chained to it: the signal, not the damage it
+    semaphore), or any exception after this block raised the interrupt (one lost on its way,
+    as numpy's import loses it), comes out as :class:`Interrupted`, chained to it: the signal, not the damage it
     did on its way, is what stopped the run. Outside the main thread (some notebook runners)
     no handler is installed."""
     def handler(signum, frame):
@@ -43,6 +44,7 @@ def on_signals(flag: dict, *, interrupt: bool = False):
         name = signal.Signals(signum).name
         flag.setdefault("signal", name)
         if interrupt:
+            flag.setdefault("interrupted", name)
             raise Interrupted(name)
     if interrupt:
         _quiet_swallowed_interrupts()
@@ -56,6 +58,10 @@ def on_signals(flag: dict, *, interrupt: bool = False):
         yield
     except Exception as err:
         if interrupt:
+            if flag.get("interrupted"):
+                # the interrupt was raised here and lost on its way out: numpy's import turned
+                # it into "numpy._core.multiarray failed to import", whose chain has no trace
+                raise Interrupted(flag["interrupted"]) from err
             raise_as_interrupt(err)
         raise
     finally:

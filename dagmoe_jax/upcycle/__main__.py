@@ -75,6 +75,7 @@ from pathlib import Path
 
 from dagmoe_jax.command_line import (USER_ERRORS, OneLineParser, parse_or_report,
                                      quiet_background_errors, report_error)
+from dagmoe_jax.stopping import run_command
 
 
 def parse_args(argv):
@@ -221,4 +222,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

@@ -19,6 +19,7 @@ import sys
 
 from dagmoe_jax.command_line import (USER_ERRORS, OneLineParser, gin_flag_bindings,
                                      report_error)
+from dagmoe_jax.stopping import run_command
 
 
 def main(argv=None) -> int:
@@ -63,4 +64,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

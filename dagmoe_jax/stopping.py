@@ -1,0 +1,194 @@
+"""How every command stops on SIGINT / SIGTERM (Ctrl-C, a scheduler's stop): one contract,
+installed before the heavy imports (:func:`run_command`).
+
+* Until its output is complete, a signal ends the command at once: what it registered as
+  written so far (:func:`remove_on_stop`) is removed, one line is printed, exit 130. The signal
+  is acted on from a thread of its own woken by the signal (:func:`signal.set_wakeup_fd`), so a
+  command busy in a long library call (an import, a compilation) stops within moments, and no
+  exception is ever raised inside library code (a ``KeyboardInterrupt`` raised inside an
+  extension's initialisation or a C++ callback turned into an ``ImportError``, an abort, or
+  an interrupt a garbage-collection callback swallowed).
+* Once the output is complete and in place (:func:`output_complete`), signals are ignored and
+  the command ends with exit 0: never a "done" line with exit 130.
+* A command that handles signals itself (training saves a checkpoint and stops) says so with
+  :func:`own_signals`; the thread then leaves them to its handlers.
+
+Standard library only, so a command installs it from its first line. Library code never
+calls it; a notebook that calls a command's ``main`` gets Python's own handling.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Callable, List, Optional
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_START, _OWN, _DONE = "start", "own", "done"
+_lock = threading.RLock()
+_state = {"phase": _START, "what": "stopped", "cleanups": []}
+
+
+def stop_line(name: str, what: str) -> str:
+    """The one line a command prints when signal ``name`` stopped it."""
+    return f"error: {name} received: {what}"
+
+
+def set_stop_message(what) -> None:
+    """What the command's stop line says after "<SIGNAL> received: ", e.g. "nothing was
+    written at DIR"; or a function of the signal's name giving the whole line."""
+    _state["what"] = what
+
+
+def remove_on_stop(path, emptied: bool = False) -> Callable[[], None]:
+    """Register ``path`` as written by the command and not yet complete: a signal removes it
+    (``emptied``: only its contents, for a directory that existed empty). Returns the function
+    that unregisters it (once it is complete, or removed by the command itself)."""
+    path = Path(path)
+
+    def clean() -> None:
+        _remove(path, emptied)
+    with _lock:
+        _state["cleanups"].append(clean)
+
+    def forget() -> None:
+        with _lock:
+            if clean in _state["cleanups"]:
+                _state["cleanups"].remove(clean)
+    return forget
+
+
+def _remove(path: Path, emptied: bool) -> None:
+    """Remove ``path`` (or empty it), first moving it aside so that a write still in flight
+    in another thread cannot land in a half-removed directory under the name."""
+    if not (path.exists() or path.is_symlink()):
+        return
+    if emptied:
+        for child in list(path.iterdir()):
+            _remove(child, False)
+        return
+    if path.is_dir() and not path.is_symlink():
+        aside = path.with_name(f".{path.name}.stopped-{os.getpid()}")
+        try:
+            path.rename(aside)
+        except OSError:
+            aside = path
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def output_complete() -> None:
+    """The command's output is complete and in place: from now on a signal is ignored and the
+    command ends with its own exit status."""
+    with _lock:
+        _state["phase"] = _DONE
+        _state["cleanups"].clear()
+
+
+def own_signals() -> None:
+    """The command installs its own signal handlers from here (training): the stop thread
+    leaves signals to them."""
+    with _lock:
+        _state["phase"] = _OWN
+
+
+def _stop(signum: int) -> None:
+    """Act on signal ``signum`` by the contract (module docstring)."""
+    with _lock:
+        if _state["phase"] != _START:
+            return
+        for clean in reversed(_state["cleanups"]):
+            try:
+                clean()
+            except OSError:
+                pass
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        what = _state["what"]
+        line = what(name) if callable(what) else stop_line(name, what)
+        os.write(2, (line + "\n").encode())
+        os._exit(130)
+
+
+def _handler(signum, frame) -> None:
+    del frame
+    _stop(signum)
+
+
+def _watch(read_fd: int) -> None:
+    while True:
+        try:
+            data = os.read(read_fd, 64)
+        except OSError:
+            return
+        for signum in data:
+            if signum in (int(s) for s in STOP_SIGNALS):
+                _stop(signum)
+
+
+def install(what: Optional[str] = None) -> bool:
+    """Install the contract's handlers (from the main thread; elsewhere, as in some notebook
+    runners, nothing is installed and False is returned)."""
+    if what is not None:
+        set_stop_message(what)
+    if _state.get("installed"):
+        return True
+    try:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, _handler)
+    except ValueError:
+        return False
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    try:
+        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    except ValueError:
+        os.close(read_fd)
+        os.close(write_fd)
+    _state["installed"] = True
+    return True
+    threading.Thread(target=_watch, args=(read_fd,), name="dagmoe-stop", daemon=True).start()
+    _state["installed"] = True
+    return True
+
+
+def run_command(main: Callable[[], int], what: Optional[str] = None) -> int:
+    """Every console command's entry: the contract installed (:func:`install`), then
+    ``main()``; its exit status. After ``main`` returns, signals are ignored (the interpreter
+    resets its handlers while it shuts down, and a signal then ended a finished command with a
+    traceback or killed it); a command stopped (130) ends without that shutdown, which crashed
+    with threads of an abandoned start-up still running (SIGSEGV, jax 0.10.2)."""
+    install(what)
+    with _lock:
+        _state["phase"] = _START
+        _state["cleanups"].clear()
+    code = main()
+    with _lock:
+        _state["phase"] = _DONE
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+    if code == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def phase() -> str:
+    """The contract's phase: 'start' (a signal stops the command), 'own' or 'done'."""
+    return _state["phase"]
+
+
+__all__: List[str] = ["install", "output_complete", "own_signals", "phase", "remove_on_stop",
+                      "run_command", "set_stop_message", "stop_line"]

@@ -94,6 +94,7 @@ def import_hf(folder: str, run_dir: str, *, seq_len: int = 0, batch_size: int = 
     # pylint: disable=import-outside-toplevel
     from dagmoe_jax import run as run_lib
     from dagmoe_jax.data import DataConfig
+    from dagmoe_jax.data.tokenizers import make_tokenizer
     from dagmoe_jax.hf.llama import load_hf_llama, model_config_from_hf, read_hf_config
     from dagmoe_jax.hf.run import folder_tokenizer
     from dagmoe_jax.run.config import OptimConfig, RunConfig
@@ -106,6 +107,10 @@ def import_hf(folder: str, run_dir: str, *, seq_len: int = 0, batch_size: int = 
     if seq_len > context:                        # before anything is read or written
         raise ValueError(f"--seq_len={seq_len} is longer than the model's context "
                          f"({context} positions): at most that")
+    # the tokenizer's files read as the run will read them, before anything is written (a
+    # damaged tokenizer.json or tokenizer_config.json would be copied into the run)
+    make_tokenizer(DataConfig(tokenizer="hf", tokenizer_path=str(source_dir / "tokenizer.json"),
+                              seq_len=seq_len))
     target = Path(run_dir).expanduser().resolve()
     existed = target.exists()
     path = run_lib.prepare_run_dir(target)

@@ -56,8 +56,13 @@ class ParquetSource:
         group = bisect.bisect_right(self._starts, index) - 1
         if self._cached[0] != group:
             first, k, g, _ = self._groups[group]
-            column = _pq().ParquetFile(self.files[k]).read_row_group(
-                g, columns=[self.text_key])
+            try:
+                column = _pq().ParquetFile(self.files[k]).read_row_group(
+                    g, columns=[self.text_key])
+            except Exception as err:  # pylint: disable=broad-except  (pyarrow raises many)
+                raise ValueError(f"{self.files[k]} row group {g} cannot be read "
+                                 f"({first_line(err)}): the file is damaged; copy it again or "
+                                 f"leave it out of DataConfig.source") from None
             self._cached = (group, column.column(0).to_pylist())
         value = self._cached[1][index - self._groups[group][0]]
         return "" if value is None else str(value)

@@ -218,6 +218,9 @@ def folder_config(folder: str, name: str) -> dict:
     except json.JSONDecodeError as err:
         raise ValueError(f"{path} is not valid JSON ({err.msg}, line {err.lineno}): fix or "
                          "remove it") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}): fix "
+                         "or remove it") from None
     return blob if isinstance(blob, dict) else {}
 
 

@@ -42,6 +42,7 @@ from dagmoe_jax.families.moe.conversion import converted_config, converted_param
 from dagmoe_jax.model.params import set_params
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.model.settle import settle
+from dagmoe_jax.validate import first_line
 
 PathLike = Union[str, Path]
 CONFIG_FILE = "config.json"
@@ -63,6 +64,9 @@ def read_hf_config(path: PathLike) -> dict:
         return json.loads(file.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{file} is not valid JSON ({err.msg}, line {err.lineno})") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{file} is not UTF-8 text ({err.reason} at byte {err.start}): is it "
+                         f"a config.json?") from None
 
 
 def tokenizer_settings(path: PathLike) -> Dict[str, str]:
@@ -153,16 +157,38 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+FAMILY_NAMES = {"llama": "Llama", "mixtral": "Mixtral", "olmoe": "OLMoE",
+                "qwen3_moe": "Qwen3-MoE"}
+"""How messages name the family a folder's ``model_type`` declares."""
+
+
+def family_name(model_type: Optional[str]) -> str:
+    """The family ``model_type`` names, as messages write it (e.g. 'Mixtral')."""
+    return FAMILY_NAMES.get(model_type or "", str(model_type))
+
+
+def _safe_open(file: Path):
+    """``safetensors.safe_open`` of ``file`` (numpy), a damaged file (truncated, empty, not
+    safetensors) a one-line ValueError naming it."""
+    from safetensors import SafetensorError, safe_open  # pylint: disable=import-outside-toplevel
+    try:
+        return safe_open(str(file), framework="numpy")
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{file} is not a readable safetensors file ({first_line(err)}): it "
+                         f"is truncated or damaged; copy or download it again") from None
+
+
 class SafetensorsReader:
     """Lazy access to the tensors of a Hugging Face model directory (single file or shards).
 
     ``reader[name]`` opens the shard holding ``name`` and reads that tensor only; a shard named
-    by the index but absent from the directory is a one-line error when the reader is made.
+    by the index but absent from the directory, or one whose header is damaged (a truncated
+    download), is a one-line error when the reader is made. ``family``: how a missing tensor's
+    message names the model (:func:`family_name`).
     """
 
-    def __init__(self, path: PathLike):
-        from safetensors import safe_open  # pylint: disable=import-outside-toplevel
-        self._open = safe_open
+    def __init__(self, path: PathLike, family: str = "Llama"):
+        self.family = family
         path = Path(path)
         index, single = path / INDEX_FILE, path / SINGLE_FILE
         if index.is_file():
@@ -177,8 +203,11 @@ class SafetensorsReader:
                 raise ValueError(f"shard {missing[0]} listed in {index} is missing from {path}"
                                  f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}"
                                  f": download every shard")
+            for shard in sorted(set(self.files.values())):
+                with _safe_open(shard):       # the header checks the file covers its tensors
+                    pass
         elif single.is_file():
-            with safe_open(str(single), framework="numpy") as f:
+            with _safe_open(single) as f:
                 self.files = {name: single for name in f.keys()}
         else:
             raise ValueError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}: only "
@@ -192,9 +221,9 @@ class SafetensorsReader:
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self.files:
-            raise ValueError(f"tensor {name} is missing from the checkpoint: is it a Llama "
-                             f"checkpoint of this config.json?")
-        with self._open(str(self.files[name]), framework="numpy") as f:
+            raise ValueError(f"tensor {name} is missing from the checkpoint: is it a "
+                             f"{self.family} checkpoint of this config.json?")
+        with _safe_open(self.files[name]) as f:
             return f.get_tensor(name)
 
 
@@ -231,8 +260,8 @@ def _check_names(reader: SafetensorsReader, cfg: ModelConfig, tied: bool,
     extra = sorted(n for n in reader.keys()
                    if n not in known and not n.endswith(_IGNORED_SUFFIXES))
     if extra:
-        raise ValueError(f"checkpoint tensor {extra[0]} has no place in a Llama of this "
-                         f"config.json{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}"
+        raise ValueError(f"checkpoint tensor {extra[0]} has no place in a "
+                         f"{family_name(model_type)} of this config.json{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}"
                          f": biases and other architectures are not supported")
 
 
@@ -302,7 +331,7 @@ def load_hf_llama(path: PathLike, *, rngs: Optional[nnx.Rngs] = None,
 
     hf = read_hf_config(path)
     cfg = model_config_from_hf(hf, **overrides)
-    reader = SafetensorsReader(path)
+    reader = SafetensorsReader(path, family_name(hf["model_type"]))
     tied = bool(hf.get("tie_word_embeddings", False)) and "lm_head.weight" not in reader
     _check_names(reader, cfg, tied, hf["model_type"])
     params = hf_tensors_to_params(cfg, reader.__getitem__, tied, hf["model_type"])

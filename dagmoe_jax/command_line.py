@@ -179,7 +179,7 @@ def write_command(parse_args: Callable, argv, doc: str, work: Callable[[Any, Cal
         return code
     out = Path(target(args)).expanduser()
     stopping.set_stop_message(f"nothing was written at {out}")
-    forget = stopping.remove_on_stop(out, emptied=out.is_dir())
+    forget = stopping.remove_on_stop(out)
     quiet_background_errors()
 
     def log(message: str) -> None:

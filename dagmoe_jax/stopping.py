@@ -44,14 +44,22 @@ def set_stop_message(what) -> None:
     _state["what"] = what
 
 
-def remove_on_stop(path, emptied: bool = False) -> Callable[[], None]:
-    """Register ``path`` as written by the command and not yet complete: a signal removes it
-    (``emptied``: only its contents, for a directory that existed empty). Returns the function
-    that unregisters it (once it is complete, or removed by the command itself)."""
-    path = Path(path)
+def remove_on_stop(path) -> Callable[[], None]:
+    """Register ``path`` as being written by the command: a signal before the output is
+    complete removes it, or, where it is a directory that exists now, what appears in it
+    from now on (what was there is kept). Returns the function that unregisters it (once it
+    is complete, or removed by the command itself)."""
+    path = Path(path).expanduser()
+    kept = ({child.name for child in path.iterdir()}
+            if path.is_dir() and not path.is_symlink() else None)
 
     def clean() -> None:
-        _remove(path, emptied)
+        if kept is None:
+            _remove(path)
+        elif path.is_dir():
+            for child in list(path.iterdir()):
+                if child.name not in kept:
+                    _remove(child)
     with _lock:
         _state["cleanups"].append(clean)
 
@@ -62,14 +70,10 @@ def remove_on_stop(path, emptied: bool = False) -> Callable[[], None]:
     return forget
 
 
-def _remove(path: Path, emptied: bool) -> None:
-    """Remove ``path`` (or empty it), first moving it aside so that a write still in flight
-    in another thread cannot land in a half-removed directory under the name."""
+def _remove(path: Path) -> None:
+    """Remove ``path``, a directory first moved aside so that a write still in flight in
+    another thread cannot land in a half-removed directory under its name."""
     if not (path.exists() or path.is_symlink()):
-        return
-    if emptied:
-        for child in list(path.iterdir()):
-            _remove(child, False)
         return
     if path.is_dir() and not path.is_symlink():
         aside = path.with_name(f".{path.name}.stopped-{os.getpid()}")
@@ -95,6 +99,13 @@ def own_signals() -> None:
     leaves signals to them."""
     with _lock:
         _state["phase"] = _OWN
+
+
+def stop_now(name: str) -> None:
+    """Act on signal ``name`` that the command's own handler caught: while the contract's
+    start phase lasts, as the contract does (one line, what was registered removed, exit 130;
+    once, whichever of the two acts first); else return."""
+    _stop(getattr(signal, name, signal.SIGINT))
 
 
 def _stop(signum: int) -> None:
@@ -153,12 +164,12 @@ def install(what: Optional[str] = None) -> bool:
     os.set_blocking(write_fd, False)
     try:
         signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-    except ValueError:
+    except ValueError:                  # the handlers alone: acted on between bytecodes
         os.close(read_fd)
         os.close(write_fd)
-    _state["installed"] = True
-    return True
-    threading.Thread(target=_watch, args=(read_fd,), name="dagmoe-stop", daemon=True).start()
+    else:
+        threading.Thread(target=_watch, args=(read_fd,), name="dagmoe-stop",
+                         daemon=True).start()
     _state["installed"] = True
     return True
 
@@ -191,4 +202,4 @@ def phase() -> str:
 
 
 __all__: List[str] = ["install", "output_complete", "own_signals", "phase", "remove_on_stop",
-                      "run_command", "set_stop_message", "stop_line"]
+                      "run_command", "set_stop_message", "stop_line", "stop_now"]

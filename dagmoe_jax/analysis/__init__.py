@@ -8,7 +8,19 @@
     python -m dagmoe_jax.analysis --run_dir=runs/default --out=runs/default/plots [--data=SPEC]
 """
 
-from dagmoe_jax.analysis.collect import Collected, collect, record
-from dagmoe_jax.analysis.report import PLOTS, PlotResult, analyze_run, write_plots
+import importlib
+
+# Loaded when first asked for (PEP 562): ``python -m dagmoe_jax.analysis`` imports this package
+# before its command installs the stop handlers (dagmoe_jax/stopping.py), and JAX must not load
+# in that window.
+_WHERE = {"Collected": "collect", "collect": "collect", "record": "collect",
+          "PLOTS": "report", "PlotResult": "report", "analyze_run": "report",
+          "write_plots": "report"}
 
 __all__ = ["PLOTS", "PlotResult", "analyze_run", "write_plots", "Collected", "collect", "record"]
+
+
+def __getattr__(name):
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"dagmoe_jax.analysis.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'dagmoe_jax.analysis' has no attribute {name!r}")

@@ -26,7 +26,8 @@ import json
 import sys
 
 from dagmoe_jax.command_line import OneLineParser, quiet_background_errors, report_error
-from dagmoe_jax.stopping import run_command
+from dagmoe_jax.stopping import (output_complete, remove_on_stop, run_command,
+                                 set_stop_message)
 
 
 def main(argv=None) -> int:
@@ -49,7 +50,10 @@ def main(argv=None) -> int:
         from dagmoe_jax.analysis.report import (  # pylint: disable=import-outside-toplevel
                                                 analyze_run, summary_lines)
 
+        set_stop_message(f"the analysis stopped; nothing new was left in {args.out}")
+        remove_on_stop(args.out)
         results = analyze_run(args.run_dir, args.out, data=args.data, max_batches=args.batches)
+        output_complete()
     except (ValueError, FileNotFoundError) as err:
         return report_error(err)
     for result in results:

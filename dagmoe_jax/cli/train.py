@@ -76,17 +76,19 @@ def main(argv=None) -> int:
     from dagmoe_jax.train import loop  # noqa: F401  pylint: disable=import-outside-toplevel
     from dagmoe_jax import evaluation  # noqa: F401  pylint: disable=import-outside-toplevel
     quiet_background_errors()
-    # From here a signal is one line at any moment: while the run starts it interrupts
-    # (train() removes a run directory it created; one a library's callback swallowed is in
-    # ``signals`` for train() to stop at), and once training runs train() turns it into a
-    # checkpoint and a clean stop.
-    stopping.own_signals()
-    signals: dict = {}
+    # From here a signal is one line at any moment: while the run starts the contract stops
+    # the command at once, from its own thread too (a compilation or a data pipeline's start
+    # can hold the main thread for seconds), and removes a run directory the run created;
+    # train()'s own interrupt does the same where it comes first (one a library's callback
+    # swallowed is in ``signals`` for train() to stop at); once the run's config is written
+    # (``started``) train() turns a signal into a checkpoint and a clean stop.
+    signals: dict = {"act": stopping.stop_now}
     try:
         with on_signals(signals, interrupt=True):
             return _main(args, signals)
     except KeyboardInterrupt as err:      # a signal before the first step (Interrupted)
         name = str(err) or "SIGINT"
+        stopping.stop_now(name)           # the contract's line and exit, if it still holds
         print(f"error: {name} received: the evaluation stopped" if args.mode == "eval" else
               stopped_before_training(name), file=sys.stderr)
         return 130
@@ -127,6 +129,8 @@ def _main(args, signals: dict) -> int:
             # the default's value ('byte'), which train() alone cannot tell from no binding.
             source_data_config(run_cfg.init_from, data_cfg, run_cfg.tokenizer_from_source,
                                bound=bound_fields(DataConfig))
+        if jax.process_index() == 0:
+            stopping.remove_on_stop(run_cfg.run_dir)   # a new one whole, else what appears
         acc = account(shown, data_cfg.seq_len)
         length = (f"{run_cfg.epochs} epochs" if run_cfg.epochs
                   else f"{run_cfg.steps} steps")
@@ -138,7 +142,8 @@ def _main(args, signals: dict) -> int:
                   f"tokens from {data_cfg.source}; {jax.device_count()} devices in "
                   f"{jax.process_count()} processes; run dir {run_cfg.run_dir}", flush=True)
         train(model_cfg, data_cfg, optim_cfg, run_cfg, progress=not args.no_progress,
-              operative_gin=gin.operative_config_str(), signals=signals)
+              operative_gin=gin.operative_config_str(), signals=signals,
+              started=stopping.own_signals)
     except NonFiniteLossError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

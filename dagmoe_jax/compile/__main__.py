@@ -58,7 +58,7 @@ from pathlib import Path
 
 from dagmoe_jax.command_line import (gin_parser, parse_gin_command, parse_or_report,
                                      quiet_background_errors, report_error)
-from dagmoe_jax.stopping import run_command
+from dagmoe_jax.stopping import output_complete, remove_on_stop, run_command
 
 
 def parse_args(argv):
@@ -231,6 +231,9 @@ def _run(args) -> int:
     print(f"model settled for {chip.platform}: {settled}")
     for name, report in reports.items():
         print(describe(name, report, chip, topology, label))
+    for written in (args.hlo_dir, args.json):
+        if written:
+            remove_on_stop(written)
     if args.hlo_dir:
         out = Path(args.hlo_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -243,6 +246,7 @@ def _run(args) -> int:
             "libtpu": _libtpu_version(), "compiler": _compiler_version(chip), "programs": {n: r.as_dict(chip)
                                                       for n, r in reports.items()}},
             indent=1, default=float))
+    output_complete()
     unfit = [n for n, r in reports.items() if r.total_bytes > chip.hbm_bytes]
     if unfit:
         r = reports[unfit[0]]
@@ -336,11 +340,13 @@ def _search(args, model_cfg, data_cfg, optim_cfg, run_cfg, chip, devices, topolo
             print(f"{'-':<5}{o.candidate.label():<46}{o.candidate.batch_per_chip:>11}  {o.error}")
     best = next((o for o in outcomes if o.seconds), None)
     if args.json:
+        remove_on_stop(args.json)
         Path(args.json).write_text(json.dumps([{
             "mesh": o.candidate.mesh, "batch_per_chip": o.candidate.batch_per_chip,
             "bindings": o.candidate.bindings(),
             "seconds": o.seconds, "tokens_per_second": o.tokens_per_second, "mfu": o.mfu,
             "hbm_bytes": o.hbm_bytes, "error": o.error} for o in outcomes], indent=1))
+        output_complete()
     if best is None:
         raise ValueError(f"no mesh and batch tried fits {topology}: lower the batch or raise "
                          f"--search_budget")

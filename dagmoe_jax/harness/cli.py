@@ -54,7 +54,7 @@ from pathlib import Path
 
 from dagmoe_jax.command_line import (USER_ERRORS, OneLineParser, parse_or_report,
                                      quiet_background_errors, report_error)
-from dagmoe_jax.stopping import run_command
+from dagmoe_jax.stopping import output_complete, remove_on_stop, run_command
 
 INSTALL_HINT = ("lm-evaluation-harness is not installed: install the [harness] extra, "
                 "pip install -e '.[harness]' in a checkout (pip install -e . leaves it out) or "
@@ -264,8 +264,12 @@ def evaluate(args, log=print) -> dict:
         confirm_run_unsafe_code=args.confirm_run_unsafe_code, metadata=task_metadata)
     samples = results.pop("samples", None)
     if tracker is not None:
+        folder = results_folder(args.run_dir, lm.run.step)
+        path = Path(tracker.output_path)    # what appears there from now on, on a signal
+        remove_on_stop(path.parent if path.suffix == ".json" else path)
         save_results(tracker, results, samples if args.log_samples else None, args.run_dir,
-                     results_folder(args.run_dir, lm.run.step), log)
+                     folder, log)
+        output_complete()
     return results
 
 

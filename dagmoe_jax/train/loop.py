@@ -59,7 +59,8 @@ class RunResult:
 def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
           run_cfg: RunConfig, *, progress: bool = True,
           log: Callable[[str], None] = print, operative_gin: str = "",
-          signals: Optional[dict] = None) -> RunResult:
+          signals: Optional[dict] = None,
+          started: Callable[[], None] = lambda: None) -> RunResult:
     """Train (or resume) the run in ``run_cfg.run_dir``; returns a :class:`RunResult`.
 
     ``log`` receives one-line reports (resume, evaluations, stop reasons); the progress bar
@@ -68,7 +69,9 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
     :class:`~dagmoe_jax.train.signals.Interrupted` for SIGINT / SIGTERM before the first step.
     ``signals``: where a command's own signal handler recorded a signal received before this
     call (its exception may have been swallowed by a library's callback): one there stops the
-    run before anything is written.
+    run before anything is written. ``started`` is called once the run's config is written:
+    from then on a signal saves a checkpoint and stops (a command's own stop, which removes
+    a new run directory at once, applies until then).
     """
     say, is_main = on_main_process(log), jax.process_index() == 0
     data_cfg = data_cfg.with_absolute_paths()    # the run is read from any directory
@@ -104,6 +107,7 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
             except BaseException:
                 run.trainer.checkpointer.close()
                 raise
+        started()
         run_cfg, trainer, start = run.run_cfg, run.trainer, run.start
         writer = MetricsWriter(run.run_dir, enabled=is_main, tensorboard=run_cfg.tensorboard,
                                resume_step=start, wandb_project=run_cfg.wandb_project,
@@ -139,7 +143,8 @@ def train(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimConfig,
             trainer.checkpointer.close()         # waits for (and checksums) a pending save
             writer.close()
     return RunResult(run_dir=str(run.run_dir), step=step, resumed_from=start or None,
-                     interrupted=bool(stop), eval=final_eval, losses=trainer.losses)
+                     interrupted=bool(stop.get("signal")), eval=final_eval,
+                     losses=trainer.losses)
 
 
 @dataclasses.dataclass

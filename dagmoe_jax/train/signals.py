@@ -38,13 +38,17 @@ def on_signals(flag: dict, *, interrupt: bool = False):
     semaphore), or any exception after this block raised the interrupt (one lost on its way,
     as numpy's import loses it), comes out as :class:`Interrupted`, chained to it: the signal, not the damage it
     did on its way, is what stopped the run. Outside the main thread (some notebook runners)
-    no handler is installed."""
+    no handler is installed. ``flag['act']``, where a command put one, is called with the
+    signal's name before the interrupt is raised: the command's stop, which ends the process
+    without an exception raised inside library code."""
     def handler(signum, frame):
         del frame
         name = signal.Signals(signum).name
         flag.setdefault("signal", name)
         if interrupt:
             flag.setdefault("interrupted", name)
+            if flag.get("act") is not None:
+                flag["act"](name)     # a command's own stop, which ends the process
             raise Interrupted(name)
     if interrupt:
         _quiet_swallowed_interrupts()

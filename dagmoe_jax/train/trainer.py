@@ -154,7 +154,7 @@ class Trainer:
                         hook(info)
                 self.checkpointer.check_for_errors()     # stop at a failed save, not later
                 # the flag read once, after the hooks: a signal landing later is the next step's
-                stopping = bool(stop)
+                stopping = bool(stop.get("signal"))
                 force = stopping or last
                 if force or self.checkpointer.should_save(step):  # gather the state only then
                     self._read_losses(pending)           # no save after a non-finite loss
@@ -165,7 +165,7 @@ class Trainer:
                 if stopping:
                     break
         self.checkpointer.wait()
-        return step, bool(stop)
+        return step, bool(stop.get("signal"))
 
     def _read_losses(self, pending: List[Tuple[int, Any]]) -> None:
         """Wait for the queued steps and read their losses, emptying ``pending``; the first

@@ -75,7 +75,8 @@ from pathlib import Path
 
 from dagmoe_jax.command_line import (USER_ERRORS, OneLineParser, parse_or_report,
                                      quiet_background_errors, report_error)
-from dagmoe_jax.stopping import run_command
+from dagmoe_jax.stopping import (output_complete, remove_on_stop, run_command,
+                                 set_stop_message)
 
 
 def parse_args(argv):
@@ -200,9 +201,12 @@ def run(args) -> Path:
     if not args.trainable and trainable == "router_and_gates":
         print(command.TOP1_NOTE, file=sys.stderr, flush=True)
     summary["trainable"] = trainable
+    set_stop_message(f"nothing was written at {args.run_dir}")
+    remove_on_stop(args.run_dir)
     out = command.write_run(args.run_dir, moe, cfg, command.mixed_data(base, args.source),
                             steps=args.steps, trainable=trainable, stats=stats,
                             summary=summary)
+    output_complete()
     print(f"wrote {out} ({time.perf_counter() - start:.0f} s): evaluate with python train.py "
           f"--mode=eval --run_dir={out}; continue training with python train.py "
           f"--gin_file={out / command.RESUME_GIN}", flush=True)

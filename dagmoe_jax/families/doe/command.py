@@ -19,7 +19,8 @@ import sys
 
 from dagmoe_jax.command_line import (USER_ERRORS, OneLineParser, gin_flag_bindings,
                                      report_error)
-from dagmoe_jax.stopping import run_command
+from dagmoe_jax.stopping import (output_complete, remove_on_stop, run_command,
+                                 set_stop_message)
 
 
 def main(argv=None) -> int:
@@ -54,7 +55,10 @@ def main(argv=None) -> int:
         print(f"fitting online LDA: {model_cfg.block.num_topics} topics on {len(docs)} documents",
               flush=True)
         model = fit_topics(docs, model_cfg.block.num_topics, cfg)
+        set_stop_message(f"nothing was written at {args.out}")
+        remove_on_stop(args.out)
         model.save(args.out)
+        output_complete()
     except USER_ERRORS as err:
         return report_error(err)
     for k, words in enumerate(model.top_words(8)):

@@ -63,7 +63,15 @@ def test_a_dense_run_exports_as_the_same_model_with_its_tokenizer(tmp_path, caps
     assert export_cli.main([f"--run_dir={run_dir}", f"--out={out}"]) == 0
     assert "exported step 0" in capsys.readouterr().out
     assert sorted(p.name for p in out.iterdir()) == [
-        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+        "tokenizer_config.json"]
+    config = json.loads((out / "config.json").read_text())
+    # what transformers' save_pretrained writes beside config.json: the ids it sets
+    assert json.loads((out / "generation_config.json").read_text()) == {
+        "_from_model_config": True, **{k: config[k] for k in ("bos_token_id", "eos_token_id",
+                                                              "pad_token_id")
+                                       if config[k] is not None}}
+    assert config["eos_token_id"] is not None
     exported, cfg = hf_llama.load_hf_llama(out)
     loaded = run_lib.load_run(run_dir)
     assert cfg == loaded.model_cfg.replace(init_std=cfg.init_std)  # HF does not record it
@@ -159,3 +167,35 @@ def test_an_interrupted_export_leaves_nothing(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().err.strip().splitlines() == [
         f"error: SIGINT received: nothing was written at {tmp_path / 'x'}"]
     assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".x.partial"))
+
+
+def test_an_imported_olmoe_exports_its_padding_id_and_generation_config(tmp_path, capsys):
+    """An OLMoE folder whose tokenizer names a padding token (OLMoE's ``<|padding|>``) and
+    whose ``generation_config.json`` sets sampling defaults: imported and exported, its
+    config.json keeps ``pad_token_id`` (it was written null) and the folder's own
+    generation_config.json comes back (none was written)."""
+    import shutil
+    from pathlib import Path
+
+    from tokenizers import AddedToken
+
+    from dagmoe_jax.cli import hf_import
+    from dagmoe_jax.hf.tokenizer import byte_level_tokenizer
+    folder = tmp_path / "olmoe"
+    shutil.copytree(Path(__file__).parent / "fixtures" / "hf_moe" / "olmoe", folder)
+    tok = byte_level_tokenizer()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("</s>", "<|padding|>")])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>",
+         "pad_token": "<|padding|>"}))
+    generation = {"eos_token_id": 256, "pad_token_id": 257, "temperature": 0.7}
+    (folder / "generation_config.json").write_text(json.dumps(generation))
+    run_dir, out = tmp_path / "run", tmp_path / "export"
+    assert hf_import.main([f"--hf={folder}", f"--run_dir={run_dir}"]) == 0
+    assert export_cli.main([f"--run_dir={run_dir}", f"--out={out}"]) == 0
+    capsys.readouterr()
+    config = json.loads((out / "config.json").read_text())
+    assert (config["model_type"], config["eos_token_id"], config["pad_token_id"]) == (
+        "olmoe", 256, 257)
+    assert json.loads((out / "generation_config.json").read_text()) == generation

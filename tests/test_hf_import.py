@@ -114,3 +114,27 @@ def test_an_interrupted_import_leaves_nothing(folder, tmp_path, capsys, monkeypa
         assert capsys.readouterr().err.strip().splitlines() == [
             f"error: SIGINT received: nothing was written at {out}"]
     assert not (tmp_path / "run").exists() and not list(empty.iterdir())
+
+
+@pytest.mark.parametrize("kind,first", [("bos_added", [257]), ("no_bos", [])])
+def test_an_hf_folder_is_sampled_from_the_prompt_transformers_would_give(kind, first, tmp_path,
+                                                                         monkeypatch):
+    """``dagmoe-sample --run_dir=hf:DIR`` with defaults starts the prompt as the folder's
+    tokenizer starts text (its post-processor's BOS, or nothing), not with the EOS a run of
+    this library's records follows: the ids transformers' ``tokenizer(prompt)`` hands
+    ``generate`` (tokenizers' own encoding with its special tokens, as the fast tokenizer)."""
+    from tokenizers import Tokenizer
+    from dagmoe_jax.cli import sample
+    from dagmoe_jax.decoding import generate as generate_lib
+    path = tmp_path / "hf"
+    write_checkpoint(path, CONFIG, random_checkpoint(CONFIG))
+    write_special_tokenizer(path, kind)
+    seen = []
+
+    def record(model, prompts, **kwargs):
+        seen.extend(prompts)
+        return [[104] for _ in prompts]
+    monkeypatch.setattr(generate_lib, "generate", record)
+    assert sample.main([f"--run_dir=hf:{path}", "--prompt=hello", "--max_new_tokens=1"]) == 0
+    reference = Tokenizer.from_file(str(path / "tokenizer.json")).encode("hello").ids
+    assert seen == [reference] and reference[:len(first)] == first

@@ -20,7 +20,9 @@ Flags:
                          (repeatable; decoding stops there, it does not run on to
                          --max_new_tokens)
   --no_eos_prefix        do not put EOS before the prompt (training records follow an EOS, so
-                         by default the prompt starts as a record does)
+                         by default the prompt starts as a record does; an hf: folder's
+                         prompt starts as its tokenizer starts text, with its BOS or nothing,
+                         as transformers' generate is given it)
   --chat                 the prompt is a user turn, rendered with the run's chat template as
                          fine-tuning rendered its data (the tokenizer's own template, or the
                          plain '### Instruction:' one), ending with the assistant's turn
@@ -58,6 +60,15 @@ def cut_continuation(text: str, start: int, stops) -> str:
 
 
 EMPTY_TURN = "(the model ended its turn at once: no tokens)"
+
+
+def tokenizer_prefix(tok) -> list:
+    """The ids a Hugging Face tokenizer puts before any text (its post-processor's BOS, or
+    none): what transformers' ``tokenizer(prompt)`` gives ``generate``, so that an ``hf:``
+    folder sampled with defaults continues the prompt transformers would."""
+    plain, special = tok.encode("a"), tok.encode("a", add_special_tokens=True)
+    at = next((i for i in range(len(special)) if special[i:i + len(plain)] == plain), 0)
+    return list(special[:at])
 
 
 def shown_sample(tok, prompt, new, *, stops, stop_strings=(), prefix=(), chat=False,
@@ -137,7 +148,7 @@ def main(argv=None) -> int:
     from dagmoe_jax.config.blocks import block_summary
     from dagmoe_jax.decoding.generate import StopStrings, check_settings, generate
     from dagmoe_jax.run.extensions import extension_for
-    from dagmoe_jax.hf.run import open_run
+    from dagmoe_jax.hf.run import is_hf, open_run
 
     quiet_background_errors()
     try:
@@ -157,13 +168,15 @@ def main(argv=None) -> int:
             texts = [text for _, text in rendered]
             prompts = [ids for ids, _ in rendered for _ in range(args.num_samples)]
         else:
-            prefix = [] if args.no_eos_prefix else [tok.eos_id]
+            prefix = ([] if args.no_eos_prefix else
+                      tokenizer_prefix(tok) if is_hf(args.run_dir) else [tok.eos_id])
             texts = list(args.prompt)
             prompts = [prefix + tok.encode(p) for p in args.prompt
                        for _ in range(args.num_samples)]
         longest = max(len(p) for p in prompts)
         if longest > run.model_cfg.max_seq_len:
-            with_eos = "" if args.no_eos_prefix else " (with its EOS prefix)"
+            with_eos = (" (with its EOS prefix)" if prefix == [tok.eos_id] else
+                        " (with its BOS)" if prefix else "")
             raise ValueError(f"the prompt is {longest} tokens long{with_eos} but the model's "
                              f"max_seq_len is {run.model_cfg.max_seq_len}: shorten it")
         print(f"run {args.run_dir} at step {run.step}: {block_summary(run.model_cfg.block)}, "

@@ -262,7 +262,11 @@ class HFTokenizer(_FromFile):
                              f"{', '.join(map(repr, names))}: set DataConfig.eos_token to one "
                              "of its tokens")
         self._eos_id = int(eos)
-        self._pad_id = int(next((vocab[n] for n in HF_PAD_CANDIDATES if n in vocab), eos))
+        named_pad = token_text(config.get("pad_token"))
+        pads = ((named_pad,) if named_pad in vocab else ()) + HF_PAD_CANDIDATES
+        declared = next((vocab[n] for n in pads if n in vocab), None)
+        self.declared_pad_id = None if declared is None else int(declared)
+        self._pad_id = int(eos if declared is None else declared)
         bos = token_text(config.get("bos_token"))
         self._bos_id = int(vocab[bos]) if bos in vocab else None
         self._special_ids = frozenset(

@@ -25,6 +25,8 @@ from flax import nnx
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.hf import tokenizer as hf_tokenizer
 from dagmoe_jax.hf.llama import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, backbone_keys, layer_names
+
+GENERATION_CONFIG_FILE = "generation_config.json"
 from dagmoe_jax.hf.moe import export_family, moe_block_tensors, moe_hf_config
 from dagmoe_jax.hf.rope import rope_to_hf
 from dagmoe_jax.hf.run import open_run
@@ -51,10 +53,11 @@ def hf_family(cfg: ModelConfig) -> str:
 
 def hf_config_from_model(cfg: ModelConfig, *, tie_word_embeddings: bool,
                          dtype: str = "float32", bos_token_id: Optional[int] = None,
-                         eos_token_id: Optional[int] = None) -> dict:
+                         eos_token_id: Optional[int] = None,
+                         pad_token_id: Optional[int] = None) -> dict:
     """The Hugging Face ``config.json`` of ``cfg`` in its family (:func:`hf_family`), with
-    the tokenizer's BOS and EOS ids (written null when not given, so that transformers does
-    not take its class's defaults, ids of another vocabulary, for them)."""
+    the tokenizer's BOS, EOS and padding ids (written null when not given, so that
+    transformers does not take its class's defaults, ids of another vocabulary, for them)."""
     family = hf_family(cfg)
     hf = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -65,7 +68,7 @@ def hf_config_from_model(cfg: ModelConfig, *, tie_word_embeddings: bool,
         "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
         "attention_bias": False, "tie_word_embeddings": tie_word_embeddings,
         "torch_dtype": dtype, "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
-        "pad_token_id": None, **rope_to_hf(cfg),
+        "pad_token_id": pad_token_id, **rope_to_hf(cfg),
     }
     if family == "llama":
         hf.update(intermediate_size=cfg.resolved_ffn_hidden, mlp_bias=False)
@@ -117,12 +120,14 @@ def _save(tensors: Dict[str, np.ndarray], path: Path, meta: dict) -> None:
 
 def export_hf(model: nnx.Module, path: Union[str, Path], *, dtype: str = "float32",
               max_shard_bytes: Optional[int] = None, bos_token_id: Optional[int] = None,
-              eos_token_id: Optional[int] = None) -> Path:
+              eos_token_id: Optional[int] = None, pad_token_id: Optional[int] = None) -> Path:
     """Write a dense or MoE Transformer as a Hugging Face folder of its family
-    (:func:`hf_family`): ``config.json`` (with the tokenizer's BOS and EOS ids, when given)
-    and ``model.safetensors``, or shards of at most ``max_shard_bytes`` with
-    ``model.safetensors.index.json``, in ``dtype`` ('float32' or 'bfloat16'). The LM head is
-    tied to the embedding when the two are equal. Returns the directory."""
+    (:func:`hf_family`): ``config.json`` (with the tokenizer's BOS, EOS and padding ids, when
+    given), ``generation_config.json`` (those ids, as transformers' ``save_pretrained`` writes
+    it from the model's config) and ``model.safetensors``, or shards of at most
+    ``max_shard_bytes`` with ``model.safetensors.index.json``, in ``dtype`` ('float32' or
+    'bfloat16'). The LM head is tied to the embedding when the two are equal. Returns the
+    directory."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype={dtype!r} is invalid: expected one of "
                          f"{sorted(EXPORT_DTYPES)}")
@@ -130,7 +135,8 @@ def export_hf(model: nnx.Module, path: Union[str, Path], *, dtype: str = "float3
     embed = np.asarray(model.embed[...])
     tied = bool(np.array_equal(embed.T, np.asarray(model.lm_head[...])))
     hf = hf_config_from_model(cfg, tie_word_embeddings=tied, dtype=dtype,
-                              bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+                              bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                              pad_token_id=pad_token_id)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     shards: List[Dict[str, np.ndarray]] = [{}]
@@ -155,7 +161,19 @@ def export_hf(model: nnx.Module, path: Union[str, Path], *, dtype: str = "float3
         (out / INDEX_FILE).write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
     (out / CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
+    # GenerationConfig.from_model_config: the ids that are set (its defaults are None)
+    generation = {"_from_model_config": True, **{
+        key: hf[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")
+        if hf[key] is not None}}
+    (out / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
     return out
+
+
+def declared_pad_id(tokenizer) -> Optional[int]:
+    """The padding id a Hugging Face tokenizer declares (its ``pad_token``, or a padding
+    token of its vocabulary), None where it falls back to EOS or is no such tokenizer."""
+    pad = getattr(tokenizer, "declared_pad_id", None)
+    return None if pad is None else int(pad)
 
 
 def partial_path(out) -> Path:
@@ -185,7 +203,8 @@ def export_run(run_dir: str, out: str, *, dtype: str = "float32", max_shard_mb: 
         tokenizer = loaded.tokenizer        # its BOS and EOS ids go into config.json
         export_hf(loaded.model, partial, dtype=dtype,
                   max_shard_bytes=max_shard_mb * 2 ** 20 or None,
-                  bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
+                  bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id,
+                  pad_token_id=declared_pad_id(tokenizer))
         files = hf_tokenizer.export_tokenizer(loaded.data_cfg, partial)
         if target.exists():
             target.rmdir()                       # empty (the command checked)

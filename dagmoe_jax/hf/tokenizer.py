@@ -9,7 +9,8 @@ was trained on.
   difference stays: a tool that registers the EOS as a special token (``transformers``) reads
   the text character U+0100, the spelling of byte 0, as EOS; the byte tokenizer never does.
 * ``'hf'``: the run's ``tokenizer.json`` copied, with the ``tokenizer_config.json`` beside it
-  (or one naming the run's ``DataConfig.eos_token``).
+  (or one naming the run's ``DataConfig.eos_token``) and the ``generation_config.json`` beside
+  it (an imported folder's own, which replaces the one written from the ids).
 * ``'sentencepiece'``: the model file copied as ``tokenizer.model`` (the name Llama's
   SentencePiece tokenizer reads).
 """
@@ -25,6 +26,7 @@ from dagmoe_jax.data import DataConfig
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 SENTENCEPIECE_FILE = "tokenizer.model"
 
 
@@ -73,6 +75,9 @@ def export_tokenizer(data_cfg: DataConfig, out: Path) -> List[str]:
     elif data_cfg.tokenizer == "hf":
         source = Path(data_cfg.tokenizer_path).expanduser()
         shutil.copyfile(source, out / TOKENIZER_FILE)
+        generation = source.parent / GENERATION_CONFIG_FILE
+        if generation.is_file():      # the folder's own (its EOS ids, sampling defaults)
+            shutil.copyfile(generation, out / GENERATION_CONFIG_FILE)
         beside = source.parent / TOKENIZER_CONFIG_FILE
         if beside.is_file():
             shutil.copyfile(beside, out / TOKENIZER_CONFIG_FILE)

@@ -1,7 +1,11 @@
 """dagmoe_jax: DAG-MoE and related Mixture-of-Experts language models in JAX / Flax NNX."""
 
-from dagmoe_jax.config import (AggregationConfig, CoEConfig, DoEConfig, ExpertConfig,
-                               ModelConfig, RouterConfig)
+from dagmoe_jax.platform import cpu_where_no_accelerator
+
+cpu_where_no_accelerator()        # before JAX loads: no accelerator plugin starts on a CPU host
+
+from dagmoe_jax.config import (  # noqa: E402
+    AggregationConfig, CoEConfig, DoEConfig, ExpertConfig, ModelConfig, RouterConfig)
 
 __version__ = "0.1.0"
 

@@ -29,7 +29,7 @@ MAX_LINES = 450
 # the commands' shared plumbing (stopping < command_line) is below the tools, and the commands of the layers
 # below (cli) are the top, which nothing imports.
 LAYERS = {
-    "core": {"validate": 0, "budget": 0, "config": 1, "kernels": 2, "parallel": 2, "model": 3},
+    "core": {"validate": 0, "budget": 0, "platform": 0, "config": 1, "kernels": 2, "parallel": 2, "model": 3},
     "data": {"data": 4},
     "run": {"run": 5, "hf": 6, "decoding": 6, "evaluation": 7, "train": 8},
     "tools": {"stopping": 9, "command_line": 10, "analysis": 11, "upcycle": 12, "harness": 12,

@@ -205,7 +205,8 @@ def left_behind(out: Path) -> list:
 def command_verdict(name: str, code: int, output: str, out: Path) -> dict:
     """One moment of command ``name`` by the stop contract (module docstring)."""
     _, _, written, done = COMMANDS[name]
-    lines = [line for line in output.strip().splitlines() if line.strip()]
+    # a progress line ends with a carriage return: what follows it starts a line of its own
+    lines = [line for line in output.replace("\r", "\n").splitlines() if line.strip()]
     crash = next((w for w in CRASH_WORDS if w in output), "")
     left = left_behind(out)
     if written is None:                                  # writes nothing

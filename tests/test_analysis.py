@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from conftest import build_once, make_model, single_device_env, tiny_config
-from dagmoe_jax.analysis.collect import Collected, collect, gate_sparsity_counts, record
+from dagmoe_jax.analysis.collection import Collected, collect, gate_sparsity_counts, record
 from dagmoe_jax.analysis.report import summary, summary_lines
 from dagmoe_jax.model.dag import edge_mask
 

@@ -258,7 +258,7 @@ def test_accounting_counts_every_doe_parameter(doe):
 
 
 def test_gate_profile_groups_gates_by_label(tmp_path, rng):
-    from dagmoe_jax.analysis.collect import record
+    from dagmoe_jax.analysis.collection import record
     from dagmoe_jax.families.doe.analysis import gate_profile, plot_gate_profile, specialisation
 
     cfg = doe_config(layers=2)

@@ -420,7 +420,7 @@ def test_finetuning_from_a_hugging_face_folder_makes_one_self_contained_record(t
     blob = json.loads((run_dir / "config.json").read_text())
     assert blob["data"]["tokenizer_path"] == str(run_dir / "tokenizer" / "tokenizer.json")
     assert sorted(p.name for p in (run_dir / "tokenizer").iterdir()) == [
-        "tokenizer.json", "tokenizer_config.json"]
+        "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
     # The operative config, read back by gin, is the run's model and tokenizer.
     model_cfg, data_cfg, _, _ = load_configs([str(run_dir / run_lib.OPERATIVE_GIN)])
     recorded_model, recorded_data, _, _ = run_lib.load_configs(run_dir)

@@ -1,6 +1,6 @@
 """Looking inside a trained run: expert load, CoE co-activation, DAG edge gates, dropped tokens.
 
-:func:`~dagmoe_jax.analysis.collect.collect` runs the model with its intermediates recorded
+:func:`~dagmoe_jax.analysis.collection.collect` runs the model with its intermediates recorded
 (routing decisions per layer and CoE iteration, the DAG module's edge gates) and reduces them;
 :mod:`~dagmoe_jax.analysis.plots` draws PNGs (matplotlib, Agg backend);
 :func:`~dagmoe_jax.analysis.report.analyze_run` does both for a run directory. Command line::
@@ -13,7 +13,7 @@ import importlib
 # Loaded when first asked for (PEP 562): ``python -m dagmoe_jax.analysis`` imports this package
 # before its command installs the stop handlers (dagmoe_jax/stopping.py), and JAX must not load
 # in that window.
-_WHERE = {"Collected": "collect", "collect": "collect", "record": "collect",
+_WHERE = {"Collected": "collection", "collect": "collection", "record": "collection",
           "PLOTS": "report", "PlotResult": "report", "analyze_run": "report",
           "write_plots": "report"}
 

@@ -2,7 +2,7 @@
 
 Each function draws one figure from NumPy arrays, writes it to ``path`` and returns the path;
 none of them reads a model or prints. The arrays come from
-:func:`dagmoe_jax.analysis.collect.collect` and from ``metrics.jsonl``.
+:func:`dagmoe_jax.analysis.collection.collect` and from ``metrics.jsonl``.
 """
 
 from __future__ import annotations

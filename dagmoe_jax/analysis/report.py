@@ -1,7 +1,7 @@
 """Every plot that applies to one run directory: which ones, from what, and why one is skipped.
 
 :func:`analyze_run` loads a run's newest checkpoint, traces it over a dataset
-(:func:`dagmoe_jax.analysis.collect.collect`) and writes the PNGs of
+(:func:`dagmoe_jax.analysis.collection.collect`) and writes the PNGs of
 :mod:`dagmoe_jax.analysis.plots` that apply to its block type and ``summary.json`` (the
 numbers: edge-gate sparsity per layer and iteration for DAG-MoE); it returns one
 :class:`PlotResult` per file, written or skipped with a one-line reason. The command line is
@@ -19,7 +19,7 @@ from typing import List, Optional
 import numpy as np
 
 from dagmoe_jax.analysis import plots
-from dagmoe_jax.analysis.collect import Collected, collect
+from dagmoe_jax.analysis.collection import Collected, collect
 from dagmoe_jax.config import family_of
 from dagmoe_jax.run.paths import as_path, is_remote
 from dagmoe_jax.data import eval_batches, parse_source

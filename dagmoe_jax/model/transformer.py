@@ -19,7 +19,7 @@ flag on (``model.set_attributes(record_intermediates=True, raise_if_not_found=Fa
 dict also holds ``intermediates``, stacked over layers: ``indices`` [layers, C, T, K] (the
 routed expert ids in rank order; C = 1 except for CoE, one row per iteration) and, for the DAG,
 ``edge_gates`` [layers, L, T, K, K, d_g] and ``dag_inputs`` [layers, L, T, K, d]
-(``dagmoe_jax.analysis.collect`` reads them).
+(``dagmoe_jax.analysis.collection`` reads them).
 
 For autoregressive decoding (``dagmoe_jax.decoding.generate``) the same ``__call__`` takes a
 :class:`~dagmoe_jax.model.attention.KVCache` ([layers, B, T, KV, D], carried through the same

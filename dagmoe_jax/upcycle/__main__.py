@@ -176,8 +176,10 @@ def run(args) -> Path:
         batches = [lambda d=d: command.domain_batches(d, args.stats_batches) for d in domains]
 
     def progress(j, b, t):
-        print(f"\rstatistics: domain {j + 1}/{len(domains)} ({args.source[j]}): batch {b}, "
-              f"{t} tokens, {time.perf_counter() - start:.0f} s", end="", file=sys.stderr,
+        # the cursor back at the line's start after each update: a line printed next (a
+        # signal's stop line) starts there
+        print(f"statistics: domain {j + 1}/{len(domains)} ({args.source[j]}): batch {b}, "
+              f"{t} tokens, {time.perf_counter() - start:.0f} s", end="\r", file=sys.stderr,
               flush=True)
 
     moe, cfg, stats = command.build_dume(

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from dagmoe_jax.config import DenseConfig, MoEConfig, block_summary
-from dagmoe_jax.analysis.collect import record
+from dagmoe_jax.analysis.collection import record
 from dagmoe_jax.model.attention import rope_angles
 from dagmoe_jax.model.layers import dtype_of, swiglu
 from dagmoe_jax.model.segments import segment_positions

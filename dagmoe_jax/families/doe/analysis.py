@@ -16,7 +16,7 @@ from typing import Dict, Iterable, List, Optional
 import jax
 import numpy as np
 
-from dagmoe_jax.analysis.collect import record
+from dagmoe_jax.analysis.collection import record
 from dagmoe_jax.analysis.plots import _save, plt
 from dagmoe_jax.analysis.report import (ROUTED_PLOTS, PlotResult, analysis_batches,
                                         training_curves)

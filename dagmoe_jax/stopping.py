@@ -116,11 +116,11 @@ def _stop(signum: int) -> None:
         for clean in reversed(_state["cleanups"]):
             try:
                 clean()
-            except OSError:
+            except Exception:  # pylint: disable=broad-except  (on the way out: the rest too)
                 pass
         try:
             sys.stdout.flush()
-        except (OSError, ValueError):
+        except (OSError, ValueError, RuntimeError):   # RuntimeError: a reentrant flush
             pass
         try:
             name = signal.Signals(signum).name

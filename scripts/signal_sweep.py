@@ -86,24 +86,33 @@ def verdict(code: int, output: str, run_dir: Path) -> dict:
             "tail": output.strip().splitlines()[-1 if clean else -25:]}
 
 
-def moments(argv, delays, root: Path, parallel: int):
-    """Run the moments ``delays`` (seconds), ``parallel`` at a time; yields (delay, verdict)."""
+def signal_moments(delays, parallel: int, launch, judge):
+    """SIGINT to each launched command's process group ``delay`` seconds after its start,
+    ``parallel`` at a time; yields (delay, verdict). ``launch(delay)`` -> (what it writes, its
+    log, the process); ``judge(code, output, what it writes)`` -> the verdict."""
     pending, running = list(delays), []
     while pending or running:
         while pending and len(running) < parallel:
             delay = pending.pop(0)
-            run_dir, log = root / f"run_{delay:g}", root / f"run_{delay:g}.log"
-            running.append([delay, run_dir, log, start(argv, run_dir, log),
-                            time.monotonic() + delay])
-        time.sleep(0.05)
+            running.append([delay, *launch(delay), time.monotonic() + delay])
+        time.sleep(0.02)
         for item in list(running):
-            delay, run_dir, log, proc, when = item
+            delay, target, log, proc, when = item
             if when is not None and time.monotonic() >= when and proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGINT)
                 item[4] = None                                    # sent
             if proc.poll() is not None:
                 running.remove(item)
-                yield delay, verdict(proc.returncode, log.read_text(), run_dir)
+                yield delay, judge(proc.returncode, log.read_text(), target)
+
+
+def moments(argv, delays, root: Path, parallel: int):
+    """Run train.py's moments ``delays`` (seconds), ``parallel`` at a time; yields (delay,
+    verdict)."""
+    def launch(delay):
+        run_dir, log = root / f"run_{delay:g}", root / f"run_{delay:g}.log"
+        return run_dir, log, start(argv, run_dir, log)
+    return signal_moments(delays, parallel, launch, verdict)
 
 
 # --- every other command -----------------------------------------------------------------------
@@ -227,24 +236,13 @@ def command_verdict(name: str, code: int, output: str, out: Path) -> dict:
 def command_moments(name: str, fixtures: Path, delays, root: Path, parallel: int):
     """Run command ``name``'s moments ``delays`` (seconds), ``parallel`` at a time; yields
     (delay, verdict)."""
-    pending, running = list(delays), []
-    while pending or running:
-        while pending and len(running) < parallel:
-            delay = pending.pop(0)
-            work = root / f"{name}_{delay:g}"
-            work.mkdir(parents=True, exist_ok=True)
-            out, log = work / "out", root / f"{name}_{delay:g}.log"
-            running.append([delay, out, log, start_command(name, fixtures, out, log),
-                            time.monotonic() + delay])
-        time.sleep(0.02)
-        for item in list(running):
-            delay, out, log, proc, when = item
-            if when is not None and time.monotonic() >= when and proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGINT)
-                item[4] = None
-            if proc.poll() is not None:
-                running.remove(item)
-                yield delay, command_verdict(name, proc.returncode, log.read_text(), out)
+    def launch(delay):
+        work = root / f"{name}_{delay:g}"
+        work.mkdir(parents=True, exist_ok=True)
+        out, log = work / "out", root / f"{name}_{delay:g}.log"
+        return out, log, start_command(name, fixtures, out, log)
+    return signal_moments(delays, parallel, launch,
+                          lambda code, output, out: command_verdict(name, code, output, out))
 
 
 # Inside ``import jax`` (0.1-1 s in): the handlers are installed from the command's first line,

@@ -111,7 +111,9 @@ def stop_now(name: str) -> None:
 def _stop(signum: int) -> None:
     """Act on signal ``signum`` by the contract (module docstring)."""
     with _lock:
-        if _state["phase"] != _START:
+        # not installed: a command's main called from Python (a notebook, a test) keeps
+        # Python's own handling, and its process is never ended here
+        if _state["phase"] != _START or not _state.get("installed"):
             return
         for clean in reversed(_state["cleanups"]):
             try:

@@ -14,6 +14,7 @@ import importlib
 import json
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -113,3 +114,28 @@ def test_the_stop_contract(mode, tmp_path):
         assert result.returncode == 0 and result.stdout.split("\n")[:2] == [
             "done", "after the call"], result
         assert result.stderr == "" and (out / "half").is_file()
+
+
+def test_a_command_called_from_python_keeps_pythons_own_handling():
+    """``main()`` of a command called from Python without the contract (a notebook): a
+    signal before training begins is the one line and exit status 130 returned, and the
+    process lives on (the contract's stop, which ends a command's process, is not installed)."""
+    code = textwrap.dedent("""
+        import os, signal, sys, threading, time
+        from dagmoe_jax.cli import train
+        default = signal.getsignal(signal.SIGINT)
+        def interrupt():            # once the command's own handler is in place (start-up)
+            while signal.getsignal(signal.SIGINT) is default:
+                time.sleep(0.01)
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGINT)
+        threading.Thread(target=interrupt, daemon=True).start()
+        code = train.main(["--run_dir=" + sys.argv[1], "--no_progress"])
+        print("returned", code, flush=True)
+    """)
+    run_dir = Path(tempfile.mkdtemp()) / "run"
+    result = subprocess.run([sys.executable, "-c", code, str(run_dir)], capture_output=True,
+                            text=True, cwd=REPO, env=single_device_env(), timeout=300)
+    assert result.returncode == 0, result
+    assert result.stdout.strip().splitlines()[-1] == "returned 130", result
+    assert "received before training began" in result.stderr and not run_dir.exists()

@@ -165,7 +165,7 @@ def check_new_directory(flag: str, path: str) -> None:
 
 
 def write_command(parse_args: Callable, argv, doc: str, work: Callable[[Any, Callable], Any],
-                  target: Callable[[Any], str]) -> int:
+                  target: Callable[[Any], str], threaded: bool = False) -> int:
     """The ``main`` of a command that writes one directory (export, import): arguments as
     :func:`parse_or_report` reads them, then ``work(args, log)``, whose library call hands
     ``log`` its last line once the directory is complete and in place; a user error is one
@@ -173,13 +173,14 @@ def write_command(parse_args: Callable, argv, doc: str, work: Callable[[Any, Cal
     before that line removes the directory (or empties the empty one that was there) and says
     nothing was written at ``target(args)`` (130); after it, the command finishes (0). Without
     the contract (``main`` called from Python) Ctrl-C is the same line, and ``work``'s library
-    call removes what it wrote."""
+    call removes what it wrote. ``threaded``: ``work`` writes the directory from threads of
+    its own too (:func:`dagmoe_jax.stopping.remove_on_stop`)."""
     args, code = parse_or_report(parse_args, argv, doc)
     if code is not None:
         return code
     out = Path(target(args)).expanduser()
     stopping.set_stop_message(f"nothing was written at {out}")
-    forget = stopping.remove_on_stop(out)
+    forget = stopping.remove_on_stop(out, threaded=threaded)
     quiet_background_errors()
 
     def log(message: str) -> None:

@@ -24,10 +24,14 @@ import shutil
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Callable, List, Optional
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+QUIET_S, QUIET_DEADLINE_S = 1.0, 10.0
+"""A threaded write's output is removed again until nothing has reappeared for QUIET_S
+seconds (at most QUIET_DEADLINE_S)."""
 _START, _OWN, _DONE = "start", "own", "done"
 _lock = threading.RLock()
 _state = {"phase": _START, "what": "stopped", "cleanups": []}
@@ -44,22 +48,39 @@ def set_stop_message(what) -> None:
     _state["what"] = what
 
 
-def remove_on_stop(path) -> Callable[[], None]:
+def remove_on_stop(path, threaded: bool = False) -> Callable[[], None]:
     """Register ``path`` as being written by the command: a signal before the output is
     complete removes it, or, where it is a directory that exists now, what appears in it
-    from now on (what was there is kept). Returns the function that unregisters it (once it
-    is complete, or removed by the command itself)."""
+    from now on (what was there is kept). ``threaded``: a library writes into it from threads
+    of its own (an Orbax save): while it is registered the signal is acted on by the main
+    thread, between two of its steps, not at once from the stop thread (which removed the
+    directory while a save's thread wrote it again). Returns the function that unregisters it
+    (once it is complete, or removed by the command itself)."""
     path = Path(path).expanduser()
     kept = ({child.name for child in path.iterdir()}
             if path.is_dir() and not path.is_symlink() else None)
 
-    def clean() -> None:
+    def once() -> bool:
+        """Remove what was written; whether anything was there."""
         if kept is None:
+            there = path.exists() or path.is_symlink()
             _remove(path)
-        elif path.is_dir():
-            for child in list(path.iterdir()):
-                if child.name not in kept:
-                    _remove(child)
+            return there
+        new = [child for child in path.iterdir() if child.name not in kept] \
+            if path.is_dir() else []
+        for child in new:
+            _remove(child)
+        return bool(new)
+
+    def clean() -> None:
+        once()
+        if threaded:   # a save's thread still in flight can write it again: until it is quiet
+            quiet_since, deadline = time.monotonic(), time.monotonic() + QUIET_DEADLINE_S
+            while time.monotonic() < deadline and time.monotonic() - quiet_since < QUIET_S:
+                time.sleep(0.02)
+                if once():
+                    quiet_since = time.monotonic()
+    clean.threaded = threaded
     with _lock:
         _state["cleanups"].append(clean)
 
@@ -108,12 +129,15 @@ def stop_now(name: str) -> None:
     _stop(getattr(signal, name, signal.SIGINT))
 
 
-def _stop(signum: int) -> None:
-    """Act on signal ``signum`` by the contract (module docstring)."""
+def _stop(signum: int, from_thread: bool = False) -> None:
+    """Act on signal ``signum`` by the contract (module docstring); ``from_thread``: the stop
+    thread, which leaves it to the main thread while a threaded write is registered."""
     with _lock:
         # not installed: a command's main called from Python (a notebook, a test) keeps
         # Python's own handling, and its process is never ended here
         if _state["phase"] != _START or not _state.get("installed"):
+            return
+        if from_thread and any(getattr(c, "threaded", False) for c in _state["cleanups"]):
             return
         for clean in reversed(_state["cleanups"]):
             try:
@@ -147,7 +171,7 @@ def _watch(read_fd: int) -> None:
             return
         for signum in data:
             if signum in (int(s) for s in STOP_SIGNALS):
-                _stop(signum)
+                _stop(signum, from_thread=True)
 
 
 def install(what: Optional[str] = None) -> bool:

@@ -69,21 +69,30 @@ def test_the_command_modules_load_no_library_before_the_stop_handlers():
 
 
 CONTRACT = textwrap.dedent("""
-    import ctypes, os, signal, sys
+    import ctypes, os, signal, sys, threading, time
     from pathlib import Path
     from dagmoe_jax import stopping
     out, kept = Path(sys.argv[1]), Path(sys.argv[2])
     mode = sys.argv[3]
     def main():
         stopping.set_stop_message(f"nothing was written at {out}")
-        stopping.remove_on_stop(out)
+        stopping.remove_on_stop(out, threaded=mode == "threaded")
+        if mode == "threaded":      # a save's thread that writes on after the signal
+            def writer():
+                for _ in range(20):
+                    out.mkdir(exist_ok=True)
+                    (out / "late").write_text("x")
+                    time.sleep(0.02)
+            threading.Thread(target=writer, daemon=True).start()
         stopping.remove_on_stop(kept)           # existed: what appears in it goes
-        out.mkdir()
+        out.mkdir(exist_ok=True)
         (out / "half").write_text("x")
         (kept / "new").write_text("x")
         if mode == "complete":
             stopping.output_complete()
             print("done", flush=True)
+        if mode == "threaded":      # the main thread acts: the write's output goes for good
+            os.kill(os.getpid(), signal.SIGINT)
         # a long library call that checks no signals (an XLA compilation): the main thread
         # sleeps in C with the signal blocked there, so only the stop thread can act on it
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
@@ -95,7 +104,7 @@ CONTRACT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("mode", ["working", "complete"])
+@pytest.mark.parametrize("mode", ["working", "threaded", "complete"])
 def test_the_stop_contract(mode, tmp_path):
     out, kept = tmp_path / "out", tmp_path / "kept"
     kept.mkdir()
@@ -104,7 +113,7 @@ def test_the_stop_contract(mode, tmp_path):
     result = subprocess.run([sys.executable, "-c", CONTRACT, str(out), str(kept), mode],
                             capture_output=True, text=True, cwd=REPO, timeout=60)
     took = time.monotonic() - began
-    if mode == "working":
+    if mode in ("working", "threaded"):
         assert result.returncode == 130 and took < 4, (result, took)
         assert result.stderr.strip().splitlines() == [
             f"error: SIGINT received: nothing was written at {out}"], result.stderr

@@ -147,7 +147,8 @@ def import_hf(folder: str, run_dir: str, *, seq_len: int = 0, batch_size: int = 
 def main(argv=None) -> int:
     return write_command(parse_args, argv, __doc__, lambda a, log: import_hf(
         a.hf, a.run_dir, seq_len=a.seq_len, batch_size=a.batch_size, source=a.source,
-        steps=a.steps, convert_to=a.convert_to, log=log), lambda a: a.run_dir)
+        steps=a.steps, convert_to=a.convert_to, log=log), lambda a: a.run_dir,
+        threaded=True)                    # the step-0 checkpoint: an Orbax save
 
 
 def _convert_to(args):

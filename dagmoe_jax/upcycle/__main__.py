@@ -204,7 +204,7 @@ def run(args) -> Path:
         print(command.TOP1_NOTE, file=sys.stderr, flush=True)
     summary["trainable"] = trainable
     set_stop_message(f"nothing was written at {args.run_dir}")
-    remove_on_stop(args.run_dir)
+    remove_on_stop(args.run_dir, threaded=True)     # the checkpoint: an Orbax save
     out = command.write_run(args.run_dir, moe, cfg, command.mixed_data(base, args.source),
                             steps=args.steps, trainable=trainable, stats=stats,
                             summary=summary)

@@ -27,8 +27,18 @@ COMMANDS = {
 }
 
 
+# Commands whose process sets its allocator up before anything else (dagmoe_jax/run/allocator.py):
+# before the contract's watcher thread starts, whose own malloc arena glibc's one-arena tuning
+# would otherwise hand to XLA's threads (their buffers then came back as fresh pages each step).
+ALLOCATOR_FIRST = ("dagmoe-train",)
+
+
 def command(name: str) -> int:
     """Run console command ``name`` (a key of :data:`COMMANDS`) under the stop contract."""
+    if name in ALLOCATOR_FIRST:
+        from dagmoe_jax.run.allocator import configure_allocator
+        configure_allocator()
+
     def main() -> int:
         module = importlib.import_module(COMMANDS[name])
         return getattr(module, "entry_main", module.main)()

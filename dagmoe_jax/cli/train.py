@@ -155,18 +155,22 @@ def _main(args, signals: dict) -> int:
 
 def entry_main() -> int:
     """:func:`main` under TCMalloc when it is installed, else with glibc's malloc tuned to
-    reuse what it frees (a faster step on CPU, dagmoe_jax/run/allocator.py)."""
+    reuse what it frees (a faster step on CPU, dagmoe_jax/run/allocator.py). The entries set
+    the allocator up before the stop contract's watcher thread starts (:func:`entry`,
+    ``train.py``, ``dagmoe_jax.cli.entry``); here it is a no-op then."""
     from dagmoe_jax.run.allocator import configure_allocator
     configure_allocator()
     return main()
 
 
 def entry() -> int:
-    """The ``dagmoe-train`` console script and ``python train.py``: :func:`entry_main` under
-    the stop contract (:func:`dagmoe_jax.stopping.run_command`: after the command, signals
-    are ignored through the interpreter's shutdown, where a SIGTERM killed a run that had
-    stopped cleanly; a stopped start-up ends without that shutdown, which crashed with its
+    """``python -m dagmoe_jax.cli.train``: the allocator set up first, then :func:`entry_main`
+    under the stop contract (:func:`dagmoe_jax.stopping.run_command`: after the command,
+    signals are ignored through the interpreter's shutdown, where a SIGTERM killed a run that
+    had stopped cleanly; a stopped start-up ends without that shutdown, which crashed with its
     abandoned compilation and prefetch threads still running)."""
+    from dagmoe_jax.run.allocator import configure_allocator
+    configure_allocator()   # before the contract's watcher thread (train.py says why)
     return stopping.run_command(entry_main)
 
 

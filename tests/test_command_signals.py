@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import build_once, single_device_env
+from dagmoe_jax.stopping import QUIET_DEADLINE_S
 
 REPO = Path(__file__).resolve().parent.parent
 SWEEP = REPO / "scripts" / "signal_sweep.py"
@@ -114,7 +115,10 @@ def test_the_stop_contract(mode, tmp_path):
                             capture_output=True, text=True, cwd=REPO, timeout=60)
     took = time.monotonic() - began
     if mode in ("working", "threaded"):
-        assert result.returncode == 130 and took < 4, (result, took)
+        # threaded: the removal repeats until the output has been quiet for QUIET_S, at most
+        # QUIET_DEADLINE_S (under a loaded machine the write's thread keeps it busy for longer)
+        bound = 4 if mode == "working" else 2 + QUIET_DEADLINE_S
+        assert result.returncode == 130 and took < bound, (result, took)
         assert result.stderr.strip().splitlines() == [
             f"error: SIGINT received: nothing was written at {out}"], result.stderr
         assert not out.exists() and sorted(p.name for p in kept.iterdir()) == ["mine"]

@@ -221,7 +221,7 @@ sys.modules["dagmoe_jax.cli.train"] = stub
 def test_train_entries_tune_the_allocator_before_the_stop_watcher_starts(tmp_path, entry):
     """The contract's watcher thread, started before glibc's one-arena tuning, kept an arena of
     its own that glibc then shared out to XLA's threads: README's `python train.py` page-faulted
-    about 22,000 times a step (none with the allocator set up first)."""
+    22,000-36,000 times a step (under 1,000 with the allocator set up first)."""
     run = {"train.py": "import runpy; runpy.run_path('train.py', run_name='__main__')",
            "dagmoe-train": "from dagmoe_jax.cli import entry; sys.exit(entry.command('dagmoe-train'))",
            # the real module's entry() and entry_main, the stub's main

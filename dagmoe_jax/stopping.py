@@ -139,23 +139,51 @@ def _stop(signum: int, from_thread: bool = False) -> None:
             return
         if from_thread and any(getattr(c, "threaded", False) for c in _state["cleanups"]):
             return
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError, RuntimeError):   # RuntimeError: a reentrant flush
+            pass
+        stderr = _silence_output()
         for clean in reversed(_state["cleanups"]):
             try:
                 clean()
             except Exception:  # pylint: disable=broad-except  (on the way out: the rest too)
                 pass
         try:
-            sys.stdout.flush()
-        except (OSError, ValueError, RuntimeError):   # RuntimeError: a reentrant flush
-            pass
-        try:
             name = signal.Signals(signum).name
         except ValueError:
             name = f"signal {signum}"
         what = _state["what"]
         line = what(name) if callable(what) else stop_line(name, what)
-        os.write(2, (line + "\n").encode())
+        os.write(stderr, (("\n" if _progress_bar_open() else "") + line + "\n").encode())
         os._exit(130)
+
+
+def _progress_bar_open() -> bool:
+    """Whether a tqdm progress bar (lm-eval's, a dataset reader's) is open: it left the cursor
+    at the end of its line, where the stop line would otherwise begin."""
+    tqdm = getattr(sys.modules.get("tqdm"), "tqdm", None)
+    try:
+        return any(not getattr(bar, "disable", False)
+                   for bar in list(getattr(tqdm, "_instances", ())))
+    except Exception:  # pylint: disable=broad-except  (on the way out: never in the way)
+        return False
+
+
+def _silence_output() -> int:
+    """Point standard output and error at the null device for the rest of the process (the
+    writes that fail while the cleanups remove their directory report it from their threads,
+    or from the main thread, with tracebacks); returns a descriptor of the standard error
+    that was, for the stop line."""
+    try:
+        stderr = os.dup(2)
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        os.close(null)
+    except OSError:
+        return 2
+    return stderr
 
 
 def _handler(signum, frame) -> None:

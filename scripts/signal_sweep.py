@@ -118,8 +118,8 @@ def moments(argv, delays, root: Path, parallel: int):
 # --- every other command -----------------------------------------------------------------------
 
 # name: (the module ``python -m`` runs, its arguments from the fixtures and an output path,
-# what a complete run leaves under that path (None: it writes nothing; "": the path is a
-# file), the line it prints when done ("": none))
+# what a complete run leaves under that path (a glob pattern; None: it writes nothing; "": the
+# path is a file), the line it prints when done ("": none))
 COMMANDS = {
     "sample": ("dagmoe_jax.cli.sample",
                lambda f, out: [f"--run_dir={f / 'run'}", "--prompt=hello", "--max_new_tokens=48"],
@@ -144,6 +144,12 @@ COMMANDS = {
                                f"--gin.DataConfig.source='text:{f / 'corpus.txt'}'",
                                f"--out={out}", "--max_iter=2"],
                "topics.json", "saved to "),
+    "harness": ("dagmoe_jax.harness",
+                lambda f, out: [f"--run_dir={f / 'run'}", "--tasks=dagmoe_mc",
+                                f"--include_path={REPO / 'tests' / 'harness_tasks'}",
+                                "--limit=2", "--bootstrap_iters=0", "--mesh=none",
+                                f"--output_path={out}"],
+                "*/results_*.json", "results written to"),
     "compile": ("dagmoe_jax.compile",
                 lambda f, out: ["--gin_file=train/smoke.gin", "--topology=v5p:2x2x1",
                                 "--programs=train", f"--json={out}"],
@@ -221,7 +227,7 @@ def command_verdict(name: str, code: int, output: str, out: Path) -> dict:
     if written is None:                                  # writes nothing
         complete = done in output
     elif written:                                        # a directory holding ``written``
-        complete = done in output and (out / written).exists()
+        complete = done in output and any(out.glob(written))
     else:                                                # a file
         complete = done in output and out.is_file()
     stopped = (code == 130 and bool(lines) and lines[-1].startswith("error: SIGINT received: ")

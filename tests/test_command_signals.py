@@ -70,7 +70,7 @@ def test_the_command_modules_load_no_library_before_the_stop_handlers():
 
 
 CONTRACT = textwrap.dedent("""
-    import ctypes, os, signal, sys, threading, time
+    import ctypes, os, signal, sys, threading, time, traceback
     from pathlib import Path
     from dagmoe_jax import stopping
     out, kept = Path(sys.argv[1]), Path(sys.argv[2])
@@ -79,8 +79,13 @@ CONTRACT = textwrap.dedent("""
         stopping.set_stop_message(f"nothing was written at {out}")
         stopping.remove_on_stop(out, threaded=mode == "threaded")
         if mode == "threaded":      # a save's thread that writes on after the signal
+            (out / "sub").mkdir(parents=True)
             def writer():
                 for _ in range(20):
+                    try:
+                        (out / "sub" / "late").write_text("x")
+                    except OSError:     # removed under it: its traceback, as Orbax's threads
+                        traceback.print_exc()
                     out.mkdir(exist_ok=True)
                     (out / "late").write_text("x")
                     time.sleep(0.02)
@@ -127,6 +132,34 @@ def test_the_stop_contract(mode, tmp_path):
         assert result.returncode == 0 and result.stdout.split("\n")[:2] == [
             "done", "after the call"], result
         assert result.stderr == "" and (out / "half").is_file()
+
+
+def test_the_stop_line_starts_a_line_of_its_own_under_a_progress_bar(tmp_path):
+    """lm-eval's tqdm bars leave the cursor at the end of their line: the stop line follows
+    on the next one, and without a bar no empty line comes before it."""
+    code = textwrap.dedent("""
+        import os, signal, sys, time
+        from dagmoe_jax import stopping
+        def main():
+            stopping.set_stop_message("stopped")
+            if sys.argv[1] == "bar":
+                from tqdm import tqdm
+                bar = tqdm(total=10, desc="Running requests")
+                bar.update(3)
+            else:
+                print("working", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+            return 0
+        sys.exit(stopping.run_command(main))
+    """)
+    for mode in ("bar", "plain"):
+        result = subprocess.run([sys.executable, "-c", code, mode], capture_output=True,
+                                text=True, cwd=REPO, timeout=60)
+        lines = result.stderr.replace("\r", "\n").split("\n")
+        assert result.returncode == 130 and lines[-2:] == [
+            "error: SIGINT received: stopped", ""], result.stderr
+        assert lines[-3] != "" and ("Running requests" in lines[-3]) == (mode == "bar"), lines
 
 
 def test_a_command_called_from_python_keeps_pythons_own_handling():

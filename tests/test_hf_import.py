@@ -15,6 +15,7 @@ from conftest import write_special_tokenizer
 from test_hf_llama import HF, random_checkpoint, write_checkpoint
 from dagmoe_jax import run as run_lib
 from dagmoe_jax.cli import hf_import
+from dagmoe_jax.data.tokenizers import file_sha256
 from dagmoe_jax.hf import llama as hf_llama
 
 CONFIG = dict(HF, vocab_size=259)         # conftest.write_special_tokenizer's 259 ids
@@ -47,7 +48,12 @@ def test_a_folder_imports_as_the_same_dense_model_and_tokenizer(folder, tmp_path
     np.testing.assert_array_equal(np.asarray(run.model(tokens)[0]), expected)
     assert run.tokenizer.encode("hi") == [104, 105] and run.tokenizer.eos_id == 256
     record = json.loads((out / "config.json").read_text())["tokenizer"]
-    assert record["path"] == run.data_cfg.tokenizer_path and len(record["sha256"]) == 64
+    assert record["path"] == run.data_cfg.tokenizer_path
+    assert record["sha256"] == file_sha256(str(out / "tokenizer" / "tokenizer.json"))
+    # written into a hidden sibling and moved: no trace of it is left or recorded
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert ".partial" not in (out / "config.json").read_text() + (out / "resume.gin").read_text()
+    assert run.run_cfg.run_dir == str(out)
 
 
 def test_the_imported_run_trains_on_and_exports_back(folder, tmp_path):
@@ -114,6 +120,7 @@ def test_an_interrupted_import_leaves_nothing(folder, tmp_path, capsys, monkeypa
         assert capsys.readouterr().err.strip().splitlines() == [
             f"error: SIGINT received: nothing was written at {out}"]
     assert not (tmp_path / "run").exists() and not list(empty.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "hf"]    # no sibling left
 
 
 @pytest.mark.parametrize("kind,first", [("bos_added", [257]), ("no_bos", [])])

@@ -97,7 +97,7 @@ def test_upcycle_command_end_to_end(tmp_path, capsys):
     for argv, message in (
             ([f"--run_dir={tmp_path / 'x'}", f"--dense={dense_dirs[0]}"], "--source"),
             ([f"--run_dir={out}", f"--dense={dense_dirs[0]}", f"--source={sources[0]}"],
-             "already holds checkpoints"),
+             "already exists and is not an empty directory"),
             ([f"--run_dir={tmp_path / 'y'}", f"--dense={dense_dirs[0]}",
               f"--source=text:{empty}"], "empty.txt"),
             ([f"--run_dir={tmp_path / 'z'}", f"--dense={dense_dirs[0]}",

@@ -5,7 +5,8 @@
 
 Flags:
   --run_dir=DIR   a run directory written by train.py (config.json, checkpoints, metrics.jsonl)
-  --out=DIR       where the PNGs go (created)
+  --out=DIR       where the PNGs go (created; files of other names there are kept): staged
+                  and moved in when complete, so a stopped analysis leaves none
   --data=SPEC     a DataConfig source spec to trace (default: the run's own held-out data)
   --batches=N     batches of the run's batch_size x seq_len to trace (default 4)
 
@@ -22,8 +23,10 @@ Exit status: 0 done, 2 invalid arguments, run directory or data (a one-line mess
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
+from pathlib import Path
 
 from dagmoe_jax.command_line import OneLineParser, quiet_background_errors, report_error
 from dagmoe_jax.stopping import (output_complete, remove_on_stop, run_command,
@@ -47,13 +50,20 @@ def main(argv=None) -> int:
         if args.batches < 1:
             raise ValueError(f"--batches={args.batches} is invalid: expected an integer >= 1")
         quiet_background_errors()
-        from dagmoe_jax.analysis.report import (  # pylint: disable=import-outside-toplevel
-                                                analyze_run, summary_lines)
+        # pylint: disable=import-outside-toplevel
+        from dagmoe_jax.analysis.report import analyze_run, summary_lines
+        from dagmoe_jax.run.paths import partial_path, staged_directory
 
         set_stop_message(f"the analysis stopped; nothing new was left in {args.out}")
         remove_on_stop(args.out)
-        results = analyze_run(args.run_dir, args.out, data=args.data, max_batches=args.batches)
+        remove_on_stop(partial_path(args.out, merge=True))
+        with staged_directory(args.out, merge=True) as stage:   # moved there when complete
+            results = analyze_run(args.run_dir, stage, data=args.data,
+                                  max_batches=args.batches)
         output_complete()
+        out = Path(args.out).expanduser()
+        results = [r if r.path is None else
+                   dataclasses.replace(r, path=out / r.path.relative_to(stage)) for r in results]
     except (ValueError, FileNotFoundError) as err:
         return report_error(err)
     for result in results:

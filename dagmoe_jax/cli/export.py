@@ -63,7 +63,9 @@ def main(argv=None) -> int:
 
 def _export(args, log) -> None:
     # after parsing: --help does not wait for JAX
-    from dagmoe_jax.hf.export import export_run, partial_path  # pylint: disable=import-outside-toplevel
+    # pylint: disable=import-outside-toplevel
+    from dagmoe_jax.hf.export import export_run
+    from dagmoe_jax.run.paths import partial_path
     remove_on_stop(partial_path(args.out))
     export_run(args.run_dir, args.out, dtype=args.dtype, max_shard_mb=args.max_shard_mb,
                log=log)

@@ -39,18 +39,18 @@ path and SHA-256, so the run does not depend on the folder afterwards); ``resume
     python -m dagmoe_jax.harness --run_dir=DIR ...     # score it; dagmoe-sample, dagmoe-export,
     python -m dagmoe_jax.upcycle --dense=DIR ...       # and upcycle it, as any dense run
 
-Exit status: 0 done, 2 invalid arguments or folder (a one-line message), 130 when interrupted;
-a failed or interrupted import removes what it wrote.
+The run is written beside ``--run_dir`` (a hidden ``.NAME.partial``) and moved there when
+complete, so a failed or interrupted import leaves nothing at ``--run_dir``.
+Exit status: 0 done, 2 invalid arguments or folder (a one-line message), 130 when interrupted.
 """
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
 from dagmoe_jax.command_line import OneLineParser, check_new_directory, write_command
-from dagmoe_jax.stopping import run_command
+from dagmoe_jax.stopping import remove_on_stop, run_command
 
 DEFAULT_SEQ_LEN = 1024
 
@@ -98,6 +98,7 @@ def import_hf(folder: str, run_dir: str, *, seq_len: int = 0, batch_size: int = 
     from dagmoe_jax.hf.llama import load_hf_llama, model_config_from_hf, read_hf_config
     from dagmoe_jax.hf.run import folder_tokenizer
     from dagmoe_jax.run.config import OptimConfig, RunConfig
+    from dagmoe_jax.run.paths import staged_directory
 
     source_dir = Path(folder).expanduser().resolve()
     folder_tokenizer(source_dir)
@@ -112,15 +113,16 @@ def import_hf(folder: str, run_dir: str, *, seq_len: int = 0, batch_size: int = 
     make_tokenizer(DataConfig(tokenizer="hf", tokenizer_path=str(source_dir / "tokenizer.json"),
                               seq_len=seq_len))
     target = Path(run_dir).expanduser().resolve()
-    existed = target.exists()
-    path = run_lib.prepare_run_dir(target)
-    try:
+    with staged_directory(target) as path:    # moved to target when complete
         data_cfg = run_lib.copy_tokenizer(DataConfig(
             tokenizer="hf", tokenizer_path=str(source_dir / "tokenizer.json"),
             seq_len=seq_len, batch_size=batch_size,
             **({} if source is None else {"source": source})), path)
+        staged_tokenizer = data_cfg.tokenizer_path           # recorded where it will be
+        data_cfg = data_cfg.replace(tokenizer_path=str(
+            target / Path(staged_tokenizer).relative_to(path)))
         copied = [name for name in run_lib.TOKENIZER_FILES
-                  if (target / run_lib.TOKENIZER_DIR / name).is_file()]
+                  if (path / run_lib.TOKENIZER_DIR / name).is_file()]
         if callable(convert_to):
             convert_to = convert_to(folder_cfg)
         model, model_cfg = load_hf_llama(source_dir, convert_to=convert_to)
@@ -129,14 +131,7 @@ def import_hf(folder: str, run_dir: str, *, seq_len: int = 0, batch_size: int = 
         run_lib.save_initial_checkpoint(path, model, None, model_cfg, run_cfg, None)
         run_lib.save_resume_gin(path, model_cfg, data_cfg, optim_cfg, run_cfg)
         run_lib.save_configs(path, model_cfg, data_cfg, optim_cfg, run_cfg,
-                             settled=model.execution)      # last: the run is complete
-    except BaseException:
-        if existed:                                        # it was empty: empty it again
-            for child in target.iterdir():
-                shutil.rmtree(child) if child.is_dir() else child.unlink()
-        else:
-            shutil.rmtree(target, ignore_errors=True)
-        raise
+                             settled=model.execution, tokenizer_file=staged_tokenizer)
     log(f"imported {source_dir} into {target}: {model_cfg.block.describe()}, "
         f"{model_cfg.num_layers} layers, d_model "
         f"{model_cfg.d_model}, vocabulary {model_cfg.vocab_size}; tokenizer files: "
@@ -145,10 +140,15 @@ def import_hf(folder: str, run_dir: str, *, seq_len: int = 0, batch_size: int = 
 
 
 def main(argv=None) -> int:
-    return write_command(parse_args, argv, __doc__, lambda a, log: import_hf(
-        a.hf, a.run_dir, seq_len=a.seq_len, batch_size=a.batch_size, source=a.source,
-        steps=a.steps, convert_to=a.convert_to, log=log), lambda a: a.run_dir,
-        threaded=True)                    # the step-0 checkpoint: an Orbax save
+    return write_command(parse_args, argv, __doc__, _import, lambda a: a.run_dir,
+                         threaded=True)   # the step-0 checkpoint: an Orbax save
+
+
+def _import(args, log) -> None:
+    from dagmoe_jax.run.paths import partial_path  # pylint: disable=import-outside-toplevel
+    remove_on_stop(partial_path(args.run_dir), threaded=True)
+    import_hf(args.hf, args.run_dir, seq_len=args.seq_len, batch_size=args.batch_size,
+              source=args.source, steps=args.steps, convert_to=args.convert_to, log=log)
 
 
 def _convert_to(args):

@@ -287,12 +287,15 @@ class HFTokenizer(_FromFile):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
 
-def tokenizer_record(cfg: DataConfig) -> dict:
+def tokenizer_record(cfg: DataConfig, read_from: str = "") -> dict:
     """What a run records of the tokenizer it trains with (``config.json``'s ``tokenizer``):
     its kind, the absolute path of its file and the file's SHA-256 ('' for the byte tokenizer,
-    or where the file cannot be read)."""
+    or where the file cannot be read). ``read_from``: where that file is now, until it is moved
+    to its path (a run written into a staged directory, :func:`dagmoe_jax.run.paths.
+    staged_directory`)."""
     path = os.path.abspath(os.path.expanduser(cfg.tokenizer_path)) if cfg.tokenizer_path else ""
-    return {"tokenizer": cfg.tokenizer, "path": path, "sha256": file_sha256(path)}
+    return {"tokenizer": cfg.tokenizer, "path": path,
+            "sha256": file_sha256(read_from or path)}
 
 
 def file_sha256(path: str) -> str:

@@ -54,8 +54,10 @@ from pathlib import Path
 
 from dagmoe_jax.command_line import (USER_ERRORS, OneLineParser, parse_or_report,
                                      quiet_background_errors, report_error)
-from dagmoe_jax.stopping import output_complete, remove_on_stop, run_command
+from dagmoe_jax.stopping import (output_complete, remove_on_stop, run_command,
+                                 set_stop_message)
 
+STOPPED = "the evaluation stopped; no results were written"
 INSTALL_HINT = ("lm-evaluation-harness is not installed: install the [harness] extra, "
                 "pip install -e '.[harness]' in a checkout (pip install -e . leaves it out) or "
                 "pip install 'dagmoe-jax[harness]'")
@@ -144,14 +146,27 @@ def results_folder(run_dir: str, step: int) -> str:
 def save_results(tracker, results: dict, samples, run_dir: str, folder: str, log) -> None:
     """Write ``results`` (and ``samples``) with lm-eval's tracker into ``folder`` under its
     output path and say where; lm-eval's tracker only warns when it cannot write, and so does
-    this, after the evaluation."""
+    this, after the evaluation. The files are written into a hidden directory and moved into
+    place when complete (:func:`dagmoe_jax.run.paths.staged_directory`, what was there kept),
+    so a stopped write leaves no half-written results file."""
+    from dagmoe_jax.run.paths import staged_directory  # pylint: disable=import-outside-toplevel
     config = tracker.general_config_tracker
     config.model_name, config.model_name_sanitized = run_dir, folder
-    tracker.save_results_aggregated(results=results, samples=samples)
-    if samples is not None:
-        for name in results["configs"]:
-            tracker.save_results_samples(task_name=name, samples=samples[name])
-    path, date = Path(tracker.output_path), getattr(tracker, "date_id", "")
+    path, target = output_paths(tracker.output_path)
+    try:
+        with staged_directory(target, merge=True) as stage:
+            tracker.output_path = str(stage / path.name if path.suffix == ".json" else stage)
+            try:
+                tracker.save_results_aggregated(results=results, samples=samples)
+                if samples is not None:
+                    for name in results["configs"]:
+                        tracker.save_results_samples(task_name=name, samples=samples[name])
+            finally:
+                tracker.output_path = str(path)
+    except ValueError as err:                 # the scores are printed all the same
+        log(f"warning: the results could not be written: {err}")
+        return
+    date = getattr(tracker, "date_id", "")
     written = (path.with_name(f"{path.stem}_{date}.json") if path.suffix == ".json" else
                path / folder / f"results_{date}.json")
     if date and written.is_file():
@@ -160,6 +175,13 @@ def save_results(tracker, results: dict, samples, run_dir: str, folder: str, log
     else:
         log(f"warning: the results could not be written under {tracker.output_path} (see "
             "lm-eval's warning above): check that the path is writable")
+
+
+def output_paths(output_path: str):
+    """(``--output_path`` as an absolute path, the directory lm-eval writes into: its parent
+    for a ``.json`` path, else itself)."""
+    path = Path(output_path).expanduser().absolute()
+    return path, (path.parent if path.suffix == ".json" else path)
 
 
 def _bool(text: str) -> bool:
@@ -265,8 +287,10 @@ def evaluate(args, log=print) -> dict:
     samples = results.pop("samples", None)
     if tracker is not None:
         folder = results_folder(args.run_dir, lm.run.step)
-        path = Path(tracker.output_path)    # what appears there from now on, on a signal
-        remove_on_stop(path.parent if path.suffix == ".json" else path)
+        _, target = output_paths(tracker.output_path)
+        from dagmoe_jax.run.paths import partial_path  # pylint: disable=import-outside-toplevel
+        remove_on_stop(target)              # what appears there from now on, on a signal
+        remove_on_stop(partial_path(target, merge=True))
         save_results(tracker, results, samples if args.log_samples else None, args.run_dir,
                      folder, log)
         output_complete()
@@ -274,6 +298,7 @@ def evaluate(args, log=print) -> dict:
 
 
 def main(argv=None) -> int:
+    set_stop_message(STOPPED)
     args, code = parse_or_report(parse_args, argv, __doc__)
     if args is None:
         return code

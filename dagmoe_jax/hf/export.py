@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
@@ -31,6 +30,7 @@ from dagmoe_jax.hf.moe import export_family, moe_block_tensors, moe_hf_config
 from dagmoe_jax.hf.rope import rope_to_hf
 from dagmoe_jax.hf.run import open_run
 from dagmoe_jax.model.params import variable
+from dagmoe_jax.run.paths import staged_directory
 
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
@@ -176,13 +176,6 @@ def declared_pad_id(tokenizer) -> Optional[int]:
     return None if pad is None else int(pad)
 
 
-def partial_path(out) -> Path:
-    """Where :func:`export_run` writes the folder ``out`` before moving it there: a hidden
-    sibling."""
-    out = Path(out)
-    return out.with_name(f".{out.name}.partial")
-
-
 def export_run(run_dir: str, out: str, *, dtype: str = "float32", max_shard_mb: int = 0,
                log: Callable[[str], None] = lambda _message: None) -> Path:
     """Export ``run_dir``'s newest checkpoint and its tokenizer into the folder ``out``
@@ -197,21 +190,13 @@ def export_run(run_dir: str, out: str, *, dtype: str = "float32", max_shard_mb: 
     except ValueError as err:
         raise ValueError(f"{run_dir} cannot be exported: {err}") from None
     target = Path(out)
-    partial = partial_path(target)
-    shutil.rmtree(partial, ignore_errors=True)
-    try:
+    with staged_directory(target) as partial:
         tokenizer = loaded.tokenizer        # its BOS and EOS ids go into config.json
         export_hf(loaded.model, partial, dtype=dtype,
                   max_shard_bytes=max_shard_mb * 2 ** 20 or None,
                   bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id,
                   pad_token_id=declared_pad_id(tokenizer))
         files = hf_tokenizer.export_tokenizer(loaded.data_cfg, partial)
-        if target.exists():
-            target.rmdir()                       # empty (the command checked)
-        partial.rename(target)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
     log(f"exported step {loaded.step} of {run_dir} to {target} ({family}, {dtype} weights, "
         f"tokenizer: {', '.join(files)})")
     return target

@@ -74,12 +74,14 @@ def prepare_run_dir(run_dir: PathLike) -> epath.Path:
 
 
 def configs_to_json(model_cfg, data_cfg, optim_cfg, run_cfg,
-                    settled: Optional[ExecutionConfig] = None) -> dict:
+                    settled: Optional[ExecutionConfig] = None, tokenizer_file: str = "") -> dict:
     """The JSON of ``config.json``: the four configs, plus the execution config as this
-    machine settled ``run_cfg.execution`` (a record: a run reads its own ``execution``)."""
+    machine settled ``run_cfg.execution`` (a record: a run reads its own ``execution``).
+    ``tokenizer_file``: where the tokenizer's file is read now, if not yet at its path
+    (:func:`~dagmoe_jax.data.tokenizers.tokenizer_record`)."""
     blob = {"model": dataclasses.asdict(model_cfg), "data": dataclasses.asdict(data_cfg),
             "optim": dataclasses.asdict(optim_cfg), "run": dataclasses.asdict(run_cfg),
-            "tokenizer": tokenizer_record(data_cfg)}
+            "tokenizer": tokenizer_record(data_cfg, tokenizer_file)}
     if settled is not None:
         blob["settled_execution"] = dataclasses.asdict(settled)
     return blob
@@ -103,10 +105,12 @@ def configs_from_json(blob: dict):
 
 
 def save_configs(run_dir: PathLike, model_cfg, data_cfg, optim_cfg, run_cfg,
-                 settled: Optional[ExecutionConfig] = None) -> epath.Path:
-    """Write ``run_dir/config.json``; returns its path."""
+                 settled: Optional[ExecutionConfig] = None,
+                 tokenizer_file: str = "") -> epath.Path:
+    """Write ``run_dir/config.json``; returns its path. ``tokenizer_file``: as
+    :func:`configs_to_json` reads it."""
     path = as_path(run_dir) / CONFIG_FILE
-    blob = configs_to_json(model_cfg, data_cfg, optim_cfg, run_cfg, settled)
+    blob = configs_to_json(model_cfg, data_cfg, optim_cfg, run_cfg, settled, tokenizer_file)
     path.write_text(json.dumps(blob, indent=2) + "\n")
     return path
 

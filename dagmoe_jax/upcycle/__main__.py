@@ -10,7 +10,8 @@ Flags:
                          directory (config.json + safetensors; also spelled hf:DIR).
                          Repeatable, one per domain.
   --source=SPEC          that domain's data (a DataConfig source spec), in --dense order
-  --run_dir=DIR          the new run directory (must not hold checkpoints yet)
+  --run_dir=DIR          the new run directory (it must not exist, or be empty); written
+                         beside it and moved there when complete
   --router=dume|random   dume (default): closed-form ridge routers (DUME eqs. 2-7);
                          random: a random router (the random-routing baseline; BTX's start)
   --top_k=K              experts per token (default 1, the dense models' cost)
@@ -73,8 +74,8 @@ import sys
 import time
 from pathlib import Path
 
-from dagmoe_jax.command_line import (USER_ERRORS, OneLineParser, parse_or_report,
-                                     quiet_background_errors, report_error)
+from dagmoe_jax.command_line import (USER_ERRORS, OneLineParser, check_new_directory,
+                                     parse_or_report, quiet_background_errors, report_error)
 from dagmoe_jax.stopping import (output_complete, remove_on_stop, run_command,
                                  set_stop_message)
 
@@ -121,8 +122,7 @@ def _check_args(args) -> None:
     if len(args.source) != len(args.dense):
         raise ValueError(f"{len(args.dense)} --dense models but {len(args.source)} --source "
                          f"specs: give one --source per --dense, in the same order")
-    if (Path(args.run_dir) / "checkpoints").exists():
-        raise ValueError(f"{args.run_dir} already holds checkpoints: choose a new --run_dir")
+    check_new_directory("run_dir", args.run_dir)
     for name in ("stats_batches", "stats_examples", "stats_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name}={getattr(args, name)} is invalid: expected >= 1")
@@ -152,7 +152,9 @@ def _base_data(args, base):
 
 
 def run(args) -> Path:
-    from dagmoe_jax.upcycle import command, dume  # pylint: disable=import-outside-toplevel
+    # pylint: disable=import-outside-toplevel
+    from dagmoe_jax.run.paths import partial_path
+    from dagmoe_jax.upcycle import command, dume
 
     _check_args(args)
     start = time.perf_counter()
@@ -204,7 +206,8 @@ def run(args) -> Path:
         print(command.TOP1_NOTE, file=sys.stderr, flush=True)
     summary["trainable"] = trainable
     set_stop_message(f"nothing was written at {args.run_dir}")
-    remove_on_stop(args.run_dir, threaded=True)     # the checkpoint: an Orbax save
+    remove_on_stop(args.run_dir, threaded=True)     # the checkpoint: an Orbax save, into
+    remove_on_stop(partial_path(args.run_dir), threaded=True)   # the sibling moved there
     out = command.write_run(args.run_dir, moe, cfg, command.mixed_data(base, args.source),
                             steps=args.steps, trainable=trainable, stats=stats,
                             summary=summary)

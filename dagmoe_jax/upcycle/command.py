@@ -29,6 +29,7 @@ from dagmoe_jax.model.settle import settle
 from dagmoe_jax.run.config import RunConfig
 from dagmoe_jax.run.config import OptimConfig
 from dagmoe_jax.run.optim import check_trainable
+from dagmoe_jax.run.paths import staged_directory
 from dagmoe_jax.upcycle import dume as dume_lib
 from dagmoe_jax.evaluation import padded_width
 from dagmoe_jax.hf import llama as hf_llama
@@ -252,27 +253,30 @@ def write_run(run_dir: str, model: nnx.Module, model_cfg: ModelConfig, data_cfg:
     :func:`dagmoe_jax.run.save_initial_checkpoint`), so writing adds no model-sized memory.
     ``model`` may hold bfloat16 parameters (``--dtype=bfloat16``): they are written as they
     are, and the run reading them casts them to ``model_cfg.param_dtype`` (float32 master
-    weights). ``model_cfg`` is the configuration the run is written with."""
+    weights). ``model_cfg`` is the configuration the run is written with.
+
+    ``run_dir`` (local, absent or an empty directory) is written whole or not at all: into a
+    hidden sibling moved there when complete (:func:`dagmoe_jax.run.paths.staged_directory`)."""
     if trainable is None:
         trainable = default_trainable(model_cfg)
     check_trainable(model_cfg, trainable)
     if optim_cfg.warmup_steps >= steps:       # a short continuation: warm up within it
         optim_cfg = dataclasses.replace(optim_cfg, warmup_steps=steps - 1)
-    path = run_lib.prepare_run_dir(run_dir)
-    if (path / run_lib.CHECKPOINT_DIR).exists():
-        raise ValueError(f"{path} already holds checkpoints: choose a new --run_dir")
-    run_cfg = RunConfig(run_dir=str(path), steps=steps, trainable=trainable,
-                            save_every=max(1, steps))
+    target = Path(run_dir).expanduser().resolve()
+    run_cfg = RunConfig(run_dir=str(target), steps=steps, trainable=trainable,
+                        save_every=max(1, steps))
     tokenizer = make_tokenizer(data_cfg)
     iterator = iter(instruct_dataset(data_cfg, tokenizer) if is_instruct(data_cfg)
                     else train_dataset(data_cfg, tokenizer))       # what resume.gin reads
-    run_lib.save_initial_checkpoint(path, model, None, model_cfg, run_cfg, iterator)
-    run_lib.save_configs(path, model_cfg, data_cfg, optim_cfg, run_cfg,
-                         settled=model.execution)
-    run_lib.save_resume_gin(path, model_cfg, data_cfg, optim_cfg, run_cfg, name=RESUME_GIN)
-    if stats:
-        (path / STATS_DIR).mkdir(exist_ok=True)
-        for j, s in enumerate(stats):
-            s.save(path / STATS_DIR / f"domain_{j}.npz")
-    (path / SUMMARY_FILE).write_text(json.dumps(summary or {}, indent=1) + "\n")
-    return path
+    with staged_directory(target) as path:      # moved to target when complete
+        run_lib.save_initial_checkpoint(path, model, None, model_cfg, run_cfg, iterator)
+        run_lib.save_configs(path, model_cfg, data_cfg, optim_cfg, run_cfg,
+                             settled=model.execution)
+        run_lib.save_resume_gin(path, model_cfg, data_cfg, optim_cfg, run_cfg,
+                                name=RESUME_GIN)
+        if stats:
+            (path / STATS_DIR).mkdir(exist_ok=True)
+            for j, s in enumerate(stats):
+                s.save(path / STATS_DIR / f"domain_{j}.npz")
+        (path / SUMMARY_FILE).write_text(json.dumps(summary or {}, indent=1) + "\n")
+    return target

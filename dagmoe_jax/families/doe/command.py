@@ -55,9 +55,12 @@ def main(argv=None) -> int:
         print(f"fitting online LDA: {model_cfg.block.num_topics} topics on {len(docs)} documents",
               flush=True)
         model = fit_topics(docs, model_cfg.block.num_topics, cfg)
+        from dagmoe_jax.run.paths import partial_path, staged_directory
         set_stop_message(f"nothing was written at {args.out}")
         remove_on_stop(args.out)
-        model.save(args.out)
+        remove_on_stop(partial_path(args.out, merge=True))
+        with staged_directory(args.out, merge=True) as stage:   # moved there when complete
+            model.save(str(stage))
         output_complete()
     except USER_ERRORS as err:
         return report_error(err)

@@ -7,6 +7,7 @@ checkpoint is tests/test_checkpoint.py's."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -97,6 +98,28 @@ def test_a_damaged_shard_is_named_when_the_folder_is_opened(mixtral, tmp_path, c
     assert not out.exists()
 
 
+@pytest.mark.parametrize("text, needle", [
+    ('{"weight_map": {"a": ', "is not valid JSON"),
+    ("\udcff", "is not UTF-8 text"),
+    ('["a"]', "has no 'weight_map'"),
+    ('{"weight_map": {"model.embed_tokens.weight": "model-00009-of-00009.safetensors"}}',
+     "shard model-00009-of-00009.safetensors listed in")])
+def test_a_damaged_or_foreign_shard_index_is_one_line(text, needle, mixtral, tmp_path, capsys):
+    """A cut, non-UTF-8 or foreign ``model.safetensors.index.json``, or one naming a shard
+    the folder lacks: one line naming the index before anything is written."""
+    folder = tmp_path / "hf"
+    shutil.copytree(mixtral, folder)
+    index = folder / "model.safetensors.index.json"
+    if text == "\udcff":
+        index.write_bytes(b'{"weight_map": "\xff"}')
+    else:
+        index.write_text(text)
+    out = tmp_path / "run"
+    assert hf_import.main([f"--hf={folder}", f"--run_dir={out}"]) == 2
+    _one_line(capsys, index, needle)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
 def test_a_folder_whose_weights_disagree_names_its_family(mixtral, tmp_path, capsys):
     """A Mixtral whose config.json counts fewer experts than its weights hold: the line says
     Mixtral, not Llama."""
@@ -129,3 +152,21 @@ def test_a_damaged_parquet_row_group_is_one_line(tmp_path):
     cut.write_bytes(bytes(blob[: len(blob) // 2]))
     with pytest.raises(ValueError, match="is not a Parquet file"):
         ParquetSource([str(cut)], "text", "parquet:cut")
+
+
+@pytest.mark.parametrize("cut, needle", [
+    ("mid-record", r"line 4: not JSON"),
+    ("mid-character", r"line 4: not UTF-8 text \(unexpected end of data")])
+def test_a_jsonl_cut_short_is_one_line_naming_its_line(cut, needle, tmp_path):
+    """Instruction data in JSON lines cut short (a copy interrupted): the line is named, in a
+    record or inside a character of it."""
+    from dagmoe_jax.data.instruct_records import InstructSource
+    record = {"messages": [{"role": "user", "content": "héllo"},
+                           {"role": "assistant", "content": "ça va — très bien"}]}
+    line = json.dumps(record, ensure_ascii=False).encode()
+    data = (line + b"\n") * 4
+    end = data.rfind("—".encode()) + 1 if cut == "mid-character" else len(data) - 8
+    path = tmp_path / "chat.jsonl"
+    path.write_bytes(data[:end])
+    with pytest.raises(ValueError, match=f"chat.jsonl {needle}"):
+        InstructSource([str(path)], "messages")

@@ -158,8 +158,8 @@ def _rows(path: str):
             yield f"{path} record {i}", record
         return
     if path.endswith(".json"):
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            text = _utf8(f.read(), path)
         if text.lstrip().startswith("["):
             try:
                 records = json.loads(text)
@@ -169,14 +169,25 @@ def _rows(path: str):
             for i, record in enumerate(records):
                 yield f"{path} item {i}", record
             return
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, start=1):
+            line = _utf8(raw, f"{path} line {i}")
             if line.strip():
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as err:
                     raise ValueError(f"{path} line {i}: not JSON ({err.msg})") from None
                 yield f"{path} line {i}", record
+
+
+def _utf8(data: bytes, where: str) -> str:
+    """``data`` decoded as UTF-8, or a one-line ValueError naming ``where`` (a file cut in the
+    middle of a character, or not text)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{where}: not UTF-8 text ({err.reason} at byte {err.start}): is the "
+                         f"file cut short or binary?") from None
 
 
 class InstructSource:

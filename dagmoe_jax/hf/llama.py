@@ -194,7 +194,13 @@ class SafetensorsReader:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError):
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{index} is not valid JSON ({err.msg}, line {err.lineno}): "
+                                 f"download it again") from None
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{index} is not UTF-8 text ({err.reason} at byte "
+                                 f"{err.start}): download it again") from None
+            except (KeyError, TypeError):
                 raise ValueError(f"{index} has no 'weight_map': is it a safetensors "
                                  f"index?") from None
             self.files = {name: path / shard for name, shard in weight_map.items()}

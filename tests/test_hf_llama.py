@@ -18,7 +18,7 @@ from safetensors.numpy import save_file
 
 from dagmoe_jax.model.attention import rope_inv_freq
 from dagmoe_jax.config import RopeScalingConfig
-from dagmoe_jax.hf import export as hf_export, llama as hf_llama
+from dagmoe_jax.hf import export as hf_export, llama as hf_llama, rope as hf_rope
 
 HF = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=32,
           intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -27,6 +27,13 @@ HF = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=64,
           tie_word_embeddings=False)
 LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
               original_max_position_embeddings=16)
+# YaRN with DeepSeek's two attention-factor terms, bounds chosen so that head_dim 12's six
+# pairs fall in all three regimes (kept, ramped, interpolated); and YaRN's plain temperature
+# with untruncated bounds.
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, beta_fast=2.0,
+            beta_slow=0.25, mscale=0.707, mscale_all_dim=0.3)
+YARN_PLAIN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16,
+                  beta_fast=2.0, beta_slow=0.5, truncate=False)
 
 
 def random_checkpoint(hf: dict, seed: int = 0) -> dict:
@@ -72,6 +79,37 @@ def llama3_inv_freq_reference(inv_freq, factor, low, high, old):
     return np.array(out)
 
 
+def yarn_reference(inv_freq, rs: dict, theta: float):
+    """YaRN's frequencies and attention factor, transcribed from Hugging Face's
+    ``_compute_yarn_parameters`` line by line (math and loops, no vector code)."""
+    dim, factor = 2 * len(inv_freq), rs["factor"]
+    old = rs["original_max_position_embeddings"]
+
+    def get_mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    if rs.get("attention_factor"):
+        attention = rs["attention_factor"]
+    elif rs.get("mscale") and rs.get("mscale_all_dim"):
+        attention = get_mscale(factor, rs["mscale"]) / get_mscale(factor, rs["mscale_all_dim"])
+    else:
+        attention = get_mscale(factor)
+
+    def correction_dim(rotations):
+        return dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = correction_dim(rs.get("beta_fast", 32)), correction_dim(rs.get("beta_slow", 1))
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    out = []
+    for i, f in enumerate(inv_freq):
+        ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+        extrapolation = 1 - ramp
+        out.append(f / factor * (1 - extrapolation) + f * extrapolation)
+    return np.array(out), attention
+
+
 def numpy_llama(t: dict, hf: dict, tokens: np.ndarray) -> np.ndarray:
     """Llama's forward pass in float64 NumPy from the checkpoint tensors: logits [B, S, V]."""
     t = {k: np.asarray(v, np.float64) for k, v in t.items()}
@@ -80,15 +118,18 @@ def numpy_llama(t: dict, hf: dict, tokens: np.ndarray) -> np.ndarray:
     b, s = tokens.shape
     inv_freq = 1.0 / hf["rope_theta"] ** (np.arange(0, hd, 2) / hd)
     rs = hf.get("rope_parameters") or hf.get("rope_scaling")
+    attention = 1.0
     if rs and rs.get("rope_type") == "linear":
         inv_freq = inv_freq / rs["factor"]
+    elif rs and rs.get("rope_type") == "yarn":
+        inv_freq, attention = yarn_reference(inv_freq, rs, hf["rope_theta"])
     elif rs and rs.get("rope_type", "default") != "default":
         inv_freq = llama3_inv_freq_reference(inv_freq, rs["factor"], rs["low_freq_factor"],
                                              rs["high_freq_factor"],
                                              rs["original_max_position_embeddings"])
     freqs = np.arange(s)[:, None] * inv_freq[None]
     emb = np.concatenate([freqs, freqs], axis=-1)                       # [S, hd]
-    cos, sin = np.cos(emb)[None, :, None], np.sin(emb)[None, :, None]
+    cos, sin = (attention * np.cos(emb)[None, :, None], attention * np.sin(emb)[None, :, None])
 
     def rms(x, w):
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
@@ -156,7 +197,8 @@ def test_imported_logits_equal_numpy_llama(tmp_path, dtype, tied, scaling):
 
 @pytest.mark.parametrize("scaling", [LLAMA3, {"rope_type": "linear", "factor": 4.0},
                                      {"type": "llama3", **{k: v for k, v in LLAMA3.items()
-                                                           if k != "rope_type"}}])
+                                                           if k != "rope_type"}},
+                                     YARN, YARN_PLAIN])
 def test_every_rope_layout_imports_its_scaling(tmp_path, scaling):
     """transformers 5's ``rope_parameters`` and 4.x's ``rope_scaling`` (with ``rope_type`` or
     the older ``type``) give the same model, and its logits follow the scaling: a
@@ -233,6 +275,53 @@ def test_a_library_config_exported_and_imported_is_the_same_config():
         moerge.check_same_architecture([cfg, back])
 
 
+def test_yarn_rope_equals_its_formula():
+    """YaRN's frequencies and attention factor against the line-by-line transcription, in
+    every regime; DeepSeek-V3's own values (factor 40, mscale = mscale_all_dim = 1) give
+    attention factor 1; factor 1 is plain RoPE."""
+    from dagmoe_jax.model.attention import rope_angles, rope_attention_factor
+    inv = 1.0 / 10000.0 ** (np.arange(0, 64, 2) / 64)
+    for spec in (YARN, YARN_PLAIN, dict(YARN, attention_factor=1.3),
+                 dict(rope_type="yarn", factor=40.0, original_max_position_embeddings=4096,
+                      mscale=1.0, mscale_all_dim=1.0, beta_fast=32, beta_slow=1)):
+        scaling = hf_rope.rope_from_hf(dict(HF, rope_scaling=spec))[1]
+        want, attention = yarn_reference(inv, spec, 10000.0)
+        np.testing.assert_allclose(rope_inv_freq(64, 10000.0, scaling), want, rtol=1e-6)
+        assert rope_attention_factor(scaling) == pytest.approx(attention, rel=1e-12)
+        kept, divided = np.isclose(want, inv), np.isclose(want, inv / spec["factor"])
+        assert kept.any() and divided.any() and (~kept & ~divided).any()    # three regimes
+    assert rope_attention_factor(scaling) == 1.0
+    assert rope_attention_factor(hf_rope.rope_from_hf(dict(HF, rope_scaling=YARN))[1]) \
+        == pytest.approx((0.1 * 0.707 * math.log(4) + 1) / (0.1 * 0.3 * math.log(4) + 1))
+    one = RopeScalingConfig(kind="yarn", factor=1.0, original_max_position=64)
+    np.testing.assert_allclose(rope_inv_freq(64, 10000.0, one), inv, rtol=1e-6)
+    sin, cos = rope_angles(np.arange(8)[None], 64, 10000.0, one)
+    sin0, cos0 = rope_angles(np.arange(8)[None], 64, 10000.0)
+    np.testing.assert_array_equal(np.asarray(sin), np.asarray(sin0))
+    np.testing.assert_array_equal(np.asarray(cos), np.asarray(cos0))
+
+
+@pytest.mark.parametrize("entry, needle", [
+    (dict(YARN, alpha=1.0), "rope_parameters.alpha"),
+    ({k: v for k, v in YARN.items() if k != "factor"}, "lacks 'factor'"),
+    (dict(YARN, truncate="yes"), "rope_parameters.truncate")])
+def test_a_yarn_entry_we_would_misread_is_one_line(entry, needle):
+    with pytest.raises(ValueError, match=needle):
+        hf_rope.rope_from_hf(dict(HF, rope_parameters=entry))
+
+
+def test_yarn_reads_its_context_as_transformers_does():
+    """``original_max_position_embeddings`` top-level first, then the entry's, then
+    ``max_position_embeddings``; a null factor is their ratio (DeepSeek-V3's note)."""
+    bare = {k: v for k, v in YARN.items() if k != "original_max_position_embeddings"}
+    read = lambda hf: hf_rope.rope_from_hf(hf)[1]
+    assert read(dict(HF, rope_parameters=bare)).original_max_position == 64
+    assert read(dict(HF, rope_parameters=YARN, original_max_position_embeddings=32)) \
+        .original_max_position == 32
+    assert read(dict(HF, rope_parameters=dict(YARN, factor=None,
+                                              original_max_position_embeddings=16))).factor == 4
+
+
 def test_llama3_rope_scaling_equals_its_formula():
     inv = 1.0 / 500000.0 ** (np.arange(0, 128, 2) / 128)
     scaling = RopeScalingConfig(kind="llama3", factor=8.0, low_freq_factor=1.0,
@@ -255,7 +344,7 @@ def test_llama3_rope_scaling_equals_its_formula():
     (dict(mlp_bias=True), "mlp_bias"),
     (dict(sliding_window=4096), "sliding_window"),
     (dict(hidden_act="gelu"), "hidden_act"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling.rope_type"),
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "rope_scaling.rope_type"),
     (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
      "rope_parameters.rope_type"),
     (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

@@ -25,10 +25,14 @@ from dagmoe_jax.hf import export as hf_export, llama as hf_llama  # noqa: E402
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 4.0, "beta_slow": 0.5, "mscale": 0.707, "mscale_all_dim": 0.3}
 CASES = {
     "untied": dict(),
     "tied": dict(tie_word_embeddings=True),
     "llama3 scaling": dict(rope_parameters={**LLAMA3, "rope_theta": 10000.0}),
+    # DeepSeek's YaRN terms (its checkpoints' mscale pair), a context ratio equal to the factor
+    "yarn scaling": dict(rope_parameters={**YARN, "rope_theta": 10000.0}),
     "bfloat16": dict(dtype="bfloat16"),
     "sharded": dict(shard="20KB"),
 }
@@ -71,7 +75,7 @@ def import_case(name: str, folder: Path) -> float:
     reference = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
     ours, cfg = hf_llama.load_hf_llama(folder)
     if spec.get("rope_parameters"):
-        assert cfg.rope_scaling.kind == "llama3"
+        assert cfg.rope_scaling.kind == spec["rope_parameters"]["rope_type"]
     if shard:
         assert (folder / hf_llama.INDEX_FILE).is_file()
     tokens = np.random.default_rng(1).integers(0, 96, (2, 40))      # past the 16 original
@@ -84,8 +88,8 @@ def test_transformers_checkpoints_import_with_their_logits(tmp_path, name):
     assert import_case(name, tmp_path / "hf") < 1e-5
 
 
-def export_gap(folder: Path) -> float:
-    model = tiny_llama(seed=3, rope_parameters={**LLAMA3, "rope_theta": 5e5})
+def export_gap(folder: Path, rope=LLAMA3) -> float:
+    model = tiny_llama(seed=3, rope_parameters={**rope, "rope_theta": 5e5})
     model.save_pretrained(folder / "in", safe_serialization=True)
     ours, _ = hf_llama.load_hf_llama(folder / "in")
     out = hf_export.export_hf(ours, folder / "out")
@@ -94,8 +98,9 @@ def export_gap(folder: Path) -> float:
     return relative_gap(torch_logits(back, tokens), np.asarray(ours(tokens)[0]))
 
 
-def test_exports_load_in_transformers_with_the_same_logits(tmp_path):
-    assert export_gap(tmp_path) < 1e-5
+@pytest.mark.parametrize("rope", [LLAMA3, YARN], ids=["llama3", "yarn"])
+def test_exports_load_in_transformers_with_the_same_logits(tmp_path, rope):
+    assert export_gap(tmp_path, rope) < 1e-5
 
 
 def greedy_pair(folder: Path):

@@ -29,7 +29,7 @@ from dagmoe_jax.families.doe.config import DoEConfig  # pylint: disable=wrong-im
 from dagmoe_jax.validate import check as _check, choice as _choice, positive as _positive
 
 DTYPES = ("float32", "bfloat16")
-ROPE_SCALINGS = ("none", "llama3", "linear")
+ROPE_SCALINGS = ("none", "llama3", "linear", "yarn")
 # RMSNorm of the queries and keys before RoPE (ModelConfig.qk_norm).
 QK_NORMS = ("none", "head", "full")
 # A ModelConfig.block: the config of one block family (dagmoe_jax.config.families).
@@ -52,11 +52,24 @@ class RopeScalingConfig:
     kind: 'none' (default: plain RoPE, theta^(-2i/D)), 'llama3' (Llama 3.1/3.2: wavelengths
       longer than original_max_position / low_freq_factor are divided by ``factor``, shorter than
       original_max_position / high_freq_factor kept, the band between interpolated smoothly;
-      :func:`dagmoe_jax.model.attention.llama3_inv_freq`) or 'linear' (position interpolation:
-      every frequency divided by ``factor``, Hugging Face's ``rope_type='linear'``).
+      :func:`dagmoe_jax.model.attention.llama3_inv_freq`), 'linear' (position interpolation:
+      every frequency divided by ``factor``, Hugging Face's ``rope_type='linear'``) or 'yarn'
+      (YaRN, as DeepSeek-V2-Lite/V3 and long-context Qwen3 checkpoints carry it: frequencies
+      that turn fewer than ``beta_slow`` times over ``original_max_position`` divided by
+      ``factor``, more than ``beta_fast`` times kept, a linear ramp between, and sin and cos
+      scaled by the attention factor; :func:`dagmoe_jax.model.attention.yarn_inv_freq`).
     factor, low_freq_factor, high_freq_factor, original_max_position: the 'llama3' parameters
-      (defaults: Llama 3.1's 8, 1, 4, 8192; 'linear' reads ``factor`` only); ignored for
-      'none'.
+      (defaults: Llama 3.1's 8, 1, 4, 8192; 'linear' reads ``factor`` only, 'yarn'
+      ``factor`` and ``original_max_position``); ignored for 'none'.
+    beta_fast, beta_slow: YaRN's ramp bounds in rotations over ``original_max_position``
+      (default 32 and 1, the paper's and Hugging Face's).
+    mscale, mscale_all_dim: YaRN's attention factor is (0.1 mscale ln s + 1) / (0.1
+      mscale_all_dim ln s + 1) with s = ``factor`` where both are set (> 0; DeepSeek's
+      checkpoints set them), else 0.1 ln s + 1 (default 0 and 0: not set).
+    attention_factor: the factor itself where a checkpoint states it (default 0: derived as
+      above).
+    truncate: round YaRN's ramp bounds to whole dimensions (default True, Hugging Face's;
+      gpt-oss sets False).
     """
 
     kind: str = "none"
@@ -64,6 +77,12 @@ class RopeScalingConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float = 0.0
+    truncate: bool = True
 
     def __post_init__(self):
         c = "RopeScalingConfig"
@@ -74,6 +93,13 @@ class RopeScalingConfig:
         _check(self.high_freq_factor > self.low_freq_factor, c, "high_freq_factor",
                self.high_freq_factor, f"a number > low_freq_factor={self.low_freq_factor}")
         _positive(c, "original_max_position", self.original_max_position)
+        for name in ("beta_fast", "beta_slow"):
+            _check(isinstance(getattr(self, name), (int, float)) and getattr(self, name) > 0, c,
+                   name, getattr(self, name), "a number > 0")
+        for name in ("mscale", "mscale_all_dim", "attention_factor"):
+            _check(isinstance(getattr(self, name), (int, float)) and getattr(self, name) >= 0, c,
+                   name, getattr(self, name), "a number >= 0 (0: not set)")
+        _check(isinstance(self.truncate, bool), c, "truncate", self.truncate, "True or False")
 
 
 @dataclasses.dataclass(frozen=True)

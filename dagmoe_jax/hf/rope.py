@@ -21,7 +21,13 @@ ROPE_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "attention_factor", "truncate"),
 }
+# YaRN's optional keys: our RopeScalingConfig field, and the value that means "not set".
+YARN_OPTIONAL = {"beta_fast": ("beta_fast", 32.0), "beta_slow": ("beta_slow", 1.0),
+                 "mscale": ("mscale", 0.0), "mscale_all_dim": ("mscale_all_dim", 0.0),
+                 "attention_factor": ("attention_factor", 0.0), "truncate": ("truncate", True)}
 _ROPE_COMMON = ("rope_type", "type", "rope_theta")
 
 
@@ -29,9 +35,12 @@ def rope_from_hf(hf: dict) -> Tuple[float, RopeScalingConfig]:
     """(rope_theta, ``RopeScalingConfig``) of a Hugging Face config, in every layout
     ``transformers`` has written: ``rope_parameters`` (transformers 5: ``rope_type`` and
     ``rope_theta`` inside it) or ``rope_scaling`` beside a top-level ``rope_theta`` (4.x), the
-    type as ``rope_type`` or ``type``. Supported: 'default', 'linear', 'llama3'; any other
-    type ('yarn', 'dynamic', 'longrope', ...), an unknown key, or the two layouts disagreeing is
-    a one-line error naming the field, never a silent default."""
+    type as ``rope_type`` or ``type``. Supported: 'default', 'linear', 'llama3', 'yarn'; any
+    other type ('dynamic', 'longrope', ...), an unknown key, or the two layouts disagreeing is
+    a one-line error naming the field, never a silent default. YaRN's
+    ``original_max_position_embeddings`` is read as transformers reads it: a top-level field of
+    that name first, then the entry's, then ``max_position_embeddings``; its ``factor``, where
+    null, is ``max_position_embeddings`` over it."""
     params, legacy = hf.get("rope_parameters"), hf.get("rope_scaling")
     field, entry = (("rope_parameters", params) if params is not None
                     else ("rope_scaling", legacy))
@@ -64,10 +73,31 @@ def rope_from_hf(hf: dict) -> Tuple[float, RopeScalingConfig]:
                 low_freq_factor=float(entry["low_freq_factor"]),
                 high_freq_factor=float(entry["high_freq_factor"]),
                 original_max_position=int(entry["original_max_position_embeddings"]))
+        if kind == "yarn":
+            return float(theta), _yarn(hf, entry)
     except KeyError as err:
         raise ValueError(f"Hugging Face config {field} lacks {err.args[0]!r}, which rope_type "
                          f"{kind!r} needs") from None
     return float(theta), RopeScalingConfig()
+
+
+def _yarn(hf: dict, entry: dict) -> RopeScalingConfig:
+    """The 'yarn' ``RopeScalingConfig`` of a config's RoPE entry (:func:`rope_from_hf`)."""
+    original = hf.get("original_max_position_embeddings",
+                      entry.get("original_max_position_embeddings",
+                                hf.get("max_position_embeddings")))
+    if original is None:
+        raise KeyError("original_max_position_embeddings")
+    factor = entry["factor"]
+    if factor is None:
+        factor = hf["max_position_embeddings"] / original
+    fields = {ours: (default if entry.get(key) is None else entry[key])
+              for key, (ours, default) in YARN_OPTIONAL.items()}
+    if not isinstance(fields["truncate"], bool):
+        raise _unsupported("rope_parameters.truncate", fields["truncate"], "expected true or false")
+    return RopeScalingConfig(kind="yarn", factor=float(factor),
+                             original_max_position=int(original),
+                             **{k: v if k == "truncate" else float(v) for k, v in fields.items()})
 
 
 def rope_to_hf(cfg: ModelConfig) -> dict:
@@ -79,6 +109,10 @@ def rope_to_hf(cfg: ModelConfig) -> dict:
                "llama3": {"rope_type": "llama3", "factor": rs.factor,
                           "low_freq_factor": rs.low_freq_factor,
                           "high_freq_factor": rs.high_freq_factor,
-                          "original_max_position_embeddings": rs.original_max_position}}[rs.kind]
+                          "original_max_position_embeddings": rs.original_max_position},
+               "yarn": {"rope_type": "yarn", "factor": rs.factor,
+                        "original_max_position_embeddings": rs.original_max_position,
+                        **{key: getattr(rs, ours) for key, (ours, unset)
+                           in YARN_OPTIONAL.items() if getattr(rs, ours) != unset}}}[rs.kind]
     params = {"rope_type": "default", **(scaling or {}), "rope_theta": cfg.rope_theta}
     return {"rope_theta": cfg.rope_theta, "rope_scaling": scaling, "rope_parameters": params}

@@ -42,6 +42,50 @@ def llama3_inv_freq(inv_freq: np.ndarray, scaling) -> np.ndarray:
     return np.where(medium, smoothed, scaled)
 
 
+def yarn_inv_freq(inv_freq: np.ndarray, theta: float, scaling) -> np.ndarray:
+    """YaRN's frequencies (Peng et al., 2023, arXiv:2309.00071: interpolation "by parts"; the
+    convention of Hugging Face's ``_compute_yarn_parameters``) of the RoPE frequencies
+    ``inv_freq`` = theta^(-2i/D), i < D/2 (``scaling`` a ``RopeScalingConfig``).
+
+    Pair i turns r_i = L f_i / (2 pi) times over L = original_max_position. The pair index at
+    which r = beta is d(beta) = D ln(L / (2 pi beta)) / (2 ln theta); the ramp runs from
+    low = d(beta_fast) to high = d(beta_slow) (floored and ceiled with ``truncate``, clipped
+    to [0, D - 1]; high + 0.001 where they meet): gamma_i = clip((i - low) / (high - low), 0,
+    1), and f'_i = gamma_i f_i / s + (1 - gamma_i) f_i with s = ``factor``: pairs that turn
+    often keep their frequency, pairs that turn less than once are interpolated.
+    """
+    inv_freq = np.asarray(inv_freq, np.float64)
+    dim, old = 2 * inv_freq.shape[0], float(scaling.original_max_position)
+
+    def pair(rotations: float) -> float:
+        return dim * np.log(old / (rotations * 2 * np.pi)) / (2 * np.log(float(theta)))
+    low, high = pair(scaling.beta_fast), pair(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = np.floor(low), np.ceil(high)
+    low, high = max(low, 0.0), min(high, dim - 1.0)
+    if low == high:
+        high += 0.001
+    gamma = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    return gamma * inv_freq / float(scaling.factor) + (1.0 - gamma) * inv_freq
+
+
+def rope_attention_factor(scaling) -> float:
+    """What RoPE's sin and cos are multiplied by (YaRN's attention temperature, so q.k scales by
+    its square): 1 but for 'yarn', where it is ``attention_factor`` if set, else m(mscale) /
+    m(mscale_all_dim) where both are set, else m(1), with m(c) = 0.1 c ln s + 1 for s =
+    ``factor`` > 1 (1 for s <= 1)."""
+    if scaling is None or scaling.kind != "yarn":
+        return 1.0
+    if scaling.attention_factor:
+        return float(scaling.attention_factor)
+
+    def m(c: float) -> float:
+        return 1.0 if scaling.factor <= 1 else 0.1 * c * float(np.log(scaling.factor)) + 1.0
+    if scaling.mscale and scaling.mscale_all_dim:
+        return m(scaling.mscale) / m(scaling.mscale_all_dim)
+    return m(1.0)
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling=None) -> np.ndarray:
     """RoPE frequencies theta^(-2i/D), i < D/2 ([D/2] float32), scaled by ``scaling`` (a
     ``RopeScalingConfig``; None or kind 'none': unscaled)."""
@@ -50,16 +94,22 @@ def rope_inv_freq(head_dim: int, theta: float, scaling=None) -> np.ndarray:
         inv_freq = llama3_inv_freq(inv_freq, scaling)
     elif scaling is not None and scaling.kind == "linear":      # position interpolation
         inv_freq = inv_freq / float(scaling.factor)
+    elif scaling is not None and scaling.kind == "yarn":
+        inv_freq = yarn_inv_freq(inv_freq, theta, scaling)
     return inv_freq.astype(np.float32)
 
 
 def rope_angles(positions: jax.Array, head_dim: int, theta: float,
                 scaling=None) -> Tuple[jax.Array, jax.Array]:
     """RoPE sin and cos for integer ``positions`` [..., S]: shapes [..., S, head_dim / 2];
-    ``scaling``: a ``RopeScalingConfig`` (:func:`rope_inv_freq`)."""
+    ``scaling``: a ``RopeScalingConfig`` (:func:`rope_inv_freq`; YaRN's also scales both by
+    :func:`rope_attention_factor`)."""
     inv_freq = jnp.asarray(rope_inv_freq(head_dim, theta, scaling))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
-    return jnp.sin(angles), jnp.cos(angles)
+    factor = rope_attention_factor(scaling)
+    if factor == 1.0:
+        return jnp.sin(angles), jnp.cos(angles)
+    return jnp.sin(angles) * factor, jnp.cos(angles) * factor
 
 
 def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:

@@ -157,6 +157,10 @@ def test_an_imported_family_exports_back_to_its_own_folder(family, tmp_path):
         b.router, score_fn="sigmoid"))), "RouterConfig.score_fn='sigmoid'"),
     (lambda c, b: dict(block=dataclasses.replace(b, router=dataclasses.replace(
         b.router, aux_free_bias_rate=1e-3))), "RouterConfig.aux_free_bias_rate=0.001"),
+    (lambda c, b: dict(block=dataclasses.replace(b, router=dataclasses.replace(
+        b.router, n_group=2))), "RouterConfig.n_group=2"),
+    (lambda c, b: dict(block=dataclasses.replace(b, router=dataclasses.replace(
+        b.router, routed_scaling_factor=2.5))), "RouterConfig.routed_scaling_factor=2.5"),
     (lambda c, b: dict(block=dataclasses.replace(b, experts=dataclasses.replace(
         b.experts, num_shared=1))), "ExpertConfig.num_shared=1"),
     (lambda c, b: dict(block=dataclasses.replace(b, experts=dataclasses.replace(

@@ -61,6 +61,16 @@ VARIANTS = {   # unsettled: each test settles them for its layout, as a run does
     "coe": lambda: tiny_config("coe", "sum",
                                experts=dict(num_experts=N, dispatch="dropless")),
 }
+# DeepSeek-V3's routing: groups ranked by their top-2 biased scores, renormalised, scaled,
+# beside a shared expert, under both dispatches
+DEEPSEEK_ROUTER = dict(score_fn="sigmoid", n_group=4, topk_group=2, group_score="top2_sum",
+                       renormalize=True, routed_scaling_factor=2.5, aux_free_bias_rate=0.001)
+VARIANTS["deepseek_dropless"] = lambda: tiny_config(
+    "moe", "sum", router=DEEPSEEK_ROUTER,
+    experts=dict(num_experts=N, num_shared=1, dispatch="dropless"))
+VARIANTS["deepseek_capacity"] = lambda: tiny_config(
+    "moe", "sum", router=DEEPSEEK_ROUTER,
+    experts=dict(num_experts=N, num_shared=1, capacity_factor=N))
 VARIANTS["dag_bottleneck"] = VARIANTS["dag"]          # the same model, its module in d_g
 EXECUTION = {"dag_bottleneck": dict(dag_module="bottleneck")}   # else each layout's 'auto'
 TX = optax.sgd(1.0, momentum=0.5)   # first step: new params = params - grads; momentum = grads
@@ -157,8 +167,9 @@ def meshes():
 # The DAG module in d_g ('bottleneck', pure XLA, partitioned from its inputs' shardings) on
 # the mesh that splits the tokens and the model dimension both.
 SHARDED_CASES = [(m, v) for m in MESHES for v in VARIANTS
-                 if v != "dag_bottleneck" and (m != "dp8" or v == "dag")] + [
-    ("fsdp2_ep2_tp2", "dag_bottleneck")]
+                 if v not in ("dag_bottleneck", "deepseek_capacity")
+                 and (m != "dp8" or v == "dag")] + [
+    ("fsdp2_ep2_tp2", "dag_bottleneck"), ("ep8", "deepseek_capacity")]
 
 
 @pytest.mark.parametrize("mesh_name,variant", SHARDED_CASES)

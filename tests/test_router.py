@@ -185,3 +185,96 @@ def test_router_logits_are_float32_for_bfloat16_inputs():
     assert routing.gates.dtype == jnp.bfloat16          # gates follow the activations
     expected = np.asarray(x, np.float32) @ np.asarray(router.w_router[...], np.float32)
     np.testing.assert_allclose(np.asarray(routing.logits), expected, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------- DeepSeek: groups, scaling, correction bias
+
+def deepseek_gates_reference(scores, bias, k, n_group, topk_group, group_score, norm, scale):
+    """DeepSeek-V2's group-limited greedy and V3's node-limited selection, token by token in
+    plain Python (DeepSeek-V2 sec. 2.2.2, V3 sec. 2.1.2): rank by s + b, keep the topk_group
+    groups of best group score (max, or sum of the top two), take the K best of their experts;
+    gates are the unbiased s, renormalised if ``norm``, times ``scale``. Returns one
+    {expert: gate} per token."""
+    out = []
+    n = scores.shape[1]
+    size = n // n_group
+    for s in np.asarray(scores, np.float64):
+        choice = s + (0.0 if bias is None else np.asarray(bias, np.float64))
+        group_scores = []
+        for g in range(n_group):
+            members = sorted(choice[g * size:(g + 1) * size], reverse=True)
+            group_scores.append(members[0] if group_score == "max" else members[0] + members[1])
+        groups = sorted(range(n_group), key=lambda g: -group_scores[g])[:topk_group]
+        eligible = [i for i in range(n) if i // size in groups]
+        chosen = sorted(eligible, key=lambda i: -choice[i])[:k]
+        total = sum(s[i] for i in chosen)
+        out.append({i: (s[i] / total if norm else s[i]) * scale for i in chosen})
+    return out
+
+
+@pytest.mark.parametrize("group_score, biased, norm, scale", [
+    ("max", False, False, 16.0),       # DeepSeek-V2: softmax scores, group-limited greedy
+    ("top2_sum", True, True, 2.5),     # DeepSeek-V3: sigmoid scores, correction bias
+    ("top2_sum", False, True, 1.0)])
+def test_group_limited_selection_equals_its_transcription(group_score, biased, norm, scale):
+    rng = np.random.default_rng(0)
+    scores = jax.nn.sigmoid(jnp.asarray(rng.standard_normal((64, 16)), jnp.float32))
+    bias = jnp.asarray(0.3 * rng.standard_normal(16), jnp.float32) if biased else None
+    gates, indices = select_top_k(scores, 4, norm, bias, n_group=4, topk_group=2,
+                                  group_score=group_score, scale=scale)
+    want = deepseek_gates_reference(scores, bias, 4, 4, 2, group_score, norm, scale)
+    for t, expected in enumerate(want):
+        got = dict(zip(np.asarray(indices[t]).tolist(), np.asarray(gates[t]).tolist()))
+        assert got.keys() == expected.keys(), (t, got, expected)
+        np.testing.assert_allclose([got[i] for i in expected], list(expected.values()),
+                                   rtol=1e-6)
+        assert len({i // 4 for i in got}) <= 2                    # at most topk_group groups
+    # the limit binds: without groups some token takes an expert of a third group
+    _, free = select_top_k(scores, 4, norm, bias)
+    assert any(len({int(i) // 4 for i in row}) > 2 for row in np.asarray(free))
+
+
+def test_one_group_and_unit_scale_are_the_plain_router():
+    rng = np.random.default_rng(1)
+    scores = jax.nn.softmax(jnp.asarray(rng.standard_normal((32, 8)), jnp.float32))
+    bias = jnp.asarray(0.1 * rng.standard_normal(8), jnp.float32)
+    for b in (None, bias):
+        plain = select_top_k(scores, 3, True, b)
+        grouped = select_top_k(scores, 3, True, b, n_group=1, topk_group=1, scale=1.0)
+        every = select_top_k(scores, 3, True, b, n_group=4, topk_group=4)    # all groups kept
+        for other in (grouped, every):
+            np.testing.assert_array_equal(np.asarray(other[1]), np.asarray(plain[1]))
+            np.testing.assert_allclose(np.asarray(other[0]), np.asarray(plain[0]), rtol=1e-6)
+    scaled = select_top_k(scores, 3, True, bias, scale=2.5)
+    np.testing.assert_allclose(np.asarray(scaled[0]), 2.5 * np.asarray(plain[0]), rtol=1e-6)
+
+
+def test_the_router_module_routes_within_groups_and_its_gradient_flows():
+    cfg = RouterConfig(top_k=2, score_fn="sigmoid", renormalize=True, n_group=4, topk_group=1,
+                       group_score="top2_sum", routed_scaling_factor=2.0)
+    router = Router(cfg, 8, 8, std=0.5, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(0), (16, 8))
+    routing = router(x)
+    groups = np.asarray(routing.indices) // 2
+    assert np.all(groups[:, 0] == groups[:, 1])                  # both from the one group kept
+    np.testing.assert_allclose(np.asarray(routing.gates).sum(-1), 2.0, rtol=1e-6)
+
+    def loss(r):
+        return jnp.sum(r(x).gates[:, 0] ** 2)
+    grad = nnx.grad(loss)(router)
+    assert float(jnp.max(jnp.abs(grad["w_router"][...]))) > 0
+
+
+@pytest.mark.parametrize("change, needle", [
+    (dict(n_group=3), "n_group=3 is invalid: expected a divisor of num_experts=8"),
+    (dict(n_group=4, topk_group=5), "topk_group=5 is invalid"),
+    (dict(n_group=8, topk_group=1, top_k=2), "enough groups for top_k=2"),
+    (dict(n_group=8, topk_group=4, group_score="top2_sum"), "'max' for groups of one expert"),
+    (dict(routed_scaling_factor=0.0), "routed_scaling_factor=0.0 is invalid"),
+    (dict(group_score="sum"), "group_score='sum' is invalid")])
+def test_groups_that_do_not_fit_are_one_line(change, needle):
+    from dagmoe_jax.config import ExpertConfig, MoEConfig
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace("[", r"\[")):
+        top_k = change.pop("top_k", 2)
+        MoEConfig(router=RouterConfig(top_k=top_k, **change),
+                  experts=ExpertConfig(num_experts=8))

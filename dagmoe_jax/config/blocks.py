@@ -31,6 +31,7 @@ DISPATCH_MODES = ("dropless", "capacity")
 BALANCE_LOADS = ("tokens", "slots")
 BALANCE_PROBS = ("softmax", "score_share")
 BALANCE_SCOPES = ("batch", "sequence")
+GROUP_SCORES = ("max", "top2_sum")
 # RouterConfig fields that say how a router is trained, not what it computes (the selection
 # bias of aux_free_bias_rate starts at zero): a run fine-tuned from another may set its own.
 ROUTER_TRAINING_FIELDS = ("balance_coef", "balance_load", "balance_prob", "balance_scope",
@@ -137,6 +138,17 @@ class RouterConfig:
       solution's last row is the bias; off by default: DAG-MoE's router has none).
     temperature: T of ``logits / T`` before the score function (DUME sec. 2.2; 1 = none).
       DUME's gate softmax(top-k(logits / T)) is score_fn='softmax' with renormalize=True.
+    n_group, topk_group: group-limited selection (DeepSeek-V2 sec. 2.2.2, device-limited
+      routing; DeepSeek-V3 sec. 2.1.2, node-limited routing; Hugging Face's ``n_group`` and
+      ``topk_group``): the N experts form ``n_group`` groups of consecutive ids, each token
+      keeps the ``topk_group`` groups of highest group score and takes its top-K among their
+      experts (:func:`dagmoe_jax.model.router.group_limited_top_k`). Default 1 and 1: no
+      groups.
+    group_score: a group's score, 'max' (default; DeepSeek-V2's group-limited greedy: its
+      highest expert score) or 'top2_sum' (DeepSeek-V3: the sum of its two highest scores,
+      with the selection bias, K / topk_group = 8 / 4 in V3).
+    routed_scaling_factor: the gates are multiplied by it after renormalisation (DeepSeek-V2
+      and V3's ``routed_scaling_factor``, e.g. 2.5 in V3; default 1).
     """
 
     score_fn: str = "sigmoid"
@@ -150,9 +162,21 @@ class RouterConfig:
     aux_free_bias_rate: float = 0.0
     bias: bool = False
     temperature: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    group_score: str = "max"
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self):
         _choice("RouterConfig", "score_fn", self.score_fn, SCORE_FNS)
+        _positive("RouterConfig", "n_group", self.n_group)
+        _check(isinstance(self.topk_group, int) and 1 <= self.topk_group <= self.n_group,
+               "RouterConfig", "topk_group", self.topk_group,
+               f"an integer in [1, n_group={self.n_group}]")
+        _choice("RouterConfig", "group_score", self.group_score, GROUP_SCORES)
+        _check(isinstance(self.routed_scaling_factor, (int, float))
+               and self.routed_scaling_factor > 0, "RouterConfig", "routed_scaling_factor",
+               self.routed_scaling_factor, "a number > 0")
         _choice("RouterConfig", "balance_load", self.balance_load, BALANCE_LOADS)
         _choice("RouterConfig", "balance_prob", self.balance_prob, BALANCE_PROBS)
         _choice("RouterConfig", "balance_scope", self.balance_scope, BALANCE_SCOPES)
@@ -163,6 +187,21 @@ class RouterConfig:
         _check(isinstance(self.bias, bool), "RouterConfig", "bias", self.bias, "True or False")
         _check(isinstance(self.temperature, (int, float)) and self.temperature > 0,
                "RouterConfig", "temperature", self.temperature, "a number > 0")
+
+
+def check_groups(router: "RouterConfig", num_experts: int, top_k: int) -> None:
+    """One-line ValueError unless ``router``'s groups fit ``num_experts`` experts and ``top_k``
+    choices of them (a block config's check: the router config alone knows neither)."""
+    g = router.n_group
+    if g == 1:
+        return
+    _check(num_experts % g == 0, "RouterConfig", "n_group", g,
+           f"a divisor of num_experts={num_experts} (groups of equal size)")
+    _check(top_k <= router.topk_group * (num_experts // g), "RouterConfig", "topk_group",
+           router.topk_group, f"enough groups for top_k={top_k}: topk_group * num_experts / "
+           f"n_group >= {top_k}")
+    _check(router.group_score != "top2_sum" or num_experts // g >= 2, "RouterConfig",
+           "group_score", router.group_score, "'max' for groups of one expert")
 
 
 @dataclasses.dataclass(frozen=True)

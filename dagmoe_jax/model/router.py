@@ -65,8 +65,32 @@ def aux_free_top_k(scores: jax.Array, bias: jax.Array, k: int):
     return jnp.take_along_axis(scores, indices, axis=-1), indices
 
 
+def group_limited_top_k(choice: jax.Array, k: int, n_group: int, topk_group: int,
+                        group_score: str = "max") -> jax.Array:
+    """Group-limited selection: DeepSeek-V2 sec. 2.2.2 (device-limited routing, Hugging Face's
+    ``topk_method='group_limited_greedy'``) and DeepSeek-V3 sec. 2.1.2 (node-limited routing).
+
+    The N experts of ``choice`` [T, N] (the scores selection ranks by: with a selection bias,
+    the biased scores) form ``n_group`` groups of N / n_group consecutive ids. A group's score
+    is its highest choice score ('max', V2) or the sum of its two highest ('top2_sum', V3); each
+    token keeps its ``topk_group`` best groups and takes the K best experts among theirs, the
+    other groups' experts at -inf. Returns the indices [T, K] in descending choice order.
+    """
+    t, n = choice.shape
+    grouped = choice.reshape(t, n_group, n // n_group)
+    if group_score == "max":
+        per_group = jnp.max(grouped, axis=-1)
+    else:
+        per_group = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+    _, best = jax.lax.top_k(per_group, topk_group)                        # [T, topk_group]
+    kept = jnp.any(best[..., None] == jnp.arange(n_group), axis=-2)       # [T, n_group]
+    masked = jnp.where(jnp.repeat(kept, n // n_group, axis=-1), choice, -jnp.inf)
+    return jax.lax.top_k(masked, k)[1]
+
+
 def select_top_k(scores: jax.Array, k: int, renormalize: bool,
-                 bias: Optional[jax.Array] = None):
+                 bias: Optional[jax.Array] = None, *, n_group: int = 1, topk_group: int = 1,
+                 group_score: str = "max", scale: float = 1.0):
     """Top-K gating, DAG-MoE eq. 1 / CoE eq. 7: g_i = s_i for the K best experts, else 0.
 
     Returns gates and indices [T, K] in descending score order; ties go to the lower expert id,
@@ -75,16 +99,23 @@ def select_top_k(scores: jax.Array, k: int, renormalize: bool,
     g / g = 1, returned as a constant: autodiff of g / g leaves rounding noise (~1e-10 against
     ~1e-3 at k = 2) that Adam would scale into real router steps. ``bias`` [N]: select by
     the biased scores instead (:func:`aux_free_top_k`; DeepSeek-V3 renormalises those gates).
+    ``n_group`` > 1: only among the ``topk_group`` best groups (:func:`group_limited_top_k`,
+    ranked by the biased scores where there is a bias). ``scale``: DeepSeek's
+    ``routed_scaling_factor``, multiplying the gates last.
     """
-    if bias is None:
+    if n_group > 1:
+        choice = scores if bias is None else scores + bias.astype(scores.dtype)
+        indices = group_limited_top_k(choice, k, n_group, topk_group, group_score)
+        gates = jnp.take_along_axis(scores, indices, axis=-1)
+    elif bias is None:
         gates, indices = jax.lax.top_k(scores, k)
     else:
         gates, indices = aux_free_top_k(scores, bias, k)
     if renormalize and k == 1:
-        return jnp.ones_like(gates), indices
-    if renormalize:
+        gates = jnp.ones_like(gates)
+    elif renormalize:
         gates = gates / jnp.maximum(jnp.sum(gates, axis=-1, keepdims=True), 1e-9)
-    return gates, indices
+    return (gates if scale == 1.0 else gates * scale), indices
 
 
 def expert_load(indices: jax.Array, num_experts: int) -> jax.Array:
@@ -178,7 +209,8 @@ def z_loss(logits: jax.Array) -> jax.Array:
 class Router(nnx.Module):
     """Router keys e_i as a [d, N] matrix; returns a :class:`Routing` for tokens [T, d].
 
-    cfg: the ``RouterConfig`` (score function, renormalisation, the balance loss's conventions
+    cfg: the ``RouterConfig`` (score function, renormalisation, group-limited selection and
+    the gates' scale (:func:`select_top_k`), the balance loss's conventions
     of :func:`balance_fraction` and :func:`balance_probs` and its scope, a learned
     zero-initialised bias ``b_router`` [N], the temperature of :func:`router_logits`, and with
     ``aux_free_bias_rate`` > 0 a zero-initialised :class:`SelectionBias` ``selection_bias`` [N]
@@ -194,6 +226,8 @@ class Router(nnx.Module):
         self.balance_scope = cfg.balance_scope
         self.bias_rate = float(cfg.aux_free_bias_rate)
         self.temperature = float(cfg.temperature)
+        self.groups = dict(n_group=cfg.n_group, topk_group=cfg.topk_group,
+                           group_score=cfg.group_score, scale=float(cfg.routed_scaling_factor))
         self.w_router = make_param(rngs, normal(std), (d_model, num_experts), ("embed", None))
         self.b_router = (make_param(rngs, nnx.initializers.zeros, (num_experts,), (None,))
                          if cfg.bias else None)
@@ -206,7 +240,8 @@ class Router(nnx.Module):
         logits = router_logits(x, self.w_router[...], bias, self.temperature)
         scores = router_scores(logits, self.score_fn)
         selection = None if self.selection_bias is None else self.selection_bias[...]
-        gates, indices = select_top_k(scores, self.top_k, self.renormalize, selection)
+        gates, indices = select_top_k(scores, self.top_k, self.renormalize, selection,
+                                      **self.groups)
         return Routing(gates.astype(x.dtype), indices, logits, scores)
 
     def losses(self, routing: Routing, sequences: int = 1) -> dict:

@@ -6,7 +6,8 @@ import dataclasses
 from typing import Optional
 
 from dagmoe_jax.config.families import register
-from dagmoe_jax.config.blocks import (SCORE_FNS, ExpertConfig, RouterConfig, check_nested)
+from dagmoe_jax.config.blocks import (SCORE_FNS, ExpertConfig, RouterConfig, check_groups,
+                                      check_nested)
 from dagmoe_jax.validate import choice as _choice, check as _check, positive as _positive
 
 COE_RESIDUALS = ("inner", "outer", "init")
@@ -71,6 +72,7 @@ class CoEConfig:
                f"an integer >= 1 (router.top_k={self.router.top_k} // "
                f"iterations={self.iterations} is 0; set top_k_per_iter)")
         _check(k_t <= n, "CoEConfig", "top_k_per_iter", k_t, f"an integer in [1, num_experts={n}]")
+        check_groups(self.router, n, k_t)
 
     @property
     def resolved_top_k(self) -> int:

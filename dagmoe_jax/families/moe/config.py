@@ -7,7 +7,7 @@ import dataclasses
 from typing import Optional
 
 from dagmoe_jax.config.families import register
-from dagmoe_jax.config.blocks import ExpertConfig, RouterConfig, check_nested
+from dagmoe_jax.config.blocks import ExpertConfig, RouterConfig, check_groups, check_nested
 from dagmoe_jax.validate import check as _check, choice as _choice, positive as _positive
 
 AGGREGATORS = ("sum", "dag", "mlp")
@@ -87,6 +87,7 @@ class MoEConfig:
         n = self.experts.num_experts
         _check(self.router.top_k <= n, "RouterConfig", "top_k", self.router.top_k,
                f"an integer in [1, num_experts={n}]")
+        check_groups(self.router, n, self.router.top_k)
 
     @staticmethod
     def from_legacy(blob: dict) -> dict:

@@ -112,3 +112,18 @@ def test_coe_variant_adds_exactly_the_dag_budget_on_the_quality_base():
     coe = variant_config(base, "coe", 32)
     assert coe.block.experts.shared_hidden == 60
     assert coe_budget_residual(128, 32, 2, 16, 60) == 0
+
+
+@pytest.mark.parametrize("q_lora_rank", [12, 0])
+def test_mla_param_count_and_flops_match_the_built_model(q_lora_rank):
+    from dagmoe_jax.config import MLAConfig
+    mla = MLAConfig(kv_lora_rank=16, q_lora_rank=q_lora_rank, qk_nope_head_dim=8,
+                    qk_rope_head_dim=4, v_head_dim=6)
+    cfg = tiny_config("moe", "sum", experts=dict(num_shared=1)).replace(mla=mla)
+    model = make_model(cfg)
+    built = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    acc = account(cfg, 16)
+    assert acc.total_params == built
+    # the scores' and values' products, causal: 2 h (d_qk + d_v) (s + 1) / 2 a token a
+    # layer (GQA's 2 h d_h (s + 1) at d_qk = d_v), training 3x, 2 layers, by hand
+    assert acc.flops["attention_scores"] == pytest.approx(3 * 2 * 4 * (12 + 6) * 17)

@@ -71,6 +71,12 @@ VARIANTS["deepseek_dropless"] = lambda: tiny_config(
 VARIANTS["deepseek_capacity"] = lambda: tiny_config(
     "moe", "sum", router=DEEPSEEK_ROUTER,
     experts=dict(num_experts=N, num_shared=1, capacity_factor=N))
+# multi-head latent attention (its heads split over the tensor axis) with DeepSeek's routing
+VARIANTS["mla"] = lambda: tiny_config(
+    "moe", "sum", router=DEEPSEEK_ROUTER,
+    experts=dict(num_experts=N, num_shared=1, dispatch="dropless")).replace(
+        mla=dict(kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                 v_head_dim=6))
 VARIANTS["dag_bottleneck"] = VARIANTS["dag"]          # the same model, its module in d_g
 EXECUTION = {"dag_bottleneck": dict(dag_module="bottleneck")}   # else each layout's 'auto'
 TX = optax.sgd(1.0, momentum=0.5)   # first step: new params = params - grads; momentum = grads
@@ -167,9 +173,9 @@ def meshes():
 # The DAG module in d_g ('bottleneck', pure XLA, partitioned from its inputs' shardings) on
 # the mesh that splits the tokens and the model dimension both.
 SHARDED_CASES = [(m, v) for m in MESHES for v in VARIANTS
-                 if v not in ("dag_bottleneck", "deepseek_capacity")
+                 if v not in ("dag_bottleneck", "deepseek_capacity", "mla")
                  and (m != "dp8" or v == "dag")] + [
-    ("fsdp2_ep2_tp2", "dag_bottleneck"), ("ep8", "deepseek_capacity")]
+    ("fsdp2_ep2_tp2", "dag_bottleneck"), ("ep8", "deepseek_capacity"), ("fsdp2_ep2_tp2", "mla")]
 
 
 @pytest.mark.parametrize("mesh_name,variant", SHARDED_CASES)

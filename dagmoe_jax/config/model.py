@@ -103,6 +103,49 @@ class RopeScalingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2 sec. 2.1; V3 keeps it) in place of grouped-query
+    attention: keys and values of all heads come from one compressed latent per token, which is
+    all a decoding cache holds, beside one small key carrying RoPE shared by the heads.
+
+    kv_lora_rank: d_c, the latent's width (DeepSeek-V2/V3: 512). 0 (default): no MLA, the
+      model's attention is grouped-query attention (``num_kv_heads``, ``head_dim``).
+    q_lora_rank: d_c', the queries' own low-rank compression (V2 and V3: 1536); 0 (default,
+      V2-Lite): queries are one projection of the hidden state.
+    qk_nope_head_dim, qk_rope_head_dim: each head's query and key width without and with RoPE
+      (d_h and d_h^R: 128 and 64); scores are scaled by (d_h + d_h^R)^(-1/2), times mscale^2 of
+      a YaRN ``rope_scaling`` with ``mscale_all_dim`` (DeepSeek's).
+    v_head_dim: each head's value width (128).
+    With MLA, ``num_kv_heads``, ``head_dim`` and ``qk_norm`` play no part (``qk_norm`` must be
+    'none'); RoPE turns ``qk_rope_head_dim`` dimensions.
+    """
+
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+
+    def __post_init__(self):
+        c = "MLAConfig"
+        for name in ("kv_lora_rank", "q_lora_rank"):
+            _check(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, c, name,
+                   getattr(self, name), "an integer >= 0 (0: none)")
+        for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            _positive(c, name, getattr(self, name))
+        _check(self.qk_rope_head_dim % 2 == 0, c, "qk_rope_head_dim", self.qk_rope_head_dim,
+               "an even number (RoPE rotates pairs)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Llama-3 style decoder (DAG-MoE Appendix B.1) with a choice of FFN block: what is
     computed. How it runs on a machine is an ``ExecutionConfig`` beside the mesh
@@ -123,6 +166,8 @@ class ModelConfig:
       Llama, DAG-MoE), 'head' (each head over its head_dim, one scale shared by the heads:
       Qwen3 / Qwen3-MoE) or 'full' (over all heads' concatenated projection, one scale per
       channel: OLMoE). What imported checkpoints need (:mod:`dagmoe_jax.hf.moe`).
+    mla: multi-head latent attention in place of grouped-query attention (``MLAConfig``;
+      default off: ``kv_lora_rank`` 0), under every block family but DoE's.
     norm_eps: epsilon of RMSNorm and of the DAG module's LayerNorm.
     init_std: standard deviation of the normal initialiser of every matrix.
     param_dtype, compute_dtype: 'float32' or 'bfloat16' (master weights stay float32 by default).
@@ -145,6 +190,7 @@ class ModelConfig:
     compute_dtype: str = "float32"
     rope_scaling: RopeScalingConfig = dataclasses.field(default_factory=RopeScalingConfig)
     qk_norm: str = "none"
+    mla: MLAConfig = dataclasses.field(default_factory=MLAConfig)
 
     def __post_init__(self):
         c = "ModelConfig"
@@ -176,6 +222,24 @@ class ModelConfig:
             if name != "block":
                 _check(isinstance(getattr(self, name), cls), c, name, getattr(self, name),
                        f"a {cls.__name__}")
+        if self.mla.enabled:
+            _check(self.qk_norm == "none", c, "qk_norm", self.qk_norm,
+                   "'none' with MLAConfig.kv_lora_rank > 0 (MLA normalises its latents)")
+            _check(self.block.kind != "doe", c, "block", self.block.kind,
+                   "a family other than 'doe' with MLA (DoE routes on GQA's heads)")
+
+    @property
+    def attention_head_dim(self) -> int:
+        """The head width the attention kernel sees: MLA's keys or values, whichever is wider
+        (the other zero-padded to it), else the head's."""
+        if self.mla.enabled:
+            return max(self.mla.qk_head_dim, self.mla.v_head_dim)
+        return self.resolved_head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """The dimensions RoPE turns per head: MLA's ``qk_rope_head_dim``, else the head's."""
+        return self.mla.qk_rope_head_dim if self.mla.enabled else self.resolved_head_dim
 
     @property
     def resolved_head_dim(self) -> int:

@@ -39,6 +39,10 @@ def hf_family(cfg: ModelConfig) -> str:
     """The Hugging Face ``model_type`` a model of ``cfg`` is exported as: 'llama' for a dense
     model, an MoE's family (:func:`~dagmoe_jax.hf.moe.export_family`); else a one-line
     ValueError."""
+    if cfg.mla.enabled:
+        raise ValueError(f"ModelConfig.mla (kv_lora_rank={cfg.mla.kv_lora_rank}) cannot be "
+                         f"exported: Llama, Mixtral, OLMoE and Qwen3-MoE use grouped-query "
+                         f"attention, and no DeepSeek exporter exists yet")
     if cfg.block.hf_family == "llama":
         if cfg.qk_norm != "none":
             raise ValueError(f"ModelConfig.qk_norm={cfg.qk_norm!r} cannot be exported as a "

@@ -23,7 +23,7 @@ Conventions (stated so the numbers can be checked by hand):
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, NamedTuple
+from typing import Dict, NamedTuple, Tuple
 
 from dagmoe_jax.config import ModelConfig, family_of
 
@@ -87,6 +87,18 @@ def routed_counts(cfg: ModelConfig, steps: int, k: int, routers: int, scales: in
     return Counts(params, active, fwd)
 
 
+def mla_params(cfg: ModelConfig) -> Tuple[int, int]:
+    """(matrix parameters, norm scales) of one layer's multi-head latent attention
+    (:mod:`dagmoe_jax.model.mla`): W_Q or W_DQ and W_UQ, W_DKV with W_KR, W_UKV, W_O; the
+    latents' RMSNorm scales."""
+    m, d, h = cfg.mla, cfg.d_model, cfg.num_heads
+    queries = (d * m.q_lora_rank + m.q_lora_rank * h * m.qk_head_dim if m.q_lora_rank
+               else d * h * m.qk_head_dim)
+    keys_values = (d * (m.kv_lora_rank + m.qk_rope_head_dim)
+                   + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim))
+    return queries + keys_values + h * m.v_head_dim * d, m.q_lora_rank + m.kv_lora_rank
+
+
 def account(cfg: ModelConfig, seq_len: int | None = None) -> Accounting:
     """Parameters (total and active per token) and training FLOPs per token by component."""
     s = seq_len or cfg.max_seq_len
@@ -95,9 +107,15 @@ def account(cfg: ModelConfig, seq_len: int | None = None) -> Accounting:
     qk_norms = {"none": 0, "head": 2 * hd, "full": (h + kv) * hd}[cfg.qk_norm]
     per_layer: Dict[str, int] = {"attention": 2 * d * h * hd + 2 * d * kv * hd,
                                  "norms": 2 * d + qk_norms}
+    # the scores' and values' products per token: 2 h (d_qk + d_v) (s + 1) / 2 (causal)
+    scores = 2.0 * h * hd * (s + 1)
+    if cfg.mla.enabled:
+        per_layer["attention"], latent_norms = mla_params(cfg)
+        per_layer["norms"] += latent_norms
+        scores = 1.0 * h * (cfg.mla.qk_head_dim + cfg.mla.v_head_dim) * (s + 1)
     active: Dict[str, int] = dict(per_layer)
     fwd: Dict[str, float] = {"attention": 2.0 * per_layer["attention"],
-                             "attention_scores": 2.0 * h * hd * (s + 1)}
+                             "attention_scores": scores}
     family = family_of(cfg.block).part("accounting")
     block = family.layer_counts(cfg)
     per_layer.update(block.params)

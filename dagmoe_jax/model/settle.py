@@ -300,7 +300,8 @@ def settle(cfg: ModelConfig, execution: Optional[ExecutionConfig] = None, *,
             and dag_aggregation_of(cfg.block) is not None and dtype == jnp.float32
             and dag_module_needs_build()):
         log("compiling the CPU DAG module kernels (about 5 s, once per machine)")
-    attention, _ = settle_attention(ex.attention, backend, dtype, cfg.resolved_head_dim, layout)
+    attention, _ = settle_attention(ex.attention, backend, dtype, cfg.attention_head_dim,
+                                    layout)
     capability = gpu_capability(device) if backend == "gpu" else None
     grouped_matmul = settle_grouped_matmul(ex.grouped_matmul, backend, cfg.d_model,
                                            grouped_matmul_width(cfg), layout, dtype,
@@ -331,7 +332,7 @@ def describe(cfg: ModelConfig, settled: ExecutionConfig,
     if (requested is not None and requested.attention == "auto"
             and attention in ("blockwise", "xla")):
         _, why = settle_attention("auto", backend, jnp.dtype(cfg.compute_dtype),
-                                  cfg.resolved_head_dim, layout)
+                                  cfg.attention_head_dim, layout)
         attention += f" ({why})" if why else ""
     experts = experts_of(cfg.block)
     dropless = experts is not None and experts.dispatch == "dropless"

@@ -37,6 +37,7 @@ from flax import nnx
 
 from dagmoe_jax.config import ExecutionConfig, ModelConfig, family_of, router_of
 from dagmoe_jax.model.attention import Attention, KVCache, rope_angles
+from dagmoe_jax.model.mla import LatentCache, MLAttention
 from dagmoe_jax.model.block import BlockContext, BlockInputs, BlockStats
 from dagmoe_jax.model.layers import RMSNorm, dtype_of, make_param, normal
 from dagmoe_jax.model.dag.bottleneck import SAVED_NAMES as DAG_SAVED_NAMES
@@ -74,7 +75,8 @@ class DecoderLayer(nnx.Module):
                  layout: Optional[MeshLayout] = None, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
-        self.attn = Attention(cfg, execution, layout, rngs=rngs)
+        self.attn = (MLAttention if cfg.mla.enabled else Attention)(cfg, execution, layout,
+                                                                    rngs=rngs)
         self.block_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         self.block = block_class(cfg)(cfg, execution, layout, rngs=rngs)
 
@@ -164,8 +166,8 @@ class Transformer(nnx.Module):
         if s > cfg.max_seq_len:
             raise ValueError(f"sequence length {s} exceeds ModelConfig.max_seq_len={cfg.max_seq_len}: "
                              f"shorten the inputs or raise max_seq_len")
-        if cache is not None and start is None and cache.k.shape[2] < s:
-            raise ValueError(f"the cache has {cache.k.shape[2]} slots, fewer than the prompts' "
+        if cache is not None and start is None and cache[0].shape[2] < s:
+            raise ValueError(f"the cache has {cache[0].shape[2]} slots, fewer than the prompts' "
                              f"{s} tokens: make it with init_cache(batch, length >= {s})")
         if segment_ids is not None:
             if cache is not None:
@@ -178,8 +180,7 @@ class Transformer(nnx.Module):
             positions = jnp.arange(s)[None, :]                       # one row serves the batch
         else:
             positions = jnp.asarray(start, jnp.int32)[:, None] + jnp.arange(s)
-        sin, cos = rope_angles(positions, cfg.resolved_head_dim, cfg.rope_theta,
-                               cfg.rope_scaling)
+        sin, cos = rope_angles(positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
         h = self.embed[...].astype(dtype_of(cfg.compute_dtype))[tokens]
         per_layer = shared_inputs = None
         shared = getattr(self, cfg.block.kind, None)
@@ -233,11 +234,18 @@ class Transformer(nnx.Module):
         for r, router in enumerate(routers):          # each is stacked over the layers
             router.update_selection_bias(router_counts[:, r])
 
-    def init_cache(self, batch: int, length: int) -> KVCache:
-        """An empty (zero) cache of ``length`` slots: k, v [layers, batch, length, KV, D]."""
+    def init_cache(self, batch: int, length: int):
+        """An empty (zero) cache of ``length`` slots: a ``KVCache`` k, v [layers, batch,
+        length, KV, D], or with MLA a ``LatentCache`` c [layers, batch, length, d_c] and
+        k_rope [layers, batch, length, d_h^R]."""
         cfg = self.cfg
+        dtype = dtype_of(cfg.compute_dtype)
+        if cfg.mla.enabled:
+            rows = (cfg.num_layers, batch, length)
+            return LatentCache(jnp.zeros(rows + (cfg.mla.kv_lora_rank,), dtype),
+                               jnp.zeros(rows + (cfg.mla.qk_rope_head_dim,), dtype))
         shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.resolved_head_dim)
-        zeros = jnp.zeros(shape, dtype_of(cfg.compute_dtype))
+        zeros = jnp.zeros(shape, dtype)
         return KVCache(zeros, zeros)
 
 

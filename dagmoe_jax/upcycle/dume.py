@@ -83,7 +83,7 @@ def _embedded(graphdef, state, tokens, segment_ids):
     cfg = model.cfg
     positions = (jnp.arange(tokens.shape[1])[None, :] if segment_ids is None
                  else segment_positions(segment_ids))
-    sin, cos = rope_angles(positions, cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
+    sin, cos = rope_angles(positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
     return model.embed[...].astype(dtype_of(cfg.compute_dtype))[tokens], sin, cos
 
 

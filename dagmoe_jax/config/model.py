@@ -225,8 +225,9 @@ class ModelConfig:
         if self.mla.enabled:
             _check(self.qk_norm == "none", c, "qk_norm", self.qk_norm,
                    "'none' with MLAConfig.kv_lora_rank > 0 (MLA normalises its latents)")
-            _check(self.block.kind != "doe", c, "block", self.block.kind,
-                   "a family other than 'doe' with MLA (DoE routes on GQA's heads)")
+            _check(not getattr(self.block, "routes_on_attention_heads", False), c, "block",
+                   self.block.kind, "a family that does not route on grouped-query heads "
+                   "with MLA (DoE's signal reads them)")
 
     @property
     def attention_head_dim(self) -> int:

@@ -226,8 +226,9 @@ class Router(nnx.Module):
         self.balance_scope = cfg.balance_scope
         self.bias_rate = float(cfg.aux_free_bias_rate)
         self.temperature = float(cfg.temperature)
-        self.groups = dict(n_group=cfg.n_group, topk_group=cfg.topk_group,
-                           group_score=cfg.group_score, scale=float(cfg.routed_scaling_factor))
+        # plain Python fields (a dict would make the module's graph definition unhashable)
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.group_score, self.scale = cfg.group_score, float(cfg.routed_scaling_factor)
         self.w_router = make_param(rngs, normal(std), (d_model, num_experts), ("embed", None))
         self.b_router = (make_param(rngs, nnx.initializers.zeros, (num_experts,), (None,))
                          if cfg.bias else None)
@@ -241,7 +242,8 @@ class Router(nnx.Module):
         scores = router_scores(logits, self.score_fn)
         selection = None if self.selection_bias is None else self.selection_bias[...]
         gates, indices = select_top_k(scores, self.top_k, self.renormalize, selection,
-                                      **self.groups)
+                                      n_group=self.n_group, topk_group=self.topk_group,
+                                      group_score=self.group_score, scale=self.scale)
         return Routing(gates.astype(x.dtype), indices, logits, scores)
 
     def losses(self, routing: Routing, sequences: int = 1) -> dict:

@@ -80,6 +80,11 @@ class DoEConfig:
 
     # No Hugging Face family holds this block (a class attribute, not a field).
     hf_family = None
+    # Class attributes the model config asks: DoE's signal reads each grouped-query head's
+    # queries, keys or values (so no multi-head latent attention beneath it), and its shared
+    # module gives every layer inputs of its own (so no dense layers before its own).
+    routes_on_attention_heads = True
+    inputs_per_layer = True
     kind: str = dataclasses.field(default="doe", init=False)
     num_topics: int = 128
     topic_dim: int = 64

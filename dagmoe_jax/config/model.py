@@ -17,7 +17,7 @@ import dataclasses
 from typing import Optional, Union
 
 from dagmoe_jax.config.blocks import (DISPATCH_MODES, RETIRED_DISPATCH, default_ffn_hidden,
-                                      nested_configs)
+                                      experts_of, nested_configs)
 from dagmoe_jax.config.execution import ExecutionConfig
 from dagmoe_jax.config.families import FAMILIES
 # The block families, each registering its config as it is imported (one line a family, in
@@ -168,6 +168,12 @@ class ModelConfig:
       channel: OLMoE). What imported checkpoints need (:mod:`dagmoe_jax.hf.moe`).
     mla: multi-head latent attention in place of grouped-query attention (``MLAConfig``;
       default off: ``kv_lora_rank`` 0), under every block family but DoE's.
+    first_dense_layers: the first layers' block is a dense SwiGLU instead of ``block``
+      (DeepSeek-V2/V3's ``first_k_dense_replace``: 1 in V2-Lite, 3 in V3); default 0. The
+      others, ``routed_layers`` of them, have the family's block; the MoE and CoE families
+      only.
+    first_dense_ffn_hidden: those dense layers' hidden size (DeepSeek's ``intermediate_size``);
+      None means 8/3 d_model rounded up to 128.
     norm_eps: epsilon of RMSNorm and of the DAG module's LayerNorm.
     init_std: standard deviation of the normal initialiser of every matrix.
     param_dtype, compute_dtype: 'float32' or 'bfloat16' (master weights stay float32 by default).
@@ -191,6 +197,8 @@ class ModelConfig:
     rope_scaling: RopeScalingConfig = dataclasses.field(default_factory=RopeScalingConfig)
     qk_norm: str = "none"
     mla: MLAConfig = dataclasses.field(default_factory=MLAConfig)
+    first_dense_layers: int = 0
+    first_dense_ffn_hidden: Optional[int] = None
 
     def __post_init__(self):
         c = "ModelConfig"
@@ -222,12 +230,37 @@ class ModelConfig:
             if name != "block":
                 _check(isinstance(getattr(self, name), cls), c, name, getattr(self, name),
                        f"a {cls.__name__}")
+        _check(isinstance(self.first_dense_layers, int)
+               and 0 <= self.first_dense_layers < self.num_layers, c, "first_dense_layers",
+               self.first_dense_layers, f"an integer in [0, num_layers={self.num_layers})")
+        if self.first_dense_ffn_hidden is not None:
+            _positive(c, "first_dense_ffn_hidden", self.first_dense_ffn_hidden)
+        if self.first_dense_layers:
+            _check(experts_of(self.block) is not None
+                   and not getattr(self.block, "inputs_per_layer", False), c,
+                   "first_dense_layers", self.first_dense_layers,
+                   f"0 with block={self.block.kind!r} (dense layers come before the routed "
+                   f"layers of the MoE and CoE families)")
         if self.mla.enabled:
             _check(self.qk_norm == "none", c, "qk_norm", self.qk_norm,
                    "'none' with MLAConfig.kv_lora_rank > 0 (MLA normalises its latents)")
             _check(not getattr(self.block, "routes_on_attention_heads", False), c, "block",
                    self.block.kind, "a family that does not route on grouped-query heads "
                    "with MLA (DoE's signal reads them)")
+
+    @property
+    def routed_layers(self) -> int:
+        """The layers with the family's block: all but the ``first_dense_layers``."""
+        return self.num_layers - self.first_dense_layers
+
+    def first_dense_config(self) -> Optional["ModelConfig"]:
+        """The config of the ``first_dense_layers`` (their block a ``DenseConfig`` of
+        ``first_dense_ffn_hidden``), or None without them."""
+        if not self.first_dense_layers:
+            return None
+        return dataclasses.replace(
+            self, block=DenseConfig(ffn_hidden=self.first_dense_ffn_hidden),
+            num_layers=self.first_dense_layers, first_dense_layers=0)
 
     @property
     def attention_head_dim(self) -> int:

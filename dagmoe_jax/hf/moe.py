@@ -173,6 +173,8 @@ def export_family(cfg: ModelConfig) -> str:
             ("RouterConfig.aux_free_bias_rate", r.aux_free_bias_rate, 0.0, "their routers "
              "select by the unbiased scores, so the selection bias would be lost"),
             ("RouterConfig.n_group", r.n_group, 1, "their routers select among all experts"),
+            ("ModelConfig.first_dense_layers", cfg.first_dense_layers, 0, "every layer of "
+             "theirs is an MoE layer"),
             ("RouterConfig.routed_scaling_factor", r.routed_scaling_factor, 1.0,
              "their routers do not scale the gates"),
             ("ExpertConfig.num_shared", e.num_shared, 0, "none of the three has shared experts"),

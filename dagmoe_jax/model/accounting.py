@@ -117,17 +117,25 @@ def account(cfg: ModelConfig, seq_len: int | None = None) -> Accounting:
     fwd: Dict[str, float] = {"attention": 2.0 * per_layer["attention"],
                              "attention_scores": scores}
     family = family_of(cfg.block).part("accounting")
-    block = family.layer_counts(cfg)
-    per_layer.update(block.params)
-    active.update(block.active)
-    fwd.update(block.flops)
     params = {c: n_layers * p for c, p in per_layer.items()}
     active_params = {c: n_layers * p for c, p in active.items()}
+    flops = {c: 3.0 * n_layers * f for c, f in fwd.items()}
+    # the family's block in its routed_layers, the first_dense_layers' own SwiGLU in theirs
+    stacks = [(family.layer_counts(cfg), cfg.routed_layers)]
+    dense = cfg.first_dense_config()
+    if dense is not None:
+        stacks.append((family_of(dense.block).part("accounting").layer_counts(dense),
+                       dense.num_layers))
+    for block, layers in stacks:
+        for totals, added, times in ((params, block.params, layers),
+                                     (active_params, block.active, layers),
+                                     (flops, block.flops, 3.0 * layers)):
+            for c, n in added.items():
+                totals[c] = totals.get(c, 0) + times * n
     params["norms"] += d
     active_params["norms"] += d
     params["embedding"], active_params["embedding"] = v * d, d
     params["lm_head"] = active_params["lm_head"] = d * v
-    flops = {c: 3.0 * n_layers * f for c, f in fwd.items()}
     flops["lm_head"] = 3.0 * 2.0 * d * v
     outside = getattr(family, "model_counts", None)     # the family's weights outside the layers
     if outside is not None:

@@ -29,7 +29,7 @@ it, and the updated cache comes back in the auxiliary dict (``aux['cache']``).
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -117,12 +117,18 @@ class Transformer(nnx.Module):
         self.embed = make_param(rngs, normal(cfg.init_std), (cfg.vocab_size, cfg.d_model),
                                 ("vocab", "embed"), pd)
 
-        @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_layers(r):
-            return DecoderLayer(cfg, execution, layout, rngs=r)
+        def stack(layer_cfg: ModelConfig, count: int):
+            @nnx.split_rngs(splits=count)
+            @nnx.vmap(in_axes=(0,), out_axes=0,
+                      transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def make_layers(r):
+                return DecoderLayer(layer_cfg, execution, layout, rngs=r)
+            return make_layers(rngs)
 
-        self.layers = make_layers(rngs)
+        dense = cfg.first_dense_config()
+        if dense is not None:                 # DeepSeek's first_k_dense_replace layers
+            self.dense_layers = stack(dense, dense.num_layers)
+        self.layers = stack(cfg, cfg.routed_layers)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         self.lm_head = make_param(rngs, normal(cfg.init_std), (cfg.d_model, cfg.vocab_size),
                                   ("embed", "vocab"), pd)
@@ -166,8 +172,9 @@ class Transformer(nnx.Module):
         if s > cfg.max_seq_len:
             raise ValueError(f"sequence length {s} exceeds ModelConfig.max_seq_len={cfg.max_seq_len}: "
                              f"shorten the inputs or raise max_seq_len")
-        if cache is not None and start is None and cache[0].shape[2] < s:
-            raise ValueError(f"the cache has {cache[0].shape[2]} slots, fewer than the prompts' "
+        slots = None if cache is None else jax.tree.leaves(cache)[0].shape[2]
+        if cache is not None and start is None and slots < s:
+            raise ValueError(f"the cache has {slots} slots, fewer than the prompts' "
                              f"{s} tokens: make it with init_cache(batch, length >= {s})")
         if segment_ids is not None:
             if cache is not None:
@@ -205,7 +212,13 @@ class Transformer(nnx.Module):
         def run(h, layer, layer_cache, layer_inputs, shared_inputs):
             return body(h, layer, layer_cache, layer_inputs, shared_inputs)
 
+        dense_cache, cache = ((cache.dense, cache.routed) if isinstance(cache, StackCaches)
+                              else (None, cache))
+        if hasattr(self, "dense_layers"):     # the first layers' dense blocks: no statistics
+            h, (_, dense_cache) = run(h, self.dense_layers, dense_cache, None, None)
         h, (stats, cache) = run(h, self.layers, cache, per_layer, shared_inputs)
+        if dense_cache is not None:
+            cache = StackCaches(dense_cache, cache)
         h = self.final_norm(h)
         aux = summarize_stats(cfg, stats)
         if stats.record is not None:
@@ -237,16 +250,32 @@ class Transformer(nnx.Module):
     def init_cache(self, batch: int, length: int):
         """An empty (zero) cache of ``length`` slots: a ``KVCache`` k, v [layers, batch,
         length, KV, D], or with MLA a ``LatentCache`` c [layers, batch, length, d_c] and
-        k_rope [layers, batch, length, d_h^R]."""
+        k_rope [layers, batch, length, d_h^R]; with ``first_dense_layers`` a
+        :class:`StackCaches` of one such cache per stack of layers."""
         cfg = self.cfg
-        dtype = dtype_of(cfg.compute_dtype)
-        if cfg.mla.enabled:
-            rows = (cfg.num_layers, batch, length)
-            return LatentCache(jnp.zeros(rows + (cfg.mla.kv_lora_rank,), dtype),
-                               jnp.zeros(rows + (cfg.mla.qk_rope_head_dim,), dtype))
-        shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.resolved_head_dim)
-        zeros = jnp.zeros(shape, dtype)
-        return KVCache(zeros, zeros)
+        if cfg.first_dense_layers:
+            return StackCaches(empty_cache(cfg, cfg.first_dense_layers, batch, length),
+                               empty_cache(cfg, cfg.routed_layers, batch, length))
+        return empty_cache(cfg, cfg.num_layers, batch, length)
+
+
+class StackCaches(NamedTuple):
+    """The decoding cache of a model with ``first_dense_layers``: one per stack of layers
+    (the dense ones', then the family's), each as :meth:`Transformer.init_cache` makes it."""
+
+    dense: Any
+    routed: Any
+
+
+def empty_cache(cfg: ModelConfig, layers: int, batch: int, length: int):
+    """A zero ``KVCache`` (or ``LatentCache`` with MLA) of ``layers`` layers."""
+    dtype = dtype_of(cfg.compute_dtype)
+    if cfg.mla.enabled:
+        rows = (layers, batch, length)
+        return LatentCache(jnp.zeros(rows + (cfg.mla.kv_lora_rank,), dtype),
+                           jnp.zeros(rows + (cfg.mla.qk_rope_head_dim,), dtype))
+    zeros = jnp.zeros((layers, batch, length, cfg.num_kv_heads, cfg.resolved_head_dim), dtype)
+    return KVCache(zeros, zeros)
 
 
 def summarize_stats(cfg: ModelConfig, stats: BlockStats) -> dict:

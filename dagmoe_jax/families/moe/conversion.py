@@ -105,4 +105,4 @@ def converted_params(params: Iterable[Tuple[Path, np.ndarray]], source: ModelCon
             yield path, value
     if target.block.iterations > 1:
         yield (("layers", "block", "iteration_scales"),
-               np.zeros((source.num_layers, target.block.iterations - 1), np.float32))
+               np.zeros((source.routed_layers, target.block.iterations - 1), np.float32))

@@ -278,3 +278,21 @@ def test_groups_that_do_not_fit_are_one_line(change, needle):
         top_k = change.pop("top_k", 2)
         MoEConfig(router=RouterConfig(top_k=top_k, **change),
                   experts=ExpertConfig(num_experts=8))
+
+
+def test_group_limited_routing_under_capacity_dispatch_equals_dropless():
+    """A capacity that drops nothing computes what dropless dispatch does, with DeepSeek-V3's
+    routing (groups, selection bias, scaled gates) in front of both."""
+    from conftest import make_model, tiny_config
+    router = dict(score_fn="sigmoid", n_group=4, topk_group=2, group_score="top2_sum",
+                  renormalize=True, routed_scaling_factor=2.5, aux_free_bias_rate=0.001)
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 64, (2, 12)))
+    logits = []
+    for experts in (dict(num_experts=8, num_shared=1, dispatch="dropless"),
+                    dict(num_experts=8, num_shared=1, dispatch="capacity", capacity_factor=8)):
+        model = make_model(tiny_config("moe", "sum", router=router, experts=experts))
+        model.layers.block.router.selection_bias[...] = jnp.linspace(-0.2, 0.2, 8)[None]
+        out, aux = model(tokens)
+        assert float(jnp.max(aux["dropped_fraction"])) == 0.0
+        logits.append(np.asarray(out))
+    np.testing.assert_allclose(logits[1], logits[0], rtol=1e-5, atol=1e-6)

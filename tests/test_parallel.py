@@ -170,9 +170,10 @@ def meshes():
 # The DAG module in d_g ('bottleneck', pure XLA, partitioned from its inputs' shardings) on
 # the mesh that splits the tokens and the model dimension both.
 SHARDED_CASES = [(m, v) for m in MESHES for v in VARIANTS
-                 if v not in ("dag_bottleneck", "mla")
+                 if v not in ("dag_bottleneck", "mla", "deepseek_dropless")
                  and (m != "dp8" or v == "dag")] + [
-    ("fsdp2_ep2_tp2", "dag_bottleneck"), ("fsdp2_ep2_tp2", "mla")]
+    ("fsdp2_ep2_tp2", "dag_bottleneck"), ("dp2_ep4", "deepseek_dropless"),
+    ("fsdp2_ep2_tp2", "mla")]
 
 
 @pytest.mark.parametrize("mesh_name,variant", SHARDED_CASES)

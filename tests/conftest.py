@@ -13,21 +13,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-# XLA:CPU compiles on the calling thread. In a long-lived test worker its stack went past Linux's
-# default 8 MiB twice on 2026-12-06 (a segmentation fault inside backend_compile_and_load of
-# tests/test_parallel.py's steps late in full runs, the fault at the stack's limit; not
-# reproduced alone even at 512 KiB). The main thread's stack may grow to 112 MiB here (the
-# kernel reads the limit as the stack grows; the gap left below it at start is at least 128).
-try:
-    import resource
-    _soft, _hard = resource.getrlimit(resource.RLIMIT_STACK)
-    _want = 112 << 20
-    if _soft != resource.RLIM_INFINITY and _soft < _want:
-        resource.setrlimit(resource.RLIMIT_STACK, (
-            _want if _hard == resource.RLIM_INFINITY else min(_want, _hard), _hard))
-except (ImportError, ValueError, OSError):      # not Linux, or a limit we may not raise
-    pass
-
 # Almost all of this suite's time is XLA compiling tiny programs; LLVM's optimisation passes are
 # about half of that on CPU. Level 0 halves the suite's wall time and changes no float semantics
 # (XLA CPU does not enable fast-math either way). It must be set before JAX starts its backend,

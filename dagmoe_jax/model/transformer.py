@@ -23,8 +23,10 @@ routed expert ids in rank order; C = 1 except for CoE, one row per iteration) an
 
 For autoregressive decoding (``dagmoe_jax.decoding.generate``) the same ``__call__`` takes a
 :class:`~dagmoe_jax.model.attention.KVCache` ([layers, B, T, KV, D], carried through the same
-layer scan as the parameters): a prompt fills it, new tokens at given positions read and extend
-it, and the updated cache comes back in the auxiliary dict (``aux['cache']``).
+layer scan as the parameters; with MLA a :class:`~dagmoe_jax.model.mla.LatentCache`, with
+``first_dense_layers`` a :class:`StackCaches` of one per stack): a prompt fills it, new tokens
+at given positions read and extend it, and the updated cache comes back in the auxiliary dict
+(``aux['cache']``).
 """
 
 from __future__ import annotations

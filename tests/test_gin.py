@@ -123,6 +123,42 @@ def test_coe_authors_variant_is_their_main_run_and_trains():
                                0.001 * float(metrics["balance_loss"]), atol=1e-6)
 
 
+# config/models/coe_deepseekv2/config.json of joevidev/chainofexperts (commit 51c1acc), less
+# its CoE fields (inner_iter, outer_residual, inner_residual, use_igate) and auto_map, read as
+# the DeepSeek-V2 it extends
+COE_AUTHORS_BACKBONE = {
+    "model_type": "deepseek_v2", "attention_bias": False, "aux_loss_alpha": 0.001,
+    "bos_token_id": 100000, "eos_token_id": 100001, "ep_size": 1, "first_k_dense_replace": 0,
+    "hidden_act": "silu", "hidden_size": 1024, "intermediate_size": 5472, "kv_lora_rank": 512,
+    "max_position_embeddings": 163840, "moe_intermediate_size": 704, "moe_layer_freq": 1,
+    "n_group": 1, "n_routed_experts": 63, "n_shared_experts": 1, "norm_topk_prob": False,
+    "num_attention_heads": 8, "num_experts_per_tok": 7, "num_hidden_layers": 4,
+    "num_key_value_heads": 8, "pretraining_tp": 1, "q_lora_rank": None, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
+                     "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax",
+    "seq_aux": True, "tie_word_embeddings": False, "topk_group": 1, "topk_method": "greedy",
+    "torch_dtype": "bfloat16", "use_cache": True, "v_head_dim": 128, "vocab_size": 102400}
+
+
+def test_coe_authors_whole_model_is_their_deepseek_v2_backbone():
+    """variants/coe_authors_deepseek_v2.gin is their config.json: the backbone the DeepSeek-V2
+    importer reads from it (MLA, YaRN, sizes, 63 routed experts of 704 beside one shared) with
+    variants/coe_authors.gin's chain (2 iterations of 4) as the block."""
+    from dagmoe_jax.hf.llama import model_config_from_hf
+
+    ours = load_model_config(["variants/coe_authors_deepseek_v2.gin"])
+    theirs = model_config_from_hf(COE_AUTHORS_BACKBONE)
+    for field in ("d_model", "num_layers", "num_heads", "vocab_size", "max_seq_len", "norm_eps",
+                  "rope_theta", "rope_scaling", "mla", "first_dense_layers"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    assert ours.block.experts == theirs.block.experts
+    assert (ours.block.kind, ours.block.iterations, ours.block.resolved_top_k) == ("coe", 2, 4)
+    assert ours.block.router.score_fn == theirs.block.router.score_fn == "softmax"
+
+
 def test_bindings_override_files():
     cfg = load_model_config(["models/s.gin"], ["AggregationConfig.dag_iters = 3", "ModelConfig.vocab_size = 256"])
     assert cfg.block.aggregation.dag_iters == 3 and cfg.vocab_size == 256

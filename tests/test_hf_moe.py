@@ -55,7 +55,7 @@ def test_a_family_imports_at_transformers_logits(family):
     ("mixtral", "router_jitter_noise", 0.1, "adds no noise"),
     ("mixtral", "sliding_window", 4096, "full causal"),
     ("mixtral", "shared_expert_intermediate_size", 64, "unknown to the importer"),
-    ("olmoe", "model_type", "deepseek_v3", "the importable architectures are llama, mixtral"),
+    ("olmoe", "model_type", "jamba", "the importable architectures are llama, mixtral"),
 ])
 def test_what_the_moe_block_cannot_express_is_one_line(family, field, value, needle):
     hf = {**read_hf_config(FIXTURES / family), field: value}

@@ -1,13 +1,15 @@
 """The library's models written as Hugging Face folders: a dense model as a Llama, an MoE as
-Mixtral, OLMoE or Qwen3-MoE, the inverse of :mod:`~dagmoe_jax.hf.llama`'s import.
+Mixtral, OLMoE or Qwen3-MoE, an MoE with latent attention as DeepSeek-V2 or V3, the inverse
+of :mod:`~dagmoe_jax.hf.llama`'s import.
 
 :func:`export_hf` writes ``config.json`` and ``model.safetensors`` (or shards with their
 index) that ``transformers`` loads to the same logits, and that the library imports back to
 the same model. Which family an MoE becomes is decided by what its attention computes
 (:func:`~dagmoe_jax.hf.moe.export_family`: no q/k norms Mixtral, whole-projection norms OLMoE,
-per-head norms Qwen3-MoE); what none of them computes (the DAG module, shared experts, a
-sigmoid router, dropping dispatch, a selection bias) is a one-line ``ValueError`` naming the
-field, as are the other block families.
+per-head norms Qwen3-MoE; MLA a DeepSeek, V3 for a sigmoid router and V2 for a softmax one,
+:func:`~dagmoe_jax.hf.deepseek.export_type`); what none of them computes (the DAG module, a
+dropping dispatch, shared experts or a selection bias outside DeepSeek) is a one-line
+``ValueError`` naming the field, as are the other block families.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.hf import deepseek
 from dagmoe_jax.hf import tokenizer as hf_tokenizer
 from dagmoe_jax.hf.llama import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, backbone_keys, layer_names
 
@@ -40,9 +43,11 @@ def hf_family(cfg: ModelConfig) -> str:
     model, an MoE's family (:func:`~dagmoe_jax.hf.moe.export_family`); else a one-line
     ValueError."""
     if cfg.mla.enabled:
-        raise ValueError(f"ModelConfig.mla (kv_lora_rank={cfg.mla.kv_lora_rank}) cannot be "
-                         f"exported: Llama, Mixtral, OLMoE and Qwen3-MoE use grouped-query "
-                         f"attention, and no DeepSeek exporter exists yet")
+        if cfg.block.hf_family != "moe":
+            raise ValueError(f"ModelConfig.mla with block={cfg.block.kind!r} cannot be "
+                             f"exported: Hugging Face's MLA models are DeepSeek-V2 and V3, "
+                             f"MoE models (block='moe')")
+        return deepseek.export_type(cfg)
     if cfg.block.hf_family == "llama":
         if cfg.qk_norm != "none":
             raise ValueError(f"ModelConfig.qk_norm={cfg.qk_norm!r} cannot be exported as a "
@@ -76,6 +81,8 @@ def hf_config_from_model(cfg: ModelConfig, *, tie_word_embeddings: bool,
     }
     if family == "llama":
         hf.update(intermediate_size=cfg.resolved_ffn_hidden, mlp_bias=False)
+    elif family in deepseek.TYPES:
+        hf.update(deepseek.deepseek_hf_config(cfg, family))
     else:
         hf.update(moe_hf_config(cfg, family))
     return hf
@@ -92,6 +99,9 @@ def params_to_hf_tensors(model: nnx.Module, tied: bool) -> Iterator[Tuple[str, n
     if not tied:
         yield "lm_head.weight", arr(("lm_head",)).T
     yield "model.norm.weight", arr(("final_norm", "scale"))
+    if family in deepseek.TYPES:
+        yield from deepseek.deepseek_tensors(cfg, arr)
+        return
     paths = {"attn_norm": ("attn_norm", "scale"), "q": ("attn", "w_q"), "k": ("attn", "w_k"),
              "v": ("attn", "w_v"), "o": ("attn", "w_o"), "block_norm": ("block_norm", "scale"),
              "gate": ("block", "w_gate"), "up": ("block", "w_up"), "down": ("block", "w_down"),

@@ -35,6 +35,7 @@ from flax import nnx
 
 from dagmoe_jax.config import DenseConfig, ExecutionConfig, ModelConfig, default_ffn_hidden
 from dagmoe_jax.data.tokenizers import folder_config, token_text
+from dagmoe_jax.hf import deepseek
 from dagmoe_jax.hf.moe import FAMILIES as MOE_FAMILIES
 from dagmoe_jax.hf.moe import layer_tensor_names, moe_block_config, moe_block_params
 from dagmoe_jax.hf.rope import rope_from_hf
@@ -108,10 +109,12 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
     ModelConfig fields, e.g. ``param_dtype``). Unsupported fields are one-line errors."""
     model_type = hf.get("model_type")
     family = MOE_FAMILIES.get(model_type)
-    if model_type != "llama" and family is None:
+    is_deepseek = model_type in deepseek.TYPES
+    if model_type != "llama" and family is None and not is_deepseek:
         raise _unsupported("model_type", model_type, "the importable architectures are "
-                           f"{', '.join(['llama', *MOE_FAMILIES])}")
+                           f"{', '.join(['llama', *MOE_FAMILIES, *deepseek.TYPES])}")
     known = READ_FIELDS | NO_EFFECT_FIELDS | (family.fields if family else frozenset())
+    known |= deepseek.FIELDS if is_deepseek else frozenset()
     unknown = sorted(set(hf) - known)
     if unknown:
         raise ValueError(f"Hugging Face config field {unknown[0]}={json.dumps(hf[unknown[0]])} "
@@ -140,7 +143,9 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
     heads, d = hf["num_attention_heads"], hf["hidden_size"]
     head_dim = hf.get("head_dim") or d // heads
     rope_theta, rope_scaling = rope_from_hf(hf)
-    if family is None:
+    if is_deepseek:
+        block, extra = None, deepseek.deepseek_fields(hf)
+    elif family is None:
         ffn = hf["intermediate_size"]
         block, extra = DenseConfig(ffn_hidden=None if ffn == default_ffn_hidden(d) else ffn), {}
     else:
@@ -152,13 +157,15 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
         head_dim=None if head_dim * heads == d else head_dim, block=block,
         max_seq_len=int(hf.get("max_position_embeddings", 2048)),
         rope_theta=rope_theta, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_scaling=rope_scaling, **extra)
+        rope_scaling=rope_scaling)
+    fields.update(extra)
     fields.update(overrides)
     return ModelConfig(**fields)
 
 
 FAMILY_NAMES = {"llama": "Llama", "mixtral": "Mixtral", "olmoe": "OLMoE",
-                "qwen3_moe": "Qwen3-MoE"}
+                "qwen3_moe": "Qwen3-MoE", "deepseek_v2": "DeepSeek-V2",
+                "deepseek_v3": "DeepSeek-V3"}
 """How messages name the family a folder's ``model_type`` declares."""
 
 
@@ -258,7 +265,9 @@ def _check_names(reader: SafetensorsReader, cfg: ModelConfig, tied: bool,
     known = {"model.embed_tokens.weight", "model.norm.weight"}
     if not tied:
         known.add("lm_head.weight")
-    for i in range(cfg.num_layers):
+    if model_type in deepseek.TYPES:
+        known |= deepseek.tensor_names(cfg)
+    for i in range(cfg.num_layers if model_type not in deepseek.TYPES else 0):
         known.update(layer_names(i)[k] for k in backbone_keys(cfg))
         if model_type in MOE_FAMILIES:
             known.update(layer_tensor_names(MOE_FAMILIES[model_type],
@@ -279,11 +288,13 @@ def _expect(name: str, array: np.ndarray, shape: Tuple[int, ...]) -> np.ndarray:
 
 
 def hf_tensors_to_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], tied: bool,
-                         model_type: str = "llama"
+                         model_type: str = "llama", rope_pairs: bool = True
                          ) -> Iterator[Tuple[Tuple[str, ...], np.ndarray]]:
     """(library parameter path, float32 array) of a Llama checkpoint (or of one of the MoE
-    families of :mod:`dagmoe_jax.hf.moe`, by ``model_type``), one parameter at a time (layer
-    parameters stacked [layers, ...]); ``get(name)`` reads one Hugging Face tensor."""
+    families of :mod:`dagmoe_jax.hf.moe`, or a DeepSeek of :mod:`dagmoe_jax.hf.deepseek`, by
+    ``model_type``), one parameter at a time (layer parameters stacked [layers, ...]);
+    ``get(name)`` reads one Hugging Face tensor; ``rope_pairs``: a DeepSeek's RoPE columns are
+    stored interleaved (:func:`dagmoe_jax.hf.deepseek.interleaved`)."""
     d, h, kv, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
     f, v = cfg.resolved_ffn_hidden, cfg.vocab_size
 
@@ -296,6 +307,9 @@ def hf_tensors_to_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], tie
     yield ("embed",), read("model.embed_tokens.weight", (v, d))
     yield ("lm_head",), read("model.embed_tokens.weight" if tied else "lm_head.weight", (v, d)).T
     yield ("final_norm", "scale"), read("model.norm.weight", (d,))
+    if model_type in deepseek.TYPES:      # MLA, dense first layers, shared experts
+        yield from deepseek.deepseek_params(cfg, read, rope_pairs)
+        return
     per_layer = {
         ("attn_norm", "scale"): ("attn_norm", (d,), lambda w: w),
         ("attn", "w_q"): ("q", (h * hd, d), lambda w: w.T.reshape(d, h, hd)),
@@ -340,7 +354,9 @@ def load_hf_llama(path: PathLike, *, rngs: Optional[nnx.Rngs] = None,
     reader = SafetensorsReader(path, family_name(hf["model_type"]))
     tied = bool(hf.get("tie_word_embeddings", False)) and "lm_head.weight" not in reader
     _check_names(reader, cfg, tied, hf["model_type"])
-    params = hf_tensors_to_params(cfg, reader.__getitem__, tied, hf["model_type"])
+    params = hf_tensors_to_params(cfg, reader.__getitem__, tied, hf["model_type"],
+                                  rope_pairs=hf["model_type"] not in deepseek.TYPES
+                                  or deepseek.interleaved(hf))
     if convert_to is not None:
         source, cfg = cfg, converted_config(cfg, convert_to)
         params = converted_params(params, source, cfg)

@@ -275,8 +275,9 @@ def test_the_run_config_s_old_name_still_configures_it(tmp_path):
 
 
 def test_the_deepseek_variant_trains_saves_and_reads_back():
-    """variants/deepseek.gin on the tiny model: MLA, a dense first layer, DeepSeek-V3's routing;
-    one training step moves every router's selection bias, and the config survives
+    """variants/deepseek.gin on the tiny model: MLA, a dense first layer, DeepSeek-V3's routing
+    and multi-token prediction; one training step moves every router's selection bias (the
+    module's too), and the config survives
     config.json and resume.gin."""
     import dataclasses
 
@@ -306,3 +307,7 @@ def test_the_deepseek_variant_trains_saves_and_reads_back():
     metrics = make_train_step()(model, optimizer, jax.tree.map(jax.numpy.asarray, batch))
     assert np.isfinite(float(metrics["loss"]))
     assert float(jax.numpy.max(jax.numpy.abs(model.layers.block.router.selection_bias[...]))) > 0
+    # V3's one multi-token prediction module trains beside the model, its router balanced too
+    assert cfg.mtp.depth == 1 and "MTPConfig.depth = 1" in config_bindings(cfg)
+    assert np.isfinite(float(metrics["mtp_loss"]))
+    assert float(jax.numpy.max(jax.numpy.abs(model.mtp.layer.block.router.selection_bias[...]))) > 0

@@ -44,6 +44,9 @@ def test_a_deepseek_imports_at_transformers_logits(version):
     got = logits_of(model, np.load(FIXTURES / "ids.npy"))
     np.testing.assert_allclose(got, np.load(FIXTURES / version / "logits.npy"), rtol=0,
                                atol=1e-5)
+    # transformers writes V3's num_nextn_predict_layers (1) but saves no module: none is read
+    assert cfg.mtp.depth == 0 and read_hf_config(FIXTURES / version).get(
+        "num_nextn_predict_layers", 0) == 0
     hf, r, e = read_hf_config(FIXTURES / version), cfg.block.router, cfg.block.experts
     assert (cfg.mla.kv_lora_rank, cfg.mla.q_lora_rank) == (8, hf["q_lora_rank"] or 0)
     assert (cfg.first_dense_layers, cfg.first_dense_ffn_hidden) == (1, 24)
@@ -112,18 +115,18 @@ def test_a_deepseek_exports_back_to_its_own_folder(version, tmp_path):
     assert model_config_from_hf(back) == cfg
 
 
-def test_a_deepseek_style_model_of_the_library_exports_and_imports_back(tmp_path):
-    """A model built from configs/variants/deepseek.gin's choices (MLA without query
-    compression, a dense first layer, a shared expert, the sigmoid router with its bias)
-    exports as a DeepSeek-V3 folder that imports to the same logits; its bias, moved off
-    zero, comes back."""
+def deepseek_style_model():
+    """(model, config) of configs/variants/deepseek.gin's choices on the tiny model: MLA
+    without query compression, a dense first layer, a shared expert, the sigmoid router with
+    its selection bias (moved off zero) in groups, and one multi-token prediction module."""
     from conftest import make_model, tiny_config
-    from dagmoe_jax.config import MLAConfig
+    from dagmoe_jax.config import MLAConfig, MTPConfig
 
     cfg = tiny_config("moe", "sum")
     block = cfg.block
     cfg = dataclasses.replace(
         cfg, num_layers=3, first_dense_layers=1, num_kv_heads=cfg.num_heads,
+        mtp=MTPConfig(depth=1),
         mla=MLAConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
         block=dataclasses.replace(
             block, experts=dataclasses.replace(block.experts, num_shared=1,
@@ -134,6 +137,21 @@ def test_a_deepseek_style_model_of_the_library_exports_and_imports_back(tmp_path
     model = make_model(cfg, seed=3)
     bias = variable(model, ("layers", "block", "router", "selection_bias"))
     bias.set_value(bias[...] + np.linspace(-0.3, 0.3, bias.shape[-1], dtype=np.float32))
+    return model, cfg
+
+
+def test_a_deepseek_style_model_of_the_library_exports_and_imports_back(tmp_path):
+    """A model built from configs/variants/deepseek.gin's choices (MLA without query
+    compression, a dense first layer, a shared expert, the sigmoid router with its bias) and
+    a multi-token prediction module exports as a DeepSeek-V3 folder that imports to the same
+    logits and cross-entropies; its bias, moved off zero, and the module (stored as layer 3, as
+    V3 stores its layer 61, with the copies of the embedding and head) come back; as a CoE it
+    keeps its logits."""
+    from dagmoe_jax.config import CoEConfig
+    from dagmoe_jax.train.step import lm_loss
+
+    model, cfg = deepseek_style_model()
+    bias = variable(model, ("layers", "block", "router", "selection_bias"))
     out = export_hf(model, tmp_path / "out")
     assert read_hf_config(out)["model_type"] == "deepseek_v3"
     again, back_cfg = load_hf_llama(out)
@@ -143,6 +161,19 @@ def test_a_deepseek_style_model_of_the_library_exports_and_imports_back(tmp_path
         np.asarray(variable(again, ("layers", "block", "router", "selection_bias"))[...]),
         np.asarray(bias[...]))
     assert (back_cfg.mla, back_cfg.first_dense_layers) == (cfg.mla, cfg.first_dense_layers)
+    assert back_cfg.mtp == cfg.mtp and read_hf_config(out)["num_nextn_predict_layers"] == 1
+    names = SafetensorsReader(out).keys()
+    assert {"model.layers.3.eh_proj.weight", "model.layers.3.mlp.gate.weight",
+            "model.layers.3.shared_head.head.weight"} <= set(names)
+    batch = {"inputs": ids[:, :-1], "targets": ids[:, 1:]}
+    ours, theirs = lm_loss(model, batch), lm_loss(again, batch)
+    assert float(theirs[1]["mtp_loss"]) == pytest.approx(float(ours[1]["mtp_loss"]), rel=1e-6)
+    # (the totals differ by the balance losses: the import takes DeepSeek's coefficients)
+    assert float(theirs[1]["ce_loss"]) == pytest.approx(float(ours[1]["ce_loss"]), rel=1e-6)
+    coe, coe_cfg = load_hf_llama(out, convert_to=CoEConfig(iterations=2))
+    assert coe_cfg.block.kind == "coe" and coe_cfg.mtp.depth == 1
+    np.testing.assert_allclose(logits_of(coe, ids), logits_of(model, ids), rtol=0, atol=1e-6)
+    assert np.isfinite(float(lm_loss(coe, batch)[1]["mtp_loss"]))
 
 
 @pytest.mark.parametrize("version, field, value, needle", [
@@ -155,6 +186,7 @@ def test_a_deepseek_style_model_of_the_library_exports_and_imports_back(tmp_path
     ("deepseek_v2", "n_group", None, "n_group is missing"),
     ("deepseek_v3", "attention_bias", True, "no linear biases"),
     ("deepseek_v3", "index_topk", 2048, "unknown to the importer"),
+    ("deepseek_v3", "num_nextn_predict_layers", -1, "expected an integer >= 0"),
 ])
 def test_what_the_library_does_not_compute_is_one_line(version, field, value, needle):
     hf = {**read_hf_config(FIXTURES / version), field: value}

@@ -92,3 +92,19 @@ def test_sharded_bfloat16_deepseek_imports(tmp_path):
     want = torch_logits(model.float(), tokens)     # the bfloat16 weights, computed in float32
     got = ours(tokens.astype(np.int32))
     assert gap(np.asarray(got[0] if isinstance(got, tuple) else got), want) < 1e-5
+
+
+def test_an_export_with_multi_token_prediction_loads_in_transformers(tmp_path):
+    """A library model with MTP exports as a V3 folder transformers loads at the model's
+    logits (it leaves the module, stored as a layer past the last, unloaded, as it does V3's
+    layer 61)."""
+    from test_hf_deepseek import deepseek_style_model
+
+    ours, cfg = deepseek_style_model()
+    folder = hf_export.export_hf(ours, tmp_path / "export")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, attn_implementation="eager").eval()
+    assert type(theirs).__name__ == "DeepseekV3ForCausalLM"
+    tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, size=(2, 16))
+    got = ours(tokens.astype(np.int32))[0]
+    assert gap(torch_logits(theirs, tokens), np.asarray(got)) < 1e-5

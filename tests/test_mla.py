@@ -33,7 +33,8 @@ def mla_config(q_lora: bool = True, **changes) -> ModelConfig:
 def numpy_mla(p: dict, cfg: ModelConfig, x: np.ndarray) -> np.ndarray:
     """MLA of x [S, d] for one sequence, head by head and position by position in float64
     (DeepSeek-V2 sec. 2.1.2-2.1.3), RoPE in the half-split layout at the YaRN frequencies."""
-    m, eps, h = cfg.mla, cfg.norm_eps, cfg.num_heads
+    m, h = cfg.mla, cfg.num_heads
+    eps = 1e-6          # the latents' norms: the norm class's default in DeepSeek's code
     p = {k: np.asarray(v, np.float64) for k, v in p.items()}
     s = x.shape[0]
 

@@ -25,7 +25,8 @@ from dagmoe_jax.config.execution import (ATTENTION_IMPLS, EXPERT_EXCHANGES, GROU
                                          REMAT_POLICIES, ExecutionConfig)
 from dagmoe_jax.config.families import FAMILIES, Family, family_of
 from dagmoe_jax.config.model import (BLOCK_CONFIGS, BLOCK_TYPES, DTYPES, ROPE_SCALINGS,
-                                     BlockConfig, MLAConfig, ModelConfig, RopeScalingConfig)
+                                     BlockConfig, MLAConfig, MTPConfig, ModelConfig,
+                                     RopeScalingConfig)
 from dagmoe_jax.families.coe.config import COE_READINGS, COE_RESIDUALS, CoEConfig
 from dagmoe_jax.families.dense.config import DenseConfig
 from dagmoe_jax.families.doe.config import (DOE_EXPERTS, DOE_FIRST_INPUTS, DOE_GATES,
@@ -43,7 +44,8 @@ __all__ = ["AGGREGATORS", "ATTENTION_IMPLS", "AggregationConfig", "BALANCE_LOADS
            "GROUPED_MATMULS",
            "ModelConfig", "MoEConfig", "REMAT_POLICIES", "RETIRED_DISPATCH", "ROPE_SCALINGS",
            "ROUTER_TRAINING_FIELDS",
-           "MLAConfig", "RopeScalingConfig", "RouterConfig", "SCORE_FNS", "TopicConfig",
+           "MLAConfig", "MTPConfig", "RopeScalingConfig", "RouterConfig", "SCORE_FNS",
+           "TopicConfig",
            "aggregation_of", "block_summary", "dag_aggregation_of", "dag_params_per_layer",
            "default_ffn_hidden",
            "experts_of", "family_of", "matched_shared_hidden", "nested_configs", "router_of",

@@ -117,7 +117,8 @@ class MLAConfig:
       a YaRN ``rope_scaling`` with ``mscale_all_dim`` (DeepSeek's).
     v_head_dim: each head's value width (128).
     With MLA, ``num_kv_heads``, ``head_dim`` and ``qk_norm`` play no part (``qk_norm`` must be
-    'none'); RoPE turns ``qk_rope_head_dim`` dimensions.
+    'none'); RoPE turns ``qk_rope_head_dim`` dimensions. The latents' RMSNorms take epsilon
+    1e-6 whatever ``norm_eps`` is, as DeepSeek's code and transformers' do.
     """
 
     kv_lora_rank: int = 0
@@ -143,6 +144,29 @@ class MLAConfig:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPConfig:
+    """Multi-token prediction (DeepSeek-V3 sec. 2.2, eq. 21-25): ``depth`` D sequential
+    modules after the model, module k predicting the token k + 1 ahead from module k - 1's
+    hidden state and the embedding of the token k ahead, each one layer of the model's block
+    family; they share the embedding and the LM head, train with the model and are dropped at
+    inference (generation and scoring never run them).
+
+    depth: D (DeepSeek-V3: 1, its ``num_nextn_predict_layers``); 0 (default): none.
+    loss_weight: lambda of L_MTP = lambda / D sum_k L_MTP^k (eq. 25; V3: 0.3 for its first 10T
+      tokens, 0.1 after), added to the loss.
+    """
+
+    depth: int = 0
+    loss_weight: float = 0.3
+
+    def __post_init__(self):
+        _check(isinstance(self.depth, int) and self.depth >= 0, "MTPConfig", "depth",
+               self.depth, "an integer >= 0 (0: none)")
+        _check(isinstance(self.loss_weight, (int, float)) and self.loss_weight >= 0,
+               "MTPConfig", "loss_weight", self.loss_weight, "a number >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +198,8 @@ class ModelConfig:
       only.
     first_dense_ffn_hidden: those dense layers' hidden size (DeepSeek's ``intermediate_size``);
       None means 8/3 d_model rounded up to 128.
+    mtp: multi-token prediction modules trained beside the model (``MTPConfig``; default
+      none), under every block family but DoE's.
     norm_eps: epsilon of RMSNorm and of the DAG module's LayerNorm.
     init_std: standard deviation of the normal initialiser of every matrix.
     param_dtype, compute_dtype: 'float32' or 'bfloat16' (master weights stay float32 by default).
@@ -199,6 +225,7 @@ class ModelConfig:
     mla: MLAConfig = dataclasses.field(default_factory=MLAConfig)
     first_dense_layers: int = 0
     first_dense_ffn_hidden: Optional[int] = None
+    mtp: MTPConfig = dataclasses.field(default_factory=MTPConfig)
 
     def __post_init__(self):
         c = "ModelConfig"
@@ -241,6 +268,10 @@ class ModelConfig:
                    "first_dense_layers", self.first_dense_layers,
                    f"0 with block={self.block.kind!r} (dense layers come before the routed "
                    f"layers of the MoE and CoE families)")
+        if self.mtp.depth:
+            _check(not getattr(self.block, "inputs_per_layer", False), c, "mtp",
+                   f"depth={self.mtp.depth}", f"depth 0 with block={self.block.kind!r} (its "
+                   f"layers take per-layer inputs of the family's shared module)")
         if self.mla.enabled:
             _check(self.qk_norm == "none", c, "qk_norm", self.qk_norm,
                    "'none' with MLAConfig.kv_lora_rank > 0 (MLA normalises its latents)")

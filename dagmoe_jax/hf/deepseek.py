@@ -30,8 +30,13 @@ transformers 5 computes it (``modeling_deepseek_v2.py`` / ``modeling_deepseek_v3
   ``balance_scope='sequence'``, ``balance_load='slots'``) at ``aux_loss_alpha`` where DeepSeek's
   own config.json names it (else V2-Lite's 0.001 and V3's 0.0001), without a z-loss.
 
-Multi-token prediction modules (V3's ``num_nextn_predict_layers``) are not read: transformers
-does not load them either.
+Multi-token prediction (V3's ``num_nextn_predict_layers``, ``ModelConfig.mtp``): module k is
+stored as layer ``num_hidden_layers + k - 1``, a routed layer's tensors beside ``enorm``,
+``hnorm``, ``eh_proj`` (M_k, the embedding's columns first) and ``shared_head.norm``, with
+copies of the embedding and the head, which the library shares with the model. They are read
+where the checkpoint holds them (DeepSeek's release; transformers saves none, and its
+``num_nextn_predict_layers`` then reads as 0: :func:`mtp_layers_held`) and written with the
+model's.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from typing import Callable, Dict, Iterator, Tuple
 import numpy as np
 
 from dagmoe_jax.config import (AggregationConfig, ExpertConfig, MLAConfig, MoEConfig,
-                               ModelConfig, RouterConfig, default_ffn_hidden)
+                               ModelConfig, MTPConfig, RouterConfig, default_ffn_hidden)
 
 TYPES = ("deepseek_v2", "deepseek_v3")
 ARCHITECTURES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
@@ -119,7 +124,11 @@ def deepseek_fields(hf: dict) -> Dict[str, object]:
                       experts=ExpertConfig(num_experts=routed, expert_hidden=hidden,
                                            num_shared=shared, shared_hidden=hidden))
     dense_ffn = _int(hf, "intermediate_size")
+    depth = hf.get("num_nextn_predict_layers") or 0 if v3 else 0
+    if not isinstance(depth, int) or depth < 0:
+        raise _refuse("num_nextn_predict_layers", depth, "expected an integer >= 0")
     return dict(
+        mtp=MTPConfig(depth=depth),
         block=block, num_kv_heads=heads, head_dim=None,
         first_dense_layers=_int(hf, "first_k_dense_replace", 0),
         first_dense_ffn_hidden=None if dense_ffn == default_ffn_hidden(hf["hidden_size"])
@@ -225,10 +234,33 @@ def _block_maps(cfg: ModelConfig, dense: bool):
 
 
 def _stacks(cfg: ModelConfig):
-    """(stack name, its Hugging Face layer indices, whether dense) of the model's layers."""
-    k = cfg.first_dense_layers
-    return [s for s in (("dense_layers", range(k), True),
-                        ("layers", range(k, cfg.num_layers), False)) if len(s[1])]
+    """(the stack's parameter path, its Hugging Face layer indices, whether dense) of the
+    model's layers, the multi-token prediction modules' layers last (V3 stores module k as
+    layer ``num_hidden_layers + k - 1``)."""
+    k, n = cfg.first_dense_layers, cfg.num_layers
+    return [s for s in ((("dense_layers",), range(k), True), (("layers",), range(k, n), False),
+                        (("mtp", "layer"), range(n, n + cfg.mtp.depth), False)) if len(s[1])]
+
+
+def mtp_names(cfg: ModelConfig, i: int) -> Dict[str, str]:
+    """The names of the multi-token prediction module stored as layer ``i`` beside its
+    layer's: its two norms, M_k, the norm before the head, and the copies of the embedding
+    and head V3 keeps there (``embed``, ``head``: the library shares the model's)."""
+    p = f"model.layers.{i}."
+    return {"enorm": p + "enorm.weight", "hnorm": p + "hnorm.weight",
+            "w_eh": p + "eh_proj.weight", "norm": p + "shared_head.norm.weight",
+            "embed": p + "embed_tokens.weight", "head": p + "shared_head.head.weight"}
+
+
+_MTP_OWN = {"enorm": ("enorm", "scale"), "hnorm": ("hnorm", "scale"), "w_eh": ("w_eh",),
+            "norm": ("norm", "scale")}
+
+
+def mtp_layers_held(names, hf: dict) -> int:
+    """How many of a V3 folder's ``num_nextn_predict_layers`` modules its checkpoint holds
+    (``names``: its tensor names): transformers saves none, DeepSeek's release all."""
+    n, layers = hf.get("num_nextn_predict_layers") or 0, hf.get("num_hidden_layers", 0)
+    return sum(f"model.layers.{layers + k}.eh_proj.weight" in names for k in range(n))
 
 
 def deepseek_params(cfg: ModelConfig, read: Callable[[str, Tuple[int, ...]], np.ndarray],
@@ -240,7 +272,7 @@ def deepseek_params(cfg: ModelConfig, read: Callable[[str, Tuple[int, ...]], np.
         names = [layer_names(cfg, i) for i in layers]
         for key, (shape, to_ours, _) in attention.items():
             path = (key, "scale") if key in _LAYER_NORMS else ("attn", key)
-            yield (stack,) + path, np.stack([to_ours(read(n[key], shape)) for n in names])
+            yield stack + path, np.stack([to_ours(read(n[key], shape)) for n in names])
         for (key, path), shape in _block_maps(cfg, dense).items():
             if key.startswith("expert."):
                 e = cfg.block.experts.num_experts
@@ -249,12 +281,21 @@ def deepseek_params(cfg: ModelConfig, read: Callable[[str, Tuple[int, ...]], np.
             else:
                 value = np.stack([read(n[key], shape) if len(shape) == 1 else
                                   read(n[key], shape).T for n in names])
-            yield (stack,) + path, value
+            yield stack + path, value
+    d, n = cfg.d_model, cfg.num_layers
+    for key, path in _MTP_OWN.items():        # each module's own, stacked over the depths
+        shape = (d, 2 * d) if key == "w_eh" else (d,)
+        values = [read(mtp_names(cfg, n + k)[key], shape) for k in range(cfg.mtp.depth)]
+        if values:
+            yield ("mtp",) + path, np.stack([v.T if key == "w_eh" else v for v in values])
 
 
 def tensor_names(cfg: ModelConfig) -> set:
-    """Every layer tensor name a DeepSeek of ``cfg`` holds."""
-    return {name for i in range(cfg.num_layers) for name in layer_names(cfg, i).values()}
+    """Every layer tensor name a DeepSeek of ``cfg`` holds (its MTP modules' too)."""
+    n = cfg.num_layers
+    return ({name for i in range(n + cfg.mtp.depth) for name in layer_names(cfg, i).values()}
+            | {name for i in range(n, n + cfg.mtp.depth)
+               for name in mtp_names(cfg, i).values()})
 
 
 def export_type(cfg: ModelConfig) -> str:
@@ -279,7 +320,9 @@ def export_type(cfg: ModelConfig) -> str:
                     "DeepseekV3, which does)"),
                    ("RouterConfig.aux_free_bias_rate", r.aux_free_bias_rate, 0.0,
                     "DeepseekV2 has no selection bias (a sigmoid router exports as DeepseekV3, "
-                    "which has)")]
+                    "which has)"),
+                   ("MTPConfig.depth", cfg.mtp.depth, 0, "DeepseekV2 has no multi-token "
+                    "prediction (a sigmoid router exports as DeepseekV3, which has)")]
     for field, value, allowed, why in checks:
         if value != allowed:
             raise ValueError(f"{field}={value!r} cannot be exported to a Hugging Face {kind}: "
@@ -311,7 +354,7 @@ def deepseek_hf_config(cfg: ModelConfig, kind: str) -> dict:
           "norm_topk_prob": r.renormalize, "routed_scaling_factor": r.routed_scaling_factor,
           "output_router_logits": False}
     if v3:
-        hf.update(rope_interleave=True, num_nextn_predict_layers=0)
+        hf.update(rope_interleave=True, num_nextn_predict_layers=cfg.mtp.depth)
     else:
         hf.update(topk_method="greedy" if r.n_group == 1 else "group_limited_greedy",
                   mlp_bias=False)
@@ -325,9 +368,9 @@ def deepseek_tensors(cfg: ModelConfig, param: Callable[[Tuple[str, ...]], np.nda
     attention = _attention_maps(cfg, pairs=True)
     for stack, layers, dense in _stacks(cfg):
         blocks = _block_maps(cfg, dense)
-        values = {key: param((stack,) + ((key, "scale") if key in _LAYER_NORMS
-                                          else ("attn", key))) for key in attention}
-        values.update({key: param((stack,) + path) for key, path in blocks})
+        values = {key: param(stack + ((key, "scale") if key in _LAYER_NORMS
+                                      else ("attn", key))) for key in attention}
+        values.update({key: param(stack + path) for key, path in blocks})
         for j, i in enumerate(layers):
             names = layer_names(cfg, i)
             for key, (_, _, to_hf) in attention.items():
@@ -339,3 +382,10 @@ def deepseek_tensors(cfg: ModelConfig, param: Callable[[Tuple[str, ...]], np.nda
                         yield names[f"{key}.{x}"], np.ascontiguousarray(w[x].T)
                 else:
                     yield names[key], np.ascontiguousarray(w if w.ndim == 1 else w.T)
+    own = {key: param(("mtp",) + path) for key, path in _MTP_OWN.items()} if cfg.mtp.depth else {}
+    for k in range(cfg.mtp.depth):
+        names = mtp_names(cfg, cfg.num_layers + k)
+        for key, w in own.items():
+            yield names[key], np.ascontiguousarray(w[k].T if key == "w_eh" else w[k])
+        yield names["embed"], param(("embed",))            # V3's copies of the shared two
+        yield names["head"], np.ascontiguousarray(param(("lm_head",)).T)

@@ -48,6 +48,10 @@ def hf_family(cfg: ModelConfig) -> str:
                              f"exported: Hugging Face's MLA models are DeepSeek-V2 and V3, "
                              f"MoE models (block='moe')")
         return deepseek.export_type(cfg)
+    if cfg.mtp.depth:
+        raise ValueError(f"MTPConfig.depth={cfg.mtp.depth} cannot be exported without MLA: "
+                         f"the Hugging Face family with multi-token prediction is "
+                         f"DeepSeek-V3, whose attention is latent (ModelConfig.mla)")
     if cfg.block.hf_family == "llama":
         if cfg.qk_norm != "none":
             raise ValueError(f"ModelConfig.qk_norm={cfg.qk_norm!r} cannot be exported as a "

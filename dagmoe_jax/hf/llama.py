@@ -56,18 +56,25 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def read_hf_config(path: PathLike) -> dict:
-    """``config.json`` of a Hugging Face model directory, or a one-line error."""
+    """``config.json`` of a Hugging Face model directory, or a one-line error. A DeepSeek-V3's
+    ``num_nextn_predict_layers`` reads as the multi-token prediction modules its checkpoint
+    holds (:func:`dagmoe_jax.hf.deepseek.mtp_layers_held`: transformers saves none)."""
     file = Path(path) / CONFIG_FILE
     if not file.is_file():
         raise ValueError(f"{file} does not exist: pass a Hugging Face model directory "
                          f"(config.json + model.safetensors)")
     try:
-        return json.loads(file.read_text())
+        hf = json.loads(file.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{file} is not valid JSON ({err.msg}, line {err.lineno})") from None
     except UnicodeDecodeError as err:
         raise ValueError(f"{file} is not UTF-8 text ({err.reason} at byte {err.start}): is it "
                          f"a config.json?") from None
+    if isinstance(hf, dict) and hf.get("model_type") == "deepseek_v3" and hf.get(
+            "num_nextn_predict_layers"):
+        names = SafetensorsReader(path, family_name("deepseek_v3")).keys()
+        hf["num_nextn_predict_layers"] = deepseek.mtp_layers_held(set(names), hf)
+    return hf
 
 
 def tokenizer_settings(path: PathLike) -> Dict[str, str]:

@@ -18,6 +18,9 @@ Conventions (stated so the numbers can be checked by hand):
   ``dag_shared_weights`` counts the module's parameters once and its FLOPs L times.
 * Active parameters per token count each distinct weight a token touches once.
 * DoE: :mod:`dagmoe_jax.families.doe.accounting`.
+* Multi-token prediction (``ModelConfig.mtp``) is one component, ``mtp``: its D modules'
+  layers, projections and norms, and their use of the shared LM head, all of training (the
+  modules are dropped at inference).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from dagmoe_jax.config import ModelConfig, family_of
 
 COMPONENTS = ("embedding", "attention", "attention_scores", "norms", "dense_ffn", "router",
               "experts", "shared_experts", "aggregator", "dag_pairwise", "doe_embedding",
-              "doe_knowledge", "doe_router", "doe_ffn", "lm_head")
+              "doe_knowledge", "doe_router", "doe_ffn", "lm_head", "mtp")
 
 
 class Counts(NamedTuple):
@@ -132,6 +135,13 @@ def account(cfg: ModelConfig, seq_len: int | None = None) -> Accounting:
                                      (flops, block.flops, 3.0 * layers)):
             for c, n in added.items():
                 totals[c] = totals.get(c, 0) + times * n
+    if cfg.mtp.depth:     # DeepSeek-V3's modules: a layer of the family, M_k, three norms and
+        block, depth = family.layer_counts(cfg), cfg.mtp.depth     # the shared head (training)
+        own_p, own_f = 2 * d * d + 3 * d, 2.0 * 2 * d * d + 2.0 * d * v
+        params["mtp"] = depth * (sum(per_layer.values()) + sum(block.params.values()) + own_p)
+        active_params["mtp"] = depth * (sum(active.values()) + sum(block.active.values())
+                                        + own_p)
+        flops["mtp"] = 3.0 * depth * (sum(fwd.values()) + sum(block.flops.values()) + own_f)
     params["norms"] += d
     active_params["norms"] += d
     params["embedding"], active_params["embedding"] = v * d, d

@@ -33,6 +33,10 @@ from dagmoe_jax.model.attention import (AttentionOutputs, apply_rope, causal_att
                                         write_cache)
 from dagmoe_jax.model.layers import dtype_of, make_param, normal, rms_norm
 from dagmoe_jax.parallel import constrain
+
+LATENT_NORM_EPS = 1e-6
+"""The epsilon of the latents' RMSNorms, whatever ``ModelConfig.norm_eps`` is: DeepSeek's code
+and transformers' build them at the norm class's default (1e-6), not ``rms_norm_eps``."""
 from dagmoe_jax.parallel.axes import MeshLayout
 
 
@@ -118,7 +122,7 @@ class MLAttention(nnx.Module):
     def project(self, x: jax.Array, sin: jax.Array, cos: jax.Array):
         """(q^C [B, S, H, d_h], q^R after RoPE [B, S, H, d_h^R], c^KV [B, S, d_c], k^R after
         RoPE [B, S, d_h^R]) of x [B, S, d]; sin, cos [.., S, d_h^R / 2]."""
-        m, eps = self.cfg.mla, self.cfg.norm_eps
+        m, eps = self.cfg.mla, LATENT_NORM_EPS
         b, s, d = x.shape
         x2 = x.astype(self.dtype).reshape(b * s, d)
         weight = lambda w: w[...].astype(self.dtype)   # noqa: E731

@@ -42,6 +42,7 @@ from dagmoe_jax.model.attention import Attention, KVCache, rope_angles
 from dagmoe_jax.model.mla import LatentCache, MLAttention
 from dagmoe_jax.model.block import BlockContext, BlockInputs, BlockStats
 from dagmoe_jax.model.layers import RMSNorm, dtype_of, make_param, normal
+from dagmoe_jax.model.mtp import MTPModule, run_depths, shift_left
 from dagmoe_jax.model.dag.bottleneck import SAVED_NAMES as DAG_SAVED_NAMES
 from dagmoe_jax.model.settle import settle
 from dagmoe_jax.model.segments import check_segment_ids, segment_positions
@@ -137,6 +138,13 @@ class Transformer(nnx.Module):
         shared = getattr(block_class(cfg), "shared", None)
         if shared is not None:            # the block family's parameters outside the layers
             setattr(self, cfg.block.kind, shared(cfg, rngs=rngs))
+        if cfg.mtp.depth:                 # DeepSeek-V3's multi-token prediction (training)
+            @nnx.split_rngs(splits=cfg.mtp.depth)
+            @nnx.vmap(in_axes=(0,), out_axes=0,
+                      transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def make_depths(r):
+                return MTPModule(cfg, DecoderLayer(cfg, execution, layout, rngs=r), rngs=r)
+            self.mtp = make_depths(rngs)
 
     def __call__(self, tokens: jax.Array, *, cache: Optional[KVCache] = None,
                  start: Optional[jax.Array] = None, logit_positions: Optional[jax.Array] = None,
@@ -240,14 +248,40 @@ class Transformer(nnx.Module):
         logits = constrain(logits, ("batch", "length", "vocab"))
         return (logits[:, 0] if logit_positions is not None else logits), aux
 
+    def predict_further(self, h: jax.Array, targets: jax.Array,
+                        segment_ids: Optional[jax.Array] = None):
+        """The multi-token prediction modules (``ModelConfig.mtp``; :mod:`~dagmoe_jax.model.mtp`)
+        on the final-normed hidden states ``h`` [B, S, d] of ``model(inputs, head=False)``
+        whose next tokens are ``targets`` [B, S]: (normed h^k [D, B, S, d] for the shared head,
+        their statistics summarised over the depths as ``aux`` is over layers)."""
+        cfg = self.cfg
+        if segment_ids is not None:
+            positions = segment_positions(check_segment_ids(segment_ids, targets.shape))
+        else:
+            positions = jnp.arange(targets.shape[1])[None, :]
+        sin, cos = rope_angles(positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
+        embed = self.embed[...].astype(h.dtype)
+        ahead = jnp.stack([embed[shift_left(targets, k)] for k in range(cfg.mtp.depth)])
+        normed, stats = run_depths(self.mtp, h, ahead, sin, cos, segment_ids)
+        aux = summarize_stats(cfg, stats)
+        if stats.router_counts is not None:
+            aux["router_counts"] = stats.router_counts
+        return normed, aux
+
     def update_selection_bias(self, router_counts: jax.Array) -> None:
         """Auxiliary-loss-free balancing's update after a training step (DeepSeek-V3 sec.
         2.1.2; :func:`~dagmoe_jax.model.router.aux_free_bias_update`): every router's selection
         bias moves towards balance by the step's ``router_counts`` [layers, R, N] (the forward
-        pass's ``aux['router_counts']``, summed over micro-batches), in place."""
-        routers = getattr(self.layers.block, "balanced_routers", list)()
-        for r, router in enumerate(routers):          # each is stacked over the layers
-            router.update_selection_bias(router_counts[:, r])
+        pass's ``aux['router_counts']``, summed over micro-batches), in place. With
+        multi-token prediction the training loss appends the modules' rows ([layers + D, R,
+        N]: :meth:`predict_further`'s), which move theirs."""
+        stacks = [(self.layers, 0, self.cfg.routed_layers)]
+        if self.cfg.mtp.depth and router_counts.shape[0] > self.cfg.routed_layers:
+            stacks.append((self.mtp.layer, self.cfg.routed_layers, router_counts.shape[0]))
+        for stack, first, last in stacks:
+            routers = getattr(stack.block, "balanced_routers", list)()
+            for r, router in enumerate(routers):      # each is stacked over its layers
+                router.update_selection_bias(router_counts[first:last, r])
 
     def init_cache(self, batch: int, length: int):
         """An empty (zero) cache of ``length`` slots: a ``KVCache`` k, v [layers, batch,

@@ -68,8 +68,8 @@ RENAMED.update({old: f"it is {new} now" for old, new in OLD_NAMES.items()})
 # External registration: gin configures its own wrappers of these, so bindings never leak into
 # ``ModelConfig(...)`` built in plain Python (tests, notebooks) after a gin file was parsed.
 _CONFIG_CLASSES = (C.RouterConfig, C.ExpertConfig, C.AggregationConfig,
-                   *C.BLOCK_CONFIGS.values(), C.RopeScalingConfig, C.MLAConfig, C.ExecutionConfig,
-                   ModelConfig,
+                   *C.BLOCK_CONFIGS.values(), C.RopeScalingConfig, C.MLAConfig, C.MTPConfig,
+                   C.ExecutionConfig, ModelConfig,
                    DataConfig, OptimConfig, RunConfig, MeshConfig)
 _GIN = {cls.__name__: gin.external_configurable(cls, name=cls.__name__) for cls in _CONFIG_CLASSES}
 gin.external_configurable(matched_shared_hidden, name="matched_shared_hidden")

@@ -2,7 +2,8 @@
 :func:`dagmoe_jax.evaluation.eval_step`).
 
 loss = cross-entropy on non-padding tokens + aux_loss (balance + z-loss, weighted by the
-router config's coefficients; every block's auxiliary loss is in it). Each term is returned
+router config's coefficients; every block's auxiliary loss is in it), + DeepSeek-V3's
+multi-token prediction term with ``ModelConfig.mtp`` (:func:`mtp_loss`). Each term is returned
 separately for logging. The training loss's cross-entropy is vocabulary-tiled
 (:mod:`dagmoe_jax.model.tiled_loss`): the model stops at its hidden states and the LM head runs
 a chunk of positions at a time, never holding the [B, S, V] logits. A block family with its
@@ -23,6 +24,7 @@ from flax import nnx
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.run.extensions import extension_for
 from dagmoe_jax.parallel import replicated
+from dagmoe_jax.model.mtp import depth_targets
 from dagmoe_jax.model.tiled_loss import chunk_tokens, tiled_cross_entropy
 
 
@@ -65,7 +67,36 @@ def lm_loss(model: Transformer, batch: Dict[str, jax.Array]) -> Tuple[jax.Array,
                "dropped_fraction": aux["dropped_fraction"], **extra_metrics}
     if ROUTER_COUNTS in aux:             # auxiliary-loss-free balancing: the step's update
         metrics[ROUTER_COUNTS] = aux[ROUTER_COUNTS]
+    if model.cfg.mtp.depth:
+        mtp, mtp_metrics = mtp_loss(model, h, batch, mask)
+        metrics.update(mtp_metrics, loss=total + mtp)
+        total = total + mtp
+        if ROUTER_COUNTS in metrics:     # the modules' routers follow the layers' rows
+            metrics[ROUTER_COUNTS] = jnp.concatenate(
+                [metrics[ROUTER_COUNTS], metrics.pop("mtp_" + ROUTER_COUNTS)])
     return total, metrics
+
+
+def mtp_loss(model: Transformer, h: jax.Array, batch: Dict[str, jax.Array],
+             mask: jax.Array) -> Tuple[jax.Array, dict]:
+    """DeepSeek-V3's multi-token prediction objective (eq. 24-25) on the model's final-normed
+    hidden states ``h``: lambda / D sum_k (CE_k + the depth's router losses at the routers'
+    coefficients), CE_k each depth's mean cross-entropy of the tokens k + 1 ahead
+    (:func:`dagmoe_jax.model.mtp.depth_targets`; the shared LM head applied a chunk at a
+    time, as the main loss). Returns (the weighted term, its metrics: ``mtp_loss`` the mean
+    CE_k)."""
+    cfg, segments = model.cfg, batch.get("segment_ids")
+    normed, aux = model.predict_further(h, batch["targets"], segments)
+    ces = []
+    for k in range(cfg.mtp.depth):
+        targets, trained = depth_targets(batch["targets"], mask, segments, k + 1)
+        ces.append(tiled_cross_entropy(normed[k], model.lm_head[...].astype(h.dtype), targets,
+                                       trained, chunk_tokens=chunk_tokens(model.execution)))
+    ce = jnp.mean(jnp.stack(ces))
+    metrics = {"mtp_loss": ce}
+    if ROUTER_COUNTS in aux:
+        metrics["mtp_" + ROUTER_COUNTS] = aux[ROUTER_COUNTS]
+    return cfg.mtp.loss_weight * (ce + aux["aux_loss"]), metrics
 
 
 def _split_micro(batch: Dict[str, jax.Array], grad_accum: int) -> Dict[str, jax.Array]:

@@ -96,13 +96,18 @@ def converted_params(params: Iterable[Tuple[Path, np.ndarray]], source: ModelCon
         yield from params
         return
     routers = 1 if target.block.shared_router else target.block.iterations
+    stacks = {("layers",): source.routed_layers, ("mtp", "layer"): source.mtp.depth}
     for path, value in params:
-        if tuple(path[:3]) == _ROUTER:
+        stack = next((s for s in stacks if tuple(path[:len(s) + 2]) == s + _ROUTER[1:]), None)
+        if stack is not None:
+            rest = tuple(path[len(stack) + 2:])
             for r in range(routers):    # a copy each: the routers must not share a buffer
-                yield (("layers", "block", "routers", r) + tuple(path[3:]),
+                yield (stack + ("block", "routers", r) + rest,
                        value if r == 0 else np.array(value, copy=True))
         else:
             yield path, value
-    if target.block.iterations > 1:
-        yield (("layers", "block", "iteration_scales"),
-               np.zeros((source.routed_layers, target.block.iterations - 1), np.float32))
+    if target.block.iterations > 1:     # the layers' and the multi-token prediction modules'
+        for stack, layers in stacks.items():
+            if layers:
+                yield (stack + ("block", "iteration_scales"),
+                       np.zeros((layers, target.block.iterations - 1), np.float32))

@@ -8,9 +8,7 @@ import json
 import os
 import shutil
 import sys
-import queue
 import tempfile
-import threading
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,7 +53,6 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402  (after XLA_FLAGS)
-from jax._src import compiler as _jax_compiler  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
@@ -68,54 +65,6 @@ import pytest  # noqa: E402
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
 
 from flax import nnx  # noqa: E402
-
-# XLA:CPU compiles on the thread that asks, and here that is a worker's main thread, whose stack
-# is the process's 8 MiB limit. Late in three full runs of four (2026-12-06, CI included) a
-# worker died of a segmentation fault inside `backend_compile_and_load` (tests/test_parallel.py's
-# sharded steps twice, tests/test_upcycle_dag.py once), the kernel logging a fault at that
-# stack's limit; none recurred alone. Raising the limit itself is no cure: glibc sizes every new
-# thread's stack by it, in this process and in every process it starts. So the test processes
-# compile on one thread of their own with a 512 MiB stack (address space only: pages are
-# committed as the compiler touches them) while the asking thread waits. It changes no program.
-_COMPILE_STACK = 512 << 20
-_compile_requests: "queue.SimpleQueue" = queue.SimpleQueue()
-
-
-def _compile_loop():
-    while True:
-        work, done = _compile_requests.get()
-        try:
-            done.append((True, work()))
-        except BaseException as err:          # handed back to the asking thread, raised there
-            done.append((False, err))
-        finally:
-            done_event = done[0]
-            done_event.set()
-
-
-def _compile_on_the_big_stack(real):
-    def compile_and_load(*args, **kwargs):
-        if threading.current_thread() is _compile_thread:
-            return real(*args, **kwargs)
-        done = [threading.Event()]
-        _compile_requests.put((lambda: real(*args, **kwargs), done))
-        done[0].wait()
-        ok, value = done[1]
-        if ok:
-            return value
-        raise value
-    return compile_and_load
-
-
-_previous_stack = threading.stack_size(_COMPILE_STACK)
-try:
-    _compile_thread = threading.Thread(target=_compile_loop, name="xla-compile", daemon=True)
-    _compile_thread.start()
-finally:
-    threading.stack_size(_previous_stack)
-_jax_compiler.backend_compile_and_load = _compile_on_the_big_stack(
-    _jax_compiler.backend_compile_and_load)
-
 
 # Python's cyclic collector walks every tracked object at each full collection, and tracing and
 # lowering allocate objects by the million: the modules loaded by now (JAX, Flax, NumPy) are

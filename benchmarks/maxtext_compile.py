@@ -1,22 +1,25 @@
-"""MaxText's ``train_compile`` beside ours: MoE-l's training step compiled by the TPU compiler
-for the same topology, global batch and mesh, both costed by this library's roofline.
+"""MaxText's ``train_compile`` beside ours: a training step compiled by the TPU compiler for
+the same topology, global batch and mesh, both costed by this library's roofline.
 
 MaxText 0.2.5 runs in a side environment (it needs Python >= 3.12):
 
     bash benchmarks/setup_maxtext.sh /tmp/maxtext-env            # once, a few minutes
     python -m benchmarks.maxtext_compile --maxtext_python /tmp/maxtext-env/venv/bin/python
     python -m benchmarks.maxtext_compile --mesh "data=2,expert=2" --mesh "fsdp=4"
+    python -m benchmarks.maxtext_compile --shape deepseek_l --mesh "data=2,expert=2"
 
 For each mesh it compiles, each in its own process: this library's step (``python -m
 dagmoe_jax.compile``, as ``benchmarks/tpu_compile.py`` does) and MaxText's
 (``maxtext.trainers.pre_train.train_compile`` with ``DECOUPLE_GCLOUD=TRUE``, run by this file's
 ``--driver`` mode inside the side environment, which keeps the compiled program's HLO text and
-memory analysis). The shape is MoE-l's (models/l.gin + variants/moe.gin): 8 layers, d 1024, 32
-heads over 8 KV heads, 32 experts of 512, top-4, vocabulary 128,256, sequence 2048; MaxText's
-Mixtral decoder block, which is that block with a softmax router. Both keep their defaults
-otherwise (bf16 compute, float32 weights and AdamW, remat 'full', scanned layers, megablox,
-splash where it applies). The estimate is ours applied to both compiled programs (with the same
-grouped-matmul occupancy): compare the ratio, not the absolute figure.
+memory analysis). ``--shape moe_l`` (default) is MoE-l's (models/l.gin + variants/moe.gin): 8
+layers, d 1024, 32 heads over 8 KV heads, 32 experts of 512, top-4, vocabulary 128,256,
+sequence 2048, as MaxText's Mixtral decoder block, which is that block with a softmax router;
+``--shape deepseek_l`` the same sizes with DeepSeek's choices (``SHAPES``) as MaxText's DeepSeek
+block. Both keep their defaults otherwise (bf16 compute, float32 weights and AdamW, remat
+'full', scanned layers, megablox, splash where it applies). The estimate is ours applied to both
+compiled programs (with the same grouped-matmul occupancy): compare the ratio, not the absolute
+figure.
 """
 
 from __future__ import annotations
@@ -42,9 +45,12 @@ def parse_mesh(text: str) -> dict:
 
 
 def maxtext_flags(cfg, batch: int, seq: int, chips: int, mesh: dict, topology: str) -> list:
-    """MaxText's command-line overrides for ``cfg`` (a ModelConfig of the moe block)."""
+    """MaxText's command-line overrides for ``cfg`` (a ModelConfig of the moe block): its
+    Mixtral decoder block, or with latent attention its DeepSeek block (MLA, the dense first
+    layers, shared experts, sigmoid scores with the selection bias, groups, the scaling)."""
     from dagmoe_jax.compile.chips import parse_topology      # (not in the side environment)
     chip, _ = parse_topology(topology)
+    e, r = cfg.block.experts, cfg.block.router
     flags = dict(
         compile_topology=f"{chip.name}-{chips * chip.cores_per_chip}",
         compile_topology_num_slices=1,
@@ -52,13 +58,40 @@ def maxtext_flags(cfg, batch: int, seq: int, chips: int, mesh: dict, topology: s
         dataset_type="synthetic", enable_checkpointing="false", decoder_block="mixtral",
         base_emb_dim=cfg.d_model, base_num_query_heads=cfg.num_heads,
         base_num_kv_heads=cfg.num_kv_heads, head_dim=cfg.d_model // cfg.num_heads,
-        base_mlp_dim=cfg.block.experts.expert_hidden, base_moe_mlp_dim=cfg.block.experts.expert_hidden,
-        base_num_decoder_layers=cfg.num_layers, num_experts=cfg.block.experts.num_experts,
-        num_experts_per_tok=cfg.block.router.top_k, vocab_size=cfg.vocab_size,
+        base_mlp_dim=e.expert_hidden, base_moe_mlp_dim=e.expert_hidden,
+        base_num_decoder_layers=cfg.num_layers, num_experts=e.num_experts,
+        num_experts_per_tok=r.top_k, vocab_size=cfg.vocab_size,
         max_target_length=seq, per_device_batch_size=batch // chips,
         mlp_activations='["silu","linear"]')
+    if cfg.mla.enabled:
+        m = cfg.mla
+        dense = cfg.first_dense_config()
+        flags.update(
+            run_name="deepseek_l", decoder_block="deepseek", attention_type="mla",
+            q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+            qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
+            v_head_dim=m.v_head_dim, head_dim=m.qk_head_dim,
+            first_num_dense_layers=cfg.first_dense_layers,
+            base_mlp_dim=dense.resolved_ffn_hidden if dense else e.expert_hidden,
+            shared_experts=e.num_shared * e.shared_hidden // e.expert_hidden,
+            routed_score_func=r.score_fn, routed_bias=str(r.aux_free_bias_rate > 0).lower(),
+            routed_scaling_factor=r.routed_scaling_factor,
+            n_routing_groups=r.n_group if r.n_group > 1 else -1,
+            topk_routing_group=r.topk_group if r.n_group > 1 else -1,
+            norm_topk_prob=str(r.renormalize).lower(),
+            rope_max_timescale=int(cfg.rope_theta))
     flags.update({MESH_FLAGS[axis]: size for axis, size in mesh.items()})
     return [f"{k}={v}" for k, v in flags.items()]
+
+
+SHAPES = {   # name: (this library's models/*.gin and tpu_compile variant, what it is)
+    "moe_l": ("l", "moe", "MoE-l: 8 layers, d 1024, 32 heads over 8 KV heads, 32 experts of "
+              "512, top-4, vocabulary 128,256; MaxText's Mixtral block"),
+    "deepseek_l": ("l", "deepseek", "MoE-l's sizes with DeepSeek's choices (variants/"
+                   "deepseek.gin, tpu_compile's 'deepseek' bindings): 16 heads of MLA, the "
+                   "first layer dense, 32 experts of 512 in 4 groups, top-4 by biased sigmoid "
+                   "scores, one shared expert; MaxText's DeepSeek block"),
+}
 
 
 def driver(out_dir: str, flags) -> None:
@@ -117,6 +150,9 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--mesh", action="append", default=[],
                    help="mesh sizes for both, e.g. 'data=2,expert=2' (repeatable; default that)")
+    p.add_argument("--shape", default="moe_l", choices=list(SHAPES),
+                   help="the model both compile: " + "; ".join(
+                       f"{k}: {v[2]}" for k, v in SHAPES.items()))
     p.add_argument("--json", default="")
     p.add_argument("--hlo_dir", default="", help="keep each side's compiled HLO text here")
     args = p.parse_args(argv)
@@ -135,8 +171,11 @@ def main(argv=None) -> int:
     chips = 1
     for g in grid:
         chips *= g
-    cfg = load_model_config(["models/l.gin", "variants/moe.gin"],
-                            ["ModelConfig.compute_dtype = 'bfloat16'"])
+    from benchmarks.tpu_compile import VARIANT_BINDINGS, VARIANTS
+    model, variant, _ = SHAPES[args.shape]
+    cfg = load_model_config([f"models/{model}.gin", *VARIANTS[variant]],
+                            ["ModelConfig.compute_dtype = 'bfloat16'",
+                             *[b.replace("=", " = ", 1) for b in VARIANT_BINDINGS.get(variant, ())]])
     model_flops = account(cfg, args.seq).train_flops_per_token * args.batch * args.seq / chips
     print(f"{'who':<9}{'mesh':<24}{'GB/chip':>8}{'args':>7}{'TFLOP':>8}{'comp.TF':>8}"
           f"{'GB acc':>8}{'coll GB':>8}{'ms/step':>9}{'tok/s':>10}{'MFU':>7}{'ours/MT':>8}",
@@ -144,7 +183,7 @@ def main(argv=None) -> int:
     rows = []
     for mesh_text in args.mesh or ["data=2,expert=2"]:
         mesh = parse_mesh(mesh_text)
-        ours = run_row("l", "moe", args.topology, args.batch, args.seq, mesh_text, [],
+        ours = run_row(model, variant, args.topology, args.batch, args.seq, mesh_text, [],
                        args.hlo_dir)
         flags = maxtext_flags(cfg, args.batch, args.seq, chips, mesh, args.topology)
         theirs = run_maxtext(args.maxtext_python, flags)
@@ -189,7 +228,7 @@ def main(argv=None) -> int:
     versions = {k: v for r in rows for who in ("dagmoe", "maxtext") if who in r
                 for k, v in ((p if p == who else f"{who} {p}", x)
                              for p, x in r[who]["versions"].items())}
-    print(f"topology {args.topology}, batch {args.batch} x {args.seq}; "
+    print(f"{args.shape}, topology {args.topology}, batch {args.batch} x {args.seq}; "
           + ", ".join(f"{k} {v}" for k, v in versions.items()))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1, default=float))

@@ -39,10 +39,19 @@ VARIANTS = {
     "coe": ["variants/coe_g128_l2.gin"],
     "moe cap": ["variants/moe.gin"],
     "moe ragged": ["variants/moe.gin"],
+    "deepseek": ["variants/deepseek.gin"],
 }
 VARIANT_BINDINGS = {
     "moe cap": ["ExpertConfig.dispatch='capacity'"],          # drops tokens: the speed to beat
     "moe ragged": ["ExecutionConfig.grouped_matmul='ragged_dot'"],   # XLA's lowering
+    # DeepSeek's choices (variants/deepseek.gin) with latent attention sized for d 1024 as
+    # DeepSeek-V2-Lite is for d 2048 (16 heads, d_c 256, 64 + 32 query and key dimensions, 64
+    # value ones), without the multi-token prediction module (the step MaxText compiles by
+    # default has none)
+    "deepseek": ["ModelConfig.num_heads=16", "ModelConfig.num_kv_heads=16",
+                 "MLAConfig.kv_lora_rank=256", "MLAConfig.qk_nope_head_dim=64",
+                 "MLAConfig.qk_rope_head_dim=32", "MLAConfig.v_head_dim=64",
+                 "MTPConfig.depth=0"],
 }
 
 

@@ -240,6 +240,9 @@ def test_an_imported_deepseek_is_a_run_that_converts_to_dag_moe_and_coe(tmp_path
                                "--seq_len=32", *flag]) == 0
         runs[name] = loaded = run_lib.load_run(tmp_path / name)
         np.testing.assert_allclose(logits_of(loaded.model, ids), want, rtol=0, atol=1e-5)
+    from dagmoe_jax.config import ModelConfig
+    from dagmoe_jax.train.init_from import source_model_config
+    assert source_model_config(f"hf:{folder}", ModelConfig()) == runs["run"].model_cfg
     assert runs["coe"].model_cfg.block.kind == "coe"
     assert runs["coe"].model_cfg.block.experts.num_shared == 2
     loaded = runs["dag"]

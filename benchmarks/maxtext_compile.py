@@ -89,8 +89,8 @@ SHAPES = {   # name: (this library's models/*.gin and tpu_compile variant, what 
               "512, top-4, vocabulary 128,256; MaxText's Mixtral block"),
     "deepseek_l": ("l", "deepseek", "MoE-l's sizes with DeepSeek's choices (variants/"
                    "deepseek.gin, tpu_compile's 'deepseek' bindings): 16 heads of MLA, the "
-                   "first layer dense, 32 experts of 512 in 4 groups, top-4 by biased sigmoid "
-                   "scores, one shared expert; MaxText's DeepSeek block"),
+                   "first layer dense, 64 experts of 256 in 8 groups (4 kept), top-8 by biased "
+                   "sigmoid scores, two shared experts of 256; MaxText's DeepSeek block"),
 }
 
 

@@ -14,7 +14,10 @@ set -euo pipefail
 DIR="${1:-/tmp/maxtext-env}"
 HERE="$(cd "$(dirname "$0")" && pwd)"
 JAX_TPU="${JAX_TPU:-$(grep -m1 '^jax\[tpu\]' "$HERE/../requirements-tpu.txt")}"
-PY="${PYTHON312:-$(command -v python3.12 || ls /root/.pyenv/versions/3.12*/bin/python3.12 | head -1)}"
+PY="${PYTHON312:-$(command -v python3.12 || true)}"
+if [ -z "$PY" ] || ! "$PY" -c 'import sys' 2>/dev/null; then   # none, or a pyenv shim without a version
+  PY="$(ls /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -1)"
+fi
 mkdir -p "$DIR"
 cd "$DIR"
 "$PY" -m venv venv

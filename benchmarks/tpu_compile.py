@@ -46,9 +46,13 @@ VARIANT_BINDINGS = {
     "moe ragged": ["ExecutionConfig.grouped_matmul='ragged_dot'"],   # XLA's lowering
     # DeepSeek's choices (variants/deepseek.gin) with latent attention sized for d 1024 as
     # DeepSeek-V2-Lite is for d 2048 (16 heads, d_c 256, 64 + 32 query and key dimensions, 64
-    # value ones), without the multi-token prediction module (the step MaxText compiles by
-    # default has none)
-    "deepseek": ["ModelConfig.num_heads=16", "ModelConfig.num_kv_heads=16",
+    # value ones), fine-grained experts (twice as many, half as wide, top 2K: 64 of 256, top-8
+    # at l, in 8 groups of which 4 are kept, two shared ones of 256), without the multi-token
+    # prediction module (the step MaxText compiles by default has none)
+    "deepseek": ["NUM_EXPERTS=64", "EXPERT_HIDDEN=256", "RouterConfig.top_k=8",
+                 "RouterConfig.n_group=8", "RouterConfig.topk_group=4",
+                 "ExpertConfig.num_shared=2",
+                 "ModelConfig.num_heads=16", "ModelConfig.num_kv_heads=16",
                  "MLAConfig.kv_lora_rank=256", "MLAConfig.qk_nope_head_dim=64",
                  "MLAConfig.qk_rope_head_dim=32", "MLAConfig.v_head_dim=64",
                  "MTPConfig.depth=0"],

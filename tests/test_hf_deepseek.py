@@ -253,3 +253,31 @@ def test_an_imported_deepseek_is_a_run_that_converts_to_dag_moe_and_coe(tmp_path
     assert saved["first_dense_layers"] == 1
     params = {"/".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(loaded.model))}
     assert any("aggregator" in p for p in params)
+
+
+def test_fine_tuning_starts_from_a_deepseek_folder():
+    """RunConfig.init_from='hf:FOLDER' of a DeepSeek-V3: the run is built from the folder's
+    config, holds its parameters (the correction bias too) and its first step trains them."""
+    import optax
+
+    from dagmoe_jax import run as run_lib
+    from dagmoe_jax.config import ModelConfig
+    from dagmoe_jax.run.config import OptimConfig, RunConfig
+    from dagmoe_jax.train.init_from import load_initial_params, source_model_config
+    from dagmoe_jax.train.step import make_train_step
+
+    init_from = f"hf:{FIXTURES / 'deepseek_v3'}"
+    cfg = source_model_config(init_from, ModelConfig())
+    model, _, _ = run_lib.build(cfg, OptimConfig(), RunConfig(seed=7))
+    assert "the Hugging Face checkpoint" in load_initial_params(model, init_from)
+    ids = np.load(FIXTURES / "ids.npy")
+    np.testing.assert_allclose(logits_of(model, ids),
+                               np.load(FIXTURES / "deepseek_v3" / "logits.npy"), rtol=0,
+                               atol=1e-5)
+    bias = np.asarray(variable(model, ("layers", "block", "router", "selection_bias"))[...])
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    batch = {"inputs": ids[:, :-1].astype(np.int32), "targets": ids[:, 1:].astype(np.int32)}
+    metrics = make_train_step()(model, optimizer, batch)
+    assert np.isfinite(float(metrics["loss"]))
+    moved = np.asarray(variable(model, ("layers", "block", "router", "selection_bias"))[...])
+    assert np.abs(moved - bias).max() == pytest.approx(deepseek.AUX_FREE_GAMMA, rel=1e-3)

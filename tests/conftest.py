@@ -66,6 +66,9 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
 
 from flax import nnx  # noqa: E402
 
+# A test whose xdist worker crashed runs once more (tests/rerun_crashed.py)
+pytest_plugins = ["rerun_crashed"]
+
 # Python's cyclic collector walks every tracked object at each full collection, and tracing and
 # lowering allocate objects by the million: the modules loaded by now (JAX, Flax, NumPy) are
 # frozen out of its walks, and a young collection waits for 50,000 allocations instead of 700

@@ -1,4 +1,4 @@
-"""The suite's own set-up: a test whose worker crashed runs once more (pyproject's addopts)."""
+"""The suite's own set-up: a test whose worker crashed runs once more (tests/rerun_crashed.py)."""
 
 import conftest
 
@@ -21,15 +21,18 @@ def test_fails_plainly():
 
 
 def test_a_crashed_worker_reruns_its_test_once_and_a_failure_runs_once(tmp_path):
-    """pyproject's addopts: a test whose xdist worker died (XLA:CPU's compile segfault) runs
-    once more and passes; a test that fails is not rerun."""
+    """tests/rerun_crashed.py: a test whose xdist worker died (XLA:CPU's compile segfault)
+    runs once more and passes; a test that fails is not rerun."""
+    import os
     import subprocess
     import sys
 
     (tmp_path / "test_crash.py").write_text(CRASHING)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(conftest.REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider",
-         "-c", str(conftest.REPO / "pyproject.toml"), "--rootdir", str(tmp_path),
-         str(tmp_path / "test_crash.py")], capture_output=True, text=True, timeout=120)
+         "-p", "rerun_crashed", "-c", os.devnull, "--rootdir", str(tmp_path),
+         str(tmp_path / "test_crash.py")], capture_output=True, text=True, timeout=120, env=env)
     assert "1 failed, 1 passed, 1 rerun" in out.stdout, out.stdout[-800:]
     assert (tmp_path / "tries").read_text() == "x"

@@ -193,17 +193,26 @@ def test_dag_module_benchmark_backs_each_projection_both_ways_with_a_random_cota
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
-def test_best_alternating_reverses_odd_rounds_and_keeps_each_best():
+def test_best_alternating_reverses_odd_rounds_and_keeps_each_best(monkeypatch):
     """step_throughput.best_alternating, which the grouped-matmul tables time with: odd rounds
-    in reverse order (each call after time_fn's warm-up), every name's best time returned in
-    the given order."""
+    in reverse order (each call after time_fn's warm-up), every name's best timed call
+    returned in the given order; the warm-up calls are never counted. A fake clock that each
+    call advances by a scripted duration (warm-ups 100 s) makes the times exact."""
     from benchmarks import step_throughput
 
+    clock = [0.0]
+    monkeypatch.setattr(step_throughput.time, "perf_counter", lambda: clock[0])
+    script = {"a": [100.0, 5.0, 100.0, 2.0], "b": [100.0, 1.0, 100.0, 4.0]}
     calls = []
-    best = step_throughput.best_alternating({n: (lambda n=n: calls.append(n)) for n in "ab"},
+
+    def call(name):
+        calls.append(name)
+        clock[0] += script[name].pop(0)
+
+    best = step_throughput.best_alternating({n: (lambda n=n: call(n)) for n in "ab"},
                                             repeats=1, rounds=2)
     assert calls == list("aabbbbaa")
-    assert list(best) == ["a", "b"] and all(t >= 0 for t in best.values())
+    assert best == {"a": 2.0, "b": 1.0} and list(best) == ["a", "b"]
 
 
 def _cpu_trace(folder, steps: int):

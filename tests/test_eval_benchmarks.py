@@ -103,8 +103,19 @@ def test_downstream_micro_end_to_end(tmp_path, stdlib_corpus):
     assert [(r["variant"], r["stage"]) for r in records] == [
         ("moe_shared", "pre-trained"), ("moe_shared", "fine-tuned"),
         ("dag_l2", "pre-trained"), ("dag_l2", "fine-tuned")]
+    # each accuracy is a whole number of the task's items answered right; bits per byte are
+    # finite; and the fine-tuned run was scored, not the pre-trained one again
+    for column in ("math MC", "math gen", "text MC", "text gen"):
+        domain, kind = column.split()
+        items = len((out / "tasks" / f"instruct_{domain}_{kind.lower()}.jsonl")
+                    .read_text().splitlines())
+        for r in records:
+            right = r[column] * items
+            assert abs(right - round(right)) < 1e-6 and 0 <= round(right) <= items, (column, r)
     for r in records:
-        assert 0 <= r["math MC"] <= 1 and 0 <= r["text gen"] <= 1 and r["text bpb"] > 0
+        assert 0 < r["text bpb"] < 64
+    for pre, tuned in (records[:2], records[2:]):
+        assert pre["text bpb"] != tuned["text bpb"]
     sft = json.loads((Path(records[1]["run_dir"]) / "config.json").read_text())
     assert sft["run"]["init_from"] == records[0]["run_dir"]
     assert sft["data"]["source"].startswith("instruct:")

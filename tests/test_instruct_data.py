@@ -373,12 +373,29 @@ def test_llamafactory_truncation_keeps_a_share_of_each_answer():
 
 
 def test_long_examples_are_truncated_and_counted(tmp_path):
-    cfg = sft_cfg(tmp_path, seq_len=24)
+    """At seq_len 44 some conversations are longer than a row: the count of truncated ones is
+    the training records whose whole encoding exceeds seq_len + 1 tokens (some but not all);
+    every example the dataset packs fits a row, and the dataset holds as many examples and
+    trained tokens as the statistics say."""
+    from dagmoe_jax.data import train_records
+    cfg = sft_cfg(tmp_path, seq_len=44)
     tok = make_tokenizer(cfg)
     stats = instruct_stats(cfg, tok, epochs=1)
-    assert stats["truncated"] > 0
+    encoder = chat_encoder(cfg, tok)
+    records = train_records(cfg)
+    whole = [len(encoder.encode(records[i])[0]) for i in range(len(records))]
+    longer = sum(n > cfg.seq_len + 1 for n in whole)
+    assert 0 < longer < len(whole)
+    assert stats["truncated"] == longer and stats["examples"] == len(whole)
+    segments, trained = 0, 0
     for b in instruct_dataset(cfg, tok, epochs=1):
         examples_of(b, tok)
+        for row in b["segment_ids"]:
+            ids, counts = np.unique(row[row > 0], return_counts=True)
+            assert np.all(counts <= cfg.seq_len)        # inputs: the example less its last token
+            segments += len(ids)
+        trained += int(b["mask"].sum())
+    assert segments == stats["examples"] and trained == stats["trained_tokens"]
 
 
 def test_mid_epoch_resume_is_bit_identical(tmp_path):

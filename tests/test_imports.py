@@ -1,7 +1,8 @@
 """The package's shape: its packages depend downwards only, through four layers (core < data < run
 < tools; imports inside functions included: a function-level import is how a cycle hides, and
 only commands and optional dependencies may import inside a function), no import cycle between
-modules, ``import dagmoe_jax.model`` loads the core only, and no module is over 450 lines.
+modules, ``import dagmoe_jax.model`` loads the core only, no module is over 900 lines (450
+warns), and no docstring carries a measured figure.
 
 The graph is read with ``ast`` (nothing is imported; one test imports the model in a
 subprocess to see what it loads). ``from pkg import name`` counts as an import of
@@ -11,6 +12,8 @@ and do not count.
 """
 
 from __future__ import annotations
+
+import re
 
 import ast
 import json
@@ -22,7 +25,10 @@ from typing import Dict, List, Set
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dagmoe_jax"
 BENCHMARKS = PACKAGE.parent / "benchmarks"
-MAX_LINES = 450
+WARN_LINES = 450
+"""Above this a module is flagged (a warning in the test report): read it for one idea."""
+MAX_LINES = 900
+"""Above this a module fails the suite: no single idea of this library needs it."""
 
 # Every top-level unit of the package (a subpackage or a module) with its layer and its rank: a
 # unit imports only units of lower rank. Within a layer the ranks say which package sits on which:
@@ -293,11 +299,37 @@ def test_no_import_cycle_between_package_modules():
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
-def test_no_module_over_450_lines():
-    long = {str(p.relative_to(PACKAGE.parent)): n for p in sorted(PACKAGE.rglob("*.py"))
-            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+def test_module_length_is_a_warning_and_a_far_bound():
+    """docs/development.md's cohesion rule (a module is one idea) is for review; length is
+    only its symptom: over WARN_LINES a warning names the module, over MAX_LINES it fails."""
+    import warnings
+    sizes = {str(p.relative_to(PACKAGE.parent)): len(p.read_text().splitlines())
+             for p in sorted(PACKAGE.rglob("*.py"))}
+    for path, n in sizes.items():
+        if WARN_LINES < n <= MAX_LINES:
+            warnings.warn(f"{path}: {n} lines; is it still one idea? (docs/development.md)")
+    long = {path: n for path, n in sizes.items() if n > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines: " + ", ".join(
         f"{path} ({n})" for path, n in long.items())
+
+
+MEASURED = re.compile(r"\b\d[\d,.]*\s?(?:ms|s/step|GB/s|GiB|GB|MB|TFLOP/s|tokens/s)\b")
+
+
+def test_library_docstrings_carry_no_measured_figures():
+    """Docstrings state contracts and cite equations; what was measured (times, sizes,
+    throughputs) lives in benchmarks/RESULTS.md, where it is dated and reproducible, and a
+    docstring cites the section."""
+    import ast
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                 ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node, clean=False) or ""
+                found += [f"{path.relative_to(PACKAGE.parent)}: {m.group(0)!r}"
+                          for m in MEASURED.finditer(doc)]
+    assert not found, "measured figures in docstrings: " + "; ".join(found)
 
 
 def test_every_family_module_has_a_part_and_the_packages_import_nothing():

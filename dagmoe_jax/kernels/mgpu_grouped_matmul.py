@@ -59,8 +59,8 @@ def mgpu_blocks(m: int, k: int, n: int) -> MgpuBlocks:
     """The forward / input-gradient tiles for an [m, k] x [k, n] grouped product, 64 deep with
     2 to 4 stages in flight (2 at least: the kernel's pipeline releases a stage one step late,
     and 1 is refused at d 64): for many rows, 64 x 256 output tiles where N takes them (on an
-    H200 at MoE-l's [65,536, 1,024] x [1,024, 512]: 0.28 ms against 0.31-0.33 for 128 x 128,
-    the best of the 8 tiles ``benchmarks/gpu_check.py`` times), else 128 x 128, each 64 where
+    H200 at MoE-l's [65,536, 1,024] x [1,024, 512], the best of the 8 tiles
+    ``benchmarks/gpu_check.py`` times; benchmarks/RESULTS.md), else 128 x 128, each 64 where
     M is short or N not a multiple of 128; the snake visits 2 column tiles where N has 4 (2
     for the 256-wide ones) or more."""
     steps = max(2, min(4, k // 64))
@@ -75,8 +75,8 @@ def mgpu_blocks(m: int, k: int, n: int) -> MgpuBlocks:
 
 def mgpu_weight_blocks(k: int, n: int) -> MgpuBlocks:
     """The weight gradient's tiles for [G, k, n]: an output tile dividing both (128 or 64),
-    128 rows of the group deep (on an H200 at MoE-l's [1,024, 512]: 0.55 ms against 0.65 for
-    64 deep, the best of the 8 tiles ``benchmarks/gpu_check.py`` times), 2 stages."""
+    128 rows of the group deep (on an H200 at MoE-l's [1,024, 512] the best of the 8 tiles
+    ``benchmarks/gpu_check.py`` times, ahead of 64 deep; benchmarks/RESULTS.md), 2 stages."""
     return MgpuBlocks(block_m=128 if k % 128 == 0 else 64, block_n=128 if n % 128 == 0 else 64,
                       block_k=128, max_concurrent_steps=2, grid_block_n=1)
 

@@ -157,7 +157,7 @@ def grouped_ffn(xs: jax.Array, weights: ExpertWeights, sizes: jax.Array,
     reads, which spares the kernels that zero them by selects (:data:`ZEROING_PAST_GROUPS`)
     those passes.
     The gate and up projections stay two grouped matmuls: as one on the weights side by side
-    the compiled MoE-l step on v5p (``fsdp=4``) was 1 ms slower, its FLOPs the same."""
+    the compiled MoE-l step was slower for the same FLOPs (benchmarks/RESULTS.md)."""
     if grouped_matmul not in GROUPED_MATMUL:
         raise ValueError(f"grouped_matmul={grouped_matmul!r} is invalid: expected one of "
                          f"{sorted(GROUPED_MATMUL)} (settle the config first)")

@@ -1,7 +1,7 @@
 """Cross-entropy through the LM head without the [tokens, vocab] logits (vocabulary-tiled loss).
 
 At Llama-3's 128,256-token vocabulary the float32 logits of a batch are the largest tensor of
-a training step (8 x 512 tokens: 2.1 GB, and autodiff keeps the softmax and the logits'
+a training step (``4 B S V`` bytes, and autodiff keeps the softmax and the logits'
 cotangent beside them). :func:`tiled_cross_entropy` takes the final-normed hidden states
 instead (``Transformer(..., head=False)``) and the LM head's weight, and runs head and softmax
 a chunk of positions at a time inside a ``lax.scan``, so only one chunk's logits
@@ -24,10 +24,9 @@ run inside a ``shard_map`` over those axes (:func:`_per_device`): each device ta
 head once, scans its own rows, and sums its dW over its chunks locally, so the batch's dW is
 summed across devices once, after the scan. Left to the partitioner, the scan's dW carry,
 sharded as the head is, made it all-gather the head and all-reduce a whole [d, V] float32 dW
-in every chunk: on v5p:2x2x1 with ``fsdp=4`` (MoE-l, 4 chunks) 2.1 GB of all-reduce and 1 GB
-of all-gather a step, 20 of its 130 estimated ms. The price is memory: while the scan runs each
-device holds a whole float32 dW (525 MB at MoE-l's d 1,024 and V 128,256) where the sharded
-carry held 1 / fsdp of it (7.6 against 6.8 GB a chip there).
+in every chunk. The price is memory: while the scan runs each device holds a whole float32
+dW (``4 d V`` bytes) where the sharded carry held 1 / fsdp of it (benchmarks/RESULTS.md,
+"Memory of the vocabulary-tiled loss", has both sides' figures).
 """
 
 from __future__ import annotations
@@ -188,8 +187,8 @@ def tiled_scores(h: jax.Array, w: jax.Array, targets: jax.Array,
                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple:
     """Per-position cross-entropy [B, S] (float32) and argmax prediction [B, S] (int32) of the
     logits ``h @ w``, a chunk of positions at a time: what evaluation needs, without the
-    [B, S, V] logits (at a 128K vocabulary a batch of 8 x 512 holds 2.1 GB of them, more than
-    the tiled training step's own transient memory). Equal to
+    [B, S, V] logits (at a 128K vocabulary more than the tiled training step's own transient
+    memory). Equal to
     ``optax.softmax_cross_entropy_with_integer_labels(h @ w, targets)`` and
     ``argmax(h @ w, -1)`` (ties to the lowest id, as ``jnp.argmax``)."""
     b, s, d = h.shape

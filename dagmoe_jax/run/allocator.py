@@ -3,8 +3,8 @@
 XLA:CPU allocates its temporary buffers afresh for every execution. glibc's malloc, as it comes,
 serves large ones with ``mmap`` (or from per-thread arenas whose heaps it unmaps when they empty)
 and returns them to the kernel on free, so each training step page-faults all of its activation
-memory back in: about 470,000 minor faults, 1.8 GB, per MoE-s step on the 2-core machine, and
-writing a fresh 128 MB buffer ran at about 5 GB/s against about 29 GB/s in reused memory.
+memory back in, and writing a fresh buffer runs several times slower than writing reused
+memory (benchmarks/RESULTS.md: ``benchmarks/alloc_bandwidth.py``).
 
 :func:`configure_allocator`, which ``train.py`` and the benchmarks call first, does one of two
 things, and :func:`allocator` says which:

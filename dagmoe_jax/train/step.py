@@ -114,8 +114,8 @@ def make_train_step(loss_fn: Callable = lm_loss, grad_accum: int = 1,
     """A jitted ``step(model, optimizer, batch) -> metrics`` updating both in place.
 
     ``donate``: the model's and optimizer's arrays are donated to the step, so XLA writes the
-    new parameters and moments over the old ones instead of holding both (at the s model,
-    2.2 GB of float32 parameters and AdamW moments). The old arrays are gone after the call, and
+    new parameters and moments over the old ones instead of holding both (12 bytes a
+    parameter: float32 weights and two AdamW moments). The old arrays are gone after the call, and
     with them any other model sharing them (``nnx.clone`` shares arrays), so it is off by
     default and on in the training loop, which owns its model. A checkpoint save is safe:
     Orbax copies the state to the host before ``save`` returns, and a buffer a host view still

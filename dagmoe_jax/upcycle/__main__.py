@@ -55,10 +55,9 @@ Flags:
 Memory: with Hugging Face --dense directories (merged one tensor at a time) the command's peak
 host memory is the merged MoE (its shared weights once, every expert's MLP) plus the per-domain
 statistics (float64, layers x (d+1)^2 each) plus one parameter's transient copies, and
-while the checkpoint is written at most 1 GB of arrays Orbax is encoding: measured 1.34x the
-experts' summed float32 size (0.92x with --dtype=bfloat16) for four 470 MB experts,
-extrapolated 1.01x (0.66x) for four 3B experts (benchmarks/merge_memory.py,
-benchmarks/RESULTS.md). The run is written from the merged parameters without building a
+while the checkpoint is written the arrays Orbax is encoding (its concurrency limit); the
+measured peak against the experts' summed size is in benchmarks/RESULTS.md
+(benchmarks/merge_memory.py). The run is written from the merged parameters without building a
 second model; its step 0 holds no optimizer state (train.py creates it when it resumes).
 Dense train.py runs are loaded whole first (their summed size on top).
 

@@ -2,7 +2,7 @@
 
 :func:`dagmoe_jax.upcycle.moerge.moerge` takes N dense models already in memory, copies them to
 float32 NumPy and stacks the experts before writing the MoE: about three times the experts'
-size at once (over 100 GB for four 3B experts). :func:`moerge_hf` builds the MoE abstractly
+size at once. :func:`moerge_hf` builds the MoE abstractly
 (``nnx.eval_shape``) and fills it from the N checkpoints' safetensors, one parameter at a time:
 a shared parameter is a float64 running sum over the models (one model's tensor read at a
 time), then its mean placed; an expert weight [layers, N, ...] starts as zeros on the device

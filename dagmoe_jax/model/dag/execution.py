@@ -15,10 +15,10 @@ tests/test_triton_dag_module.py the Triton kernels, interpreted):
 ``xla``        XLA on the node rows as one [T*K, .] matrix: on CPU and GPU that reshape is
                free, and with the node axis kept XLA:CPU runs the weight gradient, a
                contraction over two axes, 1.45x slower (the XLA module, measured); the
-               LayerNorm folded into W_down (:mod:`dagmoe_jax.model.dag.folded`: the
-               module's compiled estimate on an H100 29.9 -> 25.0 ms a DAG-MoE-l step);
-               the L-th iteration computed with the readout, as ``fused`` does (25.0 ->
-               23.4 ms, and 1.1 GB less memory on the GPU)
+               LayerNorm folded into W_down (:mod:`dagmoe_jax.model.dag.folded`); the
+               L-th iteration computed with the readout, as ``fused`` does (each step's
+               effect on the compiled GPU step: benchmarks/RESULTS.md, "Compiled for a
+               GPU")
 ``xla_rank3``  XLA with the projections as einsums on the [T, K, .] node arrays (TPU's: there
                the [T, K, d] -> [T*K, d] reshape is a copy between tiled layouts, K = 4 rows
                filling half of an 8-row tile, which the compiled DAG-MoE-l step paid at every
@@ -28,8 +28,8 @@ tests/test_triton_dag_module.py the Triton kernels, interpreted):
                and the projections' weight gradients (:func:`cpu_dense_matmul`, about twice
                XLA:CPU's speed at the module's shapes); iterations 1 .. L-1 scanned and the
                L-th computed with the readout, which needs only the nodes' sum (on TPU that
-               split of the loop cost 0.6 GB more temporaries a chip for DAG-MoE-l,
-               benchmarks/RESULTS.md, so ``xla_rank3`` keeps one scan)
+               split of the loop cost temporaries a chip, benchmarks/RESULTS.md, so
+               ``xla_rank3`` keeps one scan)
 ``triton``     each iteration, eq. 7-11 with the carry's update, as one Pallas Triton kernel
                forward and one backward (:mod:`dagmoe_jax.kernels.triton_dag_module`; NVIDIA
                GPUs sm80+, one device), the first building eq. 6's nodes, the last reading
@@ -125,9 +125,8 @@ class XLARank3Execution(XLAExecution):
 
     def layer_norm(self, x, scale, bias, eps: float) -> jax.Array:
         """Eq. 7 with its statistics in one pass
-        (:func:`~dagmoe_jax.model.dag.equations.layer_norm_statistics`): the compiled
-        DAG-MoE-s step on v5p 55.5 -> 54.9 ms, the module's own 7.94 -> 7.31
-        (benchmarks/RESULTS.md)."""
+        (:func:`~dagmoe_jax.model.dag.equations.layer_norm_statistics`; what it saves in the
+        compiled step: benchmarks/RESULTS.md)."""
         return layer_norm(x, scale, bias, eps, one_pass=True)
 
     def project(self, x: jax.Array, w: jax.Array) -> jax.Array:

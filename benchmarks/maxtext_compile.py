@@ -163,6 +163,7 @@ def main(argv=None) -> int:
         return 2
     from benchmarks.tpu_compile import run_row
     from dagmoe_jax.compile.chips import parse_topology
+    from dagmoe_jax.compile.calibration import predict
     from dagmoe_jax.compile.roofline import program_cost
     from dagmoe_jax.run.gin import load_model_config
     from dagmoe_jax.model.accounting import account
@@ -178,7 +179,8 @@ def main(argv=None) -> int:
                              *[b.replace("=", " = ", 1) for b in VARIANT_BINDINGS.get(variant, ())]])
     model_flops = account(cfg, args.seq).train_flops_per_token * args.batch * args.seq / chips
     print(f"{'who':<9}{'mesh':<24}{'GB/chip':>8}{'args':>7}{'TFLOP':>8}{'comp.TF':>8}"
-          f"{'GB acc':>8}{'coll GB':>8}{'ms/step':>9}{'tok/s':>10}{'MFU':>7}{'ours/MT':>8}",
+          f"{'GB acc':>8}{'coll GB':>8}{'sum ms':>9}{'floor ms':>9}{'pred ms':>9}{'tok/s':>10}"
+          f"{'MFU':>7}{'MT/ours':>8}",
           flush=True)
     rows = []
     for mesh_text in args.mesh or ["data=2,expert=2"]:
@@ -204,7 +206,9 @@ def main(argv=None) -> int:
                            comp=t["flops_per_chip"]["compiler"],
                            hbm=t["bytes_accessed_per_chip"]["roofline_hbm"],
                            coll=sum(c["bytes"] for c in t["collectives"].values()),
-                           seconds=t["estimate"]["seconds"], versions={"libtpu": r["libtpu"]})
+                           seconds=t["estimate"]["seconds"],
+                           floor=t["estimate"]["overlapped_seconds"],
+                           versions={"libtpu": r["libtpu"]})
             else:
                 cost = program_cost(r["hlo"], chip, chips,
                                     gmm_occupancy=1.0 / max(mesh["expert"], 1))
@@ -212,17 +216,21 @@ def main(argv=None) -> int:
                            + max(r["outputs"] - r["aliased"], 0), args=r["arguments"],
                            tflop=cost.matmul_flops, comp=r["flops"], hbm=cost.hbm_bytes,
                            coll=sum(c["bytes"] for c in cost.collectives.values()),
-                           seconds=cost.seconds, versions=r["versions"],
+                           seconds=cost.seconds, floor=cost.overlapped_seconds,
+                           versions=r["versions"],
                            kernels=cost.kernels)
+            pred = predict(row["floor"], chip)
+            row["predicted"] = pred.seconds if pred else row["seconds"]
             line[who] = row
             tokens = args.batch * args.seq
-            ratio = (f"{line['maxtext']['seconds'] / line['dagmoe']['seconds']:.3f}"
+            ratio = (f"{line['maxtext']['predicted'] / line['dagmoe']['predicted']:.3f}"
                      if who == "maxtext" and "dagmoe" in line else "")
             print(f"{who:<9}{mesh_text:<24}{row['total'] / 1e9:>8.1f}{row['args'] / 1e9:>7.1f}"
                   f"{row['tflop'] / 1e12:>8.2f}{row['comp'] / 1e12:>8.2f}{row['hbm'] / 1e9:>8.1f}"
                   f"{row['coll'] / 1e9:>8.2f}{row['seconds'] * 1e3:>9.1f}"
-                  f"{tokens / row['seconds']:>10,.0f}"
-                  f"{model_flops / (row['seconds'] * chip.peak_flops):>7.1%}{ratio:>8}",
+                  f"{row['floor'] * 1e3:>9.1f}{row['predicted'] * 1e3:>9.1f}"
+                  f"{tokens / row['predicted']:>10,.0f}"
+                  f"{model_flops / (row['predicted'] * chip.peak_flops):>7.1%}{ratio:>8}",
                   flush=True)
         rows.append({"mesh": mesh_text, **line})
     versions = {k: v for r in rows for who in ("dagmoe", "maxtext") if who in r
@@ -230,6 +238,10 @@ def main(argv=None) -> int:
                              for p, x in r[who]["versions"].items())}
     print(f"{args.shape}, topology {args.topology}, batch {args.batch} x {args.seq}; "
           + ", ".join(f"{k} {v}" for k, v in versions.items()))
+    unit = predict(1.0, chip)
+    if unit:
+        print(f"pred: {unit.calibration.scale:.2f} x the floor (compile/calibration.py), "
+              f"calibration runs {unit.calibration.spread()}; tok/s, MFU and MT/ours from it")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1, default=float))
     return 0

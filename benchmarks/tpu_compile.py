@@ -1,10 +1,11 @@
 """The paper's models compiled by the TPU or GPU compiler on this host, side by side.
 
 Each row runs ``python -m dagmoe_jax.compile`` in its own process (the training step only) and
-reads its JSON: per-chip HBM, the compiler's flops and bytes, collective bytes, and the
-roofline estimate of the step with tokens/s and MFU (dagmoe_jax/compile/roofline.py). A
-``ratio`` column divides each row's estimated step time by the MoE + shared expert row of the
-same model and topology (the paper's parity baseline: DAG-MoE L 2 measured +4.49% on A100).
+reads its JSON: per-chip HBM, the compiler's flops and bytes, collective bytes, the roofline's
+sum and floor (dagmoe_jax/compile/roofline.py) and the predicted step with its range
+(dagmoe_jax/compile/calibration.py), with tokens/s and MFU at the prediction. A ``ratio``
+column divides each row's predicted step time by the MoE + shared expert row of the same model
+and topology (the paper's parity baseline: DAG-MoE L 2 measured +4.49% on A100).
 
     python -m benchmarks.tpu_compile --models l --batch 512 --binding RunConfig.grad_accum=16 \
         --mesh "data=2,expert=2" --mesh "data=1,fsdp=2,expert=2"    # the paper's batch, v5p-8
@@ -113,8 +114,12 @@ def main(argv=None) -> int:
     extra = [f"--gin.{b.replace(' ', '')}" for b in args.binding]
     env_note = os.environ.get("XLA_FLAGS", "")
     rows = []
+    from dagmoe_jax.compile.calibration import predict
+    from dagmoe_jax.compile.chips import parse_topology
+    chip, _ = parse_topology(args.topology)
     print(f"{'model':<6}{'variant':<12}{'mesh':<26}{'GB/chip':>8}{'state':>7}{'TFLOP':>8}"
-          f"{'comp.TF':>8}{'GB acc':>8}{'coll GB':>8}{'ms/step':>9}{'tok/s':>12}{'MFU':>7}"
+          f"{'comp.TF':>8}{'GB acc':>8}{'coll GB':>8}{'sum ms':>9}{'floor ms':>9}"
+          f"{'pred. ms (range)':>22}{'tok/s':>12}{'MFU':>7}"
           f"{'ratio':>7}{'DAG ms':>8}{'launch':>7}{'disp ms':>8}{'wall s':>7}", flush=True)
     for model in args.models:
         baseline = {}
@@ -129,9 +134,13 @@ def main(argv=None) -> int:
                 t = r["programs"]["train"]
                 m, f, e = t["memory_per_chip"], t["flops_per_chip"], t["estimate"]
                 coll = sum(c["bytes"] for c in t["collectives"].values())
+                pred = predict(e["overlapped_seconds"], chip)
+                seconds = pred.seconds if pred else e["seconds"]
                 if variant == "moe+shared":
-                    baseline[mesh] = e["seconds"]
-                ratio = (f"{e['seconds'] / baseline[mesh]:.3f}" if mesh in baseline else "")
+                    baseline[mesh] = seconds
+                ratio = (f"{seconds / baseline[mesh]:.3f}" if mesh in baseline else "")
+                span = (f"{pred.seconds * 1e3:.1f} ({pred.low_seconds * 1e3:.0f}-"
+                        f"{pred.high_seconds * 1e3:.0f})" if pred else "-")
                 dag = t.get("dag_module") or {}
                 dag_ms = f"{dag['seconds'] * 1e3:.2f}" if dag else ""
                 launches = str(dag.get("launches", ""))
@@ -143,11 +152,20 @@ def main(argv=None) -> int:
                       f"{f['compiler'] / 1e12:>8.2f}"
                       f"{t['bytes_accessed_per_chip']['roofline_hbm'] / 1e9:>8.1f}"
                       f"{coll / 1e9:>8.2f}{e['seconds'] * 1e3:>9.1f}"
-                      f"{e['tokens_per_second']:>12,.0f}{e['mfu']:>7.1%}{ratio:>7}"
+                      f"{e['overlapped_seconds'] * 1e3:>9.1f}{span:>22}"
+                      f"{args.batch * args.seq / seconds:>12,.0f}"
+                      f"{e['mfu'] * e['seconds'] / seconds:>7.1%}{ratio:>7}"
                       f"{dag_ms:>8}{launches:>7}{disp_ms:>8}{r['wall']:>7.0f}", flush=True)
     compiler = next((r.get("compiler") for r in rows if "compiler" in r), "unknown")
     print(f"topology {args.topology}, batch {args.batch} x {args.seq}, bf16, {compiler}"
           f"{', XLA_FLAGS=' + env_note if env_note else ''}")
+    unit = predict(1.0, chip)
+    print("tok/s, MFU and ratio from the predicted step (compile/calibration.py): "
+          + (f"{unit.calibration.scale:.2f} x the floor, calibration runs "
+             f"{unit.calibration.spread()} over {len(unit.calibration.fit_runs)} runs on "
+             f"{'/'.join(unit.calibration.chips)}"
+             + ("" if unit.verified else f"; no calibration run on {chip.name}")
+             if unit else "no calibration: from the roofline's sum"))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1, default=float))
     return 0

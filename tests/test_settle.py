@@ -50,7 +50,12 @@ def test_settle_decides_every_auto_field_per_backend_and_layout():
     meshed = settle(cfg, backend="cpu", layout=layout)
     assert (meshed.attention, meshed.fuse_projections, meshed.grouped_matmul) == (
         "blockwise", False, "ragged_dot")
-    assert "expert-parallel over {'data': 2" in describe(cfg, meshed, None, "cpu", layout)
+    line = describe(cfg, meshed, None, "cpu", layout)
+    assert "mesh {'data': 2" in line and "no expert axis" in line and "expert-parallel" not in line
+    expert_layout = MeshLayout.of(make_mesh(MeshConfig(expert=2), jax.devices()[:2]))
+    assert "expert-parallel over {" in describe(cfg, settle(cfg, backend="cpu",
+                                                            layout=expert_layout),
+                                                None, "cpu", expert_layout)
     # what the user set explicitly is kept
     explicit = ExecutionConfig(remat="dots", scan_unroll=2, attention="xla",
                                fuse_projections=False, grouped_matmul="gmm",

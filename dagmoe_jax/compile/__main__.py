@@ -97,17 +97,29 @@ def gb(x: float) -> str:
     return f"{x / 1e9:.2f} GB"
 
 
-def describe(name: str, report, chip, topology: str, mesh_label: str) -> str:
-    """A program's report as a few lines (see the module docstring)."""
+GPU_NOTE = ("  compiled without the GPU: no autotuning (XLA's GEMM tilings are its defaults, "
+            "and a sort without the device may take XLA's slower fallback algorithm), and no "
+            "cuDNN (the Pallas Triton flash attention compiled in its attention's place); the "
+            "H200 runs behind the prediction were tuned on the device: its scale holds these "
+            "differences only as far as those runs had them")
+"""What a deviceless GPU compile differs in from a run on the card (every GPU report)."""
+
+
+def describe(name: str, report, chip, topology: str, mesh_label: str, steps: int = 0,
+             chips: int = 1) -> str:
+    """A program's report as a few lines (see the module docstring); ``steps``: the run's
+    steps, whose chip-hours the training step's prediction projects."""
     d = report.as_dict(chip)
     m, f, e = d["memory_per_chip"], d["flops_per_chip"], d["estimate"]
-    lines = [f"{name} on {topology} ({mesh_label}), {report.tokens:,} tokens: compiled in "
-             f"{report.compile_seconds:.1f} s",
+    compiler = (f"compiler {f['compiler'] / 1e12:.3f} TFLOP" if f["compiler"] or
+                chip.platform == "tpu" else "compiler: no FLOP count (XLA:GPU reports none)")
+    lines = [f"{name} on {topology} ({mesh_label}; {chip.card or chip.name}), "
+             f"{report.tokens:,} tokens: compiled in {report.compile_seconds:.1f} s",
              f"  memory per chip: state {gb(m['state'])}, temporaries {gb(m['temporaries'])}, "
              f"total {gb(m['total'])} of {gb(m['hbm'])} HBM"
              f"{'' if m['fits'] else ' (DOES NOT FIT)'}",
-             f"  per chip: model {f['model'] / 1e12:.3f} TFLOP, compiler {f['compiler'] / 1e12:.3f}"
-             f" TFLOP and {gb(d['bytes_accessed_per_chip']['compiler'])} accessed; roofline "
+             f"  per chip: model {f['model'] / 1e12:.3f} TFLOP, {compiler}"
+             f" and {gb(d['bytes_accessed_per_chip']['compiler'])} accessed; roofline "
              f"{f['roofline_matmul'] / 1e12:.3f} TFLOP of matmuls, "
              f"{gb(d['bytes_accessed_per_chip']['roofline_hbm'])} of HBM traffic"]
     if d["collectives"]:
@@ -130,11 +142,33 @@ def describe(name: str, report, chip, topology: str, mesh_label: str) -> str:
                      f"{part['seconds'] * 1e3:.2f} ms of compute + "
                      f"{part['collective_seconds'] * 1e3:.2f} ms of collectives, "
                      f"{gb(part['hbm_bytes'])} of HBM traffic, {part['launches']} launches")
-    lines.append(f"  estimate: {e['seconds'] * 1e3:.2f} ms (compute {e['compute_seconds'] * 1e3:.2f}"
-                 f" + collectives {e['collective_seconds'] * 1e3:.2f}; overlapped "
-                 f"{e['overlapped_seconds'] * 1e3:.2f}): {e['tokens_per_second']:,.0f} tokens/s, "
-                 f"MFU {e['mfu']:.1%}")
+    lines.append(f"  roofline at datasheet peak (not a step time): sum {e['seconds'] * 1e3:.2f} ms "
+                 f"(compute {e['compute_seconds'] * 1e3:.2f} + collectives "
+                 f"{e['collective_seconds'] * 1e3:.2f}; host transfers "
+                 f"{e['offload_seconds'] * 1e3:.2f}), floor {e['overlapped_seconds'] * 1e3:.2f}"
+                 f" (overlapped, but for the experts' exchanges)")
+    lines.append(prediction_line(report, chip, e, steps if name == "train" else 0, chips))
+    if chip.platform == "gpu":
+        lines.append(GPU_NOTE)
     return "\n".join(lines)
+
+
+def prediction_line(report, chip, e: dict, steps: int, chips: int) -> str:
+    """The calibrated step time (compile/calibration.py), its MFU, and what it cannot cover."""
+    from dagmoe_jax.compile.calibration import UNCALIBRATED_KERNELS, predict
+    p = predict(e["overlapped_seconds"], chip)
+    if p is None:
+        return (f"  no calibration for {chip.platform}: only the roofline above "
+                f"({report.tokens / e['seconds']:,.0f} tokens/s at its sum)")
+    line = p.line(e["overlapped_seconds"], report.tokens, chips, chip.name, steps)
+    head, _, rest = line.partition("\n")
+    line = (f"{head}; MFU {report.model_flops / (p.seconds * chip.peak_flops):.1%}"
+            + (f"\n{rest}" if rest else ""))
+    outside = sorted(k for k in report.cost.kernels if k in UNCALIBRATED_KERNELS)
+    if outside:
+        line += (f"\n  outside the calibration: {', '.join(outside)} (Pallas kernels no "
+                 f"calibration run used; the roofline misprices them: measure on the device)")
+    return line
 
 
 def resource_lines(report) -> list:
@@ -230,7 +264,7 @@ def _run(args) -> int:
                                device=devices[0])
     print(f"model settled for {chip.platform}: {settled}")
     for name, report in reports.items():
-        print(describe(name, report, chip, topology, label))
+        print(describe(name, report, chip, topology, label, run_cfg.steps, len(devices)))
     for written in (args.hlo_dir, args.json):
         if written:
             remove_on_stop(written)
@@ -286,8 +320,9 @@ def _libtpu_version() -> str:
 
 def _search(args, model_cfg, data_cfg, optim_cfg, run_cfg, chip, devices, topology) -> int:
     from dagmoe_jax.compile.programs import OutOfMemory, compile_run, mesh_over
-    from dagmoe_jax.compile.search import (OWN, Outcome, OutcomeCache, candidates, ranked,
-                                           search)
+    from dagmoe_jax.compile.calibration import predict
+    from dagmoe_jax.compile.search import (OWN, Outcome, OutcomeCache, candidates,
+                                           compile_error_line, ranked, search, within_error)
     chips = len(devices)
     own = run_cfg.mesh.resolve(chips)
     if data_cfg.batch_size % chips:
@@ -313,15 +348,19 @@ def _search(args, model_cfg, data_cfg, optim_cfg, run_cfg, chip, devices, topolo
             return Outcome(candidate, error="out of memory" + (
                 f" ({err.args[1] / 1e9:.1f} GB)" if err.args[1] else ""))
         except Exception as err:     # the compiler's or JAX's word on this mesh: next one
-            text = (str(err).strip().splitlines() or [type(err).__name__])[0]
-            return Outcome(candidate, error=text[:200])
+            return Outcome(candidate, error=compile_error_line(err))
         r = reports["train"]
         d = r.as_dict(chip)["estimate"]
         if r.total_bytes > chip.hbm_bytes:
             return Outcome(candidate, error=f"out of memory ({r.total_bytes / 1e9:.1f} GB)",
                            hbm_bytes=r.total_bytes)
-        return Outcome(candidate, d["seconds"], d["tokens_per_second"], d["mfu"],
-                       r.total_bytes)
+        p = predict(d["overlapped_seconds"], chip)
+        seconds = p.seconds if p else d["seconds"]
+        return Outcome(candidate, seconds, r.tokens / seconds,
+                       r.model_flops / (seconds * chip.peak_flops), r.total_bytes,
+                       compute_seconds=d["compute_seconds"],
+                       collective_seconds=d["collective_seconds"],
+                       floor_seconds=d["overlapped_seconds"])
 
     train_fields = {f.name: getattr(run_cfg, f.name) for f in dataclasses.fields(run_cfg)
                     if f.name != "mesh"}
@@ -331,13 +370,29 @@ def _search(args, model_cfg, data_cfg, optim_cfg, run_cfg, chip, devices, topolo
     cache = OutcomeCache(args.search_cache, fingerprint) if args.search_cache else None
     outcomes = ranked(search(compile_one, todo, budget_seconds=args.search_budget,
                              log=lambda m: print(m, flush=True), cache=cache))
-    print(f"{'rank':<5}{'mesh':<46}{'batch/chip':>11}{'tokens/s':>14}{'MFU':>8}{'GB/chip':>9}")
+    p = predict(1.0, chip)
+    what = "predicted tokens/s" if p else "tokens/s (roofline sum)"
+    print(f"{'rank':<5}{'mesh':<46}{'batch/chip':>11}{'compute ms':>11}{'coll. ms':>9}"
+          f"{what:>28}{'MFU':>7}{'GB/chip':>9}")
     for i, o in enumerate(outcomes):
         if o.seconds:
+            span = (f"{o.tokens_per_second / (1 + p.calibration.high):,.0f}-"
+                    f"{o.tokens_per_second / (1 + p.calibration.low):,.0f} "
+                    if p else "")
             print(f"{i + 1:<5}{o.candidate.label():<46}{o.candidate.batch_per_chip:>11}"
-                  f"{o.tokens_per_second:>14,.0f}{o.mfu:>8.1%}{o.hbm_bytes / 1e9:>9.1f}")
+                  f"{o.compute_seconds * 1e3:>11.2f}{o.collective_seconds * 1e3:>9.2f}"
+                  f"{span + format(o.tokens_per_second, ',.0f'):>28}{o.mfu:>7.1%}"
+                  f"{o.hbm_bytes / 1e9:>9.1f}")
         else:
             print(f"{'-':<5}{o.candidate.label():<46}{o.candidate.batch_per_chip:>11}  {o.error}")
+    if p:
+        close = within_error(outcomes, p.calibration.low, p.calibration.high)
+        print(f"predicted = {p.calibration.scale:.2f} x the roofline floor, calibration runs "
+              f"{p.calibration.spread()}" + (
+                  f": the top {len(close)} are within that error of each other (the estimate "
+                  f"cannot order them: measure them)" if len(close) > 1 else
+                  ": the best is ahead of the rest by more than that error")
+              + ("" if p.verified else f"; no calibration run on {chip.name}"))
     best = next((o for o in outcomes if o.seconds), None)
     if args.json:
         remove_on_stop(args.json)

@@ -47,6 +47,8 @@ class Chip:
     cores_per_chip: int      # TensorCores: the v5p-N accelerator type counts cores
     platform: str = "tpu"    # 'tpu' or 'gpu'
     sm_count: int = 0        # GPUs: streaming multiprocessors
+    host_bandwidth: float = 32e9   # the host link, one direction (PCIe Gen4 x16 unless named)
+    card: str = ""           # the part the figures are for, as reports name it
 
     @property
     def ring_bandwidth(self) -> float:
@@ -62,37 +64,70 @@ GIB = 2 ** 30
 CHIPS: Dict[str, Chip] = {
     # 459 TFLOP/s bf16; 95 GiB HBM2e at 2,765 GB/s; ICI 1,200 GB/s bidirectional (4,800 Gbps),
     # 3D torus; DCN 50 Gbps per chip; 2 TensorCores
-    "v5p": Chip("v5p", 459e12, 95 * GIB, 2765 * GB, 1200 * GB, 6, 50e9 / 8, 2),
+    "v5p": Chip("v5p", 459e12, 95 * GIB, 2765 * GB, 1200 * GB, 6, 50e9 / 8, 2,
+                card="TPU v5p"),
     # 197 TFLOP/s bf16; 16 GB HBM2 at 819 GB/s; ICI 400 GB/s bidirectional, 2D torus; 2 x 100
     # Gbps NICs per 8-chip host (25 Gbps per chip); 1 TensorCore
-    "v5e": Chip("v5e", 197e12, 16 * GB, 819 * GB, 400 * GB, 4, 25e9 / 8, 1),
+    "v5e": Chip("v5e", 197e12, 16 * GB, 819 * GB, 400 * GB, 4, 25e9 / 8, 1, card="TPU v5e"),
     # 918 TFLOP/s bf16; 32 GB HBM at 1,638 GB/s; ICI 800 GB/s bidirectional, 2D torus; DCN
-    # taken as v5e's per chip (the page gives none); 1 TensorCore
-    "v6e": Chip("v6e", 918e12, 32 * GB, 1638 * GB, 800 * GB, 4, 25e9 / 8, 1),
+    # taken as v5e's per chip (the page gives none); 1 TensorCore; the host over PCIe Gen5
+    # (x16: 64 GB/s a direction)
+    "v6e": Chip("v6e", 918e12, 32 * GB, 1638 * GB, 800 * GB, 4, 25e9 / 8, 1,
+                host_bandwidth=64e9, card="TPU v6e (Trillium)"),
     # NVIDIA H100 SXM5: 989 TFLOP/s dense bf16; 80 GB HBM3 at 3.35 TB/s; NVLink 4 at 900 GB/s
     # per GPU (both directions, 18 links to the NVSwitches: a ring gets half each way);
-    # 400 Gb/s InfiniBand per GPU; 132 SMs, sm_90
+    # 400 Gb/s InfiniBand per GPU; 132 SMs, sm_90; PCIe Gen5 x16 to the host
     "h100": Chip("h100", 989e12, 84942979072, 3350 * GB, 900 * GB, 2, 400e9 / 8, 1, "gpu",
-                 132),
+                 132, 64e9, "NVIDIA H100 SXM5 80 GB"),
     # NVIDIA H200 SXM: the H100's compute with 141 GB HBM3e at 4.8 TB/s
     "h200": Chip("h200", 989e12, 150754820096, 4800 * GB, 900 * GB, 2, 400e9 / 8, 1, "gpu",
-                 132),
+                 132, 64e9, "NVIDIA H200 SXM 141 GB"),
     # NVIDIA A100 SXM4 80GB: 312 TFLOP/s dense bf16; HBM2e at 2,039 GB/s; NVLink 3 at 600 GB/s
-    # per GPU; 200 Gb/s InfiniBand per GPU; 108 SMs, sm_80
+    # per GPU; 200 Gb/s InfiniBand per GPU; 108 SMs, sm_80 (not the 40 GB card, nor PCIe's:
+    # their HBM and bandwidth differ)
     "a100": Chip("a100", 312e12, 85198045184, 2039 * GB, 600 * GB, 2, 200e9 / 8, 1, "gpu",
-                 108),
+                 108, 32e9, "NVIDIA A100 SXM4 80 GB"),
 }
 
 GPUS_PER_NODE = 8
 """The most GPUs one topology name describes ('h100:8': one HGX node, NVLink between all)."""
 
 _TOPOLOGY = re.compile(r"^(v5p|v5e|v6e):(\d+(?:x\d+){1,2})$")
+_ACCELERATOR_TYPE = re.compile(r"^(v5p|v5e|v5litepod|v6e)-(\d+)$")
+STANDARD_GRIDS = {   # chips: the slice Cloud TPU gives an accelerator type of that many
+    "3d": {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
+           256: "4x8x8", 512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"},
+    "2d": {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
+           256: "16x16"},
+}
+"""Cloud TPU's default slice shapes by chip count (the v5p, v5e and v6e pages' tables), so
+the accelerator type a user reserves ('v5p-8': 4 chips of 2 cores) names a grid."""
+
+
+def grid_of_accelerator_type(name: str) -> Optional[str]:
+    """'v5p:2x2x1' for 'v5p-8', 'v6e:16x16' for 'v6e-256' (a v5p's number counts cores, a
+    v5e's and v6e's chips); None when ``name`` is not an accelerator type; a one-line
+    ``ValueError`` for a count with no standard slice."""
+    match = _ACCELERATOR_TYPE.match(name.strip())
+    if not match:
+        return None
+    chip = CHIPS["v5e" if match.group(1) == "v5litepod" else match.group(1)]
+    chips = int(match.group(2)) // chip.cores_per_chip
+    grids = STANDARD_GRIDS["3d" if chip.ici_ports == 6 else "2d"]
+    if int(match.group(2)) % chip.cores_per_chip or chips not in grids:
+        raise ValueError(f"--topology={name!r}: {chip.name} has no standard slice of that size "
+                         f"(accelerator types: " + ", ".join(
+                             accelerator_type(chip, n) for n in grids) + "); or name the grid, "
+                         f"e.g. {chip.name}:{grids[max(grids)]}")
+    return f"{chip.name}:{grids[chips]}"
 _GPU_TOPOLOGY = re.compile(r"^(h100|h200|a100)(?::(\d+))?$")
 
 
 def parse_topology(name: str) -> Tuple[Chip, Tuple[int, ...]]:
-    """(chip, chip grid) of a topology name such as 'v5p:2x2x1', 'v6e:8x8', 'h100' or 'h100:8'
-    (a GPU's grid is its GPU count); a one-line ``ValueError`` for anything else."""
+    """(chip, chip grid) of a topology name such as 'v5p:2x2x1', 'v6e:8x8', an accelerator
+    type ('v5p-8', 'v6e-256': :func:`grid_of_accelerator_type`), 'h100' or 'h100:8' (a GPU's
+    grid is its GPU count); a one-line ``ValueError`` for anything else."""
+    name = grid_of_accelerator_type(name) or name
     gpu = _GPU_TOPOLOGY.match(name.strip())
     if gpu:
         count = int(gpu.group(2) or 1)
@@ -105,7 +140,8 @@ def parse_topology(name: str) -> Tuple[Chip, Tuple[int, ...]]:
         gpus = "|".join(c for c, chip in CHIPS.items() if chip.platform == "gpu")
         raise ValueError(f"--topology={name!r} is not a topology this command knows: "
                          f"expected {tpus}:AxB[xC] (e.g. v5p:2x2x1, v5p:4x4x4, v5e:4x4, "
-                         f"v6e:8x8) or {gpus}[:GPUS] (e.g. h100, h100:8, a100)")
+                         f"v6e:8x8), an accelerator type (v5p-8, v6e-256) or "
+                         f"{gpus}[:GPUS] (e.g. h100, h100:8, a100)")
     chip = CHIPS[match.group(1)]
     grid = tuple(int(x) for x in match.group(2).split("x"))
     if chip.ici_ports == 6 and len(grid) != 3 or chip.ici_ports == 4 and len(grid) != 2:
@@ -205,6 +241,7 @@ def gpu_devices(chip: Chip, count: int) -> List:
 def topology_devices(name: str, num_slices: int = 1) -> Tuple[Chip, List]:
     """(chip, compile-only devices) of ``num_slices`` slices of topology ``name`` (GPUs: one
     node); one-line ``ValueError`` when the name is unknown or its compiler is missing."""
+    name = grid_of_accelerator_type(name) or name
     chip, grid = parse_topology(name)
     if num_slices < 1:
         raise ValueError(f"--num_slices={num_slices} is invalid: expected an integer >= 1")

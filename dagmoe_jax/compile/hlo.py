@@ -172,6 +172,10 @@ def group_size(attrs: str, total_devices: int) -> Tuple[int, Optional[List[int]]
     if m:
         sizes = dict((k.strip("' "), int(v)) for k, v in
                      (kv.split("=") for kv in m.group(1).split(",")))
-        names = [n.strip("' ") for n in m.group(2).split(",") if n.strip()]
-        return math.prod(sizes[n] for n in names), None
+        # an axis, or a sub-axis 'name':(pre)size (the size devices of name that lie after
+        # pre of them)
+        axes = [re.fullmatch(r"\s*'?([^':]+)'?(?::\((\d+)\)(\d+))?\s*", n)
+                for n in m.group(2).split(",") if n.strip()]
+        return math.prod(int(a.group(3)) if a.group(3) else sizes[a.group(1)]
+                         for a in axes if a), None
     return total_devices, None

@@ -98,7 +98,6 @@ class ProgramReport:
 
     def as_dict(self, chip: Chip) -> dict:
         seconds = self.cost.seconds
-        tokens_per_s = self.tokens / seconds if seconds else 0.0
         return {
             "compile_seconds": round(self.compile_seconds, 1),
             "tokens": self.tokens,
@@ -116,8 +115,9 @@ class ProgramReport:
             "kernels": self.cost.kernels,
             "estimate": {"seconds": seconds, "compute_seconds": self.cost.compute_seconds,
                          "collective_seconds": self.cost.collective_seconds,
+                         "offload_seconds": self.cost.offload_seconds,
                          "overlapped_seconds": self.cost.overlapped_seconds,
-                         "tokens_per_second": tokens_per_s,
+                         "tokens_per_second": self.tokens / seconds if seconds else 0.0,
                          "mfu": (self.model_flops / (seconds * chip.peak_flops)
                                  if seconds else 0.0)},
             "slowest": [[s, what] for s, what in self.cost.slowest],

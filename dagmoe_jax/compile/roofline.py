@@ -46,9 +46,17 @@ The input is the text of the optimised HLO module the TPU compiler produced
   bandwidth when its group spans slices. XLA:TPU writes a reduce-scatter as a fusion of an
   all-reduce and a slice (``calls=%all-reduce-scatter...``): it is costed as the
   reduce-scatter it is.
+* **Host transfers.** An instruction that reads or writes host memory (memory space ``S(5)``
+  in its shape: the asynchronous ``dynamic-slice-start`` / ``dynamic-update-slice-start`` /
+  ``copy-start`` of activations offloaded by a remat policy) moves its slice, its update or its
+  buffer at the host link's bandwidth (:attr:`~dagmoe_jax.compile.chips.Chip.host_bandwidth`),
+  off the cores: ``offload`` seconds, not compute.
 * **The estimate** is the sum of the instructions' times plus the collectives' (no overlap:
-  an upper bound on a program whose collectives XLA overlaps with compute); the overlapped
-  bound ``max(compute, collectives)`` is reported beside it.
+  a program whose collectives and host transfers XLA overlaps with compute runs below it);
+  the floor ``max(compute + exchanges, other collectives, offload)`` beside it overlaps
+  everything but the all-to-all exchanges, which the experts wait for. Neither is a
+  measured step time: :mod:`dagmoe_jax.compile.calibration` scales the floor by what
+  published runs measured.
 
 The compiler's own ``cost_analysis()`` totals (flops, bytes accessed) are reported next to
 this walk's; its ``optimal_seconds`` is not used (it came out negative for whole training
@@ -58,87 +66,33 @@ steps).
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from dagmoe_jax.compile.chips import Chip
 from dagmoe_jax.compile.hlo import (ARRAY, Instruction, attr, backend_config, constant_value,
-                                    group_size, parse_module, shape_bytes, shape_dims)
+                                    group_size, parse_module, shape_bytes)
 from dagmoe_jax.compile.kernel_costs import (GPU_KERNEL_CALLS, KNOWN_TPU_KERNELS,
                                              dag_kernel_flops, grouped_matmul_flops,
                                              gpu_kernel_family,
                                              kernel_family, megablox_family, mosaic_flops)
+from dagmoe_jax.compile.matmul_flops import dot_flops
 
 FUSIONS = ("fusion", "fusion-start")
 """A fused computation run in place or asynchronously (its ``-done`` is free)."""
+EXCHANGES = ("all-to-all", "ragged-all-to-all")
+"""Collectives whose results the next instructions need at once (dispatch's token exchange):
+the floor does not overlap them with compute."""
 COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute",
                "ragged-all-to-all")
 
 _FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "partition-id",
          "replica-id", "after-all", "add-dependency", "opt-barrier", "iota", "call-update",
          "async-update"}
+HOST_MEMORY = "S(5)"
+"""The host's memory space in a TPU layout (``bf16[...]{...:S(5)}``)."""
 _FREE_CALLS = {"AllocateBuffer"}
 """Custom-call targets that move no data (``lax.empty``'s uninitialised buffer)."""
-
-
-def _window_taps(size: int, window: int, out: int, pad_lo: int, stride: int) -> int:
-    """How many (output position, kernel tap) pairs of one spatial dimension land on the input
-    (not on padding): ``sum over o of #{k < window : 0 <= o * stride + k - pad_lo < size}``."""
-    return sum(max(0, min(window, size + pad_lo - o * stride) - max(0, pad_lo - o * stride))
-               for o in range(out))
-
-
-def _convolution_flops(instruction: Instruction, shapes: Dict[str, str]) -> float:
-    """2 x multiply-adds of a ``convolution``: per output batch and feature, the kernel's input
-    features times, in each spatial dimension, the kernel taps that land on the input. (XLA:TPU
-    writes batched matmuls as convolutions whose spatial dimensions are the batch, with a
-    window the batch's size padded to ``size - 1`` on each side: each output position meets one
-    tap, not ``size``.) Dilated windows count every tap (an upper bound)."""
-    labels = (attr(instruction.attrs, "dim_labels") or "").split("_")
-    if len(instruction.operands) < 2 or len(labels) < 2 or "->" not in labels[1]:
-        return 0.0
-    lhs_labels, (kernel_labels, out_labels) = labels[0], labels[1].split("->")
-    lhs = shape_dims(shapes.get(instruction.operands[0], ""))
-    kernel = shape_dims(shapes.get(instruction.operands[1], ""))
-    out = shape_dims(instruction.shape)
-    if len(lhs) != len(lhs_labels) or len(kernel) != len(kernel_labels) \
-            or len(out) != len(out_labels):
-        return 0.0
-    window = re.search(r"window=\{([^}]*)\}", instruction.attrs)
-    fields = dict(f.split("=", 1) for f in (window.group(1).split() if window else ())
-                  if "=" in f)
-    spatial = sorted((c for c in kernel_labels if c.isdigit()), key=int)   # window order
-    pads = [p.split("_") for p in fields.get("pad", "").split("x")] if "pad" in fields else []
-    strides = fields.get("stride", "").split("x") if "stride" in fields else []
-    dilated = "lhs_dilate" in fields or "rhs_dilate" in fields
-    taps = 1
-    for n, digit in enumerate(spatial):
-        k = kernel[kernel_labels.index(digit)]
-        if dilated:
-            taps *= k * out[out_labels.index(digit)]
-            continue
-        pad_lo = int(pads[n][0]) if n < len(pads) else 0
-        stride = int(strides[n]) if n < len(strides) else 1
-        taps *= _window_taps(lhs[lhs_labels.index(digit)], k, out[out_labels.index(digit)],
-                             pad_lo, stride)
-    per_position = math.prod(size for label, size in zip(out_labels, out) if not label.isdigit())
-    return 2.0 * per_position * kernel[kernel_labels.index("i")] * taps
-
-
-def dot_flops(instruction: Instruction, shapes: Dict[str, str]) -> float:
-    """2 x output elements x contracted size of a ``dot`` (lhs contracting dims); a
-    ``convolution``'s by :func:`_convolution_flops`."""
-    if instruction.op != "dot":
-        return _convolution_flops(instruction, shapes)
-    if not instruction.operands:
-        return 0.0
-    out = math.prod(shape_dims(instruction.shape))
-    lhs = shape_dims(shapes.get(instruction.operands[0], ""))
-    dims = (attr(instruction.attrs, "lhs_contracting_dims") or "{}").strip("{}")
-    contracted = math.prod(lhs[int(d)] for d in dims.split(",")
-                           if d.strip() and int(d) < len(lhs))
-    return 2.0 * out * contracted
 
 
 @dataclasses.dataclass
@@ -147,6 +101,9 @@ class Cost:
 
     compute_seconds: float = 0.0
     collective_seconds: float = 0.0
+    matmul_bound_seconds: float = 0.0     # the compute of instructions bound by their FLOPs
+    offload_seconds: float = 0.0          # host transfers (asynchronous, off the cores)
+    offload_bytes: float = 0.0
     matmul_flops: float = 0.0
     hbm_bytes: float = 0.0
     collectives: Dict[str, Dict[str, float]] = dataclasses.field(default_factory=dict)
@@ -158,13 +115,29 @@ class Cost:
         return self.compute_seconds + self.collective_seconds
 
     @property
+    def exchange_seconds(self) -> float:
+        """The all-to-all exchanges' time (expert-parallel dispatch: the experts wait for it)."""
+        return sum(self.collectives.get(k, {}).get("seconds", 0.0) for k in EXCHANGES)
+
+    @property
     def overlapped_seconds(self) -> float:
-        return max(self.compute_seconds, self.collective_seconds)
+        """The floor: compute with the exchanges it waits for, the other collectives and the
+        host transfers, overlapped with each other."""
+        return max(self.compute_seconds + self.exchange_seconds,
+                   self.collective_seconds - self.exchange_seconds, self.offload_seconds)
+
+    @property
+    def memory_bound_seconds(self) -> float:
+        """The compute of instructions bound by the bytes they move."""
+        return self.compute_seconds - self.matmul_bound_seconds
 
     def add(self, other: "Cost") -> None:
         """Add ``other``'s figures to these (a conditional's chosen branch)."""
         self.compute_seconds += other.compute_seconds
         self.collective_seconds += other.collective_seconds
+        self.matmul_bound_seconds += other.matmul_bound_seconds
+        self.offload_seconds += other.offload_seconds
+        self.offload_bytes += other.offload_bytes
         self.matmul_flops += other.matmul_flops
         self.hbm_bytes += other.hbm_bytes
         self.slowest.extend(other.slowest)
@@ -340,6 +313,9 @@ class _Walker:
         return reads, writes
 
     def _compute(self, ins: Instruction, shapes, times: float, cost: Cost) -> None:
+        if HOST_MEMORY in ins.shape:
+            self._host_transfer(ins, shapes, times, cost)
+            return
         nbytes = self.moved_bytes(ins, shapes)
         flops = 0.0
         if ins.op in FUSIONS:
@@ -350,9 +326,29 @@ class _Walker:
             flops = self._kernel_flops(ins, shapes, times, cost)
         seconds = max(flops / self.chip.peak_flops, nbytes / self.chip.hbm_bandwidth)
         cost.compute_seconds += seconds * times
+        if flops / self.chip.peak_flops >= nbytes / self.chip.hbm_bandwidth:
+            cost.matmul_bound_seconds += seconds * times
         cost.matmul_flops += flops * times
         cost.hbm_bytes += nbytes * times
         cost.slowest.append((seconds * times, f"{ins.op} {ins.name} x{int(times)}"))
+
+    def _host_transfer(self, ins: Instruction, shapes, times: float, cost: Cost) -> None:
+        """An instruction touching host memory (module docstring): the slice a
+        ``dynamic-slice-start`` brings back, the update a ``dynamic-update-slice-start``
+        sends, else its operands' bytes (a ``copy-start`` to or from the host)."""
+        arrays = ARRAY.findall(ins.shape)
+        if ins.op == "dynamic-slice-start" and len(arrays) > len(ins.operands):
+            dtype, dims = arrays[len(ins.operands)]
+            nbytes = shape_bytes(f"{dtype}[{dims}]")
+        elif ins.op in ("dynamic-update-slice-start", "dynamic-update-slice") \
+                and len(ins.operands) > 1:
+            nbytes = shape_bytes(shapes.get(ins.operands[1], ""))
+        else:
+            nbytes = sum(shape_bytes(shapes.get(o, "")) for o in ins.operands)
+        seconds = nbytes / self.chip.host_bandwidth
+        cost.offload_seconds += seconds * times
+        cost.offload_bytes += nbytes * times
+        cost.slowest.append((seconds * times, f"host {ins.op} {ins.name} x{int(times)}"))
 
     def _kernel_flops(self, ins: Instruction, shapes, times: float, cost: Cost) -> float:
         """A custom call's matmul FLOPs, counting it in ``cost.kernels`` when it is a Pallas

@@ -132,6 +132,9 @@ class Outcome:
     mfu: float = 0.0
     hbm_bytes: float = 0.0
     error: str = ""                        # 'out of memory: ...' or the compiler's word
+    compute_seconds: float = 0.0           # the roofline's terms (compile/roofline.py)
+    collective_seconds: float = 0.0
+    floor_seconds: float = 0.0             # max(compute, collectives, host transfers)
 
 
 class OutcomeCache:
@@ -202,6 +205,35 @@ def _said(outcome: Outcome) -> str:
 
 
 def ranked(outcomes: Sequence[Outcome]) -> List[Outcome]:
-    """Those that fit, fastest first, then the others."""
+    """Those that fit, fastest first (by their tokens/s: the calibrated prediction where the
+    outcome has one), then the others."""
     fit = sorted((o for o in outcomes if o.seconds), key=lambda o: -o.tokens_per_second)
     return fit + [o for o in outcomes if not o.seconds]
+
+
+def within_error(outcomes: Sequence[Outcome], low: float, high: float) -> List[Outcome]:
+    """The ranked outcomes (best first) whose predicted tokens/s the best's cannot be told
+    from: a prediction's truth lies in ``[1 + low, 1 + high]`` times it (the calibration's
+    spread of measured / predicted step time), so B is within the error of the best A when
+    ``tokens_A / tokens_B <= (1 + high) / (1 + low)``."""
+    fit = [o for o in outcomes if o.seconds]
+    if not fit:
+        return []
+    bound = (1 + high) / (1 + low)
+    return [o for o in fit if fit[0].tokens_per_second / o.tokens_per_second <= bound]
+
+
+MOSAIC_UNDER_TENSOR = ("skipped: a Mosaic kernel (splash attention, the megablox grouped "
+                       "matmul) is not partitioned over a tensor axis; "
+                       "ExecutionConfig.attention='xla' and grouped_matmul='ragged_dot' "
+                       "run there")
+"""What the search says of a mesh whose compile failed with JAX's "Mosaic kernels cannot be
+automatically partitioned" (a Pallas TPU kernel outside ``shard_map`` under a sharded axis)."""
+
+
+def compile_error_line(err: BaseException) -> str:
+    """A failed candidate's one line: the compiler's first line, or what it means."""
+    text = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    if "Mosaic kernels cannot be automatically partitioned" in text:
+        return MOSAIC_UNDER_TENSOR
+    return text[:200]

@@ -354,9 +354,21 @@ def describe(cfg: ModelConfig, settled: ExecutionConfig,
             f"projections {'fused' if ex.fuse_projections else 'separate'}{dispatch}"
             f"{', grouped matmul ' + grouped if dropless else ''}"
             f"{', DAG module ' + dag_module if dag is not None else ''}"
-            f"{', expert-parallel over ' + str(dict(layout.axis_sizes)) if layout else ''}"
-            f"{' by ' + ex.expert_exchange if layout and dropless else ''}"
-            f"{_buffer(experts) if layout and dropless else ''}")
+            f"{_mesh_part(layout, experts, dropless, ex)}")
+
+
+def _mesh_part(layout, experts, dropless: bool, ex) -> str:
+    """The mesh's part of :func:`describe`'s line: expert-parallel only where the mesh has an
+    expert axis of more than one device."""
+    if layout is None:
+        return ""
+    sizes = dict(layout.axis_sizes)
+    if experts is None or sizes.get("expert", 1) == 1:
+        return f", mesh {sizes}" + (" (no expert axis: every chip holds every expert)"
+                                    if experts is not None else "")
+    return (f", expert-parallel over {sizes}"
+            f"{' by ' + ex.expert_exchange if dropless else ''}"
+            f"{_buffer(experts) if dropless else ''}")
 
 
 def _buffer(experts) -> str:

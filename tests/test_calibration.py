@@ -192,3 +192,13 @@ def test_the_floor_keeps_the_exchanges_on_the_critical_path():
     assert roofline.Cost(compute_seconds=1.0, collective_seconds=2.0).overlapped_seconds == 2.0
     run = CalibrationRun("r", "s", "v5p", True, 2.0, 1.0, 0.5, 0.9, 0.4, exchange=0.3)
     assert run.floor == pytest.approx(cost.overlapped_seconds)
+
+
+def test_mesh_replica_groups_with_a_sub_axis():
+    """Shardy's mesh-named replica groups: whole axes multiply their sizes; a sub-axis
+    'fsdp':(4)8 (8 of fsdp's devices, after 4) counts 8 (MaxText's Llama4-Maverick program)."""
+    from dagmoe_jax.compile.hlo import group_size
+    mesh = "replica_groups=mesh['data'=2,'fsdp'=32,'tensor'=4]"
+    assert group_size(f"{mesh} {{'fsdp':(4)8}}, dimensions={{0}}", 256) == (8, None)
+    assert group_size(f"{mesh} {{'fsdp','tensor'}}, x", 256) == (128, None)
+    assert group_size(f"{mesh} {{'tensor'}}, x", 256) == (4, None)

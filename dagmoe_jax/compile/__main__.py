@@ -16,8 +16,9 @@ kernels are the GPU's, its GEMM tilings the compiler's defaults).
 
 Flags:
   --gin_file=FILE, --gin.NAME.PARAM=VAL, --gin_bindings=...   train.py's configuration
-  --topology=NAME     v5p:2x2x1 (default), v5p:4x4x4, v5e:4x4, v6e:8x8, ...; h100, h200,
-                      a100, h100:8 (one 8-GPU node)
+  --topology=NAME     v5p:2x2x1 (default), v5p:4x4x4, v5e:4x4, v6e:8x8, ..., or the
+                      accelerator type (v5p-8, v6e-256); h100, h200, a100 (SXM4 80 GB),
+                      h100:8 (one 8-GPU node)
   --num_slices=N      N slices of that topology (multi-slice; data parallelism spans them)
   --programs=LIST     of train,eval,prefill,decode (default all four)
   --gen_batch=B --prompt_len=P --new_tokens=N   the generation programs' shapes
@@ -26,8 +27,9 @@ Flags:
   --hlo_dir=DIR       also write each compiled program's HLO text
   --search            compile the training step under every mesh the chips factor into
                       (data / fsdp / expert / tensor) and the per-chip batch sizes of
-                      --batch_per_chip; print them ranked by estimated tokens/s and the gin
-                      bindings of the best
+                      --batch_per_chip; print them ranked by predicted tokens/s (with each
+                      mesh's compute and collective time, and which of the top ones the
+                      prediction's error cannot order) and the gin bindings of the best
   --batch_per_chip=LIST   per-chip batch sizes to search (default: the run's, half, double)
   --search_budget=S   stop the search after S seconds (default 1800)
   --search_buffers=LIST   ExpertConfig.exchange_buffer values a dropless model also tries on
@@ -39,9 +41,11 @@ Flags:
 
 Each program's report, per chip: parameters and optimizer state, temporaries and the total
 against the chip's HBM; model FLOPs (model.accounting), the compiler's flops and bytes
-accessed; each collective's count and bytes; the Mosaic kernels; and an estimated step time
-with tokens/s and MFU (a roofline of the compiled program: dagmoe_jax/compile/roofline.py and
-docs/design.md section 8).
+accessed; each collective's count and bytes; the Mosaic kernels; the roofline of the compiled
+program (its sum and floor at the chip's datasheet peak, not a step time:
+dagmoe_jax/compile/roofline.py and docs/design.md section 8); and the predicted step time with
+tokens/s, MFU, the error the calibration runs showed, the runs behind it and the run's
+chip-hours (dagmoe_jax/compile/calibration.py).
 
 Exit status: 0 compiled (and fits), 2 invalid configuration, or a program that does not fit
 its chip's HBM (one line: by how much, and what to change).

@@ -95,8 +95,10 @@ GPU_RUNS: Tuple[CalibrationRun, ...] = tuple(
         ("DAG-MoE-l L 2 h200", 0.118, 0.062), ("MoE-l capacity h200", 0.072, 0.035)))
 """The H200 steps this project measured (XLA's programs and the 'mgpu' grouped matmul)."""
 
-UNCALIBRATED_KERNELS = ("triton dag forward", "triton dag backward")
-"""Kernels the calibration runs did not use and the roofline is known to misprice."""
+UNCALIBRATED_KERNELS = ("triton dag forward", "triton dag backward", "pallas dag forward",
+                        "pallas dag backward")
+"""The DAG module's kernels: no calibration run used them, the roofline mispriced the Triton
+ones on the H200, and no TPU has run the Mosaic ones."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ kernels are the GPU's, its GEMM tilings the compiler's defaults).
 Flags:
   --gin_file=FILE, --gin.NAME.PARAM=VAL, --gin_bindings=...   train.py's configuration
   --topology=NAME     v5p:2x2x1 (default), v5p:4x4x4, v5e:4x4, v6e:8x8, ..., or the
-                      accelerator type (v5p-8, v6e-256); h100, h200, a100 (SXM4 80 GB),
+                      accelerator type (v5p-8, v6e-256); h100, h200, a100 (SXM4, 80-gigabyte),
                       h100:8 (one 8-GPU node)
   --num_slices=N      N slices of that topology (multi-slice; data parallelism spans them)
   --programs=LIST     of train,eval,prefill,decode (default all four)

@@ -110,7 +110,7 @@ def run_config(args, run_dir: Path, steps: int, source: str, held: str, seed: in
 
 def load_imbalance(run_dir: Path) -> float:
     """Mean over layers and the last quarter of the steps of max/mean expert load."""
-    from dagmoe_jax.train.metrics import read_metrics
+    from dagmoe_jax.run.records import read_metrics
     values = [np.mean(r["load_imbalance"]) for r in read_metrics(run_dir)
               if "load_imbalance" in r]
     return float(np.mean(values[-max(1, len(values) // 4):])) if values else float("nan")

@@ -130,7 +130,7 @@ COMMANDS = {
     "import": ("dagmoe_jax.cli.hf_import",
                lambda f, out: [f"--hf={f / 'mixtral'}", f"--run_dir={out}"],
                "config.json", "imported "),
-    "analyze": ("dagmoe_jax.analysis",
+    "analyze": ("dagmoe_jax.cli.analyze",
                 lambda f, out: [f"--run_dir={f / 'run'}", f"--out={out}", "--batches=1"],
                 "summary.json", "wrote "),
     "upcycle": ("dagmoe_jax.upcycle",

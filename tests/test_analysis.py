@@ -194,7 +194,7 @@ def _train_runs(root: Path) -> dict:
 
 
 def analyze(run_dir: Path, out: Path, *args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "dagmoe_jax.analysis", f"--run_dir={run_dir}",
+    return subprocess.Popen([sys.executable, "-m", "dagmoe_jax.cli.analyze", f"--run_dir={run_dir}",
                              f"--out={out}", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=single_device_env(), cwd=REPO)
 
@@ -242,7 +242,7 @@ def test_plot_command_on_a_coe_run_with_other_data(analyzed):
 
 
 def test_plot_command_errors_are_one_line(tmp_path, capsys):
-    from dagmoe_jax.analysis.__main__ import main
+    from dagmoe_jax.cli.analyze import main
 
     for argv in ([f"--run_dir={tmp_path / 'nowhere'}", f"--out={tmp_path}"], ["--out=x"],
                  ["--run_dir=x", "--out=y", "--batches=0"], ["--bogus"]):

@@ -334,7 +334,8 @@ def test_config_errors(field, value):
 # ---------------------------------------------------------------- per-expert load in the metrics
 
 def test_metrics_jsonl_has_the_load_per_expert_and_its_imbalance(tmp_path):
-    from dagmoe_jax.train.metrics import MetricsWriter, read_metrics
+    from dagmoe_jax.run.records import read_metrics
+    from dagmoe_jax.train.metrics import MetricsWriter
 
     load = np.array([[0.5, 0.25, 0.25, 0.0], [0.25, 0.25, 0.25, 0.25]])
     writer = MetricsWriter(tmp_path, tensorboard=False)
@@ -369,7 +370,7 @@ def test_a_run_trains_with_both_options_and_logs_the_load(tmp_path):
     and its imbalance, and the checkpoint holds the biases the steps moved."""
     from dagmoe_jax.run.gin import load_configs
     from dagmoe_jax.train.loop import train
-    from dagmoe_jax.train.metrics import read_metrics
+    from dagmoe_jax.run.records import read_metrics
 
     run_dir, steps, rate = tmp_path / "run", 4, 0.001
     configs = load_configs(["train/smoke.gin"], [

@@ -19,7 +19,7 @@ import pytest
 from dagmoe_jax.command_line import OneLineParser
 
 REPO = Path(__file__).resolve().parent.parent
-COMMANDS = ["dagmoe_jax.cli.train", "dagmoe_jax.cli.sample", "dagmoe_jax.analysis.__main__",
+COMMANDS = ["dagmoe_jax.cli.train", "dagmoe_jax.cli.sample", "dagmoe_jax.cli.analyze",
             "dagmoe_jax.upcycle.__main__", "dagmoe_jax.families.doe.command", "dagmoe_jax.cli.demo"]
 
 
@@ -77,7 +77,7 @@ def test_no_command_line_defines_its_own_parser_class():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("module", ["dagmoe_jax.cli.train", "dagmoe_jax.cli.sample", "dagmoe_jax.analysis",
+@pytest.mark.parametrize("module", ["dagmoe_jax.cli.train", "dagmoe_jax.cli.sample", "dagmoe_jax.cli.analyze",
                                     "dagmoe_jax.upcycle", "dagmoe_jax.families.doe.command", "dagmoe_jax.cli.demo"])
 def test_python_m_wiring(tmp_path, module):
     """``python -m`` runs the command's ``main`` and exits with its status."""

@@ -11,6 +11,7 @@ The roofline's HLO reading is checked on a hand-written module whose costs are k
 from __future__ import annotations
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -59,9 +60,10 @@ def mesh_step(v5p):
     """(mesh, settled execution, training-step report) of :func:`pallas_dag` compiled with
     'auto' but the DAG module's Mosaic kernels ('pallas': asked for, 'auto' being XLA's) on
     the v5p-8 as data=2 x expert=2, the HLO kept: one compilation that two tests read."""
-    from dagmoe_jax.compile.programs import compile_run, mesh_over
+    from dagmoe_jax.compile.programs import compile_run
+    from dagmoe_jax.parallel import MeshConfig, make_mesh
     chip, devices = v5p
-    mesh = mesh_over(devices, dict(data=2, expert=2))
+    mesh = make_mesh(MeshConfig(data=2, expert=2), devices)
     with jax.default_matmul_precision("default"):     # a module fixture: before the autouse one
         settled, reports = compile_run(pallas_dag(), DataConfig(batch_size=8, seq_len=128),
                                        OptimConfig(),
@@ -83,9 +85,10 @@ def tiny_step_has_the_kernels(settled, train, chip) -> None:
 
 @needs_tpu_compiler
 def test_tiny_dag_compiles_for_v5p_on_one_chip(v5p):
-    from dagmoe_jax.compile.programs import compile_run, mesh_over
+    from dagmoe_jax.compile.programs import compile_run
+    from dagmoe_jax.parallel import MeshConfig, make_mesh
     chip, devices = v5p
-    mesh = mesh_over(devices[:1], dict(data=1))
+    mesh = make_mesh(MeshConfig(data=1), devices[:1])
     settled, reports = compile_run(small_dag(), DataConfig(batch_size=8, seq_len=128),
                                    OptimConfig(), RunConfig(), mesh, chip,
                                    programs=("train",), keep_hlo=True)
@@ -165,10 +168,10 @@ def expert_weights_sharded_by_the_rules(hlo: str, cfg, mesh) -> None:
     """The compiled (SPMD-partitioned) step's entry parameters are one chip's shards: each
     routed expert weight arrives as the shard its logical names map to under the mesh rules
     (the ``expert`` axis over the mesh's expert axis), never whole."""
-    from dagmoe_jax.compile.programs import abstract_train_state
+    from dagmoe_jax.run.state import build
     from dagmoe_jax.parallel.state import variable_spec
     entry = hlo[hlo.index("ENTRY"):].split("\n", 1)[0]
-    model, _ = abstract_train_state(cfg, OptimConfig(), RunConfig(), mesh)
+    model, _, _ = build(cfg, OptimConfig(), RunConfig(), mesh, backend="tpu", abstract=True)
     checked = 0
     for path, var in nnx.to_flat_state(nnx.state(model)):
         names = var.get_metadata().get("out_sharding") or ()
@@ -188,14 +191,15 @@ def expert_weights_sharded_by_the_rules(hlo: str, cfg, mesh) -> None:
 @needs_tpu_compiler
 def test_s_model_compiles_under_data_x_expert(v5p):
     """The paper's s model (vocabulary 128,256, 32 experts of 256, top-4), train step only."""
-    from dagmoe_jax.compile.programs import compile_run, mesh_over
+    from dagmoe_jax.compile.programs import compile_run
+    from dagmoe_jax.parallel import MeshConfig, make_mesh
     from dagmoe_jax.run.gin import load_model_config
     chip, devices = v5p
     cfg = load_model_config(["models/s.gin", "variants/dag_g128_l2.gin"],
                             ["ModelConfig.compute_dtype = 'bfloat16'"])
     _, reports = compile_run(cfg, DataConfig(batch_size=4, seq_len=256), OptimConfig(),
-                             RunConfig(), mesh_over(devices, dict(data=2, expert=2)), chip,
-                             programs=("train",))
+                             RunConfig(), make_mesh(MeshConfig(data=2, expert=2), devices),
+                             chip, programs=("train",))
     train = reports["train"]
     # float32 parameters and two AdamW moments: 12 bytes a parameter, of which each chip holds
     # every one but half the routed experts' (32 experts over expert 2)
@@ -213,10 +217,11 @@ def test_s_model_compiles_under_data_x_expert(v5p):
 
 @needs_tpu_compiler
 def test_generation_and_eval_compile(v5p):
-    from dagmoe_jax.compile.programs import GenerationShape, compile_run, mesh_over
+    from dagmoe_jax.compile.programs import GenerationShape, compile_run
+    from dagmoe_jax.parallel import MeshConfig, make_mesh
     chip, devices = v5p
     _, reports = compile_run(small_dag(), DataConfig(batch_size=4, seq_len=128), OptimConfig(),
-                             RunConfig(), mesh_over(devices[:1], dict(data=1)), chip,
+                             RunConfig(), make_mesh(MeshConfig(data=1), devices[:1]), chip,
                              programs=("eval", "prefill", "decode"),
                              generation=GenerationShape(2, 128, 64))
     assert set(reports) == {"eval", "prefill", "decode"}
@@ -258,15 +263,15 @@ def test_the_compile_report_names_the_exchange_and_its_buffer(capsys):
 def test_kernels_refused_under_highest_precision():
     """Building a run (run.build, and the compile command's abstract state) refuses the
     Pallas TPU kernels under 'highest' in one line."""
-    from dagmoe_jax.compile.programs import abstract_train_state
+    from dagmoe_jax.run.state import build
     from dagmoe_jax.model.settle import check_kernel_precision
     with jax.default_matmul_precision("highest"):
         with pytest.raises(ValueError, match="Bad lhs type.*ExecutionConfig.attention='xla'"):
             check_kernel_precision("splash", "ragged_dot", "tpu")
         with pytest.raises(ValueError, match="megablox gmm"):
-            abstract_train_state(small_dag(), OptimConfig(),
-                                 RunConfig(execution=ExecutionConfig(attention="xla")),
-                                 jax.sharding.Mesh(jax.devices()[:1], ("data",)))
+            build(small_dag(), OptimConfig(),
+                  RunConfig(execution=ExecutionConfig(attention="xla")),
+                  jax.sharding.Mesh(jax.devices()[:1], ("data",)), backend="tpu", abstract=True)
         # XLA's own attention and ragged_dot take any precision; CPU is never refused
         check_kernel_precision("xla", "ragged_dot", "tpu")
         check_kernel_precision("splash", "gmm", "cpu")
@@ -404,14 +409,15 @@ def test_grouped_matmul_flops_scale_by_occupancy():
 
 @needs_tpu_compiler
 def test_gmm_occupancy_of_a_mesh(v5p):
-    from dagmoe_jax.compile.programs import gmm_occupancy, mesh_over
+    from dagmoe_jax.compile.programs import gmm_occupancy
+    from dagmoe_jax.parallel import MeshConfig, make_mesh
     _, devices = v5p
-    mesh = mesh_over(devices, dict(data=2, expert=2))
+    mesh = make_mesh(MeshConfig(data=2, expert=2), devices)
     cfg = small_dag()
     assert cfg.block.experts.dispatch == "dropless"
     assert gmm_occupancy(cfg, mesh, tokens=512) == 0.5
     assert gmm_occupancy(cfg, mesh, tokens=3) == 1.0          # global-view fallback
-    assert gmm_occupancy(cfg, mesh_over(devices, dict(data=4)), tokens=512) == 1.0
+    assert gmm_occupancy(cfg, make_mesh(MeshConfig(data=4), devices), tokens=512) == 1.0
     # a receive buffer of 1.25x the balanced share (ExpertConfig.exchange_buffer): 1 / 1.25;
     # one at least E wide is the worst case's 1 / E
     for factor, occupancy in ((1.25, 0.8), (3.0, 0.5)):
@@ -490,6 +496,20 @@ ENTRY %main (w: f32[8,256,256], x: f32[64,256], i: s32[], y: f32[8,64,256], u: f
   ROOT %c = f32[] constant(0)
 }
 """
+
+
+def test_multislice_mesh_spans_slices_by_data_alone():
+    """make_mesh over two v5p slices: the data axis crosses the slices, every other axis stays
+    inside one; a data axis the slices do not divide is one line."""
+    from dagmoe_jax.compile.chips import topology_devices
+    from dagmoe_jax.parallel import MeshConfig, make_mesh
+    _, devices = topology_devices("v5p:2x2x1", num_slices=2)
+    mesh = make_mesh(MeshConfig(data=2, expert=4), devices, num_slices=2)
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}
+    slices = np.vectorize(lambda d: d.slice_index)(mesh.devices)
+    assert (slices[0] == 0).all() and (slices[1] == 1).all()
+    with pytest.raises(ValueError, match="MeshConfig.data=1 must be a multiple of --num_slices=2"):
+        make_mesh(MeshConfig(data=1, expert=8), devices, num_slices=2)
 
 
 def test_sliced_buffers_count_their_slices():
@@ -650,9 +670,9 @@ def test_mesh_axes_that_split_a_torus_axis():
     """32 expert shards over a 4x4x4 slice: no product of whole torus axes is 32, so the mesh
     splits one (jax.make_mesh alone refuses)."""
     from dagmoe_jax.compile.chips import topology_devices
-    from dagmoe_jax.compile.programs import mesh_over
+    from dagmoe_jax.parallel import MeshConfig, make_mesh
     _, devices = topology_devices("v5p:4x4x4")
-    mesh = mesh_over(devices, dict(data=2, expert=32))
+    mesh = make_mesh(MeshConfig(data=2, expert=32), devices)
     assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "expert": 32, "tensor": 1}
     assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
 

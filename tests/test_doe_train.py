@@ -15,7 +15,7 @@ from dagmoe_jax.data import make_tokenizer, train_dataset
 from dagmoe_jax.run.gin import load_configs
 from dagmoe_jax.families.doe.topics import TopicModel
 from dagmoe_jax.train.loop import train
-from dagmoe_jax.train.metrics import read_metrics
+from dagmoe_jax.run.records import read_metrics
 
 THEMES = [["ocean", "wave", "salt", "tide", "reef", "coral", "shore", "current"],
           ["flame", "ember", "smoke", "ash", "heat", "spark", "coal", "furnace"],

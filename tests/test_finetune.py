@@ -19,7 +19,7 @@ from dagmoe_jax.run.gin import load_configs
 from dagmoe_jax.run.config import OptimConfig, RunConfig
 from dagmoe_jax.train.init_from import load_initial_params, source_model_config
 from dagmoe_jax.train.loop import train
-from dagmoe_jax.train.metrics import read_metrics
+from dagmoe_jax.run.records import read_metrics
 from dagmoe_jax.run.optim import TRAINABLE, make_schedule
 from dagmoe_jax.train.step import make_train_step
 from conftest import build_once, make_model, single_device_env

@@ -51,7 +51,8 @@ def test_gpu_topologies_parse():
 def test_dropless_step_compiles_with_the_triton_kernel_for_a100():
     gpu, kernel = "a100", "triton"
     from dagmoe_jax.compile.chips import topology_devices
-    from dagmoe_jax.compile.programs import compile_run, mesh_over
+    from dagmoe_jax.compile.programs import compile_run
+    from dagmoe_jax.parallel import MeshConfig, make_mesh
     chip, devices = topology_devices(gpu)
     experts, hidden, rows, seq, top_k = 8, 128, 4, 128, 2
     cfg = tiny_config(d_model=128, num_heads=4, num_kv_heads=2, max_seq_len=256,
@@ -60,7 +61,7 @@ def test_dropless_step_compiles_with_the_triton_kernel_for_a100():
                       router=dict(top_k=top_k))
     settled, reports = compile_run(cfg, DataConfig(batch_size=rows, seq_len=seq), OptimConfig(),
                                    RunConfig(execution=ExecutionConfig(dag_module="triton")),
-                                   mesh_over(devices, dict(data=1)), chip,
+                                   make_mesh(MeshConfig(data=1), devices), chip,
                                    programs=("train",), keep_hlo=True)
     assert settled.grouped_matmul == kernel
     assert settled.dag_module == "triton"    # asked for ('auto' is XLA's); d_g 64, K 2: taken

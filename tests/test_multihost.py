@@ -15,7 +15,7 @@ import pytest
 
 from dagmoe_jax.data import train_records
 from dagmoe_jax.run.gin import load_configs
-from dagmoe_jax.train.metrics import read_metrics
+from dagmoe_jax.run.records import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -219,6 +219,26 @@ def test_sharded_init_is_sharded_and_matches_eager(meshes):
     assert_tree_close(host(params), eager, eager, "init", rtol=1e-6)   # last-bit differences
 
 
+def test_abstract_train_state_is_the_concrete_one_unmade(meshes):
+    """create_train_state(abstract=True): the same variables, shapes, dtypes and shardings as
+    the state made on the mesh, with no array made (what the ahead-of-time compile lowers)."""
+    mesh = meshes["fsdp2_ep2_tp2"]
+    layout = MeshLayout.of(mesh)
+    cfg = VARIANTS["dag"]()
+    made = create_train_state(lambda: make_model(cfg, layout=layout), optax.adamw(1e-3), mesh)
+    unmade = create_train_state(lambda: make_model(cfg, layout=layout), optax.adamw(1e-3), mesh,
+                                abstract=True)
+
+    for real, abstract in zip(made, unmade):
+        real = dict(jax.tree_util.tree_leaves_with_path(nnx.state(real)))
+        abstract = dict(jax.tree_util.tree_leaves_with_path(nnx.state(abstract)))
+        assert abstract.keys() == real.keys()
+        for path, leaf in abstract.items():
+            assert isinstance(leaf, jax.ShapeDtypeStruct), path
+            assert (leaf.shape, leaf.dtype) == (real[path].shape, real[path].dtype), path
+            assert leaf.sharding.is_equivalent_to(real[path].sharding, len(leaf.shape)), path
+
+
 def test_expert_parallel_dispatch_uses_collectives(meshes):
     """Experts built with a mesh layout dispatch across devices (shard_map + all-to-all);
     without one the single-device code runs, mesh or not."""

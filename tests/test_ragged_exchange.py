@@ -240,7 +240,7 @@ def test_a_bounded_buffer_run_logs_its_drops(tmp_path):
     dropped share is in metrics.jsonl, and an untrained router's uneven load overflows it."""
     from dagmoe_jax.run.gin import load_configs
     from dagmoe_jax.train.loop import train
-    from dagmoe_jax.train.metrics import read_metrics
+    from dagmoe_jax.run.records import read_metrics
 
     run_dir = tmp_path / "run"
     configs = load_configs(["train/smoke.gin"], [

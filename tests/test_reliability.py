@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dagmoe_jax.train.metrics import METRICS_FILE, MetricsWriter, read_metrics
+from dagmoe_jax.run.records import METRICS_FILE, read_metrics
+from dagmoe_jax.train.metrics import MetricsWriter
 from conftest import single_device_env
 
 REPO = Path(__file__).resolve().parent.parent

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from dagmoe_jax.run.gin import load_configs
-from dagmoe_jax.train.metrics import read_metrics
+from dagmoe_jax.run.records import read_metrics
 from conftest import build_once, make_model, single_device_env
 
 REPO = Path(__file__).resolve().parent.parent

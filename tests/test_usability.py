@@ -24,7 +24,8 @@ from dagmoe_jax.analysis import plots
 from dagmoe_jax.analysis.report import curve_series
 from dagmoe_jax.run.gin import load_configs
 from dagmoe_jax.run import checkpoint_files as ckpt
-from dagmoe_jax.train.metrics import METRICS_FILE, MetricsWriter, read_metrics
+from dagmoe_jax.run.records import METRICS_FILE, read_metrics
+from dagmoe_jax.train.metrics import MetricsWriter
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = single_device_env(DAGMOE_TCMALLOC="0")

@@ -3,16 +3,16 @@
 :func:`~dagmoe_jax.analysis.collection.collect` runs the model with its intermediates recorded
 (routing decisions per layer and CoE iteration, the DAG module's edge gates) and reduces them;
 :mod:`~dagmoe_jax.analysis.plots` draws PNGs (matplotlib, Agg backend);
-:func:`~dagmoe_jax.analysis.report.analyze_run` does both for a run directory. Command line::
+:func:`~dagmoe_jax.analysis.report.analyze_run` does both for a run. Command line
+(:mod:`dagmoe_jax.cli.analyze`)::
 
-    python -m dagmoe_jax.analysis --run_dir=runs/default --out=runs/default/plots [--data=SPEC]
+    dagmoe-analyze --run_dir=runs/default --out=runs/default/plots [--data=SPEC]
 """
 
 import importlib
 
-# Loaded when first asked for (PEP 562): ``python -m dagmoe_jax.analysis`` imports this package
-# before its command installs the stop handlers (dagmoe_jax/stopping.py), and JAX must not load
-# in that window.
+# Loaded when first asked for (PEP 562): importing this package loads no JAX (a command
+# imports it before its libraries, under the stop contract of dagmoe_jax/stopping.py).
 _WHERE = {"Collected": "collection", "collect": "collection", "record": "collection",
           "PLOTS": "report", "PlotResult": "report", "analyze_run": "report",
           "write_plots": "report"}

@@ -5,7 +5,7 @@
 :mod:`dagmoe_jax.analysis.plots` that apply to its block type and ``summary.json`` (the
 numbers: edge-gate sparsity per layer and iteration for DAG-MoE); it returns one
 :class:`PlotResult` per file, written or skipped with a one-line reason. The command line is
-``python -m dagmoe_jax.analysis``.
+``dagmoe-analyze`` (:mod:`dagmoe_jax.cli.analyze`, which opens the run).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import numpy as np
 
@@ -23,8 +23,10 @@ from dagmoe_jax.analysis.collection import Collected, collect
 from dagmoe_jax.config import family_of
 from dagmoe_jax.run.paths import as_path, is_remote
 from dagmoe_jax.data import eval_batches, parse_source
-from dagmoe_jax.hf.run import open_run
-from dagmoe_jax.train.metrics import read_metrics
+from dagmoe_jax.run.records import read_metrics
+
+if TYPE_CHECKING:
+    from dagmoe_jax.run.directory import LoadedRun
 
 # The plots of routed blocks (MoE, CoE; a family with its own analysis skips them), then the
 # training curves every run has. A family's own analysis adds its plots (DoE's ``PLOTS``).
@@ -106,7 +108,7 @@ def summary(stats: Collected) -> dict:
 
 
 def summary_lines(blob: dict) -> List[str]:
-    """``summary.json`` as the lines ``python -m dagmoe_jax.analysis`` prints."""
+    """``summary.json`` as the lines ``dagmoe-analyze`` prints."""
     gates = blob.get("edge_gates")
     if not gates:
         return []
@@ -184,11 +186,12 @@ def training_curves(records: List[dict], out: Path, prefix: str = "") -> PlotRes
         *curves, out / "training_curves.png", f"{prefix}training loss and learning rate"))
 
 
-def analyze_run(run_dir, out_dir, *, data: str = "", max_batches: int = 4) -> List[PlotResult]:
-    """Load ``run_dir``'s newest checkpoint, trace it over ``max_batches`` batches of its
-    held-out data (or ``data``), and write every plot that applies into ``out_dir``."""
-
-    loaded = open_run(run_dir)
+def analyze_run(loaded: LoadedRun, run_dir, out_dir, *, data: str = "",
+                max_batches: int = 4) -> List[PlotResult]:
+    """Trace ``loaded``, the run read from ``run_dir`` (its newest checkpoint: what
+    :func:`dagmoe_jax.run.load_run` or, for ``hf:FOLDER``, ``dagmoe_jax.hf.run.open_run``
+    gives), over ``max_batches`` batches of its held-out data (or ``data``), and write every
+    plot that applies into ``out_dir`` (the training curves from ``run_dir``'s metrics log)."""
     path = as_path(run_dir)
     path = path if is_remote(path) else Path(os.path.abspath(path))
     label = f"{path.parent.name}/{path.name} @ step {loaded.step}"

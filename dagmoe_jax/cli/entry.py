@@ -19,7 +19,7 @@ COMMANDS = {
     "dagmoe-sample": "dagmoe_jax.cli.sample",
     "dagmoe-export": "dagmoe_jax.cli.export",
     "dagmoe-import": "dagmoe_jax.cli.hf_import",
-    "dagmoe-analyze": "dagmoe_jax.analysis.__main__",
+    "dagmoe-analyze": "dagmoe_jax.cli.analyze",
     "dagmoe-upcycle": "dagmoe_jax.upcycle.__main__",
     "dagmoe-harness": "dagmoe_jax.harness.cli",
     "dagmoe-compile": "dagmoe_jax.compile.__main__",

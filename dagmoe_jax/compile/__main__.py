@@ -235,7 +235,8 @@ def _run(args) -> int:
     from dagmoe_jax.compile.chips import mesh_label, topology_devices
     chip, devices = topology_devices(args.topology, args.num_slices)
 
-    from dagmoe_jax.compile.programs import GenerationShape, OutOfMemory, compile_run, mesh_over
+    from dagmoe_jax.compile.programs import GenerationShape, OutOfMemory, compile_run
+    from dagmoe_jax.parallel import make_mesh
     from dagmoe_jax.run.gin import DEFAULT_GIN, load_configs
     model_cfg, data_cfg, optim_cfg, run_cfg = load_configs(args.gin_file or [DEFAULT_GIN],
                                                              args.bindings)
@@ -249,7 +250,7 @@ def _run(args) -> int:
     if args.search:
         return _search(args, model_cfg, data_cfg, optim_cfg, run_cfg, chip, devices,
                        topology)
-    mesh = mesh_over(devices, dataclasses.asdict(run_cfg.mesh), args.num_slices)
+    mesh = make_mesh(run_cfg.mesh, devices, args.num_slices)
     label = mesh_label(mesh.shape)
     print(f"compiling for {topology}: {len(devices)} {chip.name} chips, mesh {label}",
           flush=True)
@@ -323,7 +324,8 @@ def _libtpu_version() -> str:
 
 
 def _search(args, model_cfg, data_cfg, optim_cfg, run_cfg, chip, devices, topology) -> int:
-    from dagmoe_jax.compile.programs import OutOfMemory, compile_run, mesh_over
+    from dagmoe_jax.compile.programs import OutOfMemory, compile_run
+    from dagmoe_jax.parallel import MeshConfig, make_mesh
     from dagmoe_jax.compile.calibration import predict
     from dagmoe_jax.compile.search import (OWN, Outcome, OutcomeCache, candidates,
                                            compile_error_line, ranked, search, within_error)
@@ -345,7 +347,7 @@ def _search(args, model_cfg, data_cfg, optim_cfg, run_cfg, chip, devices, topolo
     def compile_one(candidate) -> Outcome:
         data = dataclasses.replace(data_cfg, batch_size=candidate.batch_per_chip * chips)
         try:
-            mesh = mesh_over(devices, candidate.mesh, args.num_slices)
+            mesh = make_mesh(MeshConfig(**candidate.mesh), devices, args.num_slices)
             _, reports = compile_run(candidate.model_config(model_cfg), data, optim_cfg,
                                      run_cfg, mesh, chip, programs=("train",))
         except OutOfMemory as err:

@@ -31,7 +31,6 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.experimental import mesh_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dagmoe_jax.compile import ptxas
@@ -45,16 +44,16 @@ from dagmoe_jax.kernels.gpu_grouped_matmul import mosaic_gpu_target
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.decoding.generate import DEFAULT_DISPATCH, decode_step, prefill
 from dagmoe_jax.data.batch import MODEL_INPUTS
-from dagmoe_jax.model.settle import check_kernel_precision, settle
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.run.extensions import extension_for
 from dagmoe_jax.model.accounting import account
 from dagmoe_jax.model.expert_parallel import dispatch_axes
-from dagmoe_jax.parallel import MeshConfig, activate, make_mesh
-from dagmoe_jax.parallel.axes import MESH_AXES, MeshLayout
-from dagmoe_jax.parallel.state import batch_shards, batch_sharding, variable_spec
+from dagmoe_jax.parallel import activate
+from dagmoe_jax.parallel.axes import MeshLayout
+from dagmoe_jax.parallel.state import batch_shards, batch_sharding
 from dagmoe_jax.run.config import OptimConfig, RunConfig
-from dagmoe_jax.run.optim import TRAINABLE, check_trainable, make_optimizer
+from dagmoe_jax.run.optim import TRAINABLE
+from dagmoe_jax.run.state import build
 from dagmoe_jax.evaluation import eval_step
 from dagmoe_jax.train.step import make_train_step
 
@@ -129,17 +128,6 @@ class ProgramReport:
         }
 
 
-def _abstract(obj, mesh) -> None:
-    """Give every variable of an abstract NNX object (``nnx.eval_shape``) the sharding its
-    logical names map to, in place."""
-    def shard(v):
-        value = v.get_value()
-        return v.replace(jax.ShapeDtypeStruct(value.shape, value.dtype,
-                                              sharding=NamedSharding(mesh, variable_spec(v))))
-    state = jax.tree.map(shard, nnx.state(obj), is_leaf=lambda x: isinstance(x, nnx.Variable))
-    nnx.update(obj, state)
-
-
 def state_bytes_per_chip(obj) -> float:
     """Bytes of an abstract (sharded) NNX object's arrays that one chip holds."""
     total = 0.0
@@ -147,32 +135,6 @@ def state_bytes_per_chip(obj) -> float:
         shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
         total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
     return total
-
-
-def abstract_train_state(model_cfg: ModelConfig, optim_cfg: OptimConfig,
-                         run_cfg: RunConfig, mesh, backend: str = "tpu"):
-    """(model, optimizer) with abstract sharded arrays, the model running as
-    ``run_cfg.execution`` settled for ``backend`` and ``mesh`` (on GPU, for the compute
-    capability of the mesh's devices) exactly as :func:`dagmoe_jax.run.build` settles a
-    run's."""
-    check_trainable(model_cfg, run_cfg.trainable)
-    layout = MeshLayout.of(mesh)
-    execution = settle(model_cfg, run_cfg.execution, backend=backend, layout=layout,
-                       device=mesh.devices.flat[0])
-    check_kernel_precision(execution.attention, execution.grouped_matmul, backend)
-    tx = make_optimizer(optim_cfg, run_cfg.steps)
-    wrt = TRAINABLE[run_cfg.trainable]
-
-    def build():
-        model = Transformer(model_cfg, execution=execution, rngs=nnx.Rngs(run_cfg.seed),
-                            layout=layout)
-        return model, nnx.Optimizer(model, tx, wrt=wrt)
-
-    with activate(mesh):
-        model, optimizer = nnx.eval_shape(build)
-    _abstract(model, mesh)
-    _abstract(optimizer, mesh)
-    return model, optimizer
 
 
 def _batch(model_cfg: ModelConfig, mesh, rows: int, seq: int, replicated: bool,
@@ -334,8 +296,8 @@ def compile_run(model_cfg: ModelConfig, data_cfg: DataConfig, optim_cfg: OptimCo
     if data_cfg.batch_size % shards:
         raise ValueError(f"DataConfig.batch_size={data_cfg.batch_size} does not split over the "
                          f"{shards} chips of the batch mesh axes: use a multiple of {shards}")
-    model, optimizer = abstract_train_state(model_cfg, optim_cfg, run_cfg, mesh,
-                                            backend=chip.platform)
+    model, optimizer, _ = build(model_cfg, optim_cfg, run_cfg, mesh, backend=chip.platform,
+                                abstract=True)
     cfg = model_cfg
     params = state_bytes_per_chip(model)
     acc = account(cfg, data_cfg.seq_len)
@@ -428,23 +390,3 @@ def _compile_generation(model, mesh, chip, shape: GenerationShape, programs, par
                                 forward_per_token * b / len(devices), chip, devices, keep_hlo,
                                 gmm_occupancy(cfg, mesh, b), resources)
     return out
-
-
-def mesh_over(devices: Sequence, sizes: Dict[str, int], num_slices: int = 1):
-    """A mesh ``data, fsdp, expert, tensor`` over a topology's devices (``sizes``: each
-    axis's size, -1 filled); with several slices the ``data`` axis spans them (each slice holds
-    ``data / num_slices`` of it and every other axis whole: only data parallelism crosses the
-    slower data-centre network)."""
-    cfg = MeshConfig(**sizes)
-    if num_slices == 1:
-        return make_mesh(cfg, devices)
-    resolved = cfg.resolve(len(devices))
-    data = resolved[0]
-    if data % num_slices:
-        raise ValueError(f"MeshConfig.data={data} must be a multiple of --num_slices="
-                         f"{num_slices}: data parallelism is what spans the slices")
-    ici = (data // num_slices,) + tuple(resolved[1:])
-    dcn = (num_slices,) + (1,) * (len(resolved) - 1)
-    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
-    return jax.sharding.Mesh(grid, MESH_AXES,
-                             axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))

@@ -20,15 +20,27 @@ from dagmoe_jax.parallel.config import MeshConfig
 from dagmoe_jax.parallel.axes import DEFAULT_RULES, MESH_AXES
 
 
-def make_mesh(cfg: MeshConfig = MeshConfig(), devices: Optional[Sequence] = None) -> Mesh:
+def make_mesh(cfg: MeshConfig = MeshConfig(), devices: Optional[Sequence] = None,
+              num_slices: int = 1) -> Mesh:
     """A ``jax.sharding.Mesh`` over ``devices`` (default: all, every process) with axes
     ``data, fsdp, expert, tensor``, all of type ``Auto`` (sharding by constraints, GSPMD).
 
     On a TPU torus an axis whose size is no product of whole physical axes (32 chips of a
-    4x4x4 slice) splits a physical axis, as ``mesh_utils`` allows when asked."""
+    4x4x4 slice) splits a physical axis, as ``mesh_utils`` allows when asked. Over
+    ``num_slices`` slices (multi-slice, the devices of every slice) the ``data`` axis spans
+    them: each slice holds ``data / num_slices`` of it and every other axis whole, so only
+    data parallelism crosses the slower data-centre network."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = cfg.resolve(len(devices))
     axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    if num_slices > 1:
+        if sizes[0] % num_slices:
+            raise ValueError(f"MeshConfig.data={sizes[0]} must be a multiple of --num_slices="
+                             f"{num_slices}: data parallelism is what spans the slices")
+        ici = (sizes[0] // num_slices,) + tuple(sizes[1:])
+        dcn = (num_slices,) + (1,) * (len(sizes) - 1)
+        grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
+        return Mesh(grid, MESH_AXES, axis_types=axis_types)
     try:
         return jax.make_mesh(sizes, MESH_AXES, axis_types=axis_types, devices=devices)
     except NotImplementedError:

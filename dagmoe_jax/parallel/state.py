@@ -72,15 +72,35 @@ def place_on_mesh(obj: T, mesh: Mesh, rules=DEFAULT_RULES) -> T:
     return obj
 
 
+def create_abstract(factory: Callable[[], T], mesh: Mesh, rules=DEFAULT_RULES) -> T:
+    """``factory()`` with no arrays made (``nnx.eval_shape`` under ``mesh``): every variable a
+    ``ShapeDtypeStruct`` carrying the sharding its logical names map to, what
+    :func:`create_sharded` would give. A program is lowered and compiled on these for a mesh
+    this host does not have (a compile-only topology)."""
+    with activate(mesh, rules):
+        obj = nnx.eval_shape(factory)
+
+    def shard(v):
+        value = v.get_value()
+        return v.replace(jax.ShapeDtypeStruct(
+            value.shape, value.dtype, sharding=NamedSharding(mesh, variable_spec(v, rules))))
+    for part in (obj if isinstance(obj, tuple) else (obj,)):
+        nnx.update(part, jax.tree.map(shard, nnx.state(part),
+                                      is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    return obj
+
+
 def create_train_state(model_factory: Callable[[], nnx.Module], tx, mesh: Mesh,
-                       rules=DEFAULT_RULES, wrt=nnx.Param) -> Tuple[nnx.Module, nnx.Optimizer]:
-    """(model, ``nnx.Optimizer(model, tx, wrt=wrt)``), both created sharded by one jitted init."""
+                       rules=DEFAULT_RULES, wrt=nnx.Param, abstract: bool = False
+                       ) -> Tuple[nnx.Module, nnx.Optimizer]:
+    """(model, ``nnx.Optimizer(model, tx, wrt=wrt)``), both created sharded by one jitted init
+    (``abstract``: shapes and shardings only, :func:`create_abstract`)."""
 
     def factory():
         model = model_factory()
         return model, nnx.Optimizer(model, tx, wrt=wrt)
 
-    return create_sharded(factory, mesh, rules)
+    return (create_abstract if abstract else create_sharded)(factory, mesh, rules)
 
 
 def batch_sharding(mesh: Mesh, ndim: int, rules=DEFAULT_RULES) -> NamedSharding:

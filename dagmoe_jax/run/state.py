@@ -3,7 +3,8 @@
 Training, evaluation, sampling, analysis, upcycling and the benchmarks all build models here:
 
 * :func:`build`: (model, optimizer, schedule) from the run's configs, parameters initialised
-  from ``RunConfig.seed``, created directly sharded over a mesh when one is given;
+  from ``RunConfig.seed``, created directly sharded over a mesh when one is given, or only
+  their shapes and shardings (``abstract``: what the ahead-of-time compile lowers);
 * :func:`device_batch` / :func:`replicated_batch`: a host batch's model inputs on the devices
   (this process's rows of a training batch; a whole evaluation batch on every device);
 * :func:`check_compatible`: one-line errors for data the model cannot take.
@@ -11,7 +12,7 @@ Training, evaluation, sampling, analysis, upcycling and the benchmarks all build
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -41,18 +42,27 @@ def check_compatible(model_cfg: ModelConfig, data_cfg: DataConfig, tokenizer) ->
 
 
 def build(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg: RunConfig, mesh=None,
-          log: Callable[[str], None] = lambda _message: None):
+          log: Callable[[str], None] = lambda _message: None, *,
+          backend: Optional[str] = None, abstract: bool = False):
     """(model, optimizer, schedule) for a run: parameters initialised from ``run_cfg.seed``,
     created directly sharded over ``mesh`` when one is given (optimizer state too).
 
-    The model runs as ``run_cfg.execution`` settled for ``model_cfg`` on this machine and
-    mesh (:func:`dagmoe_jax.model.settle.settle`; ``model.execution`` is the settled config)."""
+    The model runs as ``run_cfg.execution`` settled for ``model_cfg`` on ``backend`` (default:
+    this machine's) and the mesh (:func:`dagmoe_jax.model.settle.settle`; ``model.execution``
+    is the settled config). ``abstract``: no arrays, only their shapes, dtypes and shardings
+    over ``mesh`` (:func:`dagmoe_jax.parallel.state.create_abstract`), settled for the
+    ``backend`` and the devices of the mesh (a compile-only topology's: what
+    :mod:`dagmoe_jax.compile` lowers for another machine)."""
+    if abstract and mesh is None:
+        raise ValueError("an abstract train state is built over a mesh (a topology's devices)")
     tx = make_optimizer(optim_cfg, run_cfg.steps)
     check_trainable(model_cfg, run_cfg.trainable)
     wrt = TRAINABLE[run_cfg.trainable]
     layout = MeshLayout.of(mesh)
-    execution = settle(model_cfg, run_cfg.execution, layout=layout, log=log)
-    check_kernel_precision(execution.attention, execution.grouped_matmul, jax.default_backend())
+    execution = settle(model_cfg, run_cfg.execution, backend=backend, layout=layout,
+                       device=mesh.devices.flat[0] if abstract else None, log=log)
+    check_kernel_precision(execution.attention, execution.grouped_matmul,
+                           backend or jax.default_backend())
 
     def new_model():
         return Transformer(model_cfg, execution=execution, rngs=nnx.Rngs(run_cfg.seed),
@@ -61,7 +71,7 @@ def build(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg: RunConfig, me
         model = new_model()
         optimizer = nnx.Optimizer(model, tx, wrt=wrt)
     else:
-        model, optimizer = create_train_state(new_model, tx, mesh, wrt=wrt)
+        model, optimizer = create_train_state(new_model, tx, mesh, wrt=wrt, abstract=abstract)
     return model, optimizer, make_schedule(optim_cfg, run_cfg.steps)
 
 

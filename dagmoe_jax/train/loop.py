@@ -31,8 +31,8 @@ from dagmoe_jax.parallel.state import batch_axes, batch_shards
 from dagmoe_jax.parallel.axes import MeshLayout
 from dagmoe_jax.run.paths import run_path
 from dagmoe_jax.train.hooks import EvalHook, ProgressHook
-from dagmoe_jax.train.metrics import (MetricsWriter, check_tensorboard_target, read_metrics,
-                                      require_wandb)
+from dagmoe_jax.train.metrics import MetricsWriter, check_tensorboard_target, require_wandb
+from dagmoe_jax.run.records import read_metrics
 from dagmoe_jax.run.config import OptimConfig, RunConfig
 from dagmoe_jax.train.init_from import (load_initial_params, source_bindings,
                                          source_data_config, source_model_config)

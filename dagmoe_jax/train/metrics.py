@@ -3,9 +3,9 @@
 A training run's records go to every sink that is switched on, each a :class:`MetricWriter`:
 
 * :class:`JsonlWriter`: one JSON object per line in ``metrics.jsonl`` (always; what plots,
-  tests and notebooks read back with :func:`read_metrics`). Per-layer arrays (``expert_load``
-  [layers, N]: each layer's share of routing assignments per expert; ``dropped_fraction``
-  [layers]) are written whole, and beside ``expert_load`` its summary ``load_imbalance``
+  tests and notebooks read back with :func:`dagmoe_jax.run.records.read_metrics`). Per-layer
+  arrays (``expert_load`` [layers, N]: each layer's share of routing assignments per expert;
+  ``dropped_fraction`` [layers]) are written whole, and beside ``expert_load`` its summary ``load_imbalance``
   [layers] (:func:`load_imbalance`: each layer's max over mean load, 1 at balance);
 * :class:`TensorBoardWriter` (``RunConfig.tensorboard``): TensorBoard event files; each
   per-layer array becomes one scalar per layer (``load_imbalance/layer_i``,
@@ -31,8 +31,8 @@ from typing import Dict, List, Mapping, Optional, Protocol, runtime_checkable
 import numpy as np
 
 from dagmoe_jax.run.paths import as_path, is_remote, scheme
+from dagmoe_jax.run.records import METRICS_FILE, read_records
 
-METRICS_FILE = "metrics.jsonl"
 WANDB_ID_FILE = "wandb_run_id"
 
 
@@ -54,35 +54,13 @@ def _jsonable(value):
     return array.tolist()
 
 
-def _records(path) -> list[dict]:
-    """The records of a metrics file. A torn last line (what a crash or a full disk leaves
-    mid-write) is dropped; an unreadable line anywhere else is a one-line ``ValueError`` naming
-    the file and line."""
-    lines = as_path(path).read_bytes().decode("utf-8", errors="replace").splitlines()
-    records = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            if not isinstance(record, dict):
-                raise ValueError("not a JSON object")
-        except ValueError as err:
-            if number == len(lines):        # torn by a crash: the rest of it was never written
-                break
-            raise ValueError(f"{path} line {number} is not a metrics record ({err}): fix or "
-                             f"remove that line") from None
-        records.append(record)
-    return records
-
-
 def truncate_jsonl(path, last_step: int) -> List[dict]:
     """Drop records of steps after ``last_step`` (a resumed run re-does them), and a torn last
     line; returns the records kept."""
     path = as_path(path)
     if not path.exists():
         return []
-    kept = [r for r in _records(path) if r.get("step", 0) <= last_step]
+    kept = [r for r in read_records(path) if r.get("step", 0) <= last_step]
     path.write_text("".join(json.dumps(r) + "\n" for r in kept))
     return kept
 
@@ -289,14 +267,6 @@ class MetricsWriter:
         for writer in self.writers:
             writer.close()
         self.writers = []
-
-
-def read_metrics(run_dir) -> list[dict]:
-    """The records of a run's ``metrics.jsonl`` (for plots, tests and notebooks)."""
-    path = as_path(run_dir) / METRICS_FILE
-    if not path.exists():
-        return []
-    return _records(path)
 
 
 def summarise_load(expert_load: Optional[np.ndarray]) -> dict:

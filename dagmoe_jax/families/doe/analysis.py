@@ -21,7 +21,7 @@ from dagmoe_jax.analysis.plots import _save, plt
 from dagmoe_jax.analysis.report import (ROUTED_PLOTS, PlotResult, analysis_batches,
                                         training_curves)
 from dagmoe_jax.run.extensions import extension_for
-from dagmoe_jax.train.metrics import read_metrics
+from dagmoe_jax.run.records import read_metrics
 
 # This family's own plots, beside the core's (:data:`dagmoe_jax.analysis.report.PLOTS`).
 PLOTS = ("doe_gates",)

@@ -1,10 +1,12 @@
 """Write the analysis plots of a trained run.
 
-    python -m dagmoe_jax.analysis --run_dir=runs/default --out=runs/default/plots
-    python -m dagmoe_jax.analysis --run_dir=DIR --out=DIR --data="text:notes/*.txt" --batches 8
+    dagmoe-analyze --run_dir=runs/default --out=runs/default/plots
+    dagmoe-analyze --run_dir=DIR --out=DIR --data="text:notes/*.txt" --batches 8
+    python -m dagmoe_jax.cli.analyze ...       (the same command)
 
 Flags:
-  --run_dir=DIR   a run directory written by train.py (config.json, checkpoints, metrics.jsonl)
+  --run_dir=DIR   a run directory written by train.py (config.json, checkpoints, metrics.jsonl),
+                  or hf:FOLDER, a Hugging Face folder (no training curves)
   --out=DIR       where the PNGs go (created; files of other names there are kept): staged
                   and moved in when complete, so a stopped analysis leaves none
   --data=SPEC     a DataConfig source spec to trace (default: the run's own held-out data)
@@ -52,13 +54,15 @@ def main(argv=None) -> int:
         quiet_background_errors()
         # pylint: disable=import-outside-toplevel
         from dagmoe_jax.analysis.report import analyze_run, summary_lines
+        from dagmoe_jax.hf.run import open_run
         from dagmoe_jax.run.paths import partial_path, staged_directory
 
         set_stop_message(f"the analysis stopped; nothing new was left in {args.out}")
         remove_on_stop(args.out)
         remove_on_stop(partial_path(args.out, merge=True))
+        run = open_run(args.run_dir)
         with staged_directory(args.out, merge=True) as stage:   # moved there when complete
-            results = analyze_run(args.run_dir, stage, data=args.data,
+            results = analyze_run(run, args.run_dir, stage, data=args.data,
                                   max_batches=args.batches)
         output_complete()
         out = Path(args.out).expanduser()

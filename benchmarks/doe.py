@@ -70,8 +70,10 @@ PAPER_FORGET = {"moe": "History 68.2 -> 62.1 (-6.1)", "doe_relu": "History 90.1 
 def model_config(variant: str, topics: int, seq_len: int):
     """The variant's ModelConfig, its FFN / expert width set for the dense model's total."""
     from dagmoe_jax.model.accounting import account
-    from dagmoe_jax.config import (DenseConfig, DoEConfig, ExpertConfig, ModelConfig, MoEConfig,
-                                   RouterConfig)
+    from dagmoe_jax.config import ExpertConfig, ModelConfig, RouterConfig
+    from dagmoe_jax.families.dense.config import DenseConfig
+    from dagmoe_jax.families.doe.config import DoEConfig
+    from dagmoe_jax.families.moe.config import MoEConfig
 
     base = ModelConfig(vocab_size=256, d_model=D_MODEL, num_layers=LAYERS, num_heads=4,
                        num_kv_heads=2, max_seq_len=max(seq_len, 64),

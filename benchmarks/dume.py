@@ -80,7 +80,8 @@ class Bench:
     """Models, data and jitted steps shared by every seed (one compilation each)."""
 
     def __init__(self, args, domains, log):
-        from dagmoe_jax.config import DenseConfig, ModelConfig
+        from dagmoe_jax.config import ModelConfig
+        from dagmoe_jax.families.dense.config import DenseConfig
         from dagmoe_jax.data import DataConfig, make_tokenizer
 
         self.args, self.domains, self.log = args, domains, log

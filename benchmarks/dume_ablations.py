@@ -80,7 +80,7 @@ def long_statistics(bench, moe, seq_len, limits):
 
 def run_seed(bench, seed):
     from flax import nnx
-    from dagmoe_jax.config import matched_shared_hidden
+    from dagmoe_jax.families.moe.budget import matched_shared_hidden
     from dagmoe_jax.model import Transformer
     from dagmoe_jax.model.settle import settle
     from dagmoe_jax.upcycle import dume, moerge
@@ -158,7 +158,8 @@ def format_report(results):
 
 
 def run(args, out, log):
-    from dagmoe_jax.config import DenseConfig, ModelConfig
+    from dagmoe_jax.config import ModelConfig
+    from dagmoe_jax.families.dense.config import DenseConfig
     from benchmarks.experiments.corpus import (build_c_header_corpus, build_manpage_corpus,
                                                build_stdlib_corpus, corpus_sources)
     domains = []

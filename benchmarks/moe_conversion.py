@@ -68,8 +68,8 @@ def parse_args(argv):
 
 def source_config(args):
     """The pre-trained model's ModelConfig: OLMoE's family (dagmoe_jax.hf.export.hf_family)."""
-    from dagmoe_jax.config import (AggregationConfig, ExpertConfig, ModelConfig, MoEConfig,
-                                   RouterConfig)
+    from dagmoe_jax.config import ExpertConfig, ModelConfig, RouterConfig
+    from dagmoe_jax.families.moe.config import AggregationConfig, MoEConfig
     router = RouterConfig(score_fn="softmax", top_k=2, renormalize=False, balance_coef=0.01,
                           balance_load="tokens", balance_prob="softmax", z_loss_coef=0.0)
     experts = ExpertConfig(num_experts=args.experts, expert_hidden=args.expert_hidden,
@@ -83,8 +83,9 @@ def source_config(args):
 
 def variant_request(args, variant: str):
     """The ModelConfig a fine-tuning run of ``variant`` binds (the rest is the source's)."""
-    from dagmoe_jax.config import (AggregationConfig, CoEConfig, ModelConfig, MoEConfig,
-                                   RouterConfig)
+    from dagmoe_jax.config import ModelConfig, RouterConfig
+    from dagmoe_jax.families.moe.config import AggregationConfig, MoEConfig
+    from dagmoe_jax.families.coe.config import CoEConfig
     return {"moe": ModelConfig(),
             "dag": ModelConfig(block=MoEConfig(aggregation=AggregationConfig(
                 kind="dag", dag_dim=args.dag_dim, dag_iters=2))),

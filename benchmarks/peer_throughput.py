@@ -48,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dagmoe_jax.config import MoEConfig
+from dagmoe_jax.families.moe.config import MoEConfig
 from dagmoe_jax.run.allocator import allocator, configure_allocator
 from dagmoe_jax.run.gin import load_execution_config, load_model_config
 

@@ -6,7 +6,8 @@ import pytest
 from flax import nnx
 
 from dagmoe_jax.model.accounting import account
-from dagmoe_jax.config import ModelConfig, dag_params_per_layer, matched_shared_hidden
+from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.families.moe.budget import dag_params_per_layer, matched_shared_hidden
 from dagmoe_jax.run.gin import load_model_config
 from conftest import make_model, tiny_config
 
@@ -99,7 +100,7 @@ def test_coe_variant_adds_exactly_the_dag_budget_on_the_quality_base():
     (2,048) and shared expert (d_r 60: 23,040) add 25,088 per layer, DAG-MoE L 2's exactly
     (50,176 in all; 54,016 with the d_r 65 that ignored the router). The edge-free DAG adds the
     same. Printed so the benchmark's counts can be read off the test log (-s)."""
-    from dagmoe_jax.budget import coe_budget_residual
+    from dagmoe_jax.families.moe.budget import coe_budget_residual
     from benchmarks.experiments.quality import BASE_GIN
     from benchmarks.experiments.variants import variant_config
 

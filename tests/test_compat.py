@@ -35,7 +35,9 @@ import pytest
 
 from conftest import build_once
 from dagmoe_jax import run as run_lib
-from dagmoe_jax.config import CoEConfig, DoEConfig, ExecutionConfig, ModelConfig
+from dagmoe_jax.config import ExecutionConfig, ModelConfig
+from dagmoe_jax.families.coe.config import CoEConfig
+from dagmoe_jax.families.doe.config import DoEConfig
 from dagmoe_jax.run.gin import load_configs
 from dagmoe_jax.decoding.generate import generate
 from dagmoe_jax.run.checkpoint_files import write_checksums

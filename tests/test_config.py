@@ -9,9 +9,10 @@ import re
 import pytest
 
 from conftest import tiny_config
-from dagmoe_jax.config import (AggregationConfig, CoEConfig, ExecutionConfig, ExpertConfig,
-                               ModelConfig, RouterConfig, dag_params_per_layer,
-                               matched_shared_hidden)
+from dagmoe_jax.config import ExecutionConfig, ExpertConfig, ModelConfig, RouterConfig
+from dagmoe_jax.families.moe.config import AggregationConfig
+from dagmoe_jax.families.coe.config import CoEConfig
+from dagmoe_jax.families.moe.budget import dag_params_per_layer, matched_shared_hidden
 
 INVALID = [
     # (id, overrides for tiny_config, field name the message must contain)

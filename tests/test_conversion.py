@@ -15,7 +15,8 @@ import pytest
 from flax import nnx
 
 from conftest import make_model, tiny_config
-from dagmoe_jax.config import AggregationConfig, CoEConfig, MoEConfig
+from dagmoe_jax.families.moe.config import AggregationConfig, MoEConfig
+from dagmoe_jax.families.coe.config import CoEConfig
 from dagmoe_jax.hf.llama import load_hf_llama
 from dagmoe_jax.families.moe.conversion import (coe_request, converted_config, converted_params,
                                          is_conversion)

@@ -16,7 +16,8 @@ import pytest
 from flax import nnx
 
 from conftest import tiny_config
-from dagmoe_jax.config import ExecutionConfig, dag_params_per_layer
+from dagmoe_jax.config import ExecutionConfig
+from dagmoe_jax.families.moe.budget import dag_params_per_layer
 from dagmoe_jax.kernels.dag_module import fused_dag_messages, fused_layer_norm
 from dagmoe_jax.model.aggregation import MLPMixer, mlp_mix, weighted_sum
 from dagmoe_jax.model.dag import (DAG_EXECUTIONS, DAGAggregator, dag_execution, dag_initial_nodes,

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from conftest import make_model, tiny_config, tiny_execution
-from dagmoe_jax.config import DoEConfig
+from dagmoe_jax.families.doe.config import DoEConfig
 from dagmoe_jax.data.tokenizers import ByteTokenizer
 from dagmoe_jax.decoding.generate import generate
 from dagmoe_jax.families.doe import block as D

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dagmoe_jax.config import DoEConfig
+from dagmoe_jax.families.doe.config import DoEConfig
 from dagmoe_jax.families.doe import block as D
 from dagmoe_jax.families.doe import knowledge_blocks as KB
 from dagmoe_jax.model.accounting import account

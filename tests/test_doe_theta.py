@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dagmoe_jax.config import DoEConfig
+from dagmoe_jax.families.doe.config import DoEConfig
 from dagmoe_jax.data.tokenizers import ByteTokenizer
 from dagmoe_jax.decoding.generate import generate
 from dagmoe_jax.families.doe import block as D

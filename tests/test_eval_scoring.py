@@ -8,8 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dagmoe_jax.budget import coe_budget_residual
-from dagmoe_jax.config import ModelConfig, dag_params_per_layer
+from dagmoe_jax.families.moe.budget import coe_budget_residual
+from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.families.moe.budget import dag_params_per_layer
 from dagmoe_jax.data import ByteTokenizer, DataConfig, task_eval_batches
 from dagmoe_jax.data.tasks import TASKS, generate, get_task, parse, parse_answer
 from benchmarks.experiments.dp_depth import dp_depth, dp_depth_closed_form

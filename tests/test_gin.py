@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from dagmoe_jax.config import DenseConfig
+from dagmoe_jax.families.dense.config import DenseConfig
 from dagmoe_jax.model.accounting import account
 from dagmoe_jax.run.gin import CONFIG_DIR, load_configs, load_execution_config, load_model_config
 
@@ -61,7 +61,7 @@ def test_coe_preset_is_the_equal_parameter_ablation():
     """The CoE preset adds what the DAG-MoE L 2 preset adds (the summary's "393K, equal params"),
     its second router included, to the nearest integer d_r (d 512, N 32: d_r 247, 512 over),
     and makes the same top_k expert calls per token as MoE."""
-    from dagmoe_jax.budget import coe_budget_residual
+    from dagmoe_jax.families.moe.budget import coe_budget_residual
     from dagmoe_jax.model.accounting import account
     total = {name: account(load_model_config(["models/s.gin", f"variants/{name}.gin"]),
                            128).total_params

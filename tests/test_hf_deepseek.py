@@ -147,7 +147,7 @@ def test_a_deepseek_style_model_of_the_library_exports_and_imports_back(tmp_path
     logits and cross-entropies; its bias, moved off zero, and the module (stored as layer 3, as
     V3 stores its layer 61, with the copies of the embedding and head) come back; as a CoE it
     keeps its logits."""
-    from dagmoe_jax.config import CoEConfig
+    from dagmoe_jax.families.coe.config import CoEConfig
     from dagmoe_jax.train.step import lm_loss
 
     model, cfg = deepseek_style_model()

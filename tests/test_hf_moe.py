@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dagmoe_jax.config import CoEConfig, DenseConfig
+from dagmoe_jax.families.coe.config import CoEConfig
+from dagmoe_jax.families.dense.config import DenseConfig
 from dagmoe_jax.hf.llama import load_hf_llama, model_config_from_hf, read_hf_config
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf_moe"

@@ -35,7 +35,7 @@ MAX_LINES = 900
 # the commands' shared plumbing (stopping < command_line) is below the tools, and the commands of the layers
 # below (cli) are the top, which nothing imports.
 LAYERS = {
-    "core": {"validate": 0, "budget": 0, "platform": 0, "config": 1, "kernels": 2, "parallel": 2, "model": 3},
+    "core": {"validate": 0, "platform": 0, "config": 1, "kernels": 2, "parallel": 2, "model": 3},
     "data": {"data": 4},
     "run": {"run": 5, "hf": 6, "decoding": 6, "evaluation": 7, "train": 8},
     "tools": {"stopping": 9, "command_line": 10, "analysis": 11, "upcycle": 12, "harness": 12,
@@ -190,7 +190,7 @@ def test_the_graph_sees_function_level_and_from_imports():
 # A block family's package (dagmoe_jax.families.<kind>) is a vertical slice: each of its modules
 # belongs to the unit its name says, so a family's run extension sits in the run layer and its
 # command at the top. A new kind of module is placed here before a family may have one.
-FAMILY_PARTS = {"config": "config", "block": "model", "accounting": "model",
+FAMILY_PARTS = {"config": "config", "budget": "config", "block": "model", "accounting": "model",
                 "conversion": "model", "knowledge_blocks": "model", "objective": "model",
                 "topics": "data", "extension": "run", "analysis": "analysis", "command": "cli"}
 
@@ -352,11 +352,12 @@ def test_every_registered_family_has_its_parts():
     """The registry holds every family package, each with a config, a block (``BLOCK``) and its
     accounting (``layer_counts``, ``grouped_matmul_width``); an extension or analysis a family
     has exports what the run and the analysis ask for."""
-    from dagmoe_jax.config import FAMILIES
+    from dagmoe_jax.config import all_families
     packages = {p.name for p in (PACKAGE / "families").iterdir()
                 if (p / "__init__.py").is_file()}
-    assert set(FAMILIES) == packages
-    for kind, family in FAMILIES.items():
+    families = all_families()
+    assert set(families) == packages
+    for kind, family in families.items():
         assert family.package == f"dagmoe_jax.families.{kind}" and family.config.kind == kind
         assert isinstance(family.part("block").BLOCK, type)
         accounting = family.part("accounting")
@@ -364,21 +365,21 @@ def test_every_registered_family_has_its_parts():
         extension, analysis = family.part("extension"), family.part("analysis")
         assert extension is None or isinstance(extension.EXTENSION, type)
         assert analysis is None or callable(analysis.analyze)
-    assert FAMILIES["dense"].part("extension") is None
+    assert families["dense"].part("extension") is None
 
 
 def family_branches(source: str, label: str) -> List[str]:
     """The comparisons of a ``kind`` with a block family's name in ``source`` (``cfg.block.kind
     == 'coe'``, ``block.kind != "dense"``), as ``label:line``: a branch on the family, which
     belongs in the family's package."""
-    from dagmoe_jax.config import FAMILIES
+    from dagmoe_jax.config import KINDS
     found = []
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.Compare):
             continue
         sides = [node.left, *node.comparators]
         kinds = [s for s in sides if isinstance(s, ast.Attribute) and s.attr == "kind"]
-        names = [s for s in sides if isinstance(s, ast.Constant) and s.value in FAMILIES]
+        names = [s for s in sides if isinstance(s, ast.Constant) and s.value in KINDS]
         if kinds and names:
             found.append(f"{label}:{node.lineno}")
     return found

@@ -273,7 +273,8 @@ def test_the_router_module_routes_within_groups_and_its_gradient_flows():
     (dict(routed_scaling_factor=0.0), "routed_scaling_factor=0.0 is invalid"),
     (dict(group_score="sum"), "group_score='sum' is invalid")])
 def test_groups_that_do_not_fit_are_one_line(change, needle):
-    from dagmoe_jax.config import ExpertConfig, MoEConfig
+    from dagmoe_jax.config import ExpertConfig
+    from dagmoe_jax.families.moe.config import MoEConfig
     with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace("[", r"\[")):
         top_k = change.pop("top_k", 2)
         MoEConfig(router=RouterConfig(top_k=top_k, **change),

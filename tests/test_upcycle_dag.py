@@ -11,7 +11,7 @@ from flax import nnx
 
 from conftest import tiny_config
 from test_upcycle import N, dense_models, merge, merged_config, tokens
-from dagmoe_jax.config import matched_shared_hidden
+from dagmoe_jax.families.moe.budget import matched_shared_hidden
 from dagmoe_jax.run.optim import TRAINABLE, check_trainable
 from dagmoe_jax.train.step import make_train_step
 from dagmoe_jax.upcycle import dume, moerge

@@ -28,7 +28,7 @@ the DAG-MoE L 2 module's ``L (2 d d_g + 4 d_g^2 + 2 d)``, to the nearest integer
 (within a fraction of a percent; the benchmarks print the exact counts from
 :func:`dagmoe_jax.model.accounting.account`). CoE's second router (d N per layer) counts in its
 budget: the shared expert is d_r = (budget - d N) / (3 d) rounded
-(:func:`dagmoe_jax.budget.matched_coe_shared_hidden`), exact when 3 d divides it.
+(:func:`dagmoe_jax.families.moe.budget.matched_coe_shared_hidden`), exact when 3 d divides it.
 """
 
 from __future__ import annotations
@@ -36,9 +36,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Tuple
 
-from dagmoe_jax.budget import matched_coe_shared_hidden
-from dagmoe_jax.config import (CoEConfig, ModelConfig, MoEConfig, aggregation_of,
-                               dag_params_per_layer)
+from dagmoe_jax.families.moe.budget import matched_coe_shared_hidden
+from dagmoe_jax.config import ModelConfig, aggregation_of
+from dagmoe_jax.families.coe.config import CoEConfig
+from dagmoe_jax.families.moe.config import MoEConfig
+from dagmoe_jax.families.moe.budget import dag_params_per_layer
 
 VARIANTS: Tuple[str, ...] = ("moe", "moe_shared", "dag_l1", "dag_l2", "dag_l3", "mlp",
                              "mlp_small", "coe", "dag_self")

@@ -156,7 +156,7 @@ def _convert_to(args):
     folder's ModelConfig giving the CoE block (its K is the folder's); else None. One-line
     ValueError for bad sizes or both."""
     # pylint: disable=import-outside-toplevel
-    from dagmoe_jax.config import AggregationConfig, MoEConfig
+    from dagmoe_jax.families.moe.config import AggregationConfig, MoEConfig
     from dagmoe_jax.families.moe.conversion import coe_request
     if args.to_dag and args.to_coe:
         raise ValueError("--to_dag and --to_coe are two conversions: give one")

@@ -88,9 +88,16 @@ def dag_aggregation_of(block) -> Optional["AggregationConfig"]:
 
 def nested_configs(cls) -> dict:
     """{field name: config class} of a config dataclass's nested configs (found by walking
-    ``dataclasses.fields``: each is a field whose default is built by its class)."""
-    return {f.name: f.default_factory for f in dataclasses.fields(cls)
-            if isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory)}
+    ``dataclasses.fields``: each is a field whose default is built by its class, or, marked
+    ``metadata={'family': True}``, by a block family found in the registry)."""
+    nested = {}
+    for f in dataclasses.fields(cls):
+        factory = f.default_factory
+        if f.metadata.get("family"):        # ModelConfig.block: the default family's config
+            factory = type(factory())
+        if isinstance(factory, type) and dataclasses.is_dataclass(factory):
+            nested[f.name] = factory
+    return nested
 
 
 def check_nested(config) -> None:

@@ -16,8 +16,10 @@ names say (``tests/test_imports.py``):
 * optional: ``extension`` (its hooks into the run, as ``EXTENSION``) in the run layer;
   ``analysis`` (its ``analyze``) and ``command`` among the tools.
 
-A layer asks for a part with :meth:`Family.part` and never names a family. Adding one is a
-package and one import line in :mod:`dagmoe_jax.config.model`.
+A layer asks for a family with :func:`family_of` (by a block config or its kind) and for a
+part with :meth:`Family.part`, and never names a family's module: the families stand above
+the core and reach it, never the other way (``farm-studio look``: no arrow back up). Adding a
+family is a package and its name in :data:`KINDS`.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from types import ModuleType
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +38,7 @@ class Family:
     kind: str
     config: type
     package: str
+    configurables: Tuple = ()
 
     def part(self, name: str) -> Optional[ModuleType]:
         """The family's module ``name`` ('block', 'accounting', 'extension', 'analysis'),
@@ -49,25 +52,40 @@ class Family:
             raise
 
 
+# The block families (``ModelConfig.block``'s choices, in this order): each the package
+# ``dagmoe_jax.families.<kind>``, whose ``config`` module registers the family when imported.
+KINDS = ("dense", "moe", "coe", "doe")
+
 # Every registered family by kind, in the order their configs were imported.
 FAMILIES: Dict[str, Family] = {}
 
 
-def register(package: str):
+def register(package: str, configurables: Tuple = ()):
     """Class decorator of a family's config (a frozen dataclass whose ``kind`` field is its
-    name): registers it with ``package``, the family's package (its ``__package__``)."""
+    name): registers it with ``package``, the family's package (its ``__package__``), and
+    ``configurables``, what else of the family gin binds (its nested config classes beyond
+    the core's router and experts, functions a gin file calls with ``@name()``)."""
 
     def add(cls: type) -> type:
         kind = cls.kind
         if kind in FAMILIES and FAMILIES[kind].config is not cls:
             raise ValueError(f"two block families are named {kind!r}: "
                              f"{FAMILIES[kind].config.__name__} and {cls.__name__}")
-        FAMILIES[kind] = Family(kind, cls, package)
+        FAMILIES[kind] = Family(kind, cls, package, tuple(configurables))
         return cls
 
     return add
 
 
 def family_of(block) -> Family:
-    """The family of a block config (or of a family's name)."""
-    return FAMILIES[block if isinstance(block, str) else block.kind]
+    """The family of a block config, or of a family's name (one of :data:`KINDS`): its config
+    module imported on first use."""
+    kind = block if isinstance(block, str) else block.kind
+    if kind not in FAMILIES and kind in KINDS:
+        importlib.import_module(f"dagmoe_jax.families.{kind}.config")
+    return FAMILIES[kind]
+
+
+def all_families() -> Dict[str, Family]:
+    """Every family of :data:`KINDS` by kind, in that order (their configs imported)."""
+    return {kind: family_of(kind) for kind in KINDS}

@@ -14,29 +14,22 @@ in their families' packages (:mod:`dagmoe_jax.config.families`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+from typing import Any, Optional
 
 from dagmoe_jax.config.blocks import (DISPATCH_MODES, RETIRED_DISPATCH, default_ffn_hidden,
                                       experts_of, nested_configs)
 from dagmoe_jax.config.execution import ExecutionConfig
-from dagmoe_jax.config.families import FAMILIES
-# The block families, each registering its config as it is imported (one line a family, in
-# the order BLOCK_TYPES lists them).
-from dagmoe_jax.families.dense.config import DenseConfig  # pylint: disable=wrong-import-order
-from dagmoe_jax.families.moe.config import MoEConfig  # pylint: disable=wrong-import-order
-from dagmoe_jax.families.coe.config import CoEConfig  # pylint: disable=wrong-import-order
-from dagmoe_jax.families.doe.config import DoEConfig  # pylint: disable=wrong-import-order
+from dagmoe_jax.config.families import KINDS, all_families, family_of
 from dagmoe_jax.validate import check as _check, choice as _choice, positive as _positive
 
 DTYPES = ("float32", "bfloat16")
 ROPE_SCALINGS = ("none", "llama3", "linear", "yarn")
 # RMSNorm of the queries and keys before RoPE (ModelConfig.qk_norm).
 QK_NORMS = ("none", "head", "full")
-# A ModelConfig.block: the config of one block family (dagmoe_jax.config.families).
-BlockConfig = Union[DenseConfig, MoEConfig, CoEConfig, DoEConfig]
-# The config class of each ``ModelConfig.block`` kind, and the kinds.
-BLOCK_CONFIGS = {kind: family.config for kind, family in FAMILIES.items()}
-BLOCK_TYPES = tuple(BLOCK_CONFIGS)
+# A ModelConfig.block: the config of one block family (dagmoe_jax.config.families), a frozen
+# dataclass registered there; the kinds, in the order ModelConfig.block lists them.
+BlockConfig = Any
+BLOCK_TYPES = KINDS
 # The fields each block family held at the top level of a ModelConfig before ModelConfig.block
 # held the family's config (ModelConfig.migrate moves them).
 _LEGACY_BLOCK_FIELDS = ("router", "experts", "aggregation", "coe", "doe", "ffn_hidden")
@@ -213,7 +206,8 @@ class ModelConfig:
     num_heads: int = 32
     num_kv_heads: int = 8
     head_dim: Optional[int] = None
-    block: BlockConfig = dataclasses.field(default_factory=MoEConfig)
+    block: BlockConfig = dataclasses.field(default_factory=lambda: family_of("moe").config(),
+                                           metadata={"family": True})
     max_seq_len: int = 2048
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
@@ -231,10 +225,11 @@ class ModelConfig:
         c = "ModelConfig"
         if isinstance(self.block, str):                 # a family's name: its defaults
             _choice(c, "block", self.block, BLOCK_TYPES)
-            object.__setattr__(self, "block", BLOCK_CONFIGS[self.block]())
-        _check(isinstance(self.block, tuple(BLOCK_CONFIGS.values())), c, "block", self.block,
+            object.__setattr__(self, "block", family_of(self.block).config())
+        configs = tuple(family.config for family in all_families().values())
+        _check(isinstance(self.block, configs), c, "block", self.block,
                "a block family's config (" + ", ".join(
-                   cls.__name__ for cls in BLOCK_CONFIGS.values()) + ") or its name")
+                   cls.__name__ for cls in configs) + ") or its name")
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
                      "max_seq_len"):
             _positive(c, name, getattr(self, name))
@@ -290,7 +285,7 @@ class ModelConfig:
         if not self.first_dense_layers:
             return None
         return dataclasses.replace(
-            self, block=DenseConfig(ffn_hidden=self.first_dense_ffn_hidden),
+            self, block=family_of("dense").config(ffn_hidden=self.first_dense_ffn_hidden),
             num_layers=self.first_dense_layers, first_dense_layers=0)
 
     @property
@@ -378,7 +373,7 @@ class ModelConfig:
         block = dict(blob["block"])
         kind = block.pop("kind", "moe")
         _choice("ModelConfig", "block", kind, BLOCK_TYPES)
-        blob["block"] = _build(BLOCK_CONFIGS[kind], block)
+        blob["block"] = _build(family_of(kind).config, block)
         return _build(cls, blob)
 
 
@@ -386,9 +381,9 @@ def _legacy_block(blob: dict) -> dict:
     """The ``block`` of a config saved while the block families' fields sat at the top level
     (the family's name in ``block``; :meth:`ModelConfig.migrate`)."""
     kind = blob.get("block", "moe")
-    if kind not in BLOCK_CONFIGS:           # the family check that follows names the choices
+    if kind not in KINDS:                   # the family check that follows names the choices
         return {"kind": kind}
-    return {"kind": kind, **BLOCK_CONFIGS[kind].from_legacy(blob)}
+    return {"kind": kind, **family_of(kind).config.from_legacy(blob)}
 
 
 def _build(cls, blob: dict):

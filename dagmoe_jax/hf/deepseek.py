@@ -46,8 +46,9 @@ from typing import Callable, Dict, Iterator, Tuple
 
 import numpy as np
 
-from dagmoe_jax.config import (AggregationConfig, ExpertConfig, MLAConfig, MoEConfig,
-                               ModelConfig, MTPConfig, RouterConfig, default_ffn_hidden)
+from dagmoe_jax.config import (ExpertConfig, MLAConfig, ModelConfig, MTPConfig, RouterConfig,
+                               default_ffn_hidden)
+from dagmoe_jax.families.moe.config import AggregationConfig, MoEConfig
 
 TYPES = ("deepseek_v2", "deepseek_v3")
 ARCHITECTURES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}

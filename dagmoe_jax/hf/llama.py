@@ -33,7 +33,8 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy before safetensor
 import numpy as np
 from flax import nnx
 
-from dagmoe_jax.config import DenseConfig, ExecutionConfig, ModelConfig, default_ffn_hidden
+from dagmoe_jax.config import ExecutionConfig, ModelConfig, default_ffn_hidden
+from dagmoe_jax.families.dense.config import DenseConfig
 from dagmoe_jax.data.tokenizers import folder_config, token_text
 from dagmoe_jax.hf import deepseek
 from dagmoe_jax.hf.moe import FAMILIES as MOE_FAMILIES

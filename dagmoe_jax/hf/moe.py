@@ -30,8 +30,8 @@ from typing import Callable, Dict, Iterator, Tuple
 
 import numpy as np
 
-from dagmoe_jax.config import (AggregationConfig, ExpertConfig, MoEConfig, ModelConfig,
-                               RouterConfig)
+from dagmoe_jax.config import ExpertConfig, ModelConfig, RouterConfig
+from dagmoe_jax.families.moe.config import AggregationConfig, MoEConfig
 
 
 @dataclasses.dataclass(frozen=True)

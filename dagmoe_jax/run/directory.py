@@ -28,7 +28,7 @@ from dagmoe_jax.validate import first_line
 from dagmoe_jax.data import make_tokenizer
 from dagmoe_jax.data.tokenizers import check_tokenizer_record, tokenizer_record
 from dagmoe_jax.parallel import activate
-from dagmoe_jax.config import BLOCK_CONFIGS, ExecutionConfig, ModelConfig
+from dagmoe_jax.config import BLOCK_TYPES, ExecutionConfig, ModelConfig
 from dagmoe_jax.data import DataConfig
 from dagmoe_jax.parallel import MeshConfig
 from dagmoe_jax.run.state import build, train_state
@@ -257,7 +257,7 @@ def resume_changes(run_dir: PathLike, model_cfg: ModelConfig, data_cfg: DataConf
     saved = ModelConfig.migrate(saved_meta.get("model_config") or {})
     expected = dataclasses.asdict(model_cfg)
     family = saved["block"].get("kind", "moe")        # the saved family's defaults
-    defaults = ModelConfig(block=family if family in BLOCK_CONFIGS else "moe")
+    defaults = ModelConfig(block=family if family in BLOCK_TYPES else "moe")
     with_defaults = {**flatten_json(dataclasses.asdict(defaults)), **flatten_json(saved)}
     changed = {_diff_key(d) for d in json_diffs(with_defaults, expected, "model_config")}
     model = ["ModelConfig." + d[len("model_config."):]

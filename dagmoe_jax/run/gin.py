@@ -21,7 +21,6 @@ import gin
 from gin import config_parser
 
 from dagmoe_jax import config as C
-from dagmoe_jax.budget import matched_coe_shared_hidden, matched_shared_hidden
 from dagmoe_jax.validate import first_line
 from dagmoe_jax.config import ModelConfig
 from dagmoe_jax.data.config import DataConfig
@@ -67,16 +66,22 @@ RENAMED.update({old: f"it is {new} now" for old, new in OLD_NAMES.items()})
 
 # External registration: gin configures its own wrappers of these, so bindings never leak into
 # ``ModelConfig(...)`` built in plain Python (tests, notebooks) after a gin file was parsed.
-_CONFIG_CLASSES = (C.RouterConfig, C.ExpertConfig, C.AggregationConfig,
-                   *C.BLOCK_CONFIGS.values(), C.RopeScalingConfig, C.MLAConfig, C.MTPConfig,
+# Every family's config and what else of it gin binds (config/families.py): its nested config
+# classes and the functions a gin file calls (``@matched_shared_hidden()``).
+_FAMILY_PARTS = tuple(part for family in C.all_families().values()
+                      for part in (*family.configurables, family.config))
+_CONFIG_CLASSES = (C.RouterConfig, C.ExpertConfig,
+                   *(part for part in _FAMILY_PARTS if isinstance(part, type)),
+                   C.RopeScalingConfig, C.MLAConfig, C.MTPConfig,
                    C.ExecutionConfig, ModelConfig,
                    DataConfig, OptimConfig, RunConfig, MeshConfig)
+_FUNCTIONS = tuple(part for part in _FAMILY_PARTS if not isinstance(part, type))
 _GIN = {cls.__name__: gin.external_configurable(cls, name=cls.__name__) for cls in _CONFIG_CLASSES}
-gin.external_configurable(matched_shared_hidden, name="matched_shared_hidden")
-gin.external_configurable(matched_coe_shared_hidden, name="matched_coe_shared_hidden")
+for _function in _FUNCTIONS:
+    gin.external_configurable(_function, name=_function.__name__)
 # what a binding can name: configurable -> its parameters (for "did you mean" hints)
 _PARAMETERS = {fn.__name__: list(inspect.signature(fn).parameters)
-               for fn in (*_CONFIG_CLASSES, matched_shared_hidden, matched_coe_shared_hidden)}
+               for fn in (*_CONFIG_CLASSES, *_FUNCTIONS)}
 
 
 def _plain(value):

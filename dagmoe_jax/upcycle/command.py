@@ -20,7 +20,8 @@ import numpy as np
 from flax import nnx
 
 from dagmoe_jax import run as run_lib
-from dagmoe_jax.config import DenseConfig, ModelConfig
+from dagmoe_jax.config import ModelConfig
+from dagmoe_jax.families.dense.config import DenseConfig
 from dagmoe_jax.data import DataConfig, make_tokenizer, train_records
 from dagmoe_jax.data.config import parse_source
 from dagmoe_jax.data.instruct import instruct_dataset, is_instruct

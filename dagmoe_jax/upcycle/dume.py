@@ -23,7 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dagmoe_jax.config import DenseConfig, MoEConfig, block_summary
+from dagmoe_jax.config import block_summary
+from dagmoe_jax.families.dense.config import DenseConfig
+from dagmoe_jax.families.moe.config import MoEConfig
 from dagmoe_jax.analysis.collection import record
 from dagmoe_jax.model.attention import rope_angles
 from dagmoe_jax.model.layers import dtype_of, swiglu

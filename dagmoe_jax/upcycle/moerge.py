@@ -16,8 +16,9 @@ from typing import Sequence, Tuple
 import numpy as np
 from flax import nnx
 
-from dagmoe_jax.config import (AggregationConfig, DenseConfig, ExecutionConfig, ExpertConfig,
-                               ModelConfig, MoEConfig, RouterConfig)
+from dagmoe_jax.config import ExecutionConfig, ExpertConfig, ModelConfig, RouterConfig
+from dagmoe_jax.families.moe.config import AggregationConfig, MoEConfig
+from dagmoe_jax.families.dense.config import DenseConfig
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.model.params import flat_params, set_params
 from dagmoe_jax.run.checkpoint_files import flatten_json

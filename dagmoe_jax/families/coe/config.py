@@ -8,13 +8,14 @@ from typing import Optional
 from dagmoe_jax.config.families import register
 from dagmoe_jax.config.blocks import (SCORE_FNS, ExpertConfig, RouterConfig, check_groups,
                                       check_nested)
+from dagmoe_jax.families.moe.budget import matched_coe_shared_hidden
 from dagmoe_jax.validate import choice as _choice, check as _check, positive as _positive
 
 COE_RESIDUALS = ("inner", "outer", "init")
 COE_READINGS = ("once", "literal", "reference")
 
 
-@register(__package__)
+@register(__package__, configurables=(matched_coe_shared_hidden,))
 @dataclasses.dataclass(frozen=True)
 class CoEConfig:
     """Chain-of-Experts block (docs/design.md section 5; CoE eq. 4-10).

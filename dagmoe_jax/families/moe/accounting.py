@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from dagmoe_jax.config import ModelConfig, aggregation_of, dag_params_per_layer
+from dagmoe_jax.config import ModelConfig, aggregation_of
+from dagmoe_jax.families.moe.budget import dag_params_per_layer
 from dagmoe_jax.model.accounting import Counts, routed_counts
 
 

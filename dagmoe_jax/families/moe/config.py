@@ -8,6 +8,7 @@ from typing import Optional
 
 from dagmoe_jax.config.families import register
 from dagmoe_jax.config.blocks import ExpertConfig, RouterConfig, check_groups, check_nested
+from dagmoe_jax.families.moe.budget import matched_shared_hidden
 from dagmoe_jax.validate import check as _check, choice as _choice, positive as _positive
 
 AGGREGATORS = ("sum", "dag", "mlp")
@@ -64,7 +65,7 @@ class AggregationConfig:
                "dag_shared_weights", self.dag_shared_weights, "True or False")
 
 
-@register(__package__)
+@register(__package__, configurables=(AggregationConfig, matched_shared_hidden))
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """The MoE block: router -> routed experts -> aggregation, plus shared experts

@@ -25,7 +25,8 @@ from typing import Iterable, Iterator, Tuple
 
 import numpy as np
 
-from dagmoe_jax.config import CoEConfig, ModelConfig, block_summary
+from dagmoe_jax.config import ModelConfig, block_summary
+from dagmoe_jax.families.coe.config import CoEConfig
 
 Path = Tuple  # a parameter's attribute path, e.g. ('layers', 'block', 'router', 'w_router')
 _ROUTER = ("layers", "block", "router")

@@ -1,8 +1,9 @@
 """Parameter budgets: what the DAG module adds to a layer, and the modules matched to it.
 
-Plain integer arithmetic (no model code), re-exported by :mod:`dagmoe_jax.config` and bound in
-gin (``@matched_shared_hidden()``, ``@matched_coe_shared_hidden()``); docs/design.md section 4
-("Parameter parity") and section 5 ("Equal-parameter preset").
+Plain integer arithmetic (no model code), registered with the MoE and CoE families' configs and
+so bound in gin (``@matched_shared_hidden()``, ``@matched_coe_shared_hidden()``); the MoE
+family's accounting counts the DAG module with it. docs/design.md section 4 ("Parameter
+parity") and section 5 ("Equal-parameter preset").
 """
 
 from __future__ import annotations

@@ -52,8 +52,8 @@ from dagmoe_jax.kernels import gpu_grouped_matmul as gpu
 from dagmoe_jax.kernels import mgpu_grouped_matmul as mgpu_lib
 from dagmoe_jax.kernels import triton_grouped_matmul as triton_lib
 from dagmoe_jax.kernels import triton_dag_module as dag_lib
-from dagmoe_jax.model.dag import (dag_initial_nodes, dag_node_update, dag_pair_weights,
-                                  dag_readout)
+from dagmoe_jax.families.moe.dag import (dag_initial_nodes, dag_node_update, dag_pair_weights,
+                                         dag_readout)
 from dagmoe_jax.model.settle import gpu_capability
 
 TOLERANCE = 3e-2
@@ -165,7 +165,7 @@ def xla_dag_iteration(carry, x, ln_scale, ln_bias, w_down, w_edge, w_node, w_up,
 def kernel_dag_iteration(carry, x, ln_scale, ln_bias, w_down, w_edge, w_node, w_up, *,
                          eps: float = 1e-5, **options):
     """The Triton kernels' iteration with :func:`xla_dag_iteration`'s arguments (the pair
-    weights in :func:`~dagmoe_jax.model.dag.equations.dag_pair_weights`'s layout)."""
+    weights in :func:`~dagmoe_jax.families.moe.dag.equations.dag_pair_weights`'s layout)."""
     return dag_lib.triton_dag_iteration(carry, x, ln_scale, ln_bias, w_down,
                                         dag_pair_weights(w_edge, w_node), w_up, eps=eps,
                                         **options)

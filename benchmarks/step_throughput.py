@@ -35,10 +35,10 @@ from dagmoe_jax.model.accounting import account
 from dagmoe_jax.run.gin import load_execution_config, load_model_config
 from dagmoe_jax.run.allocator import allocator, release_memory
 from dagmoe_jax.model import Transformer
-from dagmoe_jax.model.dag import DAGAggregator
+from dagmoe_jax.families.moe.dag import DAGAggregator
 from dagmoe_jax.model.settle import describe as describe_settled
 from dagmoe_jax.model.settle import settle
-from dagmoe_jax.model.experts import Experts
+from dagmoe_jax.model.routed.experts import Experts
 from dagmoe_jax.train.step import make_train_step
 
 VARIANTS = {

@@ -19,7 +19,7 @@ from flax import nnx
 from conftest import build_once, make_model, single_device_env, tiny_config
 from dagmoe_jax.analysis.collection import Collected, collect, gate_sparsity_counts, record
 from dagmoe_jax.analysis.report import summary, summary_lines
-from dagmoe_jax.model.dag import edge_mask
+from dagmoe_jax.families.moe.dag import edge_mask
 
 REPO = Path(__file__).resolve().parent.parent
 PNG = b"\x89PNG\r\n\x1a\n"

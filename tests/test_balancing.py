@@ -26,9 +26,9 @@ from flax import nnx
 from conftest import make_model, tiny_config
 from dagmoe_jax import run as run_lib
 from dagmoe_jax.config import ModelConfig, RouterConfig
-from dagmoe_jax.model.router import (Router, SelectionBias, aux_free_bias_update, aux_free_top_k,
-                                     balance_loss, balance_probs, select_top_k,
-                                     sequence_balance_loss)
+from dagmoe_jax.model.routed.router import (Router, SelectionBias, aux_free_bias_update,
+                                            aux_free_top_k, balance_loss, balance_probs,
+                                            select_top_k, sequence_balance_loss)
 from dagmoe_jax.run.optim import TRAINABLE
 from dagmoe_jax.train.step import make_train_step
 

@@ -19,9 +19,10 @@ from conftest import tiny_config
 from dagmoe_jax.config import ExecutionConfig
 from dagmoe_jax.families.moe.budget import dag_params_per_layer
 from dagmoe_jax.kernels.dag_module import fused_dag_messages, fused_layer_norm
-from dagmoe_jax.model.aggregation import MLPMixer, mlp_mix, weighted_sum
-from dagmoe_jax.model.dag import (DAG_EXECUTIONS, DAGAggregator, dag_execution, dag_initial_nodes,
-                                  dag_iteration, dag_node_update, dag_readout, dag_summed_update)
+from dagmoe_jax.families.moe.aggregation import MLPMixer, mlp_mix, weighted_sum
+from dagmoe_jax.families.moe.dag import (DAG_EXECUTIONS, DAGAggregator, dag_execution,
+                                         dag_initial_nodes, dag_iteration, dag_node_update,
+                                         dag_readout, dag_summed_update)
 
 D, DG, K, T = 32, 16, 3, 5
 EPS = 1e-5
@@ -516,7 +517,7 @@ def test_the_execution_is_a_strategy_chosen_once():
     is one line; the equations take no execution flags."""
     import inspect
     from dagmoe_jax.config.execution import DAG_MODULES
-    from dagmoe_jax.model.dag import equations, module
+    from dagmoe_jax.families.moe.dag import equations, module
 
     assert set(DAG_EXECUTIONS) == set(DAG_MODULES) - {"auto"}
     for mode in MODES:
@@ -550,7 +551,7 @@ def test_the_one_pass_layer_norm_is_eq_7():
     gradients, also with the nodes' mean well away from zero."""
     import functools
 
-    from dagmoe_jax.model.dag.equations import layer_norm
+    from dagmoe_jax.families.moe.dag.equations import layer_norm
 
     layer_norm_one_pass = functools.partial(layer_norm, one_pass=True)
 

@@ -1,5 +1,5 @@
 """The DAG module computed in its bottleneck space (``dag_module='bottleneck'``,
-dagmoe_jax/model/dag/bottleneck.py) against the paper's eq. 6-12 as written.
+dagmoe_jax/families/moe/dag/bottleneck.py) against the paper's eq. 6-12 as written.
 
 test_dag.py runs the strategy through every test of the module (values against the NumPy
 transcription for L = 1..3, each edge mode, shared weights, the zero-init identity). Here:
@@ -21,7 +21,7 @@ from conftest import make_model, tiny_config
 from test_dag import (EPS, make_dag, np_dag_moe, random_inputs, random_lib_params, rel_err,
                       to_paper_layout)
 
-from dagmoe_jax.model.aggregation import weighted_sum
+from dagmoe_jax.families.moe.aggregation import weighted_sum
 
 NAMES = ("x", "gates", "expert_out", "ln_scale", "ln_bias", "w_down", "w_edge", "w_node",
          "w_up")

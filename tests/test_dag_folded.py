@@ -1,5 +1,5 @@
 """The DAG module's LayerNorm folded into W_down (``dag_module='xla'``,
-dagmoe_jax/model/dag/folded.py) against eq. 7-8 as written: the NumPy transcription, the
+dagmoe_jax/families/moe/dag/folded.py) against eq. 7-8 as written: the NumPy transcription, the
 composed XLA form's values and gradients, and nodes whose mean dwarfs their spread."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dagmoe_jax.model.dag import layer_norm
-from dagmoe_jax.model.dag.folded import folded_norm_projection
+from dagmoe_jax.families.moe.dag import layer_norm
+from dagmoe_jax.families.moe.dag.folded import folded_norm_projection
 
 EPS = 1e-5
 

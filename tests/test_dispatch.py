@@ -11,10 +11,10 @@ import pytest
 from flax import nnx
 
 from conftest import tiny_config, tiny_execution
-from dagmoe_jax.model.dispatch import (capacity_dispatch, capacity_slots, dense_dispatch, dispatch,
-                                       dropless_dispatch, expert_capacity)
+from dagmoe_jax.model.routed.dispatch import (capacity_dispatch, capacity_slots, dense_dispatch,
+                                              dispatch, dropless_dispatch, expert_capacity)
 from dagmoe_jax.config import ExecutionConfig, ExpertConfig
-from dagmoe_jax.model.experts import Experts
+from dagmoe_jax.model.routed.experts import Experts
 from dagmoe_jax.model.block import BlockInputs
 from dagmoe_jax.families.moe.block import MoEBlock
 

@@ -65,8 +65,8 @@ def broken_references(text: str) -> List[str]:
 
 def layout_entries(design: str) -> List[str]:
     """The modules and packages section 11 of design.md lists under dagmoe_jax/, as paths
-    relative to it (``model/dag/``, ``model/dag/equations.py``): a name at two spaces is a
-    top-level unit, at four a module or package of the unit above, at six and eight one of the
+    relative to it (``families/moe/dag/``, ``families/moe/dag/equations.py``): a name at two
+    spaces is a top-level unit, at four a module or package of the unit above, at six and eight one of the
     package above that; a description's continuation lines are indented further."""
     block = design.split("## 11. Repository layout", 1)[1].split("```")[3]
     entries, inside, parents = [], False, {}
@@ -104,7 +104,8 @@ def test_every_reference_in_the_documents_exists():
 def test_the_layout_lists_what_is_there():
     """design.md's layout names every module and package of dagmoe_jax, and nothing else."""
     entries = layout_entries((REPO / "docs" / "design.md").read_text())
-    assert {"model/", "model/dag/", "model/dag/equations.py", "validate.py"} <= set(entries)
+    assert {"model/", "model/routed/", "families/moe/dag/", "families/moe/dag/equations.py",
+            "validate.py"} <= set(entries)
     missing = [e for e in entries if not (REPO / "dagmoe_jax" / e.rstrip("/")).exists()]
     assert not missing, f"design.md's layout names what does not exist: {missing}"
     unlisted = sorted(set(package_units()) - set(entries))
@@ -114,13 +115,13 @@ def test_the_layout_lists_what_is_there():
 
 def test_the_layout_check_reads_nesting_and_catches_a_stale_module():
     design = ("## 11. Repository layout\n```\nlayers\n```\n\n```\ndagmoe_jax/\n"
-              "  budget.py     budgets\n  model/        the modules\n"
+              "  validate.py   checks\n  model/        the modules\n"
               "    settle      settling, described\n                  on two lines\n"
-              "    dag/        the DAG module\n      equations   eq. 6-12\n"
+              "    routed/     the routed parts\n      router      the router\n"
               "    lifecycle   gone\ntrain.py  the command\n```\n")
     entries = layout_entries(design)
-    assert entries == ["budget.py", "model/", "model/settle.py", "model/dag/",
-                       "model/dag/equations.py", "model/lifecycle.py"]
+    assert entries == ["validate.py", "model/", "model/settle.py", "model/routed/",
+                       "model/routed/router.py", "model/lifecycle.py"]
     assert [e for e in entries if not (REPO / "dagmoe_jax" / e.rstrip("/")).exists()] == [
         "model/lifecycle.py"]
 

@@ -20,8 +20,8 @@ from benchmarks.gpu_check import xla_dag_iteration
 from conftest import tiny_config
 from dagmoe_jax.config import ExecutionConfig
 from dagmoe_jax.kernels.pallas_dag_module import pallas_dag_iteration, pallas_dag_unsupported
-from dagmoe_jax.model.dag.equations import dag_pair_weights
-from dagmoe_jax.model.dag.execution import PallasExecution
+from dagmoe_jax.families.moe.dag.equations import dag_pair_weights
+from dagmoe_jax.families.moe.dag.execution import PallasExecution
 from dagmoe_jax.model.settle import settle, settle_dag_module
 from dagmoe_jax.parallel import MeshConfig, activate, make_mesh
 from test_dag import make_dag, random_inputs, random_lib_params, rel_err

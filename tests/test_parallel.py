@@ -32,9 +32,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import make_model, tiny_config, tiny_execution
 from dagmoe_jax.model import Transformer
-from dagmoe_jax.model.dispatch import capacity_dispatch
+from dagmoe_jax.model.routed.dispatch import capacity_dispatch
 from dagmoe_jax.config import ExpertConfig
-from dagmoe_jax.model.experts import Experts
+from dagmoe_jax.model.routed.experts import Experts
 from dagmoe_jax.model.block import BlockInputs
 from dagmoe_jax.families.moe.block import MoEBlock
 from dagmoe_jax.parallel import (MeshConfig, activate, create_sharded, create_train_state,

@@ -16,7 +16,7 @@ from flax import nnx
 from conftest import tiny_config
 from dagmoe_jax.model import expert_parallel
 from dagmoe_jax.config import ExecutionConfig, ExpertConfig
-from dagmoe_jax.model.experts import Experts
+from dagmoe_jax.model.routed.experts import Experts
 from dagmoe_jax.parallel import MeshConfig, activate, make_mesh, place_on_mesh
 from dagmoe_jax.parallel.axes import MeshLayout
 from dagmoe_jax.model.settle import describe, settle

@@ -16,8 +16,8 @@ import pytest
 from flax import nnx
 
 from dagmoe_jax.config import RouterConfig
-from dagmoe_jax.model.router import (Router, balance_fraction, balance_loss, balance_probs,
-                                     expert_load, router_scores, select_top_k, z_loss)
+from dagmoe_jax.model.routed.router import (Router, balance_fraction, balance_loss, balance_probs,
+                                            expert_load, router_scores, select_top_k, z_loss)
 
 # 4 tokens, 3 experts. Top-2 by hand (sigmoid and softmax are both monotonic in z):
 #   t0 [2, 1, 0] -> experts 0, 1     t1 [0, 3, 1] -> 1, 2

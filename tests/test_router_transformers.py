@@ -1,5 +1,5 @@
 """DeepSeek's routers in transformers (``DeepseekV2TopkRouter``, ``DeepseekV3TopkRouter``)
-against :class:`dagmoe_jax.model.router.Router` with the same weights: the same experts and
+against :class:`dagmoe_jax.model.routed.router.Router` with the same weights: the same experts and
 gates per token (group-limited selection, the correction bias, renormalisation and
 ``routed_scaling_factor``). Peer test: skipped without torch and transformers
 (``benchmarks/requirements-peer.txt``); tests/test_router.py checks the same against a
@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from dagmoe_jax.config import RouterConfig  # noqa: E402
-from dagmoe_jax.model.router import Router  # noqa: E402
+from dagmoe_jax.model.routed.router import Router  # noqa: E402
 
 SIZES = dict(hidden_size=16, num_attention_heads=2, num_key_value_heads=2, vocab_size=32,
              num_hidden_layers=1, n_routed_experts=16, num_experts_per_tok=4, n_group=4,

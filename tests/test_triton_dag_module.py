@@ -19,8 +19,8 @@ from conftest import tiny_config
 from dagmoe_jax.config import ExecutionConfig
 from benchmarks.gpu_check import kernel_dag_iteration, xla_dag_iteration
 from dagmoe_jax.kernels.triton_dag_module import DagTiles, triton_dag_unsupported
-from dagmoe_jax.model.aggregation import weighted_sum
-from dagmoe_jax.model.dag.execution import TritonExecution
+from dagmoe_jax.families.moe.aggregation import weighted_sum
+from dagmoe_jax.families.moe.dag.execution import TritonExecution
 from dagmoe_jax.model.settle import describe, settle, settle_dag_module
 from dagmoe_jax.parallel.axes import MeshLayout
 from test_dag import (make_dag, np_dag_moe, random_inputs, random_lib_params, rel_err,

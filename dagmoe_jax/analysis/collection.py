@@ -19,7 +19,6 @@ import numpy as np
 from flax import nnx
 
 from dagmoe_jax.config import aggregation_of, dag_aggregation_of, experts_of, routing_steps
-from dagmoe_jax.model.dag import edge_mask
 
 
 SPARSITY_THRESHOLD = 0.1     # |e_(i,j)| below this counts as a switched-off edge (gate ~ 0)
@@ -28,7 +27,7 @@ SPARSITY_THRESHOLD = 0.1     # |e_(i,j)| below this counts as a switched-off edg
 def gate_sparsity_counts(gates: np.ndarray, mask: np.ndarray, threshold: float):
     """Edge gates [layers, L, T, K, K, d_g] -> (values below, pairs below) [layers, L] counts
     and (values, pairs) totals per [layers, L], over the node pairs ``mask`` [K, K] keeps (the
-    graph's edges: all, ranked or self, :func:`dagmoe_jax.model.dag.edge_mask`)."""
+    graph's edges: all, ranked or self, the DAG config's ``edge_mask``)."""
     mag = np.abs(gates)[:, :, :, mask]                                  # [layers, L, T, P, dg]
     below = (mag < threshold).sum(axis=(2, 3, 4))
     pairs_below = (mag.mean(axis=-1) < threshold).sum(axis=(2, 3))
@@ -107,7 +106,7 @@ def collect(model, batches: Iterable[Dict[str, np.ndarray]], max_samples: int = 
         coact = np.zeros((layers, steps - 1, n, n))
     dag = dag_aggregation_of(cfg.block)
     is_dag = dag is not None
-    mask = edge_mask(cfg.block.router.top_k, dag.dag_edges) if is_dag else None
+    mask = dag.edge_mask(cfg.block.router.top_k) if is_dag else None
     g_sum = g_sq = None
     sparse = [0, 0, 0, 0]      # values below, pairs below, values, pairs
     samples: List[np.ndarray] = []

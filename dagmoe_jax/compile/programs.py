@@ -47,7 +47,7 @@ from dagmoe_jax.data.batch import MODEL_INPUTS
 from dagmoe_jax.model import Transformer
 from dagmoe_jax.run.extensions import extension_for
 from dagmoe_jax.model.accounting import account
-from dagmoe_jax.model.expert_parallel import dispatch_axes
+from dagmoe_jax.model.routed.expert_parallel import dispatch_axes
 from dagmoe_jax.parallel import activate
 from dagmoe_jax.parallel.axes import MeshLayout
 from dagmoe_jax.parallel.state import batch_shards, batch_sharding

@@ -2,7 +2,7 @@
 :mod:`dagmoe_jax.compile.roofline` restricted to the instructions a ``jax.named_scope`` made.
 
 The DAG module runs under ``jax.named_scope("dag_module")``
-(:class:`~dagmoe_jax.model.dag.DAGAggregator`), so every instruction it lowers to carries
+(:class:`~dagmoe_jax.families.moe.dag.DAGAggregator`), so every instruction it lowers to carries
 ``dag_module`` in its ``op_name`` metadata (as a path component: ``.../dag_module/...``, or
 ``jvp(dag_module)`` / ``transpose(jvp(dag_module))`` when the scope is the outermost one a
 derivative was taken through); a fusion is the scope's when it or an instruction fused into
@@ -14,7 +14,7 @@ measure of "the DAG module at its FLOPs" (how far its time is above ``flops / pe
 its small kernels.
 
 One device's dispatch runs under ``moe_dispatch`` and the experts' SwiGLU, inside it, under
-``expert_ffn`` (:mod:`dagmoe_jax.model.dispatch`): the dispatch's cost (:func:`dispatch_cost`)
+``expert_ffn`` (:mod:`dagmoe_jax.model.routed.dispatch`): the dispatch's cost (:func:`dispatch_cost`)
 is the first scope less the second and less the matrix products, the sorts, gathers,
 exchanges and combines that move tokens to their experts and back.
 """
@@ -29,7 +29,7 @@ from typing import Optional
 from dagmoe_jax.compile.chips import Chip
 from dagmoe_jax.compile.roofline import FUSIONS, Cost, _Walker
 from dagmoe_jax.compile.hlo import parse_module
-from dagmoe_jax.model.dispatch import DISPATCH_SCOPE, EXPERT_FFN_SCOPE
+from dagmoe_jax.model.routed.dispatch import DISPATCH_SCOPE, EXPERT_FFN_SCOPE
 
 DAG_MODULE = "dag_module"
 """The named scope of the DAG module's instructions."""

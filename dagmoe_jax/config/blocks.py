@@ -149,7 +149,7 @@ class RouterConfig:
       routing; DeepSeek-V3 sec. 2.1.2, node-limited routing; Hugging Face's ``n_group`` and
       ``topk_group``): the N experts form ``n_group`` groups of consecutive ids, each token
       keeps the ``topk_group`` groups of highest group score and takes its top-K among their
-      experts (:func:`dagmoe_jax.model.router.group_limited_top_k`). Default 1 and 1: no
+      experts (:func:`dagmoe_jax.model.routed.router.group_limited_top_k`). Default 1 and 1: no
       groups.
     group_score: a group's score, 'max' (default; DeepSeek-V2's group-limited greedy: its
       highest expert score) or 'top2_sum' (DeepSeek-V3: the sum of its two highest scores,

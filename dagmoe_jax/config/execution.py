@@ -65,7 +65,7 @@ class ExecutionConfig:
       compiler is available and d_model and d_g are multiples of 16, else 'xla' there;
       'bottleneck' on a GPU, where 'triton' ran 3.3x slower than XLA's iteration on an H200;
       'xla_rank3' on TPU, where 'pallas' is estimated only), 'bottleneck' (eq. 6-12 by XLA in
-      d_g, dagmoe_jax.model.dag.bottleneck: the experts' outputs projected once, no d-wide
+      d_g, dagmoe_jax.families.moe.dag.bottleneck: the experts' outputs projected once, no d-wide
       node built; any backend and mesh), 'xla' (the K x K pair
       tensor built by XLA, the projections on [T*K, .] rows: free reshapes on CPU and GPU),
       'xla_rank3' (the same with the projections on the [T, K, .] node arrays as they are:

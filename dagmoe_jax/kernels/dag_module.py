@@ -1,6 +1,6 @@
 """The DAG module's elementwise work for XLA:CPU (C++ source: ``dag_module.cc``).
 
-Two functions of :mod:`dagmoe_jax.model.dag.equations`, each tied to its gradient by a custom VJP,
+Two functions of :mod:`dagmoe_jax.families.moe.dag.equations`, each tied to its gradient by a custom VJP,
 for ``ExecutionConfig.dag_module='fused'``:
 
 * :func:`fused_dag_messages`, the pairwise half of ``dag_messages`` (DAG-MoE eq. 9-10, summed

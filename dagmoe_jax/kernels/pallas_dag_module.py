@@ -315,7 +315,7 @@ def pallas_dag_iteration(carry, x: jax.Array, ln_scale, ln_bias, w_down, w_pair,
     ``carry`` is r^{l-1} [K, T, d], or, in the first iteration, the pair (gates [K, T, 1],
     expert outputs [K, T, d]) of eq. 6, r^0 = g_i E_i(x), built in the kernel. ``x`` [T, d] is
     the block's input; ``w_pair`` [d_g, 4 d_g] is
-    :func:`~dagmoe_jax.model.dag.equations.dag_pair_weights`'s layout; the matrices are used
+    :func:`~dagmoe_jax.families.moe.dag.equations.dag_pair_weights`'s layout; the matrices are used
     in the nodes' dtype, the LayerNorm's scale and bias in float32. T is padded to whole
     programs here. Differentiable in every array (one ``jax.custom_vjp``); ``interpret`` runs
     the kernels in the Pallas interpreter (any backend)."""

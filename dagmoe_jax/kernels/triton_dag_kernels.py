@@ -167,7 +167,7 @@ def _pair_cols(q: int, g: int):
 
 def _pair_block(wp_ref, q: int, g: int):
     """The q-th [d_g, d_g] block of the pair weights [W_edge,a | W_node,a | W_edge,b |
-    W_node,b] (:func:`~dagmoe_jax.model.dag.equations.dag_pair_weights`)."""
+    W_node,b] (:func:`~dagmoe_jax.families.moe.dag.equations.dag_pair_weights`)."""
     return wp_ref[:, _pair_cols(q, g)]
 
 

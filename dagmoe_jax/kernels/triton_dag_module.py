@@ -24,7 +24,7 @@ neither [T, K, d] array (nor its gradient) is written outside the kernels.
 
 Every rounding the XLA program makes in a 16-bit compute dtype (the LayerNorm's output, each
 projection's output, the messages, the updates) is made here at the same point, so the
-kernels compute :func:`~dagmoe_jax.model.dag.module.dag_iteration`'s function, which the CPU
+kernels compute :func:`~dagmoe_jax.families.moe.dag.module.dag_iteration`'s function, which the CPU
 suite checks in Pallas's interpreter (``interpret=True``; tests/test_triton_dag_module.py).
 The tiles (:class:`DagTiles`) were chosen without a GPU: none has timed them yet.
 """
@@ -175,7 +175,7 @@ def triton_dag_iteration(carry, x: jax.Array, ln_scale, ln_bias, w_down, w_pair,
     ``carry`` is r^{l-1} [T, K, d], or, in the first iteration, the pair (gates [T, K],
     expert outputs [T, K, d]) of eq. 6, r^0 = g_i E_i(x), built in the kernel. ``x`` [T, d] is
     the block's input in the nodes' dtype; ``w_pair`` [d_g, 4 d_g] is
-    :func:`~dagmoe_jax.model.dag.equations.dag_pair_weights`'s layout; the matrices are used
+    :func:`~dagmoe_jax.families.moe.dag.equations.dag_pair_weights`'s layout; the matrices are used
     in the nodes' dtype, the LayerNorm's scale and bias in float32. Differentiable in every
     array (one ``jax.custom_vjp``); ``interpret`` runs the kernels in the Pallas interpreter
     (any backend)."""

@@ -6,7 +6,10 @@ found through its family's registration (the ``BLOCK`` of ``dagmoe_jax.families.
 :func:`dagmoe_jax.model.transformer.block_class`), so
 :class:`~dagmoe_jax.model.transformer.DecoderLayer` has no branch per block type. It is built
 as ``Block(cfg, execution, layout, rngs=...)``: the model config, how it runs on this machine
-(a settled ``ExecutionConfig``) and the mesh its dispatch spans (None: one device).
+(a settled ``ExecutionConfig``) and the mesh its dispatch spans (None: one device). A block
+class may name intermediates (``jax.ad_checkpoint.checkpoint_name``) that remat 'dots' keeps
+beside the products, as its ``saved_names`` (none where it names none;
+:func:`dagmoe_jax.model.transformer.remat_policy`).
 
 A block family that needs parameters outside the layer stack, or inputs beyond the normed
 stream (DoE's topic embedding and VAE bank, its per-layer noise keys), declares a *shared*

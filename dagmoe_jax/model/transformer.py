@@ -31,7 +31,7 @@ at given positions read and extend it, and the updated cache comes back in the a
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple, Optional
+from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +43,6 @@ from dagmoe_jax.model.mla import LatentCache, MLAttention
 from dagmoe_jax.model.block import BlockContext, BlockInputs, BlockStats
 from dagmoe_jax.model.layers import RMSNorm, dtype_of, make_param, normal
 from dagmoe_jax.model.mtp import MTPModule, run_depths, shift_left
-from dagmoe_jax.model.dag.bottleneck import SAVED_NAMES as DAG_SAVED_NAMES
 from dagmoe_jax.model.settle import settle
 from dagmoe_jax.model.segments import check_segment_ids, segment_positions
 from dagmoe_jax.parallel import constrain
@@ -56,14 +55,16 @@ def block_class(cfg: ModelConfig) -> type:
     return family_of(cfg.block).part("block").BLOCK
 
 
-REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    # the products, and the small per-node values the DAG module names (SAVED_NAMES of
-    # model/dag/bottleneck.py: recomputing them re-read the experts' outputs)
-    "dots": jax.checkpoint_policies.save_from_both_policies(
+def remat_policy(name: str, saved_names: Sequence[str] = ()):
+    """The ``jax.checkpoint`` policy of ``ExecutionConfig.remat`` ``name`` (settled: 'full'
+    or 'dots'): 'full' keeps nothing; 'dots' the products and the values a block names
+    (``saved_names``, its class's: the DAG module's per-node statistics and messages, which
+    recomputing would re-read the experts' outputs for)."""
+    if name == "full":
+        return jax.checkpoint_policies.nothing_saveable
+    return jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names(*DAG_SAVED_NAMES)),
-}
+        jax.checkpoint_policies.save_only_these_names(*saved_names))
 
 
 class DecoderLayer(nnx.Module):
@@ -214,7 +215,8 @@ class Transformer(nnx.Module):
 
         ex = self.execution
         if ex.remat != "none":
-            body = nnx.remat(body, policy=REMAT_POLICIES[ex.remat], prevent_cse=False)
+            policy = remat_policy(ex.remat, getattr(block_class(self.cfg), "saved_names", ()))
+            body = nnx.remat(body, policy=policy, prevent_cse=False)
 
         @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, None), out_axes=(nnx.Carry, 0),
                   unroll=ex.scan_unroll,
@@ -270,7 +272,7 @@ class Transformer(nnx.Module):
 
     def update_selection_bias(self, router_counts: jax.Array) -> None:
         """Auxiliary-loss-free balancing's update after a training step (DeepSeek-V3 sec.
-        2.1.2; :func:`~dagmoe_jax.model.router.aux_free_bias_update`): every router's selection
+        2.1.2; :func:`~dagmoe_jax.model.routed.router.aux_free_bias_update`): every router's selection
         bias moves towards balance by the step's ``router_counts`` [layers, R, N] (the forward
         pass's ``aux['router_counts']``, summed over micro-batches), in place. With
         multi-token prediction the training loss appends the modules' rows ([layers + D, R,

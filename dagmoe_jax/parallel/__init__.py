@@ -10,7 +10,7 @@
   ``jax.distributed`` from flags, the environment or the cluster).
 
 Expert-parallel token dispatch (``shard_map`` + all-to-all) is the model's own,
-:mod:`dagmoe_jax.model.expert_parallel`: the experts run it when the model was built with a
+:mod:`dagmoe_jax.model.routed.expert_parallel`: the experts run it when the model was built with a
 mesh layout (:class:`~dagmoe_jax.parallel.axes.MeshLayout`).
 """
 

@@ -18,7 +18,7 @@ from jax.sharding import AbstractMesh, PartitionSpec
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 # Logical name -> mesh axis (or axes). Outside MoE blocks `expert` acts as data parallelism.
-# The expert-parallel dispatch (model/expert_parallel.py) needs the `expert` axes among the `batch`
+# The expert-parallel dispatch (model/routed/expert_parallel.py) needs the `expert` axes among the `batch`
 # axes (each expert shard holds different tokens) and `expert_mlp` not among them.
 DEFAULT_RULES: Tuple[Tuple[str, object], ...] = (
     ("batch", ("data", "fsdp", "expert")),

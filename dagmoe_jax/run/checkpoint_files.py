@@ -19,7 +19,7 @@ import jax
 from etils import epath
 from flax import nnx, traverse_util
 
-from dagmoe_jax.model.router import SelectionBias
+from dagmoe_jax.model.routed.router import SelectionBias
 from dagmoe_jax.run.paths import as_path
 from dagmoe_jax.validate import error_chain, interrupt_within
 

@@ -36,7 +36,7 @@ from dagmoe_jax.data import DataConfig
 from dagmoe_jax.hf.llama import load_hf_llama, model_config_from_hf, read_hf_config
 from dagmoe_jax.hf.run import hf_folder, is_hf
 from dagmoe_jax.families.moe.conversion import converted_config, converted_params, is_conversion
-from dagmoe_jax.model.router import SelectionBias
+from dagmoe_jax.model.routed.router import SelectionBias
 from dagmoe_jax.run.checkpoint_files import flatten_json
 
 def _hf_folder(init_from: str) -> str:

@@ -28,11 +28,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dagmoe_jax.config import ExecutionConfig, ModelConfig
-from dagmoe_jax.model.aggregation import weighted_sum
+from dagmoe_jax.families.moe.aggregation import weighted_sum
 from dagmoe_jax.model.block import BlockInputs, routed_stats
 from dagmoe_jax.model.layers import make_param
 from dagmoe_jax.families.moe.block import routed_experts, shared_experts
-from dagmoe_jax.model.router import Router
+from dagmoe_jax.model.routed.router import Router
 from dagmoe_jax.parallel.axes import MeshLayout
 
 

@@ -9,7 +9,7 @@ gradient) hold; the default reading (``expert='composed'``, ``e = G^T Z`` into o
 keeps every FFN weight active.
 
 Inactive blocks cost nothing: the (token, block) pairs are sorted by block and run through the
-grouped matmul of dropless MoE dispatch (:func:`dagmoe_jax.model.dispatch.dropless_dispatch`);
+grouped matmul of dropless MoE dispatch (:func:`dagmoe_jax.model.routed.dispatch.dropless_dispatch`);
 a pair whose gate is zero gets the out-of-range id K, so it sorts past every group and its row is
 neither computed (``ragged_dot`` / ``gmm`` skip rows past ``sum(sizes)``) nor differentiated.
 :func:`masked_dense_blocks` is the reference: every block on every token, gates outside the
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from dagmoe_jax.config import ModelConfig
-from dagmoe_jax.model.dispatch import dropless_dispatch
+from dagmoe_jax.model.routed.dispatch import dropless_dispatch
 
 
 def block_hidden(cfg: ModelConfig) -> int:

@@ -9,11 +9,12 @@ import jax
 from flax import nnx
 
 from dagmoe_jax.config import ExecutionConfig, ModelConfig
-from dagmoe_jax.model.aggregation import make_aggregator
+from dagmoe_jax.families.moe.aggregation import make_aggregator
+from dagmoe_jax.families.moe.dag.bottleneck import SAVED_NAMES
 from dagmoe_jax.model.block import BlockInputs, BlockStats, routed_stats
-from dagmoe_jax.model.experts import Experts
+from dagmoe_jax.model.routed.experts import Experts
 from dagmoe_jax.model.layers import SwiGLU, dtype_of
-from dagmoe_jax.model.router import Router
+from dagmoe_jax.model.routed.router import Router
 from dagmoe_jax.parallel.axes import MeshLayout
 
 

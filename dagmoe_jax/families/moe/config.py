@@ -17,6 +17,16 @@ DAG_EDGES = ("all", "ranked", "self")
 DAG_READINGS = ("once", "literal")
 
 
+def edge_mask(k: int, edges: str):
+    """[K, K] numpy booleans: the node pairs (receiver i, sender j) the graph of ``dag_edges``
+    has: every pair ('all', eq. 9-11), those the router ranked at or above the receiver
+    ('ranked'), or each node alone ('self')."""
+    import numpy as np                 # only when asked: importing a config loads no numpy
+    if edges == "ranked":
+        return np.tril(np.ones((k, k), bool))
+    return np.eye(k, dtype=bool) if edges == "self" else np.ones((k, k), bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class AggregationConfig:
     """How the K expert outputs become the block output (docs/design.md section 4).
@@ -63,6 +73,11 @@ class AggregationConfig:
         _choice("AggregationConfig", "dag_residual", self.dag_residual, DAG_READINGS)
         _check(isinstance(self.dag_shared_weights, bool), "AggregationConfig",
                "dag_shared_weights", self.dag_shared_weights, "True or False")
+
+    def edge_mask(self, k: int):
+        """[K, K] booleans: the node pairs the graph of ``dag_edges`` has among the K = top-k
+        nodes (:func:`edge_mask`)."""
+        return edge_mask(k, self.dag_edges)
 
 
 @register(__package__, configurables=(AggregationConfig, matched_shared_hidden))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dagmoe_jax.model.dag.equations import layer_norm_statistics
+from dagmoe_jax.families.moe.dag.equations import layer_norm_statistics
 
 
 def folded_norm_projection(x: jax.Array, scale: jax.Array, bias: jax.Array, w_down: jax.Array,

@@ -1,8 +1,8 @@
 """The routed experts: N SwiGLU FFNs stored stacked and applied as one vmapped FFN.
 
-On one device the tokens reach them by :func:`dagmoe_jax.model.dispatch.dispatch`; when the
+On one device the tokens reach them by :func:`dagmoe_jax.model.routed.dispatch.dispatch`; when the
 model is built with a multi-device :class:`~dagmoe_jax.parallel.axes.MeshLayout`, 'capacity'
-and 'dropless' dispatch run across devices (:mod:`dagmoe_jax.model.expert_parallel`:
+and 'dropless' dispatch run across devices (:mod:`dagmoe_jax.model.routed.expert_parallel`:
 all-to-all over the ``expert`` axis).
 """
 
@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dagmoe_jax.config import ExecutionConfig, ExpertConfig
-from dagmoe_jax.model.dispatch import dispatch
-from dagmoe_jax.model.expert_parallel import sharded_dispatch
+from dagmoe_jax.model.routed.dispatch import dispatch
+from dagmoe_jax.model.routed.expert_parallel import sharded_dispatch
 from dagmoe_jax.model.layers import make_param, normal
 from dagmoe_jax.parallel.axes import MeshLayout
 

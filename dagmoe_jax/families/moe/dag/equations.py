@@ -2,14 +2,13 @@
 
 Each function is one equation (or the closed form of one) and says which; the composed
 iteration, which also decides how its LayerNorm, projections and pair sums run, is in
-:mod:`dagmoe_jax.model.dag.module`. Nodes are [T, K, d] in the router's rank order.
+:mod:`dagmoe_jax.families.moe.dag.module`. Nodes are [T, K, d] in the router's rank order.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 EDGE_ACTIVATIONS = {"silu": jax.nn.silu, "sigmoid": jax.nn.sigmoid}
 
@@ -19,7 +18,7 @@ def dag_initial_nodes(x: jax.Array, gates: jax.Array, expert_out: jax.Array):
 
     Returned as its two terms, (g_i E_i(x) [T, K, d], x / K [T, 1, d]), whose sum is x^0: the
     module carries the nodes' updates apart from the residual (see
-    :class:`~dagmoe_jax.model.dag.module.DAGAggregator`).
+    :class:`~dagmoe_jax.families.moe.dag.module.DAGAggregator`).
     """
     k = gates.shape[-1]
     updates = gates[..., None].astype(expert_out.dtype) * expert_out
@@ -91,13 +90,6 @@ def dag_self_messages(e_i, n_i, e_j, n_j, edge_act: str, with_edges: bool = Fals
         return msg
     eye = jnp.eye(edge.shape[1], dtype=edge.dtype)[None, :, :, None]
     return msg, edge[:, :, None, :] * eye
-
-
-def edge_mask(k: int, edges: str) -> np.ndarray:
-    """[K, K] booleans: the node pairs (receiver i, sender j) the graph of ``dag_edges`` has."""
-    if edges == "ranked":
-        return np.tril(np.ones((k, k), bool))
-    return np.eye(k, dtype=bool) if edges == "self" else np.ones((k, k), bool)
 
 
 def dag_readout(nodes: jax.Array) -> jax.Array:

@@ -1,6 +1,6 @@
 """How the DAG module runs: one strategy per ``ExecutionConfig.dag_module``, chosen once when
 the module is built (:func:`dag_execution`), so that the equations
-(:mod:`dagmoe_jax.model.dag.equations`, composed in :mod:`dagmoe_jax.model.dag.module`) carry
+(:mod:`dagmoe_jax.families.moe.dag.equations`, composed in :mod:`dagmoe_jax.families.moe.dag.module`) carry
 no execution flags.
 
 A strategy supplies the four operations of an iteration whose program depends on the machine:
@@ -15,7 +15,7 @@ tests/test_triton_dag_module.py the Triton kernels, interpreted):
 ``xla``        XLA on the node rows as one [T*K, .] matrix: on CPU and GPU that reshape is
                free, and with the node axis kept XLA:CPU runs the weight gradient, a
                contraction over two axes, 1.45x slower (the XLA module, measured); the
-               LayerNorm folded into W_down (:mod:`dagmoe_jax.model.dag.folded`); the
+               LayerNorm folded into W_down (:mod:`dagmoe_jax.families.moe.dag.folded`); the
                L-th iteration computed with the readout, as ``fused`` does (each step's
                effect on the compiled GPU step: benchmarks/RESULTS.md, "Compiled for a
                GPU")
@@ -39,7 +39,7 @@ tests/test_triton_dag_module.py the Triton kernels, interpreted):
                backward (:mod:`dagmoe_jax.kernels.pallas_dag_module`) on the nodes laid out
                node-major, [K, T, d], each device's tokens inside a ``shard_map`` over the
                mesh axes that split them (XLA cannot partition a Mosaic kernel)
-``bottleneck`` eq. 6-12 by XLA in d_g (:mod:`dagmoe_jax.model.dag.bottleneck`): the experts'
+``bottleneck`` eq. 6-12 by XLA in d_g (:mod:`dagmoe_jax.families.moe.dag.bottleneck`): the experts'
                outputs projected once, every iteration on [T, K, d_g] arrays, no d-wide
                node built (a GPU's 'auto')
 =============  ===========================================================================
@@ -58,9 +58,9 @@ from dagmoe_jax.kernels.dag_module import fused_dag_messages, fused_layer_norm
 from dagmoe_jax.kernels.grouped_matmul import cpu_dense_matmul
 from dagmoe_jax.kernels.pallas_dag_module import pallas_dag_iteration
 from dagmoe_jax.kernels.triton_dag_module import triton_dag_iteration
-from dagmoe_jax.model.dag.bottleneck import bottleneck_dag
-from dagmoe_jax.model.dag.equations import dag_pair_messages, dag_pair_weights, layer_norm
-from dagmoe_jax.model.dag.folded import folded_norm_projection
+from dagmoe_jax.families.moe.dag.bottleneck import bottleneck_dag
+from dagmoe_jax.families.moe.dag.equations import dag_pair_messages, dag_pair_weights, layer_norm
+from dagmoe_jax.families.moe.dag.folded import folded_norm_projection
 from dagmoe_jax.parallel.state import active_row_axes
 
 
@@ -80,13 +80,13 @@ class XLAExecution:
         return nodes.reshape(-1, nodes.shape[-1])
 
     def layer_norm(self, x, scale, bias, eps: float) -> jax.Array:
-        """DAG-MoE eq. 7 (:func:`~dagmoe_jax.model.dag.equations.layer_norm`)."""
+        """DAG-MoE eq. 7 (:func:`~dagmoe_jax.families.moe.dag.equations.layer_norm`)."""
         return layer_norm(x, scale, bias, eps)
 
     def norm_project(self, nodes, scale, bias, w_down, eps: float) -> jax.Array:
         """DAG-MoE eq. 7-8, the nodes' LayerNorm projected by W_down: folded into one product
         on the raw nodes where ``folds_layer_norm``
-        (:func:`~dagmoe_jax.model.dag.folded.folded_norm_projection`, which never builds the
+        (:func:`~dagmoe_jax.families.moe.dag.folded.folded_norm_projection`, which never builds the
         normalised nodes: XLA:GPU ran their float32 backward as passes over [T*K, d]), else
         as written, the LayerNorm's output and then its product with W_down."""
         rows = self.rows(nodes)
@@ -125,7 +125,7 @@ class XLARank3Execution(XLAExecution):
 
     def layer_norm(self, x, scale, bias, eps: float) -> jax.Array:
         """Eq. 7 with its statistics in one pass
-        (:func:`~dagmoe_jax.model.dag.equations.layer_norm_statistics`; what it saves in the
+        (:func:`~dagmoe_jax.families.moe.dag.equations.layer_norm_statistics`; what it saves in the
         compiled step: benchmarks/RESULTS.md)."""
         return layer_norm(x, scale, bias, eps, one_pass=True)
 
@@ -171,7 +171,7 @@ class TritonExecution(XLAExecution):
                   eps: float) -> jax.Array:
         """sum_i r_i^L [T, d] for the block's input ``x`` [T, d], ``gates`` [T, K] and the
         experts' outputs [T, K, d] (eq. 6-12 but the residual's count,
-        :func:`~dagmoe_jax.model.dag.equations.dag_block_output`); ``weights`` by name,
+        :func:`~dagmoe_jax.families.moe.dag.equations.dag_block_output`); ``weights`` by name,
         stacked [L, ...] unless ``shared``."""
         x = x.astype(expert_out.dtype)
 
@@ -232,7 +232,7 @@ class PallasExecution(TritonExecution):
 @dataclasses.dataclass(frozen=True)
 class BottleneckExecution(XLAExecution):
     """``dag_module='bottleneck'``: eq. 6-12 by XLA with the iterations in d_g
-    (:func:`~dagmoe_jax.model.dag.bottleneck.bottleneck_dag`): the experts' outputs projected
+    (:func:`~dagmoe_jax.families.moe.dag.bottleneck.bottleneck_dag`): the experts' outputs projected
     once onto (2L - 1) d_g columns, no [T, K, d] node built. Recording the edge gates
     (analysis) runs the composed iteration of ``xla``."""
 

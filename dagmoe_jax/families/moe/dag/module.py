@@ -1,7 +1,7 @@
 """The DAG learning module (DAG-MoE eq. 6-12) as a Flax module: the iteration composed from the
-equations (:mod:`dagmoe_jax.model.dag.equations`), its parameters stacked over the L
+equations (:mod:`dagmoe_jax.families.moe.dag.equations`), its parameters stacked over the L
 iterations, and the scanned loop, run by the strategy of ``ExecutionConfig.dag_module``
-(:mod:`dagmoe_jax.model.dag.execution`).
+(:mod:`dagmoe_jax.families.moe.dag.execution`).
 
 Per-iteration parameters ``w_down [L, d, d_g]``, ``w_edge [L, 2 d_g, d_g]``,
 ``w_node [L, 2 d_g, d_g]``, ``w_up [L, d_g, d]`` and LayerNorm ``ln_scale, ln_bias [L, d]``
@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dagmoe_jax.config import ExecutionConfig, ModelConfig
-from dagmoe_jax.model.dag.equations import (dag_block_output, dag_initial_nodes,
-                                            dag_pair_messages, dag_pair_weights, dag_readout)
-from dagmoe_jax.model.dag.execution import XLA, XLAExecution, dag_execution
+from dagmoe_jax.families.moe.dag.equations import (dag_block_output, dag_initial_nodes,
+                                                   dag_pair_messages, dag_pair_weights, dag_readout)
+from dagmoe_jax.families.moe.dag.execution import XLA, XLAExecution, dag_execution
 from dagmoe_jax.model.layers import dtype_of, make_param, normal
 from dagmoe_jax.parallel import constrain
 
@@ -31,7 +31,7 @@ def dag_node_messages(nodes: jax.Array, ln_scale, ln_bias, w_down, w_edge, w_nod
     """DAG-MoE eq. 7-10 summed over j: sum_j m_(i,j) [T, K, d_g] for nodes x^{l-1} [T, K, d]
     (and the edge gates e_(i,j) [T, K, K, d_g], ``with_edges``, for which the pairs are always
     built by XLA), run by the strategy ``ex``. The pair [u_i; u_j] of eq. 9 is never built:
-    each node is projected once by :func:`~dagmoe_jax.model.dag.equations.dag_pair_weights`
+    each node is projected once by :func:`~dagmoe_jax.families.moe.dag.equations.dag_pair_weights`
     ([T*K, 4 d_g] in one matmul) and the K x K pairs are a broadcast add."""
     t, k, _ = nodes.shape
     u = ex.norm_project(nodes, ln_scale, ln_bias, w_down, eps)                    # eq. 7-8
@@ -110,11 +110,11 @@ class DAGAggregator(nnx.Module):
     The nodes are carried as x_i^l = r_i^l + x / K: the scan's carry is the updates r_i^l
     (r_i^0 = g_i E_i(x), eq. 6's expert term) and each iteration sees the whole node, so every
     equation runs on exactly the nodes the paper defines;
-    :func:`~dagmoe_jax.model.dag.equations.dag_block_output` then counts the residual once or
+    :func:`~dagmoe_jax.families.moe.dag.equations.dag_block_output` then counts the residual once or
     twice (``AggregationConfig.dag_residual``).
 
     ``execution.dag_module`` (a settled :class:`~dagmoe_jax.config.ExecutionConfig`; None:
-    'xla') picks the strategy once (:func:`~dagmoe_jax.model.dag.execution.dag_execution`).
+    'xla') picks the strategy once (:func:`~dagmoe_jax.families.moe.dag.execution.dag_execution`).
     """
 
     def __init__(self, cfg: ModelConfig, execution: Optional[ExecutionConfig] = None, *,

@@ -2,7 +2,7 @@
 
 * ``sum``: the standard weighted sum (DAG-MoE eq. 1).
 * ``dag``: the DAG learning module (DAG-MoE eq. 6-12), its own package
-  :mod:`dagmoe_jax.model.dag`.
+  :mod:`dagmoe_jax.families.moe.dag`.
 * ``mlp``: the structureless MLP-mixing ablation (DAG-MoE summary ablation table; our reading).
 
 Every aggregator is called as ``agg(x, gates, expert_out)`` with x [T, d], gates [T, K] and
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dagmoe_jax.config import ExecutionConfig, ModelConfig
-from dagmoe_jax.model.dag import DAGAggregator, layer_norm
+from dagmoe_jax.families.moe.dag import DAGAggregator, layer_norm
 from dagmoe_jax.model.layers import dtype_of, make_param, normal
 
 

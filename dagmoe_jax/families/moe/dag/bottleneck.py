@@ -8,7 +8,7 @@ and the LayerNorm's two statistics. Row vectors, W_down [d, d_g], W_up [d_g, d],
 
 * eq. 11 unrolled: x_i^(l-1) = x_i^0 + sum_(l' < l) m_i^l' W_up^l', with x_i^0 = a_i + r
   (eq. 6) and m_i^l = sum_j x_hat_(i,j)^l [d_g] (eq. 10's messages summed);
-* eq. 7-8 folded (:mod:`~dagmoe_jax.model.dag.folded`), the centring moved into the weight:
+* eq. 7-8 folded (:mod:`~dagmoe_jax.families.moe.dag.folded`), the centring moved into the weight:
   LN(x) W_down = rho (x C W_g) + beta W_down, with W_g = diag(gamma) W_down, C = I - 1 1^T / d
   (x C = x - mu 1) and rho = 1 / sqrt(var + eps);
 * so x_i^(l-1) C W_g^l = x_i^0 C W_g^l + sum_(l' < l) m_i^l' (W_up^l' C W_g^l): [d_g, d_g]
@@ -39,7 +39,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from dagmoe_jax.model.dag.equations import EDGE_ACTIVATIONS, dag_pair_weights, edge_mask
+from dagmoe_jax.families.moe.config import edge_mask
+from dagmoe_jax.families.moe.dag.equations import EDGE_ACTIVATIONS, dag_pair_weights
 
 F32 = jnp.float32
 SAVED_NAMES = ("dag_node_statistics", "dag_messages")
@@ -77,8 +78,8 @@ def _messages(proj: jax.Array, edge_act: str, edges: str) -> jax.Array:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def pair_messages(u: jax.Array, w_pair: jax.Array, edge_act: str, edges: str) -> jax.Array:
     """DAG-MoE eq. 9-10 summed over the senders j for the down-projected nodes u [T, K, d_g]
-    and the pair weights [d_g, 4 d_g] (:func:`~dagmoe_jax.model.dag.equations.dag_pair_weights`),
-    as :func:`~dagmoe_jax.model.dag.equations.dag_pair_messages` of ``u @ w_pair`` (its
+    and the pair weights [d_g, 4 d_g] (:func:`~dagmoe_jax.families.moe.dag.equations.dag_pair_weights`),
+    as :func:`~dagmoe_jax.families.moe.dag.equations.dag_pair_messages` of ``u @ w_pair`` (its
     function, every edge mode), with a backward written out: it keeps u, not the [T, K, 4 d_g]
     projection (recomputed: a product of d_g columns), and the gradient of the four projected
     parts is one [T, K, 4 d_g] array from the pair terms recomputed on the fly (autodiff kept
@@ -131,7 +132,7 @@ def bottleneck_weights(weights: dict, num_iters: int, shared: bool, dtype) -> di
       [(l - 1) d_g]: the W_up^l' 1, their share of ||x||^2 and of sum(x);
     * ``col_sum[l]`` [d_g] = 1^T (C W_g^l) of the rounded block (what of the mean its
       rounding lets through) and ``shift[l]`` = beta^l W_down^l (eq. 7-8 folded);
-    * ``pair[l]`` [d_g, 4 d_g] (eq. 9, :func:`~dagmoe_jax.model.dag.equations.dag_pair_weights`)
+    * ``pair[l]`` [d_g, 4 d_g] (eq. 9, :func:`~dagmoe_jax.families.moe.dag.equations.dag_pair_weights`)
       and ``up`` [L d_g, d] = [W_up^1; ..; W_up^L] (eq. 11-12), in ``dtype``.
 
     W_g^l enters centred, C W_g^l with C = I - 1 1^T / d: x C W_g = (x - mu 1) W_g, so the
@@ -225,7 +226,7 @@ def bottleneck_dag(x: jax.Array, gates: jax.Array, expert_out: jax.Array, weight
                    num_iters: int, shared: bool, edges: str, edge_act: str,
                    eps: float) -> jax.Array:
     """DAG-MoE eq. 6-12 in d_g: sum_i r_i^L [T, d] (= sum_i x_i^L - x, eq. 12 but the
-    residual's count, :func:`~dagmoe_jax.model.dag.equations.dag_block_output`) for the
+    residual's count, :func:`~dagmoe_jax.families.moe.dag.equations.dag_block_output`) for the
     block's input ``x`` [T, d], ``gates`` [T, K] and the experts' outputs [T, K, d], in the
     experts' dtype; ``weights`` by name, stacked [L, ...] unless ``shared`` (module
     docstring)."""

@@ -5,7 +5,7 @@ selected experts' outputs [T, K, d] in rank order, plus a keep mask [T, K] (Fals
 dropped the assignment; its output is zero). With no drops the three strategies agree exactly up
 to float rounding: ``dense`` is the oracle the tests compare against.
 
-These are the single-device (global-view) strategies; :mod:`dagmoe_jax.model.expert_parallel`
+These are the single-device (global-view) strategies; :mod:`dagmoe_jax.model.routed.expert_parallel`
 runs 'capacity' and 'dropless' across a device mesh with the same building blocks
 (:func:`capacity_gather`, :func:`capacity_combine`, :func:`grouped_ffn`).
 """

@@ -1,9 +1,9 @@
 """Expert parallelism: MoE token dispatch across devices inside ``jax.shard_map``.
 
-:class:`~dagmoe_jax.model.experts.Experts` calls :func:`sharded_dispatch` when the model was
+:class:`~dagmoe_jax.model.routed.experts.Experts` calls :func:`sharded_dispatch` when the model was
 built with a :class:`~dagmoe_jax.parallel.axes.MeshLayout` (a mesh of more than one device,
 handed over by the run, never read from the context); otherwise the single-device dispatch of
-:mod:`dagmoe_jax.model.dispatch` runs unchanged. Only the dispatch is manual: routing, the router
+:mod:`dagmoe_jax.model.routed.dispatch` runs unchanged. Only the dispatch is manual: routing, the router
 losses (balance loss from the global f_i and P_i, z-loss over all tokens) and the aggregators
 (sum, DAG, MLP) stay in the global view, where XLA computes them on the sharded tokens exactly
 as on one device.
@@ -69,11 +69,11 @@ import jax.numpy as jnp
 from jax.lax import ragged_all_to_all
 from jax.sharding import PartitionSpec as P
 
-from dagmoe_jax.model.dispatch import (DISPATCH_SCOPE, TILED_ROWS, ExpertWeights,
-                                       apply_experts, capacity_combine, capacity_gather,
-                                       combine_assignments,
-                                       dispatch, dropless_dispatch, expert_capacity,
-                                       grouped_ffn, take_rows, take_rows_of_tokens)
+from dagmoe_jax.model.routed.dispatch import (DISPATCH_SCOPE, TILED_ROWS, ExpertWeights,
+                                              apply_experts, capacity_combine, capacity_gather,
+                                              combine_assignments, dispatch, dropless_dispatch,
+                                              expert_capacity, grouped_ffn, take_rows,
+                                              take_rows_of_tokens)
 from dagmoe_jax.kernels.pallas import GMM_TILE
 from dagmoe_jax.parallel.axes import MeshLayout
 
@@ -182,7 +182,7 @@ def _dropless_shard(x, indices, weights, *, experts: Optional[object], hidden: O
 
 def exchange_block(grouped_matmul: str, dtype) -> int:
     """The rows the ragged exchange moves as one unit: those of one (8, 128) tile (16 in
-    bfloat16) where arrays are laid out in tiles of rows (:data:`~dagmoe_jax.model.dispatch.
+    bfloat16) where arrays are laid out in tiles of rows (:data:`~dagmoe_jax.model.routed.dispatch.
     TILED_ROWS`, TPU), else 1. XLA:TPU's ragged all-to-all moves rows one by one only in a
     layout where each row is contiguous, into which it relayouts its operand and out of which
     its result, a copy of each buffer each way (benchmarks/RESULTS.md); [rows / 16, 16, d]
@@ -327,7 +327,7 @@ def _ragged_exchange_shard(x, indices, weights, *, experts, hidden, grouped_matm
 
 
 def _scoped(body, *args):
-    """``body(*args)`` with its instructions under :data:`~dagmoe_jax.model.dispatch.
+    """``body(*args)`` with its instructions under :data:`~dagmoe_jax.model.routed.dispatch.
     DISPATCH_SCOPE` (inside the ``shard_map``: its boundary's resharding of the weights and
     their gradients is the parameters' sharding, not the dispatch)."""
     with jax.named_scope(DISPATCH_SCOPE):
@@ -338,7 +338,7 @@ def sharded_dispatch(mode: str, x: jax.Array, indices: jax.Array, weights: Exper
                      capacity_factor: float, layout: MeshLayout, fused: bool = False,
                      grouped_matmul: str = "ragged_dot", expert_exchange: str = "all_gather",
                      exchange_buffer: Optional[float] = None):
-    """:func:`dagmoe_jax.model.dispatch.dispatch` across ``layout``'s mesh (module docstring).
+    """:func:`dagmoe_jax.model.routed.dispatch.dispatch` across ``layout``'s mesh (module docstring).
 
     Same inputs and outputs as the single-device dispatch (global view): tokens ``x`` [T, d],
     expert ids [T, K], stacked expert weights; returns outputs [T, K, d] and the keep mask.
@@ -349,7 +349,7 @@ def sharded_dispatch(mode: str, x: jax.Array, indices: jax.Array, weights: Exper
     gate and up projections as one matmul (``ExecutionConfig.fuse_projections``, settled to
     False on a mesh, where concatenating tensor-sharded weights would move them);
     ``grouped_matmul``: as
-    :func:`~dagmoe_jax.model.dispatch.grouped_ffn` (dropless); ``expert_exchange``: how
+    :func:`~dagmoe_jax.model.routed.dispatch.grouped_ffn` (dropless); ``expert_exchange``: how
     dropless moves tokens between expert shards, 'all_gather' or 'ragged_all_to_all' (module
     docstring; with no expert axis nothing moves and this is unused); ``exchange_buffer``:
     ``ExpertConfig.exchange_buffer``, the same rule either way.

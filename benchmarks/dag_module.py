@@ -104,7 +104,9 @@ def module_row(name: str, cfg, dag_module: str, t: int):
     """(name, fn, args, forward matmul FLOPs) of the whole DAG module run as ``dag_module``
     ('xla' or 'fused'); W_up random, so that the backward pass is not trivially zero."""
     k, a = cfg.block.router.top_k, cfg.block.aggregation
-    module = dag.DAGAggregator(cfg, ExecutionConfig(dag_module=dag_module), rngs=nnx.Rngs(0))
+    module = dag.DAGAggregator(a, cfg.d_model, std=cfg.init_std, eps=cfg.norm_eps,
+                               execution=ExecutionConfig(dag_module=dag_module),
+                               rngs=nnx.Rngs(0))
     w_up = module.iterations.w_up
     w_up[...] = 0.02 * jax.random.normal(jax.random.key(1), w_up.shape)
     graphdef, params = nnx.split(module)

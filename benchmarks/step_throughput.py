@@ -123,7 +123,8 @@ def component_rates(cfg, execution, tokens: int, repeats: int):
     d, k, e = cfg.d_model, cfg.block.router.top_k, cfg.block.experts
     rngs, settled = nnx.Rngs(0), settle(cfg, execution)
     experts = Experts(e, d, std=cfg.init_std, dtype=jnp.float32, execution=settled, rngs=rngs)
-    dag = DAGAggregator(cfg, settled, rngs=rngs)
+    dag = DAGAggregator(cfg.block.aggregation, d, std=cfg.init_std, eps=cfg.norm_eps,
+                        execution=settled, rngs=rngs)
     w_up = dag.iterations.w_up  # random, so the backward pass is not trivially zero
     w_up[...] = 0.02 * jax.random.normal(jax.random.key(1), w_up.shape)
     x = jax.random.normal(jax.random.key(2), (tokens, d))

@@ -149,7 +149,8 @@ def make_dag(iters, edge_act, lib_params=None, edges="all", reading="once", shar
                                        dag_edges=edges, dag_residual=reading,
                                        dag_shared_weights=shared))
     execution = ExecutionConfig(dag_module=mode)
-    module = DAGAggregator(cfg, execution, rngs=nnx.Rngs(0))
+    module = DAGAggregator(cfg.block.aggregation, D, std=cfg.init_std, eps=EPS,
+                           execution=execution, rngs=nnx.Rngs(0))
     if lib_params is not None:
         for name, value in lib_params.items():
             var = getattr(module.iterations, name)
@@ -316,7 +317,7 @@ def test_mlp_mixer_zero_init_is_weighted_sum():
     rng = np.random.default_rng(5)
     x, gates, expert_out = (jnp.asarray(a) for a in random_inputs(rng))
     cfg = tiny_config("moe", "mlp", d_model=D, norm_eps=EPS, aggregation=dict(dag_dim=DG))
-    mixer = MLPMixer(cfg, rngs=nnx.Rngs(0))
+    mixer = MLPMixer(cfg.block.aggregation, D, std=cfg.init_std, eps=EPS, rngs=nnx.Rngs(0))
     assert mixer.w_1.shape == (D, DG) and mixer.w_2.shape == (D, DG) and mixer.w_3.shape == (DG, D)
     assert np.all(np.asarray(mixer.w_3[...]) == 0)
     # W3 = 0 adds an exact 0.0 to s: bit-for-bit the weighted sum.
@@ -331,7 +332,7 @@ def test_mlp_mixer_matches_numpy():
     w2 = rng.normal(scale=1 / np.sqrt(D), size=(D, DG)).astype(np.float32)
     w3 = rng.normal(scale=1 / np.sqrt(DG), size=(DG, D)).astype(np.float32)
     cfg = tiny_config("moe", "mlp", d_model=D, norm_eps=EPS, aggregation=dict(dag_dim=DG))
-    mixer = MLPMixer(cfg, rngs=nnx.Rngs(0))
+    mixer = MLPMixer(cfg.block.aggregation, D, std=cfg.init_std, eps=EPS, rngs=nnx.Rngs(0))
     mixer.w_1[...], mixer.w_2[...], mixer.w_3[...] = (jnp.asarray(w) for w in (w1, w2, w3))
     s = np.einsum("tk,tkd->td", gates.astype(np.float64), expert_out.astype(np.float64))
     expected = np_mlp_mix(s, w1, w2, w3)

@@ -11,8 +11,9 @@ import pytest
 from flax import nnx
 
 from conftest import tiny_config, tiny_execution
-from dagmoe_jax.model.routed.dispatch import (capacity_dispatch, capacity_slots, dense_dispatch,
-                                              dispatch, dropless_dispatch, expert_capacity)
+from dagmoe_jax.model.routed.dispatch import (DispatchPlan, capacity_dispatch, capacity_slots,
+                                              dense_dispatch, dispatch, dropless_dispatch,
+                                              expert_capacity)
 from dagmoe_jax.config import ExecutionConfig, ExpertConfig
 from dagmoe_jax.model.routed.experts import Experts
 from dagmoe_jax.model.block import BlockInputs
@@ -78,12 +79,19 @@ def test_dispatch_modes_agree_when_nothing_drops(k):
     for mode in ("capacity", "dropless"):
         np.testing.assert_allclose(np.asarray(outs[mode][0]), np.asarray(outs["dense"][0]),
                                    rtol=1e-5, atol=1e-6, err_msg=mode)
-    # The string front end routes to the same functions.
-    out, _ = dispatch("dropless", x, indices, weights, 1.0)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(outs["dropless"][0]), rtol=1e-6,
-                               atol=1e-6)
-    with pytest.raises(ValueError, match="dispatch"):
-        dispatch("bogus", x, indices, weights, 1.0)
+    # A plan routes to the same functions: its experts' mode and capacity, its execution's
+    # grouped matmul ('einsum': every expert on every token)
+    plans = {"capacity": ExpertConfig(dispatch="capacity", capacity_factor=float(N)),
+             "dropless": ExpertConfig(dispatch="dropless")}
+    for mode, experts in plans.items():
+        out, _ = dispatch(DispatchPlan(experts), x, indices, weights)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(outs[mode][0]), rtol=1e-6,
+                                   atol=1e-6, err_msg=mode)
+    dense = DispatchPlan(plans["dropless"],
+                         ExecutionConfig(fuse_projections=True, grouped_matmul="einsum"))
+    assert dense.dense and not DispatchPlan(plans["dropless"]).dense
+    np.testing.assert_allclose(np.asarray(dispatch(dense, x, indices, weights)[0]),
+                               np.asarray(outs["dense"][0]), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("capacity_factor", [4.0, 0.5])

@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dagmoe_jax.config import ExecutionConfig, ModelConfig
+from dagmoe_jax.config import ExecutionConfig
+from dagmoe_jax.families.moe.config import AggregationConfig
 from dagmoe_jax.families.moe.dag import DAGAggregator, layer_norm
-from dagmoe_jax.model.layers import dtype_of, make_param, normal
+from dagmoe_jax.model.layers import make_param, normal
 
 
 def weighted_sum(gates: jax.Array, expert_out: jax.Array) -> jax.Array:
@@ -42,12 +43,17 @@ def mlp_mix(s: jax.Array, w_1: jax.Array, w_2: jax.Array, w_3: jax.Array, eps: f
 
 
 class MLPMixer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        d, dg = cfg.d_model, cfg.block.aggregation.dag_dim
-        self.eps = cfg.norm_eps
-        pd = dtype_of(cfg.param_dtype)
-        self.w_1 = make_param(rngs, normal(cfg.init_std), (d, dg), ("embed", "dag"), pd)
-        self.w_2 = make_param(rngs, normal(cfg.init_std), (d, dg), ("embed", "dag"), pd)
+    """:func:`mlp_mix` with its weights, built from its own ``AggregationConfig`` (kind 'mlp':
+    d_g = ``dag_dim``), the model width d, the initialisation's ``std`` (W_3 starts at zero:
+    the weighted sum at initialisation), the LayerNorm's ``eps`` and the parameters' dtype."""
+
+    def __init__(self, cfg: AggregationConfig, d_model: int, *, std: float, eps: float,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+        d, dg = d_model, cfg.dag_dim
+        self.eps = eps
+        pd = param_dtype
+        self.w_1 = make_param(rngs, normal(std), (d, dg), ("embed", "dag"), pd)
+        self.w_2 = make_param(rngs, normal(std), (d, dg), ("embed", "dag"), pd)
         self.w_3 = make_param(rngs, nnx.initializers.zeros, (dg, d), ("dag", "embed"), pd)
 
     def __call__(self, x, gates, expert_out):
@@ -56,15 +62,21 @@ class MLPMixer(nnx.Module):
 
 
 class SumAggregator(nnx.Module):
+    """:func:`weighted_sum`: no parameters."""
+
     def __call__(self, x, gates, expert_out):
         return weighted_sum(gates, expert_out), {}
 
 
-def make_aggregator(cfg: ModelConfig, execution: Optional[ExecutionConfig] = None, *,
+def make_aggregator(cfg: AggregationConfig, d_model: int, *, std: float, eps: float,
+                    param_dtype=jnp.float32, execution: Optional[ExecutionConfig] = None,
                     rngs: nnx.Rngs) -> nnx.Module:
-    kind = cfg.block.aggregation.kind
-    if kind == "dag":
-        return DAGAggregator(cfg, execution, rngs=rngs)
-    if kind == "mlp":
-        return MLPMixer(cfg, rngs=rngs)
+    """The aggregator ``cfg.kind`` names, built from its own config and the model's width,
+    initialisation scale, LayerNorm epsilon and parameter dtype (the DAG module also from the
+    settled ``execution``)."""
+    common = dict(std=std, eps=eps, param_dtype=param_dtype, rngs=rngs)
+    if cfg.kind == "dag":
+        return DAGAggregator(cfg, d_model, execution=execution, **common)
+    if cfg.kind == "mlp":
+        return MLPMixer(cfg, d_model, **common)
     return SumAggregator()

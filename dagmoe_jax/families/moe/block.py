@@ -51,7 +51,10 @@ class MoEBlock(nnx.Module):
         self.router = Router(cfg.block.router, cfg.d_model, cfg.block.experts.num_experts,
                              std=cfg.init_std, rngs=rngs)
         self.experts = routed_experts(cfg, execution, layout, rngs=rngs)
-        self.aggregator = make_aggregator(cfg, execution, rngs=rngs)
+        self.aggregator = make_aggregator(cfg.block.aggregation, cfg.d_model, std=cfg.init_std,
+                                          eps=cfg.norm_eps,
+                                          param_dtype=dtype_of(cfg.param_dtype),
+                                          execution=execution, rngs=rngs)
         self.shared = shared_experts(cfg, execution, rngs=rngs)
         self.record_intermediates = False     # analysis switches it on (Module.set_attributes)
 

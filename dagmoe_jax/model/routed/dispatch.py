@@ -5,25 +5,29 @@ selected experts' outputs [T, K, d] in rank order, plus a keep mask [T, K] (Fals
 dropped the assignment; its output is zero). With no drops the three strategies agree exactly up
 to float rounding: ``dense`` is the oracle the tests compare against.
 
-These are the single-device (global-view) strategies; :mod:`dagmoe_jax.model.routed.expert_parallel`
-runs 'capacity' and 'dropless' across a device mesh with the same building blocks
-(:func:`capacity_gather`, :func:`capacity_combine`, :func:`grouped_ffn`).
+These are the single-device (global-view) strategies;
+:mod:`dagmoe_jax.model.routed.expert_parallel` runs 'capacity' and 'dropless' across a device
+mesh with the same building blocks (:func:`capacity_gather`, :func:`capacity_combine`,
+:func:`grouped_ffn`). Both take one :class:`DispatchPlan`, fixed when the experts are built.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from typing import Callable, Tuple
+from typing import Callable, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 
+from dagmoe_jax.config import ExecutionConfig, ExpertConfig
 from dagmoe_jax.kernels.gpu_grouped_matmul import mgpu_grouped_matmul, triton_grouped_matmul
 from dagmoe_jax.kernels.grouped_matmul import cpu_grouped_matmul
 from dagmoe_jax.kernels.pallas import gmm_grouped_matmul
 from dagmoe_jax.model.layers import swiglu
 from dagmoe_jax.parallel import constrain
+from dagmoe_jax.parallel.axes import MeshLayout
 
 ExpertWeights = Tuple[jax.Array, jax.Array, jax.Array]  # w_gate, w_up [N,d,h]; w_down [N,h,d]
 
@@ -33,6 +37,37 @@ expert-parallel ``shard_map``, not the resharding of its weights at the boundary
 compiled program's cost can be read by part (compile/scopes.py)."""
 EXPERT_FFN_SCOPE = "expert_ffn"
 """The scope of the experts' SwiGLU inside :data:`DISPATCH_SCOPE`: the dispatch is the rest."""
+
+REFERENCE_EXECUTION = ExecutionConfig(fuse_projections=True, grouped_matmul="ragged_dot",
+                                      expert_exchange="all_gather")
+"""One device's dispatch choices, for experts built outside a settled model (tests, benchmarks)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchPlan:
+    """How one block's routed tokens reach their experts and back, fixed when the experts are
+    built: what is computed, how it runs on this machine, and where.
+
+    experts: the ``ExpertConfig``: its ``dispatch`` ('capacity', with C = ceil(capacity_factor
+      T K / N) slots per expert, or 'dropless') and, across expert shards, its
+      ``exchange_buffer``;
+    execution: the settled ``ExecutionConfig`` (:func:`dagmoe_jax.model.settle.settle`; default
+      :data:`REFERENCE_EXECUTION`): ``fuse_projections`` (as
+      :func:`~dagmoe_jax.model.layers.swiglu`), ``grouped_matmul`` (how 'dropless' runs:
+      :func:`grouped_ffn`, or 'einsum', :func:`dense_dispatch`) and ``expert_exchange`` (how
+      expert-parallel 'dropless' moves tokens);
+    layout: the mesh the dispatch spans (None: one device).
+    """
+
+    experts: ExpertConfig
+    execution: ExecutionConfig = REFERENCE_EXECUTION
+    layout: Optional[MeshLayout] = None
+
+    @property
+    def dense(self) -> bool:
+        """Whether every expert runs on every token ('dropless' as 'einsum'): one device's
+        program even under a mesh, whose sharding constraints partition it."""
+        return self.experts.dispatch == "dropless" and self.execution.grouped_matmul == "einsum"
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -227,22 +262,20 @@ def dense_dispatch(x: jax.Array, indices: jax.Array, weights: ExpertWeights,
     return out, jnp.ones(indices.shape, bool)
 
 
-def dispatch(mode: str, x, indices, weights: ExpertWeights, capacity_factor: float,
-             fused: bool = True, grouped_matmul: str = "ragged_dot"):
+def dispatch(plan: DispatchPlan, x, indices, weights: ExpertWeights):
     """Outputs [T, K, d] and keep mask [T, K] of the experts ``indices`` on tokens ``x`` [T, d]
-    with one device's dispatch ``mode`` ('capacity' or 'dropless'); ``fused`` as
-    :func:`apply_experts`; ``grouped_matmul`` (dropless only): as :func:`grouped_ffn`, or
-    'einsum' (:func:`dense_dispatch`). Its instructions carry :data:`DISPATCH_SCOPE`."""
+    by one device's dispatch as ``plan`` says (its layout is not read: the global view). Its
+    instructions carry :data:`DISPATCH_SCOPE`."""
     with jax.named_scope(DISPATCH_SCOPE):
-        return _dispatch(mode, x, indices, weights, capacity_factor, fused, grouped_matmul)
+        return _dispatch(plan, x, indices, weights)
 
 
-def _dispatch(mode: str, x, indices, weights: ExpertWeights, capacity_factor: float,
-              fused: bool, grouped_matmul: str):
+def _dispatch(plan: DispatchPlan, x, indices, weights: ExpertWeights):
+    mode, fused = plan.experts.dispatch, plan.execution.fuse_projections
     if mode == "capacity":
-        return capacity_dispatch(x, indices, weights, capacity_factor, fused)
+        return capacity_dispatch(x, indices, weights, plan.experts.capacity_factor, fused)
     if mode != "dropless":
         raise ValueError(f"dispatch={mode!r} is invalid: expected 'capacity' or 'dropless'")
-    if grouped_matmul == "einsum":
+    if plan.dense:
         return dense_dispatch(x, indices, weights, fused)
-    return dropless_dispatch(x, indices, weights, grouped_matmul)
+    return dropless_dispatch(x, indices, weights, plan.execution.grouped_matmul)

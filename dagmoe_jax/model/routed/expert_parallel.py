@@ -69,11 +69,11 @@ import jax.numpy as jnp
 from jax.lax import ragged_all_to_all
 from jax.sharding import PartitionSpec as P
 
-from dagmoe_jax.model.routed.dispatch import (DISPATCH_SCOPE, TILED_ROWS, ExpertWeights,
-                                              apply_experts, capacity_combine, capacity_gather,
-                                              combine_assignments, dispatch, dropless_dispatch,
-                                              expert_capacity, grouped_ffn, take_rows,
-                                              take_rows_of_tokens)
+from dagmoe_jax.model.routed.dispatch import (DISPATCH_SCOPE, TILED_ROWS, DispatchPlan,
+                                              ExpertWeights, apply_experts, capacity_combine,
+                                              capacity_gather, combine_assignments, dispatch,
+                                              dropless_dispatch, expert_capacity, grouped_ffn,
+                                              take_rows, take_rows_of_tokens)
 from dagmoe_jax.kernels.pallas import GMM_TILE
 from dagmoe_jax.parallel.axes import MeshLayout
 
@@ -123,16 +123,16 @@ def _capacity_shard(x, indices, weights, *, num_experts: int, capacity_factor: f
     return capacity_combine(y, slot, holder), keep
 
 
-def _buffer_rows(buffer: Optional[float], rows: int, shards: int) -> Optional[int]:
+def _buffer_rows(exchange_buffer: Optional[float], rows: int, shards: int) -> Optional[int]:
     """The rows B = ceil(buffer * rows) a shard may receive (``ExpertConfig.exchange_buffer``,
     ``rows`` = T_loc * K its balanced share), or None when that holds every case (E * rows)."""
-    if buffer is None or math.ceil(buffer * rows) >= shards * rows:
+    if exchange_buffer is None or math.ceil(exchange_buffer * rows) >= shards * rows:
         return None
-    return math.ceil(buffer * rows)
+    return math.ceil(exchange_buffer * rows)
 
 
 def _dropless_shard(x, indices, weights, *, experts: Optional[object], hidden: Optional[object],
-                    grouped_matmul: str, buffer: Optional[float] = None):
+                    grouped_matmul: str, exchange_buffer: Optional[float] = None):
     """One device's dropless dispatch (all-gather fallback): every token of the expert group,
     only the assignments of this device's experts, outputs reduce-scattered home. With a
     bounded buffer, the assignments the rule of ``ExpertConfig.exchange_buffer`` drops count as
@@ -152,7 +152,7 @@ def _dropless_shard(x, indices, weights, *, experts: Optional[object], hidden: O
     t = x.shape[0]
     local_id = indices.reshape(-1) - first
     local = (local_id >= 0) & (local_id < n_local)
-    cap = _buffer_rows(buffer, t_loc * k, e)
+    cap = _buffer_rows(exchange_buffer, t_loc * k, e)
     if cap is not None:
         # the ragged exchange's order on this shard: by sending device, local expert, position
         source = jnp.arange(t * k) // (t_loc * k)
@@ -242,7 +242,7 @@ exchange_rows.defvjp(_exchange_rows_fwd, _exchange_rows_bwd)
 
 
 def _ragged_exchange_shard(x, indices, weights, *, experts, hidden, grouped_matmul: str,
-                           buffer: Optional[float] = None):
+                           exchange_buffer: Optional[float] = None):
     """One device's dropless dispatch with ``ragged_all_to_all`` over the expert axes (module
     docstring): each assignment goes to its expert's shard and back, nothing else moves. With
     a bounded buffer (``ExpertConfig.exchange_buffer``) each shard receives at most B rows:
@@ -259,7 +259,7 @@ def _ragged_exchange_shard(x, indices, weights, *, experts, hidden, grouped_matm
     e = jax.lax.axis_size(experts)
     m = t * k
     block = exchange_block(grouped_matmul, x.dtype)
-    cap = _buffer_rows(buffer, m, e)
+    cap = _buffer_rows(exchange_buffer, m, e)
     rows = e * m if cap is None else cap                     # the receive buffer's real rows
     flat = indices.reshape(-1)
     order = jnp.argsort(flat, stable=True)                   # sorted row -> assignment
@@ -334,44 +334,47 @@ def _scoped(body, *args):
         return body(*args)
 
 
-def sharded_dispatch(mode: str, x: jax.Array, indices: jax.Array, weights: ExpertWeights,
-                     capacity_factor: float, layout: MeshLayout, fused: bool = False,
-                     grouped_matmul: str = "ragged_dot", expert_exchange: str = "all_gather",
-                     exchange_buffer: Optional[float] = None):
-    """:func:`dagmoe_jax.model.routed.dispatch.dispatch` across ``layout``'s mesh (module docstring).
+def sharded_dispatch(plan: DispatchPlan, x: jax.Array, indices: jax.Array,
+                     weights: ExpertWeights):
+    """:func:`dagmoe_jax.model.routed.dispatch.dispatch` across ``plan.layout``'s mesh (module
+    docstring).
 
     Same inputs and outputs as the single-device dispatch (global view): tokens ``x`` [T, d],
     expert ids [T, K], stacked expert weights; returns outputs [T, K, d] and the keep mask.
     N must divide over the expert axes and d_r over the hidden axes (else a one-line
     ``ValueError``). A token count T the token axes do not divide (sampling a single sequence,
     an odd evaluation batch) falls back to the global-view single-device dispatch, which XLA
-    partitions through the sharding constraints: correct, but not expert-parallel. ``fused``:
-    gate and up projections as one matmul (``ExecutionConfig.fuse_projections``, settled to
+    partitions through the sharding constraints: correct, but not expert-parallel. From the
+    plan's execution: ``fuse_projections``, gate and up projections as one matmul (settled to
     False on a mesh, where concatenating tensor-sharded weights would move them);
-    ``grouped_matmul``: as
-    :func:`~dagmoe_jax.model.routed.dispatch.grouped_ffn` (dropless); ``expert_exchange``: how
-    dropless moves tokens between expert shards, 'all_gather' or 'ragged_all_to_all' (module
-    docstring; with no expert axis nothing moves and this is unused); ``exchange_buffer``:
-    ``ExpertConfig.exchange_buffer``, the same rule either way.
+    ``grouped_matmul``, as :func:`~dagmoe_jax.model.routed.dispatch.grouped_ffn` (dropless);
+    ``expert_exchange``, how dropless moves tokens between expert shards, 'all_gather' or
+    'ragged_all_to_all' (module docstring; with no expert axis nothing moves and this is
+    unused). From its experts: ``dispatch``, ``capacity_factor`` and ``exchange_buffer``, the
+    same rule either way.
     """
+    layout, mode = plan.layout, plan.experts.dispatch
+    fused, grouped_matmul = plan.execution.fuse_projections, plan.execution.grouped_matmul
     tokens, experts, hidden = dispatch_axes(layout)
     n, d_r = weights[0].shape[0], weights[0].shape[-1]
     if x.shape[0] % layout.size(tokens):
         # e.g. sampling one sequence on a mesh: the global-view dispatch, which XLA partitions
         # by the sharding constraints alone (correct, single-device capacity semantics, slower)
-        return dispatch(mode, x, indices, weights, capacity_factor, fused, grouped_matmul)
+        return dispatch(plan, x, indices, weights)
     for what, size, axes in (("experts N", n, experts), ("expert hidden d_r", d_r, hidden)):
         if size % layout.size(axes):
             raise ValueError(f"expert-parallel dispatch: {what}={size} is not divisible by the "
                              f"{layout.size(axes)} devices of mesh axes {axes}")
     if mode == "capacity":
-        body = partial(_capacity_shard, num_experts=n, capacity_factor=capacity_factor,
-                       experts=_axis(experts), hidden=_axis(hidden), fused=fused)
+        body = partial(_capacity_shard, num_experts=n,
+                       capacity_factor=plan.experts.capacity_factor, experts=_axis(experts),
+                       hidden=_axis(hidden), fused=fused)
     elif mode == "dropless":
-        exchange = (_ragged_exchange_shard if expert_exchange == "ragged_all_to_all" and experts
-                    else _dropless_shard)
+        ragged = plan.execution.expert_exchange == "ragged_all_to_all"
+        exchange = _ragged_exchange_shard if ragged and experts else _dropless_shard
         body = partial(exchange, experts=_axis(experts), hidden=_axis(hidden),
-                       grouped_matmul=grouped_matmul, buffer=exchange_buffer)
+                       grouped_matmul=grouped_matmul,
+                       exchange_buffer=plan.experts.exchange_buffer)
     else:
         raise ValueError(f"dispatch={mode!r} is invalid for expert parallelism: expected "
                          f"'capacity' or 'dropless'")

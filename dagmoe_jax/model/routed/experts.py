@@ -15,15 +15,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dagmoe_jax.config import ExecutionConfig, ExpertConfig
-from dagmoe_jax.model.routed.dispatch import dispatch
-from dagmoe_jax.model.routed.expert_parallel import sharded_dispatch
 from dagmoe_jax.model.layers import make_param, normal
+from dagmoe_jax.model.routed.dispatch import REFERENCE_EXECUTION, DispatchPlan, dispatch
+from dagmoe_jax.model.routed.expert_parallel import sharded_dispatch
 from dagmoe_jax.parallel.axes import MeshLayout
-
-
-# One device's choices, for experts built outside a settled model (tests, benchmarks).
-REFERENCE_EXECUTION = ExecutionConfig(fuse_projections=True, grouped_matmul="ragged_dot",
-                                      expert_exchange="all_gather")
 
 
 class Experts(nnx.Module):
@@ -32,24 +27,19 @@ class Experts(nnx.Module):
 
     cfg: the ``ExpertConfig`` (N = num_experts, d_r = expert_hidden; its ``dispatch``:
     'capacity' or 'dropless', with C = ceil(capacity_factor * T * K / N) for 'capacity');
-    execution: a settled ``ExecutionConfig`` (None: one device's reference choices): its
-    ``fuse_projections`` (as :func:`~dagmoe_jax.model.layers.swiglu`), ``grouped_matmul`` (how
-    'dropless' runs: 'ragged_dot', 'gmm', 'cpu_gmm', or 'einsum', one device's view under a
-    mesh too) and ``expert_exchange``
-    ('all_gather' or 'ragged_all_to_all', how expert-parallel 'dropless' moves tokens);
-    layout: the mesh to dispatch across (None: one device).
+    execution: a settled ``ExecutionConfig`` (None: one device's reference choices,
+    :data:`~dagmoe_jax.model.routed.dispatch.REFERENCE_EXECUTION`); layout: the mesh to
+    dispatch across (None: one device). The three are the experts' one
+    :class:`~dagmoe_jax.model.routed.dispatch.DispatchPlan` (``plan``), fixed here.
     """
 
     def __init__(self, cfg: ExpertConfig, d_model: int, *, std: float, dtype,
                  execution: Optional[ExecutionConfig] = None,
                  layout: Optional[MeshLayout] = None, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
-        ex = execution or REFERENCE_EXECUTION
+        self.plan = DispatchPlan(cfg, execution or REFERENCE_EXECUTION, layout)
+        self.dtype = dtype
         num_experts, hidden = cfg.num_experts, cfg.expert_hidden
-        self.dtype, self.mode, self.capacity_factor = dtype, cfg.dispatch, cfg.capacity_factor
-        self.exchange_buffer = cfg.exchange_buffer
-        self.grouped_matmul, self.expert_exchange = ex.grouped_matmul, ex.expert_exchange
-        self.fuse_projections, self.layout = ex.fuse_projections, layout
         init = normal(std)
         self.w_gate = make_param(rngs, init, (num_experts, d_model, hidden),
                                  ("expert", "embed", "expert_mlp"), param_dtype)
@@ -62,11 +52,6 @@ class Experts(nnx.Module):
         """Outputs [T, K, d] of the experts ``indices`` [T, K] on tokens ``x`` [T, d], and the
         keep mask [T, K] (False where capacity dropped the assignment)."""
         weights = tuple(w[...].astype(self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
-        einsum = self.mode == "dropless" and self.grouped_matmul == "einsum"
-        if not einsum and self.layout is not None:
-            return sharded_dispatch(self.mode, x.astype(self.dtype), indices, weights,
-                                    self.capacity_factor, self.layout, self.fuse_projections,
-                                    self.grouped_matmul, self.expert_exchange,
-                                    self.exchange_buffer)
-        return dispatch(self.mode, x.astype(self.dtype), indices, weights, self.capacity_factor,
-                        self.fuse_projections, self.grouped_matmul)
+        across_mesh = self.plan.layout is not None and not self.plan.dense
+        run = sharded_dispatch if across_mesh else dispatch
+        return run(self.plan, x.astype(self.dtype), indices, weights)

@@ -17,11 +17,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dagmoe_jax.config import ExecutionConfig, ModelConfig
+from dagmoe_jax.config import ExecutionConfig
+from dagmoe_jax.families.moe.config import AggregationConfig
 from dagmoe_jax.families.moe.dag.equations import (dag_block_output, dag_initial_nodes,
                                                    dag_pair_messages, dag_pair_weights, dag_readout)
 from dagmoe_jax.families.moe.dag.execution import XLA, XLAExecution, dag_execution
-from dagmoe_jax.model.layers import dtype_of, make_param, normal
+from dagmoe_jax.model.layers import make_param, normal
 from dagmoe_jax.parallel import constrain
 
 
@@ -113,28 +114,30 @@ class DAGAggregator(nnx.Module):
     :func:`~dagmoe_jax.families.moe.dag.equations.dag_block_output` then counts the residual once or
     twice (``AggregationConfig.dag_residual``).
 
-    ``execution.dag_module`` (a settled :class:`~dagmoe_jax.config.ExecutionConfig`; None:
-    'xla') picks the strategy once (:func:`~dagmoe_jax.families.moe.dag.execution.dag_execution`).
+    Built from its own ``AggregationConfig`` (kind 'dag'), the model width d, the
+    initialisation's ``std``, the LayerNorm's ``eps`` (the model's ``norm_eps``) and the
+    parameters' dtype. ``execution.dag_module`` (a settled
+    :class:`~dagmoe_jax.config.ExecutionConfig`; None: 'xla') picks the strategy once
+    (:func:`~dagmoe_jax.families.moe.dag.execution.dag_execution`).
     """
 
-    def __init__(self, cfg: ModelConfig, execution: Optional[ExecutionConfig] = None, *,
+    def __init__(self, cfg: AggregationConfig, d_model: int, *, std: float, eps: float,
+                 param_dtype=jnp.float32, execution: Optional[ExecutionConfig] = None,
                  rngs: nnx.Rngs):
-        agg = cfg.block.aggregation
-        self.reading, self.edge_act, self.edges = agg.dag_residual, agg.edge_act, agg.dag_edges
-        self.eps = cfg.norm_eps
+        self.reading, self.edge_act, self.edges = cfg.dag_residual, cfg.edge_act, cfg.dag_edges
+        self.eps = eps
         self.ex = dag_execution(execution.dag_module) if execution is not None else XLA
         self.record_intermediates = False     # analysis switches it on (Module.set_attributes)
-        self.num_iters, self.shared = agg.dag_iters, agg.dag_shared_weights
+        self.num_iters, self.shared = cfg.dag_iters, cfg.dag_shared_weights
         if self.shared:                       # one module for all L iterations (unstacked)
-            self.iterations = DAGIteration(cfg.d_model, agg.dag_dim, cfg.init_std,
-                                           param_dtype=dtype_of(cfg.param_dtype), rngs=rngs)
+            self.iterations = DAGIteration(d_model, cfg.dag_dim, std, param_dtype=param_dtype,
+                                           rngs=rngs)
             return
 
-        @nnx.split_rngs(splits=agg.dag_iters)
+        @nnx.split_rngs(splits=cfg.dag_iters)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "dag_iters"})
         def make(r):
-            return DAGIteration(cfg.d_model, agg.dag_dim, cfg.init_std,
-                                param_dtype=dtype_of(cfg.param_dtype), rngs=r)
+            return DAGIteration(d_model, cfg.dag_dim, std, param_dtype=param_dtype, rngs=r)
 
         self.iterations = make(rngs)
 

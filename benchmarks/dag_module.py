@@ -30,7 +30,7 @@ from flax import nnx
 from dagmoe_jax.config import ExecutionConfig
 from dagmoe_jax.kernels.dag_module import (dag_module_unavailable,
                                            fused_dag_messages, fused_layer_norm)
-from dagmoe_jax.model import dag
+from dagmoe_jax.families.moe import dag
 from dagmoe_jax.families.moe.dag import dag_execution
 from dagmoe_jax.model.routed.experts import Experts
 from dagmoe_jax.run.allocator import allocator

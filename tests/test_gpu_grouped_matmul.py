@@ -18,7 +18,7 @@ import pytest
 
 from conftest import np_grouped_matmul, tiny_config
 from dagmoe_jax.kernels import gpu_grouped_matmul as gpu
-from dagmoe_jax.model import dispatch as dispatch_lib
+from dagmoe_jax.model.routed import dispatch as dispatch_lib
 from dagmoe_jax.model.settle import (describe, settle, settle_gpu_grouped_matmul,
                                    settle_grouped_matmul)
 

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import np_grouped_matmul, tiny_config
 from dagmoe_jax.kernels import grouped_matmul_unavailable, pallas
-from dagmoe_jax.model import dispatch as dispatch_lib
+from dagmoe_jax.model.routed import dispatch as dispatch_lib
 from dagmoe_jax.model.attention import causal_attention_reference
 from dagmoe_jax.model.settle import describe, settle, settle_attention, settle_grouped_matmul
 

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from conftest import tiny_config
-from dagmoe_jax.model import expert_parallel
+from dagmoe_jax.model.routed import expert_parallel
 from dagmoe_jax.config import ExecutionConfig, ExpertConfig
 from dagmoe_jax.model.routed.experts import Experts
 from dagmoe_jax.parallel import MeshConfig, activate, make_mesh, place_on_mesh
@@ -271,7 +271,7 @@ def test_the_exchange_s_grouped_matmul_leaves_the_buffer_tail_unzeroed_and_nothi
     import functools
     from jax.experimental.pallas import tpu as pltpu
     from dagmoe_jax.kernels import pallas
-    from dagmoe_jax.model import dispatch as dispatch_lib
+    from dagmoe_jax.model.routed import dispatch as dispatch_lib
 
     monkeypatch.setattr(expert_parallel, "ragged_all_to_all", emulated_ragged_all_to_all)
     monkeypatch.setattr(expert_parallel.jax.lax, "empty",

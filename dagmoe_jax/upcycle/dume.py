@@ -102,7 +102,7 @@ def _forced_layer(graphdef, stacked, index, h, sin, cos, expert, segment_ids):
     x = layer.block_norm(h)
     e = layer.block.experts
     w = [getattr(e, n)[...][expert].astype(dt) for n in ("w_gate", "w_up", "w_down")]
-    y = swiglu(x.reshape(b * s, -1).astype(dt), *w, fused=e.fuse_projections)
+    y = swiglu(x.reshape(b * s, -1).astype(dt), *w, fused=e.plan.execution.fuse_projections)
     if layer.block.shared is not None:
         y = y + layer.block.shared(x.reshape(b * s, -1))
     return layer.add_block_output(h, y.reshape(b, s, -1)).astype(dt), x

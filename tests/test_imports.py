@@ -295,6 +295,22 @@ def test_importing_the_model_loads_the_core_only():
         assert not above, f"{code.splitlines()[0]}... loads {above}"
 
 
+def test_importing_the_package_loads_only_the_platform_check():
+    """``import dagmoe_jax`` loads the platform check alone (a command's stop handlers come
+    right after it); the configs it exports load when first asked for."""
+    code = ("import json, sys, dagmoe_jax\n"
+            "before = sorted(m for m in sys.modules if m.startswith('dagmoe_jax'))\n"
+            "from dagmoe_jax import AggregationConfig, ModelConfig\n"
+            "assert ModelConfig(block='coe').block.kind == 'coe'\n"
+            "assert AggregationConfig(kind='dag').kind == 'dag'\n"
+            "print(json.dumps(before))")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, cwd=PACKAGE.parent, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == ["dagmoe_jax", "dagmoe_jax.platform"]
+
+
 def test_no_import_cycle_between_package_modules():
     cycles = find_cycles(import_graph())
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)

@@ -8,7 +8,9 @@ names say (``tests/test_imports.py``):
   ``kind`` field (``init=False``, its name), a ``label`` property (its name in progress lines),
   ``describe()`` (its shape in a few words), ``from_legacy(blob)`` (its fields in a model
   config saved while they sat at the top level) and the class attribute ``hf_family`` (the
-  Hugging Face family it maps to, or None);
+  Hugging Face family it maps to, or None); what else of the family gin binds is registered
+  with it (``configurables``: the MoE family's ``AggregationConfig`` and
+  ``matched_shared_hidden``);
 * ``block``: the block a ``Transformer`` layer holds, as ``BLOCK`` (the block protocol:
   :mod:`dagmoe_jax.model.block`);
 * ``accounting``: ``layer_counts(cfg)`` (one layer's parameters and FLOPs), optionally
@@ -32,8 +34,9 @@ from typing import Dict, Optional, Tuple
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """A block family: its ``kind`` (``ModelConfig.block``'s name for it), its config class and
-    the package that holds the rest of it."""
+    """A block family: its ``kind`` (``ModelConfig.block``'s name for it), its config class,
+    the package that holds the rest of it, and what else of it gin binds (``configurables``:
+    config classes and functions, :func:`register`)."""
 
     kind: str
     config: type
